@@ -1,0 +1,171 @@
+// lossverify command line: a thin layer over the library (case -> ranks -> checks -> report).
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "lossverify/case/case.hpp"
+#include "lossverify/core/strings.hpp"
+#include "lossverify/checks/checks.hpp"
+#include "lossverify/checks/tolerances.hpp"
+#include "lossverify/core/build_info.hpp"
+#include "lossverify/core/errors.hpp"
+#include "lossverify/impl/catalogue.hpp"
+#include "lossverify/report/report.hpp"
+#include "lossverify/runner/run_case.hpp"
+
+namespace {
+
+using namespace lossverify;
+
+std::string version_text() {
+  std::string text = std::string("lossverify ") + build_info::version + " (git " + build_info::git_revision + ")\n";
+  text += "backends: cpu-threads";
+  text += std::string("\nMPI (MPICH) at build time: ") + (build_info::have_mpi ? "found" : "not found");
+  text += std::string("\nCUDA toolkit at build time: ") + (build_info::have_cuda ? "found" : "not found");
+  return text;
+}
+
+struct RunArguments {
+  std::vector<std::string> case_files;
+  std::string implementation = "correct";
+  int tp = 0;
+  std::vector<std::string> set;
+  std::string report_path;
+  bool quiet = false;
+  int threads = 0;
+  double timeout = 0.0;
+  std::string fault;
+};
+
+int command_run(const RunArguments& args) {
+  // Every case is loaded and validated before anything runs: a bad file means no report at all.
+  std::vector<std::string> overrides = args.set;
+  if (args.tp > 0) overrides.push_back("layout.tp=" + std::to_string(args.tp));
+  if (args.timeout > 0.0) overrides.push_back("timeout_seconds=" + std::to_string(args.timeout));
+  std::vector<Case> cases;
+  for (const auto& file : args.case_files) cases.push_back(load_case_file(file, overrides));
+  if (find_implementation(args.implementation) == nullptr) {
+    throw CaseError("--impl " + args.implementation + ": unknown implementation (see `lossverify list`)");
+  }
+  RunOptions options;
+  options.implementation = args.implementation;
+  options.threads = args.threads;
+  if (!args.fault.empty()) options.fault = parse_fault(args.fault);
+
+  std::vector<nlohmann::json> runs;
+  bool any_failed = false;
+  for (const Case& c : cases) {
+    const RunResult result = run_case(c, options);
+    if (!args.quiet) print_summary(std::cout, result);
+    any_failed = any_failed || result.verdict == Verdict::fail;
+    runs.push_back(run_to_json(result));
+  }
+  const ExitCode code = any_failed ? ExitCode::check_failed : ExitCode::pass;
+  if (!args.report_path.empty()) {
+    write_file_atomically(args.report_path, make_report("run", runs, code).dump(2) + "\n");
+    if (!args.quiet) std::cout << "report written to " << args.report_path << "\n";
+  }
+  if (cases.size() > 1 && !args.quiet) {
+    int failed = 0;
+    for (const auto& r : runs) failed += r.at("verdict") == "fail";
+    std::cout << cases.size() - static_cast<std::size_t>(failed) << " passed, " << failed << " failed\n";
+  }
+  return static_cast<int>(code);
+}
+
+int command_list(bool as_json) {
+  nlohmann::json doc;
+  doc["losses"] = nlohmann::json::array(
+      {{{"name", "cross_entropy"},
+        {"options", "label_smoothing (pytorch|megatron), z_loss_weight, ignore_index, reduction mean|sum|none, "
+                    "upstream_weights"}}});
+  nlohmann::json impls = nlohmann::json::array();
+  for (const auto& i : implementations()) {
+    impls.push_back({{"name", i.name}, {"summary", i.summary}, {"source", i.source}, {"signal", i.signal},
+                     {"caught_by", i.caught_by}});
+  }
+  doc["implementations"] = impls;
+  nlohmann::json checks = nlohmann::json::array();
+  for (const auto& c : check_catalogue()) checks.push_back({{"name", c.name}, {"description", c.description}});
+  doc["checks"] = checks;
+  if (as_json) {
+    std::cout << doc.dump(2) << "\n";
+    return 0;
+  }
+  std::cout << "losses:\n";
+  for (const auto& l : doc["losses"]) {
+    std::cout << "  " << l["name"].get<std::string>() << "  " << l["options"].get<std::string>() << "\n";
+  }
+  std::cout << "\nimplementations (--impl):\n";
+  for (const auto& i : implementations()) {
+    std::cout << "  " << i.name << "\n      " << i.summary << "\n";
+    if (i.name != "correct") {
+      std::string caught;
+      for (const auto& c : i.caught_by) append_to_list(caught, c);
+      std::cout << "      source: " << i.source << "\n      signal: " << i.signal << "\n      caught by: " << caught
+                << "\n";
+    }
+  }
+  std::cout << "\nchecks:\n";
+  for (const auto& c : check_catalogue()) std::cout << "  " << c.name << "  " << c.description << "\n";
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"lossverify: checks sharded LLM training losses against a dense float64 reference"};
+  app.set_version_flag("--version", version_text());
+  app.require_subcommand(1);
+  app.footer(
+      "exit codes: 0 all checks pass, 1 a check failed, 2 usage or case error, 3 internal/backend error, 4 timeout");
+
+  RunArguments run_args;
+  CLI::App* run = app.add_subcommand("run", "run case files on thread ranks and check them against the reference");
+  run->add_option("cases", run_args.case_files, "case file(s) (JSON)")->required()->check(CLI::ExistingFile);
+  run->add_option("--impl", run_args.implementation, "implementation: correct or a catalogued bug (see list)");
+  run->add_option("--tp", run_args.tp, "tensor-parallel ranks (overrides layout.tp)")->check(CLI::PositiveNumber);
+  run->add_option("--set", run_args.set, "override a case field, e.g. --set loss.label_smoothing=0.1")
+      ->allow_extra_args(false);
+  run->add_option("--report", run_args.report_path, "write the JSON report here (atomically)");
+  run->add_flag("--quiet,-q", run_args.quiet, "print nothing; rely on the exit code and the report");
+  run->add_option("--threads", run_args.threads, "OpenMP threads for the reference (default: all)")
+      ->check(CLI::NonNegativeNumber);
+  run->add_option("--timeout", run_args.timeout, "deadlock guard in seconds (overrides timeout_seconds)")
+      ->check(CLI::PositiveNumber);
+  run->add_option("--inject-fault", run_args.fault, "test aid: throw@RANK or hang@RANK")->group("");
+
+  bool list_json = false;
+  CLI::App* list = app.add_subcommand("list", "list losses, implementations (correct and catalogued bugs), checks");
+  list->add_flag("--json", list_json, "machine-readable output");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int code = app.exit(e);
+    // CLI11 returns 0 for --help/--version; every other parse problem is a usage error (exit 2).
+    return code == 0 ? 0 : static_cast<int>(ExitCode::usage_error);
+  }
+
+  try {
+    if (*run) return command_run(run_args);
+    if (*list) return command_list(list_json);
+  } catch (const TimeoutError& e) {
+    std::cerr << "lossverify: timeout: " << e.what() << "\n";
+    std::cerr.flush();
+    std::cout.flush();
+    std::_Exit(static_cast<int>(ExitCode::timeout));  // hung rank threads cannot be joined
+  } catch (const Error& e) {
+    std::cerr << "lossverify: " << (e.code() == ExitCode::usage_error ? "error: " : "internal error: ") << e.what()
+              << "\n";
+    return static_cast<int>(e.code());
+  } catch (const std::exception& e) {
+    std::cerr << "lossverify: internal error: " << e.what() << "\n";
+    return static_cast<int>(ExitCode::internal_error);
+  }
+  return 0;
+}

@@ -1,0 +1,77 @@
+#pragma once
+// The checks of SPEC 6: every loss value, gradient element and logged statistic of every rank against
+// the float64 reference, plus reference-free signals (rank agreement, finiteness, the row-sum invariant).
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "lossverify/case/case.hpp"
+#include "lossverify/impl/rank_output.hpp"
+#include "lossverify/inputs/input_source.hpp"
+
+namespace lossverify {
+
+enum class Verdict { pass, fail, not_applicable };
+std::string_view to_string(Verdict v);
+
+// One compared element: where it is and both values. column is -1 for per-token quantities.
+struct ElementRecord {
+  std::int64_t token = -1;
+  std::int64_t column = -1;
+  int rank = -1;
+  double expected = 0.0;
+  double got = 0.0;
+  double tolerance = 0.0;
+};
+
+// Error statistics of one quantity; the worst element is the one with the largest error/tolerance,
+// ties broken by position so the result does not depend on thread scheduling.
+class ErrorStats {
+ public:
+  void add(const ElementRecord& record);
+  void add_ulp(std::int64_t ulp) { max_ulp_ = std::max(max_ulp_, ulp); }
+  void merge(const ErrorStats& other);
+
+  std::int64_t compared() const { return compared_; }
+  std::int64_t mismatches() const { return mismatches_; }
+  double max_abs_error() const { return max_abs_; }
+  double max_rel_error() const { return max_rel_; }
+  double margin() const { return max_margin_; }  // max |got - expected| / tolerance; inf for NaN
+  std::int64_t max_ulp() const { return max_ulp_; }
+  const std::optional<ElementRecord>& worst() const { return worst_; }
+  nlohmann::json to_json() const;
+
+ private:
+  std::int64_t compared_ = 0;
+  std::int64_t mismatches_ = 0;
+  double max_abs_ = 0.0;
+  double max_rel_ = 0.0;
+  double max_margin_ = 0.0;
+  std::int64_t max_ulp_ = 0;
+  std::optional<ElementRecord> worst_;
+};
+
+struct CheckResult {
+  std::string name;
+  Verdict verdict = Verdict::pass;
+  double margin = 0.0;  // error / tolerance of the worst element: < 1 passes, > 1 fails
+  std::optional<Tolerance> tolerance;
+  nlohmann::json metrics = nlohmann::json::object();
+  std::optional<ElementRecord> worst;
+  std::string summary;  // one line for humans
+};
+
+struct CheckInfo {
+  std::string name;
+  std::string description;
+};
+const std::vector<CheckInfo>& check_catalogue();
+
+// Runs every check of the case on the ranks' outputs, streaming the reference row by row with OpenMP.
+std::vector<CheckResult> verify(const Case& c, const InputSource& inputs, const std::vector<RankOutput>& ranks,
+                                int threads);
+
+}  // namespace lossverify

@@ -1,0 +1,50 @@
+#pragma once
+// case -> inputs -> ranks run an implementation -> checks against the reference -> one run's result.
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "lossverify/case/case.hpp"
+#include "lossverify/checks/checks.hpp"
+#include "lossverify/impl/catalogue.hpp"
+
+namespace lossverify {
+
+// Test aid: make one rank fail, to prove that the others stop with a message naming it.
+struct FaultInjection {
+  enum class Kind { none, throw_error, hang } kind = Kind::none;
+  int rank = -1;
+};
+// "throw@R" or "hang@R"; throws CaseError otherwise.
+FaultInjection parse_fault(const std::string& text);
+
+struct RunOptions {
+  std::string implementation = "correct";
+  int threads = 0;  // OpenMP threads for the reference and checks; 0 = all hardware threads
+  FaultInjection fault;
+};
+
+struct RunTimings {
+  double ranks_wall = 0.0;           // all ranks, generation included
+  double generate_max = 0.0;         // slowest rank's input generation
+  double compute_max = 0.0;          // slowest rank's compute, collectives excluded
+  double collectives_max = 0.0;      // slowest rank's time inside collectives
+  double reference_and_checks = 0.0;
+  double total = 0.0;
+};
+
+struct RunResult {
+  Case the_case;
+  const Implementation* implementation = nullptr;
+  int ranks = 0;
+  std::vector<CheckResult> checks;
+  Verdict verdict = Verdict::pass;
+  RunTimings timings;
+};
+
+// Runs one case on thread ranks. Throws CaseError for an unknown implementation, InternalError when a rank
+// fails, TimeoutError when the deadlock guard fires.
+RunResult run_case(const Case& c, const RunOptions& options);
+
+}  // namespace lossverify
