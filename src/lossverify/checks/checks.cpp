@@ -349,7 +349,8 @@ std::vector<CheckResult> verify(const Case& c, const InputSource& inputs, const 
     if (c.loss.reduction != Reduction::none) {
       r.metrics["reduced"] = reduced.to_json();
       r.metrics["reduced"]["expected"] = reference_reduced;
-      r.metrics["reduced"]["tolerance"] = effective_tolerance(c, "reduced_loss").rtol;
+      const Tolerance t = effective_tolerance(c, "reduced_loss");
+      r.metrics["reduced"]["tolerance"] = {{"atol", t.atol}, {"rtol", t.rtol}};
     }
     results.push_back(std::move(r));
   }

@@ -32,6 +32,7 @@ struct WorldState {
   std::mutex mutex;
   std::exception_ptr first_error;  // guarded by mutex
   std::atomic<std::int64_t> last_activity_ns{0};
+  std::atomic<int> waiting{0};  // ranks inside a collective; their own deadline covers them
 
   void record(std::exception_ptr error) {
     {
@@ -188,6 +189,11 @@ class ThreadCommunicator final : public Communicator {
       return;
     }
     const auto deadline = Clock::now() + std::chrono::duration<double>(w.timeout_seconds);
+    struct Waiting {
+      std::atomic<int>& count;
+      explicit Waiting(std::atomic<int>& c) : count(c) { ++count; }
+      ~Waiting() { --count; }
+    } waiting(w.waiting);
     while (g.generation == generation) {
       if (w.aborted) throw RankAborted();
       if (Clock::now() >= deadline) {
@@ -228,13 +234,15 @@ void run_thread_ranks(const ThreadWorldOptions& options, const std::function<voi
   };
   auto done = std::make_shared<Completion>();
 
+  // Shared, not referenced: a hung rank that gets detached may outlive this call.
+  auto main_function = std::make_shared<const std::function<void(Communicator&)>>(rank_main);
   std::vector<std::thread> threads;
   threads.reserve(static_cast<std::size_t>(options.ranks));
   for (int r = 0; r < options.ranks; ++r) {
-    threads.emplace_back([world, top, done, r, &rank_main] {
+    threads.emplace_back([world, top, done, r, main_function] {
       try {
         ThreadCommunicator comm(top, r);
-        rank_main(comm);
+        (*main_function)(comm);
       } catch (const RankAborted&) {
         // secondary: the error that stopped the world is already recorded
       } catch (const Error& e) {
@@ -250,7 +258,8 @@ void run_thread_ranks(const ThreadWorldOptions& options, const std::function<voi
     });
   }
 
-  // Watchdog: ranks that all stop reaching collectives (a hang outside any collective) also time out.
+  // Watchdog: when no rank is inside a collective and none has reached one for the timeout (every rank
+  // stuck outside the collectives), the run times out too; ranks waiting in a collective have their own.
   // After an abort, ranks get a grace period to unwind; any still running are detached.
   const auto timeout = std::chrono::duration<double>(options.timeout_seconds);
   const auto grace = std::chrono::seconds(2);
@@ -259,7 +268,7 @@ void run_thread_ranks(const ThreadWorldOptions& options, const std::function<voi
   while (done->finished < options.ranks) {
     done->cv.wait_for(lock, std::chrono::milliseconds(50));
     const auto now = Clock::now();
-    if (!world->aborted) {
+    if (!world->aborted && world->waiting == 0) {
       const auto idle = now.time_since_epoch() - Clock::duration(world->last_activity_ns.load());
       if (idle > timeout) {
         world->record(std::make_exception_ptr(

@@ -1,6 +1,7 @@
 #include "lossverify/report/report.hpp"
 
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -37,6 +38,12 @@ std::string format_number(double v, int precision = 3) {
 }
 
 }  // namespace
+
+std::int64_t peak_resident_bytes() {
+  rusage usage{};
+  if (getrusage(RUSAGE_SELF, &usage) != 0) return -1;
+  return static_cast<std::int64_t>(usage.ru_maxrss) * 1024;  // Linux reports kilobytes
+}
 
 json encode_nonfinite(json value) {
   if (value.is_number_float()) {
@@ -81,6 +88,7 @@ json run_to_json(const RunResult& run) {
           {"layout", {{"tp", run.the_case.layout.tp}, {"ranks", run.ranks}}},
           {"verdict", std::string(to_string(run.verdict))},
           {"checks", checks},
+          {"resources", {{"peak_rss_bytes", peak_resident_bytes()}}},
           {"timings_seconds",
            {{"ranks_wall", run.timings.ranks_wall},
             {"generate_max_rank", run.timings.generate_max},
@@ -103,8 +111,8 @@ json make_report(const std::string& command, const std::vector<json>& runs, Exit
         {"compiler", build_info::compiler},
         {"build_type", build_info::build_type},
         {"hardware_threads", std::thread::hardware_concurrency()},
-        {"mpi_available", build_info::have_mpi},
-        {"cuda_available", build_info::have_cuda}}},
+        {"mpi_found_at_build", build_info::have_mpi},
+        {"cuda_found_at_build", build_info::have_cuda}}},
       {"command", command},
       {"verdict", verdict},
       {"exit_code", static_cast<int>(exit_code)},

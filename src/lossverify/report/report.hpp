@@ -29,6 +29,9 @@ double decode_number(const nlohmann::json& value);
 // readers see the old file or the whole new one, never a partial report.
 void write_file_atomically(const std::string& path, const std::string& contents);
 
+// Peak resident set of this process so far (the high-water mark), in bytes.
+std::int64_t peak_resident_bytes();
+
 void print_summary(std::ostream& out, const RunResult& run);
 
 }  // namespace lossverify

@@ -8,6 +8,8 @@
 #include "lossverify/case/case.hpp"
 #include "lossverify/checks/checks.hpp"
 #include "lossverify/impl/catalogue.hpp"
+#include "lossverify/impl/rank_output.hpp"
+#include "lossverify/inputs/input_source.hpp"
 
 namespace lossverify {
 
@@ -42,6 +44,13 @@ struct RunResult {
   Verdict verdict = Verdict::pass;
   RunTimings timings;
 };
+
+// The ranks' outputs of one case on thread ranks, without checking them (tests use this directly).
+struct RankRun {
+  std::vector<RankOutput> outputs;
+  double wall_seconds = 0.0;
+};
+RankRun execute_ranks(const Case& c, const InputSource& inputs, const Implementation& impl, const RunOptions& options);
 
 // Runs one case on thread ranks. Throws CaseError for an unknown implementation, InternalError when a rank
 // fails, TimeoutError when the deadlock guard fires.

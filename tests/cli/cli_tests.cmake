@@ -1,0 +1,81 @@
+# CLI tests through CTest: exit codes, messages, reports, faults. Each runs the real binary.
+set(LV $<TARGET_FILE:lossverify>)
+set(EXPECT ${CMAKE_CURRENT_SOURCE_DIR}/cli/expect.sh)
+set(CASES ${PROJECT_SOURCE_DIR}/cases)
+set(OUT ${CMAKE_CURRENT_BINARY_DIR}/cli_out)
+file(MAKE_DIRECTORY ${OUT})
+
+function(lossverify_cli_test name code regex)
+  add_test(NAME cli_${name} COMMAND bash ${EXPECT} ${code} ${regex} ${ARGN})
+endfunction()
+
+lossverify_cli_test(version 0 "lossverify [0-9]+\\.[0-9]+\\.[0-9]+ \\(git" -- ${LV} --version)
+lossverify_cli_test(help 0 "exit codes: 0 all checks pass" -- ${LV} --help)
+lossverify_cli_test(no_command 2 "A subcommand is required" -- ${LV})
+lossverify_cli_test(list 0 "source: Megatron-LM tensor_parallel/cross_entropy.py" -- ${LV} list)
+lossverify_cli_test(list_json 0 "\"caught_by\"" -- ${LV} list --json)
+lossverify_cli_test(unknown_option 2 "frobnicate" -- ${LV} run ${CASES}/smoothing-pytorch.json --frobnicate)
+lossverify_cli_test(missing_case_file 2 "does not exist" -- ${LV} run ${CASES}/no-such-case.json)
+lossverify_cli_test(unknown_impl 2 "--impl no-such-bug: unknown implementation"
+  --absent ${OUT}/unknown_impl.json -- ${LV} run ${CASES}/smoothing-pytorch.json --impl no-such-bug --report ${OUT}/unknown_impl.json)
+lossverify_cli_test(bad_set 2 "expected key=value" -- ${LV} run ${CASES}/smoothing-pytorch.json --set nonsense)
+
+# Every shipped case passes with the correct implementation.
+file(GLOB shipped_cases ${PROJECT_SOURCE_DIR}/cases/*.json)
+foreach(case_file ${shipped_cases})
+  get_filename_component(case_name ${case_file} NAME_WE)
+  lossverify_cli_test(pass_${case_name} 0 "verdict: pass" -- ${LV} run ${case_file} --threads 2)
+endforeach()
+
+# The catalogued bugs fail with the expected checks; exit code 1.
+lossverify_cli_test(bug_partition_vocab 1 "rank_agreement +FAIL"
+  -- ${LV} run ${CASES}/smoothing-pytorch.json --impl smoothing-partition-vocab)
+lossverify_cli_test(bug_partition_vocab_invisible_at_tp1 0 "verdict: pass"
+  -- ${LV} run ${CASES}/smoothing-pytorch.json --impl smoothing-partition-vocab --tp 1)
+lossverify_cli_test(bug_partition_vocab_invisible_without_smoothing 0 "verdict: pass"
+  -- ${LV} run ${CASES}/smoothing-pytorch.json --impl smoothing-partition-vocab --set loss.label_smoothing=0)
+lossverify_cli_test(bug_log_after_exp 1 "finite +FAIL"
+  -- ${LV} run ${CASES}/underflow-gap-240.json --impl smoothing-log-after-exp)
+
+# Faults: a throwing rank (exit 3) and a hanging rank (exit 4) end the run quickly, with no report.
+lossverify_cli_test(fault_throw 3 "rank 1: injected fault" --within 20 --absent ${OUT}/fault_throw.json
+  -- ${LV} run ${CASES}/uneven-shards-v507-tp4.json --inject-fault throw@1 --report ${OUT}/fault_throw.json)
+lossverify_cli_test(fault_hang 4 "deadlock guard: .* rank\\(s\\) 2 never arrived" --within 20
+  --absent ${OUT}/fault_hang.json
+  -- ${LV} run ${CASES}/uneven-shards-v507-tp4.json --inject-fault hang@2 --timeout 1 --report ${OUT}/fault_hang.json)
+
+# Malformed case files: exit 2, a message naming file and JSON path, and no report.
+file(STRINGS ${CMAKE_CURRENT_SOURCE_DIR}/cli/bad_cases.txt bad_case_lines REGEX "^[^#]")
+foreach(line ${bad_case_lines})
+  string(FIND "${line}" "|" bar)
+  string(SUBSTRING "${line}" 0 ${bar} file)
+  math(EXPR after "${bar} + 1")
+  string(SUBSTRING "${line}" ${after} -1 regex)
+  get_filename_component(name ${file} NAME_WE)
+  lossverify_cli_test(bad_case_${name} 2 "${regex}" --absent ${OUT}/bad_${name}.json
+    -- ${LV} run ${CMAKE_CURRENT_SOURCE_DIR}/data/bad_cases/${file} --report ${OUT}/bad_${name}.json)
+endforeach()
+# One bad file among good ones: nothing runs, no report.
+lossverify_cli_test(bad_case_among_good 2 "unknown_top_key.json: \\$\\.lyout" --absent ${OUT}/mixed.json
+  -- ${LV} run ${CASES}/smoothing-pytorch.json ${CMAKE_CURRENT_SOURCE_DIR}/data/bad_cases/unknown_top_key.json
+     --report ${OUT}/mixed.json)
+
+# Reports: written for passing and failing runs, valid against the versioned schema.
+find_program(LOSSVERIFY_SYSTEM_PYTHON python3 PATHS /usr/bin NO_DEFAULT_PATH)
+lossverify_cli_test(report_all_cases 0 "7 passed, 0 failed" --present ${OUT}/all.json
+  -- ${LV} run ${shipped_cases} --report ${OUT}/all.json --threads 2)
+lossverify_cli_test(report_failing_run 1 "verdict: FAIL" --present ${OUT}/failing.json
+  -- ${LV} run ${CASES}/underflow-gap-240.json ${CASES}/smoothing-pytorch.json --impl smoothing-log-after-exp
+     --report ${OUT}/failing.json)
+lossverify_cli_test(report_partition_vocab 1 "verdict: FAIL" --present ${OUT}/partition.json
+  -- ${LV} run ${CASES}/uneven-shards-v507-tp4.json --impl smoothing-partition-vocab --report ${OUT}/partition.json)
+add_test(NAME cli_report_schema
+  COMMAND ${LOSSVERIFY_SYSTEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/cli/validate_report.py
+          ${PROJECT_SOURCE_DIR}/schema/report.schema.json ${OUT}/all.json ${OUT}/failing.json ${OUT}/partition.json)
+set_tests_properties(cli_report_schema PROPERTIES
+  DEPENDS "cli_report_all_cases;cli_report_failing_run;cli_report_partition_vocab")
+
+# Golden outcomes: every (shipped case, implementation) gives the recorded verdict and failing checks.
+add_test(NAME cli_golden_outcomes
+  COMMAND ${LOSSVERIFY_SYSTEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/cli/check_golden.py ${LV}
+          ${PROJECT_SOURCE_DIR}/golden/outcomes.json ${PROJECT_SOURCE_DIR}/cases)
