@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "lossverify/inputs/input_source.hpp"
-#include "lossverify/reference/cross_entropy_reference.hpp"
+#include "lossverify/reference/loss_reference.hpp"
 
 using namespace lossverify;
 
@@ -24,7 +24,7 @@ struct Figures {
 
 Figures measure(const Case& c, int threads) {
   const InputSource inputs(c);
-  const CrossEntropyReference reference(c, inputs);
+  const LossReference reference(c, inputs);
   const auto n = c.shape.tokens;
   const auto vocab = c.shape.vocab;
   double generate_seconds = 0.0;
@@ -40,7 +40,7 @@ Figures measure(const Case& c, int threads) {
       const double t0 = now();
       inputs.logits(t, 0, vocab, row.data());
       const double t1 = now();
-      sink += reference.evaluate(t, row, grad).loss + grad[static_cast<std::size_t>(t % vocab)];
+      sink += reference.evaluate(t, row, {}, grad).loss + grad[static_cast<std::size_t>(t % vocab)];
       r += now() - t1;
       g += t1 - t0;
     }

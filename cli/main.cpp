@@ -1,5 +1,7 @@
 // lossverify command line: a thin layer over the library (case -> ranks -> checks -> report).
+#include <algorithm>
 #include <cstdio>
+#include <iomanip>
 #include <cstdlib>
 #include <iostream>
 #include <string>
@@ -15,6 +17,7 @@
 #include "lossverify/core/errors.hpp"
 #include "lossverify/impl/catalogue.hpp"
 #include "lossverify/report/report.hpp"
+#include "lossverify/runner/gate.hpp"
 #include "lossverify/runner/run_case.hpp"
 
 namespace {
@@ -39,7 +42,38 @@ struct RunArguments {
   int threads = 0;
   double timeout = 0.0;
   std::string fault;
+  std::vector<std::string> sweep;
 };
+
+struct GateArguments {
+  std::string cases_dir = "cases";
+  std::string golden_dir = "golden";
+  std::string report_path;
+  std::string junit_path;
+  bool update_golden = false;
+  int threads = 0;
+  bool quiet = false;
+};
+
+nlohmann::json check_to_json(const CheckResult& c) {
+  RunResult holder;
+  holder.checks = {c};
+  static const Implementation* correct = find_implementation("correct");
+  holder.implementation = correct;
+  return run_to_json(holder)["checks"][0];
+}
+
+void print_sweep_line(std::ostream& out, const RunResult& r) {
+  double worst = 0.0;
+  std::string failing;
+  for (const auto& c : r.checks) {
+    if (c.verdict != Verdict::not_applicable) worst = std::max(worst, c.margin);
+    if (c.verdict == Verdict::fail) append_to_list(failing, c.name);
+  }
+  out << "  " << std::left << std::setw(22) << layout_name(r.the_case.layout) << std::setw(6)
+      << (r.verdict == Verdict::fail ? "FAIL" : "pass") << " worst margin " << std::setprecision(3) << worst
+      << (failing.empty() ? "" : "  failing: " + failing) << std::defaultfloat << "\n";
+}
 
 int command_run(const RunArguments& args) {
   // Every case is loaded and validated before anything runs: a bad file means no report at all.
@@ -57,24 +91,70 @@ int command_run(const RunArguments& args) {
   if (!args.fault.empty()) options.fault = parse_fault(args.fault);
 
   std::vector<nlohmann::json> runs;
+  nlohmann::json sweeps = nlohmann::json::array();
   bool any_failed = false;
-  for (const Case& c : cases) {
-    const RunResult result = run_case(c, options);
-    if (!args.quiet) print_summary(std::cout, result);
-    any_failed = any_failed || result.verdict == Verdict::fail;
-    runs.push_back(run_to_json(result));
+  if (!args.sweep.empty()) {
+    const SweepSpec spec = parse_sweep_arguments(args.sweep);
+    for (const Case& c : cases) {
+      Case swept = c;
+      swept.sweep = spec;
+      const std::vector<LayoutSpec> layouts = sweep_layouts(swept);
+      const SweepResult result = run_sweep(c, layouts, options);
+      if (!args.quiet) {
+        std::cout << "case " << c.name << ": sweep of " << layouts.size() << " layouts, impl " << args.implementation
+                  << "\n";
+        for (const RunResult& r : result.runs) print_sweep_line(std::cout, r);
+        std::cout << "  invariance: " << (result.invariance.verdict == Verdict::fail ? "FAIL" : std::string(to_string(result.invariance.verdict)))
+                  << ", margin " << result.invariance.margin << " (" << result.invariance.summary << ")\n";
+        std::cout << "  verdict: " << (result.verdict == Verdict::fail ? "FAIL" : "pass") << "\n";
+      }
+      any_failed = any_failed || result.verdict == Verdict::fail;
+      nlohmann::json names = nlohmann::json::array();
+      for (const auto& l : layouts) names.push_back(layout_name(l));
+      for (const RunResult& r : result.runs) runs.push_back(run_to_json(r));
+      sweeps.push_back({{"case", c.name},
+                        {"layouts", names},
+                        {"verdict", std::string(to_string(result.verdict))},
+                        {"invariance", check_to_json(result.invariance)}});
+    }
+  } else {
+    for (const Case& c : cases) {
+      const RunResult result = run_case(c, options);
+      if (!args.quiet) print_summary(std::cout, result);
+      any_failed = any_failed || result.verdict == Verdict::fail;
+      runs.push_back(run_to_json(result));
+    }
   }
   const ExitCode code = any_failed ? ExitCode::check_failed : ExitCode::pass;
   if (!args.report_path.empty()) {
-    write_file_atomically(args.report_path, make_report("run", runs, code).dump(2) + "\n");
+    nlohmann::json report = make_report(args.sweep.empty() ? "run" : "sweep", runs, code);
+    if (!args.sweep.empty()) {
+      report["sweeps"] = encode_nonfinite(sweeps);
+      if (any_failed) report["verdict"] = "fail";
+    }
+    write_file_atomically(args.report_path, report.dump(2) + "\n");
     if (!args.quiet) std::cout << "report written to " << args.report_path << "\n";
   }
-  if (cases.size() > 1 && !args.quiet) {
+  if (cases.size() > 1 && !args.quiet && args.sweep.empty()) {
     int failed = 0;
     for (const auto& r : runs) failed += r.at("verdict") == "fail";
     std::cout << cases.size() - static_cast<std::size_t>(failed) << " passed, " << failed << " failed\n";
   }
   return static_cast<int>(code);
+}
+
+int command_gate(const GateArguments& args) {
+  GateOptions options;
+  options.cases_dir = args.cases_dir;
+  options.golden_dir = args.golden_dir;
+  options.update_golden = args.update_golden;
+  options.threads = args.threads;
+  options.quiet = args.quiet;
+  const GateResult result = run_gate(options);
+  if (!args.quiet) print_gate_matrix(std::cout, result);
+  if (!args.report_path.empty()) write_file_atomically(args.report_path, gate_report(result).dump(2) + "\n");
+  if (!args.junit_path.empty()) write_file_atomically(args.junit_path, gate_junit(result));
+  return static_cast<int>(result.passed() ? ExitCode::pass : ExitCode::check_failed);
 }
 
 int command_list(bool as_json) {
@@ -138,6 +218,20 @@ int main(int argc, char** argv) {
   run->add_option("--timeout", run_args.timeout, "deadlock guard in seconds (overrides timeout_seconds)")
       ->check(CLI::PositiveNumber);
   run->add_option("--inject-fault", run_args.fault, "test aid: throw@RANK or hang@RANK")->group("");
+  run->add_option("--sweep", run_args.sweep,
+                  "run at every layout of the product, e.g. --sweep tp=1,2,4 cp=1,2 dp=1,2, and check invariance")
+      ->expected(1, 4);
+
+  GateArguments gate_args;
+  CLI::App* gate = app.add_subcommand(
+      "gate", "CI gate: every shipped case x every implementation vs golden/, matrix, mutation score, JUnit");
+  gate->add_option("--cases", gate_args.cases_dir, "directory of case files")->check(CLI::ExistingDirectory);
+  gate->add_option("--golden", gate_args.golden_dir, "directory of golden outcomes");
+  gate->add_option("--report", gate_args.report_path, "write the JSON gate report here");
+  gate->add_option("--junit", gate_args.junit_path, "write JUnit XML here");
+  gate->add_flag("--update-golden", gate_args.update_golden, "rewrite golden/ from this run (review the diff)");
+  gate->add_option("--threads", gate_args.threads, "OpenMP threads for the reference")->check(CLI::NonNegativeNumber);
+  gate->add_flag("--quiet,-q", gate_args.quiet, "print nothing; rely on the exit code and the reports");
 
   bool list_json = false;
   CLI::App* list = app.add_subcommand("list", "list losses, implementations (correct and catalogued bugs), checks");
@@ -154,6 +248,7 @@ int main(int argc, char** argv) {
   try {
     if (*run) return command_run(run_args);
     if (*list) return command_list(list_json);
+    if (*gate) return command_gate(gate_args);
   } catch (const TimeoutError& e) {
     std::cerr << "lossverify: timeout: " << e.what() << "\n";
     std::cerr.flush();

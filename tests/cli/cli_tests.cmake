@@ -62,20 +62,38 @@ lossverify_cli_test(bad_case_among_good 2 "unknown_top_key.json: \\$\\.lyout" --
 
 # Reports: written for passing and failing runs, valid against the versioned schema.
 find_program(LOSSVERIFY_SYSTEM_PYTHON python3 PATHS /usr/bin NO_DEFAULT_PATH)
-lossverify_cli_test(report_all_cases 0 "7 passed, 0 failed" --present ${OUT}/all.json
+list(LENGTH shipped_cases shipped_count)
+lossverify_cli_test(report_all_cases 0 "${shipped_count} passed, 0 failed" --present ${OUT}/all.json
   -- ${LV} run ${shipped_cases} --report ${OUT}/all.json --threads 2)
 lossverify_cli_test(report_failing_run 1 "verdict: FAIL" --present ${OUT}/failing.json
   -- ${LV} run ${CASES}/underflow-gap-240.json ${CASES}/smoothing-pytorch.json --impl smoothing-log-after-exp
      --report ${OUT}/failing.json)
 lossverify_cli_test(report_partition_vocab 1 "verdict: FAIL" --present ${OUT}/partition.json
   -- ${LV} run ${CASES}/uneven-shards-v507-tp4.json --impl smoothing-partition-vocab --report ${OUT}/partition.json)
+# Sweeps: every layout passes and the invariance check holds; a layout-dependent bug breaks invariance.
+lossverify_cli_test(sweep_correct 0 "invariance: pass" --present ${OUT}/sweep.json
+  -- ${LV} run ${CASES}/full-4d-layout.json --sweep tp=1,2 cp=1,2 dp=1,3 --report ${OUT}/sweep.json)
+lossverify_cli_test(sweep_catches_dp_local_mean 1 "invariance: FAIL"
+  -- ${LV} run ${CASES}/dp-unequal-tokens.json --impl dp-local-mean --sweep dp=1,2,4)
+lossverify_cli_test(sweep_bad_argument 2 "--sweep tp=1,x: \"x\" is not a count"
+  -- ${LV} run ${CASES}/full-4d-layout.json --sweep tp=1,x)
+
+# The gate: every shipped case x every implementation matches golden/, JSON report and JUnit XML.
+lossverify_cli_test(gate 0 "gate: PASS" --present ${OUT}/gate.json --present ${OUT}/gate.xml
+  -- ${LV} gate --cases ${CASES} --golden ${PROJECT_SOURCE_DIR}/golden --report ${OUT}/gate.json
+     --junit ${OUT}/gate.xml)
+set_tests_properties(cli_gate PROPERTIES TIMEOUT 600)
+# A golden outcome that disagrees makes the gate fail, naming the cell; nothing is rewritten silently.
+add_test(NAME cli_gate_detects_golden_drift
+  COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/cli/gate_drift.sh ${LV} ${PROJECT_SOURCE_DIR}/cases
+          ${PROJECT_SOURCE_DIR}/golden ${OUT}/drift)
+
 add_test(NAME cli_report_schema
   COMMAND ${LOSSVERIFY_SYSTEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/cli/validate_report.py
-          ${PROJECT_SOURCE_DIR}/schema/report.schema.json ${OUT}/all.json ${OUT}/failing.json ${OUT}/partition.json)
+          ${PROJECT_SOURCE_DIR}/schema/report.schema.json ${OUT}/all.json ${OUT}/failing.json ${OUT}/partition.json
+          ${OUT}/sweep.json ${OUT}/gate.json)
 set_tests_properties(cli_report_schema PROPERTIES
-  DEPENDS "cli_report_all_cases;cli_report_failing_run;cli_report_partition_vocab")
-
-# Golden outcomes: every (shipped case, implementation) gives the recorded verdict and failing checks.
-add_test(NAME cli_golden_outcomes
-  COMMAND ${LOSSVERIFY_SYSTEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/cli/check_golden.py ${LV}
-          ${PROJECT_SOURCE_DIR}/golden/outcomes.json ${PROJECT_SOURCE_DIR}/cases)
+  DEPENDS "cli_report_all_cases;cli_report_failing_run;cli_report_partition_vocab;cli_sweep_correct;cli_gate")
+add_test(NAME cli_junit_wellformed
+  COMMAND ${LOSSVERIFY_SYSTEM_PYTHON} -c "import sys, xml.etree.ElementTree as E; r = E.parse(sys.argv[1]).getroot(); assert r.tag == 'testsuites' and int(r.get('tests')) > 0 and r.get('failures') == '0', r.attrib; print('ok', r.attrib)" ${OUT}/gate.xml)
+set_tests_properties(cli_junit_wellformed PROPERTIES DEPENDS cli_gate)

@@ -25,8 +25,17 @@ def main() -> int:
         failures += len(errors)
         if errors:
             continue
-        # exit code and verdict agree with the runs
+        if report["command"] == "gate":
+            g = report["gate"]
+            ok = (report["verdict"] == "pass") == (g["mismatches"] == 0 and g["false_alarms"] == 0 and not g["uncaught_bugs"])
+            if not ok:
+                print(f"{path}: gate verdict inconsistent with its counts")
+                failures += 1
+            print(f"{path}: gate report, {len(g['cells'])} cells, {'ok' if failures == 0 else 'INVALID'}")
+            continue
+        # exit code and verdict agree with the runs (and sweeps)
         any_fail = any(run["verdict"] == "fail" for run in report["runs"])
+        any_fail = any_fail or any(s["verdict"] == "fail" for s in report.get("sweeps", []))
         if (report["verdict"] == "fail") != any_fail or report["exit_code"] != (1 if any_fail else 0):
             print(f"{path}: verdict/exit_code inconsistent with runs")
             failures += 1

@@ -31,3 +31,17 @@ TEST_CASE("subnormals_are_recognised_in_the_dtype_they_are_stored_in") {
   CHECK(is_subnormal_in(1e-39, DType::bf16));
   CHECK_FALSE(is_subnormal_in(0.0, DType::fp32));
 }
+
+TEST_CASE("ulp_size_is_the_dtype_spacing_including_at_zero_and_in_the_subnormal_range") {
+  CHECK(ulp_size(1.0, DType::bf16) == 0x1p-7);
+  CHECK(ulp_size(1.99, DType::bf16) == 0x1p-7);
+  CHECK(ulp_size(-3.0, DType::fp16) == 0x1p-9);
+  CHECK(ulp_size(1.0, DType::fp32) == 0x1p-23);
+  // Zero and values below the normal range: the subnormal spacing, never a large one (a spacing of
+  // 2^-8 at zero once hid nonzero gradients where the reference is exactly zero).
+  CHECK(ulp_size(0.0, DType::bf16) == 0x1p-133);
+  CHECK(ulp_size(0.0, DType::fp16) == 0x1p-24);
+  CHECK(ulp_size(0.0, DType::fp32) == 0x1p-149);
+  CHECK(ulp_size(1e-6, DType::fp16) == 0x1p-24);
+  CHECK(ulp_size(1e-300, DType::fp32) == 0x1p-149);
+}

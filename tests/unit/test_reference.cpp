@@ -7,7 +7,7 @@
 
 #include "lossverify/inputs/input_source.hpp"
 #include "lossverify/reference/compensated_sum.hpp"
-#include "lossverify/reference/cross_entropy_reference.hpp"
+#include "lossverify/reference/loss_reference.hpp"
 #include "test_support.hpp"
 
 using namespace lossverify;
@@ -38,13 +38,13 @@ struct LongDoubleLoss {
 void compare_with_long_double(const nlohmann::json& j) {
   const Case c = testing::make_case(j);
   const InputSource inputs(c);
-  const CrossEntropyReference reference(c, inputs);
+  const LossReference reference(c, inputs);
   const auto vocab = c.shape.vocab;
   std::vector<double> x(static_cast<std::size_t>(vocab));
   std::vector<double> grad(static_cast<std::size_t>(vocab));
   for (std::int64_t t = 0; t < c.shape.tokens; ++t) {
     inputs.logits(t, 0, vocab, x.data());
-    const ReferenceToken r = reference.evaluate(t, x, grad);
+    const ReferenceToken r = reference.evaluate(t, x, {}, grad);
     if (!r.valid) {
       CHECK(r.loss == 0.0);
       for (double g : grad) CHECK(g == 0.0);
@@ -108,7 +108,7 @@ TEST_CASE("reference_token_weights_follow_the_reduction") {
   j["inputs"]["ignore_fraction"] = 0.5;
   const Case c = testing::make_case(j);
   const InputSource inputs(c);
-  const CrossEntropyReference reference(c, inputs);
+  const LossReference reference(c, inputs);
   std::int64_t valid = 0;
   for (std::int64_t t = 0; t < 100; ++t) valid += inputs.is_valid(t);
   CHECK(reference.valid_tokens() == valid);
@@ -122,11 +122,11 @@ TEST_CASE("an_all_masked_batch_gives_zero_loss_and_zero_gradient_never_nan") {
   j["inputs"]["ignore_fraction"] = 1.0;
   const Case c = testing::make_case(j);
   const InputSource inputs(c);
-  const CrossEntropyReference reference(c, inputs);
+  const LossReference reference(c, inputs);
   std::vector<double> x(16), grad(16), losses;
   for (std::int64_t t = 0; t < 6; ++t) {
     inputs.logits(t, 0, 16, x.data());
-    losses.push_back(reference.evaluate(t, x, grad).loss);
+    losses.push_back(reference.evaluate(t, x, {}, grad).loss);
     for (double g : grad) CHECK(g == 0.0);
   }
   CHECK(reference.reduced_loss(losses) == 0.0);

@@ -50,7 +50,9 @@ TEST_CASE("tp_sharded_correct_implementation_matches_reference_for_every_tp_and_
         for (const auto& check : r.checks) {
           CAPTURE(check.name);
           CHECK(check.verdict != Verdict::fail);
-          CHECK(check.margin < 0.5);  // passes with a margin, not by a hair
+          // Passes with a margin, not by a hair: 16-bit gradients are judged in ulps of the exact value,
+          // where correct rounding is 0.5 plus the float32 compute error.
+          CHECK(check.margin < (check.name == "grad" && std::string(dtype) != "fp32" ? 0.51 : 0.5));
         }
         CHECK(check_named(r, "rank_agreement").verdict == (tp > 1 ? Verdict::pass : Verdict::not_applicable));
       }

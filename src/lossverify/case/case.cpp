@@ -16,7 +16,13 @@ using detail::fail_at;
 using detail::ObjectReader;
 using nlohmann::json;
 
-std::string_view to_string(LossKind) { return "cross_entropy"; }
+std::string_view to_string(LossKind k) { return k == LossKind::kd ? "kd" : "cross_entropy"; }
+std::string_view to_string(FrameworkSpec::GradReduce g) { return g == FrameworkSpec::GradReduce::avg ? "avg" : "sum"; }
+std::string_view to_string(FrameworkSpec::GaReduce g) { return g == FrameworkSpec::GaReduce::sum ? "sum" : "mean"; }
+std::string_view to_string(BatchSpec::Placement p) {
+  return p == BatchSpec::Placement::round_robin ? "round_robin" : "contiguous";
+}
+std::string_view to_string(BatchSpec::Labels l) { return l == BatchSpec::Labels::independent ? "independent" : "next_token"; }
 std::string_view to_string(SmoothingConvention c) {
   return c == SmoothingConvention::pytorch ? "pytorch" : "megatron";
 }
@@ -53,8 +59,22 @@ Enum parse_choice(ObjectReader& reader, const std::string& key, const std::array
 
 void parse_loss(ObjectReader r, Case& c) {
   LossSpec& loss = c.loss;
-  const std::string kind = r.string("kind", "cross_entropy");
-  if (kind != "cross_entropy") r.fail("kind", "expected cross_entropy, got \"" + kind + "\"");
+  loss.kind = parse_choice(r, "kind", std::array{LossKind::cross_entropy, LossKind::kd}, LossKind::cross_entropy);
+  const bool kd = loss.kind == LossKind::kd;
+  auto cross_entropy_only = [&](const char* key) {
+    if (kd && r.has(key)) r.fail(key, "applies to cross_entropy only, not kd");
+  };
+  for (const char* key : {"label_smoothing", "smoothing_convention", "z_loss_weight", "softcap", "ignore_index"}) {
+    cross_entropy_only(key);
+  }
+  for (const char* key : {"temperature", "t2_scaling"}) {
+    if (!kd && r.has(key)) r.fail(key, "applies to kd only, not cross_entropy");
+  }
+  loss.temperature = r.number("temperature", 1.0);
+  if (!(loss.temperature > 0.0)) r.fail("temperature", "must be > 0, got " + json(loss.temperature).dump());
+  loss.t2_scaling = r.boolean("t2_scaling", true);
+  loss.softcap = r.number("softcap", 0.0);
+  if (loss.softcap < 0.0) r.fail("softcap", "must be >= 0 (0 turns it off), got " + json(loss.softcap).dump());
   loss.label_smoothing = r.number("label_smoothing", 0.0);
   if (!(loss.label_smoothing >= 0.0 && loss.label_smoothing < 1.0)) {
     r.fail("label_smoothing", "must be in [0, 1), got " + json(loss.label_smoothing).dump());
@@ -97,8 +117,9 @@ void parse_loss(ObjectReader r, Case& c) {
   r.reject_unknown_keys();
 }
 
-void parse_shape(ObjectReader r, Case& c) {
-  c.shape.tokens = r.integer("tokens");
+void parse_shape(ObjectReader r, Case& c, bool has_batch) {
+  c.shape.tokens = has_batch ? r.integer("tokens", 0) : r.integer("tokens");
+  if (has_batch && c.shape.tokens == 0) c.shape.tokens = 1;  // checked against the sequences later
   c.shape.vocab = r.integer("vocab");
   if (c.shape.tokens < 1) r.fail("tokens", "must be >= 1, got " + std::to_string(c.shape.tokens));
   if (c.shape.vocab < 2) r.fail("vocab", "must be >= 2, got " + std::to_string(c.shape.vocab));
@@ -124,6 +145,17 @@ void parse_inputs(ObjectReader r, Case& c) {
   in.ignore_fraction = r.number("ignore_fraction", 0.0);
   if (!(in.ignore_fraction >= 0.0 && in.ignore_fraction <= 1.0)) {
     r.fail("ignore_fraction", "must be in [0, 1], got " + json(in.ignore_fraction).dump());
+  }
+  if (r.has("teacher")) {
+    if (c.loss.kind != LossKind::kd) r.fail("teacher", "teacher logits apply to kd only");
+    ObjectReader t = r.object("teacher");
+    in.teacher.mean = t.number("mean", 0.0);
+    in.teacher.scale = t.number("scale", 1.0);
+    if (!(in.teacher.scale >= 0.0)) t.fail("scale", "must be >= 0");
+    in.teacher.same_as_student = t.boolean("same_as_student", false);
+    t.reject_unknown_keys();
+  } else {
+    r.allow("teacher");
   }
   if (r.has("overrides")) {
     const json& list = r.raw("overrides");
@@ -158,16 +190,104 @@ void parse_inputs(ObjectReader r, Case& c) {
   r.reject_unknown_keys();
 }
 
+int parse_dimension(ObjectReader& r, const char* key) {
+  const std::int64_t value = r.integer(key, 1);
+  if (value < 1) r.fail(key, "must be >= 1, got " + std::to_string(value));
+  if (value > 4096) r.fail(key, "must be <= 4096, got " + std::to_string(value));
+  return static_cast<int>(value);
+}
+
 void parse_layout(ObjectReader r, Case& c) {
-  for (const char* later : {"cp", "dp", "ga"}) {
-    if (r.has(later)) {
-      r.fail(later, std::string("the ") + later + " dimension is not supported by this version (tp only)");
-    }
+  c.layout.tp = parse_dimension(r, "tp");
+  c.layout.cp = parse_dimension(r, "cp");
+  c.layout.dp = parse_dimension(r, "dp");
+  c.layout.ga = parse_dimension(r, "ga");
+  if (c.layout.world_size() > 65536) r.fail_here("tp * cp * dp must be <= 65536 ranks");
+  r.reject_unknown_keys();
+}
+
+void parse_framework(ObjectReader r, Case& c) {
+  c.framework.grad_reduce =
+      parse_choice(r, "grad_reduce", std::array{FrameworkSpec::GradReduce::avg, FrameworkSpec::GradReduce::sum},
+                   FrameworkSpec::GradReduce::avg);
+  c.framework.ga_reduce =
+      parse_choice(r, "ga_reduce", std::array{FrameworkSpec::GaReduce::sum, FrameworkSpec::GaReduce::mean},
+                   FrameworkSpec::GaReduce::sum);
+  r.reject_unknown_keys();
+}
+
+std::vector<int> parse_int_list(ObjectReader& r, const char* key) {
+  if (!r.has(key)) {
+    r.allow(key);
+    return {};
   }
-  const std::int64_t tp = r.integer("tp", 1);
-  if (tp < 1) r.fail("tp", "must be >= 1, got " + std::to_string(tp));
-  if (tp > 4096) r.fail("tp", "must be <= 4096, got " + std::to_string(tp));
-  c.layout.tp = static_cast<int>(tp);
+  const json& list = r.raw(key);
+  if (!list.is_array() || list.empty()) r.fail(key, "expected a non-empty array of integers");
+  std::vector<int> out;
+  for (std::size_t i = 0; i < list.size(); ++i) {
+    const auto v = detail::as_integer(list[i], r.path_of(key) + "[" + std::to_string(i) + "]", r.source());
+    if (v < 1 || v > 4096) r.fail(key, "values must be in [1, 4096]");
+    out.push_back(static_cast<int>(v));
+  }
+  return out;
+}
+
+void parse_sweep(ObjectReader r, Case& c) {
+  c.sweep.tp = parse_int_list(r, "tp");
+  c.sweep.cp = parse_int_list(r, "cp");
+  c.sweep.dp = parse_int_list(r, "dp");
+  c.sweep.ga = parse_int_list(r, "ga");
+  r.reject_unknown_keys();
+}
+
+// The packed sequences of the global batch: explicit lengths or a generator.
+void parse_batch(ObjectReader r, Case& c) {
+  BatchSpec& b = c.batch;
+  if (r.has("sequence_lengths")) {
+    const json& list = r.raw("sequence_lengths");
+    const std::string path = r.path_of("sequence_lengths");
+    if (!list.is_array() || list.empty()) fail_at(r.source(), path, "expected a non-empty array of lengths");
+    for (std::size_t i = 0; i < list.size(); ++i) {
+      const auto v = detail::as_integer(list[i], path + "[" + std::to_string(i) + "]", r.source());
+      if (v < 1) fail_at(r.source(), path + "[" + std::to_string(i) + "]", "sequence length must be >= 1");
+      b.sequence_lengths.push_back(v);
+    }
+    if (r.has("generator")) r.fail("generator", "give either sequence_lengths or a generator, not both");
+    r.allow("generator");
+  } else if (r.has("generator")) {
+    ObjectReader g = r.object("generator");
+    const std::string kind = g.string("kind");
+    const std::int64_t count = g.integer("count");
+    if (count < 1 || count > (1 << 20)) g.fail("count", "must be in [1, 2^20]");
+    if (kind == "halving") {
+      // first, first/2, first/4, ... (at least 1): valid-token counts like 8/4/2/1 across ranks.
+      std::int64_t length = g.integer("first");
+      if (length < 1) g.fail("first", "must be >= 1");
+      for (std::int64_t i = 0; i < count; ++i) {
+        b.sequence_lengths.push_back(std::max<std::int64_t>(1, length));
+        length /= 2;
+      }
+    } else if (kind == "uniform") {
+      const std::int64_t lo = g.integer("min");
+      const std::int64_t hi = g.integer("max");
+      if (lo < 1) g.fail("min", "must be >= 1");
+      if (hi < lo) g.fail("max", "must be >= min");
+      for (std::int64_t i = 0; i < count; ++i) {
+        const double u = token_uniform(c.inputs.seed, InputStream::sequence_lengths, static_cast<std::uint64_t>(i));
+        b.sequence_lengths.push_back(lo + static_cast<std::int64_t>(u * static_cast<double>(hi - lo + 1)));
+      }
+    } else {
+      g.fail("kind", "expected halving|uniform, got \"" + kind + "\"");
+    }
+    g.reject_unknown_keys();
+  } else {
+    r.fail_here("needs sequence_lengths or a generator");
+  }
+  b.placement = parse_choice(r, "placement",
+                             std::array{BatchSpec::Placement::round_robin, BatchSpec::Placement::contiguous},
+                             BatchSpec::Placement::round_robin);
+  b.labels = parse_choice(r, "labels", std::array{BatchSpec::Labels::next_token, BatchSpec::Labels::independent},
+                          BatchSpec::Labels::next_token);
   r.reject_unknown_keys();
 }
 
@@ -182,6 +302,9 @@ void parse_tolerances(ObjectReader r, Case& c) {
     Tolerance tol = default_tolerance(quantity, c.inputs.dtype).tolerance;
     tol.atol = t.number("atol", tol.atol);
     tol.rtol = t.number("rtol", tol.rtol);
+    const std::int64_t ulp = t.integer("max_ulp", tol.max_ulp);
+    if (ulp < 0 || ulp > 1000000) t.fail("max_ulp", "must be in [0, 1000000]");
+    tol.max_ulp = static_cast<int>(ulp);
     if (tol.atol < 0.0) t.fail("atol", "must be >= 0");
     if (tol.rtol < 0.0) t.fail("rtol", "must be >= 0");
     t.reject_unknown_keys();
@@ -199,6 +322,14 @@ void validate_consistency(Case& c) {
     fail_at(src, "$.layout.tp",
             "tp = " + std::to_string(c.layout.tp) + " exceeds the vocabulary size " + std::to_string(v) +
                 ": every TP rank needs at least one column");
+  }
+  for (int tp : c.sweep.tp) {
+    if (tp > v) fail_at(src, "$.sweep.tp", "tp = " + std::to_string(tp) + " exceeds the vocabulary size " + std::to_string(v));
+  }
+  if (c.loss.kind == LossKind::kd) {
+    for (const auto& row : c.inputs.overrides) {
+      if (row.label) fail_at(src, "$.inputs.overrides", "kd cases take no labels");
+    }
   }
   if (c.loss.ignore_index >= 0 && c.loss.ignore_index < v) {
     fail_at(src, "$.loss.ignore_index", "must lie outside [0, vocab) so it cannot collide with a real label");
@@ -257,7 +388,9 @@ Case parse_case(const json& document, const std::string& source) {
   if (root.has("format") && root.string("format") != "lossverify.case/1") {
     root.fail("format", "unsupported format \"" + root.string("format") + "\" (this version reads lossverify.case/1)");
   }
-  parse_shape(root.object("shape"), c);
+  const bool has_batch = root.has("batch");
+  const bool tokens_given = root.has("shape") && root.raw("shape").is_object() && root.raw("shape").contains("tokens");
+  parse_shape(root.object("shape"), c, has_batch);
   if (root.has("loss")) {
     parse_loss(root.object("loss"), c);
   } else {
@@ -268,10 +401,35 @@ Case parse_case(const json& document, const std::string& source) {
   } else {
     root.allow("inputs");
   }
+  if (has_batch) {
+    parse_batch(root.object("batch"), c);
+    std::int64_t total = 0;
+    for (auto l : c.batch.sequence_lengths) total += l;
+    if (tokens_given && total != c.shape.tokens) {
+      root.fail("shape", "tokens = " + std::to_string(c.shape.tokens) + " but the sequences hold " +
+                             std::to_string(total) + " tokens");
+    }
+    if (total > (std::int64_t{1} << 40)) root.fail("batch", "too many tokens");
+    c.shape.tokens = total;
+  } else {
+    root.allow("batch");
+    c.batch.sequence_lengths = {c.shape.tokens};
+    c.batch.labels = BatchSpec::Labels::independent;
+  }
   if (root.has("layout")) {
     parse_layout(root.object("layout"), c);
   } else {
     root.allow("layout");
+  }
+  if (root.has("framework")) {
+    parse_framework(root.object("framework"), c);
+  } else {
+    root.allow("framework");
+  }
+  if (root.has("sweep")) {
+    parse_sweep(root.object("sweep"), c);
+  } else {
+    root.allow("sweep");
   }
   if (root.has("tolerances")) {
     parse_tolerances(root.object("tolerances"), c);
@@ -334,18 +492,63 @@ Case load_case_file(const std::string& path, const std::vector<std::string>& set
   return parse_case(document, path);
 }
 
+std::vector<LayoutSpec> sweep_layouts(const Case& c) {
+  auto values = [](const std::vector<int>& list, int own) { return list.empty() ? std::vector<int>{own} : list; };
+  std::vector<LayoutSpec> out;
+  for (int dp : values(c.sweep.dp, c.layout.dp)) {
+    for (int cp : values(c.sweep.cp, c.layout.cp)) {
+      for (int ga : values(c.sweep.ga, c.layout.ga)) {
+        for (int tp : values(c.sweep.tp, c.layout.tp)) out.push_back(LayoutSpec{tp, cp, dp, ga});
+      }
+    }
+  }
+  return out;
+}
+
+SweepSpec parse_sweep_arguments(const std::vector<std::string>& arguments) {
+  SweepSpec sweep;
+  for (const std::string& argument : arguments) {
+    const auto eq = argument.find('=');
+    const std::string key = argument.substr(0, eq);
+    std::vector<int>* target = key == "tp" ? &sweep.tp : key == "cp" ? &sweep.cp : key == "dp" ? &sweep.dp
+                             : key == "ga" ? &sweep.ga : nullptr;
+    if (eq == std::string::npos || target == nullptr) {
+      throw CaseError("--sweep " + argument + ": expected tp=..., cp=..., dp=... or ga=... with comma-separated counts");
+    }
+    std::stringstream list(argument.substr(eq + 1));
+    std::string item;
+    while (std::getline(list, item, ',')) {
+      try {
+        std::size_t used = 0;
+        const int v = std::stoi(item, &used);
+        if (used != item.size() || v < 1 || v > 4096) throw std::invalid_argument(item);
+        target->push_back(v);
+      } catch (const std::exception&) {
+        throw CaseError("--sweep " + argument + ": \"" + item + "\" is not a count in [1, 4096]");
+      }
+    }
+    if (target->empty()) throw CaseError("--sweep " + argument + ": no values");
+  }
+  return sweep;
+}
+
 json Case::resolved() const {
   json j;
   j["format"] = "lossverify.case/1";
   j["name"] = name;
   j["description"] = description;
   j["shape"] = {{"tokens", shape.tokens}, {"vocab", shape.vocab}};
-  json l = {{"kind", std::string(to_string(loss.kind))},
-            {"label_smoothing", loss.label_smoothing},
-            {"smoothing_convention", std::string(to_string(loss.convention))},
-            {"z_loss_weight", loss.z_loss_weight},
-            {"ignore_index", loss.ignore_index},
-            {"reduction", std::string(to_string(loss.reduction))}};
+  json l = {{"kind", std::string(to_string(loss.kind))}, {"reduction", std::string(to_string(loss.reduction))}};
+  if (loss.kind == LossKind::kd) {
+    l["temperature"] = loss.temperature;
+    l["t2_scaling"] = loss.t2_scaling;
+  } else {
+    l["label_smoothing"] = loss.label_smoothing;
+    l["smoothing_convention"] = std::string(to_string(loss.convention));
+    l["z_loss_weight"] = loss.z_loss_weight;
+    l["softcap"] = loss.softcap;
+    l["ignore_index"] = loss.ignore_index;
+  }
   switch (loss.upstream_weights.kind) {
     case UpstreamWeights::Kind::ones:
       break;
@@ -374,12 +577,30 @@ json Case::resolved() const {
     }
     in["overrides"] = rows;
   }
+  if (loss.kind == LossKind::kd) {
+    in["teacher"] = {{"mean", inputs.teacher.mean},
+                     {"scale", inputs.teacher.scale},
+                     {"same_as_student", inputs.teacher.same_as_student}};
+  }
   j["inputs"] = in;
-  j["layout"] = {{"tp", layout.tp}};
+  j["batch"] = {{"sequence_lengths", batch.sequence_lengths},
+                {"placement", std::string(to_string(batch.placement))},
+                {"labels", std::string(to_string(batch.labels))}};
+  j["layout"] = {{"tp", layout.tp}, {"cp", layout.cp}, {"dp", layout.dp}, {"ga", layout.ga}};
+  j["framework"] = {{"grad_reduce", std::string(to_string(framework.grad_reduce))},
+                    {"ga_reduce", std::string(to_string(framework.ga_reduce))}};
+  if (!sweep.empty()) {
+    json sw = json::object();
+    if (!sweep.tp.empty()) sw["tp"] = sweep.tp;
+    if (!sweep.cp.empty()) sw["cp"] = sweep.cp;
+    if (!sweep.dp.empty()) sw["dp"] = sweep.dp;
+    if (!sweep.ga.empty()) sw["ga"] = sweep.ga;
+    j["sweep"] = sw;
+  }
   json tol = json::object();
   for (std::string_view q : kToleranceQuantities) {
     const Tolerance t = effective_tolerance(*this, q);
-    tol[std::string(q)] = {{"atol", t.atol}, {"rtol", t.rtol}};
+    tol[std::string(q)] = {{"atol", t.atol}, {"rtol", t.rtol}, {"max_ulp", t.max_ulp}};
   }
   j["tolerances"] = tol;
   j["timeout_seconds"] = timeout_seconds;

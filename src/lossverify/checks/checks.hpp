@@ -25,6 +25,9 @@ struct ElementRecord {
   double expected = 0.0;
   double got = 0.0;
   double tolerance = 0.0;
+  // Set for CP padding rows (token -1): which sequence position the row pads.
+  std::int64_t padding_sequence = -1;
+  std::int64_t padding_position = -1;
 };
 
 // Error statistics of one quantity; the worst element is the one with the largest error/tolerance,
@@ -32,6 +35,8 @@ struct ElementRecord {
 class ErrorStats {
  public:
   void add(const ElementRecord& record);
+  // Adds an element whose margin the caller computed (ULP-based tolerances).
+  void add_with_margin(const ElementRecord& record, double margin, bool mismatch);
   void add_ulp(std::int64_t ulp) { max_ulp_ = std::max(max_ulp_, ulp); }
   void merge(const ErrorStats& other);
 
@@ -70,8 +75,21 @@ struct CheckInfo {
 };
 const std::vector<CheckInfo>& check_catalogue();
 
+// What a layout computed of the global problem, for the invariance check between layouts.
+struct LayoutSnapshot {
+  std::vector<float> token_loss;      // per global token, from the first TP holder
+  std::vector<float> effective_grad;  // N x V, empty when the problem is too large to keep
+  double logged_loss = 0.0;
+  std::int64_t logged_valid_tokens = 0;
+};
+
 // Runs every check of the case on the ranks' outputs, streaming the reference row by row with OpenMP.
+// When `snapshot` is given it is filled for the invariance check.
 std::vector<CheckResult> verify(const Case& c, const InputSource& inputs, const std::vector<RankOutput>& ranks,
-                                int threads);
+                                int threads, LayoutSnapshot* snapshot = nullptr);
+
+// The invariance check: every snapshot against the first (same global answers at every layout).
+CheckResult invariance_check(const Case& c, const std::vector<LayoutSnapshot>& snapshots,
+                             const std::vector<std::string>& layout_names);
 
 }  // namespace lossverify

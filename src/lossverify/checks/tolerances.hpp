@@ -18,12 +18,13 @@
 namespace lossverify {
 
 // Quantities that carry a tolerance; the keys of a case file's "tolerances" object.
-inline constexpr std::array<std::string_view, 5> kToleranceQuantities = {
+inline constexpr std::array<std::string_view, 6> kToleranceQuantities = {
     "loss",            // per-token loss
     "reduced_loss",    // the logged (mean or sum) loss
     "grad",            // every effective gradient element
     "row_sum",         // sum over the vocabulary of one token's gradient (the SPEC 3 invariant)
     "rank_agreement",  // per-token loss of one TP rank against the others
+    "invariance",      // the same global answer at another rank layout
 };
 
 struct ToleranceEntry {

@@ -85,6 +85,24 @@ std::int64_t ulp_distance(double a, double b, DType dtype) {
   return d < 0 ? -d : d;
 }
 
+double ulp_size(double value, DType dtype) {
+  int mantissa_bits = 23;
+  int min_exponent = -126;
+  if (dtype == DType::bf16) mantissa_bits = 7;
+  if (dtype == DType::fp16) {
+    mantissa_bits = 10;
+    min_exponent = -14;
+  }
+  // Binary exponent straight from the float64 bits (subnormal float64 values fall below every dtype's
+  // normal range anyway).
+  const auto bits = std::bit_cast<std::uint64_t>(value);
+  const int exponent = static_cast<int>((bits >> 52) & 0x7ff) - 1023;
+  const int binade = std::max(exponent, min_exponent) - mantissa_bits;
+  return std::bit_cast<double>(static_cast<std::uint64_t>(binade + 1023) << 52);
+}
+
+double smallest_normal(DType dtype) { return dtype == DType::fp16 ? 0x1p-14 : 0x1p-126; }
+
 bool is_subnormal_in(double value, DType dtype) {
   const double rounded = round_to_dtype(value, dtype);
   if (rounded == 0.0 || !std::isfinite(rounded)) return false;

@@ -42,6 +42,12 @@ double dtype_max(DType dtype);
 // (both are rounded first). Infinite or NaN operands give INT64_MAX unless both are the same.
 std::int64_t ulp_distance(double a, double b, DType dtype);
 
+// Spacing of the dtype's representable values at |value| (the subnormal spacing below the normal range).
+double ulp_size(double value, DType dtype);
+
+// Smallest positive normal value of the dtype.
+double smallest_normal(DType dtype);
+
 // True when the value, rounded to the dtype, is subnormal in that dtype.
 bool is_subnormal_in(double value, DType dtype);
 

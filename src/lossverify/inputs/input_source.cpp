@@ -4,65 +4,164 @@
 
 namespace lossverify {
 
-InputSource::InputSource(const Case& c) : case_(c) {
+InputSource::InputSource(const Case& c) : case_(c), batch_(c.batch) {
   for (const RowOverride& row : c.inputs.overrides) overrides_[row.token] = &row;
 }
 
-template <class T, class Convert>
-void InputSource::fill(std::int64_t token, std::int64_t begin, std::int64_t end, T* out, Convert convert) const {
-  const auto it = overrides_.find(token);
-  if (it != overrides_.end() && !it->second->logits.empty()) {
-    const auto& row = it->second->logits;
-    for (std::int64_t v = begin; v < end; ++v) out[v - begin] = convert(row[static_cast<std::size_t>(v)]);
-    return;
+namespace {
+
+double widen(double x, DType d) { return round_to_dtype(x, d); }
+template <class T>
+T narrow(double x) {
+  return T(static_cast<float>(x));
+}
+template <>
+float narrow<float>(double x) {
+  return static_cast<float>(x);
+}
+
+}  // namespace
+
+template <class T>
+void InputSource::fill(InputStream stream, std::uint64_t counter_token, std::int64_t begin, std::int64_t end, T* out,
+                       double mean, double scale, bool use_overrides) const {
+  const DType d = dtype();
+  auto convert = [d](double x) {
+    if constexpr (std::is_same_v<T, double>) {
+      return widen(x, d);
+    } else {
+      return narrow<T>(x);
+    }
+  };
+  if (use_overrides) {
+    const auto it = overrides_.find(static_cast<std::int64_t>(counter_token));
+    if (it != overrides_.end() && !it->second->logits.empty()) {
+      const auto& row = it->second->logits;
+      for (std::int64_t v = begin; v < end; ++v) out[v - begin] = convert(row[static_cast<std::size_t>(v)]);
+      return;
+    }
   }
   const InputSpec& in = case_.inputs;
-  const auto t = static_cast<std::uint64_t>(token);
   std::int64_t v = begin;
   double even = 0.0;
   double odd = 0.0;
   if (v < end && (v & 1)) {  // odd first column: the second value of its pair
-    logit_pair(in.seed, InputStream::student_logits, t, static_cast<std::uint32_t>(v >> 1), in.distribution, in.mean,
-               in.scale, &even, &odd);
+    logit_pair(in.seed, stream, counter_token, static_cast<std::uint32_t>(v >> 1), in.distribution, mean, scale, &even,
+               &odd);
     out[0] = convert(odd);
     ++v;
   }
   for (; v + 1 < end; v += 2) {
-    logit_pair(in.seed, InputStream::student_logits, t, static_cast<std::uint32_t>(v >> 1), in.distribution, in.mean,
-               in.scale, &even, &odd);
+    logit_pair(in.seed, stream, counter_token, static_cast<std::uint32_t>(v >> 1), in.distribution, mean, scale, &even,
+               &odd);
     out[v - begin] = convert(even);
     out[v + 1 - begin] = convert(odd);
   }
   if (v < end) {
-    logit_pair(in.seed, InputStream::student_logits, t, static_cast<std::uint32_t>(v >> 1), in.distribution, in.mean,
-               in.scale, &even, &odd);
+    logit_pair(in.seed, stream, counter_token, static_cast<std::uint32_t>(v >> 1), in.distribution, mean, scale, &even,
+               &odd);
     out[v - begin] = convert(even);
   }
 }
 
-void InputSource::logits(std::int64_t token, std::int64_t begin, std::int64_t end, double* out) const {
-  const DType d = dtype();
-  fill(token, begin, end, out, [d](double x) { return round_to_dtype(x, d); });
+template <class T>
+bool InputSource::read_cache(const std::vector<std::byte>& cache, std::int64_t token, std::int64_t begin,
+                             std::int64_t end, T* out) const {
+  if (cache.empty()) return false;
+  const std::int64_t vocab = case_.shape.vocab;
+  dispatch_dtype(dtype(), [&](auto type) {
+    using S = typename decltype(type)::type;
+    const S* row = reinterpret_cast<const S*>(cache.data()) + token * vocab;
+    for (std::int64_t v = begin; v < end; ++v) {
+      if constexpr (std::is_same_v<T, S>) {
+        out[v - begin] = row[v];
+      } else if constexpr (std::is_same_v<T, double>) {
+        out[v - begin] = static_cast<double>(static_cast<float>(row[v]));
+      } else {
+        out[v - begin] = T(static_cast<float>(row[v]));
+      }
+    }
+  });
+  return true;
 }
-void InputSource::logits(std::int64_t token, std::int64_t begin, std::int64_t end, float* out) const {
-  fill(token, begin, end, out, [](double x) { return static_cast<float>(x); });
+
+bool InputSource::materialize(int threads, std::size_t max_bytes) {
+  const std::int64_t vocab = case_.shape.vocab;
+  const std::int64_t n = case_.shape.tokens;
+  const bool kd = case_.loss.kind == LossKind::kd && !case_.inputs.teacher.same_as_student;
+  const std::size_t bytes = static_cast<std::size_t>(n * vocab) * dtype_size(dtype()) * (kd ? 2 : 1);
+  if (bytes > max_bytes) return false;
+  std::vector<std::byte> student(static_cast<std::size_t>(n * vocab) * dtype_size(dtype()));
+  std::vector<std::byte> teacher(kd ? student.size() : 0);
+  dispatch_dtype(dtype(), [&](auto type) {
+    using S = typename decltype(type)::type;
+    S* s_rows = reinterpret_cast<S*>(student.data());
+    S* t_rows = reinterpret_cast<S*>(teacher.data());
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 8)
+    for (std::int64_t t = 0; t < n; ++t) {
+      logits(t, 0, vocab, s_rows + t * vocab);
+      if (kd) teacher_logits(t, 0, vocab, t_rows + t * vocab);
+    }
+  });
+  cache_student_ = std::move(student);
+  cache_teacher_ = std::move(teacher);
+  return true;
 }
-void InputSource::logits(std::int64_t token, std::int64_t begin, std::int64_t end, Eigen::bfloat16* out) const {
-  fill(token, begin, end, out, [](double x) { return Eigen::bfloat16(static_cast<float>(x)); });
+
+#define LOSSVERIFY_LOGITS(T)                                                                                   \
+  void InputSource::logits(std::int64_t token, std::int64_t begin, std::int64_t end, T* out) const {          \
+    if (read_cache(cache_student_, token, begin, end, out)) return;                                            \
+    fill(InputStream::student_logits, static_cast<std::uint64_t>(token), begin, end, out, case_.inputs.mean,   \
+         case_.inputs.scale, true);                                                                            \
+  }                                                                                                            \
+  void InputSource::teacher_logits(std::int64_t token, std::int64_t begin, std::int64_t end, T* out) const {  \
+    const TeacherSpec& t = case_.inputs.teacher;                                                               \
+    if (t.same_as_student) {                                                                                   \
+      logits(token, begin, end, out);                                                                          \
+    } else if (!read_cache(cache_teacher_, token, begin, end, out)) {                                          \
+      fill(InputStream::teacher_logits, static_cast<std::uint64_t>(token), begin, end, out, t.mean, t.scale,   \
+           false);                                                                                             \
+    }                                                                                                          \
+  }
+LOSSVERIFY_LOGITS(double)
+LOSSVERIFY_LOGITS(float)
+LOSSVERIFY_LOGITS(Eigen::bfloat16)
+LOSSVERIFY_LOGITS(Eigen::half)
+#undef LOSSVERIFY_LOGITS
+
+#define LOSSVERIFY_PADDING(T)                                                                                 \
+  void InputSource::padding_logits(std::int64_t sequence, std::int64_t position, std::int64_t begin,          \
+                                   std::int64_t end, T* out) const {                                          \
+    fill(InputStream::pad_logits, (static_cast<std::uint64_t>(sequence) << 32) + static_cast<std::uint64_t>(position), \
+         begin, end, out, case_.inputs.mean, case_.inputs.scale, false);                                      \
+  }
+LOSSVERIFY_PADDING(float)
+LOSSVERIFY_PADDING(Eigen::bfloat16)
+LOSSVERIFY_PADDING(Eigen::half)
+#undef LOSSVERIFY_PADDING
+
+std::int64_t InputSource::token_id(std::int64_t token) const {
+  return generated_label(case_.inputs.seed, static_cast<std::uint64_t>(token), case_.shape.vocab);
 }
-void InputSource::logits(std::int64_t token, std::int64_t begin, std::int64_t end, Eigen::half* out) const {
-  fill(token, begin, end, out, [](double x) { return Eigen::half(static_cast<float>(x)); });
+
+bool InputSource::masked(std::int64_t token) const {
+  const InputSpec& in = case_.inputs;
+  return in.ignore_fraction > 0.0 &&
+         token_uniform(in.seed, InputStream::token_mask, static_cast<std::uint64_t>(token)) < in.ignore_fraction;
+}
+
+bool InputSource::is_valid(std::int64_t token) const {
+  if (case_.loss.kind == LossKind::kd) return !masked(token);
+  return label(token) != case_.loss.ignore_index;
 }
 
 std::int64_t InputSource::label(std::int64_t token) const {
   const auto it = overrides_.find(token);
   if (it != overrides_.end() && it->second->label) return *it->second->label;
-  const InputSpec& in = case_.inputs;
-  if (in.ignore_fraction > 0.0 &&
-      token_uniform(in.seed, InputStream::token_mask, static_cast<std::uint64_t>(token)) < in.ignore_fraction) {
-    return case_.loss.ignore_index;
-  }
-  return generated_label(in.seed, static_cast<std::uint64_t>(token), case_.shape.vocab);
+  if (masked(token)) return case_.loss.ignore_index;
+  if (case_.batch.labels == BatchSpec::Labels::independent) return token_id(token);
+  if (batch_.is_last_of_sequence(token)) return case_.loss.ignore_index;
+  return token_id(token + 1);
 }
 
 double InputSource::upstream_weight(std::int64_t token) const {

@@ -6,12 +6,19 @@
 #include <unordered_map>
 
 #include "lossverify/case/case.hpp"
+#include "lossverify/layout/global_batch.hpp"
 
 namespace lossverify {
 
 class InputSource {
  public:
   explicit InputSource(const Case& c);
+
+  // Generates every student (and teacher) row once, in the input dtype, and serves later requests from
+  // memory: the same values, for callers that read the same inputs many times (the gate, sweeps).
+  // Returns false, keeping nothing, when the rows would need more than `max_bytes`.
+  bool materialize(int threads, std::size_t max_bytes);
+  bool materialized() const { return !cache_student_.empty(); }
 
   std::int64_t tokens() const { return case_.shape.tokens; }
   std::int64_t vocab() const { return case_.shape.vocab; }
@@ -24,17 +31,45 @@ class InputSource {
   void logits(std::int64_t token, std::int64_t begin, std::int64_t end, Eigen::bfloat16* out) const;
   void logits(std::int64_t token, std::int64_t begin, std::int64_t end, Eigen::half* out) const;
 
-  // Label of a token; equals the case's ignore_index for ignored tokens.
+  // Teacher logits of a KD case (the student's when the case says same_as_student).
+  void teacher_logits(std::int64_t token, std::int64_t begin, std::int64_t end, double* out) const;
+  void teacher_logits(std::int64_t token, std::int64_t begin, std::int64_t end, float* out) const;
+  void teacher_logits(std::int64_t token, std::int64_t begin, std::int64_t end, Eigen::bfloat16* out) const;
+  void teacher_logits(std::int64_t token, std::int64_t begin, std::int64_t end, Eigen::half* out) const;
+  // Logits at a CP padding position (masked, so any values do; these are deterministic).
+  void padding_logits(std::int64_t sequence, std::int64_t position, std::int64_t begin, std::int64_t end,
+                      float* out) const;
+  void padding_logits(std::int64_t sequence, std::int64_t position, std::int64_t begin, std::int64_t end,
+                      Eigen::bfloat16* out) const;
+  void padding_logits(std::int64_t sequence, std::int64_t position, std::int64_t begin, std::int64_t end,
+                      Eigen::half* out) const;
+
+  // Token id at a global position (what next-token labels are made of).
+  std::int64_t token_id(std::int64_t token) const;
+  // The loss mask drawn with ignore_fraction (true: the token is masked out).
+  bool masked(std::int64_t token) const;
+  // Label of a token; equals the case's ignore_index for ignored and masked tokens. With next-token
+  // labels, label[t] = token_id[t + 1] within a sequence and the last position is masked.
   std::int64_t label(std::int64_t token) const;
-  bool is_valid(std::int64_t token) const { return label(token) != case_.loss.ignore_index; }
+  // Whether the token counts in the loss: cross-entropy needs a label, KD only the mask.
+  bool is_valid(std::int64_t token) const;
+  const GlobalBatch& batch() const { return batch_; }
   // g_t of reduction "none" (1 otherwise).
   double upstream_weight(std::int64_t token) const;
 
  private:
-  template <class T, class Convert>
-  void fill(std::int64_t token, std::int64_t begin, std::int64_t end, T* out, Convert convert) const;
+  template <class T>
+  void fill(InputStream stream, std::uint64_t counter_token, std::int64_t begin, std::int64_t end, T* out,
+            double mean, double scale, bool use_overrides) const;
+
+  template <class T>
+  bool read_cache(const std::vector<std::byte>& cache, std::int64_t token, std::int64_t begin, std::int64_t end,
+                  T* out) const;
 
   const Case& case_;
+  GlobalBatch batch_;
+  std::vector<std::byte> cache_student_;
+  std::vector<std::byte> cache_teacher_;
   std::unordered_map<std::int64_t, const RowOverride*> overrides_;
 };
 

@@ -19,6 +19,8 @@ enum class InputStream : std::uint32_t {
   labels = 2,
   token_mask = 3,
   upstream_weights = 4,
+  sequence_lengths = 5,
+  pad_logits = 6,  // logits of CP padding positions (masked; any value is right)
 };
 
 enum class LogitDistribution : int { normal = 0, uniform = 1 };

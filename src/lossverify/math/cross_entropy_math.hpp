@@ -6,7 +6,7 @@
 
 namespace lossverify {
 
-enum class LossKind { cross_entropy };
+enum class LossKind { cross_entropy, kd };
 enum class SmoothingConvention { pytorch, megatron };
 enum class Reduction { mean, sum, none };
 

@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "lossverify/core/build_info.hpp"
+#include "lossverify/layout/rank_layout.hpp"
 
 namespace lossverify {
 
@@ -21,11 +22,26 @@ using nlohmann::json;
 
 namespace {
 
-json record_to_json(const std::optional<ElementRecord>& r) {
+// The worst element, located in the global problem and in the layout: for a CP layout a reviewer reads
+// "sequence 5, position 17, CP rank 1, chunk 2" rather than a bare token index.
+json record_to_json(const std::optional<ElementRecord>& r, const Case& c, const GlobalBatch& batch) {
   if (!r) return nullptr;
   json j = {{"rank", r->rank}, {"expected", r->expected}, {"got", r->got}, {"tolerance", r->tolerance}};
   j["token"] = r->token >= 0 ? json(r->token) : json(nullptr);
   j["column"] = r->column >= 0 ? json(r->column) : json(nullptr);
+  if (r->token >= 0) {
+    const TokenPlace p = locate_token(batch, c.batch, c.layout, r->token);
+    j["sequence"] = p.sequence;
+    j["position"] = p.position;
+    j["dp_rank"] = p.dp;
+    j["micro_batch"] = p.micro_batch;
+    j["cp_rank"] = p.cp;
+    j["chunk"] = p.chunk;
+  } else if (r->padding_sequence >= 0) {
+    j["padding"] = true;
+    j["sequence"] = r->padding_sequence;
+    j["position"] = r->padding_position;
+  }
   return j;
 }
 
@@ -69,6 +85,7 @@ double decode_number(const json& value) {
 }
 
 json run_to_json(const RunResult& run) {
+  const GlobalBatch batch(run.the_case.batch);
   json checks = json::array();
   for (const CheckResult& c : run.checks) {
     json j = {{"name", c.name},
@@ -76,8 +93,12 @@ json run_to_json(const RunResult& run) {
               {"margin", c.margin},
               {"summary", c.summary},
               {"metrics", c.metrics},
-              {"worst", record_to_json(c.worst)}};
-    j["tolerance"] = c.tolerance ? json{{"atol", c.tolerance->atol}, {"rtol", c.tolerance->rtol}} : json(nullptr);
+              {"worst", record_to_json(c.worst, run.the_case, batch)}};
+    j["tolerance"] = nullptr;
+    if (c.tolerance) {
+      j["tolerance"] = {{"atol", c.tolerance->atol}, {"rtol", c.tolerance->rtol}};
+      if (c.tolerance->max_ulp > 0) j["tolerance"]["max_ulp"] = c.tolerance->max_ulp;
+    }
     checks.push_back(j);
   }
   const Implementation& impl = *run.implementation;
@@ -85,7 +106,12 @@ json run_to_json(const RunResult& run) {
           {"case_file", run.the_case.source},
           {"implementation",
            {{"name", impl.name}, {"summary", impl.summary}, {"source", impl.source}, {"expected_failures", impl.caught_by}}},
-          {"layout", {{"tp", run.the_case.layout.tp}, {"ranks", run.ranks}}},
+          {"layout",
+           {{"tp", run.the_case.layout.tp},
+            {"cp", run.the_case.layout.cp},
+            {"dp", run.the_case.layout.dp},
+            {"ga", run.the_case.layout.ga},
+            {"ranks", run.ranks}}},
           {"verdict", std::string(to_string(run.verdict))},
           {"checks", checks},
           {"resources", {{"peak_rss_bytes", peak_resident_bytes()}}},
@@ -150,7 +176,8 @@ void write_file_atomically(const std::string& path, const std::string& contents)
 void print_summary(std::ostream& out, const RunResult& run) {
   const Case& c = run.the_case;
   out << "case " << c.name << "  [" << to_string(c.loss.kind) << ", N=" << c.shape.tokens << " V=" << c.shape.vocab
-      << ", " << to_string(c.inputs.dtype) << ", tp=" << c.layout.tp << "]  impl " << run.implementation->name << "\n";
+      << ", " << to_string(c.inputs.dtype) << ", tp=" << c.layout.tp << " cp=" << c.layout.cp << " dp=" << c.layout.dp
+      << " ga=" << c.layout.ga << "]  impl " << run.implementation->name << "\n";
   out << "  " << std::left << std::setw(16) << "check" << std::setw(16) << "verdict" << std::setw(11) << "margin"
       << std::setw(12) << "max abs err" << "worst (token, column, rank: expected -> got)\n";
   for (const CheckResult& check : run.checks) {

@@ -7,7 +7,8 @@
 
 #include "lossverify/comm/thread_world.hpp"
 #include "lossverify/core/errors.hpp"
-#include "lossverify/impl/cpu/vocab_parallel_cross_entropy.hpp"
+#include "lossverify/impl/cpu/sharded_loss.hpp"
+#include "lossverify/layout/rank_layout.hpp"
 #include "lossverify/inputs/input_source.hpp"
 
 namespace lossverify {
@@ -49,6 +50,22 @@ int resolved_threads(const RunOptions& options) {
 
 }  // namespace
 
+RankAssignment assign_rank(const Case& c, const GlobalBatch& batch, int world_rank) {
+  RankAssignment a;
+  a.world_rank = world_rank;
+  a.coordinates = coordinates_of(world_rank, c.layout);
+  a.vocab = vocab_range(c.shape.vocab, c.layout.tp, a.coordinates.tp);
+  const std::int64_t pad_multiple = 2 * static_cast<std::int64_t>(c.layout.cp);
+  for (int k = 0; k < c.layout.ga; ++k) {
+    a.micro_batch_begin.push_back(static_cast<std::int64_t>(a.rows.size()));
+    const auto sequences = sequences_of_slot(batch, c.batch, c.layout, a.coordinates.dp, k);
+    const auto rows = zigzag_rows(batch, sequences, c.layout.cp, a.coordinates.cp, pad_multiple);
+    a.rows.insert(a.rows.end(), rows.begin(), rows.end());
+  }
+  a.micro_batch_begin.push_back(static_cast<std::int64_t>(a.rows.size()));
+  return a;
+}
+
 RankRun execute_ranks(const Case& c, const InputSource& inputs, const Implementation& impl, const RunOptions& options) {
   const auto start = Clock::now();
   const int world_size = c.layout.world_size();
@@ -67,24 +84,21 @@ RankRun execute_ranks(const Case& c, const InputSource& inputs, const Implementa
   world_options.timeout_seconds = c.timeout_seconds;
   run_thread_ranks(world_options, [&](Communicator& world) {
     const int rank = world.rank();
-    // TP is the only dimension so far: the world is the TP group, and each rank is alone in the group of
-    // ranks holding different tokens (DP x CP), where valid-token counts and logged losses are summed.
-    auto token_group = world.split(rank, 0);
+    const RankCoordinates at = coordinates_of(rank, c.layout);
+    // TP group: same (cp, dp). Batch group (different tokens): same tp. DP group: same (tp, cp).
+    auto tp_group = world.split(at.dp * c.layout.cp + at.cp, at.tp);
+    auto batch_group = world.split(at.tp, rank);
+    auto dp_group = world.split(at.cp * c.layout.tp + at.tp, at.dp);
     inject(options.fault, rank);
-    RankAssignment assignment;
-    assignment.world_rank = rank;
-    assignment.tp_rank = rank;
-    assignment.vocab = vocab_range(c.shape.vocab, c.layout.tp, rank);
-    assignment.tokens.resize(static_cast<std::size_t>(c.shape.tokens));
-    for (std::int64_t t = 0; t < c.shape.tokens; ++t) assignment.tokens[static_cast<std::size_t>(t)] = t;
-    run.outputs[static_cast<std::size_t>(rank)] = run_vocab_parallel_cross_entropy(
-        c, inputs, std::move(assignment), world, *token_group, impl.bugs, kernel_options);
+    run.outputs[static_cast<std::size_t>(rank)] =
+        run_sharded_loss(c, inputs, assign_rank(c, inputs.batch(), rank), RankGroups{*tp_group, *batch_group, *dp_group},
+                         impl.bugs, kernel_options);
   });
   run.wall_seconds = std::chrono::duration<double>(Clock::now() - start).count();
   return run;
 }
 
-RunResult run_case(const Case& c, const RunOptions& options) {
+RunResult run_case(const Case& c, const RunOptions& options, bool keep_snapshot) {
   const Implementation* impl = find_implementation(options.implementation);
   if (impl == nullptr) {
     throw CaseError("--impl " + options.implementation + ": unknown implementation (see `lossverify list`)");
@@ -95,7 +109,9 @@ RunResult run_case(const Case& c, const RunOptions& options) {
   result.implementation = impl;
   result.ranks = c.layout.world_size();
   const Case& rc = result.the_case;
-  const InputSource inputs(rc);
+  std::optional<InputSource> own_inputs;
+  if (options.shared_inputs == nullptr) own_inputs.emplace(rc);
+  const InputSource& inputs = options.shared_inputs != nullptr ? *options.shared_inputs : *own_inputs;
   const RankRun ranks = execute_ranks(rc, inputs, *impl, options);
   const auto ranks_done = Clock::now();
   result.timings.ranks_wall = ranks.wall_seconds;
@@ -104,7 +120,9 @@ RunResult run_case(const Case& c, const RunOptions& options) {
     result.timings.compute_max = std::max(result.timings.compute_max, out.compute_seconds);
     result.timings.collectives_max = std::max(result.timings.collectives_max, out.collective_seconds);
   }
-  result.checks = verify(rc, inputs, ranks.outputs, resolved_threads(options));
+  LayoutSnapshot snapshot;
+  result.checks = verify(rc, inputs, ranks.outputs, resolved_threads(options), keep_snapshot ? &snapshot : nullptr);
+  if (keep_snapshot) result.snapshot = std::move(snapshot);
   result.verdict = Verdict::pass;
   for (const CheckResult& check : result.checks) {
     if (check.verdict == Verdict::fail) result.verdict = Verdict::fail;
@@ -113,6 +131,42 @@ RunResult run_case(const Case& c, const RunOptions& options) {
   result.timings.reference_and_checks = std::chrono::duration<double>(end - ranks_done).count();
   result.timings.total = std::chrono::duration<double>(end - start).count();
   return result;
+}
+
+const std::size_t kMaterializeLimitBytes = std::size_t{1} << 30;
+
+std::string layout_name(const LayoutSpec& l) {
+  return "tp" + std::to_string(l.tp) + "-cp" + std::to_string(l.cp) + "-dp" + std::to_string(l.dp) + "-ga" +
+         std::to_string(l.ga);
+}
+
+SweepResult run_sweep(const Case& c, const std::vector<LayoutSpec>& layouts, const RunOptions& options) {
+  SweepResult sweep;
+  std::vector<LayoutSnapshot> snapshots;
+  std::vector<std::string> names;
+  std::optional<InputSource> own_inputs;
+  RunOptions shared = options;
+  if (shared.shared_inputs == nullptr) {
+    own_inputs.emplace(c);
+    own_inputs->materialize(resolved_threads(options), kMaterializeLimitBytes);
+    shared.shared_inputs = &*own_inputs;
+  }
+  for (const LayoutSpec& layout : layouts) {
+    if (layout.tp > c.shape.vocab) {
+      throw CaseError(c.source + ": sweep layout " + layout_name(layout) + ": tp exceeds the vocabulary size");
+    }
+    Case at = c;
+    at.layout = layout;
+    RunResult r = run_case(at, shared, true);
+    snapshots.push_back(std::move(*r.snapshot));
+    r.snapshot.reset();
+    names.push_back(layout_name(layout));
+    if (r.verdict == Verdict::fail) sweep.verdict = Verdict::fail;
+    sweep.runs.push_back(std::move(r));
+  }
+  sweep.invariance = invariance_check(c, snapshots, names);
+  if (sweep.invariance.verdict == Verdict::fail) sweep.verdict = Verdict::fail;
+  return sweep;
 }
 
 }  // namespace lossverify

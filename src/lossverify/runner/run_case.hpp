@@ -1,5 +1,6 @@
 #pragma once
 // case -> inputs -> ranks run an implementation -> checks against the reference -> one run's result.
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -25,6 +26,9 @@ struct RunOptions {
   std::string implementation = "correct";
   int threads = 0;  // OpenMP threads for the reference and checks; 0 = all hardware threads
   FaultInjection fault;
+  // Inputs of this very case, already built (and perhaps materialized) by the caller: the gate and sweeps
+  // run one case many times. The inputs do not depend on the implementation or the layout.
+  const InputSource* shared_inputs = nullptr;
 };
 
 struct RunTimings {
@@ -43,7 +47,11 @@ struct RunResult {
   std::vector<CheckResult> checks;
   Verdict verdict = Verdict::pass;
   RunTimings timings;
+  std::optional<LayoutSnapshot> snapshot;  // kept for sweeps
 };
+
+// The rows of one rank under the case's layout (global tokens and CP padding, micro-batch by micro-batch).
+RankAssignment assign_rank(const Case& c, const GlobalBatch& batch, int world_rank);
 
 // The ranks' outputs of one case on thread ranks, without checking them (tests use this directly).
 struct RankRun {
@@ -54,6 +62,17 @@ RankRun execute_ranks(const Case& c, const InputSource& inputs, const Implementa
 
 // Runs one case on thread ranks. Throws CaseError for an unknown implementation, InternalError when a rank
 // fails, TimeoutError when the deadlock guard fires.
-RunResult run_case(const Case& c, const RunOptions& options);
+RunResult run_case(const Case& c, const RunOptions& options, bool keep_snapshot = false);
+
+// A case at several layouts and the invariance check between them.
+struct SweepResult {
+  std::vector<RunResult> runs;
+  CheckResult invariance;
+  Verdict verdict = Verdict::pass;
+};
+std::string layout_name(const LayoutSpec& layout);
+// Largest input set the gate and sweeps keep in memory (bytes in the input dtype).
+extern const std::size_t kMaterializeLimitBytes;
+SweepResult run_sweep(const Case& c, const std::vector<LayoutSpec>& layouts, const RunOptions& options);
 
 }  // namespace lossverify
