@@ -175,6 +175,8 @@ void write_file_atomically(const std::string& path, const std::string& contents)
 
 void print_summary(std::ostream& out, const RunResult& run) {
   const Case& c = run.the_case;
+  const GlobalBatch batch(c.batch);
+  const bool show_place = c.batch.sequence_lengths.size() > 1 || c.layout.cp > 1 || c.layout.dp > 1 || c.layout.ga > 1;
   out << "case " << c.name << "  [" << to_string(c.loss.kind) << ", N=" << c.shape.tokens << " V=" << c.shape.vocab
       << ", " << to_string(c.inputs.dtype) << ", tp=" << c.layout.tp << " cp=" << c.layout.cp << " dp=" << c.layout.dp
       << " ga=" << c.layout.ga << "]  impl " << run.implementation->name << "\n";
@@ -187,6 +189,14 @@ void print_summary(std::ostream& out, const RunResult& run) {
       worst = "(" + (w.token >= 0 ? std::to_string(w.token) : std::string("-")) + ", " +
               (w.column >= 0 ? std::to_string(w.column) : std::string("-")) + ", " + std::to_string(w.rank) +
               ": " + format_number(w.expected, 6) + " -> " + format_number(w.got, 6) + ")";
+      if (show_place && w.token >= 0) {
+        const TokenPlace p = locate_token(batch, c.batch, c.layout, w.token);
+        worst += " seq " + std::to_string(p.sequence) + " pos " + std::to_string(p.position) + ", dp " +
+                 std::to_string(p.dp) + " mb " + std::to_string(p.micro_batch) + ", cp " + std::to_string(p.cp) +
+                 " chunk " + std::to_string(p.chunk);
+      } else if (w.padding_sequence >= 0) {
+        worst += " padding of seq " + std::to_string(w.padding_sequence) + " pos " + std::to_string(w.padding_position);
+      }
     }
     std::string max_abs = "-";
     if (check.metrics.contains("max_abs_error")) max_abs = format_number(check.metrics["max_abs_error"].get<double>());
