@@ -11,6 +11,9 @@
 #include "lossverify/core/errors.hpp"
 #include "lossverify/reference/compensated_sum.hpp"
 #include "lossverify/reference/loss_reference.hpp"
+#include "lossverify/comm/communicator.hpp"
+#include "lossverify/impl/cpu/sharded_loss.hpp"
+#include <cstring>
 
 namespace lossverify {
 
@@ -121,21 +124,40 @@ nlohmann::json ErrorStats::to_json() const {
           {"max_rel_error", max_rel_}, {"margin", max_margin_}};
 }
 
+
+PackedStats ErrorStats::pack() const {
+  PackedStats p{};
+  p.compared = compared_;
+  p.mismatches = mismatches_;
+  p.max_ulp = max_ulp_;
+  p.max_abs = max_abs_;
+  p.max_rel = max_rel_;
+  p.margin = max_margin_;
+  p.has_worst = worst_.has_value();
+  if (worst_) {
+    p.worst = {worst_->token,    worst_->column,   worst_->rank,     worst_->padding_sequence,
+               worst_->padding_position, worst_->expected, worst_->got, worst_->tolerance};
+  }
+  return p;
+}
+
+ErrorStats ErrorStats::unpack(const PackedStats& p) {
+  ErrorStats s;
+  s.compared_ = p.compared;
+  s.mismatches_ = p.mismatches;
+  s.max_ulp_ = p.max_ulp;
+  s.max_abs_ = p.max_abs;
+  s.max_rel_ = p.max_rel;
+  s.max_margin_ = p.margin;
+  if (p.has_worst) {
+    s.worst_ = ElementRecord{p.worst.token,    p.worst.column,           static_cast<int>(p.worst.rank),
+                             p.worst.expected, p.worst.got,              p.worst.tolerance,
+                             p.worst.padding_sequence, p.worst.padding_position};
+  }
+  return s;
+}
+
 namespace {
-
-struct Holder {
-  int rank_index;
-  std::int64_t row;
-};
-
-// Per-thread accumulators of the streamed checks.
-struct StreamStats {
-  ErrorStats loss;
-  ErrorStats grad;
-  ErrorStats agreement;
-  ErrorStats row_sum;
-  std::vector<std::int64_t> grad_mismatches_per_rank;
-};
 
 struct FiniteCensus {
   std::int64_t nan = 0;
@@ -143,7 +165,7 @@ struct FiniteCensus {
   std::int64_t neg_inf = 0;
   std::int64_t subnormal = 0;
   std::int64_t nonfinite() const { return nan + pos_inf + neg_inf; }
-  // `value` is exactly representable in `dtype` (a stored output), so no rounding is needed.
+  // `value` is exactly representable in the dtype it was stored in, so no rounding is needed.
   void count(double value, double smallest_normal_value) {
     if (std::isnan(value)) {
       ++nan;
@@ -152,6 +174,15 @@ struct FiniteCensus {
     } else if (value != 0.0 && std::fabs(value) < smallest_normal_value) {
       ++subnormal;
     }
+  }
+  void add(const FiniteCensus& o) {
+    nan += o.nan;
+    pos_inf += o.pos_inf;
+    neg_inf += o.neg_inf;
+    subnormal += o.subnormal;
+  }
+  nlohmann::json to_json() const {
+    return {{"nan", nan}, {"pos_inf", pos_inf}, {"neg_inf", neg_inf}, {"subnormal", subnormal}};
   }
 };
 
@@ -169,126 +200,27 @@ CheckResult make_result(const std::string& name, const ErrorStats& stats, Tolera
   return r;
 }
 
-CheckResult finite_check(const std::vector<RankOutput>& ranks, int threads) {
-  CheckResult r;
-  r.name = "finite";
-  nlohmann::json per_rank = nlohmann::json::array();
-  FiniteCensus total_grad;
-  FiniteCensus total_loss;
-  std::optional<ElementRecord> first;
-  const double fp32_normal = smallest_normal(DType::fp32);
-  for (std::size_t k = 0; k < ranks.size(); ++k) {
-    const RankOutput& out = ranks[k];
-    const double grad_normal = smallest_normal(out.dtype);
-    FiniteCensus grad;
-    FiniteCensus loss;
-    // Rows in parallel; the first non-finite element is the one with the lowest row, then column.
-    std::int64_t first_row = out.rows();
-    std::int64_t first_column = 0;
-#pragma omp parallel num_threads(threads)
-    {
-      FiniteCensus local;
-      std::int64_t local_row = out.rows();
-      std::int64_t local_column = 0;
-      std::vector<double> row(static_cast<std::size_t>(out.columns()));
-#pragma omp for schedule(static)
-      for (std::int64_t i = 0; i < out.rows(); ++i) {
-        out.grad_row(i, row.data());
-        for (std::int64_t v = 0; v < out.columns(); ++v) {
-          const double g = row[static_cast<std::size_t>(v)];
-          local.count(g, grad_normal);
-          if (!std::isfinite(g) && i < local_row) {
-            local_row = i;
-            local_column = v;
-          }
-        }
-      }
-#pragma omp critical(lossverify_finite)
-      {
-        grad.nan += local.nan;
-        grad.pos_inf += local.pos_inf;
-        grad.neg_inf += local.neg_inf;
-        grad.subnormal += local.subnormal;
-        if (local_row < first_row) {
-          first_row = local_row;
-          first_column = local_column;
-        }
-      }
-    }
-    if (!first && first_row < out.rows()) {
-      first = ElementRecord{out.token_of(first_row), out.assignment.vocab.begin + first_column,
-                            out.assignment.world_rank, 0.0, out.grad_at(first_row, out.assignment.vocab.begin + first_column),
-                            0.0};
-    }
-    for (std::int64_t i = 0; i < out.rows(); ++i) {
-      const double l = out.token_loss[static_cast<std::size_t>(i)];
-      loss.count(l, fp32_normal);
-      if (!std::isfinite(l) && !first) first = ElementRecord{out.token_of(i), -1, out.assignment.world_rank, 0.0, l, 0.0};
-    }
-    FiniteCensus reduced;
-    if (out.has_reduced_loss) reduced.count(out.reduced_loss, fp32_normal);
-    auto census = [](const FiniteCensus& f) {
-      return nlohmann::json{{"nan", f.nan}, {"pos_inf", f.pos_inf}, {"neg_inf", f.neg_inf}, {"subnormal", f.subnormal}};
-    };
-    if (grad.nonfinite() + grad.subnormal + loss.nonfinite() + loss.subnormal + reduced.nonfinite() > 0) {
-      per_rank.push_back({{"rank", out.assignment.world_rank},
-                          {"grad", census(grad)},
-                          {"token_loss", census(loss)},
-                          {"reduced_loss", census(reduced)}});
-    }
-    total_grad.nan += grad.nan;
-    total_grad.pos_inf += grad.pos_inf;
-    total_grad.neg_inf += grad.neg_inf;
-    total_grad.subnormal += grad.subnormal;
-    total_loss.nan += loss.nan + reduced.nan;
-    total_loss.pos_inf += loss.pos_inf + reduced.pos_inf;
-    total_loss.neg_inf += loss.neg_inf + reduced.neg_inf;
-    total_loss.subnormal += loss.subnormal;
-  }
-  const std::int64_t bad = total_grad.nonfinite() + total_loss.nonfinite();
-  r.metrics = {{"nonfinite", bad},
-               {"grad", {{"nan", total_grad.nan}, {"pos_inf", total_grad.pos_inf}, {"neg_inf", total_grad.neg_inf},
-                         {"subnormal", total_grad.subnormal}}},
-               {"loss", {{"nan", total_loss.nan}, {"pos_inf", total_loss.pos_inf}, {"neg_inf", total_loss.neg_inf},
-                         {"subnormal", total_loss.subnormal}}},
-               {"per_rank", per_rank}};
-  r.verdict = bad == 0 ? Verdict::pass : Verdict::fail;
-  r.margin = bad == 0 ? 0.0 : std::numeric_limits<double>::infinity();
-  r.worst = first;
-  r.summary = bad == 0 ? "no NaN or Inf in any rank's outputs"
-                       : std::to_string(bad) + " non-finite values (the reference is finite everywhere)";
-  return r;
-}
-
-}  // namespace
-
-namespace {
-
 // Element check of one gradient value against the reference, in effective units.
-// ULP mode (16-bit outputs): within max_ulp of round(reference) in the output dtype, measured on the
-// rank's own (local) value against reference / framework scale, or within the absolute floor.
+// ULP mode (16-bit outputs): the distance to the exact value in units of the dtype's spacing there,
+// measured on the rank's own (local) value against reference / framework scale, or within the floor.
 struct GradJudge {
   Tolerance tolerance;
   DType dtype;
   double framework_scale;
   double quantum;
 
-  // Returns the margin; sets mismatch.
   double judge(double got_local, double expected, double token_scale, bool& mismatch, std::int64_t& ulp) const {
     const double got = got_local * framework_scale;
     const double error = got == expected ? 0.0 : std::fabs(got - expected);
     const double floor = tolerance.atol * token_scale + quantum * framework_scale;
     if (tolerance.max_ulp > 0) {
-      // Real-valued distance in units of the dtype's spacing at the exact value: a correctly rounded
-      // output is within 0.5, a misrounded one within 1.
       const double local_expected = expected / framework_scale;
       const double local_error = got_local == local_expected ? 0.0 : std::fabs(got_local - local_expected);
       const double spacing = ulp_size(local_expected, dtype);
       // A stored value closer than half a spacing is round(expected): distance 0, no need to count.
       ulp = local_error < 0.5 * spacing ? 0 : ulp_distance(got_local, local_expected, dtype);
       const double by_ulp = local_error / (tolerance.max_ulp * spacing);
-      const double by_floor = margin_of(error, floor);
-      const double m = std::min(by_ulp, by_floor);
+      const double m = std::min(by_ulp, margin_of(error, floor));
       mismatch = !(m <= 1.0);
       return std::isnan(error) ? std::numeric_limits<double>::infinity() : m;
     }
@@ -303,44 +235,98 @@ struct GradJudge {
 
 constexpr std::int64_t kSnapshotElementLimit = std::int64_t{1} << 25;
 
+// A rank's rows x columns of inputs, kept in the input dtype (exact) between verification passes so
+// they are generated once; widened to float64 on use.
+class ShardCache {
+ public:
+  ShardCache(DType dtype, std::int64_t rows, std::int64_t cols)
+      : dtype_(dtype), cols_(cols), bytes_(static_cast<std::size_t>(rows * cols) * dtype_size(dtype)) {}
+  template <class Fill>
+  void store(std::int64_t row, Fill fill) {
+    dispatch_dtype(dtype_, [&](auto type) {
+      using T = typename decltype(type)::type;
+      fill(reinterpret_cast<T*>(bytes_.data()) + row * cols_);
+    });
+  }
+  void widen(std::int64_t row, double* out) const {
+    dispatch_dtype(dtype_, [&](auto type) {
+      using T = typename decltype(type)::type;
+      const T* in = reinterpret_cast<const T*>(bytes_.data()) + row * cols_;
+      for (std::int64_t v = 0; v < cols_; ++v) out[v] = static_cast<double>(static_cast<float>(in[v]));
+    });
+  }
+
+ private:
+  DType dtype_;
+  std::int64_t cols_;
+  std::vector<std::byte> bytes_;
+};
+
+// All-gathers fixed-size values over a communicator, in rank order.
+template <class T>
+std::vector<T> gather_all(Communicator& comm, const T& mine) {
+  static_assert(std::is_trivially_copyable_v<T>);
+  std::vector<T> all(static_cast<std::size_t>(comm.size()));
+  comm.all_gather(&mine, all.data(), sizeof(T));
+  return all;
+}
+template <class T>
+std::vector<T> gather_all(Communicator& comm, const std::vector<T>& mine) {
+  std::vector<T> all(mine.size() * static_cast<std::size_t>(comm.size()));
+  comm.all_gather(mine.data(), all.data(), mine.size() * sizeof(T));
+  return all;
+}
+
+// Every rank's statistics merged in rank order: the same result on every rank and every backend.
+ErrorStats merge_over(Communicator& world, const ErrorStats& local) {
+  const std::vector<PackedStats> all = gather_all(world, local.pack());
+  ErrorStats merged = ErrorStats::unpack(all[0]);
+  for (std::size_t r = 1; r < all.size(); ++r) merged.merge(ErrorStats::unpack(all[r]));
+  return merged;
+}
+
 }  // namespace
 
-std::vector<CheckResult> verify(const Case& c, const InputSource& inputs, const std::vector<RankOutput>& ranks,
-                                int threads, LayoutSnapshot* snapshot) {
+std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, const RankOutput& out,
+                                     RankGroups& groups, Communicator& world, int threads, LayoutSnapshot* snapshot) {
   const std::int64_t n = c.shape.tokens;
   const std::int64_t vocab = c.shape.vocab;
-  const LossReference reference(c, inputs);
   const bool kd = c.loss.kind == LossKind::kd;
+  const LossReference reference(c, inputs);
+  const VocabRange range = out.assignment.vocab;
+  const std::int64_t rows = out.rows();
+  const std::int64_t cols = range.size();
+  const int tp_size = groups.tp.size();
+  const bool tp_leader = groups.tp.rank() == 0;
+  const int world_rank = out.assignment.world_rank;
 
-  // Which ranks hold each token, and a coverage check: the holders' columns must tile [0, V) exactly.
-  std::vector<std::vector<Holder>> holders(static_cast<std::size_t>(n));
-  std::vector<Holder> padding_rows;
-  for (std::size_t k = 0; k < ranks.size(); ++k) {
-    for (std::int64_t i = 0; i < ranks[k].rows(); ++i) {
-      const std::int64_t t = ranks[k].token_of(i);
-      if (t < 0) {
-        padding_rows.push_back({static_cast<int>(k), i});
-      } else {
-        holders[static_cast<std::size_t>(t)].push_back({static_cast<int>(k), i});
-      }
-    }
-  }
-  for (std::int64_t t = 0; t < n; ++t) {
-    auto& h = holders[static_cast<std::size_t>(t)];
-    std::sort(h.begin(), h.end(), [&](const Holder& a, const Holder& b) {
-      return ranks[static_cast<std::size_t>(a.rank_index)].assignment.vocab.begin <
-             ranks[static_cast<std::size_t>(b.rank_index)].assignment.vocab.begin;
-    });
+  // Coverage: the TP group's columns tile [0, V); every token is held by exactly one TP group.
+  {
+    const std::int64_t mine[2] = {range.begin, range.end};
+    std::vector<std::int64_t> all(static_cast<std::size_t>(2 * tp_size));
+    groups.tp.all_gather(mine, all.data(), sizeof(mine));
+    std::vector<std::pair<std::int64_t, std::int64_t>> ranges;
+    for (int r = 0; r < tp_size; ++r) ranges.push_back({all[static_cast<std::size_t>(2 * r)], all[static_cast<std::size_t>(2 * r + 1)]});
+    std::sort(ranges.begin(), ranges.end());
     std::int64_t next = 0;
-    for (const Holder& x : h) {
-      const VocabRange r = ranks[static_cast<std::size_t>(x.rank_index)].assignment.vocab;
-      if (r.begin != next) {
-        throw InternalError("token " + std::to_string(t) + ": rank shards do not tile the vocabulary at column " +
-                            std::to_string(next));
-      }
-      next = r.end;
+    for (const auto& [b, e] : ranges) {
+      if (b != next) throw InternalError("rank " + std::to_string(world_rank) + ": TP shards do not tile the vocabulary at column " + std::to_string(next));
+      next = e;
     }
-    if (next != vocab) throw InternalError("token " + std::to_string(t) + ": vocabulary not covered");
+    if (next != vocab) throw InternalError("rank " + std::to_string(world_rank) + ": TP shards do not cover the vocabulary");
+    std::vector<std::int64_t> holders(static_cast<std::size_t>(n), 0);
+    if (tp_leader) {
+      for (std::int64_t i = 0; i < rows; ++i) {
+        if (out.token_of(i) >= 0) ++holders[static_cast<std::size_t>(out.token_of(i))];
+      }
+    }
+    world.allreduce_sum(std::span<std::int64_t>(holders));
+    for (std::int64_t t = 0; t < n; ++t) {
+      if (holders[static_cast<std::size_t>(t)] != 1) {
+        throw InternalError("token " + std::to_string(t) + " is held by " + std::to_string(holders[static_cast<std::size_t>(t)]) +
+                            " TP groups, expected exactly one");
+      }
+    }
   }
 
   const Tolerance tol_loss = effective_tolerance(c, "loss");
@@ -349,180 +335,342 @@ std::vector<CheckResult> verify(const Case& c, const InputSource& inputs, const 
   const DType dtype = c.inputs.dtype;
   const double framework_scale = c.framework.gradient_scale(c.layout);
   const GradJudge judge{effective_tolerance(c, "grad"), dtype, framework_scale, output_quantum(dtype)};
-  const double z_weight = c.loss.z_loss_weight;
-  // Natural scale of a token's loss and gradient: T^s and T^(s-1) for KD, 1 for cross-entropy.
   const double kd_power = c.loss.t2_scaling ? 2.0 : 0.0;
   const double loss_scale = kd ? std::pow(c.loss.temperature, kd_power) : 1.0;
   const double grad_scale = kd ? std::pow(c.loss.temperature, kd_power - 1.0) : 1.0;
   const bool row_sum_applies = c.loss.softcap == 0.0;
-  const bool keep_grads = snapshot != nullptr && n * vocab <= kSnapshotElementLimit;
-  if (snapshot != nullptr) {
-    snapshot->token_loss.assign(static_cast<std::size_t>(n), 0.0f);
-    snapshot->effective_grad.assign(keep_grads ? static_cast<std::size_t>(n * vocab) : 0, 0.0f);
-  }
 
-  std::vector<double> reference_loss(static_cast<std::size_t>(n), 0.0);
-  StreamStats total;
-  total.grad_mismatches_per_rank.assign(ranks.size(), 0);
-
+  // 1. This rank's rows x columns, kept in the input dtype (exact), and the reference partials.
+  std::vector<double> partials(static_cast<std::size_t>(rows * RowPartial::kDoubles), 0.0);
+  std::vector<char> valid(static_cast<std::size_t>(rows), 0);
+  ShardCache student_cache(dtype, rows, cols);
+  ShardCache teacher_cache(dtype, kd ? rows : 0, cols);
+  auto generate_row = [&](std::int64_t i) {
+    const std::int64_t t = out.token_of(i);
+    student_cache.store(i, [&](auto* row) { inputs.logits(t, range.begin, range.end, row); });
+    if (kd) teacher_cache.store(i, [&](auto* row) { inputs.teacher_logits(t, range.begin, range.end, row); });
+  };
+  auto load_row = [&](std::int64_t i, std::vector<double>& student, std::vector<double>& teacher) {
+    student_cache.widen(i, student.data());
+    if (kd) teacher_cache.widen(i, teacher.data());
+  };
 #pragma omp parallel num_threads(threads)
   {
-    StreamStats local;
-    local.grad_mismatches_per_rank.assign(ranks.size(), 0);
-    std::vector<double> logits(static_cast<std::size_t>(vocab));
-    std::vector<double> teacher(kd ? static_cast<std::size_t>(vocab) : 0);
-    std::vector<double> grad_ref(static_cast<std::size_t>(vocab));
-    std::vector<double> grad_got;
+    std::vector<double> student(static_cast<std::size_t>(cols));
+    std::vector<double> teacher(kd ? static_cast<std::size_t>(cols) : 0);
 #pragma omp for schedule(dynamic, 4)
-    for (std::int64_t t = 0; t < n; ++t) {
-      inputs.logits(t, 0, vocab, logits.data());
-      if (kd) inputs.teacher_logits(t, 0, vocab, teacher.data());
-      const ReferenceToken ref = reference.evaluate(t, logits, teacher, grad_ref);
-      reference_loss[static_cast<std::size_t>(t)] = ref.loss;
-      const auto& h = holders[static_cast<std::size_t>(t)];
-      const double token_scale = std::fabs(ref.weight) * grad_scale;
-      CompensatedSum row_sum;
-      CompensatedSum row_abs;
-      double first_loss = 0.0;
-      for (std::size_t j = 0; j < h.size(); ++j) {
-        const RankOutput& out = ranks[static_cast<std::size_t>(h[j].rank_index)];
-        const int rank = out.assignment.world_rank;
-        const double got_loss = out.token_loss[static_cast<std::size_t>(h[j].row)];
-        local.loss.add({t, -1, rank, ref.loss, got_loss,
-                        tol_loss.atol * loss_scale + tol_loss.rtol * std::fabs(ref.loss)});
-        if (j == 0) {
-          first_loss = got_loss;
-          if (snapshot != nullptr) snapshot->token_loss[static_cast<std::size_t>(t)] = static_cast<float>(got_loss);
-        } else {
-          local.agreement.add({t, -1, rank, first_loss, got_loss,
-                               tol_agree.atol * loss_scale + tol_agree.rtol * std::fabs(first_loss)});
-        }
-        const VocabRange range = out.assignment.vocab;
-        grad_got.resize(static_cast<std::size_t>(range.size()));
-        out.grad_row(h[j].row, grad_got.data());
-        for (std::int64_t v = range.begin; v < range.end; ++v) {
-          const double got_local = grad_got[static_cast<std::size_t>(v - range.begin)];
-          const double expected = grad_ref[static_cast<std::size_t>(v)];
-          bool mismatch = false;
-          std::int64_t ulp = 0;
-          const double m = judge.judge(got_local, expected, token_scale, mismatch, ulp);
-          if (mismatch) ++local.grad_mismatches_per_rank[static_cast<std::size_t>(h[j].rank_index)];
-          const double got = got_local * framework_scale;
-          local.grad.add_with_margin({t, v, rank, expected, got, judge.tolerance_at(expected, token_scale)}, m,
-                                     mismatch);
-          local.grad.add_ulp(ulp);
-          row_sum.add(got);
-          row_abs.add(std::fabs(got));
-          if (keep_grads) snapshot->effective_grad[static_cast<std::size_t>(t * vocab + v)] = static_cast<float>(got);
-        }
-      }
-      if (row_sum_applies) {
-        // SPEC 3 invariant: sum_v dl/dx_v = 2 w_z lse per token (0 for KD), times the token's weight in L.
-        const double expected_sum = (ref.valid && !kd) ? ref.weight * 2.0 * z_weight * ref.lse : 0.0;
-        local.row_sum.add({t, -1,
-                           h.empty() ? -1 : ranks[static_cast<std::size_t>(h[0].rank_index)].assignment.world_rank,
-                           expected_sum, row_sum.value(),
-                           tol_row.atol * token_scale + tol_row.rtol * row_abs.value() + judge.quantum * framework_scale});
-      }
+    for (std::int64_t i = 0; i < rows; ++i) {
+      const std::int64_t t = out.token_of(i);
+      if (t < 0 || !inputs.is_valid(t)) continue;
+      valid[static_cast<std::size_t>(i)] = 1;
+      generate_row(i);
+      load_row(i, student, teacher);
+      const RowPartial p = reference.partial(t, range.begin, student, teacher);
+      p.store(&partials[static_cast<std::size_t>(i * RowPartial::kDoubles)]);
     }
-    // CP padding rows are masked: zero loss and an exactly zero gradient on every rank.
-#pragma omp for schedule(dynamic, 16)
-    for (std::size_t j = 0; j < padding_rows.size(); ++j) {
-      const RankOutput& out = ranks[static_cast<std::size_t>(padding_rows[j].rank_index)];
-      const LocalRow& row = out.assignment.rows[static_cast<std::size_t>(padding_rows[j].row)];
-      ElementRecord loss_record{-1, -1, out.assignment.world_rank, 0.0,
-                                out.token_loss[static_cast<std::size_t>(padding_rows[j].row)], 0.0,
-                                row.sequence, row.position};
-      local.loss.add(loss_record);
-      const VocabRange range = out.assignment.vocab;
-      grad_got.resize(static_cast<std::size_t>(range.size()));
-      out.grad_row(padding_rows[j].row, grad_got.data());
-      for (std::int64_t v = range.begin; v < range.end; ++v) {
-        ElementRecord r{-1, v, out.assignment.world_rank, 0.0,
-                        grad_got[static_cast<std::size_t>(v - range.begin)] * framework_scale, 0.0, row.sequence,
-                        row.position};
-        const bool mismatch = r.got != 0.0;
-        if (mismatch) ++local.grad_mismatches_per_rank[static_cast<std::size_t>(padding_rows[j].rank_index)];
-        local.grad.add_with_margin(r, mismatch ? std::numeric_limits<double>::infinity() : 0.0, mismatch);
-      }
+  }
+  // 2. Row statistics: the TP group's partials combined in column order.
+  const std::vector<double> all_partials = gather_all(groups.tp, partials);
+  std::vector<RowStats> stats(static_cast<std::size_t>(rows));
+  for (std::int64_t i = 0; i < rows; ++i) {
+    if (!valid[static_cast<std::size_t>(i)]) continue;
+    std::vector<RowPartial> parts(static_cast<std::size_t>(tp_size));
+    for (int r = 0; r < tp_size; ++r) {
+      parts[static_cast<std::size_t>(r)] =
+          RowPartial::load(&all_partials[static_cast<std::size_t>((r * rows + i) * RowPartial::kDoubles)]);
     }
-#pragma omp critical(lossverify_merge)
+    stats[static_cast<std::size_t>(i)] = reference.combine(parts);
+  }
+  std::vector<double> reference_loss(static_cast<std::size_t>(rows), 0.0);
+  if (kd) {
+    std::vector<double> kl(static_cast<std::size_t>(2 * rows), 0.0);
+#pragma omp parallel num_threads(threads)
     {
-      total.loss.merge(local.loss);
-      total.grad.merge(local.grad);
-      total.agreement.merge(local.agreement);
-      total.row_sum.merge(local.row_sum);
-      for (std::size_t k = 0; k < ranks.size(); ++k) {
-        total.grad_mismatches_per_rank[k] += local.grad_mismatches_per_rank[k];
+      std::vector<double> student(static_cast<std::size_t>(cols));
+      std::vector<double> teacher(static_cast<std::size_t>(cols));
+#pragma omp for schedule(dynamic, 4)
+      for (std::int64_t i = 0; i < rows; ++i) {
+        if (!valid[static_cast<std::size_t>(i)]) continue;
+        load_row(i, student, teacher);
+        const auto [sum, error] = reference.kl_partial(stats[static_cast<std::size_t>(i)], student, teacher);
+        kl[static_cast<std::size_t>(2 * i)] = sum;
+        kl[static_cast<std::size_t>(2 * i + 1)] = error;
+      }
+    }
+    const std::vector<double> all_kl = gather_all(groups.tp, kl);
+    for (std::int64_t i = 0; i < rows; ++i) {
+      if (!valid[static_cast<std::size_t>(i)]) continue;
+      CompensatedSum total;
+      for (int r = 0; r < tp_size; ++r) {
+        total.add(all_kl[static_cast<std::size_t>(r * 2 * rows + 2 * i)]);
+        total.add(all_kl[static_cast<std::size_t>(r * 2 * rows + 2 * i + 1)]);
+      }
+      reference_loss[static_cast<std::size_t>(i)] = reference.kd_loss(total.value());
+    }
+  } else {
+    for (std::int64_t i = 0; i < rows; ++i) {
+      if (valid[static_cast<std::size_t>(i)]) {
+        reference_loss[static_cast<std::size_t>(i)] = reference.cross_entropy_loss(stats[static_cast<std::size_t>(i)]);
       }
     }
   }
 
-  std::vector<CheckResult> results;
+  // 3. Every element of this rank against the reference.
+  ErrorStats loss_stats;
+  ErrorStats grad_stats;
+  std::int64_t grad_mismatches = 0;
+  // per row: compensated sum of the effective gradient (value, error) and sum of magnitudes
+  std::vector<double> row_sums(static_cast<std::size_t>(3 * rows), 0.0);
+  const bool keep_grads = snapshot != nullptr && n * vocab <= kSnapshotElementLimit;
+#pragma omp parallel num_threads(threads)
+  {
+    ErrorStats local_loss;
+    ErrorStats local_grad;
+    std::int64_t local_mismatches = 0;
+    std::vector<double> student(static_cast<std::size_t>(cols));
+    std::vector<double> teacher(kd ? static_cast<std::size_t>(cols) : 0);
+    std::vector<double> expected(static_cast<std::size_t>(cols));
+    std::vector<double> got(static_cast<std::size_t>(cols));
+#pragma omp for schedule(dynamic, 4)
+    for (std::int64_t i = 0; i < rows; ++i) {
+      const auto k = static_cast<std::size_t>(i);
+      const std::int64_t t = out.token_of(i);
+      const LocalRow& row = out.assignment.rows[k];
+      const double got_loss = out.token_loss[k];
+      out.grad_row(i, got.data());
+      if (t < 0) {
+        // CP padding: masked, so zero loss and an exactly zero gradient.
+        local_loss.add({-1, -1, world_rank, 0.0, got_loss, 0.0, row.sequence, row.position});
+        for (std::int64_t v = 0; v < cols; ++v) {
+          const double g = got[static_cast<std::size_t>(v)] * framework_scale;
+          const bool mismatch = g != 0.0;
+          local_mismatches += mismatch;
+          local_grad.add_with_margin({-1, range.begin + v, world_rank, 0.0, g, 0.0, row.sequence, row.position},
+                                     mismatch ? std::numeric_limits<double>::infinity() : 0.0, mismatch);
+        }
+        continue;
+      }
+      const double ref_loss = reference_loss[k];
+      local_loss.add({t, -1, world_rank, ref_loss, got_loss, tol_loss.atol * loss_scale + tol_loss.rtol * std::fabs(ref_loss)});
+      const double weight = valid[k] ? reference.token_weight(t) : 0.0;
+      if (valid[k]) {
+        load_row(i, student, teacher);
+        reference.gradient(t, stats[k], range.begin, student, teacher, expected);
+      } else {
+        std::fill(expected.begin(), expected.end(), 0.0);
+      }
+      const double token_scale = std::fabs(weight) * grad_scale;
+      CompensatedSum sum;
+      CompensatedSum magnitude;
+      for (std::int64_t v = 0; v < cols; ++v) {
+        const double got_local = got[static_cast<std::size_t>(v)];
+        const double e = expected[static_cast<std::size_t>(v)];
+        bool mismatch = false;
+        std::int64_t ulp = 0;
+        const double m = judge.judge(got_local, e, token_scale, mismatch, ulp);
+        local_mismatches += mismatch;
+        const double g = got_local * framework_scale;
+        local_grad.add_with_margin({t, range.begin + v, world_rank, e, g, judge.tolerance_at(e, token_scale)}, m, mismatch);
+        local_grad.add_ulp(ulp);
+        sum.add(g);
+        magnitude.add(std::fabs(g));
+        if (keep_grads) snapshot->effective_grad[static_cast<std::size_t>(t * vocab + range.begin + v)] = static_cast<float>(g);
+      }
+      row_sums[3 * k] = sum.sum();
+      row_sums[3 * k + 1] = sum.error();
+      row_sums[3 * k + 2] = magnitude.value();
+      if (snapshot != nullptr && tp_leader) snapshot->token_loss[static_cast<std::size_t>(t)] = static_cast<float>(got_loss);
+    }
+#pragma omp critical(lossverify_verify_merge)
+    {
+      loss_stats.merge(local_loss);
+      grad_stats.merge(local_grad);
+      grad_mismatches += local_mismatches;
+    }
+  }
 
-  // loss: per-token values and the logged loss of every rank.
-  ErrorStats reduced;
-  double reference_reduced = 0.0;
+  // 4. Across the TP group: rank agreement and the row-sum invariant, judged by the TP leader.
+  ErrorStats agreement_stats;
+  ErrorStats row_sum_stats;
+  {
+    const std::vector<double> all_sums = gather_all(groups.tp, row_sums);
+    const std::vector<float> all_losses = gather_all(groups.tp, out.token_loss);
+    const std::vector<int> tp_world = gather_all(groups.tp, world_rank);  // collective: every TP rank calls it
+    if (tp_leader) {
+      for (std::int64_t i = 0; i < rows; ++i) {
+        const auto k = static_cast<std::size_t>(i);
+        const std::int64_t t = out.token_of(i);
+        if (t < 0) continue;
+        const double first = all_losses[k];
+        for (int r = 1; r < tp_size; ++r) {
+          agreement_stats.add({t, -1, tp_world[static_cast<std::size_t>(r)], first,
+                               all_losses[static_cast<std::size_t>(r * rows + i)],
+                               tol_agree.atol * loss_scale + tol_agree.rtol * std::fabs(first)});
+        }
+        if (!row_sum_applies) continue;
+        CompensatedSum total;
+        CompensatedSum magnitude;
+        for (int r = 0; r < tp_size; ++r) {
+          total.add(all_sums[static_cast<std::size_t>(r * 3 * rows + 3 * i)]);
+          total.add(all_sums[static_cast<std::size_t>(r * 3 * rows + 3 * i + 1)]);
+          magnitude.add(all_sums[static_cast<std::size_t>(r * 3 * rows + 3 * i + 2)]);
+        }
+        // SPEC 3 invariant: sum_v dl/dx_v = 2 w_z lse per token (0 for KD), times the token's weight in L.
+        const double weight = valid[k] ? reference.token_weight(t) : 0.0;
+        const double expected_sum = (valid[k] && !kd) ? weight * 2.0 * c.loss.z_loss_weight * stats[k].lse : 0.0;
+        row_sum_stats.add({t, -1, world_rank, expected_sum, total.value(),
+                           tol_row.atol * std::fabs(weight) * grad_scale + tol_row.rtol * magnitude.value() +
+                               judge.quantum * framework_scale});
+      }
+    }
+  }
+
+  // 5. The reference's logged loss: every token's reference loss, summed in token order on every rank.
+  std::vector<double> token_losses(static_cast<std::size_t>(n), 0.0);
+  if (tp_leader) {
+    for (std::int64_t i = 0; i < rows; ++i) {
+      if (out.token_of(i) >= 0) token_losses[static_cast<std::size_t>(out.token_of(i))] = reference_loss[static_cast<std::size_t>(i)];
+    }
+  }
+  world.allreduce_sum(std::span<double>(token_losses));  // one nonzero term per token: exact
+  const double reference_reduced = c.loss.reduction != Reduction::none ? reference.reduced_loss(token_losses) : 0.0;
+  ErrorStats reduced_local;
   const Tolerance tol_reduced = effective_tolerance(c, "reduced_loss");
   if (c.loss.reduction != Reduction::none) {
-    reference_reduced = reference.reduced_loss(reference_loss);
     // The absolute floor scales with sum_t |w_t|: 1 for mean, N_v for sum.
     const double weight_total = c.loss.reduction == Reduction::mean ? 1.0 : static_cast<double>(reference.valid_tokens());
-    for (const RankOutput& out : ranks) {
-      reduced.add({-1, -1, out.assignment.world_rank, reference_reduced, out.reduced_loss,
-                   tol_reduced.atol * loss_scale * std::max(weight_total, 1.0) +
-                       tol_reduced.rtol * std::fabs(reference_reduced)});
-    }
+    reduced_local.add({-1, -1, world_rank, reference_reduced, out.reduced_loss,
+                       tol_reduced.atol * loss_scale * std::max(weight_total, 1.0) + tol_reduced.rtol * std::fabs(reference_reduced)});
   }
+  ErrorStats stats_local;
+  stats_local.add({-1, -1, world_rank, static_cast<double>(reference.valid_tokens()),
+                   static_cast<double>(out.logged_valid_tokens), 0.5});
+
+  // 6. The finite census of this rank.
+  FiniteCensus grad_census;
+  FiniteCensus loss_census;
+  FiniteCensus reduced_census;
+  std::optional<ElementRecord> first_bad;
   {
-    ErrorStats both = total.loss;
-    both.merge(reduced);
+    const double grad_normal = smallest_normal(out.dtype);
+    const double fp32_normal = smallest_normal(DType::fp32);
+    std::vector<double> g(static_cast<std::size_t>(cols));
+    for (std::int64_t i = 0; i < rows; ++i) {
+      out.grad_row(i, g.data());
+      for (std::int64_t v = 0; v < cols; ++v) {
+        grad_census.count(g[static_cast<std::size_t>(v)], grad_normal);
+        if (!std::isfinite(g[static_cast<std::size_t>(v)]) && !first_bad) {
+          first_bad = ElementRecord{out.token_of(i), range.begin + v, world_rank, 0.0, g[static_cast<std::size_t>(v)], 0.0};
+        }
+      }
+      const double l = out.token_loss[static_cast<std::size_t>(i)];
+      loss_census.count(l, fp32_normal);
+      if (!std::isfinite(l) && !first_bad) first_bad = ElementRecord{out.token_of(i), -1, world_rank, 0.0, l, 0.0};
+    }
+    if (out.has_reduced_loss) reduced_census.count(out.reduced_loss, fp32_normal);
+  }
+
+  // 7. Merge over the world, in rank order.
+  const ErrorStats loss_all = merge_over(world, loss_stats);
+  const ErrorStats reduced_all = merge_over(world, reduced_local);
+  const ErrorStats grad_all = merge_over(world, grad_stats);
+  const ErrorStats agreement_all = merge_over(world, agreement_stats);
+  const ErrorStats row_sum_all = merge_over(world, row_sum_stats);
+  const ErrorStats stats_all = merge_over(world, stats_local);
+  const std::vector<std::int64_t> mismatches_per_rank = gather_all(world, grad_mismatches);
+  struct CensusRecord {
+    std::int64_t rank;
+    std::int64_t values[12];
+    std::int64_t has_bad;
+    PackedElement bad;
+  };
+  CensusRecord mine{};
+  mine.rank = world_rank;
+  const FiniteCensus* parts[3] = {&grad_census, &loss_census, &reduced_census};
+  for (int j = 0; j < 3; ++j) {
+    mine.values[4 * j] = parts[j]->nan;
+    mine.values[4 * j + 1] = parts[j]->pos_inf;
+    mine.values[4 * j + 2] = parts[j]->neg_inf;
+    mine.values[4 * j + 3] = parts[j]->subnormal;
+  }
+  if (first_bad) {
+    mine.has_bad = 1;
+    mine.bad = {first_bad->token, first_bad->column, first_bad->rank, -1, -1, 0.0, first_bad->got, 0.0};
+  }
+  const std::vector<CensusRecord> censuses = gather_all(world, mine);
+
+  std::vector<CheckResult> results;
+  {
+    ErrorStats both = loss_all;
+    both.merge(reduced_all);
     CheckResult r = make_result("loss", both, tol_loss, "per-token and logged losses vs the float64 reference");
-    r.metrics = {{"per_token", total.loss.to_json()}, {"margin", both.margin()}};
+    r.metrics = {{"per_token", loss_all.to_json()}, {"margin", both.margin()}};
     if (c.loss.reduction != Reduction::none) {
-      r.metrics["reduced"] = reduced.to_json();
+      r.metrics["reduced"] = reduced_all.to_json();
       r.metrics["reduced"]["expected"] = reference_reduced;
       r.metrics["reduced"]["tolerance"] = {{"atol", tol_reduced.atol}, {"rtol", tol_reduced.rtol}};
     }
     results.push_back(std::move(r));
   }
   {
-    CheckResult r = make_result("grad", total.grad, judge.tolerance, "effective gradient vs the float64 reference");
-    if (dtype != DType::fp32) r.metrics["max_ulp"] = total.grad.max_ulp();
+    CheckResult r = make_result("grad", grad_all, judge.tolerance, "effective gradient vs the float64 reference");
+    if (dtype != DType::fp32) r.metrics["max_ulp"] = grad_all.max_ulp();
     r.metrics["framework_scale"] = framework_scale;
     nlohmann::json per_rank = nlohmann::json::array();
-    for (std::size_t k = 0; k < ranks.size(); ++k) {
-      per_rank.push_back({{"rank", ranks[k].assignment.world_rank}, {"mismatches", total.grad_mismatches_per_rank[k]}});
+    for (std::size_t k = 0; k < mismatches_per_rank.size(); ++k) {
+      per_rank.push_back({{"rank", static_cast<int>(k)}, {"mismatches", mismatches_per_rank[k]}});
     }
     r.metrics["mismatches_per_rank"] = per_rank;
     results.push_back(std::move(r));
   }
   {
-    CheckResult r = make_result("rank_agreement", total.agreement, tol_agree,
-                                "TP ranks of each token report the same loss");
+    CheckResult r = make_result("rank_agreement", agreement_all, tol_agree, "TP ranks of each token report the same loss");
     if (r.verdict == Verdict::not_applicable) r.summary = "one TP rank per token: nothing to compare";
     results.push_back(std::move(r));
   }
-  results.push_back(finite_check(ranks, threads));
   {
-    CheckResult r = make_result("row_sum", total.row_sum, tol_row, "sum_v grad = w_t 2 w_z lse for every token");
+    CheckResult r;
+    r.name = "finite";
+    FiniteCensus grad_total;
+    FiniteCensus loss_total;
+    nlohmann::json per_rank = nlohmann::json::array();
+    for (const CensusRecord& cr : censuses) {
+      FiniteCensus f[3];
+      for (int j = 0; j < 3; ++j) {
+        f[j] = FiniteCensus{cr.values[4 * j], cr.values[4 * j + 1], cr.values[4 * j + 2], cr.values[4 * j + 3]};
+      }
+      grad_total.add(f[0]);
+      loss_total.add(f[1]);
+      loss_total.add(f[2]);
+      if (f[0].nonfinite() + f[0].subnormal + f[1].nonfinite() + f[1].subnormal + f[2].nonfinite() > 0) {
+        per_rank.push_back({{"rank", cr.rank}, {"grad", f[0].to_json()}, {"token_loss", f[1].to_json()},
+                            {"reduced_loss", f[2].to_json()}});
+      }
+      if (cr.has_bad && !r.worst) {
+        r.worst = ElementRecord{cr.bad.token, cr.bad.column, static_cast<int>(cr.bad.rank), 0.0, cr.bad.got, 0.0};
+      }
+    }
+    const std::int64_t bad = grad_total.nonfinite() + loss_total.nonfinite();
+    r.metrics = {{"nonfinite", bad}, {"grad", grad_total.to_json()}, {"loss", loss_total.to_json()}, {"per_rank", per_rank}};
+    r.verdict = bad == 0 ? Verdict::pass : Verdict::fail;
+    r.margin = bad == 0 ? 0.0 : std::numeric_limits<double>::infinity();
+    r.summary = bad == 0 ? "no NaN or Inf in any rank's outputs"
+                         : std::to_string(bad) + " non-finite values (the reference is finite everywhere)";
+    results.push_back(std::move(r));
+  }
+  {
+    CheckResult r = make_result("row_sum", row_sum_all, tol_row, "sum_v grad = w_t 2 w_z lse for every token");
     if (!row_sum_applies) r.summary = "softcap changes the invariant: not applicable";
     results.push_back(std::move(r));
   }
   {
-    // stats: the logged valid-token count of every rank is the global count; any difference fails.
-    ErrorStats stats;
-    for (const RankOutput& out : ranks) {
-      stats.add({-1, -1, out.assignment.world_rank, static_cast<double>(reference.valid_tokens()),
-                 static_cast<double>(out.logged_valid_tokens), 0.5});
-    }
-    CheckResult r = make_result("stats", stats, Tolerance{0.5, 0.0, 0}, "logged valid-token count vs the global count");
+    CheckResult r = make_result("stats", stats_all, Tolerance{0.5, 0.0, 0}, "logged valid-token count vs the global count");
     r.metrics["expected_valid_tokens"] = reference.valid_tokens();
     results.push_back(std::move(r));
   }
-  if (snapshot != nullptr && !ranks.empty()) {
-    snapshot->logged_loss = ranks.front().reduced_loss;
-    snapshot->logged_valid_tokens = ranks.front().logged_valid_tokens;
+  if (snapshot != nullptr && world.rank() == 0) {
+    snapshot->logged_loss = out.reduced_loss;
+    snapshot->logged_valid_tokens = out.logged_valid_tokens;
   }
   return results;
 }

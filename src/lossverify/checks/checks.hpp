@@ -32,8 +32,21 @@ struct ElementRecord {
 
 // Error statistics of one quantity; the worst element is the one with the largest error/tolerance,
 // ties broken by position so the result does not depend on thread scheduling.
+// ErrorStats as plain data, for all-gathers between ranks.
+struct PackedElement {
+  std::int64_t token, column, rank, padding_sequence, padding_position;
+  double expected, got, tolerance;
+};
+struct PackedStats {
+  std::int64_t compared, mismatches, max_ulp, has_worst;
+  double max_abs, max_rel, margin;
+  PackedElement worst;
+};
+
 class ErrorStats {
  public:
+  PackedStats pack() const;
+  static ErrorStats unpack(const PackedStats& packed);
   void add(const ElementRecord& record);
   // Adds an element whose margin the caller computed (ULP-based tolerances).
   void add_with_margin(const ElementRecord& record, double margin, bool mismatch);
@@ -83,10 +96,18 @@ struct LayoutSnapshot {
   std::int64_t logged_valid_tokens = 0;
 };
 
-// Runs every check of the case on the ranks' outputs, streaming the reference row by row with OpenMP.
-// When `snapshot` is given it is filled for the invariance check.
-std::vector<CheckResult> verify(const Case& c, const InputSource& inputs, const std::vector<RankOutput>& ranks,
-                                int threads, LayoutSnapshot* snapshot = nullptr);
+struct RankGroups;
+class Communicator;
+
+// Distributed verification, run by every rank after its kernel (collective over `world`): the rank
+// regenerates its own rows x columns, computes the float64 reference for them (row statistics combined
+// over its TP group), checks every element locally, and only metrics and worst-element records are
+// reduced, in rank order. No rank ever holds more than its own shard, and every backend that runs the
+// same layout gets bitwise the same results. Returns the merged results (identical on every rank).
+// `snapshot` (thread backend only: shared memory) receives the layout's answers for the invariance check.
+std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, const RankOutput& out,
+                                     RankGroups& groups, Communicator& world, int threads,
+                                     LayoutSnapshot* snapshot = nullptr);
 
 // The invariance check: every snapshot against the first (same global answers at every layout).
 CheckResult invariance_check(const Case& c, const std::vector<LayoutSnapshot>& snapshots,

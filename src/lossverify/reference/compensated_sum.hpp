@@ -16,6 +16,9 @@ class CompensatedSum {
     sum_ = t;
   }
   double value() const { return sum_ + compensation_; }
+  // The running sum and its accumulated error term, for combining partial sums elsewhere.
+  double sum() const { return sum_; }
+  double error() const { return compensation_; }
 
  private:
   double sum_ = 0.0;

@@ -98,38 +98,80 @@ RankRun execute_ranks(const Case& c, const InputSource& inputs, const Implementa
   return run;
 }
 
+RankJob run_rank(const Case& c, const InputSource& inputs, const Implementation& impl, const RunOptions& options,
+                 Communicator& world, int threads, LayoutSnapshot* snapshot) {
+  const auto start = Clock::now();
+  const int rank = world.rank();
+  const RankCoordinates at = coordinates_of(rank, c.layout);
+  // TP group: same (cp, dp). Batch group (different tokens): same tp. DP group: same (tp, cp).
+  auto tp_group = world.split(at.dp * c.layout.cp + at.cp, at.tp);
+  auto batch_group = world.split(at.tp, rank);
+  auto dp_group = world.split(at.cp * c.layout.tp + at.tp, at.dp);
+  inject(options.fault, rank);
+  RankGroups groups{*tp_group, *batch_group, *dp_group};
+  CpuKernelOptions kernel_options;
+  kernel_options.threads = threads;
+  const RankOutput out = run_sharded_loss(c, inputs, assign_rank(c, inputs.batch(), rank), groups, impl.bugs, kernel_options);
+  const auto kernel_done = Clock::now();
+  RankJob job;
+  job.checks = verify_rank(c, inputs, out, groups, world, threads, snapshot);
+  const auto end = Clock::now();
+  double t[6] = {std::chrono::duration<double>(kernel_done - start).count(), out.generate_seconds, out.compute_seconds,
+                 out.collective_seconds, std::chrono::duration<double>(end - kernel_done).count(),
+                 std::chrono::duration<double>(end - start).count()};
+  world.allreduce_max(std::span<double>(t, 6));
+  job.timings = {t[0], t[1], t[2], t[3], t[4], t[5]};
+  return job;
+}
+
+RunResult assemble_result(const Case& c, const Implementation& impl, RankJob job) {
+  RunResult result;
+  result.the_case = c;
+  result.implementation = &impl;
+  result.ranks = c.layout.world_size();
+  result.checks = std::move(job.checks);
+  result.timings = job.timings;
+  result.verdict = Verdict::pass;
+  for (const CheckResult& check : result.checks) {
+    if (check.verdict == Verdict::fail) result.verdict = Verdict::fail;
+  }
+  return result;
+}
+
 RunResult run_case(const Case& c, const RunOptions& options, bool keep_snapshot) {
   const Implementation* impl = find_implementation(options.implementation);
   if (impl == nullptr) {
     throw CaseError("--impl " + options.implementation + ": unknown implementation (see `lossverify list`)");
   }
   const auto start = Clock::now();
-  RunResult result;
-  result.the_case = c;
-  result.implementation = impl;
-  result.ranks = c.layout.world_size();
-  const Case& rc = result.the_case;
+  const int world_size = c.layout.world_size();
+  if (options.fault.kind != FaultInjection::Kind::none &&
+      (options.fault.rank < 0 || options.fault.rank >= world_size)) {
+    throw CaseError("--inject-fault: rank " + std::to_string(options.fault.rank) + " outside [0, " +
+                    std::to_string(world_size) + ")");
+  }
   std::optional<InputSource> own_inputs;
-  if (options.shared_inputs == nullptr) own_inputs.emplace(rc);
+  if (options.shared_inputs == nullptr) own_inputs.emplace(c);
   const InputSource& inputs = options.shared_inputs != nullptr ? *options.shared_inputs : *own_inputs;
-  const RankRun ranks = execute_ranks(rc, inputs, *impl, options);
-  const auto ranks_done = Clock::now();
-  result.timings.ranks_wall = ranks.wall_seconds;
-  for (const RankOutput& out : ranks.outputs) {
-    result.timings.generate_max = std::max(result.timings.generate_max, out.generate_seconds);
-    result.timings.compute_max = std::max(result.timings.compute_max, out.compute_seconds);
-    result.timings.collectives_max = std::max(result.timings.collectives_max, out.collective_seconds);
-  }
   LayoutSnapshot snapshot;
-  result.checks = verify(rc, inputs, ranks.outputs, resolved_threads(options), keep_snapshot ? &snapshot : nullptr);
-  if (keep_snapshot) result.snapshot = std::move(snapshot);
-  result.verdict = Verdict::pass;
-  for (const CheckResult& check : result.checks) {
-    if (check.verdict == Verdict::fail) result.verdict = Verdict::fail;
+  if (keep_snapshot) {
+    snapshot.token_loss.assign(static_cast<std::size_t>(c.shape.tokens), 0.0f);
+    if (c.shape.tokens * c.shape.vocab <= (std::int64_t{1} << 25)) {
+      snapshot.effective_grad.assign(static_cast<std::size_t>(c.shape.tokens * c.shape.vocab), 0.0f);
+    }
   }
-  const auto end = Clock::now();
-  result.timings.reference_and_checks = std::chrono::duration<double>(end - ranks_done).count();
-  result.timings.total = std::chrono::duration<double>(end - start).count();
+  const int threads = std::max(1, resolved_threads(options) / world_size);
+  RankJob rank0;
+  ThreadWorldOptions world_options;
+  world_options.ranks = world_size;
+  world_options.timeout_seconds = c.timeout_seconds;
+  run_thread_ranks(world_options, [&](Communicator& world) {
+    RankJob job = run_rank(c, inputs, *impl, options, world, threads, keep_snapshot ? &snapshot : nullptr);
+    if (world.rank() == 0) rank0 = std::move(job);
+  });
+  RunResult result = assemble_result(c, *impl, std::move(rank0));
+  result.timings.total = std::chrono::duration<double>(Clock::now() - start).count();
+  if (keep_snapshot) result.snapshot = std::move(snapshot);
   return result;
 }
 

@@ -8,6 +8,7 @@
 
 #include "lossverify/case/case.hpp"
 #include "lossverify/checks/checks.hpp"
+#include "lossverify/comm/communicator.hpp"
 #include "lossverify/impl/catalogue.hpp"
 #include "lossverify/impl/rank_output.hpp"
 #include "lossverify/inputs/input_source.hpp"
@@ -32,11 +33,11 @@ struct RunOptions {
 };
 
 struct RunTimings {
-  double ranks_wall = 0.0;           // all ranks, generation included
+  double ranks_wall = 0.0;           // slowest rank's kernel, generation included
   double generate_max = 0.0;         // slowest rank's input generation
   double compute_max = 0.0;          // slowest rank's compute, collectives excluded
   double collectives_max = 0.0;      // slowest rank's time inside collectives
-  double reference_and_checks = 0.0;
+  double reference_and_checks = 0.0;  // slowest rank's verification
   double total = 0.0;
 };
 
@@ -59,6 +60,19 @@ struct RankRun {
   double wall_seconds = 0.0;
 };
 RankRun execute_ranks(const Case& c, const InputSource& inputs, const Implementation& impl, const RunOptions& options);
+
+// One rank's whole job, collective over `world`: its kernel, then distributed verification. Every rank
+// returns the same merged checks and the timings' maxima over ranks. Backends call this from each rank
+// (a thread, or an MPI process). `snapshot` is shared memory for sweeps on the thread backend.
+struct RankJob {
+  std::vector<CheckResult> checks;
+  RunTimings timings;
+};
+RankJob run_rank(const Case& c, const InputSource& inputs, const Implementation& impl, const RunOptions& options,
+                 Communicator& world, int threads, LayoutSnapshot* snapshot = nullptr);
+
+// Results of a case from the merged checks (shared by all backends).
+RunResult assemble_result(const Case& c, const Implementation& impl, RankJob job);
 
 // Runs one case on thread ranks. Throws CaseError for an unknown implementation, InternalError when a rank
 // fails, TimeoutError when the deadlock guard fires.
