@@ -1,7 +1,9 @@
 // lossverify command line: a thin layer over the library (case -> ranks -> checks -> report).
 #include <algorithm>
 #include <cstdio>
+#include <chrono>
 #include <iomanip>
+#include <thread>
 #include <cstdlib>
 #include <iostream>
 #include <string>
@@ -19,6 +21,10 @@
 #include "lossverify/report/report.hpp"
 #include "lossverify/runner/gate.hpp"
 #include "lossverify/runner/run_case.hpp"
+#include "lossverify/inputs/input_source.hpp"
+#ifdef LOSSVERIFY_HAVE_MPI
+#include "lossverify/comm/mpi_world.hpp"
+#endif
 
 namespace {
 
@@ -27,6 +33,9 @@ using namespace lossverify;
 std::string version_text() {
   std::string text = std::string("lossverify ") + build_info::version + " (git " + build_info::git_revision + ")\n";
   text += "backends: cpu-threads";
+#ifdef LOSSVERIFY_HAVE_MPI
+  text += ", mpi (MPICH)";
+#endif
   text += std::string("\nMPI (MPICH) at build time: ") + (build_info::have_mpi ? "found" : "not found");
   text += std::string("\nCUDA toolkit at build time: ") + (build_info::have_cuda ? "found" : "not found");
   return text;
@@ -43,6 +52,7 @@ struct RunArguments {
   double timeout = 0.0;
   std::string fault;
   std::vector<std::string> sweep;
+  std::string backend = "auto";
 };
 
 struct GateArguments {
@@ -143,6 +153,83 @@ int command_run(const RunArguments& args) {
   return static_cast<int>(code);
 }
 
+#ifdef LOSSVERIFY_HAVE_MPI
+// One process per rank: every process runs its rank of every case; rank 0 prints and writes the report.
+// Errors that every rank meets before the run (a bad case, a process count that does not match) end
+// every process with exit code 2; an error inside the run ends the whole job (MPI_Abort) naming the rank.
+int command_run_mpi(const RunArguments& args, mpi::Session& session) {
+  const int rank = session.rank();
+  const bool leader = rank == 0;
+  std::vector<Case> cases;
+  try {
+    if (!args.sweep.empty()) throw CaseError("--sweep runs several layouts: use the thread backend (--backend threads)");
+    std::vector<std::string> overrides = args.set;
+    if (args.tp > 0) overrides.push_back("layout.tp=" + std::to_string(args.tp));
+    if (args.timeout > 0.0) overrides.push_back("timeout_seconds=" + std::to_string(args.timeout));
+    for (const auto& file : args.case_files) cases.push_back(load_case_file(file, overrides));
+    if (find_implementation(args.implementation) == nullptr) {
+      throw CaseError("--impl " + args.implementation + ": unknown implementation (see `lossverify list`)");
+    }
+    for (const Case& c : cases) {
+      if (c.layout.world_size() != session.size()) {
+        throw CaseError(c.source + ": layout tp*cp*dp = " + std::to_string(c.layout.tp) + "*" +
+                        std::to_string(c.layout.cp) + "*" + std::to_string(c.layout.dp) + " = " +
+                        std::to_string(c.layout.world_size()) + " ranks, but mpiexec started " +
+                        std::to_string(session.size()) + " processes");
+      }
+    }
+  } catch (const Error& e) {
+    std::cerr << "lossverify: rank " << rank << " of " << session.size() << ": error: " << e.what() << "\n";
+    return static_cast<int>(e.code());
+  }
+  RunOptions options;
+  options.implementation = args.implementation;
+  if (!args.fault.empty()) options.fault = parse_fault(args.fault);
+  const char* local = std::getenv("MPI_LOCALNRANKS");
+  const int local_ranks = local != nullptr ? std::max(1, std::atoi(local)) : 1;
+  const int hardware = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  const int threads = args.threads > 0 ? args.threads : std::max(1, hardware / local_ranks);
+
+  std::vector<nlohmann::json> runs;
+  bool any_failed = false;
+  for (const Case& c : cases) {
+    session.set_timeout(c.timeout_seconds);
+    const auto start = std::chrono::steady_clock::now();
+    RankJob job;
+    try {
+      const InputSource inputs(c);
+      job = run_rank(c, inputs, *find_implementation(args.implementation), options, session.world(), threads);
+    } catch (const Error& e) {
+      session.abort(static_cast<int>(e.code()), e.what());
+    } catch (const std::exception& e) {
+      session.abort(static_cast<int>(ExitCode::internal_error), e.what());
+    }
+    RunResult result = assemble_result(c, *find_implementation(args.implementation), std::move(job));
+    result.timings.total = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    any_failed = any_failed || result.verdict == Verdict::fail;
+    // Every rank's high-water mark: with distributed verification it falls as 1/R with the shard.
+    const std::int64_t rss = peak_resident_bytes();
+    std::vector<std::int64_t> rss_per_rank(static_cast<std::size_t>(session.size()));
+    session.world().all_gather(&rss, rss_per_rank.data(), sizeof(rss));
+    if (leader) {
+      if (!args.quiet) print_summary(std::cout, result);
+      runs.push_back(run_to_json(result));
+      runs.back()["resources"]["peak_rss_bytes_per_rank"] = rss_per_rank;
+    }
+  }
+  const ExitCode code = any_failed ? ExitCode::check_failed : ExitCode::pass;
+  if (leader && !args.report_path.empty()) {
+    try {
+      write_file_atomically(args.report_path, make_report("run", runs, code, "mpi", session.size()).dump(2) + "\n");
+    } catch (const Error& e) {
+      session.abort(static_cast<int>(e.code()), e.what());
+    }
+    if (!args.quiet) std::cout << "report written to " << args.report_path << "\n";
+  }
+  return static_cast<int>(code);
+}
+#endif
+
 int command_gate(const GateArguments& args) {
   GateOptions options;
   options.cases_dir = args.cases_dir;
@@ -217,7 +304,10 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   run->add_option("--timeout", run_args.timeout, "deadlock guard in seconds (overrides timeout_seconds)")
       ->check(CLI::PositiveNumber);
-  run->add_option("--inject-fault", run_args.fault, "test aid: throw@RANK or hang@RANK")->group("");
+  run->add_option("--inject-fault", run_args.fault, "test aid: throw@RANK, hang@RANK or exit@RANK")->group("");
+  run->add_option("--backend", run_args.backend,
+                  "auto (mpi when started by mpiexec, else threads), threads, or mpi: one rank per process")
+      ->check(CLI::IsMember({"auto", "threads", "mpi"}));
   run->add_option("--sweep", run_args.sweep,
                   "run at every layout of the product, e.g. --sweep tp=1,2,4 cp=1,2 dp=1,2, and check invariance")
       ->expected(1, 4);
@@ -245,6 +335,24 @@ int main(int argc, char** argv) {
     return code == 0 ? 0 : static_cast<int>(ExitCode::usage_error);
   }
 
+  bool use_mpi = false;
+  if (*run) {
+    use_mpi = run_args.backend == "mpi";
+#ifdef LOSSVERIFY_HAVE_MPI
+    if (run_args.backend == "auto") use_mpi = mpi::launched_by_mpiexec();
+#else
+    if (use_mpi) {
+      std::cerr << "lossverify: error: --backend mpi: this build has no MPI (MPICH was not found at configure time)\n";
+      return static_cast<int>(ExitCode::usage_error);
+    }
+#endif
+  }
+#ifdef LOSSVERIFY_HAVE_MPI
+  if (use_mpi) {
+    mpi::Session session(&argc, &argv, run_args.timeout > 0.0 ? run_args.timeout : 120.0);
+    return command_run_mpi(run_args, session);
+  }
+#endif
   try {
     if (*run) return command_run(run_args);
     if (*list) return command_list(list_json);

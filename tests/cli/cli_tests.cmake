@@ -97,3 +97,7 @@ set_tests_properties(cli_report_schema PROPERTIES
 add_test(NAME cli_junit_wellformed
   COMMAND ${LOSSVERIFY_SYSTEM_PYTHON} -c "import sys, xml.etree.ElementTree as E; r = E.parse(sys.argv[1]).getroot(); assert r.tag == 'testsuites' and int(r.get('tests')) > 0 and r.get('failures') == '0', r.attrib; print('ok', r.attrib)" ${OUT}/gate.xml)
 set_tests_properties(cli_junit_wellformed PROPERTIES DEPENDS cli_gate)
+
+if(LOSSVERIFY_HAVE_MPI AND MPIEXEC_EXECUTABLE)
+  include(${CMAKE_CURRENT_SOURCE_DIR}/cli/mpi_tests.cmake)
+endif()

@@ -124,7 +124,8 @@ json run_to_json(const RunResult& run) {
             {"total", run.timings.total}}}};
 }
 
-json make_report(const std::string& command, const std::vector<json>& runs, ExitCode exit_code) {
+json make_report(const std::string& command, const std::vector<json>& runs, ExitCode exit_code,
+                 const std::string& backend, int processes) {
   std::string verdict = "pass";
   for (const json& r : runs) {
     if (r.at("verdict") == "fail") verdict = "fail";
@@ -133,7 +134,8 @@ json make_report(const std::string& command, const std::vector<json>& runs, Exit
       {"schema_version", kReportSchemaVersion},
       {"tool", {{"name", "lossverify"}, {"version", build_info::version}, {"git_revision", build_info::git_revision}}},
       {"environment",
-       {{"backend", "cpu-threads"},
+       {{"backend", backend},
+        {"processes", processes},
         {"compiler", build_info::compiler},
         {"build_type", build_info::build_type},
         {"hardware_threads", std::thread::hardware_concurrency()},

@@ -18,7 +18,8 @@ inline constexpr const char* kReportSchemaVersion = "lossverify.report/1";
 nlohmann::json run_to_json(const RunResult& run);
 
 // The whole report of one command: tool, environment, every run, overall verdict and exit code.
-nlohmann::json make_report(const std::string& command, const std::vector<nlohmann::json>& runs, ExitCode exit_code);
+nlohmann::json make_report(const std::string& command, const std::vector<nlohmann::json>& runs, ExitCode exit_code,
+                           const std::string& backend = "cpu-threads", int processes = 1);
 
 // Replaces NaN and infinities anywhere in the document by their string encodings.
 nlohmann::json encode_nonfinite(nlohmann::json value);

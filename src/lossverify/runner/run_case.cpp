@@ -3,6 +3,7 @@
 #include <omp.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <thread>
 
 #include "lossverify/comm/thread_world.hpp"
@@ -17,10 +18,12 @@ FaultInjection parse_fault(const std::string& text) {
   const auto at = text.find('@');
   FaultInjection f;
   const std::string kind = text.substr(0, at);
-  if (at == std::string::npos || (kind != "throw" && kind != "hang")) {
-    throw CaseError("--inject-fault " + text + ": expected throw@RANK or hang@RANK");
+  if (at == std::string::npos || (kind != "throw" && kind != "hang" && kind != "exit")) {
+    throw CaseError("--inject-fault " + text + ": expected throw@RANK, hang@RANK or exit@RANK");
   }
-  f.kind = kind == "throw" ? FaultInjection::Kind::throw_error : FaultInjection::Kind::hang;
+  f.kind = kind == "throw" ? FaultInjection::Kind::throw_error
+           : kind == "hang" ? FaultInjection::Kind::hang
+                            : FaultInjection::Kind::exit;
   try {
     f.rank = std::stoi(text.substr(at + 1));
   } catch (const std::exception&) {
@@ -41,6 +44,7 @@ void inject(const FaultInjection& fault, int rank) {
   if (fault.kind == FaultInjection::Kind::hang) {
     for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));  // never reaches a collective
   }
+  if (fault.kind == FaultInjection::Kind::exit) std::exit(9);  // the process goes away mid-run
 }
 
 int resolved_threads(const RunOptions& options) {

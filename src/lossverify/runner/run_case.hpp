@@ -17,10 +17,10 @@ namespace lossverify {
 
 // Test aid: make one rank fail, to prove that the others stop with a message naming it.
 struct FaultInjection {
-  enum class Kind { none, throw_error, hang } kind = Kind::none;
+  enum class Kind { none, throw_error, hang, exit } kind = Kind::none;
   int rank = -1;
 };
-// "throw@R" or "hang@R"; throws CaseError otherwise.
+// "throw@R", "hang@R" or "exit@R" (the process exits: MPI backend); throws CaseError otherwise.
 FaultInjection parse_fault(const std::string& text);
 
 struct RunOptions {
