@@ -8,6 +8,8 @@
 
 #include "lossverify/math/cross_entropy_math.hpp"
 #include "lossverify/math/kd_math.hpp"
+#include "lossverify/impl/rank_plan.hpp"
+#include <optional>
 
 namespace lossverify {
 
@@ -44,14 +46,6 @@ float lane_sum(std::int64_t n, F f) {
   return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
 }
 
-// Per local row, decided before any collective.
-struct RowPlan {
-  std::int64_t label = -1;     // global label (cross-entropy), or the ignore index
-  bool valid = false;          // counts in the loss
-  bool active = false;         // gets a loss and gradient computed (valid, or ignored under zloss-on-ignored)
-  float forward_weight = 0;    // weight of the token's loss in the logged objective
-  float backward_weight = 0;   // scale of the local gradient
-};
 
 class RankKernel {
  public:
@@ -66,7 +60,6 @@ class RankKernel {
   RankOutput run() {
     const auto start = Clock::now();
     const double collectives_before = collective_seconds();
-    plan_labels();
     // The rank generates exactly its own shard (the whole vocabulary under full-vocab-through-tp).
     const VocabRange vocab = out_.assignment.vocab;
     work_ = full_vocab() ? VocabRange{0, case_.shape.vocab} : vocab;
@@ -88,7 +81,8 @@ class RankKernel {
     out_.generate_seconds = seconds_since(start);
     const auto compute_start = Clock::now();
 
-    plan_weights();
+    plan_.emplace(case_, inputs_, out_.assignment, groups_, bugs_);
+    out_.logged_valid_tokens = plan_->logged_valid_tokens();
     out_.token_loss.assign(static_cast<std::size_t>(rows()), 0.0f);
     out_.grad.assign(static_cast<std::size_t>(rows() * vocab.size()) * sizeof(T), std::byte{0});
     const auto& offsets = out_.assignment.micro_batch_begin;
@@ -100,7 +94,10 @@ class RankKernel {
         cross_entropy_micro_batch<T>(offsets[k], offsets[k + 1], student.data());
       }
     }
-    report_logged_loss();
+    if (const auto logged = plan_->logged_loss(out_.token_loss, groups_.batch)) {
+      out_.has_reduced_loss = true;
+      out_.reduced_loss = *logged;
+    }
     out_.collective_seconds = collective_seconds() - collectives_before;
     out_.compute_seconds = seconds_since(compute_start) - out_.collective_seconds;
     return std::move(out_);
@@ -115,136 +112,13 @@ class RankKernel {
     return groups_.tp.collective_seconds() + groups_.batch.collective_seconds() + groups_.dp.collective_seconds();
   }
 
-  // Labels and masks of the local rows: the framework's label step, correct or catalogued.
-  void plan_labels() {
-    const auto& rows_in = out_.assignment.rows;
-    plan_.assign(rows_in.size(), RowPlan{});
-    const std::int64_t ignore = case_.loss.ignore_index;
-    const auto& offsets = out_.assignment.micro_batch_begin;
-    for (std::size_t k = 0; k + 1 < offsets.size(); ++k) {
-      std::int64_t group_start = offsets[k];  // first local row of the current sequence
-      for (std::int64_t i = offsets[k]; i < offsets[k + 1]; ++i) {
-        const LocalRow& row = rows_in[static_cast<std::size_t>(i)];
-        if (i > offsets[k] && rows_in[static_cast<std::size_t>(i - 1)].sequence != row.sequence) group_start = i;
-        RowPlan& p = plan_[static_cast<std::size_t>(i)];
-        p.label = ignore;
-        if (row.token < 0) continue;  // CP padding: masked
-        if (kd()) {
-          p.valid = inputs_.is_valid(row.token);
-          continue;
-        }
-        p.label = inputs_.label(row.token);
-        if (bugs_.cp_roll_after_split && p.label != ignore && case_.batch.labels == BatchSpec::Labels::next_token) {
-          // torch.roll(local_ids, -1) after the split: the next local row, whichever chunk it belongs to.
-          const std::int64_t next = i + 1 < offsets[k + 1] ? i + 1 : offsets[k];
-          const std::int64_t next_token = rows_in[static_cast<std::size_t>(next)].token;
-          p.label = next_token >= 0 ? inputs_.token_id(next_token) : ignore;
-        }
-        if (bugs_.cp_pad_to_cp) p.label = label_with_cp_padding(row, i - group_start);
-        p.valid = bugs_.ignore_index_unmasked ? true : p.label != ignore;
-      }
-    }
-    for (RowPlan& p : plan_) p.active = p.valid;
-    if (bugs_.zloss_on_ignored && !kd()) {
-      for (std::size_t i = 0; i < plan_.size(); ++i) plan_[i].active = rows_in[i].token >= 0;
-    }
-  }
 
-  // cp-pad-to-cp: the label split assumes sequences padded to a multiple of CP, so its chunks of
-  // floor(L_pad' / 2CP) positions do not line up with the logits' chunks.
-  std::int64_t label_with_cp_padding(const LocalRow& row, std::int64_t local_index) const {
-    const Sequence& seq = inputs_.batch().sequences()[static_cast<std::size_t>(row.sequence)];
-    const std::int64_t cp = case_.layout.cp;
-    const std::int64_t c = out_.assignment.coordinates.cp;
-    const std::int64_t chunk = padded_length(seq.length, cp) / (2 * cp);
-    if (local_index >= 2 * chunk) return case_.loss.ignore_index;
-    const std::int64_t position =
-        local_index < chunk ? c * chunk + local_index : (2 * cp - 1 - c) * chunk + (local_index - chunk);
-    return position < seq.length ? inputs_.label(seq.begin + position) : case_.loss.ignore_index;
-  }
 
-  // Valid-token counts over the batch group and each token's weights under the framework model.
-  void plan_weights() {
-    const auto& offsets = out_.assignment.micro_batch_begin;
-    const std::size_t ga = offsets.size() - 1;
-    std::vector<std::int64_t> counts(2 * ga, 0);  // [valid per micro-batch | non-padding rows per micro-batch]
-    for (std::size_t k = 0; k < ga; ++k) {
-      for (std::int64_t i = offsets[k]; i < offsets[k + 1]; ++i) {
-        counts[k] += plan_[static_cast<std::size_t>(i)].valid;
-        counts[ga + k] += out_.assignment.rows[static_cast<std::size_t>(i)].token >= 0;
-      }
-    }
-    std::int64_t rank_valid = 0;
-    for (std::size_t k = 0; k < ga; ++k) rank_valid += counts[k];
-    groups_.batch.allreduce_sum(std::span<std::int64_t>(counts));
-    std::int64_t valid_total = 0;
-    std::int64_t rows_total = 0;
-    for (std::size_t k = 0; k < ga; ++k) {
-      valid_total += counts[k];
-      rows_total += counts[ga + k];
-    }
-    out_.logged_valid_tokens = valid_total;
-    if (bugs_.cp_stats_dp_only) {
-      std::int64_t dp_only[1] = {rank_valid};
-      groups_.dp.allreduce_sum(std::span<std::int64_t>(dp_only, 1));
-      out_.logged_valid_tokens = dp_only[0];
-    }
 
-    const LayoutSpec& layout = case_.layout;
-    const double scale = case_.framework.gradient_scale(layout);
-    const double data_ranks = static_cast<double>(layout.dp) * layout.cp;
-    const Reduction reduction = case_.loss.reduction;
-    double first_upstream = 1.0;
-    for (const LocalRow& row : out_.assignment.rows) {
-      if (row.token >= 0) {
-        first_upstream = inputs_.upstream_weight(row.token);
-        break;
-      }
-    }
-    for (std::size_t k = 0; k < ga; ++k) {
-      for (std::int64_t i = offsets[k]; i < offsets[k + 1]; ++i) {
-        RowPlan& p = plan_[static_cast<std::size_t>(i)];
-        if (!p.active) continue;
-        const std::int64_t token = out_.assignment.rows[static_cast<std::size_t>(i)].token;
-        double forward = 1.0;
-        double backward = 0.0;
-        if (reduction == Reduction::mean) {
-          forward = 1.0 / static_cast<double>(valid_total);
-          if (bugs_.mean_over_all_rows) forward = 1.0 / static_cast<double>(rows_total);
-          if (bugs_.ga_microbatch_mean) forward = 1.0 / (static_cast<double>(layout.ga) * static_cast<double>(counts[k]));
-          if (bugs_.dp_local_mean) forward = 1.0 / (data_ranks * static_cast<double>(rank_valid));
-        } else if (reduction == Reduction::none) {
-          forward = inputs_.upstream_weight(token);
-        }
-        backward = forward / scale;
-        if (reduction == Reduction::mean && bugs_.dp_local_mean) {
-          // the rank's own mean, then the framework's DP x CP average: 1/(R N_r) after averaging
-          backward = (1.0 / static_cast<double>(rank_valid)) *
-                     (case_.framework.ga_reduce == FrameworkSpec::GaReduce::mean ? layout.ga : 1.0);
-        }
-        if (reduction == Reduction::none && bugs_.none_divides_grad) {
-          backward = inputs_.upstream_weight(token) / static_cast<double>(rows_total) / scale;
-        }
-        if (reduction == Reduction::none && bugs_.grad_output_first) backward = first_upstream / scale;
-        if (bugs_.cp_duplicated_loss) backward *= layout.cp;
-        p.forward_weight = static_cast<float>(forward);
-        p.backward_weight = static_cast<float>(backward);
-      }
-    }
-  }
 
-  void report_logged_loss() {
-    if (case_.loss.reduction == Reduction::none) return;
-    std::vector<float> weighted(static_cast<std::size_t>(rows()), 0.0f);
-    for (std::int64_t i = 0; i < rows(); ++i) {
-      const RowPlan& p = plan_[static_cast<std::size_t>(i)];
-      if (p.active) weighted[static_cast<std::size_t>(i)] = p.forward_weight * out_.token_loss[static_cast<std::size_t>(i)];
-    }
-    float reduced[1] = {pairwise_sum(weighted.data(), rows())};
-    groups_.batch.allreduce_sum(std::span<float>(reduced, 1));
-    out_.has_reduced_loss = true;
-    out_.reduced_loss = reduced[0];
-  }
+
+
+
 
   template <class T>
   void cross_entropy_micro_batch(std::int64_t begin, std::int64_t end, const T* logits) {
@@ -262,7 +136,7 @@ class RankKernel {
       return cap > 0.0f ? cap * std::tanh(x / cap) : x;
     };
     auto row_of = [&](std::int64_t i) { return logits + (begin + i) * width; };
-    auto plan = [&](std::int64_t i) -> const RowPlan& { return plan_[static_cast<std::size_t>(begin + i)]; };
+    auto plan = [&](std::int64_t i) -> const RowPlan& { return plan_->row(begin + i); };
 
     // 1. Global row max (skipped entirely by the no-max-shift bug).
     std::vector<float> row_max(static_cast<std::size_t>(n), bugs_.no_max_shift ? 0.0f : kNegInf);
@@ -413,7 +287,7 @@ class RankKernel {
     if (loss.t2_scaling && bugs_.kd_double_t2) power = 4;
     const auto loss_scale = static_cast<float>(std::pow(loss.temperature, power));
     const auto grad_scale = static_cast<float>(std::pow(loss.temperature, power - 1));
-    auto plan = [&](std::int64_t i) -> const RowPlan& { return plan_[static_cast<std::size_t>(begin + i)]; };
+    auto plan = [&](std::int64_t i) -> const RowPlan& { return plan_->row(begin + i); };
     auto a_of = [&](std::int64_t i, std::int64_t v) {
       return static_cast<float>(student[(begin + i) * cols + v]) * inverse_t;
     };
@@ -521,7 +395,7 @@ class RankKernel {
   const BugSwitches& bugs_;
   int threads_;
   RankOutput out_;
-  std::vector<RowPlan> plan_;
+  std::optional<RankPlan> plan_;
   VocabRange work_;
 };
 
