@@ -9,6 +9,7 @@
 #include "lossverify/math/cross_entropy_math.hpp"
 #include "lossverify/math/kd_math.hpp"
 #include "lossverify/impl/rank_plan.hpp"
+#include "lossverify/impl/row_loss.hpp"
 #include <optional>
 
 namespace lossverify {
@@ -205,38 +206,19 @@ class RankKernel {
       }
     }
 
-    const auto alpha = static_cast<float>(loss.label_smoothing);
     const auto z_weight = static_cast<float>(loss.z_loss_weight);
-    const SmoothingConvention convention =
-        bugs_.smoothing_convention_swap
-            ? (loss.convention == SmoothingConvention::pytorch ? SmoothingConvention::megatron
-                                                               : SmoothingConvention::pytorch)
-            : loss.convention;
-    const auto global_vocab = static_cast<float>(case_.shape.vocab);
     const auto shard_vocab = static_cast<float>(width);
-    const SmoothingWeights<float> q_forward =
-        smoothing_weights(alpha, convention, bugs_.smoothing_vocab_local_forward ? shard_vocab : global_vocab);
-    const SmoothingWeights<float> q_backward =
-        smoothing_weights(alpha, convention, bugs_.smoothing_vocab_local_backward ? shard_vocab : global_vocab);
+    const SmoothingPair smoothing_pair = smoothing_for(case_, bugs_, shard_vocab);
+    const SmoothingWeights<float> q_backward = smoothing_pair.backward;
 
     // 3. Per-token loss.
     for (std::int64_t i = 0; i < n; ++i) {
       const auto k = static_cast<std::size_t>(i);
       const RowPlan& p = plan(i);
       if (!p.active) continue;
-      const float lse = row_max[k] + log_sum[k];
-      float value = 0.0f;
-      if (!p.valid) {
-        value = z_weight * lse * lse;  // zloss-on-ignored
-      } else if (bugs_.smoothing_raw_local_sum) {
-        const float local_raw_sum = local_sum_shifted.empty() ? 0.0f : local_sum_shifted[k] + shard_vocab * row_max[k];
-        value = lse - (q_forward.off_target * local_raw_sum +
-                       (q_forward.on_target - q_forward.off_target) * (target_shifted[i] + row_max[k])) +
-                z_weight * lse * lse;
-      } else {
-        value = cross_entropy_from_sums(log_sum[k], target_shifted[i], smoothing_sum[k], q_forward, z_weight, lse);
-      }
-      out_.token_loss[static_cast<std::size_t>(begin + i)] = value;
+      out_.token_loss[static_cast<std::size_t>(begin + i)] = cross_entropy_row_loss(
+          p, row_max[k], log_sum[k], target_shifted[i], smoothing ? smoothing_sum[k] : 0.0f,
+          local_sum_shifted.empty() ? 0.0f : local_sum_shifted[k], shard_vocab, smoothing_pair.forward, z_weight, bugs_);
     }
 
     // 4. Gradient of this rank's columns; inactive rows keep their exact zeros.

@@ -1,0 +1,348 @@
+// Cross-entropy kernels of the CUDA backend: one block per row (a persistent grid), 16-byte vector
+// loads where the rows allow them, online softmax statistics in pass 1, the gradient in pass 2.
+// The per-element math is the HOST_DEVICE code the CPU kernel uses.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdio>
+
+#include "lossverify/impl/cuda/kernels.hpp"
+#include "lossverify/math/cross_entropy_math.hpp"
+
+namespace lossverify::cuda {
+
+namespace {
+
+constexpr int kThreads = 1024;
+
+template <class T>
+__device__ __forceinline__ float widen(T x);
+template <>
+__device__ __forceinline__ float widen<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ float widen<__nv_bfloat16>(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+template <>
+__device__ __forceinline__ float widen<__half>(__half x) {
+  return __half2float(x);
+}
+template <class T>
+__device__ __forceinline__ T narrow(float x);
+template <>
+__device__ __forceinline__ float narrow<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 narrow<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+template <>
+__device__ __forceinline__ __half narrow<__half>(float x) {
+  return __float2half_rn(x);
+}
+
+// Values of one 16-byte vector.
+template <class T>
+struct Vec {
+  static constexpr int kCount = 16 / sizeof(T);
+  T v[kCount];
+};
+
+__device__ __forceinline__ float load_capped(float x, float cap) { return cap > 0.0f ? cap * tanhf(x / cap) : x; }
+
+// Online softmax state of one thread: max m, sum exp(x - m), sum x, and the target logit if seen.
+struct Online {
+  float m = -INFINITY;
+  float s = 0.0f;
+  float sum_x = 0.0f;
+  __device__ void add(float x, bool no_shift) {
+    sum_x += x;
+    if (no_shift) {
+      s += expf(x);
+      return;
+    }
+    if (x > m) {
+      s = s * expf(m - x) + 1.0f;
+      m = x;
+    } else {
+      s += expf(x - m);
+    }
+  }
+};
+
+__device__ __forceinline__ void combine(float& m, float& s, float m2, float s2) {
+  const float mm = fmaxf(m, m2);
+  if (mm == -INFINITY) return;
+  s = (m == -INFINITY ? 0.0f : s * expf(m - mm)) + (m2 == -INFINITY ? 0.0f : s2 * expf(m2 - mm));
+  m = mm;
+}
+
+// Block-wide reduction of the online state; every thread gets the result.
+__device__ void block_reduce(float& m, float& s, float& sum_x, bool no_shift) {
+  __shared__ float shared_m[32], shared_s[32], shared_x[32];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const float m2 = __shfl_xor_sync(0xffffffffu, m, offset);
+    const float s2 = __shfl_xor_sync(0xffffffffu, s, offset);
+    sum_x += __shfl_xor_sync(0xffffffffu, sum_x, offset);
+    if (no_shift) {
+      s += s2;
+    } else {
+      combine(m, s, m2, s2);
+    }
+  }
+  if (lane == 0) {
+    shared_m[warp] = m;
+    shared_s[warp] = s;
+    shared_x[warp] = sum_x;
+  }
+  __syncthreads();
+  const int warps = blockDim.x >> 5;
+  if (warp == 0) {
+    m = lane < warps ? shared_m[lane] : -INFINITY;
+    s = lane < warps ? shared_s[lane] : 0.0f;
+    sum_x = lane < warps ? shared_x[lane] : 0.0f;
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      const float m2 = __shfl_xor_sync(0xffffffffu, m, offset);
+      const float s2 = __shfl_xor_sync(0xffffffffu, s, offset);
+      sum_x += __shfl_xor_sync(0xffffffffu, sum_x, offset);
+      if (no_shift) {
+        s += s2;
+      } else {
+        combine(m, s, m2, s2);
+      }
+    }
+    if (lane == 0) {
+      shared_m[0] = m;
+      shared_s[0] = s;
+      shared_x[0] = sum_x;
+    }
+  }
+  __syncthreads();
+  m = shared_m[0];
+  s = shared_s[0];
+  sum_x = shared_x[0];
+  __syncthreads();
+}
+
+// Pass 1 over one row: [M_r, S_r, sum x, x_l] with S relative to M_r (M_r = 0 under no-max-shift).
+template <class T>
+__device__ void row_stats(const T* row, std::int64_t cols, std::int64_t target, const CrossEntropyConstants& k,
+                          bool vectorized, float out[4]) {
+  __shared__ float target_value;
+  if (threadIdx.x == 0) target_value = 0.0f;
+  __syncthreads();
+  Online o;
+  const bool no_shift = k.no_max_shift != 0;
+  if (no_shift) o.m = 0.0f;
+  if (vectorized) {
+    using V = Vec<T>;
+    const V* vrow = reinterpret_cast<const V*>(row);
+    const std::int64_t vectors = cols / V::kCount;
+    for (std::int64_t i = threadIdx.x; i < vectors; i += blockDim.x) {
+      const V vec = vrow[i];
+#pragma unroll
+      for (int j = 0; j < V::kCount; ++j) o.add(load_capped(widen<T>(vec.v[j]), k.softcap), no_shift);
+    }
+  } else {
+    for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) o.add(load_capped(widen<T>(row[c]), k.softcap), no_shift);
+  }
+  if (threadIdx.x == 0 && target >= 0) target_value = load_capped(widen<T>(row[target]), k.softcap);
+  float m = o.m, s = o.s, sum_x = o.sum_x;
+  block_reduce(m, s, sum_x, no_shift);
+  out[0] = no_shift ? 0.0f : m;
+  out[1] = s;
+  out[2] = sum_x;
+  out[3] = target_value;
+}
+
+// Pass 2 over one row: the gradient from the global max and log-sum.
+template <class T>
+__device__ void row_grad(const T* row, T* grad, std::int64_t cols, std::int64_t target, float row_max, float log_sum,
+                         float weight, bool valid, const CrossEntropyConstants& k, bool vectorized) {
+  const float lse = row_max + log_sum;
+  const float z_factor = 1.0f + 2.0f * k.z_loss_weight * lse;
+  const SmoothingWeights<float> q{k.q_on_backward, k.q_off_backward};
+  auto value = [&](float raw, std::int64_t c) {
+    const float x = load_capped(raw, k.softcap);
+    const float p = expf((x - row_max) - log_sum);
+    float g;
+    if (!valid) {
+      g = 2.0f * k.z_loss_weight * lse * p;
+    } else if (k.zloss_grad_after_smoothing) {
+      g = (p - (c == target ? q.on_target : q.off_target)) * z_factor;
+    } else {
+      g = cross_entropy_grad(p, c == target, q, z_factor);
+    }
+    if (k.softcap > 0.0f) g *= 1.0f - (x / k.softcap) * (x / k.softcap);
+    if (k.grad_rounded_early) return narrow<T>(widen<T>(narrow<T>(g)) * weight);
+    return narrow<T>(weight * g);
+  };
+  if (vectorized) {
+    using V = Vec<T>;
+    const V* vrow = reinterpret_cast<const V*>(row);
+    V* vgrad = reinterpret_cast<V*>(grad);
+    const std::int64_t vectors = cols / V::kCount;
+    for (std::int64_t i = threadIdx.x; i < vectors; i += blockDim.x) {
+      const V in = vrow[i];
+      V out;
+#pragma unroll
+      for (int j = 0; j < V::kCount; ++j) out.v[j] = value(widen<T>(in.v[j]), i * V::kCount + j);
+      __stcs(reinterpret_cast<int4*>(vgrad + i), *reinterpret_cast<const int4*>(&out));  // streaming store
+    }
+  } else {
+    for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) grad[c] = value(widen<T>(row[c]), c);
+  }
+}
+
+template <class T>
+__device__ void zero_row(T* grad, std::int64_t cols) {
+  for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) grad[c] = narrow<T>(0.0f);
+}
+
+template <class T>
+bool can_vectorize(const void* a, const void* b, std::int64_t cols) {
+  const auto aligned = [](const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; };
+  return (cols * static_cast<std::int64_t>(sizeof(T))) % 16 == 0 && aligned(a) && (b == nullptr || aligned(b));
+}
+
+template <class T>
+__global__ void __launch_bounds__(kThreads) stats_kernel(StatsArgs a, CrossEntropyConstants k, float* out, bool vectorized) {
+  const T* logits = static_cast<const T*>(a.logits);
+  for (std::int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
+    float* o = out + 4 * r;
+    if (!a.active[r]) {
+      if (threadIdx.x == 0) o[0] = o[1] = o[2] = o[3] = 0.0f;
+      continue;
+    }
+    float stats[4];
+    row_stats(logits + r * a.cols, a.cols, a.target_column[r], k, vectorized, stats);
+    if (threadIdx.x == 0) {
+      for (int j = 0; j < 4; ++j) o[j] = stats[j];
+    }
+  }
+}
+
+template <class T>
+__global__ void __launch_bounds__(kThreads) grad_kernel(GradArgs a, CrossEntropyConstants k, bool vectorized) {
+  const T* logits = static_cast<const T*>(a.logits);
+  T* grad = static_cast<T*>(a.grad);
+  for (std::int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
+    if (!a.active[r]) {
+      zero_row(grad + r * a.cols, a.cols);
+      continue;
+    }
+    row_grad(logits + r * a.cols, grad + r * a.cols, a.cols, a.target_column[r], a.row_max[r], a.log_sum[r],
+             a.weight[r], a.valid[r] != 0, k, vectorized);
+  }
+}
+
+template <class T>
+__global__ void __launch_bounds__(kThreads) fused_kernel(GradArgs a, CrossEntropyConstants k, float* row_stats_out,
+                                                         bool vectorized) {
+  const T* logits = static_cast<const T*>(a.logits);
+  T* grad = static_cast<T*>(a.grad);
+  for (std::int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
+    float* o = row_stats_out + 4 * r;
+    if (!a.active[r]) {
+      zero_row(grad + r * a.cols, a.cols);
+      if (threadIdx.x == 0) o[0] = o[1] = o[2] = o[3] = 0.0f;
+      continue;
+    }
+    float stats[4];
+    row_stats(logits + r * a.cols, a.cols, a.target_column[r], k, vectorized, stats);
+    const float log_sum = logf(stats[1]);
+    row_grad(logits + r * a.cols, grad + r * a.cols, a.cols, a.target_column[r], stats[0], log_sum, a.weight[r],
+             a.valid[r] != 0, k, vectorized);
+    if (threadIdx.x == 0) {
+      o[0] = stats[0];
+      o[1] = log_sum;
+      o[2] = stats[2];
+      o[3] = stats[3];
+    }
+  }
+}
+
+int persistent_blocks() {
+  int device = 0;
+  cudaGetDevice(&device);
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  return sms > 0 ? sms : 132;
+}
+
+template <class F>
+void dispatch(StorageType type, F&& f) {
+  switch (type) {
+    case StorageType::fp32:
+      f(static_cast<float*>(nullptr));
+      break;
+    case StorageType::bf16:
+      f(static_cast<__nv_bfloat16*>(nullptr));
+      break;
+    case StorageType::fp16:
+      f(static_cast<__half*>(nullptr));
+      break;
+  }
+}
+
+}  // namespace
+
+void cross_entropy_stats(StorageType type, const StatsArgs& args, const CrossEntropyConstants& k, float* out,
+                         void* stream) {
+  if (args.rows == 0) return;
+  dispatch(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const int blocks = static_cast<int>(std::min<std::int64_t>(args.rows, persistent_blocks()));
+    stats_kernel<T><<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+        args, k, out, can_vectorize<T>(args.logits, nullptr, args.cols));
+  });
+}
+
+void cross_entropy_grad(StorageType type, const GradArgs& args, const CrossEntropyConstants& k, void* stream) {
+  if (args.rows == 0) return;
+  dispatch(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const int blocks = static_cast<int>(std::min<std::int64_t>(args.rows, persistent_blocks()));
+    grad_kernel<T><<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+        args, k, can_vectorize<T>(args.logits, args.grad, args.cols));
+  });
+}
+
+void cross_entropy_fused(StorageType type, const GradArgs& args, const CrossEntropyConstants& k, float* row_stats_out,
+                         void* stream) {
+  if (args.rows == 0) return;
+  dispatch(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const int blocks = static_cast<int>(std::min<std::int64_t>(args.rows, persistent_blocks()));
+    fused_kernel<T><<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+        args, k, row_stats_out, can_vectorize<T>(args.logits, args.grad, args.cols));
+  });
+}
+
+int device_count() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) return 0;
+  return count;
+}
+
+bool device_available(int device, char* reason, int reason_size) {
+  int count = 0;
+  const cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess) {
+    std::snprintf(reason, static_cast<std::size_t>(reason_size), "%s", cudaGetErrorString(e));
+    return false;
+  }
+  if (device >= count) {
+    std::snprintf(reason, static_cast<std::size_t>(reason_size), "device %d requested, %d present", device, count);
+    return false;
+  }
+  return true;
+}
+
+}  // namespace lossverify::cuda
