@@ -22,6 +22,8 @@
 #include "lossverify/runner/gate.hpp"
 #include "lossverify/runner/run_case.hpp"
 #include "lossverify/inputs/input_source.hpp"
+#include "lossverify/layout/vocab_range.hpp"
+#include "lossverify/impl/cuda/cuda_backend.hpp"
 #ifdef LOSSVERIFY_HAVE_MPI
 #include "lossverify/comm/mpi_world.hpp"
 #endif
@@ -38,6 +40,7 @@ std::string version_text() {
 #endif
   text += std::string("\nMPI (MPICH) at build time: ") + (build_info::have_mpi ? "found" : "not found");
   text += std::string("\nCUDA toolkit at build time: ") + (build_info::have_cuda ? "found" : "not found");
+  if (cuda::built_with_cuda()) text += ", CUDA GPUs visible now: " + std::to_string(cuda::visible_devices());
   return text;
 }
 
@@ -52,7 +55,9 @@ struct RunArguments {
   double timeout = 0.0;
   std::string fault;
   std::vector<std::string> sweep;
-  std::string backend = "auto";
+  std::string launcher = "auto";
+  std::string backend = "cpu";
+  int gpus = 1;
 };
 
 struct GateArguments {
@@ -99,6 +104,8 @@ int command_run(const RunArguments& args) {
   options.implementation = args.implementation;
   options.threads = args.threads;
   if (!args.fault.empty()) options.fault = parse_fault(args.fault);
+  options.device = args.backend == "cuda" ? RunOptions::Device::cuda : RunOptions::Device::cpu;
+  options.gpus = args.gpus;
 
   std::vector<nlohmann::json> runs;
   nlohmann::json sweeps = nlohmann::json::array();
@@ -162,7 +169,7 @@ int command_run_mpi(const RunArguments& args, mpi::Session& session) {
   const bool leader = rank == 0;
   std::vector<Case> cases;
   try {
-    if (!args.sweep.empty()) throw CaseError("--sweep runs several layouts: use the thread backend (--backend threads)");
+    if (!args.sweep.empty()) throw CaseError("--sweep runs several layouts: use the thread launcher (--launcher threads)");
     std::vector<std::string> overrides = args.set;
     if (args.tp > 0) overrides.push_back("layout.tp=" + std::to_string(args.tp));
     if (args.timeout > 0.0) overrides.push_back("timeout_seconds=" + std::to_string(args.timeout));
@@ -185,6 +192,8 @@ int command_run_mpi(const RunArguments& args, mpi::Session& session) {
   RunOptions options;
   options.implementation = args.implementation;
   if (!args.fault.empty()) options.fault = parse_fault(args.fault);
+  options.device = args.backend == "cuda" ? RunOptions::Device::cuda : RunOptions::Device::cpu;
+  options.gpus = std::max(1, cuda::visible_devices());  // one process per GPU: rank % GPUs
   const char* local = std::getenv("MPI_LOCALNRANKS");
   const int local_ranks = local != nullptr ? std::max(1, std::atoi(local)) : 1;
   const int hardware = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
@@ -197,6 +206,7 @@ int command_run_mpi(const RunArguments& args, mpi::Session& session) {
     const auto start = std::chrono::steady_clock::now();
     RankJob job;
     try {
+      if (options.device == RunOptions::Device::cuda) cuda::check_supported(c, *find_implementation(args.implementation));
       const InputSource inputs(c);
       job = run_rank(c, inputs, *find_implementation(args.implementation), options, session.world(), threads);
     } catch (const Error& e) {
@@ -242,6 +252,86 @@ int command_gate(const GateArguments& args) {
   if (!args.report_path.empty()) write_file_atomically(args.report_path, gate_report(result).dump(2) + "\n");
   if (!args.junit_path.empty()) write_file_atomically(args.junit_path, gate_junit(result));
   return static_cast<int>(result.passed() ? ExitCode::pass : ExitCode::check_failed);
+}
+
+struct BenchArguments {
+  std::string backend = "cuda";
+  std::string shape = "16384,128256";
+  std::string dtype = "bf16";
+  int tp = 1;
+  int repeats = 20;
+  double label_smoothing = 0.1;
+  std::string report_path;
+  std::string torch_script = "bench/torch_ce_bench.py";
+};
+
+// Runs the PyTorch comparison script, when python3 is there; its JSON line, or why not.
+nlohmann::json torch_figures(const BenchArguments& a, std::int64_t tokens, std::int64_t vocab) {
+  const std::string command = "python3 " + a.torch_script + " " + std::to_string(tokens) + " " + std::to_string(vocab) +
+                              " " + a.dtype + " " + std::to_string(a.label_smoothing) + " " + std::to_string(a.repeats) +
+                              " 2>/dev/null";
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) return {{"available", false}, {"reason", "cannot start python3"}};
+  std::string output;
+  char buffer[4096];
+  while (std::fgets(buffer, sizeof(buffer), pipe) != nullptr) output += buffer;
+  pclose(pipe);
+  try {
+    return nlohmann::json::parse(output.substr(0, output.find('\n')));
+  } catch (const std::exception&) {
+    return {{"available", false}, {"reason", "no JSON from " + a.torch_script}};
+  }
+}
+
+int command_bench(const BenchArguments& a) {
+  const auto comma = a.shape.find(',');
+  if (comma == std::string::npos) throw CaseError("--shape " + a.shape + ": expected N,V");
+  const std::int64_t tokens = std::stoll(a.shape.substr(0, comma));
+  const std::int64_t vocab = std::stoll(a.shape.substr(comma + 1));
+  const auto dtype = parse_dtype(a.dtype);
+  if (!dtype) throw CaseError("--dtype " + a.dtype + ": expected fp32|bf16|fp16");
+  if (tokens < 1 || vocab < 2 || a.tp < 1 || a.tp > vocab) throw CaseError("--shape/--tp: need N >= 1, V >= 2, 1 <= tp <= V");
+  if (a.backend != "cuda") {
+    throw CaseError("--backend " + a.backend + ": bench measures the CUDA kernels; CPU figures are in bench/run_benchmarks.sh");
+  }
+  cuda::BenchOptions o;
+  o.tokens = tokens;
+  o.vocab = vocab_range(vocab, a.tp, 0).size();  // the first (largest) shard of a TP rank
+  o.dtype = *dtype;
+  o.tp = a.tp;
+  o.repeats = a.repeats;
+  o.label_smoothing = a.label_smoothing;
+  nlohmann::json r = cuda::bench(o);
+  r["global_vocab"] = vocab;
+  if (a.tp == 1) r["torch"] = torch_figures(a, tokens, vocab);
+  std::cout << std::fixed << std::setprecision(3);
+  std::cout << "device " << r["device"].get<std::string>() << ", copy " << r["copy_tb_per_s"].get<double>() << " TB/s\n";
+  std::cout << "shape N=" << tokens << " V=" << vocab << " (" << o.vocab << " per rank, tp=" << a.tp << "), " << a.dtype
+            << ", smoothing " << a.label_smoothing << ", mean\n";
+  std::cout << "floor (" << r["floor_bytes_per_logit"].get<double>() << " B/logit at the copy bandwidth): "
+            << r["floor_ms"].get<double>() << " ms\n";
+  std::cout << "lossverify " << (a.tp == 1 ? "fused fwd+bwd" : "stats + grad kernels") << ": "
+            << r["kernel_ms"].get<double>() << " ms = " << std::setprecision(1) << r["percent_of_floor"].get<double>()
+            << "% of the floor" << std::setprecision(3) << "; check on sampled rows: "
+            << (r["check"]["pass"].get<bool>() ? "pass" : "FAIL") << "\n";
+  if (r.contains("torch")) {
+    const auto& t = r["torch"];
+    if (t.value("available", false)) {
+      for (const char* key : {"eager_ms", "compile_ms"}) {
+        if (!t.contains(key)) continue;
+        const double ms = t[key].get<double>();
+        std::cout << "PyTorch " << t["torch"].get<std::string>() << " " << (std::string(key) == "eager_ms" ? "eager" : "torch.compile")
+                  << ": " << ms << " ms = " << std::setprecision(1) << 100.0 * r["floor_ms"].get<double>() / ms
+                  << "% of the floor; lossverify is " << ms / r["kernel_ms"].get<double>() << "x faster\n"
+                  << std::setprecision(3);
+      }
+    } else {
+      std::cout << "PyTorch figures unavailable: " << t.value("reason", std::string("?")) << "\n";
+    }
+  }
+  std::cout << std::defaultfloat;
+  if (!a.report_path.empty()) write_file_atomically(a.report_path, encode_nonfinite(r).dump(2) + "\n");
+  return r["check"]["pass"].get<bool>() ? 0 : static_cast<int>(ExitCode::check_failed);
 }
 
 int command_list(bool as_json) {
@@ -305,9 +395,12 @@ int main(int argc, char** argv) {
   run->add_option("--timeout", run_args.timeout, "deadlock guard in seconds (overrides timeout_seconds)")
       ->check(CLI::PositiveNumber);
   run->add_option("--inject-fault", run_args.fault, "test aid: throw@RANK, hang@RANK or exit@RANK")->group("");
-  run->add_option("--backend", run_args.backend,
+  run->add_option("--launcher", run_args.launcher,
                   "auto (mpi when started by mpiexec, else threads), threads, or mpi: one rank per process")
       ->check(CLI::IsMember({"auto", "threads", "mpi"}));
+  run->add_option("--backend", run_args.backend, "where the kernels run: cpu, or cuda (ranks share GPU 0, a stream each)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  run->add_option("--gpus", run_args.gpus, "cuda: GPUs to spread the ranks over (rank % gpus)")->check(CLI::PositiveNumber);
   run->add_option("--sweep", run_args.sweep,
                   "run at every layout of the product, e.g. --sweep tp=1,2,4 cp=1,2 dp=1,2, and check invariance")
       ->expected(1, 4);
@@ -323,6 +416,17 @@ int main(int argc, char** argv) {
   gate->add_option("--threads", gate_args.threads, "OpenMP threads for the reference")->check(CLI::NonNegativeNumber);
   gate->add_flag("--quiet,-q", gate_args.quiet, "print nothing; rely on the exit code and the reports");
 
+  BenchArguments bench_args;
+  CLI::App* bench = app.add_subcommand("bench", "kernel speed as % of the memory floor (CUDA), with PyTorch figures");
+  bench->add_option("--backend", bench_args.backend, "cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  bench->add_option("--shape", bench_args.shape, "N,V (global vocabulary)");
+  bench->add_option("--dtype", bench_args.dtype, "fp32|bf16|fp16");
+  bench->add_option("--tp", bench_args.tp, "time one rank's shard of the vocabulary: the two kernels around the all-reduce");
+  bench->add_option("--repeats", bench_args.repeats, "timed repetitions (median)")->check(CLI::PositiveNumber);
+  bench->add_option("--label-smoothing", bench_args.label_smoothing, "alpha");
+  bench->add_option("--report", bench_args.report_path, "write the figures as JSON");
+  bench->add_option("--torch-script", bench_args.torch_script, "PyTorch comparison script");
+
   bool list_json = false;
   CLI::App* list = app.add_subcommand("list", "list losses, implementations (correct and catalogued bugs), checks");
   list->add_flag("--json", list_json, "machine-readable output");
@@ -337,12 +441,12 @@ int main(int argc, char** argv) {
 
   bool use_mpi = false;
   if (*run) {
-    use_mpi = run_args.backend == "mpi";
+    use_mpi = run_args.launcher == "mpi";
 #ifdef LOSSVERIFY_HAVE_MPI
-    if (run_args.backend == "auto") use_mpi = mpi::launched_by_mpiexec();
+    if (run_args.launcher == "auto") use_mpi = mpi::launched_by_mpiexec();
 #else
     if (use_mpi) {
-      std::cerr << "lossverify: error: --backend mpi: this build has no MPI (MPICH was not found at configure time)\n";
+      std::cerr << "lossverify: error: --launcher mpi: this build has no MPI (MPICH was not found at configure time)\n";
       return static_cast<int>(ExitCode::usage_error);
     }
 #endif
@@ -357,6 +461,7 @@ int main(int argc, char** argv) {
     if (*run) return command_run(run_args);
     if (*list) return command_list(list_json);
     if (*gate) return command_gate(gate_args);
+    if (*bench) return command_bench(bench_args);
   } catch (const TimeoutError& e) {
     std::cerr << "lossverify: timeout: " << e.what() << "\n";
     std::cerr.flush();

@@ -8,7 +8,7 @@ mkdir -p "$work"
 name=$(basename "$case" .json)-$impl
 timeout 300 "$mpiexec" -n "$n" "$lv" run "$case" --impl "$impl" --quiet --report "$work/$name.mpi.json"
 mpi_code=$?
-timeout 300 "$lv" run "$case" --impl "$impl" --backend threads --quiet --report "$work/$name.threads.json"
+timeout 300 "$lv" run "$case" --impl "$impl" --launcher threads --quiet --report "$work/$name.threads.json"
 threads_code=$?
 if [ "$mpi_code" -ne "$threads_code" ]; then
   echo "FAIL: exit code mpi $mpi_code, threads $threads_code"

@@ -9,6 +9,7 @@
 #include "lossverify/comm/thread_world.hpp"
 #include "lossverify/core/errors.hpp"
 #include "lossverify/impl/cpu/sharded_loss.hpp"
+#include "lossverify/impl/cuda/cuda_backend.hpp"
 #include "lossverify/layout/rank_layout.hpp"
 #include "lossverify/inputs/input_source.hpp"
 
@@ -115,7 +116,15 @@ RankJob run_rank(const Case& c, const InputSource& inputs, const Implementation&
   RankGroups groups{*tp_group, *batch_group, *dp_group};
   CpuKernelOptions kernel_options;
   kernel_options.threads = threads;
-  const RankOutput out = run_sharded_loss(c, inputs, assign_rank(c, inputs.batch(), rank), groups, impl.bugs, kernel_options);
+  RankOutput out;
+  if (options.device == RunOptions::Device::cuda) {
+    cuda::CudaRankOptions device_options;
+    const int gpus = std::max(1, cuda::visible_devices());
+    device_options.device = options.gpus > 1 ? rank % gpus : 0;
+    out = cuda::run_sharded_loss(c, inputs, assign_rank(c, inputs.batch(), rank), groups, impl.bugs, device_options);
+  } else {
+    out = run_sharded_loss(c, inputs, assign_rank(c, inputs.batch(), rank), groups, impl.bugs, kernel_options);
+  }
   const auto kernel_done = Clock::now();
   RankJob job;
   job.checks = verify_rank(c, inputs, out, groups, world, threads, snapshot);
@@ -153,6 +162,10 @@ RunResult run_case(const Case& c, const RunOptions& options, bool keep_snapshot)
       (options.fault.rank < 0 || options.fault.rank >= world_size)) {
     throw CaseError("--inject-fault: rank " + std::to_string(options.fault.rank) + " outside [0, " +
                     std::to_string(world_size) + ")");
+  }
+  if (options.device == RunOptions::Device::cuda) {
+    cuda::check_supported(c, *impl);
+    cuda::require_device(0);
   }
   std::optional<InputSource> own_inputs;
   if (options.shared_inputs == nullptr) own_inputs.emplace(c);

@@ -30,6 +30,9 @@ struct RunOptions {
   // Inputs of this very case, already built (and perhaps materialized) by the caller: the gate and sweeps
   // run one case many times. The inputs do not depend on the implementation or the layout.
   const InputSource* shared_inputs = nullptr;
+  // Where the kernels run: the CPU, or CUDA GPUs (each rank on GPU rank % visible GPUs, a stream each).
+  enum class Device { cpu, cuda } device = Device::cpu;
+  int gpus = 1;  // > 1: one GPU per rank (rank % gpus)
 };
 
 struct RunTimings {

@@ -1,0 +1,301 @@
+#include "lossverify/impl/cuda/cuda_backend.hpp"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+#include "lossverify/core/errors.hpp"
+#include "lossverify/impl/cuda/kernels.hpp"
+#include "lossverify/impl/rank_plan.hpp"
+#include "lossverify/impl/row_loss.hpp"
+#include "lossverify/reference/loss_reference.hpp"
+
+namespace lossverify::cuda {
+
+namespace {
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw InternalError(std::string("CUDA ") + what + ": " + cudaGetErrorString(e));
+}
+#define LV_CUDA(call) check((call), #call)
+
+// Owning device allocation (the cuCollections idiom: an owner here, plain pointers in the kernels).
+class DeviceBytes {
+ public:
+  explicit DeviceBytes(std::size_t bytes) : bytes_(bytes) {
+    if (bytes_ > 0) LV_CUDA(cudaMalloc(&ptr_, bytes_));
+  }
+  ~DeviceBytes() {
+    if (ptr_ != nullptr) cudaFree(ptr_);
+  }
+  DeviceBytes(const DeviceBytes&) = delete;
+  DeviceBytes& operator=(const DeviceBytes&) = delete;
+  DeviceBytes(DeviceBytes&& other) noexcept : ptr_(other.ptr_), bytes_(other.bytes_) {
+    other.ptr_ = nullptr;
+    other.bytes_ = 0;
+  }
+  DeviceBytes& operator=(DeviceBytes&&) = delete;
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(ptr_);
+  }
+  std::size_t size() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+template <class T>
+DeviceBytes upload(const std::vector<T>& host, cudaStream_t stream) {
+  DeviceBytes d(host.size() * sizeof(T));
+  if (!host.empty()) LV_CUDA(cudaMemcpyAsync(d.as<void>(), host.data(), d.size(), cudaMemcpyHostToDevice, stream));
+  return d;
+}
+
+StorageType storage_of(DType d) {
+  return d == DType::bf16 ? StorageType::bf16 : d == DType::fp16 ? StorageType::fp16 : StorageType::fp32;
+}
+
+class Stream {
+ public:
+  Stream() { LV_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
+  ~Stream() { cudaStreamDestroy(stream_); }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  cudaStream_t get() const { return stream_; }
+  void sync() const { LV_CUDA(cudaStreamSynchronize(stream_)); }
+
+ private:
+  cudaStream_t stream_{};
+};
+
+CrossEntropyConstants constants_for(const Case& c, const BugSwitches& bugs, float shard_width) {
+  const SmoothingPair q = smoothing_for(c, bugs, shard_width);
+  CrossEntropyConstants k{};
+  k.q_on_forward = q.forward.on_target;
+  k.q_off_forward = q.forward.off_target;
+  k.q_on_backward = q.backward.on_target;
+  k.q_off_backward = q.backward.off_target;
+  k.z_loss_weight = static_cast<float>(c.loss.z_loss_weight);
+  k.softcap = static_cast<float>(c.loss.softcap);
+  k.no_max_shift = bugs.no_max_shift;
+  k.zloss_grad_after_smoothing = bugs.zloss_grad_after_smoothing;
+  k.grad_rounded_early = bugs.grad_rounded_early;
+  return k;
+}
+
+}  // namespace
+
+bool built_with_cuda() { return true; }
+
+int visible_devices() { return device_count(); }
+
+void require_device(int device) {
+  char reason[256] = {0};
+  if (!device_available(device, reason, sizeof(reason))) {
+    throw InternalError(std::string("--backend cuda: no usable CUDA device: ") + reason);
+  }
+}
+
+void check_supported(const Case& c, const Implementation& impl) {
+  const std::string backend = "the CUDA backend";
+  if (c.loss.kind == LossKind::kd) throw CaseError(c.source + ": $.loss.kind: kd is not implemented on " + backend + " yet");
+  const BugSwitches& b = impl.bugs;
+  if (b.smoothing_log_after_exp || b.full_vocab_through_tp) {
+    throw CaseError("--impl " + impl.name + ": not implemented on " + backend + " yet");
+  }
+}
+
+RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssignment assignment, RankGroups groups,
+                            const BugSwitches& bugs, const CudaRankOptions& options) {
+  const auto start = std::chrono::steady_clock::now();
+  const double collectives_before =
+      groups.tp.collective_seconds() + groups.batch.collective_seconds() + groups.dp.collective_seconds();
+  LV_CUDA(cudaSetDevice(options.device));
+  Stream stream;
+  RankOutput out;
+  out.assignment = std::move(assignment);
+  out.dtype = c.inputs.dtype;
+  const VocabRange vocab = out.assignment.vocab;
+  const std::int64_t rows = out.rows();
+  const std::int64_t cols = vocab.size();
+  const StorageType type = storage_of(out.dtype);
+  const std::size_t element = dtype_size(out.dtype);
+
+  // The rank generates its shard on the device; hand-written rows are laid on top from the host.
+  std::vector<std::int64_t> counters(static_cast<std::size_t>(rows));
+  std::vector<int> padding(static_cast<std::size_t>(rows));
+  for (std::int64_t i = 0; i < rows; ++i) {
+    const LocalRow& r = out.assignment.rows[static_cast<std::size_t>(i)];
+    padding[static_cast<std::size_t>(i)] = r.token < 0;
+    counters[static_cast<std::size_t>(i)] =
+        r.token >= 0 ? r.token : static_cast<std::int64_t>((static_cast<std::uint64_t>(r.sequence) << 32) +
+                                                           static_cast<std::uint64_t>(r.position));
+  }
+  DeviceBytes d_counters = upload(counters, stream.get());
+  DeviceBytes d_padding = upload(padding, stream.get());
+  DeviceBytes d_logits(static_cast<std::size_t>(rows * cols) * element);
+  GenerateArgs g{c.inputs.seed, static_cast<int>(InputStream::student_logits), d_counters.as<std::int64_t>(),
+                 d_padding.as<int>(), rows, vocab.begin, vocab.end, static_cast<int>(c.inputs.distribution),
+                 c.inputs.mean, c.inputs.scale, c.inputs.mean, c.inputs.scale};
+  generate_logits(type, g, d_logits.as<void>(), stream.get());
+  LV_CUDA(cudaGetLastError());
+  if (!c.inputs.overrides.empty()) {
+    std::vector<std::byte> row_bytes(static_cast<std::size_t>(cols) * element);
+    for (std::int64_t i = 0; i < rows; ++i) {
+      const std::int64_t t = out.token_of(i);
+      const bool overridden = std::any_of(c.inputs.overrides.begin(), c.inputs.overrides.end(),
+                                          [t](const RowOverride& o) { return o.token == t && !o.logits.empty(); });
+      if (!overridden) continue;
+      dispatch_dtype(out.dtype, [&](auto tag) {
+        using T = typename decltype(tag)::type;
+        inputs.logits(t, vocab.begin, vocab.end, reinterpret_cast<T*>(row_bytes.data()));
+      });
+      LV_CUDA(cudaMemcpyAsync(d_logits.as<std::byte>() + static_cast<std::size_t>(i * cols) * element, row_bytes.data(),
+                              row_bytes.size(), cudaMemcpyHostToDevice, stream.get()));
+    }
+  }
+  stream.sync();
+  out.generate_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+
+  const RankPlan plan(c, inputs, out.assignment, groups, bugs);
+  out.logged_valid_tokens = plan.logged_valid_tokens();
+  std::vector<std::int64_t> target(static_cast<std::size_t>(rows), -1);
+  std::vector<int> active(static_cast<std::size_t>(rows));
+  std::vector<int> valid(static_cast<std::size_t>(rows));
+  std::vector<float> weight(static_cast<std::size_t>(rows));
+  for (std::int64_t i = 0; i < rows; ++i) {
+    const RowPlan& p = plan.row(i);
+    const auto k = static_cast<std::size_t>(i);
+    active[k] = p.active;
+    valid[k] = p.valid;
+    weight[k] = p.backward_weight;
+    if (p.valid && vocab.contains(p.label)) target[k] = p.label - vocab.begin;
+  }
+  DeviceBytes d_target = upload(target, stream.get());
+  DeviceBytes d_active = upload(active, stream.get());
+  DeviceBytes d_valid = upload(valid, stream.get());
+  DeviceBytes d_weight = upload(weight, stream.get());
+  DeviceBytes d_grad(static_cast<std::size_t>(rows * cols) * element);
+  DeviceBytes d_stats(static_cast<std::size_t>(rows) * 4 * sizeof(float));
+  DeviceBytes d_max(static_cast<std::size_t>(rows) * sizeof(float));
+  DeviceBytes d_log_sum(static_cast<std::size_t>(rows) * sizeof(float));
+  const auto shard_width = static_cast<float>(cols);
+  const CrossEntropyConstants k = constants_for(c, bugs, shard_width);
+  const SmoothingPair smoothing_pair = smoothing_for(c, bugs, shard_width);
+  const bool smoothing = c.loss.label_smoothing > 0.0;
+  const auto z_weight = static_cast<float>(c.loss.z_loss_weight);
+  out.token_loss.assign(static_cast<std::size_t>(rows), 0.0f);
+  std::vector<float> stats(static_cast<std::size_t>(rows) * 4);
+
+  const auto& offsets = out.assignment.micro_batch_begin;
+  for (std::size_t mb = 0; mb + 1 < offsets.size(); ++mb) {
+    const std::int64_t b = offsets[mb];
+    const std::int64_t n = offsets[mb + 1] - b;
+    if (n == 0) continue;
+    GradArgs ga{d_logits.as<std::byte>() + static_cast<std::size_t>(b * cols) * element,
+                d_grad.as<std::byte>() + static_cast<std::size_t>(b * cols) * element,
+                n,
+                cols,
+                d_target.as<std::int64_t>() + b,
+                d_active.as<int>() + b,
+                d_valid.as<int>() + b,
+                d_max.as<float>() + b,
+                d_log_sum.as<float>() + b,
+                d_weight.as<float>() + b};
+    float* stats_out = d_stats.as<float>() + 4 * b;
+    std::vector<float> row_max(static_cast<std::size_t>(n));
+    std::vector<float> log_sum(static_cast<std::size_t>(n), 0.0f);
+    std::vector<float> target_shifted(static_cast<std::size_t>(n), 0.0f);
+    std::vector<float> sum_shifted(static_cast<std::size_t>(n), 0.0f);
+    std::vector<float> local_sum_shifted(static_cast<std::size_t>(n), 0.0f);
+    if (groups.tp.size() == 1) {
+      // Whole rows on this rank: both passes in one kernel, no host round trip.
+      cross_entropy_fused(type, ga, k, stats_out, stream.get());
+      LV_CUDA(cudaGetLastError());
+      LV_CUDA(cudaMemcpyAsync(stats.data() + 4 * b, stats_out, static_cast<std::size_t>(n) * 4 * sizeof(float),
+                              cudaMemcpyDeviceToHost, stream.get()));
+      stream.sync();
+      for (std::int64_t i = 0; i < n; ++i) {
+        const float* s = stats.data() + 4 * (b + i);
+        const auto j = static_cast<std::size_t>(i);
+        row_max[j] = s[0];
+        log_sum[j] = s[1];
+        sum_shifted[j] = s[2] - shard_width * s[0];
+        local_sum_shifted[j] = sum_shifted[j];
+        if (target[static_cast<std::size_t>(b + i)] >= 0) target_shifted[j] = s[3] - s[0];
+      }
+    } else {
+      // Pass 1, then the SPEC 5 collectives on per-row statistics, then pass 2.
+      StatsArgs sa{ga.logits, n, cols, ga.target_column, ga.active};
+      cross_entropy_stats(type, sa, k, stats_out, stream.get());
+      LV_CUDA(cudaGetLastError());
+      LV_CUDA(cudaMemcpyAsync(stats.data() + 4 * b, stats_out, static_cast<std::size_t>(n) * 4 * sizeof(float),
+                              cudaMemcpyDeviceToHost, stream.get()));
+      stream.sync();
+      std::vector<float> local_max(static_cast<std::size_t>(n), -INFINITY);
+      for (std::int64_t i = 0; i < n; ++i) {
+        if (active[static_cast<std::size_t>(b + i)]) local_max[static_cast<std::size_t>(i)] = stats[static_cast<std::size_t>(4 * (b + i))];
+      }
+      row_max = local_max;
+      if (!bugs.no_max_shift) groups.tp.allreduce_max(row_max);
+      const int width = smoothing ? 3 : 2;
+      std::vector<float> packed(static_cast<std::size_t>(width * n), 0.0f);
+      for (std::int64_t i = 0; i < n; ++i) {
+        const auto j = static_cast<std::size_t>(i);
+        if (!active[static_cast<std::size_t>(b + i)]) continue;
+        const float* s = stats.data() + 4 * (b + i);
+        const float m = bugs.no_max_shift ? 0.0f : row_max[j];
+        row_max[j] = m;
+        packed[j] = s[1] * std::exp(local_max[j] - m);
+        if (target[static_cast<std::size_t>(b + i)] >= 0) packed[static_cast<std::size_t>(n + i)] = s[3] - m;
+        local_sum_shifted[j] = s[2] - shard_width * m;
+        if (smoothing) packed[static_cast<std::size_t>(2 * n + i)] = local_sum_shifted[j];
+      }
+      groups.tp.allreduce_sum(packed);
+      for (std::int64_t i = 0; i < n; ++i) {
+        const auto j = static_cast<std::size_t>(i);
+        if (!active[static_cast<std::size_t>(b + i)]) continue;
+        log_sum[j] = std::log(packed[j]);
+        target_shifted[j] = packed[static_cast<std::size_t>(n + i)];
+        if (smoothing) sum_shifted[j] = packed[static_cast<std::size_t>(2 * n + i)];
+      }
+      LV_CUDA(cudaMemcpyAsync(d_max.as<float>() + b, row_max.data(), row_max.size() * sizeof(float),
+                              cudaMemcpyHostToDevice, stream.get()));
+      LV_CUDA(cudaMemcpyAsync(d_log_sum.as<float>() + b, log_sum.data(), log_sum.size() * sizeof(float),
+                              cudaMemcpyHostToDevice, stream.get()));
+      cross_entropy_grad(type, ga, k, stream.get());
+      LV_CUDA(cudaGetLastError());
+    }
+    for (std::int64_t i = 0; i < n; ++i) {
+      const auto j = static_cast<std::size_t>(i);
+      const RowPlan& p = plan.row(b + i);
+      if (!p.active) continue;
+      const float smoothing_sum = bugs.smoothing_sum_local_forward ? local_sum_shifted[j] : sum_shifted[j];
+      out.token_loss[static_cast<std::size_t>(b + i)] =
+          cross_entropy_row_loss(p, row_max[j], log_sum[j], target_shifted[j], smoothing ? smoothing_sum : 0.0f,
+                                 local_sum_shifted[j], shard_width, smoothing_pair.forward, z_weight, bugs);
+    }
+  }
+  out.grad.resize(static_cast<std::size_t>(rows * cols) * element);
+  LV_CUDA(cudaMemcpyAsync(out.grad.data(), d_grad.as<void>(), out.grad.size(), cudaMemcpyDeviceToHost, stream.get()));
+  stream.sync();
+  if (const auto logged = plan.logged_loss(out.token_loss, groups.batch)) {
+    out.has_reduced_loss = true;
+    out.reduced_loss = *logged;
+  }
+  out.collective_seconds =
+      groups.tp.collective_seconds() + groups.batch.collective_seconds() + groups.dp.collective_seconds() -
+      collectives_before;
+  out.compute_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() -
+                        out.generate_seconds - out.collective_seconds;
+  return out;
+}
+
+}  // namespace lossverify::cuda

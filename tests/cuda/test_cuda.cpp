@@ -1,0 +1,128 @@
+// CUDA backend against the same oracle as the CPU (the ggml idiom): device inputs bit-identical to the
+// CPU generator, the correct kernels passing every check at several TP layouts, and the kernel-level
+// catalogued bugs failing with exactly the checks the CPU gate recorded in golden/.
+#include <doctest/doctest.h>
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "lossverify/impl/cuda/kernels.hpp"
+#include "lossverify/inputs/input_source.hpp"
+#include "lossverify/runner/run_case.hpp"
+#include "test_support.hpp"
+
+using namespace lossverify;
+
+namespace {
+
+RunResult run_on_gpu(const Case& c, const std::string& impl) {
+  RunOptions options;
+  options.implementation = impl;
+  options.threads = 2;
+  options.device = RunOptions::Device::cuda;
+  return run_case(c, options);
+}
+
+std::vector<std::string> failing(const RunResult& r) {
+  std::vector<std::string> names;
+  for (const auto& check : r.checks) {
+    if (check.verdict == Verdict::fail) names.push_back(check.name);
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+}  // namespace
+
+TEST_CASE("device_generated_logits_are_bit_identical_to_the_cpu_generator") {
+  for (const char* dtype : {"fp32", "bf16", "fp16"}) {
+    auto j = testing::case_json(37, 1001, 1, dtype);
+    j["inputs"]["distribution"] = std::string(dtype) == "fp16" ? "uniform" : "normal";
+    const Case c = testing::make_case(j);
+    const InputSource inputs(c);
+    const std::int64_t begin = 123;  // an odd first column: the second half of a Philox pair
+    const std::int64_t end = 990;
+    const std::int64_t rows = 37;
+    std::vector<std::int64_t> counters(rows);
+    std::vector<int> padding(rows, 0);
+    for (std::int64_t i = 0; i < rows; ++i) counters[static_cast<std::size_t>(i)] = i;
+    padding[5] = 1;  // one CP padding row
+    counters[5] = (std::int64_t{3} << 32) + 17;
+    const std::size_t element = dtype_size(c.inputs.dtype);
+    const std::size_t bytes = static_cast<std::size_t>(rows * (end - begin)) * element;
+    void *d_out = nullptr, *d_counters = nullptr, *d_padding = nullptr;
+    REQUIRE(cudaMalloc(&d_out, bytes) == cudaSuccess);
+    REQUIRE(cudaMalloc(&d_counters, counters.size() * 8) == cudaSuccess);
+    REQUIRE(cudaMalloc(&d_padding, padding.size() * 4) == cudaSuccess);
+    cudaMemcpy(d_counters, counters.data(), counters.size() * 8, cudaMemcpyHostToDevice);
+    cudaMemcpy(d_padding, padding.data(), padding.size() * 4, cudaMemcpyHostToDevice);
+    const cuda::StorageType type = c.inputs.dtype == DType::bf16 ? cuda::StorageType::bf16
+                                   : c.inputs.dtype == DType::fp16 ? cuda::StorageType::fp16
+                                                                   : cuda::StorageType::fp32;
+    cuda::GenerateArgs g{c.inputs.seed, static_cast<int>(InputStream::student_logits), static_cast<std::int64_t*>(d_counters),
+                         static_cast<int*>(d_padding), rows, begin, end, static_cast<int>(c.inputs.distribution),
+                         c.inputs.mean, c.inputs.scale, c.inputs.mean, c.inputs.scale};
+    cuda::generate_logits(type, g, d_out, nullptr);
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    std::vector<std::byte> device(bytes), host(static_cast<std::size_t>(end - begin) * element);
+    cudaMemcpy(device.data(), d_out, bytes, cudaMemcpyDeviceToHost);
+    for (std::int64_t i = 0; i < rows; ++i) {
+      dispatch_dtype(c.inputs.dtype, [&](auto tag) {
+        using T = typename decltype(tag)::type;
+        if (i == 5) {
+          inputs.padding_logits(3, 17, begin, end, reinterpret_cast<T*>(host.data()));
+        } else {
+          inputs.logits(i, begin, end, reinterpret_cast<T*>(host.data()));
+        }
+      });
+      CAPTURE(dtype);
+      CAPTURE(i);
+      CHECK(std::memcmp(host.data(), device.data() + static_cast<std::size_t>(i) * host.size(), host.size()) == 0);
+    }
+    cudaFree(d_out);
+    cudaFree(d_counters);
+    cudaFree(d_padding);
+  }
+}
+
+TEST_CASE("cuda_correct_implementation_passes_every_check_at_several_tp") {
+  const char* cases[] = {"smoothing-pytorch", "smoothing-megatron", "uneven-shards-v507-tp4", "zloss-ignored",
+                         "reduction-none-upstream", "softcap-gemma", "underflow-gap-240", "cp-zigzag-packed",
+                         "ga-unequal-microbatches", "full-4d-layout"};
+  for (const char* name : cases) {
+    for (int tp : {1, 2, 4}) {
+      Case c = load_case_file(std::string("cases/") + name + ".json");
+      c.layout.tp = tp;
+      const RunResult r = run_on_gpu(c, "correct");
+      CAPTURE(name);
+      CAPTURE(tp);
+      for (const auto& check : r.checks) {
+        CAPTURE(check.name);
+        CHECK(check.verdict != Verdict::fail);
+        CHECK(check.margin < 0.51);
+      }
+    }
+  }
+}
+
+TEST_CASE("cuda_kernel_bugs_fail_with_the_checks_golden_records_for_the_cpu") {
+  const std::pair<const char*, const char*> runs[] = {
+      {"smoothing-pytorch", "smoothing-partition-vocab"}, {"smoothing-pytorch", "smoothing-local-sum"},
+      {"uneven-shards-v507-tp4", "smoothing-backward-partition"}, {"uneven-shards-v507-tp4", "smoothing-convention-swap"},
+      {"large-logits-no-max-shift", "no-max-shift"}, {"bf16-upstream-rounding", "grad-rounded-early"},
+      {"uneven-shards-v507-tp4", "zloss-grad-after-smoothing"}, {"zloss-ignored", "zloss-on-ignored"},
+      {"cp-zigzag-packed", "cp-roll-after-split"}, {"dp-unequal-tokens", "dp-local-mean"}};
+  for (const auto& [name, impl] : runs) {
+    const Case c = load_case_file(std::string("cases/") + name + ".json");
+    std::ifstream golden_file(std::string("golden/") + name + ".json");
+    const nlohmann::json golden = nlohmann::json::parse(golden_file)["outcomes"][impl];
+    const RunResult r = run_on_gpu(c, impl);
+    CAPTURE(name);
+    CAPTURE(impl);
+    CHECK(std::string(to_string(r.verdict)) == golden["verdict"].get<std::string>());
+    CHECK(failing(r) == golden["failing_checks"].get<std::vector<std::string>>());
+  }
+}
