@@ -5,8 +5,6 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <cooperative_groups.h>
-
 #include <cstdio>
 
 #include "lossverify/impl/cuda/kernels.hpp"
@@ -301,137 +299,6 @@ __global__ void __launch_bounds__(kThreads) fused_kernel(GradArgs a, CrossEntrop
   }
 }
 
-// Both passes with one DRAM read per logit: a cluster of `csize` CTAs (1, 2, 4 or 8, one per SM) shares
-// a row; each CTA stages its slice in shared memory while computing that slice's statistics, the
-// cluster combines the slices' statistics through distributed shared memory in rank order, and pass 2
-// reads the slice back from shared memory.
-template <class T>
-__global__ void __launch_bounds__(kThreads) fused_cluster_kernel(GradArgs a, CrossEntropyConstants k,
-                                                                 float* row_stats_out, int csize) {
-  namespace cg = cooperative_groups;
-  cg::cluster_group cluster = cg::this_cluster();
-  using V = Vec<T>;
-  extern __shared__ __align__(16) unsigned char dynamic_smem[];
-  V* slice = reinterpret_cast<V*>(dynamic_smem);
-  __shared__ float slice_stats[4];
-  const T* logits = static_cast<const T*>(a.logits);
-  T* grad = static_cast<T*>(a.grad);
-  const unsigned my_rank = cluster.block_rank();
-  const std::int64_t vectors = a.cols / V::kCount;
-  const std::int64_t per_cta = (vectors + csize - 1) / csize;
-  const std::int64_t lo = static_cast<std::int64_t>(my_rank) * per_cta;
-  const std::int64_t hi = lo + per_cta < vectors ? lo + per_cta : vectors;
-  const std::int64_t clusters = gridDim.x / csize;
-  const bool no_shift = k.no_max_shift != 0;
-  for (std::int64_t r = blockIdx.x / csize; r < a.rows; r += clusters) {
-    const bool active = a.active[r] != 0;  // uniform over the cluster
-    const std::int64_t target = a.target_column[r];
-    const V* vrow = reinterpret_cast<const V*>(logits + r * a.cols);
-    V* vgrad = reinterpret_cast<V*>(grad + r * a.cols);
-    if (!active) {
-      V zero;
-#pragma unroll
-      for (int j = 0; j < V::kCount; ++j) zero.v[j] = narrow<T>(0.0f);
-      for (std::int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) vgrad[i] = zero;
-      if (my_rank == 0 && threadIdx.x == 0) {
-        float* o = row_stats_out + 4 * r;
-        o[0] = o[1] = o[2] = o[3] = 0.0f;
-      }
-      continue;  // the same for every CTA of the cluster: no cluster barrier is skipped unevenly
-    }
-    // Pass 1: global -> shared, and the slice's online statistics.
-    Online o;
-    if (no_shift) o.m = 0.0f;
-    for (std::int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-      const V vec = vrow[i];
-      slice[i - lo] = vec;
-      float x[V::kCount];
-      float vmax = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < V::kCount; ++j) {
-        x[j] = load_capped(widen<T>(vec.v[j]), k.softcap);
-        vmax = fmaxf(vmax, x[j]);
-        o.sum_x += x[j];
-      }
-      if (no_shift) {
-#pragma unroll
-        for (int j = 0; j < V::kCount; ++j) o.s += fast_exp(x[j]);
-      } else {
-        if (vmax > o.m) {
-          o.s = o.m == -INFINITY ? 0.0f : o.s * fast_exp(o.m - vmax);
-          o.m = vmax;
-        }
-        float part = 0.0f;
-#pragma unroll
-        for (int j = 0; j < V::kCount; ++j) part += fast_exp(x[j] - o.m);
-        o.s += part;
-      }
-    }
-    float m = o.m, s = o.s, sum_x = o.sum_x;
-    block_reduce(m, s, sum_x, no_shift);
-    if (threadIdx.x == 0) {
-      slice_stats[0] = no_shift ? 0.0f : m;
-      slice_stats[1] = s;
-      slice_stats[2] = sum_x;
-      const std::int64_t t_lo = lo * V::kCount;
-      const std::int64_t t_hi = hi * V::kCount;
-      slice_stats[3] = (target >= t_lo && target < t_hi)
-                           ? load_capped(widen<T>(reinterpret_cast<const T*>(slice)[target - t_lo]), k.softcap)
-                           : 0.0f;
-    }
-    cluster.sync();
-    // Every CTA combines the slices in rank order: identical row statistics everywhere.
-    float row_m = no_shift ? 0.0f : -INFINITY, row_s = 0.0f, row_sum_x = 0.0f, x_target = 0.0f;
-    for (int peer = 0; peer < csize; ++peer) {
-      const float* ps = cluster.map_shared_rank(slice_stats, peer);
-      if (no_shift) {
-        row_s += ps[1];
-      } else {
-        combine(row_m, row_s, ps[0], ps[1]);
-      }
-      row_sum_x += ps[2];
-      x_target += ps[3];
-    }
-    cluster.sync();  // peers have read this CTA's slice_stats before the next row overwrites them
-    const float log_sum = logf(row_s);
-    if (my_rank == 0 && threadIdx.x == 0) {
-      float* out = row_stats_out + 4 * r;
-      out[0] = row_m;
-      out[1] = log_sum;
-      out[2] = row_sum_x;
-      out[3] = x_target;
-    }
-    // Pass 2 from shared memory.
-    const float lse = row_m + log_sum;
-    const float z_factor = 1.0f + 2.0f * k.z_loss_weight * lse;
-    const SmoothingWeights<float> q{k.q_on_backward, k.q_off_backward};
-    const float weight = a.weight[r];
-    const bool valid = a.valid[r] != 0;
-    for (std::int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-      const V in = slice[i - lo];
-      V out_vec;
-#pragma unroll
-      for (int j = 0; j < V::kCount; ++j) {
-        const std::int64_t c = i * V::kCount + j;
-        const float x = load_capped(widen<T>(in.v[j]), k.softcap);
-        const float p = fast_exp((x - row_m) - log_sum);
-        float g;
-        if (!valid) {
-          g = 2.0f * k.z_loss_weight * lse * p;
-        } else if (k.zloss_grad_after_smoothing) {
-          g = (p - (c == target ? q.on_target : q.off_target)) * z_factor;
-        } else {
-          g = cross_entropy_grad(p, c == target, q, z_factor);
-        }
-        if (k.softcap > 0.0f) g *= 1.0f - (x / k.softcap) * (x / k.softcap);
-        out_vec.v[j] = k.grad_rounded_early ? narrow<T>(widen<T>(narrow<T>(g)) * weight) : narrow<T>(weight * g);
-      }
-      __stcs(reinterpret_cast<int4*>(vgrad + i), *reinterpret_cast<const int4*>(&out_vec));
-    }
-    __syncthreads();  // the slice is read before the next row overwrites it
-  }
-}
-
 int persistent_blocks() {
   int device = 0;
   cudaGetDevice(&device);
@@ -483,33 +350,6 @@ void cross_entropy_fused(StorageType type, const GradArgs& args, const CrossEntr
   if (args.rows == 0) return;
   dispatch(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    // One DRAM read per logit when the row can be staged in the shared memory of a cluster of <= 8 SMs.
-    constexpr std::int64_t kSliceBytes = 200 * 1024;
-    const std::int64_t row_bytes = args.cols * static_cast<std::int64_t>(sizeof(T));
-    if (can_vectorize<T>(args.logits, args.grad, args.cols) && row_bytes <= 8 * kSliceBytes) {
-      int csize = 1;
-      while (static_cast<std::int64_t>(csize) * kSliceBytes < row_bytes) csize *= 2;
-      const std::int64_t vectors = args.cols / Vec<T>::kCount;
-      const std::int64_t per_cta = (vectors + csize - 1) / csize;
-      const auto smem = static_cast<std::size_t>(per_cta * 16);
-      cudaFuncSetAttribute(fused_cluster_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-      if (csize > 8) cudaFuncSetAttribute(fused_cluster_kernel<T>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-      const int clusters = std::max(1, persistent_blocks() / csize);
-      cudaLaunchConfig_t config = {};
-      config.gridDim = dim3(static_cast<unsigned>(clusters * csize));
-      config.blockDim = dim3(kThreads);
-      config.dynamicSmemBytes = smem;
-      config.stream = static_cast<cudaStream_t>(stream);
-      cudaLaunchAttribute attribute[1];
-      attribute[0].id = cudaLaunchAttributeClusterDimension;
-      attribute[0].val.clusterDim.x = static_cast<unsigned>(csize);
-      attribute[0].val.clusterDim.y = 1;
-      attribute[0].val.clusterDim.z = 1;
-      config.attrs = attribute;
-      config.numAttrs = 1;
-      if (cudaLaunchKernelEx(&config, fused_cluster_kernel<T>, args, k, row_stats_out, csize) == cudaSuccess) return;
-      cudaGetLastError();  // fall back to the two-pass kernel below
-    }
     const int blocks = static_cast<int>(std::min<std::int64_t>(args.rows, persistent_blocks()));
     fused_kernel<T><<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
         args, k, row_stats_out, can_vectorize<T>(args.logits, args.grad, args.cols));
