@@ -101,3 +101,5 @@ set_tests_properties(cli_junit_wellformed PROPERTIES DEPENDS cli_gate)
 if(LOSSVERIFY_HAVE_MPI AND MPIEXEC_EXECUTABLE)
   include(${CMAKE_CURRENT_SOURCE_DIR}/cli/mpi_tests.cmake)
 endif()
+
+add_test(NAME cli_cuda_backend COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/cli/cuda_cli.sh ${LV} ${CASES}/smoothing-pytorch.json)

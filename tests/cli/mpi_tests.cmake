@@ -35,7 +35,7 @@ lossverify_cli_test(mpi_fault_hang 4 "deadlock guard: .* rank\\(s\\) 2 never arr
 # A process count that does not match the layout: a usage error from every rank, not a hang.
 lossverify_cli_test(mpi_wrong_process_count 2 "rank 2 of 3: error: .*4 ranks, but mpiexec started 3 processes"
   --within 30 -- ${MPIRUN} -n 3 ${LV} run ${CASES}/uneven-shards-v507-tp4.json)
-lossverify_cli_test(mpi_sweep_needs_threads 2 "--sweep runs several layouts: use the thread backend" --within 30
+lossverify_cli_test(mpi_sweep_needs_threads 2 "--sweep runs several layouts: use the thread launcher" --within 30
   -- ${MPIRUN} -n 2 ${LV} run ${CASES}/zloss-ignored.json --sweep tp=1,2)
 lossverify_cli_test(mpi_report 0 "verdict: pass" --present ${OUT}/mpi_report.json --within 60
   -- ${MPIRUN} -n 8 ${LV} run ${CASES}/full-4d-layout.json --report ${OUT}/mpi_report.json)

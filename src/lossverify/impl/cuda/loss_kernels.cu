@@ -172,14 +172,21 @@ __device__ void row_stats(const T* row, std::int64_t cols, std::int64_t target, 
       for (int j = 0; j < V::kCount; ++j) part += fast_exp(x[j] - o.m);
       o.s += part;
     };
+    // Four vectors in flight per thread before any arithmetic (memory-level parallelism).
+    constexpr int kBatch = 4;
+    const std::int64_t stride = blockDim.x;
     std::int64_t i = threadIdx.x;
-    for (; i + blockDim.x < vectors; i += 2 * static_cast<std::int64_t>(blockDim.x)) {
-      const V a = vrow[i];
-      const V b = vrow[i + blockDim.x];
-      consume(a);
-      consume(b);
+    for (; i + (kBatch - 1) * stride < vectors; i += kBatch * stride) {
+      V batch[kBatch];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int4 raw = __ldg(reinterpret_cast<const int4*>(vrow + i + b * stride));
+        batch[b] = *reinterpret_cast<const V*>(&raw);
+      }
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) consume(batch[b]);
     }
-    if (i < vectors) consume(vrow[i]);
+    for (; i < vectors; i += stride) consume(vrow[i]);
   } else {
     for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) o.add(load_capped(widen<T>(row[c]), k.softcap), no_shift);
   }
@@ -219,13 +226,26 @@ __device__ void row_grad(const T* row, T* grad, std::int64_t cols, std::int64_t 
     const V* vrow = reinterpret_cast<const V*>(row);
     V* vgrad = reinterpret_cast<V*>(grad);
     const std::int64_t vectors = cols / V::kCount;
-    for (std::int64_t i = threadIdx.x; i < vectors; i += blockDim.x) {
-      const V in = vrow[i];
+    constexpr int kBatch = 4;
+    const std::int64_t stride = blockDim.x;
+    auto emit = [&](const V& in, std::int64_t i) {
       V out;
 #pragma unroll
       for (int j = 0; j < V::kCount; ++j) out.v[j] = value(widen<T>(in.v[j]), i * V::kCount + j);
       __stcs(reinterpret_cast<int4*>(vgrad + i), *reinterpret_cast<const int4*>(&out));  // streaming store
+    };
+    std::int64_t i = threadIdx.x;
+    for (; i + (kBatch - 1) * stride < vectors; i += kBatch * stride) {
+      V batch[kBatch];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int4 raw = __ldg(reinterpret_cast<const int4*>(vrow + i + b * stride));
+        batch[b] = *reinterpret_cast<const V*>(&raw);
+      }
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) emit(batch[b], i + b * stride);
     }
+    for (; i < vectors; i += stride) emit(vrow[i], i);
   } else {
     for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) grad[c] = value(widen<T>(row[c]), c);
   }
@@ -307,6 +327,20 @@ int persistent_blocks() {
   return sms > 0 ? sms : 132;
 }
 
+// Launch shape: rows of up to 64 KB get 256-thread blocks, four per SM, so several rows are in flight
+// on each SM; longer rows get one 1024-thread block per SM (the row stays in L2 between the passes).
+struct LaunchShape {
+  int blocks;
+  int threads;
+};
+template <class T>
+LaunchShape launch_shape(std::int64_t rows, std::int64_t cols) {
+  const bool small = cols * static_cast<std::int64_t>(sizeof(T)) <= 64 * 1024;
+  const int threads = small ? 256 : kThreads;
+  const std::int64_t blocks = static_cast<std::int64_t>(persistent_blocks()) * (small ? 4 : 1);
+  return {static_cast<int>(std::min<std::int64_t>(rows, blocks)), threads};
+}
+
 template <class F>
 void dispatch(StorageType type, F&& f) {
   switch (type) {
@@ -329,8 +363,8 @@ void cross_entropy_stats(StorageType type, const StatsArgs& args, const CrossEnt
   if (args.rows == 0) return;
   dispatch(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    const int blocks = static_cast<int>(std::min<std::int64_t>(args.rows, persistent_blocks()));
-    stats_kernel<T><<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+    const LaunchShape shape = launch_shape<T>(args.rows, args.cols);
+    stats_kernel<T><<<shape.blocks, shape.threads, 0, static_cast<cudaStream_t>(stream)>>>(
         args, k, out, can_vectorize<T>(args.logits, nullptr, args.cols));
   });
 }
@@ -339,8 +373,8 @@ void cross_entropy_grad(StorageType type, const GradArgs& args, const CrossEntro
   if (args.rows == 0) return;
   dispatch(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    const int blocks = static_cast<int>(std::min<std::int64_t>(args.rows, persistent_blocks()));
-    grad_kernel<T><<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+    const LaunchShape shape = launch_shape<T>(args.rows, args.cols);
+    grad_kernel<T><<<shape.blocks, shape.threads, 0, static_cast<cudaStream_t>(stream)>>>(
         args, k, can_vectorize<T>(args.logits, args.grad, args.cols));
   });
 }
@@ -350,8 +384,8 @@ void cross_entropy_fused(StorageType type, const GradArgs& args, const CrossEntr
   if (args.rows == 0) return;
   dispatch(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    const int blocks = static_cast<int>(std::min<std::int64_t>(args.rows, persistent_blocks()));
-    fused_kernel<T><<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+    const LaunchShape shape = launch_shape<T>(args.rows, args.cols);
+    fused_kernel<T><<<shape.blocks, shape.threads, 0, static_cast<cudaStream_t>(stream)>>>(
         args, k, row_stats_out, can_vectorize<T>(args.logits, args.grad, args.cols));
   });
 }
@@ -366,7 +400,9 @@ bool device_available(int device, char* reason, int reason_size) {
   int count = 0;
   const cudaError_t e = cudaGetDeviceCount(&count);
   if (e != cudaSuccess) {
-    std::snprintf(reason, static_cast<std::size_t>(reason_size), "%s", cudaGetErrorString(e));
+    const bool absent = e == cudaErrorInsufficientDriver || e == cudaErrorNoDevice;
+    std::snprintf(reason, static_cast<std::size_t>(reason_size), "%s(cudaGetDeviceCount: %s)",
+                  absent ? "no NVIDIA driver or GPU on this machine " : "", cudaGetErrorString(e));
     return false;
   }
   if (device >= count) {
