@@ -43,6 +43,13 @@ extern "C" void on_fatal_signal(int signal_number) {
 }
 
 // A rank that exits before the run finished says so.
+// mpiexec forwards each rank's output through its proxy; an abort right after writing can lose it.
+void let_output_drain() {
+  std::fflush(stdout);
+  std::fflush(stderr);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+}
+
 void on_exit() {
   if (!g_finished && g_world_rank >= 0) {
     std::fprintf(stderr, "lossverify: rank %d exited before the run finished\n", g_world_rank);
@@ -101,7 +108,7 @@ class Watch {
                    "lossverify: timeout: deadlock guard: %s waited %g s; rank(s) %s never arrived (rank(s) %s were "
                    "waiting)\n",
                    what.c_str(), timeout_seconds, missing.empty() ? "none" : missing.c_str(), waiting.c_str());
-      std::fflush(stderr);
+      let_output_drain();
     } else {
       std::this_thread::sleep_for(std::chrono::seconds(1));  // let the lowest rank speak first
     }
@@ -165,6 +172,7 @@ class MpiCommunicator final : public Communicator {
 
   void abort(const std::string& reason) override {
     std::fprintf(stderr, "lossverify: rank %d aborted the run: %s\n", g_world_rank, reason.c_str());
+    let_output_drain();
     g_finished = true;
     MPI_Abort(MPI_COMM_WORLD, static_cast<int>(ExitCode::internal_error));
     std::_Exit(static_cast<int>(ExitCode::internal_error));
@@ -245,7 +253,7 @@ void Session::set_timeout(double seconds) { state_->watch->timeout_seconds = sec
 
 void Session::abort(int exit_code, const std::string& message) {
   std::fprintf(stderr, "lossverify: rank %d: %s\n", g_world_rank, message.c_str());
-  std::fflush(stderr);
+  let_output_drain();
   g_finished = true;
   MPI_Abort(MPI_COMM_WORLD, exit_code);
   std::_Exit(exit_code);
