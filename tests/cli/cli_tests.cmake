@@ -103,3 +103,7 @@ if(LOSSVERIFY_HAVE_MPI AND MPIEXEC_EXECUTABLE)
 endif()
 
 add_test(NAME cli_cuda_backend COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/cli/cuda_cli.sh ${LV} ${CASES}/smoothing-pytorch.json)
+
+# 512 thread ranks (tp=8, cp=4, dp=16, ga=2) on a small case: splits, collectives and verification scale.
+lossverify_cli_test(r512_thread_ranks 0 "tp=8 cp=4 dp=16 ga=2.*|verdict: pass" --within 120
+  -- ${LV} run ${PROJECT_SOURCE_DIR}/bench/cases/r512-tp8-cp4-dp16.json --threads 2)

@@ -73,21 +73,9 @@ double output_quantum(DType dtype) {
 }  // namespace
 
 void ErrorStats::add(const ElementRecord& r) {
-  ++compared_;
   // Equal values (both +inf included) agree; inf against a finite value is an infinite error.
   const double error = r.got == r.expected ? 0.0 : std::fabs(r.got - r.expected);
-  const double m = margin_of(error, r.tolerance);
-  if (!(error <= r.tolerance)) ++mismatches_;  // NaN counts as a mismatch
-  if (std::isnan(error)) {
-    max_abs_ = std::numeric_limits<double>::infinity();
-  } else {
-    max_abs_ = std::max(max_abs_, error);
-    if (r.expected != 0.0) max_rel_ = std::max(max_rel_, error / std::fabs(r.expected));
-  }
-  if (!worst_ || m > max_margin_ || (m == max_margin_ && earlier(r, *worst_))) {
-    max_margin_ = m;
-    worst_ = r;
-  }
+  add_with_margin(r, margin_of(error, r.tolerance), !(error <= r.tolerance));  // NaN counts as a mismatch
 }
 
 void ErrorStats::add_with_margin(const ElementRecord& r, double m, bool mismatch) {

@@ -71,14 +71,36 @@ RankAssignment assign_rank(const Case& c, const GlobalBatch& batch, int world_ra
   return a;
 }
 
+namespace {
+
+// The three communicators of a rank. TP group: same (cp, dp). Batch group (different tokens): same tp.
+// DP group: same (tp, cp). Collective over the world.
+struct OwnedGroups {
+  std::unique_ptr<Communicator> tp, batch, dp;
+  RankGroups view() { return RankGroups{*tp, *batch, *dp}; }
+};
+OwnedGroups make_groups(Communicator& world, const LayoutSpec& layout) {
+  const RankCoordinates at = coordinates_of(world.rank(), layout);
+  OwnedGroups g;
+  g.tp = world.split(at.dp * layout.cp + at.cp, at.tp);
+  g.batch = world.split(at.tp, world.rank());
+  g.dp = world.split(at.cp * layout.tp + at.tp, at.dp);
+  return g;
+}
+
+void check_fault_rank(const FaultInjection& fault, int world_size) {
+  if (fault.kind != FaultInjection::Kind::none && (fault.rank < 0 || fault.rank >= world_size)) {
+    throw CaseError("--inject-fault: rank " + std::to_string(fault.rank) + " outside [0, " +
+                    std::to_string(world_size) + ")");
+  }
+}
+
+}  // namespace
+
 RankRun execute_ranks(const Case& c, const InputSource& inputs, const Implementation& impl, const RunOptions& options) {
   const auto start = Clock::now();
   const int world_size = c.layout.world_size();
-  if (options.fault.kind != FaultInjection::Kind::none &&
-      (options.fault.rank < 0 || options.fault.rank >= world_size)) {
-    throw CaseError("--inject-fault: rank " + std::to_string(options.fault.rank) + " outside [0, " +
-                    std::to_string(world_size) + ")");
-  }
+  check_fault_rank(options.fault, world_size);
   CpuKernelOptions kernel_options;
   kernel_options.threads = std::max(1, resolved_threads(options) / world_size);
 
@@ -89,15 +111,10 @@ RankRun execute_ranks(const Case& c, const InputSource& inputs, const Implementa
   world_options.timeout_seconds = c.timeout_seconds;
   run_thread_ranks(world_options, [&](Communicator& world) {
     const int rank = world.rank();
-    const RankCoordinates at = coordinates_of(rank, c.layout);
-    // TP group: same (cp, dp). Batch group (different tokens): same tp. DP group: same (tp, cp).
-    auto tp_group = world.split(at.dp * c.layout.cp + at.cp, at.tp);
-    auto batch_group = world.split(at.tp, rank);
-    auto dp_group = world.split(at.cp * c.layout.tp + at.tp, at.dp);
+    OwnedGroups groups = make_groups(world, c.layout);
     inject(options.fault, rank);
     run.outputs[static_cast<std::size_t>(rank)] =
-        run_sharded_loss(c, inputs, assign_rank(c, inputs.batch(), rank), RankGroups{*tp_group, *batch_group, *dp_group},
-                         impl.bugs, kernel_options);
+        run_sharded_loss(c, inputs, assign_rank(c, inputs.batch(), rank), groups.view(), impl.bugs, kernel_options);
   });
   run.wall_seconds = std::chrono::duration<double>(Clock::now() - start).count();
   return run;
@@ -107,13 +124,9 @@ RankJob run_rank(const Case& c, const InputSource& inputs, const Implementation&
                  Communicator& world, int threads, LayoutSnapshot* snapshot) {
   const auto start = Clock::now();
   const int rank = world.rank();
-  const RankCoordinates at = coordinates_of(rank, c.layout);
-  // TP group: same (cp, dp). Batch group (different tokens): same tp. DP group: same (tp, cp).
-  auto tp_group = world.split(at.dp * c.layout.cp + at.cp, at.tp);
-  auto batch_group = world.split(at.tp, rank);
-  auto dp_group = world.split(at.cp * c.layout.tp + at.tp, at.dp);
+  OwnedGroups owned = make_groups(world, c.layout);
   inject(options.fault, rank);
-  RankGroups groups{*tp_group, *batch_group, *dp_group};
+  RankGroups groups = owned.view();
   CpuKernelOptions kernel_options;
   kernel_options.threads = threads;
   RankOutput out;
@@ -158,11 +171,7 @@ RunResult run_case(const Case& c, const RunOptions& options, bool keep_snapshot)
   }
   const auto start = Clock::now();
   const int world_size = c.layout.world_size();
-  if (options.fault.kind != FaultInjection::Kind::none &&
-      (options.fault.rank < 0 || options.fault.rank >= world_size)) {
-    throw CaseError("--inject-fault: rank " + std::to_string(options.fault.rank) + " outside [0, " +
-                    std::to_string(world_size) + ")");
-  }
+  check_fault_rank(options.fault, world_size);
   if (options.device == RunOptions::Device::cuda) {
     cuda::check_supported(c, *impl);
     cuda::require_device(0);

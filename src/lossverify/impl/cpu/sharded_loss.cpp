@@ -23,17 +23,6 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-// Pairwise float32 sum: the error grows with log n, as in the framework reductions it models.
-float pairwise_sum(const float* x, std::int64_t n) {
-  if (n <= 16) {
-    float s = 0.0f;
-    for (std::int64_t i = 0; i < n; ++i) s += x[i];
-    return s;
-  }
-  const std::int64_t half = n / 2;
-  return pairwise_sum(x, half) + pairwise_sum(x + half, n - half);
-}
-
 // Sum of f(v) for v in [0, n) with 8 independent float32 lanes (vectorizable, shallow error growth).
 template <class F>
 float lane_sum(std::int64_t n, F f) {

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "lossverify/core/errors.hpp"
+#include "lossverify/impl/cuda/cuda_check.hpp"
 #include "lossverify/impl/cuda/kernels.hpp"
 #include "lossverify/impl/rank_plan.hpp"
 #include "lossverify/impl/row_loss.hpp"
@@ -18,11 +19,6 @@
 namespace lossverify::cuda {
 
 namespace {
-
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw InternalError(std::string("CUDA ") + what + ": " + cudaGetErrorString(e));
-}
-#define LV_CUDA(call) check((call), #call)
 
 // Owning device allocation (the cuCollections idiom: an owner here, plain pointers in the kernels).
 class DeviceBytes {

@@ -7,17 +7,13 @@
 
 #include "lossverify/core/errors.hpp"
 #include "lossverify/impl/cuda/cuda_backend.hpp"
+#include "lossverify/impl/cuda/cuda_check.hpp"
 #include "lossverify/impl/cuda/kernels.hpp"
 #include "lossverify/reference/loss_reference.hpp"
 
 namespace lossverify::cuda {
 
 namespace {
-
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw InternalError(std::string("CUDA ") + what + ": " + cudaGetErrorString(e));
-}
-#define LV_CUDA(call) check((call), #call)
 
 struct Buffer {
   void* p = nullptr;
