@@ -91,7 +91,8 @@ TEST_CASE("device_generated_logits_are_bit_identical_to_the_cpu_generator") {
 TEST_CASE("cuda_correct_implementation_passes_every_check_at_several_tp") {
   const char* cases[] = {"smoothing-pytorch", "smoothing-megatron", "uneven-shards-v507-tp4", "zloss-ignored",
                          "reduction-none-upstream", "softcap-gemma", "underflow-gap-240", "cp-zigzag-packed",
-                         "ga-unequal-microbatches", "full-4d-layout"};
+                         "ga-unequal-microbatches", "full-4d-layout", "kd-tp4-temperature2",
+                         "kd-student-equals-teacher"};
   for (const char* name : cases) {
     for (int tp : {1, 2, 4}) {
       Case c = load_case_file(std::string("cases/") + name + ".json");
@@ -114,7 +115,10 @@ TEST_CASE("cuda_kernel_bugs_fail_with_the_checks_golden_records_for_the_cpu") {
       {"uneven-shards-v507-tp4", "smoothing-backward-partition"}, {"uneven-shards-v507-tp4", "smoothing-convention-swap"},
       {"large-logits-no-max-shift", "no-max-shift"}, {"bf16-upstream-rounding", "grad-rounded-early"},
       {"uneven-shards-v507-tp4", "zloss-grad-after-smoothing"}, {"zloss-ignored", "zloss-on-ignored"},
-      {"cp-zigzag-packed", "cp-roll-after-split"}, {"dp-unequal-tokens", "dp-local-mean"}};
+      {"cp-zigzag-packed", "cp-roll-after-split"}, {"dp-unequal-tokens", "dp-local-mean"},
+      {"kd-tp4-temperature2", "kd-no-t2"}, {"kd-tp4-temperature2", "kd-double-t2"},
+      {"kd-tp4-temperature2", "kd-local-softmax"}, {"kd-tp4-temperature2", "kd-untracked-allreduce"},
+      {"kd-student-equals-teacher", "kd-cross-entropy-value"}, {"kd-student-equals-teacher", "kd-untracked-allreduce"}};
   for (const auto& [name, impl] : runs) {
     const Case c = load_case_file(std::string("cases/") + name + ".json");
     std::ifstream golden_file(std::string("golden/") + name + ".json");

@@ -14,6 +14,7 @@
 #include "lossverify/impl/cuda/kernels.hpp"
 #include "lossverify/impl/rank_plan.hpp"
 #include "lossverify/impl/row_loss.hpp"
+#include "lossverify/math/kd_math.hpp"
 #include "lossverify/reference/loss_reference.hpp"
 
 namespace lossverify::cuda {
@@ -86,6 +87,100 @@ CrossEntropyConstants constants_for(const Case& c, const BugSwitches& bugs, floa
   return k;
 }
 
+// One KD micro-batch: pass 1 on the device, the CPU kernel's collectives on per-row sums, pass 2.
+void kd_micro_batch(const Case& c, const BugSwitches& bugs, RankGroups& groups, const RankPlan& plan, std::int64_t b,
+                    std::int64_t n, std::int64_t cols, StorageType type, std::size_t element, const DeviceBytes& student,
+                    const DeviceBytes& teacher, const DeviceBytes& active, const DeviceBytes& weight,
+                    std::vector<float>& token_loss, const DeviceBytes& grad, cudaStream_t stream) {
+  const LossSpec& loss = c.loss;
+  const auto inverse_t = static_cast<float>(1.0 / loss.temperature);
+  int power = loss.t2_scaling ? 2 : 0;
+  if (loss.t2_scaling && bugs.kd_no_t2) power = 0;
+  if (loss.t2_scaling && bugs.kd_double_t2) power = 4;
+  const auto loss_scale = static_cast<float>(std::pow(loss.temperature, power));
+  const auto grad_scale = static_cast<float>(std::pow(loss.temperature, power - 1));
+  const std::size_t offset = static_cast<std::size_t>(b * cols) * element;
+  DeviceBytes d_stats(static_cast<std::size_t>(n) * 8 * sizeof(float));
+  KdStatsArgs sa{student.as<std::byte>() + offset, teacher.as<std::byte>() + offset, n, cols, active.as<int>() + b,
+                 inverse_t};
+  kd_stats(type, sa, d_stats.as<float>(), stream);
+  LV_CUDA(cudaGetLastError());
+  std::vector<float> stats(static_cast<std::size_t>(n) * 8);
+  LV_CUDA(cudaMemcpyAsync(stats.data(), d_stats.as<void>(), stats.size() * sizeof(float), cudaMemcpyDeviceToHost, stream));
+  LV_CUDA(cudaStreamSynchronize(stream));
+  auto at = [&](std::int64_t i, int j) { return stats[static_cast<std::size_t>(8 * i + j)]; };
+  const bool local_softmax = bugs.kd_local_softmax;
+  const bool cross_entropy_value = bugs.kd_cross_entropy_value;
+  std::vector<float> maxima(static_cast<std::size_t>(2 * n), -INFINITY);
+  for (std::int64_t i = 0; i < n; ++i) {
+    if (!plan.row(b + i).active) continue;
+    maxima[static_cast<std::size_t>(i)] = at(i, 0);
+    maxima[static_cast<std::size_t>(n + i)] = at(i, 2);
+  }
+  if (!local_softmax) groups.tp.allreduce_max(maxima);
+  const int width = cross_entropy_value ? 4 : 3;
+  std::vector<float> packed(static_cast<std::size_t>(width * n), 0.0f);
+  for (std::int64_t i = 0; i < n; ++i) {
+    if (!plan.row(b + i).active) continue;
+    const float ma = maxima[static_cast<std::size_t>(i)], mb = maxima[static_cast<std::size_t>(n + i)];
+    const float fa = std::exp(at(i, 0) - ma), fb = std::exp(at(i, 2) - mb);
+    packed[static_cast<std::size_t>(i)] = at(i, 1) * fa;
+    packed[static_cast<std::size_t>(n + i)] = at(i, 3) * fb;
+    packed[static_cast<std::size_t>(2 * n + i)] = at(i, 4) * fb;
+    if (cross_entropy_value) packed[static_cast<std::size_t>(3 * n + i)] = fb * (at(i, 5) + (at(i, 0) - ma) * at(i, 3));
+  }
+  std::vector<float> divergence(static_cast<std::size_t>(n), 0.0f);
+  if (local_softmax) {
+    for (std::int64_t i = 0; i < n; ++i) {
+      if (!plan.row(b + i).active) continue;
+      divergence[static_cast<std::size_t>(i)] =
+          kl_from_sums(packed[static_cast<std::size_t>(i)], packed[static_cast<std::size_t>(n + i)],
+                       packed[static_cast<std::size_t>(2 * n + i)], maxima[static_cast<std::size_t>(i)],
+                       maxima[static_cast<std::size_t>(n + i)]);
+    }
+    groups.tp.allreduce_sum(divergence);
+  } else {
+    groups.tp.allreduce_sum(packed);
+  }
+  std::vector<float> lse_a(static_cast<std::size_t>(n), 0.0f), lse_b(static_cast<std::size_t>(n), 0.0f);
+  std::vector<float> grad_weight(static_cast<std::size_t>(n), 0.0f), argmax(static_cast<std::size_t>(n), 0.0f);
+  for (std::int64_t i = 0; i < n; ++i) {
+    const auto k = static_cast<std::size_t>(i);
+    const RowPlan& p = plan.row(b + i);
+    if (!p.active) continue;
+    lse_a[k] = maxima[k] + std::log(packed[k]);
+    lse_b[k] = maxima[static_cast<std::size_t>(n + i)] + std::log(packed[static_cast<std::size_t>(n + i)]);
+    float value = local_softmax ? divergence[k]
+                                : kl_from_sums(packed[k], packed[static_cast<std::size_t>(n + i)],
+                                               packed[static_cast<std::size_t>(2 * n + i)], maxima[k],
+                                               maxima[static_cast<std::size_t>(n + i)]);
+    if (cross_entropy_value) {
+      value = (lse_a[k] - maxima[k]) - packed[static_cast<std::size_t>(3 * n + i)] / packed[static_cast<std::size_t>(n + i)];
+    }
+    token_loss[static_cast<std::size_t>(b + i)] = loss_scale * value;
+    grad_weight[k] = p.backward_weight * grad_scale;
+    argmax[k] = at(i, 6);
+  }
+  DeviceBytes d_lse_a = upload(lse_a, stream), d_lse_b = upload(lse_b, stream), d_w = upload(grad_weight, stream),
+              d_arg = upload(argmax, stream);
+  KdGradArgs ga{student.as<std::byte>() + offset,
+                teacher.as<std::byte>() + offset,
+                grad.as<std::byte>() + offset,
+                n,
+                cols,
+                active.as<int>() + b,
+                d_lse_a.as<float>(),
+                d_lse_b.as<float>(),
+                d_w.as<float>(),
+                d_arg.as<float>(),
+                inverse_t,
+                bugs.kd_untracked_allreduce};
+  kd_grad(type, ga, stream);
+  LV_CUDA(cudaGetLastError());
+  LV_CUDA(cudaStreamSynchronize(stream));  // the uploads above are freed on return
+  (void)weight;
+}
+
 }  // namespace
 
 bool built_with_cuda() { return true; }
@@ -101,9 +196,9 @@ void require_device(int device) {
 
 void check_supported(const Case& c, const Implementation& impl) {
   const std::string backend = "the CUDA backend";
-  if (c.loss.kind == LossKind::kd) throw CaseError(c.source + ": $.loss.kind: kd is not implemented on " + backend + " yet");
   const BugSwitches& b = impl.bugs;
-  if (b.smoothing_log_after_exp || b.full_vocab_through_tp) {
+  // Cross-entropy switches that need a third pass or a gathered vocabulary; on KD cases they never apply.
+  if (c.loss.kind == LossKind::cross_entropy && (b.smoothing_log_after_exp || b.full_vocab_through_tp)) {
     throw CaseError("--impl " + impl.name + ": not implemented on " + backend + " yet");
   }
 }
@@ -142,6 +237,19 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
                  c.inputs.mean, c.inputs.scale, c.inputs.mean, c.inputs.scale};
   generate_logits(type, g, d_logits.as<void>(), stream.get());
   LV_CUDA(cudaGetLastError());
+  const bool kd = c.loss.kind == LossKind::kd;
+  DeviceBytes d_teacher(kd ? static_cast<std::size_t>(rows * cols) * element : 0);
+  if (kd) {
+    const TeacherSpec& t = c.inputs.teacher;
+    GenerateArgs gt = g;
+    if (!t.same_as_student) {
+      gt.stream = static_cast<int>(InputStream::teacher_logits);
+      gt.mean = t.mean;
+      gt.scale = t.scale;
+    }
+    generate_logits(type, gt, d_teacher.as<void>(), stream.get());
+    LV_CUDA(cudaGetLastError());
+  }
   if (!c.inputs.overrides.empty()) {
     std::vector<std::byte> row_bytes(static_cast<std::size_t>(cols) * element);
     for (std::int64_t i = 0; i < rows; ++i) {
@@ -155,6 +263,10 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
       });
       LV_CUDA(cudaMemcpyAsync(d_logits.as<std::byte>() + static_cast<std::size_t>(i * cols) * element, row_bytes.data(),
                               row_bytes.size(), cudaMemcpyHostToDevice, stream.get()));
+      if (kd && c.inputs.teacher.same_as_student) {
+        LV_CUDA(cudaMemcpyAsync(d_teacher.as<std::byte>() + static_cast<std::size_t>(i * cols) * element,
+                                row_bytes.data(), row_bytes.size(), cudaMemcpyHostToDevice, stream.get()));
+      }
     }
   }
   stream.sync();
@@ -205,6 +317,11 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
                 d_max.as<float>() + b,
                 d_log_sum.as<float>() + b,
                 d_weight.as<float>() + b};
+    if (kd) {
+      kd_micro_batch(c, bugs, groups, plan, b, n, cols, type, element, d_logits, d_teacher, d_active, d_weight,
+                     out.token_loss, d_grad, stream.get());
+      continue;
+    }
     float* stats_out = d_stats.as<float>() + 4 * b;
     std::vector<float> row_max(static_cast<std::size_t>(n));
     std::vector<float> log_sum(static_cast<std::size_t>(n), 0.0f);
