@@ -5,6 +5,9 @@
 #include "lossverify/impl/catalogue.hpp"
 #include "lossverify/impl/rank_plan.hpp"
 #include "lossverify/math/cross_entropy_math.hpp"
+#include "lossverify/math/kd_math.hpp"
+
+#include <cmath>
 
 namespace lossverify {
 
@@ -37,6 +40,30 @@ inline float cross_entropy_row_loss(const RowPlan& p, float row_max, float log_s
            z_weight * lse * lse;
   }
   return cross_entropy_from_sums(log_sum, target_shifted, smoothing_sum, q, z_weight, lse);
+}
+
+// KD's T^s on the loss and T^(s-1) on the gradient, with the T^2 bugs.
+struct KdScales {
+  float loss;
+  float grad;
+};
+inline KdScales kd_scales(const LossSpec& loss, const BugSwitches& bugs) {
+  int power = loss.t2_scaling ? 2 : 0;
+  if (loss.t2_scaling && bugs.kd_no_t2) power = 0;
+  if (loss.t2_scaling && bugs.kd_double_t2) power = 4;
+  return {static_cast<float>(std::pow(loss.temperature, power)), static_cast<float>(std::pow(loss.temperature, power - 1))};
+}
+
+// KD's per-row value from the all-reduced sums [S_a, S_b, W (, U)] and maxima: KL(P || Q), or the shard's
+// own KL summed over TP (kd-local-softmax, passed in), or H(P, Q) = lse_a - sum_v P_v a_v
+// (kd-cross-entropy-value). Unscaled by T^s.
+inline float kd_row_value(float sum_exp_student, float sum_exp_teacher, float weighted_gap, float shifted_cross,
+                          float max_student, float max_teacher, float local_divergence, const BugSwitches& bugs) {
+  if (bugs.kd_cross_entropy_value) {
+    return std::log(sum_exp_student) - shifted_cross / sum_exp_teacher;
+  }
+  if (bugs.kd_local_softmax) return local_divergence;
+  return kl_from_sums(sum_exp_student, sum_exp_teacher, weighted_gap, max_student, max_teacher);
 }
 
 }  // namespace lossverify

@@ -253,11 +253,9 @@ class RankKernel {
     const std::int64_t cols = work_.size();
     const auto inverse_t = static_cast<float>(1.0 / loss.temperature);
     const bool local_softmax = bugs_.kd_local_softmax;
-    int power = loss.t2_scaling ? 2 : 0;
-    if (loss.t2_scaling && bugs_.kd_no_t2) power = 0;
-    if (loss.t2_scaling && bugs_.kd_double_t2) power = 4;
-    const auto loss_scale = static_cast<float>(std::pow(loss.temperature, power));
-    const auto grad_scale = static_cast<float>(std::pow(loss.temperature, power - 1));
+    const KdScales scales = kd_scales(loss, bugs_);
+    const float loss_scale = scales.loss;
+    const float grad_scale = scales.grad;
     auto plan = [&](std::int64_t i) -> const RowPlan& { return plan_->row(begin + i); };
     auto a_of = [&](std::int64_t i, std::int64_t v) {
       return static_cast<float>(student[(begin + i) * cols + v]) * inverse_t;
@@ -323,14 +321,10 @@ class RankKernel {
       if (!plan(i).active) continue;
       lse_a[k] = maxima[k] + std::log(packed[k]);
       lse_b[k] = maxima[static_cast<std::size_t>(n + i)] + std::log(packed[static_cast<std::size_t>(n + i)]);
-      float value = local_softmax ? divergence[k]
-                                  : kl_from_sums(packed[k], packed[static_cast<std::size_t>(n + i)],
-                                                 packed[static_cast<std::size_t>(2 * n + i)], maxima[k],
-                                                 maxima[static_cast<std::size_t>(n + i)]);
-      if (cross_entropy_value) {
-        // H(P, Q) = lse_a - sum_v P_v a_v
-        value = (lse_a[k] - maxima[k]) - packed[static_cast<std::size_t>(3 * n + i)] / packed[static_cast<std::size_t>(n + i)];
-      }
+      const float value = kd_row_value(packed[k], packed[static_cast<std::size_t>(n + i)],
+                                       packed[static_cast<std::size_t>(2 * n + i)],
+                                       cross_entropy_value ? packed[static_cast<std::size_t>(3 * n + i)] : 0.0f,
+                                       maxima[k], maxima[static_cast<std::size_t>(n + i)], divergence[k], bugs_);
       out_.token_loss[static_cast<std::size_t>(begin + i)] = loss_scale * value;
     }
 

@@ -94,11 +94,9 @@ void kd_micro_batch(const Case& c, const BugSwitches& bugs, RankGroups& groups, 
                     std::vector<float>& token_loss, const DeviceBytes& grad, cudaStream_t stream) {
   const LossSpec& loss = c.loss;
   const auto inverse_t = static_cast<float>(1.0 / loss.temperature);
-  int power = loss.t2_scaling ? 2 : 0;
-  if (loss.t2_scaling && bugs.kd_no_t2) power = 0;
-  if (loss.t2_scaling && bugs.kd_double_t2) power = 4;
-  const auto loss_scale = static_cast<float>(std::pow(loss.temperature, power));
-  const auto grad_scale = static_cast<float>(std::pow(loss.temperature, power - 1));
+  const KdScales scales = kd_scales(loss, bugs);
+  const float loss_scale = scales.loss;
+  const float grad_scale = scales.grad;
   const std::size_t offset = static_cast<std::size_t>(b * cols) * element;
   DeviceBytes d_stats(static_cast<std::size_t>(n) * 8 * sizeof(float));
   KdStatsArgs sa{student.as<std::byte>() + offset, teacher.as<std::byte>() + offset, n, cols, active.as<int>() + b,
@@ -150,13 +148,10 @@ void kd_micro_batch(const Case& c, const BugSwitches& bugs, RankGroups& groups, 
     if (!p.active) continue;
     lse_a[k] = maxima[k] + std::log(packed[k]);
     lse_b[k] = maxima[static_cast<std::size_t>(n + i)] + std::log(packed[static_cast<std::size_t>(n + i)]);
-    float value = local_softmax ? divergence[k]
-                                : kl_from_sums(packed[k], packed[static_cast<std::size_t>(n + i)],
-                                               packed[static_cast<std::size_t>(2 * n + i)], maxima[k],
-                                               maxima[static_cast<std::size_t>(n + i)]);
-    if (cross_entropy_value) {
-      value = (lse_a[k] - maxima[k]) - packed[static_cast<std::size_t>(3 * n + i)] / packed[static_cast<std::size_t>(n + i)];
-    }
+    const float value = kd_row_value(packed[k], packed[static_cast<std::size_t>(n + i)],
+                                     packed[static_cast<std::size_t>(2 * n + i)],
+                                     cross_entropy_value ? packed[static_cast<std::size_t>(3 * n + i)] : 0.0f, maxima[k],
+                                     maxima[static_cast<std::size_t>(n + i)], divergence[k], bugs);
     token_loss[static_cast<std::size_t>(b + i)] = loss_scale * value;
     grad_weight[k] = p.backward_weight * grad_scale;
     argmax[k] = at(i, 6);
