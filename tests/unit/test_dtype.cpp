@@ -24,12 +24,10 @@ TEST_CASE("ulp_distance_counts_representable_steps_across_zero") {
   CHECK(ulp_distance(NAN, 1.0, DType::bf16) == INT64_MAX);
 }
 
-TEST_CASE("subnormals_are_recognised_in_the_dtype_they_are_stored_in") {
-  CHECK(is_subnormal_in(1e-6, DType::fp16));
-  CHECK_FALSE(is_subnormal_in(1e-6, DType::fp32));
-  CHECK(is_subnormal_in(1e-39, DType::fp32));
-  CHECK(is_subnormal_in(1e-39, DType::bf16));
-  CHECK_FALSE(is_subnormal_in(0.0, DType::fp32));
+TEST_CASE("smallest_normal_is_the_dtype_normal_range_bound") {
+  CHECK(smallest_normal(DType::fp16) == 0x1p-14);
+  CHECK(smallest_normal(DType::bf16) == 0x1p-126);
+  CHECK(smallest_normal(DType::fp32) == 0x1p-126);
 }
 
 TEST_CASE("ulp_size_is_the_dtype_spacing_including_at_zero_and_in_the_subnormal_range") {

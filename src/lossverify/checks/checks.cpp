@@ -221,7 +221,6 @@ struct GradJudge {
   }
 };
 
-constexpr std::int64_t kSnapshotElementLimit = std::int64_t{1} << 25;
 
 // A rank's rows x columns of inputs, kept in the input dtype (exact) between verification passes so
 // they are generated once; widened to float64 on use.

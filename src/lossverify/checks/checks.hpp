@@ -88,6 +88,9 @@ struct CheckInfo {
 };
 const std::vector<CheckInfo>& check_catalogue();
 
+// Largest N x V whose effective gradients a sweep keeps for the invariance check (float32 each).
+inline constexpr std::int64_t kSnapshotElementLimit = std::int64_t{1} << 25;
+
 // What a layout computed of the global problem, for the invariance check between layouts.
 struct LayoutSnapshot {
   std::vector<float> token_loss;      // per global token, from the first TP holder

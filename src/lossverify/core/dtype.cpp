@@ -103,13 +103,4 @@ double ulp_size(double value, DType dtype) {
 
 double smallest_normal(DType dtype) { return dtype == DType::fp16 ? 0x1p-14 : 0x1p-126; }
 
-bool is_subnormal_in(double value, DType dtype) {
-  const double rounded = round_to_dtype(value, dtype);
-  if (rounded == 0.0 || !std::isfinite(rounded)) return false;
-  const double smallest_normal = dtype == DType::fp32   ? static_cast<double>(std::numeric_limits<float>::min())
-                                 : dtype == DType::bf16 ? static_cast<double>(std::numeric_limits<float>::min())
-                                                        : 6.103515625e-05;  // 2^-14
-  return std::fabs(rounded) < smallest_normal;
-}
-
 }  // namespace lossverify

@@ -48,8 +48,6 @@ double ulp_size(double value, DType dtype);
 // Smallest positive normal value of the dtype.
 double smallest_normal(DType dtype);
 
-// True when the value, rounded to the dtype, is subnormal in that dtype.
-bool is_subnormal_in(double value, DType dtype);
 
 // Call f(std::type_identity<StorageType>{}) for the storage type of a runtime dtype.
 template <class F>

@@ -90,8 +90,7 @@ CrossEntropyConstants constants_for(const Case& c, const BugSwitches& bugs, floa
 // One KD micro-batch: pass 1 on the device, the CPU kernel's collectives on per-row sums, pass 2.
 void kd_micro_batch(const Case& c, const BugSwitches& bugs, RankGroups& groups, const RankPlan& plan, std::int64_t b,
                     std::int64_t n, std::int64_t cols, StorageType type, std::size_t element, const DeviceBytes& student,
-                    const DeviceBytes& teacher, const DeviceBytes& active, const DeviceBytes& weight,
-                    std::vector<float>& token_loss, const DeviceBytes& grad, cudaStream_t stream) {
+                    const DeviceBytes& teacher, const DeviceBytes& active, std::vector<float>& token_loss, const DeviceBytes& grad, cudaStream_t stream) {
   const LossSpec& loss = c.loss;
   const auto inverse_t = static_cast<float>(1.0 / loss.temperature);
   const KdScales scales = kd_scales(loss, bugs);
@@ -173,7 +172,6 @@ void kd_micro_batch(const Case& c, const BugSwitches& bugs, RankGroups& groups, 
   kd_grad(type, ga, stream);
   LV_CUDA(cudaGetLastError());
   LV_CUDA(cudaStreamSynchronize(stream));  // the uploads above are freed on return
-  (void)weight;
 }
 
 }  // namespace
@@ -313,8 +311,7 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
                 d_log_sum.as<float>() + b,
                 d_weight.as<float>() + b};
     if (kd) {
-      kd_micro_batch(c, bugs, groups, plan, b, n, cols, type, element, d_logits, d_teacher, d_active, d_weight,
-                     out.token_loss, d_grad, stream.get());
+      kd_micro_batch(c, bugs, groups, plan, b, n, cols, type, element, d_logits, d_teacher, d_active, out.token_loss, d_grad, stream.get());
       continue;
     }
     float* stats_out = d_stats.as<float>() + 4 * b;
