@@ -275,7 +275,8 @@ ErrorStats merge_over(Communicator& world, const ErrorStats& local) {
 }  // namespace
 
 std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, const RankOutput& out,
-                                     RankGroups& groups, Communicator& world, int threads, LayoutSnapshot* snapshot) {
+                                     RankGroups& groups, Communicator& world, int threads, LayoutSnapshot* snapshot,
+                                     ErrorMap* error_map) {
   const std::int64_t n = c.shape.tokens;
   const std::int64_t vocab = c.shape.vocab;
   const bool kd = c.loss.kind == LossKind::kd;
@@ -409,6 +410,8 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
   // per row: compensated sum of the effective gradient (value, error) and sum of magnitudes
   std::vector<double> row_sums(static_cast<std::size_t>(3 * rows), 0.0);
   const bool keep_grads = snapshot != nullptr && n * vocab <= kSnapshotElementLimit;
+  // per global token: this rank's largest gradient margin, then its loss margin (max-reduced below)
+  std::vector<double> token_margins(error_map != nullptr ? static_cast<std::size_t>(2 * n) : 0, 0.0);
 #pragma omp parallel num_threads(threads)
   {
     ErrorStats local_loss;
@@ -438,7 +441,9 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
         continue;
       }
       const double ref_loss = reference_loss[k];
-      local_loss.add({t, -1, world_rank, ref_loss, got_loss, tol_loss.atol * loss_scale + tol_loss.rtol * std::fabs(ref_loss)});
+      const double loss_tolerance = tol_loss.atol * loss_scale + tol_loss.rtol * std::fabs(ref_loss);
+      local_loss.add({t, -1, world_rank, ref_loss, got_loss, loss_tolerance});
+      double row_margin = 0.0;
       const double weight = valid[k] ? reference.token_weight(t) : 0.0;
       if (valid[k]) {
         load_row(i, student, teacher);
@@ -459,6 +464,7 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
         const double g = got_local * framework_scale;
         local_grad.add_with_margin({t, range.begin + v, world_rank, e, g, judge.tolerance_at(e, token_scale)}, m, mismatch);
         local_grad.add_ulp(ulp);
+        if (!(m <= row_margin)) row_margin = m;  // NaN margins count as the worst
         sum.add(g);
         magnitude.add(std::fabs(g));
         if (keep_grads) snapshot->effective_grad[static_cast<std::size_t>(t * vocab + range.begin + v)] = static_cast<float>(g);
@@ -466,6 +472,10 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
       row_sums[3 * k] = sum.sum();
       row_sums[3 * k + 1] = sum.error();
       row_sums[3 * k + 2] = magnitude.value();
+      if (!token_margins.empty()) {
+        token_margins[static_cast<std::size_t>(t)] = std::isnan(row_margin) ? std::numeric_limits<double>::infinity() : row_margin;
+        token_margins[static_cast<std::size_t>(n + t)] = margin_of(got_loss == ref_loss ? 0.0 : std::fabs(got_loss - ref_loss), loss_tolerance);
+      }
       if (snapshot != nullptr && tp_leader) snapshot->token_loss[static_cast<std::size_t>(t)] = static_cast<float>(got_loss);
     }
 #pragma omp critical(lossverify_verify_merge)
@@ -654,6 +664,22 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
     CheckResult r = make_result("stats", stats_all, Tolerance{0.5, 0.0, 0}, "logged valid-token count vs the global count");
     r.metrics["expected_valid_tokens"] = reference.valid_tokens();
     results.push_back(std::move(r));
+  }
+  if (error_map != nullptr) {
+    world.allreduce_max(std::span<double>(token_margins));
+    error_map->token_grad_margin.assign(token_margins.begin(), token_margins.begin() + n);
+    error_map->token_loss_margin.assign(token_margins.begin() + n, token_margins.end());
+    RankErrorCell cell;
+    cell.rank = world_rank;
+    cell.tp = out.assignment.coordinates.tp;
+    cell.cp = out.assignment.coordinates.cp;
+    cell.dp = out.assignment.coordinates.dp;
+    cell.vocab_begin = range.begin;
+    cell.vocab_end = range.end;
+    cell.loss_margin = loss_stats.margin();
+    cell.grad_margin = grad_stats.margin();
+    cell.grad_mismatches = grad_mismatches;
+    error_map->ranks = gather_all(world, cell);
   }
   if (snapshot != nullptr && world.rank() == 0) {
     snapshot->logged_loss = out.reduced_loss;

@@ -99,6 +99,21 @@ struct LayoutSnapshot {
   std::int64_t logged_valid_tokens = 0;
 };
 
+// Where the error sits, for plots and summaries: each rank's largest margin and shard, and each global
+// token's largest margin over its columns and ranks. Margins are error / tolerance (> 1 fails; +inf for
+// NaN). Filled by verify_rank on every rank (identical everywhere).
+struct RankErrorCell {
+  std::int64_t rank = 0, tp = 0, cp = 0, dp = 0;
+  std::int64_t vocab_begin = 0, vocab_end = 0;
+  double loss_margin = 0.0, grad_margin = 0.0;
+  std::int64_t grad_mismatches = 0;
+};
+struct ErrorMap {
+  std::vector<RankErrorCell> ranks;        // in world-rank order
+  std::vector<double> token_grad_margin;   // per global token
+  std::vector<double> token_loss_margin;   // per global token
+};
+
 struct RankGroups;
 class Communicator;
 
@@ -110,7 +125,7 @@ class Communicator;
 // `snapshot` (thread backend only: shared memory) receives the layout's answers for the invariance check.
 std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, const RankOutput& out,
                                      RankGroups& groups, Communicator& world, int threads,
-                                     LayoutSnapshot* snapshot = nullptr);
+                                     LayoutSnapshot* snapshot = nullptr, ErrorMap* error_map = nullptr);
 
 // The invariance check: every snapshot against the first (same global answers at every layout).
 CheckResult invariance_check(const Case& c, const std::vector<LayoutSnapshot>& snapshots,

@@ -140,7 +140,7 @@ RankJob run_rank(const Case& c, const InputSource& inputs, const Implementation&
   }
   const auto kernel_done = Clock::now();
   RankJob job;
-  job.checks = verify_rank(c, inputs, out, groups, world, threads, snapshot);
+  job.checks = verify_rank(c, inputs, out, groups, world, threads, snapshot, &job.error_map);
   const auto end = Clock::now();
   double t[6] = {std::chrono::duration<double>(kernel_done - start).count(), out.generate_seconds, out.compute_seconds,
                  out.collective_seconds, std::chrono::duration<double>(end - kernel_done).count(),
@@ -157,6 +157,7 @@ RunResult assemble_result(const Case& c, const Implementation& impl, RankJob job
   result.ranks = c.layout.world_size();
   result.checks = std::move(job.checks);
   result.timings = job.timings;
+  result.error_map = std::move(job.error_map);
   result.verdict = Verdict::pass;
   for (const CheckResult& check : result.checks) {
     if (check.verdict == Verdict::fail) result.verdict = Verdict::fail;

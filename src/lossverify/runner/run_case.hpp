@@ -52,6 +52,7 @@ struct RunResult {
   Verdict verdict = Verdict::pass;
   RunTimings timings;
   std::optional<LayoutSnapshot> snapshot;  // kept for sweeps
+  ErrorMap error_map;                      // where the error sits (plots)
 };
 
 // The rows of one rank under the case's layout (global tokens and CP padding, micro-batch by micro-batch).
@@ -70,6 +71,7 @@ RankRun execute_ranks(const Case& c, const InputSource& inputs, const Implementa
 struct RankJob {
   std::vector<CheckResult> checks;
   RunTimings timings;
+  ErrorMap error_map;
 };
 RankJob run_rank(const Case& c, const InputSource& inputs, const Implementation& impl, const RunOptions& options,
                  Communicator& world, int threads, LayoutSnapshot* snapshot = nullptr);
