@@ -41,6 +41,7 @@ std::string version_text() {
   text += std::string("\nMPI (MPICH) at build time: ") + (build_info::have_mpi ? "found" : "not found");
   text += std::string("\nCUDA toolkit at build time: ") + (build_info::have_cuda ? "found" : "not found");
   if (cuda::built_with_cuda()) text += ", CUDA GPUs visible now: " + std::to_string(cuda::visible_devices());
+  text += std::string("\nNCCL at build time: ") + (build_info::have_nccl ? "found" : "not found");
   return text;
 }
 
@@ -58,7 +59,14 @@ struct RunArguments {
   std::string launcher = "auto";
   std::string backend = "cpu";
   int gpus = 1;
+  std::string collectives = "auto";
 };
+
+RunOptions::Collectives collectives_of(const std::string& name) {
+  return name == "nccl" ? RunOptions::Collectives::nccl
+         : name == "host" ? RunOptions::Collectives::host
+                          : RunOptions::Collectives::automatic;
+}
 
 struct GateArguments {
   std::string cases_dir = "cases";
@@ -106,6 +114,7 @@ int command_run(const RunArguments& args) {
   if (!args.fault.empty()) options.fault = parse_fault(args.fault);
   options.device = args.backend == "cuda" ? RunOptions::Device::cuda : RunOptions::Device::cpu;
   options.gpus = args.gpus;
+  options.collectives = collectives_of(args.collectives);
 
   std::vector<nlohmann::json> runs;
   nlohmann::json sweeps = nlohmann::json::array();
@@ -194,6 +203,7 @@ int command_run_mpi(const RunArguments& args, mpi::Session& session) {
   if (!args.fault.empty()) options.fault = parse_fault(args.fault);
   options.device = args.backend == "cuda" ? RunOptions::Device::cuda : RunOptions::Device::cpu;
   options.gpus = std::max(1, cuda::visible_devices());  // one process per GPU: rank % GPUs
+  options.collectives = collectives_of(args.collectives);
   const char* local = std::getenv("MPI_LOCALNRANKS");
   const int local_ranks = local != nullptr ? std::max(1, std::atoi(local)) : 1;
   const int hardware = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
@@ -400,7 +410,12 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"auto", "threads", "mpi"}));
   run->add_option("--backend", run_args.backend, "where the kernels run: cpu, or cuda (ranks share GPU 0, a stream each)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
-  run->add_option("--gpus", run_args.gpus, "cuda: GPUs to spread the ranks over (rank % gpus)")->check(CLI::PositiveNumber);
+  run->add_option("--gpus", run_args.gpus,
+                  "cuda: GPUs to spread the ranks over (rank % gpus); as many as ranks: one GPU per rank, NCCL between them")
+      ->check(CLI::PositiveNumber);
+  run->add_option("--collectives", run_args.collectives,
+                  "cuda: auto (NCCL when every rank has its own GPU), host (shared memory or MPI), or nccl")
+      ->check(CLI::IsMember({"auto", "host", "nccl"}));
   run->add_option("--sweep", run_args.sweep,
                   "run at every layout of the product, e.g. --sweep tp=1,2,4 cp=1,2 dp=1,2, and check invariance")
       ->expected(1, 4);

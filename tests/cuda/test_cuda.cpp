@@ -4,11 +4,14 @@
 #include <doctest/doctest.h>
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstring>
+#include <tuple>
 #include <fstream>
 #include <string>
 #include <vector>
 
+#include "lossverify/core/build_info.hpp"
 #include "lossverify/impl/cuda/kernels.hpp"
 #include "lossverify/inputs/input_source.hpp"
 #include "lossverify/runner/run_case.hpp"
@@ -129,4 +132,60 @@ TEST_CASE("cuda_kernel_bugs_fail_with_the_checks_golden_records_for_the_cpu") {
     CHECK(std::string(to_string(r.verdict)) == golden["verdict"].get<std::string>());
     CHECK(failing(r) == golden["failing_checks"].get<std::vector<std::string>>());
   }
+}
+
+TEST_CASE("nccl_one_gpu_per_rank_matches_host_collectives_bitwise_and_the_cpu_verdicts") {
+  int gpus = 0;
+  cudaGetDeviceCount(&gpus);
+  if (gpus < 2 || !build_info::have_nccl) {
+    MESSAGE("skipped: needs 2 GPUs and an NCCL build (GPUs: " << gpus << ")");
+    return;
+  }
+  // Two-rank layouts (TP, CP, DP) over two GPUs, the correct kernels and bugs that live in the
+  // collectives' inputs and in the normalisation.
+  const std::tuple<const char*, const char*, const char*> runs[] = {
+      {"smoothing-pytorch", "layout.tp", "correct"},        {"smoothing-pytorch", "layout.tp", "smoothing-local-sum"},
+      {"uneven-shards-v507-tp4", "layout.tp", "correct"},   {"uneven-shards-v507-tp4", "layout.tp", "smoothing-partition-vocab"},
+      {"kd-tp4-temperature2", "layout.tp", "correct"},      {"kd-tp4-temperature2", "layout.tp", "kd-local-softmax"},
+      {"cp-zigzag-packed", "layout.cp", "correct"},         {"cp-zigzag-packed", "layout.cp", "cp-roll-after-split"},
+      {"dp-unequal-tokens", "layout.dp", "correct"},        {"dp-unequal-tokens", "layout.dp", "dp-local-mean"},
+      {"large-logits-no-max-shift", "layout.tp", "no-max-shift"}};
+  for (const auto& [name, dimension, impl] : runs) {
+    Case c = load_case_file(std::string("cases/") + name + ".json", {"layout.tp=1", "layout.cp=1", "layout.dp=1",
+                                                                      "layout.ga=1", std::string(dimension) + "=2"});
+    CAPTURE(name);
+    CAPTURE(impl);
+    RunOptions options;
+    options.implementation = impl;
+    options.threads = 2;
+    const RunResult cpu = run_case(c, options);
+    options.device = RunOptions::Device::cuda;
+    options.gpus = 2;
+    options.collectives = RunOptions::Collectives::host;
+    const RunResult host = run_case(c, options);
+    options.collectives = RunOptions::Collectives::nccl;
+    const RunResult nccl = run_case(c, options);
+    CHECK(nccl.execution.collectives == "nccl");
+    CHECK(nccl.execution.gpus == 2);
+    CHECK(host.execution.collectives == "host");
+    CHECK(failing(nccl) == failing(cpu));
+    CHECK(nccl.verdict == cpu.verdict);
+    REQUIRE(nccl.checks.size() == host.checks.size());
+    for (std::size_t k = 0; k < nccl.checks.size(); ++k) {
+      CAPTURE(nccl.checks[k].name);
+      // Same kernels, same reductions in rank order: NCCL only moved the bytes.
+      CHECK(nccl.checks[k].metrics.dump() == host.checks[k].metrics.dump());
+      CHECK((nccl.checks[k].margin == host.checks[k].margin ||
+             (std::isnan(nccl.checks[k].margin) && std::isnan(host.checks[k].margin))));
+    }
+  }
+}
+
+TEST_CASE("nccl_is_refused_where_ranks_would_share_a_gpu") {
+  Case c = load_case_file("cases/smoothing-pytorch.json", {"layout.tp=4"});
+  RunOptions options;
+  options.device = RunOptions::Device::cuda;
+  options.gpus = 1;
+  options.collectives = RunOptions::Collectives::nccl;
+  CHECK_THROWS_AS(run_case(c, options), Error);
 }

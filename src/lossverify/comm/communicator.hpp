@@ -33,6 +33,9 @@ class Communicator {
   virtual std::unique_ptr<Communicator> split(int color, int key) = 0;
   // Stops every rank of the world: their pending and future collectives throw.
   virtual void abort(const std::string& reason) = 0;
+  // Whether some rank of the world has failed (backends that can tell; others say false). Transports
+  // that wait outside this communicator (NCCL) poll it so that a failed rank does not leave them hanging.
+  virtual bool aborted() const { return false; }
 
   // Seconds this rank has spent inside collectives (waiting included).
   double collective_seconds() const { return collective_seconds_; }

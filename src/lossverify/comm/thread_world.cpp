@@ -74,6 +74,7 @@ class ThreadCommunicator final : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return group_->size; }
   int world_rank() const override { return group_->world_ranks[static_cast<std::size_t>(rank_)]; }
+  bool aborted() const override { return group_->world->aborted; }
 
   void allreduce(void* data, std::size_t count, ElementType type, ReduceOp op) override {
     CollectiveTimer timer(collective_seconds_);

@@ -10,6 +10,7 @@
 #include "lossverify/core/errors.hpp"
 #include "lossverify/impl/cpu/sharded_loss.hpp"
 #include "lossverify/impl/cuda/cuda_backend.hpp"
+#include "lossverify/impl/cuda/nccl_communicator.hpp"
 #include "lossverify/layout/rank_layout.hpp"
 #include "lossverify/inputs/input_source.hpp"
 
@@ -97,6 +98,42 @@ void check_fault_rank(const FaultInjection& fault, int world_size) {
 
 }  // namespace
 
+ExecutionInfo resolve_execution(const RunOptions& options, int world_size) {
+  ExecutionInfo info;
+  if (options.device != RunOptions::Device::cuda) {
+    if (options.collectives == RunOptions::Collectives::nccl) {
+      throw CaseError("--collectives nccl needs --backend cuda");
+    }
+    return info;
+  }
+  info.device = "cuda";
+  const int visible = cuda::visible_devices();
+  if (options.gpus > visible) {
+    throw InternalError("--gpus " + std::to_string(options.gpus) + ": only " + std::to_string(visible) +
+                        " CUDA GPU(s) visible");
+  }
+  info.gpus = std::max(1, std::min(options.gpus, world_size));
+  const bool own_gpu = options.gpus >= world_size && world_size > 1;
+  switch (options.collectives) {
+    case RunOptions::Collectives::host:
+      break;
+    case RunOptions::Collectives::nccl:
+      if (!cuda::built_with_nccl()) {
+        throw InternalError("--collectives nccl: this build has no NCCL (not found at configure time)");
+      }
+      if (!own_gpu) {
+        throw CaseError("--collectives nccl: NCCL needs one GPU per rank: " + std::to_string(world_size) +
+                        " ranks, " + std::to_string(options.gpus) + " GPU(s) (use --gpus)");
+      }
+      info.collectives = "nccl";
+      break;
+    case RunOptions::Collectives::automatic:
+      if (own_gpu && cuda::built_with_nccl()) info.collectives = "nccl";
+      break;
+  }
+  return info;
+}
+
 RankRun execute_ranks(const Case& c, const InputSource& inputs, const Implementation& impl, const RunOptions& options) {
   const auto start = Clock::now();
   const int world_size = c.layout.world_size();
@@ -126,20 +163,30 @@ RankJob run_rank(const Case& c, const InputSource& inputs, const Implementation&
   const int rank = world.rank();
   OwnedGroups owned = make_groups(world, c.layout);
   inject(options.fault, rank);
-  RankGroups groups = owned.view();
+  const ExecutionInfo execution = resolve_execution(options, world.size());
+  const int device = execution.gpus > 1 ? rank % execution.gpus : 0;
+  // NCCL groups over the host groups (one GPU per rank); they outlive the verification below, whose
+  // collectives travel over them too.
+  std::unique_ptr<Communicator> nccl_tp, nccl_batch, nccl_dp;
+  if (execution.collectives == "nccl") {
+    nccl_tp = cuda::make_nccl_group(*owned.tp, device, c.timeout_seconds);
+    nccl_batch = cuda::make_nccl_group(*owned.batch, device, c.timeout_seconds);
+    nccl_dp = cuda::make_nccl_group(*owned.dp, device, c.timeout_seconds);
+  }
+  RankGroups groups = nccl_tp ? RankGroups{*nccl_tp, *nccl_batch, *nccl_dp} : owned.view();
   CpuKernelOptions kernel_options;
   kernel_options.threads = threads;
   RankOutput out;
   if (options.device == RunOptions::Device::cuda) {
     cuda::CudaRankOptions device_options;
-    const int gpus = std::max(1, cuda::visible_devices());
-    device_options.device = options.gpus > 1 ? rank % gpus : 0;
+    device_options.device = device;
     out = cuda::run_sharded_loss(c, inputs, assign_rank(c, inputs.batch(), rank), groups, impl.bugs, device_options);
   } else {
     out = run_sharded_loss(c, inputs, assign_rank(c, inputs.batch(), rank), groups, impl.bugs, kernel_options);
   }
   const auto kernel_done = Clock::now();
   RankJob job;
+  job.execution = execution;
   job.checks = verify_rank(c, inputs, out, groups, world, threads, snapshot, &job.error_map);
   const auto end = Clock::now();
   double t[6] = {std::chrono::duration<double>(kernel_done - start).count(), out.generate_seconds, out.compute_seconds,
@@ -158,6 +205,7 @@ RunResult assemble_result(const Case& c, const Implementation& impl, RankJob job
   result.checks = std::move(job.checks);
   result.timings = job.timings;
   result.error_map = std::move(job.error_map);
+  result.execution = job.execution;
   result.verdict = Verdict::pass;
   for (const CheckResult& check : result.checks) {
     if (check.verdict == Verdict::fail) result.verdict = Verdict::fail;
@@ -177,6 +225,7 @@ RunResult run_case(const Case& c, const RunOptions& options, bool keep_snapshot)
     cuda::check_supported(c, *impl);
     cuda::require_device(0);
   }
+  resolve_execution(options, world_size);  // an impossible request fails before any rank starts
   std::optional<InputSource> own_inputs;
   if (options.shared_inputs == nullptr) own_inputs.emplace(c);
   const InputSource& inputs = options.shared_inputs != nullptr ? *options.shared_inputs : *own_inputs;

@@ -33,7 +33,20 @@ struct RunOptions {
   // Where the kernels run: the CPU, or CUDA GPUs (each rank on GPU rank % visible GPUs, a stream each).
   enum class Device { cpu, cuda } device = Device::cpu;
   int gpus = 1;  // > 1: one GPU per rank (rank % gpus)
+  // What carries the ranks' collectives on CUDA: automatic = NCCL when every rank has its own GPU (and
+  // NCCL was built), else the host (shared memory or MPI).
+  enum class Collectives { automatic, host, nccl } collectives = Collectives::automatic;
 };
+
+// Where one run executed (the report's "execution").
+struct ExecutionInfo {
+  std::string device = "cpu";
+  int gpus = 0;
+  std::string collectives = "host";
+};
+// Resolves the options for a world of `world_size` ranks; throws CaseError for an impossible request
+// (--collectives nccl with fewer GPUs than ranks) and InternalError when the GPUs or NCCL are missing.
+ExecutionInfo resolve_execution(const RunOptions& options, int world_size);
 
 struct RunTimings {
   double ranks_wall = 0.0;           // slowest rank's kernel, generation included
@@ -53,6 +66,7 @@ struct RunResult {
   RunTimings timings;
   std::optional<LayoutSnapshot> snapshot;  // kept for sweeps
   ErrorMap error_map;                      // where the error sits (plots)
+  ExecutionInfo execution;
 };
 
 // The rows of one rank under the case's layout (global tokens and CP padding, micro-batch by micro-batch).
@@ -72,6 +86,7 @@ struct RankJob {
   std::vector<CheckResult> checks;
   RunTimings timings;
   ErrorMap error_map;
+  ExecutionInfo execution;
 };
 RankJob run_rank(const Case& c, const InputSource& inputs, const Implementation& impl, const RunOptions& options,
                  Communicator& world, int threads, LayoutSnapshot* snapshot = nullptr);
