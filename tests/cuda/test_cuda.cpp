@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "lossverify/core/build_info.hpp"
+#include "lossverify/core/errors.hpp"
 #include "lossverify/impl/cuda/kernels.hpp"
 #include "lossverify/inputs/input_source.hpp"
 #include "lossverify/runner/run_case.hpp"

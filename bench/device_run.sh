@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine: probe, build (Release, sm_90), the CUDA tests, multi-GPU runs whose
+# verdicts are compared with the CPU, and the benchmarks. Usage: bash bench/device_run.sh [tests|bench|all]
+# Header-only dependencies may come from a folder given as DEPS_INCLUDE (the device has no Debian packages).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+mode=${1:-all}
+out=${OUT:-/tmp/lossverify-out}
+mkdir -p "$out"
+export PATH=/usr/local/cuda/bin:$PATH NCCL_NVLS_ENABLE=0
+nccl_root=$(python3 -c "import nvidia.nccl as m; print(list(m.__path__)[0])" 2>/dev/null || true)
+echo "== probe"; nvidia-smi -L; ldd --version | head -1; which mpiexec mpicc 2>&1 | head -2
+ls /usr/local/cuda/include/nccl.h 2>/dev/null; echo "pip NCCL: ${nccl_root:-none}"
+extra=()
+[[ -n "${DEPS_INCLUDE:-}" ]] && extra+=("-DLOSSVERIFY_DEPS_INCLUDE_DIR=$DEPS_INCLUDE")
+[[ ! -f /usr/local/cuda/include/nccl.h && -n "$nccl_root" ]] && extra+=("-DLOSSVERIFY_NCCL_ROOT=$nccl_root")
+cmake -S . -B build/dev -G Ninja -DCMAKE_BUILD_TYPE=Release "${extra[@]}" > "$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
+grep "lossverify:" "$out/configure.log"
+cmake --build build/dev -j16 > "$out/build.log" 2>&1 || { grep -B2 -A8 "error" "$out/build.log" | head -60; exit 1; }
+[[ -n "$nccl_root" ]] && export LD_LIBRARY_PATH="$nccl_root/lib:${LD_LIBRARY_PATH:-}"
+bin=build/dev/cli/lossverify
+"$bin" --version
+if [[ "$mode" == tests || "$mode" == all ]]; then
+  echo "== CUDA tests"; ./build/dev/tests/lossverify_cuda_tests 2>&1 | tail -25
+  echo "== multi-GPU CLI runs vs CPU"
+  gpus=$(nvidia-smi -L | wc -l)
+  for spec in "smoothing-pytorch:correct" "smoothing-pytorch:smoothing-partition-vocab" "kd-tp4-temperature2:kd-no-t2" \
+              "uneven-shards-v507-tp4:correct" "dp-unequal-tokens:dp-local-mean"; do
+    c=${spec%%:*}; impl=${spec##*:}
+    set_args=(--set layout.tp=$gpus --set layout.cp=1 --set layout.dp=1 --set layout.ga=1)
+    [[ $c == dp-* ]] && set_args=(--set layout.tp=1 --set layout.cp=1 --set layout.dp=$gpus --set layout.ga=1)
+    "$bin" run cases/$c.json --impl $impl "${set_args[@]}" --quiet --report "$out/cpu-$c-$impl.json"; cpu=$?
+    "$bin" run cases/$c.json --impl $impl "${set_args[@]}" --backend cuda --gpus $gpus --quiet --report "$out/gpu-$c-$impl.json"; gpu=$?
+    python3 - "$out/cpu-$c-$impl.json" "$out/gpu-$c-$impl.json" <<'PY'
+import json, sys
+a, b = (json.load(open(p))["runs"][0] for p in sys.argv[1:3])
+fa = sorted(c["name"] for c in a["checks"] if c["verdict"] == "fail")
+fb = sorted(c["name"] for c in b["checks"] if c["verdict"] == "fail")
+print(f"  {a['case']['name']:26s} {a['implementation']['name']:28s} cpu {a['verdict']:4s} {fa}  gpu {b['verdict']:4s} {fb} "
+      f"{b['execution']}  {'MATCH' if fa == fb else 'DIFFER'}")
+PY
+    echo "    exit codes cpu $cpu gpu $gpu"
+  done
+fi
+if [[ "$mode" == bench || "$mode" == all ]]; then
+  echo "== bench"
+  "$bin" bench --repeats 20 --report "$out/bench-tp1.json" 2>&1 | tail -12
+  "$bin" bench --shape 16384,151936 --tp 8 --report "$out/bench-tp8.json" 2>&1 | tail -6
+fi
