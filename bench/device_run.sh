@@ -20,6 +20,8 @@ cmake --build build/dev -j16 > "$out/build.log" 2>&1 || { grep -B2 -A8 "error" "
 [[ -n "$nccl_root" ]] && export LD_LIBRARY_PATH="$nccl_root/lib:${LD_LIBRARY_PATH:-}"
 bin=build/dev/cli/lossverify
 "$bin" --version
+mpi=$(grep -q "MPI backend ON" "$out/configure.log" && command -v mpiexec || true)
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 if [[ "$mode" == tests || "$mode" == all ]]; then
   echo "== CUDA tests"; ./build/dev/tests/lossverify_cuda_tests 2>&1 | tail -25
   echo "== multi-GPU CLI runs vs CPU"
@@ -40,6 +42,18 @@ print(f"  {a['case']['name']:26s} {a['implementation']['name']:28s} cpu {a['verd
       f"{b['execution']}  {'MATCH' if fa == fb else 'DIFFER'}")
 PY
     echo "    exit codes cpu $cpu gpu $gpu"
+    if [[ -n "$mpi" ]]; then
+      mpiexec -n $gpus "$bin" run cases/$c.json --impl $impl "${set_args[@]}" --backend cuda --quiet --report "$out/mpi-$c-$impl.json"; m=$?
+      python3 - "$out/cpu-$c-$impl.json" "$out/mpi-$c-$impl.json" <<'PY'
+import json, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:3])
+ra, rb = a["runs"][0], b["runs"][0]
+fa = sorted(c["name"] for c in ra["checks"] if c["verdict"] == "fail")
+fb = sorted(c["name"] for c in rb["checks"] if c["verdict"] == "fail")
+print(f"  mpi+cuda ({b['environment']['processes']} processes) {rb['verdict']:4s} {fb} {rb['execution']}  {'MATCH' if fa == fb else 'DIFFER'}")
+PY
+      echo "    exit code mpi+cuda $m"
+    fi
   done
 fi
 if [[ "$mode" == bench || "$mode" == all ]]; then
