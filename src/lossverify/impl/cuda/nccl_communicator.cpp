@@ -19,7 +19,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 void nccl_check(ncclResult_t r, const char* what, int world_rank) {
-  if (r != ncclSuccess && r != ncclInProgress) {
+  if (r != ncclSuccess) {
     throw InternalError("rank " + std::to_string(world_rank) + ": NCCL " + what + ": " + ncclGetErrorString(r));
   }
 }
@@ -35,12 +35,9 @@ class NcclCommunicator final : public Communicator {
     if (host_.rank() == 0) nccl_check(ncclGetUniqueId(&id), "ncclGetUniqueId", host_.world_rank());
     std::vector<ncclUniqueId> ids(static_cast<std::size_t>(host_.size()));
     host_.all_gather(&id, ids.data(), sizeof(id));
-    // Non-blocking initialisation, so that the deadline and the abort flag cover it too.
-    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.blocking = 0;
-    nccl_check(ncclCommInitRankConfig(&comm_, host_.size(), ids[0], host_.rank(), &config), "ncclCommInitRankConfig",
-               host_.world_rank());
-    wait_comm("ncclCommInitRankConfig");
+    // Every member has just passed the host all-gather above, so the (blocking) initialisation meets
+    // no absent peer; collectives are enqueued and their completion is polled (wait_stream).
+    nccl_check(ncclCommInitRank(&comm_, host_.size(), ids[0], host_.rank()), "ncclCommInitRank", host_.world_rank());
   }
   ~NcclCommunicator() override {
     if (comm_ != nullptr) {
@@ -113,7 +110,7 @@ class NcclCommunicator final : public Communicator {
       if (done()) return;
       ncclResult_t async = ncclSuccess;
       ncclCommGetAsyncError(comm_, &async);
-      if (async != ncclSuccess && async != ncclInProgress) {
+      if (async != ncclSuccess) {
         broken_ = true;
         nccl_check(async, what, world_rank());
       }
@@ -138,14 +135,6 @@ class NcclCommunicator final : public Communicator {
       return true;
     });
   }
-  void wait_comm(const char* what) {
-    poll(what, [&] {
-      ncclResult_t state = ncclInProgress;
-      nccl_check(ncclCommGetAsyncError(comm_, &state), what, world_rank());
-      return state == ncclSuccess;
-    });
-  }
-
   Communicator& host_;
   int device_;
   double timeout_seconds_;
