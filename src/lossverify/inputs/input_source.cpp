@@ -1,11 +1,26 @@
 #include "lossverify/inputs/input_source.hpp"
 
+#include "lossverify/core/errors.hpp"
 #include "lossverify/inputs/philox_stream.hpp"
 
 namespace lossverify {
 
 InputSource::InputSource(const Case& c) : case_(c), batch_(c.batch) {
   for (const RowOverride& row : c.inputs.overrides) overrides_[row.token] = &row;
+}
+
+InputSource::InputSource(const Case& c, ExplicitInputs data) : case_(c), explicit_(true), batch_(c.batch) {
+  const auto n = static_cast<std::size_t>(c.shape.tokens);
+  const std::size_t row_bytes = static_cast<std::size_t>(c.shape.vocab) * dtype_size(c.inputs.dtype);
+  const bool kd = c.loss.kind == LossKind::kd;
+  if (data.student.size() != n * row_bytes || (kd && data.teacher.size() != n * row_bytes) ||
+      (!kd && !data.teacher.empty()) || (!kd && data.labels.size() != n) || data.loss_mask.size() != n) {
+    throw InternalError("explicit inputs do not match the case's shape and dtype");
+  }
+  cache_student_ = std::move(data.student);
+  cache_teacher_ = std::move(data.teacher);
+  explicit_labels_ = std::move(data.labels);
+  explicit_mask_ = std::move(data.loss_mask);
 }
 
 namespace {
@@ -86,6 +101,7 @@ bool InputSource::read_cache(const std::vector<std::byte>& cache, std::int64_t t
 }
 
 bool InputSource::materialize(int threads, std::size_t max_bytes) {
+  if (explicit_) return true;  // the data is all in memory already
   const std::int64_t vocab = case_.shape.vocab;
   const std::int64_t n = case_.shape.tokens;
   const bool kd = case_.loss.kind == LossKind::kd && !case_.inputs.teacher.same_as_student;
@@ -141,10 +157,12 @@ LOSSVERIFY_PADDING(Eigen::half)
 #undef LOSSVERIFY_PADDING
 
 std::int64_t InputSource::token_id(std::int64_t token) const {
+  if (explicit_) return explicit_labels_.empty() ? 0 : explicit_labels_[static_cast<std::size_t>(token)];
   return generated_label(case_.inputs.seed, static_cast<std::uint64_t>(token), case_.shape.vocab);
 }
 
 bool InputSource::masked(std::int64_t token) const {
+  if (explicit_) return explicit_mask_[static_cast<std::size_t>(token)] == 0;
   const InputSpec& in = case_.inputs;
   return in.ignore_fraction > 0.0 &&
          token_uniform(in.seed, InputStream::token_mask, static_cast<std::uint64_t>(token)) < in.ignore_fraction;
@@ -156,6 +174,10 @@ bool InputSource::is_valid(std::int64_t token) const {
 }
 
 std::int64_t InputSource::label(std::int64_t token) const {
+  if (explicit_) {
+    if (masked(token) || explicit_labels_.empty()) return case_.loss.ignore_index;
+    return explicit_labels_[static_cast<std::size_t>(token)];
+  }
   const auto it = overrides_.find(token);
   if (it != overrides_.end() && it->second->label) return *it->second->label;
   if (masked(token)) return case_.loss.ignore_index;

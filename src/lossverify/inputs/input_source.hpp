@@ -2,17 +2,33 @@
 // What every rank and the reference read: logits, labels, masks and upstream weights of a case, as a
 // pure function of (seed, stream, token, column), with the case's hand-written rows laid on top.
 // A rank asks only for its own shard; the reference asks for whole rows; both get identical values.
+#include <cstddef>
 #include <cstdint>
 #include <unordered_map>
+#include <vector>
 
 #include "lossverify/case/case.hpp"
 #include "lossverify/layout/global_batch.hpp"
 
 namespace lossverify {
 
+// Inputs given as data rather than generated (check-dump: tensors a framework dumped). Rows are global
+// tokens; every student (and, for KD, teacher) row is V values wide in the case's input dtype.
+struct ExplicitInputs {
+  std::vector<std::byte> student;    // N x V in the case's dtype, row major
+  std::vector<std::byte> teacher;    // N x V (KD only; empty otherwise)
+  std::vector<std::int64_t> labels;  // N labels (cross-entropy; the ignore_index where ignored)
+  std::vector<char> loss_mask;       // N: 1 = the token counts (before the label test), 0 = masked out
+};
+
 class InputSource {
  public:
+  // Philox mode: inputs are a pure function of (seed, stream, token, column).
   explicit InputSource(const Case& c);
+  // Explicit mode: inputs are the given data (the case's seed, distribution and overrides are not used;
+  // its loss, shape, dtype and batch are). Sizes must match the case: N x V x dtype size, N labels/masks.
+  InputSource(const Case& c, ExplicitInputs data);
+  bool is_explicit() const { return explicit_; }
 
   // Generates every student (and teacher) row once, in the input dtype, and serves later requests from
   // memory: the same values, for callers that read the same inputs many times (the gate, sweeps).
@@ -67,6 +83,9 @@ class InputSource {
                   T* out) const;
 
   const Case& case_;
+  bool explicit_ = false;
+  std::vector<std::int64_t> explicit_labels_;
+  std::vector<char> explicit_mask_;
   GlobalBatch batch_;
   std::vector<std::byte> cache_student_;
   std::vector<std::byte> cache_teacher_;
