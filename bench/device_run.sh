@@ -5,6 +5,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-all}
+build=${BUILD_DIR:-build/dev}
 out=${OUT:-/tmp/lossverify-out}
 mkdir -p "$out"
 export PATH=/usr/local/cuda/bin:$PATH NCCL_NVLS_ENABLE=0
@@ -14,16 +15,16 @@ ls /usr/local/cuda/include/nccl.h 2>/dev/null; echo "pip NCCL: ${nccl_root:-none
 extra=()
 [[ -n "${DEPS_INCLUDE:-}" ]] && extra+=("-DLOSSVERIFY_DEPS_INCLUDE_DIR=$DEPS_INCLUDE")
 [[ ! -f /usr/local/cuda/include/nccl.h && -n "$nccl_root" ]] && extra+=("-DLOSSVERIFY_NCCL_ROOT=$nccl_root")
-cmake -S . -B build/dev -G Ninja -DCMAKE_BUILD_TYPE=Release "${extra[@]}" > "$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release "${extra[@]}" > "$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
 grep "lossverify:" "$out/configure.log"
-cmake --build build/dev -j16 > "$out/build.log" 2>&1 || { grep -B2 -A8 "error" "$out/build.log" | head -60; exit 1; }
+cmake --build "$build" -j16 > "$out/build.log" 2>&1 || { grep -B2 -A8 "error" "$out/build.log" | head -60; exit 1; }
 [[ -n "$nccl_root" ]] && export LD_LIBRARY_PATH="$nccl_root/lib:${LD_LIBRARY_PATH:-}"
-bin=build/dev/cli/lossverify
+bin=$build/cli/lossverify
 "$bin" --version
 mpi=$(grep -q "MPI backend ON" "$out/configure.log" && command -v mpiexec || true)
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 if [[ "$mode" == tests || "$mode" == all ]]; then
-  echo "== CUDA tests"; ./build/dev/tests/lossverify_cuda_tests 2>&1 | tail -25
+  echo "== CUDA tests"; "$build"/tests/lossverify_cuda_tests 2>&1 | tail -25
   echo "== multi-GPU CLI runs vs CPU"
   gpus=$(nvidia-smi -L | wc -l)
   for spec in "smoothing-pytorch:correct" "smoothing-pytorch:smoothing-partition-vocab" "kd-tp4-temperature2:kd-no-t2" \
@@ -60,4 +61,19 @@ if [[ "$mode" == bench || "$mode" == all ]]; then
   echo "== bench"
   "$bin" bench --repeats 20 --report "$out/bench-tp1.json" 2>&1 | tail -12
   "$bin" bench --shape 16384,151936 --tp 8 --report "$out/bench-tp8.json" 2>&1 | tail -6
+  echo "== end to end: run --backend cuda (GPU float64 reference), N=16384 V=128256 bf16"
+  for k in 1 2 3; do
+    "$bin" run bench/cases/cuda-e2e-n16384-v128256-bf16.json --backend cuda --quiet --report "$out/e2e-$k.json"; echo "exit $?"
+  done
+  python3 - "$out"/e2e-*.json <<'PY'
+import json, sys
+for p in sys.argv[1:]:
+    r = json.load(open(p))["runs"][0]
+    t = r["timings_seconds"]
+    print(f"  {p.split('/')[-1]}: verdict {r['verdict']}, {r['execution']}, ranks (generate+kernel) {t['ranks_wall']*1e3:.1f} ms "
+          f"[generate {t['generate_max_rank']*1e3:.1f}, compute {t['compute_max_rank']*1e3:.1f}], "
+          f"reference+checks {t['reference_and_checks']*1e3:.1f} ms, total {t['total']*1e3:.1f} ms, "
+          f"kernel+reference+checks {(t['compute_max_rank']+t['reference_and_checks'])*1e3:.1f} ms = "
+          f"{(t['compute_max_rank']+t['reference_and_checks'])/2.80e-3:.2f} x the 2.80 ms floor")
+PY
 fi

@@ -122,7 +122,9 @@ TEST_CASE("cuda_kernel_bugs_fail_with_the_checks_golden_records_for_the_cpu") {
       {"cp-zigzag-packed", "cp-roll-after-split"}, {"dp-unequal-tokens", "dp-local-mean"},
       {"kd-tp4-temperature2", "kd-no-t2"}, {"kd-tp4-temperature2", "kd-double-t2"},
       {"kd-tp4-temperature2", "kd-local-softmax"}, {"kd-tp4-temperature2", "kd-untracked-allreduce"},
-      {"kd-student-equals-teacher", "kd-cross-entropy-value"}, {"kd-student-equals-teacher", "kd-untracked-allreduce"}};
+      {"kd-student-equals-teacher", "kd-cross-entropy-value"}, {"kd-student-equals-teacher", "kd-untracked-allreduce"},
+      {"underflow-gap-240", "smoothing-log-after-exp"},       {"smoothing-pytorch", "smoothing-log-after-exp"},
+      {"uneven-shards-v507-tp4", "smoothing-log-after-exp"}};
   for (const auto& [name, impl] : runs) {
     const Case c = load_case_file(std::string("cases/") + name + ".json");
     std::ifstream golden_file(std::string("golden/") + name + ".json");
@@ -189,4 +191,58 @@ TEST_CASE("nccl_is_refused_where_ranks_would_share_a_gpu") {
   options.gpus = 1;
   options.collectives = RunOptions::Collectives::nccl;
   CHECK_THROWS_AS(run_case(c, options), Error);
+}
+
+TEST_CASE("gpu_float64_reference_agrees_with_the_cpu_reference") {
+  // Same CUDA kernels, the reference once on the host and once where the shard lives: the same verdicts,
+  // the same counts and worst elements, margins equal to float64 rounding.
+  const std::pair<const char*, const char*> runs[] = {
+      {"smoothing-pytorch", "correct"},          {"smoothing-megatron", "correct"},
+      {"uneven-shards-v507-tp4", "correct"},     {"zloss-ignored", "correct"},
+      {"reduction-none-upstream", "correct"},    {"softcap-gemma", "correct"},
+      {"underflow-gap-240", "correct"},          {"cp-zigzag-packed", "correct"},
+      {"full-4d-layout", "correct"},             {"kd-tp4-temperature2", "correct"},
+      {"kd-student-equals-teacher", "correct"},  {"smoothing-pytorch", "smoothing-partition-vocab"},
+      {"bf16-upstream-rounding", "grad-rounded-early"}, {"zloss-ignored", "zloss-on-ignored"},
+      {"cp-zigzag-packed", "cp-roll-after-split"},      {"kd-tp4-temperature2", "kd-untracked-allreduce"},
+      {"large-logits-no-max-shift", "no-max-shift"}};
+  for (const auto& [name, impl] : runs) {
+    const Case c = load_case_file(std::string("cases/") + name + ".json");
+    CAPTURE(name);
+    CAPTURE(impl);
+    RunOptions options;
+    options.implementation = impl;
+    options.threads = 2;
+    options.device = RunOptions::Device::cuda;
+    options.reference = RunOptions::Reference::cpu;
+    const RunResult host = run_case(c, options);
+    options.reference = RunOptions::Reference::gpu;
+    const RunResult gpu = run_case(c, options);
+    CHECK(host.execution.reference == "cpu");
+    CHECK(gpu.execution.reference == "gpu");
+    CHECK(failing(gpu) == failing(host));
+    REQUIRE(gpu.checks.size() == host.checks.size());
+    for (std::size_t k = 0; k < gpu.checks.size(); ++k) {
+      const CheckResult& a = host.checks[k];
+      const CheckResult& b = gpu.checks[k];
+      CAPTURE(a.name);
+      CHECK(a.verdict == b.verdict);
+      if (std::isfinite(a.margin)) {
+        CHECK(std::fabs(a.margin - b.margin) <= 1e-6 * std::max(1.0, std::fabs(a.margin)));
+      } else {
+        CHECK(!std::isfinite(b.margin));
+      }
+      if (a.name == "grad" || a.name == "loss") {
+        for (const char* key : {"compared", "mismatches"}) {
+          const auto& ma = a.name == "grad" ? a.metrics : a.metrics["per_token"];
+          const auto& mb = b.name == "grad" ? b.metrics : b.metrics["per_token"];
+          CHECK(ma[key] == mb[key]);
+        }
+        if (a.worst && b.worst && a.margin > 0.01) {
+          CHECK(a.worst->token == b.worst->token);
+          CHECK(a.worst->column == b.worst->column);
+        }
+      }
+    }
+  }
 }

@@ -11,6 +11,7 @@
 
 #include "lossverify/core/errors.hpp"
 #include "lossverify/impl/cuda/cuda_check.hpp"
+#include "lossverify/impl/cuda/device_buffer.hpp"
 #include "lossverify/impl/cuda/kernels.hpp"
 #include "lossverify/impl/rank_plan.hpp"
 #include "lossverify/impl/row_loss.hpp"
@@ -21,56 +22,9 @@ namespace lossverify::cuda {
 
 namespace {
 
-// Owning device allocation (the cuCollections idiom: an owner here, plain pointers in the kernels).
-class DeviceBytes {
- public:
-  explicit DeviceBytes(std::size_t bytes) : bytes_(bytes) {
-    if (bytes_ > 0) LV_CUDA(cudaMalloc(&ptr_, bytes_));
-  }
-  ~DeviceBytes() {
-    if (ptr_ != nullptr) cudaFree(ptr_);
-  }
-  DeviceBytes(const DeviceBytes&) = delete;
-  DeviceBytes& operator=(const DeviceBytes&) = delete;
-  DeviceBytes(DeviceBytes&& other) noexcept : ptr_(other.ptr_), bytes_(other.bytes_) {
-    other.ptr_ = nullptr;
-    other.bytes_ = 0;
-  }
-  DeviceBytes& operator=(DeviceBytes&&) = delete;
-  template <class T>
-  T* as() const {
-    return static_cast<T*>(ptr_);
-  }
-  std::size_t size() const { return bytes_; }
-
- private:
-  void* ptr_ = nullptr;
-  std::size_t bytes_ = 0;
-};
-
-template <class T>
-DeviceBytes upload(const std::vector<T>& host, cudaStream_t stream) {
-  DeviceBytes d(host.size() * sizeof(T));
-  if (!host.empty()) LV_CUDA(cudaMemcpyAsync(d.as<void>(), host.data(), d.size(), cudaMemcpyHostToDevice, stream));
-  return d;
-}
-
 StorageType storage_of(DType d) {
   return d == DType::bf16 ? StorageType::bf16 : d == DType::fp16 ? StorageType::fp16 : StorageType::fp32;
 }
-
-class Stream {
- public:
-  Stream() { LV_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
-  ~Stream() { cudaStreamDestroy(stream_); }
-  Stream(const Stream&) = delete;
-  Stream& operator=(const Stream&) = delete;
-  cudaStream_t get() const { return stream_; }
-  void sync() const { LV_CUDA(cudaStreamSynchronize(stream_)); }
-
- private:
-  cudaStream_t stream_{};
-};
 
 CrossEntropyConstants constants_for(const Case& c, const BugSwitches& bugs, float shard_width) {
   const SmoothingPair q = smoothing_for(c, bugs, shard_width);
@@ -190,8 +144,8 @@ void require_device(int device) {
 void check_supported(const Case& c, const Implementation& impl) {
   const std::string backend = "the CUDA backend";
   const BugSwitches& b = impl.bugs;
-  // Cross-entropy switches that need a third pass or a gathered vocabulary; on KD cases they never apply.
-  if (c.loss.kind == LossKind::cross_entropy && (b.smoothing_log_after_exp || b.full_vocab_through_tp)) {
+  // The cross-entropy switch that needs the gathered vocabulary; on KD cases it never applies.
+  if (c.loss.kind == LossKind::cross_entropy && b.full_vocab_through_tp) {
     throw CaseError("--impl " + impl.name + ": not implemented on " + backend + " yet");
   }
 }
@@ -378,19 +332,56 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
       cross_entropy_grad(type, ga, k, stream.get());
       LV_CUDA(cudaGetLastError());
     }
+    std::vector<float> log_after_exp;
+    if (smoothing && bugs.smoothing_log_after_exp) {
+      // The bug's third pass: sum_v log(exp(x_v - M) / S) with the global M and S.
+      std::vector<float> sum_exp(static_cast<std::size_t>(n));
+      for (std::int64_t i = 0; i < n; ++i) sum_exp[static_cast<std::size_t>(i)] = std::exp(log_sum[static_cast<std::size_t>(i)]);
+      DeviceBytes d_row_max = upload(row_max, stream.get()), d_sum_exp = upload(sum_exp, stream.get());
+      DeviceBytes d_sum_log_p(static_cast<std::size_t>(n) * sizeof(float));
+      SumLogProbArgs la{ga.logits, n, cols, ga.active, d_row_max.as<float>(), d_sum_exp.as<float>()};
+      cross_entropy_sum_log_p(type, la, k, d_sum_log_p.as<float>(), stream.get());
+      LV_CUDA(cudaGetLastError());
+      log_after_exp.resize(static_cast<std::size_t>(n));
+      LV_CUDA(cudaMemcpyAsync(log_after_exp.data(), d_sum_log_p.as<void>(), log_after_exp.size() * sizeof(float),
+                              cudaMemcpyDeviceToHost, stream.get()));
+      stream.sync();
+      if (!bugs.smoothing_sum_local_forward) groups.tp.allreduce_sum(log_after_exp);
+      const auto terms = static_cast<float>(bugs.smoothing_sum_local_forward ? cols : c.shape.vocab);
+      for (std::int64_t i = 0; i < n; ++i) {
+        const auto j = static_cast<std::size_t>(i);
+        log_after_exp[j] += terms * log_sum[j];
+      }
+    }
     for (std::int64_t i = 0; i < n; ++i) {
       const auto j = static_cast<std::size_t>(i);
       const RowPlan& p = plan.row(b + i);
       if (!p.active) continue;
-      const float smoothing_sum = bugs.smoothing_sum_local_forward ? local_sum_shifted[j] : sum_shifted[j];
+      const float smoothing_sum = !log_after_exp.empty()           ? log_after_exp[j]
+                                  : bugs.smoothing_sum_local_forward ? local_sum_shifted[j]
+                                                                     : sum_shifted[j];
       out.token_loss[static_cast<std::size_t>(b + i)] =
           cross_entropy_row_loss(p, row_max[j], log_sum[j], target_shifted[j], smoothing ? smoothing_sum : 0.0f,
                                  local_sum_shifted[j], shard_width, smoothing_pair.forward, z_weight, bugs);
     }
   }
-  out.grad.resize(static_cast<std::size_t>(rows * cols) * element);
-  LV_CUDA(cudaMemcpyAsync(out.grad.data(), d_grad.as<void>(), out.grad.size(), cudaMemcpyDeviceToHost, stream.get()));
-  stream.sync();
+  if (options.keep_on_device) {
+    stream.sync();
+    auto shard = std::make_shared<DeviceShard>();
+    shard->device = options.device;
+    shard->type = type;
+    shard->rows = rows;
+    shard->cols = cols;
+    shard->begin = vocab.begin;
+    shard->student = std::move(d_logits);
+    shard->teacher = std::move(d_teacher);
+    shard->grad = std::move(d_grad);
+    out.device_shard = std::move(shard);
+  } else {
+    out.grad.resize(static_cast<std::size_t>(rows * cols) * element);
+    LV_CUDA(cudaMemcpyAsync(out.grad.data(), d_grad.as<void>(), out.grad.size(), cudaMemcpyDeviceToHost, stream.get()));
+    stream.sync();
+  }
   if (const auto logged = plan.logged_loss(out.token_loss, groups.batch)) {
     out.has_reduced_loss = true;
     out.reduced_loss = *logged;

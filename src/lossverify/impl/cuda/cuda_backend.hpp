@@ -26,6 +26,8 @@ void check_supported(const Case& c, const Implementation& impl);
 
 struct CudaRankOptions {
   int device = 0;
+  // Leave the inputs and the gradient on the GPU (RankOutput::device_shard) for the GPU reference.
+  bool keep_on_device = false;
 };
 RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssignment assignment, RankGroups groups,
                             const BugSwitches& bugs, const CudaRankOptions& options);

@@ -64,6 +64,18 @@ void cross_entropy_grad(StorageType type, const GradArgs& args, const CrossEntro
 void cross_entropy_fused(StorageType type, const GradArgs& args, const CrossEntropyConstants& k, float* row_stats,
                          void* stream);
 
+// Catalogued bug smoothing-log-after-exp, a third pass: per row sum_v log(exp(x_v - M) / S) over the
+// local columns with the global M and S (-inf once exp underflows), as the CPU kernel computes it.
+struct SumLogProbArgs {
+  const void* logits;
+  std::int64_t rows, cols;
+  const int* active;
+  const float* row_max;  // global M
+  const float* sum_exp;  // global S
+};
+void cross_entropy_sum_log_p(StorageType type, const SumLogProbArgs& args, const CrossEntropyConstants& k, float* out,
+                             void* stream);
+
 // KD pass 1, per row over the local columns with a = x/T, b = y/T: out rows x 8 floats
 // [M_a, S_a = sum exp(a - M_a), M_b, S_b, W = sum exp(b - M_b)(b - a), U = sum exp(b - M_b)(a - M_a),
 //  local argmax of a (as a float), 0].

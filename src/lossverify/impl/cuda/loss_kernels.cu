@@ -7,6 +7,7 @@
 
 #include <cstdio>
 
+#include "lossverify/impl/cuda/device_types.cuh"
 #include "lossverify/impl/cuda/kernels.hpp"
 #include "lossverify/math/cross_entropy_math.hpp"
 
@@ -15,35 +16,6 @@ namespace lossverify::cuda {
 namespace {
 
 constexpr int kThreads = 1024;
-
-template <class T>
-__device__ __forceinline__ float widen(T x);
-template <>
-__device__ __forceinline__ float widen<float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ float widen<__nv_bfloat16>(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
-template <>
-__device__ __forceinline__ float widen<__half>(__half x) {
-  return __half2float(x);
-}
-template <class T>
-__device__ __forceinline__ T narrow(float x);
-template <>
-__device__ __forceinline__ float narrow<float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 narrow<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
-template <>
-__device__ __forceinline__ __half narrow<__half>(float x) {
-  return __float2half_rn(x);
-}
 
 // Values of one 16-byte vector.
 template <class T>
@@ -321,6 +293,33 @@ __global__ void __launch_bounds__(kThreads) fused_kernel(GradArgs a, CrossEntrop
 
 // KD pass 1: two online softmaxes (student and teacher) and the cross terms, one row per block.
 template <class T>
+__global__ void __launch_bounds__(kThreads) sum_log_p_kernel(SumLogProbArgs a, CrossEntropyConstants k, float* out) {
+  const T* logits = static_cast<const T*>(a.logits);
+  __shared__ float shared[32];
+  for (std::int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
+    float sum = 0.0f;
+    if (a.active[r]) {
+      const T* x = logits + r * a.cols;
+      const float m = a.row_max[r], total = a.sum_exp[r];
+      // Accurate expf and logf: the bug is the underflow of exp(x - M) to 0, then log(0) = -inf.
+      for (std::int64_t c = threadIdx.x; c < a.cols; c += blockDim.x) {
+        sum += logf(expf(load_capped(widen<T>(x[c]), k.softcap) - m) / total);
+      }
+    }
+    for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) shared[warp] = sum;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float total = 0.0f;
+      for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) total += shared[w];
+      out[r] = total;
+    }
+    __syncthreads();
+  }
+}
+
+template <class T>
 __global__ void __launch_bounds__(kThreads) kd_stats_kernel(KdStatsArgs a, float* out) {
   const T* xs = static_cast<const T*>(a.student);
   const T* ys = static_cast<const T*>(a.teacher);
@@ -483,20 +482,6 @@ LaunchShape launch_shape(std::int64_t rows, std::int64_t cols) {
   return {static_cast<int>(std::min<std::int64_t>(rows, blocks)), threads};
 }
 
-template <class F>
-void dispatch(StorageType type, F&& f) {
-  switch (type) {
-    case StorageType::fp32:
-      f(static_cast<float*>(nullptr));
-      break;
-    case StorageType::bf16:
-      f(static_cast<__nv_bfloat16*>(nullptr));
-      break;
-    case StorageType::fp16:
-      f(static_cast<__half*>(nullptr));
-      break;
-  }
-}
 
 }  // namespace
 
@@ -529,6 +514,16 @@ void cross_entropy_fused(StorageType type, const GradArgs& args, const CrossEntr
     const LaunchShape shape = launch_shape<T>(args.rows, args.cols);
     fused_kernel<T><<<shape.blocks, shape.threads, 0, static_cast<cudaStream_t>(stream)>>>(
         args, k, row_stats_out, can_vectorize<T>(args.logits, args.grad, args.cols));
+  });
+}
+
+void cross_entropy_sum_log_p(StorageType type, const SumLogProbArgs& args, const CrossEntropyConstants& k, float* out,
+                             void* stream) {
+  if (args.rows == 0) return;
+  dispatch(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const LaunchShape shape = launch_shape<T>(args.rows, args.cols);
+    sum_log_p_kernel<T><<<shape.blocks, shape.threads, 0, static_cast<cudaStream_t>(stream)>>>(args, k, out);
   });
 }
 

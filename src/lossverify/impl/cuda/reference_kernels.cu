@@ -1,0 +1,525 @@
+// The float64 reference on the GPU (see reference_kernels.hpp). One block per row, 256 threads; every
+// thread keeps compensated partial sums of its columns, and the block combines them with a fixed
+// shuffle tree, so results are deterministic. Built with -fmad=false: no contraction changes a rounding.
+#include <cuda_runtime.h>
+
+#include <cfloat>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+
+#include "lossverify/impl/cuda/device_types.cuh"
+#include "lossverify/impl/cuda/reference_kernels.hpp"
+
+namespace lossverify::cuda {
+
+namespace {
+
+constexpr int kReferenceThreads = 256;
+
+struct Neumaier {
+  double s = 0.0, c = 0.0;
+  __device__ void add(double x) {
+    const double t = s + x;
+    if (fabs(s) >= fabs(x)) {
+      c += (s - t) + x;
+    } else {
+      c += (x - t) + s;
+    }
+    s = t;
+  }
+  __device__ void merge(const Neumaier& o) {
+    add(o.s);
+    add(o.c);
+  }
+};
+
+// Max and compensated sum of exp(z - max), as merged between threads.
+struct OnlineLse {
+  double m = -INFINITY;
+  Neumaier sum;
+  __device__ void merge(const OnlineLse& o) {
+    const double mm = fmax(m, o.m);
+    if (mm == -INFINITY) return;
+    const double f = m == -INFINITY ? 0.0 : exp(m - mm);
+    const double g = o.m == -INFINITY ? 0.0 : exp(o.m - mm);
+    Neumaier r;
+    r.add(sum.s * f);
+    r.add(sum.c * f);
+    r.add(o.sum.s * g);
+    r.add(o.sum.c * g);
+    sum = r;
+    m = mm;
+  }
+};
+
+__device__ Neumaier shfl(const Neumaier& x, int offset) {
+  Neumaier r;
+  r.s = __shfl_down_sync(0xffffffffu, x.s, offset);
+  r.c = __shfl_down_sync(0xffffffffu, x.c, offset);
+  return r;
+}
+__device__ OnlineLse shfl(const OnlineLse& x, int offset) {
+  OnlineLse r;
+  r.m = __shfl_down_sync(0xffffffffu, x.m, offset);
+  r.sum = shfl(x.sum, offset);
+  return r;
+}
+
+// A fixed reduction tree over the block (lane pairs, then warp leaders in order): thread 0 gets the result.
+template <class State>
+__device__ State block_merge(State x) {
+  // Raw storage: __shared__ variables cannot have constructors.
+  __shared__ alignas(State) unsigned char storage[sizeof(State) * (kReferenceThreads / 32)];
+  State* warps = reinterpret_cast<State*>(storage);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const State o = shfl(x, offset);
+    if (lane < offset) x.merge(o);
+  }
+  if (lane == 0) warps[warp] = x;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kReferenceThreads / 32; ++w) x.merge(warps[w]);
+  }
+  __syncthreads();
+  return x;
+}
+
+__device__ double capped(double x, double cap) { return cap > 0.0 ? cap * tanh(x / cap) : x; }
+
+// 16 bytes of a row.
+template <class T>
+struct alignas(16) Pack {
+  static constexpr int kCount = 16 / sizeof(T);
+  T v[kCount];
+};
+
+// Calls visit(column, x, y, g) for this thread's columns of one row, from up to three rows of the same
+// shape (y and g read only when kY / kG): 16-byte loads where the rows allow them, then the tail.
+template <bool kY, bool kG, class T, class Visit>
+__device__ __forceinline__ void for_each_column(const T* x, const T* y, const T* g, int cols, bool vectorized,
+                                                Visit&& visit) {
+  constexpr int K = Pack<T>::kCount;
+  int done = 0;
+  if (vectorized) {
+    const int packs = cols / K;
+    for (int i = threadIdx.x; i < packs; i += blockDim.x) {
+      const Pack<T> a = reinterpret_cast<const Pack<T>*>(x)[i];
+      Pack<T> b{}, c{};
+      if constexpr (kY) b = reinterpret_cast<const Pack<T>*>(y)[i];
+      if constexpr (kG) c = reinterpret_cast<const Pack<T>*>(g)[i];
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        visit(i * K + k, widen<T>(a.v[k]), kY ? widen<T>(b.v[k]) : 0.0f, kG ? widen<T>(c.v[k]) : 0.0f);
+      }
+    }
+    done = packs * K;
+  }
+  for (int c = done + static_cast<int>(threadIdx.x); c < cols; c += blockDim.x) {
+    visit(c, widen<T>(x[c]), kY ? widen<T>(y[c]) : 0.0f, kG ? widen<T>(g[c]) : 0.0f);
+  }
+}
+
+template <class T>
+bool rows_vectorizable(std::int64_t cols, std::initializer_list<const void*> bases) {
+  if ((cols * static_cast<std::int64_t>(sizeof(T))) % 16 != 0) return false;
+  for (const void* p : bases) {
+    if (p != nullptr && reinterpret_cast<std::uintptr_t>(p) % 16 != 0) return false;
+  }
+  return true;
+}
+
+// Online max and a plain float64 sum of exp(z - max) per thread (a few hundred terms: relative error
+// below 1e-13); threads are combined with compensated sums.
+struct ThreadLse {
+  double m = -INFINITY, s = 0.0;
+  __device__ __forceinline__ void add(double z) {
+    if (z > m) {
+      s *= exp(m - z);  // 0 when m = -inf
+      m = z;
+    }
+    s += exp(z - m);
+  }
+  __device__ OnlineLse online() const {
+    OnlineLse o;
+    o.m = m;
+    o.sum.s = s;
+    return o;
+  }
+};
+
+template <class T>
+__global__ void __launch_bounds__(kReferenceThreads) partials_kernel(ReferencePartialArgs a, double* out, bool vectorized) {
+  const T* student = static_cast<const T*>(a.student);
+  const T* teacher = static_cast<const T*>(a.teacher);
+  const int cols = static_cast<int>(a.cols);
+  for (std::int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
+    if (!a.valid[r]) continue;
+    const T* x = student + r * a.cols;
+    ThreadLse lse_t, teacher_t;
+    double qx_t = 0.0;
+    if (a.kd) {
+      const T* y = teacher + r * a.cols;
+      const double inverse_t = a.inverse_temperature;
+      for_each_column<true, false>(x, y, x, cols, vectorized, [&](int, float xv, float yv, float) {
+        lse_t.add(static_cast<double>(xv) * inverse_t);
+        teacher_t.add(static_cast<double>(yv) * inverse_t);
+      });
+    } else {
+      const std::int64_t label = a.label[r] - a.begin;  // local column of the label (may be outside)
+      const double cap = a.softcap, q_on = a.q_on, q_off = a.q_off;
+      for_each_column<false, false>(x, x, x, cols, vectorized, [&](int v, float xv, float, float) {
+        const double z = capped(static_cast<double>(xv), cap);
+        lse_t.add(z);
+        qx_t += (v == label ? q_on : q_off) * z;
+      });
+    }
+    const OnlineLse lse = block_merge(lse_t.online());
+    const OnlineLse teacher_lse = block_merge(teacher_t.online());
+    Neumaier qx_start;
+    qx_start.s = qx_t;
+    const Neumaier qx = block_merge(qx_start);
+    if (threadIdx.x == 0) {
+      double* o = out + 8 * r;
+      o[0] = lse.m;
+      o[1] = lse.sum.s;
+      o[2] = lse.sum.c;
+      o[3] = qx.s;
+      o[4] = qx.c;
+      o[5] = teacher_lse.m;
+      o[6] = teacher_lse.sum.s;
+      o[7] = teacher_lse.sum.c;
+    }
+  }
+}
+
+template <class T>
+__global__ void __launch_bounds__(kReferenceThreads) kl_kernel(ReferenceKlArgs a, double* out) {
+  const T* student = static_cast<const T*>(a.student);
+  const T* teacher = static_cast<const T*>(a.teacher);
+  for (std::int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
+    if (!a.valid[r]) continue;
+    const T* x = student + r * a.cols;
+    const T* y = teacher + r * a.cols;
+    Neumaier kl;
+    for (std::int64_t v = threadIdx.x; v < a.cols; v += blockDim.x) {
+      const double log_p = static_cast<double>(widen<T>(y[v])) * a.inverse_temperature - a.teacher_lse[r];
+      const double p = exp(log_p);
+      if (p > 0.0) kl.add(p * (log_p - (static_cast<double>(widen<T>(x[v])) * a.inverse_temperature - a.lse[r])));
+    }
+    kl = block_merge(kl);
+    if (threadIdx.x == 0) {
+      out[2 * r] = kl.s;
+      out[2 * r + 1] = kl.c;
+    }
+  }
+}
+
+// checks.cpp's GradJudge, element by element.
+__device__ double margin_of(double error, double tolerance) {
+  if (isnan(error)) return INFINITY;
+  if (error == 0.0) return 0.0;
+  if (tolerance <= 0.0) return INFINITY;
+  return error / tolerance;
+}
+__device__ double ulp_size(double value, int dtype) {
+  int mantissa_bits = 23, min_exponent = -126;
+  if (dtype == static_cast<int>(StorageType::bf16)) mantissa_bits = 7;
+  if (dtype == static_cast<int>(StorageType::fp16)) {
+    mantissa_bits = 10;
+    min_exponent = -14;
+  }
+  const auto bits = static_cast<unsigned long long>(__double_as_longlong(value));
+  const int exponent = static_cast<int>((bits >> 52) & 0x7ff) - 1023;
+  const int binade = max(exponent, min_exponent) - mantissa_bits;
+  return __longlong_as_double(static_cast<long long>(binade + 1023) << 52);
+}
+// 1 / ulp_size(value): a power of two, so multiplying by it is the exact division.
+__device__ double ulp_size_inverse(double value, int dtype) {
+  int mantissa_bits = 23, min_exponent = -126;
+  if (dtype == static_cast<int>(StorageType::bf16)) mantissa_bits = 7;
+  if (dtype == static_cast<int>(StorageType::fp16)) {
+    mantissa_bits = 10;
+    min_exponent = -14;
+  }
+  const auto bits = static_cast<unsigned long long>(__double_as_longlong(value));
+  const int exponent = static_cast<int>((bits >> 52) & 0x7ff) - 1023;
+  const int binade = max(exponent, min_exponent) - mantissa_bits;
+  return __longlong_as_double(static_cast<long long>(1023 - binade) << 52);
+}
+__device__ std::int64_t ordered_bits(double value, int dtype, double& rounded) {
+  const float f = __double2float_rn(value);
+  unsigned int magnitude = 0;
+  if (dtype == static_cast<int>(StorageType::bf16)) {
+    const __nv_bfloat16 b = __float2bfloat16_rn(f);
+    rounded = __bfloat162float(b);
+    magnitude = __bfloat16_as_ushort(b) & 0x7fffu;
+  } else if (dtype == static_cast<int>(StorageType::fp16)) {
+    const __half h = __float2half_rn(f);
+    rounded = __half2float(h);
+    magnitude = __half_as_ushort(h) & 0x7fffu;
+  } else {
+    rounded = f;
+    magnitude = __float_as_uint(f) & 0x7fffffffu;
+  }
+  return signbit(value) ? -static_cast<std::int64_t>(magnitude) : static_cast<std::int64_t>(magnitude);
+}
+__device__ std::int64_t ulp_distance(double a, double b, int dtype) {
+  double ra = 0.0, rb = 0.0;
+  const std::int64_t ba = ordered_bits(a, dtype, ra), bb = ordered_bits(b, dtype, rb);
+  if (isnan(ra) || isnan(rb) || isinf(ra) || isinf(rb)) return ra == rb ? 0 : LLONG_MAX;
+  const std::int64_t d = ba - bb;
+  return d < 0 ? -d : d;
+}
+
+struct CompareState {
+  std::int64_t compared = 0, mismatches = 0, max_ulp = 0, worst_column = -1, first_bad_column = -1;
+  std::int64_t nan = 0, pos_inf = 0, neg_inf = 0, subnormal = 0;
+  double max_abs = 0.0, max_rel = 0.0, margin = 0.0, worst_expected = 0.0, worst_got = 0.0, worst_tolerance = 0.0;
+  double first_bad_value = 0.0;
+  Neumaier sum, magnitude;
+
+  // ErrorStats::add_with_margin's extrema. A thread visits its columns in increasing order, so within a
+  // thread a tie keeps the earlier column; merge() breaks ties between threads the same way.
+  __device__ __forceinline__ void extrema(double expected, double error) {
+    if (isnan(error)) {
+      max_abs = INFINITY;
+      return;
+    }
+    if (error > max_abs) max_abs = error;
+    // The division only where it can raise the maximum (the factor covers the product's rounding).
+    if (expected != 0.0 && error > max_rel * fabs(expected) * (1.0 - 1e-12)) max_rel = fmax(max_rel, error / fabs(expected));
+  }
+  __device__ __forceinline__ void worst(int column, double m, double expected, double got, double tolerance) {
+    if (worst_column < 0 || m > margin) {
+      margin = m;
+      worst_column = column;
+      worst_expected = expected;
+      worst_got = got;
+      worst_tolerance = tolerance;
+    }
+  }
+  __device__ void census(int column, double value, double smallest_normal) {
+    if (isnan(value)) {
+      ++nan;
+    } else if (isinf(value)) {
+      ++(value > 0 ? pos_inf : neg_inf);
+    } else if (value != 0.0 && fabs(value) < smallest_normal) {
+      ++subnormal;
+    }
+    if (!isfinite(value) && (first_bad_column < 0 || column < first_bad_column)) {
+      first_bad_column = column;
+      first_bad_value = value;
+    }
+  }
+  __device__ void merge(const CompareState& o) {
+    compared += o.compared;
+    mismatches += o.mismatches;
+    max_ulp = max(max_ulp, o.max_ulp);
+    nan += o.nan;
+    pos_inf += o.pos_inf;
+    neg_inf += o.neg_inf;
+    subnormal += o.subnormal;
+    max_abs = fmax(max_abs, o.max_abs);
+    max_rel = fmax(max_rel, o.max_rel);
+    if (o.worst_column >= 0 &&
+        (worst_column < 0 || o.margin > margin || (o.margin == margin && o.worst_column < worst_column))) {
+      margin = o.margin;
+      worst_column = o.worst_column;
+      worst_expected = o.worst_expected;
+      worst_got = o.worst_got;
+      worst_tolerance = o.worst_tolerance;
+    }
+    if (o.first_bad_column >= 0 && (first_bad_column < 0 || o.first_bad_column < first_bad_column)) {
+      first_bad_column = o.first_bad_column;
+      first_bad_value = o.first_bad_value;
+    }
+    sum.merge(o.sum);
+    magnitude.merge(o.magnitude);
+  }
+};
+
+__device__ CompareState shfl(const CompareState& x, int offset) {
+  CompareState r;
+  r.compared = __shfl_down_sync(0xffffffffu, x.compared, offset);
+  r.mismatches = __shfl_down_sync(0xffffffffu, x.mismatches, offset);
+  r.max_ulp = __shfl_down_sync(0xffffffffu, x.max_ulp, offset);
+  r.worst_column = __shfl_down_sync(0xffffffffu, x.worst_column, offset);
+  r.first_bad_column = __shfl_down_sync(0xffffffffu, x.first_bad_column, offset);
+  r.nan = __shfl_down_sync(0xffffffffu, x.nan, offset);
+  r.pos_inf = __shfl_down_sync(0xffffffffu, x.pos_inf, offset);
+  r.neg_inf = __shfl_down_sync(0xffffffffu, x.neg_inf, offset);
+  r.subnormal = __shfl_down_sync(0xffffffffu, x.subnormal, offset);
+  r.max_abs = __shfl_down_sync(0xffffffffu, x.max_abs, offset);
+  r.max_rel = __shfl_down_sync(0xffffffffu, x.max_rel, offset);
+  r.margin = __shfl_down_sync(0xffffffffu, x.margin, offset);
+  r.worst_expected = __shfl_down_sync(0xffffffffu, x.worst_expected, offset);
+  r.worst_got = __shfl_down_sync(0xffffffffu, x.worst_got, offset);
+  r.worst_tolerance = __shfl_down_sync(0xffffffffu, x.worst_tolerance, offset);
+  r.first_bad_value = __shfl_down_sync(0xffffffffu, x.first_bad_value, offset);
+  r.sum = shfl(x.sum, offset);
+  r.magnitude = shfl(x.magnitude, offset);
+  return r;
+}
+
+// Every element of a row against the reference gradient, judged as checks.cpp's GradJudge judges it.
+// Divisions are taken only where their quotient can matter: a new worst element, a mismatch, a new
+// maximum relative error; elsewhere a comparison decides.
+template <class T>
+__global__ void __launch_bounds__(kReferenceThreads, 4) compare_kernel(ReferenceCompareArgs a, RowComparison* out,
+                                                                         bool vectorized) {
+  const T* student = static_cast<const T*>(a.student);
+  const T* teacher = static_cast<const T*>(a.teacher);
+  const T* grad = static_cast<const T*>(a.grad);
+  const int cols = static_cast<int>(a.cols);
+  const double fs = a.framework_scale;
+  for (std::int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
+    const int kind = a.kind[r];
+    const T* x = student + r * a.cols;
+    const T* y = a.kd ? teacher + r * a.cols : x;
+    const T* g = grad + r * a.cols;
+    const double weight = kind == 0 ? a.weight[r] : 0.0;
+    const double token_scale = fabs(weight) * a.grad_scale;
+    const double floor = a.atol * token_scale + a.quantum * fs;
+    const double lse = kind == 0 ? a.lse[r] : 0.0;
+    const double teacher_lse = kind == 0 && a.kd ? a.teacher_lse[r] : 0.0;
+    const double z_factor = 1.0 + 2.0 * a.z_loss_weight * lse;
+    const double kd_scale = weight * a.kd_grad_scale;
+    const std::int64_t label = a.kd ? -1 : a.label[r] - a.begin;
+    CompareState st;
+    double row_sum = 0.0, row_magnitude = 0.0;
+    auto visit = [&](int v, float xf, float yf, float gf) {
+      const double got_local = gf;
+      const double got = got_local * fs;
+      const double magnitude_local = fabs(got_local);
+      if (!(magnitude_local >= a.smallest_normal && magnitude_local <= DBL_MAX)) st.census(v, got_local, a.smallest_normal);
+      ++st.compared;
+      if (kind == 2) {  // CP padding: masked, exactly zero
+        const bool mismatch = got != 0.0;
+        st.mismatches += mismatch;
+        st.extrema(0.0, got == 0.0 ? 0.0 : fabs(got));
+        st.worst(v, mismatch ? INFINITY : 0.0, 0.0, got, 0.0);
+        return;
+      }
+      double expected = 0.0;
+      if (kind == 0) {
+        const double xv = xf;
+        if (a.kd) {
+          const double t = a.temperature;
+          expected = kd_scale * (exp(xv / t - lse) - exp(static_cast<double>(yf) / t - teacher_lse));
+        } else {
+          const double p = exp(capped(xv, a.softcap) - lse);
+          double d = p * z_factor - (v == label ? a.q_on : a.q_off);
+          if (a.softcap > 0.0) {
+            const double th = tanh(xv / a.softcap);
+            d *= 1.0 - th * th;
+          }
+          expected = weight * d;
+        }
+      }
+      const double error = got == expected ? 0.0 : fabs(got - expected);
+      st.extrema(expected, error);
+      row_sum += got;
+      row_magnitude += fabs(got);
+      if (a.max_ulp > 0) {
+        const double local_expected = fs == 1.0 ? expected : expected / fs;
+        const double local_error = got_local == local_expected ? 0.0 : fabs(got_local - local_expected);
+        const double inverse_spacing = ulp_size_inverse(local_expected, a.dtype);
+        const double in_spacings = local_error * inverse_spacing;  // exact: a power of two
+        if (!(in_spacings < 0.5)) {
+          st.max_ulp = max(st.max_ulp, ulp_distance(got_local, local_expected, a.dtype));
+        }
+        const double by_ulp = a.max_ulp == 1 ? in_spacings : local_error / (a.max_ulp * ulp_size(local_expected, a.dtype));
+        // m = min(by_ulp, by_floor) <= by_ulp: when by_ulp is within 1 and no more than the worst so
+        // far, the element neither mismatches nor becomes the worst, and by_floor is not needed.
+        if (st.worst_column < 0 || !(by_ulp <= 1.0 && by_ulp <= st.margin)) {
+          const double by_floor = margin_of(error, floor);
+          double m = by_floor < by_ulp ? by_floor : by_ulp;  // std::min
+          const bool mismatch = !(m <= 1.0);
+          if (isnan(error)) m = INFINITY;
+          st.mismatches += mismatch;
+          st.worst(v, m, expected, got, floor + a.rtol * fabs(expected));
+        }
+      } else {
+        const double tol = floor + a.rtol * fabs(expected);
+        const bool mismatch = !(error <= tol);
+        st.mismatches += mismatch;
+        if (st.worst_column < 0 || mismatch || !(error <= st.margin * tol * (1.0 - 1e-12))) {
+          st.worst(v, margin_of(error, tol), expected, got, tol);
+        }
+      }
+    };
+    if (a.kd) {
+      for_each_column<true, true>(x, y, g, cols, vectorized, visit);
+    } else {
+      for_each_column<false, true>(x, y, g, cols, vectorized, visit);
+    }
+    st.sum.s = row_sum;
+    st.magnitude.s = row_magnitude;
+    st = block_merge(st);
+    if (threadIdx.x == 0) {
+      RowComparison& o = out[r];
+      o.compared = st.compared;
+      o.mismatches = st.mismatches;
+      o.max_ulp = st.max_ulp;
+      o.worst_column = st.worst_column;
+      o.first_bad_column = st.first_bad_column;
+      o.nan = st.nan;
+      o.pos_inf = st.pos_inf;
+      o.neg_inf = st.neg_inf;
+      o.subnormal = st.subnormal;
+      o.max_abs = st.max_abs;
+      o.max_rel = st.max_rel;
+      o.margin = st.margin;
+      o.worst_expected = st.worst_expected;
+      o.worst_got = st.worst_got;
+      o.worst_tolerance = st.worst_tolerance;
+      o.sum = st.sum.s;
+      o.sum_error = st.sum.c;
+      o.magnitude = st.magnitude.s + st.magnitude.c;
+      o.first_bad_value = st.first_bad_value;
+    }
+  }
+}
+
+int reference_blocks(std::int64_t rows) {
+  int device = 0, sms = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  const std::int64_t blocks = static_cast<std::int64_t>(sms > 0 ? sms : 132) * 8;
+  return static_cast<int>(rows < blocks ? rows : blocks);
+}
+
+}  // namespace
+
+void reference_partials(StorageType type, const ReferencePartialArgs& args, double* out, void* stream) {
+  if (args.rows == 0) return;
+  dispatch(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const bool vectorized = rows_vectorizable<T>(args.cols, {args.student, args.teacher});
+    partials_kernel<T><<<reference_blocks(args.rows), kReferenceThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+        args, out, vectorized);
+  });
+}
+
+void reference_kl(StorageType type, const ReferenceKlArgs& args, double* out, void* stream) {
+  if (args.rows == 0) return;
+  dispatch(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    kl_kernel<T><<<reference_blocks(args.rows), kReferenceThreads, 0, static_cast<cudaStream_t>(stream)>>>(args, out);
+  });
+}
+
+void reference_compare(StorageType type, const ReferenceCompareArgs& args, RowComparison* out, void* stream) {
+  if (args.rows == 0) return;
+  dispatch(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const bool vectorized = rows_vectorizable<T>(args.cols, {args.student, args.teacher, args.grad});
+    compare_kernel<T><<<reference_blocks(args.rows), kReferenceThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+        args, out, vectorized);
+  });
+}
+
+}  // namespace lossverify::cuda
