@@ -24,6 +24,8 @@
 #include "lossverify/inputs/input_source.hpp"
 #include "lossverify/layout/vocab_range.hpp"
 #include "lossverify/impl/cuda/cuda_backend.hpp"
+#include "check_dump.hpp"
+#include "repro.hpp"
 #ifdef LOSSVERIFY_HAVE_MPI
 #include "lossverify/comm/mpi_world.hpp"
 #endif
@@ -60,7 +62,28 @@ struct RunArguments {
   std::string backend = "cpu";
   int gpus = 1;
   std::string collectives = "auto";
+  std::string reference = "auto";
+  lossverify::cli::ArtifactOptions artifacts;  // --save-inputs, --save-inputs-dir, --plot
 };
+
+lossverify::cli::ArtifactContext artifact_context(const RunArguments& args, const std::string& launcher, int processes) {
+  lossverify::cli::ArtifactContext context;
+  context.set_overrides = args.set;
+  if (args.tp > 0) context.set_overrides.push_back("layout.tp=" + std::to_string(args.tp));
+  context.report_path = args.report_path;
+  context.launcher = launcher;
+  context.processes = processes;
+  context.device = args.backend;
+  context.gpus = args.backend == "cuda" ? args.gpus : 0;
+  context.quiet = args.quiet;
+  return context;
+}
+
+RunOptions::Reference reference_of(const std::string& name) {
+  return name == "gpu" ? RunOptions::Reference::gpu
+         : name == "cpu" ? RunOptions::Reference::cpu
+                         : RunOptions::Reference::automatic;
+}
 
 RunOptions::Collectives collectives_of(const std::string& name) {
   return name == "nccl" ? RunOptions::Collectives::nccl
@@ -108,6 +131,10 @@ int command_run(const RunArguments& args) {
   if (find_implementation(args.implementation) == nullptr) {
     throw CaseError("--impl " + args.implementation + ": unknown implementation (see `lossverify list`)");
   }
+  const lossverify::cli::ArtifactContext artifacts = artifact_context(args, "threads", 1);
+  lossverify::cli::check_artifact_options(args.artifacts, artifacts);
+  std::vector<RunResult> results;  // kept for bundles and plots only
+  const bool keep_results = lossverify::cli::artifacts_requested(args.artifacts);
   RunOptions options;
   options.implementation = args.implementation;
   options.threads = args.threads;
@@ -115,6 +142,7 @@ int command_run(const RunArguments& args) {
   options.device = args.backend == "cuda" ? RunOptions::Device::cuda : RunOptions::Device::cpu;
   options.gpus = args.gpus;
   options.collectives = collectives_of(args.collectives);
+  options.reference = reference_of(args.reference);
 
   std::vector<nlohmann::json> runs;
   nlohmann::json sweeps = nlohmann::json::array();
@@ -138,6 +166,7 @@ int command_run(const RunArguments& args) {
       nlohmann::json names = nlohmann::json::array();
       for (const auto& l : layouts) names.push_back(layout_name(l));
       for (const RunResult& r : result.runs) runs.push_back(run_to_json(r));
+      if (keep_results) results.insert(results.end(), result.runs.begin(), result.runs.end());
       sweeps.push_back({{"case", c.name},
                         {"layouts", names},
                         {"verdict", std::string(to_string(result.verdict))},
@@ -149,8 +178,10 @@ int command_run(const RunArguments& args) {
       if (!args.quiet) print_summary(std::cout, result);
       any_failed = any_failed || result.verdict == Verdict::fail;
       runs.push_back(run_to_json(result));
+      if (keep_results) results.push_back(result);
     }
   }
+  lossverify::cli::write_artifacts(args.artifacts, results, artifacts);
   const ExitCode code = any_failed ? ExitCode::check_failed : ExitCode::pass;
   if (!args.report_path.empty()) {
     nlohmann::json report = make_report(args.sweep.empty() ? "run" : "sweep", runs, code);
@@ -177,7 +208,10 @@ int command_run_mpi(const RunArguments& args, mpi::Session& session) {
   const int rank = session.rank();
   const bool leader = rank == 0;
   std::vector<Case> cases;
+  const lossverify::cli::ArtifactContext artifacts = artifact_context(args, "mpi", session.size());
+  std::vector<RunResult> results;  // rank 0's, kept for bundles and plots only
   try {
+    lossverify::cli::check_artifact_options(args.artifacts, artifacts);
     if (!args.sweep.empty()) throw CaseError("--sweep runs several layouts: use the thread launcher (--launcher threads)");
     std::vector<std::string> overrides = args.set;
     if (args.tp > 0) overrides.push_back("layout.tp=" + std::to_string(args.tp));
@@ -204,6 +238,7 @@ int command_run_mpi(const RunArguments& args, mpi::Session& session) {
   options.device = args.backend == "cuda" ? RunOptions::Device::cuda : RunOptions::Device::cpu;
   options.gpus = std::max(1, cuda::visible_devices());  // one process per GPU: rank % GPUs
   options.collectives = collectives_of(args.collectives);
+  options.reference = reference_of(args.reference);
   const char* local = std::getenv("MPI_LOCALNRANKS");
   const int local_ranks = local != nullptr ? std::max(1, std::atoi(local)) : 1;
   const int hardware = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
@@ -235,6 +270,14 @@ int command_run_mpi(const RunArguments& args, mpi::Session& session) {
       if (!args.quiet) print_summary(std::cout, result);
       runs.push_back(run_to_json(result));
       runs.back()["resources"]["peak_rss_bytes_per_rank"] = rss_per_rank;
+      if (lossverify::cli::artifacts_requested(args.artifacts)) results.push_back(result);
+    }
+  }
+  if (leader) {
+    try {
+      lossverify::cli::write_artifacts(args.artifacts, results, artifacts);
+    } catch (const Error& e) {
+      session.abort(static_cast<int>(e.code()), e.what());
     }
   }
   const ExitCode code = any_failed ? ExitCode::check_failed : ExitCode::pass;
@@ -416,9 +459,13 @@ int main(int argc, char** argv) {
   run->add_option("--collectives", run_args.collectives,
                   "cuda: auto (NCCL when every rank has its own GPU), host (shared memory or MPI), or nccl")
       ->check(CLI::IsMember({"auto", "host", "nccl"}));
+  run->add_option("--reference", run_args.reference,
+                  "where the float64 reference runs: auto (the GPU for --backend cuda, except sweeps), cpu, or gpu")
+      ->check(CLI::IsMember({"auto", "cpu", "gpu"}));
   run->add_option("--sweep", run_args.sweep,
                   "run at every layout of the product, e.g. --sweep tp=1,2,4 cp=1,2 dp=1,2, and check invariance")
       ->expected(1, 4);
+  lossverify::cli::add_artifact_options(*run, run_args.artifacts);
 
   GateArguments gate_args;
   CLI::App* gate = app.add_subcommand(
@@ -445,6 +492,12 @@ int main(int argc, char** argv) {
   bool list_json = false;
   CLI::App* list = app.add_subcommand("list", "list losses, implementations (correct and catalogued bugs), checks");
   list->add_flag("--json", list_json, "machine-readable output");
+
+  lossverify::cli::CheckDumpCommand check_dump;
+  lossverify::cli::register_check_dump(app, check_dump);
+  lossverify::cli::ReproCommands repro;
+  lossverify::cli::register_repro_commands(app, repro);
+  lossverify::cli::remember_command_line(argc, argv);
 
   try {
     app.parse(argc, argv);
@@ -477,6 +530,8 @@ int main(int argc, char** argv) {
     if (*list) return command_list(list_json);
     if (*gate) return command_gate(gate_args);
     if (*bench) return command_bench(bench_args);
+    if (check_dump.selected()) return lossverify::cli::run_check_dump(check_dump.args);
+    if (const auto code = lossverify::cli::run_repro_command(repro)) return *code;
   } catch (const TimeoutError& e) {
     std::cerr << "lossverify: timeout: " << e.what() << "\n";
     std::cerr.flush();

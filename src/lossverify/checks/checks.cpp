@@ -3,6 +3,9 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cmath>
 #include <limits>
 #include <tuple>
@@ -12,6 +15,7 @@
 #include "lossverify/reference/compensated_sum.hpp"
 #include "lossverify/reference/loss_reference.hpp"
 #include "lossverify/comm/communicator.hpp"
+#include "lossverify/impl/cuda/gpu_reference.hpp"
 #include "lossverify/impl/cpu/sharded_loss.hpp"
 #include <cstring>
 
@@ -264,6 +268,31 @@ std::vector<T> gather_all(Communicator& comm, const std::vector<T>& mine) {
   return all;
 }
 
+// LOSSVERIFY_TRACE=1: the time of each verification stage on stderr (profiling aid).
+class StageTrace {
+ public:
+  explicit StageTrace(int rank) : rank_(rank), enabled_(std::getenv("LOSSVERIFY_TRACE") != nullptr) {}
+  ~StageTrace() { mark("end"); }
+  StageTrace(const StageTrace&) = delete;
+  StageTrace& operator=(const StageTrace&) = delete;
+  void mark(const char* next) {
+    if (!enabled_) return;
+    const auto now = std::chrono::steady_clock::now();
+    if (!stage_.empty()) {
+      std::fprintf(stderr, "lossverify trace: rank %d verify %-12s %9.3f ms\n", rank_, stage_.c_str(),
+                   std::chrono::duration<double, std::milli>(now - since_).count());
+    }
+    stage_ = next;
+    since_ = now;
+  }
+
+ private:
+  int rank_;
+  bool enabled_;
+  std::string stage_;
+  std::chrono::steady_clock::time_point since_;
+};
+
 // Every rank's statistics merged in rank order: the same result on every rank and every backend.
 ErrorStats merge_over(Communicator& world, const ErrorStats& local) {
   const std::vector<PackedStats> all = gather_all(world, local.pack());
@@ -287,6 +316,8 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
   const int tp_size = groups.tp.size();
   const bool tp_leader = groups.tp.rank() == 0;
   const int world_rank = out.assignment.world_rank;
+  StageTrace trace(world_rank);
+  trace.mark("0 coverage");
 
   // Coverage: the TP group's columns tile [0, V); every token is held by exactly one TP group.
   {
@@ -328,11 +359,14 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
   const double grad_scale = kd ? std::pow(c.loss.temperature, kd_power - 1.0) : 1.0;
   const bool row_sum_applies = c.loss.softcap == 0.0;
 
+  trace.mark("1 partials");
   // 1. This rank's rows x columns, kept in the input dtype (exact), and the reference partials.
   std::vector<double> partials(static_cast<std::size_t>(rows * RowPartial::kDoubles), 0.0);
   std::vector<char> valid(static_cast<std::size_t>(rows), 0);
-  ShardCache student_cache(dtype, rows, cols);
-  ShardCache teacher_cache(dtype, kd ? rows : 0, cols);
+  // (Left empty when the shard stays on the GPU: the GPU reference reads it there.)
+  const bool host_shard = out.device_shard == nullptr;
+  ShardCache student_cache(dtype, host_shard ? rows : 0, cols);
+  ShardCache teacher_cache(dtype, kd && host_shard ? rows : 0, cols);
   auto generate_row = [&](std::int64_t i) {
     const std::int64_t t = out.token_of(i);
     student_cache.store(i, [&](auto* row) { inputs.logits(t, range.begin, range.end, row); });
@@ -342,21 +376,38 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
     student_cache.widen(i, student.data());
     if (kd) teacher_cache.widen(i, teacher.data());
   };
-#pragma omp parallel num_threads(threads)
-  {
-    std::vector<double> student(static_cast<std::size_t>(cols));
-    std::vector<double> teacher(kd ? static_cast<std::size_t>(cols) : 0);
-#pragma omp for schedule(dynamic, 4)
+  // On the GPU where the shard stayed there (the CUDA backend with the GPU reference), else here.
+  const bool on_device = out.device_shard != nullptr;
+  if (on_device && snapshot != nullptr) throw InternalError("the GPU reference keeps no snapshot for sweeps");
+  std::vector<std::int64_t> row_labels(on_device ? static_cast<std::size_t>(rows) : 0, -1);
+  if (on_device) {
+    std::vector<int> device_valid(static_cast<std::size_t>(rows), 0);
     for (std::int64_t i = 0; i < rows; ++i) {
       const std::int64_t t = out.token_of(i);
       if (t < 0 || !inputs.is_valid(t)) continue;
       valid[static_cast<std::size_t>(i)] = 1;
-      generate_row(i);
-      load_row(i, student, teacher);
-      const RowPartial p = reference.partial(t, range.begin, student, teacher);
-      p.store(&partials[static_cast<std::size_t>(i * RowPartial::kDoubles)]);
+      device_valid[static_cast<std::size_t>(i)] = 1;
+      if (!kd) row_labels[static_cast<std::size_t>(i)] = inputs.label(t);
+    }
+    partials = cuda::gpu_reference_partials(*out.device_shard, c, row_labels, device_valid);
+  } else {
+#pragma omp parallel num_threads(threads)
+    {
+      std::vector<double> student(static_cast<std::size_t>(cols));
+      std::vector<double> teacher(kd ? static_cast<std::size_t>(cols) : 0);
+  #pragma omp for schedule(dynamic, 4)
+      for (std::int64_t i = 0; i < rows; ++i) {
+        const std::int64_t t = out.token_of(i);
+        if (t < 0 || !inputs.is_valid(t)) continue;
+        valid[static_cast<std::size_t>(i)] = 1;
+        generate_row(i);
+        load_row(i, student, teacher);
+        const RowPartial p = reference.partial(t, range.begin, student, teacher);
+        p.store(&partials[static_cast<std::size_t>(i * RowPartial::kDoubles)]);
+      }
     }
   }
+  trace.mark("2 combine");
   // 2. Row statistics: the TP group's partials combined in column order.
   const std::vector<double> all_partials = gather_all(groups.tp, partials);
   std::vector<RowStats> stats(static_cast<std::size_t>(rows));
@@ -372,6 +423,17 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
   std::vector<double> reference_loss(static_cast<std::size_t>(rows), 0.0);
   if (kd) {
     std::vector<double> kl(static_cast<std::size_t>(2 * rows), 0.0);
+    if (on_device) {
+      std::vector<double> lse(static_cast<std::size_t>(rows), 0.0), teacher_lse(static_cast<std::size_t>(rows), 0.0);
+      std::vector<int> device_valid(static_cast<std::size_t>(rows), 0);
+      for (std::int64_t i = 0; i < rows; ++i) {
+        const auto k = static_cast<std::size_t>(i);
+        device_valid[k] = valid[k];
+        lse[k] = stats[k].lse;
+        teacher_lse[k] = stats[k].teacher_lse;
+      }
+      kl = cuda::gpu_reference_kl(*out.device_shard, c, lse, teacher_lse, device_valid);
+    } else
 #pragma omp parallel num_threads(threads)
     {
       std::vector<double> student(static_cast<std::size_t>(cols));
@@ -403,6 +465,7 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
     }
   }
 
+  trace.mark("3 elements");
   // 3. Every element of this rank against the reference.
   ErrorStats loss_stats;
   ErrorStats grad_stats;
@@ -412,6 +475,69 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
   const bool keep_grads = snapshot != nullptr && n * vocab <= kSnapshotElementLimit;
   // per global token: this rank's largest gradient margin, then its loss margin (max-reduced below)
   std::vector<double> token_margins(error_map != nullptr ? static_cast<std::size_t>(2 * n) : 0, 0.0);
+  std::vector<cuda::RowComparison> compared_rows;
+  if (on_device) {
+    cuda::GpuCompareInputs in;
+    in.kind.assign(static_cast<std::size_t>(rows), 1);
+    in.labels = row_labels;
+    in.lse.assign(static_cast<std::size_t>(rows), 0.0);
+    in.teacher_lse.assign(static_cast<std::size_t>(rows), 0.0);
+    in.weight.assign(static_cast<std::size_t>(rows), 0.0);
+    for (std::int64_t i = 0; i < rows; ++i) {
+      const auto k = static_cast<std::size_t>(i);
+      const std::int64_t t = out.token_of(i);
+      if (t < 0) {
+        in.kind[k] = 2;
+      } else if (valid[k]) {
+        in.kind[k] = 0;
+        in.lse[k] = stats[k].lse;
+        in.teacher_lse[k] = stats[k].teacher_lse;
+        in.weight[k] = reference.token_weight(t);
+      }
+    }
+    in.atol = judge.tolerance.atol;
+    in.rtol = judge.tolerance.rtol;
+    in.max_ulp = judge.tolerance.max_ulp;
+    in.framework_scale = framework_scale;
+    in.quantum = judge.quantum;
+    in.grad_scale = grad_scale;
+    in.smallest_normal = smallest_normal(out.dtype);
+    compared_rows = cuda::gpu_reference_compare(*out.device_shard, c, in);
+    for (std::int64_t i = 0; i < rows; ++i) {
+      const auto k = static_cast<std::size_t>(i);
+      const std::int64_t t = out.token_of(i);
+      const LocalRow& row = out.assignment.rows[k];
+      const cuda::RowComparison& rc = compared_rows[k];
+      const double got_loss = out.token_loss[k];
+      PackedStats packed{};
+      packed.compared = rc.compared;
+      packed.mismatches = rc.mismatches;
+      packed.max_ulp = rc.max_ulp;
+      packed.has_worst = rc.compared > 0;
+      packed.max_abs = rc.max_abs;
+      packed.max_rel = rc.max_rel;
+      packed.margin = rc.margin;
+      packed.worst = {t, range.begin + rc.worst_column, world_rank, t < 0 ? row.sequence : -1, t < 0 ? row.position : -1,
+                      rc.worst_expected, rc.worst_got, rc.worst_tolerance};
+      grad_stats.merge(ErrorStats::unpack(packed));
+      grad_mismatches += rc.mismatches;
+      if (t < 0) {
+        loss_stats.add({-1, -1, world_rank, 0.0, got_loss, 0.0, row.sequence, row.position});
+        continue;
+      }
+      const double ref_loss = reference_loss[k];
+      const double loss_tolerance = tol_loss.atol * loss_scale + tol_loss.rtol * std::fabs(ref_loss);
+      loss_stats.add({t, -1, world_rank, ref_loss, got_loss, loss_tolerance});
+      row_sums[3 * k] = rc.sum;
+      row_sums[3 * k + 1] = rc.sum_error;
+      row_sums[3 * k + 2] = rc.magnitude;
+      if (!token_margins.empty()) {
+        token_margins[static_cast<std::size_t>(t)] = rc.margin;
+        token_margins[static_cast<std::size_t>(n + t)] =
+            margin_of(got_loss == ref_loss ? 0.0 : std::fabs(got_loss - ref_loss), loss_tolerance);
+      }
+    }
+  } else
 #pragma omp parallel num_threads(threads)
   {
     ErrorStats local_loss;
@@ -486,6 +612,7 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
     }
   }
 
+  trace.mark("4 tp checks");
   // 4. Across the TP group: rank agreement and the row-sum invariant, judged by the TP leader.
   ErrorStats agreement_stats;
   ErrorStats row_sum_stats;
@@ -522,6 +649,7 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
     }
   }
 
+  trace.mark("5 logged");
   // 5. The reference's logged loss: every token's reference loss, summed in token order on every rank.
   std::vector<double> token_losses(static_cast<std::size_t>(n), 0.0);
   if (tp_leader) {
@@ -543,6 +671,7 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
   stats_local.add({-1, -1, world_rank, static_cast<double>(reference.valid_tokens()),
                    static_cast<double>(out.logged_valid_tokens), 0.5});
 
+  trace.mark("6 census");
   // 6. The finite census of this rank.
   FiniteCensus grad_census;
   FiniteCensus loss_census;
@@ -551,10 +680,18 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
   {
     const double grad_normal = smallest_normal(out.dtype);
     const double fp32_normal = smallest_normal(DType::fp32);
-    std::vector<double> g(static_cast<std::size_t>(cols));
+    std::vector<double> g(on_device ? 0 : static_cast<std::size_t>(cols));
     for (std::int64_t i = 0; i < rows; ++i) {
-      out.grad_row(i, g.data());
-      for (std::int64_t v = 0; v < cols; ++v) {
+      if (on_device) {
+        const cuda::RowComparison& rc = compared_rows[static_cast<std::size_t>(i)];
+        grad_census.add(FiniteCensus{rc.nan, rc.pos_inf, rc.neg_inf, rc.subnormal});
+        if (rc.first_bad_column >= 0 && !first_bad) {
+          first_bad = ElementRecord{out.token_of(i), range.begin + rc.first_bad_column, world_rank, 0.0, rc.first_bad_value, 0.0};
+        }
+      } else {
+        out.grad_row(i, g.data());
+      }
+      for (std::int64_t v = 0; v < (on_device ? 0 : cols); ++v) {
         grad_census.count(g[static_cast<std::size_t>(v)], grad_normal);
         if (!std::isfinite(g[static_cast<std::size_t>(v)]) && !first_bad) {
           first_bad = ElementRecord{out.token_of(i), range.begin + v, world_rank, 0.0, g[static_cast<std::size_t>(v)], 0.0};
@@ -567,6 +704,7 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
     if (out.has_reduced_loss) reduced_census.count(out.reduced_loss, fp32_normal);
   }
 
+  trace.mark("7 merge");
   // 7. Merge over the world, in rank order.
   const ErrorStats loss_all = merge_over(world, loss_stats);
   const ErrorStats reduced_all = merge_over(world, reduced_local);

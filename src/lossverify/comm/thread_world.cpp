@@ -99,7 +99,7 @@ class ThreadCommunicator final : public Communicator {
     const std::size_t end = count * static_cast<std::size_t>(rank_ + 1) / static_cast<std::size_t>(g.size);
     reduce_in_rank_order(g.slots.data(), g.size, g.scratch.data(), begin, end, type, op);
     wait_for_all("allreduce", nullptr);
-    std::memcpy(data, g.scratch.data(), count * esize);
+    if (count > 0) std::memcpy(data, g.scratch.data(), count * esize);
     wait_for_all("allreduce", nullptr);
   }
 
@@ -116,7 +116,7 @@ class ThreadCommunicator final : public Communicator {
       }
     });
     auto* dst = static_cast<unsigned char*>(out);
-    for (int r = 0; r < g.size; ++r) {
+    for (int r = 0; r < g.size && bytes > 0; ++r) {  // an empty vector's data() may be null
       std::memcpy(dst + static_cast<std::size_t>(r) * bytes, g.slots[static_cast<std::size_t>(r)], bytes);
     }
     wait_for_all("all_gather", nullptr);

@@ -2,6 +2,7 @@
 // What one rank is given and what it reports: the interface between implementations and checks.
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "lossverify/core/dtype.hpp"
@@ -20,6 +21,10 @@ struct RankAssignment {
   std::vector<std::int64_t> micro_batch_begin;  // GA + 1 offsets into rows
 };
 
+namespace cuda {
+struct DeviceShard;  // a rank's inputs and gradient left on its GPU (impl/cuda/device_buffer.hpp)
+}
+
 struct RankOutput {
   RankAssignment assignment;
   DType dtype = DType::fp32;
@@ -31,6 +36,8 @@ struct RankOutput {
   double generate_seconds = 0.0;
   double compute_seconds = 0.0;
   double collective_seconds = 0.0;
+  // Set instead of `grad` when the CUDA backend left the shard on the GPU for the GPU float64 reference.
+  std::shared_ptr<cuda::DeviceShard> device_shard;
 
   std::int64_t rows() const { return static_cast<std::int64_t>(assignment.rows.size()); }
   std::int64_t columns() const { return assignment.vocab.size(); }

@@ -104,9 +104,11 @@ ExecutionInfo resolve_execution(const RunOptions& options, int world_size) {
     if (options.collectives == RunOptions::Collectives::nccl) {
       throw CaseError("--collectives nccl needs --backend cuda");
     }
+    if (options.reference == RunOptions::Reference::gpu) throw CaseError("--reference gpu needs --backend cuda");
     return info;
   }
   info.device = "cuda";
+  if (options.reference != RunOptions::Reference::cpu) info.reference = "gpu";
   const int visible = cuda::visible_devices();
   if (options.gpus > visible) {
     throw InternalError("--gpus " + std::to_string(options.gpus) + ": only " + std::to_string(visible) +
@@ -163,7 +165,7 @@ RankJob run_rank(const Case& c, const InputSource& inputs, const Implementation&
   const int rank = world.rank();
   OwnedGroups owned = make_groups(world, c.layout);
   inject(options.fault, rank);
-  const ExecutionInfo execution = resolve_execution(options, world.size());
+  ExecutionInfo execution = resolve_execution(options, world.size());
   const int device = execution.gpus > 1 ? rank % execution.gpus : 0;
   // NCCL groups over the host groups (one GPU per rank); they outlive the verification below, whose
   // collectives travel over them too.
@@ -180,6 +182,13 @@ RankJob run_rank(const Case& c, const InputSource& inputs, const Implementation&
   if (options.device == RunOptions::Device::cuda) {
     cuda::CudaRankOptions device_options;
     device_options.device = device;
+    if (execution.reference == "gpu" && snapshot != nullptr) {
+      if (options.reference == RunOptions::Reference::gpu) {
+        throw CaseError("--reference gpu: sweeps compare layouts' gradients on the host; use the CPU reference");
+      }
+      execution.reference = "cpu";
+    }
+    device_options.keep_on_device = execution.reference == "gpu";
     out = cuda::run_sharded_loss(c, inputs, assign_rank(c, inputs.batch(), rank), groups, impl.bugs, device_options);
   } else {
     out = run_sharded_loss(c, inputs, assign_rank(c, inputs.batch(), rank), groups, impl.bugs, kernel_options);

@@ -36,6 +36,9 @@ struct RunOptions {
   // What carries the ranks' collectives on CUDA: automatic = NCCL when every rank has its own GPU (and
   // NCCL was built), else the host (shared memory or MPI).
   enum class Collectives { automatic, host, nccl } collectives = Collectives::automatic;
+  // Where the float64 reference runs: automatic = on the GPU for the CUDA backend (the shard never
+  // leaves the GPU; sweeps keep the CPU reference, which records the gradients for invariance).
+  enum class Reference { automatic, cpu, gpu } reference = Reference::automatic;
 };
 
 // Where one run executed (the report's "execution").
@@ -43,6 +46,7 @@ struct ExecutionInfo {
   std::string device = "cpu";
   int gpus = 0;
   std::string collectives = "host";
+  std::string reference = "cpu";
 };
 // Resolves the options for a world of `world_size` ranks; throws CaseError for an impossible request
 // (--collectives nccl with fewer GPUs than ranks) and InternalError when the GPUs or NCCL are missing.
