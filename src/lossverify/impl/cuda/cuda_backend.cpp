@@ -141,13 +141,9 @@ void require_device(int device) {
   }
 }
 
-void check_supported(const Case& c, const Implementation& impl) {
-  const std::string backend = "the CUDA backend";
-  const BugSwitches& b = impl.bugs;
-  // The cross-entropy switch that needs the gathered vocabulary; on KD cases it never applies.
-  if (c.loss.kind == LossKind::cross_entropy && b.full_vocab_through_tp) {
-    throw CaseError("--impl " + impl.name + ": not implemented on " + backend + " yet");
-  }
+void check_supported(const Case&, const Implementation&) {
+  // Every catalogued implementation runs on the CUDA backend; a switch it lacked would be refused here
+  // with a CaseError naming it.
 }
 
 RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssignment assignment, RankGroups groups,
@@ -160,9 +156,14 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
   RankOutput out;
   out.assignment = std::move(assignment);
   out.dtype = c.inputs.dtype;
-  const VocabRange vocab = out.assignment.vocab;
+  const VocabRange vocab = out.assignment.vocab;  // the columns this rank outputs
+  // The columns the kernels see: the shard, or the whole vocabulary under full-vocab-through-tp (a
+  // gathered row fed to the vocab-parallel path; every rank believes its columns start at tp * V).
+  const bool full_vocab = bugs.full_vocab_through_tp && c.loss.kind == LossKind::cross_entropy;
+  const VocabRange work = full_vocab ? VocabRange{0, c.shape.vocab} : vocab;
   const std::int64_t rows = out.rows();
-  const std::int64_t cols = vocab.size();
+  const std::int64_t cols = work.size();
+  const std::int64_t owner_base = full_vocab ? out.assignment.coordinates.tp * cols : work.begin;
   const StorageType type = storage_of(out.dtype);
   const std::size_t element = dtype_size(out.dtype);
 
@@ -180,7 +181,7 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
   DeviceBytes d_padding = upload(padding, stream.get());
   DeviceBytes d_logits(static_cast<std::size_t>(rows * cols) * element);
   GenerateArgs g{c.inputs.seed, static_cast<int>(InputStream::student_logits), d_counters.as<std::int64_t>(),
-                 d_padding.as<int>(), rows, vocab.begin, vocab.end, static_cast<int>(c.inputs.distribution),
+                 d_padding.as<int>(), rows, work.begin, work.end, static_cast<int>(c.inputs.distribution),
                  c.inputs.mean, c.inputs.scale, c.inputs.mean, c.inputs.scale};
   generate_logits(type, g, d_logits.as<void>(), stream.get());
   LV_CUDA(cudaGetLastError());
@@ -206,7 +207,7 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
       if (!overridden) continue;
       dispatch_dtype(out.dtype, [&](auto tag) {
         using T = typename decltype(tag)::type;
-        inputs.logits(t, vocab.begin, vocab.end, reinterpret_cast<T*>(row_bytes.data()));
+        inputs.logits(t, work.begin, work.end, reinterpret_cast<T*>(row_bytes.data()));
       });
       LV_CUDA(cudaMemcpyAsync(d_logits.as<std::byte>() + static_cast<std::size_t>(i * cols) * element, row_bytes.data(),
                               row_bytes.size(), cudaMemcpyHostToDevice, stream.get()));
@@ -231,7 +232,7 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
     active[k] = p.active;
     valid[k] = p.valid;
     weight[k] = p.backward_weight;
-    if (p.valid && vocab.contains(p.label)) target[k] = p.label - vocab.begin;
+    if (p.valid && p.label - owner_base >= 0 && p.label - owner_base < cols) target[k] = p.label - owner_base;
   }
   DeviceBytes d_target = upload(target, stream.get());
   DeviceBytes d_active = upload(active, stream.get());
@@ -365,20 +366,38 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
                                  local_sum_shifted[j], shard_width, smoothing_pair.forward, z_weight, bugs);
     }
   }
+  if (full_vocab) {
+    // Only the rank's own columns leave the kernel's rows.
+    const std::int64_t out_cols = vocab.size();
+    const std::size_t offset = static_cast<std::size_t>(vocab.begin - work.begin) * element;
+    auto shard_columns = [&](const DeviceBytes& from) {
+      DeviceBytes to(static_cast<std::size_t>(rows * out_cols) * element);
+      if (rows > 0) {
+        LV_CUDA(cudaMemcpy2DAsync(to.as<void>(), static_cast<std::size_t>(out_cols) * element, from.as<std::byte>() + offset,
+                                  static_cast<std::size_t>(cols) * element, static_cast<std::size_t>(out_cols) * element,
+                                  static_cast<std::size_t>(rows), cudaMemcpyDeviceToDevice, stream.get()));
+      }
+      return to;
+    };
+    d_grad = shard_columns(d_grad);
+    d_logits = shard_columns(d_logits);
+    stream.sync();
+  }
+  const std::int64_t out_cols = vocab.size();
   if (options.keep_on_device) {
     stream.sync();
     auto shard = std::make_shared<DeviceShard>();
     shard->device = options.device;
     shard->type = type;
     shard->rows = rows;
-    shard->cols = cols;
+    shard->cols = out_cols;
     shard->begin = vocab.begin;
     shard->student = std::move(d_logits);
     shard->teacher = std::move(d_teacher);
     shard->grad = std::move(d_grad);
     out.device_shard = std::move(shard);
   } else {
-    out.grad.resize(static_cast<std::size_t>(rows * cols) * element);
+    out.grad.resize(static_cast<std::size_t>(rows * out_cols) * element);
     LV_CUDA(cudaMemcpyAsync(out.grad.data(), d_grad.as<void>(), out.grad.size(), cudaMemcpyDeviceToHost, stream.get()));
     stream.sync();
   }
