@@ -7,6 +7,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <string_view>
 
 #include "lossverify/impl/cuda/device_types.cuh"
 #include "lossverify/impl/cuda/kernels.hpp"
@@ -107,10 +108,43 @@ __device__ void block_reduce(float& m, float& s, float& sum_x, bool no_shift) {
   __syncthreads();
 }
 
+// L2 residency hints for the fused kernel: pass 1 loads a row with evict_last so that it is still in L2
+// when pass 2 reads it again (evict_first: it is not needed after), and the gradient is stored with
+// evict_first so that it does not push rows out. Other kernels read each row once: plain loads.
+enum class L2Hint { none, keep, release };
+__device__ __forceinline__ std::uint64_t l2_policy(L2Hint hint) {
+  std::uint64_t policy = 0;
+  if (hint == L2Hint::keep) {
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  } else {
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  }
+  return policy;
+}
+__device__ __forceinline__ int4 load16(const void* p, L2Hint hint, std::uint64_t policy) {
+  if (hint == L2Hint::none) return __ldg(reinterpret_cast<const int4*>(p));
+  int4 v;
+  asm volatile("ld.global.nc.L2::cache_hint.v4.s32 {%0, %1, %2, %3}, [%4], %5;"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p), "l"(policy));
+  return v;
+}
+__device__ __forceinline__ void store16(void* p, int4 v, L2Hint hint, std::uint64_t policy) {
+  if (hint == L2Hint::none) {
+    __stcs(reinterpret_cast<int4*>(p), v);  // streaming store
+    return;
+  }
+  asm volatile("st.global.L2::cache_hint.v4.s32 [%0], {%1, %2, %3, %4}, %5;"
+               :
+               : "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "l"(policy)
+               : "memory");
+}
+
 // Pass 1 over one row: [M_r, S_r, sum x, x_l] with S relative to M_r (M_r = 0 under no-max-shift).
 template <class T>
 __device__ void row_stats(const T* row, std::int64_t cols, std::int64_t target, const CrossEntropyConstants& k,
-                          bool vectorized, float out[4]) {
+                          bool vectorized, float out[4], L2Hint hint = L2Hint::none) {
+  const std::uint64_t policy = hint == L2Hint::none ? 0 : l2_policy(hint);
   __shared__ float target_value;
   if (threadIdx.x == 0) target_value = 0.0f;
   __syncthreads();
@@ -153,13 +187,16 @@ __device__ void row_stats(const T* row, std::int64_t cols, std::int64_t target, 
       V batch[kBatch];
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
-        const int4 raw = __ldg(reinterpret_cast<const int4*>(vrow + i + b * stride));
+        const int4 raw = load16(vrow + i + b * stride, hint, policy);
         batch[b] = *reinterpret_cast<const V*>(&raw);
       }
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) consume(batch[b]);
     }
-    for (; i < vectors; i += stride) consume(vrow[i]);
+    for (; i < vectors; i += stride) {
+      const int4 raw = load16(vrow + i, hint, policy);
+      consume(*reinterpret_cast<const V*>(&raw));
+    }
   } else {
     for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) o.add(load_capped(widen<T>(row[c]), k.softcap), no_shift);
   }
@@ -175,7 +212,9 @@ __device__ void row_stats(const T* row, std::int64_t cols, std::int64_t target, 
 // Pass 2 over one row: the gradient from the global max and log-sum.
 template <class T>
 __device__ void row_grad(const T* row, T* grad, std::int64_t cols, std::int64_t target, float row_max, float log_sum,
-                         float weight, bool valid, const CrossEntropyConstants& k, bool vectorized) {
+                         float weight, bool valid, const CrossEntropyConstants& k, bool vectorized,
+                         L2Hint hint = L2Hint::none) {
+  const std::uint64_t policy = hint == L2Hint::none ? 0 : l2_policy(L2Hint::release);
   const float lse = row_max + log_sum;
   const float z_factor = 1.0f + 2.0f * k.z_loss_weight * lse;
   const SmoothingWeights<float> q{k.q_on_backward, k.q_off_backward};
@@ -205,20 +244,23 @@ __device__ void row_grad(const T* row, T* grad, std::int64_t cols, std::int64_t 
       V out;
 #pragma unroll
       for (int j = 0; j < V::kCount; ++j) out.v[j] = value(widen<T>(in.v[j]), i * V::kCount + j);
-      __stcs(reinterpret_cast<int4*>(vgrad + i), *reinterpret_cast<const int4*>(&out));  // streaming store
+      store16(vgrad + i, *reinterpret_cast<const int4*>(&out), hint, policy);
     };
     std::int64_t i = threadIdx.x;
     for (; i + (kBatch - 1) * stride < vectors; i += kBatch * stride) {
       V batch[kBatch];
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
-        const int4 raw = __ldg(reinterpret_cast<const int4*>(vrow + i + b * stride));
+        const int4 raw = load16(vrow + i + b * stride, hint, policy);
         batch[b] = *reinterpret_cast<const V*>(&raw);
       }
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) emit(batch[b], i + b * stride);
     }
-    for (; i < vectors; i += stride) emit(vrow[i], i);
+    for (; i < vectors; i += stride) {
+      const int4 raw = load16(vrow + i, hint, policy);
+      emit(*reinterpret_cast<const V*>(&raw), i);
+    }
   } else {
     for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) grad[c] = value(widen<T>(row[c]), c);
   }
@@ -268,7 +310,7 @@ __global__ void __launch_bounds__(kThreads) grad_kernel(GradArgs a, CrossEntropy
 
 template <class T>
 __global__ void __launch_bounds__(kThreads) fused_kernel(GradArgs a, CrossEntropyConstants k, float* row_stats_out,
-                                                         bool vectorized) {
+                                                         bool vectorized, L2Hint l2_hint) {
   const T* logits = static_cast<const T*>(a.logits);
   T* grad = static_cast<T*>(a.grad);
   for (std::int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
@@ -279,10 +321,10 @@ __global__ void __launch_bounds__(kThreads) fused_kernel(GradArgs a, CrossEntrop
       continue;
     }
     float stats[4];
-    row_stats(logits + r * a.cols, a.cols, a.target_column[r], k, vectorized, stats);
+    row_stats(logits + r * a.cols, a.cols, a.target_column[r], k, vectorized, stats, l2_hint);
     const float log_sum = logf(stats[1]);
     row_grad(logits + r * a.cols, grad + r * a.cols, a.cols, a.target_column[r], stats[0], log_sum, a.weight[r],
-             a.valid[r] != 0, k, vectorized);
+             a.valid[r] != 0, k, vectorized, l2_hint == L2Hint::none ? L2Hint::none : L2Hint::release);
     if (threadIdx.x == 0) {
       o[0] = stats[0];
       o[1] = log_sum;
@@ -533,8 +575,13 @@ void cross_entropy_fused(StorageType type, const GradArgs& args, const CrossEntr
   dispatch(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const LaunchShape shape = launch_shape<T>(args.rows, args.cols);
+    // Tuning aid: LOSSVERIFY_FUSED_L2=none turns the L2 residency hints off.
+    static const bool hints = [] {
+      const char* e = std::getenv("LOSSVERIFY_FUSED_L2");
+      return e == nullptr || std::string_view(e) != "none";
+    }();
     fused_kernel<T><<<shape.blocks, shape.threads, 0, static_cast<cudaStream_t>(stream)>>>(
-        args, k, row_stats_out, can_vectorize<T>(args.logits, args.grad, args.cols));
+        args, k, row_stats_out, can_vectorize<T>(args.logits, args.grad, args.cols), hints ? L2Hint::keep : L2Hint::none);
   });
 }
 
