@@ -17,14 +17,9 @@ using lossverify::testing::count_of;
 using lossverify::testing::element_with_id;
 using lossverify::testing::xml_problem;
 
-namespace {
+using lossverify::testing::run_with;
 
-RunResult run_with(const Case& c, const std::string& impl) {
-  RunOptions options;
-  options.implementation = impl;
-  options.threads = 2;
-  return run_case(c, options);
-}
+namespace {
 
 // dp = 3 ranks holding 2, 4 and 6 valid tokens (sequences of 3, 5, 7 with next-token labels): N_v = 12, so
 // under dp-local-mean the token weight 1 / (3 N_r) equals 1 / N_v only on DP rank 1 (N_r = 4).

@@ -16,14 +16,9 @@
 using namespace lossverify;
 using nlohmann::json;
 
-namespace {
+using lossverify::testing::run_with;
 
-RunResult run_with(const Case& c, const std::string& impl) {
-  RunOptions options;
-  options.implementation = impl;
-  options.threads = 2;
-  return run_case(c, options);
-}
+namespace {
 
 // The shipped cp-zigzag-packed layout, small: packed sequences none a multiple of 2 CP.
 Case cp_case() {

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "lossverify/case/case.hpp"
+#include "lossverify/runner/run_case.hpp"
 
 namespace lossverify::testing {
 
@@ -18,5 +19,13 @@ inline nlohmann::json case_json(std::int64_t tokens, std::int64_t vocab, int tp,
 }
 
 inline Case make_case(const nlohmann::json& j) { return parse_case(j, "<test>"); }
+
+// One case on CPU thread ranks with an implementation, two OpenMP threads.
+inline RunResult run_with(const Case& c, const std::string& impl) {
+  RunOptions options;
+  options.implementation = impl;
+  options.threads = 2;
+  return run_case(c, options);
+}
 
 }  // namespace lossverify::testing

@@ -478,16 +478,7 @@ void apply_set_override(json& document, const std::string& assignment, const std
 }
 
 Case load_case_file(const std::string& path, const std::vector<std::string>& set_overrides) {
-  std::ifstream in(path);
-  if (!in) throw CaseError(path + ": cannot open case file");
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  json document;
-  try {
-    document = json::parse(buffer.str());
-  } catch (const json::parse_error& e) {
-    throw CaseError(path + ": not valid JSON: " + e.what());
-  }
+  json document = detail::read_json_file(path, "case file");
   for (const auto& assignment : set_overrides) apply_set_override(document, assignment, path);
   return parse_case(document, path);
 }

@@ -1,4 +1,7 @@
 #include "lossverify/case/json_reader.hpp"
+
+#include <fstream>
+#include <sstream>
 #include "lossverify/core/strings.hpp"
 
 #include <cmath>
@@ -90,5 +93,17 @@ void ObjectReader::fail(const std::string& key, const std::string& message) cons
   fail_at(source_, path_of(key), message);
 }
 void ObjectReader::fail_here(const std::string& message) const { fail_at(source_, path_, message); }
+
+nlohmann::json read_json_file(const std::string& path, const std::string& what) {
+  std::ifstream in(path);
+  if (!in) throw CaseError(path + ": cannot open " + what);
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  try {
+    return nlohmann::json::parse(buffer.str());
+  } catch (const nlohmann::json::parse_error& e) {
+    throw CaseError(path + ": not valid JSON: " + e.what());
+  }
+}
 
 }  // namespace lossverify::detail

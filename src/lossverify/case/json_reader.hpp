@@ -49,4 +49,7 @@ std::int64_t as_integer(const nlohmann::json& value, const std::string& path, co
 double as_number(const nlohmann::json& value, const std::string& path, const std::string& source);
 [[noreturn]] void fail_at(const std::string& source, const std::string& path, const std::string& message);
 
+// Reads and parses a JSON file; CaseError "<path>: cannot open <what>" or "<path>: not valid JSON: ...".
+nlohmann::json read_json_file(const std::string& path, const std::string& what);
+
 }  // namespace lossverify::detail

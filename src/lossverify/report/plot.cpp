@@ -24,37 +24,6 @@ constexpr double kWidth = 980.0;
 constexpr double kLogFloor = -4.0;   // margins below 1e-4 share the palest color
 constexpr double kLogCeiling = 4.0;  // and above 1e4 the darkest red
 
-std::string escape_xml(std::string_view text) {
-  std::string out;
-  out.reserve(text.size());
-  for (char ch : text) {
-    switch (ch) {
-      case '&':
-        out += "&amp;";
-        break;
-      case '<':
-        out += "&lt;";
-        break;
-      case '>':
-        out += "&gt;";
-        break;
-      case '"':
-        out += "&quot;";
-        break;
-      case '\'':
-        out += "&#39;";
-        break;
-      default:
-        // Control characters are not allowed in XML 1.0 text.
-        if (static_cast<unsigned char>(ch) < 0x20 && ch != '\n' && ch != '\t') {
-          out += ' ';
-        } else {
-          out += ch;
-        }
-    }
-  }
-  return out;
-}
 
 std::string fixed(double v, int decimals = 1) {
   char buffer[64];
@@ -127,7 +96,7 @@ class Svg {
   std::ostringstream body;
   void text(double x, double y, std::string_view content, const std::string& attributes = "") {
     body << "<text x=\"" << fixed(x) << "\" y=\"" << fixed(y) << "\"" << (attributes.empty() ? "" : " ")
-         << attributes << ">" << escape_xml(content) << "</text>\n";
+         << attributes << ">" << xml_escape(content) << "</text>\n";
   }
   void line(double x1, double y1, double x2, double y2, const std::string& attributes) {
     body << "<line x1=\"" << fixed(x1) << "\" y1=\"" << fixed(y1) << "\" x2=\"" << fixed(x2) << "\" y2=\""
@@ -220,7 +189,7 @@ double draw_heatmap(Svg& svg, const RunResult& run, bool grad, double left, doub
              << fixed(cell_w) << "\" height=\"" << fixed(cell_h) << "\" fill=\"" << margin_color(margin)
              << "\" stroke=\"" << (failed ? "#000" : "#fff") << "\" stroke-width=\""
              << (failed && cell_w >= 6.0 ? "2" : "0.5") << "\"><title>"
-             << escape_xml(
+             << xml_escape(
                     "rank " + std::to_string(cell.rank) + " (tp " + std::to_string(cell.tp) + ", cp " +
                     std::to_string(cell.cp) + ", dp " + std::to_string(cell.dp) + "), columns [" +
                     std::to_string(cell.vocab_begin) + ", " + std::to_string(cell.vocab_end) +
@@ -339,7 +308,7 @@ double draw_token_strip(Svg& svg, const RunResult& run, const std::vector<TokenB
              << "\" width=\"" << fixed(std::max(bar_width - (bar_width > 3.0 ? 0.5 : 0.0), 0.6))
              << "\" height=\"" << fixed(plot_top + height - y) << "\" fill=\"" << margin_color(margin)
              << "\"><title>"
-             << escape_xml((bin.first == bin.last
+             << xml_escape((bin.first == bin.last
                                 ? "token " + std::to_string(bin.first)
                                 : "tokens " + std::to_string(bin.first) + "-" + std::to_string(bin.last)) +
                            ": " + name + " margin " + short_margin(margin))
@@ -449,7 +418,7 @@ std::string plot_svg(const RunResult& run, const PlotOptions& options) {
   out << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << fixed(kWidth, 0) << "\" height=\""
       << fixed(y, 0) << "\" viewBox=\"0 0 " << fixed(kWidth, 0) << " " << fixed(y, 0)
       << "\" font-family=\"DejaVu Sans, Helvetica, Arial, sans-serif\">\n"
-      << "<title>" << escape_xml("lossverify error map: " + run_title(run)) << "</title>\n"
+      << "<title>" << xml_escape("lossverify error map: " + run_title(run)) << "</title>\n"
       << "<rect width=\"100%\" height=\"100%\" fill=\"#fff\"/>\n"
       << svg.body.str() << "</svg>\n";
   return out.str();
@@ -461,32 +430,32 @@ std::string plot_html(const std::vector<const RunResult*>& runs, const PlotOptio
   if (runs.size() == 1) title += ": " + run_title(*runs.front());
   out << "<!DOCTYPE html>\n<html xmlns=\"http://www.w3.org/1999/xhtml\" lang=\"en\">\n<head>\n<meta "
          "charset=\"utf-8\"/>\n"
-      << "<title>" << escape_xml(title) << "</title>\n"
+      << "<title>" << xml_escape(title) << "</title>\n"
       << "<style>body{font-family:sans-serif;margin:16px;color:#222}table{border-collapse:collapse;margin:"
          "8px 0 24px}"
          "td,th{border:1px solid #ccc;padding:2px 8px;font-size:13px;text-align:left}.fail{color:#a50026;"
          "font-weight:bold}section{margin-bottom:32px}</style>\n</head>\n<body>\n"
-      << "<h1>" << escape_xml(title) << "</h1>\n";
+      << "<h1>" << xml_escape(title) << "</h1>\n";
   for (const RunResult* run : runs) {
     out << "<section>\n<h2>"
-        << escape_xml(run_title(*run) + ", layout " + layout_name(run->the_case.layout) + ": " +
+        << xml_escape(run_title(*run) + ", layout " + layout_name(run->the_case.layout) + ": " +
                       (run->verdict == Verdict::fail ? "FAIL" : "pass"))
         << "</h2>\n";
-    if (!run->the_case.description.empty()) out << "<p>" << escape_xml(run->the_case.description) << "</p>\n";
+    if (!run->the_case.description.empty()) out << "<p>" << xml_escape(run->the_case.description) << "</p>\n";
     out << plot_svg(*run, options);
     out << "<table>\n<tr><th>check</th><th>verdict</th><th>margin</th><th>summary</th></tr>\n";
     for (const CheckResult& check : run->checks) {
       const bool failed = check.verdict == Verdict::fail;
-      out << "<tr" << (failed ? " class=\"fail\"" : "") << "><td>" << escape_xml(check.name) << "</td><td>"
+      out << "<tr" << (failed ? " class=\"fail\"" : "") << "><td>" << xml_escape(check.name) << "</td><td>"
           << (failed ? "FAIL" : std::string(to_string(check.verdict))) << "</td><td>"
           << short_margin(check.margin) << "</td><td>"
-          << escape_xml(check_line(check) + (check.summary.empty() ? "" : " (" + check.summary + ")"))
+          << xml_escape(check_line(check) + (check.summary.empty() ? "" : " (" + check.summary + ")"))
           << "</td></tr>\n";
     }
     out << "</table>\n</section>\n";
   }
   out << "<p style=\"color:#888;font-size:11px\">lossverify " << build_info::version << " (git "
-      << escape_xml(build_info::git_revision) << ")</p>\n</body>\n</html>\n";
+      << xml_escape(build_info::git_revision) << ")</p>\n</body>\n</html>\n";
   return out.str();
 }
 

@@ -473,17 +473,7 @@ Bundle parse_bundle(const json& document, const std::string& source) {
 }
 
 Bundle read_bundle(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw CaseError(path + ": cannot open bundle");
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  json document;
-  try {
-    document = json::parse(buffer.str());
-  } catch (const json::parse_error& e) {
-    throw CaseError(path + ": not valid JSON: " + e.what());
-  }
-  return parse_bundle(document, path);
+  return parse_bundle(detail::read_json_file(path, "bundle"), path);
 }
 
 std::vector<std::string> input_drift(const Bundle& bundle) {

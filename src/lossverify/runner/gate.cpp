@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "lossverify/core/errors.hpp"
+#include "lossverify/core/strings.hpp"
 #include "lossverify/report/report.hpp"
 
 namespace lossverify {
@@ -267,28 +268,6 @@ json gate_report(const GateResult& r) {
 
 namespace {
 
-std::string xml_escape(const std::string& s) {
-  std::string out;
-  for (char ch : s) {
-    switch (ch) {
-      case '&':
-        out += "&amp;";
-        break;
-      case '<':
-        out += "&lt;";
-        break;
-      case '>':
-        out += "&gt;";
-        break;
-      case '"':
-        out += "&quot;";
-        break;
-      default:
-        out += ch;
-    }
-  }
-  return out;
-}
 
 }  // namespace
 

@@ -224,7 +224,8 @@ __device__ double margin_of(double error, double tolerance) {
   if (tolerance <= 0.0) return INFINITY;
   return error / tolerance;
 }
-__device__ double ulp_size(double value, int dtype) {
+// The binary exponent of the dtype's spacing at value (core/dtype.cpp's ulp_size, on the device).
+__device__ int spacing_exponent(double value, int dtype) {
   int mantissa_bits = 23, min_exponent = -126;
   if (dtype == static_cast<int>(StorageType::bf16)) mantissa_bits = 7;
   if (dtype == static_cast<int>(StorageType::fp16)) {
@@ -233,21 +234,14 @@ __device__ double ulp_size(double value, int dtype) {
   }
   const auto bits = static_cast<unsigned long long>(__double_as_longlong(value));
   const int exponent = static_cast<int>((bits >> 52) & 0x7ff) - 1023;
-  const int binade = max(exponent, min_exponent) - mantissa_bits;
-  return __longlong_as_double(static_cast<long long>(binade + 1023) << 52);
+  return max(exponent, min_exponent) - mantissa_bits;
+}
+__device__ double ulp_size(double value, int dtype) {
+  return __longlong_as_double(static_cast<long long>(spacing_exponent(value, dtype) + 1023) << 52);
 }
 // 1 / ulp_size(value): a power of two, so multiplying by it is the exact division.
 __device__ double ulp_size_inverse(double value, int dtype) {
-  int mantissa_bits = 23, min_exponent = -126;
-  if (dtype == static_cast<int>(StorageType::bf16)) mantissa_bits = 7;
-  if (dtype == static_cast<int>(StorageType::fp16)) {
-    mantissa_bits = 10;
-    min_exponent = -14;
-  }
-  const auto bits = static_cast<unsigned long long>(__double_as_longlong(value));
-  const int exponent = static_cast<int>((bits >> 52) & 0x7ff) - 1023;
-  const int binade = max(exponent, min_exponent) - mantissa_bits;
-  return __longlong_as_double(static_cast<long long>(1023 - binade) << 52);
+  return __longlong_as_double(static_cast<long long>(1023 - spacing_exponent(value, dtype)) << 52);
 }
 __device__ std::int64_t ordered_bits(double value, int dtype, double& rounded) {
   const float f = __double2float_rn(value);
