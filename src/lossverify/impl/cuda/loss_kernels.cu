@@ -3,7 +3,6 @@
 // The per-element math is the HOST_DEVICE code the CPU kernel uses.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -335,67 +334,6 @@ __global__ void __launch_bounds__(kThreads) fused_kernel(GradArgs a, CrossEntrop
   }
 }
 
-// The fused kernel with each row split over a cluster of kSplit CTAs: every CTA reads its slice twice, so
-// the L2 must hold only 1/kSplit of a row per CTA between the passes; the CTAs exchange their slice
-// statistics through distributed shared memory and combine them in rank order (identically on all).
-template <class T, int kSplit>
-__global__ void __launch_bounds__(kThreads) fused_split_kernel(GradArgs a, CrossEntropyConstants k,
-                                                               float* row_stats_out, bool vectorized, L2Hint l2_hint) {
-  namespace cg = cooperative_groups;
-  cg::cluster_group cluster = cg::this_cluster();
-  __shared__ float exchange[2][4];  // by row parity: a CTA rewrites a buffer only after the next cluster barrier
-  const int part = static_cast<int>(cluster.block_rank());
-  const std::int64_t clusters = gridDim.x / kSplit;
-  const std::int64_t chunk = (a.cols / kSplit) / 8 * 8;  // slice starts stay 16-byte aligned
-  const std::int64_t begin = part * chunk;
-  const std::int64_t end = part == kSplit - 1 ? a.cols : begin + chunk;
-  const std::int64_t width = end - begin;
-  const T* logits = static_cast<const T*>(a.logits);
-  T* grad = static_cast<T*>(a.grad);
-  const bool no_shift = k.no_max_shift != 0;
-  int parity = 0;
-  for (std::int64_t r = blockIdx.x / kSplit; r < a.rows; r += clusters) {
-    const T* x = logits + r * a.cols + begin;
-    T* g = grad + r * a.cols + begin;
-    float* o = row_stats_out + 4 * r;
-    if (!a.active[r]) {  // the same for every CTA of the cluster: no barrier is skipped by one alone
-      zero_row(g, width);
-      if (part == 0 && threadIdx.x == 0) o[0] = o[1] = o[2] = o[3] = 0.0f;
-      continue;
-    }
-    const std::int64_t target = a.target_column[r];
-    const std::int64_t local_target = target >= begin && target < end ? target - begin : -1;
-    float stats[4];
-    row_stats(x, width, local_target, k, vectorized, stats, l2_hint);
-    if (threadIdx.x == 0) {
-      for (int j = 0; j < 4; ++j) exchange[parity][j] = stats[j];
-    }
-    cluster.sync();
-    float m = no_shift ? 0.0f : -INFINITY, total = 0.0f, sum_x = 0.0f, target_value = 0.0f;
-    for (int p = 0; p < kSplit; ++p) {
-      const float* e = cluster.map_shared_rank(&exchange[parity][0], p);
-      if (no_shift) {
-        total += e[1];
-      } else {
-        combine(m, total, e[0], e[1]);
-      }
-      sum_x += e[2];
-      target_value += e[3];
-    }
-    const float log_sum = logf(total);
-    row_grad(x, g, width, local_target, m, log_sum, a.weight[r], a.valid[r] != 0, k, vectorized,
-             l2_hint == L2Hint::none ? L2Hint::none : L2Hint::release);
-    if (part == 0 && threadIdx.x == 0) {
-      o[0] = m;
-      o[1] = log_sum;
-      o[2] = sum_x;
-      o[3] = target_value;
-    }
-    parity ^= 1;
-  }
-  cluster.sync();  // no CTA leaves while a peer may still read its shared memory
-}
-
 // KD pass 1: two online softmaxes (student and teacher) and the cross terms, one row per block.
 template <class T>
 __global__ void __launch_bounds__(kThreads) sum_log_p_kernel(SumLogProbArgs a, CrossEntropyConstants k, float* out) {
@@ -580,7 +518,6 @@ int persistent_blocks() {
 struct LaunchShape {
   int blocks;
   int threads;
-  int blocks_per_sm_or_one;  // the shape's blocks per SM (before the cap at the row count)
 };
 // Tuning aid: LOSSVERIFY_SMALL_ROW_LAUNCH / LOSSVERIFY_LARGE_ROW_LAUNCH="threads,blocks_per_sm" override
 // the two shapes (bench/NOTES.md records the measured alternatives).
@@ -605,7 +542,7 @@ LaunchShape launch_shape(std::int64_t rows, std::int64_t cols) {
   const RowShape& shape = small ? small_shape : large_shape;
   const int threads = shape.threads;
   const std::int64_t blocks = static_cast<std::int64_t>(persistent_blocks()) * shape.blocks_per_sm;
-  return {static_cast<int>(std::min<std::int64_t>(rows, blocks)), threads, shape.blocks_per_sm};
+  return {static_cast<int>(std::min<std::int64_t>(rows, blocks)), threads};
 }
 
 
@@ -635,48 +572,16 @@ void cross_entropy_grad(StorageType type, const GradArgs& args, const CrossEntro
 void cross_entropy_fused(StorageType type, const GradArgs& args, const CrossEntropyConstants& k, float* row_stats_out,
                          void* stream) {
   if (args.rows == 0) return;
-  // Tuning aids: LOSSVERIFY_FUSED_L2=none turns the L2 residency hints off; LOSSVERIFY_FUSED_SPLIT=1|2|4
-  // sets how many CTAs share a long row.
-  static const bool hints = [] {
-    const char* e = std::getenv("LOSSVERIFY_FUSED_L2");
-    return e == nullptr || std::string_view(e) != "none";
-  }();
-  static const int split = [] {
-    const char* e = std::getenv("LOSSVERIFY_FUSED_SPLIT");
-    const int v = e != nullptr ? std::atoi(e) : 2;
-    return v == 1 || v == 2 || v == 4 ? v : 2;
-  }();
   dispatch(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const LaunchShape shape = launch_shape<T>(args.rows, args.cols);
-    const bool vectorized = can_vectorize<T>(args.logits, args.grad, args.cols);
-    const L2Hint hint = hints ? L2Hint::keep : L2Hint::none;
-    const bool long_rows = args.cols * static_cast<std::int64_t>(sizeof(T)) > 64 * 1024;
-    if (!long_rows || split == 1) {
-      fused_kernel<T><<<shape.blocks, shape.threads, 0, static_cast<cudaStream_t>(stream)>>>(args, k, row_stats_out,
-                                                                                            vectorized, hint);
-      return;
-    }
-    auto launch = [&](auto kernel, int cluster) {
-      cudaLaunchConfig_t config = {};
-      const std::int64_t wanted = static_cast<std::int64_t>(persistent_blocks()) * shape.blocks_per_sm_or_one;
-      config.gridDim = dim3(static_cast<unsigned>(std::max<std::int64_t>(cluster, wanted / cluster * cluster)));
-      config.blockDim = dim3(static_cast<unsigned>(shape.threads));
-      config.stream = static_cast<cudaStream_t>(stream);
-      cudaLaunchAttribute attribute[1];
-      attribute[0].id = cudaLaunchAttributeClusterDimension;
-      attribute[0].val.clusterDim.x = static_cast<unsigned>(cluster);
-      attribute[0].val.clusterDim.y = 1;
-      attribute[0].val.clusterDim.z = 1;
-      config.attrs = attribute;
-      config.numAttrs = 1;
-      cudaLaunchKernelEx(&config, kernel, args, k, row_stats_out, vectorized, hint);
-    };
-    if (split == 4) {
-      launch(fused_split_kernel<T, 4>, 4);
-    } else {
-      launch(fused_split_kernel<T, 2>, 2);
-    }
+    // Tuning aid: LOSSVERIFY_FUSED_L2=none turns the L2 residency hints off.
+    static const bool hints = [] {
+      const char* e = std::getenv("LOSSVERIFY_FUSED_L2");
+      return e == nullptr || std::string_view(e) != "none";
+    }();
+    fused_kernel<T><<<shape.blocks, shape.threads, 0, static_cast<cudaStream_t>(stream)>>>(
+        args, k, row_stats_out, can_vectorize<T>(args.logits, args.grad, args.cols), hints ? L2Hint::keep : L2Hint::none);
   });
 }
 
