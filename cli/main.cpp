@@ -435,7 +435,7 @@ int main(int argc, char** argv) {
       "exit codes: 0 all checks pass, 1 a check failed, 2 usage or case error, 3 internal/backend error, 4 timeout");
 
   RunArguments run_args;
-  CLI::App* run = app.add_subcommand("run", "run case files on thread ranks and check them against the reference");
+  CLI::App* run = app.add_subcommand("run", "run case files on thread ranks or MPI processes (CPU or CUDA) and check them against the reference");
   run->add_option("cases", run_args.case_files, "case file(s) (JSON)")->required()->check(CLI::ExistingFile);
   run->add_option("--impl", run_args.implementation, "implementation: correct or a catalogued bug (see list)");
   run->add_option("--tp", run_args.tp, "tensor-parallel ranks (overrides layout.tp)")->check(CLI::PositiveNumber);
@@ -451,7 +451,7 @@ int main(int argc, char** argv) {
   run->add_option("--launcher", run_args.launcher,
                   "auto (mpi when started by mpiexec, else threads), threads, or mpi: one rank per process")
       ->check(CLI::IsMember({"auto", "threads", "mpi"}));
-  run->add_option("--backend", run_args.backend, "where the kernels run: cpu, or cuda (ranks share GPU 0, a stream each)")
+  run->add_option("--backend", run_args.backend, "where the kernels run: cpu, or cuda (GPU 0 with a stream per rank; see --gpus)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
   run->add_option("--gpus", run_args.gpus,
                   "cuda: GPUs to spread the ranks over (rank % gpus); as many as ranks: one GPU per rank, NCCL between them")
