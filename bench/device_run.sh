@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: probe, build (Release, sm_90), the CUDA tests, multi-GPU runs whose
-# verdicts are compared with the CPU, and the benchmarks. Usage: bash bench/device_run.sh [tests|bench|all]
+# verdicts are compared with the CPU, fault runs, and the benchmarks. Usage: bash bench/device_run.sh [build|tests|faults|bench|all]
 # Header-only dependencies may come from a folder given as DEPS_INCLUDE (the device has no Debian packages).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -56,6 +56,16 @@ PY
       echo "    exit code mpi+cuda $m"
     fi
   done
+fi
+if [[ "$mode" == faults || "$mode" == tests || "$mode" == all ]]; then
+  echo "== a failing rank while the others wait inside NCCL (one GPU per rank)"
+  gpus=$(nvidia-smi -L | wc -l)
+  start=$(date +%s.%N)
+  "$bin" run cases/smoothing-pytorch.json --set layout.tp=$gpus --backend cuda --gpus $gpus --inject-fault late-throw@1 --quiet
+  echo "  late-throw@1: exit $? after $(echo "$(date +%s.%N) - $start" | bc) s"
+  start=$(date +%s.%N)
+  timeout 120 "$bin" run cases/smoothing-pytorch.json --set layout.tp=$gpus --backend cuda --gpus $gpus --inject-fault late-hang@1 --timeout 5 --quiet
+  echo "  late-hang@1 (deadline 5 s): exit $? after $(echo "$(date +%s.%N) - $start" | bc) s"
 fi
 if [[ "$mode" == bench || "$mode" == all ]]; then
   echo "== bench"

@@ -447,7 +447,7 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   run->add_option("--timeout", run_args.timeout, "deadlock guard in seconds (overrides timeout_seconds)")
       ->check(CLI::PositiveNumber);
-  run->add_option("--inject-fault", run_args.fault, "test aid: throw@RANK, hang@RANK or exit@RANK")->group("");
+  run->add_option("--inject-fault", run_args.fault, "test aid: [late-]throw@RANK, [late-]hang@RANK or [late-]exit@RANK (late: after the groups, NCCL included, are set up)")->group("");
   run->add_option("--launcher", run_args.launcher,
                   "auto (mpi when started by mpiexec, else threads), threads, or mpi: one rank per process")
       ->check(CLI::IsMember({"auto", "threads", "mpi"}));

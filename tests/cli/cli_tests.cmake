@@ -43,6 +43,13 @@ lossverify_cli_test(fault_throw 3 "rank 1: injected fault" --within 20 --absent 
 lossverify_cli_test(fault_hang 4 "deadlock guard: .* rank\\(s\\) 2 never arrived" --within 20
   --absent ${OUT}/fault_hang.json
   -- ${LV} run ${CASES}/uneven-shards-v507-tp4.json --inject-fault hang@2 --timeout 1 --report ${OUT}/fault_hang.json)
+# The same faults after the groups are set up (where a GPU run's NCCL groups exist): the others stop.
+lossverify_cli_test(fault_late_throw 3 "rank 1: injected fault: this rank threw after its groups" --within 20
+  --absent ${OUT}/fault_late_throw.json
+  -- ${LV} run ${CASES}/uneven-shards-v507-tp4.json --inject-fault late-throw@1 --report ${OUT}/fault_late_throw.json)
+lossverify_cli_test(fault_late_hang 4 "deadlock guard: .* rank\\(s\\) 2 never arrived" --within 20
+  --absent ${OUT}/fault_late_hang.json
+  -- ${LV} run ${CASES}/uneven-shards-v507-tp4.json --inject-fault late-hang@2 --timeout 1 --report ${OUT}/fault_late_hang.json)
 
 # Malformed case files: exit 2, a message naming file and JSON path, and no report.
 file(STRINGS ${CMAKE_CURRENT_SOURCE_DIR}/cli/bad_cases.txt bad_case_lines REGEX "^[^#]")

@@ -19,9 +19,13 @@ namespace lossverify {
 FaultInjection parse_fault(const std::string& text) {
   const auto at = text.find('@');
   FaultInjection f;
-  const std::string kind = text.substr(0, at);
+  std::string kind = text.substr(0, at);
+  if (kind.rfind("late-", 0) == 0) {
+    f.late = true;
+    kind = kind.substr(5);
+  }
   if (at == std::string::npos || (kind != "throw" && kind != "hang" && kind != "exit")) {
-    throw CaseError("--inject-fault " + text + ": expected throw@RANK, hang@RANK or exit@RANK");
+    throw CaseError("--inject-fault " + text + ": expected [late-]throw@RANK, [late-]hang@RANK or [late-]exit@RANK");
   }
   f.kind = kind == "throw" ? FaultInjection::Kind::throw_error
            : kind == "hang" ? FaultInjection::Kind::hang
@@ -38,10 +42,11 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-void inject(const FaultInjection& fault, int rank) {
-  if (fault.rank != rank) return;
+void inject(const FaultInjection& fault, int rank, bool late) {
+  if (fault.rank != rank || fault.late != late) return;
   if (fault.kind == FaultInjection::Kind::throw_error) {
-    throw InternalError("injected fault: this rank threw before its first collective");
+    throw InternalError(late ? "injected fault: this rank threw after its groups were set up, before its kernel"
+                             : "injected fault: this rank threw before its first collective");
   }
   if (fault.kind == FaultInjection::Kind::hang) {
     for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));  // never reaches a collective
@@ -151,7 +156,8 @@ RankRun execute_ranks(const Case& c, const InputSource& inputs, const Implementa
   run_thread_ranks(world_options, [&](Communicator& world) {
     const int rank = world.rank();
     OwnedGroups groups = make_groups(world, c.layout);
-    inject(options.fault, rank);
+    inject(options.fault, rank, false);
+    inject(options.fault, rank, true);
     run.outputs[static_cast<std::size_t>(rank)] =
         run_sharded_loss(c, inputs, assign_rank(c, inputs.batch(), rank), groups.view(), impl.bugs, kernel_options);
   });
@@ -164,7 +170,7 @@ RankJob run_rank(const Case& c, const InputSource& inputs, const Implementation&
   const auto start = Clock::now();
   const int rank = world.rank();
   OwnedGroups owned = make_groups(world, c.layout);
-  inject(options.fault, rank);
+  inject(options.fault, rank, false);
   ExecutionInfo execution = resolve_execution(options, world.size());
   const int device = execution.gpus > 1 ? rank % execution.gpus : 0;
   // NCCL groups over the host groups (one GPU per rank); they outlive the verification below, whose
@@ -176,6 +182,7 @@ RankJob run_rank(const Case& c, const InputSource& inputs, const Implementation&
     nccl_dp = cuda::make_nccl_group(*owned.dp, device, c.timeout_seconds);
   }
   RankGroups groups = nccl_tp ? RankGroups{*nccl_tp, *nccl_batch, *nccl_dp} : owned.view();
+  inject(options.fault, rank, true);
   CpuKernelOptions kernel_options;
   kernel_options.threads = threads;
   RankOutput out;

@@ -19,8 +19,10 @@ namespace lossverify {
 struct FaultInjection {
   enum class Kind { none, throw_error, hang, exit } kind = Kind::none;
   int rank = -1;
+  bool late = false;  // after the rank's groups (NCCL included) are set up, just before its kernel
 };
-// "throw@R", "hang@R" or "exit@R" (the process exits: MPI backend); throws CaseError otherwise.
+// "throw@R", "hang@R" or "exit@R" (the process exits: MPI backend), each also as "late-KIND@R";
+// throws CaseError otherwise.
 FaultInjection parse_fault(const std::string& text);
 
 struct RunOptions {
