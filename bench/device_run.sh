@@ -62,10 +62,10 @@ if [[ "$mode" == faults || "$mode" == tests || "$mode" == all ]]; then
   gpus=$(nvidia-smi -L | wc -l)
   start=$(date +%s.%N)
   "$bin" run cases/smoothing-pytorch.json --set layout.tp=$gpus --backend cuda --gpus $gpus --inject-fault late-throw@1 --quiet
-  echo "  late-throw@1: exit $? after $(echo "$(date +%s.%N) - $start" | bc) s"
+  echo "  late-throw@1: exit $? after $(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }') s"
   start=$(date +%s.%N)
   timeout 120 "$bin" run cases/smoothing-pytorch.json --set layout.tp=$gpus --backend cuda --gpus $gpus --inject-fault late-hang@1 --timeout 5 --quiet
-  echo "  late-hang@1 (deadline 5 s): exit $? after $(echo "$(date +%s.%N) - $start" | bc) s"
+  echo "  late-hang@1 (deadline 5 s): exit $? after $(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }') s"
 fi
 if [[ "$mode" == bench || "$mode" == all ]]; then
   echo "== bench"
