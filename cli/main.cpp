@@ -229,7 +229,10 @@ int command_run_mpi(const RunArguments& args, mpi::Session& session) {
       }
     }
   } catch (const Error& e) {
-    std::cerr << "lossverify: rank " << rank << " of " << session.size() << ": error: " << e.what() << "\n";
+    // One write per line: every rank prints this at once, and mpiexec merges their streams.
+    const std::string line = "lossverify: rank " + std::to_string(rank) + " of " + std::to_string(session.size()) +
+                             ": error: " + e.what() + "\n";
+    std::fwrite(line.data(), 1, line.size(), stderr);
     return static_cast<int>(e.code());
   }
   RunOptions options;
