@@ -254,7 +254,6 @@ int command_run_mpi(const RunArguments& args, mpi::Session& session) {
     const auto start = std::chrono::steady_clock::now();
     RankJob job;
     try {
-      if (options.device == RunOptions::Device::cuda) cuda::check_supported(c, *find_implementation(args.implementation));
       const InputSource inputs(c);
       job = run_rank(c, inputs, *find_implementation(args.implementation), options, session.world(), threads);
     } catch (const Error& e) {

@@ -238,7 +238,6 @@ RunResult run_case(const Case& c, const RunOptions& options, bool keep_snapshot)
   const int world_size = c.layout.world_size();
   check_fault_rank(options.fault, world_size);
   if (options.device == RunOptions::Device::cuda) {
-    cuda::check_supported(c, *impl);
     cuda::require_device(0);
   }
   resolve_execution(options, world_size);  // an impossible request fails before any rank starts

@@ -141,11 +141,6 @@ void require_device(int device) {
   }
 }
 
-void check_supported(const Case&, const Implementation&) {
-  // Every catalogued implementation runs on the CUDA backend; a switch it lacked would be refused here
-  // with a CaseError naming it.
-}
-
 RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssignment assignment, RankGroups groups,
                             const BugSwitches& bugs, const CudaRankOptions& options) {
   const auto start = std::chrono::steady_clock::now();

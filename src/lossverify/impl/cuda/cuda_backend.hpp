@@ -21,9 +21,6 @@ bool built_with_cuda();
 void require_device(int device);
 int visible_devices();
 
-// Throws CaseError when the case or the implementation needs what the CUDA backend does not have yet.
-void check_supported(const Case& c, const Implementation& impl);
-
 struct CudaRankOptions {
   int device = 0;
   // Leave the inputs and the gradient on the GPU (RankOutput::device_shard) for the GPU reference.

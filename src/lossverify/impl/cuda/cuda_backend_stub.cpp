@@ -14,7 +14,6 @@ namespace {
 bool built_with_cuda() { return false; }
 void require_device(int) { unavailable(); }
 int visible_devices() { return 0; }
-void check_supported(const Case&, const Implementation&) { unavailable(); }
 RankOutput run_sharded_loss(const Case&, const InputSource&, RankAssignment, RankGroups, const BugSwitches&,
                             const CudaRankOptions&) {
   unavailable();
