@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: probe, build (Release, sm_90), the CUDA tests, multi-GPU runs whose
-# verdicts are compared with the CPU, fault runs, and the benchmarks. Usage: bash bench/device_run.sh [build|tests|faults|bench|all]
+# verdicts are compared with the CPU, fault runs, and the benchmarks. Usage: bash bench/device_run.sh [all|PART,PART...]
 # Header-only dependencies may come from a folder given as DEPS_INCLUDE (the device has no Debian packages).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-all}
+# A comma-separated list of parts: build (always), cudatests, tests, faults, sweep, bench; all = tests,faults,bench.
+[[ $mode == all ]] && mode=tests,faults,bench
+has() { [[ ",$mode," == *",$1,"* ]]; }
 build=${BUILD_DIR:-build/dev}
 out=${OUT:-/tmp/lossverify-out}
 mkdir -p "$out"
@@ -23,8 +26,10 @@ bin=$build/cli/lossverify
 "$bin" --version
 mpi=$(grep -q "MPI backend ON" "$out/configure.log" && command -v mpiexec || true)
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-if [[ "$mode" == tests || "$mode" == all ]]; then
+if has cudatests || has tests; then
   echo "== CUDA tests"; "$build"/tests/lossverify_cuda_tests 2>&1 | tail -25
+fi
+if has tests; then
   echo "== multi-GPU CLI runs vs CPU"
   gpus=$(nvidia-smi -L | wc -l)
   for spec in "smoothing-pytorch:correct" "smoothing-pytorch:smoothing-partition-vocab" "kd-tp4-temperature2:kd-no-t2" \
@@ -57,7 +62,7 @@ PY
     fi
   done
 fi
-if [[ "$mode" == faults || "$mode" == tests || "$mode" == all ]]; then
+if has faults; then
   echo "== a failing rank while the others wait inside NCCL (one GPU per rank)"
   gpus=$(nvidia-smi -L | wc -l)
   start=$(date +%s.%N)
@@ -67,7 +72,14 @@ if [[ "$mode" == faults || "$mode" == tests || "$mode" == all ]]; then
   timeout 120 "$bin" run cases/smoothing-pytorch.json --set layout.tp=$gpus --backend cuda --gpus $gpus --inject-fault late-hang@1 --timeout 5 --quiet
   echo "  late-hang@1 (deadline 5 s): exit $? after $(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }') s"
 fi
-if [[ "$mode" == bench || "$mode" == all ]]; then
+if has sweep; then
+  echo "== TP=1 fused kernel: launch variants (PyTorch left out)"
+  for v in off 256x4 256x3 512x2 1024x1; do
+    echo "-- LOSSVERIFY_FUSED_RESIDENT=$v"
+    LOSSVERIFY_FUSED_RESIDENT=$v "$bin" bench --repeats 20 --torch-script /nonexistent 2>&1 | grep -E "^lossverify|^floor"
+  done
+fi
+if has bench; then
   echo "== bench"
   "$bin" bench --repeats 20 --report "$out/bench-tp1.json" 2>&1 | tail -12
   "$bin" bench --shape 16384,151936 --tp 8 --report "$out/bench-tp8.json" 2>&1 | tail -6

@@ -365,7 +365,7 @@ int command_bench(const BenchArguments& a) {
             << ", smoothing " << a.label_smoothing << ", mean\n";
   std::cout << "floor (" << r["floor_bytes_per_logit"].get<double>() << " B/logit at the copy bandwidth): "
             << r["floor_ms"].get<double>() << " ms\n";
-  std::cout << "lossverify " << (a.tp == 1 ? "fused fwd+bwd" : "stats + grad kernels") << ": "
+  std::cout << "lossverify " << r["kernel"].get<std::string>() << ": "
             << r["kernel_ms"].get<double>() << " ms = " << std::setprecision(1) << r["percent_of_floor"].get<double>()
             << "% of the floor" << std::setprecision(3) << "; check on sampled rows: "
             << (r["check"]["pass"].get<bool>() ? "pass" : "FAIL") << "\n";

@@ -5,10 +5,12 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <tuple>
 #include <fstream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "lossverify/core/build_info.hpp"
@@ -136,6 +138,66 @@ TEST_CASE("cuda_kernel_bugs_fail_with_the_checks_golden_records_for_the_cpu") {
     CAPTURE(impl);
     CHECK(std::string(to_string(r.verdict)) == golden["verdict"].get<std::string>());
     CHECK(failing(r) == golden["failing_checks"].get<std::vector<std::string>>());
+  }
+}
+
+TEST_CASE("long_rows_take_the_row_resident_kernel_and_give_the_cpu_verdicts") {
+  // Which kernel serves a row width is a host-side decision; aligned stand-in pointers suffice.
+  void* aligned = reinterpret_cast<void*>(std::uintptr_t{1} << 20);
+  void* misaligned = reinterpret_cast<void*>((std::uintptr_t{1} << 20) + 2);
+  const cuda::CrossEntropyConstants plain{0.9f, 1e-6f, 0.9f, 1e-6f, 0.0f, 0.0f, 0, 0, 0};
+  cuda::CrossEntropyConstants capped = plain;
+  capped.softcap = 30.0f;
+  CHECK(cuda::fused_cluster_size(cuda::StorageType::bf16, plain, aligned, aligned, 128256) == 8);
+  CHECK(cuda::fused_cluster_size(cuda::StorageType::bf16, capped, aligned, aligned, 128256) == 8);
+  CHECK(cuda::fused_cluster_size(cuda::StorageType::bf16, plain, aligned, aligned, 40000) == 4);
+  CHECK(cuda::fused_cluster_size(cuda::StorageType::fp32, plain, aligned, aligned, 40000) == 8);
+  CHECK(cuda::fused_cluster_size(cuda::StorageType::bf16, plain, aligned, aligned, 32768) == 0);   // 64 KB rows
+  CHECK(cuda::fused_cluster_size(cuda::StorageType::bf16, plain, aligned, aligned, 100003) == 0);  // no 16-byte vectors
+  CHECK(cuda::fused_cluster_size(cuda::StorageType::bf16, plain, misaligned, aligned, 128256) == 0);
+  CHECK(cuda::fused_cluster_size(cuda::StorageType::fp32, plain, aligned, aligned, 131080) == 0);  // beyond 8 CTAs
+
+  // The kernel on those widths, plain and generic instantiations, whole rows (TP = 1): the CPU run of the
+  // same case is the oracle, and each bug must fail there, so a match is not two passes of nothing.
+  struct Long {
+    const char* name;
+    const char* impl;
+    std::int64_t vocab, tokens;
+  };
+  const Long runs[] = {{"smoothing-pytorch", "correct", 128256, 24},
+                       {"smoothing-pytorch", "correct", 40000, 64},
+                       {"zloss-ignored", "correct", 100000, 48},
+                       {"softcap-gemma", "correct", 100000, 32},
+                       {"reduction-none-upstream", "correct", 40000, 40},
+                       {"large-logits-no-max-shift", "no-max-shift", 40000, 32},
+                       {"bf16-upstream-rounding", "grad-rounded-early", 100000, 64},
+                       {"uneven-shards-v507-tp4", "zloss-grad-after-smoothing", 40000, 32},
+                       {"zloss-ignored", "zloss-on-ignored", 100000, 48},
+                       {"smoothing-pytorch", "smoothing-log-after-exp", 128256, 16}};
+  for (const Long& run : runs) {
+    // Through the parser, as `--set` does: the shape determines derived parts of the case.
+    const Case c = load_case_file(std::string("cases/") + run.name + ".json",
+                                  {"shape.vocab=" + std::to_string(run.vocab), "shape.tokens=" + std::to_string(run.tokens),
+                                   "layout.tp=1"});
+    RunOptions cpu;
+    cpu.implementation = run.impl;
+    cpu.threads = 2;
+    const RunResult expected = run_case(c, cpu);
+    const RunResult r = run_on_gpu(c, run.impl);
+    CAPTURE(run.name);
+    CAPTURE(run.impl);
+    CAPTURE(run.vocab);
+    CHECK(r.verdict == expected.verdict);
+    CHECK(failing(r) == failing(expected));
+    if (std::string_view(run.impl) == "correct") {
+      CHECK(r.verdict == Verdict::pass);
+      for (const auto& check : r.checks) {
+        CAPTURE(check.name);
+        CHECK(check.margin < 0.51);
+      }
+    } else if (std::string_view(run.impl) != "smoothing-log-after-exp") {  // no underflow at these widths
+      CHECK(expected.verdict == Verdict::fail);
+    }
   }
 }
 

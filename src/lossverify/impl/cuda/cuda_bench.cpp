@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <string>
 #include <vector>
 
 #include "lossverify/core/errors.hpp"
@@ -120,7 +121,11 @@ nlohmann::json bench(const BenchOptions& o) {
   nlohmann::json result;
   double kernel_ms = 0.0;
   double floor_bytes_per_logit = 4.0 / 2.0 * static_cast<double>(element);  // read once, write once
+  std::string kernel_name = "stats + grad (two kernels around the all-reduce)";
   if (o.tp == 1) {
+    const int cluster = fused_cluster_size(type, k, logits_a.p, grad.p, cols);
+    kernel_name = cluster > 0 ? "fused, row-resident (clusters of " + std::to_string(cluster) + " CTAs)"
+                              : "fused, two passes (the row kept in L2)";
     kernel_ms = time_ms(o.repeats, stream, [&](int i) {
       cross_entropy_fused(type, args_for(i), k, static_cast<float*>(d_stats.p), stream);
     });
@@ -175,6 +180,7 @@ nlohmann::json bench(const BenchOptions& o) {
             {"copy_tb_per_s", copy_tb_s},
             {"floor_bytes_per_logit", floor_bytes_per_logit},
             {"floor_ms", floor_ms},
+            {"kernel", kernel_name},
             {"kernel_ms", kernel_ms},
             {"percent_of_floor", 100.0 * floor_ms / kernel_ms},
             {"check", {{"rows_sampled", samples}, {"worst_ulp_beyond_atol", worst_ulp}, {"pass", worst_ulp <= 1.0}}}};

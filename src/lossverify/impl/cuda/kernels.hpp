@@ -59,10 +59,15 @@ struct GradArgs {
 };
 void cross_entropy_grad(StorageType type, const GradArgs& args, const CrossEntropyConstants& k, void* stream);
 
-// Both passes in one kernel for a rank that holds whole rows (TP = 1): each block keeps its row in L2
-// between the passes, so DRAM sees about 4 bytes per bf16 logit. Writes per-row [M, log S, Z, x_l].
+// Both passes in one kernel for a rank that holds whole rows (TP = 1), so DRAM sees about 4 bytes per
+// bf16 logit. Writes per-row [M, log S, Z, x_l].
 void cross_entropy_fused(StorageType type, const GradArgs& args, const CrossEntropyConstants& k, float* row_stats,
                          void* stream);
+// Rows longer than 64 KB that fit in the registers of a cluster of up to 8 CTAs take a row-resident
+// kernel (each logit read from DRAM once, whatever L2 holds); this is its cluster size, 0 where the
+// two-pass kernel serves the rows.
+int fused_cluster_size(StorageType type, const CrossEntropyConstants& k, const void* logits, const void* grad,
+                       std::int64_t cols);
 
 // Catalogued bug smoothing-log-after-exp, a third pass: per row sum_v log(exp(x_v - M) / S) over the
 // local columns with the global M and S (-inf once exp underflows), as the CPU kernel computes it.

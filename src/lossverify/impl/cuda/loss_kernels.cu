@@ -3,11 +3,13 @@
 // The per-element math is the HOST_DEVICE code the CPU kernel uses.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <string_view>
+#include <type_traits>
 
 #include "lossverify/impl/cuda/device_types.cuh"
 #include "lossverify/impl/cuda/kernels.hpp"
@@ -209,30 +211,51 @@ __device__ void row_stats(const T* row, std::int64_t cols, std::int64_t target, 
   out[3] = target_value;
 }
 
-// Pass 2 over one row: the gradient from the global max and log-sum.
+// The gradient of one element from the row's global max and log-sum: the HOST_DEVICE cross-entropy
+// gradient plus the catalogued kernel-level variants.
 template <class T>
-__device__ void row_grad(const T* row, T* grad, std::int64_t cols, std::int64_t target, float row_max, float log_sum,
-                         float weight, bool valid, const CrossEntropyConstants& k, bool vectorized,
-                         L2Hint hint = L2Hint::none) {
-  const std::uint64_t policy = hint == L2Hint::none ? 0 : l2_policy(L2Hint::release);
-  const float lse = row_max + log_sum;
-  const float z_factor = 1.0f + 2.0f * k.z_loss_weight * lse;
-  const SmoothingWeights<float> q{k.q_on_backward, k.q_off_backward};
-  auto value = [&](float raw, std::int64_t c) {
+struct GradElement {
+  float row_max, log_sum, lse, z_factor, weight;
+  bool valid;
+  std::int64_t target;
+  CrossEntropyConstants k;
+  SmoothingWeights<float> q;
+  __device__ GradElement(float row_max_, float log_sum_, float weight_, bool valid_, std::int64_t target_,
+                         const CrossEntropyConstants& k_)
+      : row_max(row_max_),
+        log_sum(log_sum_),
+        lse(row_max_ + log_sum_),
+        z_factor(1.0f + 2.0f * k_.z_loss_weight * (row_max_ + log_sum_)),
+        weight(weight_),
+        valid(valid_),
+        target(target_),
+        k(k_),
+        q{k_.q_on_backward, k_.q_off_backward} {}
+  __device__ __forceinline__ T operator()(float raw, std::int64_t c) const { return (*this)(raw, c == target); }
+  __device__ __forceinline__ T operator()(float raw, bool is_target) const {
     const float x = load_capped(raw, k.softcap);
     const float p = fast_exp((x - row_max) - log_sum);
     float g;
     if (!valid) {
       g = 2.0f * k.z_loss_weight * lse * p;
     } else if (k.zloss_grad_after_smoothing) {
-      g = (p - (c == target ? q.on_target : q.off_target)) * z_factor;
+      g = (p - (is_target ? q.on_target : q.off_target)) * z_factor;
     } else {
-      g = cross_entropy_grad(p, c == target, q, z_factor);
+      g = cross_entropy_grad(p, is_target, q, z_factor);
     }
     if (k.softcap > 0.0f) g *= 1.0f - (x / k.softcap) * (x / k.softcap);
     if (k.grad_rounded_early) return narrow<T>(widen<T>(narrow<T>(g)) * weight);
     return narrow<T>(weight * g);
-  };
+  }
+};
+
+// Pass 2 over one row: the gradient from the global max and log-sum.
+template <class T>
+__device__ void row_grad(const T* row, T* grad, std::int64_t cols, std::int64_t target, float row_max, float log_sum,
+                         float weight, bool valid, const CrossEntropyConstants& k, bool vectorized,
+                         L2Hint hint = L2Hint::none) {
+  const std::uint64_t policy = hint == L2Hint::none ? 0 : l2_policy(L2Hint::release);
+  const GradElement<T> value(row_max, log_sum, weight, valid, target, k);
   if (vectorized) {
     using V = Vec<T>;
     const V* vrow = reinterpret_cast<const V*>(row);
@@ -332,6 +355,349 @@ __global__ void __launch_bounds__(kThreads) fused_kernel(GradArgs a, CrossEntrop
       o[3] = stats[3];
     }
   }
+}
+
+// Row-resident fused kernel for long rows (TP = 1). A cluster of up to 8 CTAs holds one row in
+// registers: each thread loads kResidentVectors 16-byte vectors of the row, the CTAs combine their
+// statistics through distributed shared memory (one cluster barrier per row), and the gradient is
+// computed from the registers. DRAM sees each logit once and each gradient once, the 4-byte floor for
+// bf16, without relying on L2 to keep a 256 KB row between two passes; several CTAs per SM, each at its
+// own row, overlap one row's loads with another's reduction and stores.
+constexpr int kResidentVectors = 8;
+
+// A warp's [m, s, sum x] from its lanes': the warp max first, then each lane's s rescaled to it once and
+// plain sums (every lane gets the same bits). fast_exp's ~1e-6 is the kernel's accuracy everywhere.
+// Under no-max-shift every m is 0 and the factor is exactly 1.
+__device__ __forceinline__ void warp_stats(float& m, float& s, float& sum_x) {
+  float top = m;
+  for (int offset = 16; offset > 0; offset >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, offset));
+  s = s == 0.0f ? 0.0f : s * fast_exp(m - top);
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    s += __shfl_xor_sync(0xffffffffu, s, offset);
+    sum_x += __shfl_xor_sync(0xffffffffu, sum_x, offset);
+  }
+  m = top;
+}
+
+// An empty asm that claims to change the row's registers: each pass widens the packed values again
+// instead of the compiler keeping all of them widened across passes (64 more live registers, spills).
+template <int N>
+__device__ __forceinline__ void opaque(int4 (&data)[N]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) asm volatile("" : "+r"(data[j].x), "+r"(data[j].y), "+r"(data[j].z), "+r"(data[j].w));
+}
+
+// The copy engine's 1-D bulk copy into this CTA's shared memory, completing on an mbarrier.
+__device__ __forceinline__ std::uint32_t smem_address(const void* p) {
+  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void barrier_init(std::uint64_t* barrier) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_address(barrier)) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+// One arrival (the issuing thread's) that also expects `bytes` of copies, then the copy itself.
+__device__ __forceinline__ void bulk_load(void* destination, const void* source, std::uint32_t bytes,
+                                          std::uint64_t* barrier) {
+  const std::uint32_t b = smem_address(barrier);
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes) : "memory");
+  if (bytes > 0) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     smem_address(destination)),
+                 "l"(source), "r"(bytes), "r"(b)
+                 : "memory");
+  }
+}
+__device__ __forceinline__ void barrier_wait(std::uint64_t* barrier, std::uint32_t parity) {
+  const std::uint32_t b = smem_address(barrier);
+  std::uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(b), "r"(parity)
+        : "memory");
+  }
+}
+
+// The plain instantiation's per-element pieces, chosen from the instruction counts in the SASS.
+// ex2 without exp2f's subnormal fix-up (three instructions per call): results below 2^-126 flush to 0,
+// where a gradient element is far below every tolerance's absolute floor.
+__device__ __forceinline__ float ex2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+constexpr float kLog2e = 1.4426950408889634f;
+
+// f(x, e) for the elements e of one 16-byte vector, widened without a shift for bf16's upper halves.
+template <class T, class F>
+__device__ __forceinline__ void each_element(const int4& v, F&& f) {
+  const std::uint32_t w[4] = {static_cast<std::uint32_t>(v.x), static_cast<std::uint32_t>(v.y),
+                              static_cast<std::uint32_t>(v.z), static_cast<std::uint32_t>(v.w)};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    if constexpr (std::is_same_v<T, float>) {
+      f(__uint_as_float(w[q]), q);
+    } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      f(__uint_as_float(w[q] << 16), 2 * q);
+      f(__uint_as_float(w[q] & 0xffff0000u), 2 * q + 1);
+    } else {
+      const float2 t = __half22float2(*reinterpret_cast<const __half2*>(&w[q]));
+      f(t.x, 2 * q);
+      f(t.y, 2 * q + 1);
+    }
+  }
+}
+
+// The 16-byte vector of out[e] = g(x_e) for the elements of `in`, packed two at a time.
+template <class T, class G>
+__device__ __forceinline__ int4 map_vector(const int4& in, G&& g) {
+  float y[16 / sizeof(T)];
+  each_element<T>(in, [&](float x, int e) { y[e] = g(x); });
+  std::uint32_t w[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    if constexpr (std::is_same_v<T, float>) {
+      w[q] = __float_as_uint(y[q]);
+    } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      const __nv_bfloat162 h = __floats2bfloat162_rn(y[2 * q], y[2 * q + 1]);
+      w[q] = *reinterpret_cast<const std::uint32_t*>(&h);
+    } else {
+      const __half2 h = __floats2half2_rn(y[2 * q], y[2 * q + 1]);
+      w[q] = *reinterpret_cast<const std::uint32_t*>(&h);
+    }
+  }
+  return make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]), static_cast<int>(w[3]));
+}
+
+// Running max of a vector's elements: packed (two per instruction, exact) for 16-bit types.
+template <class T>
+__device__ __forceinline__ void packed_max(const int4& v, int4& acc) {
+  if constexpr (std::is_same_v<T, float>) {
+    acc.x = __float_as_int(fmaxf(__int_as_float(acc.x), __int_as_float(v.x)));
+    acc.y = __float_as_int(fmaxf(__int_as_float(acc.y), __int_as_float(v.y)));
+    acc.z = __float_as_int(fmaxf(__int_as_float(acc.z), __int_as_float(v.z)));
+    acc.w = __float_as_int(fmaxf(__int_as_float(acc.w), __int_as_float(v.w)));
+  } else {
+    using P = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, __nv_bfloat162, __half2>;
+    const P* a = reinterpret_cast<const P*>(&v);
+    P* b = reinterpret_cast<P*>(&acc);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) b[q] = __hmax2(b[q], a[q]);
+  }
+}
+template <class T>
+__device__ __forceinline__ int4 lowest_vector() {
+  if constexpr (std::is_same_v<T, float>) {
+    const int n = __float_as_int(-INFINITY);
+    return make_int4(n, n, n, n);
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const int n = 0xff80ff80;  // -inf, -inf
+    return make_int4(n, n, n, n);
+  } else {
+    const int n = static_cast<int>(0xfc00fc00u);
+    return make_int4(n, n, n, n);
+  }
+}
+
+template <class T, int kBlock, int kMinBlocks, bool kGeneric>
+__global__ void __launch_bounds__(kBlock, kMinBlocks)
+    resident_fused_kernel(GradArgs a, CrossEntropyConstants k, float* row_stats_out) {
+  using V = Vec<T>;
+  if constexpr (!kGeneric) {  // the plain instantiation: no softcap and no catalogued kernel variant
+    k.softcap = 0.0f;
+    k.no_max_shift = 0;
+    k.zloss_grad_after_smoothing = 0;
+    k.grad_rounded_early = 0;
+  }
+  namespace cg = cooperative_groups;
+  const cg::cluster_group cluster = cg::this_cluster();
+  const unsigned rank = cluster.block_rank();
+  const unsigned size = cluster.num_blocks();
+  const std::int64_t clusters = gridDim.x / size;
+  const int vectors = static_cast<int>(a.cols / V::kCount);  // a row of 2^31 elements would be 4 GB
+  const bool no_shift = k.no_max_shift != 0;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  constexpr int kWarps = kBlock / 32;
+  // This CTA's [m, s, sum x] of the row, one slot per parity of the active rows: a slot is written again
+  // two active rows later, after a cluster barrier that every reader of its previous value has passed.
+  __shared__ float4 slot[2];
+  __shared__ float3 partial[kWarps];
+  __shared__ float3 row_final;  // rewritten only after the next cluster barrier, which every reader has passed
+  __shared__ std::uint64_t loaded;
+  // The next row's chunk, prefetched by the copy engine while this row is computed from registers.
+  extern __shared__ int4 staged[];
+  // This CTA's chunk of every row: vectors [first_vector, first_vector + chunk); thread t holds
+  // chunk vectors t + j kBlock.
+  const int first_vector = static_cast<int>(rank) * kBlock * kResidentVectors;
+  const int chunk = max(0, min(vectors - first_vector, kBlock * kResidentVectors));
+  const int limit = chunk - static_cast<int>(threadIdx.x);
+  auto prefetch = [&](std::int64_t r) {  // thread 0; nothing to read for an inactive row
+    const bool active = a.active[r] != 0;
+    const T* row = static_cast<const T*>(a.logits) + r * a.cols;
+    bulk_load(staged, reinterpret_cast<const V*>(row) + first_vector,
+              active ? static_cast<std::uint32_t>(chunk) * 16u : 0u, &loaded);
+  };
+  if (threadIdx.x == 0) barrier_init(&loaded);
+  __syncthreads();
+  std::int64_t r = blockIdx.x / size;
+  if (threadIdx.x == 0 && r < a.rows) prefetch(r);
+  std::uint32_t phase = 0;
+  int parity = 0;
+  for (; r < a.rows; r += clusters) {
+    const T* row = static_cast<const T*>(a.logits) + r * a.cols;
+    V* mine_grad = reinterpret_cast<V*>(static_cast<T*>(a.grad) + r * a.cols) + first_vector + threadIdx.x;
+    float* o = row_stats_out + 4 * r;
+    const bool active = a.active[r] != 0;
+    barrier_wait(&loaded, phase);
+    phase ^= 1u;
+    int4 data[kResidentVectors];
+    const std::int64_t target = active ? a.target_column[r] : -1;
+    // The target's vector relative to this thread's first (a multiple of kBlock below kResidentVectors
+    // kBlock for the thread that holds it), and its element.
+    const int target_vector =
+        target >= 0 ? static_cast<int>(target / V::kCount) - first_vector - static_cast<int>(threadIdx.x) : -1;
+    const int target_lane = target >= 0 ? static_cast<int>(target % V::kCount) : -1;
+    const bool holds_target = target_vector >= 0 && target_vector % kBlock == 0 && target_vector < limit &&
+                              target_vector < kBlock * kResidentVectors;
+    float x_target = 0.0f;
+    if (active) {
+#pragma unroll
+      for (int j = 0; j < kResidentVectors; ++j) {
+        data[j] = j * kBlock < limit ? staged[threadIdx.x + j * kBlock] : make_int4(0, 0, 0, 0);
+      }
+      if (holds_target) x_target = widen<T>(reinterpret_cast<const T*>(staged)[(target - first_vector * V::kCount)]);
+    }
+    __syncthreads();  // every thread has its registers: the buffer takes the next row
+    if (threadIdx.x == 0 && r + clusters < a.rows) {
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      prefetch(r + clusters);
+    }
+    if (!active) {  // the same for every CTA of the cluster: no barrier skipped by some only
+      V zero;
+#pragma unroll
+      for (int e = 0; e < V::kCount; ++e) zero.v[e] = narrow<T>(0.0f);
+#pragma unroll
+      for (int j = 0; j < kResidentVectors; ++j) {
+        if (j * kBlock < limit) __stcs(reinterpret_cast<int4*>(mine_grad + j * kBlock), *reinterpret_cast<const int4*>(&zero));
+      }
+      if (rank == 0 && threadIdx.x == 0) o[0] = o[1] = o[2] = o[3] = 0.0f;
+      continue;
+    }
+    float target_value = 0.0f;
+    if (rank == 0 && threadIdx.x == 0 && target >= 0) target_value = load_capped(widen<T>(row[target]), k.softcap);
+    // This thread's max (exact, order-free), then its sums relative to it.
+    float m = no_shift ? 0.0f : -INFINITY;
+    float s = 0.0f, sum_x = 0.0f;
+    if constexpr (kGeneric) {
+      if (!no_shift) {
+#pragma unroll
+        for (int j = 0; j < kResidentVectors; ++j) {
+          if (j * kBlock >= limit) continue;
+          const V& v = *reinterpret_cast<const V*>(&data[j]);
+#pragma unroll
+          for (int e = 0; e < V::kCount; ++e) m = fmaxf(m, load_capped(widen<T>(v.v[e]), k.softcap));
+        }
+      }
+      opaque(data);
+#pragma unroll
+      for (int j = 0; j < kResidentVectors; ++j) {
+        if (j * kBlock >= limit) continue;
+        const V& v = *reinterpret_cast<const V*>(&data[j]);
+#pragma unroll
+        for (int e = 0; e < V::kCount; ++e) {
+          const float x = load_capped(widen<T>(v.v[e]), k.softcap);
+          sum_x += x;
+          s += fast_exp(x - m);
+        }
+      }
+    } else {
+      int4 top = lowest_vector<T>();
+#pragma unroll
+      for (int j = 0; j < kResidentVectors; ++j) {
+        if (j * kBlock < limit) packed_max<T>(data[j], top);
+      }
+      each_element<T>(top, [&](float x, int) { m = fmaxf(m, x); });
+      const float m_log2e = m * kLog2e;
+#pragma unroll
+      for (int j = 0; j < kResidentVectors; ++j) {
+        if (j * kBlock >= limit) continue;
+        each_element<T>(data[j], [&](float x, int) {
+          sum_x += x;
+          s += ex2_ftz(fmaf(x, kLog2e, -m_log2e));
+        });
+      }
+    }
+    warp_stats(m, s, sum_x);
+    if (lane == 0) partial[warp] = make_float3(m, s, sum_x);
+    __syncthreads();
+    if (warp == 0) {
+      const float3 w = lane < kWarps ? partial[lane] : make_float3(-INFINITY, 0.0f, 0.0f);
+      m = w.x;
+      s = w.y;
+      sum_x = w.z;
+      warp_stats(m, s, sum_x);
+      if (lane == 0) slot[parity] = make_float4(m, s, sum_x, 0.0f);
+    }
+    cluster.sync();
+    // The row's statistics from the CTAs' slots, one DSMEM read per lane of warp 0; the same values
+    // through the same tree give the same bits in every CTA.
+    if (warp == 0) {
+      const float4 peer = lane < static_cast<int>(size) ? *cluster.map_shared_rank(&slot[parity], lane)
+                                                        : make_float4(-INFINITY, 0.0f, 0.0f, 0.0f);
+      m = peer.x;
+      s = peer.y;
+      sum_x = peer.z;
+      warp_stats(m, s, sum_x);
+      if (lane == 0) row_final = make_float3(m, s, sum_x);
+    }
+    __syncthreads();
+    const float row_m = row_final.x, row_s = row_final.y, row_x = row_final.z;
+    parity ^= 1;
+    const float log_sum = logf(row_s);
+    opaque(data);
+    const GradElement<T> value(row_m, log_sum, a.weight[r], a.valid[r] != 0, target, k);
+    if constexpr (kGeneric) {
+#pragma unroll
+      for (int j = 0; j < kResidentVectors; ++j) {
+        if (j * kBlock >= limit) continue;
+        const V& in = *reinterpret_cast<const V*>(&data[j]);
+        V out;
+#pragma unroll
+        for (int e = 0; e < V::kCount; ++e) {
+          out.v[e] = value(widen<T>(in.v[e]), j * kBlock == target_vector && e == target_lane);
+        }
+        __stcs(reinterpret_cast<int4*>(mine_grad + j * kBlock), *reinterpret_cast<const int4*>(&out));
+      }
+    } else {
+      // Every element as off-target (one FFMA for the exponent, one MUFU, the shared gradient formula,
+      // the weight); the thread that holds the target then rewrites that element.
+      const float lse_log2e = (row_m + log_sum) * kLog2e;
+      const SmoothingWeights<float> q = value.valid ? value.q : SmoothingWeights<float>{0.0f, 0.0f};
+      const float z_factor = value.valid ? value.z_factor : 2.0f * k.z_loss_weight * value.lse;
+      const float weight = value.weight;
+#pragma unroll
+      for (int j = 0; j < kResidentVectors; ++j) {
+        if (j * kBlock >= limit) continue;
+        const int4 out = map_vector<T>(data[j], [&](float x) {
+          return weight * cross_entropy_grad(ex2_ftz(fmaf(x, kLog2e, -lse_log2e)), false, q, z_factor);
+        });
+        __stcs(reinterpret_cast<int4*>(mine_grad + j * kBlock), out);
+      }
+      if (holds_target) {
+        const float p = ex2_ftz(fmaf(x_target, kLog2e, -lse_log2e));
+        reinterpret_cast<T*>(mine_grad)[target - (first_vector + threadIdx.x) * V::kCount] =
+            narrow<T>(weight * cross_entropy_grad(p, true, q, z_factor));
+      }
+    }
+    if (rank == 0 && threadIdx.x == 0) {
+      o[0] = row_m;
+      o[1] = log_sum;
+      o[2] = row_x;
+      o[3] = target_value;
+    }
+  }
+  cluster.sync();  // no CTA leaves while a peer may still read its slots
 }
 
 // KD pass 1: two online softmaxes (student and teacher) and the cross terms, one row per block.
@@ -569,18 +935,129 @@ void cross_entropy_grad(StorageType type, const GradArgs& args, const CrossEntro
   });
 }
 
+namespace {
+
+// The row-resident kernel's launch: LOSSVERIFY_FUSED_RESIDENT=off|256x4|256x3|512x2|1024x1 (threads x
+// CTAs per SM; a tuning aid, the default was measured best on the H100, bench/NOTES.md).
+struct ResidentShape {
+  int block = 256, per_sm = 4;
+};
+ResidentShape resident_shape() {
+  static const ResidentShape shape = [] {
+    ResidentShape r;
+    const char* e = std::getenv("LOSSVERIFY_FUSED_RESIDENT");
+    if (e == nullptr) return r;
+    const std::string_view v(e);
+    if (v == "off") r.block = 0;
+    if (v == "256x3") r.per_sm = 3;
+    if (v == "512x2") r = {512, 2};
+    if (v == "1024x1") r = {1024, 1};
+    return r;
+  }();
+  return shape;
+}
+
+// The plain instantiation (no softcap, no catalogued kernel variant) fits 64 registers; the generic one
+// takes 80, so three 256-thread CTAs per SM.
+bool needs_generic(const CrossEntropyConstants& k) {
+  return k.softcap > 0.0f || k.no_max_shift || k.zloss_grad_after_smoothing || k.grad_rounded_early;
+}
+ResidentShape resident_shape_for(const CrossEntropyConstants& k) {
+  ResidentShape shape = resident_shape();
+  if (shape.block != 0 && needs_generic(k)) shape = {256, 3};
+  return shape;
+}
+
+// Cluster size the row-resident kernel uses for rows of `cols` elements; 0 where it does not apply
+// (rows of up to 64 KB, which the many-rows-per-SM kernel serves at the floor; rows beyond 8 CTAs'
+// registers; rows that cannot be read in 16-byte vectors).
+template <class T>
+int resident_cluster(const void* logits, const void* grad, std::int64_t cols, int block) {
+  if (block == 0 || cols * static_cast<std::int64_t>(sizeof(T)) <= 64 * 1024 || !can_vectorize<T>(logits, grad, cols)) {
+    return 0;
+  }
+  const std::int64_t vectors = cols / Vec<T>::kCount;
+  const std::int64_t per_cta = static_cast<std::int64_t>(block) * kResidentVectors;
+  int cluster = 1;
+  while (cluster * per_cta < vectors) cluster *= 2;
+  return cluster <= 8 ? cluster : 0;
+}
+
+template <class T, int kBlock, int kMinBlocks, bool kGeneric>
+bool launch_resident(const GradArgs& args, const CrossEntropyConstants& k, float* row_stats, int cluster,
+                     cudaStream_t stream) {
+  auto* kernel = resident_fused_kernel<T, kBlock, kMinBlocks, kGeneric>;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = static_cast<unsigned>(cluster);
+  attribute[0].val.clusterDim.y = 1;
+  attribute[0].val.clusterDim.z = 1;
+  cudaLaunchConfig_t config{};
+  config.blockDim = dim3(kBlock);
+  config.gridDim = dim3(static_cast<unsigned>(cluster * persistent_blocks()));
+  // The prefetch buffer: one chunk of a row per CTA.
+  const int staged_bytes = kBlock * kResidentVectors * 16;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, staged_bytes) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  config.dynamicSmemBytes = static_cast<std::size_t>(staged_bytes);
+  config.stream = stream;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  int max_clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &config) != cudaSuccess || max_clusters < 1) {
+    cudaGetLastError();  // clear it: the caller falls back to the two-pass kernel
+    return false;
+  }
+  // A persistent grid: as many clusters as fit at once, each walking the rows.
+  const std::int64_t clusters = std::min<std::int64_t>(args.rows, max_clusters);
+  config.gridDim = dim3(static_cast<unsigned>(clusters * cluster));
+  if (cudaLaunchKernelEx(&config, kernel, args, k, row_stats) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return true;
+}
+
+template <class T>
+bool launch_resident(const GradArgs& args, const CrossEntropyConstants& k, float* row_stats, cudaStream_t stream) {
+  const ResidentShape shape = resident_shape_for(k);
+  const int cluster = resident_cluster<T>(args.logits, args.grad, args.cols, shape.block);
+  if (cluster == 0) return false;
+  if (needs_generic(k)) return launch_resident<T, 256, 3, true>(args, k, row_stats, cluster, stream);
+  if (shape.block == 1024) return launch_resident<T, 1024, 1, false>(args, k, row_stats, cluster, stream);
+  if (shape.block == 512) return launch_resident<T, 512, 2, false>(args, k, row_stats, cluster, stream);
+  if (shape.per_sm == 3) return launch_resident<T, 256, 3, false>(args, k, row_stats, cluster, stream);
+  return launch_resident<T, 256, 4, false>(args, k, row_stats, cluster, stream);
+}
+
+}  // namespace
+
+int fused_cluster_size(StorageType type, const CrossEntropyConstants& k, const void* logits, const void* grad,
+                       std::int64_t cols) {
+  int cluster = 0;
+  dispatch(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    cluster = resident_cluster<T>(logits, grad, cols, resident_shape_for(k).block);
+  });
+  return cluster;
+}
+
 void cross_entropy_fused(StorageType type, const GradArgs& args, const CrossEntropyConstants& k, float* row_stats_out,
                          void* stream) {
   if (args.rows == 0) return;
   dispatch(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
+    const auto s = static_cast<cudaStream_t>(stream);
+    if (launch_resident<T>(args, k, row_stats_out, s)) return;
     const LaunchShape shape = launch_shape<T>(args.rows, args.cols);
     // Tuning aid: LOSSVERIFY_FUSED_L2=none turns the L2 residency hints off.
     static const bool hints = [] {
       const char* e = std::getenv("LOSSVERIFY_FUSED_L2");
       return e == nullptr || std::string_view(e) != "none";
     }();
-    fused_kernel<T><<<shape.blocks, shape.threads, 0, static_cast<cudaStream_t>(stream)>>>(
+    fused_kernel<T><<<shape.blocks, shape.threads, 0, s>>>(
         args, k, row_stats_out, can_vectorize<T>(args.logits, args.grad, args.cols), hints ? L2Hint::keep : L2Hint::none);
   });
 }
