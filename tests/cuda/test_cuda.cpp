@@ -162,23 +162,32 @@ TEST_CASE("long_rows_take_the_row_resident_kernel_and_give_the_cpu_verdicts") {
   struct Long {
     const char* name;
     const char* impl;
-    std::int64_t vocab, tokens;
+    std::vector<std::string> set;  // through the parser, as `--set` does: the shape determines derived parts
   };
-  const Long runs[] = {{"smoothing-pytorch", "correct", 128256, 24},
-                       {"smoothing-pytorch", "correct", 40000, 64},
-                       {"zloss-ignored", "correct", 100000, 48},
-                       {"softcap-gemma", "correct", 100000, 32},
-                       {"reduction-none-upstream", "correct", 40000, 40},
-                       {"large-logits-no-max-shift", "no-max-shift", 40000, 32},
-                       {"bf16-upstream-rounding", "grad-rounded-early", 100000, 64},
-                       {"uneven-shards-v507-tp4", "zloss-grad-after-smoothing", 40000, 32},
-                       {"zloss-ignored", "zloss-on-ignored", 100000, 48},
-                       {"smoothing-pytorch", "smoothing-log-after-exp", 128256, 16}};
+  const auto shape = [](std::int64_t vocab, std::int64_t tokens) {
+    return std::vector<std::string>{"shape.vocab=" + std::to_string(vocab), "shape.tokens=" + std::to_string(tokens),
+                                    "layout.tp=1"};
+  };
+  const auto with = [](std::vector<std::string> a, const std::string& b) {
+    a.push_back(b);
+    return a;
+  };
+  const std::vector<std::string> dp_bf16 = {"shape.vocab=40000", "inputs.dtype=bf16", "layout.tp=1"};
+  const Long runs[] = {{"smoothing-pytorch", "correct", with(shape(128256, 24), "inputs.dtype=bf16")},
+                       {"smoothing-pytorch", "correct", shape(40000, 64)},
+                       {"zloss-ignored", "correct", shape(100000, 48)},
+                       {"softcap-gemma", "correct", shape(100000, 32)},
+                       {"reduction-none-upstream", "correct", shape(40000, 40)},
+                       {"bf16-upstream-rounding", "correct", shape(100000, 64)},
+                       {"dp-unequal-tokens", "correct", dp_bf16},
+                       {"dp-unequal-tokens", "dp-local-mean", dp_bf16},
+                       {"large-logits-no-max-shift", "no-max-shift", shape(40000, 32)},
+                       {"bf16-upstream-rounding", "grad-rounded-early", shape(100000, 64)},
+                       {"uneven-shards-v507-tp4", "zloss-grad-after-smoothing", shape(40000, 32)},
+                       {"zloss-ignored", "zloss-on-ignored", shape(100000, 48)},
+                       {"smoothing-pytorch", "smoothing-log-after-exp", shape(128256, 16)}};
   for (const Long& run : runs) {
-    // Through the parser, as `--set` does: the shape determines derived parts of the case.
-    const Case c = load_case_file(std::string("cases/") + run.name + ".json",
-                                  {"shape.vocab=" + std::to_string(run.vocab), "shape.tokens=" + std::to_string(run.tokens),
-                                   "layout.tp=1"});
+    const Case c = load_case_file(std::string("cases/") + run.name + ".json", run.set);
     RunOptions cpu;
     cpu.implementation = run.impl;
     cpu.threads = 2;
@@ -186,7 +195,7 @@ TEST_CASE("long_rows_take_the_row_resident_kernel_and_give_the_cpu_verdicts") {
     const RunResult r = run_on_gpu(c, run.impl);
     CAPTURE(run.name);
     CAPTURE(run.impl);
-    CAPTURE(run.vocab);
+    CAPTURE(c.shape.vocab);
     CHECK(r.verdict == expected.verdict);
     CHECK(failing(r) == failing(expected));
     if (std::string_view(run.impl) == "correct") {
