@@ -193,8 +193,9 @@ TEST_CASE("long_rows_take_the_row_resident_kernel_and_give_the_cpu_verdicts") {
     cpu.threads = 2;
     const RunResult expected = run_case(c, cpu);
     const RunResult r = run_on_gpu(c, run.impl);
-    CAPTURE(run.name);
-    CAPTURE(run.impl);
+    const std::string name = run.name, impl = run.impl;  // strings, so that a failure prints them
+    CAPTURE(name);
+    CAPTURE(impl);
     CAPTURE(c.shape.vocab);
     CHECK(r.verdict == expected.verdict);
     CHECK(failing(r) == failing(expected));
