@@ -2,6 +2,7 @@
 
 #include "lossverify/case/case.hpp"
 #include "lossverify/core/errors.hpp"
+#include "lossverify/runner/run_case.hpp"
 #include "test_support.hpp"
 
 using namespace lossverify;
@@ -64,4 +65,23 @@ TEST_CASE("set_overrides_create_nested_keys_and_parse_json_values") {
   CHECK(c.layout.tp == 5);
   CHECK_THROWS_AS(apply_set_override(doc, "novalue", "x.json"), CaseError);
   CHECK_THROWS_AS(apply_set_override(doc, "name.inner=1", "x.json"), CaseError);
+}
+
+TEST_CASE("a_case_changed_after_parsing_is_refused_before_a_run_not_run_out_of_bounds") {
+  const Case parsed = testing::make_case(testing::case_json(64, 50, 2));
+  CHECK_NOTHROW(check_case(parsed));
+  Case shorter = parsed;
+  shorter.shape.tokens = 24;  // the parsed batch still holds one sequence of 64 tokens
+  try {
+    check_case(shorter);
+    FAIL("a shape that no longer matches the batch passed");
+  } catch (const CaseError& e) {
+    CHECK(std::string(e.what()).find("$.shape: tokens = 24 and vocab = 50 with sequences holding 64 tokens") !=
+          std::string::npos);
+  }
+  Case wide = parsed;
+  wide.layout.tp = 51;
+  CHECK_THROWS_AS(check_case(wide), CaseError);
+  RunOptions options;
+  CHECK_THROWS_AS(run_case(shorter, options), CaseError);
 }

@@ -314,7 +314,7 @@ void parse_tolerances(ObjectReader r, Case& c) {
 }
 
 // Cross-field checks that need the whole case.
-void validate_consistency(Case& c) {
+void validate_consistency(const Case& c) {
   const std::string& src = c.source;
   const std::int64_t n = c.shape.tokens;
   const std::int64_t v = c.shape.vocab;
@@ -376,6 +376,22 @@ void validate_consistency(Case& c) {
 }
 
 }  // namespace
+
+void check_case(const Case& c) {
+  std::int64_t total = 0;
+  for (const auto length : c.batch.sequence_lengths) total += length;
+  if (c.shape.tokens < 1 || c.shape.vocab < 2 || total != c.shape.tokens) {
+    fail_at(c.source, "$.shape",
+            "tokens = " + std::to_string(c.shape.tokens) + " and vocab = " + std::to_string(c.shape.vocab) +
+                " with sequences holding " + std::to_string(total) +
+                " tokens: the case was changed after parsing (change its JSON, or load_case_file's --set "
+                "assignments, instead)");
+  }
+  if (c.layout.tp < 1 || c.layout.cp < 1 || c.layout.dp < 1 || c.layout.ga < 1) {
+    fail_at(c.source, "$.layout", "every dimension must be >= 1");
+  }
+  validate_consistency(c);
+}
 
 Case parse_case(const json& document, const std::string& source) {
   Case c;

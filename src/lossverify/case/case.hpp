@@ -148,6 +148,10 @@ std::string_view to_string(BatchSpec::Labels);
 //   cases/x.json: $.loss.label_smoothing: must be in [0, 1), got 1.5
 Case parse_case(const nlohmann::json& document, const std::string& source);
 Case load_case_file(const std::string& path, const std::vector<std::string>& set_overrides = {});
+// The parser's cross-field checks again, for a case built or changed in code (run_case calls it): a
+// shape that no longer matches the parsed batch, an override outside it, a TP wider than the vocabulary.
+// Throws CaseError naming the JSON path.
+void check_case(const Case& c);
 
 // All layouts of a sweep (the case's own when the sweep is empty), in a fixed order.
 std::vector<LayoutSpec> sweep_layouts(const Case& c);

@@ -142,6 +142,7 @@ ExecutionInfo resolve_execution(const RunOptions& options, int world_size) {
 }
 
 RankRun execute_ranks(const Case& c, const InputSource& inputs, const Implementation& impl, const RunOptions& options) {
+  check_case(c);
   const auto start = Clock::now();
   const int world_size = c.layout.world_size();
   check_fault_rank(options.fault, world_size);
@@ -234,6 +235,7 @@ RunResult run_case(const Case& c, const RunOptions& options, bool keep_snapshot)
   if (impl == nullptr) {
     throw CaseError("--impl " + options.implementation + ": unknown implementation (see `lossverify list`)");
   }
+  check_case(c);
   const auto start = Clock::now();
   const int world_size = c.layout.world_size();
   check_fault_rank(options.fault, world_size);
