@@ -566,7 +566,9 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
       for (int j = 0; j < kResidentVectors; ++j) {
         data[j] = j * kBlock < limit ? staged[threadIdx.x + j * kBlock] : make_int4(0, 0, 0, 0);
       }
-      if (holds_target) x_target = widen<T>(reinterpret_cast<const T*>(staged)[(target - first_vector * V::kCount)]);
+      if constexpr (!kGeneric) {  // the plain path rewrites the target element from this value
+        if (holds_target) x_target = widen<T>(reinterpret_cast<const T*>(staged)[target - first_vector * V::kCount]);
+      }
     }
     __syncthreads();  // every thread has its registers: the buffer takes the next row
     if (threadIdx.x == 0 && r + clusters < a.rows) {
