@@ -61,11 +61,8 @@ __device__ __forceinline__ void combine(float& m, float& s, float m2, float s2) 
   m = mm;
 }
 
-// Block-wide reduction of the online state; every thread gets the result.
-__device__ void block_reduce(float& m, float& s, float& sum_x, bool no_shift) {
-  __shared__ float shared_m[32], shared_s[32], shared_x[32];
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
+// A warp's online state from its lanes' (butterfly: every lane gets the same bits).
+__device__ __forceinline__ void warp_combine(float& m, float& s, float& sum_x, bool no_shift) {
   for (int offset = 16; offset > 0; offset >>= 1) {
     const float m2 = __shfl_xor_sync(0xffffffffu, m, offset);
     const float s2 = __shfl_xor_sync(0xffffffffu, s, offset);
@@ -76,6 +73,14 @@ __device__ void block_reduce(float& m, float& s, float& sum_x, bool no_shift) {
       combine(m, s, m2, s2);
     }
   }
+}
+
+// Block-wide reduction of the online state; every thread gets the result.
+__device__ void block_reduce(float& m, float& s, float& sum_x, bool no_shift) {
+  __shared__ float shared_m[32], shared_s[32], shared_x[32];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  warp_combine(m, s, sum_x, no_shift);
   if (lane == 0) {
     shared_m[warp] = m;
     shared_s[warp] = s;
@@ -87,16 +92,7 @@ __device__ void block_reduce(float& m, float& s, float& sum_x, bool no_shift) {
     m = lane < warps ? shared_m[lane] : -INFINITY;
     s = lane < warps ? shared_s[lane] : 0.0f;
     sum_x = lane < warps ? shared_x[lane] : 0.0f;
-    for (int offset = 16; offset > 0; offset >>= 1) {
-      const float m2 = __shfl_xor_sync(0xffffffffu, m, offset);
-      const float s2 = __shfl_xor_sync(0xffffffffu, s, offset);
-      sum_x += __shfl_xor_sync(0xffffffffu, sum_x, offset);
-      if (no_shift) {
-        s += s2;
-      } else {
-        combine(m, s, m2, s2);
-      }
-    }
+    warp_combine(m, s, sum_x, no_shift);
     if (lane == 0) {
       shared_m[0] = m;
       shared_s[0] = s;
