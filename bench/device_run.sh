@@ -5,7 +5,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-all}
-# A comma-separated list of parts: build (always), cudatests, tests, faults, sweep, bench; all = tests,faults,bench.
+# A comma-separated list of parts: build (always), cudatests, tests, faults, sweep, bench, e2e (stage times of
+# the end-to-end run, and an Nsight Systems summary where nsys exists); all = tests,faults,bench.
 [[ $mode == all ]] && mode=tests,faults,bench
 has() { [[ ",$mode," == *",$1,"* ]]; }
 build=${BUILD_DIR:-build/dev}
@@ -78,6 +79,15 @@ if has sweep; then
     echo "-- LOSSVERIFY_FUSED_RESIDENT=$v"
     LOSSVERIFY_FUSED_RESIDENT=$v "$bin" bench --repeats 20 --torch-script /nonexistent 2>&1 | grep -E "^lossverify|^floor"
   done
+fi
+if has e2e; then
+  echo "== end to end, stage times (LOSSVERIFY_TRACE=1)"
+  e2e=bench/cases/cuda-e2e-n16384-v128256-bf16.json
+  for k in 1 2; do LOSSVERIFY_TRACE=1 "$bin" run $e2e --backend cuda --quiet --report "$out/e2e-trace-$k.json"; echo "exit $?"; done
+  if command -v nsys > /dev/null; then
+    nsys profile -o "$out/e2e" -t cuda,osrt --force-overwrite true "$bin" run $e2e --backend cuda --quiet > /dev/null 2>&1
+    nsys stats -r cuda_api_sum,cuda_gpu_kern_sum "$out/e2e.nsys-rep" 2>&1 | grep -v "^$" | head -60
+  fi
 fi
 if has bench; then
   echo "== bench"

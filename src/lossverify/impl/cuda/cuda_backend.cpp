@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -128,6 +129,23 @@ void kd_micro_batch(const Case& c, const BugSwitches& bugs, RankGroups& groups, 
   LV_CUDA(cudaStreamSynchronize(stream));  // the uploads above are freed on return
 }
 
+// LOSSVERIFY_TRACE=1: the time of each compute stage on stderr (profiling aid, as checks.cpp's trace).
+class ComputeTrace {
+ public:
+  ComputeTrace() : enabled_(std::getenv("LOSSVERIFY_TRACE") != nullptr), since_(std::chrono::steady_clock::now()) {}
+  void mark(const char* stage) {
+    if (!enabled_) return;
+    const auto now = std::chrono::steady_clock::now();
+    std::fprintf(stderr, "lossverify trace: cuda compute %-14s %9.3f ms\n", stage,
+                 std::chrono::duration<double, std::milli>(now - since_).count());
+    since_ = now;
+  }
+
+ private:
+  bool enabled_;
+  std::chrono::steady_clock::time_point since_;
+};
+
 }  // namespace
 
 bool built_with_cuda() { return true; }
@@ -214,6 +232,7 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
   }
   stream.sync();
   out.generate_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ComputeTrace trace;
 
   const RankPlan plan(c, inputs, out.assignment, groups, bugs);
   out.logged_valid_tokens = plan.logged_valid_tokens();
@@ -229,6 +248,7 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
     weight[k] = p.backward_weight;
     if (p.valid && p.label - owner_base >= 0 && p.label - owner_base < cols) target[k] = p.label - owner_base;
   }
+  trace.mark("plan");
   DeviceBytes d_target = upload(target, stream.get());
   DeviceBytes d_active = upload(active, stream.get());
   DeviceBytes d_valid = upload(valid, stream.get());
@@ -244,6 +264,7 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
   const auto z_weight = static_cast<float>(c.loss.z_loss_weight);
   out.token_loss.assign(static_cast<std::size_t>(rows), 0.0f);
   std::vector<float> stats(static_cast<std::size_t>(rows) * 4);
+  trace.mark("allocate");
 
   const auto& offsets = out.assignment.micro_batch_begin;
   for (std::size_t mb = 0; mb + 1 < offsets.size(); ++mb) {
@@ -361,6 +382,7 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
                                  local_sum_shifted[j], shard_width, smoothing_pair.forward, z_weight, bugs);
     }
   }
+  trace.mark("kernels");
   if (full_vocab) {
     // Only the rank's own columns leave the kernel's rows.
     const std::int64_t out_cols = vocab.size();
@@ -396,6 +418,7 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
     LV_CUDA(cudaMemcpyAsync(out.grad.data(), d_grad.as<void>(), out.grad.size(), cudaMemcpyDeviceToHost, stream.get()));
     stream.sync();
   }
+  trace.mark("hand over");
   if (const auto logged = plan.logged_loss(out.token_loss, groups.batch)) {
     out.has_reduced_loss = true;
     out.reduced_loss = *logged;
