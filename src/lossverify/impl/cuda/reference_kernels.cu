@@ -1,14 +1,20 @@
 // The float64 reference on the GPU (see reference_kernels.hpp). One block per row, 256 threads; every
 // thread keeps compensated partial sums of its columns, and the block combines them with a fixed
 // shuffle tree, so results are deterministic. Built with -fmad=false: no contraction changes a rounding.
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <cfloat>
 #include <climits>
 #include <cmath>
+#include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <string_view>
+#include <type_traits>
 #include <initializer_list>
 
+#include "lossverify/impl/cuda/bulk_copy.cuh"
 #include "lossverify/impl/cuda/device_types.cuh"
 #include "lossverify/impl/cuda/reference_kernels.hpp"
 
@@ -68,10 +74,10 @@ __device__ OnlineLse shfl(const OnlineLse& x, int offset) {
 }
 
 // A fixed reduction tree over the block (lane pairs, then warp leaders in order): thread 0 gets the result.
-template <class State>
+template <int kBlock = kReferenceThreads, class State>
 __device__ State block_merge(State x) {
   // Raw storage: __shared__ variables cannot have constructors.
-  __shared__ alignas(State) unsigned char storage[sizeof(State) * (kReferenceThreads / 32)];
+  __shared__ alignas(State) unsigned char storage[sizeof(State) * (kBlock / 32)];
   State* warps = reinterpret_cast<State*>(storage);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   for (int offset = 16; offset > 0; offset >>= 1) {
@@ -81,7 +87,7 @@ __device__ State block_merge(State x) {
   if (lane == 0) warps[warp] = x;
   __syncthreads();
   if (threadIdx.x == 0) {
-    for (int w = 1; w < kReferenceThreads / 32; ++w) x.merge(warps[w]);
+    for (int w = 1; w < kBlock / 32; ++w) x.merge(warps[w]);
   }
   __syncthreads();
   return x;
@@ -358,6 +364,78 @@ __device__ CompareState shfl(const CompareState& x, int offset) {
   return r;
 }
 
+__device__ void store_comparison(const CompareState& st, RowComparison& o) {
+  o.compared = st.compared;
+  o.mismatches = st.mismatches;
+  o.max_ulp = st.max_ulp;
+  o.worst_column = st.worst_column;
+  o.first_bad_column = st.first_bad_column;
+  o.nan = st.nan;
+  o.pos_inf = st.pos_inf;
+  o.neg_inf = st.neg_inf;
+  o.subnormal = st.subnormal;
+  o.max_abs = st.max_abs;
+  o.max_rel = st.max_rel;
+  o.margin = st.margin;
+  o.worst_expected = st.worst_expected;
+  o.worst_got = st.worst_got;
+  o.worst_tolerance = st.worst_tolerance;
+  o.sum = st.sum.s;
+  o.sum_error = st.sum.c;
+  o.magnitude = st.magnitude.s + st.magnitude.c;
+  o.first_bad_value = st.first_bad_value;
+}
+
+// checks.cpp's GradJudge on one element of a valid or masked row (kinds 0 and 1), everything but the
+// count and the row sums, which the callers keep. `floor` is the row's absolute floor.
+__device__ void judge_element(CompareState& st, const ReferenceCompareArgs& a, double floor, int v, double got_local,
+                              double expected) {
+  const double fs = a.framework_scale;
+  const double got = got_local * fs;
+  const double magnitude_local = fabs(got_local);
+  if (!(magnitude_local >= a.smallest_normal && magnitude_local <= DBL_MAX)) st.census(v, got_local, a.smallest_normal);
+  const double error = got == expected ? 0.0 : fabs(got - expected);
+  st.extrema(expected, error);
+  if (a.max_ulp > 0) {
+    const double local_expected = fs == 1.0 ? expected : expected / fs;
+    const double local_error = got_local == local_expected ? 0.0 : fabs(got_local - local_expected);
+    const double inverse_spacing = ulp_size_inverse(local_expected, a.dtype);
+    const double in_spacings = local_error * inverse_spacing;  // exact: a power of two
+    if (!(in_spacings < 0.5)) {
+      st.max_ulp = max(st.max_ulp, ulp_distance(got_local, local_expected, a.dtype));
+    }
+    const double by_ulp = a.max_ulp == 1 ? in_spacings : local_error / (a.max_ulp * ulp_size(local_expected, a.dtype));
+    // m = min(by_ulp, by_floor) <= by_ulp: when by_ulp is within 1 and no more than the worst so
+    // far, the element neither mismatches nor becomes the worst, and by_floor is not needed.
+    if (st.worst_column < 0 || !(by_ulp <= 1.0 && by_ulp <= st.margin)) {
+      const double by_floor = margin_of(error, floor);
+      double m = by_floor < by_ulp ? by_floor : by_ulp;  // std::min
+      const bool mismatch = !(m <= 1.0);
+      if (isnan(error)) m = INFINITY;
+      st.mismatches += mismatch;
+      st.worst(v, m, expected, got, floor + a.rtol * fabs(expected));
+    }
+  } else {
+    const double tol = floor + a.rtol * fabs(expected);
+    const bool mismatch = !(error <= tol);
+    st.mismatches += mismatch;
+    if (st.worst_column < 0 || mismatch || !(error <= st.margin * tol * (1.0 - 1e-12))) {
+      st.worst(v, margin_of(error, tol), expected, got, tol);
+    }
+  }
+}
+
+// A CP padding row's element (kind 2): masked, so the gradient must be exactly zero.
+__device__ void judge_padding(CompareState& st, const ReferenceCompareArgs& a, int v, double got_local) {
+  const double got = got_local * a.framework_scale;
+  const double magnitude_local = fabs(got_local);
+  if (!(magnitude_local >= a.smallest_normal && magnitude_local <= DBL_MAX)) st.census(v, got_local, a.smallest_normal);
+  const bool mismatch = got != 0.0;
+  st.mismatches += mismatch;
+  st.extrema(0.0, got == 0.0 ? 0.0 : fabs(got));
+  st.worst(v, mismatch ? INFINITY : 0.0, 0.0, got, 0.0);
+}
+
 // Every element of a row against the reference gradient, judged as checks.cpp's GradJudge judges it.
 // Divisions are taken only where their quotient can matter: a new worst element, a mismatch, a new
 // maximum relative error; elsewhere a comparison decides.
@@ -375,8 +453,7 @@ __global__ void __launch_bounds__(kReferenceThreads, 4) compare_kernel(Reference
     const T* y = a.kd ? teacher + r * a.cols : x;
     const T* g = grad + r * a.cols;
     const double weight = kind == 0 ? a.weight[r] : 0.0;
-    const double token_scale = fabs(weight) * a.grad_scale;
-    const double floor = a.atol * token_scale + a.quantum * fs;
+    const double floor = a.atol * (fabs(weight) * a.grad_scale) + a.quantum * fs;  // GradJudge: atol * token_scale + quantum * fs
     const double lse = kind == 0 ? a.lse[r] : 0.0;
     const double teacher_lse = kind == 0 && a.kd ? a.teacher_lse[r] : 0.0;
     const double z_factor = 1.0 + 2.0 * a.z_loss_weight * lse;
@@ -386,15 +463,9 @@ __global__ void __launch_bounds__(kReferenceThreads, 4) compare_kernel(Reference
     double row_sum = 0.0, row_magnitude = 0.0;
     auto visit = [&](int v, float xf, float yf, float gf) {
       const double got_local = gf;
-      const double got = got_local * fs;
-      const double magnitude_local = fabs(got_local);
-      if (!(magnitude_local >= a.smallest_normal && magnitude_local <= DBL_MAX)) st.census(v, got_local, a.smallest_normal);
       ++st.compared;
       if (kind == 2) {  // CP padding: masked, exactly zero
-        const bool mismatch = got != 0.0;
-        st.mismatches += mismatch;
-        st.extrema(0.0, got == 0.0 ? 0.0 : fabs(got));
-        st.worst(v, mismatch ? INFINITY : 0.0, 0.0, got, 0.0);
+        judge_padding(st, a, v, got_local);
         return;
       }
       double expected = 0.0;
@@ -413,37 +484,10 @@ __global__ void __launch_bounds__(kReferenceThreads, 4) compare_kernel(Reference
           expected = weight * d;
         }
       }
-      const double error = got == expected ? 0.0 : fabs(got - expected);
-      st.extrema(expected, error);
+      const double got = got_local * fs;
       row_sum += got;
       row_magnitude += fabs(got);
-      if (a.max_ulp > 0) {
-        const double local_expected = fs == 1.0 ? expected : expected / fs;
-        const double local_error = got_local == local_expected ? 0.0 : fabs(got_local - local_expected);
-        const double inverse_spacing = ulp_size_inverse(local_expected, a.dtype);
-        const double in_spacings = local_error * inverse_spacing;  // exact: a power of two
-        if (!(in_spacings < 0.5)) {
-          st.max_ulp = max(st.max_ulp, ulp_distance(got_local, local_expected, a.dtype));
-        }
-        const double by_ulp = a.max_ulp == 1 ? in_spacings : local_error / (a.max_ulp * ulp_size(local_expected, a.dtype));
-        // m = min(by_ulp, by_floor) <= by_ulp: when by_ulp is within 1 and no more than the worst so
-        // far, the element neither mismatches nor becomes the worst, and by_floor is not needed.
-        if (st.worst_column < 0 || !(by_ulp <= 1.0 && by_ulp <= st.margin)) {
-          const double by_floor = margin_of(error, floor);
-          double m = by_floor < by_ulp ? by_floor : by_ulp;  // std::min
-          const bool mismatch = !(m <= 1.0);
-          if (isnan(error)) m = INFINITY;
-          st.mismatches += mismatch;
-          st.worst(v, m, expected, got, floor + a.rtol * fabs(expected));
-        }
-      } else {
-        const double tol = floor + a.rtol * fabs(expected);
-        const bool mismatch = !(error <= tol);
-        st.mismatches += mismatch;
-        if (st.worst_column < 0 || mismatch || !(error <= st.margin * tol * (1.0 - 1e-12))) {
-          st.worst(v, margin_of(error, tol), expected, got, tol);
-        }
-      }
+      judge_element(st, a, floor, v, got_local, expected);
     };
     if (a.kd) {
       for_each_column<true, true>(x, y, g, cols, vectorized, visit);
@@ -453,29 +497,309 @@ __global__ void __launch_bounds__(kReferenceThreads, 4) compare_kernel(Reference
     st.sum.s = row_sum;
     st.magnitude.s = row_magnitude;
     st = block_merge(st);
-    if (threadIdx.x == 0) {
-      RowComparison& o = out[r];
-      o.compared = st.compared;
-      o.mismatches = st.mismatches;
-      o.max_ulp = st.max_ulp;
-      o.worst_column = st.worst_column;
-      o.first_bad_column = st.first_bad_column;
-      o.nan = st.nan;
-      o.pos_inf = st.pos_inf;
-      o.neg_inf = st.neg_inf;
-      o.subnormal = st.subnormal;
-      o.max_abs = st.max_abs;
-      o.max_rel = st.max_rel;
-      o.margin = st.margin;
-      o.worst_expected = st.worst_expected;
-      o.worst_got = st.worst_got;
-      o.worst_tolerance = st.worst_tolerance;
-      o.sum = st.sum.s;
-      o.sum_error = st.sum.c;
-      o.magnitude = st.magnitude.s + st.magnitude.c;
-      o.first_bad_value = st.first_bad_value;
-    }
+    if (threadIdx.x == 0) store_comparison(st, out[r]);
   }
+}
+
+// ---- Partials, lse and comparison in one pass over a row held in shared memory (reference_fused) ----
+//
+// For rows whole on one shard (cross-entropy without softcap, 16-bit storage): a cluster of up to 8 CTAs
+// holds one row; the copy engine brings each CTA's slice of the logits and of the gradient into shared
+// memory, the next row's while this one is computed. Pass A computes e_v = exp(x_v - m_t) in float64 once
+// per element (m_t the thread's max) into shared memory with the thread's sums; the CTAs merge their
+// partials through distributed shared memory in rank order, so every CTA gets the row's lse; pass B judges
+// every element from e_v, expected_v = w z (e_v exp(m_t - lse)) - w q_v, without a second exp.
+
+constexpr int kFusedBlock = 512;
+constexpr int kFusedPerThread = 4;                          // 16-byte vectors per thread
+constexpr int kFusedChunk = kFusedBlock * kFusedPerThread;  // vectors per CTA (16384 16-bit elements)
+constexpr int kFusedMaxCluster = 8;
+constexpr int kFusedElements = 8;                           // 16-bit elements per vector
+constexpr std::size_t kFusedSmem = static_cast<std::size_t>(kFusedChunk) * (16 + 16 + kFusedElements * sizeof(double));
+
+// 2^(j/32), j = 0..31, correctly rounded.
+__constant__ double kExp2Fractions[32] = {
+    0x1.0000000000000p+0, 0x1.059b0d3158574p+0, 0x1.0b5586cf9890fp+0, 0x1.11301d0125b51p+0, 0x1.172b83c7d517bp+0,
+    0x1.1d4873168b9aap+0, 0x1.2387a6e756238p+0, 0x1.29e9df51fdee1p+0, 0x1.306fe0a31b715p+0, 0x1.371a7373aa9cbp+0,
+    0x1.3dea64c123422p+0, 0x1.44e086061892dp+0, 0x1.4bfdad5362a27p+0, 0x1.5342b569d4f82p+0, 0x1.5ab07dd485429p+0,
+    0x1.6247eb03a5585p+0, 0x1.6a09e667f3bcdp+0, 0x1.71f75e8ec5f74p+0, 0x1.7a11473eb0187p+0, 0x1.82589994cce13p+0,
+    0x1.8ace5422aa0dbp+0, 0x1.93737b0cdc5e5p+0, 0x1.9c49182a3f090p+0, 0x1.a5503b23e255dp+0, 0x1.ae89f995ad3adp+0,
+    0x1.b7f76f2fb5e47p+0, 0x1.c199bdd85529cp+0, 0x1.cb720dcef9069p+0, 0x1.d5818dcfba487p+0, 0x1.dfc97337b9b5fp+0,
+    0x1.ea4afa2a490dap+0, 0x1.f50765b6e4540p+0};
+
+// exp(d) for -707 <= d <= 0 in float64 (table method): d = (32 k + j) ln2/32 + r with |r| <= ln2/64, so
+// exp(d) = 2^k 2^(j/32) e^r, e^r - 1 by its degree-6 Taylor polynomial (truncation below 4e-18). About 2 ulp,
+// against 1 for the CPU's std::exp; the reference's tolerances sit ten orders of magnitude above.
+__device__ __forceinline__ double exp_nonpositive(double d, const double* table) {
+  constexpr double kMagic = 0x1.8p52;  // adding it rounds to an integer, left in the low word
+  const double t = fma(d, 0x1.71547652b82fep+5, kMagic);  // 32 / ln 2
+  const int n = __double2loint(t);
+  const double nd = t - kMagic;
+  double r = fma(nd, -0x1.62e42fefa39efp-6, d);  // ln2 / 32, split in two
+  r = fma(nd, -0x1.abc9e3b39803fp-61, r);
+  double q = fma(r, 1.0 / 720.0, 1.0 / 120.0);
+  q = fma(q, r, 1.0 / 24.0);
+  q = fma(q, r, 1.0 / 6.0);
+  q = fma(q, r, 0.5);
+  const double p = fma(r * r, q, r);  // e^r - 1
+  const double tj = table[n & 31];
+  const double y = fma(tj, p, tj);  // in [0.98, 2): scaling by 2^k on the exponent field stays normal
+  return __hiloint2double(__double2hiint(y) + ((n >> 5) * (1 << 20)), __double2loint(y));
+}
+__device__ __noinline__ double exp_far(double d) { return exp(d); }  // below -707, -inf and NaN
+
+template <class T>
+__device__ __forceinline__ float widen_bits(std::uint32_t bits) {
+  if constexpr (std::is_same_v<T, __half>) {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+  } else {
+    return __uint_as_float(bits << 16);
+  }
+}
+
+// One CTA's float64 partials of a row, exchanged through distributed shared memory.
+struct FusedSlot {
+  double m, s, c, qx_s, qx_c;
+};
+
+// The smallest `in_spacings` (error in units of the dtype's spacing at the expected value) for which an
+// element might change the thread's CompareState beyond its count and sums; below it judge_element would
+// change nothing, so it is skipped (ULP mode with no framework scale; -1 means "judge everything").
+//   in_spacings < 0.5:                 no ulp distance to count;
+//   by_ulp <= min(1, margin):          neither a mismatch nor a new worst element;
+//   in_spacings <= 2^mantissa max_rel: error / |expected| <= error 2^-e = in_spacings 2^-mantissa <= max_rel,
+//                                      for expected of the dtype's normal range (checked by the caller).
+__device__ double fast_threshold(const CompareState& st, int max_ulp, int mantissa_bits) {
+  if (st.worst_column < 0) return -1.0;
+  const double by_ulp = max_ulp == 1 ? st.margin : (st.margin >= 0x1p-1000 ? max_ulp * st.margin * (1.0 - 1e-12) : -1.0);
+  const double by_rel = st.max_rel >= 0x1p-1000 ? ldexp(st.max_rel, mantissa_bits) : -1.0;
+  return fmin(fmin(by_ulp, by_rel), 0x1.fffffffffffffp-2);
+}
+
+template <class T>
+__global__ void __launch_bounds__(kFusedBlock, 1)
+    fused_kernel(ReferenceCompareArgs a, double* partials, double* lse_out, RowComparison* out) {
+  static_assert(sizeof(T) == 2, "the fused reference holds 16-bit rows");
+  namespace cg = cooperative_groups;
+  const cg::cluster_group cluster = cg::this_cluster();
+  const unsigned rank = cluster.block_rank();
+  const unsigned size = cluster.num_blocks();
+  const std::int64_t clusters = gridDim.x / size;
+  constexpr int K = kFusedElements;
+  constexpr bool kHalf = std::is_same_v<T, __half>;
+  constexpr int kMantissa = kHalf ? 10 : 7;
+  constexpr unsigned kExponentMask = kHalf ? 0x7c00u : 0x7f80u;
+  constexpr int kMinExponent = kHalf ? -14 : -126;
+  const int vectors = static_cast<int>(a.cols / K);
+  const int first_vector = static_cast<int>(rank) * kFusedChunk;
+  const int chunk = max(0, min(vectors - first_vector, kFusedChunk));
+  const int limit = chunk - static_cast<int>(threadIdx.x);
+  extern __shared__ int4 fused_smem[];
+  int4* xs = fused_smem;                                     // this CTA's slice of the logits
+  int4* gs = fused_smem + kFusedChunk;                       // and of the gradient
+  double* es = reinterpret_cast<double*>(gs + kFusedChunk);  // es[k kFusedChunk + vector]: e of element k
+  __shared__ double table[32];
+  __shared__ std::uint64_t x_loaded, g_loaded;
+  __shared__ FusedSlot lse_slot[2];
+  __shared__ alignas(CompareState) unsigned char compare_storage[2 * sizeof(CompareState)];
+  CompareState* compare_slot = reinterpret_cast<CompareState*>(compare_storage);
+  __shared__ double row_lse;
+  if (threadIdx.x < 32) table[threadIdx.x] = kExp2Fractions[threadIdx.x];
+  if (threadIdx.x == 0) {
+    barrier_init(&x_loaded);
+    barrier_init(&g_loaded);
+  }
+  __syncthreads();
+  auto prefetch = [&](const void* base, std::int64_t r, int4* destination, std::uint64_t* barrier) {
+    const int4* row = reinterpret_cast<const int4*>(static_cast<const T*>(base) + r * a.cols);
+    bulk_load(destination, row + first_vector, static_cast<std::uint32_t>(chunk) * 16u, barrier);
+  };
+  std::int64_t r = blockIdx.x / size;
+  if (threadIdx.x == 0 && r < a.rows) {
+    prefetch(a.student, r, xs, &x_loaded);
+    prefetch(a.grad, r, gs, &g_loaded);
+  }
+  const double fs = a.framework_scale;
+  const bool screen = a.max_ulp > 0 && fs == 1.0;
+  std::uint32_t phase = 0;
+  int parity = 0;
+  for (; r < a.rows; r += clusters) {
+    const int kind = a.kind[r];  // the same for every CTA of the cluster: no barrier is skipped by some only
+    const std::int64_t label = kind == 0 ? a.label[r] - a.begin : -1;
+    const std::int64_t label_local = label - static_cast<std::int64_t>(first_vector) * K;  // in this CTA's slice
+    const bool holds_label = label_local >= 0 && label_local < static_cast<std::int64_t>(chunk) * K &&
+                             (label_local / K) % kFusedBlock == threadIdx.x;
+    barrier_wait(&x_loaded, phase);
+    int4 data[kFusedPerThread];
+#pragma unroll
+    for (int j = 0; j < kFusedPerThread; ++j) {
+      data[j] = j * kFusedBlock < limit ? xs[threadIdx.x + j * kFusedBlock] : make_int4(0, 0, 0, 0);
+    }
+    const double x_label = holds_label ? static_cast<double>(widen<T>(reinterpret_cast<const T*>(xs)[label_local])) : 0.0;
+    __syncthreads();  // every thread has its logits: the buffer takes the next row's
+    if (threadIdx.x == 0 && r + clusters < a.rows) {
+      async_proxy_fence();
+      prefetch(a.student, r + clusters, xs, &x_loaded);
+    }
+    // Pass A: the thread's max (exact), then e = exp(x - m_t) per element and the thread's sums.
+    double m_t = -INFINITY, s_t = 0.0, sx_t = 0.0;
+    if (kind == 0) {
+      float top = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < kFusedPerThread; ++j) {
+        if (j * kFusedBlock >= limit) continue;
+        const Pack<T>& v = *reinterpret_cast<const Pack<T>*>(&data[j]);
+#pragma unroll
+        for (int k = 0; k < K; ++k) top = fmaxf(top, widen<T>(v.v[k]));
+      }
+      m_t = top;
+#pragma unroll
+      for (int j = 0; j < kFusedPerThread; ++j) {
+        if (j * kFusedBlock >= limit) continue;
+        const int v = static_cast<int>(threadIdx.x) + j * kFusedBlock;
+        const Pack<T>& pack = *reinterpret_cast<const Pack<T>*>(&data[j]);
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+          const double x = widen<T>(pack.v[k]);
+          sx_t += x;
+          double e = 0.0;
+          if (m_t > -INFINITY) {  // a thread whose logits are all -inf contributes no mass
+            const double d = x - m_t;
+            e = d >= -707.0 ? exp_nonpositive(d, table) : exp_far(d);
+          }
+          es[k * kFusedChunk + v] = e;
+          s_t += e;
+        }
+      }
+    }
+    // The row's partials: threads by a fixed tree, then the CTAs in rank order, in every CTA alike.
+    OnlineLse lse_t;
+    lse_t.m = m_t;
+    lse_t.sum.s = s_t;
+    Neumaier qx_t;
+    qx_t.s = a.q_off * sx_t + (holds_label ? (a.q_on - a.q_off) * x_label : 0.0);
+    const OnlineLse lse_cta = block_merge<kFusedBlock>(lse_t);
+    const Neumaier qx_cta = block_merge<kFusedBlock>(qx_t);
+    if (threadIdx.x == 0) lse_slot[parity] = FusedSlot{lse_cta.m, lse_cta.sum.s, lse_cta.sum.c, qx_cta.s, qx_cta.c};
+    cluster.sync();
+    if (threadIdx.x == 0) {
+      OnlineLse row;
+      Neumaier qx;
+      for (unsigned c = 0; c < size; ++c) {
+        const FusedSlot p = *cluster.map_shared_rank(&lse_slot[parity], c);
+        OnlineLse part;
+        part.m = p.m;
+        part.sum.s = p.s;
+        part.sum.c = p.c;
+        row.merge(part);
+        Neumaier part_qx;
+        part_qx.s = p.qx_s;
+        part_qx.c = p.qx_c;
+        qx.merge(part_qx);
+      }
+      const double lse = row.m + log(row.sum.s + row.sum.c);
+      row_lse = kind == 0 ? lse : 0.0;
+      if (rank == 0 && kind == 0) {
+        double* o = partials + 8 * r;
+        o[0] = row.m;
+        o[1] = row.sum.s;
+        o[2] = row.sum.c;
+        o[3] = qx.s;
+        o[4] = qx.c;
+        o[5] = -INFINITY;
+        o[6] = 0.0;
+        o[7] = 0.0;
+        lse_out[r] = lse;
+      }
+    }
+    __syncthreads();
+    // Pass B: every element of the rank's gradient against expected = a e + b_v.
+    const double lse = row_lse;
+    const double weight = kind == 0 ? a.weight[r] : 0.0;
+    const double floor = a.atol * (fabs(weight) * a.grad_scale) + a.quantum * fs;
+    const double z_factor = 1.0 + 2.0 * a.z_loss_weight * lse;
+    const double scale = kind == 0 && m_t > -INFINITY ? weight * z_factor * exp(m_t - lse) : 0.0;
+    const double b_off = -(weight * a.q_off), b_on = -(weight * a.q_on);
+    barrier_wait(&g_loaded, phase);
+    phase ^= 1u;
+    CompareState st;
+    double row_sum = 0.0, row_magnitude = 0.0;
+    double threshold = -1.0, max_abs = 0.0;
+#pragma unroll
+    for (int j = 0; j < kFusedPerThread; ++j) {
+      if (j * kFusedBlock >= limit) continue;
+      const int v = static_cast<int>(threadIdx.x) + j * kFusedBlock;
+      const int column0 = (first_vector + v) * K;
+      const int4 raw = gs[v];
+      const std::uint32_t w[4] = {static_cast<std::uint32_t>(raw.x), static_cast<std::uint32_t>(raw.y),
+                                  static_cast<std::uint32_t>(raw.z), static_cast<std::uint32_t>(raw.w)};
+      st.compared += K;
+      unsigned judge = kind == 2 || !screen ? 0xffu : 0u;  // elements to judge in full
+      if (kind != 2 && screen) {
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+          const std::uint32_t bits = (w[k / 2] >> (16 * (k % 2))) & 0xffffu;
+          const double got = widen_bits<T>(bits);  // got_local; fs = 1 when screening
+          const double expected = fma(scale, es[k * kFusedChunk + v], column0 + k == label ? b_on : b_off);
+          const double error = fabs(got - expected);
+          row_sum += got;
+          row_magnitude += fabs(got);
+          // The spacing of the dtype at `expected` (ulp_size_inverse) from its exponent field.
+          const int hi = __double2hiint(expected) & 0x7fffffff;
+          const int exponent = (hi >> 20) - 1023;
+          const double in_spacings = error * __hiloint2double((1023 + kMantissa - max(exponent, kMinExponent)) << 20, 0);
+          const bool normal_expected = exponent >= kMinExponent || (hi | __double2loint(expected)) == 0;
+          const bool subnormal_got = (bits & kExponentMask) == 0 && (bits & 0x7fffu) != 0;
+          const bool skip = in_spacings <= threshold && error <= max_abs && normal_expected && !subnormal_got;
+          judge |= skip ? 0u : 1u << k;
+        }
+      }
+      if ((judge & 0xffu) != 0) {
+        for (int k = 0; k < K; ++k) {  // in column order: ties keep the earlier column
+          if (!((judge >> k) & 1u)) continue;
+          const double got = widen<T>(reinterpret_cast<const T*>(gs)[v * K + k]);
+          if (kind == 2) {
+            judge_padding(st, a, column0 + k, got);
+            continue;
+          }
+          const double expected = fma(scale, es[k * kFusedChunk + v], column0 + k == label ? b_on : b_off);
+          if (!screen) {
+            row_sum += got * fs;
+            row_magnitude += fabs(got * fs);
+          }
+          judge_element(st, a, floor, column0 + k, got, expected);
+        }
+        threshold = screen ? fast_threshold(st, a.max_ulp, kMantissa) : -1.0;
+        max_abs = st.max_abs;
+      }
+    }
+    st.sum.s = row_sum;
+    st.magnitude.s = row_magnitude;
+    st = block_merge<kFusedBlock>(st);  // ends with a block barrier: the gradient buffer has been read
+    if (threadIdx.x == 0) {
+      compare_slot[parity] = st;
+      if (r + clusters < a.rows) {
+        async_proxy_fence();
+        prefetch(a.grad, r + clusters, gs, &g_loaded);
+      }
+    }
+    cluster.sync();
+    if (rank == 0 && threadIdx.x == 0) {
+      CompareState row = compare_slot[parity];
+      for (unsigned c = 1; c < size; ++c) row.merge(*cluster.map_shared_rank(&compare_slot[parity], c));
+      store_comparison(row, out[r]);
+    }
+    parity ^= 1;
+  }
+  cluster.sync();  // no CTA leaves while a peer may still read its slots
+}
+
+// Cluster size for rows of `cols` 16-bit elements; 0 where the fused reference does not apply.
+int fused_cluster(std::int64_t cols) {
+  const std::int64_t vectors = cols / kFusedElements;
+  int cluster = 1;
+  while (cluster * static_cast<std::int64_t>(kFusedChunk) < vectors) cluster *= 2;
+  return cluster <= kFusedMaxCluster ? cluster : 0;
 }
 
 int reference_blocks(std::int64_t rows) {
@@ -514,6 +838,65 @@ void reference_compare(StorageType type, const ReferenceCompareArgs& args, RowCo
     compare_kernel<T><<<reference_blocks(args.rows), kReferenceThreads, 0, static_cast<cudaStream_t>(stream)>>>(
         args, out, vectorized);
   });
+}
+
+namespace {
+
+template <class T>
+bool launch_fused(const ReferenceCompareArgs& args, double* partials, double* lse, RowComparison* out, int cluster,
+                  cudaStream_t stream) {
+  auto* kernel = fused_kernel<T>;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kFusedSmem)) !=
+      cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = static_cast<unsigned>(cluster);
+  attribute[0].val.clusterDim.y = 1;
+  attribute[0].val.clusterDim.z = 1;
+  cudaLaunchConfig_t config{};
+  config.blockDim = dim3(kFusedBlock);
+  config.gridDim = dim3(static_cast<unsigned>(cluster));
+  config.dynamicSmemBytes = kFusedSmem;
+  config.stream = stream;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  int max_clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &config) != cudaSuccess || max_clusters < 1) {
+    cudaGetLastError();  // clear it: the caller takes the two-pass kernels
+    return false;
+  }
+  // A persistent grid: as many clusters as fit at once, each walking the rows.
+  const std::int64_t clusters = std::min<std::int64_t>(args.rows, max_clusters);
+  config.gridDim = dim3(static_cast<unsigned>(clusters * cluster));
+  if (cudaLaunchKernelEx(&config, kernel, args, partials, lse, out) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+bool reference_fused(StorageType type, const ReferenceCompareArgs& args, double* partials, double* lse,
+                     RowComparison* out, void* stream) {
+  // LOSSVERIFY_GPU_REFERENCE=two-pass keeps the partials and compare kernels (a cross-check and tuning aid;
+  // read on every call, so a test can compare the two paths in one process).
+  const char* choice = std::getenv("LOSSVERIFY_GPU_REFERENCE");
+  const bool enabled = choice == nullptr || std::string_view(choice) != "two-pass";
+  if (!enabled || args.rows == 0 || args.kd || args.softcap > 0.0 || type == StorageType::fp32) return false;
+  bool launched = false;
+  dispatch(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    if constexpr (sizeof(T) == 2) {
+      const int cluster = fused_cluster(args.cols);
+      if (cluster == 0 || !rows_vectorizable<T>(args.cols, {args.student, args.grad})) return;
+      launched = launch_fused<T>(args, partials, lse, out, cluster, static_cast<cudaStream_t>(stream));
+    }
+  });
+  return launched;
 }
 
 }  // namespace lossverify::cuda
