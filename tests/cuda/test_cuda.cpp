@@ -399,6 +399,12 @@ TEST_CASE("fused_gpu_reference_agrees_with_the_cpu_reference_and_the_two_pass_ke
             if (a.metrics.contains(key)) CHECK(a.metrics[key] == b.metrics[key]);
           }
           if (a.worst && b.worst && a.margin > 0.01) {
+            CAPTURE(a.margin);
+            CAPTURE(b.margin);
+            CAPTURE(a.worst->expected);
+            CAPTURE(b.worst->expected);
+            CAPTURE(a.worst->got);
+            CAPTURE(b.worst->got);
             CHECK(a.worst->token == b.worst->token);
             CHECK(a.worst->column == b.worst->column);
           }

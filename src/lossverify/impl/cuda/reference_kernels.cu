@@ -562,18 +562,29 @@ struct FusedSlot {
   double m, s, c, qx_s, qx_c;
 };
 
-// The smallest `in_spacings` (error in units of the dtype's spacing at the expected value) for which an
-// element might change the thread's CompareState beyond its count and sums; below it judge_element would
-// change nothing, so it is skipped (ULP mode with no framework scale; -1 means "judge everything").
-//   in_spacings < 0.5:                 no ulp distance to count;
-//   by_ulp <= min(1, margin):          neither a mismatch nor a new worst element;
-//   in_spacings <= 2^mantissa max_rel: error / |expected| <= error 2^-e = in_spacings 2^-mantissa <= max_rel,
-//                                      for expected of the dtype's normal range (checked by the caller).
-__device__ double fast_threshold(const CompareState& st, int max_ulp, int mantissa_bits) {
-  if (st.worst_column < 0) return -1.0;
-  const double by_ulp = max_ulp == 1 ? st.margin : (st.margin >= 0x1p-1000 ? max_ulp * st.margin * (1.0 - 1e-12) : -1.0);
-  const double by_rel = st.max_rel >= 0x1p-1000 ? ldexp(st.max_rel, mantissa_bits) : -1.0;
-  return fmin(fmin(by_ulp, by_rel), 0x1.fffffffffffffp-2);
+// Screening in pass B (ULP mode, no framework scale). The row's final CompareState is an order-free function
+// of its elements: maxima (max_abs, max_rel, the worst margin with the lowest column on ties), counts
+// (mismatches, ulp distances, census) and the first non-finite column. An element can therefore be left
+// out of the full judgement when it provably changes none of them:
+//   - its error enters max_abs anyway (a plain running max over every element);
+//   - in_spacings = error / spacing(expected) < 0.5: no ulp distance to count;
+//   - by_ulp = in_spacings / max_ulp below a lower bound B_worst of the row's final worst margin: neither a
+//     mismatch (by_ulp < 0.5) nor the worst, nor tied with it;
+//   - error / |expected| <= error 2^-e = in_spacings 2^-mantissa <= B_rel, a lower bound of the row's final
+//     max_rel (expected of the dtype's normal range);
+//   - the stored value is normal or zero (no census), or the error is exactly 0 (then it changes nothing,
+//     except that column 0, always judged, holds the worst of a row whose margins are all 0).
+// The bounds are values of judged elements (or a seed below one) published in shared memory, so they only
+// rise; a stale read is a lower bound still.
+__device__ __forceinline__ void publish_max(unsigned long long* bound, double value) {
+  if (value > 0.0) atomicMax(bound, static_cast<unsigned long long>(__double_as_longlong(value)));  // bits order as values
+}
+__device__ __forceinline__ double read_bound(const unsigned long long* bound) {
+  return __longlong_as_double(static_cast<long long>(*const_cast<const volatile unsigned long long*>(bound)));
+}
+__device__ __forceinline__ double warp_max(double x) {
+  for (int offset = 16; offset > 0; offset >>= 1) x = fmax(x, __shfl_xor_sync(0xffffffffu, x, offset));
+  return x;
 }
 
 template <class T>
@@ -604,6 +615,7 @@ __global__ void __launch_bounds__(kFusedBlock, 1)
   __shared__ alignas(CompareState) unsigned char compare_storage[2 * sizeof(CompareState)];
   CompareState* compare_slot = reinterpret_cast<CompareState*>(compare_storage);
   __shared__ double row_lse;
+  __shared__ unsigned long long bounds[2];  // pass B's lower bounds: the row's worst margin, its max_rel
   if (threadIdx.x < 32) table[threadIdx.x] = kExp2Fractions[threadIdx.x];
   if (threadIdx.x == 0) {
     barrier_init(&x_loaded);
@@ -699,6 +711,7 @@ __global__ void __launch_bounds__(kFusedBlock, 1)
       }
       const double lse = row.m + log(row.sum.s + row.sum.c);
       row_lse = kind == 0 ? lse : 0.0;
+      bounds[0] = bounds[1] = 0ull;
       if (rank == 0 && kind == 0) {
         double* o = partials + 8 * r;
         o[0] = row.m;
@@ -713,66 +726,108 @@ __global__ void __launch_bounds__(kFusedBlock, 1)
       }
     }
     __syncthreads();
-    // Pass B: every element of the rank's gradient against expected = a e + b_v.
+    // Pass B: every element of the rank's gradient against expected = scale e + b_v.
     const double lse = row_lse;
     const double weight = kind == 0 ? a.weight[r] : 0.0;
     const double floor = a.atol * (fabs(weight) * a.grad_scale) + a.quantum * fs;
     const double z_factor = 1.0 + 2.0 * a.z_loss_weight * lse;
     const double scale = kind == 0 && m_t > -INFINITY ? weight * z_factor * exp(m_t - lse) : 0.0;
     const double b_off = -(weight * a.q_off), b_on = -(weight * a.q_on);
+    const double inverse_floor = floor > 0.0 ? 1.0 / floor : INFINITY;
     barrier_wait(&g_loaded, phase);
     phase ^= 1u;
+    auto element = [&](int v, int k, std::uint32_t bits, double& got, double& expected) {
+      got = widen_bits<T>(bits);
+      const int column = (first_vector + v) * K + k;
+      expected = fma(scale, es[k * kFusedChunk + v], column == label ? b_on : b_off);
+    };
+    // The in_spacings of an element and whether its expected value is of the dtype's normal range (or 0).
+    auto spacings = [&](double expected, double error, bool& normal_expected) {
+      const int hi = __double2hiint(expected) & 0x7fffffff;
+      const int exponent = (hi >> 20) - 1023;
+      normal_expected = (exponent >= kMinExponent && exponent < 900) || (hi | __double2loint(expected)) == 0;
+      return error * __hiloint2double((1023 + kMantissa - max(exponent, kMinExponent)) << 20, 0);
+    };
+    if (screen && kind != 2) {
+      // Seed the bounds from each thread's first element: lower bounds of that element's margin and ratio.
+      double seed_worst = 0.0, seed_rel = 0.0;
+      if (limit > 0) {
+        double got = 0.0, expected = 0.0;
+        element(static_cast<int>(threadIdx.x), 0, static_cast<std::uint32_t>(gs[threadIdx.x].x) & 0xffffu, got, expected);
+        const double error = fabs(got - expected);
+        bool normal_expected = false;
+        const double in_spacings = spacings(expected, error, normal_expected);
+        if (normal_expected && error == error && in_spacings < INFINITY) {
+          seed_worst = fmin(error * inverse_floor, in_spacings / a.max_ulp) * (1.0 - 1e-12);
+          if (expected != 0.0) seed_rel = ldexp(in_spacings, -(kMantissa + 1));
+          if (!(seed_worst == seed_worst)) seed_worst = 0.0;
+        }
+      }
+      seed_worst = warp_max(seed_worst);
+      seed_rel = warp_max(seed_rel);
+      if ((threadIdx.x & 31) == 0) {
+        publish_max(&bounds[0], seed_worst);
+        publish_max(&bounds[1], seed_rel);
+      }
+      __syncthreads();
+    }
     CompareState st;
-    double row_sum = 0.0, row_magnitude = 0.0;
-    double threshold = -1.0, max_abs = 0.0;
+    double row_sum = 0.0, row_magnitude = 0.0, max_error = 0.0;
 #pragma unroll
     for (int j = 0; j < kFusedPerThread; ++j) {
       if (j * kFusedBlock >= limit) continue;
       const int v = static_cast<int>(threadIdx.x) + j * kFusedBlock;
-      const int column0 = (first_vector + v) * K;
       const int4 raw = gs[v];
       const std::uint32_t w[4] = {static_cast<std::uint32_t>(raw.x), static_cast<std::uint32_t>(raw.y),
                                   static_cast<std::uint32_t>(raw.z), static_cast<std::uint32_t>(raw.w)};
       st.compared += K;
-      unsigned judge = kind == 2 || !screen ? 0xffu : 0u;  // elements to judge in full
-      if (kind != 2 && screen) {
+      unsigned judge = 0xffu;  // elements to judge in full
+      if (screen && kind != 2) {
+        const double b_worst = read_bound(&bounds[0]), b_rel = read_bound(&bounds[1]);
+        const double by_worst = a.max_ulp == 1 ? b_worst : a.max_ulp * b_worst * (1.0 - 1e-12);
+        const double threshold = fmin(fmin(0.5, by_worst), nextafter(ldexp(b_rel, kMantissa), INFINITY));
+        judge = 0u;
 #pragma unroll
         for (int k = 0; k < K; ++k) {
           const std::uint32_t bits = (w[k / 2] >> (16 * (k % 2))) & 0xffffu;
-          const double got = widen_bits<T>(bits);  // got_local; fs = 1 when screening
-          const double expected = fma(scale, es[k * kFusedChunk + v], column0 + k == label ? b_on : b_off);
+          double got = 0.0, expected = 0.0;
+          element(v, k, bits, got, expected);
           const double error = fabs(got - expected);
           row_sum += got;
           row_magnitude += fabs(got);
-          // The spacing of the dtype at `expected` (ulp_size_inverse) from its exponent field.
-          const int hi = __double2hiint(expected) & 0x7fffffff;
-          const int exponent = (hi >> 20) - 1023;
-          const double in_spacings = error * __hiloint2double((1023 + kMantissa - max(exponent, kMinExponent)) << 20, 0);
-          const bool normal_expected = exponent >= kMinExponent || (hi | __double2loint(expected)) == 0;
+          max_error = fmax(max_error, error);
+          bool normal_expected = false;
+          const double in_spacings = spacings(expected, error, normal_expected);
           const bool subnormal_got = (bits & kExponentMask) == 0 && (bits & 0x7fffu) != 0;
-          const bool skip = in_spacings <= threshold && error <= max_abs && normal_expected && !subnormal_got;
+          const bool skip = normal_expected && !subnormal_got && (error == 0.0 || in_spacings < threshold);
           judge |= skip ? 0u : 1u << k;
         }
+        if (j == 0 && rank == 0 && threadIdx.x == 0) judge |= 1u;  // column 0
       }
-      if ((judge & 0xffu) != 0) {
+      if (judge != 0u) {
         for (int k = 0; k < K; ++k) {  // in column order: ties keep the earlier column
           if (!((judge >> k) & 1u)) continue;
-          const double got = widen<T>(reinterpret_cast<const T*>(gs)[v * K + k]);
+          const std::uint32_t bits = (w[k / 2] >> (16 * (k % 2))) & 0xffffu;
+          double got = 0.0, expected = 0.0;
+          element(v, k, bits, got, expected);
+          const int column = (first_vector + v) * K + k;
           if (kind == 2) {
-            judge_padding(st, a, column0 + k, got);
+            judge_padding(st, a, column, got);
             continue;
           }
-          const double expected = fma(scale, es[k * kFusedChunk + v], column0 + k == label ? b_on : b_off);
           if (!screen) {
             row_sum += got * fs;
             row_magnitude += fabs(got * fs);
           }
-          judge_element(st, a, floor, column0 + k, got, expected);
+          judge_element(st, a, floor, column, got, expected);
         }
-        threshold = screen ? fast_threshold(st, a.max_ulp, kMantissa) : -1.0;
-        max_abs = st.max_abs;
+        if (screen && kind != 2) {
+          publish_max(&bounds[0], st.margin);
+          publish_max(&bounds[1], st.max_rel);
+        }
       }
     }
+    st.max_abs = fmax(st.max_abs, max_error);  // every element's error (NaN ones were judged: INFINITY)
     st.sum.s = row_sum;
     st.magnitude.s = row_magnitude;
     st = block_merge<kFusedBlock>(st);  // ends with a block barrier: the gradient buffer has been read
