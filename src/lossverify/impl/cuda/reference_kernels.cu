@@ -7,6 +7,7 @@
 #include <cfloat>
 #include <climits>
 #include <cmath>
+#include <cstdio>
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -557,6 +558,9 @@ __device__ __forceinline__ float widen_bits(std::uint32_t bits) {
   }
 }
 
+// Elements the fused pass judged in full (LOSSVERIFY_TRACE reports it: the screen's efficiency).
+__device__ unsigned long long fused_judged = 0;
+
 // One CTA's float64 partials of a row, exchanged through distributed shared memory.
 struct FusedSlot {
   double m, s, c, qx_s, qx_c;
@@ -739,7 +743,8 @@ __global__ void __launch_bounds__(kFusedBlock, 1)
     auto element = [&](int v, int k, std::uint32_t bits, double& got, double& expected) {
       got = widen_bits<T>(bits);
       const int column = (first_vector + v) * K + k;
-      expected = fma(scale, es[k * kFusedChunk + v], column == label ? b_on : b_off);
+      // Rows of kind 1 and 2 left es as the previous row wrote it (or unwritten): their expected is 0.
+      expected = kind == 0 ? fma(scale, es[k * kFusedChunk + v], column == label ? b_on : b_off) : 0.0;
     };
     // The in_spacings of an element and whether its expected value is of the dtype's normal range (or 0).
     auto spacings = [&](double expected, double error, bool& normal_expected) {
@@ -821,6 +826,7 @@ __global__ void __launch_bounds__(kFusedBlock, 1)
           }
           judge_element(st, a, floor, column, got, expected);
         }
+        atomicAdd(&fused_judged, static_cast<unsigned long long>(__popc(judge)));
         if (screen && kind != 2) {
           publish_max(&bounds[0], st.margin);
           publish_max(&bounds[1], st.max_rel);
@@ -926,9 +932,34 @@ bool launch_fused(const ReferenceCompareArgs& args, double* partials, double* ls
   // A persistent grid: as many clusters as fit at once, each walking the rows.
   const std::int64_t clusters = std::min<std::int64_t>(args.rows, max_clusters);
   config.gridDim = dim3(static_cast<unsigned>(clusters * cluster));
+  const bool trace = std::getenv("LOSSVERIFY_TRACE") != nullptr;
+  cudaEvent_t start{}, stop{};
+  if (trace) {
+    const unsigned long long zero = 0;
+    cudaMemcpyToSymbolAsync(fused_judged, &zero, sizeof(zero), 0, cudaMemcpyHostToDevice, stream);
+    cudaEventCreate(&start);
+    cudaEventCreate(&stop);
+    cudaEventRecord(start, stream);
+  }
   if (cudaLaunchKernelEx(&config, kernel, args, partials, lse, out) != cudaSuccess) {
     cudaGetLastError();
     return false;
+  }
+  if (trace) {
+    cudaEventRecord(stop, stream);
+    cudaEventSynchronize(stop);
+    float ms = 0.0f;
+    cudaEventElapsedTime(&ms, start, stop);
+    unsigned long long judged = 0;
+    cudaMemcpyFromSymbol(&judged, fused_judged, sizeof(judged));
+    std::fprintf(stderr,
+                 "lossverify trace: fused reference %lld x %lld, clusters of %d (%lld at once): kernel %.3f ms, "
+                 "%llu elements judged in full (%.4f%%)\n",
+                 static_cast<long long>(args.rows), static_cast<long long>(args.cols), cluster,
+                 static_cast<long long>(clusters), ms, judged,
+                 100.0 * static_cast<double>(judged) / static_cast<double>(args.rows * args.cols));
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
   }
   return true;
 }
