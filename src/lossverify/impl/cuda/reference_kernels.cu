@@ -568,18 +568,24 @@ struct FusedSlot {
 
 // Screening in pass B (ULP mode, no framework scale). The row's final CompareState is an order-free function
 // of its elements: maxima (max_abs, max_rel, the worst margin with the lowest column on ties), counts
-// (mismatches, ulp distances, census) and the first non-finite column. An element can therefore be left
-// out of the full judgement when it provably changes none of them:
-//   - its error enters max_abs anyway (a plain running max over every element);
-//   - in_spacings = error / spacing(expected) < 0.5: no ulp distance to count;
-//   - by_ulp = in_spacings / max_ulp below a lower bound B_worst of the row's final worst margin: neither a
-//     mismatch (by_ulp < 0.5) nor the worst, nor tied with it;
-//   - error / |expected| <= error 2^-e = in_spacings 2^-mantissa <= B_rel, a lower bound of the row's final
-//     max_rel (expected of the dtype's normal range);
-//   - the stored value is normal or zero (no census), or the error is exactly 0 (then it changes nothing,
-//     except that column 0, always judged, holds the worst of a row whose margins are all 0).
-// The bounds are values of judged elements (or a seed below one) published in shared memory, so they only
-// rise; a stale read is a lower bound still.
+// (mismatches, ulp distances, census) and the first non-finite column. An element that provably changes none
+// of them is left out of the full judgement; every other element is judged by judge_element with the
+// two-pass kernel's own expected value, w (exp(x - lse) z - q), from x and the row's lse, so equal logits give
+// equal expected values and ties fall to the lower column as on the CPU.
+// The screen uses the cheap estimate expected' = (w z exp(m_t - lse)) e + b, within
+// delta = 1e-13 (|expected'| + 2 |b|) of the judged value (a few float64 roundings of terms of those sizes), so
+// the judged error lies within error' +- delta. With error_up = error' + delta and s_up = error_up / spacing:
+//   - error_up < B_abs, a lower bound of the row's max_abs: not the maximum;
+//   - s_up < 0.5: no ulp distance to count;
+//   - min(error_up / floor, s_up / max_ulp) < min(1, B_worst), B_worst a lower bound of the row's worst
+//     margin: neither a mismatch nor the worst, nor tied with it;
+//   - s_up <= 2^mantissa B_rel: error / |expected| <= error 2^-e <= B_rel, the row's max_rel bound;
+//   - the stored value is normal or zero (no census); expected' of the dtype's normal range, at least 2^-20 of
+//     itself from a power of two and delta below 2^-21 of it, so the judged value has the same spacing.
+// A masked row's expected is exactly 0 (delta = 0); an element there with error 0 changes nothing but the
+// worst of an all-zero row, which column 0, always judged, takes. The bounds are the values of judged
+// elements, or seeds below one element's lower estimates, published in shared memory: they only rise, and
+// a stale read is a lower bound still.
 __device__ __forceinline__ void publish_max(unsigned long long* bound, double value) {
   if (value > 0.0) atomicMax(bound, static_cast<unsigned long long>(__double_as_longlong(value)));  // bits order as values
 }
@@ -619,7 +625,7 @@ __global__ void __launch_bounds__(kFusedBlock, 1)
   __shared__ alignas(CompareState) unsigned char compare_storage[2 * sizeof(CompareState)];
   CompareState* compare_slot = reinterpret_cast<CompareState*>(compare_storage);
   __shared__ double row_lse;
-  __shared__ unsigned long long bounds[2];  // pass B's lower bounds: the row's worst margin, its max_rel
+  __shared__ unsigned long long bounds[3];  // pass B's lower bounds: the row's worst margin, max_rel, max_abs
   if (threadIdx.x < 32) table[threadIdx.x] = kExp2Fractions[threadIdx.x];
   if (threadIdx.x == 0) {
     barrier_init(&x_loaded);
@@ -715,7 +721,7 @@ __global__ void __launch_bounds__(kFusedBlock, 1)
       }
       const double lse = row.m + log(row.sum.s + row.sum.c);
       row_lse = kind == 0 ? lse : 0.0;
-      bounds[0] = bounds[1] = 0ull;
+      bounds[0] = bounds[1] = bounds[2] = 0ull;
       if (rank == 0 && kind == 0) {
         double* o = partials + 8 * r;
         o[0] = row.m;
@@ -730,54 +736,70 @@ __global__ void __launch_bounds__(kFusedBlock, 1)
       }
     }
     __syncthreads();
-    // Pass B: every element of the rank's gradient against expected = scale e + b_v.
+    // Pass B: every element of the rank's gradient, screened with expected' = scale e + b_v.
     const double lse = row_lse;
     const double weight = kind == 0 ? a.weight[r] : 0.0;
     const double floor = a.atol * (fabs(weight) * a.grad_scale) + a.quantum * fs;
     const double z_factor = 1.0 + 2.0 * a.z_loss_weight * lse;
     const double scale = kind == 0 && m_t > -INFINITY ? weight * z_factor * exp(m_t - lse) : 0.0;
     const double b_off = -(weight * a.q_off), b_on = -(weight * a.q_on);
-    const double inverse_floor = floor > 0.0 ? 1.0 / floor : INFINITY;
+    const double slack_b = 2e-13 * fmax(fabs(b_off), fabs(b_on));
+    const double inverse_floor = floor > 0.0 ? 1.0 / floor * (1.0 + 1e-12) : INFINITY;
+    const double inverse_max_ulp = (1.0 + 1e-12) / a.max_ulp;
+    const T* x_row = static_cast<const T*>(a.student) + r * a.cols;
     barrier_wait(&g_loaded, phase);
     phase ^= 1u;
-    auto element = [&](int v, int k, std::uint32_t bits, double& got, double& expected) {
-      got = widen_bits<T>(bits);
+    // The screen's estimate of an element's expected value (exactly 0 in masked rows).
+    auto estimate = [&](int v, int k) {
       const int column = (first_vector + v) * K + k;
-      // Rows of kind 1 and 2 left es as the previous row wrote it (or unwritten): their expected is 0.
-      expected = kind == 0 ? fma(scale, es[k * kFusedChunk + v], column == label ? b_on : b_off) : 0.0;
+      return kind == 0 ? fma(scale, es[k * kFusedChunk + v], column == label ? b_on : b_off) : 0.0;
     };
-    // The in_spacings of an element and whether its expected value is of the dtype's normal range (or 0).
-    auto spacings = [&](double expected, double error, bool& normal_expected) {
+    // error_up and s_up of an element; `usable` where its estimate is of the dtype's normal range (or 0) and
+    // not within delta of a power of two.
+    auto bounds_of = [&](double got, double expected, double& error_up, double& delta, bool& usable) {
       const int hi = __double2hiint(expected) & 0x7fffffff;
       const int exponent = (hi >> 20) - 1023;
-      normal_expected = (exponent >= kMinExponent && exponent < 900) || (hi | __double2loint(expected)) == 0;
-      return error * __hiloint2double((1023 + kMantissa - max(exponent, kMinExponent)) << 20, 0);
+      const int mantissa_top = hi & 0xfffff;
+      delta = fma(fabs(expected), 1e-13, slack_b);
+      error_up = fabs(got - expected) + delta;
+      const int delta_exponent = (__double2hiint(delta) >> 20) - 1023;  // delta < 2^(delta_exponent + 1)
+      usable = (exponent >= kMinExponent && exponent < 900 && mantissa_top != 0 && mantissa_top != 0xfffff &&
+                delta_exponent < exponent - 21) ||
+               (hi | __double2loint(expected)) == 0;
+      return error_up * __hiloint2double((1023 + kMantissa - max(exponent, kMinExponent)) << 20, 0);
     };
     if (screen && kind != 2) {
-      // Seed the bounds from each thread's first element: lower bounds of that element's margin and ratio.
-      double seed_worst = 0.0, seed_rel = 0.0;
+      // Seed the bounds from each thread's first element: lower estimates of its margin, ratio and error.
+      double seed_worst = 0.0, seed_rel = 0.0, seed_abs = 0.0;
       if (limit > 0) {
-        double got = 0.0, expected = 0.0;
-        element(static_cast<int>(threadIdx.x), 0, static_cast<std::uint32_t>(gs[threadIdx.x].x) & 0xffffu, got, expected);
-        const double error = fabs(got - expected);
-        bool normal_expected = false;
-        const double in_spacings = spacings(expected, error, normal_expected);
-        if (normal_expected && error == error && in_spacings < INFINITY) {
-          seed_worst = fmin(error * inverse_floor, in_spacings / a.max_ulp) * (1.0 - 1e-12);
-          if (expected != 0.0) seed_rel = ldexp(in_spacings, -(kMantissa + 1));
+        const double got = widen_bits<T>(static_cast<std::uint32_t>(gs[threadIdx.x].x) & 0xffffu);
+        const double expected = estimate(static_cast<int>(threadIdx.x), 0);
+        double error_up = 0.0, delta = 0.0;
+        bool usable = false;
+        const double s_up = bounds_of(got, expected, error_up, delta, usable);
+        const double error_low = fmax(error_up - 2.0 * delta, 0.0);
+        if (usable && s_up < INFINITY) {
+          const double s_low = s_up * (error_low / error_up);
+          const double by_floor = floor > 0.0 ? error_low / floor : (error_low > 0.0 ? INFINITY : 0.0);
+          seed_worst = fmin(by_floor, s_low / a.max_ulp) * (1.0 - 1e-9);
+          if (expected != 0.0) seed_rel = ldexp(s_low, -(kMantissa + 1)) * (1.0 - 1e-9);
+          seed_abs = error_low;
           if (!(seed_worst == seed_worst)) seed_worst = 0.0;
+          if (!(seed_rel == seed_rel)) seed_rel = 0.0;
         }
       }
       seed_worst = warp_max(seed_worst);
       seed_rel = warp_max(seed_rel);
+      seed_abs = warp_max(seed_abs);
       if ((threadIdx.x & 31) == 0) {
         publish_max(&bounds[0], seed_worst);
         publish_max(&bounds[1], seed_rel);
+        publish_max(&bounds[2], seed_abs);
       }
       __syncthreads();
     }
     CompareState st;
-    double row_sum = 0.0, row_magnitude = 0.0, max_error = 0.0;
+    double row_sum = 0.0, row_magnitude = 0.0;
 #pragma unroll
     for (int j = 0; j < kFusedPerThread; ++j) {
       if (j * kFusedBlock >= limit) continue;
@@ -788,24 +810,25 @@ __global__ void __launch_bounds__(kFusedBlock, 1)
       st.compared += K;
       unsigned judge = 0xffu;  // elements to judge in full
       if (screen && kind != 2) {
-        const double b_worst = read_bound(&bounds[0]), b_rel = read_bound(&bounds[1]);
-        const double by_worst = a.max_ulp == 1 ? b_worst : a.max_ulp * b_worst * (1.0 - 1e-12);
-        const double threshold = fmin(fmin(0.5, by_worst), nextafter(ldexp(b_rel, kMantissa), INFINITY));
+        const double b_worst = read_bound(&bounds[0]), b_rel = read_bound(&bounds[1]), b_abs = read_bound(&bounds[2]);
+        const double below_spacings = fmin(0.5, nextafter(ldexp(b_rel, kMantissa), INFINITY));
+        const double below_margin = fmin(1.0, b_worst);
         judge = 0u;
 #pragma unroll
         for (int k = 0; k < K; ++k) {
           const std::uint32_t bits = (w[k / 2] >> (16 * (k % 2))) & 0xffffu;
-          double got = 0.0, expected = 0.0;
-          element(v, k, bits, got, expected);
-          const double error = fabs(got - expected);
+          const double got = widen_bits<T>(bits);
           row_sum += got;
           row_magnitude += fabs(got);
-          max_error = fmax(max_error, error);
-          bool normal_expected = false;
-          const double in_spacings = spacings(expected, error, normal_expected);
+          const double expected = estimate(v, k);
+          double error_up = 0.0, delta = 0.0;
+          bool usable = false;
+          const double s_up = bounds_of(got, expected, error_up, delta, usable);
           const bool subnormal_got = (bits & kExponentMask) == 0 && (bits & 0x7fffu) != 0;
-          const bool skip = normal_expected && !subnormal_got && (error == 0.0 || in_spacings < threshold);
-          judge |= skip ? 0u : 1u << k;
+          const double margin_up = fmin(error_up * inverse_floor, s_up * inverse_max_ulp);
+          const bool quiet = (error_up < b_abs && s_up < below_spacings && margin_up < below_margin) ||
+                             (kind == 1 && got == 0.0);
+          judge |= usable && !subnormal_got && quiet ? 0u : 1u << k;
         }
         if (j == 0 && rank == 0 && threadIdx.x == 0) judge |= 1u;  // column 0
       }
@@ -813,8 +836,7 @@ __global__ void __launch_bounds__(kFusedBlock, 1)
         for (int k = 0; k < K; ++k) {  // in column order: ties keep the earlier column
           if (!((judge >> k) & 1u)) continue;
           const std::uint32_t bits = (w[k / 2] >> (16 * (k % 2))) & 0xffffu;
-          double got = 0.0, expected = 0.0;
-          element(v, k, bits, got, expected);
+          const double got = widen_bits<T>(bits);
           const int column = (first_vector + v) * K + k;
           if (kind == 2) {
             judge_padding(st, a, column, got);
@@ -824,16 +846,22 @@ __global__ void __launch_bounds__(kFusedBlock, 1)
             row_sum += got * fs;
             row_magnitude += fabs(got * fs);
           }
+          // The two-pass kernel's expected value (compare_kernel, no softcap here).
+          double expected = 0.0;
+          if (kind == 0) {
+            const double p = exp(static_cast<double>(widen<T>(x_row[column])) - lse);
+            expected = weight * (p * z_factor - (column == label ? a.q_on : a.q_off));
+          }
           judge_element(st, a, floor, column, got, expected);
         }
         atomicAdd(&fused_judged, static_cast<unsigned long long>(__popc(judge)));
         if (screen && kind != 2) {
           publish_max(&bounds[0], st.margin);
           publish_max(&bounds[1], st.max_rel);
+          publish_max(&bounds[2], st.max_abs);
         }
       }
     }
-    st.max_abs = fmax(st.max_abs, max_error);  // every element's error (NaN ones were judged: INFINITY)
     st.sum.s = row_sum;
     st.magnitude.s = row_magnitude;
     st = block_merge<kFusedBlock>(st);  // ends with a block barrier: the gradient buffer has been read
