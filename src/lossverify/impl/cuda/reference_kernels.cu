@@ -579,7 +579,8 @@ struct FusedSlot {
 //   - s_up < 0.5: no ulp distance to count;
 //   - min(error_up / floor, s_up / max_ulp) < min(1, B_worst), B_worst a lower bound of the row's worst
 //     margin: neither a mismatch nor the worst, nor tied with it;
-//   - s_up <= 2^mantissa B_rel: error / |expected| <= error 2^-e <= B_rel, the row's max_rel bound;
+//   - s_up <= 2^mantissa B_rel (m - 2^-20), m = |expected'| 2^-e truncated to 20 fraction bits, so that
+//     |expected| > 2^e (m - 2^-21) and error / |expected| <= B_rel, the row's max_rel bound;
 //   - the stored value is normal or zero (no census); expected' of the dtype's normal range, at least 2^-20 of
 //     itself from a power of two and delta below 2^-21 of it, so the judged value has the same spacing.
 // A masked row's expected is exactly 0 (delta = 0); an element there with error 0 changes nothing but the
@@ -756,10 +757,11 @@ __global__ void __launch_bounds__(kFusedBlock, 1)
     };
     // error_up and s_up of an element; `usable` where its estimate is of the dtype's normal range (or 0) and
     // not within delta of a power of two.
-    auto bounds_of = [&](double got, double expected, double& error_up, double& delta, bool& usable) {
+    auto bounds_of = [&](double got, double expected, double& error_up, double& delta, bool& usable, double& mantissa) {
       const int hi = __double2hiint(expected) & 0x7fffffff;
       const int exponent = (hi >> 20) - 1023;
       const int mantissa_top = hi & 0xfffff;
+      mantissa = __hiloint2double(mantissa_top | 0x3ff00000, 0);  // |expected| 2^-e truncated: <= it, > it - 2^-20
       delta = fma(fabs(expected), 1e-13, slack_b);
       error_up = fabs(got - expected) + delta;
       const int delta_exponent = (__double2hiint(delta) >> 20) - 1023;  // delta < 2^(delta_exponent + 1)
@@ -774,15 +776,16 @@ __global__ void __launch_bounds__(kFusedBlock, 1)
       if (limit > 0) {
         const double got = widen_bits<T>(static_cast<std::uint32_t>(gs[threadIdx.x].x) & 0xffffu);
         const double expected = estimate(static_cast<int>(threadIdx.x), 0);
-        double error_up = 0.0, delta = 0.0;
+        double error_up = 0.0, delta = 0.0, mantissa = 1.0;
         bool usable = false;
-        const double s_up = bounds_of(got, expected, error_up, delta, usable);
+        const double s_up = bounds_of(got, expected, error_up, delta, usable, mantissa);
         const double error_low = fmax(error_up - 2.0 * delta, 0.0);
         if (usable && s_up < INFINITY) {
           const double s_low = s_up * (error_low / error_up);
           const double by_floor = floor > 0.0 ? error_low / floor : (error_low > 0.0 ? INFINITY : 0.0);
           seed_worst = fmin(by_floor, s_low / a.max_ulp) * (1.0 - 1e-9);
-          if (expected != 0.0) seed_rel = ldexp(s_low, -(kMantissa + 1)) * (1.0 - 1e-9);
+          // |expected| < 2^e (mantissa + 2^-20 + 2^-21): error / |expected| > error_low 2^-e / (mantissa + 2^-19)
+          if (expected != 0.0) seed_rel = ldexp(s_low, -kMantissa) / (mantissa + 0x1p-19) * (1.0 - 1e-9);
           seed_abs = error_low;
           if (!(seed_worst == seed_worst)) seed_worst = 0.0;
           if (!(seed_rel == seed_rel)) seed_rel = 0.0;
@@ -811,7 +814,7 @@ __global__ void __launch_bounds__(kFusedBlock, 1)
       unsigned judge = 0xffu;  // elements to judge in full
       if (screen && kind != 2) {
         const double b_worst = read_bound(&bounds[0]), b_rel = read_bound(&bounds[1]), b_abs = read_bound(&bounds[2]);
-        const double below_spacings = fmin(0.5, nextafter(ldexp(b_rel, kMantissa), INFINITY));
+        const double rel_spacings = ldexp(b_rel, kMantissa);
         const double below_margin = fmin(1.0, b_worst);
         judge = 0u;
 #pragma unroll
@@ -821,12 +824,14 @@ __global__ void __launch_bounds__(kFusedBlock, 1)
           row_sum += got;
           row_magnitude += fabs(got);
           const double expected = estimate(v, k);
-          double error_up = 0.0, delta = 0.0;
+          double error_up = 0.0, delta = 0.0, mantissa = 1.0;
           bool usable = false;
-          const double s_up = bounds_of(got, expected, error_up, delta, usable);
+          const double s_up = bounds_of(got, expected, error_up, delta, usable, mantissa);
           const bool subnormal_got = (bits & kExponentMask) == 0 && (bits & 0x7fffu) != 0;
           const double margin_up = fmin(error_up * inverse_floor, s_up * inverse_max_ulp);
-          const bool quiet = (error_up < b_abs && s_up < below_spacings && margin_up < below_margin) ||
+          // |expected| > 2^e (mantissa - 2^-21): error / |expected| <= s_up 2^-mantissa_bits / (mantissa - 2^-20) <= B_rel
+          const bool quiet = (error_up < b_abs && s_up < 0.5 && margin_up < below_margin &&
+                              s_up <= rel_spacings * (mantissa - 0x1p-20)) ||
                              (kind == 1 && got == 0.0);
           judge |= usable && !subnormal_got && quiet ? 0u : 1u << k;
         }
