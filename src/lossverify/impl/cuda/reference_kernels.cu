@@ -573,7 +573,7 @@ struct FusedSlot {
 // two-pass kernel's own expected value, w (exp(x - lse) z - q), from x and the row's lse, so equal logits give
 // equal expected values and ties fall to the lower column as on the CPU.
 // The screen uses the cheap estimate expected' = (w z exp(m_t - lse)) e + b, within
-// delta = 1e-13 (|expected'| + 2 |b|) of the judged value (a few float64 roundings of terms of those sizes), so
+// delta = 1e-13 (|expected'| + 2 |b_off|) of the judged value (the label's element, with b_on, is always judged) (a few float64 roundings of terms of those sizes), so
 // the judged error lies within error' +- delta. With error_up = error' + delta and s_up = error_up / spacing:
 //   - error_up < B_abs, a lower bound of the row's max_abs: not the maximum;
 //   - s_up < 0.5: no ulp distance to count;
@@ -744,7 +744,7 @@ __global__ void __launch_bounds__(kFusedBlock, 1)
     const double z_factor = 1.0 + 2.0 * a.z_loss_weight * lse;
     const double scale = kind == 0 && m_t > -INFINITY ? weight * z_factor * exp(m_t - lse) : 0.0;
     const double b_off = -(weight * a.q_off), b_on = -(weight * a.q_on);
-    const double slack_b = 2e-13 * fmax(fabs(b_off), fabs(b_on));
+    const double slack_b = 2e-13 * fabs(b_off);  // the label's element, with b_on, is always judged
     const double inverse_floor = floor > 0.0 ? 1.0 / floor * (1.0 + 1e-12) : INFINITY;
     const double inverse_max_ulp = (1.0 + 1e-12) / a.max_ulp;
     const T* x_row = static_cast<const T*>(a.student) + r * a.cols;
@@ -836,6 +836,7 @@ __global__ void __launch_bounds__(kFusedBlock, 1)
           judge |= usable && !subnormal_got && quiet ? 0u : 1u << k;
         }
         if (j == 0 && rank == 0 && threadIdx.x == 0) judge |= 1u;  // column 0
+        if (label >= 0 && label / K == first_vector + v) judge |= 1u << (label % K);  // the label's column
       }
       if (judge != 0u) {
         for (int k = 0; k < K; ++k) {  // in column order: ties keep the earlier column
