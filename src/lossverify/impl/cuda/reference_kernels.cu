@@ -74,11 +74,15 @@ __device__ OnlineLse shfl(const OnlineLse& x, int offset) {
   return r;
 }
 
-// A fixed reduction tree over the block (lane pairs, then warp leaders in order): thread 0 gets the result.
+// A fixed reduction tree over the block: lane pairs within each warp, then the warps' results by the same
+// tree in warp 0 (no serial chain on one thread); thread 0 gets the result. The same inputs give the same
+// bits whatever the scheduling. Merging with a default State changes nothing.
 template <int kBlock = kReferenceThreads, class State>
 __device__ State block_merge(State x) {
+  constexpr int kWarps = kBlock / 32;
+  static_assert(kWarps >= 1 && kWarps <= 32 && (kWarps & (kWarps - 1)) == 0, "a power-of-two number of warps");
   // Raw storage: __shared__ variables cannot have constructors.
-  __shared__ alignas(State) unsigned char storage[sizeof(State) * (kBlock / 32)];
+  __shared__ alignas(State) unsigned char storage[sizeof(State) * kWarps];
   State* warps = reinterpret_cast<State*>(storage);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   for (int offset = 16; offset > 0; offset >>= 1) {
@@ -87,8 +91,12 @@ __device__ State block_merge(State x) {
   }
   if (lane == 0) warps[warp] = x;
   __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 1; w < kBlock / 32; ++w) x.merge(warps[w]);
+  if (warp == 0) {
+    x = lane < kWarps ? warps[lane] : State{};
+    for (int offset = kWarps / 2; offset > 0; offset >>= 1) {
+      const State o = shfl(x, offset);
+      if (lane < offset) x.merge(o);
+    }
   }
   __syncthreads();
   return x;
@@ -705,21 +713,29 @@ __global__ void __launch_bounds__(kFusedBlock, 1)
     const Neumaier qx_cta = block_merge<kFusedBlock>(qx_t);
     if (threadIdx.x == 0) lse_slot[parity] = FusedSlot{lse_cta.m, lse_cta.sum.s, lse_cta.sum.c, qx_cta.s, qx_cta.c};
     cluster.sync();
-    if (threadIdx.x == 0) {
-      OnlineLse row;
-      Neumaier qx;
-      for (unsigned c = 0; c < size; ++c) {
-        const FusedSlot p = *cluster.map_shared_rank(&lse_slot[parity], c);
-        OnlineLse part;
-        part.m = p.m;
-        part.sum.s = p.s;
-        part.sum.c = p.c;
-        row.merge(part);
-        Neumaier part_qx;
-        part_qx.s = p.qx_s;
-        part_qx.c = p.qx_c;
-        qx.merge(part_qx);
+    OnlineLse row;
+    Neumaier qx;
+    if (threadIdx.x < 32) {
+      // Warp 0 of every CTA: lane c reads CTA c's slot, then a fixed tree over the lanes.
+      const int lane = static_cast<int>(threadIdx.x);
+      if (lane < static_cast<int>(size)) {
+        const FusedSlot p = *cluster.map_shared_rank(&lse_slot[parity], static_cast<unsigned>(lane));
+        row.m = p.m;
+        row.sum.s = p.s;
+        row.sum.c = p.c;
+        qx.s = p.qx_s;
+        qx.c = p.qx_c;
       }
+      for (int offset = kFusedMaxCluster / 2; offset > 0; offset >>= 1) {
+        const OnlineLse o = shfl(row, offset);
+        const Neumaier q = shfl(qx, offset);
+        if (lane < offset) {
+          row.merge(o);
+          qx.merge(q);
+        }
+      }
+    }
+    if (threadIdx.x == 0) {
       const double lse = row.m + log(row.sum.s + row.sum.c);
       row_lse = kind == 0 ? lse : 0.0;
       bounds[0] = bounds[1] = bounds[2] = 0ull;
@@ -879,10 +895,16 @@ __global__ void __launch_bounds__(kFusedBlock, 1)
       }
     }
     cluster.sync();
-    if (rank == 0 && threadIdx.x == 0) {
-      CompareState row = compare_slot[parity];
-      for (unsigned c = 1; c < size; ++c) row.merge(*cluster.map_shared_rank(&compare_slot[parity], c));
-      store_comparison(row, out[r]);
+    if (rank == 0 && threadIdx.x < 32) {
+      // Warp 0 of CTA 0: lane c reads CTA c's state, then a fixed tree over the lanes.
+      const int lane = static_cast<int>(threadIdx.x);
+      CompareState row;
+      if (lane < static_cast<int>(size)) row = *cluster.map_shared_rank(&compare_slot[parity], static_cast<unsigned>(lane));
+      for (int offset = kFusedMaxCluster / 2; offset > 0; offset >>= 1) {
+        const CompareState o = shfl(row, offset);
+        if (lane < offset) row.merge(o);
+      }
+      if (lane == 0) store_comparison(row, out[r]);
     }
     parity ^= 1;
   }
