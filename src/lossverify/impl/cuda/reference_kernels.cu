@@ -519,8 +519,8 @@ __global__ void __launch_bounds__(kReferenceThreads, 4) compare_kernel(Reference
 // partials through distributed shared memory in rank order, so every CTA gets the row's lse; pass B judges
 // every element from e_v, expected_v = w z (e_v exp(m_t - lse)) - w q_v, without a second exp.
 
-constexpr int kFusedBlock = 512;
-constexpr int kFusedPerThread = 4;                          // 16-byte vectors per thread
+constexpr int kFusedBlock = 256;
+constexpr int kFusedPerThread = 8;                          // 16-byte vectors per thread: 64 elements
 constexpr int kFusedChunk = kFusedBlock * kFusedPerThread;  // vectors per CTA (16384 16-bit elements)
 constexpr int kFusedMaxCluster = 8;
 constexpr int kFusedElements = 8;                           // 16-bit elements per vector
@@ -702,6 +702,13 @@ __global__ void __launch_bounds__(kFusedBlock, 1)
           s_t += e;
         }
       }
+    } else if (kind == 1) {  // a masked row: e = 0, so the screen's estimate is exactly 0
+#pragma unroll
+      for (int j = 0; j < kFusedPerThread; ++j) {
+        if (j * kFusedBlock >= limit) continue;
+#pragma unroll
+        for (int k = 0; k < K; ++k) es[k * kFusedChunk + threadIdx.x + j * kFusedBlock] = 0.0;
+      }
     }
     // The row's partials: threads by a fixed tree, then the CTAs in rank order, in every CTA alike.
     OnlineLse lse_t;
@@ -766,11 +773,9 @@ __global__ void __launch_bounds__(kFusedBlock, 1)
     const T* x_row = static_cast<const T*>(a.student) + r * a.cols;
     barrier_wait(&g_loaded, phase);
     phase ^= 1u;
-    // The screen's estimate of an element's expected value (exactly 0 in masked rows).
-    auto estimate = [&](int v, int k) {
-      const int column = (first_vector + v) * K + k;
-      return kind == 0 ? fma(scale, es[k * kFusedChunk + v], column == label ? b_on : b_off) : 0.0;
-    };
+    // The screen's estimate of an element's expected value off the label (exactly 0 in masked rows, where
+    // scale, b_off and e are 0); the label's element is always judged.
+    auto estimate = [&](int v, int k) { return fma(scale, es[k * kFusedChunk + v], b_off); };
     // error_up and s_up of an element; `usable` where its estimate is of the dtype's normal range (or 0) and
     // not within delta of a power of two.
     auto bounds_of = [&](double got, double expected, double& error_up, double& delta, bool& usable, double& mantissa) {
@@ -786,25 +791,37 @@ __global__ void __launch_bounds__(kFusedBlock, 1)
                (hi | __double2loint(expected)) == 0;
       return error_up * __hiloint2double((1023 + kMantissa - max(exponent, kMinExponent)) << 20, 0);
     };
+    // ulp_size_inverse(expected) for this dtype.
+    auto spacing_inverse = [&](double expected) {
+      const int exponent = ((__double2hiint(expected) & 0x7fffffff) >> 20) - 1023;
+      return __hiloint2double((1023 + kMantissa - max(exponent, kMinExponent)) << 20, 0);
+    };
     if (screen && kind != 2) {
-      // Seed the bounds from each thread's first element: lower estimates of its margin, ratio and error.
+      // Seed the bounds from each thread's first vector: lower estimates of its elements' margins, ratios
+      // and errors (the label's element left out: its estimate is not of this form).
       double seed_worst = 0.0, seed_rel = 0.0, seed_abs = 0.0;
       if (limit > 0) {
-        const double got = widen_bits<T>(static_cast<std::uint32_t>(gs[threadIdx.x].x) & 0xffffu);
-        const double expected = estimate(static_cast<int>(threadIdx.x), 0);
-        double error_up = 0.0, delta = 0.0, mantissa = 1.0;
-        bool usable = false;
-        const double s_up = bounds_of(got, expected, error_up, delta, usable, mantissa);
-        const double error_low = fmax(error_up - 2.0 * delta, 0.0);
-        if (usable && s_up < INFINITY) {
-          const double s_low = s_up * (error_low / error_up);
-          const double by_floor = floor > 0.0 ? error_low / floor : (error_low > 0.0 ? INFINITY : 0.0);
-          seed_worst = fmin(by_floor, s_low / a.max_ulp) * (1.0 - 1e-9);
-          // |expected| < 2^e (mantissa + 2^-20 + 2^-21): error / |expected| > error_low 2^-e / (mantissa + 2^-19)
-          if (expected != 0.0) seed_rel = ldexp(s_low, -kMantissa) / (mantissa + 0x1p-19) * (1.0 - 1e-9);
-          seed_abs = error_low;
-          if (!(seed_worst == seed_worst)) seed_worst = 0.0;
-          if (!(seed_rel == seed_rel)) seed_rel = 0.0;
+        const int4 raw = gs[threadIdx.x];
+        const std::uint32_t w[4] = {static_cast<std::uint32_t>(raw.x), static_cast<std::uint32_t>(raw.y),
+                                    static_cast<std::uint32_t>(raw.z), static_cast<std::uint32_t>(raw.w)};
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+          const double got = widen_bits<T>((w[k / 2] >> (16 * (k % 2))) & 0xffffu);
+          const double expected = estimate(static_cast<int>(threadIdx.x), k);
+          double error_up = 0.0, delta = 0.0, mantissa = 1.0;
+          bool usable = false;
+          const double s_up = bounds_of(got, expected, error_up, delta, usable, mantissa);
+          const double error_low = fmax(error_up - 2.0 * delta, 0.0);
+          const bool label_here = first_vector * K + static_cast<int>(threadIdx.x) * K + k == label;
+          if (usable && !label_here && s_up < INFINITY) {
+            const double s_low = error_low * spacing_inverse(expected);  // exact: a power of two
+            const double floor_low = floor > 0.0 ? error_low * inverse_floor * (1.0 - 4e-12) : (error_low > 0.0 ? INFINITY : 0.0);
+            const double margin_low = fmin(floor_low, s_low * inverse_max_ulp * (1.0 - 4e-12));
+            // |expected| < 2^e (mantissa + 2^-20 + 2^-21) < 2^e 2: error / |expected| > s_low 2^-(mantissa_bits + 1)
+            if (margin_low == margin_low) seed_worst = fmax(seed_worst, margin_low);
+            if (expected != 0.0) seed_rel = fmax(seed_rel, ldexp(s_low, -(kMantissa + 1)));
+            seed_abs = fmax(seed_abs, error_low);
+          }
         }
       }
       seed_worst = warp_max(seed_worst);
