@@ -817,9 +817,10 @@ __global__ void __launch_bounds__(kFusedBlock, 1)
             const double s_low = error_low * spacing_inverse(expected);  // exact: a power of two
             const double floor_low = floor > 0.0 ? error_low * inverse_floor * (1.0 - 4e-12) : (error_low > 0.0 ? INFINITY : 0.0);
             const double margin_low = fmin(floor_low, s_low * inverse_max_ulp * (1.0 - 4e-12));
-            // |expected| < 2^e (mantissa + 2^-20 + 2^-21) < 2^e 2: error / |expected| > s_low 2^-(mantissa_bits + 1)
+            // |expected| < 2^e (mantissa + 2^-20 + 2^-21): error / |expected| > s_low 2^-mantissa_bits / (mantissa + 2^-19)
+            // (a tight seed: a loose one lets every warp's first steps judge most of their elements)
             if (margin_low == margin_low) seed_worst = fmax(seed_worst, margin_low);
-            if (expected != 0.0) seed_rel = fmax(seed_rel, ldexp(s_low, -(kMantissa + 1)));
+            if (expected != 0.0) seed_rel = fmax(seed_rel, ldexp(s_low, -kMantissa) / (mantissa + 0x1p-19) * (1.0 - 1e-12));
             seed_abs = fmax(seed_abs, error_low);
           }
         }
