@@ -519,9 +519,7 @@ __global__ void __launch_bounds__(kReferenceThreads, 4) compare_kernel(Reference
 // partials through distributed shared memory in rank order, so every CTA gets the row's lse; pass B judges
 // every element from e_v, expected_v = w z (e_v exp(m_t - lse)) - w q_v, without a second exp.
 
-constexpr int kFusedBlock = 256;
-constexpr int kFusedPerThread = 8;                          // 16-byte vectors per thread: 64 elements
-constexpr int kFusedChunk = kFusedBlock * kFusedPerThread;  // vectors per CTA (16384 16-bit elements)
+constexpr int kFusedChunk = 2048;                           // vectors per CTA (16384 16-bit elements)
 constexpr int kFusedMaxCluster = 8;
 constexpr int kFusedElements = 8;                           // 16-bit elements per vector
 constexpr std::size_t kFusedSmem = static_cast<std::size_t>(kFusedChunk) * (16 + 16 + kFusedElements * sizeof(double));
@@ -606,10 +604,54 @@ __device__ __forceinline__ double warp_max(double x) {
   return x;
 }
 
+// What the full judgement of a fused row's elements needs (passed to the out-of-line judge_vector).
+struct FusedRow {
+  const ReferenceCompareArgs* a;
+  const void* x_row;  // the row's logits in global memory (the staged copy already holds the next row)
+  std::int64_t label;
+  double lse, weight, z_factor, floor;
+  int kind;
+  bool screen;
+};
+
+// The elements of one 16-byte gradient vector flagged in `judge`, judged in full in column order (ties keep
+// the earlier column), with the two-pass kernel's expected value. Out of line: rare, and one copy instead of
+// one per unrolled vector. Returns the row sums' increments where the screen did not already add them.
 template <class T>
+__device__ __noinline__ double2 judge_vector(const FusedRow& row, CompareState* st, int column0, unsigned judge,
+                                             int4 raw) {
+  const ReferenceCompareArgs& a = *row.a;
+  const std::uint32_t w[4] = {static_cast<std::uint32_t>(raw.x), static_cast<std::uint32_t>(raw.y),
+                              static_cast<std::uint32_t>(raw.z), static_cast<std::uint32_t>(raw.w)};
+  double sum = 0.0, magnitude = 0.0;
+  for (int k = 0; k < kFusedElements; ++k) {
+    if (!((judge >> k) & 1u)) continue;
+    const double got = widen_bits<T>((w[k / 2] >> (16 * (k % 2))) & 0xffffu);
+    const int column = column0 + k;
+    if (row.kind == 2) {
+      judge_padding(*st, a, column, got);
+      continue;
+    }
+    if (!row.screen) {
+      sum += got * a.framework_scale;
+      magnitude += fabs(got * a.framework_scale);
+    }
+    double expected = 0.0;
+    if (row.kind == 0) {  // compare_kernel's expected value (no softcap here)
+      const double p = exp(static_cast<double>(widen<T>(static_cast<const T*>(row.x_row)[column])) - row.lse);
+      expected = row.weight * (p * row.z_factor - (column == row.label ? a.q_on : a.q_off));
+    }
+    judge_element(*st, a, row.floor, column, got, expected);
+  }
+  atomicAdd(&fused_judged, static_cast<unsigned long long>(__popc(judge)));
+  return make_double2(sum, magnitude);
+}
+
+template <class T, int kFusedBlock>
 __global__ void __launch_bounds__(kFusedBlock, 1)
     fused_kernel(ReferenceCompareArgs a, double* partials, double* lse_out, RowComparison* out) {
   static_assert(sizeof(T) == 2, "the fused reference holds 16-bit rows");
+  constexpr int kFusedPerThread = kFusedChunk / kFusedBlock;  // 16-byte vectors per thread
   namespace cg = cooperative_groups;
   const cg::cluster_group cluster = cg::this_cluster();
   const unsigned rank = cluster.block_rank();
@@ -836,7 +878,9 @@ __global__ void __launch_bounds__(kFusedBlock, 1)
       __syncthreads();
     }
     CompareState st;
+    const FusedRow row_info{&a, x_row, label, lse, weight, z_factor, floor, kind, screen};
     double row_sum = 0.0, row_magnitude = 0.0;
+    std::int64_t compared = 0;
 #pragma unroll
     for (int j = 0; j < kFusedPerThread; ++j) {
       if (j * kFusedBlock >= limit) continue;
@@ -844,7 +888,7 @@ __global__ void __launch_bounds__(kFusedBlock, 1)
       const int4 raw = gs[v];
       const std::uint32_t w[4] = {static_cast<std::uint32_t>(raw.x), static_cast<std::uint32_t>(raw.y),
                                   static_cast<std::uint32_t>(raw.z), static_cast<std::uint32_t>(raw.w)};
-      st.compared += K;
+      compared += K;
       unsigned judge = 0xffu;  // elements to judge in full
       if (screen && kind != 2) {
         const double b_worst = read_bound(&bounds[0]), b_rel = read_bound(&bounds[1]), b_abs = read_bound(&bounds[2]);
@@ -873,28 +917,9 @@ __global__ void __launch_bounds__(kFusedBlock, 1)
         if (label >= 0 && label / K == first_vector + v) judge |= 1u << (label % K);  // the label's column
       }
       if (judge != 0u) {
-        for (int k = 0; k < K; ++k) {  // in column order: ties keep the earlier column
-          if (!((judge >> k) & 1u)) continue;
-          const std::uint32_t bits = (w[k / 2] >> (16 * (k % 2))) & 0xffffu;
-          const double got = widen_bits<T>(bits);
-          const int column = (first_vector + v) * K + k;
-          if (kind == 2) {
-            judge_padding(st, a, column, got);
-            continue;
-          }
-          if (!screen) {
-            row_sum += got * fs;
-            row_magnitude += fabs(got * fs);
-          }
-          // The two-pass kernel's expected value (compare_kernel, no softcap here).
-          double expected = 0.0;
-          if (kind == 0) {
-            const double p = exp(static_cast<double>(widen<T>(x_row[column])) - lse);
-            expected = weight * (p * z_factor - (column == label ? a.q_on : a.q_off));
-          }
-          judge_element(st, a, floor, column, got, expected);
-        }
-        atomicAdd(&fused_judged, static_cast<unsigned long long>(__popc(judge)));
+        const double2 sums = judge_vector<T>(row_info, &st, (first_vector + v) * K, judge, raw);
+        row_sum += sums.x;
+        row_magnitude += sums.y;
         if (screen && kind != 2) {
           publish_max(&bounds[0], st.margin);
           publish_max(&bounds[1], st.max_rel);
@@ -902,6 +927,7 @@ __global__ void __launch_bounds__(kFusedBlock, 1)
         }
       }
     }
+    st.compared += compared;
     st.sum.s = row_sum;
     st.magnitude.s = row_magnitude;
     st = block_merge<kFusedBlock>(st);  // ends with a block barrier: the gradient buffer has been read
@@ -977,10 +1003,10 @@ void reference_compare(StorageType type, const ReferenceCompareArgs& args, RowCo
 
 namespace {
 
-template <class T>
+template <class T, int kBlock>
 bool launch_fused(const ReferenceCompareArgs& args, double* partials, double* lse, RowComparison* out, int cluster,
                   cudaStream_t stream) {
-  auto* kernel = fused_kernel<T>;
+  auto* kernel = fused_kernel<T, kBlock>;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kFusedSmem)) !=
       cudaSuccess) {
     cudaGetLastError();
@@ -992,7 +1018,7 @@ bool launch_fused(const ReferenceCompareArgs& args, double* partials, double* ls
   attribute[0].val.clusterDim.y = 1;
   attribute[0].val.clusterDim.z = 1;
   cudaLaunchConfig_t config{};
-  config.blockDim = dim3(kFusedBlock);
+  config.blockDim = dim3(kBlock);
   config.gridDim = dim3(static_cast<unsigned>(cluster));
   config.dynamicSmemBytes = kFusedSmem;
   config.stream = stream;
@@ -1053,7 +1079,11 @@ bool reference_fused(StorageType type, const ReferenceCompareArgs& args, double*
     if constexpr (sizeof(T) == 2) {
       const int cluster = fused_cluster(args.cols);
       if (cluster == 0 || !rows_vectorizable<T>(args.cols, {args.student, args.grad})) return;
-      launched = launch_fused<T>(args, partials, lse, out, cluster, static_cast<cudaStream_t>(stream));
+      // Tuning aid: LOSSVERIFY_GPU_REFERENCE_BLOCK=256 (64 elements a thread) or 512 (32, the default).
+      const char* block = std::getenv("LOSSVERIFY_GPU_REFERENCE_BLOCK");
+      launched = block != nullptr && std::string_view(block) == "256"
+                     ? launch_fused<T, 256>(args, partials, lse, out, cluster, static_cast<cudaStream_t>(stream))
+                     : launch_fused<T, 512>(args, partials, lse, out, cluster, static_cast<cudaStream_t>(stream));
     }
   });
   return launched;
