@@ -290,8 +290,8 @@ struct CompareState {
   double first_bad_value = 0.0;
   Neumaier sum, magnitude;
 
-  // ErrorStats::add_with_margin's extrema. A thread visits its columns in increasing order, so within a
-  // thread a tie keeps the earlier column; merge() breaks ties between threads the same way.
+  // ErrorStats::add_with_margin's extrema. A tie of margins keeps the lower column, whatever the order in
+  // which a thread visits its columns (merge() breaks ties between threads the same way).
   __device__ __forceinline__ void extrema(double expected, double error) {
     if (isnan(error)) {
       max_abs = INFINITY;
@@ -302,7 +302,7 @@ struct CompareState {
     if (expected != 0.0 && error > max_rel * fabs(expected) * (1.0 - 1e-12)) max_rel = fmax(max_rel, error / fabs(expected));
   }
   __device__ __forceinline__ void worst(int column, double m, double expected, double got, double tolerance) {
-    if (worst_column < 0 || m > margin) {
+    if (worst_column < 0 || m > margin || (m == margin && column < worst_column)) {
       margin = m;
       worst_column = column;
       worst_expected = expected;
@@ -414,9 +414,9 @@ __device__ void judge_element(CompareState& st, const ReferenceCompareArgs& a, d
       st.max_ulp = max(st.max_ulp, ulp_distance(got_local, local_expected, a.dtype));
     }
     const double by_ulp = a.max_ulp == 1 ? in_spacings : local_error / (a.max_ulp * ulp_size(local_expected, a.dtype));
-    // m = min(by_ulp, by_floor) <= by_ulp: when by_ulp is within 1 and no more than the worst so
-    // far, the element neither mismatches nor becomes the worst, and by_floor is not needed.
-    if (st.worst_column < 0 || !(by_ulp <= 1.0 && by_ulp <= st.margin)) {
+    // m = min(by_ulp, by_floor) <= by_ulp: when by_ulp is within 1 and below the worst so far, the
+    // element neither mismatches nor becomes (or ties) the worst, and by_floor is not needed.
+    if (st.worst_column < 0 || !(by_ulp <= 1.0 && by_ulp < st.margin)) {
       const double by_floor = margin_of(error, floor);
       double m = by_floor < by_ulp ? by_floor : by_ulp;  // std::min
       const bool mismatch = !(m <= 1.0);
@@ -604,7 +604,7 @@ __device__ __forceinline__ double warp_max(double x) {
   return x;
 }
 
-// What the full judgement of a fused row's elements needs (passed to the out-of-line judge_vector).
+// What the full judgement of a fused row's elements needs.
 struct FusedRow {
   const ReferenceCompareArgs* a;
   const void* x_row;  // the row's logits in global memory (the staged copy already holds the next row)
@@ -614,11 +614,11 @@ struct FusedRow {
   bool screen;
 };
 
-// The elements of one 16-byte gradient vector flagged in `judge`, judged in full in column order (ties keep
-// the earlier column), with the two-pass kernel's expected value. Out of line: rare, and one copy instead of
-// one per unrolled vector. Returns the row sums' increments where the screen did not already add them.
+// The elements of one 16-byte gradient vector flagged in `judge`, judged in full with the two-pass kernel's
+// expected value (the order of visits does not matter: CompareState breaks ties by column). Returns the row
+// sums' increments where the screen did not already add them.
 template <class T>
-__device__ __noinline__ double2 judge_vector(const FusedRow& row, CompareState* st, int column0, unsigned judge,
+__device__ __forceinline__ double2 judge_vector(const FusedRow& row, CompareState* st, int column0, unsigned judge,
                                              int4 raw) {
   const ReferenceCompareArgs& a = *row.a;
   const std::uint32_t w[4] = {static_cast<std::uint32_t>(raw.x), static_cast<std::uint32_t>(raw.y),
@@ -677,6 +677,9 @@ __global__ void __launch_bounds__(kFusedBlock, 1)
   CompareState* compare_slot = reinterpret_cast<CompareState*>(compare_storage);
   __shared__ double row_lse;
   __shared__ unsigned long long bounds[3];  // pass B's lower bounds: the row's worst margin, max_rel, max_abs
+  __shared__ unsigned char flags[kFusedChunk];  // per vector: its elements to judge in full
+  __shared__ short flagged[kFusedChunk];        // the vectors with flags, compacted
+  __shared__ int warp_counts[kFusedBlock / 32];
   if (threadIdx.x < 32) table[threadIdx.x] = kExp2Fractions[threadIdx.x];
   if (threadIdx.x == 0) {
     barrier_init(&x_loaded);
@@ -877,10 +880,8 @@ __global__ void __launch_bounds__(kFusedBlock, 1)
       }
       __syncthreads();
     }
-    CompareState st;
-    const FusedRow row_info{&a, x_row, label, lse, weight, z_factor, floor, kind, screen};
+    // The screen: every element's sums, and a flag byte per vector of the elements to judge in full.
     double row_sum = 0.0, row_magnitude = 0.0;
-    std::int64_t compared = 0;
 #pragma unroll
     for (int j = 0; j < kFusedPerThread; ++j) {
       if (j * kFusedBlock >= limit) continue;
@@ -888,8 +889,7 @@ __global__ void __launch_bounds__(kFusedBlock, 1)
       const int4 raw = gs[v];
       const std::uint32_t w[4] = {static_cast<std::uint32_t>(raw.x), static_cast<std::uint32_t>(raw.y),
                                   static_cast<std::uint32_t>(raw.z), static_cast<std::uint32_t>(raw.w)};
-      compared += K;
-      unsigned judge = 0xffu;  // elements to judge in full
+      unsigned judge = 0xffu;
       if (screen && kind != 2) {
         const double b_worst = read_bound(&bounds[0]), b_rel = read_bound(&bounds[1]), b_abs = read_bound(&bounds[2]);
         const double rel_spacings = ldexp(b_rel, kMantissa);
@@ -916,18 +916,44 @@ __global__ void __launch_bounds__(kFusedBlock, 1)
         if (j == 0 && rank == 0 && threadIdx.x == 0) judge |= 1u;  // column 0
         if (label >= 0 && label / K == first_vector + v) judge |= 1u << (label % K);  // the label's column
       }
-      if (judge != 0u) {
-        const double2 sums = judge_vector<T>(row_info, &st, (first_vector + v) * K, judge, raw);
-        row_sum += sums.x;
-        row_magnitude += sums.y;
-        if (screen && kind != 2) {
-          publish_max(&bounds[0], st.margin);
-          publish_max(&bounds[1], st.max_rel);
-          publish_max(&bounds[2], st.max_abs);
-        }
-      }
+      flags[v] = static_cast<unsigned char>(judge);
     }
-    st.compared += compared;
+    // The flagged vectors in a compact list (a block scan of per-thread counts), judged by consecutive
+    // threads: no warp waits on a few lanes' full judgements inside the screen.
+    int mine = 0;
+#pragma unroll
+    for (int j = 0; j < kFusedPerThread; ++j) {
+      if (j * kFusedBlock < limit && flags[threadIdx.x + j * kFusedBlock] != 0) ++mine;
+    }
+    const int lane = static_cast<int>(threadIdx.x & 31), warp = static_cast<int>(threadIdx.x >> 5);
+    int before = mine;  // inclusive scan within the warp
+    for (int offset = 1; offset < 32; offset <<= 1) {
+      const int o = __shfl_up_sync(0xffffffffu, before, offset);
+      if (lane >= offset) before += o;
+    }
+    if (lane == 31) warp_counts[warp] = before;
+    __syncthreads();
+    int warp_base = 0, total = 0;
+    for (int w = 0; w < kFusedBlock / 32; ++w) {
+      if (w < warp) warp_base += warp_counts[w];
+      total += warp_counts[w];
+    }
+    int slot = warp_base + before - mine;
+#pragma unroll
+    for (int j = 0; j < kFusedPerThread; ++j) {
+      const int v = static_cast<int>(threadIdx.x) + j * kFusedBlock;
+      if (j * kFusedBlock < limit && flags[v] != 0) flagged[slot++] = static_cast<short>(v);
+    }
+    __syncthreads();
+    const FusedRow row_info{&a, x_row, label, lse, weight, z_factor, floor, kind, screen};
+    CompareState st;
+    st.compared = static_cast<std::int64_t>(max(0, min(K * kFusedPerThread, K * ((limit + kFusedBlock - 1) / kFusedBlock))));
+    for (int i = static_cast<int>(threadIdx.x); i < total; i += kFusedBlock) {
+      const int v = flagged[i];
+      const double2 sums = judge_vector<T>(row_info, &st, (first_vector + v) * K, flags[v], gs[v]);
+      row_sum += sums.x;
+      row_magnitude += sums.y;
+    }
     st.sum.s = row_sum;
     st.magnitude.s = row_magnitude;
     st = block_merge<kFusedBlock>(st);  // ends with a block barrier: the gradient buffer has been read
@@ -941,7 +967,6 @@ __global__ void __launch_bounds__(kFusedBlock, 1)
     cluster.sync();
     if (rank == 0 && threadIdx.x < 32) {
       // Warp 0 of CTA 0: lane c reads CTA c's state, then a fixed tree over the lanes.
-      const int lane = static_cast<int>(threadIdx.x);
       CompareState row;
       if (lane < static_cast<int>(size)) row = *cluster.map_shared_rank(&compare_slot[parity], static_cast<unsigned>(lane));
       for (int offset = kFusedMaxCluster / 2; offset > 0; offset >>= 1) {
