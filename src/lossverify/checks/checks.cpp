@@ -8,7 +8,6 @@
 #include <cstdlib>
 #include <cmath>
 #include <limits>
-#include <optional>
 #include <tuple>
 
 #include "lossverify/checks/tolerances.hpp"
@@ -381,36 +380,16 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
   const bool on_device = out.device_shard != nullptr;
   if (on_device && snapshot != nullptr) throw InternalError("the GPU reference keeps no snapshot for sweeps");
   std::vector<std::int64_t> row_labels(on_device ? static_cast<std::size_t>(rows) : 0, -1);
-  // The GPU comparison's inputs (lse filled in after the combine), and, where the TP group is this rank
-  // alone so its shard holds whole rows, the partials and the comparison from one fused pass.
-  cuda::GpuCompareInputs compare_in;
-  std::optional<cuda::FusedReference> fused;
   if (on_device) {
     std::vector<int> device_valid(static_cast<std::size_t>(rows), 0);
-    compare_in.kind.assign(static_cast<std::size_t>(rows), 1);
-    compare_in.weight.assign(static_cast<std::size_t>(rows), 0.0);
     for (std::int64_t i = 0; i < rows; ++i) {
-      const auto k = static_cast<std::size_t>(i);
       const std::int64_t t = out.token_of(i);
-      if (t < 0) compare_in.kind[k] = 2;
       if (t < 0 || !inputs.is_valid(t)) continue;
-      valid[k] = 1;
-      device_valid[k] = 1;
-      compare_in.kind[k] = 0;
-      compare_in.weight[k] = reference.token_weight(t);
-      if (!kd) row_labels[k] = inputs.label(t);
+      valid[static_cast<std::size_t>(i)] = 1;
+      device_valid[static_cast<std::size_t>(i)] = 1;
+      if (!kd) row_labels[static_cast<std::size_t>(i)] = inputs.label(t);
     }
-    compare_in.labels = row_labels;
-    compare_in.atol = judge.tolerance.atol;
-    compare_in.rtol = judge.tolerance.rtol;
-    compare_in.max_ulp = judge.tolerance.max_ulp;
-    compare_in.framework_scale = framework_scale;
-    compare_in.quantum = judge.quantum;
-    compare_in.grad_scale = grad_scale;
-    compare_in.smallest_normal = smallest_normal(out.dtype);
-    if (tp_size == 1) fused = cuda::gpu_reference_fused(*out.device_shard, c, compare_in);
-    partials = fused ? std::move(fused->partials)
-                     : cuda::gpu_reference_partials(*out.device_shard, c, row_labels, device_valid);
+    partials = cuda::gpu_reference_partials(*out.device_shard, c, row_labels, device_valid);
   } else {
 #pragma omp parallel num_threads(threads)
     {
@@ -498,33 +477,32 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
   std::vector<double> token_margins(error_map != nullptr ? static_cast<std::size_t>(2 * n) : 0, 0.0);
   std::vector<cuda::RowComparison> compared_rows;
   if (on_device) {
-    if (fused) {
-      // The fused pass computed each row's lse on the GPU from the partials the combine above read: the
-      // two must agree to float64 rounding (log on the device and on the host), else the comparison
-      // judged against another lse than the losses.
-      for (std::int64_t i = 0; i < rows; ++i) {
-        const auto k = static_cast<std::size_t>(i);
-        if (!valid[k]) continue;
-        const double host = stats[k].lse, device = fused->lse[k];
-        const bool agree = host == device || (std::isnan(host) && std::isnan(device)) ||
-                           std::fabs(host - device) <= 1e-14 * std::max(1.0, std::fabs(host));
-        if (!agree) {
-          throw InternalError("GPU reference: row " + std::to_string(i) + "'s lse is " + std::to_string(device) +
-                              " on the device and " + std::to_string(host) + " from its partials on the host");
-        }
+    cuda::GpuCompareInputs in;
+    in.kind.assign(static_cast<std::size_t>(rows), 1);
+    in.labels = row_labels;
+    in.lse.assign(static_cast<std::size_t>(rows), 0.0);
+    in.teacher_lse.assign(static_cast<std::size_t>(rows), 0.0);
+    in.weight.assign(static_cast<std::size_t>(rows), 0.0);
+    for (std::int64_t i = 0; i < rows; ++i) {
+      const auto k = static_cast<std::size_t>(i);
+      const std::int64_t t = out.token_of(i);
+      if (t < 0) {
+        in.kind[k] = 2;
+      } else if (valid[k]) {
+        in.kind[k] = 0;
+        in.lse[k] = stats[k].lse;
+        in.teacher_lse[k] = stats[k].teacher_lse;
+        in.weight[k] = reference.token_weight(t);
       }
-      compared_rows = std::move(fused->rows);
-    } else {
-      compare_in.lse.assign(static_cast<std::size_t>(rows), 0.0);
-      compare_in.teacher_lse.assign(static_cast<std::size_t>(rows), 0.0);
-      for (std::int64_t i = 0; i < rows; ++i) {
-        const auto k = static_cast<std::size_t>(i);
-        if (!valid[k]) continue;
-        compare_in.lse[k] = stats[k].lse;
-        compare_in.teacher_lse[k] = stats[k].teacher_lse;
-      }
-      compared_rows = cuda::gpu_reference_compare(*out.device_shard, c, compare_in);
     }
+    in.atol = judge.tolerance.atol;
+    in.rtol = judge.tolerance.rtol;
+    in.max_ulp = judge.tolerance.max_ulp;
+    in.framework_scale = framework_scale;
+    in.quantum = judge.quantum;
+    in.grad_scale = grad_scale;
+    in.smallest_normal = smallest_normal(out.dtype);
+    compared_rows = cuda::gpu_reference_compare(*out.device_shard, c, in);
     for (std::int64_t i = 0; i < rows; ++i) {
       const auto k = static_cast<std::size_t>(i);
       const std::int64_t t = out.token_of(i);

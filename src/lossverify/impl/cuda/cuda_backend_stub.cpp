@@ -30,9 +30,5 @@ std::vector<double> gpu_reference_kl(const DeviceShard&, const Case&, const std:
 std::vector<RowComparison> gpu_reference_compare(const DeviceShard&, const Case&, const GpuCompareInputs&) {
   unavailable();
 }
-std::optional<FusedReference> gpu_reference_fused(const DeviceShard&, const Case&, const GpuCompareInputs&) {
-  unavailable();
-}
-std::int64_t fused_reference_rows() { return 0; }
 
 }  // namespace lossverify::cuda

@@ -1,6 +1,5 @@
 #include "lossverify/impl/cuda/gpu_reference.hpp"
 
-#include <atomic>
 #include <cmath>
 
 #include "lossverify/impl/cuda/device_buffer.hpp"
@@ -31,61 +30,6 @@ std::vector<T> download(const DeviceBytes& d, std::size_t count, cudaStream_t st
   return host;
 }
 
-// RowPartial's empty values (rows that are not evaluated keep them).
-std::vector<double> empty_partials(std::int64_t rows) {
-  std::vector<double> empty(static_cast<std::size_t>(rows) * 8);
-  for (std::int64_t i = 0; i < rows; ++i) {
-    double* p = &empty[static_cast<std::size_t>(8 * i)];
-    p[0] = p[5] = -INFINITY;
-    p[1] = p[2] = p[3] = p[4] = p[6] = p[7] = 0.0;
-  }
-  return empty;
-}
-
-// The comparison's inputs on the device, and the kernel arguments that point at them.
-struct CompareUpload {
-  DeviceBytes kind{0}, labels{0}, lse{0}, teacher_lse{0}, weight{0};
-  ReferenceCompareArgs args{};
-};
-CompareUpload upload_compare(const DeviceShard& shard, const Case& c, const GpuCompareInputs& in, cudaStream_t stream) {
-  CompareUpload u;
-  u.kind = upload(in.kind, stream);
-  u.labels = upload(in.labels, stream);
-  u.lse = upload(in.lse, stream);
-  u.teacher_lse = upload(in.teacher_lse, stream);
-  u.weight = upload(in.weight, stream);
-  ReferenceCompareArgs& a = u.args;
-  a.student = shard.student.as<void>();
-  a.teacher = shard.teacher.as<void>();
-  a.grad = shard.grad.as<void>();
-  a.rows = shard.rows;
-  a.cols = shard.cols;
-  a.begin = shard.begin;
-  a.kind = u.kind.as<int>();
-  a.label = u.labels.as<std::int64_t>();
-  a.lse = u.lse.as<double>();
-  a.teacher_lse = u.teacher_lse.as<double>();
-  a.weight = u.weight.as<double>();
-  a.kd = c.loss.kind == LossKind::kd;
-  a.temperature = c.loss.temperature;
-  a.inverse_temperature = 1.0 / c.loss.temperature;
-  a.kd_grad_scale = std::pow(c.loss.temperature, (c.loss.t2_scaling ? 2.0 : 0.0) - 1.0);
-  a.softcap = c.loss.softcap;
-  a.z_loss_weight = c.loss.z_loss_weight;
-  target_weights(c, a.q_on, a.q_off);
-  a.atol = in.atol;
-  a.rtol = in.rtol;
-  a.max_ulp = in.max_ulp;
-  a.dtype = static_cast<int>(shard.type);
-  a.framework_scale = in.framework_scale;
-  a.quantum = in.quantum;
-  a.grad_scale = in.grad_scale;
-  a.smallest_normal = in.smallest_normal;
-  return u;
-}
-
-std::atomic<std::int64_t> fused_rows{0};
-
 }  // namespace
 
 std::vector<double> gpu_reference_partials(const DeviceShard& shard, const Case& c, const std::vector<std::int64_t>& labels,
@@ -96,7 +40,12 @@ std::vector<double> gpu_reference_partials(const DeviceShard& shard, const Case&
   DeviceBytes d_labels = upload(labels, stream.get());
   DeviceBytes d_out(static_cast<std::size_t>(shard.rows) * 8 * sizeof(double));
   // Rows left out keep RowPartial's empty values.
-  const std::vector<double> empty = empty_partials(shard.rows);
+  std::vector<double> empty(static_cast<std::size_t>(shard.rows) * 8);
+  for (std::int64_t i = 0; i < shard.rows; ++i) {
+    double* p = &empty[static_cast<std::size_t>(8 * i)];
+    p[0] = p[5] = -INFINITY;
+    p[1] = p[2] = p[3] = p[4] = p[6] = p[7] = 0.0;
+  }
   LV_CUDA(cudaMemcpyAsync(d_out.as<void>(), empty.data(), d_out.size(), cudaMemcpyHostToDevice, stream.get()));
   ReferencePartialArgs a{};
   a.student = shard.student.as<void>();
@@ -134,36 +83,42 @@ std::vector<double> gpu_reference_kl(const DeviceShard& shard, const Case& c, co
 std::vector<RowComparison> gpu_reference_compare(const DeviceShard& shard, const Case& c, const GpuCompareInputs& in) {
   LV_CUDA(cudaSetDevice(shard.device));
   Stream stream;
-  const CompareUpload u = upload_compare(shard, c, in, stream.get());
+  DeviceBytes d_kind = upload(in.kind, stream.get());
+  DeviceBytes d_labels = upload(in.labels, stream.get());
+  DeviceBytes d_lse = upload(in.lse, stream.get());
+  DeviceBytes d_teacher_lse = upload(in.teacher_lse, stream.get());
+  DeviceBytes d_weight = upload(in.weight, stream.get());
   DeviceBytes d_out(static_cast<std::size_t>(shard.rows) * sizeof(RowComparison));
-  reference_compare(shard.type, u.args, d_out.as<RowComparison>(), stream.get());
+  ReferenceCompareArgs a{};
+  a.student = shard.student.as<void>();
+  a.teacher = shard.teacher.as<void>();
+  a.grad = shard.grad.as<void>();
+  a.rows = shard.rows;
+  a.cols = shard.cols;
+  a.begin = shard.begin;
+  a.kind = d_kind.as<int>();
+  a.label = d_labels.as<std::int64_t>();
+  a.lse = d_lse.as<double>();
+  a.teacher_lse = d_teacher_lse.as<double>();
+  a.weight = d_weight.as<double>();
+  a.kd = c.loss.kind == LossKind::kd;
+  a.temperature = c.loss.temperature;
+  a.inverse_temperature = 1.0 / c.loss.temperature;
+  a.kd_grad_scale = std::pow(c.loss.temperature, (c.loss.t2_scaling ? 2.0 : 0.0) - 1.0);
+  a.softcap = c.loss.softcap;
+  a.z_loss_weight = c.loss.z_loss_weight;
+  target_weights(c, a.q_on, a.q_off);
+  a.atol = in.atol;
+  a.rtol = in.rtol;
+  a.max_ulp = in.max_ulp;
+  a.dtype = static_cast<int>(shard.type);
+  a.framework_scale = in.framework_scale;
+  a.quantum = in.quantum;
+  a.grad_scale = in.grad_scale;
+  a.smallest_normal = in.smallest_normal;
+  reference_compare(shard.type, a, d_out.as<RowComparison>(), stream.get());
   LV_CUDA(cudaGetLastError());
   return download<RowComparison>(d_out, static_cast<std::size_t>(shard.rows), stream.get());
 }
-
-std::optional<FusedReference> gpu_reference_fused(const DeviceShard& shard, const Case& c, const GpuCompareInputs& in) {
-  if (shard.cols != c.shape.vocab || shard.begin != 0) return std::nullopt;  // whole rows only
-  LV_CUDA(cudaSetDevice(shard.device));
-  Stream stream;
-  const CompareUpload u = upload_compare(shard, c, in, stream.get());
-  const std::vector<double> empty = empty_partials(shard.rows);
-  DeviceBytes d_partials = upload(empty, stream.get());
-  DeviceBytes d_lse(static_cast<std::size_t>(shard.rows) * sizeof(double));
-  DeviceBytes d_out(static_cast<std::size_t>(shard.rows) * sizeof(RowComparison));
-  if (!reference_fused(shard.type, u.args, d_partials.as<double>(), d_lse.as<double>(), d_out.as<RowComparison>(),
-                       stream.get())) {
-    stream.sync();  // the uploads are freed on return
-    return std::nullopt;
-  }
-  LV_CUDA(cudaGetLastError());
-  FusedReference f;
-  f.partials = download<double>(d_partials, empty.size(), stream.get());
-  f.lse = download<double>(d_lse, static_cast<std::size_t>(shard.rows), stream.get());
-  f.rows = download<RowComparison>(d_out, static_cast<std::size_t>(shard.rows), stream.get());
-  fused_rows += shard.rows;
-  return f;
-}
-
-std::int64_t fused_reference_rows() { return fused_rows.load(); }
 
 }  // namespace lossverify::cuda

@@ -2,7 +2,6 @@
 // Host side of the GPU float64 reference (reference_kernels.hpp): verification calls these when a
 // rank's shard stayed on its GPU (RankOutput::device_shard). No CUDA headers here.
 #include <cstdint>
-#include <optional>
 #include <vector>
 
 #include "lossverify/case/case.hpp"
@@ -28,17 +27,5 @@ struct GpuCompareInputs {
   double framework_scale = 1.0, quantum = 0.0, grad_scale = 1.0, smallest_normal = 0.0;
 };
 std::vector<RowComparison> gpu_reference_compare(const DeviceShard& shard, const Case& c, const GpuCompareInputs& in);
-
-// The partials and the comparison in one pass (reference_fused), for a shard that holds whole rows: each
-// row's lse is computed on the GPU from its own partials (in.lse is not read). std::nullopt where the fused
-// kernel does not apply; the caller then takes gpu_reference_partials and gpu_reference_compare.
-struct FusedReference {
-  std::vector<double> partials;  // RowPartial's 8 doubles per row; rows of kind != 0 keep the empty partial
-  std::vector<double> lse;       // per row of kind 0, the lse the comparison used
-  std::vector<RowComparison> rows;
-};
-std::optional<FusedReference> gpu_reference_fused(const DeviceShard& shard, const Case& c, const GpuCompareInputs& in);
-// Rows judged by the fused kernel in this process (tests check that a case took it).
-std::int64_t fused_reference_rows();
 
 }  // namespace lossverify::cuda

@@ -11,7 +11,6 @@
 #include <string_view>
 #include <type_traits>
 
-#include "lossverify/impl/cuda/bulk_copy.cuh"
 #include "lossverify/impl/cuda/device_types.cuh"
 #include "lossverify/impl/cuda/kernels.hpp"
 #include "lossverify/math/cross_entropy_math.hpp"
@@ -384,6 +383,38 @@ __device__ __forceinline__ void opaque(int4 (&data)[N]) {
   for (int j = 0; j < N; ++j) asm volatile("" : "+r"(data[j].x), "+r"(data[j].y), "+r"(data[j].z), "+r"(data[j].w));
 }
 
+// The copy engine's 1-D bulk copy into this CTA's shared memory, completing on an mbarrier.
+__device__ __forceinline__ std::uint32_t smem_address(const void* p) {
+  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void barrier_init(std::uint64_t* barrier) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_address(barrier)) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+// One arrival (the issuing thread's) that also expects `bytes` of copies, then the copy itself.
+__device__ __forceinline__ void bulk_load(void* destination, const void* source, std::uint32_t bytes,
+                                          std::uint64_t* barrier) {
+  const std::uint32_t b = smem_address(barrier);
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes) : "memory");
+  if (bytes > 0) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     smem_address(destination)),
+                 "l"(source), "r"(bytes), "r"(b)
+                 : "memory");
+  }
+}
+__device__ __forceinline__ void barrier_wait(std::uint64_t* barrier, std::uint32_t parity) {
+  const std::uint32_t b = smem_address(barrier);
+  std::uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(b), "r"(parity)
+        : "memory");
+  }
+}
+
 // The plain instantiation's per-element pieces, chosen from the instruction counts in the SASS.
 // ex2 without exp2f's subnormal fix-up (three instructions per call): results below 2^-126 flush to 0,
 // where a gradient element is far below every tolerance's absolute floor.
@@ -537,7 +568,7 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
     }
     __syncthreads();  // every thread has its registers: the buffer takes the next row
     if (threadIdx.x == 0 && r + clusters < a.rows) {
-      async_proxy_fence();
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       prefetch(r + clusters);
     }
     if (!active) {  // the same for every CTA of the cluster: no barrier skipped by some only

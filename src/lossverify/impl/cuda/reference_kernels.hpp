@@ -68,11 +68,4 @@ struct RowComparison {
 };
 void reference_compare(StorageType type, const ReferenceCompareArgs& args, RowComparison* out, void* stream);
 
-// reference_partials, the lse and reference_compare in one pass, for rows whole on this shard (the TP
-// group is one rank): each row's lse comes from its own partials (written to `lse`, args.lse unused).
-// Cross-entropy without softcap on 16-bit storage, rows of up to 131072 elements in 16-byte vectors;
-// returns false, launching nothing, elsewhere (and under LOSSVERIFY_GPU_REFERENCE=two-pass).
-bool reference_fused(StorageType type, const ReferenceCompareArgs& args, double* partials, double* lse,
-                     RowComparison* out, void* stream);
-
 }  // namespace lossverify::cuda
