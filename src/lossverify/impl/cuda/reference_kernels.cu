@@ -413,7 +413,7 @@ __device__ CompareState shfl(const CompareState& x, int offset) {
 // Divisions are taken only where their quotient can matter: a new worst element, a mismatch, a new
 // maximum relative error; elsewhere a comparison decides.
 template <class T>
-__global__ void __launch_bounds__(kReferenceThreads, 4) compare_kernel(ReferenceCompareArgs a, RowComparison* out,
+__global__ void __launch_bounds__(kReferenceThreads, 3) compare_kernel(ReferenceCompareArgs a, RowComparison* out,
                                                                          bool vectorized) {
   __shared__ double table[32];
   load_exp_table(table);
@@ -514,11 +514,12 @@ __global__ void __launch_bounds__(kReferenceThreads, 4) compare_kernel(Reference
       if (a.screen && vectorized && kind != 2 && a.max_ulp == 1 && fs == 1.0) {
         // The screen (16-bit gradients in ULP mode): the exact expected value and error of every element,
         // and judge() only where it could change the thread's state beyond its count and sums. judge()
-        // skips an element on its own when in_spacings < 0.5 (no ulp distance), by_ulp = in_spacings <=
-        // min(1, margin) with a worst already set (neither a mismatch nor a new worst), error <= max_abs and
-        // error / |expected| <= max_rel; with |expected| >= 2^e m (m its mantissa truncated to 20 bits),
-        // error / |expected| <= in_spacings 2^-mantissa_bits / m. The stored value must be normal or zero
-        // (no census). Flagged elements are judged in column order, reloaded, by one copy of judge().
+        // changes nothing when in_spacings < 0.5 (no ulp distance), m = min(by_floor, by_ulp) <=
+        // min(error / floor, in_spacings) <= min(1, margin) with a worst already set (neither a mismatch
+        // nor a new worst: a tie keeps the earlier column), error <= max_abs, and error / |expected| <=
+        // max_rel: with |expected| >= 2^e m (m its mantissa truncated to 20 bits), error / |expected| <=
+        // in_spacings 2^-mantissa_bits / m. The stored value must be normal or zero (no census). Flagged
+        // elements are judged in column order, reloaded, by one copy of judge().
         constexpr int K = Pack<T>::kCount;
         constexpr int kMantissa = std::is_same_v<T, __half> ? 10 : 7;
         constexpr int kMinExponent = std::is_same_v<T, __half> ? -14 : -126;
@@ -530,7 +531,8 @@ __global__ void __launch_bounds__(kReferenceThreads, 4) compare_kernel(Reference
             return __bfloat16_as_ushort(value);
           }
         };
-        double threshold = -1.0, rel_limit = 0.0, max_abs = 0.0;
+        double margin_limit = -1.0, rel_limit = 0.0, max_abs = 0.0;
+        const double inverse_floor = floor > 0.0 ? (1.0 / floor) * (1.0 + 1e-12) : INFINITY;
         const int packs = cols / K;
         for (int i = threadIdx.x; i < packs; i += blockDim.x) {
           const Pack<T> xp = reinterpret_cast<const Pack<T>*>(x)[i];
@@ -553,7 +555,9 @@ __global__ void __launch_bounds__(kReferenceThreads, 4) compare_kernel(Reference
                                    (exponent >= kMinExponent && exponent < 900 && in_spacings <= rel_limit * mantissa);
             const unsigned b = bits_of(gp.v[k]);
             const bool subnormal = (b & kExponentMask) == 0 && (b & 0x7fffu) != 0;
-            const bool quiet = in_spacings <= threshold && error <= max_abs && rel_quiet && !subnormal;
+            // m = min(by_floor, by_ulp) <= min(error / floor, in_spacings) (error 0: both 0)
+            const double margin_up = error == 0.0 ? 0.0 : fmin(error * inverse_floor, in_spacings);
+            const bool quiet = in_spacings < 0.5 && margin_up <= margin_limit && error <= max_abs && rel_quiet && !subnormal;
             flagged |= quiet ? 0u : 1u << k;
           }
           st.compared += K;
@@ -564,7 +568,7 @@ __global__ void __launch_bounds__(kReferenceThreads, 4) compare_kernel(Reference
               const double got = widen<T>(g[v]);
               judge(v, got, expected_of(v, widen<T>(x[v]), a.kd ? widen<T>(y[v]) : 0.0f));
             }
-            threshold = st.worst_column < 0 ? -1.0 : fmin(st.margin, 0x1.fffffffffffffp-2);
+            margin_limit = st.worst_column < 0 ? -1.0 : fmin(st.margin, 1.0);
             rel_limit = ldexp(st.max_rel, kMantissa) * (1.0 - 0x1p-50);
             max_abs = st.max_abs;
           }
