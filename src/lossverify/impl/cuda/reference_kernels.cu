@@ -7,10 +7,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
-#include <string_view>
 #include <initializer_list>
-#include <type_traits>
 
 #include "lossverify/impl/cuda/device_types.cuh"
 #include "lossverify/impl/cuda/reference_kernels.hpp"
@@ -413,7 +410,7 @@ __device__ CompareState shfl(const CompareState& x, int offset) {
 // Divisions are taken only where their quotient can matter: a new worst element, a mismatch, a new
 // maximum relative error; elsewhere a comparison decides.
 template <class T>
-__global__ void __launch_bounds__(kReferenceThreads, 3) compare_kernel(ReferenceCompareArgs a, RowComparison* out,
+__global__ void __launch_bounds__(kReferenceThreads, 4) compare_kernel(ReferenceCompareArgs a, RowComparison* out,
                                                                          bool vectorized) {
   __shared__ double table[32];
   load_exp_table(table);
@@ -437,8 +434,19 @@ __global__ void __launch_bounds__(kReferenceThreads, 3) compare_kernel(Reference
     const std::int64_t label = a.kd ? -1 : a.label[r] - a.begin;
     CompareState st;
     double row_sum = 0.0, row_magnitude = 0.0;
-    // The reference gradient of a column (kinds 0 and 1).
-    auto expected_of = [&](int v, float xf, float yf) {
+    auto visit = [&](int v, float xf, float yf, float gf) {
+      const double got_local = gf;
+      const double got = got_local * fs;
+      const double magnitude_local = fabs(got_local);
+      if (!(magnitude_local >= a.smallest_normal && magnitude_local <= DBL_MAX)) st.census(v, got_local, a.smallest_normal);
+      ++st.compared;
+      if (kind == 2) {  // CP padding: masked, exactly zero
+        const bool mismatch = got != 0.0;
+        st.mismatches += mismatch;
+        st.extrema(0.0, got == 0.0 ? 0.0 : fabs(got));
+        st.worst(v, mismatch ? INFINITY : 0.0, 0.0, got, 0.0);
+        return;
+      }
       double expected = 0.0;
       if (kind == 0) {
         const double xv = xf;
@@ -455,15 +463,10 @@ __global__ void __launch_bounds__(kReferenceThreads, 3) compare_kernel(Reference
           expected = weight * d;
         }
       }
-      return expected;
-    };
-    // GradJudge on one element of kind 0 or 1, all but the count and the row sums.
-    auto judge = [&](int v, double got_local, double expected) {
-      const double got = got_local * fs;
-      const double magnitude_local = fabs(got_local);
-      if (!(magnitude_local >= a.smallest_normal && magnitude_local <= DBL_MAX)) st.census(v, got_local, a.smallest_normal);
       const double error = got == expected ? 0.0 : fabs(got - expected);
       st.extrema(expected, error);
+      row_sum += got;
+      row_magnitude += fabs(got);
       if (a.max_ulp > 0) {
         const double local_expected = fs == 1.0 ? expected : expected / fs;
         const double local_error = got_local == local_expected ? 0.0 : fabs(got_local - local_expected);
@@ -492,96 +495,7 @@ __global__ void __launch_bounds__(kReferenceThreads, 3) compare_kernel(Reference
         }
       }
     };
-    auto visit = [&](int v, float xf, float yf, float gf) {
-      const double got_local = gf;
-      const double got = got_local * fs;
-      ++st.compared;
-      if (kind == 2) {  // CP padding: masked, exactly zero
-        const double magnitude_local = fabs(got_local);
-        if (!(magnitude_local >= a.smallest_normal && magnitude_local <= DBL_MAX)) st.census(v, got_local, a.smallest_normal);
-        const bool mismatch = got != 0.0;
-        st.mismatches += mismatch;
-        st.extrema(0.0, got == 0.0 ? 0.0 : fabs(got));
-        st.worst(v, mismatch ? INFINITY : 0.0, 0.0, got, 0.0);
-        return;
-      }
-      const double expected = expected_of(v, xf, yf);
-      row_sum += got;
-      row_magnitude += fabs(got);
-      judge(v, got_local, expected);
-    };
-    if constexpr (sizeof(T) == 2) {
-      if (a.screen && vectorized && kind != 2 && a.max_ulp == 1 && fs == 1.0) {
-        // The screen (16-bit gradients in ULP mode): the exact expected value and error of every element,
-        // and judge() only where it could change the thread's state beyond its count and sums. judge()
-        // changes nothing when in_spacings < 0.5 (no ulp distance), m = min(by_floor, by_ulp) <=
-        // min(error / floor, in_spacings) <= min(1, margin) with a worst already set (neither a mismatch
-        // nor a new worst: a tie keeps the earlier column), error <= max_abs, and error / |expected| <=
-        // max_rel: with |expected| >= 2^e m (m its mantissa truncated to 20 bits), error / |expected| <=
-        // in_spacings 2^-mantissa_bits / m. The stored value must be normal or zero (no census). Flagged
-        // elements are judged in column order, reloaded, by one copy of judge().
-        constexpr int K = Pack<T>::kCount;
-        constexpr int kMantissa = std::is_same_v<T, __half> ? 10 : 7;
-        constexpr int kMinExponent = std::is_same_v<T, __half> ? -14 : -126;
-        constexpr unsigned kExponentMask = std::is_same_v<T, __half> ? 0x7c00u : 0x7f80u;
-        auto bits_of = [](T value) -> unsigned {
-          if constexpr (std::is_same_v<T, __half>) {
-            return __half_as_ushort(value);
-          } else {
-            return __bfloat16_as_ushort(value);
-          }
-        };
-        double margin_limit = -1.0, rel_limit = 0.0, max_abs = 0.0;
-        const double inverse_floor = floor > 0.0 ? (1.0 / floor) * (1.0 + 1e-12) : INFINITY;
-        const int packs = cols / K;
-        for (int i = threadIdx.x; i < packs; i += blockDim.x) {
-          const Pack<T> xp = reinterpret_cast<const Pack<T>*>(x)[i];
-          Pack<T> yp{};
-          if (a.kd) yp = reinterpret_cast<const Pack<T>*>(y)[i];
-          const Pack<T> gp = reinterpret_cast<const Pack<T>*>(g)[i];
-          unsigned flagged = 0u;
-#pragma unroll
-          for (int k = 0; k < K; ++k) {
-            const double got = widen<T>(gp.v[k]);
-            row_sum += got;
-            row_magnitude += fabs(got);
-            const double expected = expected_of(i * K + k, widen<T>(xp.v[k]), a.kd ? widen<T>(yp.v[k]) : 0.0f);
-            const double error = fabs(got - expected);
-            const int hi = __double2hiint(expected) & 0x7fffffff;
-            const int exponent = (hi >> 20) - 1023;
-            const double in_spacings = error * __hiloint2double((1023 + kMantissa - max(exponent, kMinExponent)) << 20, 0);
-            const double mantissa = __hiloint2double((hi & 0xfffff) | 0x3ff00000, 0);
-            const bool rel_quiet = (hi | __double2loint(expected)) == 0 ||
-                                   (exponent >= kMinExponent && exponent < 900 && in_spacings <= rel_limit * mantissa);
-            const unsigned b = bits_of(gp.v[k]);
-            const bool subnormal = (b & kExponentMask) == 0 && (b & 0x7fffu) != 0;
-            // m = min(by_floor, by_ulp) <= min(error / floor, in_spacings) (error 0: both 0)
-            const double margin_up = error == 0.0 ? 0.0 : fmin(error * inverse_floor, in_spacings);
-            const bool quiet = in_spacings < 0.5 && margin_up <= margin_limit && error <= max_abs && rel_quiet && !subnormal;
-            flagged |= quiet ? 0u : 1u << k;
-          }
-          st.compared += K;
-          if (flagged != 0u) {
-            for (int k = 0; k < K; ++k) {
-              if (!((flagged >> k) & 1u)) continue;
-              const int v = i * K + k;
-              const double got = widen<T>(g[v]);
-              judge(v, got, expected_of(v, widen<T>(x[v]), a.kd ? widen<T>(y[v]) : 0.0f));
-            }
-            margin_limit = st.worst_column < 0 ? -1.0 : fmin(st.margin, 1.0);
-            rel_limit = ldexp(st.max_rel, kMantissa) * (1.0 - 0x1p-50);
-            max_abs = st.max_abs;
-          }
-        }
-        for (int c = packs * K + static_cast<int>(threadIdx.x); c < cols; c += blockDim.x) {
-          visit(c, widen<T>(x[c]), widen<T>(y[c]), widen<T>(g[c]));
-        }
-      } else if (a.kd) {
-        for_each_column<true, true>(x, y, g, cols, vectorized, visit);
-      } else {
-        for_each_column<false, true>(x, y, g, cols, vectorized, visit);
-      }
-    } else if (a.kd) {
+    if (a.kd) {
       for_each_column<true, true>(x, y, g, cols, vectorized, visit);
     } else {
       for_each_column<false, true>(x, y, g, cols, vectorized, visit);
@@ -647,11 +561,8 @@ void reference_compare(StorageType type, const ReferenceCompareArgs& args, RowCo
   dispatch(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const bool vectorized = rows_vectorizable<T>(args.cols, {args.student, args.teacher, args.grad});
-    ReferenceCompareArgs screened = args;
-    const char* screen = std::getenv("LOSSVERIFY_GPU_REFERENCE_SCREEN");  // read per call: tests compare both
-    screened.screen = screen == nullptr || std::string_view(screen) != "off";
     compare_kernel<T><<<reference_blocks(args.rows), kReferenceThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-        screened, out, vectorized);
+        args, out, vectorized);
   });
 }
 

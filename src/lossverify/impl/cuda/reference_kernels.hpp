@@ -56,9 +56,6 @@ struct ReferenceCompareArgs {
   int max_ulp;
   int dtype;  // StorageType of the gradient
   double framework_scale, quantum, grad_scale, smallest_normal;
-  // Set by reference_compare: 16-bit gradients in ULP mode skip the full judgement of elements that cannot
-  // change the row's statistics (the same results; LOSSVERIFY_GPU_REFERENCE_SCREEN=off judges every one).
-  int screen;
 };
 // Per-row results (a plain struct the host merges in row order).
 struct RowComparison {
