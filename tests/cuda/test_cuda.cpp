@@ -9,6 +9,7 @@
 #include <cstring>
 #include <tuple>
 #include <fstream>
+#include <limits>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -16,6 +17,7 @@
 #include "lossverify/core/build_info.hpp"
 #include "lossverify/core/errors.hpp"
 #include "lossverify/impl/cuda/kernels.hpp"
+#include "lossverify/impl/cuda/reference_kernels.hpp"
 #include "lossverify/inputs/input_source.hpp"
 #include "lossverify/runner/run_case.hpp"
 #include "test_support.hpp"
@@ -319,4 +321,40 @@ TEST_CASE("gpu_float64_reference_agrees_with_the_cpu_reference") {
       }
     }
   }
+}
+
+TEST_CASE("gpu_reference_exp_is_within_2_ulp_of_the_host_exp") {
+  // The GPU reference's table-method exp against the host's (glibc's, correctly rounded in practice) on a
+  // dense grid of [-745, 0] and at the edges of its fast path; positive, -inf and NaN inputs take the
+  // library's exp. The distance is counted in units in the last place of the host value.
+  std::vector<double> in;
+  for (int i = 0; i <= 2000000; ++i) in.push_back(-745.0 * i / 2000000.0);
+  for (double d : {0.0, -0.0, -1e-300, -5e-324, -1e-17, -0.0108304, -707.0, -707.0000001, -708.39, -744.4, -745.2,
+                   -800.0, 1e-300, 0.5, 700.0, -std::numeric_limits<double>::infinity(),
+                   std::numeric_limits<double>::infinity(), std::nan("")}) {
+    in.push_back(d);
+  }
+  std::vector<double> out(in.size());
+  cuda::reference_exp_values(in.data(), out.data(), in.size());
+  const auto ordered = [](double x) {
+    std::int64_t b = 0;
+    std::memcpy(&b, &x, sizeof b);
+    return b < 0 ? std::numeric_limits<std::int64_t>::min() - b : b;
+  };
+  std::int64_t worst = 0;
+  double worst_at = 0.0;
+  for (std::size_t i = 0; i < in.size(); ++i) {
+    const double want = std::exp(in[i]);
+    if (std::isnan(want)) {
+      CHECK(std::isnan(out[i]));
+      continue;
+    }
+    const std::int64_t ulps = std::llabs(ordered(out[i]) - ordered(want));
+    if (ulps > worst) {
+      worst = ulps;
+      worst_at = in[i];
+    }
+  }
+  MESSAGE("largest distance from the host exp: " << worst << " ulp, at " << worst_at);
+  CHECK(worst <= 2);
 }

@@ -528,6 +528,15 @@ __global__ void __launch_bounds__(kReferenceThreads, 4) compare_kernel(Reference
   }
 }
 
+__global__ void exp_values_kernel(const double* in, double* out, std::size_t count) {
+  __shared__ double table[32];
+  load_exp_table(table);
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    out[i] = exp_reference(in[i], table);
+  }
+}
+
 int reference_blocks(std::int64_t rows) {
   int device = 0, sms = 0;
   cudaGetDevice(&device);
@@ -564,6 +573,19 @@ void reference_compare(StorageType type, const ReferenceCompareArgs& args, RowCo
     compare_kernel<T><<<reference_blocks(args.rows), kReferenceThreads, 0, static_cast<cudaStream_t>(stream)>>>(
         args, out, vectorized);
   });
+}
+
+void reference_exp_values(const double* in, double* out, std::size_t count) {
+  if (count == 0) return;
+  double* d_in = nullptr;
+  double* d_out = nullptr;
+  cudaMalloc(&d_in, count * sizeof(double));
+  cudaMalloc(&d_out, count * sizeof(double));
+  cudaMemcpy(d_in, in, count * sizeof(double), cudaMemcpyHostToDevice);
+  exp_values_kernel<<<256, 256>>>(d_in, d_out, count);
+  cudaMemcpy(out, d_out, count * sizeof(double), cudaMemcpyDeviceToHost);
+  cudaFree(d_in);
+  cudaFree(d_out);
 }
 
 }  // namespace lossverify::cuda

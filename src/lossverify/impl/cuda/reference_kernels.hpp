@@ -3,6 +3,7 @@
 // reference/loss_reference.cpp (SPEC 3), evaluated where a rank's shard lives, so a case too large for
 // the CPU is still checked element by element. Sums are compensated (Neumaier) per thread and combined
 // in thread order, so the results do not depend on scheduling.
+#include <cstddef>
 #include <cstdint>
 
 #include "lossverify/impl/cuda/kernels.hpp"
@@ -67,5 +68,8 @@ struct RowComparison {
   double first_bad_value;
 };
 void reference_compare(StorageType type, const ReferenceCompareArgs& args, RowComparison* out, void* stream);
+
+// The kernels' float64 exp on the device, one value per input (host arrays; for the accuracy test).
+void reference_exp_values(const double* in, double* out, std::size_t count);
 
 }  // namespace lossverify::cuda
