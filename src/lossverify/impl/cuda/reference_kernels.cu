@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <initializer_list>
 
+#include "lossverify/impl/cuda/device_buffer.hpp"
 #include "lossverify/impl/cuda/device_types.cuh"
 #include "lossverify/impl/cuda/reference_kernels.hpp"
 
@@ -577,15 +578,11 @@ void reference_compare(StorageType type, const ReferenceCompareArgs& args, RowCo
 
 void reference_exp_values(const double* in, double* out, std::size_t count) {
   if (count == 0) return;
-  double* d_in = nullptr;
-  double* d_out = nullptr;
-  cudaMalloc(&d_in, count * sizeof(double));
-  cudaMalloc(&d_out, count * sizeof(double));
-  cudaMemcpy(d_in, in, count * sizeof(double), cudaMemcpyHostToDevice);
-  exp_values_kernel<<<256, 256>>>(d_in, d_out, count);
-  cudaMemcpy(out, d_out, count * sizeof(double), cudaMemcpyDeviceToHost);
-  cudaFree(d_in);
-  cudaFree(d_out);
+  DeviceBytes d_in(count * sizeof(double)), d_out(count * sizeof(double));
+  LV_CUDA(cudaMemcpy(d_in.as<void>(), in, d_in.size(), cudaMemcpyHostToDevice));
+  exp_values_kernel<<<256, 256>>>(d_in.as<double>(), d_out.as<double>(), count);
+  LV_CUDA(cudaGetLastError());
+  LV_CUDA(cudaMemcpy(out, d_out.as<void>(), d_out.size(), cudaMemcpyDeviceToHost));
 }
 
 }  // namespace lossverify::cuda
