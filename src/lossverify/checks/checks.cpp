@@ -12,6 +12,7 @@
 
 #include "lossverify/checks/tolerances.hpp"
 #include "lossverify/core/errors.hpp"
+#include "lossverify/core/stage_trace.hpp"
 #include "lossverify/reference/compensated_sum.hpp"
 #include "lossverify/reference/loss_reference.hpp"
 #include "lossverify/comm/communicator.hpp"
@@ -268,31 +269,6 @@ std::vector<T> gather_all(Communicator& comm, const std::vector<T>& mine) {
   return all;
 }
 
-// LOSSVERIFY_TRACE=1: the time of each verification stage on stderr (profiling aid).
-class StageTrace {
- public:
-  explicit StageTrace(int rank) : rank_(rank), enabled_(std::getenv("LOSSVERIFY_TRACE") != nullptr) {}
-  ~StageTrace() { mark("end"); }
-  StageTrace(const StageTrace&) = delete;
-  StageTrace& operator=(const StageTrace&) = delete;
-  void mark(const char* next) {
-    if (!enabled_) return;
-    const auto now = std::chrono::steady_clock::now();
-    if (!stage_.empty()) {
-      std::fprintf(stderr, "lossverify trace: rank %d verify %-12s %9.3f ms\n", rank_, stage_.c_str(),
-                   std::chrono::duration<double, std::milli>(now - since_).count());
-    }
-    stage_ = next;
-    since_ = now;
-  }
-
- private:
-  int rank_;
-  bool enabled_;
-  std::string stage_;
-  std::chrono::steady_clock::time_point since_;
-};
-
 // Every rank's statistics merged in rank order: the same result on every rank and every backend.
 ErrorStats merge_over(Communicator& world, const ErrorStats& local) {
   const std::vector<PackedStats> all = gather_all(world, local.pack());
@@ -316,7 +292,7 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
   const int tp_size = groups.tp.size();
   const bool tp_leader = groups.tp.rank() == 0;
   const int world_rank = out.assignment.world_rank;
-  StageTrace trace(world_rank);
+  StageTrace trace("rank " + std::to_string(world_rank) + " verify");
   trace.mark("0 coverage");
 
   // Coverage: the TP group's columns tile [0, V); every token is held by exactly one TP group.

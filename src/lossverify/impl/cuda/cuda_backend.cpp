@@ -6,11 +6,11 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <vector>
 
 #include "lossverify/core/errors.hpp"
+#include "lossverify/core/stage_trace.hpp"
 #include "lossverify/impl/cuda/cuda_check.hpp"
 #include "lossverify/impl/cuda/device_buffer.hpp"
 #include "lossverify/impl/cuda/kernels.hpp"
@@ -129,23 +129,6 @@ void kd_micro_batch(const Case& c, const BugSwitches& bugs, RankGroups& groups, 
   LV_CUDA(cudaStreamSynchronize(stream));  // the uploads above are freed on return
 }
 
-// LOSSVERIFY_TRACE=1: the time of each compute stage on stderr (profiling aid, as checks.cpp's trace).
-class ComputeTrace {
- public:
-  ComputeTrace() : enabled_(std::getenv("LOSSVERIFY_TRACE") != nullptr), since_(std::chrono::steady_clock::now()) {}
-  void mark(const char* stage) {
-    if (!enabled_) return;
-    const auto now = std::chrono::steady_clock::now();
-    std::fprintf(stderr, "lossverify trace: cuda compute %-14s %9.3f ms\n", stage,
-                 std::chrono::duration<double, std::milli>(now - since_).count());
-    since_ = now;
-  }
-
- private:
-  bool enabled_;
-  std::chrono::steady_clock::time_point since_;
-};
-
 }  // namespace
 
 bool built_with_cuda() { return true; }
@@ -232,7 +215,8 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
   }
   stream.sync();
   out.generate_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  ComputeTrace trace;
+  StageTrace trace("cuda compute");  // LOSSVERIFY_TRACE=1: the compute stage's parts
+  trace.mark("plan");
 
   const RankPlan plan(c, inputs, out.assignment, groups, bugs);
   out.logged_valid_tokens = plan.logged_valid_tokens();
@@ -248,7 +232,7 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
     weight[k] = p.backward_weight;
     if (p.valid && p.label - owner_base >= 0 && p.label - owner_base < cols) target[k] = p.label - owner_base;
   }
-  trace.mark("plan");
+  trace.mark("allocate");
   DeviceBytes d_target = upload(target, stream.get());
   DeviceBytes d_active = upload(active, stream.get());
   DeviceBytes d_valid = upload(valid, stream.get());
@@ -264,7 +248,7 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
   const auto z_weight = static_cast<float>(c.loss.z_loss_weight);
   out.token_loss.assign(static_cast<std::size_t>(rows), 0.0f);
   std::vector<float> stats(static_cast<std::size_t>(rows) * 4);
-  trace.mark("allocate");
+  trace.mark("kernels");
 
   const auto& offsets = out.assignment.micro_batch_begin;
   for (std::size_t mb = 0; mb + 1 < offsets.size(); ++mb) {
@@ -382,7 +366,7 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
                                  local_sum_shifted[j], shard_width, smoothing_pair.forward, z_weight, bugs);
     }
   }
-  trace.mark("kernels");
+  trace.mark("hand over");
   if (full_vocab) {
     // Only the rank's own columns leave the kernel's rows.
     const std::int64_t out_cols = vocab.size();
@@ -418,7 +402,6 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
     LV_CUDA(cudaMemcpyAsync(out.grad.data(), d_grad.as<void>(), out.grad.size(), cudaMemcpyDeviceToHost, stream.get()));
     stream.sync();
   }
-  trace.mark("hand over");
   if (const auto logged = plan.logged_loss(out.token_loss, groups.batch)) {
     out.has_reduced_loss = true;
     out.reduced_loss = *logged;
