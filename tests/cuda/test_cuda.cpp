@@ -4,7 +4,9 @@
 #include <doctest/doctest.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <tuple>
@@ -357,4 +359,106 @@ TEST_CASE("gpu_reference_exp_is_within_2_ulp_of_the_host_exp") {
   }
   MESSAGE("largest distance from the host exp: " << worst << " ulp, at " << worst_at);
   CHECK(worst <= 2);
+}
+
+TEST_CASE("gpu_reference_code_tables_judge_as_the_full_judgement") {
+  // bf16 rows of the cross-entropy family: the GPU reference judges an element whose (logit, gradient)
+  // codes match its row's table by a lookup (reference_kernels.cu). Against the same runs with the tables
+  // off (every element judged in full): the same verdicts, counts and worst elements, and maxima equal to
+  // float64 rounding (the table rows take the softmax as exp(x) exp(-lse), not exp(x - lse)). Covers
+  // bugs that mismatch, masked rows, CP padding, z-loss, upstream weights, the absolute/relative
+  // tolerance mode, codes outside the table and rows whose |lse| > 600 keep the full judgement.
+  struct Run {
+    const char* name;
+    const char* impl;
+    std::vector<std::string> set;
+    bool expect_lookups;
+  };
+  const std::vector<std::string> bf16 = {"inputs.dtype=bf16"};
+  auto with = [&](std::vector<std::string> more) {
+    more.insert(more.begin(), bf16.begin(), bf16.end());
+    return more;
+  };
+  const Run runs[] = {
+      {"smoothing-pytorch", "correct", with({"shape.vocab=1024"}), true},
+      {"smoothing-pytorch", "smoothing-partition-vocab", with({"shape.vocab=1024"}), true},
+      {"smoothing-megatron", "correct", {}, true},
+      {"smoothing-megatron", "correct", {"tolerances.grad.max_ulp=0", "tolerances.grad.rtol=0.004"}, true},
+      {"smoothing-megatron", "correct", {"tolerances.grad.max_ulp=0"}, true},  // fails: atol only
+      {"bf16-upstream-rounding", "correct", {}, true},
+      {"bf16-upstream-rounding", "grad-rounded-early", {}, true},
+      {"zloss-ignored", "correct", bf16, true},
+      {"zloss-ignored", "zloss-on-ignored", bf16, true},
+      {"cp-zigzag-packed", "correct", with({"shape.vocab=512"}), true},
+      {"cp-zigzag-packed", "cp-roll-after-split", with({"shape.vocab=512"}), true},
+      {"dp-unequal-tokens", "correct", bf16, true},
+      {"dp-unequal-tokens", "dp-local-mean", bf16, true},
+      {"realistic-bf16-n2048-v32000-tp8", "correct", {}, true},
+      {"large-logits-no-max-shift", "correct", bf16, false},                        // |x| > 64: outside
+      {"large-logits-no-max-shift", "correct", with({"inputs.mean=650"}), false},  // |lse| > 600
+  };
+  ::unsetenv("LOSSVERIFY_REFERENCE_TABLES");
+  REQUIRE(cuda::reference_code_tables_apply(cuda::StorageType::bf16, false, 0.0));
+  REQUIRE_FALSE(cuda::reference_code_tables_apply(cuda::StorageType::fp16, false, 0.0));
+  REQUIRE_FALSE(cuda::reference_code_tables_apply(cuda::StorageType::bf16, true, 0.0));
+  REQUIRE_FALSE(cuda::reference_code_tables_apply(cuda::StorageType::bf16, false, 30.0));
+  for (const Run& run : runs) {
+    const Case c = load_case_file(std::string("cases/") + run.name + ".json", run.set);
+    CAPTURE(run.name);
+    CAPTURE(run.impl);
+    CAPTURE(run.set.size());
+    REQUIRE(c.inputs.dtype == DType::bf16);
+    RunOptions options;
+    options.implementation = run.impl;
+    options.threads = 2;
+    options.device = RunOptions::Device::cuda;
+    options.reference = RunOptions::Reference::gpu;
+    ::setenv("LOSSVERIFY_REFERENCE_TABLES", "off", 1);
+    const RunResult full = run_case(c, options);
+    ::unsetenv("LOSSVERIFY_REFERENCE_TABLES");
+    const RunResult tables = run_case(c, options);
+    CHECK(failing(tables) == failing(full));
+    REQUIRE(tables.checks.size() == full.checks.size());
+    for (std::size_t k = 0; k < tables.checks.size(); ++k) {
+      const CheckResult& a = full.checks[k];
+      const CheckResult& b = tables.checks[k];
+      CAPTURE(a.name);
+      CHECK(a.verdict == b.verdict);
+      if (std::isfinite(a.margin)) {
+        CHECK(std::fabs(a.margin - b.margin) <= 1e-9 * std::max(1.0, std::fabs(a.margin)));
+      } else {
+        CHECK(!std::isfinite(b.margin));
+      }
+      if (a.name != "grad") continue;
+      CHECK(a.metrics["judged_by_lookup"] == 0);
+      const std::int64_t lookups = b.metrics["judged_by_lookup"].get<std::int64_t>();
+      const std::int64_t compared = b.metrics["compared"].get<std::int64_t>();
+      MESSAGE(run.name << " / " << run.impl << ": " << lookups << " of " << compared << " elements judged by lookup");
+      if (run.expect_lookups) {
+        CHECK(lookups > 0);
+      } else {
+        CHECK(lookups == 0);
+      }
+      for (const char* key : {"compared", "mismatches", "max_ulp"}) {
+        CAPTURE(key);
+        CHECK(a.metrics.value(key, nlohmann::json()) == b.metrics.value(key, nlohmann::json()));
+      }
+      for (const char* key : {"max_abs_error", "max_rel_error"}) {
+        CAPTURE(key);
+        if (!a.metrics[key].is_number() || !b.metrics[key].is_number()) {  // "Infinity", "NaN"
+          CHECK(a.metrics[key] == b.metrics[key]);
+          continue;
+        }
+        const double x = a.metrics[key].get<double>(), y = b.metrics[key].get<double>();
+        CHECK(std::fabs(x - y) <= 1e-9 * std::fabs(x));
+      }
+      REQUIRE(a.worst.has_value() == b.worst.has_value());
+      if (a.worst) {
+        CHECK(a.worst->token == b.worst->token);
+        CHECK(a.worst->column == b.worst->column);
+        CHECK(std::fabs(a.worst->expected - b.worst->expected) <= 1e-12 * std::fabs(a.worst->expected));
+        CHECK(a.worst->got == b.worst->got);
+      }
+    }
+  }
 }

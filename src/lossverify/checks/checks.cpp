@@ -452,6 +452,7 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
   // per global token: this rank's largest gradient margin, then its loss margin (max-reduced below)
   std::vector<double> token_margins(error_map != nullptr ? static_cast<std::size_t>(2 * n) : 0, 0.0);
   std::vector<cuda::RowComparison> compared_rows;
+  std::int64_t grad_lookups = 0;  // GPU reference: elements judged by a code-table lookup
   if (on_device) {
     cuda::GpuCompareInputs in;
     in.kind.assign(static_cast<std::size_t>(rows), 1);
@@ -497,6 +498,7 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
                       rc.worst_expected, rc.worst_got, rc.worst_tolerance};
       grad_stats.merge(ErrorStats::unpack(packed));
       grad_mismatches += rc.mismatches;
+      grad_lookups += rc.lookups;
       if (t < 0) {
         loss_stats.add({-1, -1, world_rank, 0.0, got_loss, 0.0, row.sequence, row.position});
         continue;
@@ -689,6 +691,7 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
   const ErrorStats row_sum_all = merge_over(world, row_sum_stats);
   const ErrorStats stats_all = merge_over(world, stats_local);
   const std::vector<std::int64_t> mismatches_per_rank = gather_all(world, grad_mismatches);
+  const std::vector<std::int64_t> lookups_per_rank = gather_all(world, grad_lookups);
   struct CensusRecord {
     std::int64_t rank;
     std::int64_t values[12];
@@ -732,6 +735,11 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
       per_rank.push_back({{"rank", static_cast<int>(k)}, {"mismatches", mismatches_per_rank[k]}});
     }
     r.metrics["mismatches_per_rank"] = per_rank;
+    if (on_device) {
+      std::int64_t lookups = 0;
+      for (const std::int64_t l : lookups_per_rank) lookups += l;
+      r.metrics["judged_by_lookup"] = lookups;
+    }
     results.push_back(std::move(r));
   }
   {

@@ -7,7 +7,10 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <initializer_list>
+#include <string_view>
+#include <type_traits>
 
 #include "lossverify/impl/cuda/device_buffer.hpp"
 #include "lossverify/impl/cuda/device_types.cuh"
@@ -69,10 +72,10 @@ __device__ OnlineLse shfl(const OnlineLse& x, int offset) {
 }
 
 // A fixed reduction tree over the block (lane pairs, then warp leaders in order): thread 0 gets the result.
-template <class State>
+template <int kThreads = kReferenceThreads, class State>
 __device__ State block_merge(State x) {
   // Raw storage: __shared__ variables cannot have constructors.
-  __shared__ alignas(State) unsigned char storage[sizeof(State) * (kReferenceThreads / 32)];
+  __shared__ alignas(State) unsigned char storage[sizeof(State) * (kThreads / 32)];
   State* warps = reinterpret_cast<State*>(storage);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   for (int offset = 16; offset > 0; offset >>= 1) {
@@ -82,7 +85,7 @@ __device__ State block_merge(State x) {
   if (lane == 0) warps[warp] = x;
   __syncthreads();
   if (threadIdx.x == 0) {
-    for (int w = 1; w < kReferenceThreads / 32; ++w) x.merge(warps[w]);
+    for (int w = 1; w < kThreads / 32; ++w) x.merge(warps[w]);
   }
   __syncthreads();
   return x;
@@ -195,10 +198,42 @@ struct ThreadLse {
   }
 };
 
-template <class T>
+// Code tables (bf16 rows of the cross-entropy family without softcap). A bf16 logit is one of 65536
+// codes, so exp(x) needs computing once per code, not once per element: each block keeps exp(x) of every
+// code with 2^-8 <= |x| < 2^6 (3584 codes, 28 KB), and elements outside that range take the plain path.
+struct Bf16Codes {
+  static constexpr unsigned kLowExponent = 8;  // |x| >= 2^-8
+  static constexpr unsigned kBinades = 14;     // |x| < 2^6
+  static constexpr unsigned kLow = (127u - kLowExponent) << 7;
+  static constexpr unsigned kSpan = kBinades << 7;  // codes of one sign
+  static constexpr int kEntries = 2 * kSpan;
+  // The code's magnitude within the span; >= kSpan: not in the table.
+  __device__ static unsigned offset(unsigned code) { return (code & 0x7fffu) - kLow; }
+  __device__ static unsigned index(unsigned code, unsigned offset) { return offset + (code >> 15) * kSpan; }
+  __device__ static unsigned code_of(unsigned index) {
+    return index < kSpan ? index + kLow : (index - kSpan + kLow) | 0x8000u;
+  }
+  __device__ static float value(unsigned code) { return __uint_as_float(code << 16); }
+  // The k-th of the eight bf16 codes in 16 bytes.
+  __device__ static unsigned code_at(const uint4& w, int k) {
+    const unsigned word = k < 4 ? (k < 2 ? w.x : w.y) : (k < 6 ? w.z : w.w);
+    return (word >> ((k & 1) * 16)) & 0xffffu;
+  }
+  // Every thread of the block calls it (it synchronizes the block).
+  __device__ static void fill_exp(double* exp_of_code, const double* table) {
+    for (int i = threadIdx.x; i < kEntries; i += blockDim.x) {
+      exp_of_code[i] = exp_reference(static_cast<double>(value(code_of(static_cast<unsigned>(i)))), table);
+    }
+    __syncthreads();
+  }
+};
+
+template <class T, bool kTables>
 __global__ void __launch_bounds__(kReferenceThreads) partials_kernel(ReferencePartialArgs a, double* out, bool vectorized) {
   __shared__ double table[32];
+  __shared__ double exp_of_code[kTables ? Bf16Codes::kEntries : 1];
   load_exp_table(table);
+  if constexpr (kTables) Bf16Codes::fill_exp(exp_of_code, table);
   const T* student = static_cast<const T*>(a.student);
   const T* teacher = static_cast<const T*>(a.teacher);
   const int cols = static_cast<int>(a.cols);
@@ -214,6 +249,48 @@ __global__ void __launch_bounds__(kReferenceThreads) partials_kernel(ReferencePa
         lse_t.add(static_cast<double>(xv) * inverse_t, table);
         teacher_t.add(static_cast<double>(yv) * inverse_t, table);
       });
+    } else if (kTables && vectorized) {
+      // sum exp(x) over the table's codes (a maximum of 0: exp(x) <= e^64), the rest as before; and
+      // sum_v q_v x_v as q_off sum_v x_v + (q_on - q_off) x_label.
+      const std::int64_t label = a.label[r] - a.begin;
+      const int packs = cols / 8;
+      const std::int64_t label_pack = label >= 0 && label < cols ? label / 8 : -1;
+      double sum_exp = 0.0, sum_x = 0.0;
+      for (int i = threadIdx.x; i < packs; i += blockDim.x) {
+        const uint4 w = reinterpret_cast<const uint4*>(x)[i];
+        unsigned outside = 0;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          const unsigned code = Bf16Codes::code_at(w, k);
+          const unsigned offset = Bf16Codes::offset(code);
+          if (offset < Bf16Codes::kSpan) {
+            sum_exp += exp_of_code[Bf16Codes::index(code, offset)];
+          } else {
+            outside |= 1u << k;
+          }
+          sum_x += static_cast<double>(Bf16Codes::value(code));
+        }
+        if (outside != 0) {
+#pragma unroll 1
+          for (int k = 0; k < 8; ++k) {
+            if ((outside >> k) & 1u) lse_t.add(static_cast<double>(Bf16Codes::value(Bf16Codes::code_at(w, k))), table);
+          }
+        }
+        if (i == label_pack) {
+          const double z = Bf16Codes::value(Bf16Codes::code_at(w, static_cast<int>(label & 7)));
+          qx_t += (a.q_on - a.q_off) * z;
+        }
+      }
+      qx_t += a.q_off * sum_x;
+      OnlineLse fast;
+      if (sum_exp > 0.0) {
+        fast.m = 0.0;
+        fast.sum.s = sum_exp;
+      }
+      OnlineLse rest = lse_t.online();
+      rest.merge(fast);
+      lse_t.m = rest.m;
+      lse_t.s = rest.sum.s + rest.sum.c;
     } else {
       const std::int64_t label = a.label[r] - a.begin;  // local column of the label (may be outside)
       const double cap = a.softcap, q_on = a.q_on, q_off = a.q_off;
@@ -319,13 +396,15 @@ __device__ std::int64_t ulp_distance(double a, double b, int dtype) {
 
 struct CompareState {
   std::int64_t compared = 0, mismatches = 0, max_ulp = 0, worst_column = -1, first_bad_column = -1;
+  std::int64_t lookups = 0;  // elements judged by a code-table lookup
   std::int64_t nan = 0, pos_inf = 0, neg_inf = 0, subnormal = 0;
   double max_abs = 0.0, max_rel = 0.0, margin = 0.0, worst_expected = 0.0, worst_got = 0.0, worst_tolerance = 0.0;
   double first_bad_value = 0.0;
   Neumaier sum, magnitude;
 
-  // ErrorStats::add_with_margin's extrema. A thread visits its columns in increasing order, so within a
-  // thread a tie keeps the earlier column; merge() breaks ties between threads the same way.
+  // ErrorStats::add_with_margin's extrema. A tie keeps the earlier column, whatever the order of visits
+  // (the code-table path visits an element that misses the table after the pack's hits); merge() breaks
+  // ties between threads the same way.
   __device__ __forceinline__ void extrema(double expected, double error) {
     if (isnan(error)) {
       max_abs = INFINITY;
@@ -336,7 +415,7 @@ struct CompareState {
     if (expected != 0.0 && error > max_rel * fabs(expected) * (1.0 - 1e-12)) max_rel = fmax(max_rel, error / fabs(expected));
   }
   __device__ __forceinline__ void worst(int column, double m, double expected, double got, double tolerance) {
-    if (worst_column < 0 || m > margin) {
+    if (worst_column < 0 || m > margin || (m == margin && column < worst_column)) {
       margin = m;
       worst_column = column;
       worst_expected = expected;
@@ -359,6 +438,7 @@ struct CompareState {
   }
   __device__ void merge(const CompareState& o) {
     compared += o.compared;
+    lookups += o.lookups;
     mismatches += o.mismatches;
     max_ulp = max(max_ulp, o.max_ulp);
     nan += o.nan;
@@ -388,6 +468,7 @@ __device__ CompareState shfl(const CompareState& x, int offset) {
   CompareState r;
   r.compared = __shfl_down_sync(0xffffffffu, x.compared, offset);
   r.mismatches = __shfl_down_sync(0xffffffffu, x.mismatches, offset);
+  r.lookups = __shfl_down_sync(0xffffffffu, x.lookups, offset);
   r.max_ulp = __shfl_down_sync(0xffffffffu, x.max_ulp, offset);
   r.worst_column = __shfl_down_sync(0xffffffffu, x.worst_column, offset);
   r.first_bad_column = __shfl_down_sync(0xffffffffu, x.first_bad_column, offset);
@@ -410,11 +491,32 @@ __device__ CompareState shfl(const CompareState& x, int offset) {
 // Every element of a row against the reference gradient, judged as checks.cpp's GradJudge judges it.
 // Divisions are taken only where their quotient can matter: a new worst element, a mismatch, a new
 // maximum relative error; elsewhere a comparison decides.
-template <class T>
-__global__ void __launch_bounds__(kReferenceThreads, 4) compare_kernel(ReferenceCompareArgs a, RowComparison* out,
-                                                                         bool vectorized) {
+//
+// kTables (bf16, the cross-entropy family without softcap): within a row, an element's expected value and
+// its judgement depend only on the codes (x, g) and on whether it is the label. Each block first judges,
+// for every code x of the table, the gradient a correct kernel most likely wrote (the bf16 value nearest
+// the expected one) with the same visit() as every other element, and keeps its margin when that
+// judgement is inert (no mismatch, no ULP count, nothing for the census). An element whose (x, g) is such
+// a pair then costs a table lookup: its margin joins the worst-element search, its value the row sums,
+// and the code is marked seen, so that the row's maximum absolute and relative errors take every seen
+// code once. Every other element (the label, codes outside the table, any other g) is judged in full.
+// Table rows take the softmax as exp(x) exp(-lse), exp(x) from the block's table (|lse| <= 600: both
+// factors normal) and, for codes outside it, exp(x - lse) directly where |x| > 700.
+constexpr int kTableThreads = 512;  // two blocks per SM (the tables take 74 KB); 64 registers
+constexpr std::size_t kTableSharedBytes =
+    static_cast<std::size_t>(Bf16Codes::kEntries) * (2 * sizeof(double) + sizeof(unsigned) + sizeof(unsigned char));
+
+template <class T, bool kTables, int kThreads>
+__global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(ReferenceCompareArgs a, RowComparison* out,
+                                                                             bool vectorized) {
   __shared__ double table[32];
+  extern __shared__ double code_tables[];  // kTables: exp(x) per code, then per row margin, g code, seen
+  double* const exp_of_code = code_tables;
+  double* const code_margin = exp_of_code + Bf16Codes::kEntries;
+  unsigned* const code_g = reinterpret_cast<unsigned*>(code_margin + Bf16Codes::kEntries);
+  unsigned char* const code_seen = reinterpret_cast<unsigned char*>(code_g + Bf16Codes::kEntries);
   load_exp_table(table);
+  if constexpr (kTables) Bf16Codes::fill_exp(exp_of_code, table);
   const T* student = static_cast<const T*>(a.student);
   const T* teacher = static_cast<const T*>(a.teacher);
   const T* grad = static_cast<const T*>(a.grad);
@@ -433,81 +535,163 @@ __global__ void __launch_bounds__(kReferenceThreads, 4) compare_kernel(Reference
     const double z_factor = 1.0 + 2.0 * a.z_loss_weight * lse;
     const double kd_scale = weight * a.kd_grad_scale;
     const std::int64_t label = a.kd ? -1 : a.label[r] - a.begin;
+    const bool tabled = kTables && vectorized && kind == 0 && fabs(lse) <= 600.0;
+    const double exp_minus_lse = tabled ? exp_reference(-lse, table) : 0.0;
+    // p_v = softmax of the student row at x.
+    auto student_p = [&](float xf) -> double {
+      if (tabled) {
+        const unsigned code = __float_as_uint(xf) >> 16;
+        const unsigned offset = Bf16Codes::offset(code);
+        if (offset < Bf16Codes::kSpan) return exp_of_code[Bf16Codes::index(code, offset)] * exp_minus_lse;
+        if (fabsf(xf) <= 700.0f) return exp_reference(static_cast<double>(xf), table) * exp_minus_lse;
+      }
+      return exp_reference(capped(static_cast<double>(xf), a.softcap) - lse, table);
+    };
+    auto expected_at = [&](int v, float xf, float yf) -> double {
+      if (kind != 0) return 0.0;
+      const double xv = xf;
+      if (a.kd) {
+        const double t = a.temperature;
+        return kd_scale * (exp_reference(xv / t - lse, table) - exp_reference(static_cast<double>(yf) / t - teacher_lse, table));
+      }
+      const double p = student_p(xf);
+      double d = p * z_factor - (v == label ? a.q_on : a.q_off);
+      if (a.softcap > 0.0) {
+        const double th = tanh(xv / a.softcap);
+        d *= 1.0 - th * th;
+      }
+      return weight * d;
+    };
     CompareState st;
     double row_sum = 0.0, row_magnitude = 0.0;
-    auto visit = [&](int v, float xf, float yf, float gf) {
+    auto visit_into = [&](CompareState& s, int v, float xf, float yf, float gf, double& sum, double& magnitude) {
       const double got_local = gf;
       const double got = got_local * fs;
       const double magnitude_local = fabs(got_local);
-      if (!(magnitude_local >= a.smallest_normal && magnitude_local <= DBL_MAX)) st.census(v, got_local, a.smallest_normal);
-      ++st.compared;
+      if (!(magnitude_local >= a.smallest_normal && magnitude_local <= DBL_MAX)) s.census(v, got_local, a.smallest_normal);
+      ++s.compared;
       if (kind == 2) {  // CP padding: masked, exactly zero
         const bool mismatch = got != 0.0;
-        st.mismatches += mismatch;
-        st.extrema(0.0, got == 0.0 ? 0.0 : fabs(got));
-        st.worst(v, mismatch ? INFINITY : 0.0, 0.0, got, 0.0);
+        s.mismatches += mismatch;
+        s.extrema(0.0, got == 0.0 ? 0.0 : fabs(got));
+        s.worst(v, mismatch ? INFINITY : 0.0, 0.0, got, 0.0);
         return;
       }
-      double expected = 0.0;
-      if (kind == 0) {
-        const double xv = xf;
-        if (a.kd) {
-          const double t = a.temperature;
-          expected = kd_scale * (exp_reference(xv / t - lse, table) - exp_reference(static_cast<double>(yf) / t - teacher_lse, table));
-        } else {
-          const double p = exp_reference(capped(xv, a.softcap) - lse, table);
-          double d = p * z_factor - (v == label ? a.q_on : a.q_off);
-          if (a.softcap > 0.0) {
-            const double th = tanh(xv / a.softcap);
-            d *= 1.0 - th * th;
-          }
-          expected = weight * d;
-        }
-      }
+      const double expected = expected_at(v, xf, yf);
       const double error = got == expected ? 0.0 : fabs(got - expected);
-      st.extrema(expected, error);
-      row_sum += got;
-      row_magnitude += fabs(got);
+      s.extrema(expected, error);
+      sum += got;
+      magnitude += fabs(got);
       if (a.max_ulp > 0) {
         const double local_expected = fs == 1.0 ? expected : expected / fs;
         const double local_error = got_local == local_expected ? 0.0 : fabs(got_local - local_expected);
         const double inverse_spacing = ulp_size_inverse(local_expected, a.dtype);
         const double in_spacings = local_error * inverse_spacing;  // exact: a power of two
         if (!(in_spacings < 0.5)) {
-          st.max_ulp = max(st.max_ulp, ulp_distance(got_local, local_expected, a.dtype));
+          s.max_ulp = max(s.max_ulp, ulp_distance(got_local, local_expected, a.dtype));
         }
         const double by_ulp = a.max_ulp == 1 ? in_spacings : local_error / (a.max_ulp * ulp_size(local_expected, a.dtype));
-        // m = min(by_ulp, by_floor) <= by_ulp: when by_ulp is within 1 and no more than the worst so
-        // far, the element neither mismatches nor becomes the worst, and by_floor is not needed.
-        if (st.worst_column < 0 || !(by_ulp <= 1.0 && by_ulp <= st.margin)) {
+        // m = min(by_ulp, by_floor) <= by_ulp: when by_ulp is within 1 and below the worst so far, the
+        // element neither mismatches nor becomes the worst, and by_floor is not needed.
+        if (s.worst_column < 0 || !(by_ulp <= 1.0 && by_ulp < s.margin)) {
           const double by_floor = margin_of(error, floor);
           double m = by_floor < by_ulp ? by_floor : by_ulp;  // std::min
           const bool mismatch = !(m <= 1.0);
           if (isnan(error)) m = INFINITY;
-          st.mismatches += mismatch;
-          st.worst(v, m, expected, got, floor + a.rtol * fabs(expected));
+          s.mismatches += mismatch;
+          s.worst(v, m, expected, got, floor + a.rtol * fabs(expected));
         }
       } else {
         const double tol = floor + a.rtol * fabs(expected);
         const bool mismatch = !(error <= tol);
-        st.mismatches += mismatch;
-        if (st.worst_column < 0 || mismatch || !(error <= st.margin * tol * (1.0 - 1e-12))) {
-          st.worst(v, margin_of(error, tol), expected, got, tol);
+        s.mismatches += mismatch;
+        if (s.worst_column < 0 || mismatch || !(error <= s.margin * tol * (1.0 - 1e-12))) {
+          s.worst(v, margin_of(error, tol), expected, got, tol);
         }
       }
     };
-    if (a.kd) {
+    auto visit = [&](int v, float xf, float yf, float gf) { visit_into(st, v, xf, yf, gf, row_sum, row_magnitude); };
+    if (tabled) {
+      // The row's table: for every code, the likeliest gradient and, where its judgement is inert, its margin.
+      constexpr int kNotLabel = INT_MIN;
+      for (int i = threadIdx.x; i < Bf16Codes::kEntries; i += kThreads) {
+        const float xf = Bf16Codes::value(Bf16Codes::code_of(static_cast<unsigned>(i)));
+        const double expected = expected_at(kNotLabel, xf, 0.0f);
+        const double local_expected = fs == 1.0 ? expected : expected / fs;
+        const unsigned likeliest = __bfloat16_as_ushort(__double2bfloat16(local_expected));
+        CompareState probe;
+        double probe_sum = 0.0, probe_magnitude = 0.0;
+        visit_into(probe, kNotLabel, xf, 0.0f, Bf16Codes::value(likeliest), probe_sum, probe_magnitude);
+        const bool inert = probe.mismatches == 0 && probe.max_ulp == 0 && probe.nan == 0 && probe.pos_inf == 0 &&
+                           probe.neg_inf == 0 && probe.subnormal == 0;
+        code_g[i] = inert ? likeliest : 0xffffffffu;
+        code_margin[i] = probe.margin;
+        code_seen[i] = 0;
+      }
+      __syncthreads();
+      const uint4* x4 = reinterpret_cast<const uint4*>(x);
+      const uint4* g4 = reinterpret_cast<const uint4*>(g);
+      const int packs = cols / 8;
+      const std::int64_t label_pack = label >= 0 && label < cols ? label / 8 : -1;
+      int hits = 0;
+      for (int i = threadIdx.x; i < packs; i += kThreads) {
+        const uint4 xw = x4[i];
+        const uint4 gw = g4[i];
+        unsigned missed = i == label_pack ? 1u << (label & 7) : 0u;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          const unsigned xc = Bf16Codes::code_at(xw, k);
+          const unsigned gc = Bf16Codes::code_at(gw, k);
+          const unsigned offset = Bf16Codes::offset(xc);
+          const unsigned index = offset < Bf16Codes::kSpan ? Bf16Codes::index(xc, offset) : 0u;
+          if (((missed >> k) & 1u) == 0 && offset < Bf16Codes::kSpan && code_g[index] == gc) {
+            code_seen[index] = 1;
+            const double got = static_cast<double>(Bf16Codes::value(gc)) * fs;
+            row_sum += got;
+            row_magnitude += fabs(got);
+            const double m = code_margin[index];
+            const int v = i * 8 + k;
+            if (st.worst_column < 0 || m > st.margin || (m == st.margin && v < st.worst_column)) {
+              const double expected = expected_at(v, Bf16Codes::value(xc), 0.0f);
+              st.worst(v, m, expected, got, floor + a.rtol * fabs(expected));
+            }
+            ++hits;
+          } else {
+            missed |= 1u << k;
+          }
+        }
+        if (missed != 0) {
+#pragma unroll 1
+          for (int k = 0; k < 8; ++k) {
+            if ((missed >> k) & 1u) {
+              visit(i * 8 + k, Bf16Codes::value(Bf16Codes::code_at(xw, k)), 0.0f, Bf16Codes::value(Bf16Codes::code_at(gw, k)));
+            }
+          }
+        }
+      }
+      st.compared += hits;
+      st.lookups += hits;
+      __syncthreads();
+      // Every code seen: its error and relative error, once.
+      for (int i = threadIdx.x; i < Bf16Codes::kEntries; i += kThreads) {
+        if (!code_seen[i]) continue;
+        const double expected = expected_at(kNotLabel, Bf16Codes::value(Bf16Codes::code_of(static_cast<unsigned>(i))), 0.0f);
+        const double got = static_cast<double>(Bf16Codes::value(code_g[i])) * fs;
+        st.extrema(expected, got == expected ? 0.0 : fabs(got - expected));
+      }
+    } else if (a.kd) {
       for_each_column<true, true>(x, y, g, cols, vectorized, visit);
     } else {
       for_each_column<false, true>(x, y, g, cols, vectorized, visit);
     }
     st.sum.s = row_sum;
     st.magnitude.s = row_magnitude;
-    st = block_merge(st);
+    st = block_merge<kThreads>(st);
     if (threadIdx.x == 0) {
       RowComparison& o = out[r];
       o.compared = st.compared;
       o.mismatches = st.mismatches;
+      o.lookups = st.lookups;
       o.max_ulp = st.max_ulp;
       o.worst_column = st.worst_column;
       o.first_bad_column = st.first_bad_column;
@@ -538,23 +722,44 @@ __global__ void exp_values_kernel(const double* in, double* out, std::size_t cou
   }
 }
 
-int reference_blocks(std::int64_t rows) {
+int reference_blocks(std::int64_t rows, int per_sm = 8) {
   int device = 0, sms = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  const std::int64_t blocks = static_cast<std::int64_t>(sms > 0 ? sms : 132) * 8;
+  const std::int64_t blocks = static_cast<std::int64_t>(sms > 0 ? sms : 132) * per_sm;
   return static_cast<int>(rows < blocks ? rows : blocks);
 }
 
+// The code tables serve bf16 rows of the cross-entropy family without softcap, read with 16-byte loads;
+// LOSSVERIFY_REFERENCE_TABLES=off turns them off (read per call: tests compare both in one process).
+template <class T>
+bool use_code_tables(bool kd, double softcap, bool vectorized) {
+  const char* e = std::getenv("LOSSVERIFY_REFERENCE_TABLES");
+  return std::is_same_v<T, __nv_bfloat16> && !kd && softcap == 0.0 && vectorized &&
+         !(e != nullptr && std::string_view(e) == "off");
+}
+
 }  // namespace
+
+bool reference_code_tables_apply(StorageType type, bool kd, double softcap) {
+  bool apply = false;
+  dispatch(type, [&](auto* tag) { apply = use_code_tables<std::remove_pointer_t<decltype(tag)>>(kd, softcap, true); });
+  return apply;
+}
 
 void reference_partials(StorageType type, const ReferencePartialArgs& args, double* out, void* stream) {
   if (args.rows == 0) return;
   dispatch(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const bool vectorized = rows_vectorizable<T>(args.cols, {args.student, args.teacher});
-    partials_kernel<T><<<reference_blocks(args.rows), kReferenceThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-        args, out, vectorized);
+    const auto s = static_cast<cudaStream_t>(stream);
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      if (use_code_tables<T>(args.kd != 0, args.softcap, vectorized)) {
+        partials_kernel<T, true><<<reference_blocks(args.rows), kReferenceThreads, 0, s>>>(args, out, vectorized);
+        return;
+      }
+    }
+    partials_kernel<T, false><<<reference_blocks(args.rows), kReferenceThreads, 0, s>>>(args, out, vectorized);
   });
 }
 
@@ -571,8 +776,19 @@ void reference_compare(StorageType type, const ReferenceCompareArgs& args, RowCo
   dispatch(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const bool vectorized = rows_vectorizable<T>(args.cols, {args.student, args.teacher, args.grad});
-    compare_kernel<T><<<reference_blocks(args.rows), kReferenceThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-        args, out, vectorized);
+    const auto s = static_cast<cudaStream_t>(stream);
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      if (use_code_tables<T>(args.kd != 0, args.softcap, vectorized)) {
+        // LOSSVERIFY_TABLE_THREADS=256: two blocks of 256 threads per SM, 128 registers (a benchmark knob).
+        const char* e = std::getenv("LOSSVERIFY_TABLE_THREADS");
+        const bool narrow_blocks = e != nullptr && std::string_view(e) == "256";
+        auto* kernel = narrow_blocks ? compare_kernel<T, true, 256> : compare_kernel<T, true, kTableThreads>;
+        LV_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kTableSharedBytes)));
+        kernel<<<reference_blocks(args.rows, 2), narrow_blocks ? 256 : kTableThreads, kTableSharedBytes, s>>>(args, out, vectorized);
+        return;
+      }
+    }
+    compare_kernel<T, false, kReferenceThreads><<<reference_blocks(args.rows), kReferenceThreads, 0, s>>>(args, out, vectorized);
   });
 }
 

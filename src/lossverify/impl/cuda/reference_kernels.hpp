@@ -61,6 +61,7 @@ struct ReferenceCompareArgs {
 // Per-row results (a plain struct the host merges in row order).
 struct RowComparison {
   std::int64_t compared, mismatches, max_ulp, worst_column, first_bad_column;
+  std::int64_t lookups;  // elements judged by a code-table lookup (reference_kernels.cu)
   std::int64_t nan, pos_inf, neg_inf, subnormal;
   double max_abs, max_rel, margin;
   double worst_expected, worst_got, worst_tolerance;
@@ -68,6 +69,11 @@ struct RowComparison {
   double first_bad_value;
 };
 void reference_compare(StorageType type, const ReferenceCompareArgs& args, RowComparison* out, void* stream);
+
+// Whether the reference kernels take the code tables for a shard of this type and loss (bf16, the
+// cross-entropy family without softcap; LOSSVERIFY_REFERENCE_TABLES=off turns them off): see
+// reference_kernels.cu. For reports and tests.
+bool reference_code_tables_apply(StorageType type, bool kd, double softcap);
 
 // The kernels' float64 exp on the device, one value per input (host arrays; for the accuracy test).
 void reference_exp_values(const double* in, double* out, std::size_t count);
