@@ -103,7 +103,7 @@ if has e2e; then
     for k in 1 2; do
       env $([[ $variant == *=* ]] && echo "$variant") LOSSVERIFY_TRACE=1 "$bin" run $e2e --backend cuda --quiet \
         --report "$out/e2e-trace-${variant##*=}-$k.json" 2>&1 | grep -v "rank 0 verify 0\|verify 5\|verify 7"
-      echo "exit $?"
+      echo "exit ${PIPESTATUS[0]}"
     done
     summarize_e2e "$out"/e2e-trace-${variant##*=}-*.json
   done
