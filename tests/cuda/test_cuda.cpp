@@ -433,7 +433,7 @@ TEST_CASE("gpu_reference_code_tables_judge_as_the_full_judgement") {
       CHECK(a.metrics["judged_by_lookup"] == 0);
       const std::int64_t lookups = b.metrics["judged_by_lookup"].get<std::int64_t>();
       const std::int64_t compared = b.metrics["compared"].get<std::int64_t>();
-      MESSAGE(run.name << " / " << run.impl << ": " << lookups << " of " << compared << " elements judged by lookup");
+      MESSAGE(std::string(run.name) << " / " << run.impl << ": " << lookups << " of " << compared << " elements judged by lookup");
       if (run.expect_lookups) {
         CHECK(lookups > 0);
       } else {

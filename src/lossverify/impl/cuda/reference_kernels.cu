@@ -633,7 +633,11 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
       const uint4* g4 = reinterpret_cast<const uint4*>(g);
       const int packs = cols / 8;
       const std::int64_t label_pack = label >= 0 && label < cols ? label / 8 : -1;
-      int hits = 0;
+      // The lookups' own state, in registers: a thread meets its hits in increasing column order, so a
+      // strictly larger margin is the only change of its worst hit. Sums in the gradient's own units.
+      int hits = 0, best_column = -1;
+      unsigned best_index = 0;
+      double best_margin = -1.0, hit_sum = 0.0, hit_magnitude = 0.0;
       for (int i = threadIdx.x; i < packs; i += kThreads) {
         const uint4 xw = x4[i];
         const uint4 gw = g4[i];
@@ -646,20 +650,20 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
           const unsigned index = offset < Bf16Codes::kSpan ? Bf16Codes::index(xc, offset) : 0u;
           if (((missed >> k) & 1u) == 0 && offset < Bf16Codes::kSpan && code_g[index] == gc) {
             code_seen[index] = 1;
-            const double got = static_cast<double>(Bf16Codes::value(gc)) * fs;
-            row_sum += got;
-            row_magnitude += fabs(got);
+            const double got_local = Bf16Codes::value(gc);
+            hit_sum += got_local;
+            hit_magnitude += fabs(got_local);
             const double m = code_margin[index];
-            const int v = i * 8 + k;
-            if (st.worst_column < 0 || m > st.margin || (m == st.margin && v < st.worst_column)) {
-              const double expected = expected_at(v, Bf16Codes::value(xc), 0.0f);
-              st.worst(v, m, expected, got, floor + a.rtol * fabs(expected));
+            if (m > best_margin) {
+              best_margin = m;
+              best_column = i * 8 + k;
+              best_index = index;
             }
-            ++hits;
           } else {
             missed |= 1u << k;
           }
         }
+        hits += 8 - __popc(missed);
         if (missed != 0) {
 #pragma unroll 1
           for (int k = 0; k < 8; ++k) {
@@ -671,6 +675,13 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
       }
       st.compared += hits;
       st.lookups += hits;
+      row_sum += hit_sum * fs;
+      row_magnitude += hit_magnitude * fabs(fs);
+      if (best_column >= 0) {
+        const double expected = expected_at(best_column, Bf16Codes::value(Bf16Codes::code_of(best_index)), 0.0f);
+        st.worst(best_column, best_margin, expected, static_cast<double>(Bf16Codes::value(code_g[best_index])) * fs,
+                 floor + a.rtol * fabs(expected));
+      }
       __syncthreads();
       // Every code seen: its error and relative error, once.
       for (int i = threadIdx.x; i < Bf16Codes::kEntries; i += kThreads) {
