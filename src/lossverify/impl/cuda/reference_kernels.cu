@@ -511,6 +511,7 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
                                                                              bool vectorized) {
   __shared__ double table[32];
   extern __shared__ double code_tables[];  // kTables: exp(x) per code, then per row margin, g code, seen
+  __shared__ int miss_count;               // kTables: the row's elements that missed the table
   double* const exp_of_code = code_tables;
   double* const code_margin = exp_of_code + Bf16Codes::kEntries;
   unsigned* const code_g = reinterpret_cast<unsigned*>(code_margin + Bf16Codes::kEntries);
@@ -522,6 +523,9 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
   const T* grad = static_cast<const T*>(a.grad);
   const int cols = static_cast<int>(a.cols);
   const double fs = a.framework_scale;
+  // Rows where most elements miss the table (a gradient far from the reference) do better judged in
+  // full: after such a row the block judges its next 7 rows in full, then tries the table again.
+  int rows_without_tables = 0;
   for (std::int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
     const int kind = a.kind[r];
     const T* x = student + r * a.cols;
@@ -535,7 +539,8 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
     const double z_factor = 1.0 + 2.0 * a.z_loss_weight * lse;
     const double kd_scale = weight * a.kd_grad_scale;
     const std::int64_t label = a.kd ? -1 : a.label[r] - a.begin;
-    const bool tabled = kTables && vectorized && kind == 0 && fabs(lse) <= 600.0;
+    const bool tabled = kTables && vectorized && kind == 0 && fabs(lse) <= 600.0 && rows_without_tables == 0;
+    if (rows_without_tables > 0) --rows_without_tables;
     const double exp_minus_lse = tabled ? exp_reference(-lse, table) : 0.0;
     // p_v = softmax of the student row at x.
     auto student_p = [&](float xf) -> double {
@@ -614,6 +619,7 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
     if (tabled) {
       // The row's table: for every code, the likeliest gradient and, where its judgement is inert, its margin.
       constexpr int kNotLabel = INT_MIN;
+      if (threadIdx.x == 0) miss_count = 0;
       for (int i = threadIdx.x; i < Bf16Codes::kEntries; i += kThreads) {
         const float xf = Bf16Codes::value(Bf16Codes::code_of(static_cast<unsigned>(i)));
         const double expected = expected_at(kNotLabel, xf, 0.0f);
@@ -635,43 +641,49 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
       const std::int64_t label_pack = label >= 0 && label < cols ? label / 8 : -1;
       // The lookups' own state, in registers: a thread meets its hits in increasing column order, so a
       // strictly larger margin is the only change of its worst hit. Sums in the gradient's own units.
+      // Misses go to the block's list and are judged in full after the pass, spread over the threads:
+      // the pass itself carries no CompareState.
+      int* const missed_columns = a.miss_scratch + static_cast<std::size_t>(blockIdx.x) * static_cast<std::size_t>(cols);
       int hits = 0, best_column = -1;
       unsigned best_index = 0;
       double best_margin = -1.0, hit_sum = 0.0, hit_magnitude = 0.0;
       for (int i = threadIdx.x; i < packs; i += kThreads) {
         const uint4 xw = x4[i];
         const uint4 gw = g4[i];
-        unsigned missed = i == label_pack ? 1u << (label & 7) : 0u;
+        const unsigned label_bit = i == label_pack ? 1u << (label & 7) : 0u;
+        unsigned missed = 0;
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
           const unsigned xc = Bf16Codes::code_at(xw, k);
           const unsigned gc = Bf16Codes::code_at(gw, k);
           const unsigned offset = Bf16Codes::offset(xc);
-          const unsigned index = offset < Bf16Codes::kSpan ? Bf16Codes::index(xc, offset) : 0u;
-          if (((missed >> k) & 1u) == 0 && offset < Bf16Codes::kSpan && code_g[index] == gc) {
-            code_seen[index] = 1;
-            const double got_local = Bf16Codes::value(gc);
-            hit_sum += got_local;
-            hit_magnitude += fabs(got_local);
-            const double m = code_margin[index];
-            if (m > best_margin) {
-              best_margin = m;
-              best_column = i * 8 + k;
-              best_index = index;
-            }
-          } else {
-            missed |= 1u << k;
+          const bool in_table = offset < Bf16Codes::kSpan;
+          const unsigned index = in_table ? Bf16Codes::index(xc, offset) : 0u;
+          const bool hit = in_table && code_g[index] == gc && ((label_bit >> k) & 1u) == 0;
+          if (hit) code_seen[index] = 1;
+          const double got_local = Bf16Codes::value(hit ? gc : 0u);
+          hit_sum += got_local;
+          hit_magnitude += fabs(got_local);
+          const double m = hit ? code_margin[index] : -1.0;
+          if (m > best_margin) {
+            best_margin = m;
+            best_column = i * 8 + k;
+            best_index = index;
           }
+          missed |= static_cast<unsigned>(!hit) << k;
         }
         hits += 8 - __popc(missed);
         if (missed != 0) {
-#pragma unroll 1
-          for (int k = 0; k < 8; ++k) {
-            if ((missed >> k) & 1u) {
-              visit(i * 8 + k, Bf16Codes::value(Bf16Codes::code_at(xw, k)), 0.0f, Bf16Codes::value(Bf16Codes::code_at(gw, k)));
-            }
-          }
+          int slot = atomicAdd(&miss_count, __popc(missed));
+          for (unsigned bits = missed; bits != 0; bits &= bits - 1) missed_columns[slot++] = i * 8 + __ffs(bits) - 1;
         }
+      }
+      __syncthreads();
+      const int misses = miss_count;
+      if (misses > cols / 2) rows_without_tables = 7;
+      for (int j = threadIdx.x; j < misses; j += kThreads) {
+        const int v = missed_columns[j];
+        visit(v, widen<T>(x[v]), 0.0f, widen<T>(g[v]));
       }
       st.compared += hits;
       st.lookups += hits;
@@ -682,7 +694,6 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
         st.worst(best_column, best_margin, expected, static_cast<double>(Bf16Codes::value(code_g[best_index])) * fs,
                  floor + a.rtol * fabs(expected));
       }
-      __syncthreads();
       // Every code seen: its error and relative error, once.
       for (int i = threadIdx.x; i < Bf16Codes::kEntries; i += kThreads) {
         if (!code_seen[i]) continue;
@@ -795,7 +806,16 @@ void reference_compare(StorageType type, const ReferenceCompareArgs& args, RowCo
         const bool narrow_blocks = e != nullptr && std::string_view(e) == "256";
         auto* kernel = narrow_blocks ? compare_kernel<T, true, 256> : compare_kernel<T, true, kTableThreads>;
         LV_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kTableSharedBytes)));
-        kernel<<<reference_blocks(args.rows, 2), narrow_blocks ? 256 : kTableThreads, kTableSharedBytes, s>>>(args, out, vectorized);
+        const int blocks = reference_blocks(args.rows, 2);
+        // Each block's list of missed columns (one row at a time), stream-ordered.
+        ReferenceCompareArgs with_scratch = args;
+        void* scratch = nullptr;
+        LV_CUDA(cudaMallocAsync(&scratch, static_cast<std::size_t>(blocks) * static_cast<std::size_t>(args.cols) * sizeof(int), s));
+        with_scratch.miss_scratch = static_cast<int*>(scratch);
+        kernel<<<blocks, narrow_blocks ? 256 : kTableThreads, kTableSharedBytes, s>>>(with_scratch, out, vectorized);
+        const cudaError_t launched = cudaGetLastError();
+        LV_CUDA(cudaFreeAsync(scratch, s));
+        LV_CUDA(launched);
         return;
       }
     }

@@ -57,6 +57,7 @@ struct ReferenceCompareArgs {
   int max_ulp;
   int dtype;  // StorageType of the gradient
   double framework_scale, quantum, grad_scale, smallest_normal;
+  int* miss_scratch;  // set by reference_compare: the code-table path's per-block list of missed columns
 };
 // Per-row results (a plain struct the host merges in row order).
 struct RowComparison {
