@@ -480,6 +480,7 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
     in.grad_scale = grad_scale;
     in.smallest_normal = smallest_normal(out.dtype);
     compared_rows = cuda::gpu_reference_compare(*out.device_shard, c, in);
+    trace.mark("3 elements: rows");
     for (std::int64_t i = 0; i < rows; ++i) {
       const auto k = static_cast<std::size_t>(i);
       const std::int64_t t = out.token_of(i);

@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "lossverify/core/stage_trace.hpp"
 #include "lossverify/impl/cuda/device_buffer.hpp"
 
 namespace lossverify::cuda {
@@ -34,6 +35,8 @@ std::vector<T> download(const DeviceBytes& d, std::size_t count, cudaStream_t st
 
 std::vector<double> gpu_reference_partials(const DeviceShard& shard, const Case& c, const std::vector<std::int64_t>& labels,
                                            const std::vector<int>& valid) {
+  StageTrace trace("gpu reference partials");
+  trace.mark("upload");
   LV_CUDA(cudaSetDevice(shard.device));
   Stream stream;
   DeviceBytes d_valid = upload(valid, stream.get());
@@ -59,9 +62,12 @@ std::vector<double> gpu_reference_partials(const DeviceShard& shard, const Case&
   a.inverse_temperature = 1.0 / c.loss.temperature;
   a.softcap = c.loss.softcap;
   target_weights(c, a.q_on, a.q_off);
+  trace.mark("kernel");
   reference_partials(shard.type, a, d_out.as<double>(), stream.get());
   LV_CUDA(cudaGetLastError());
-  return download<double>(d_out, empty.size(), stream.get());
+  std::vector<double> partials = download<double>(d_out, empty.size(), stream.get());
+  trace.mark("free");
+  return partials;
 }
 
 std::vector<double> gpu_reference_kl(const DeviceShard& shard, const Case& c, const std::vector<double>& lse,
@@ -81,6 +87,8 @@ std::vector<double> gpu_reference_kl(const DeviceShard& shard, const Case& c, co
 }
 
 std::vector<RowComparison> gpu_reference_compare(const DeviceShard& shard, const Case& c, const GpuCompareInputs& in) {
+  StageTrace trace("gpu reference compare");
+  trace.mark("upload");
   LV_CUDA(cudaSetDevice(shard.device));
   Stream stream;
   DeviceBytes d_kind = upload(in.kind, stream.get());
@@ -116,9 +124,12 @@ std::vector<RowComparison> gpu_reference_compare(const DeviceShard& shard, const
   a.quantum = in.quantum;
   a.grad_scale = in.grad_scale;
   a.smallest_normal = in.smallest_normal;
+  trace.mark("kernel");
   reference_compare(shard.type, a, d_out.as<RowComparison>(), stream.get());
   LV_CUDA(cudaGetLastError());
-  return download<RowComparison>(d_out, static_cast<std::size_t>(shard.rows), stream.get());
+  std::vector<RowComparison> rows = download<RowComparison>(d_out, static_cast<std::size_t>(shard.rows), stream.get());
+  trace.mark("free");
+  return rows;
 }
 
 }  // namespace lossverify::cuda
