@@ -12,7 +12,6 @@
 #include <string_view>
 #include <type_traits>
 
-#include "lossverify/core/stage_trace.hpp"
 #include "lossverify/impl/cuda/device_buffer.hpp"
 #include "lossverify/impl/cuda/device_types.cuh"
 #include "lossverify/impl/cuda/reference_kernels.hpp"
@@ -256,7 +255,10 @@ __global__ void __launch_bounds__(kReferenceThreads) partials_kernel(ReferencePa
   const T* teacher = static_cast<const T*>(a.teacher);
   const int cols = static_cast<int>(a.cols);
   for (std::int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
-    if (!a.valid[r]) continue;
+    if (!a.valid[r]) {  // RowPartial's empty values
+      if (threadIdx.x < 8) out[8 * r + threadIdx.x] = threadIdx.x == 0 || threadIdx.x == 5 ? -INFINITY : 0.0;
+      continue;
+    }
     const T* x = student + r * a.cols;
     ThreadLse lse_t, teacher_t;
     double qx_t = 0.0;
@@ -521,9 +523,11 @@ __device__ CompareState shfl(const CompareState& x, int offset) {
 // code once. Every other element (the label, codes outside the table, any other g) is judged in full.
 // Table rows take the softmax as exp(x) exp(-lse), exp(x) from the block's table (|lse| <= 600: both
 // factors normal) and, for codes outside it, exp(x - lse) directly where |x| > 700.
-constexpr int kTableThreads = 512;  // two blocks per SM (the tables take 74 KB); 64 registers
+constexpr int kTableThreads = 512;  // two blocks per SM (the tables take 82 KB); 64 registers
+constexpr int kMissCapacity = 2048;  // a row with more misses is judged again, in full
 constexpr std::size_t kTableSharedBytes =
-    static_cast<std::size_t>(Bf16Codes::kEntries) * (2 * sizeof(double) + sizeof(unsigned) + sizeof(unsigned char));
+    static_cast<std::size_t>(Bf16Codes::kEntries) * (2 * sizeof(double) + sizeof(unsigned) + sizeof(unsigned char)) +
+    kMissCapacity * sizeof(int);
 
 template <class T, bool kTables, int kThreads>
 __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(ReferenceCompareArgs a, RowComparison* out,
@@ -534,7 +538,8 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
   double* const exp_of_code = code_tables;
   double* const code_margin = exp_of_code + Bf16Codes::kEntries;
   unsigned* const code_g = reinterpret_cast<unsigned*>(code_margin + Bf16Codes::kEntries);
-  unsigned char* const code_seen = reinterpret_cast<unsigned char*>(code_g + Bf16Codes::kEntries);
+  int* const missed_columns = reinterpret_cast<int*>(code_g + Bf16Codes::kEntries);
+  unsigned char* const code_seen = reinterpret_cast<unsigned char*>(missed_columns + kMissCapacity);
   load_exp_table(table);
   if constexpr (kTables) Bf16Codes::fill_exp(exp_of_code, table);
   const T* student = static_cast<const T*>(a.student);
@@ -661,8 +666,8 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
       // The lookups' own state, in registers: a thread meets its hits in increasing column order, so a
       // strictly larger margin is the only change of its worst hit. Sums in the gradient's own units.
       // Misses go to the block's list and are judged in full after the pass, spread over the threads:
-      // the pass itself carries no CompareState.
-      int* const missed_columns = a.miss_scratch + static_cast<std::size_t>(blockIdx.x) * static_cast<std::size_t>(cols);
+      // the pass itself carries no CompareState. A row with more misses than the list holds is judged
+      // again, every element in full, and the lookups' state is dropped.
       int hits = 0, best_column = -1;
       unsigned best_index = 0;
       double best_margin = -1.0, hit_sum = 0.0, hit_magnitude = 0.0;
@@ -696,31 +701,37 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
         hits += 8 - __popc(missed);
         if (missed != 0) {
           int slot = atomicAdd(&miss_count, __popc(missed));
-          for (unsigned bits = missed; bits != 0; bits &= bits - 1) missed_columns[slot++] = i * 8 + __ffs(bits) - 1;
+          for (unsigned bits = missed; bits != 0 && slot < kMissCapacity; bits &= bits - 1) {
+            missed_columns[slot++] = i * 8 + __ffs(bits) - 1;
+          }
         }
       }
       __syncthreads();
       const int misses = miss_count;
-      if (misses > cols / 2) rows_without_tables = 7;
-      for (int j = threadIdx.x; j < misses; j += kThreads) {
-        const int v = missed_columns[j];
-        visit(v, widen<T>(x[v]), 0.0f, widen<T>(g[v]));
-      }
-      st.compared += hits;
-      st.lookups += hits;
-      row_sum += hit_sum * fs;
-      row_magnitude += hit_magnitude * fabs(fs);
-      if (best_column >= 0) {
-        const double expected = expected_at(best_column, Bf16Codes::value(Bf16Codes::code_of(best_index)), 0.0f);
-        st.worst(best_column, best_margin, expected, static_cast<double>(Bf16Codes::value(code_g[best_index])) * fs,
-                 floor + a.rtol * fabs(expected));
-      }
-      // Every code seen: its error and relative error, once.
-      for (int i = threadIdx.x; i < Bf16Codes::kEntries; i += kThreads) {
-        if (!code_seen[i]) continue;
-        const double expected = expected_at(kNotLabel, Bf16Codes::value(Bf16Codes::code_of(static_cast<unsigned>(i))), 0.0f);
-        const double got = static_cast<double>(Bf16Codes::value(code_g[i])) * fs;
-        st.extrema(expected, got == expected ? 0.0 : fabs(got - expected));
+      if (misses > kMissCapacity) {
+        rows_without_tables = 7;
+        for_each_column<false, true>(x, y, g, cols, vectorized, visit);
+      } else {
+        for (int j = threadIdx.x; j < misses; j += kThreads) {
+          const int v = missed_columns[j];
+          visit(v, widen<T>(x[v]), 0.0f, widen<T>(g[v]));
+        }
+        st.compared += hits;
+        st.lookups += hits;
+        row_sum += hit_sum * fs;
+        row_magnitude += hit_magnitude * fabs(fs);
+        if (best_column >= 0) {
+          const double expected = expected_at(best_column, Bf16Codes::value(Bf16Codes::code_of(best_index)), 0.0f);
+          st.worst(best_column, best_margin, expected, static_cast<double>(Bf16Codes::value(code_g[best_index])) * fs,
+                   floor + a.rtol * fabs(expected));
+        }
+        // Every code seen: its error and relative error, once.
+        for (int i = threadIdx.x; i < Bf16Codes::kEntries; i += kThreads) {
+          if (!code_seen[i]) continue;
+          const double expected = expected_at(kNotLabel, Bf16Codes::value(Bf16Codes::code_of(static_cast<unsigned>(i))), 0.0f);
+          const double got = static_cast<double>(Bf16Codes::value(code_g[i])) * fs;
+          st.extrema(expected, got == expected ? 0.0 : fabs(got - expected));
+        }
       }
     } else if (a.kd) {
       for_each_column<true, true>(x, y, g, cols, vectorized, visit);
@@ -827,27 +838,7 @@ void reference_compare(StorageType type, const ReferenceCompareArgs& args, RowCo
         const bool narrow_blocks = e != nullptr && std::string_view(e) == "256";
         auto* kernel = narrow_blocks ? compare_kernel<T, true, 256> : compare_kernel<T, true, kTableThreads>;
         LV_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kTableSharedBytes)));
-        const int blocks = reference_blocks(args.rows, 2);
-        // LOSSVERIFY_TRACE=1: the parts of this call, each waited for.
-        StageTrace trace("gpu reference compare kernel");
-        auto mark = [&](const char* next) {
-          if (!trace.enabled()) return;
-          LV_CUDA(cudaStreamSynchronize(s));
-          trace.mark(next);
-        };
-        mark("scratch");
-        // Each block's list of missed columns (one row at a time), stream-ordered.
-        ReferenceCompareArgs with_scratch = args;
-        void* scratch = nullptr;
-        LV_CUDA(cudaMallocAsync(&scratch, static_cast<std::size_t>(blocks) * static_cast<std::size_t>(args.cols) * sizeof(int), s));
-        with_scratch.miss_scratch = static_cast<int*>(scratch);
-        mark("kernel");
-        kernel<<<blocks, narrow_blocks ? 256 : kTableThreads, kTableSharedBytes, s>>>(with_scratch, out, vectorized);
-        const cudaError_t launched = cudaGetLastError();
-        mark("free");
-        LV_CUDA(cudaFreeAsync(scratch, s));
-        LV_CUDA(launched);
-        mark("end");
+        kernel<<<reference_blocks(args.rows, 2), narrow_blocks ? 256 : kTableThreads, kTableSharedBytes, s>>>(args, out, vectorized);
         return;
       }
     }

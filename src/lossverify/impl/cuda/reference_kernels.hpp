@@ -16,7 +16,7 @@ struct ReferencePartialArgs {
   const void* student;
   const void* teacher;  // KD only
   std::int64_t rows, cols, begin;
-  const int* valid;            // rows to evaluate (others: untouched)
+  const int* valid;            // rows to evaluate (others get the empty partial: -inf, 0, 0, 0, 0, -inf, 0, 0)
   const std::int64_t* label;   // global label per row (cross-entropy)
   int kd;
   double inverse_temperature;  // KD
@@ -57,7 +57,6 @@ struct ReferenceCompareArgs {
   int max_ulp;
   int dtype;  // StorageType of the gradient
   double framework_scale, quantum, grad_scale, smallest_normal;
-  int* miss_scratch;  // set by reference_compare: the code-table path's per-block list of missed columns
 };
 // Per-row results (a plain struct the host merges in row order).
 struct RowComparison {
