@@ -45,6 +45,26 @@ std::vector<std::string> failing(const RunResult& r) {
   return names;
 }
 
+// The same failing checks and, check by check, the same verdict and margins equal to `margin_tolerance`
+// (relative above 1); then more(a_check, b_check) for each pair.
+template <class More>
+void check_same_verdicts(const RunResult& a_run, const RunResult& b_run, double margin_tolerance, More&& more) {
+  CHECK(failing(b_run) == failing(a_run));
+  REQUIRE(b_run.checks.size() == a_run.checks.size());
+  for (std::size_t k = 0; k < a_run.checks.size(); ++k) {
+    const CheckResult& a = a_run.checks[k];
+    const CheckResult& b = b_run.checks[k];
+    CAPTURE(a.name);
+    CHECK(a.verdict == b.verdict);
+    if (std::isfinite(a.margin)) {
+      CHECK(std::fabs(a.margin - b.margin) <= margin_tolerance * std::max(1.0, std::fabs(a.margin)));
+    } else {
+      CHECK(!std::isfinite(b.margin));
+    }
+    more(a, b);
+  }
+}
+
 }  // namespace
 
 TEST_CASE("device_generated_logits_are_bit_identical_to_the_cpu_generator") {
@@ -298,18 +318,7 @@ TEST_CASE("gpu_float64_reference_agrees_with_the_cpu_reference") {
     const RunResult gpu = run_case(c, options);
     CHECK(host.execution.reference == "cpu");
     CHECK(gpu.execution.reference == "gpu");
-    CHECK(failing(gpu) == failing(host));
-    REQUIRE(gpu.checks.size() == host.checks.size());
-    for (std::size_t k = 0; k < gpu.checks.size(); ++k) {
-      const CheckResult& a = host.checks[k];
-      const CheckResult& b = gpu.checks[k];
-      CAPTURE(a.name);
-      CHECK(a.verdict == b.verdict);
-      if (std::isfinite(a.margin)) {
-        CHECK(std::fabs(a.margin - b.margin) <= 1e-6 * std::max(1.0, std::fabs(a.margin)));
-      } else {
-        CHECK(!std::isfinite(b.margin));
-      }
+    check_same_verdicts(host, gpu, 1e-6, [](const CheckResult& a, const CheckResult& b) {
       if (a.name == "grad" || a.name == "loss") {
         for (const char* key : {"compared", "mismatches"}) {
           const auto& ma = a.name == "grad" ? a.metrics : a.metrics["per_token"];
@@ -321,7 +330,7 @@ TEST_CASE("gpu_float64_reference_agrees_with_the_cpu_reference") {
           CHECK(a.worst->column == b.worst->column);
         }
       }
-    }
+    });
   }
 }
 
@@ -421,19 +430,8 @@ TEST_CASE("gpu_reference_code_tables_judge_as_the_full_judgement") {
     const RunResult full = run_case(c, options);
     ::unsetenv("LOSSVERIFY_REFERENCE_TABLES");
     const RunResult tables = run_case(c, options);
-    CHECK(failing(tables) == failing(full));
-    REQUIRE(tables.checks.size() == full.checks.size());
-    for (std::size_t k = 0; k < tables.checks.size(); ++k) {
-      const CheckResult& a = full.checks[k];
-      const CheckResult& b = tables.checks[k];
-      CAPTURE(a.name);
-      CHECK(a.verdict == b.verdict);
-      if (std::isfinite(a.margin)) {
-        CHECK(std::fabs(a.margin - b.margin) <= 1e-9 * std::max(1.0, std::fabs(a.margin)));
-      } else {
-        CHECK(!std::isfinite(b.margin));
-      }
-      if (a.name != "grad") continue;
+    check_same_verdicts(full, tables, 1e-9, [&](const CheckResult& a, const CheckResult& b) {
+      if (a.name != "grad") return;
       CHECK(a.metrics["judged_by_lookup"] == 0);
       const std::int64_t lookups = b.metrics["judged_by_lookup"].get<std::int64_t>();
       const std::int64_t compared = b.metrics["compared"].get<std::int64_t>();
@@ -460,6 +458,6 @@ TEST_CASE("gpu_reference_code_tables_judge_as_the_full_judgement") {
         CHECK(std::fabs(a.worst->expected - b.worst->expected) <= 1e-12 * std::fabs(a.worst->expected));
         CHECK(a.worst->got == b.worst->got);
       }
-    }
+    });
   }
 }
