@@ -692,7 +692,8 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
   const ErrorStats row_sum_all = merge_over(world, row_sum_stats);
   const ErrorStats stats_all = merge_over(world, stats_local);
   const std::vector<std::int64_t> mismatches_per_rank = gather_all(world, grad_mismatches);
-  const std::vector<std::int64_t> lookups_per_rank = gather_all(world, grad_lookups);
+  // (on_device is the same on every rank: one backend and one reference per run)
+  const std::vector<std::int64_t> lookups_per_rank = on_device ? gather_all(world, grad_lookups) : std::vector<std::int64_t>{};
   struct CensusRecord {
     std::int64_t rank;
     std::int64_t values[12];

@@ -198,23 +198,6 @@ struct ThreadLse {
   }
 };
 
-// Shared-memory access by 32-bit shared address, for the code tables' hot loops: through a generic pointer
-// the compiler rebuilds the shared window's address (S2R SR_CgaCtaId, ULEA) at every lookup.
-__device__ __forceinline__ unsigned shared_address(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ double load_shared_f64(unsigned address) {
-  double v;
-  asm volatile("ld.shared.f64 %0, [%1];" : "=d"(v) : "r"(address));
-  return v;
-}
-__device__ __forceinline__ unsigned load_shared_u32(unsigned address) {
-  unsigned v;
-  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(address));
-  return v;
-}
-__device__ __forceinline__ void store_shared_u8(unsigned address, unsigned value) {
-  asm volatile("st.shared.u8 [%0], %1;" ::"r"(address), "r"(value));  // read after a __syncthreads only
-}
-
 // Code tables (bf16 rows of the cross-entropy family without softcap). A bf16 logit is one of 65536
 // codes, so exp(x) needs computing once per code, not once per element: each block keeps exp(x) of every
 // code with 2^-8 <= |x| < 2^6 (3584 codes, 28 KB), and elements outside that range take the plain path.
@@ -276,7 +259,6 @@ __global__ void __launch_bounds__(kReferenceThreads) partials_kernel(ReferencePa
       const int packs = cols / 8;
       const std::int64_t label_pack = label >= 0 && label < cols ? label / 8 : -1;
       double sum_exp = 0.0, sum_x = 0.0;
-      const unsigned exp_base = shared_address(exp_of_code);
       for (int i = threadIdx.x; i < packs; i += blockDim.x) {
         const uint4 w = reinterpret_cast<const uint4*>(x)[i];
         unsigned outside = 0;
@@ -285,7 +267,7 @@ __global__ void __launch_bounds__(kReferenceThreads) partials_kernel(ReferencePa
           const unsigned code = Bf16Codes::code_at(w, k);
           const unsigned offset = Bf16Codes::offset(code);
           if (offset < Bf16Codes::kSpan) {
-            sum_exp += load_shared_f64(exp_base + 8u * Bf16Codes::index(code, offset));
+            sum_exp += exp_of_code[Bf16Codes::index(code, offset)];
           } else {
             outside |= 1u << k;
           }
@@ -671,8 +653,6 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
       int hits = 0, best_column = -1;
       unsigned best_index = 0;
       double best_margin = -1.0, hit_sum = 0.0, hit_magnitude = 0.0;
-      const unsigned g_base = shared_address(code_g), margin_base = shared_address(code_margin),
-                     seen_base = shared_address(code_seen);
       for (int i = threadIdx.x; i < packs; i += kThreads) {
         const uint4 xw = x4[i];
         const uint4 gw = g4[i];
@@ -685,12 +665,12 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
           const unsigned offset = Bf16Codes::offset(xc);
           const bool in_table = offset < Bf16Codes::kSpan;
           const unsigned index = in_table ? Bf16Codes::index(xc, offset) : 0u;
-          const bool hit = in_table && load_shared_u32(g_base + 4u * index) == gc && ((label_bit >> k) & 1u) == 0;
-          if (hit) store_shared_u8(seen_base + index, 1u);
+          const bool hit = in_table && code_g[index] == gc && ((label_bit >> k) & 1u) == 0;
+          if (hit) code_seen[index] = 1;
           const double got_local = Bf16Codes::value(hit ? gc : 0u);
           hit_sum += got_local;
           hit_magnitude += fabs(got_local);
-          const double m = hit ? load_shared_f64(margin_base + 8u * index) : -1.0;
+          const double m = hit ? code_margin[index] : -1.0;
           if (m > best_margin) {
             best_margin = m;
             best_column = i * 8 + k;
