@@ -659,19 +659,9 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
         const int packs = vectorized ? cols / 8 : 0;
         const uint4* x4 = reinterpret_cast<const uint4*>(x);
         const uint4* g4 = reinterpret_cast<const uint4*>(g);
-        // The next pack's loads are issued before this one is counted (two in flight per thread).
-        uint4 next_x = make_uint4(0, 0, 0, 0), next_g = make_uint4(0, 0, 0, 0);
-        if (static_cast<int>(threadIdx.x) < packs) {
-          next_x = x4[threadIdx.x];
-          next_g = g4[threadIdx.x];
-        }
         for (int i = threadIdx.x; i < packs; i += kThreads) {
-          const uint4 xw = next_x;
-          const uint4 gw = next_g;
-          if (i + kThreads < packs) {
-            next_x = x4[i + kThreads];
-            next_g = g4[i + kThreads];
-          }
+          const uint4 xw = x4[i];
+          const uint4 gw = g4[i];
           const unsigned label_bit = i == label_pack ? 1u << (label & 7) : 0u;
           unsigned missed = 0;
 #pragma unroll
