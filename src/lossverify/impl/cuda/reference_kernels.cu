@@ -72,22 +72,6 @@ __device__ OnlineLse shfl(const OnlineLse& x, int offset) {
   return r;
 }
 
-// A row's log-sum-exp and sum_v q_v x_v, merged in one tree (the fused pass).
-struct RowSums {
-  OnlineLse lse;
-  Neumaier qx;
-  __device__ void merge(const RowSums& o) {
-    lse.merge(o.lse);
-    qx.merge(o.qx);
-  }
-};
-__device__ RowSums shfl(const RowSums& x, int offset) {
-  RowSums r;
-  r.lse = shfl(x.lse, offset);
-  r.qx = shfl(x.qx, offset);
-  return r;
-}
-
 // A fixed reduction tree over the block (lane pairs, then warp leaders in order): thread 0 gets the result.
 template <int kThreads = kReferenceThreads, class State>
 __device__ State block_merge(State x) {
@@ -619,36 +603,22 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
         if (threadIdx.x == 0) miss_count = 0;
         __syncthreads();
         const std::int64_t label_pack = label >= 0 && label < cols ? label / 8 : -1;
-        // A hit: the element's (x, g) is its code's claimed pair; it is counted, with the pair's first column.
-        auto hit_of = [&](unsigned column, unsigned xc, unsigned gc, bool is_label) -> bool {
+        // One element: its code's count (the pair's hits or the code's other elements) and, for a hit,
+        // the pair's first column; the first element of an unclaimed code claims it. True for a hit.
+        auto count = [&](unsigned column, unsigned xc, unsigned gc, bool is_label) -> bool {
           const unsigned offset = Bf16Codes::offset(xc);
           const bool in_table = offset < Bf16Codes::kSpan;
           const unsigned index = in_table ? Bf16Codes::index(xc, offset) : 0u;
-          const uint2 pair = code_pair[index];
-          const bool hit = claiming && in_table && pair.x == gc && !is_label;
-          if (hit) {
-            atomicAdd(&code_hits[index], 1u);
-            if (column < pair.y) atomicMin(&code_pair[index].y, column);
-          }
-          return hit;
-        };
-        // Any other element (out of the hot loop): the first of an unclaimed code claims it and is a hit;
-        // else it counts as its code's other element (codes outside the table: summed after the pass, from
-        // the bitmap). True when it is a miss.
-        auto resolve = [&](unsigned column, unsigned xc, unsigned gc, bool is_label) -> bool {
-          const unsigned offset = Bf16Codes::offset(xc);
-          if (offset >= Bf16Codes::kSpan) return true;
-          const unsigned index = Bf16Codes::index(xc, offset);
-          if (claiming && !is_label) {
+          uint2 pair = code_pair[index];
+          const bool eligible = claiming && in_table && !is_label;
+          if (eligible && pair.x == kUnclaimed) {
             const unsigned old = atomicCAS(&code_pair[index].x, kUnclaimed, gc);
-            if (old == kUnclaimed || old == gc) {
-              atomicAdd(&code_hits[index], 1u);
-              atomicMin(&code_pair[index].y, column);
-              return false;
-            }
+            pair.x = old == kUnclaimed ? gc : old;
           }
-          atomicAdd(&code_others[index], 1u);
-          return true;
+          const bool hit = eligible && pair.x == gc;
+          if (in_table) atomicAdd((hit ? code_hits : code_others) + index, 1u);
+          if (hit && column < pair.y) atomicMin(&code_pair[index].y, column);
+          return hit;
         };
         // Everything but the hits is marked in the row's bitmap of misses.
         auto mark = [&](unsigned first_column, unsigned missed) {
@@ -666,29 +636,17 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
           unsigned missed = 0;
 #pragma unroll
           for (int k = 0; k < 8; ++k) {
-            const bool hit = hit_of(static_cast<unsigned>(i * 8 + k), Bf16Codes::code_at(xw, k), Bf16Codes::code_at(gw, k),
-                                    ((label_bit >> k) & 1u) != 0);
+            const bool hit = count(static_cast<unsigned>(i * 8 + k), Bf16Codes::code_at(xw, k), Bf16Codes::code_at(gw, k),
+                                   ((label_bit >> k) & 1u) != 0);
             missed |= static_cast<unsigned>(!hit) << k;
           }
-          if (missed != 0) {
-            unsigned misses = 0;
-#pragma unroll 1
-            for (unsigned bits = missed; bits != 0; bits &= bits - 1) {
-              const int k = __ffs(bits) - 1;
-              if (resolve(static_cast<unsigned>(i * 8 + k), Bf16Codes::code_at(xw, k), Bf16Codes::code_at(gw, k),
-                          ((label_bit >> k) & 1u) != 0)) {
-                misses |= 1u << k;
-              }
-            }
-            mark(static_cast<unsigned>(i * 8), misses);
-          }
+          mark(static_cast<unsigned>(i * 8), missed);
         }
         // The tail (and rows that cannot be read 16 bytes at a time), element by element.
         for (int v = packs * 8 + static_cast<int>(threadIdx.x); v < cols; v += kThreads) {
           const unsigned xc = __bfloat16_as_ushort(reinterpret_cast<const __nv_bfloat16*>(x)[v]);
           const unsigned gc = __bfloat16_as_ushort(reinterpret_cast<const __nv_bfloat16*>(g)[v]);
-          const bool hit = hit_of(static_cast<unsigned>(v), xc, gc, v == label);
-          mark(static_cast<unsigned>(v), !hit && resolve(static_cast<unsigned>(v), xc, gc, v == label) ? 1u : 0u);
+          mark(static_cast<unsigned>(v), count(static_cast<unsigned>(v), xc, gc, v == label) ? 0u : 1u);
         }
         __syncthreads();
         fused_misses = miss_count;
@@ -726,12 +684,10 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
         ThreadLse merged;
         merged.m = rest.m;
         merged.s = rest.sum.s + rest.sum.c;
-        RowSums sums;
-        sums.lse = merged.online();
-        sums.qx.s = qx_t;
-        sums = block_merge<kThreads>(sums);
-        const OnlineLse& row = sums.lse;
-        const Neumaier& qx = sums.qx;
+        const OnlineLse row = block_merge<kThreads>(merged.online());
+        Neumaier qx_start;
+        qx_start.s = qx_t;
+        const Neumaier qx = block_merge<kThreads>(qx_start);
         if (threadIdx.x == 0) {
           double* o = a.partials + 8 * r;
           o[0] = row.m;
