@@ -390,7 +390,7 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
                      cuda::reference_fused_applies(out.dtype == DType::bf16   ? cuda::StorageType::bf16
                                                      : out.dtype == DType::fp16 ? cuda::StorageType::fp16
                                                                                 : cuda::StorageType::fp32,
-                                                     kd, c.loss.softcap, cols);
+                                                     kd, c.loss.softcap);
   std::vector<cuda::RowComparison> compared_rows;
   if (on_device) {
     std::vector<int> device_valid(static_cast<std::size_t>(rows), 0);

@@ -31,6 +31,6 @@ std::vector<RowComparison> gpu_reference_compare(const DeviceShard&, const Case&
   unavailable();
 }
 GpuFusedResult gpu_reference_fused(const DeviceShard&, const Case&, const GpuCompareInputs&) { unavailable(); }
-bool reference_fused_applies(StorageType, bool, double, std::int64_t) { return false; }
+bool reference_fused_applies(StorageType, bool, double) { return false; }
 
 }  // namespace lossverify::cuda

@@ -524,13 +524,10 @@ constexpr std::size_t kTableSharedBytes =
     static_cast<std::size_t>(Bf16Codes::kEntries) * (2 * sizeof(double) + sizeof(unsigned) + sizeof(unsigned char)) +
     kMissCapacity * sizeof(int);
 // kFused: exp(x), then per code the claimed gradient code and the pair's first column, its hits and its
-// other elements; then the row's bitmap of misses, one bit per column.
-constexpr std::size_t kFusedTableBytes =
-    static_cast<std::size_t>(Bf16Codes::kEntries) * (sizeof(double) + sizeof(uint2) + 2 * sizeof(unsigned));
-std::size_t fused_shared_bytes(std::int64_t cols) {
-  return kFusedTableBytes + static_cast<std::size_t>((cols + 31) / 32) * sizeof(unsigned);
-}
-constexpr std::size_t kFusedSharedLimit = 105 * 1024;  // two blocks per SM: rows of up to 172,032 columns
+// other elements; then the list of misses.
+constexpr std::size_t kFusedSharedBytes =
+    static_cast<std::size_t>(Bf16Codes::kEntries) * (sizeof(double) + sizeof(uint2) + 2 * sizeof(unsigned)) +
+    kMissCapacity * sizeof(int);
 constexpr unsigned kUnclaimed = 0xffffffffu;  // no gradient code claimed (codes are 16 bits)
 
 // kFused (the shard holds whole rows: TP = 1): the partials and the comparison in one pass over the
@@ -559,9 +556,7 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
   uint2* const code_pair = reinterpret_cast<uint2*>(code_margin);
   unsigned* const code_hits = code_g;
   unsigned* const code_others = code_hits + Bf16Codes::kEntries;
-  int* const missed_columns = reinterpret_cast<int*>(code_g + Bf16Codes::kEntries);
-  unsigned* const miss_bits = code_others + Bf16Codes::kEntries;  // kFused
-  const int miss_words = kFused ? static_cast<int>((a.cols + 31) / 32) : 0;
+  int* const missed_columns = reinterpret_cast<int*>(kFused ? code_others + Bf16Codes::kEntries : code_g + Bf16Codes::kEntries);
   unsigned char* const code_seen = reinterpret_cast<unsigned char*>(missed_columns + kMissCapacity);
   load_exp_table(table);
   if constexpr (kTables) Bf16Codes::fill_exp(exp_of_code, table);
@@ -571,7 +566,6 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
       code_hits[i] = 0;
       code_others[i] = 0;
     }
-    for (int w = threadIdx.x; w < miss_words; w += kThreads) miss_bits[w] = 0;
     __syncthreads();
   }
   const T* student = static_cast<const T*>(a.student);
@@ -602,29 +596,38 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
       if (kind == 0) {
         if (threadIdx.x == 0) miss_count = 0;
         __syncthreads();
+        // Codes outside the table: the per-element path (max and sum of exp, sum of x).
+        ThreadLse outside;
+        double outside_x = 0.0;
         const std::int64_t label_pack = label >= 0 && label < cols ? label / 8 : -1;
-        // One element: its code's count (the pair's hits or the code's other elements) and, for a hit,
-        // the pair's first column; the first element of an unclaimed code claims it. True for a hit.
-        auto count = [&](unsigned column, unsigned xc, unsigned gc, bool is_label) -> bool {
+        // An element that is not a hit of its code's claimed pair: claims the code if unclaimed (then it
+        // is a hit), else counts as the code's other element (or takes the outside path) and is listed.
+        auto resolve = [&](int column, unsigned xc, unsigned gc, bool is_label) -> bool {
           const unsigned offset = Bf16Codes::offset(xc);
-          const bool in_table = offset < Bf16Codes::kSpan;
-          const unsigned index = in_table ? Bf16Codes::index(xc, offset) : 0u;
-          uint2 pair = code_pair[index];
-          const bool eligible = claiming && in_table && !is_label;
-          if (eligible && pair.x == kUnclaimed) {
-            const unsigned old = atomicCAS(&code_pair[index].x, kUnclaimed, gc);
-            pair.x = old == kUnclaimed ? gc : old;
+          if (offset < Bf16Codes::kSpan) {
+            const unsigned index = Bf16Codes::index(xc, offset);
+            if (claiming && !is_label) {
+              const unsigned old = atomicCAS(&code_pair[index].x, kUnclaimed, gc);
+              if (old == kUnclaimed || old == gc) {
+                atomicAdd(&code_hits[index], 1u);
+                atomicMin(&code_pair[index].y, static_cast<unsigned>(column));
+                return false;
+              }
+            }
+            atomicAdd(&code_others[index], 1u);
+          } else {
+            const double xv = Bf16Codes::value(xc);
+            outside.add(xv, table);
+            outside_x += xv;
           }
-          const bool hit = eligible && pair.x == gc;
-          if (in_table) atomicAdd((hit ? code_hits : code_others) + index, 1u);
-          if (hit && column < pair.y) atomicMin(&code_pair[index].y, column);
-          return hit;
+          return true;
         };
-        // Everything but the hits is marked in the row's bitmap of misses.
-        auto mark = [&](unsigned first_column, unsigned missed) {
-          if (missed == 0) return;
-          atomicOr(&miss_bits[first_column / 32], missed << (first_column % 32));
-          atomicAdd(&miss_count, __popc(missed));
+        auto list = [&](int first_column, unsigned listed) {
+          if (!claiming || listed == 0) return;
+          int slot = atomicAdd(&miss_count, __popc(listed));
+          for (unsigned bits = listed; bits != 0 && slot < kMissCapacity; bits &= bits - 1) {
+            missed_columns[slot++] = first_column + __ffs(bits) - 1;
+          }
         };
         const int packs = vectorized ? cols / 8 : 0;
         const uint4* x4 = reinterpret_cast<const uint4*>(x);
@@ -636,36 +639,42 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
           unsigned missed = 0;
 #pragma unroll
           for (int k = 0; k < 8; ++k) {
-            const bool hit = count(static_cast<unsigned>(i * 8 + k), Bf16Codes::code_at(xw, k), Bf16Codes::code_at(gw, k),
-                                   ((label_bit >> k) & 1u) != 0);
+            const unsigned xc = Bf16Codes::code_at(xw, k);
+            const unsigned gc = Bf16Codes::code_at(gw, k);
+            const unsigned offset = Bf16Codes::offset(xc);
+            const bool in_table = offset < Bf16Codes::kSpan;
+            const unsigned index = in_table ? Bf16Codes::index(xc, offset) : 0u;
+            const uint2 pair = code_pair[index];
+            const unsigned column = static_cast<unsigned>(i * 8 + k);
+            const bool hit = claiming && in_table && pair.x == gc && ((label_bit >> k) & 1u) == 0;
+            if (hit) {
+              atomicAdd(&code_hits[index], 1u);
+              if (column < pair.y) atomicMin(&code_pair[index].y, column);
+            }
             missed |= static_cast<unsigned>(!hit) << k;
           }
-          mark(static_cast<unsigned>(i * 8), missed);
+          if (missed != 0) {
+            unsigned listed = 0;
+#pragma unroll 1
+            for (unsigned bits = missed; bits != 0; bits &= bits - 1) {
+              const int k = __ffs(bits) - 1;
+              if (resolve(i * 8 + k, Bf16Codes::code_at(xw, k), Bf16Codes::code_at(gw, k), ((label_bit >> k) & 1u) != 0)) {
+                listed |= 1u << k;
+              }
+            }
+            list(i * 8, listed);
+          }
         }
         // The tail (and rows that cannot be read 16 bytes at a time), element by element.
         for (int v = packs * 8 + static_cast<int>(threadIdx.x); v < cols; v += kThreads) {
           const unsigned xc = __bfloat16_as_ushort(reinterpret_cast<const __nv_bfloat16*>(x)[v]);
           const unsigned gc = __bfloat16_as_ushort(reinterpret_cast<const __nv_bfloat16*>(g)[v]);
-          mark(static_cast<unsigned>(v), count(static_cast<unsigned>(v), xc, gc, v == label) ? 0u : 1u);
+          list(v, resolve(v, xc, gc, v == label) ? 1u : 0u);
         }
         __syncthreads();
         fused_misses = miss_count;
-        // Codes outside the table, from the bitmap: each thread its words, in column order (so the sums
-        // do not depend on scheduling).
-        ThreadLse outside;
-        double sum_x = 0.0;
-        for (int w = threadIdx.x; w < miss_words; w += kThreads) {
-          for (unsigned bits = miss_bits[w]; bits != 0; bits &= bits - 1) {
-            const int v = w * 32 + __ffs(bits) - 1;
-            const unsigned xc = __bfloat16_as_ushort(reinterpret_cast<const __nv_bfloat16*>(x)[v]);
-            if (Bf16Codes::offset(xc) < Bf16Codes::kSpan) continue;
-            const double xv = Bf16Codes::value(xc);
-            outside.add(xv, table);
-            sum_x += xv;
-          }
-        }
         // sum exp(x) and sum x over the table's codes, from the counts (a maximum of 0: exp(x) <= e^64).
-        double sum_exp = 0.0;
+        double sum_exp = 0.0, sum_x = outside_x;
         for (int i = threadIdx.x; i < Bf16Codes::kEntries; i += kThreads) {
           const unsigned n = code_hits[i] + code_others[i];
           if (n == 0) continue;
@@ -800,22 +809,19 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
           row_sum += probe_sum * hits;
           row_magnitude += probe_magnitude * hits;
         }
-        for (int w = threadIdx.x; w < miss_words; w += kThreads) {
-          for (unsigned bits = miss_bits[w]; bits != 0; bits &= bits - 1) {
-            const int v = w * 32 + __ffs(bits) - 1;
-            visit(v, widen<T>(x[v]), 0.0f, widen<T>(g[v]));
-          }
+        for (int j = threadIdx.x; j < fused_misses; j += kThreads) {
+          const int v = missed_columns[j];
+          visit(v, widen<T>(x[v]), 0.0f, widen<T>(g[v]));
         }
       } else {
         for_each_column<false, true>(x, y, g, cols, vectorized, visit);
       }
-      // Clear this thread's codes and words for the next row (no other thread reads them in this row now).
+      // Clear this thread's codes for the next row (each thread touches only its own codes here).
       for (int i = threadIdx.x; i < Bf16Codes::kEntries; i += kThreads) {
         code_pair[i] = make_uint2(kUnclaimed, UINT_MAX);
         code_hits[i] = 0;
         code_others[i] = 0;
       }
-      for (int w = threadIdx.x; w < miss_words; w += kThreads) miss_bits[w] = 0;
     } else if (!kFused && tabled) {
       // The row's table: for every code, the likeliest gradient and, where its judgement is inert, its margin.
       constexpr int kNotLabel = INT_MIN;
@@ -976,9 +982,7 @@ bool use_fused(StorageType type, bool kd, double softcap) {
 
 }  // namespace
 
-bool reference_fused_applies(StorageType type, bool kd, double softcap, std::int64_t cols) {
-  return use_fused(type, kd, softcap) && fused_shared_bytes(cols) <= kFusedSharedLimit;
-}
+bool reference_fused_applies(StorageType type, bool kd, double softcap) { return use_fused(type, kd, softcap); }
 
 bool reference_code_tables_apply(StorageType type, bool kd, double softcap) {
   bool apply = false;
@@ -1019,10 +1023,8 @@ void reference_compare(StorageType type, const ReferenceCompareArgs& args, RowCo
     if (args.partials != nullptr) {  // the fused pass; the caller checked reference_fused_applies
       if constexpr (std::is_same_v<T, __nv_bfloat16>) {
         auto* kernel = compare_kernel<T, true, kTableThreads, true>;
-        const std::size_t bytes = fused_shared_bytes(args.cols);
-        if (bytes > kFusedSharedLimit) throw InternalError("the fused GPU reference takes rows of up to 172,032 columns");
-        LV_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
-        kernel<<<reference_blocks(args.rows, 2), kTableThreads, bytes, s>>>(args, out, vectorized);
+        LV_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kFusedSharedBytes)));
+        kernel<<<reference_blocks(args.rows, 2), kTableThreads, kFusedSharedBytes, s>>>(args, out, vectorized);
         return;
       }
       throw InternalError("the fused GPU reference takes bf16 shards only");

@@ -78,9 +78,8 @@ void reference_compare(StorageType type, const ReferenceCompareArgs& args, RowCo
 // reference_kernels.cu. For reports and tests.
 bool reference_code_tables_apply(StorageType type, bool kd, double softcap);
 // Whether the reference takes the fused pass (partials and comparison in one kernel) for a shard that
-// holds whole rows of `cols` columns: where the code tables apply and the row's bitmap of misses fits
-// (rows of up to 172,032 columns), unless LOSSVERIFY_REFERENCE_FUSED=off.
-bool reference_fused_applies(StorageType type, bool kd, double softcap, std::int64_t cols);
+// holds whole rows: where the code tables apply, unless LOSSVERIFY_REFERENCE_FUSED=off.
+bool reference_fused_applies(StorageType type, bool kd, double softcap);
 
 // The kernels' float64 exp on the device, one value per input (host arrays; for the accuracy test).
 void reference_exp_values(const double* in, double* out, std::size_t count);
