@@ -92,13 +92,13 @@ for p in sys.argv[1:]:
     print(f"  {p.split('/')[-1]}: verdict {r['verdict']}, {r['execution']}, generate {t['generate_max_rank']*1e3:.1f} ms, "
           f"compute {t['compute_max_rank']*1e3:.1f} ms, reference+checks {t['reference_and_checks']*1e3:.1f} ms, "
           f"total {t['total']*1e3:.1f} ms; kernel+reference+checks {e2e*1e3:.1f} ms = {e2e/2.80e-3:.2f} x the 2.80 ms floor; "
-          f"judged by lookup {g.get('judged_by_lookup', 0)} of {g['compared']}, rows in the fused pass {g.get('rows_in_fused_pass', 0)}")
+          f"judged by lookup {g.get('judged_by_lookup', 0)} of {g['compared']}")
 PY
 }
 if has e2e; then
-  echo "== end to end, stage times (LOSSVERIFY_TRACE=1): the fused pass, the two kernels with code tables, tables off"
+  echo "== end to end, stage times (LOSSVERIFY_TRACE=1): code tables (512 and 256 threads), then off"
   e2e=bench/cases/cuda-e2e-n16384-v128256-bf16.json
-  for variant in "fused" "LOSSVERIFY_REFERENCE_FUSED=off" "LOSSVERIFY_REFERENCE_TABLES=off"; do
+  for variant in "tables" "LOSSVERIFY_TABLE_THREADS=256" "LOSSVERIFY_REFERENCE_TABLES=off"; do
     echo "-- $variant"
     for k in 1 2; do
       env $([[ $variant == *=* ]] && echo "$variant") LOSSVERIFY_TRACE=1 "$bin" run $e2e --backend cuda --quiet \

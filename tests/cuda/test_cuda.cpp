@@ -370,63 +370,26 @@ TEST_CASE("gpu_reference_exp_is_within_2_ulp_of_the_host_exp") {
   CHECK(worst <= 2);
 }
 
-namespace {
-
-// The same runs with every element judged in full (`full`) and by the code tables (`tables`): the same
-// verdicts, counts, ULP maxima and worst elements, maxima equal to float64 rounding (the table rows take
-// the softmax as exp(x) exp(-lse), not exp(x - lse)).
-enum class Lookups { some, none, any };  // any: a bug whose gradient may miss every code (judged in full)
-void check_lookups_judge_as_in_full(const RunResult& full, const RunResult& tables, Lookups expect, const std::string& what) {
-  check_same_verdicts(full, tables, 1e-9, [&](const CheckResult& a, const CheckResult& b) {
-    if (a.name != "grad") return;
-    CHECK(a.metrics["judged_by_lookup"] == 0);
-    const std::int64_t lookups = b.metrics["judged_by_lookup"].get<std::int64_t>();
-    const std::int64_t compared = b.metrics["compared"].get<std::int64_t>();
-    MESSAGE(what << ": " << lookups << " of " << compared << " elements judged by lookup, "
-                 << b.metrics["rows_in_fused_pass"] << " rows in the fused pass");
-    if (expect == Lookups::some) CHECK(lookups > 0);
-    if (expect == Lookups::none) CHECK(lookups == 0);
-    for (const char* key : {"compared", "mismatches", "max_ulp"}) {
-      CAPTURE(key);
-      CHECK(a.metrics.value(key, nlohmann::json()) == b.metrics.value(key, nlohmann::json()));
-    }
-    for (const char* key : {"max_abs_error", "max_rel_error"}) {
-      CAPTURE(key);
-      if (!a.metrics[key].is_number() || !b.metrics[key].is_number()) {  // "Infinity", "NaN"
-        CHECK(a.metrics[key] == b.metrics[key]);
-        continue;
-      }
-      const double x = a.metrics[key].get<double>(), y = b.metrics[key].get<double>();
-      CHECK(std::fabs(x - y) <= 1e-9 * std::fabs(x));
-    }
-    REQUIRE(a.worst.has_value() == b.worst.has_value());
-    if (a.worst) {
-      CHECK(a.worst->token == b.worst->token);
-      CHECK(a.worst->column == b.worst->column);
-      CHECK(std::fabs(a.worst->expected - b.worst->expected) <= 1e-12 * std::fabs(a.worst->expected));
-      CHECK(a.worst->got == b.worst->got);
-    }
-  });
-}
-
-struct LookupRun {
-  const char* name;
-  const char* impl;
-  std::vector<std::string> set;
-  Lookups lookups;
-};
-
-// bf16 runs of the cross-entropy family for the code tables: bugs that mismatch, masked rows, CP padding,
-// z-loss, upstream weights, the absolute/relative tolerance mode, codes outside the table, rows whose
-// |lse| > 600 (judged in full) and rows whose every element misses (more than the block's list holds).
-std::vector<LookupRun> lookup_runs() {
+TEST_CASE("gpu_reference_code_tables_judge_as_the_full_judgement") {
+  // bf16 rows of the cross-entropy family: the GPU reference judges an element whose (logit, gradient)
+  // codes match its row's table by a lookup (reference_kernels.cu). Against the same runs with the tables
+  // off (every element judged in full): the same verdicts, counts and worst elements, and maxima equal to
+  // float64 rounding (the table rows take the softmax as exp(x) exp(-lse), not exp(x - lse)). Covers
+  // bugs that mismatch, masked rows, CP padding, z-loss, upstream weights, the absolute/relative
+  // tolerance mode, codes outside the table and rows whose |lse| > 600 keep the full judgement.
+  enum Lookups { some, none, any };  // any: a bug whose gradient may miss every code (judged in full)
+  struct Run {
+    const char* name;
+    const char* impl;
+    std::vector<std::string> set;
+    Lookups lookups;
+  };
   const std::vector<std::string> bf16 = {"inputs.dtype=bf16"};
   auto with = [&](std::vector<std::string> more) {
     more.insert(more.begin(), bf16.begin(), bf16.end());
     return more;
   };
-  using enum Lookups;
-  return {
+  const Run runs[] = {
       {"smoothing-pytorch", "correct", with({"shape.vocab=1024"}), some},
       {"smoothing-pytorch", "smoothing-partition-vocab", with({"shape.vocab=1024"}), some},
       {"smoothing-megatron", "correct", {}, some},
@@ -447,78 +410,54 @@ std::vector<LookupRun> lookup_runs() {
       {"large-logits-no-max-shift", "correct", bf16, none},                        // |x| > 64: outside
       {"large-logits-no-max-shift", "correct", with({"inputs.mean=650"}), none},  // |lse| > 600
   };
-}
-
-RunResult run_with_reference(const Case& c, const std::string& impl, const char* env, const char* value) {
-  RunOptions options;
-  options.implementation = impl;
-  options.threads = 2;
-  options.device = RunOptions::Device::cuda;
-  options.reference = RunOptions::Reference::gpu;
-  if (env != nullptr) ::setenv(env, value, 1);
-  const RunResult result = run_case(c, options);
-  if (env != nullptr) ::unsetenv(env);
-  return result;
-}
-
-}  // namespace
-
-TEST_CASE("gpu_reference_code_tables_judge_as_the_full_judgement") {
-  // bf16 rows of the cross-entropy family: the GPU reference judges an element whose (logit, gradient)
-  // codes match its row's table by a lookup (reference_kernels.cu), against the same runs with the
-  // tables off (every element judged in full).
   ::unsetenv("LOSSVERIFY_REFERENCE_TABLES");
-  ::unsetenv("LOSSVERIFY_REFERENCE_FUSED");
   REQUIRE(cuda::reference_code_tables_apply(cuda::StorageType::bf16, false, 0.0));
   REQUIRE_FALSE(cuda::reference_code_tables_apply(cuda::StorageType::fp16, false, 0.0));
   REQUIRE_FALSE(cuda::reference_code_tables_apply(cuda::StorageType::bf16, true, 0.0));
   REQUIRE_FALSE(cuda::reference_code_tables_apply(cuda::StorageType::bf16, false, 30.0));
-  for (const LookupRun& run : lookup_runs()) {
+  for (const Run& run : runs) {
     const Case c = load_case_file(std::string("cases/") + run.name + ".json", run.set);
     CAPTURE(run.name);
     CAPTURE(run.impl);
     CAPTURE(run.set.size());
     REQUIRE(c.inputs.dtype == DType::bf16);
-    const RunResult full = run_with_reference(c, run.impl, "LOSSVERIFY_REFERENCE_TABLES", "off");
-    // the two kernels (partials, then the comparison) wherever the shard holds whole rows or not
-    const RunResult tables = run_with_reference(c, run.impl, "LOSSVERIFY_REFERENCE_FUSED", "off");
-    check_lookups_judge_as_in_full(full, tables, run.lookups, std::string(run.name) + " / " + run.impl);
-    for (const auto& check : tables.checks) {
-      if (check.name == "grad") CHECK(check.metrics["rows_in_fused_pass"] == 0);
-    }
-  }
-}
-
-TEST_CASE("gpu_reference_fused_pass_judges_as_the_full_judgement") {
-  // The same runs with TP = 1, so every rank holds whole rows and the reference takes the fused pass
-  // (partials, lse and comparison in one kernel; the pairs of codes counted before the lse is known):
-  // against every element judged in full, and against the two kernels, the same verdicts, counts and
-  // worst elements, margins (the loss's among them: the fused pass's partials) equal to float64 rounding.
-  ::unsetenv("LOSSVERIFY_REFERENCE_TABLES");
-  ::unsetenv("LOSSVERIFY_REFERENCE_FUSED");
-  REQUIRE(cuda::reference_fused_applies(cuda::StorageType::bf16, false, 0.0));
-  REQUIRE_FALSE(cuda::reference_fused_applies(cuda::StorageType::fp32, false, 0.0));
-  REQUIRE_FALSE(cuda::reference_fused_applies(cuda::StorageType::bf16, false, 30.0));
-  std::vector<LookupRun> runs = lookup_runs();
-  // rows of 1001 columns: not 16-byte vectors, every element takes the fused pass's scalar loop
-  runs.push_back({"smoothing-pytorch", "correct", {"inputs.dtype=bf16", "shape.vocab=1001"}, Lookups::some});
-  runs.push_back({"smoothing-pytorch", "smoothing-partition-vocab", {"inputs.dtype=bf16", "shape.vocab=1001"}, Lookups::some});
-  for (LookupRun run : runs) {
-    run.set.push_back("layout.tp=1");
-    const Case c = load_case_file(std::string("cases/") + run.name + ".json", run.set);
-    CAPTURE(run.name);
-    CAPTURE(run.impl);
-    CAPTURE(run.set.size());
-    const RunResult full = run_with_reference(c, run.impl, "LOSSVERIFY_REFERENCE_TABLES", "off");
-    const RunResult two_kernels = run_with_reference(c, run.impl, "LOSSVERIFY_REFERENCE_FUSED", "off");
-    const RunResult fused = run_with_reference(c, run.impl, nullptr, nullptr);
-    const std::string what = std::string(run.name) + " / " + run.impl + " (tp 1)";
-    check_lookups_judge_as_in_full(full, fused, run.lookups, what);
-    check_same_verdicts(two_kernels, fused, 1e-9, [](const CheckResult&, const CheckResult&) {});
-    std::int64_t rows = 0;
-    for (const auto& check : fused.checks) {
-      if (check.name == "grad") rows = check.metrics["rows_in_fused_pass"].get<std::int64_t>();
-    }
-    CHECK(rows >= c.shape.tokens);  // every token's row (and CP padding rows) took the fused pass
+    RunOptions options;
+    options.implementation = run.impl;
+    options.threads = 2;
+    options.device = RunOptions::Device::cuda;
+    options.reference = RunOptions::Reference::gpu;
+    ::setenv("LOSSVERIFY_REFERENCE_TABLES", "off", 1);
+    const RunResult full = run_case(c, options);
+    ::unsetenv("LOSSVERIFY_REFERENCE_TABLES");
+    const RunResult tables = run_case(c, options);
+    check_same_verdicts(full, tables, 1e-9, [&](const CheckResult& a, const CheckResult& b) {
+      if (a.name != "grad") return;
+      CHECK(a.metrics["judged_by_lookup"] == 0);
+      const std::int64_t lookups = b.metrics["judged_by_lookup"].get<std::int64_t>();
+      const std::int64_t compared = b.metrics["compared"].get<std::int64_t>();
+      MESSAGE(std::string(run.name) << " / " << run.impl << ": " << lookups << " of " << compared << " elements judged by lookup");
+      if (run.lookups == some) CHECK(lookups > 0);
+      if (run.lookups == none) CHECK(lookups == 0);
+      for (const char* key : {"compared", "mismatches", "max_ulp"}) {
+        CAPTURE(key);
+        CHECK(a.metrics.value(key, nlohmann::json()) == b.metrics.value(key, nlohmann::json()));
+      }
+      for (const char* key : {"max_abs_error", "max_rel_error"}) {
+        CAPTURE(key);
+        if (!a.metrics[key].is_number() || !b.metrics[key].is_number()) {  // "Infinity", "NaN"
+          CHECK(a.metrics[key] == b.metrics[key]);
+          continue;
+        }
+        const double x = a.metrics[key].get<double>(), y = b.metrics[key].get<double>();
+        CHECK(std::fabs(x - y) <= 1e-9 * std::fabs(x));
+      }
+      REQUIRE(a.worst.has_value() == b.worst.has_value());
+      if (a.worst) {
+        CHECK(a.worst->token == b.worst->token);
+        CHECK(a.worst->column == b.worst->column);
+        CHECK(std::fabs(a.worst->expected - b.worst->expected) <= 1e-12 * std::fabs(a.worst->expected));
+        CHECK(a.worst->got == b.worst->got);
+      }
+    });
   }
 }

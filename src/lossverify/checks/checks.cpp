@@ -356,42 +356,6 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
   const bool on_device = out.device_shard != nullptr;
   if (on_device && snapshot != nullptr) throw InternalError("the GPU reference keeps no snapshot for sweeps");
   std::vector<std::int64_t> row_labels(on_device ? static_cast<std::size_t>(rows) : 0, -1);
-  // The GPU reference's inputs for the comparison: per row its kind (0 valid token, 1 masked token, 2 CP
-  // padding), label, lse (filled in after the combine), teacher lse and weight, and GradJudge's terms.
-  cuda::GpuCompareInputs compare_in;
-  auto fill_compare_inputs = [&] {
-    cuda::GpuCompareInputs& in = compare_in;
-    in.kind.assign(static_cast<std::size_t>(rows), 1);
-    in.labels = row_labels;
-    in.lse.assign(static_cast<std::size_t>(rows), 0.0);
-    in.teacher_lse.assign(static_cast<std::size_t>(rows), 0.0);
-    in.weight.assign(static_cast<std::size_t>(rows), 0.0);
-    for (std::int64_t i = 0; i < rows; ++i) {
-      const auto k = static_cast<std::size_t>(i);
-      const std::int64_t t = out.token_of(i);
-      if (t < 0) {
-        in.kind[k] = 2;
-      } else if (valid[k]) {
-        in.kind[k] = 0;
-        in.weight[k] = reference.token_weight(t);
-      }
-    }
-    in.atol = judge.tolerance.atol;
-    in.rtol = judge.tolerance.rtol;
-    in.max_ulp = judge.tolerance.max_ulp;
-    in.framework_scale = framework_scale;
-    in.quantum = judge.quantum;
-    in.grad_scale = grad_scale;
-    in.smallest_normal = smallest_normal(out.dtype);
-  };
-  // Where the shard holds whole rows (TP = 1) and the fused pass applies, the partials and the comparison
-  // come from one kernel (reference_kernels.cu), which computes each row's lse from its own partials.
-  const bool fused = on_device && tp_size == 1 && range.begin == 0 && cols == vocab &&
-                     cuda::reference_fused_applies(out.dtype == DType::bf16   ? cuda::StorageType::bf16
-                                                     : out.dtype == DType::fp16 ? cuda::StorageType::fp16
-                                                                                : cuda::StorageType::fp32,
-                                                     kd, c.loss.softcap);
-  std::vector<cuda::RowComparison> compared_rows;
   if (on_device) {
     std::vector<int> device_valid(static_cast<std::size_t>(rows), 0);
     for (std::int64_t i = 0; i < rows; ++i) {
@@ -401,14 +365,7 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
       device_valid[static_cast<std::size_t>(i)] = 1;
       if (!kd) row_labels[static_cast<std::size_t>(i)] = inputs.label(t);
     }
-    if (fused) {
-      fill_compare_inputs();
-      cuda::GpuFusedResult result = cuda::gpu_reference_fused(*out.device_shard, c, compare_in);
-      partials = std::move(result.partials);
-      compared_rows = std::move(result.rows);
-    } else {
-      partials = cuda::gpu_reference_partials(*out.device_shard, c, row_labels, device_valid);
-    }
+    partials = cuda::gpu_reference_partials(*out.device_shard, c, row_labels, device_valid);
   } else {
 #pragma omp parallel num_threads(threads)
     {
@@ -494,19 +451,35 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
   const bool keep_grads = snapshot != nullptr && n * vocab <= kSnapshotElementLimit;
   // per global token: this rank's largest gradient margin, then its loss margin (max-reduced below)
   std::vector<double> token_margins(error_map != nullptr ? static_cast<std::size_t>(2 * n) : 0, 0.0);
+  std::vector<cuda::RowComparison> compared_rows;
   std::int64_t grad_lookups = 0;  // GPU reference: elements judged by a code-table lookup
   if (on_device) {
-    if (!fused) {
-      fill_compare_inputs();
-      for (std::int64_t i = 0; i < rows; ++i) {
-        const auto k = static_cast<std::size_t>(i);
-        if (compare_in.kind[k] == 0) {
-          compare_in.lse[k] = stats[k].lse;
-          compare_in.teacher_lse[k] = stats[k].teacher_lse;
-        }
+    cuda::GpuCompareInputs in;
+    in.kind.assign(static_cast<std::size_t>(rows), 1);
+    in.labels = row_labels;
+    in.lse.assign(static_cast<std::size_t>(rows), 0.0);
+    in.teacher_lse.assign(static_cast<std::size_t>(rows), 0.0);
+    in.weight.assign(static_cast<std::size_t>(rows), 0.0);
+    for (std::int64_t i = 0; i < rows; ++i) {
+      const auto k = static_cast<std::size_t>(i);
+      const std::int64_t t = out.token_of(i);
+      if (t < 0) {
+        in.kind[k] = 2;
+      } else if (valid[k]) {
+        in.kind[k] = 0;
+        in.lse[k] = stats[k].lse;
+        in.teacher_lse[k] = stats[k].teacher_lse;
+        in.weight[k] = reference.token_weight(t);
       }
-      compared_rows = cuda::gpu_reference_compare(*out.device_shard, c, compare_in);
     }
+    in.atol = judge.tolerance.atol;
+    in.rtol = judge.tolerance.rtol;
+    in.max_ulp = judge.tolerance.max_ulp;
+    in.framework_scale = framework_scale;
+    in.quantum = judge.quantum;
+    in.grad_scale = grad_scale;
+    in.smallest_normal = smallest_normal(out.dtype);
+    compared_rows = cuda::gpu_reference_compare(*out.device_shard, c, in);
     trace.mark("3 elements: rows");
     for (std::int64_t i = 0; i < rows; ++i) {
       const auto k = static_cast<std::size_t>(i);
@@ -721,8 +694,6 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
   const std::vector<std::int64_t> mismatches_per_rank = gather_all(world, grad_mismatches);
   // (on_device is the same on every rank: one backend and one reference per run)
   const std::vector<std::int64_t> lookups_per_rank = on_device ? gather_all(world, grad_lookups) : std::vector<std::int64_t>{};
-  const std::vector<std::int64_t> fused_rows_per_rank =
-      on_device ? gather_all(world, static_cast<std::int64_t>(fused ? rows : 0)) : std::vector<std::int64_t>{};
   struct CensusRecord {
     std::int64_t rank;
     std::int64_t values[12];
@@ -770,9 +741,6 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
       std::int64_t lookups = 0;
       for (const std::int64_t l : lookups_per_rank) lookups += l;
       r.metrics["judged_by_lookup"] = lookups;
-      std::int64_t fused_rows = 0;
-      for (const std::int64_t f : fused_rows_per_rank) fused_rows += f;
-      r.metrics["rows_in_fused_pass"] = fused_rows;
     }
     results.push_back(std::move(r));
   }

@@ -30,7 +30,5 @@ std::vector<double> gpu_reference_kl(const DeviceShard&, const Case&, const std:
 std::vector<RowComparison> gpu_reference_compare(const DeviceShard&, const Case&, const GpuCompareInputs&) {
   unavailable();
 }
-GpuFusedResult gpu_reference_fused(const DeviceShard&, const Case&, const GpuCompareInputs&) { unavailable(); }
-bool reference_fused_applies(StorageType, bool, double) { return false; }
 
 }  // namespace lossverify::cuda

@@ -78,11 +78,8 @@ std::vector<double> gpu_reference_kl(const DeviceShard& shard, const Case& c, co
   return download<double>(d_out, zeros.size(), stream.get());
 }
 
-namespace {
-
-std::vector<RowComparison> compare(const DeviceShard& shard, const Case& c, const GpuCompareInputs& in,
-                                   std::vector<double>* partials) {
-  StageTrace trace(partials != nullptr ? "gpu reference fused" : "gpu reference compare");
+std::vector<RowComparison> gpu_reference_compare(const DeviceShard& shard, const Case& c, const GpuCompareInputs& in) {
+  StageTrace trace("gpu reference compare");
   trace.mark("upload");
   LV_CUDA(cudaSetDevice(shard.device));
   Stream stream;
@@ -119,27 +116,12 @@ std::vector<RowComparison> compare(const DeviceShard& shard, const Case& c, cons
   a.quantum = in.quantum;
   a.grad_scale = in.grad_scale;
   a.smallest_normal = in.smallest_normal;
-  DeviceBytes d_partials(partials != nullptr ? static_cast<std::size_t>(shard.rows) * 8 * sizeof(double) : 0);
-  a.partials = partials != nullptr ? d_partials.as<double>() : nullptr;
   trace.mark("kernel");
   reference_compare(shard.type, a, d_out.as<RowComparison>(), stream.get());
   LV_CUDA(cudaGetLastError());
   std::vector<RowComparison> rows = download<RowComparison>(d_out, static_cast<std::size_t>(shard.rows), stream.get());
-  if (partials != nullptr) *partials = download<double>(d_partials, static_cast<std::size_t>(shard.rows) * 8, stream.get());
   trace.mark("free");
   return rows;
-}
-
-}  // namespace
-
-std::vector<RowComparison> gpu_reference_compare(const DeviceShard& shard, const Case& c, const GpuCompareInputs& in) {
-  return compare(shard, c, in, nullptr);
-}
-
-GpuFusedResult gpu_reference_fused(const DeviceShard& shard, const Case& c, const GpuCompareInputs& in) {
-  GpuFusedResult result;
-  result.rows = compare(shard, c, in, &result.partials);
-  return result;
 }
 
 }  // namespace lossverify::cuda

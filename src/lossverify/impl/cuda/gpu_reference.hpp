@@ -28,12 +28,4 @@ struct GpuCompareInputs {
 };
 std::vector<RowComparison> gpu_reference_compare(const DeviceShard& shard, const Case& c, const GpuCompareInputs& in);
 
-// The fused pass (reference_fused_applies; the shard holds whole rows): the partials and the comparison
-// in one kernel, which computes each row's lse itself (in.lse is not read).
-struct GpuFusedResult {
-  std::vector<double> partials;  // RowPartial's 8 doubles per row
-  std::vector<RowComparison> rows;
-};
-GpuFusedResult gpu_reference_fused(const DeviceShard& shard, const Case& c, const GpuCompareInputs& in);
-
 }  // namespace lossverify::cuda

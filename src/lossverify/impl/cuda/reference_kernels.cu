@@ -12,7 +12,6 @@
 #include <string_view>
 #include <type_traits>
 
-#include "lossverify/core/errors.hpp"
 #include "lossverify/impl/cuda/device_buffer.hpp"
 #include "lossverify/impl/cuda/device_types.cuh"
 #include "lossverify/impl/cuda/reference_kernels.hpp"
@@ -440,18 +439,6 @@ struct CompareState {
       first_bad_value = value;
     }
   }
-  // `count` elements judged exactly as the one `probe` holds (the same codes, so the same judgement):
-  // its counts times `count`, its extrema and worst element (at its column, the pair's first) once.
-  __device__ void merge_repeated(CompareState probe, std::int64_t count) {
-    probe.compared *= count;
-    probe.mismatches *= count;
-    probe.nan *= count;
-    probe.pos_inf *= count;
-    probe.neg_inf *= count;
-    probe.subnormal *= count;
-    probe.lookups = count;
-    merge(probe);
-  }
   __device__ void merge(const CompareState& o) {
     compared += o.compared;
     lookups += o.lookups;
@@ -523,51 +510,20 @@ constexpr int kMissCapacity = 2048;  // a row with more misses is judged again, 
 constexpr std::size_t kTableSharedBytes =
     static_cast<std::size_t>(Bf16Codes::kEntries) * (2 * sizeof(double) + sizeof(unsigned) + sizeof(unsigned char)) +
     kMissCapacity * sizeof(int);
-// kFused: exp(x), then per code the claimed gradient code and the pair's first column, its hits and its
-// other elements; then the list of misses.
-constexpr std::size_t kFusedSharedBytes =
-    static_cast<std::size_t>(Bf16Codes::kEntries) * (sizeof(double) + sizeof(uint2) + 2 * sizeof(unsigned)) +
-    kMissCapacity * sizeof(int);
-constexpr unsigned kUnclaimed = 0xffffffffu;  // no gradient code claimed (codes are 16 bits)
 
-// kFused (the shard holds whole rows: TP = 1): the partials and the comparison in one pass over the
-// logits and the gradient, for the same bf16 rows as kTables. The judgement of an element depends only
-// on its (x, g) codes, and a correct kernel writes one g per x code within a row; what the lse is needed
-// for can wait until the pass is done. Per element: the first g met for its x code claims the code; an
-// element with the claimed g is a hit and is only counted (with the pair's first column). Everything
-// else (the label, codes outside the table, another g) is a miss, listed and judged in full as in
-// kTables. sum exp(x) and sum x are taken over the codes' counts of every element (hits and misses
-// alike, so the sums do not depend on which g claimed a code), plus the per-element path for codes
-// outside the table. Then the row's lse, its RowPartial, one judgement per claimed pair (its counts times
-// the number of hits), and the misses. A row with more misses than the list holds, or |lse| > 600, is
-// judged again in full; after an overflow the block's next 7 rows skip the claims.
-template <class T, bool kTables, int kThreads, bool kFused = false>
+template <class T, bool kTables, int kThreads>
 __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(ReferenceCompareArgs a, RowComparison* out,
                                                                              bool vectorized) {
-  static_assert(!kFused || kTables);
   __shared__ double table[32];
   extern __shared__ double code_tables[];  // kTables: exp(x) per code, then per row margin, g code, seen
   __shared__ int miss_count;               // kTables: the row's elements that missed the table
-  __shared__ double fused_lse;             // kFused: the row's lse, from thread 0
   double* const exp_of_code = code_tables;
   double* const code_margin = exp_of_code + Bf16Codes::kEntries;
   unsigned* const code_g = reinterpret_cast<unsigned*>(code_margin + Bf16Codes::kEntries);
-  // kFused: [claimed g code, first column of the pair] per code, the pair's hits, the code's other elements
-  uint2* const code_pair = reinterpret_cast<uint2*>(code_margin);
-  unsigned* const code_hits = code_g;
-  unsigned* const code_others = code_hits + Bf16Codes::kEntries;
-  int* const missed_columns = reinterpret_cast<int*>(kFused ? code_others + Bf16Codes::kEntries : code_g + Bf16Codes::kEntries);
+  int* const missed_columns = reinterpret_cast<int*>(code_g + Bf16Codes::kEntries);
   unsigned char* const code_seen = reinterpret_cast<unsigned char*>(missed_columns + kMissCapacity);
   load_exp_table(table);
   if constexpr (kTables) Bf16Codes::fill_exp(exp_of_code, table);
-  if constexpr (kFused) {
-    for (int i = threadIdx.x; i < Bf16Codes::kEntries; i += kThreads) {
-      code_pair[i] = make_uint2(kUnclaimed, UINT_MAX);
-      code_hits[i] = 0;
-      code_others[i] = 0;
-    }
-    __syncthreads();
-  }
   const T* student = static_cast<const T*>(a.student);
   const T* teacher = static_cast<const T*>(a.teacher);
   const T* grad = static_cast<const T*>(a.grad);
@@ -584,141 +540,13 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
     const double weight = kind == 0 ? a.weight[r] : 0.0;
     const double token_scale = fabs(weight) * a.grad_scale;
     const double floor = a.atol * token_scale + a.quantum * fs;
-    double lse = kind == 0 && !kFused ? a.lse[r] : 0.0;  // kFused: from this row's pass, below
+    const double lse = kind == 0 ? a.lse[r] : 0.0;
     const double teacher_lse = kind == 0 && a.kd ? a.teacher_lse[r] : 0.0;
+    const double z_factor = 1.0 + 2.0 * a.z_loss_weight * lse;
     const double kd_scale = weight * a.kd_grad_scale;
     const std::int64_t label = a.kd ? -1 : a.label[r] - a.begin;
-    bool tabled = kTables && !kFused && vectorized && kind == 0 && fabs(lse) <= 600.0 && rows_without_tables == 0;
-    const bool claiming = kFused && rows_without_tables == 0;
+    const bool tabled = kTables && vectorized && kind == 0 && fabs(lse) <= 600.0 && rows_without_tables == 0;
     if (rows_without_tables > 0) --rows_without_tables;
-    int fused_misses = 0;
-    if constexpr (kFused) {
-      if (kind == 0) {
-        if (threadIdx.x == 0) miss_count = 0;
-        __syncthreads();
-        // Codes outside the table: the per-element path (max and sum of exp, sum of x).
-        ThreadLse outside;
-        double outside_x = 0.0;
-        const std::int64_t label_pack = label >= 0 && label < cols ? label / 8 : -1;
-        // An element that is not a hit of its code's claimed pair: claims the code if unclaimed (then it
-        // is a hit), else counts as the code's other element (or takes the outside path) and is listed.
-        auto resolve = [&](int column, unsigned xc, unsigned gc, bool is_label) -> bool {
-          const unsigned offset = Bf16Codes::offset(xc);
-          if (offset < Bf16Codes::kSpan) {
-            const unsigned index = Bf16Codes::index(xc, offset);
-            if (claiming && !is_label) {
-              const unsigned old = atomicCAS(&code_pair[index].x, kUnclaimed, gc);
-              if (old == kUnclaimed || old == gc) {
-                atomicAdd(&code_hits[index], 1u);
-                atomicMin(&code_pair[index].y, static_cast<unsigned>(column));
-                return false;
-              }
-            }
-            atomicAdd(&code_others[index], 1u);
-          } else {
-            const double xv = Bf16Codes::value(xc);
-            outside.add(xv, table);
-            outside_x += xv;
-          }
-          return true;
-        };
-        auto list = [&](int first_column, unsigned listed) {
-          if (!claiming || listed == 0) return;
-          int slot = atomicAdd(&miss_count, __popc(listed));
-          for (unsigned bits = listed; bits != 0 && slot < kMissCapacity; bits &= bits - 1) {
-            missed_columns[slot++] = first_column + __ffs(bits) - 1;
-          }
-        };
-        const int packs = vectorized ? cols / 8 : 0;
-        const uint4* x4 = reinterpret_cast<const uint4*>(x);
-        const uint4* g4 = reinterpret_cast<const uint4*>(g);
-        for (int i = threadIdx.x; i < packs; i += kThreads) {
-          const uint4 xw = x4[i];
-          const uint4 gw = g4[i];
-          const unsigned label_bit = i == label_pack ? 1u << (label & 7) : 0u;
-          unsigned missed = 0;
-#pragma unroll
-          for (int k = 0; k < 8; ++k) {
-            const unsigned xc = Bf16Codes::code_at(xw, k);
-            const unsigned gc = Bf16Codes::code_at(gw, k);
-            const unsigned offset = Bf16Codes::offset(xc);
-            const bool in_table = offset < Bf16Codes::kSpan;
-            const unsigned index = in_table ? Bf16Codes::index(xc, offset) : 0u;
-            const uint2 pair = code_pair[index];
-            const unsigned column = static_cast<unsigned>(i * 8 + k);
-            const bool hit = claiming && in_table && pair.x == gc && ((label_bit >> k) & 1u) == 0;
-            if (hit) {
-              atomicAdd(&code_hits[index], 1u);
-              if (column < pair.y) atomicMin(&code_pair[index].y, column);
-            }
-            missed |= static_cast<unsigned>(!hit) << k;
-          }
-          if (missed != 0) {
-            unsigned listed = 0;
-#pragma unroll 1
-            for (unsigned bits = missed; bits != 0; bits &= bits - 1) {
-              const int k = __ffs(bits) - 1;
-              if (resolve(i * 8 + k, Bf16Codes::code_at(xw, k), Bf16Codes::code_at(gw, k), ((label_bit >> k) & 1u) != 0)) {
-                listed |= 1u << k;
-              }
-            }
-            list(i * 8, listed);
-          }
-        }
-        // The tail (and rows that cannot be read 16 bytes at a time), element by element.
-        for (int v = packs * 8 + static_cast<int>(threadIdx.x); v < cols; v += kThreads) {
-          const unsigned xc = __bfloat16_as_ushort(reinterpret_cast<const __nv_bfloat16*>(x)[v]);
-          const unsigned gc = __bfloat16_as_ushort(reinterpret_cast<const __nv_bfloat16*>(g)[v]);
-          list(v, resolve(v, xc, gc, v == label) ? 1u : 0u);
-        }
-        __syncthreads();
-        fused_misses = miss_count;
-        // sum exp(x) and sum x over the table's codes, from the counts (a maximum of 0: exp(x) <= e^64).
-        double sum_exp = 0.0, sum_x = outside_x;
-        for (int i = threadIdx.x; i < Bf16Codes::kEntries; i += kThreads) {
-          const unsigned n = code_hits[i] + code_others[i];
-          if (n == 0) continue;
-          sum_exp += static_cast<double>(n) * exp_of_code[i];
-          sum_x += static_cast<double>(n) * Bf16Codes::value(Bf16Codes::code_of(static_cast<unsigned>(i)));
-        }
-        double qx_t = a.q_off * sum_x;
-        if (threadIdx.x == 0 && label >= 0 && label < cols) qx_t += (a.q_on - a.q_off) * static_cast<double>(widen<T>(x[label]));
-        OnlineLse fast;
-        if (sum_exp > 0.0) {
-          fast.m = 0.0;
-          fast.sum.s = sum_exp;
-        }
-        OnlineLse rest = outside.online();
-        rest.merge(fast);
-        ThreadLse merged;
-        merged.m = rest.m;
-        merged.s = rest.sum.s + rest.sum.c;
-        const OnlineLse row = block_merge<kThreads>(merged.online());
-        Neumaier qx_start;
-        qx_start.s = qx_t;
-        const Neumaier qx = block_merge<kThreads>(qx_start);
-        if (threadIdx.x == 0) {
-          double* o = a.partials + 8 * r;
-          o[0] = row.m;
-          o[1] = row.sum.s;
-          o[2] = row.sum.c;
-          o[3] = qx.s;
-          o[4] = qx.c;
-          o[5] = -INFINITY;
-          o[6] = 0.0;
-          o[7] = 0.0;
-          fused_lse = row.m + log(row.sum.s + row.sum.c);  // LossReference::combine of one part
-        }
-        __syncthreads();
-        lse = fused_lse;
-        const bool overflow = claiming && fused_misses > kMissCapacity;
-        if (overflow) rows_without_tables = 7;
-        tabled = claiming && !overflow && fabs(lse) <= 600.0;
-      } else if (threadIdx.x < 8) {  // RowPartial's empty values
-        a.partials[8 * r + threadIdx.x] = threadIdx.x == 0 || threadIdx.x == 5 ? -INFINITY : 0.0;
-      }
-    }
-    const double z_factor = 1.0 + 2.0 * a.z_loss_weight * lse;
     const double exp_minus_lse = tabled ? exp_reference(-lse, table) : 0.0;
     // p_v = softmax of the student row at x.
     auto student_p = [&](float xf) -> double {
@@ -794,35 +622,7 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
       }
     };
     auto visit = [&](int v, float xf, float yf, float gf) { visit_into(st, v, xf, yf, gf, row_sum, row_magnitude); };
-    if (kFused && kind == 0) {
-      if (tabled) {
-        // One judgement per claimed pair, counted as many times as it was hit; then the misses.
-        for (int i = threadIdx.x; i < Bf16Codes::kEntries; i += kThreads) {
-          const unsigned hits = code_hits[i];
-          if (hits == 0) continue;
-          const uint2 pair = code_pair[i];
-          CompareState probe;
-          double probe_sum = 0.0, probe_magnitude = 0.0;
-          visit_into(probe, static_cast<int>(pair.y), Bf16Codes::value(Bf16Codes::code_of(static_cast<unsigned>(i))), 0.0f,
-                     Bf16Codes::value(pair.x), probe_sum, probe_magnitude);
-          st.merge_repeated(probe, hits);
-          row_sum += probe_sum * hits;
-          row_magnitude += probe_magnitude * hits;
-        }
-        for (int j = threadIdx.x; j < fused_misses; j += kThreads) {
-          const int v = missed_columns[j];
-          visit(v, widen<T>(x[v]), 0.0f, widen<T>(g[v]));
-        }
-      } else {
-        for_each_column<false, true>(x, y, g, cols, vectorized, visit);
-      }
-      // Clear this thread's codes for the next row (each thread touches only its own codes here).
-      for (int i = threadIdx.x; i < Bf16Codes::kEntries; i += kThreads) {
-        code_pair[i] = make_uint2(kUnclaimed, UINT_MAX);
-        code_hits[i] = 0;
-        code_others[i] = 0;
-      }
-    } else if (!kFused && tabled) {
+    if (tabled) {
       // The row's table: for every code, the likeliest gradient and, where its judgement is inert, its margin.
       constexpr int kNotLabel = INT_MIN;
       if (threadIdx.x == 0) miss_count = 0;
@@ -972,17 +772,8 @@ bool use_code_tables(bool kd, double softcap, bool vectorized) {
   return std::is_same_v<T, __nv_bfloat16> && !kd && softcap == 0.0 && vectorized &&
          !(e != nullptr && std::string_view(e) == "off");
 }
-// The fused pass (kFused) where the code tables apply; LOSSVERIFY_REFERENCE_FUSED=off keeps the two
-// kernels (read per call, like the tables' switch).
-bool use_fused(StorageType type, bool kd, double softcap) {
-  const char* e = std::getenv("LOSSVERIFY_REFERENCE_FUSED");
-  return type == StorageType::bf16 && use_code_tables<__nv_bfloat16>(kd, softcap, true) &&
-         !(e != nullptr && std::string_view(e) == "off");
-}
 
 }  // namespace
-
-bool reference_fused_applies(StorageType type, bool kd, double softcap) { return use_fused(type, kd, softcap); }
 
 bool reference_code_tables_apply(StorageType type, bool kd, double softcap) {
   bool apply = false;
@@ -1020,15 +811,6 @@ void reference_compare(StorageType type, const ReferenceCompareArgs& args, RowCo
     using T = std::remove_pointer_t<decltype(tag)>;
     const bool vectorized = rows_vectorizable<T>(args.cols, {args.student, args.teacher, args.grad});
     const auto s = static_cast<cudaStream_t>(stream);
-    if (args.partials != nullptr) {  // the fused pass; the caller checked reference_fused_applies
-      if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-        auto* kernel = compare_kernel<T, true, kTableThreads, true>;
-        LV_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kFusedSharedBytes)));
-        kernel<<<reference_blocks(args.rows, 2), kTableThreads, kFusedSharedBytes, s>>>(args, out, vectorized);
-        return;
-      }
-      throw InternalError("the fused GPU reference takes bf16 shards only");
-    }
     if constexpr (std::is_same_v<T, __nv_bfloat16>) {
       if (use_code_tables<T>(args.kd != 0, args.softcap, vectorized)) {
         // LOSSVERIFY_TABLE_THREADS=256: two blocks of 256 threads per SM, 128 registers (a benchmark knob).

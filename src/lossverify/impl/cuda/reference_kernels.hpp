@@ -57,9 +57,6 @@ struct ReferenceCompareArgs {
   int max_ulp;
   int dtype;  // StorageType of the gradient
   double framework_scale, quantum, grad_scale, smallest_normal;
-  // The fused pass (reference_fused_applies, and the shard holds whole rows): the kernel computes each
-  // row's lse itself (lse is not read) and writes the row's RowPartial here, 8 doubles per row.
-  double* partials = nullptr;
 };
 // Per-row results (a plain struct the host merges in row order).
 struct RowComparison {
@@ -77,9 +74,6 @@ void reference_compare(StorageType type, const ReferenceCompareArgs& args, RowCo
 // cross-entropy family without softcap; LOSSVERIFY_REFERENCE_TABLES=off turns them off): see
 // reference_kernels.cu. For reports and tests.
 bool reference_code_tables_apply(StorageType type, bool kd, double softcap);
-// Whether the reference takes the fused pass (partials and comparison in one kernel) for a shard that
-// holds whole rows: where the code tables apply, unless LOSSVERIFY_REFERENCE_FUSED=off.
-bool reference_fused_applies(StorageType type, bool kd, double softcap);
 
 // The kernels' float64 exp on the device, one value per input (host arrays; for the accuracy test).
 void reference_exp_values(const double* in, double* out, std::size_t count);
