@@ -110,6 +110,11 @@ struct KdGradArgs {
 };
 void kd_grad(StorageType type, const KdGradArgs& args, void* stream);
 
+// Loads the loss kernels of one storage type on the current device now, instead of at their first
+// launch (CUDA's lazy loading): a rank calls it while its inputs are generated, so the compute stage
+// times the kernels, not the loading of their code.
+void preload_kernels(StorageType type);
+
 // Device properties the host needs; false (with a reason) when no usable device exists.
 bool device_available(int device, char* reason, int reason_size);
 int device_count();

@@ -1088,6 +1088,27 @@ void kd_grad(StorageType type, const KdGradArgs& args, void* stream) {
   });
 }
 
+namespace {
+template <class... Kernels>
+void load_functions(Kernels... kernels) {
+  cudaFuncAttributes attributes{};
+  // A function's attributes need its code on the device: this loads it (CUDA's lazy loading loads a
+  // kernel at its first use otherwise). Errors surface at launch, as before.
+  ((cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(kernels)) != cudaSuccess ? (void)cudaGetLastError() : (void)0),
+   ...);
+}
+}  // namespace
+
+void preload_kernels(StorageType type) {
+  dispatch(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    load_functions(stats_kernel<T>, grad_kernel<T>, fused_kernel<T>, resident_fused_kernel<T, 1024, 1, false>,
+                   resident_fused_kernel<T, 512, 2, false>, resident_fused_kernel<T, 256, 3, false>,
+                   resident_fused_kernel<T, 256, 4, false>, resident_fused_kernel<T, 256, 3, true>, sum_log_p_kernel<T>,
+                   kd_stats_kernel<T>, kd_grad_kernel<T>);
+  });
+}
+
 int device_count() {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess) return 0;

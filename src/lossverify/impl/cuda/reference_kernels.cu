@@ -826,6 +826,23 @@ void reference_compare(StorageType type, const ReferenceCompareArgs& args, RowCo
   });
 }
 
+void preload_reference_kernels(StorageType type) {
+  cudaFuncAttributes attributes{};
+  auto load = [&](const void* kernel) {
+    if (cudaFuncGetAttributes(&attributes, kernel) != cudaSuccess) cudaGetLastError();  // errors surface at launch
+  };
+  dispatch(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    load(reinterpret_cast<const void*>(partials_kernel<T, false>));
+    load(reinterpret_cast<const void*>(kl_kernel<T>));
+    load(reinterpret_cast<const void*>(compare_kernel<T, false, kReferenceThreads>));
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      load(reinterpret_cast<const void*>(partials_kernel<T, true>));
+      load(reinterpret_cast<const void*>(compare_kernel<T, true, kTableThreads>));
+    }
+  });
+}
+
 void reference_exp_values(const double* in, double* out, std::size_t count) {
   if (count == 0) return;
   DeviceBytes d_in(count * sizeof(double)), d_out(count * sizeof(double));
