@@ -387,18 +387,14 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
   // 2. Row statistics: the TP group's partials combined in column order.
   const std::vector<double> all_partials = gather_all(groups.tp, partials);
   std::vector<RowStats> stats(static_cast<std::size_t>(rows));
-#pragma omp parallel num_threads(threads)
-  {
-    std::vector<RowPartial> row_parts(static_cast<std::size_t>(tp_size));
-#pragma omp for schedule(static)
-    for (std::int64_t i = 0; i < rows; ++i) {
-      if (!valid[static_cast<std::size_t>(i)]) continue;
-      for (int r = 0; r < tp_size; ++r) {
-        row_parts[static_cast<std::size_t>(r)] =
-            RowPartial::load(&all_partials[static_cast<std::size_t>((r * rows + i) * RowPartial::kDoubles)]);
-      }
-      stats[static_cast<std::size_t>(i)] = reference.combine(row_parts);
+  std::vector<RowPartial> row_parts(static_cast<std::size_t>(tp_size));
+  for (std::int64_t i = 0; i < rows; ++i) {
+    if (!valid[static_cast<std::size_t>(i)]) continue;
+    for (int r = 0; r < tp_size; ++r) {
+      row_parts[static_cast<std::size_t>(r)] =
+          RowPartial::load(&all_partials[static_cast<std::size_t>((r * rows + i) * RowPartial::kDoubles)]);
     }
+    stats[static_cast<std::size_t>(i)] = reference.combine(row_parts);
   }
   std::vector<double> reference_loss(static_cast<std::size_t>(rows), 0.0);
   if (kd) {
