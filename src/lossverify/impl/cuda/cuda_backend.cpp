@@ -216,8 +216,16 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
   }
   // The code of the kernels this rank will launch, loaded while the inputs are generated (once per
   // process and device; otherwise the first launch of each pays for it inside the timed stages).
-  preload_kernels(type);
-  if (options.keep_on_device) preload_reference_kernels(type);
+  {
+    KernelChoice choice;
+    choice.kd = kd;
+    choice.whole_rows = groups.tp.size() == 1;
+    choice.constants = constants_for(c, bugs, static_cast<float>(cols));
+    choice.logits = d_logits.as<void>();
+    choice.cols = cols;
+    preload_kernels(type, choice);
+    if (options.keep_on_device) preload_reference_kernels(type, kd, c.loss.softcap, d_logits.as<void>(), cols);
+  }
   stream.sync();
   out.generate_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   StageTrace trace("cuda compute");  // LOSSVERIFY_TRACE=1: the compute stage's parts

@@ -110,10 +110,18 @@ struct KdGradArgs {
 };
 void kd_grad(StorageType type, const KdGradArgs& args, void* stream);
 
-// Loads the loss kernels of one storage type on the current device now, instead of at their first
-// launch (CUDA's lazy loading): a rank calls it while its inputs are generated, so the compute stage
-// times the kernels, not the loading of their code.
-void preload_kernels(StorageType type);
+// Loads the loss kernels a rank will launch on the current device now, instead of at their first
+// launch (CUDA's lazy loading, about 1 ms per kernel): a rank calls it while its inputs are generated,
+// so the compute stage times the kernels, not the loading of their code. Kernels of catalogued bugs'
+// extra passes still load at their first launch.
+struct KernelChoice {
+  bool kd = false;
+  bool whole_rows = false;  // TP = 1: cross_entropy_fused
+  CrossEntropyConstants constants{};
+  const void* logits = nullptr;  // the rank's logits (their alignment decides the row-resident kernel)
+  std::int64_t cols = 0;
+};
+void preload_kernels(StorageType type, const KernelChoice& choice);
 
 // Device properties the host needs; false (with a reason) when no usable device exists.
 bool device_available(int device, char* reason, int reason_size);

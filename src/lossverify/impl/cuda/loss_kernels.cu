@@ -1099,13 +1099,31 @@ void load_functions(Kernels... kernels) {
 }
 }  // namespace
 
-void preload_kernels(StorageType type) {
+void preload_kernels(StorageType type, const KernelChoice& choice) {
   dispatch(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    load_functions(stats_kernel<T>, grad_kernel<T>, fused_kernel<T>, resident_fused_kernel<T, 1024, 1, false>,
-                   resident_fused_kernel<T, 512, 2, false>, resident_fused_kernel<T, 256, 3, false>,
-                   resident_fused_kernel<T, 256, 4, false>, resident_fused_kernel<T, 256, 3, true>, sum_log_p_kernel<T>,
-                   kd_stats_kernel<T>, kd_grad_kernel<T>);
+    if (choice.kd) {
+      load_functions(kd_stats_kernel<T>, kd_grad_kernel<T>);
+    } else if (!choice.whole_rows) {
+      load_functions(stats_kernel<T>, grad_kernel<T>);
+    } else {
+      // cross_entropy_fused's choice (launch_resident): the row-resident instantiation, else the fused kernel.
+      const ResidentShape shape = resident_shape_for(choice.constants);
+      const int cluster = resident_cluster<T>(choice.logits, choice.logits, choice.cols, shape.block);
+      if (cluster == 0) {
+        load_functions(fused_kernel<T>);
+      } else if (needs_generic(choice.constants)) {
+        load_functions(resident_fused_kernel<T, 256, 3, true>);
+      } else if (shape.block == 1024) {
+        load_functions(resident_fused_kernel<T, 1024, 1, false>);
+      } else if (shape.block == 512) {
+        load_functions(resident_fused_kernel<T, 512, 2, false>);
+      } else if (shape.per_sm == 3) {
+        load_functions(resident_fused_kernel<T, 256, 3, false>);
+      } else {
+        load_functions(resident_fused_kernel<T, 256, 4, false>);
+      }
+    }
   });
 }
 

@@ -826,20 +826,25 @@ void reference_compare(StorageType type, const ReferenceCompareArgs& args, RowCo
   });
 }
 
-void preload_reference_kernels(StorageType type) {
+void preload_reference_kernels(StorageType type, bool kd, double softcap, const void* logits, std::int64_t cols) {
   cudaFuncAttributes attributes{};
   auto load = [&](const void* kernel) {
     if (cudaFuncGetAttributes(&attributes, kernel) != cudaSuccess) cudaGetLastError();  // errors surface at launch
   };
   dispatch(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    load(reinterpret_cast<const void*>(partials_kernel<T, false>));
-    load(reinterpret_cast<const void*>(kl_kernel<T>));
-    load(reinterpret_cast<const void*>(compare_kernel<T, false, kReferenceThreads>));
+    // reference_partials' and reference_compare's choices (the gradient is allocated like the logits)
+    const bool tables = use_code_tables<T>(kd, softcap, rows_vectorizable<T>(cols, {logits}));
+    if (kd) load(reinterpret_cast<const void*>(kl_kernel<T>));
     if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-      load(reinterpret_cast<const void*>(partials_kernel<T, true>));
-      load(reinterpret_cast<const void*>(compare_kernel<T, true, kTableThreads>));
+      if (tables) {
+        load(reinterpret_cast<const void*>(partials_kernel<T, true>));
+        load(reinterpret_cast<const void*>(compare_kernel<T, true, kTableThreads>));
+        return;
+      }
     }
+    load(reinterpret_cast<const void*>(partials_kernel<T, false>));
+    load(reinterpret_cast<const void*>(compare_kernel<T, false, kReferenceThreads>));
   });
 }
 
