@@ -6,7 +6,9 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <string_view>
 #include <vector>
 
 #include "lossverify/core/errors.hpp"
@@ -216,7 +218,12 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
   }
   // The code of the kernels this rank will launch, loaded while the inputs are generated (once per
   // process and device; otherwise the first launch of each pays for it inside the timed stages).
-  {
+  // LOSSVERIFY_PRELOAD=off leaves the loading to the first launches (a benchmark knob).
+  static const bool preload = [] {
+    const char* e = std::getenv("LOSSVERIFY_PRELOAD");
+    return e == nullptr || std::string_view(e) != "off";
+  }();
+  if (preload) {
     KernelChoice choice;
     choice.kd = kd;
     choice.whole_rows = groups.tp.size() == 1;
