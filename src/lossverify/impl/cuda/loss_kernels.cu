@@ -981,20 +981,36 @@ int resident_cluster(const void* logits, const void* grad, std::int64_t cols, in
   return cluster <= 8 ? cluster : 0;
 }
 
-template <class T, int kBlock, int kMinBlocks, bool kGeneric>
-bool launch_resident(const GradArgs& args, const CrossEntropyConstants& k, float* row_stats, int cluster,
-                     cudaStream_t stream) {
-  auto* kernel = resident_fused_kernel<T, kBlock, kMinBlocks, kGeneric>;
+// The row-resident instantiation for these constants (its threads x CTAs per SM, generic or plain).
+using ResidentKernel = void (*)(GradArgs, CrossEntropyConstants, float*);
+struct ResidentVariant {
+  ResidentKernel kernel;
+  int block;
+};
+template <class T>
+ResidentVariant resident_variant(const CrossEntropyConstants& k) {
+  const ResidentShape shape = resident_shape_for(k);
+  if (needs_generic(k)) return {resident_fused_kernel<T, 256, 3, true>, 256};
+  if (shape.block == 1024) return {resident_fused_kernel<T, 1024, 1, false>, 1024};
+  if (shape.block == 512) return {resident_fused_kernel<T, 512, 2, false>, 512};
+  if (shape.per_sm == 3) return {resident_fused_kernel<T, 256, 3, false>, 256};
+  return {resident_fused_kernel<T, 256, 4, false>, 256};
+}
+
+bool launch_resident(const ResidentVariant& variant, const GradArgs& args, const CrossEntropyConstants& k, float* row_stats,
+                     int cluster, cudaStream_t stream) {
+  const ResidentKernel kernel = variant.kernel;
+  const int block = variant.block;
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeClusterDimension;
   attribute[0].val.clusterDim.x = static_cast<unsigned>(cluster);
   attribute[0].val.clusterDim.y = 1;
   attribute[0].val.clusterDim.z = 1;
   cudaLaunchConfig_t config{};
-  config.blockDim = dim3(kBlock);
+  config.blockDim = dim3(static_cast<unsigned>(block));
   config.gridDim = dim3(static_cast<unsigned>(cluster * persistent_blocks()));
   // The prefetch buffer: one chunk of a row per CTA.
-  const int staged_bytes = kBlock * kResidentVectors * 16;
+  const int staged_bytes = block * kResidentVectors * 16;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, staged_bytes) != cudaSuccess) {
     cudaGetLastError();
     return false;
@@ -1023,11 +1039,7 @@ bool launch_resident(const GradArgs& args, const CrossEntropyConstants& k, float
   const ResidentShape shape = resident_shape_for(k);
   const int cluster = resident_cluster<T>(args.logits, args.grad, args.cols, shape.block);
   if (cluster == 0) return false;
-  if (needs_generic(k)) return launch_resident<T, 256, 3, true>(args, k, row_stats, cluster, stream);
-  if (shape.block == 1024) return launch_resident<T, 1024, 1, false>(args, k, row_stats, cluster, stream);
-  if (shape.block == 512) return launch_resident<T, 512, 2, false>(args, k, row_stats, cluster, stream);
-  if (shape.per_sm == 3) return launch_resident<T, 256, 3, false>(args, k, row_stats, cluster, stream);
-  return launch_resident<T, 256, 4, false>(args, k, row_stats, cluster, stream);
+  return launch_resident(resident_variant<T>(k), args, k, row_stats, cluster, stream);
 }
 
 }  // namespace
@@ -1108,20 +1120,11 @@ void preload_kernels(StorageType type, const KernelChoice& choice) {
       load_functions(stats_kernel<T>, grad_kernel<T>);
     } else {
       // cross_entropy_fused's choice (launch_resident): the row-resident instantiation, else the fused kernel.
-      const ResidentShape shape = resident_shape_for(choice.constants);
-      const int cluster = resident_cluster<T>(choice.logits, choice.logits, choice.cols, shape.block);
-      if (cluster == 0) {
+      const int block = resident_shape_for(choice.constants).block;
+      if (resident_cluster<T>(choice.logits, choice.logits, choice.cols, block) == 0) {
         load_functions(fused_kernel<T>);
-      } else if (needs_generic(choice.constants)) {
-        load_functions(resident_fused_kernel<T, 256, 3, true>);
-      } else if (shape.block == 1024) {
-        load_functions(resident_fused_kernel<T, 1024, 1, false>);
-      } else if (shape.block == 512) {
-        load_functions(resident_fused_kernel<T, 512, 2, false>);
-      } else if (shape.per_sm == 3) {
-        load_functions(resident_fused_kernel<T, 256, 3, false>);
       } else {
-        load_functions(resident_fused_kernel<T, 256, 4, false>);
+        load_functions(resident_variant<T>(choice.constants).kernel);
       }
     }
   });
