@@ -71,6 +71,22 @@ __device__ OnlineLse shfl(const OnlineLse& x, int offset) {
   return r;
 }
 
+// A row's log-sum-exp and sum_v q_v x_v, merged in one tree.
+struct RowSums {
+  OnlineLse lse;
+  Neumaier qx;
+  __device__ void merge(const RowSums& o) {
+    lse.merge(o.lse);
+    qx.merge(o.qx);
+  }
+};
+__device__ RowSums shfl(const RowSums& x, int offset) {
+  RowSums r;
+  r.lse = shfl(x.lse, offset);
+  r.qx = shfl(x.qx, offset);
+  return r;
+}
+
 // A fixed reduction tree over the block (lane pairs, then warp leaders in order): thread 0 gets the result.
 template <int kThreads = kReferenceThreads, class State>
 __device__ State block_merge(State x) {
@@ -313,11 +329,15 @@ __global__ void __launch_bounds__(kReferenceThreads) partials_kernel(ReferencePa
         qx_t += (v == label ? q_on : q_off) * z;
       });
     }
-    const OnlineLse lse = block_merge(lse_t.online());
-    const OnlineLse teacher_lse = block_merge(teacher_t.online());
-    Neumaier qx_start;
-    qx_start.s = qx_t;
-    const Neumaier qx = block_merge(qx_start);
+    // The student's lse and sum q x in one tree (the same merges as two trees, one set of barriers); the
+    // teacher's only for KD.
+    RowSums sums;
+    sums.lse = lse_t.online();
+    sums.qx.s = qx_t;
+    sums = block_merge(sums);
+    const OnlineLse& lse = sums.lse;
+    const Neumaier& qx = sums.qx;
+    const OnlineLse teacher_lse = a.kd ? block_merge(teacher_t.online()) : OnlineLse{};
     if (threadIdx.x == 0) {
       double* o = out + 8 * r;
       o[0] = lse.m;
