@@ -538,7 +538,7 @@ __device__ CompareState shfl(const CompareState& x, int offset) {
 constexpr int kTableThreads = 512;  // two blocks per SM (the tables take 82 KB); 64 registers
 constexpr int kMissCapacity = 2048;  // a row with more misses is judged again, in full
 constexpr std::size_t kTableSharedBytes =
-    static_cast<std::size_t>(Bf16Codes::kSlots) * (2 * sizeof(double) + 2 * sizeof(unsigned)) +
+    static_cast<std::size_t>(Bf16Codes::kSlots) * (2 * sizeof(double) + 3 * sizeof(unsigned)) +
     kMissCapacity * sizeof(int);
 
 template <class T, bool kTables, int kThreads>
@@ -552,6 +552,7 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
   unsigned* const code_g = reinterpret_cast<unsigned*>(code_margin + Bf16Codes::kSlots);
   int* const missed_columns = reinterpret_cast<int*>(code_g + Bf16Codes::kSlots);
   unsigned* const code_hits = reinterpret_cast<unsigned*>(missed_columns + kMissCapacity);
+  unsigned* const code_first = code_hits + Bf16Codes::kSlots;  // a code's first hit column
   load_exp_table(table);
   if constexpr (kTables) Bf16Codes::fill_exp(exp_of_code, table);
   const T* student = static_cast<const T*>(a.student);
@@ -669,6 +670,7 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
         code_g[i] = inert ? likeliest : 0xffffffffu;
         code_margin[i] = probe.margin;
         code_hits[i] = 0;
+        code_first[i] = UINT_MAX;
       }
       if (threadIdx.x == 0) code_g[Bf16Codes::kEntries] = 0xffffffffu;  // the slot outside the table: never a hit
       __syncthreads();
@@ -676,14 +678,11 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
       const uint4* g4 = reinterpret_cast<const uint4*>(g);
       const int packs = cols / 8;
       const std::int64_t label_pack = label >= 0 && label < cols ? label / 8 : -1;
-      // The lookups' own state, in registers: a thread meets its hits in increasing column order, so a
-      // strictly larger margin is the only change of its worst hit. Sums in the gradient's own units.
-      // Misses go to the block's list and are judged in full after the pass, spread over the threads:
-      // the pass itself carries no CompareState. A row with more misses than the list holds is judged
-      // again, every element in full, and the lookups' state is dropped.
-      int hits = 0, best_column = -1;
-      unsigned best_index = 0;
-      double best_margin = -1.0;
+      // A hit counts in its code's entry, with the code's first hit column (the worst hit is the first
+      // column of the code with the largest margin); misses go to the block's list and are judged in full
+      // after the pass, spread over the threads: the pass itself carries no CompareState. A row with more
+      // misses than the list holds is judged again, every element in full, and the counts are dropped.
+      int hits = 0;
       for (int i = threadIdx.x; i < packs; i += kThreads) {
         const uint4 xw = x4[i];
         const uint4 gw = g4[i];
@@ -695,12 +694,10 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
           const unsigned gc = Bf16Codes::code_at(gw, k);
           const unsigned index = Bf16Codes::slot(xc);
           const bool hit = code_g[index] == gc && ((label_bit >> k) & 1u) == 0;
-          if (hit) atomicAdd(&code_hits[index], 1u);
-          const double m = hit ? code_margin[index] : -1.0;
-          if (m > best_margin) {
-            best_margin = m;
-            best_column = i * 8 + k;
-            best_index = index;
+          if (hit) {
+            atomicAdd(&code_hits[index], 1u);
+            const unsigned column = static_cast<unsigned>(i * 8 + k);
+            if (column < code_first[index]) atomicMin(&code_first[index], column);
           }
           missed |= static_cast<unsigned>(!hit) << k;
         }
@@ -724,12 +721,8 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
         }
         st.compared += hits;
         st.lookups += hits;
-        if (best_column >= 0) {
-          const double expected = expected_at(best_column, Bf16Codes::value(Bf16Codes::code_of(best_index)), 0.0f);
-          st.worst(best_column, best_margin, expected, static_cast<double>(Bf16Codes::value(code_g[best_index])) * fs,
-                   floor + a.rtol * fabs(expected));
-        }
-        // Every code hit: its error and relative error, once; its hits' values, in the row sums.
+        // Every code hit: its first column as a candidate worst element, its error and relative error,
+        // once; its hits' values, in the row sums.
         double hit_sum = 0.0, hit_magnitude = 0.0;  // in the gradient's own units
         for (int i = threadIdx.x; i < Bf16Codes::kEntries; i += kThreads) {
           const unsigned n = code_hits[i];
@@ -737,6 +730,7 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
           const double expected = expected_at(kNotLabel, Bf16Codes::value(Bf16Codes::code_of(static_cast<unsigned>(i))), 0.0f);
           const double got_local = Bf16Codes::value(code_g[i]);
           const double got = got_local * fs;
+          st.worst(static_cast<int>(code_first[i]), code_margin[i], expected, got, floor + a.rtol * fabs(expected));
           st.extrema(expected, got == expected ? 0.0 : fabs(got - expected));
           hit_sum += n * got_local;  // exact: a bf16 times a count below 2^31
           hit_magnitude += n * fabs(got_local);
