@@ -537,6 +537,7 @@ __device__ CompareState shfl(const CompareState& x, int offset) {
 // factors normal) and, for codes outside it, exp(x - lse) directly where |x| > 700.
 constexpr int kTableThreads = 512;  // two blocks per SM (the tables take 82 KB); 64 registers
 constexpr int kMissCapacity = 2048;  // a row with more misses is judged again, in full
+constexpr std::int64_t kPrefetchBytes = 32 * 1024;  // per block and array: 264 blocks x 64 KB stay within L2
 constexpr std::size_t kTableSharedBytes =
     static_cast<std::size_t>(Bf16Codes::kSlots) * (2 * sizeof(double) + 3 * sizeof(unsigned)) +
     kMissCapacity * sizeof(int);
@@ -656,7 +657,17 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
     if (tabled) {
       // The row's table: for every code, the likeliest gradient and, where its judgement is inert, its margin.
       constexpr int kNotLabel = INT_MIN;
-      if (threadIdx.x == 0) miss_count = 0;
+      if (threadIdx.x == 0) {
+        miss_count = 0;
+        // The row's first bytes into L2 while the table is built (which reads no memory): the copy
+        // engine's bulk prefetch, kPrefetchBytes of the logits and of the gradient per block in flight.
+        const std::int64_t row_bytes = (static_cast<std::int64_t>(cols) * 2) & ~static_cast<std::int64_t>(15);
+        const auto bytes = static_cast<unsigned>(row_bytes < kPrefetchBytes ? row_bytes : kPrefetchBytes);
+        if (bytes > 0) {
+          asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(x), "r"(bytes) : "memory");
+          asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(g), "r"(bytes) : "memory");
+        }
+      }
       for (int i = threadIdx.x; i < Bf16Codes::kEntries; i += kThreads) {
         const float xf = Bf16Codes::value(Bf16Codes::code_of(static_cast<unsigned>(i)));
         const double expected = expected_at(kNotLabel, xf, 0.0f);
