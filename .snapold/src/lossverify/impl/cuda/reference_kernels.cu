@@ -71,6 +71,22 @@ __device__ OnlineLse shfl(const OnlineLse& x, int offset) {
   return r;
 }
 
+// A row's log-sum-exp and sum_v q_v x_v, merged in one tree.
+struct RowSums {
+  OnlineLse lse;
+  Neumaier qx;
+  __device__ void merge(const RowSums& o) {
+    lse.merge(o.lse);
+    qx.merge(o.qx);
+  }
+};
+__device__ RowSums shfl(const RowSums& x, int offset) {
+  RowSums r;
+  r.lse = shfl(x.lse, offset);
+  r.qx = shfl(x.qx, offset);
+  return r;
+}
+
 // A fixed reduction tree over the block (lane pairs, then warp leaders in order): thread 0 gets the result.
 template <int kThreads = kReferenceThreads, class State>
 __device__ State block_merge(State x) {
@@ -207,9 +223,17 @@ struct Bf16Codes {
   static constexpr unsigned kLow = (127u - kLowExponent) << 7;
   static constexpr unsigned kSpan = kBinades << 7;  // codes of one sign
   static constexpr int kEntries = 2 * kSpan;
+  // Per-code arrays have one more slot, kEntries, for every code outside the table: a lookup needs no
+  // branch (exp_of_code holds 0 there, the compare kernel's gradient code a value no bf16 code equals).
+  static constexpr int kSlots = kEntries + 1;
   // The code's magnitude within the span; >= kSpan: not in the table.
   __device__ static unsigned offset(unsigned code) { return (code & 0x7fffu) - kLow; }
   __device__ static unsigned index(unsigned code, unsigned offset) { return offset + (code >> 15) * kSpan; }
+  // The code's slot: its index, or kEntries outside the table.
+  __device__ static unsigned slot(unsigned code) {
+    const unsigned o = offset(code);
+    return o < kSpan ? index(code, o) : static_cast<unsigned>(kEntries);
+  }
   __device__ static unsigned code_of(unsigned index) {
     return index < kSpan ? index + kLow : (index - kSpan + kLow) | 0x8000u;
   }
@@ -224,6 +248,7 @@ struct Bf16Codes {
     for (int i = threadIdx.x; i < kEntries; i += blockDim.x) {
       exp_of_code[i] = exp_reference(static_cast<double>(value(code_of(static_cast<unsigned>(i)))), table);
     }
+    if (threadIdx.x == 0) exp_of_code[kEntries] = 0.0;
     __syncthreads();
   }
 };
@@ -231,7 +256,7 @@ struct Bf16Codes {
 template <class T, bool kTables>
 __global__ void __launch_bounds__(kReferenceThreads) partials_kernel(ReferencePartialArgs a, double* out, bool vectorized) {
   __shared__ double table[32];
-  __shared__ double exp_of_code[kTables ? Bf16Codes::kEntries : 1];
+  __shared__ double exp_of_code[kTables ? Bf16Codes::kSlots : 1];
   load_exp_table(table);
   if constexpr (kTables) Bf16Codes::fill_exp(exp_of_code, table);
   const T* student = static_cast<const T*>(a.student);
@@ -262,22 +287,23 @@ __global__ void __launch_bounds__(kReferenceThreads) partials_kernel(ReferencePa
       for (int i = threadIdx.x; i < packs; i += blockDim.x) {
         const uint4 w = reinterpret_cast<const uint4*>(x)[i];
         unsigned outside = 0;
+        // The pack's x in the table, summed in float: exact, since each is a multiple of 2^-15 below 2^6
+        // in magnitude, so every partial sum of eight is a multiple of 2^-15 below 2^9 (24 bits).
+        float pack_x = 0.0f;
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
           const unsigned code = Bf16Codes::code_at(w, k);
-          const unsigned offset = Bf16Codes::offset(code);
-          if (offset < Bf16Codes::kSpan) {
-            sum_exp += exp_of_code[Bf16Codes::index(code, offset)];
-          } else {
-            outside |= 1u << k;
-          }
-          sum_x += static_cast<double>(Bf16Codes::value(code));
+          const unsigned slot = Bf16Codes::slot(code);
+          sum_exp += exp_of_code[slot];  // 0 outside the table
+          const bool in_table = slot != static_cast<unsigned>(Bf16Codes::kEntries);
+          pack_x += in_table ? Bf16Codes::value(code) : 0.0f;
+          outside |= static_cast<unsigned>(!in_table) << k;
         }
-        if (outside != 0) {
-#pragma unroll 1
-          for (int k = 0; k < 8; ++k) {
-            if ((outside >> k) & 1u) lse_t.add(static_cast<double>(Bf16Codes::value(Bf16Codes::code_at(w, k))), table);
-          }
+        sum_x += static_cast<double>(pack_x);
+        for (unsigned bits = outside; bits != 0; bits &= bits - 1) {
+          const double z = Bf16Codes::value(Bf16Codes::code_at(w, __ffs(bits) - 1));
+          lse_t.add(z, table);
+          sum_x += z;
         }
         if (i == label_pack) {
           const double z = Bf16Codes::value(Bf16Codes::code_at(w, static_cast<int>(label & 7)));
@@ -303,11 +329,15 @@ __global__ void __launch_bounds__(kReferenceThreads) partials_kernel(ReferencePa
         qx_t += (v == label ? q_on : q_off) * z;
       });
     }
-    const OnlineLse lse = block_merge(lse_t.online());
-    const OnlineLse teacher_lse = block_merge(teacher_t.online());
-    Neumaier qx_start;
-    qx_start.s = qx_t;
-    const Neumaier qx = block_merge(qx_start);
+    // The student's lse and sum q x in one tree (the same merges as two trees, one set of barriers); the
+    // teacher's only for KD.
+    RowSums sums;
+    sums.lse = lse_t.online();
+    sums.qx.s = qx_t;
+    sums = block_merge(sums);
+    const OnlineLse& lse = sums.lse;
+    const Neumaier& qx = sums.qx;
+    const OnlineLse teacher_lse = a.kd ? block_merge(teacher_t.online()) : OnlineLse{};
     if (threadIdx.x == 0) {
       double* o = out + 8 * r;
       o[0] = lse.m;
@@ -508,7 +538,7 @@ __device__ CompareState shfl(const CompareState& x, int offset) {
 constexpr int kTableThreads = 512;  // two blocks per SM (the tables take 82 KB); 64 registers
 constexpr int kMissCapacity = 2048;  // a row with more misses is judged again, in full
 constexpr std::size_t kTableSharedBytes =
-    static_cast<std::size_t>(Bf16Codes::kEntries) * (2 * sizeof(double) + sizeof(unsigned) + sizeof(unsigned char)) +
+    static_cast<std::size_t>(Bf16Codes::kSlots) * (2 * sizeof(double) + 3 * sizeof(unsigned)) +
     kMissCapacity * sizeof(int);
 
 template <class T, bool kTables, int kThreads>
@@ -518,10 +548,11 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
   extern __shared__ double code_tables[];  // kTables: exp(x) per code, then per row margin, g code, seen
   __shared__ int miss_count;               // kTables: the row's elements that missed the table
   double* const exp_of_code = code_tables;
-  double* const code_margin = exp_of_code + Bf16Codes::kEntries;
-  unsigned* const code_g = reinterpret_cast<unsigned*>(code_margin + Bf16Codes::kEntries);
-  int* const missed_columns = reinterpret_cast<int*>(code_g + Bf16Codes::kEntries);
-  unsigned char* const code_seen = reinterpret_cast<unsigned char*>(missed_columns + kMissCapacity);
+  double* const code_margin = exp_of_code + Bf16Codes::kSlots;
+  unsigned* const code_g = reinterpret_cast<unsigned*>(code_margin + Bf16Codes::kSlots);
+  int* const missed_columns = reinterpret_cast<int*>(code_g + Bf16Codes::kSlots);
+  unsigned* const code_hits = reinterpret_cast<unsigned*>(missed_columns + kMissCapacity);
+  unsigned* const code_first = code_hits + Bf16Codes::kSlots;  // a code's first hit column
   load_exp_table(table);
   if constexpr (kTables) Bf16Codes::fill_exp(exp_of_code, table);
   const T* student = static_cast<const T*>(a.student);
@@ -638,21 +669,20 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
                            probe.neg_inf == 0 && probe.subnormal == 0;
         code_g[i] = inert ? likeliest : 0xffffffffu;
         code_margin[i] = probe.margin;
-        code_seen[i] = 0;
+        code_hits[i] = 0;
+        code_first[i] = UINT_MAX;
       }
+      if (threadIdx.x == 0) code_g[Bf16Codes::kEntries] = 0xffffffffu;  // the slot outside the table: never a hit
       __syncthreads();
       const uint4* x4 = reinterpret_cast<const uint4*>(x);
       const uint4* g4 = reinterpret_cast<const uint4*>(g);
       const int packs = cols / 8;
       const std::int64_t label_pack = label >= 0 && label < cols ? label / 8 : -1;
-      // The lookups' own state, in registers: a thread meets its hits in increasing column order, so a
-      // strictly larger margin is the only change of its worst hit. Sums in the gradient's own units.
-      // Misses go to the block's list and are judged in full after the pass, spread over the threads:
-      // the pass itself carries no CompareState. A row with more misses than the list holds is judged
-      // again, every element in full, and the lookups' state is dropped.
-      int hits = 0, best_column = -1;
-      unsigned best_index = 0;
-      double best_margin = -1.0, hit_sum = 0.0, hit_magnitude = 0.0;
+      // A hit counts in its code's entry, with the code's first hit column (the worst hit is the first
+      // column of the code with the largest margin); misses go to the block's list and are judged in full
+      // after the pass, spread over the threads: the pass itself carries no CompareState. A row with more
+      // misses than the list holds is judged again, every element in full, and the counts are dropped.
+      int hits = 0;
       for (int i = threadIdx.x; i < packs; i += kThreads) {
         const uint4 xw = x4[i];
         const uint4 gw = g4[i];
@@ -662,19 +692,12 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
         for (int k = 0; k < 8; ++k) {
           const unsigned xc = Bf16Codes::code_at(xw, k);
           const unsigned gc = Bf16Codes::code_at(gw, k);
-          const unsigned offset = Bf16Codes::offset(xc);
-          const bool in_table = offset < Bf16Codes::kSpan;
-          const unsigned index = in_table ? Bf16Codes::index(xc, offset) : 0u;
-          const bool hit = in_table && code_g[index] == gc && ((label_bit >> k) & 1u) == 0;
-          if (hit) code_seen[index] = 1;
-          const double got_local = Bf16Codes::value(hit ? gc : 0u);
-          hit_sum += got_local;
-          hit_magnitude += fabs(got_local);
-          const double m = hit ? code_margin[index] : -1.0;
-          if (m > best_margin) {
-            best_margin = m;
-            best_column = i * 8 + k;
-            best_index = index;
+          const unsigned index = Bf16Codes::slot(xc);
+          const bool hit = code_g[index] == gc && ((label_bit >> k) & 1u) == 0;
+          if (hit) {
+            atomicAdd(&code_hits[index], 1u);
+            const unsigned column = static_cast<unsigned>(i * 8 + k);
+            if (column < code_first[index]) atomicMin(&code_first[index], column);
           }
           missed |= static_cast<unsigned>(!hit) << k;
         }
@@ -698,20 +721,22 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
         }
         st.compared += hits;
         st.lookups += hits;
+        // Every code hit: its first column as a candidate worst element, its error and relative error,
+        // once; its hits' values, in the row sums.
+        double hit_sum = 0.0, hit_magnitude = 0.0;  // in the gradient's own units
+        for (int i = threadIdx.x; i < Bf16Codes::kEntries; i += kThreads) {
+          const unsigned n = code_hits[i];
+          if (n == 0) continue;
+          const double expected = expected_at(kNotLabel, Bf16Codes::value(Bf16Codes::code_of(static_cast<unsigned>(i))), 0.0f);
+          const double got_local = Bf16Codes::value(code_g[i]);
+          const double got = got_local * fs;
+          st.worst(static_cast<int>(code_first[i]), code_margin[i], expected, got, floor + a.rtol * fabs(expected));
+          st.extrema(expected, got == expected ? 0.0 : fabs(got - expected));
+          hit_sum += n * got_local;  // exact: a bf16 times a count below 2^31
+          hit_magnitude += n * fabs(got_local);
+        }
         row_sum += hit_sum * fs;
         row_magnitude += hit_magnitude * fabs(fs);
-        if (best_column >= 0) {
-          const double expected = expected_at(best_column, Bf16Codes::value(Bf16Codes::code_of(best_index)), 0.0f);
-          st.worst(best_column, best_margin, expected, static_cast<double>(Bf16Codes::value(code_g[best_index])) * fs,
-                   floor + a.rtol * fabs(expected));
-        }
-        // Every code seen: its error and relative error, once.
-        for (int i = threadIdx.x; i < Bf16Codes::kEntries; i += kThreads) {
-          if (!code_seen[i]) continue;
-          const double expected = expected_at(kNotLabel, Bf16Codes::value(Bf16Codes::code_of(static_cast<unsigned>(i))), 0.0f);
-          const double got = static_cast<double>(Bf16Codes::value(code_g[i])) * fs;
-          st.extrema(expected, got == expected ? 0.0 : fabs(got - expected));
-        }
       }
     } else if (a.kd) {
       for_each_column<true, true>(x, y, g, cols, vectorized, visit);

@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine: probe, build (Release, sm_90), the CUDA tests, multi-GPU runs whose
+# verdicts are compared with the CPU, fault runs, and the benchmarks. Usage: bash bench/device_run.sh [all|PART,PART...]
+# Header-only dependencies may come from a folder given as DEPS_INCLUDE (the device has no Debian packages).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+mode=${1:-all}
+# A comma-separated list of parts: build (always), cudatests, tests, faults, sweep, bench, ncu (the reference
+# kernels under Nsight Compute), e2e (stage times of
+# the end-to-end run, and an Nsight Systems summary where nsys exists); all = tests,faults,bench.
+[[ $mode == all ]] && mode=tests,faults,bench
+has() { [[ ",$mode," == *",$1,"* ]]; }
+build=${BUILD_DIR:-build/dev}
+out=${OUT:-/tmp/lossverify-out}
+mkdir -p "$out"
+export PATH=/usr/local/cuda/bin:$PATH NCCL_NVLS_ENABLE=0
+nccl_root=$(python3 -c "import nvidia.nccl as m; print(list(m.__path__)[0])" 2>/dev/null || true)
+echo "== probe"; nvidia-smi -L; ldd --version | head -1; which mpiexec mpicc 2>&1 | head -2
+ls /usr/local/cuda/include/nccl.h 2>/dev/null; echo "pip NCCL: ${nccl_root:-none}"
+extra=()
+[[ -n "${DEPS_INCLUDE:-}" ]] && extra+=("-DLOSSVERIFY_DEPS_INCLUDE_DIR=$DEPS_INCLUDE")
+[[ ! -f /usr/local/cuda/include/nccl.h && -n "$nccl_root" ]] && extra+=("-DLOSSVERIFY_NCCL_ROOT=$nccl_root")
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release "${extra[@]}" > "$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
+grep "lossverify:" "$out/configure.log"
+cmake --build "$build" -j16 > "$out/build.log" 2>&1 || { grep -B2 -A8 "error" "$out/build.log" | head -60; exit 1; }
+[[ -n "$nccl_root" ]] && export LD_LIBRARY_PATH="$nccl_root/lib:${LD_LIBRARY_PATH:-}"
+bin=$build/cli/lossverify
+"$bin" --version
+mpi=$(grep -q "MPI backend ON" "$out/configure.log" && command -v mpiexec || true)
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+if has cudatests || has tests; then
+  echo "== CUDA tests"; "$build"/tests/lossverify_cuda_tests 2>&1 | tail -25
+fi
+if has tests; then
+  echo "== multi-GPU CLI runs vs CPU"
+  gpus=$(nvidia-smi -L | wc -l)
+  for spec in "smoothing-pytorch:correct" "smoothing-pytorch:smoothing-partition-vocab" "kd-tp4-temperature2:kd-no-t2" \
+              "uneven-shards-v507-tp4:correct" "dp-unequal-tokens:dp-local-mean"; do
+    c=${spec%%:*}; impl=${spec##*:}
+    set_args=(--set layout.tp=$gpus --set layout.cp=1 --set layout.dp=1 --set layout.ga=1)
+    [[ $c == dp-* ]] && set_args=(--set layout.tp=1 --set layout.cp=1 --set layout.dp=$gpus --set layout.ga=1)
+    "$bin" run cases/$c.json --impl $impl "${set_args[@]}" --quiet --report "$out/cpu-$c-$impl.json"; cpu=$?
+    "$bin" run cases/$c.json --impl $impl "${set_args[@]}" --backend cuda --gpus $gpus --quiet --report "$out/gpu-$c-$impl.json"; gpu=$?
+    python3 - "$out/cpu-$c-$impl.json" "$out/gpu-$c-$impl.json" <<'PY'
+import json, sys
+a, b = (json.load(open(p))["runs"][0] for p in sys.argv[1:3])
+fa = sorted(c["name"] for c in a["checks"] if c["verdict"] == "fail")
+fb = sorted(c["name"] for c in b["checks"] if c["verdict"] == "fail")
+print(f"  {a['case']['name']:26s} {a['implementation']['name']:28s} cpu {a['verdict']:4s} {fa}  gpu {b['verdict']:4s} {fb} "
+      f"{b['execution']}  {'MATCH' if fa == fb else 'DIFFER'}")
+PY
+    echo "    exit codes cpu $cpu gpu $gpu"
+    if [[ -n "$mpi" ]]; then
+      mpiexec -n $gpus "$bin" run cases/$c.json --impl $impl "${set_args[@]}" --backend cuda --quiet --report "$out/mpi-$c-$impl.json"; m=$?
+      python3 - "$out/cpu-$c-$impl.json" "$out/mpi-$c-$impl.json" <<'PY'
+import json, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:3])
+ra, rb = a["runs"][0], b["runs"][0]
+fa = sorted(c["name"] for c in ra["checks"] if c["verdict"] == "fail")
+fb = sorted(c["name"] for c in rb["checks"] if c["verdict"] == "fail")
+print(f"  mpi+cuda ({b['environment']['processes']} processes) {rb['verdict']:4s} {fb} {rb['execution']}  {'MATCH' if fa == fb else 'DIFFER'}")
+PY
+      echo "    exit code mpi+cuda $m"
+    fi
+  done
+fi
+if has faults; then
+  echo "== a failing rank while the others wait inside NCCL (one GPU per rank)"
+  gpus=$(nvidia-smi -L | wc -l)
+  start=$(date +%s.%N)
+  "$bin" run cases/smoothing-pytorch.json --set layout.tp=$gpus --backend cuda --gpus $gpus --inject-fault late-throw@1 --quiet
+  echo "  late-throw@1: exit $? after $(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }') s"
+  start=$(date +%s.%N)
+  timeout 120 "$bin" run cases/smoothing-pytorch.json --set layout.tp=$gpus --backend cuda --gpus $gpus --inject-fault late-hang@1 --timeout 5 --quiet
+  echo "  late-hang@1 (deadline 5 s): exit $? after $(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }') s"
+fi
+if has sweep; then
+  echo "== TP=1 fused kernel: launch variants (PyTorch left out)"
+  for v in off 256x4 256x3 512x2 1024x1; do
+    echo "-- LOSSVERIFY_FUSED_RESIDENT=$v"
+    LOSSVERIFY_FUSED_RESIDENT=$v "$bin" bench --repeats 20 --torch-script /nonexistent 2>&1 | grep -E "^lossverify|^floor"
+  done
+fi
+summarize_e2e() {
+  python3 - "$@" <<'PY'
+import json, sys
+for p in sys.argv[1:]:
+    r = json.load(open(p))["runs"][0]
+    t = r["timings_seconds"]
+    g = next(c for c in r["checks"] if c["name"] == "grad")["metrics"]
+    e2e = t["compute_max_rank"] + t["reference_and_checks"]
+    print(f"  {p.split('/')[-1]}: verdict {r['verdict']}, {r['execution']}, generate {t['generate_max_rank']*1e3:.1f} ms, "
+          f"compute {t['compute_max_rank']*1e3:.1f} ms, reference+checks {t['reference_and_checks']*1e3:.1f} ms, "
+          f"total {t['total']*1e3:.1f} ms; kernel+reference+checks {e2e*1e3:.1f} ms = {e2e/2.80e-3:.2f} x the 2.80 ms floor; "
+          f"judged by lookup {g.get('judged_by_lookup', 0)} of {g['compared']}")
+PY
+}
+if has e2e; then
+  echo "== end to end, stage times (LOSSVERIFY_TRACE=1): code tables (512 and 256 threads), then off"
+  e2e=bench/cases/cuda-e2e-n16384-v128256-bf16.json
+  for variant in "tables" "LOSSVERIFY_TABLE_THREADS=256" "LOSSVERIFY_REFERENCE_TABLES=off"; do
+    echo "-- $variant"
+    for k in 1 2; do
+      env $([[ $variant == *=* ]] && echo "$variant") LOSSVERIFY_TRACE=1 "$bin" run $e2e --backend cuda --quiet \
+        --report "$out/e2e-trace-${variant##*=}-$k.json" 2>&1 | grep -v "rank 0 verify 0\|verify 5\|verify 7"
+      echo "exit ${PIPESTATUS[0]}"
+    done
+    summarize_e2e "$out"/e2e-trace-${variant##*=}-*.json
+  done
+  if command -v nsys > /dev/null; then
+    nsys profile -o "$out/e2e" -t cuda,osrt --force-overwrite true "$bin" run $e2e --backend cuda --quiet > /dev/null 2>&1
+    nsys stats -r cuda_api_sum,cuda_gpu_kern_sum "$out/e2e.nsys-rep" 2>&1 | grep -v "^$" | head -60
+  fi
+fi
+if has ncu; then
+  echo "== Nsight Compute: the reference kernels on N = 1024 rows of the end-to-end shape"
+  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  "$ncu" --kernel-name regex:"partials_kernel|compare_kernel" --section SpeedOfLight --section LaunchStats \
+    --section Occupancy --section WarpStateStats --metrics smsp__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active \
+    "$bin" run bench/cases/cuda-e2e-n16384-v128256-bf16.json --set shape.tokens=1024 --backend cuda --quiet 2>&1 \
+    | grep -E "partials_kernel|compare_kernel|Duration|DRAM Throughput|Compute \(SM\)|inst_executed|issue_active|Registers|Achieved Occupancy|Stall|Warp Cycles Per Issued" | head -60
+fi
+if has bench; then
+  echo "== bench"
+  "$bin" bench --repeats 20 --report "$out/bench-tp1.json" 2>&1 | tail -12
+  "$bin" bench --shape 16384,151936 --tp 8 --report "$out/bench-tp8.json" 2>&1 | tail -6
+  echo "== end to end: run --backend cuda (GPU float64 reference), N=16384 V=128256 bf16"
+  for k in 1 2 3; do
+    "$bin" run bench/cases/cuda-e2e-n16384-v128256-bf16.json --backend cuda --quiet --report "$out/e2e-$k.json"; echo "exit $?"
+  done
+  summarize_e2e "$out"/e2e-[0-9].json
+fi

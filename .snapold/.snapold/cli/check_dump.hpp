@@ -1,0 +1,27 @@
+#pragma once
+// `lossverify check-dump --manifest dump/manifest.json`: checks a training step dumped by a framework.
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+namespace lossverify::cli {
+
+struct CheckDumpArguments {
+  std::string manifest;
+  std::string report_path;
+  bool quiet = false;
+  int threads = 0;
+};
+
+struct CheckDumpCommand {
+  CLI::App* app = nullptr;
+  CheckDumpArguments args;
+  bool selected() const { return app != nullptr && app->parsed(); }
+};
+
+// Adds the subcommand to `app`; the returned object must outlive app.parse().
+void register_check_dump(CLI::App& app, CheckDumpCommand& command);
+// Runs it: 0 pass, 1 a check failed; throws lossverify::Error (exit 2 for a malformed dump or manifest).
+int run_check_dump(const CheckDumpArguments& args);
+
+}  // namespace lossverify::cli

@@ -1,0 +1,373 @@
+#include "repro.hpp"
+
+#include <algorithm>
+#include <cctype>
+#include <cstring>
+#include <filesystem>
+#include <iomanip>
+#include <iostream>
+#include <map>
+
+#include "lossverify/core/errors.hpp"
+#include "lossverify/core/strings.hpp"
+#include "lossverify/impl/catalogue.hpp"
+#include "lossverify/report/plot.hpp"
+#include "lossverify/report/report.hpp"
+#include "lossverify/repro/bundle.hpp"
+#include "lossverify/repro/shrink.hpp"
+
+namespace lossverify::cli {
+
+namespace {
+
+std::vector<std::string>& command_line() {
+  static std::vector<std::string> words;
+  return words;
+}
+
+std::string sanitise(std::string_view text) {
+  std::string out;
+  for (char ch : text) {
+    out += (std::isalnum(static_cast<unsigned char>(ch)) || ch == '.' || ch == '_' || ch == '-') ? ch : '_';
+  }
+  return out.empty() ? "case" : out;
+}
+
+std::string resolved_save_policy(const ArtifactOptions& options) {
+  if (!options.save_inputs.empty()) return options.save_inputs;
+  return options.save_inputs_dir.empty() ? "never" : "failed";
+}
+
+std::string bundle_folder(const ArtifactOptions& options, const ArtifactContext& context) {
+  if (!options.save_inputs_dir.empty()) return options.save_inputs_dir;
+  if (!context.report_path.empty()) {
+    const std::filesystem::path parent = std::filesystem::path(context.report_path).parent_path();
+    if (!parent.empty()) return parent.string();
+  }
+  return ".";
+}
+
+std::string failing_list(const RunResult& run) {
+  std::string list;
+  for (const CheckResult& c : run.checks) {
+    if (c.verdict == Verdict::fail) append_to_list(list, c.name);
+  }
+  return list;
+}
+
+std::string failing_list(const Bundle& bundle) {
+  std::string list;
+  for (const RecordedCheck& c : bundle.checks) {
+    if (c.verdict == Verdict::fail) append_to_list(list, c.name);
+  }
+  return list;
+}
+
+std::string verdict_text(Verdict v) {
+  return v == Verdict::fail ? "FAIL" : std::string(to_string(v));
+}
+
+void write_plots(const std::string& path, const std::vector<const RunResult*>& runs, bool quiet) {
+  for (const auto& [file, contents] : render_plots(path, runs)) {
+    write_file_atomically(file, contents);
+    if (!quiet) std::cout << "plot written to " << file << "\n";
+  }
+}
+
+void check_plot_path(const std::string& path) {
+  if (path.empty()) return;
+  if (!is_plot_path(path))
+    throw CaseError("--plot " + path + ": expected a file ending in .svg, .html or .htm");
+  const std::filesystem::path parent = std::filesystem::path(path).parent_path();
+  if (!parent.empty() && !std::filesystem::is_directory(parent)) {
+    throw CaseError("--plot " + path + ": folder " + parent.string() + " does not exist");
+  }
+}
+
+// --- replay -------------------------------------------------------------------------------------------
+
+int command_replay(const ReplayArguments& args) {
+  check_plot_path(args.plot_path);
+  const Bundle bundle = read_bundle(args.bundle);
+  const bool other_impl = !args.implementation.empty() && args.implementation != bundle.implementation;
+  if (other_impl && find_implementation(args.implementation) == nullptr) {
+    throw CaseError("--impl " + args.implementation + ": unknown implementation (see `lossverify list`)");
+  }
+  const std::string device = args.backend.empty() ? bundle.device : args.backend;
+  if (!args.quiet) {
+    const std::string failing = failing_list(bundle);
+    std::cout << "replaying " << args.bundle << ": case " << bundle.the_case.name << ", impl "
+              << bundle.implementation << ", recorded verdict " << verdict_text(bundle.verdict)
+              << (failing.empty() ? "" : " (" + failing + ")") << " by lossverify " << bundle.tool_version
+              << " (git " << bundle.git_revision << ") on " << bundle.device << "\n";
+  }
+  const std::vector<std::string> drift = input_drift(bundle);
+  if (!args.quiet && !bundle.rows.empty()) {
+    std::string tokens;
+    for (const RecordedRow& r : bundle.rows) append_to_list(tokens, std::to_string(r.token));
+    std::cout << "  " << bundle.rows.size() << " recorded row(s), pinned inline (tokens " << tokens << ")"
+              << (drift.empty() ? "; this build's generator reproduces them bit for bit" : "") << "\n";
+  }
+  for (const std::string& line : drift) {
+    std::cerr << "lossverify: warning: input drift: " << line
+              << " (the generator changed since the bundle was written; rows not recorded may differ too)\n";
+  }
+
+  RunOptions options;
+  options.implementation = other_impl ? args.implementation : bundle.implementation;
+  options.threads = args.threads;
+  options.device = device == "cuda" ? RunOptions::Device::cuda : RunOptions::Device::cpu;
+  const RunResult result = run_case(bundle.the_case, options);
+  if (!args.quiet) print_summary(std::cout, result);
+  const ExitCode run_code = result.verdict == Verdict::fail ? ExitCode::check_failed : ExitCode::pass;
+  if (!args.plot_path.empty()) write_plots(args.plot_path, {&result}, args.quiet);
+  if (!args.report_path.empty()) {
+    write_file_atomically(args.report_path,
+                          make_report("run", {run_to_json(result)}, run_code).dump(2) + "\n");
+    if (!args.quiet) std::cout << "report written to " << args.report_path << "\n";
+  }
+
+  if (other_impl) {
+    // Checking a fix (or another bug) on the bundle's inputs: the run's own verdict decides.
+    if (!args.quiet) {
+      std::cout << "with --impl " << args.implementation << ": " << verdict_text(result.verdict)
+                << (result.verdict == Verdict::fail ? " (" + failing_list(result) + ")" : "")
+                << "; recorded with " << bundle.implementation << ": " << verdict_text(bundle.verdict)
+                << "\n";
+    }
+    return static_cast<int>(run_code);
+  }
+  const bool same_backend = device == bundle.device;
+  const ReplayComparison comparison = compare_outcome(bundle, result, same_backend);
+  if (comparison.reproduced) {
+    const std::string failing = failing_list(result);
+    std::cout << "reproduced: " << verdict_text(result.verdict) << " as recorded"
+              << (failing.empty()
+                      ? std::string("")
+                      : std::string(": ") + failing +
+                            (failing.find(',') == std::string::npos
+                                 ? (same_backend ? " fails with its worst element where recorded" : " fails")
+                                 : (same_backend ? " fail with their worst elements where recorded"
+                                                 : " fail")))
+              << "\n";
+  } else {
+    std::cout << "did not reproduce:\n";
+    for (const std::string& line : comparison.differences) std::cout << "  " << line << "\n";
+  }
+  if (!args.quiet) {
+    for (const std::string& line : comparison.notes) std::cout << "  note: " << line << "\n";
+    if (!same_backend)
+      std::cout << "  note: recorded on " << bundle.device << ", replayed on " << device << "\n";
+  }
+  return comparison.reproduced ? 0 : static_cast<int>(ExitCode::check_failed);
+}
+
+// --- shrink -------------------------------------------------------------------------------------------
+
+std::string size_line(const char* what, std::int64_t before, std::int64_t after) {
+  return std::string("  ") + what + std::string(12 - std::min<std::size_t>(11, std::strlen(what)), ' ') +
+         std::to_string(before) + " -> " + std::to_string(after) + "\n";
+}
+
+std::string layout_text(const LayoutSpec& l) {
+  return "tp=" + std::to_string(l.tp) + " cp=" + std::to_string(l.cp) + " dp=" + std::to_string(l.dp) +
+         " ga=" + std::to_string(l.ga);
+}
+
+int command_shrink(const ShrinkArguments& args) {
+  std::vector<std::string> overrides = args.set;
+  if (args.tp > 0) overrides.push_back("layout.tp=" + std::to_string(args.tp));
+  const Case original = load_case_file(args.case_file, overrides);
+  const std::string out_path =
+      args.out_path.empty() ? sanitise(original.name) + "-shrunk.json" : args.out_path;
+  const std::filesystem::path parent = std::filesystem::path(out_path).parent_path();
+  if (!parent.empty() && !std::filesystem::is_directory(parent)) {
+    throw CaseError("--out " + out_path + ": folder " + parent.string() + " does not exist");
+  }
+  ShrinkOptions options;
+  options.implementation = args.implementation;
+  options.check = args.check;
+  options.max_trials = args.max_trials;
+  options.max_seconds = args.max_seconds;
+  options.pin_rows = args.pin_rows;
+  options.threads = args.threads;
+  if (!args.quiet)
+    options.progress = [](const std::string& line) { std::cout << line << "\n" << std::flush; };
+  const ShrinkResult result = shrink_case(original, options);
+
+  // The file must read back as a case that still fails the check before it is written.
+  const std::string text = case_file_text(result.minimized);
+  const Case reread = parse_case(nlohmann::json::parse(text), out_path);
+  RunOptions run_options;
+  run_options.implementation = args.implementation;
+  run_options.threads = args.threads;
+  const RunResult confirm = run_case(reread, run_options);
+  const auto it = std::find_if(confirm.checks.begin(), confirm.checks.end(),
+                               [&](const CheckResult& c) { return c.name == result.check; });
+  if (it == confirm.checks.end() || it->verdict != Verdict::fail) {
+    throw InternalError("shrink: the minimized case no longer fails check " + result.check +
+                        " when read back");
+  }
+  write_file_atomically(out_path, text);
+
+  if (!args.quiet) {
+    const ShrinkSize& b = result.before;
+    const ShrinkSize& a = result.after;
+    std::cout << "shrunk " << args.case_file << " with --impl " << args.implementation << ": check "
+              << result.check << " still fails\n";
+    std::cout << size_line("tokens", b.tokens, a.tokens) << size_line("vocab", b.vocab, a.vocab)
+              << size_line("logits", b.logits(), a.logits())
+              << size_line("sequences", b.sequences, a.sequences)
+              << size_line("inline rows", b.overrides, a.overrides);
+    std::cout << "  layout      " << layout_text(b.layout) << " -> " << layout_text(a.layout) << "\n";
+    std::cout << "  margin      " << std::setprecision(3) << result.margin_before << " -> " << it->margin
+              << std::setprecision(6) << "\n";
+    std::cout << "  " << result.steps.size() << " reductions kept in " << result.trials << " trials, "
+              << std::fixed << std::setprecision(2) << result.seconds << " s" << std::defaultfloat
+              << (result.budget_exhausted
+                      ? " (budget exhausted: raise --max-trials or --max-seconds to go further)"
+                      : " (no reduction left that keeps it failing)")
+              << "\n";
+  }
+  std::cout << "minimized case written to " << out_path << "\n";
+  return 0;
+}
+
+}  // namespace
+
+// --- run --save-inputs / --plot ----------------------------------------------------------------------------
+
+void remember_command_line(int argc, char** argv) {
+  command_line().assign(argv, argv + argc);
+}
+
+void add_artifact_options(CLI::App& run, ArtifactOptions& options) {
+  run.add_option("--save-inputs", options.save_inputs,
+                 "write a reproducer bundle per run: never (default), failed, or always")
+      ->check(CLI::IsMember({"never", "failed", "always"}));
+  run.add_option(
+      "--save-inputs-dir", options.save_inputs_dir,
+      "folder for the bundles (default: the --report file's folder, else the current one); alone it "
+      "implies --save-inputs failed");
+  run.add_option("--plot", options.plot_path,
+                 "draw where the error sits: FILE.svg (one per run when several) or FILE.html (one page)");
+}
+
+void check_artifact_options(const ArtifactOptions& options, const ArtifactContext& context) {
+  check_plot_path(options.plot_path);
+  if (!options.save_inputs_dir.empty() && !std::filesystem::is_directory(options.save_inputs_dir)) {
+    throw CaseError("--save-inputs-dir " + options.save_inputs_dir + ": not an existing folder");
+  }
+  if (resolved_save_policy(options) != "never") {
+    const std::string folder = bundle_folder(options, context);
+    if (!std::filesystem::is_directory(folder)) {
+      throw CaseError("--save-inputs: folder " + folder + " (of --report) does not exist");
+    }
+  }
+}
+
+void write_artifacts(const ArtifactOptions& options, const std::vector<RunResult>& runs,
+                     const ArtifactContext& context) {
+  std::vector<std::pair<std::string, std::string>> bundles;
+  const std::string policy = resolved_save_policy(options);
+  if (policy != "never") {
+    const std::filesystem::path folder = bundle_folder(options, context);
+    std::map<std::string, int> cases_named;
+    for (const RunResult& run : runs) ++cases_named[run.the_case.name];
+    std::map<std::string, int> used;
+    BundleContext bundle_context;
+    bundle_context.set_overrides = context.set_overrides;
+    bundle_context.command_line = command_line();
+    bundle_context.launcher = context.launcher;
+    bundle_context.processes = context.processes;
+    bundle_context.device = context.device;
+    bundle_context.gpus = context.gpus;
+    for (const RunResult& run : runs) {
+      if (policy == "failed" && run.verdict != Verdict::fail) continue;
+      const nlohmann::json bundle = make_bundle(run, bundle_context);
+      std::string name = sanitise(run.the_case.name) + "." + sanitise(run.implementation->name);
+      if (cases_named[run.the_case.name] > 1) name += "." + layout_name(run.the_case.layout);
+      if (const int n = ++used[name]; n > 1) name += "." + std::to_string(n);
+      std::size_t values = 0;
+      for (const auto& row : bundle.at("failing_rows"))
+        values += row.at("logits_bits").get<std::string>().size() / 5;
+      // Pretty-printed unless the rows are large (every number would take a line of its own).
+      bundles.emplace_back((folder / (name + ".bundle.json")).string(),
+                           (values <= 65536 ? bundle.dump(1) : bundle.dump()) + "\n");
+    }
+  }
+  std::vector<std::pair<std::string, std::string>> plots;
+  if (!options.plot_path.empty()) {
+    std::vector<const RunResult*> pointers;
+    for (const RunResult& run : runs) pointers.push_back(&run);
+    plots = render_plots(options.plot_path, pointers);
+  }
+  for (const auto& [path, contents] : bundles) {
+    write_file_atomically(path, contents);
+    if (!context.quiet) std::cout << "reproducer bundle written to " << path << "\n";
+  }
+  for (const auto& [path, contents] : plots) {
+    write_file_atomically(path, contents);
+    if (!context.quiet) std::cout << "plot written to " << path << "\n";
+  }
+}
+
+// --- registration
+// -------------------------------------------------------------------------------------------
+
+void register_repro_commands(CLI::App& app, ReproCommands& commands) {
+  ReplayArguments& r = commands.replay_args;
+  commands.replay = app.add_subcommand(
+      "replay",
+      "re-run a reproducer bundle (run --save-inputs) and compare with the recorded outcome: exit 0 "
+      "reproduced, 1 did not reproduce (with --impl: the run's own exit code)");
+  commands.replay->add_option("bundle", r.bundle, "the bundle (lossverify.bundle/1 JSON)")
+      ->required()
+      ->check(CLI::ExistingFile);
+  commands.replay->add_option(
+      "--impl", r.implementation,
+      "run the bundle's inputs with another implementation (e.g. your fix); exit code as run");
+  commands.replay->add_option("--backend", r.backend, "cpu or cuda (default: the recorded backend)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  commands.replay->add_option("--report", r.report_path, "write the run's JSON report here (atomically)");
+  commands.replay->add_option("--plot", r.plot_path, "draw where the error sits (.svg or .html)");
+  commands.replay->add_option("--threads", r.threads, "OpenMP threads for the reference (default: all)")
+      ->check(CLI::NonNegativeNumber);
+  commands.replay->add_flag("--quiet,-q", r.quiet, "print only the reproduced / did not reproduce lines");
+
+  ShrinkArguments& s = commands.shrink_args;
+  commands.shrink = app.add_subcommand(
+      "shrink",
+      "reduce a failing case (tokens, vocabulary, rank counts, features, inline rows) to a small case that "
+      "still fails the same check, and write it as a case file");
+  commands.shrink->add_option("case", s.case_file, "the failing case file (JSON)")
+      ->required()
+      ->check(CLI::ExistingFile);
+  commands.shrink->add_option("--impl", s.implementation, "the implementation that fails (a catalogued bug)")
+      ->required();
+  commands.shrink->add_option("--check", s.check,
+                              "the check that must keep failing (default: the first failing one)");
+  commands.shrink->add_option("--set", s.set, "override a case field first, e.g. --set layout.cp=2")
+      ->allow_extra_args(false);
+  commands.shrink->add_option("--tp", s.tp, "tensor-parallel ranks (overrides layout.tp)")
+      ->check(CLI::PositiveNumber);
+  commands.shrink->add_option("--out,-o", s.out_path,
+                              "where to write the minimized case (default: NAME-shrunk.json)");
+  commands.shrink->add_option("--max-trials", s.max_trials, "runs to try at most (default 400)")
+      ->check(CLI::PositiveNumber);
+  commands.shrink->add_option("--max-seconds", s.max_seconds, "time budget in seconds (default 60)")
+      ->check(CLI::PositiveNumber);
+  commands.shrink->add_flag("--pin-rows", s.pin_rows,
+                            "pin the worst element's row inline, so the case needs no generator for it");
+  commands.shrink->add_option("--threads", s.threads, "OpenMP threads per trial (default: all)")
+      ->check(CLI::NonNegativeNumber);
+  commands.shrink->add_flag("--quiet,-q", s.quiet, "print only the output path");
+}
+
+std::optional<int> run_repro_command(const ReproCommands& commands) {
+  if (commands.replay != nullptr && commands.replay->parsed()) return command_replay(commands.replay_args);
+  if (commands.shrink != nullptr && commands.shrink->parsed()) return command_shrink(commands.shrink_args);
+  return std::nullopt;
+}
+
+}  // namespace lossverify::cli

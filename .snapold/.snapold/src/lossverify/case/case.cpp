@@ -1,0 +1,617 @@
+#include "lossverify/case/case.hpp"
+#include "lossverify/core/strings.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <sstream>
+
+#include "lossverify/case/json_reader.hpp"
+#include "lossverify/checks/tolerances.hpp"
+#include "lossverify/core/errors.hpp"
+
+namespace lossverify {
+
+using detail::fail_at;
+using detail::ObjectReader;
+using nlohmann::json;
+
+std::string_view to_string(LossKind k) { return k == LossKind::kd ? "kd" : "cross_entropy"; }
+std::string_view to_string(FrameworkSpec::GradReduce g) { return g == FrameworkSpec::GradReduce::avg ? "avg" : "sum"; }
+std::string_view to_string(FrameworkSpec::GaReduce g) { return g == FrameworkSpec::GaReduce::sum ? "sum" : "mean"; }
+std::string_view to_string(BatchSpec::Placement p) {
+  return p == BatchSpec::Placement::round_robin ? "round_robin" : "contiguous";
+}
+std::string_view to_string(BatchSpec::Labels l) { return l == BatchSpec::Labels::independent ? "independent" : "next_token"; }
+std::string_view to_string(SmoothingConvention c) {
+  return c == SmoothingConvention::pytorch ? "pytorch" : "megatron";
+}
+std::string_view to_string(Reduction r) {
+  switch (r) {
+    case Reduction::mean:
+      return "mean";
+    case Reduction::sum:
+      return "sum";
+    case Reduction::none:
+      return "none";
+  }
+  return "?";
+}
+std::string_view to_string(LogitDistribution d) { return d == LogitDistribution::normal ? "normal" : "uniform"; }
+
+namespace {
+
+template <class Enum, std::size_t N>
+Enum parse_choice(ObjectReader& reader, const std::string& key, const std::array<Enum, N>& choices,
+                  Enum fallback) {
+  if (!reader.has(key)) {
+    reader.allow(key);
+    return fallback;
+  }
+  const std::string value = reader.string(key);
+  std::string allowed;
+  for (Enum e : choices) {
+    if (to_string(e) == value) return e;
+    append_to_list(allowed, to_string(e), "|");
+  }
+  reader.fail(key, "expected one of " + allowed + ", got \"" + value + "\"");
+}
+
+void parse_loss(ObjectReader r, Case& c) {
+  LossSpec& loss = c.loss;
+  loss.kind = parse_choice(r, "kind", std::array{LossKind::cross_entropy, LossKind::kd}, LossKind::cross_entropy);
+  const bool kd = loss.kind == LossKind::kd;
+  auto cross_entropy_only = [&](const char* key) {
+    if (kd && r.has(key)) r.fail(key, "applies to cross_entropy only, not kd");
+  };
+  for (const char* key : {"label_smoothing", "smoothing_convention", "z_loss_weight", "softcap", "ignore_index"}) {
+    cross_entropy_only(key);
+  }
+  for (const char* key : {"temperature", "t2_scaling"}) {
+    if (!kd && r.has(key)) r.fail(key, "applies to kd only, not cross_entropy");
+  }
+  loss.temperature = r.number("temperature", 1.0);
+  if (!(loss.temperature > 0.0)) r.fail("temperature", "must be > 0, got " + json(loss.temperature).dump());
+  loss.t2_scaling = r.boolean("t2_scaling", true);
+  loss.softcap = r.number("softcap", 0.0);
+  if (loss.softcap < 0.0) r.fail("softcap", "must be >= 0 (0 turns it off), got " + json(loss.softcap).dump());
+  loss.label_smoothing = r.number("label_smoothing", 0.0);
+  if (!(loss.label_smoothing >= 0.0 && loss.label_smoothing < 1.0)) {
+    r.fail("label_smoothing", "must be in [0, 1), got " + json(loss.label_smoothing).dump());
+  }
+  loss.convention = parse_choice(r, "smoothing_convention",
+                                 std::array{SmoothingConvention::pytorch, SmoothingConvention::megatron},
+                                 SmoothingConvention::pytorch);
+  loss.z_loss_weight = r.number("z_loss_weight", 0.0);
+  if (loss.z_loss_weight < 0.0) {
+    r.fail("z_loss_weight", "must be >= 0, got " + json(loss.z_loss_weight).dump());
+  }
+  loss.ignore_index = r.integer("ignore_index", -100);
+  loss.reduction = parse_choice(r, "reduction", std::array{Reduction::mean, Reduction::sum, Reduction::none},
+                                Reduction::mean);
+  if (r.has("upstream_weights")) {
+    const json& u = r.raw("upstream_weights");
+    const std::string path = r.path_of("upstream_weights");
+    if (loss.reduction != Reduction::none) {
+      fail_at(r.source(), path, "upstream weights apply to reduction \"none\" only");
+    }
+    if (u.is_array()) {
+      loss.upstream_weights.kind = UpstreamWeights::Kind::explicit_list;
+      for (std::size_t i = 0; i < u.size(); ++i) {
+        loss.upstream_weights.values.push_back(
+            detail::as_number(u[i], path + "[" + std::to_string(i) + "]", r.source()));
+      }
+    } else {
+      ObjectReader w(u, path, r.source());
+      const std::string dist = w.string("distribution");
+      if (dist != "uniform") w.fail("distribution", "expected uniform, got \"" + dist + "\"");
+      loss.upstream_weights.kind = UpstreamWeights::Kind::uniform;
+      loss.upstream_weights.low = w.number("low");
+      loss.upstream_weights.high = w.number("high");
+      if (!(loss.upstream_weights.low <= loss.upstream_weights.high)) w.fail("high", "must be >= low");
+      w.reject_unknown_keys();
+    }
+  } else {
+    r.allow("upstream_weights");
+  }
+  r.reject_unknown_keys();
+}
+
+void parse_shape(ObjectReader r, Case& c, bool has_batch) {
+  c.shape.tokens = has_batch ? r.integer("tokens", 0) : r.integer("tokens");
+  if (has_batch && c.shape.tokens == 0) c.shape.tokens = 1;  // checked against the sequences later
+  c.shape.vocab = r.integer("vocab");
+  if (c.shape.tokens < 1) r.fail("tokens", "must be >= 1, got " + std::to_string(c.shape.tokens));
+  if (c.shape.vocab < 2) r.fail("vocab", "must be >= 2, got " + std::to_string(c.shape.vocab));
+  if (c.shape.vocab > (std::int64_t{1} << 32)) r.fail("vocab", "must be <= 2^32");
+  r.reject_unknown_keys();
+}
+
+void parse_inputs(ObjectReader r, Case& c) {
+  InputSpec& in = c.inputs;
+  const std::int64_t seed = r.integer("seed", 0);
+  if (seed < 0) r.fail("seed", "must be >= 0");
+  in.seed = static_cast<std::uint64_t>(seed);
+  const std::string dtype = r.string("dtype", "fp32");
+  const auto parsed = parse_dtype(dtype);
+  if (!parsed) r.fail("dtype", "expected one of fp32|bf16|fp16, got \"" + dtype + "\"");
+  in.dtype = *parsed;
+  in.distribution = parse_choice(r, "distribution",
+                                 std::array{LogitDistribution::normal, LogitDistribution::uniform},
+                                 LogitDistribution::normal);
+  in.mean = r.number("mean", 0.0);
+  in.scale = r.number("scale", 1.0);
+  if (!(in.scale >= 0.0)) r.fail("scale", "must be >= 0");
+  in.ignore_fraction = r.number("ignore_fraction", 0.0);
+  if (!(in.ignore_fraction >= 0.0 && in.ignore_fraction <= 1.0)) {
+    r.fail("ignore_fraction", "must be in [0, 1], got " + json(in.ignore_fraction).dump());
+  }
+  if (r.has("teacher")) {
+    if (c.loss.kind != LossKind::kd) r.fail("teacher", "teacher logits apply to kd only");
+    ObjectReader t = r.object("teacher");
+    in.teacher.mean = t.number("mean", 0.0);
+    in.teacher.scale = t.number("scale", 1.0);
+    if (!(in.teacher.scale >= 0.0)) t.fail("scale", "must be >= 0");
+    in.teacher.same_as_student = t.boolean("same_as_student", false);
+    t.reject_unknown_keys();
+  } else {
+    r.allow("teacher");
+  }
+  if (r.has("overrides")) {
+    const json& list = r.raw("overrides");
+    const std::string path = r.path_of("overrides");
+    if (!list.is_array()) fail_at(r.source(), path, "expected array, got " + detail::json_type_name(list));
+    for (std::size_t i = 0; i < list.size(); ++i) {
+      const std::string item_path = path + "[" + std::to_string(i) + "]";
+      ObjectReader o(list[i], item_path, r.source());
+      RowOverride row;
+      row.token = o.integer("token");
+      if (o.has("logits")) {
+        const json& logits = o.raw("logits");
+        if (!logits.is_array()) o.fail("logits", "expected array, got " + detail::json_type_name(logits));
+        for (std::size_t v = 0; v < logits.size(); ++v) {
+          row.logits.push_back(
+              detail::as_number(logits[v], o.path_of("logits") + "[" + std::to_string(v) + "]", r.source()));
+        }
+      } else {
+        o.allow("logits");
+      }
+      if (o.has("label")) {
+        row.label = o.integer("label");
+      } else {
+        o.allow("label");
+      }
+      o.reject_unknown_keys();
+      in.overrides.push_back(std::move(row));
+    }
+  } else {
+    r.allow("overrides");
+  }
+  r.reject_unknown_keys();
+}
+
+int parse_dimension(ObjectReader& r, const char* key) {
+  const std::int64_t value = r.integer(key, 1);
+  if (value < 1) r.fail(key, "must be >= 1, got " + std::to_string(value));
+  if (value > 4096) r.fail(key, "must be <= 4096, got " + std::to_string(value));
+  return static_cast<int>(value);
+}
+
+void parse_layout(ObjectReader r, Case& c) {
+  c.layout.tp = parse_dimension(r, "tp");
+  c.layout.cp = parse_dimension(r, "cp");
+  c.layout.dp = parse_dimension(r, "dp");
+  c.layout.ga = parse_dimension(r, "ga");
+  if (c.layout.world_size() > 65536) r.fail_here("tp * cp * dp must be <= 65536 ranks");
+  r.reject_unknown_keys();
+}
+
+void parse_framework(ObjectReader r, Case& c) {
+  c.framework.grad_reduce =
+      parse_choice(r, "grad_reduce", std::array{FrameworkSpec::GradReduce::avg, FrameworkSpec::GradReduce::sum},
+                   FrameworkSpec::GradReduce::avg);
+  c.framework.ga_reduce =
+      parse_choice(r, "ga_reduce", std::array{FrameworkSpec::GaReduce::sum, FrameworkSpec::GaReduce::mean},
+                   FrameworkSpec::GaReduce::sum);
+  r.reject_unknown_keys();
+}
+
+std::vector<int> parse_int_list(ObjectReader& r, const char* key) {
+  if (!r.has(key)) {
+    r.allow(key);
+    return {};
+  }
+  const json& list = r.raw(key);
+  if (!list.is_array() || list.empty()) r.fail(key, "expected a non-empty array of integers");
+  std::vector<int> out;
+  for (std::size_t i = 0; i < list.size(); ++i) {
+    const auto v = detail::as_integer(list[i], r.path_of(key) + "[" + std::to_string(i) + "]", r.source());
+    if (v < 1 || v > 4096) r.fail(key, "values must be in [1, 4096]");
+    out.push_back(static_cast<int>(v));
+  }
+  return out;
+}
+
+void parse_sweep(ObjectReader r, Case& c) {
+  c.sweep.tp = parse_int_list(r, "tp");
+  c.sweep.cp = parse_int_list(r, "cp");
+  c.sweep.dp = parse_int_list(r, "dp");
+  c.sweep.ga = parse_int_list(r, "ga");
+  r.reject_unknown_keys();
+}
+
+// The packed sequences of the global batch: explicit lengths or a generator.
+void parse_batch(ObjectReader r, Case& c) {
+  BatchSpec& b = c.batch;
+  if (r.has("sequence_lengths")) {
+    const json& list = r.raw("sequence_lengths");
+    const std::string path = r.path_of("sequence_lengths");
+    if (!list.is_array() || list.empty()) fail_at(r.source(), path, "expected a non-empty array of lengths");
+    for (std::size_t i = 0; i < list.size(); ++i) {
+      const auto v = detail::as_integer(list[i], path + "[" + std::to_string(i) + "]", r.source());
+      if (v < 1) fail_at(r.source(), path + "[" + std::to_string(i) + "]", "sequence length must be >= 1");
+      b.sequence_lengths.push_back(v);
+    }
+    if (r.has("generator")) r.fail("generator", "give either sequence_lengths or a generator, not both");
+    r.allow("generator");
+  } else if (r.has("generator")) {
+    ObjectReader g = r.object("generator");
+    const std::string kind = g.string("kind");
+    const std::int64_t count = g.integer("count");
+    if (count < 1 || count > (1 << 20)) g.fail("count", "must be in [1, 2^20]");
+    if (kind == "halving") {
+      // first, first/2, first/4, ... (at least 1): valid-token counts like 8/4/2/1 across ranks.
+      std::int64_t length = g.integer("first");
+      if (length < 1) g.fail("first", "must be >= 1");
+      for (std::int64_t i = 0; i < count; ++i) {
+        b.sequence_lengths.push_back(std::max<std::int64_t>(1, length));
+        length /= 2;
+      }
+    } else if (kind == "uniform") {
+      const std::int64_t lo = g.integer("min");
+      const std::int64_t hi = g.integer("max");
+      if (lo < 1) g.fail("min", "must be >= 1");
+      if (hi < lo) g.fail("max", "must be >= min");
+      for (std::int64_t i = 0; i < count; ++i) {
+        const double u = token_uniform(c.inputs.seed, InputStream::sequence_lengths, static_cast<std::uint64_t>(i));
+        b.sequence_lengths.push_back(lo + static_cast<std::int64_t>(u * static_cast<double>(hi - lo + 1)));
+      }
+    } else {
+      g.fail("kind", "expected halving|uniform, got \"" + kind + "\"");
+    }
+    g.reject_unknown_keys();
+  } else {
+    r.fail_here("needs sequence_lengths or a generator");
+  }
+  b.placement = parse_choice(r, "placement",
+                             std::array{BatchSpec::Placement::round_robin, BatchSpec::Placement::contiguous},
+                             BatchSpec::Placement::round_robin);
+  b.labels = parse_choice(r, "labels", std::array{BatchSpec::Labels::next_token, BatchSpec::Labels::independent},
+                          BatchSpec::Labels::next_token);
+  r.reject_unknown_keys();
+}
+
+void parse_tolerances(ObjectReader r, Case& c) {
+  for (std::string_view quantity : kToleranceQuantities) {
+    const std::string key(quantity);
+    if (!r.has(key)) {
+      r.allow(key);
+      continue;
+    }
+    ObjectReader t = r.object(key);
+    Tolerance tol = default_tolerance(quantity, c.inputs.dtype).tolerance;
+    tol.atol = t.number("atol", tol.atol);
+    tol.rtol = t.number("rtol", tol.rtol);
+    const std::int64_t ulp = t.integer("max_ulp", tol.max_ulp);
+    if (ulp < 0 || ulp > 1000000) t.fail("max_ulp", "must be in [0, 1000000]");
+    tol.max_ulp = static_cast<int>(ulp);
+    if (tol.atol < 0.0) t.fail("atol", "must be >= 0");
+    if (tol.rtol < 0.0) t.fail("rtol", "must be >= 0");
+    t.reject_unknown_keys();
+    c.tolerance_overrides[key] = tol;
+  }
+  r.reject_unknown_keys();
+}
+
+// Cross-field checks that need the whole case.
+void validate_consistency(const Case& c) {
+  const std::string& src = c.source;
+  const std::int64_t n = c.shape.tokens;
+  const std::int64_t v = c.shape.vocab;
+  if (c.layout.tp > v) {
+    fail_at(src, "$.layout.tp",
+            "tp = " + std::to_string(c.layout.tp) + " exceeds the vocabulary size " + std::to_string(v) +
+                ": every TP rank needs at least one column");
+  }
+  for (int tp : c.sweep.tp) {
+    if (tp > v) fail_at(src, "$.sweep.tp", "tp = " + std::to_string(tp) + " exceeds the vocabulary size " + std::to_string(v));
+  }
+  if (c.loss.kind == LossKind::kd) {
+    for (const auto& row : c.inputs.overrides) {
+      if (row.label) fail_at(src, "$.inputs.overrides", "kd cases take no labels");
+    }
+  }
+  if (c.loss.ignore_index >= 0 && c.loss.ignore_index < v) {
+    fail_at(src, "$.loss.ignore_index", "must lie outside [0, vocab) so it cannot collide with a real label");
+  }
+  if (c.loss.upstream_weights.kind == UpstreamWeights::Kind::explicit_list &&
+      static_cast<std::int64_t>(c.loss.upstream_weights.values.size()) != n) {
+    fail_at(src, "$.loss.upstream_weights",
+            "has " + std::to_string(c.loss.upstream_weights.values.size()) + " entries, expected one per token (" +
+                std::to_string(n) + ")");
+  }
+  std::vector<char> seen(static_cast<std::size_t>(std::min<std::int64_t>(n, 1 << 24)), 0);
+  for (std::size_t i = 0; i < c.inputs.overrides.size(); ++i) {
+    const RowOverride& row = c.inputs.overrides[i];
+    const std::string path = "$.inputs.overrides[" + std::to_string(i) + "]";
+    if (row.token < 0 || row.token >= n) {
+      fail_at(src, path + ".token", "token " + std::to_string(row.token) + " outside [0, " + std::to_string(n) + ")");
+    }
+    if (row.token < static_cast<std::int64_t>(seen.size())) {
+      if (seen[static_cast<std::size_t>(row.token)]) {
+        fail_at(src, path + ".token", "token " + std::to_string(row.token) + " is overridden twice");
+      }
+      seen[static_cast<std::size_t>(row.token)] = 1;
+    }
+    if (!row.logits.empty() && static_cast<std::int64_t>(row.logits.size()) != v) {
+      fail_at(src, path + ".logits",
+              "row has " + std::to_string(row.logits.size()) + " logits, expected vocab = " + std::to_string(v));
+    }
+    for (std::size_t k = 0; k < row.logits.size(); ++k) {
+      if (std::fabs(row.logits[k]) > dtype_max(c.inputs.dtype)) {
+        fail_at(src, path + ".logits[" + std::to_string(k) + "]",
+                json(row.logits[k]).dump() + " overflows " + std::string(to_string(c.inputs.dtype)));
+      }
+    }
+    if (row.label && *row.label != c.loss.ignore_index && (*row.label < 0 || *row.label >= v)) {
+      fail_at(src, path + ".label",
+              "label " + std::to_string(*row.label) + " outside [0, " + std::to_string(v) +
+                  ") and not the ignore_index " + std::to_string(c.loss.ignore_index));
+    }
+  }
+  const double generated_bound = std::fabs(c.inputs.mean) + 9.0 * c.inputs.scale;
+  if (generated_bound > dtype_max(c.inputs.dtype)) {
+    fail_at(src, "$.inputs.scale", "generated logits would overflow " + std::string(to_string(c.inputs.dtype)));
+  }
+}
+
+}  // namespace
+
+void check_case(const Case& c) {
+  std::int64_t total = 0;
+  for (const auto length : c.batch.sequence_lengths) total += length;
+  if (c.shape.tokens < 1 || c.shape.vocab < 2 || total != c.shape.tokens) {
+    fail_at(c.source, "$.shape",
+            "tokens = " + std::to_string(c.shape.tokens) + " and vocab = " + std::to_string(c.shape.vocab) +
+                " with sequences holding " + std::to_string(total) +
+                " tokens: the case was changed after parsing (change its JSON, or load_case_file's --set "
+                "assignments, instead)");
+  }
+  if (c.layout.tp < 1 || c.layout.cp < 1 || c.layout.dp < 1 || c.layout.ga < 1) {
+    fail_at(c.source, "$.layout", "every dimension must be >= 1");
+  }
+  validate_consistency(c);
+}
+
+Case parse_case(const json& document, const std::string& source) {
+  Case c;
+  c.source = source;
+  ObjectReader root(document, "$", source);
+  c.name = root.string("name");
+  if (c.name.empty()) root.fail("name", "must not be empty");
+  c.description = root.string("description", "");
+  root.string("format", "lossverify.case/1");
+  if (root.has("format") && root.string("format") != "lossverify.case/1") {
+    root.fail("format", "unsupported format \"" + root.string("format") + "\" (this version reads lossverify.case/1)");
+  }
+  const bool has_batch = root.has("batch");
+  const bool tokens_given = root.has("shape") && root.raw("shape").is_object() && root.raw("shape").contains("tokens");
+  parse_shape(root.object("shape"), c, has_batch);
+  if (root.has("loss")) {
+    parse_loss(root.object("loss"), c);
+  } else {
+    root.allow("loss");
+  }
+  if (root.has("inputs")) {
+    parse_inputs(root.object("inputs"), c);
+  } else {
+    root.allow("inputs");
+  }
+  if (has_batch) {
+    parse_batch(root.object("batch"), c);
+    std::int64_t total = 0;
+    for (auto l : c.batch.sequence_lengths) total += l;
+    if (tokens_given && total != c.shape.tokens) {
+      root.fail("shape", "tokens = " + std::to_string(c.shape.tokens) + " but the sequences hold " +
+                             std::to_string(total) + " tokens");
+    }
+    if (total > (std::int64_t{1} << 40)) root.fail("batch", "too many tokens");
+    c.shape.tokens = total;
+  } else {
+    root.allow("batch");
+    c.batch.sequence_lengths = {c.shape.tokens};
+    c.batch.labels = BatchSpec::Labels::independent;
+  }
+  if (root.has("layout")) {
+    parse_layout(root.object("layout"), c);
+  } else {
+    root.allow("layout");
+  }
+  if (root.has("framework")) {
+    parse_framework(root.object("framework"), c);
+  } else {
+    root.allow("framework");
+  }
+  if (root.has("sweep")) {
+    parse_sweep(root.object("sweep"), c);
+  } else {
+    root.allow("sweep");
+  }
+  if (root.has("tolerances")) {
+    parse_tolerances(root.object("tolerances"), c);
+  } else {
+    root.allow("tolerances");
+  }
+  c.timeout_seconds = root.number("timeout_seconds", 120.0);
+  if (!(c.timeout_seconds > 0.0)) root.fail("timeout_seconds", "must be > 0");
+  root.reject_unknown_keys();
+  validate_consistency(c);
+  return c;
+}
+
+void apply_set_override(json& document, const std::string& assignment, const std::string& source) {
+  const auto eq = assignment.find('=');
+  if (eq == std::string::npos || eq == 0) {
+    throw CaseError("--set " + assignment + ": expected key=value, e.g. --set loss.label_smoothing=0.1");
+  }
+  const std::string key = assignment.substr(0, eq);
+  const std::string text = assignment.substr(eq + 1);
+  json value;
+  try {
+    value = json::parse(text);
+  } catch (const json::parse_error&) {
+    value = text;  // bare words such as bf16 or megatron are strings
+  }
+  json* node = &document;
+  std::string path = "$";
+  std::size_t start = 0;
+  while (true) {
+    const auto dot = key.find('.', start);
+    const std::string part = key.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
+    if (part.empty()) throw CaseError("--set " + assignment + ": empty key component");
+    if (!node->is_object()) {
+      throw CaseError(source + ": --set " + assignment + ": " + path + " is not an object");
+    }
+    path += "." + part;
+    if (dot == std::string::npos) {
+      (*node)[part] = value;
+      return;
+    }
+    node = &(*node)[part];
+    if (node->is_null()) *node = json::object();
+    start = dot + 1;
+  }
+}
+
+Case load_case_file(const std::string& path, const std::vector<std::string>& set_overrides) {
+  json document = detail::read_json_file(path, "case file");
+  for (const auto& assignment : set_overrides) apply_set_override(document, assignment, path);
+  return parse_case(document, path);
+}
+
+std::vector<LayoutSpec> sweep_layouts(const Case& c) {
+  auto values = [](const std::vector<int>& list, int own) { return list.empty() ? std::vector<int>{own} : list; };
+  std::vector<LayoutSpec> out;
+  for (int dp : values(c.sweep.dp, c.layout.dp)) {
+    for (int cp : values(c.sweep.cp, c.layout.cp)) {
+      for (int ga : values(c.sweep.ga, c.layout.ga)) {
+        for (int tp : values(c.sweep.tp, c.layout.tp)) out.push_back(LayoutSpec{tp, cp, dp, ga});
+      }
+    }
+  }
+  return out;
+}
+
+SweepSpec parse_sweep_arguments(const std::vector<std::string>& arguments) {
+  SweepSpec sweep;
+  for (const std::string& argument : arguments) {
+    const auto eq = argument.find('=');
+    const std::string key = argument.substr(0, eq);
+    std::vector<int>* target = key == "tp" ? &sweep.tp : key == "cp" ? &sweep.cp : key == "dp" ? &sweep.dp
+                             : key == "ga" ? &sweep.ga : nullptr;
+    if (eq == std::string::npos || target == nullptr) {
+      throw CaseError("--sweep " + argument + ": expected tp=..., cp=..., dp=... or ga=... with comma-separated counts");
+    }
+    std::stringstream list(argument.substr(eq + 1));
+    std::string item;
+    while (std::getline(list, item, ',')) {
+      try {
+        std::size_t used = 0;
+        const int v = std::stoi(item, &used);
+        if (used != item.size() || v < 1 || v > 4096) throw std::invalid_argument(item);
+        target->push_back(v);
+      } catch (const std::exception&) {
+        throw CaseError("--sweep " + argument + ": \"" + item + "\" is not a count in [1, 4096]");
+      }
+    }
+    if (target->empty()) throw CaseError("--sweep " + argument + ": no values");
+  }
+  return sweep;
+}
+
+json Case::resolved() const {
+  json j;
+  j["format"] = "lossverify.case/1";
+  j["name"] = name;
+  j["description"] = description;
+  j["shape"] = {{"tokens", shape.tokens}, {"vocab", shape.vocab}};
+  json l = {{"kind", std::string(to_string(loss.kind))}, {"reduction", std::string(to_string(loss.reduction))}};
+  if (loss.kind == LossKind::kd) {
+    l["temperature"] = loss.temperature;
+    l["t2_scaling"] = loss.t2_scaling;
+  } else {
+    l["label_smoothing"] = loss.label_smoothing;
+    l["smoothing_convention"] = std::string(to_string(loss.convention));
+    l["z_loss_weight"] = loss.z_loss_weight;
+    l["softcap"] = loss.softcap;
+    l["ignore_index"] = loss.ignore_index;
+  }
+  switch (loss.upstream_weights.kind) {
+    case UpstreamWeights::Kind::ones:
+      break;
+    case UpstreamWeights::Kind::explicit_list:
+      l["upstream_weights"] = loss.upstream_weights.values;
+      break;
+    case UpstreamWeights::Kind::uniform:
+      l["upstream_weights"] = {
+          {"distribution", "uniform"}, {"low", loss.upstream_weights.low}, {"high", loss.upstream_weights.high}};
+      break;
+  }
+  j["loss"] = l;
+  json in = {{"seed", inputs.seed},
+             {"dtype", std::string(to_string(inputs.dtype))},
+             {"distribution", std::string(to_string(inputs.distribution))},
+             {"mean", inputs.mean},
+             {"scale", inputs.scale},
+             {"ignore_fraction", inputs.ignore_fraction}};
+  if (!inputs.overrides.empty()) {
+    json rows = json::array();
+    for (const auto& row : inputs.overrides) {
+      json r = {{"token", row.token}};
+      if (!row.logits.empty()) r["logits"] = row.logits;
+      if (row.label) r["label"] = *row.label;
+      rows.push_back(r);
+    }
+    in["overrides"] = rows;
+  }
+  if (loss.kind == LossKind::kd) {
+    in["teacher"] = {{"mean", inputs.teacher.mean},
+                     {"scale", inputs.teacher.scale},
+                     {"same_as_student", inputs.teacher.same_as_student}};
+  }
+  j["inputs"] = in;
+  j["batch"] = {{"sequence_lengths", batch.sequence_lengths},
+                {"placement", std::string(to_string(batch.placement))},
+                {"labels", std::string(to_string(batch.labels))}};
+  j["layout"] = {{"tp", layout.tp}, {"cp", layout.cp}, {"dp", layout.dp}, {"ga", layout.ga}};
+  j["framework"] = {{"grad_reduce", std::string(to_string(framework.grad_reduce))},
+                    {"ga_reduce", std::string(to_string(framework.ga_reduce))}};
+  if (!sweep.empty()) {
+    json sw = json::object();
+    if (!sweep.tp.empty()) sw["tp"] = sweep.tp;
+    if (!sweep.cp.empty()) sw["cp"] = sweep.cp;
+    if (!sweep.dp.empty()) sw["dp"] = sweep.dp;
+    if (!sweep.ga.empty()) sw["ga"] = sweep.ga;
+    j["sweep"] = sw;
+  }
+  json tol = json::object();
+  for (std::string_view q : kToleranceQuantities) {
+    const Tolerance t = effective_tolerance(*this, q);
+    tol[std::string(q)] = {{"atol", t.atol}, {"rtol", t.rtol}, {"max_ulp", t.max_ulp}};
+  }
+  j["tolerances"] = tol;
+  j["timeout_seconds"] = timeout_seconds;
+  return j;
+}
+
+}  // namespace lossverify

@@ -1,0 +1,109 @@
+#include "lossverify/case/json_reader.hpp"
+
+#include <fstream>
+#include <sstream>
+#include "lossverify/core/strings.hpp"
+
+#include <cmath>
+
+namespace lossverify::detail {
+
+void fail_at(const std::string& source, const std::string& path, const std::string& message) {
+  throw CaseError(source + ": " + path + ": " + message);
+}
+
+std::string json_type_name(const nlohmann::json& value) {
+  if (value.is_number_integer()) return "integer";
+  if (value.is_number_float()) return "number";
+  return value.type_name();
+}
+
+std::int64_t as_integer(const nlohmann::json& value, const std::string& path, const std::string& source) {
+  if (value.is_number_unsigned()) {
+    const auto u = value.get<std::uint64_t>();
+    if (u > static_cast<std::uint64_t>(INT64_MAX)) fail_at(source, path, "integer out of range");
+    return static_cast<std::int64_t>(u);
+  }
+  if (!value.is_number_integer()) fail_at(source, path, "expected integer, got " + json_type_name(value));
+  return value.get<std::int64_t>();
+}
+
+double as_number(const nlohmann::json& value, const std::string& path, const std::string& source) {
+  if (!value.is_number()) fail_at(source, path, "expected number, got " + json_type_name(value));
+  const double v = value.get<double>();
+  if (!std::isfinite(v)) fail_at(source, path, "must be finite");
+  return v;
+}
+
+ObjectReader::ObjectReader(const nlohmann::json& object, std::string path, std::string source)
+    : object_(object), path_(std::move(path)), source_(std::move(source)) {
+  if (!object_.is_object()) fail_at(source_, path_, "expected object, got " + json_type_name(object_));
+}
+
+bool ObjectReader::has(const std::string& key) const { return object_.contains(key); }
+
+const nlohmann::json& ObjectReader::raw(const std::string& key) {
+  known_.insert(key);
+  if (!object_.contains(key)) fail(key, "required key is missing");
+  return object_.at(key);
+}
+
+std::int64_t ObjectReader::integer(const std::string& key) { return as_integer(raw(key), path_of(key), source_); }
+std::int64_t ObjectReader::integer(const std::string& key, std::int64_t fallback) {
+  known_.insert(key);
+  return has(key) ? integer(key) : fallback;
+}
+
+double ObjectReader::number(const std::string& key) { return as_number(raw(key), path_of(key), source_); }
+double ObjectReader::number(const std::string& key, double fallback) {
+  known_.insert(key);
+  return has(key) ? number(key) : fallback;
+}
+
+std::string ObjectReader::string(const std::string& key) {
+  const auto& v = raw(key);
+  if (!v.is_string()) fail(key, "expected string, got " + json_type_name(v));
+  return v.get<std::string>();
+}
+std::string ObjectReader::string(const std::string& key, const std::string& fallback) {
+  known_.insert(key);
+  return has(key) ? string(key) : fallback;
+}
+
+bool ObjectReader::boolean(const std::string& key, bool fallback) {
+  known_.insert(key);
+  if (!has(key)) return fallback;
+  const auto& v = object_.at(key);
+  if (!v.is_boolean()) fail(key, "expected boolean, got " + json_type_name(v));
+  return v.get<bool>();
+}
+
+ObjectReader ObjectReader::object(const std::string& key) { return ObjectReader(raw(key), path_of(key), source_); }
+
+void ObjectReader::reject_unknown_keys() const {
+  for (const auto& [key, value] : object_.items()) {
+    if (known_.count(key)) continue;
+    std::string known_list;
+    for (const auto& k : known_) append_to_list(known_list, k);
+    fail_at(source_, path_of(key), "unknown key (known keys here: " + known_list + ")");
+  }
+}
+
+void ObjectReader::fail(const std::string& key, const std::string& message) const {
+  fail_at(source_, path_of(key), message);
+}
+void ObjectReader::fail_here(const std::string& message) const { fail_at(source_, path_, message); }
+
+nlohmann::json read_json_file(const std::string& path, const std::string& what) {
+  std::ifstream in(path);
+  if (!in) throw CaseError(path + ": cannot open " + what);
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  try {
+    return nlohmann::json::parse(buffer.str());
+  } catch (const nlohmann::json::parse_error& e) {
+    throw CaseError(path + ": not valid JSON: " + e.what());
+  }
+}
+
+}  // namespace lossverify::detail

@@ -1,0 +1,55 @@
+#pragma once
+// Strict reading of a JSON object: typed accessors that name the JSON path on error, and a final
+// check that rejects keys nobody asked for (a misspelt key must not silently become a default).
+#include <cstdint>
+#include <set>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "lossverify/core/errors.hpp"
+
+namespace lossverify::detail {
+
+class ObjectReader {
+ public:
+  ObjectReader(const nlohmann::json& object, std::string path, std::string source);
+
+  bool has(const std::string& key) const;
+  void allow(const std::string& key) { known_.insert(key); }  // an optional key that is absent
+  const nlohmann::json& raw(const std::string& key);  // marks the key as known; must exist
+  std::string path_of(const std::string& key) const { return path_ + "." + key; }
+  const std::string& path() const { return path_; }
+  const std::string& source() const { return source_; }
+
+  std::int64_t integer(const std::string& key);
+  std::int64_t integer(const std::string& key, std::int64_t fallback);
+  double number(const std::string& key);
+  double number(const std::string& key, double fallback);
+  std::string string(const std::string& key);
+  std::string string(const std::string& key, const std::string& fallback);
+  bool boolean(const std::string& key, bool fallback);
+  ObjectReader object(const std::string& key);
+
+  // Throws for every key present in the object but never read.
+  void reject_unknown_keys() const;
+
+  [[noreturn]] void fail(const std::string& key, const std::string& message) const;
+  [[noreturn]] void fail_here(const std::string& message) const;
+
+ private:
+  const nlohmann::json& object_;
+  std::string path_;
+  std::string source_;
+  std::set<std::string> known_;
+};
+
+std::string json_type_name(const nlohmann::json& value);
+std::int64_t as_integer(const nlohmann::json& value, const std::string& path, const std::string& source);
+double as_number(const nlohmann::json& value, const std::string& path, const std::string& source);
+[[noreturn]] void fail_at(const std::string& source, const std::string& path, const std::string& message);
+
+// Reads and parses a JSON file; CaseError "<path>: cannot open <what>" or "<path>: not valid JSON: ...".
+nlohmann::json read_json_file(const std::string& path, const std::string& what);
+
+}  // namespace lossverify::detail

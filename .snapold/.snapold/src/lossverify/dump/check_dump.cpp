@@ -1,0 +1,603 @@
+#include "lossverify/dump/check_dump.hpp"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <iomanip>
+#include <limits>
+#include <map>
+#include <ostream>
+#include <sstream>
+#include <thread>
+
+#include "lossverify/checks/checks.hpp"
+#include "lossverify/comm/thread_world.hpp"
+#include "lossverify/impl/cpu/sharded_loss.hpp"
+#include "lossverify/layout/rank_layout.hpp"
+#include "lossverify/reference/loss_reference.hpp"
+#include "lossverify/report/report.hpp"
+
+namespace lossverify::dump {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using nlohmann::json;
+
+TensorDType tensor_dtype_of(DType d) {
+  switch (d) {
+    case DType::bf16:
+      return TensorDType::bf16;
+    case DType::fp16:
+      return TensorDType::f16;
+    case DType::fp32:
+    default:
+      return TensorDType::f32;
+  }
+}
+
+// One tensor of the dump, opened and located.
+struct Located {
+  const TensorFile* file = nullptr;
+  const TensorInfo* info = nullptr;
+  std::string label;  // file: tensor "name" ($.path)
+  [[noreturn]] void fail(const std::string& message) const { throw DumpError(label + ": " + message); }
+};
+
+class Loader {
+ public:
+  explicit Loader(DumpProblem& p) : p_(p), m_(p.manifest), c_(p.manifest.the_case) {}
+
+  void run() {
+    const auto start = Clock::now();
+    const std::int64_t n = c_.shape.tokens;
+    const std::int64_t v = c_.shape.vocab;
+    kd_ = c_.loss.kind == LossKind::kd;
+    if (m_.cu_seqlens) {
+      const Located t = locate(*m_.cu_seqlens);
+      if (t.info->shape.size() != 1) t.fail("cu_seqlens must be one-dimensional, got shape " + t.info->shape_string());
+      const std::vector<std::int64_t> offsets = integers(t);
+      c_.batch.sequence_lengths = sequence_lengths_from_cu_seqlens(offsets, n, t.label);
+    }
+    // Every header and shape first: the global arrays below are then no larger than the files' data.
+    for (const RankSpec& rank : m_.ranks) validate_shapes(rank);
+    const std::size_t element = dtype_size(c_.inputs.dtype);
+    const std::size_t row_bytes = static_cast<std::size_t>(v) * element;
+    data_.student.assign(static_cast<std::size_t>(n) * row_bytes, std::byte{0});
+    if (kd_) data_.teacher.assign(data_.student.size(), std::byte{0});
+    if (!kd_) data_.labels.assign(static_cast<std::size_t>(n), c_.loss.ignore_index);
+    data_.loss_mask.assign(static_cast<std::size_t>(n), 1);
+    label_owner_.assign(static_cast<std::size_t>(n), Owner{});
+    mask_owner_.assign(static_cast<std::size_t>(n), Owner{});
+    upstream_owner_.assign(static_cast<std::size_t>(n), Owner{});
+    if (m_.dumped.grad_output) upstream_.assign(static_cast<std::size_t>(n), 1.0);
+
+    p_.outputs.resize(m_.ranks.size());
+    for (const RankSpec& rank : m_.ranks) load_rank(rank, p_.outputs[static_cast<std::size_t>(rank.world_rank)]);
+
+    if (m_.dumped.grad_output) {
+      c_.loss.upstream_weights.kind = UpstreamWeights::Kind::explicit_list;
+      c_.loss.upstream_weights.values = upstream_;
+    }
+    p_.inputs = std::make_unique<InputSource>(c_, std::move(data_));
+    fill_not_dumped();
+    p_.load_seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  }
+
+ private:
+  struct Owner {
+    int rank = -1;
+    std::int64_t row = -1;
+    std::size_t label = 0;  // index into labels_
+  };
+
+  Located locate(const TensorRef& ref) {
+    auto it = files_.find(ref.file);
+    if (it == files_.end()) {
+      try {
+        it = files_.emplace(ref.file, std::make_unique<TensorFile>(TensorFile::open(ref.file))).first;
+      } catch (const DumpError& e) {
+        throw DumpError(std::string(e.what()) + " (named by " + m_.path + " at " + ref.json_path + ")");
+      }
+      p_.files.push_back(ref.file);
+    }
+    Located l;
+    l.file = it->second.get();
+    l.label = tensor_label(ref.file, ref.name) + " (" + ref.json_path + ")";
+    try {
+      l.info = &l.file->tensor(ref.name);
+    } catch (const DumpError& e) {
+      throw DumpError(std::string(e.what()) + " (named by " + m_.path + " at " + ref.json_path + ")");
+    }
+    return l;
+  }
+
+  std::vector<std::byte> bytes(const Located& t) {
+    p_.bytes_read += t.info->bytes;
+    return t.file->read(*t.info);
+  }
+  std::vector<double> doubles(const Located& t) { return to_doubles(*t.info, bytes(t), t.label); }
+  std::vector<std::int64_t> integers(const Located& t) { return to_integers(*t.info, bytes(t), t.label); }
+
+  // [.., cols] with the leading dimensions flattening to `rows`, in the dump's dtype.
+  void expect_matrix(const Located& t, std::int64_t rows, std::int64_t cols) {
+    const TensorDType want = tensor_dtype_of(c_.inputs.dtype);
+    if (t.info->dtype != want) {
+      t.fail("dtype " + std::string(to_string(t.info->dtype)) + ", but the manifest's dtype is " +
+             std::string(to_string(c_.inputs.dtype)) + " (" + std::string(to_string(want)) +
+             "): logits, teacher logits and their gradients must all be in it");
+    }
+    const auto& s = t.info->shape;
+    std::int64_t leading = 1;
+    bool overflow = false;
+    for (std::size_t i = 0; i + 1 < s.size(); ++i) overflow = overflow || __builtin_mul_overflow(leading, s[i], &leading);
+    if (s.size() < 2 || s.back() != cols || overflow || leading != rows) {
+      t.fail("shape " + t.info->shape_string() + ", but the rank holds " + std::to_string(rows) + " rows x " +
+             std::to_string(cols) + " vocabulary columns (expected [" + std::to_string(rows) + ", " +
+             std::to_string(cols) + "], or leading dimensions that flatten to " + std::to_string(rows) + ")");
+    }
+  }
+  void expect_rows(const Located& t, std::int64_t rows) {
+    if (t.info->numel() != rows) {
+      t.fail("shape " + t.info->shape_string() + " holds " + std::to_string(t.info->numel()) +
+             " elements, but the rank holds " + std::to_string(rows) + " rows (one element per row)");
+    }
+  }
+
+  // Per-token values held by several TP ranks must agree.
+  template <class T>
+  void agree(std::vector<Owner>& owners, std::vector<T>& values, std::int64_t token, T value, const RankSpec& rank,
+             std::int64_t row, const std::string& label, const char* what) {
+    Owner& o = owners[static_cast<std::size_t>(token)];
+    const auto t = static_cast<std::size_t>(token);
+    if (o.rank < 0) {
+      if (labels_.empty() || labels_.back() != label) labels_.push_back(label);
+      o = Owner{rank.world_rank, row, labels_.size() - 1};
+      values[t] = value;
+      return;
+    }
+    if (values[t] == value) return;
+    std::ostringstream a, b;
+    a << static_cast<double>(values[t]);
+    b << static_cast<double>(value);
+    throw DumpError(std::string(what) + " of token " + std::to_string(token) + " disagree between ranks " +
+                    std::to_string(o.rank) + " and " + std::to_string(rank.world_rank) + " of one TP group: " + a.str() +
+                     " at row " + std::to_string(o.row) + " of " + labels_[o.label] + ", " + b.str() + " at row " +
+                    std::to_string(row) + " of " + label);
+  }
+
+  void validate_shapes(const RankSpec& rank) {
+    for (const MicroBatchSpec& mb : rank.micro_batches) {
+      const auto rows = static_cast<std::int64_t>(mb.rows.size());
+      for (const auto& [key, ref] : mb.tensors) {
+        const Located t = locate(ref);
+        if (key == "logits" || key == "grad_logits" || key == "teacher_logits") {
+          expect_matrix(t, rows, rank.vocab.size());
+        } else {
+          expect_rows(t, rows);
+        }
+      }
+    }
+  }
+
+  void load_rank(const RankSpec& rank, RankOutput& out) {
+    const std::int64_t v = c_.shape.vocab;
+    const std::int64_t cols = rank.vocab.size();
+    const std::size_t element = dtype_size(c_.inputs.dtype);
+    out.assignment.world_rank = rank.world_rank;
+    out.assignment.coordinates = rank.coordinates;
+    out.assignment.vocab = rank.vocab;
+    out.dtype = c_.inputs.dtype;
+    const std::int64_t total_rows = rank.row_count();
+    out.grad.reserve(static_cast<std::size_t>(total_rows * cols) * element);
+    out.token_loss.reserve(static_cast<std::size_t>(total_rows));
+    const GlobalBatch batch(c_.batch);
+    for (std::size_t k = 0; k < rank.micro_batches.size(); ++k) {
+      const MicroBatchSpec& mb = rank.micro_batches[k];
+      const auto rows = static_cast<std::int64_t>(mb.rows.size());
+      out.assignment.micro_batch_begin.push_back(static_cast<std::int64_t>(out.assignment.rows.size()));
+      for (std::size_t i = 0; i < mb.rows.size(); ++i) {
+        const std::int64_t t = mb.rows[i];
+        LocalRow row;
+        row.token = t;
+        if (t >= 0) {
+          row.sequence = batch.sequence_of(t);
+          row.position = t - batch.sequences()[static_cast<std::size_t>(row.sequence)].begin;
+        } else {
+          // A padding row: located by its rank-local row in the report (see dump_run_to_json).
+          row.sequence = 0;
+          row.position = static_cast<std::int64_t>(out.assignment.rows.size());
+        }
+        out.assignment.rows.push_back(row);
+      }
+      // logits and teacher logits -> the global rows
+      for (const char* key : {"logits", "teacher_logits"}) {
+        if (!mb.tensors.count(key)) continue;
+        const Located t = locate(mb.tensors.at(key));
+        expect_matrix(t, rows, cols);
+        const std::vector<std::byte> data = bytes(t);
+        std::vector<std::byte>& global = std::string(key) == "logits" ? data_.student : data_.teacher;
+        dispatch_dtype(c_.inputs.dtype, [&](auto type) {
+          using S = typename decltype(type)::type;
+          const S* values = reinterpret_cast<const S*>(data.data());
+          for (std::int64_t i = 0; i < rows; ++i) {
+            for (std::int64_t j = 0; j < cols; ++j) {
+              const float x = static_cast<float>(values[i * cols + j]);
+              if (!std::isfinite(x)) {
+                t.fail("non-finite value " + std::string(std::isnan(x) ? "NaN" : "Inf") + " at row " + std::to_string(i) +
+                       ", column " + std::to_string(rank.vocab.begin + j) +
+                       ": the reference needs finite inputs (a NaN in the forward input is not the loss's fault)");
+              }
+            }
+          }
+        });
+        for (std::int64_t i = 0; i < rows; ++i) {
+          const std::int64_t token = mb.rows[static_cast<std::size_t>(i)];
+          if (token < 0) continue;
+          std::memcpy(global.data() + static_cast<std::size_t>(token * v + rank.vocab.begin) * element,
+                      data.data() + static_cast<std::size_t>(i * cols) * element, static_cast<std::size_t>(cols) * element);
+        }
+      }
+      // gradient: the rank's own, as dumped
+      {
+        const Located t = locate(mb.tensors.at("grad_logits"));
+        expect_matrix(t, rows, cols);
+        const std::vector<std::byte> data = bytes(t);
+        out.grad.insert(out.grad.end(), data.begin(), data.end());
+      }
+      if (mb.tensors.count("labels")) {
+        const Located t = locate(mb.tensors.at("labels"));
+        expect_rows(t, rows);
+        const std::vector<std::int64_t> labels = integers(t);
+        for (std::int64_t i = 0; i < rows; ++i) {
+          const std::int64_t token = mb.rows[static_cast<std::size_t>(i)];
+          if (token < 0) continue;
+          const std::int64_t l = labels[static_cast<std::size_t>(i)];
+          if (l != c_.loss.ignore_index && (l < 0 || l >= v)) {
+            t.fail("label " + std::to_string(l) + " at row " + std::to_string(i) + " (token " + std::to_string(token) +
+                   ") is outside [0, " + std::to_string(v) + ") and not the ignore_index " +
+                   std::to_string(c_.loss.ignore_index));
+          }
+          agree(label_owner_, data_.labels, token, l, rank, i, t.label, "labels");
+        }
+      }
+      if (mb.tensors.count("loss_mask")) {
+        const Located t = locate(mb.tensors.at("loss_mask"));
+        expect_rows(t, rows);
+        const std::vector<double> mask = doubles(t);
+        for (std::int64_t i = 0; i < rows; ++i) {
+          const std::int64_t token = mb.rows[static_cast<std::size_t>(i)];
+          if (token < 0) continue;
+          const double value = mask[static_cast<std::size_t>(i)];
+          if (value != 0.0 && value != 1.0) {
+            std::ostringstream s;
+            s << value;
+            t.fail("loss mask value " + s.str() + " at row " + std::to_string(i) + " is not 0 or 1");
+          }
+          agree(mask_owner_, data_.loss_mask, token, static_cast<char>(value), rank, i, t.label, "loss masks");
+        }
+      }
+      if (mb.tensors.count("grad_output")) {
+        const Located t = locate(mb.tensors.at("grad_output"));
+        expect_rows(t, rows);
+        const std::vector<double> g = doubles(t);
+        for (std::int64_t i = 0; i < rows; ++i) {
+          const std::int64_t token = mb.rows[static_cast<std::size_t>(i)];
+          if (token < 0) continue;
+          const double value = g[static_cast<std::size_t>(i)];
+          if (!std::isfinite(value)) t.fail("non-finite upstream gradient at row " + std::to_string(i));
+          agree(upstream_owner_, upstream_, token, value, rank, i, t.label, "upstream gradients");
+        }
+      }
+      if (mb.tensors.count("token_loss")) {
+        const Located t = locate(mb.tensors.at("token_loss"));
+        expect_rows(t, rows);
+        for (double x : doubles(t)) out.token_loss.push_back(static_cast<float>(x));
+      } else {
+        out.token_loss.insert(out.token_loss.end(), static_cast<std::size_t>(rows), 0.0f);  // filled below
+      }
+    }
+    out.assignment.micro_batch_begin.push_back(static_cast<std::int64_t>(out.assignment.rows.size()));
+    if (rank.loss.kind != ScalarSpec::Kind::absent) {
+      out.has_reduced_loss = true;
+      out.reduced_loss = static_cast<float>(scalar(rank.loss, false));
+    }
+    if (rank.num_tokens.kind != ScalarSpec::Kind::absent) {
+      out.logged_valid_tokens = static_cast<std::int64_t>(scalar(rank.num_tokens, true));
+    }
+  }
+
+  double scalar(const ScalarSpec& s, bool count) {
+    if (s.kind == ScalarSpec::Kind::inline_value) return s.value;
+    const Located t = locate(s.ref);
+    if (t.info->numel() != 1) t.fail("a logged scalar must hold one element, got shape " + t.info->shape_string());
+    const double value = doubles(t).front();
+    if (count) {
+      if (std::isnan(value)) t.fail("NaN in a count: the logged token count must be a non-negative integer");
+      if (!std::isfinite(value) || value < 0.0 || value != std::floor(value) || value > 9.0e15) {
+        std::ostringstream text;
+        text << value;
+        t.fail("the logged token count " + text.str() + " is not a non-negative integer");
+      }
+    }
+    return value;
+  }
+
+  // Quantities the dump lacks get the reference's values, so that verify_rank compares nothing through
+  // them; check_dump then reports them as not dumped (never as a passing comparison).
+  void fill_not_dumped() {
+    const Dumped& d = m_.dumped;
+    const bool need_reduced = !d.loss && c_.loss.reduction != Reduction::none;
+    if (d.token_loss && !need_reduced && d.num_tokens) return;
+    const InputSource& inputs = *p_.inputs;
+    const LossReference reference(c_, inputs);
+    const std::int64_t n = c_.shape.tokens;
+    const std::int64_t v = c_.shape.vocab;
+    std::vector<double> losses(static_cast<std::size_t>(n), 0.0);
+    if (!d.token_loss || need_reduced) {
+#pragma omp parallel
+      {
+        std::vector<double> student(static_cast<std::size_t>(v));
+        std::vector<double> teacher(kd_ ? static_cast<std::size_t>(v) : 0);
+        std::vector<double> grad(static_cast<std::size_t>(v));
+#pragma omp for schedule(dynamic, 8)
+        for (std::int64_t t = 0; t < n; ++t) {
+          inputs.logits(t, 0, v, student.data());
+          if (kd_) inputs.teacher_logits(t, 0, v, teacher.data());
+          losses[static_cast<std::size_t>(t)] = reference.evaluate(t, student, teacher, grad).loss;
+        }
+      }
+    }
+    const float reduced =
+        c_.loss.reduction == Reduction::none ? 0.0f : static_cast<float>(reference.reduced_loss(losses));
+    for (RankOutput& out : p_.outputs) {
+      if (!d.token_loss) {
+        for (std::int64_t i = 0; i < out.rows(); ++i) {
+          const std::int64_t t = out.token_of(i);
+          out.token_loss[static_cast<std::size_t>(i)] = t >= 0 ? static_cast<float>(losses[static_cast<std::size_t>(t)]) : 0.0f;
+        }
+      }
+      if (!d.loss) out.reduced_loss = reduced;
+      if (!d.num_tokens) out.logged_valid_tokens = reference.valid_tokens();
+    }
+  }
+
+  DumpProblem& p_;
+  Manifest& m_;
+  Case& c_;
+  bool kd_ = false;
+  ExplicitInputs data_;
+  std::vector<double> upstream_;
+  std::vector<Owner> label_owner_, mask_owner_, upstream_owner_;
+  std::vector<std::string> labels_;
+  std::map<std::string, std::unique_ptr<TensorFile>> files_;
+};
+
+// The reduced-loss record of the loss check (token, column and padding all absent).
+bool is_reduced_record(const ElementRecord& r) { return r.token < 0 && r.column < 0 && r.padding_sequence < 0; }
+
+// Replaces the comparisons made through filled-in values by "not dumped".
+void mark_not_dumped(std::vector<CheckResult>& checks, const Dumped& d, Reduction reduction) {
+  const bool logged_loss_missing = !d.loss && reduction != Reduction::none;  // "none" logs no reduced loss
+  for (CheckResult& r : checks) {
+    if (r.name == "loss" && (!d.token_loss || logged_loss_missing)) {
+      const bool keep_tokens = d.token_loss;
+      const json kept = keep_tokens ? r.metrics["per_token"] : r.metrics.value("reduced", json::object());
+      r.metrics[keep_tokens ? "reduced" : "per_token"] = {{"dumped", false}};
+      r.margin = kept.value("margin", 0.0);
+      r.metrics["margin"] = r.margin;
+      const std::int64_t compared = kept.value("compared", std::int64_t{0});
+      const std::int64_t mismatches = kept.value("mismatches", std::int64_t{0});
+      r.verdict = compared == 0 ? Verdict::not_applicable : mismatches > 0 ? Verdict::fail : Verdict::pass;
+      if (r.worst && is_reduced_record(*r.worst) == keep_tokens) r.worst.reset();  // a filled-in element
+      r.summary = keep_tokens ? "per-token losses vs the float64 reference (no logged loss in the dump)"
+                              : "logged loss vs the float64 reference (no per-token losses in the dump)";
+    } else if ((r.name == "rank_agreement" && !d.token_loss) || (r.name == "stats" && !d.num_tokens)) {
+      r.verdict = Verdict::not_applicable;
+      r.margin = 0.0;
+      r.worst.reset();
+      const json expected = r.metrics.value("expected_valid_tokens", json());
+      r.metrics = {{"dumped", false}};
+      if (!expected.is_null()) r.metrics["expected_valid_tokens"] = expected;
+      r.summary = r.name == "stats" ? "no logged token count in the dump" : "no per-token losses in the dump";
+    }
+  }
+}
+
+std::string check_tensor_key(const std::string& check, const ElementRecord& w) {
+  if (check == "grad" || check == "row_sum" || (check == "finite" && w.column >= 0)) return "grad_logits";
+  if (check == "loss" || check == "rank_agreement" || check == "finite") return "token_loss";
+  return "";
+}
+
+// Where the dump holds the element of a worst record: rank, micro-batch, row (of that micro-batch's
+// tensors) and the tensor itself.
+struct DumpPlace {
+  int rank = -1;
+  int micro_batch = -1;
+  std::int64_t row = -1;
+  const RankSpec* spec = nullptr;
+};
+
+DumpPlace place_of(const DumpProblem& p, const ElementRecord& w) {
+  DumpPlace place;
+  if (w.rank < 0 || w.rank >= static_cast<int>(p.outputs.size())) return place;
+  const RankOutput& out = p.outputs[static_cast<std::size_t>(w.rank)];
+  std::int64_t local = -1;
+  if (w.token >= 0) {
+    for (std::int64_t i = 0; i < out.rows(); ++i) {
+      if (out.token_of(i) == w.token) {
+        local = i;
+        break;
+      }
+    }
+  } else if (w.padding_sequence >= 0) {
+    local = w.padding_position;  // padding rows carry their rank-local row here
+  }
+  if (local < 0 || local >= out.rows()) return place;
+  const auto& begin = out.assignment.micro_batch_begin;
+  int k = 0;
+  while (k + 1 < static_cast<int>(begin.size()) - 1 && begin[static_cast<std::size_t>(k + 1)] <= local) ++k;
+  place.rank = w.rank;
+  place.micro_batch = k;
+  place.row = local - begin[static_cast<std::size_t>(k)];
+  place.spec = &p.manifest.ranks[static_cast<std::size_t>(w.rank)];
+  return place;
+}
+
+std::string ref_text(const TensorRef& ref) { return ref.name.empty() ? ref.file : ref.file + ":" + ref.name; }
+
+}  // namespace
+
+std::unique_ptr<DumpProblem> load_dump(Manifest manifest) {
+  auto problem = std::make_unique<DumpProblem>();
+  problem->manifest = std::move(manifest);
+  problem->implementation.name = problem->manifest.implementation;
+  problem->implementation.summary = "the implementation that wrote the dump";
+  problem->implementation.source = problem->manifest.path;
+  problem->implementation.signal = "";
+  Loader(*problem).run();
+  return problem;
+}
+
+std::unique_ptr<DumpProblem> load_dump(const std::string& manifest_path) { return load_dump(load_manifest(manifest_path)); }
+
+RunResult check_dump(const DumpProblem& p, const DumpCheckOptions& options) {
+  const auto start = Clock::now();
+  const Case& c = p.manifest.the_case;
+  const int world_size = c.layout.world_size();
+  const int hardware = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  const int threads = std::max(1, (options.threads > 0 ? options.threads : hardware) / world_size);
+  std::vector<CheckResult> checks;
+  ErrorMap error_map;
+  double verify_seconds = 0.0;
+  ThreadWorldOptions world_options;
+  world_options.ranks = world_size;
+  world_options.timeout_seconds = c.timeout_seconds;
+  run_thread_ranks(world_options, [&](Communicator& world) {
+    const auto rank_start = Clock::now();
+    const int rank = world.rank();
+    // The rank groups of run_case: TP group = same (cp, dp), ordered by tp; batch = same tp; dp = same (tp, cp).
+    const RankCoordinates at = coordinates_of(rank, c.layout);
+    const auto tp = world.split(at.dp * c.layout.cp + at.cp, at.tp);
+    const auto batch = world.split(at.tp, rank);
+    const auto dp = world.split(at.cp * c.layout.tp + at.tp, at.dp);
+    RankGroups groups{*tp, *batch, *dp};
+    ErrorMap map;
+    std::vector<CheckResult> results =
+        verify_rank(c, *p.inputs, p.outputs[static_cast<std::size_t>(rank)], groups, world, threads, nullptr, &map);
+    double seconds[1] = {std::chrono::duration<double>(Clock::now() - rank_start).count()};
+    world.allreduce_max(std::span<double>(seconds, 1));
+    if (rank == 0) {
+      checks = std::move(results);
+      error_map = std::move(map);
+      verify_seconds = seconds[0];
+    }
+  });
+  mark_not_dumped(checks, p.manifest.dumped, c.loss.reduction);
+  RunResult result;
+  result.the_case = c;
+  result.implementation = &p.implementation;
+  result.ranks = world_size;
+  result.checks = std::move(checks);
+  result.error_map = std::move(error_map);
+  result.verdict = Verdict::pass;
+  for (const CheckResult& check : result.checks) {
+    if (check.verdict == Verdict::fail) result.verdict = Verdict::fail;
+  }
+  result.timings.generate_max = p.load_seconds;
+  result.timings.reference_and_checks = verify_seconds;
+  result.timings.ranks_wall = verify_seconds;
+  result.timings.total = p.load_seconds + std::chrono::duration<double>(Clock::now() - start).count();
+  return result;
+}
+
+json dump_run_to_json(const DumpProblem& p, const RunResult& run) {
+  json j = run_to_json(run);
+  const Manifest& m = p.manifest;
+  for (std::size_t i = 0; i < run.checks.size() && i < j["checks"].size(); ++i) {
+    const CheckResult& check = run.checks[i];
+    json& worst = j["checks"][i]["worst"];
+    if (!check.worst || worst.is_null()) continue;
+    const DumpPlace place = place_of(p, *check.worst);
+    // The layout model's placement (dp, micro-batch, CP rank, chunk) does not apply to a dump: the dump's own.
+    for (const char* key : {"dp_rank", "micro_batch", "cp_rank", "chunk"}) worst.erase(key);
+    if (place.spec == nullptr) continue;
+    worst["dp_rank"] = place.spec->coordinates.dp;
+    worst["cp_rank"] = place.spec->coordinates.cp;
+    worst["micro_batch"] = place.micro_batch;
+    worst["row"] = place.row;
+    if (check.worst->token < 0) {
+      worst["sequence"] = nullptr;
+      worst["position"] = nullptr;
+    }
+    const std::string key = check_tensor_key(check.name, *check.worst);
+    const auto& tensors = place.spec->micro_batches[static_cast<std::size_t>(place.micro_batch)].tensors;
+    if (!key.empty() && tensors.count(key)) worst["tensor"] = ref_text(tensors.at(key));
+  }
+  json ranks = json::array();
+  for (const RankSpec& r : m.ranks) {
+    ranks.push_back({{"rank", r.world_rank},
+                     {"tp", r.coordinates.tp},
+                     {"cp", r.coordinates.cp},
+                     {"dp", r.coordinates.dp},
+                     {"vocab", {r.vocab.begin, r.vocab.end}},
+                     {"rows", r.row_count()}});
+  }
+  j["dump"] = {{"format", kManifestFormat},
+               {"manifest", m.path},
+               {"files", p.files},
+               {"bytes_read", p.bytes_read},
+               {"load_seconds", p.load_seconds},
+               {"dumped",
+                {{"token_loss", m.dumped.token_loss},
+                 {"loss", m.dumped.loss},
+                 {"num_tokens", m.dumped.num_tokens},
+                 {"loss_mask", m.dumped.loss_mask},
+                 {"grad_output", m.dumped.grad_output}}},
+               {"ranks", ranks}};
+  j["case"]["description"] = "inputs from the dump " + m.path + (m.the_case.description.empty() ? "" : ": " + m.the_case.description);
+  return j;
+}
+
+void print_dump_summary(std::ostream& out, const DumpProblem& p, const RunResult& run) {
+  const Case& c = run.the_case;
+  out << "dump " << c.name << "  [" << to_string(c.loss.kind) << ", N=" << c.shape.tokens << " V=" << c.shape.vocab
+      << ", " << to_string(c.inputs.dtype) << ", tp=" << c.layout.tp << " cp=" << c.layout.cp << " dp=" << c.layout.dp
+      << " ga=" << c.layout.ga << "]  impl " << run.implementation->name << "\n";
+  out << "  " << std::left << std::setw(16) << "check" << std::setw(16) << "verdict" << std::setw(11) << "margin"
+      << "worst (token, column, rank: expected -> got) where in the dump\n";
+  for (const CheckResult& check : run.checks) {
+    std::string worst = "-";
+    if (check.worst && check.margin > 0.0) {
+      const ElementRecord& w = *check.worst;
+      std::ostringstream s;
+      s << std::setprecision(6) << "(" << (w.token >= 0 ? std::to_string(w.token) : "-") << ", "
+        << (w.column >= 0 ? std::to_string(w.column) : "-") << ", " << w.rank << ": " << w.expected << " -> " << w.got
+        << ")";
+      const DumpPlace place = place_of(p, w);
+      if (place.spec != nullptr) {
+        s << " mb " << place.micro_batch << " row " << place.row;
+        const std::string key = check_tensor_key(check.name, w);
+        const auto& tensors = place.spec->micro_batches[static_cast<std::size_t>(place.micro_batch)].tensors;
+        if (!key.empty() && tensors.count(key)) s << " of " << ref_text(tensors.at(key));
+        if (w.token < 0) s << " (padding row)";
+      }
+      worst = s.str();
+    }
+    std::ostringstream margin;
+    margin << std::setprecision(3) << check.margin;
+    const std::string verdict = check.verdict == Verdict::fail ? "FAIL" : std::string(to_string(check.verdict));
+    const bool not_dumped = check.metrics.is_object() && check.metrics.value("dumped", true) == false;
+    out << "  " << std::left << std::setw(16) << check.name << std::setw(16) << verdict << std::setw(11)
+        << margin.str() << (not_dumped ? "not in the dump" : worst) << "\n";
+  }
+  out << "  verdict: " << (run.verdict == Verdict::fail ? "FAIL" : "pass") << "   (" << std::fixed << std::setprecision(2)
+      << run.timings.total << " s, " << p.files.size() << " files, " << p.bytes_read << " bytes)\n"
+      << std::defaultfloat;
+}
+
+}  // namespace lossverify::dump

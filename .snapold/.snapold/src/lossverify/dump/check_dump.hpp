@@ -1,0 +1,58 @@
+#pragma once
+// `lossverify check-dump`: a real implementation's dumped training step, checked like `run` checks the
+// built-in kernels. The manifest's tensors are read and validated, the global problem (logits, teacher
+// logits, labels, loss mask, upstream weights, packed sequences) is reassembled into an InputSource in
+// explicit mode, every rank's dumped gradient, per-token and logged losses and logged count become its
+// RankOutput, and the same distributed verification (verify_rank on thread ranks) and report follow.
+#include <iosfwd>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "lossverify/dump/manifest.hpp"
+#include "lossverify/dump/tensor_file.hpp"
+#include "lossverify/impl/catalogue.hpp"
+#include "lossverify/impl/rank_output.hpp"
+#include "lossverify/inputs/input_source.hpp"
+#include "lossverify/runner/run_case.hpp"
+
+namespace lossverify::dump {
+
+// The reassembled problem. Not movable: the input source refers to the manifest's case.
+struct DumpProblem {
+  Manifest manifest;
+  Implementation implementation;  // what produced the dump (name from the manifest)
+  std::unique_ptr<InputSource> inputs;
+  std::vector<RankOutput> outputs;  // world-rank order
+  std::vector<std::string> files;   // every tensor file read, in first-use order
+  std::uint64_t bytes_read = 0;
+  double load_seconds = 0.0;
+
+  DumpProblem() = default;
+  DumpProblem(const DumpProblem&) = delete;
+  DumpProblem& operator=(const DumpProblem&) = delete;
+};
+
+// Reads and validates every tensor the manifest names and reassembles the global problem. Throws
+// DumpError / CaseError (exit code 2) naming the file and tensor for anything malformed or inconsistent.
+std::unique_ptr<DumpProblem> load_dump(Manifest manifest);
+std::unique_ptr<DumpProblem> load_dump(const std::string& manifest_path);
+
+struct DumpCheckOptions {
+  int threads = 0;  // OpenMP threads in all (0: the hardware's)
+};
+
+// Verifies the dump on thread ranks (one per dumped rank). Quantities the dump does not hold (per-token
+// losses, the logged loss, the logged count) are reported as not dumped, never as passing comparisons.
+RunResult check_dump(const DumpProblem& problem, const DumpCheckOptions& options = {});
+
+// The report's run object: run_to_json plus the dump (manifest, files, what was dumped) and, for every
+// worst element, the rank, micro-batch, row and tensor of the dump that holds it.
+nlohmann::json dump_run_to_json(const DumpProblem& problem, const RunResult& run);
+
+// The human summary (like `run`'s, with dump locations).
+void print_dump_summary(std::ostream& out, const DumpProblem& problem, const RunResult& run);
+
+}  // namespace lossverify::dump

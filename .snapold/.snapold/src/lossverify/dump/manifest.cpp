@@ -1,0 +1,553 @@
+#include "lossverify/dump/manifest.hpp"
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <set>
+#include <sstream>
+
+#include "lossverify/case/json_reader.hpp"
+#include "lossverify/core/strings.hpp"
+#include "lossverify/dump/tensor_file.hpp"
+
+namespace lossverify::dump {
+
+using detail::fail_at;
+using detail::ObjectReader;
+using nlohmann::json;
+
+std::int64_t RankSpec::row_count() const {
+  std::int64_t n = 0;
+  for (const auto& mb : micro_batches) n += static_cast<std::int64_t>(mb.rows.size());
+  return n;
+}
+
+std::string RankSpec::describe() const {
+  return "rank " + std::to_string(world_rank) + " (tp=" + std::to_string(coordinates.tp) +
+         " cp=" + std::to_string(coordinates.cp) + " dp=" + std::to_string(coordinates.dp) + ", " + json_path + ")";
+}
+
+namespace {
+
+std::string index_path(const std::string& path, std::size_t i) { return path + "[" + std::to_string(i) + "]"; }
+
+std::string resolve(const std::string& directory, const std::string& file) {
+  const std::filesystem::path p(file);
+  if (p.is_absolute() || directory.empty()) return file;
+  return (std::filesystem::path(directory) / p).lexically_normal().string();
+}
+
+class Parser {
+ public:
+  Parser(const std::string& path, const ManifestLimits& limits) : limits_(limits) {
+    m_.path = path;
+    m_.directory = std::filesystem::path(path).parent_path().string();
+  }
+
+  Manifest run(const json& doc) {
+    ObjectReader root(doc, "$", m_.path);
+    const std::string format = root.string("format");
+    if (format != kManifestFormat) {
+      root.fail("format", "unsupported format \"" + format + "\" (this version reads " + kManifestFormat + ")");
+    }
+    build_case(root);
+    m_.implementation = root.string("implementation", "dump");
+    if (m_.implementation.empty()) root.fail("implementation", "must not be empty");
+    parse_cu_seqlens(root);
+    parse_ranks(root);
+    root.reject_unknown_keys();
+    validate_layout();
+    validate_tensors();
+    return std::move(m_);
+  }
+
+ private:
+  const std::string& src() const { return m_.path; }
+
+  // The case file's sections, parsed by the case parser: identical semantics and messages. The paths of
+  // loss, shape, layout, framework and tolerances are the same in the manifest as in a case file.
+  void build_case(ObjectReader& root) {
+    json c = json::object();
+    c["name"] = root.string("name", std::filesystem::path(m_.path).parent_path().filename().string());
+    if (c["name"].get<std::string>().empty()) c["name"] = "dump";
+    c["description"] = root.string("description", "");
+    const std::string dtype = root.string("dtype");
+    if (!parse_dtype(dtype)) root.fail("dtype", "expected one of fp32|bf16|fp16, got \"" + dtype + "\"");
+    c["inputs"] = {{"dtype", dtype}};
+    for (const char* key : {"shape", "loss", "layout", "framework", "tolerances"}) {
+      if (root.has(key)) {
+        c[key] = root.raw(key);
+      } else if (std::string(key) == "shape") {
+        root.raw(key);  // required: fails naming the key
+      } else {
+        root.allow(key);
+      }
+    }
+    c["timeout_seconds"] = root.number("timeout_seconds", 120.0);
+    m_.the_case = parse_case(c, m_.path);
+    const std::int64_t n = m_.the_case.shape.tokens;
+    if (n > limits_.max_rows) root.fail("shape", "tokens = " + std::to_string(n) + " is more than this reader takes");
+  }
+
+  void parse_cu_seqlens(ObjectReader& root) {
+    if (!root.has("cu_seqlens")) {
+      root.allow("cu_seqlens");
+      return;
+    }
+    const json& v = root.raw("cu_seqlens");
+    const std::string path = root.path_of("cu_seqlens");
+    if (v.is_array()) {
+      std::vector<std::int64_t> offsets;
+      for (std::size_t i = 0; i < v.size(); ++i) offsets.push_back(detail::as_integer(v[i], index_path(path, i), src()));
+      set_sequences(offsets, path);
+    } else {
+      m_.cu_seqlens = tensor_ref(v, path, "");
+    }
+  }
+
+ public:
+  // cu_seqlens: 0 = c_0 <= c_1 <= ... <= c_k = N; empty sequences are dropped.
+  static std::vector<std::int64_t> sequence_lengths(const std::vector<std::int64_t>& offsets, std::int64_t n,
+                                                    const std::string& where) {
+    if (offsets.size() < 2) throw DumpError(where + ": cu_seqlens needs at least two offsets [0, ..., N]");
+    if (offsets.front() != 0) throw DumpError(where + ": cu_seqlens must start at 0, got " + std::to_string(offsets.front()));
+    if (offsets.back() != n) {
+      throw DumpError(where + ": cu_seqlens must end at shape.tokens = " + std::to_string(n) + ", got " +
+                      std::to_string(offsets.back()));
+    }
+    std::vector<std::int64_t> lengths;
+    for (std::size_t i = 1; i < offsets.size(); ++i) {
+      if (offsets[i] < offsets[i - 1]) {
+        throw DumpError(where + ": cu_seqlens decreases at index " + std::to_string(i) + " (" +
+                        std::to_string(offsets[i - 1]) + " -> " + std::to_string(offsets[i]) + ")");
+      }
+      if (offsets[i] > offsets[i - 1]) lengths.push_back(offsets[i] - offsets[i - 1]);
+    }
+    return lengths;
+  }
+
+ private:
+  void set_sequences(const std::vector<std::int64_t>& offsets, const std::string& path) {
+    m_.the_case.batch.sequence_lengths = sequence_lengths(offsets, m_.the_case.shape.tokens, src() + ": " + path);
+  }
+
+  // {"file": ..., "name": ...} or a bare name in the rank's default file.
+  TensorRef tensor_ref(const json& v, const std::string& path, const std::string& default_file) {
+    TensorRef ref;
+    ref.json_path = path;
+    if (v.is_string()) {
+      if (default_file.empty()) {
+        fail_at(src(), path, "a bare tensor name needs the rank's \"file\"; or give {\"file\": ..., \"name\": ...}");
+      }
+      ref.file = default_file;
+      ref.name = v.get<std::string>();
+      if (ref.name.empty()) fail_at(src(), path, "tensor name must not be empty");
+      if (ref.file.size() >= 4 && ref.file.ends_with(".npy")) {
+        fail_at(src(), path, "an .npy file holds one unnamed tensor: give {\"file\": \"....npy\"}");
+      }
+      return ref;
+    }
+    ObjectReader r(v, path, src());
+    const std::string file = r.string("file");
+    if (file.empty()) r.fail("file", "must not be empty");
+    ref.file = resolve(m_.directory, file);
+    ref.name = r.string("name", "");
+    const bool npy = file.ends_with(".npy");
+    if (!npy && !file.ends_with(".safetensors")) r.fail("file", "expected a .safetensors or .npy file, got \"" + file + "\"");
+    if (npy && !ref.name.empty()) r.fail("name", "an .npy file holds one unnamed tensor: give no name");
+    if (!npy && ref.name.empty()) r.fail("name", "a safetensors file needs the tensor's name");
+    r.reject_unknown_keys();
+    return ref;
+  }
+
+  ScalarSpec scalar(ObjectReader& r, const std::string& key, const std::string& default_file, bool integer) {
+    ScalarSpec s;
+    s.json_path = r.path_of(key);
+    if (!r.has(key)) {
+      r.allow(key);
+      return s;
+    }
+    const json& v = r.raw(key);
+    if (v.is_number()) {
+      s.kind = ScalarSpec::Kind::inline_value;
+      if (integer) {
+        const std::int64_t count = detail::as_integer(v, s.json_path, src());
+        if (count < 0) fail_at(src(), s.json_path, "a count must be >= 0, got " + std::to_string(count));
+        s.value = static_cast<double>(count);
+      } else {
+        s.value = v.get<double>();
+      }
+    } else if (v.is_string() && !integer && (v == "NaN" || v == "Infinity" || v == "-Infinity")) {
+      // A logged loss may be non-finite (the finite and loss checks then fail); strict JSON cannot spell it.
+      s.kind = ScalarSpec::Kind::inline_value;
+      s.value = v == "NaN" ? std::numeric_limits<double>::quiet_NaN()
+                : v == "Infinity" ? std::numeric_limits<double>::infinity()
+                                  : -std::numeric_limits<double>::infinity();
+    } else if (v.is_string() && integer && (v == "NaN" || v == "Infinity" || v == "-Infinity")) {
+      fail_at(src(), s.json_path, "a count must be a non-negative integer, got " + v.dump());
+    } else {
+      s.kind = ScalarSpec::Kind::tensor;
+      s.ref = tensor_ref(v, s.json_path, default_file);
+    }
+    return s;
+  }
+
+  std::vector<std::int64_t> parse_rows(const json& v, const std::string& path) {
+    if (!v.is_array()) fail_at(src(), path, "expected an array of tokens, [begin, end) ranges and {\"padding\": k}");
+    std::vector<std::int64_t> rows;
+    const std::int64_t n = m_.the_case.shape.tokens;
+    auto reserve = [&](std::int64_t more, const std::string& where) {
+      if (more < 0 || total_rows_ + more > limits_.max_rows) {
+        fail_at(src(), where, "too many rows (more than " + std::to_string(limits_.max_rows) + " in the whole dump)");
+      }
+      total_rows_ += more;
+    };
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      const std::string item_path = index_path(path, i);
+      const json& item = v[i];
+      if (item.is_array()) {
+        if (item.size() != 2) fail_at(src(), item_path, "a range is [begin, end)");
+        const std::int64_t b = detail::as_integer(item[0], index_path(item_path, 0), src());
+        const std::int64_t e = detail::as_integer(item[1], index_path(item_path, 1), src());
+        if (b < 0 || e < b || e > n) {
+          fail_at(src(), item_path, "range [" + std::to_string(b) + ", " + std::to_string(e) + ") outside [0, " +
+                                        std::to_string(n) + ") or reversed");
+        }
+        reserve(e - b, item_path);
+        for (std::int64_t t = b; t < e; ++t) rows.push_back(t);
+      } else if (item.is_object()) {
+        ObjectReader p(item, item_path, src());
+        const std::int64_t k = p.integer("padding");
+        if (k < 0) p.fail("padding", "must be >= 0");
+        p.reject_unknown_keys();
+        reserve(k, item_path);
+        rows.insert(rows.end(), static_cast<std::size_t>(k), -1);
+      } else {
+        const std::int64_t t = detail::as_integer(item, item_path, src());
+        if (t < -1 || t >= n) {
+          fail_at(src(), item_path, "token " + std::to_string(t) + " outside [0, " + std::to_string(n) +
+                                        ") (-1 marks a padding row)");
+        }
+        reserve(1, item_path);
+        rows.push_back(t);
+      }
+    }
+    return rows;
+  }
+
+  MicroBatchSpec parse_micro_batch(ObjectReader& r, const std::string& default_file) {
+    MicroBatchSpec mb;
+    mb.json_path = r.path();
+    mb.rows = parse_rows(r.raw("rows"), r.path_of("rows"));
+    ObjectReader t = r.object("tensors");
+    for (const char* key : kRowTensors) {
+      if (t.has(key)) {
+        mb.tensors[key] = tensor_ref(t.raw(key), t.path_of(key), default_file);
+      } else {
+        t.allow(key);
+      }
+    }
+    t.reject_unknown_keys();
+    return mb;
+  }
+
+  void parse_ranks(ObjectReader& root) {
+    const json& list = root.raw("ranks");
+    const std::string path = root.path_of("ranks");
+    if (!list.is_array() || list.empty()) fail_at(src(), path, "expected a non-empty array of ranks");
+    const LayoutSpec& layout = m_.the_case.layout;
+    const int world = layout.world_size();
+    if (static_cast<std::int64_t>(list.size()) > world) {
+      fail_at(src(), path, std::to_string(list.size()) + " ranks, but the layout tp*cp*dp = " + std::to_string(world));
+    }
+    std::vector<int> seen(static_cast<std::size_t>(world), -1);
+    std::vector<RankSpec> ranks;
+    for (std::size_t i = 0; i < list.size(); ++i) {
+      ObjectReader r(list[i], index_path(path, i), src());
+      RankSpec rank;
+      rank.manifest_index = static_cast<int>(i);
+      rank.json_path = r.path();
+      const bool has_rank = r.has("rank");
+      const bool has_coordinates = r.has("tp") || r.has("cp") || r.has("dp");
+      if (!has_rank && !has_coordinates) r.fail_here("give the rank's \"rank\" (world rank) or its tp, cp, dp coordinates");
+      auto coordinate = [&](const char* key, int size) {
+        const std::int64_t v = r.integer(key, 0);
+        if (v < 0 || v >= size) {
+          r.fail(key, std::string(key) + " = " + std::to_string(v) + " outside [0, " + std::to_string(size) + ")");
+        }
+        return static_cast<int>(v);
+      };
+      if (has_coordinates) {
+        rank.coordinates = {coordinate("tp", layout.tp), coordinate("cp", layout.cp), coordinate("dp", layout.dp)};
+        rank.world_rank = world_rank_of(rank.coordinates, layout);
+      }
+      if (has_rank) {
+        const std::int64_t w = r.integer("rank");
+        if (w < 0 || w >= world) r.fail("rank", "rank " + std::to_string(w) + " outside [0, " + std::to_string(world) + ")");
+        if (has_coordinates && w != rank.world_rank) {
+          r.fail("rank", "rank " + std::to_string(w) + " disagrees with tp=" + std::to_string(rank.coordinates.tp) +
+                             " cp=" + std::to_string(rank.coordinates.cp) + " dp=" + std::to_string(rank.coordinates.dp) +
+                             ", which is world rank (dp*CP + cp)*TP + tp = " + std::to_string(rank.world_rank) +
+                             " (give the coordinates alone when your ranks are numbered otherwise)");
+        }
+        if (!has_coordinates) {
+          rank.world_rank = static_cast<int>(w);
+          rank.coordinates = coordinates_of(rank.world_rank, layout);
+        }
+      } else {
+        r.allow("rank");
+      }
+      int& slot = seen[static_cast<std::size_t>(rank.world_rank)];
+      if (slot >= 0) {
+        r.fail_here("duplicates " + index_path(path, static_cast<std::size_t>(slot)) + ": both are world rank " +
+                    std::to_string(rank.world_rank) + " (tp=" + std::to_string(rank.coordinates.tp) +
+                    " cp=" + std::to_string(rank.coordinates.cp) + " dp=" + std::to_string(rank.coordinates.dp) + ")");
+      }
+      slot = static_cast<int>(i);
+      // vocabulary columns
+      const json& vocab = r.raw("vocab");
+      if (!vocab.is_array() || vocab.size() != 2) r.fail("vocab", "expected [begin, end) columns of the vocabulary");
+      rank.vocab.begin = detail::as_integer(vocab[0], r.path_of("vocab") + "[0]", src());
+      rank.vocab.end = detail::as_integer(vocab[1], r.path_of("vocab") + "[1]", src());
+      if (rank.vocab.begin < 0 || rank.vocab.end <= rank.vocab.begin || rank.vocab.end > m_.the_case.shape.vocab) {
+        r.fail("vocab", "columns [" + std::to_string(rank.vocab.begin) + ", " + std::to_string(rank.vocab.end) +
+                            ") must be a non-empty range inside [0, " + std::to_string(m_.the_case.shape.vocab) + ")");
+      }
+      std::string default_file;
+      if (r.has("file")) {
+        const std::string f = r.string("file");
+        if (!f.ends_with(".safetensors")) r.fail("file", "a rank's default file must be a .safetensors file");
+        default_file = resolve(m_.directory, f);
+      } else {
+        r.allow("file");
+      }
+      const bool flat = r.has("rows") || r.has("tensors");
+      if (flat && r.has("micro_batches")) {
+        r.fail("micro_batches", "give either rows + tensors (one micro-batch) or micro_batches, not both");
+      }
+      if (r.has("micro_batches")) {
+        const json& mbs = r.raw("micro_batches");
+        const std::string mbs_path = r.path_of("micro_batches");
+        if (!mbs.is_array()) fail_at(src(), mbs_path, "expected an array of {rows, tensors}");
+        if (static_cast<std::int64_t>(mbs.size()) != layout.ga) {
+          fail_at(src(), mbs_path, std::to_string(mbs.size()) + " micro-batches, but layout.ga = " + std::to_string(layout.ga));
+        }
+        for (std::size_t k = 0; k < mbs.size(); ++k) {
+          ObjectReader mr(mbs[k], index_path(mbs_path, k), src());
+          rank.micro_batches.push_back(parse_micro_batch(mr, default_file));
+          mr.reject_unknown_keys();
+        }
+      } else {
+        r.allow("micro_batches");
+        if (layout.ga != 1) {
+          r.fail_here("layout.ga = " + std::to_string(layout.ga) + ": give the rank's \"micro_batches\", one per micro-batch");
+        }
+        rank.micro_batches.push_back(parse_micro_batch(r, default_file));
+      }
+      if (r.has("stats")) {
+        ObjectReader s = r.object("stats");
+        rank.loss = scalar(s, "loss", default_file, false);
+        rank.num_tokens = scalar(s, "num_tokens", default_file, true);
+        s.reject_unknown_keys();
+      } else {
+        r.allow("stats");
+      }
+      r.reject_unknown_keys();
+      ranks.push_back(std::move(rank));
+    }
+    // Every rank of the layout must be there.
+    std::string missing;
+    int missing_count = 0;
+    for (int w = 0; w < world; ++w) {
+      if (seen[static_cast<std::size_t>(w)] >= 0) continue;
+      if (++missing_count <= 8) {
+        const RankCoordinates c = coordinates_of(w, layout);
+        append_to_list(missing, std::to_string(w) + " (tp=" + std::to_string(c.tp) + " cp=" + std::to_string(c.cp) +
+                                    " dp=" + std::to_string(c.dp) + ")");
+      }
+    }
+    if (missing_count > 0) {
+      fail_at(src(), path, "missing rank(s) " + missing + (missing_count > 8 ? ", ..." : "") + ": the layout tp*cp*dp = " +
+                               std::to_string(world) + " needs every rank's dump");
+    }
+    std::sort(ranks.begin(), ranks.end(), [](const RankSpec& a, const RankSpec& b) { return a.world_rank < b.world_rank; });
+    m_.ranks = std::move(ranks);
+  }
+
+  // TP groups hold the same rows and tile the vocabulary; every token lies in exactly one TP group.
+  void validate_layout() {
+    const LayoutSpec& layout = m_.the_case.layout;
+    const std::int64_t n = m_.the_case.shape.tokens;
+    const std::int64_t v = m_.the_case.shape.vocab;
+    // Tokens of the TP groups: rows of every group's first rank; a group's rank that differs is an error.
+    std::int64_t group_rows = 0;
+    for (const RankSpec& r : m_.ranks) {
+      if (r.coordinates.tp == 0) group_rows += r.row_count();
+    }
+    if (group_rows < n) {
+      fail_at(src(), "$.ranks", "the TP groups hold " + std::to_string(group_rows) + " rows in all, fewer than the " +
+                                    std::to_string(n) + " tokens of shape.tokens: some tokens are held by no rank");
+    }
+    m_.token_rank.assign(static_cast<std::size_t>(n), -1);
+    m_.token_micro_batch.assign(static_cast<std::size_t>(n), -1);
+    m_.token_row.assign(static_cast<std::size_t>(n), -1);
+    for (int cp = 0; cp < layout.cp; ++cp) {
+      for (int dp = 0; dp < layout.dp; ++dp) {
+        const RankSpec& first = m_.ranks[static_cast<std::size_t>(world_rank_of({0, cp, dp}, layout))];
+        std::vector<std::pair<std::int64_t, std::int64_t>> columns;
+        for (int tp = 0; tp < layout.tp; ++tp) {
+          const RankSpec& r = m_.ranks[static_cast<std::size_t>(world_rank_of({tp, cp, dp}, layout))];
+          columns.push_back({r.vocab.begin, r.vocab.end});
+          for (std::size_t k = 0; k < r.micro_batches.size(); ++k) {
+            const auto& a = first.micro_batches[k].rows;
+            const auto& b = r.micro_batches[k].rows;
+            if (a == b) continue;
+            std::size_t i = 0;
+            while (i < a.size() && i < b.size() && a[i] == b[i]) ++i;
+            const std::string detail =
+                i < a.size() && i < b.size()
+                    ? "row " + std::to_string(i) + " is token " + std::to_string(a[i]) + " there and " +
+                          std::to_string(b[i]) + " here"
+                    : std::to_string(a.size()) + " rows there, " + std::to_string(b.size()) + " here";
+            fail_at(src(), r.micro_batches[k].json_path + ".rows",
+                    "the TP ranks of a group must hold the same rows in the same order, but " + r.describe() +
+                        " differs from " + first.describe() + ": " + detail);
+          }
+        }
+        std::sort(columns.begin(), columns.end());
+        std::int64_t next = 0;
+        for (const auto& [b, e] : columns) {
+          if (b != next) {
+            std::string shards;
+            for (int tp = 0; tp < layout.tp; ++tp) {
+              const RankSpec& r = m_.ranks[static_cast<std::size_t>(world_rank_of({tp, cp, dp}, layout))];
+              append_to_list(shards, "rank " + std::to_string(r.world_rank) + " [" + std::to_string(r.vocab.begin) +
+                                         ", " + std::to_string(r.vocab.end) + ")");
+            }
+            fail_at(src(), first.json_path + ".vocab",
+                    std::string(b < next ? "vocabulary shards overlap" : "vocabulary shards leave a gap") + " at column " +
+                        std::to_string(std::min(b, next)) + " in the TP group cp=" + std::to_string(cp) + " dp=" +
+                        std::to_string(dp) + ": " + shards);
+          }
+          next = e;
+        }
+        if (next != v) {
+          fail_at(src(), first.json_path + ".vocab",
+                  "the TP group cp=" + std::to_string(cp) + " dp=" + std::to_string(dp) + " covers columns [0, " +
+                      std::to_string(next) + ") of the vocabulary of " + std::to_string(v));
+        }
+        for (std::size_t k = 0; k < first.micro_batches.size(); ++k) {
+          const auto& rows = first.micro_batches[k].rows;
+          for (std::size_t i = 0; i < rows.size(); ++i) {
+            const std::int64_t t = rows[i];
+            if (t < 0) continue;
+            const auto ti = static_cast<std::size_t>(t);
+            if (m_.token_rank[ti] >= 0) {
+              const RankSpec& other = m_.ranks[static_cast<std::size_t>(m_.token_rank[ti])];
+              fail_at(src(), first.micro_batches[k].json_path + ".rows",
+                      "token " + std::to_string(t) + " is held twice: by " + first.describe() + " (micro-batch " +
+                          std::to_string(k) + ", row " + std::to_string(i) + ") and by " + other.describe() +
+                          " (micro-batch " + std::to_string(m_.token_micro_batch[ti]) + ", row " +
+                          std::to_string(m_.token_row[ti]) + "); each token belongs to exactly one TP group, once");
+            }
+            m_.token_rank[ti] = first.world_rank;
+            m_.token_micro_batch[ti] = static_cast<std::int32_t>(k);
+            m_.token_row[ti] = static_cast<std::int64_t>(i);
+          }
+        }
+      }
+    }
+    for (std::int64_t t = 0; t < n; ++t) {
+      if (m_.token_rank[static_cast<std::size_t>(t)] < 0) {
+        fail_at(src(), "$.ranks", "token " + std::to_string(t) + " is held by no rank (every token in [0, " +
+                                      std::to_string(n) + ") must be in some rank's rows)");
+      }
+    }
+  }
+
+  // Which tensors every micro-batch needs, and which optional ones the dump has (all ranks alike).
+  void validate_tensors() {
+    const bool kd = m_.the_case.loss.kind == LossKind::kd;
+    const bool none = m_.the_case.loss.reduction == Reduction::none;
+    bool first = true;
+    std::string first_path;
+    auto all_or_none = [&](bool& flag, bool here, const std::string& what, const std::string& path) {
+      if (first) {
+        flag = here;
+      } else if (flag != here) {
+        fail_at(src(), path, std::string(here ? "has" : "lacks") + " " + what + ", but " + first_path +
+                                 (here ? " lacks it" : " has it") + ": every rank and micro-batch must dump the same things");
+      }
+    };
+    for (const RankSpec& r : m_.ranks) {
+      for (const MicroBatchSpec& mb : r.micro_batches) {
+        const std::string tp = mb.json_path + ".tensors";
+        auto has = [&](const char* key) { return mb.tensors.count(key) > 0; };
+        for (const char* key : {"logits", "grad_logits"}) {
+          if (!has(key)) fail_at(src(), tp, std::string("\"") + key + "\" is required");
+        }
+        if (kd && !has("teacher_logits")) fail_at(src(), tp, "\"teacher_logits\" is required for kd");
+        if (!kd && has("teacher_logits")) fail_at(src(), tp + ".teacher_logits", "teacher logits apply to kd only");
+        if (!kd && !has("labels")) fail_at(src(), tp, "\"labels\" is required for cross_entropy");
+        if (kd && has("labels")) fail_at(src(), tp + ".labels", "kd takes no labels (mask tokens with loss_mask)");
+        if (!none && has("grad_output")) {
+          fail_at(src(), tp + ".grad_output", "the upstream gradient of per-token losses applies to reduction \"none\" only");
+        }
+        all_or_none(m_.dumped.token_loss, has("token_loss"), "token_loss", tp);
+        all_or_none(m_.dumped.loss_mask, has("loss_mask"), "loss_mask", tp);
+        all_or_none(m_.dumped.grad_output, has("grad_output"), "grad_output", tp);
+        if (first) first_path = tp;
+        first = false;
+      }
+    }
+    first = true;
+    for (const RankSpec& r : m_.ranks) {
+      const std::string sp = r.json_path + ".stats";
+      all_or_none(m_.dumped.loss, r.loss.kind != ScalarSpec::Kind::absent, "stats.loss", sp);
+      all_or_none(m_.dumped.num_tokens, r.num_tokens.kind != ScalarSpec::Kind::absent, "stats.num_tokens", sp);
+      if (first) first_path = sp;
+      first = false;
+    }
+    if (none && m_.dumped.loss) fail_at(src(), m_.ranks.front().loss.json_path, "reduction \"none\" logs no reduced loss");
+    if (none && !m_.dumped.token_loss) {
+      fail_at(src(), "$.ranks", "reduction \"none\": every micro-batch must dump \"token_loss\" (the per-token losses)");
+    }
+    if (!m_.dumped.token_loss && !m_.dumped.loss) {
+      fail_at(src(), "$.ranks", "the dump holds no loss: give per-token losses (tensors.token_loss) and/or the logged "
+                                "loss (stats.loss) of every rank");
+    }
+    if (m_.dumped.grad_output && m_.the_case.loss.upstream_weights.kind != UpstreamWeights::Kind::ones) {
+      fail_at(src(), "$.loss.upstream_weights", "give the upstream weights either here or as grad_output tensors, not both");
+    }
+  }
+
+  Manifest m_;
+  ManifestLimits limits_;
+  std::int64_t total_rows_ = 0;
+};
+
+}  // namespace
+
+Manifest parse_manifest(const json& document, const std::string& path, const ManifestLimits& limits) {
+  return Parser(path, limits).run(document);
+}
+
+json parse_manifest_text(const std::string& text, const std::string& path) {
+  return parse_json_without_duplicates(text, path, "manifest");
+}
+
+Manifest load_manifest(const std::string& path, const ManifestLimits& limits) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw DumpError(path + ": cannot open manifest");
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return parse_manifest(parse_manifest_text(buffer.str(), path), path, limits);
+}
+
+std::vector<std::int64_t> sequence_lengths_from_cu_seqlens(const std::vector<std::int64_t>& offsets, std::int64_t n,
+                                                           const std::string& where) {
+  return Parser::sequence_lengths(offsets, n, where);
+}
+
+}  // namespace lossverify::dump

@@ -1,0 +1,103 @@
+#pragma once
+// The dump manifest ("lossverify.dump/1"): what a training step's dump holds and where. It gives the loss
+// configuration (the case file's own `loss`, `framework` and `tolerances` sections, parsed by the same
+// code so the semantics are identical to `run`), the global shape and dtype, the layout, and per rank its
+// coordinates, vocabulary columns, the global token positions of its rows (micro-batch by micro-batch) and
+// the files and tensor names of what it dumped. Parsing is strict and pure (no file is opened): unknown
+// keys, impossible layouts, missing or duplicated ranks, overlapping vocabulary shards and tokens held
+// twice or never are errors naming the manifest and the JSON path (exit code 2).
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "lossverify/case/case.hpp"
+#include "lossverify/layout/rank_layout.hpp"
+#include "lossverify/layout/vocab_range.hpp"
+
+namespace lossverify::dump {
+
+inline constexpr const char* kManifestFormat = "lossverify.dump/1";
+
+// A tensor in a file: safetensors key, or the whole .npy file (empty name).
+struct TensorRef {
+  std::string file;       // resolved against the manifest's folder
+  std::string name;       // safetensors key; empty for .npy
+  std::string json_path;  // where the manifest names it, for messages
+};
+
+// A logged scalar: given inline in the manifest or as a one-element tensor.
+struct ScalarSpec {
+  enum class Kind { absent, inline_value, tensor } kind = Kind::absent;
+  double value = 0.0;
+  TensorRef ref;
+  std::string json_path;
+};
+
+// The per-row tensors of one micro-batch (keys of a "tensors" object).
+inline constexpr const char* kRowTensors[] = {"logits",     "grad_logits",    "labels",     "loss_mask",
+                                              "token_loss", "teacher_logits", "grad_output"};
+
+struct MicroBatchSpec {
+  std::vector<std::int64_t> rows;  // global token per local row; -1 for a padding row
+  std::map<std::string, TensorRef> tensors;
+  std::string json_path;
+};
+
+struct RankSpec {
+  int manifest_index = 0;  // position in $.ranks
+  int world_rank = 0;      // (dp * CP + cp) * TP + tp
+  RankCoordinates coordinates;
+  VocabRange vocab;
+  std::vector<MicroBatchSpec> micro_batches;  // GA of them
+  ScalarSpec loss;        // the logged (reduced) loss
+  ScalarSpec num_tokens;  // the logged valid-token count
+  std::string json_path;
+  std::int64_t row_count() const;
+  std::string describe() const;  // "rank 3 (tp=1 cp=0 dp=1, $.ranks[3])"
+};
+
+// Which optional quantities the dump holds (all ranks alike).
+struct Dumped {
+  bool token_loss = false;
+  bool loss = false;
+  bool num_tokens = false;
+  bool loss_mask = false;
+  bool grad_output = false;
+};
+
+struct Manifest {
+  std::string path;       // the manifest file
+  std::string directory;  // relative tensor paths resolve here
+  std::string implementation = "dump";
+  Case the_case;  // loss, shape, dtype, layout, framework, tolerances; batch from cu_seqlens
+  std::optional<TensorRef> cu_seqlens;  // a tensor to read; inline cu_seqlens are already in the case
+  std::vector<RankSpec> ranks;          // in world-rank order
+  Dumped dumped;
+  // Per global token: the world rank of the first TP rank of the group holding it, its micro-batch and
+  // its row inside that micro-batch's tensors.
+  std::vector<std::int32_t> token_rank;
+  std::vector<std::int32_t> token_micro_batch;
+  std::vector<std::int64_t> token_row;
+};
+
+struct ManifestLimits {
+  std::int64_t max_rows = std::int64_t{1} << 26;  // rows of all ranks together, padding included
+};
+
+// Parse and validate a manifest document. `path` names it in messages and fixes the folder that relative
+// tensor paths resolve against.
+Manifest parse_manifest(const nlohmann::json& document, const std::string& path, const ManifestLimits& limits = {});
+// Reads the file (strict JSON) and parses it.
+Manifest load_manifest(const std::string& path, const ManifestLimits& limits = {});
+// Sequence lengths from cu_seqlens offsets 0 = c_0 <= ... <= c_k = n (empty sequences dropped); DumpError
+// prefixed with `where` otherwise.
+std::vector<std::int64_t> sequence_lengths_from_cu_seqlens(const std::vector<std::int64_t>& offsets, std::int64_t n,
+                                                           const std::string& where);
+// Strict JSON text of a manifest: duplicate keys rejected too.
+nlohmann::json parse_manifest_text(const std::string& text, const std::string& path);
+
+}  // namespace lossverify::dump

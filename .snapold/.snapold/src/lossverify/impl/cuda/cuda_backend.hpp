@@ -1,0 +1,46 @@
+#pragma once
+// The CUDA backend, host side: one rank's sharded loss on a GPU. Inputs are generated on the device
+// from the same Philox streams as the CPU (bit-identical), the rank plan (labels, counts, framework
+// weights) is the CPU's, the collectives between TP ranks go through the rank's Communicator on small
+// per-row statistics, and the outputs land in a RankOutput that the same verification checks.
+// Without the CUDA toolkit at build time every entry point says so (exit code 3).
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "lossverify/case/case.hpp"
+#include "lossverify/impl/catalogue.hpp"
+#include "lossverify/impl/cpu/sharded_loss.hpp"
+#include "lossverify/impl/rank_output.hpp"
+#include "lossverify/inputs/input_source.hpp"
+
+namespace lossverify::cuda {
+
+bool built_with_cuda();
+// Throws InternalError naming why the device cannot be used (no driver, no GPU, not built with CUDA).
+void require_device(int device);
+int visible_devices();
+
+struct CudaRankOptions {
+  int device = 0;
+  // Leave the inputs and the gradient on the GPU (RankOutput::device_shard) for the GPU reference.
+  bool keep_on_device = false;
+};
+RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssignment assignment, RankGroups groups,
+                            const BugSwitches& bugs, const CudaRankOptions& options);
+
+// `lossverify bench --backend cuda`: a device-to-device copy for the bandwidth ceiling, then the fused
+// forward+backward cross-entropy (TP = 1) or the two kernels around the all-reduce (TP > 1) on fresh
+// random inputs, checked against the float64 reference on sampled rows, timed with events.
+struct BenchOptions {
+  std::int64_t tokens = 16384;
+  std::int64_t vocab = 128256;
+  DType dtype = DType::bf16;
+  int tp = 1;
+  double label_smoothing = 0.1;
+  int repeats = 20;
+  int device = 0;
+};
+nlohmann::json bench(const BenchOptions& options);
+
+}  // namespace lossverify::cuda

@@ -1,0 +1,34 @@
+// Built when the CUDA toolkit is absent: the backend exists and says why it cannot run.
+#include "lossverify/core/errors.hpp"
+#include "lossverify/impl/cuda/cuda_backend.hpp"
+#include "lossverify/impl/cuda/gpu_reference.hpp"
+
+namespace lossverify::cuda {
+
+namespace {
+[[noreturn]] void unavailable() {
+  throw InternalError("--backend cuda: this build has no CUDA (the CUDA toolkit was not found at configure time)");
+}
+}  // namespace
+
+bool built_with_cuda() { return false; }
+void require_device(int) { unavailable(); }
+int visible_devices() { return 0; }
+RankOutput run_sharded_loss(const Case&, const InputSource&, RankAssignment, RankGroups, const BugSwitches&,
+                            const CudaRankOptions&) {
+  unavailable();
+}
+nlohmann::json bench(const BenchOptions&) { unavailable(); }
+std::vector<double> gpu_reference_partials(const DeviceShard&, const Case&, const std::vector<std::int64_t>&,
+                                           const std::vector<int>&) {
+  unavailable();
+}
+std::vector<double> gpu_reference_kl(const DeviceShard&, const Case&, const std::vector<double>&,
+                                     const std::vector<double>&, const std::vector<int>&) {
+  unavailable();
+}
+std::vector<RowComparison> gpu_reference_compare(const DeviceShard&, const Case&, const GpuCompareInputs&) {
+  unavailable();
+}
+
+}  // namespace lossverify::cuda

@@ -1,0 +1,191 @@
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "lossverify/core/errors.hpp"
+#include "lossverify/impl/cuda/cuda_backend.hpp"
+#include "lossverify/impl/cuda/cuda_check.hpp"
+#include "lossverify/impl/cuda/kernels.hpp"
+#include "lossverify/reference/loss_reference.hpp"
+
+namespace lossverify::cuda {
+
+namespace {
+
+struct Buffer {
+  void* p = nullptr;
+  explicit Buffer(std::size_t bytes) { LV_CUDA(cudaMalloc(&p, bytes)); }
+  ~Buffer() { cudaFree(p); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Median time in milliseconds of `launch`, with events around each repetition after warm-ups.
+template <class F>
+double time_ms(int repeats, cudaStream_t stream, F&& launch) {
+  cudaEvent_t a, b;
+  LV_CUDA(cudaEventCreate(&a));
+  LV_CUDA(cudaEventCreate(&b));
+  for (int i = 0; i < 3; ++i) launch(i);
+  std::vector<double> times;
+  for (int i = 0; i < repeats; ++i) {
+    LV_CUDA(cudaEventRecord(a, stream));
+    launch(i);
+    LV_CUDA(cudaEventRecord(b, stream));
+    LV_CUDA(cudaEventSynchronize(b));
+    float ms = 0.0f;
+    LV_CUDA(cudaEventElapsedTime(&ms, a, b));
+    times.push_back(ms);
+  }
+  LV_CUDA(cudaGetLastError());
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return median(times);
+}
+
+}  // namespace
+
+nlohmann::json bench(const BenchOptions& o) {
+  require_device(o.device);
+  LV_CUDA(cudaSetDevice(o.device));
+  cudaDeviceProp prop{};
+  LV_CUDA(cudaGetDeviceProperties(&prop, o.device));
+  cudaStream_t stream;
+  LV_CUDA(cudaStreamCreate(&stream));
+  const std::int64_t rows = o.tokens;
+  const std::int64_t cols = o.vocab;  // the rank's shard width
+  const std::size_t element = dtype_size(o.dtype);
+  const std::size_t bytes = static_cast<std::size_t>(rows * cols) * element;
+  const StorageType type = o.dtype == DType::bf16 ? StorageType::bf16 : o.dtype == DType::fp16 ? StorageType::fp16 : StorageType::fp32;
+
+  // 1. The bandwidth ceiling: a device-to-device copy, bytes read plus bytes written.
+  const std::size_t copy_bytes = std::size_t{2} << 30;
+  double copy_tb_s = 0.0;
+  {
+    Buffer src(copy_bytes), dst(copy_bytes);
+    LV_CUDA(cudaMemsetAsync(src.p, 1, copy_bytes, stream));
+    const double ms = time_ms(o.repeats, stream, [&](int) {
+      LV_CUDA(cudaMemcpyAsync(dst.p, src.p, copy_bytes, cudaMemcpyDeviceToDevice, stream));
+    });
+    copy_tb_s = 2.0 * static_cast<double>(copy_bytes) / (ms * 1e-3) / 1e12;
+  }
+
+  // 2. Inputs: two sets from different seeds (rotated, so L2 never holds the next launch's input).
+  nlohmann::json case_json = {{"name", "bench"},
+                              {"shape", {{"tokens", rows}, {"vocab", cols}}},
+                              {"loss", {{"label_smoothing", o.label_smoothing}}},
+                              {"inputs", {{"seed", 7}, {"dtype", std::string(to_string(o.dtype))}, {"scale", 2.0}}}};
+  const Case c = parse_case(case_json, "<bench>");
+  std::vector<std::int64_t> counters(static_cast<std::size_t>(rows));
+  for (std::int64_t i = 0; i < rows; ++i) counters[static_cast<std::size_t>(i)] = i;
+  std::vector<int> zeros(static_cast<std::size_t>(rows), 0);
+  std::vector<int> ones(static_cast<std::size_t>(rows), 1);
+  Buffer d_counters(counters.size() * 8), d_zero(zeros.size() * 4), d_one(ones.size() * 4);
+  LV_CUDA(cudaMemcpy(d_counters.p, counters.data(), counters.size() * 8, cudaMemcpyHostToDevice));
+  LV_CUDA(cudaMemcpy(d_zero.p, zeros.data(), zeros.size() * 4, cudaMemcpyHostToDevice));
+  LV_CUDA(cudaMemcpy(d_one.p, ones.data(), ones.size() * 4, cudaMemcpyHostToDevice));
+  Buffer logits_a(bytes), logits_b(bytes), grad(bytes);
+  for (int set = 0; set < 2; ++set) {
+    GenerateArgs g{static_cast<std::uint64_t>(7 + set), static_cast<int>(InputStream::student_logits),
+                   static_cast<std::int64_t*>(d_counters.p), static_cast<int*>(d_zero.p), rows, 0, cols,
+                   static_cast<int>(LogitDistribution::normal), 0.0, 2.0, 0.0, 2.0};
+    generate_logits(type, g, set == 0 ? logits_a.p : logits_b.p, stream);
+  }
+  const InputSource inputs(c);
+  std::vector<std::int64_t> target(static_cast<std::size_t>(rows));
+  for (std::int64_t i = 0; i < rows; ++i) target[static_cast<std::size_t>(i)] = inputs.label(i);
+  std::vector<float> weight(static_cast<std::size_t>(rows), 1.0f / static_cast<float>(rows));
+  Buffer d_target(target.size() * 8), d_weight(weight.size() * 4), d_stats(static_cast<std::size_t>(rows) * 16),
+      d_max(static_cast<std::size_t>(rows) * 4), d_log_sum(static_cast<std::size_t>(rows) * 4);
+  LV_CUDA(cudaMemcpy(d_target.p, target.data(), target.size() * 8, cudaMemcpyHostToDevice));
+  LV_CUDA(cudaMemcpy(d_weight.p, weight.data(), weight.size() * 4, cudaMemcpyHostToDevice));
+  const float alpha = static_cast<float>(o.label_smoothing);
+  const float v = static_cast<float>(c.shape.vocab);
+  CrossEntropyConstants k{1.0f - alpha + alpha / v, alpha / v, 1.0f - alpha + alpha / v, alpha / v, 0.0f, 0.0f, 0, 0, 0};
+  auto args_for = [&](int i) {
+    return GradArgs{i % 2 == 0 ? logits_a.p : logits_b.p, grad.p, rows, cols,
+                    static_cast<std::int64_t*>(d_target.p), static_cast<int*>(d_one.p), static_cast<int*>(d_one.p),
+                    static_cast<float*>(d_max.p), static_cast<float*>(d_log_sum.p), static_cast<float*>(d_weight.p)};
+  };
+
+  // 3. The kernels.
+  nlohmann::json result;
+  double kernel_ms = 0.0;
+  double floor_bytes_per_logit = 4.0 / 2.0 * static_cast<double>(element);  // read once, write once
+  std::string kernel_name = "stats + grad (two kernels around the all-reduce)";
+  if (o.tp == 1) {
+    const int cluster = fused_cluster_size(type, k, logits_a.p, grad.p, cols);
+    kernel_name = cluster > 0 ? "fused, row-resident (clusters of " + std::to_string(cluster) + " CTAs)"
+                              : "fused, two passes (the row kept in L2)";
+    kernel_ms = time_ms(o.repeats, stream, [&](int i) {
+      cross_entropy_fused(type, args_for(i), k, static_cast<float*>(d_stats.p), stream);
+    });
+  } else {
+    // The two kernels around the all-reduce; the all-reduce itself is not timed here. The grad kernel
+    // takes the statistics pass 1 wrote (the row max and log-sum of a TP=1 run are a stand-in of the
+    // same cost).
+    floor_bytes_per_logit = 3.0 * static_cast<double>(element);
+    kernel_ms = time_ms(o.repeats, stream, [&](int i) {
+      GradArgs a = args_for(i);
+      StatsArgs s{a.logits, rows, cols, a.target_column, a.active};
+      cross_entropy_stats(type, s, k, static_cast<float*>(d_stats.p), stream);
+      cross_entropy_grad(type, a, k, stream);
+    });
+  }
+  const double floor_ms = floor_bytes_per_logit * static_cast<double>(rows * cols) / (copy_tb_s * 1e12) * 1e3;
+
+  // 4. Correctness of the timed kernel on fresh inputs: sampled rows against the float64 reference.
+  cross_entropy_fused(type, args_for(0), k, static_cast<float*>(d_stats.p), stream);
+  LV_CUDA(cudaStreamSynchronize(stream));
+  const LossReference reference(c, inputs);
+  std::vector<std::byte> host_grad(static_cast<std::size_t>(cols) * element);
+  std::vector<double> x(static_cast<std::size_t>(cols)), expected(static_cast<std::size_t>(cols));
+  double worst_ulp = 0.0;
+  const int samples = 32;
+  for (int s = 0; s < samples; ++s) {
+    const std::int64_t row = (static_cast<std::int64_t>(s) * 7919) % rows;
+    LV_CUDA(cudaMemcpy(host_grad.data(), static_cast<std::byte*>(grad.p) + static_cast<std::size_t>(row * cols) * element,
+                       host_grad.size(), cudaMemcpyDeviceToHost));
+    inputs.logits(row, 0, cols, x.data());
+    reference.evaluate(row, x, {}, expected);
+    // The kernel's weight is 1/rows; the reference's 1/N_v with N_v = rows (no ignored tokens).
+    dispatch_dtype(o.dtype, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      const T* g = reinterpret_cast<const T*>(host_grad.data());
+      for (std::int64_t col = 0; col < cols; ++col) {
+        const double got = static_cast<double>(static_cast<float>(g[col]));
+        const double e = expected[static_cast<std::size_t>(col)];
+        const double err = std::fabs(got - e);
+        const double floor = 1e-6 / static_cast<double>(rows);  // the grad atol, in per-token units
+        if (err > floor) worst_ulp = std::max(worst_ulp, err / ulp_size(e, o.dtype));
+      }
+    });
+  }
+
+  result = {{"device", prop.name},
+            {"multiprocessors", prop.multiProcessorCount},
+            {"shape", {{"tokens", rows}, {"vocab_per_rank", cols}}},
+            {"dtype", std::string(to_string(o.dtype))},
+            {"tp", o.tp},
+            {"label_smoothing", o.label_smoothing},
+            {"copy_tb_per_s", copy_tb_s},
+            {"floor_bytes_per_logit", floor_bytes_per_logit},
+            {"floor_ms", floor_ms},
+            {"kernel", kernel_name},
+            {"kernel_ms", kernel_ms},
+            {"percent_of_floor", 100.0 * floor_ms / kernel_ms},
+            {"check", {{"rows_sampled", samples}, {"worst_ulp_beyond_atol", worst_ulp}, {"pass", worst_ulp <= 1.0}}}};
+  cudaStreamDestroy(stream);
+  return result;
+}
+
+}  // namespace lossverify::cuda

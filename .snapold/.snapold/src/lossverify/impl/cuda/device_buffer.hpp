@@ -1,0 +1,74 @@
+#pragma once
+// Host-side owners of device resources (the cuCollections idiom: owners here, plain pointers in kernels).
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <utility>
+#include <vector>
+
+#include "lossverify/impl/cuda/cuda_check.hpp"
+#include "lossverify/impl/cuda/kernels.hpp"
+
+namespace lossverify::cuda {
+
+// Owning device allocation (the cuCollections idiom: an owner here, plain pointers in the kernels).
+class DeviceBytes {
+ public:
+  explicit DeviceBytes(std::size_t bytes) : bytes_(bytes) {
+    if (bytes_ > 0) LV_CUDA(cudaMalloc(&ptr_, bytes_));
+  }
+  ~DeviceBytes() {
+    if (ptr_ != nullptr) cudaFree(ptr_);
+  }
+  DeviceBytes(const DeviceBytes&) = delete;
+  DeviceBytes& operator=(const DeviceBytes&) = delete;
+  DeviceBytes(DeviceBytes&& other) noexcept : ptr_(other.ptr_), bytes_(other.bytes_) {
+    other.ptr_ = nullptr;
+    other.bytes_ = 0;
+  }
+  DeviceBytes& operator=(DeviceBytes&& other) noexcept {
+    std::swap(ptr_, other.ptr_);
+    std::swap(bytes_, other.bytes_);
+    return *this;
+  }
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(ptr_);
+  }
+  std::size_t size() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+template <class T>
+DeviceBytes upload(const std::vector<T>& host, cudaStream_t stream) {
+  DeviceBytes d(host.size() * sizeof(T));
+  if (!host.empty()) LV_CUDA(cudaMemcpyAsync(d.as<void>(), host.data(), d.size(), cudaMemcpyHostToDevice, stream));
+  return d;
+}
+
+class Stream {
+ public:
+  Stream() { LV_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
+  ~Stream() { cudaStreamDestroy(stream_); }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  cudaStream_t get() const { return stream_; }
+  void sync() const { LV_CUDA(cudaStreamSynchronize(stream_)); }
+
+ private:
+  cudaStream_t stream_{};
+};
+
+// A rank's shard left on its GPU after the kernel, for the GPU float64 reference: the inputs the kernel
+// read and the gradient it wrote, never copied to the host.
+struct DeviceShard {
+  int device = 0;
+  StorageType type = StorageType::fp32;
+  std::int64_t rows = 0, cols = 0, begin = 0;
+  DeviceBytes student{0}, teacher{0}, grad{0};
+};
+
+}  // namespace lossverify::cuda

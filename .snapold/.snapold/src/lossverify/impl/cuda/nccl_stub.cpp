@@ -1,0 +1,13 @@
+// Built when NCCL was not found at configure time: one GPU per rank falls back to host collectives.
+#include "lossverify/core/errors.hpp"
+#include "lossverify/impl/cuda/nccl_communicator.hpp"
+
+namespace lossverify::cuda {
+
+bool built_with_nccl() { return false; }
+
+std::unique_ptr<Communicator> make_nccl_group(Communicator&, int, double) {
+  throw InternalError("--collectives nccl: this build has no NCCL (nccl.h and libnccl were not found at configure time)");
+}
+
+}  // namespace lossverify::cuda

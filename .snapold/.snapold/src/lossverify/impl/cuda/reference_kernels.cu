@@ -1,0 +1,860 @@
+// The float64 reference on the GPU (see reference_kernels.hpp). One block per row, 256 threads; every
+// thread keeps compensated partial sums of its columns, and the block combines them with a fixed
+// shuffle tree, so results are deterministic. Built with -fmad=false: no contraction changes a rounding.
+#include <cuda_runtime.h>
+
+#include <cfloat>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <initializer_list>
+#include <string_view>
+#include <type_traits>
+
+#include "lossverify/impl/cuda/device_buffer.hpp"
+#include "lossverify/impl/cuda/device_types.cuh"
+#include "lossverify/impl/cuda/reference_kernels.hpp"
+
+namespace lossverify::cuda {
+
+namespace {
+
+constexpr int kReferenceThreads = 256;
+
+struct Neumaier {
+  double s = 0.0, c = 0.0;
+  __device__ void add(double x) {
+    const double t = s + x;
+    if (fabs(s) >= fabs(x)) {
+      c += (s - t) + x;
+    } else {
+      c += (x - t) + s;
+    }
+    s = t;
+  }
+  __device__ void merge(const Neumaier& o) {
+    add(o.s);
+    add(o.c);
+  }
+};
+
+// Max and compensated sum of exp(z - max), as merged between threads.
+struct OnlineLse {
+  double m = -INFINITY;
+  Neumaier sum;
+  __device__ void merge(const OnlineLse& o) {
+    const double mm = fmax(m, o.m);
+    if (mm == -INFINITY) return;
+    const double f = m == -INFINITY ? 0.0 : exp(m - mm);
+    const double g = o.m == -INFINITY ? 0.0 : exp(o.m - mm);
+    Neumaier r;
+    r.add(sum.s * f);
+    r.add(sum.c * f);
+    r.add(o.sum.s * g);
+    r.add(o.sum.c * g);
+    sum = r;
+    m = mm;
+  }
+};
+
+__device__ Neumaier shfl(const Neumaier& x, int offset) {
+  Neumaier r;
+  r.s = __shfl_down_sync(0xffffffffu, x.s, offset);
+  r.c = __shfl_down_sync(0xffffffffu, x.c, offset);
+  return r;
+}
+__device__ OnlineLse shfl(const OnlineLse& x, int offset) {
+  OnlineLse r;
+  r.m = __shfl_down_sync(0xffffffffu, x.m, offset);
+  r.sum = shfl(x.sum, offset);
+  return r;
+}
+
+// A fixed reduction tree over the block (lane pairs, then warp leaders in order): thread 0 gets the result.
+template <int kThreads = kReferenceThreads, class State>
+__device__ State block_merge(State x) {
+  // Raw storage: __shared__ variables cannot have constructors.
+  __shared__ alignas(State) unsigned char storage[sizeof(State) * (kThreads / 32)];
+  State* warps = reinterpret_cast<State*>(storage);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const State o = shfl(x, offset);
+    if (lane < offset) x.merge(o);
+  }
+  if (lane == 0) warps[warp] = x;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kThreads / 32; ++w) x.merge(warps[w]);
+  }
+  __syncthreads();
+  return x;
+}
+
+__device__ double capped(double x, double cap) { return cap > 0.0 ? cap * tanh(x / cap) : x; }
+
+// 16 bytes of a row.
+template <class T>
+struct alignas(16) Pack {
+  static constexpr int kCount = 16 / sizeof(T);
+  T v[kCount];
+};
+
+// Calls visit(column, x, y, g) for this thread's columns of one row, from up to three rows of the same
+// shape (y and g read only when kY / kG): 16-byte loads where the rows allow them, then the tail.
+template <bool kY, bool kG, class T, class Visit>
+__device__ __forceinline__ void for_each_column(const T* x, const T* y, const T* g, int cols, bool vectorized,
+                                                Visit&& visit) {
+  constexpr int K = Pack<T>::kCount;
+  int done = 0;
+  if (vectorized) {
+    const int packs = cols / K;
+    for (int i = threadIdx.x; i < packs; i += blockDim.x) {
+      const Pack<T> a = reinterpret_cast<const Pack<T>*>(x)[i];
+      Pack<T> b{}, c{};
+      if constexpr (kY) b = reinterpret_cast<const Pack<T>*>(y)[i];
+      if constexpr (kG) c = reinterpret_cast<const Pack<T>*>(g)[i];
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        visit(i * K + k, widen<T>(a.v[k]), kY ? widen<T>(b.v[k]) : 0.0f, kG ? widen<T>(c.v[k]) : 0.0f);
+      }
+    }
+    done = packs * K;
+  }
+  for (int c = done + static_cast<int>(threadIdx.x); c < cols; c += blockDim.x) {
+    visit(c, widen<T>(x[c]), kY ? widen<T>(y[c]) : 0.0f, kG ? widen<T>(g[c]) : 0.0f);
+  }
+}
+
+template <class T>
+bool rows_vectorizable(std::int64_t cols, std::initializer_list<const void*> bases) {
+  if ((cols * static_cast<std::int64_t>(sizeof(T))) % 16 != 0) return false;
+  for (const void* p : bases) {
+    if (p != nullptr && reinterpret_cast<std::uintptr_t>(p) % 16 != 0) return false;
+  }
+  return true;
+}
+
+// exp in float64 for the per-element work (the table method): d = (32 k + j) ln2/32 + r, |r| <= ln2/64, so
+// exp(d) = 2^k 2^(j/32) e^r with e^r - 1 from its degree-6 Taylor polynomial (truncation below 4e-18); about
+// 2 ulp, against 1 for the library's exp, ten orders of magnitude below every tolerance. The coefficients sit
+// in constant memory, which DFMA reads as an operand: the library's exp rebuilds its 64-bit constants in
+// registers on every call (a third of the partials kernel's instructions, measured with Nsight Compute).
+// 2^(j/32) comes from a 32-entry table each block keeps in shared memory.
+__constant__ double kExp2Fractions[32] = {
+    0x1.0000000000000p+0, 0x1.059b0d3158574p+0, 0x1.0b5586cf9890fp+0, 0x1.11301d0125b51p+0, 0x1.172b83c7d517bp+0,
+    0x1.1d4873168b9aap+0, 0x1.2387a6e756238p+0, 0x1.29e9df51fdee1p+0, 0x1.306fe0a31b715p+0, 0x1.371a7373aa9cbp+0,
+    0x1.3dea64c123422p+0, 0x1.44e086061892dp+0, 0x1.4bfdad5362a27p+0, 0x1.5342b569d4f82p+0, 0x1.5ab07dd485429p+0,
+    0x1.6247eb03a5585p+0, 0x1.6a09e667f3bcdp+0, 0x1.71f75e8ec5f74p+0, 0x1.7a11473eb0187p+0, 0x1.82589994cce13p+0,
+    0x1.8ace5422aa0dbp+0, 0x1.93737b0cdc5e5p+0, 0x1.9c49182a3f090p+0, 0x1.a5503b23e255dp+0, 0x1.ae89f995ad3adp+0,
+    0x1.b7f76f2fb5e47p+0, 0x1.c199bdd85529cp+0, 0x1.cb720dcef9069p+0, 0x1.d5818dcfba487p+0, 0x1.dfc97337b9b5fp+0,
+    0x1.ea4afa2a490dap+0, 0x1.f50765b6e4540p+0};
+// 32 / ln 2; ln 2 / 32 in two parts; 1/6!, 1/5!, 1/4!, 1/3!
+__constant__ double kExpConstants[7] = {0x1.71547652b82fep+5, 0x1.62e42fefa39efp-6, 0x1.abc9e3b39803fp-61,
+                                        1.0 / 720.0,           1.0 / 120.0,           1.0 / 24.0,
+                                        1.0 / 6.0};
+
+// Every thread of the block calls it before the first exp_reference (it synchronizes the block).
+__device__ __forceinline__ void load_exp_table(double* table) {
+  if (threadIdx.x < 32) table[threadIdx.x] = kExp2Fractions[threadIdx.x];
+  __syncthreads();
+}
+__device__ __noinline__ double exp_far(double d) { return exp(d); }
+
+__device__ __forceinline__ double exp_reference(double d, const double* table) {
+  if (!(d >= -707.0 && d <= 0.0)) return exp_far(d);  // positive, far below, -inf or NaN: the library's exp
+  constexpr double kMagic = 0x1.8p52;                  // adding it rounds to an integer, left in the low word
+  const double t = fma(d, kExpConstants[0], kMagic);
+  const int n = __double2loint(t);
+  const double nd = t - kMagic;
+  double r = fma(nd, -kExpConstants[1], d);
+  r = fma(nd, -kExpConstants[2], r);
+  double q = fma(r, kExpConstants[3], kExpConstants[4]);
+  q = fma(q, r, kExpConstants[5]);
+  q = fma(q, r, kExpConstants[6]);
+  q = fma(q, r, 0.5);
+  const double p = fma(r * r, q, r);  // e^r - 1
+  const double tj = table[n & 31];
+  const double y = fma(tj, p, tj);  // in [0.98, 2): scaling by 2^k (k >= -1021) on the exponent field stays normal
+  return __hiloint2double(__double2hiint(y) + ((n >> 5) * (1 << 20)), __double2loint(y));
+}
+
+// Online max and a plain float64 sum of exp(z - max) per thread (a few hundred terms: relative error
+// below 1e-13); threads are combined with compensated sums.
+struct ThreadLse {
+  double m = -INFINITY, s = 0.0;
+  __device__ __forceinline__ void add(double z, const double* table) {
+    if (z > m) {
+      s *= exp_reference(m - z, table);  // 0 when m = -inf
+      m = z;
+    }
+    s += exp_reference(z - m, table);
+  }
+  __device__ OnlineLse online() const {
+    OnlineLse o;
+    o.m = m;
+    o.sum.s = s;
+    return o;
+  }
+};
+
+// Code tables (bf16 rows of the cross-entropy family without softcap). A bf16 logit is one of 65536
+// codes, so exp(x) needs computing once per code, not once per element: each block keeps exp(x) of every
+// code with 2^-8 <= |x| < 2^6 (3584 codes, 28 KB), and elements outside that range take the plain path.
+struct Bf16Codes {
+  static constexpr unsigned kLowExponent = 8;  // |x| >= 2^-8
+  static constexpr unsigned kBinades = 14;     // |x| < 2^6
+  static constexpr unsigned kLow = (127u - kLowExponent) << 7;
+  static constexpr unsigned kSpan = kBinades << 7;  // codes of one sign
+  static constexpr int kEntries = 2 * kSpan;
+  // The code's magnitude within the span; >= kSpan: not in the table.
+  __device__ static unsigned offset(unsigned code) { return (code & 0x7fffu) - kLow; }
+  __device__ static unsigned index(unsigned code, unsigned offset) { return offset + (code >> 15) * kSpan; }
+  __device__ static unsigned code_of(unsigned index) {
+    return index < kSpan ? index + kLow : (index - kSpan + kLow) | 0x8000u;
+  }
+  __device__ static float value(unsigned code) { return __uint_as_float(code << 16); }
+  // The k-th of the eight bf16 codes in 16 bytes.
+  __device__ static unsigned code_at(const uint4& w, int k) {
+    const unsigned word = k < 4 ? (k < 2 ? w.x : w.y) : (k < 6 ? w.z : w.w);
+    return (word >> ((k & 1) * 16)) & 0xffffu;
+  }
+  // Every thread of the block calls it (it synchronizes the block).
+  __device__ static void fill_exp(double* exp_of_code, const double* table) {
+    for (int i = threadIdx.x; i < kEntries; i += blockDim.x) {
+      exp_of_code[i] = exp_reference(static_cast<double>(value(code_of(static_cast<unsigned>(i)))), table);
+    }
+    __syncthreads();
+  }
+};
+
+template <class T, bool kTables>
+__global__ void __launch_bounds__(kReferenceThreads) partials_kernel(ReferencePartialArgs a, double* out, bool vectorized) {
+  __shared__ double table[32];
+  __shared__ double exp_of_code[kTables ? Bf16Codes::kEntries : 1];
+  load_exp_table(table);
+  if constexpr (kTables) Bf16Codes::fill_exp(exp_of_code, table);
+  const T* student = static_cast<const T*>(a.student);
+  const T* teacher = static_cast<const T*>(a.teacher);
+  const int cols = static_cast<int>(a.cols);
+  for (std::int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
+    if (!a.valid[r]) {  // RowPartial's empty values
+      if (threadIdx.x < 8) out[8 * r + threadIdx.x] = threadIdx.x == 0 || threadIdx.x == 5 ? -INFINITY : 0.0;
+      continue;
+    }
+    const T* x = student + r * a.cols;
+    ThreadLse lse_t, teacher_t;
+    double qx_t = 0.0;
+    if (a.kd) {
+      const T* y = teacher + r * a.cols;
+      const double inverse_t = a.inverse_temperature;
+      for_each_column<true, false>(x, y, x, cols, vectorized, [&](int, float xv, float yv, float) {
+        lse_t.add(static_cast<double>(xv) * inverse_t, table);
+        teacher_t.add(static_cast<double>(yv) * inverse_t, table);
+      });
+    } else if (kTables && vectorized) {
+      // sum exp(x) over the table's codes (a maximum of 0: exp(x) <= e^64), the rest as before; and
+      // sum_v q_v x_v as q_off sum_v x_v + (q_on - q_off) x_label.
+      const std::int64_t label = a.label[r] - a.begin;
+      const int packs = cols / 8;
+      const std::int64_t label_pack = label >= 0 && label < cols ? label / 8 : -1;
+      double sum_exp = 0.0, sum_x = 0.0;
+      for (int i = threadIdx.x; i < packs; i += blockDim.x) {
+        const uint4 w = reinterpret_cast<const uint4*>(x)[i];
+        unsigned outside = 0;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          const unsigned code = Bf16Codes::code_at(w, k);
+          const unsigned offset = Bf16Codes::offset(code);
+          if (offset < Bf16Codes::kSpan) {
+            sum_exp += exp_of_code[Bf16Codes::index(code, offset)];
+          } else {
+            outside |= 1u << k;
+          }
+          sum_x += static_cast<double>(Bf16Codes::value(code));
+        }
+        if (outside != 0) {
+#pragma unroll 1
+          for (int k = 0; k < 8; ++k) {
+            if ((outside >> k) & 1u) lse_t.add(static_cast<double>(Bf16Codes::value(Bf16Codes::code_at(w, k))), table);
+          }
+        }
+        if (i == label_pack) {
+          const double z = Bf16Codes::value(Bf16Codes::code_at(w, static_cast<int>(label & 7)));
+          qx_t += (a.q_on - a.q_off) * z;
+        }
+      }
+      qx_t += a.q_off * sum_x;
+      OnlineLse fast;
+      if (sum_exp > 0.0) {
+        fast.m = 0.0;
+        fast.sum.s = sum_exp;
+      }
+      OnlineLse rest = lse_t.online();
+      rest.merge(fast);
+      lse_t.m = rest.m;
+      lse_t.s = rest.sum.s + rest.sum.c;
+    } else {
+      const std::int64_t label = a.label[r] - a.begin;  // local column of the label (may be outside)
+      const double cap = a.softcap, q_on = a.q_on, q_off = a.q_off;
+      for_each_column<false, false>(x, x, x, cols, vectorized, [&](int v, float xv, float, float) {
+        const double z = capped(static_cast<double>(xv), cap);
+        lse_t.add(z, table);
+        qx_t += (v == label ? q_on : q_off) * z;
+      });
+    }
+    const OnlineLse lse = block_merge(lse_t.online());
+    const OnlineLse teacher_lse = block_merge(teacher_t.online());
+    Neumaier qx_start;
+    qx_start.s = qx_t;
+    const Neumaier qx = block_merge(qx_start);
+    if (threadIdx.x == 0) {
+      double* o = out + 8 * r;
+      o[0] = lse.m;
+      o[1] = lse.sum.s;
+      o[2] = lse.sum.c;
+      o[3] = qx.s;
+      o[4] = qx.c;
+      o[5] = teacher_lse.m;
+      o[6] = teacher_lse.sum.s;
+      o[7] = teacher_lse.sum.c;
+    }
+  }
+}
+
+template <class T>
+__global__ void __launch_bounds__(kReferenceThreads) kl_kernel(ReferenceKlArgs a, double* out) {
+  __shared__ double table[32];
+  load_exp_table(table);
+  const T* student = static_cast<const T*>(a.student);
+  const T* teacher = static_cast<const T*>(a.teacher);
+  for (std::int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
+    if (!a.valid[r]) continue;
+    const T* x = student + r * a.cols;
+    const T* y = teacher + r * a.cols;
+    Neumaier kl;
+    for (std::int64_t v = threadIdx.x; v < a.cols; v += blockDim.x) {
+      const double log_p = static_cast<double>(widen<T>(y[v])) * a.inverse_temperature - a.teacher_lse[r];
+      const double p = exp_reference(log_p, table);
+      if (p > 0.0) kl.add(p * (log_p - (static_cast<double>(widen<T>(x[v])) * a.inverse_temperature - a.lse[r])));
+    }
+    kl = block_merge(kl);
+    if (threadIdx.x == 0) {
+      out[2 * r] = kl.s;
+      out[2 * r + 1] = kl.c;
+    }
+  }
+}
+
+// checks.cpp's GradJudge, element by element.
+__device__ double margin_of(double error, double tolerance) {
+  if (isnan(error)) return INFINITY;
+  if (error == 0.0) return 0.0;
+  if (tolerance <= 0.0) return INFINITY;
+  return error / tolerance;
+}
+// The binary exponent of the dtype's spacing at value (core/dtype.cpp's ulp_size, on the device).
+__device__ int spacing_exponent(double value, int dtype) {
+  int mantissa_bits = 23, min_exponent = -126;
+  if (dtype == static_cast<int>(StorageType::bf16)) mantissa_bits = 7;
+  if (dtype == static_cast<int>(StorageType::fp16)) {
+    mantissa_bits = 10;
+    min_exponent = -14;
+  }
+  const auto bits = static_cast<unsigned long long>(__double_as_longlong(value));
+  const int exponent = static_cast<int>((bits >> 52) & 0x7ff) - 1023;
+  return max(exponent, min_exponent) - mantissa_bits;
+}
+__device__ double ulp_size(double value, int dtype) {
+  return __longlong_as_double(static_cast<long long>(spacing_exponent(value, dtype) + 1023) << 52);
+}
+// 1 / ulp_size(value): a power of two, so multiplying by it is the exact division.
+__device__ double ulp_size_inverse(double value, int dtype) {
+  return __longlong_as_double(static_cast<long long>(1023 - spacing_exponent(value, dtype)) << 52);
+}
+__device__ std::int64_t ordered_bits(double value, int dtype, double& rounded) {
+  const float f = __double2float_rn(value);
+  unsigned int magnitude = 0;
+  if (dtype == static_cast<int>(StorageType::bf16)) {
+    const __nv_bfloat16 b = __float2bfloat16_rn(f);
+    rounded = __bfloat162float(b);
+    magnitude = __bfloat16_as_ushort(b) & 0x7fffu;
+  } else if (dtype == static_cast<int>(StorageType::fp16)) {
+    const __half h = __float2half_rn(f);
+    rounded = __half2float(h);
+    magnitude = __half_as_ushort(h) & 0x7fffu;
+  } else {
+    rounded = f;
+    magnitude = __float_as_uint(f) & 0x7fffffffu;
+  }
+  return signbit(value) ? -static_cast<std::int64_t>(magnitude) : static_cast<std::int64_t>(magnitude);
+}
+__device__ std::int64_t ulp_distance(double a, double b, int dtype) {
+  double ra = 0.0, rb = 0.0;
+  const std::int64_t ba = ordered_bits(a, dtype, ra), bb = ordered_bits(b, dtype, rb);
+  if (isnan(ra) || isnan(rb) || isinf(ra) || isinf(rb)) return ra == rb ? 0 : LLONG_MAX;
+  const std::int64_t d = ba - bb;
+  return d < 0 ? -d : d;
+}
+
+struct CompareState {
+  std::int64_t compared = 0, mismatches = 0, max_ulp = 0, worst_column = -1, first_bad_column = -1;
+  std::int64_t lookups = 0;  // elements judged by a code-table lookup
+  std::int64_t nan = 0, pos_inf = 0, neg_inf = 0, subnormal = 0;
+  double max_abs = 0.0, max_rel = 0.0, margin = 0.0, worst_expected = 0.0, worst_got = 0.0, worst_tolerance = 0.0;
+  double first_bad_value = 0.0;
+  Neumaier sum, magnitude;
+
+  // ErrorStats::add_with_margin's extrema. A tie keeps the earlier column, whatever the order of visits
+  // (the code-table path visits an element that misses the table after the pack's hits); merge() breaks
+  // ties between threads the same way.
+  __device__ __forceinline__ void extrema(double expected, double error) {
+    if (isnan(error)) {
+      max_abs = INFINITY;
+      return;
+    }
+    if (error > max_abs) max_abs = error;
+    // The division only where it can raise the maximum (the factor covers the product's rounding).
+    if (expected != 0.0 && error > max_rel * fabs(expected) * (1.0 - 1e-12)) max_rel = fmax(max_rel, error / fabs(expected));
+  }
+  __device__ __forceinline__ void worst(int column, double m, double expected, double got, double tolerance) {
+    if (worst_column < 0 || m > margin || (m == margin && column < worst_column)) {
+      margin = m;
+      worst_column = column;
+      worst_expected = expected;
+      worst_got = got;
+      worst_tolerance = tolerance;
+    }
+  }
+  __device__ void census(int column, double value, double smallest_normal) {
+    if (isnan(value)) {
+      ++nan;
+    } else if (isinf(value)) {
+      ++(value > 0 ? pos_inf : neg_inf);
+    } else if (value != 0.0 && fabs(value) < smallest_normal) {
+      ++subnormal;
+    }
+    if (!isfinite(value) && (first_bad_column < 0 || column < first_bad_column)) {
+      first_bad_column = column;
+      first_bad_value = value;
+    }
+  }
+  __device__ void merge(const CompareState& o) {
+    compared += o.compared;
+    lookups += o.lookups;
+    mismatches += o.mismatches;
+    max_ulp = max(max_ulp, o.max_ulp);
+    nan += o.nan;
+    pos_inf += o.pos_inf;
+    neg_inf += o.neg_inf;
+    subnormal += o.subnormal;
+    max_abs = fmax(max_abs, o.max_abs);
+    max_rel = fmax(max_rel, o.max_rel);
+    if (o.worst_column >= 0 &&
+        (worst_column < 0 || o.margin > margin || (o.margin == margin && o.worst_column < worst_column))) {
+      margin = o.margin;
+      worst_column = o.worst_column;
+      worst_expected = o.worst_expected;
+      worst_got = o.worst_got;
+      worst_tolerance = o.worst_tolerance;
+    }
+    if (o.first_bad_column >= 0 && (first_bad_column < 0 || o.first_bad_column < first_bad_column)) {
+      first_bad_column = o.first_bad_column;
+      first_bad_value = o.first_bad_value;
+    }
+    sum.merge(o.sum);
+    magnitude.merge(o.magnitude);
+  }
+};
+
+__device__ CompareState shfl(const CompareState& x, int offset) {
+  CompareState r;
+  r.compared = __shfl_down_sync(0xffffffffu, x.compared, offset);
+  r.mismatches = __shfl_down_sync(0xffffffffu, x.mismatches, offset);
+  r.lookups = __shfl_down_sync(0xffffffffu, x.lookups, offset);
+  r.max_ulp = __shfl_down_sync(0xffffffffu, x.max_ulp, offset);
+  r.worst_column = __shfl_down_sync(0xffffffffu, x.worst_column, offset);
+  r.first_bad_column = __shfl_down_sync(0xffffffffu, x.first_bad_column, offset);
+  r.nan = __shfl_down_sync(0xffffffffu, x.nan, offset);
+  r.pos_inf = __shfl_down_sync(0xffffffffu, x.pos_inf, offset);
+  r.neg_inf = __shfl_down_sync(0xffffffffu, x.neg_inf, offset);
+  r.subnormal = __shfl_down_sync(0xffffffffu, x.subnormal, offset);
+  r.max_abs = __shfl_down_sync(0xffffffffu, x.max_abs, offset);
+  r.max_rel = __shfl_down_sync(0xffffffffu, x.max_rel, offset);
+  r.margin = __shfl_down_sync(0xffffffffu, x.margin, offset);
+  r.worst_expected = __shfl_down_sync(0xffffffffu, x.worst_expected, offset);
+  r.worst_got = __shfl_down_sync(0xffffffffu, x.worst_got, offset);
+  r.worst_tolerance = __shfl_down_sync(0xffffffffu, x.worst_tolerance, offset);
+  r.first_bad_value = __shfl_down_sync(0xffffffffu, x.first_bad_value, offset);
+  r.sum = shfl(x.sum, offset);
+  r.magnitude = shfl(x.magnitude, offset);
+  return r;
+}
+
+// Every element of a row against the reference gradient, judged as checks.cpp's GradJudge judges it.
+// Divisions are taken only where their quotient can matter: a new worst element, a mismatch, a new
+// maximum relative error; elsewhere a comparison decides.
+//
+// kTables (bf16, the cross-entropy family without softcap): within a row, an element's expected value and
+// its judgement depend only on the codes (x, g) and on whether it is the label. Each block first judges,
+// for every code x of the table, the gradient a correct kernel most likely wrote (the bf16 value nearest
+// the expected one) with the same visit() as every other element, and keeps its margin when that
+// judgement is inert (no mismatch, no ULP count, nothing for the census). An element whose (x, g) is such
+// a pair then costs a table lookup: its margin joins the worst-element search, its value the row sums,
+// and the code is marked seen, so that the row's maximum absolute and relative errors take every seen
+// code once. Every other element (the label, codes outside the table, any other g) is judged in full.
+// Table rows take the softmax as exp(x) exp(-lse), exp(x) from the block's table (|lse| <= 600: both
+// factors normal) and, for codes outside it, exp(x - lse) directly where |x| > 700.
+constexpr int kTableThreads = 512;  // two blocks per SM (the tables take 82 KB); 64 registers
+constexpr int kMissCapacity = 2048;  // a row with more misses is judged again, in full
+constexpr std::size_t kTableSharedBytes =
+    static_cast<std::size_t>(Bf16Codes::kEntries) * (2 * sizeof(double) + sizeof(unsigned) + sizeof(unsigned char)) +
+    kMissCapacity * sizeof(int);
+
+template <class T, bool kTables, int kThreads>
+__global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(ReferenceCompareArgs a, RowComparison* out,
+                                                                             bool vectorized) {
+  __shared__ double table[32];
+  extern __shared__ double code_tables[];  // kTables: exp(x) per code, then per row margin, g code, seen
+  __shared__ int miss_count;               // kTables: the row's elements that missed the table
+  double* const exp_of_code = code_tables;
+  double* const code_margin = exp_of_code + Bf16Codes::kEntries;
+  unsigned* const code_g = reinterpret_cast<unsigned*>(code_margin + Bf16Codes::kEntries);
+  int* const missed_columns = reinterpret_cast<int*>(code_g + Bf16Codes::kEntries);
+  unsigned char* const code_seen = reinterpret_cast<unsigned char*>(missed_columns + kMissCapacity);
+  load_exp_table(table);
+  if constexpr (kTables) Bf16Codes::fill_exp(exp_of_code, table);
+  const T* student = static_cast<const T*>(a.student);
+  const T* teacher = static_cast<const T*>(a.teacher);
+  const T* grad = static_cast<const T*>(a.grad);
+  const int cols = static_cast<int>(a.cols);
+  const double fs = a.framework_scale;
+  // Rows where most elements miss the table (a gradient far from the reference) do better judged in
+  // full: after such a row the block judges its next 7 rows in full, then tries the table again.
+  int rows_without_tables = 0;
+  for (std::int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
+    const int kind = a.kind[r];
+    const T* x = student + r * a.cols;
+    const T* y = a.kd ? teacher + r * a.cols : x;
+    const T* g = grad + r * a.cols;
+    const double weight = kind == 0 ? a.weight[r] : 0.0;
+    const double token_scale = fabs(weight) * a.grad_scale;
+    const double floor = a.atol * token_scale + a.quantum * fs;
+    const double lse = kind == 0 ? a.lse[r] : 0.0;
+    const double teacher_lse = kind == 0 && a.kd ? a.teacher_lse[r] : 0.0;
+    const double z_factor = 1.0 + 2.0 * a.z_loss_weight * lse;
+    const double kd_scale = weight * a.kd_grad_scale;
+    const std::int64_t label = a.kd ? -1 : a.label[r] - a.begin;
+    const bool tabled = kTables && vectorized && kind == 0 && fabs(lse) <= 600.0 && rows_without_tables == 0;
+    if (rows_without_tables > 0) --rows_without_tables;
+    const double exp_minus_lse = tabled ? exp_reference(-lse, table) : 0.0;
+    // p_v = softmax of the student row at x.
+    auto student_p = [&](float xf) -> double {
+      if (tabled) {
+        const unsigned code = __float_as_uint(xf) >> 16;
+        const unsigned offset = Bf16Codes::offset(code);
+        if (offset < Bf16Codes::kSpan) return exp_of_code[Bf16Codes::index(code, offset)] * exp_minus_lse;
+        if (fabsf(xf) <= 700.0f) return exp_reference(static_cast<double>(xf), table) * exp_minus_lse;
+      }
+      return exp_reference(capped(static_cast<double>(xf), a.softcap) - lse, table);
+    };
+    auto expected_at = [&](int v, float xf, float yf) -> double {
+      if (kind != 0) return 0.0;
+      const double xv = xf;
+      if (a.kd) {
+        const double t = a.temperature;
+        return kd_scale * (exp_reference(xv / t - lse, table) - exp_reference(static_cast<double>(yf) / t - teacher_lse, table));
+      }
+      const double p = student_p(xf);
+      double d = p * z_factor - (v == label ? a.q_on : a.q_off);
+      if (a.softcap > 0.0) {
+        const double th = tanh(xv / a.softcap);
+        d *= 1.0 - th * th;
+      }
+      return weight * d;
+    };
+    CompareState st;
+    double row_sum = 0.0, row_magnitude = 0.0;
+    auto visit_into = [&](CompareState& s, int v, float xf, float yf, float gf, double& sum, double& magnitude) {
+      const double got_local = gf;
+      const double got = got_local * fs;
+      const double magnitude_local = fabs(got_local);
+      if (!(magnitude_local >= a.smallest_normal && magnitude_local <= DBL_MAX)) s.census(v, got_local, a.smallest_normal);
+      ++s.compared;
+      if (kind == 2) {  // CP padding: masked, exactly zero
+        const bool mismatch = got != 0.0;
+        s.mismatches += mismatch;
+        s.extrema(0.0, got == 0.0 ? 0.0 : fabs(got));
+        s.worst(v, mismatch ? INFINITY : 0.0, 0.0, got, 0.0);
+        return;
+      }
+      const double expected = expected_at(v, xf, yf);
+      const double error = got == expected ? 0.0 : fabs(got - expected);
+      s.extrema(expected, error);
+      sum += got;
+      magnitude += fabs(got);
+      if (a.max_ulp > 0) {
+        const double local_expected = fs == 1.0 ? expected : expected / fs;
+        const double local_error = got_local == local_expected ? 0.0 : fabs(got_local - local_expected);
+        const double inverse_spacing = ulp_size_inverse(local_expected, a.dtype);
+        const double in_spacings = local_error * inverse_spacing;  // exact: a power of two
+        if (!(in_spacings < 0.5)) {
+          s.max_ulp = max(s.max_ulp, ulp_distance(got_local, local_expected, a.dtype));
+        }
+        const double by_ulp = a.max_ulp == 1 ? in_spacings : local_error / (a.max_ulp * ulp_size(local_expected, a.dtype));
+        // m = min(by_ulp, by_floor) <= by_ulp: when by_ulp is within 1 and below the worst so far, the
+        // element neither mismatches nor becomes the worst, and by_floor is not needed.
+        if (s.worst_column < 0 || !(by_ulp <= 1.0 && by_ulp < s.margin)) {
+          const double by_floor = margin_of(error, floor);
+          double m = by_floor < by_ulp ? by_floor : by_ulp;  // std::min
+          const bool mismatch = !(m <= 1.0);
+          if (isnan(error)) m = INFINITY;
+          s.mismatches += mismatch;
+          s.worst(v, m, expected, got, floor + a.rtol * fabs(expected));
+        }
+      } else {
+        const double tol = floor + a.rtol * fabs(expected);
+        const bool mismatch = !(error <= tol);
+        s.mismatches += mismatch;
+        if (s.worst_column < 0 || mismatch || !(error <= s.margin * tol * (1.0 - 1e-12))) {
+          s.worst(v, margin_of(error, tol), expected, got, tol);
+        }
+      }
+    };
+    auto visit = [&](int v, float xf, float yf, float gf) { visit_into(st, v, xf, yf, gf, row_sum, row_magnitude); };
+    if (tabled) {
+      // The row's table: for every code, the likeliest gradient and, where its judgement is inert, its margin.
+      constexpr int kNotLabel = INT_MIN;
+      if (threadIdx.x == 0) miss_count = 0;
+      for (int i = threadIdx.x; i < Bf16Codes::kEntries; i += kThreads) {
+        const float xf = Bf16Codes::value(Bf16Codes::code_of(static_cast<unsigned>(i)));
+        const double expected = expected_at(kNotLabel, xf, 0.0f);
+        const double local_expected = fs == 1.0 ? expected : expected / fs;
+        const unsigned likeliest = __bfloat16_as_ushort(__double2bfloat16(local_expected));
+        CompareState probe;
+        double probe_sum = 0.0, probe_magnitude = 0.0;
+        visit_into(probe, kNotLabel, xf, 0.0f, Bf16Codes::value(likeliest), probe_sum, probe_magnitude);
+        const bool inert = probe.mismatches == 0 && probe.max_ulp == 0 && probe.nan == 0 && probe.pos_inf == 0 &&
+                           probe.neg_inf == 0 && probe.subnormal == 0;
+        code_g[i] = inert ? likeliest : 0xffffffffu;
+        code_margin[i] = probe.margin;
+        code_seen[i] = 0;
+      }
+      __syncthreads();
+      const uint4* x4 = reinterpret_cast<const uint4*>(x);
+      const uint4* g4 = reinterpret_cast<const uint4*>(g);
+      const int packs = cols / 8;
+      const std::int64_t label_pack = label >= 0 && label < cols ? label / 8 : -1;
+      // The lookups' own state, in registers: a thread meets its hits in increasing column order, so a
+      // strictly larger margin is the only change of its worst hit. Sums in the gradient's own units.
+      // Misses go to the block's list and are judged in full after the pass, spread over the threads:
+      // the pass itself carries no CompareState. A row with more misses than the list holds is judged
+      // again, every element in full, and the lookups' state is dropped.
+      int hits = 0, best_column = -1;
+      unsigned best_index = 0;
+      double best_margin = -1.0, hit_sum = 0.0, hit_magnitude = 0.0;
+      for (int i = threadIdx.x; i < packs; i += kThreads) {
+        const uint4 xw = x4[i];
+        const uint4 gw = g4[i];
+        const unsigned label_bit = i == label_pack ? 1u << (label & 7) : 0u;
+        unsigned missed = 0;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          const unsigned xc = Bf16Codes::code_at(xw, k);
+          const unsigned gc = Bf16Codes::code_at(gw, k);
+          const unsigned offset = Bf16Codes::offset(xc);
+          const bool in_table = offset < Bf16Codes::kSpan;
+          const unsigned index = in_table ? Bf16Codes::index(xc, offset) : 0u;
+          const bool hit = in_table && code_g[index] == gc && ((label_bit >> k) & 1u) == 0;
+          if (hit) code_seen[index] = 1;
+          const double got_local = Bf16Codes::value(hit ? gc : 0u);
+          hit_sum += got_local;
+          hit_magnitude += fabs(got_local);
+          const double m = hit ? code_margin[index] : -1.0;
+          if (m > best_margin) {
+            best_margin = m;
+            best_column = i * 8 + k;
+            best_index = index;
+          }
+          missed |= static_cast<unsigned>(!hit) << k;
+        }
+        hits += 8 - __popc(missed);
+        if (missed != 0) {
+          int slot = atomicAdd(&miss_count, __popc(missed));
+          for (unsigned bits = missed; bits != 0 && slot < kMissCapacity; bits &= bits - 1) {
+            missed_columns[slot++] = i * 8 + __ffs(bits) - 1;
+          }
+        }
+      }
+      __syncthreads();
+      const int misses = miss_count;
+      if (misses > kMissCapacity) {
+        rows_without_tables = 7;
+        for_each_column<false, true>(x, y, g, cols, vectorized, visit);
+      } else {
+        for (int j = threadIdx.x; j < misses; j += kThreads) {
+          const int v = missed_columns[j];
+          visit(v, widen<T>(x[v]), 0.0f, widen<T>(g[v]));
+        }
+        st.compared += hits;
+        st.lookups += hits;
+        row_sum += hit_sum * fs;
+        row_magnitude += hit_magnitude * fabs(fs);
+        if (best_column >= 0) {
+          const double expected = expected_at(best_column, Bf16Codes::value(Bf16Codes::code_of(best_index)), 0.0f);
+          st.worst(best_column, best_margin, expected, static_cast<double>(Bf16Codes::value(code_g[best_index])) * fs,
+                   floor + a.rtol * fabs(expected));
+        }
+        // Every code seen: its error and relative error, once.
+        for (int i = threadIdx.x; i < Bf16Codes::kEntries; i += kThreads) {
+          if (!code_seen[i]) continue;
+          const double expected = expected_at(kNotLabel, Bf16Codes::value(Bf16Codes::code_of(static_cast<unsigned>(i))), 0.0f);
+          const double got = static_cast<double>(Bf16Codes::value(code_g[i])) * fs;
+          st.extrema(expected, got == expected ? 0.0 : fabs(got - expected));
+        }
+      }
+    } else if (a.kd) {
+      for_each_column<true, true>(x, y, g, cols, vectorized, visit);
+    } else {
+      for_each_column<false, true>(x, y, g, cols, vectorized, visit);
+    }
+    st.sum.s = row_sum;
+    st.magnitude.s = row_magnitude;
+    st = block_merge<kThreads>(st);
+    if (threadIdx.x == 0) {
+      RowComparison& o = out[r];
+      o.compared = st.compared;
+      o.mismatches = st.mismatches;
+      o.lookups = st.lookups;
+      o.max_ulp = st.max_ulp;
+      o.worst_column = st.worst_column;
+      o.first_bad_column = st.first_bad_column;
+      o.nan = st.nan;
+      o.pos_inf = st.pos_inf;
+      o.neg_inf = st.neg_inf;
+      o.subnormal = st.subnormal;
+      o.max_abs = st.max_abs;
+      o.max_rel = st.max_rel;
+      o.margin = st.margin;
+      o.worst_expected = st.worst_expected;
+      o.worst_got = st.worst_got;
+      o.worst_tolerance = st.worst_tolerance;
+      o.sum = st.sum.s;
+      o.sum_error = st.sum.c;
+      o.magnitude = st.magnitude.s + st.magnitude.c;
+      o.first_bad_value = st.first_bad_value;
+    }
+  }
+}
+
+__global__ void exp_values_kernel(const double* in, double* out, std::size_t count) {
+  __shared__ double table[32];
+  load_exp_table(table);
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    out[i] = exp_reference(in[i], table);
+  }
+}
+
+int reference_blocks(std::int64_t rows, int per_sm = 8) {
+  int device = 0, sms = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  const std::int64_t blocks = static_cast<std::int64_t>(sms > 0 ? sms : 132) * per_sm;
+  return static_cast<int>(rows < blocks ? rows : blocks);
+}
+
+// The code tables serve bf16 rows of the cross-entropy family without softcap, read with 16-byte loads;
+// LOSSVERIFY_REFERENCE_TABLES=off turns them off (read per call: tests compare both in one process).
+template <class T>
+bool use_code_tables(bool kd, double softcap, bool vectorized) {
+  const char* e = std::getenv("LOSSVERIFY_REFERENCE_TABLES");
+  return std::is_same_v<T, __nv_bfloat16> && !kd && softcap == 0.0 && vectorized &&
+         !(e != nullptr && std::string_view(e) == "off");
+}
+
+}  // namespace
+
+bool reference_code_tables_apply(StorageType type, bool kd, double softcap) {
+  bool apply = false;
+  dispatch(type, [&](auto* tag) { apply = use_code_tables<std::remove_pointer_t<decltype(tag)>>(kd, softcap, true); });
+  return apply;
+}
+
+void reference_partials(StorageType type, const ReferencePartialArgs& args, double* out, void* stream) {
+  if (args.rows == 0) return;
+  dispatch(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const bool vectorized = rows_vectorizable<T>(args.cols, {args.student, args.teacher});
+    const auto s = static_cast<cudaStream_t>(stream);
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      if (use_code_tables<T>(args.kd != 0, args.softcap, vectorized)) {
+        partials_kernel<T, true><<<reference_blocks(args.rows), kReferenceThreads, 0, s>>>(args, out, vectorized);
+        return;
+      }
+    }
+    partials_kernel<T, false><<<reference_blocks(args.rows), kReferenceThreads, 0, s>>>(args, out, vectorized);
+  });
+}
+
+void reference_kl(StorageType type, const ReferenceKlArgs& args, double* out, void* stream) {
+  if (args.rows == 0) return;
+  dispatch(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    kl_kernel<T><<<reference_blocks(args.rows), kReferenceThreads, 0, static_cast<cudaStream_t>(stream)>>>(args, out);
+  });
+}
+
+void reference_compare(StorageType type, const ReferenceCompareArgs& args, RowComparison* out, void* stream) {
+  if (args.rows == 0) return;
+  dispatch(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const bool vectorized = rows_vectorizable<T>(args.cols, {args.student, args.teacher, args.grad});
+    const auto s = static_cast<cudaStream_t>(stream);
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      if (use_code_tables<T>(args.kd != 0, args.softcap, vectorized)) {
+        // LOSSVERIFY_TABLE_THREADS=256: two blocks of 256 threads per SM, 128 registers (a benchmark knob).
+        const char* e = std::getenv("LOSSVERIFY_TABLE_THREADS");
+        const bool narrow_blocks = e != nullptr && std::string_view(e) == "256";
+        auto* kernel = narrow_blocks ? compare_kernel<T, true, 256> : compare_kernel<T, true, kTableThreads>;
+        LV_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kTableSharedBytes)));
+        kernel<<<reference_blocks(args.rows, 2), narrow_blocks ? 256 : kTableThreads, kTableSharedBytes, s>>>(args, out, vectorized);
+        return;
+      }
+    }
+    compare_kernel<T, false, kReferenceThreads><<<reference_blocks(args.rows), kReferenceThreads, 0, s>>>(args, out, vectorized);
+  });
+}
+
+void preload_reference_kernels(StorageType type, bool kd, double softcap, const void* logits, std::int64_t cols) {
+  cudaFuncAttributes attributes{};
+  auto load = [&](const void* kernel) {
+    if (cudaFuncGetAttributes(&attributes, kernel) != cudaSuccess) cudaGetLastError();  // errors surface at launch
+  };
+  dispatch(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    // reference_partials' and reference_compare's choices (the gradient is allocated like the logits)
+    const bool tables = use_code_tables<T>(kd, softcap, rows_vectorizable<T>(cols, {logits}));
+    if (kd) load(reinterpret_cast<const void*>(kl_kernel<T>));
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      if (tables) {
+        load(reinterpret_cast<const void*>(partials_kernel<T, true>));
+        load(reinterpret_cast<const void*>(compare_kernel<T, true, kTableThreads>));
+        return;
+      }
+    }
+    load(reinterpret_cast<const void*>(partials_kernel<T, false>));
+    load(reinterpret_cast<const void*>(compare_kernel<T, false, kReferenceThreads>));
+  });
+}
+
+void reference_exp_values(const double* in, double* out, std::size_t count) {
+  if (count == 0) return;
+  DeviceBytes d_in(count * sizeof(double)), d_out(count * sizeof(double));
+  LV_CUDA(cudaMemcpy(d_in.as<void>(), in, d_in.size(), cudaMemcpyHostToDevice));
+  exp_values_kernel<<<256, 256>>>(d_in.as<double>(), d_out.as<double>(), count);
+  LV_CUDA(cudaGetLastError());
+  LV_CUDA(cudaMemcpy(out, d_out.as<void>(), d_out.size(), cudaMemcpyDeviceToHost));
+}
+
+}  // namespace lossverify::cuda

@@ -1,0 +1,203 @@
+#include "lossverify/inputs/input_source.hpp"
+
+#include "lossverify/core/errors.hpp"
+#include "lossverify/inputs/philox_stream.hpp"
+
+namespace lossverify {
+
+InputSource::InputSource(const Case& c) : case_(c), batch_(c.batch) {
+  for (const RowOverride& row : c.inputs.overrides) overrides_[row.token] = &row;
+}
+
+InputSource::InputSource(const Case& c, ExplicitInputs data) : case_(c), explicit_(true), batch_(c.batch) {
+  const auto n = static_cast<std::size_t>(c.shape.tokens);
+  const std::size_t row_bytes = static_cast<std::size_t>(c.shape.vocab) * dtype_size(c.inputs.dtype);
+  const bool kd = c.loss.kind == LossKind::kd;
+  if (data.student.size() != n * row_bytes || (kd && data.teacher.size() != n * row_bytes) ||
+      (!kd && !data.teacher.empty()) || (!kd && data.labels.size() != n) || data.loss_mask.size() != n) {
+    throw InternalError("explicit inputs do not match the case's shape and dtype");
+  }
+  cache_student_ = std::move(data.student);
+  cache_teacher_ = std::move(data.teacher);
+  explicit_labels_ = std::move(data.labels);
+  explicit_mask_ = std::move(data.loss_mask);
+}
+
+namespace {
+
+double widen(double x, DType d) { return round_to_dtype(x, d); }
+template <class T>
+T narrow(double x) {
+  return T(static_cast<float>(x));
+}
+template <>
+float narrow<float>(double x) {
+  return static_cast<float>(x);
+}
+
+}  // namespace
+
+template <class T>
+void InputSource::fill(InputStream stream, std::uint64_t counter_token, std::int64_t begin, std::int64_t end, T* out,
+                       double mean, double scale, bool use_overrides) const {
+  const DType d = dtype();
+  auto convert = [d](double x) {
+    if constexpr (std::is_same_v<T, double>) {
+      return widen(x, d);
+    } else {
+      return narrow<T>(x);
+    }
+  };
+  if (use_overrides) {
+    const auto it = overrides_.find(static_cast<std::int64_t>(counter_token));
+    if (it != overrides_.end() && !it->second->logits.empty()) {
+      const auto& row = it->second->logits;
+      for (std::int64_t v = begin; v < end; ++v) out[v - begin] = convert(row[static_cast<std::size_t>(v)]);
+      return;
+    }
+  }
+  const InputSpec& in = case_.inputs;
+  std::int64_t v = begin;
+  double even = 0.0;
+  double odd = 0.0;
+  if (v < end && (v & 1)) {  // odd first column: the second value of its pair
+    logit_pair(in.seed, stream, counter_token, static_cast<std::uint32_t>(v >> 1), in.distribution, mean, scale, &even,
+               &odd);
+    out[0] = convert(odd);
+    ++v;
+  }
+  for (; v + 1 < end; v += 2) {
+    logit_pair(in.seed, stream, counter_token, static_cast<std::uint32_t>(v >> 1), in.distribution, mean, scale, &even,
+               &odd);
+    out[v - begin] = convert(even);
+    out[v + 1 - begin] = convert(odd);
+  }
+  if (v < end) {
+    logit_pair(in.seed, stream, counter_token, static_cast<std::uint32_t>(v >> 1), in.distribution, mean, scale, &even,
+               &odd);
+    out[v - begin] = convert(even);
+  }
+}
+
+template <class T>
+bool InputSource::read_cache(const std::vector<std::byte>& cache, std::int64_t token, std::int64_t begin,
+                             std::int64_t end, T* out) const {
+  if (cache.empty()) return false;
+  const std::int64_t vocab = case_.shape.vocab;
+  dispatch_dtype(dtype(), [&](auto type) {
+    using S = typename decltype(type)::type;
+    const S* row = reinterpret_cast<const S*>(cache.data()) + token * vocab;
+    for (std::int64_t v = begin; v < end; ++v) {
+      if constexpr (std::is_same_v<T, S>) {
+        out[v - begin] = row[v];
+      } else if constexpr (std::is_same_v<T, double>) {
+        out[v - begin] = static_cast<double>(static_cast<float>(row[v]));
+      } else {
+        out[v - begin] = T(static_cast<float>(row[v]));
+      }
+    }
+  });
+  return true;
+}
+
+bool InputSource::materialize(int threads, std::size_t max_bytes) {
+  if (explicit_) return true;  // the data is all in memory already
+  const std::int64_t vocab = case_.shape.vocab;
+  const std::int64_t n = case_.shape.tokens;
+  const bool kd = case_.loss.kind == LossKind::kd && !case_.inputs.teacher.same_as_student;
+  const std::size_t bytes = static_cast<std::size_t>(n * vocab) * dtype_size(dtype()) * (kd ? 2 : 1);
+  if (bytes > max_bytes) return false;
+  std::vector<std::byte> student(static_cast<std::size_t>(n * vocab) * dtype_size(dtype()));
+  std::vector<std::byte> teacher(kd ? student.size() : 0);
+  dispatch_dtype(dtype(), [&](auto type) {
+    using S = typename decltype(type)::type;
+    S* s_rows = reinterpret_cast<S*>(student.data());
+    S* t_rows = reinterpret_cast<S*>(teacher.data());
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 8)
+    for (std::int64_t t = 0; t < n; ++t) {
+      logits(t, 0, vocab, s_rows + t * vocab);
+      if (kd) teacher_logits(t, 0, vocab, t_rows + t * vocab);
+    }
+  });
+  cache_student_ = std::move(student);
+  cache_teacher_ = std::move(teacher);
+  return true;
+}
+
+#define LOSSVERIFY_LOGITS(T)                                                                                   \
+  void InputSource::logits(std::int64_t token, std::int64_t begin, std::int64_t end, T* out) const {          \
+    if (read_cache(cache_student_, token, begin, end, out)) return;                                            \
+    fill(InputStream::student_logits, static_cast<std::uint64_t>(token), begin, end, out, case_.inputs.mean,   \
+         case_.inputs.scale, true);                                                                            \
+  }                                                                                                            \
+  void InputSource::teacher_logits(std::int64_t token, std::int64_t begin, std::int64_t end, T* out) const {  \
+    const TeacherSpec& t = case_.inputs.teacher;                                                               \
+    if (t.same_as_student) {                                                                                   \
+      logits(token, begin, end, out);                                                                          \
+    } else if (!read_cache(cache_teacher_, token, begin, end, out)) {                                          \
+      fill(InputStream::teacher_logits, static_cast<std::uint64_t>(token), begin, end, out, t.mean, t.scale,   \
+           false);                                                                                             \
+    }                                                                                                          \
+  }
+LOSSVERIFY_LOGITS(double)
+LOSSVERIFY_LOGITS(float)
+LOSSVERIFY_LOGITS(Eigen::bfloat16)
+LOSSVERIFY_LOGITS(Eigen::half)
+#undef LOSSVERIFY_LOGITS
+
+#define LOSSVERIFY_PADDING(T)                                                                                 \
+  void InputSource::padding_logits(std::int64_t sequence, std::int64_t position, std::int64_t begin,          \
+                                   std::int64_t end, T* out) const {                                          \
+    fill(InputStream::pad_logits, (static_cast<std::uint64_t>(sequence) << 32) + static_cast<std::uint64_t>(position), \
+         begin, end, out, case_.inputs.mean, case_.inputs.scale, false);                                      \
+  }
+LOSSVERIFY_PADDING(float)
+LOSSVERIFY_PADDING(Eigen::bfloat16)
+LOSSVERIFY_PADDING(Eigen::half)
+#undef LOSSVERIFY_PADDING
+
+std::int64_t InputSource::token_id(std::int64_t token) const {
+  if (explicit_) return explicit_labels_.empty() ? 0 : explicit_labels_[static_cast<std::size_t>(token)];
+  return generated_label(case_.inputs.seed, static_cast<std::uint64_t>(token), case_.shape.vocab);
+}
+
+bool InputSource::masked(std::int64_t token) const {
+  if (explicit_) return explicit_mask_[static_cast<std::size_t>(token)] == 0;
+  const InputSpec& in = case_.inputs;
+  return in.ignore_fraction > 0.0 &&
+         token_uniform(in.seed, InputStream::token_mask, static_cast<std::uint64_t>(token)) < in.ignore_fraction;
+}
+
+bool InputSource::is_valid(std::int64_t token) const {
+  if (case_.loss.kind == LossKind::kd) return !masked(token);
+  return label(token) != case_.loss.ignore_index;
+}
+
+std::int64_t InputSource::label(std::int64_t token) const {
+  if (explicit_) {
+    if (masked(token) || explicit_labels_.empty()) return case_.loss.ignore_index;
+    return explicit_labels_[static_cast<std::size_t>(token)];
+  }
+  const auto it = overrides_.find(token);
+  if (it != overrides_.end() && it->second->label) return *it->second->label;
+  if (masked(token)) return case_.loss.ignore_index;
+  if (case_.batch.labels == BatchSpec::Labels::independent) return token_id(token);
+  if (batch_.is_last_of_sequence(token)) return case_.loss.ignore_index;
+  return token_id(token + 1);
+}
+
+double InputSource::upstream_weight(std::int64_t token) const {
+  const UpstreamWeights& w = case_.loss.upstream_weights;
+  switch (w.kind) {
+    case UpstreamWeights::Kind::explicit_list:
+      return w.values[static_cast<std::size_t>(token)];
+    case UpstreamWeights::Kind::uniform:
+      return w.low + (w.high - w.low) * token_uniform(case_.inputs.seed, InputStream::upstream_weights,
+                                                      static_cast<std::uint64_t>(token));
+    case UpstreamWeights::Kind::ones:
+    default:
+      return 1.0;
+  }
+}
+
+}  // namespace lossverify

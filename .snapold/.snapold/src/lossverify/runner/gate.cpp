@@ -1,0 +1,331 @@
+#include "lossverify/runner/gate.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <limits>
+#include <sstream>
+#include <thread>
+
+#include "lossverify/core/errors.hpp"
+#include "lossverify/core/strings.hpp"
+#include "lossverify/report/report.hpp"
+
+namespace lossverify {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+json outcome_json(const GateCell& cell) {
+  if (cell.verdict == "not_applicable") return {{"verdict", "not_applicable"}};
+  return {{"verdict", cell.verdict}, {"failing_checks", cell.failing_checks}};
+}
+
+std::optional<json> read_golden(const fs::path& path) {
+  if (!fs::exists(path)) return std::nullopt;
+  std::ifstream in(path);
+  try {
+    json doc = json::parse(in);
+    if (doc.value("format", "") != "lossverify.golden/1") {
+      throw CaseError(path.string() + ": $.format: expected lossverify.golden/1");
+    }
+    return doc;
+  } catch (const json::exception& e) {
+    throw CaseError(path.string() + ": not valid golden JSON: " + e.what());
+  }
+}
+
+std::string join(const std::vector<std::string>& items) {
+  std::string out;
+  for (const auto& item : items) out += (out.empty() ? "" : std::string(",")) + item;
+  return out;
+}
+
+}  // namespace
+
+GateResult run_gate(const GateOptions& options) {
+  const auto start = Clock::now();
+  GateResult result;
+  if (!fs::is_directory(options.cases_dir)) throw CaseError(options.cases_dir + ": cases directory not found");
+  std::vector<fs::path> files;
+  for (const auto& entry : fs::directory_iterator(options.cases_dir)) {
+    if (entry.path().extension() == ".json") files.push_back(entry.path());
+  }
+  std::sort(files.begin(), files.end());
+  if (files.empty()) throw CaseError(options.cases_dir + ": no case files");
+  std::vector<Case> cases;
+  for (const auto& f : files) cases.push_back(load_case_file(f.string()));  // all validated before any run
+  for (const auto& impl : implementations()) result.implementations.push_back(impl.name);
+
+  RunOptions run_options;
+  run_options.threads = options.threads;
+  for (const Case& c : cases) {
+    result.cases.push_back(c.name);
+    const fs::path golden_path = fs::path(options.golden_dir) / (c.name + ".json");
+    const std::optional<json> golden = options.update_golden ? std::nullopt : read_golden(golden_path);
+    json new_golden = {{"format", "lossverify.golden/1"}, {"case", c.name}, {"outcomes", json::object()}};
+    // One input set per case, generated once and shared by every implementation and sweep layout.
+    InputSource inputs(c);
+    inputs.materialize(options.threads > 0 ? options.threads : static_cast<int>(std::thread::hardware_concurrency()),
+                       kMaterializeLimitBytes);
+    run_options.shared_inputs = &inputs;
+    for (const Implementation& impl : implementations()) {
+      GateCell cell;
+      cell.case_name = c.name;
+      cell.implementation = impl.name;
+      const auto cell_start = Clock::now();
+      if (!applies_to(impl, c.loss.kind)) {
+        cell.verdict = "not_applicable";
+      } else {
+        run_options.implementation = impl.name;
+        const RunResult run = run_case(c, run_options);
+        cell.verdict = std::string(to_string(run.verdict));
+        for (const CheckResult& check : run.checks) {
+          if (check.verdict == Verdict::fail) cell.failing_checks.push_back(check.name);
+          if (check.verdict != Verdict::not_applicable) cell.margin = std::max(cell.margin, check.margin);
+        }
+        std::sort(cell.failing_checks.begin(), cell.failing_checks.end());
+      }
+      cell.seconds = seconds_since(cell_start);
+      const json got = outcome_json(cell);
+      new_golden["outcomes"][impl.name] = got;
+      if (golden && golden->at("outcomes").contains(impl.name)) cell.expected = golden->at("outcomes").at(impl.name);
+      cell.matches = options.update_golden || (cell.expected && *cell.expected == got);
+      if (!cell.matches) {
+        cell.detail = cell.expected ? "golden " + cell.expected->dump() + ", got " + got.dump()
+                                    : "no golden outcome for this cell (" + golden_path.string() +
+                                          "); run `lossverify gate --update-golden` and review the diff";
+        ++result.mismatches;
+      }
+      if (impl.name == "correct" && cell.verdict == "fail") ++result.false_alarms;
+      result.cells.push_back(std::move(cell));
+      if (!options.quiet) std::cerr << "." << std::flush;
+    }
+    if (!c.sweep.empty()) {
+      GateSweep sweep;
+      sweep.case_name = c.name;
+      const auto sweep_start = Clock::now();
+      run_options.implementation = "correct";
+      const std::vector<LayoutSpec> layouts = sweep_layouts(c);
+      const SweepResult s = run_sweep(c, layouts, run_options);
+      for (const auto& l : layouts) sweep.layouts.push_back(layout_name(l));
+      sweep.verdict = std::string(to_string(s.verdict));
+      std::vector<std::string> failing;
+      for (std::size_t k = 0; k < s.runs.size(); ++k) {
+        if (s.runs[k].verdict == Verdict::fail) failing.push_back(sweep.layouts[k]);
+      }
+      if (s.invariance.verdict == Verdict::fail) failing.push_back("invariance");
+      sweep.failing_layouts = join(failing);
+      sweep.invariance_margin = s.invariance.margin;
+      sweep.seconds = seconds_since(sweep_start);
+      new_golden["sweep"] = {{"verdict", sweep.verdict}, {"layouts", sweep.layouts}};
+      if (golden && golden->contains("sweep")) sweep.expected = golden->at("sweep").value("verdict", "");
+      sweep.matches = options.update_golden || (sweep.expected && *sweep.expected == sweep.verdict);
+      if (!sweep.matches) ++result.mismatches;
+      if (s.verdict == Verdict::fail) ++result.false_alarms;
+      result.sweeps.push_back(std::move(sweep));
+    }
+    if (options.update_golden) {
+      fs::create_directories(options.golden_dir);
+      write_file_atomically(golden_path.string(), new_golden.dump(2) + "\n");
+      result.golden_updated = true;
+    }
+  }
+  if (!options.quiet) std::cerr << "\n";
+
+  // Mutation score: a bug is caught when it fails at least one case; its detection margin is the largest
+  // margin among the cases that catch it. The gate reports the smallest of those over all bugs.
+  result.smallest_detection_margin = std::numeric_limits<double>::infinity();
+  for (const Implementation& impl : implementations()) {
+    if (impl.name == "correct") {
+      for (const GateCell& cell : result.cells) {
+        if (cell.implementation == "correct") result.largest_correct_margin = std::max(result.largest_correct_margin, cell.margin);
+      }
+      continue;
+    }
+    bool ran = false;
+    double best = 0.0;
+    std::string where;
+    for (const GateCell& cell : result.cells) {
+      if (cell.implementation != impl.name || cell.verdict == "not_applicable") continue;
+      ran = true;
+      if (cell.verdict == "fail" && cell.margin > best) {
+        best = cell.margin;
+        where = cell.case_name;
+      }
+    }
+    if (!ran) continue;
+    ++result.bugs_run;
+    if (best > 0.0) {
+      ++result.bugs_caught;
+      if (best < result.smallest_detection_margin) {
+        result.smallest_detection_margin = best;
+        result.smallest_detection = impl.name + " on " + where;
+      }
+    } else {
+      result.uncaught_bugs.push_back(impl.name);
+    }
+  }
+  result.wall_seconds = seconds_since(start);
+  return result;
+}
+
+void print_gate_matrix(std::ostream& out, const GateResult& r) {
+  out << "lossverify gate: " << r.cases.size() << " cases x " << r.implementations.size() << " implementations\n";
+  out << "cases:\n";
+  for (std::size_t k = 0; k < r.cases.size(); ++k) out << "  " << std::setw(2) << k + 1 << " " << r.cases[k] << "\n";
+  out << "\n" << std::left << std::setw(30) << "implementation";
+  for (std::size_t k = 0; k < r.cases.size(); ++k) out << std::right << std::setw(3) << k + 1;
+  out << "\n";
+  for (const std::string& impl : r.implementations) {
+    out << std::left << std::setw(30) << impl;
+    for (const std::string& name : r.cases) {
+      const auto it = std::find_if(r.cells.begin(), r.cells.end(), [&](const GateCell& c) {
+        return c.case_name == name && c.implementation == impl;
+      });
+      char mark = '?';
+      if (it != r.cells.end()) {
+        mark = it->verdict == "not_applicable" ? '-' : it->verdict == "pass" ? '.' : 'X';
+        if (!it->matches) mark = '!';
+      }
+      out << std::right << std::setw(3) << mark;
+    }
+    out << "\n";
+  }
+  out << "  . pass   X caught (fails as golden says)   - not applicable   ! differs from golden\n";
+  for (const GateSweep& s : r.sweeps) {
+    out << "sweep " << s.case_name << ": " << s.layouts.size() << " layouts, " << s.verdict
+        << (s.failing_layouts.empty() ? "" : " (" + s.failing_layouts + ")") << ", invariance margin "
+        << std::setprecision(3) << s.invariance_margin << (s.matches ? "" : "  ! differs from golden") << "\n";
+  }
+  for (const GateCell& c : r.cells) {
+    if (!c.matches) out << "MISMATCH " << c.case_name << " --impl " << c.implementation << ": " << c.detail << "\n";
+  }
+  for (const auto& bug : r.uncaught_bugs) out << "UNCAUGHT " << bug << ": passes every shipped case\n";
+  out << std::defaultfloat << std::setprecision(4);
+  out << "mutation score: " << r.bugs_caught << "/" << r.bugs_run << " bugs caught\n";
+  out << "false alarms on the correct implementation: " << r.false_alarms << "\n";
+  out << "smallest detection margin: " << r.smallest_detection_margin << " (" << r.smallest_detection << ")\n";
+  out << "largest margin of the correct implementation: " << r.largest_correct_margin << " (must stay < 1)\n";
+  out << "golden: " << (r.golden_updated ? "rewritten" : std::to_string(r.mismatches) + " mismatches") << "\n";
+  out << std::setprecision(1) << std::fixed << "wall time: " << r.wall_seconds << " s\n" << std::defaultfloat;
+  out << "gate: " << (r.passed() ? "PASS" : "FAIL") << "\n";
+}
+
+json gate_report(const GateResult& r) {
+  json cells = json::array();
+  for (const GateCell& c : r.cells) {
+    cells.push_back({{"case", c.case_name},
+                     {"implementation", c.implementation},
+                     {"verdict", c.verdict},
+                     {"failing_checks", c.failing_checks},
+                     {"margin", c.margin},
+                     {"expected", c.expected ? *c.expected : json(nullptr)},
+                     {"matches", c.matches},
+                     {"seconds", c.seconds}});
+  }
+  json sweeps = json::array();
+  for (const GateSweep& s : r.sweeps) {
+    sweeps.push_back({{"case", s.case_name},
+                      {"layouts", s.layouts},
+                      {"verdict", s.verdict},
+                      {"failing", s.failing_layouts},
+                      {"invariance_margin", s.invariance_margin},
+                      {"expected", s.expected ? json(*s.expected) : json(nullptr)},
+                      {"matches", s.matches},
+                      {"seconds", s.seconds}});
+  }
+  json report = make_report("gate", {}, r.passed() ? ExitCode::pass : ExitCode::check_failed);
+  report.erase("runs");
+  report["gate"] = {{"cases", r.cases},
+                    {"implementations", r.implementations},
+                    {"bugs_run", r.bugs_run},
+                    {"bugs_caught", r.bugs_caught},
+                    {"mutation_score", r.bugs_run > 0 ? static_cast<double>(r.bugs_caught) / r.bugs_run : 0.0},
+                    {"uncaught_bugs", r.uncaught_bugs},
+                    {"false_alarms", r.false_alarms},
+                    {"mismatches", r.mismatches},
+                    {"smallest_detection_margin", r.smallest_detection_margin},
+                    {"smallest_detection", r.smallest_detection},
+                    {"largest_correct_margin", r.largest_correct_margin},
+                    {"wall_seconds", r.wall_seconds},
+                    {"peak_rss_bytes", peak_resident_bytes()},
+                    {"cells", cells},
+                    {"sweeps", sweeps}};
+  report["verdict"] = r.passed() ? "pass" : "fail";
+  return encode_nonfinite(report);
+}
+
+namespace {
+
+
+}  // namespace
+
+std::string gate_junit(const GateResult& r) {
+  std::ostringstream x;
+  std::size_t tests = 0;
+  std::size_t failures = 0;
+  for (const GateCell& c : r.cells) {
+    ++tests;
+    failures += !c.matches;
+  }
+  for (const GateSweep& s : r.sweeps) {
+    ++tests;
+    failures += !s.matches;
+  }
+  x << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n";
+  x << "<testsuites name=\"lossverify gate\" tests=\"" << tests << "\" failures=\"" << failures << "\" time=\""
+    << r.wall_seconds << "\">\n";
+  for (const std::string& name : r.cases) {
+    std::size_t case_tests = 0;
+    std::size_t case_failures = 0;
+    for (const GateCell& c : r.cells) {
+      if (c.case_name != name) continue;
+      ++case_tests;
+      case_failures += !c.matches;
+    }
+    x << "  <testsuite name=\"" << xml_escape(name) << "\" tests=\"" << case_tests << "\" failures=\""
+      << case_failures << "\">\n";
+    for (const GateCell& c : r.cells) {
+      if (c.case_name != name) continue;
+      x << "    <testcase classname=\"" << xml_escape(name) << "\" name=\"" << xml_escape(c.implementation)
+        << "\" time=\"" << c.seconds << "\"";
+      if (c.matches && c.verdict != "not_applicable") {
+        x << "/>\n";
+        continue;
+      }
+      x << ">\n";
+      if (!c.matches) {
+        x << "      <failure message=\"" << xml_escape(c.detail) << "\">" << xml_escape(c.detail) << "</failure>\n";
+      } else {
+        x << "      <skipped message=\"the bug's switches do not reach this loss\"/>\n";
+      }
+      x << "    </testcase>\n";
+    }
+    for (const GateSweep& s : r.sweeps) {
+      if (s.case_name != name) continue;
+      x << "    <testcase classname=\"" << xml_escape(name) << "\" name=\"sweep\" time=\"" << s.seconds << "\"";
+      if (s.matches) {
+        x << "/>\n";
+      } else {
+        x << ">\n      <failure message=\"sweep " << xml_escape(s.verdict + " " + s.failing_layouts)
+          << "\"/>\n    </testcase>\n";
+      }
+    }
+    x << "  </testsuite>\n";
+  }
+  x << "</testsuites>\n";
+  return x.str();
+}
+
+}  // namespace lossverify

@@ -1,0 +1,72 @@
+#pragma once
+// The CI numerical gate: every shipped case with the correct implementation and with every catalogued
+// bug, each outcome compared with golden/<case>.json; sweeps of the correct implementation where a case
+// declares one. Nothing rewrites golden/ unless asked (--update-golden).
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "lossverify/case/case.hpp"
+#include "lossverify/runner/run_case.hpp"
+
+namespace lossverify {
+
+struct GateOptions {
+  std::string cases_dir = "cases";
+  std::string golden_dir = "golden";
+  bool update_golden = false;
+  int threads = 0;
+  bool quiet = false;
+};
+
+// One (case, implementation) cell of the matrix.
+struct GateCell {
+  std::string case_name;
+  std::string implementation;
+  std::string verdict;                      // pass | fail | not_applicable (the bug cannot reach this loss)
+  std::vector<std::string> failing_checks;  // sorted
+  double margin = 0.0;                      // worst check margin of the run (detection margin for a bug)
+  std::optional<nlohmann::json> expected;   // golden outcome; nullopt when golden has none
+  bool matches = false;
+  double seconds = 0.0;
+  std::string detail;  // failure message for JUnit
+};
+
+struct GateSweep {
+  std::string case_name;
+  std::vector<std::string> layouts;
+  std::string verdict;
+  std::string failing_layouts;
+  double invariance_margin = 0.0;
+  std::optional<std::string> expected;
+  bool matches = false;
+  double seconds = 0.0;
+};
+
+struct GateResult {
+  std::vector<std::string> cases;
+  std::vector<std::string> implementations;
+  std::vector<GateCell> cells;
+  std::vector<GateSweep> sweeps;
+  int bugs_run = 0;
+  int bugs_caught = 0;
+  std::vector<std::string> uncaught_bugs;
+  int false_alarms = 0;       // correct implementation failing a case or a sweep layout
+  int mismatches = 0;         // outcomes differing from golden
+  std::string smallest_detection;  // "impl on case"
+  double smallest_detection_margin = 0.0;  // over bugs: the margin on the case that catches it best
+  double largest_correct_margin = 0.0;     // over cases: how close the correct implementation comes to failing
+  double wall_seconds = 0.0;
+  bool golden_updated = false;
+  bool passed() const { return mismatches == 0 && false_alarms == 0 && uncaught_bugs.empty(); }
+};
+
+GateResult run_gate(const GateOptions& options);
+
+void print_gate_matrix(std::ostream& out, const GateResult& result);
+nlohmann::json gate_report(const GateResult& result);
+std::string gate_junit(const GateResult& result);
+
+}  // namespace lossverify

@@ -1,0 +1,307 @@
+#include "lossverify/runner/run_case.hpp"
+
+#include <omp.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <thread>
+
+#include "lossverify/comm/thread_world.hpp"
+#include "lossverify/core/errors.hpp"
+#include "lossverify/impl/cpu/sharded_loss.hpp"
+#include "lossverify/impl/cuda/cuda_backend.hpp"
+#include "lossverify/impl/cuda/nccl_communicator.hpp"
+#include "lossverify/layout/rank_layout.hpp"
+#include "lossverify/inputs/input_source.hpp"
+
+namespace lossverify {
+
+FaultInjection parse_fault(const std::string& text) {
+  const auto at = text.find('@');
+  FaultInjection f;
+  std::string kind = text.substr(0, at);
+  if (kind.rfind("late-", 0) == 0) {
+    f.late = true;
+    kind = kind.substr(5);
+  }
+  if (at == std::string::npos || (kind != "throw" && kind != "hang" && kind != "exit")) {
+    throw CaseError("--inject-fault " + text + ": expected [late-]throw@RANK, [late-]hang@RANK or [late-]exit@RANK");
+  }
+  f.kind = kind == "throw" ? FaultInjection::Kind::throw_error
+           : kind == "hang" ? FaultInjection::Kind::hang
+                            : FaultInjection::Kind::exit;
+  try {
+    f.rank = std::stoi(text.substr(at + 1));
+  } catch (const std::exception&) {
+    throw CaseError("--inject-fault " + text + ": rank is not a number");
+  }
+  return f;
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+void inject(const FaultInjection& fault, int rank, bool late) {
+  if (fault.rank != rank || fault.late != late) return;
+  if (fault.kind == FaultInjection::Kind::throw_error) {
+    throw InternalError(late ? "injected fault: this rank threw after its groups were set up, before its kernel"
+                             : "injected fault: this rank threw before its first collective");
+  }
+  if (fault.kind == FaultInjection::Kind::hang) {
+    for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));  // never reaches a collective
+  }
+  if (fault.kind == FaultInjection::Kind::exit) std::exit(9);  // the process goes away mid-run
+}
+
+int resolved_threads(const RunOptions& options) {
+  const int hardware = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  return options.threads > 0 ? options.threads : hardware;
+}
+
+}  // namespace
+
+RankAssignment assign_rank(const Case& c, const GlobalBatch& batch, int world_rank) {
+  RankAssignment a;
+  a.world_rank = world_rank;
+  a.coordinates = coordinates_of(world_rank, c.layout);
+  a.vocab = vocab_range(c.shape.vocab, c.layout.tp, a.coordinates.tp);
+  const std::int64_t pad_multiple = 2 * static_cast<std::int64_t>(c.layout.cp);
+  for (int k = 0; k < c.layout.ga; ++k) {
+    a.micro_batch_begin.push_back(static_cast<std::int64_t>(a.rows.size()));
+    const auto sequences = sequences_of_slot(batch, c.batch, c.layout, a.coordinates.dp, k);
+    const auto rows = zigzag_rows(batch, sequences, c.layout.cp, a.coordinates.cp, pad_multiple);
+    a.rows.insert(a.rows.end(), rows.begin(), rows.end());
+  }
+  a.micro_batch_begin.push_back(static_cast<std::int64_t>(a.rows.size()));
+  return a;
+}
+
+namespace {
+
+// The three communicators of a rank. TP group: same (cp, dp). Batch group (different tokens): same tp.
+// DP group: same (tp, cp). Collective over the world.
+struct OwnedGroups {
+  std::unique_ptr<Communicator> tp, batch, dp;
+  RankGroups view() { return RankGroups{*tp, *batch, *dp}; }
+};
+OwnedGroups make_groups(Communicator& world, const LayoutSpec& layout) {
+  const RankCoordinates at = coordinates_of(world.rank(), layout);
+  OwnedGroups g;
+  g.tp = world.split(at.dp * layout.cp + at.cp, at.tp);
+  g.batch = world.split(at.tp, world.rank());
+  g.dp = world.split(at.cp * layout.tp + at.tp, at.dp);
+  return g;
+}
+
+void check_fault_rank(const FaultInjection& fault, int world_size) {
+  if (fault.kind != FaultInjection::Kind::none && (fault.rank < 0 || fault.rank >= world_size)) {
+    throw CaseError("--inject-fault: rank " + std::to_string(fault.rank) + " outside [0, " +
+                    std::to_string(world_size) + ")");
+  }
+}
+
+}  // namespace
+
+ExecutionInfo resolve_execution(const RunOptions& options, int world_size) {
+  ExecutionInfo info;
+  if (options.device != RunOptions::Device::cuda) {
+    if (options.collectives == RunOptions::Collectives::nccl) {
+      throw CaseError("--collectives nccl needs --backend cuda");
+    }
+    if (options.reference == RunOptions::Reference::gpu) throw CaseError("--reference gpu needs --backend cuda");
+    return info;
+  }
+  info.device = "cuda";
+  if (options.reference != RunOptions::Reference::cpu) info.reference = "gpu";
+  const int visible = cuda::visible_devices();
+  if (options.gpus > visible) {
+    throw InternalError("--gpus " + std::to_string(options.gpus) + ": only " + std::to_string(visible) +
+                        " CUDA GPU(s) visible");
+  }
+  info.gpus = std::max(1, std::min(options.gpus, world_size));
+  const bool own_gpu = options.gpus >= world_size && world_size > 1;
+  switch (options.collectives) {
+    case RunOptions::Collectives::host:
+      break;
+    case RunOptions::Collectives::nccl:
+      if (!cuda::built_with_nccl()) {
+        throw InternalError("--collectives nccl: this build has no NCCL (not found at configure time)");
+      }
+      if (!own_gpu) {
+        throw CaseError("--collectives nccl: NCCL needs one GPU per rank: " + std::to_string(world_size) +
+                        " ranks, " + std::to_string(options.gpus) + " GPU(s) (use --gpus)");
+      }
+      info.collectives = "nccl";
+      break;
+    case RunOptions::Collectives::automatic:
+      if (own_gpu && cuda::built_with_nccl()) info.collectives = "nccl";
+      break;
+  }
+  return info;
+}
+
+RankRun execute_ranks(const Case& c, const InputSource& inputs, const Implementation& impl, const RunOptions& options) {
+  check_case(c);
+  const auto start = Clock::now();
+  const int world_size = c.layout.world_size();
+  check_fault_rank(options.fault, world_size);
+  CpuKernelOptions kernel_options;
+  kernel_options.threads = std::max(1, resolved_threads(options) / world_size);
+
+  RankRun run;
+  run.outputs.resize(static_cast<std::size_t>(world_size));
+  ThreadWorldOptions world_options;
+  world_options.ranks = world_size;
+  world_options.timeout_seconds = c.timeout_seconds;
+  run_thread_ranks(world_options, [&](Communicator& world) {
+    const int rank = world.rank();
+    OwnedGroups groups = make_groups(world, c.layout);
+    inject(options.fault, rank, false);
+    inject(options.fault, rank, true);
+    run.outputs[static_cast<std::size_t>(rank)] =
+        run_sharded_loss(c, inputs, assign_rank(c, inputs.batch(), rank), groups.view(), impl.bugs, kernel_options);
+  });
+  run.wall_seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  return run;
+}
+
+RankJob run_rank(const Case& c, const InputSource& inputs, const Implementation& impl, const RunOptions& options,
+                 Communicator& world, int threads, LayoutSnapshot* snapshot) {
+  const auto start = Clock::now();
+  const int rank = world.rank();
+  OwnedGroups owned = make_groups(world, c.layout);
+  inject(options.fault, rank, false);
+  ExecutionInfo execution = resolve_execution(options, world.size());
+  const int device = execution.gpus > 1 ? rank % execution.gpus : 0;
+  // NCCL groups over the host groups (one GPU per rank); they outlive the verification below, whose
+  // collectives travel over them too.
+  std::unique_ptr<Communicator> nccl_tp, nccl_batch, nccl_dp;
+  if (execution.collectives == "nccl") {
+    nccl_tp = cuda::make_nccl_group(*owned.tp, device, c.timeout_seconds);
+    nccl_batch = cuda::make_nccl_group(*owned.batch, device, c.timeout_seconds);
+    nccl_dp = cuda::make_nccl_group(*owned.dp, device, c.timeout_seconds);
+  }
+  RankGroups groups = nccl_tp ? RankGroups{*nccl_tp, *nccl_batch, *nccl_dp} : owned.view();
+  inject(options.fault, rank, true);
+  CpuKernelOptions kernel_options;
+  kernel_options.threads = threads;
+  RankOutput out;
+  if (options.device == RunOptions::Device::cuda) {
+    cuda::CudaRankOptions device_options;
+    device_options.device = device;
+    if (execution.reference == "gpu" && snapshot != nullptr) {
+      if (options.reference == RunOptions::Reference::gpu) {
+        throw CaseError("--reference gpu: sweeps compare layouts' gradients on the host; use the CPU reference");
+      }
+      execution.reference = "cpu";
+    }
+    device_options.keep_on_device = execution.reference == "gpu";
+    out = cuda::run_sharded_loss(c, inputs, assign_rank(c, inputs.batch(), rank), groups, impl.bugs, device_options);
+  } else {
+    out = run_sharded_loss(c, inputs, assign_rank(c, inputs.batch(), rank), groups, impl.bugs, kernel_options);
+  }
+  const auto kernel_done = Clock::now();
+  RankJob job;
+  job.execution = execution;
+  job.checks = verify_rank(c, inputs, out, groups, world, threads, snapshot, &job.error_map);
+  const auto end = Clock::now();
+  double t[6] = {std::chrono::duration<double>(kernel_done - start).count(), out.generate_seconds, out.compute_seconds,
+                 out.collective_seconds, std::chrono::duration<double>(end - kernel_done).count(),
+                 std::chrono::duration<double>(end - start).count()};
+  world.allreduce_max(std::span<double>(t, 6));
+  job.timings = {t[0], t[1], t[2], t[3], t[4], t[5]};
+  return job;
+}
+
+RunResult assemble_result(const Case& c, const Implementation& impl, RankJob job) {
+  RunResult result;
+  result.the_case = c;
+  result.implementation = &impl;
+  result.ranks = c.layout.world_size();
+  result.checks = std::move(job.checks);
+  result.timings = job.timings;
+  result.error_map = std::move(job.error_map);
+  result.execution = job.execution;
+  result.verdict = Verdict::pass;
+  for (const CheckResult& check : result.checks) {
+    if (check.verdict == Verdict::fail) result.verdict = Verdict::fail;
+  }
+  return result;
+}
+
+RunResult run_case(const Case& c, const RunOptions& options, bool keep_snapshot) {
+  const Implementation* impl = find_implementation(options.implementation);
+  if (impl == nullptr) {
+    throw CaseError("--impl " + options.implementation + ": unknown implementation (see `lossverify list`)");
+  }
+  check_case(c);
+  const auto start = Clock::now();
+  const int world_size = c.layout.world_size();
+  check_fault_rank(options.fault, world_size);
+  if (options.device == RunOptions::Device::cuda) {
+    cuda::require_device(0);
+  }
+  resolve_execution(options, world_size);  // an impossible request fails before any rank starts
+  std::optional<InputSource> own_inputs;
+  if (options.shared_inputs == nullptr) own_inputs.emplace(c);
+  const InputSource& inputs = options.shared_inputs != nullptr ? *options.shared_inputs : *own_inputs;
+  LayoutSnapshot snapshot;
+  if (keep_snapshot) {
+    snapshot.token_loss.assign(static_cast<std::size_t>(c.shape.tokens), 0.0f);
+    if (c.shape.tokens * c.shape.vocab <= kSnapshotElementLimit) {
+      snapshot.effective_grad.assign(static_cast<std::size_t>(c.shape.tokens * c.shape.vocab), 0.0f);
+    }
+  }
+  const int threads = std::max(1, resolved_threads(options) / world_size);
+  RankJob rank0;
+  ThreadWorldOptions world_options;
+  world_options.ranks = world_size;
+  world_options.timeout_seconds = c.timeout_seconds;
+  run_thread_ranks(world_options, [&](Communicator& world) {
+    RankJob job = run_rank(c, inputs, *impl, options, world, threads, keep_snapshot ? &snapshot : nullptr);
+    if (world.rank() == 0) rank0 = std::move(job);
+  });
+  RunResult result = assemble_result(c, *impl, std::move(rank0));
+  result.timings.total = std::chrono::duration<double>(Clock::now() - start).count();
+  if (keep_snapshot) result.snapshot = std::move(snapshot);
+  return result;
+}
+
+const std::size_t kMaterializeLimitBytes = std::size_t{1} << 30;
+
+std::string layout_name(const LayoutSpec& l) {
+  return "tp" + std::to_string(l.tp) + "-cp" + std::to_string(l.cp) + "-dp" + std::to_string(l.dp) + "-ga" +
+         std::to_string(l.ga);
+}
+
+SweepResult run_sweep(const Case& c, const std::vector<LayoutSpec>& layouts, const RunOptions& options) {
+  SweepResult sweep;
+  std::vector<LayoutSnapshot> snapshots;
+  std::vector<std::string> names;
+  std::optional<InputSource> own_inputs;
+  RunOptions shared = options;
+  if (shared.shared_inputs == nullptr) {
+    own_inputs.emplace(c);
+    own_inputs->materialize(resolved_threads(options), kMaterializeLimitBytes);
+    shared.shared_inputs = &*own_inputs;
+  }
+  for (const LayoutSpec& layout : layouts) {
+    if (layout.tp > c.shape.vocab) {
+      throw CaseError(c.source + ": sweep layout " + layout_name(layout) + ": tp exceeds the vocabulary size");
+    }
+    Case at = c;
+    at.layout = layout;
+    RunResult r = run_case(at, shared, true);
+    snapshots.push_back(std::move(*r.snapshot));
+    r.snapshot.reset();
+    names.push_back(layout_name(layout));
+    if (r.verdict == Verdict::fail) sweep.verdict = Verdict::fail;
+    sweep.runs.push_back(std::move(r));
+  }
+  sweep.invariance = invariance_check(c, snapshots, names);
+  if (sweep.invariance.verdict == Verdict::fail) sweep.verdict = Verdict::fail;
+  return sweep;
+}
+
+}  // namespace lossverify

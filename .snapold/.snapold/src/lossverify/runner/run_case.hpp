@@ -1,0 +1,118 @@
+#pragma once
+// case -> inputs -> ranks run an implementation -> checks against the reference -> one run's result.
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "lossverify/case/case.hpp"
+#include "lossverify/checks/checks.hpp"
+#include "lossverify/comm/communicator.hpp"
+#include "lossverify/impl/catalogue.hpp"
+#include "lossverify/impl/rank_output.hpp"
+#include "lossverify/inputs/input_source.hpp"
+
+namespace lossverify {
+
+// Test aid: make one rank fail, to prove that the others stop with a message naming it.
+struct FaultInjection {
+  enum class Kind { none, throw_error, hang, exit } kind = Kind::none;
+  int rank = -1;
+  bool late = false;  // after the rank's groups (NCCL included) are set up, just before its kernel
+};
+// "throw@R", "hang@R" or "exit@R" (the process exits: MPI backend), each also as "late-KIND@R";
+// throws CaseError otherwise.
+FaultInjection parse_fault(const std::string& text);
+
+struct RunOptions {
+  std::string implementation = "correct";
+  int threads = 0;  // OpenMP threads for the reference and checks; 0 = all hardware threads
+  FaultInjection fault;
+  // Inputs of this very case, already built (and perhaps materialized) by the caller: the gate and sweeps
+  // run one case many times. The inputs do not depend on the implementation or the layout.
+  const InputSource* shared_inputs = nullptr;
+  // Where the kernels run: the CPU, or CUDA GPUs (each rank on GPU rank % visible GPUs, a stream each).
+  enum class Device { cpu, cuda } device = Device::cpu;
+  int gpus = 1;  // > 1: one GPU per rank (rank % gpus)
+  // What carries the ranks' collectives on CUDA: automatic = NCCL when every rank has its own GPU (and
+  // NCCL was built), else the host (shared memory or MPI).
+  enum class Collectives { automatic, host, nccl } collectives = Collectives::automatic;
+  // Where the float64 reference runs: automatic = on the GPU for the CUDA backend (the shard never
+  // leaves the GPU; sweeps keep the CPU reference, which records the gradients for invariance).
+  enum class Reference { automatic, cpu, gpu } reference = Reference::automatic;
+};
+
+// Where one run executed (the report's "execution").
+struct ExecutionInfo {
+  std::string device = "cpu";
+  int gpus = 0;
+  std::string collectives = "host";
+  std::string reference = "cpu";
+};
+// Resolves the options for a world of `world_size` ranks; throws CaseError for an impossible request
+// (--collectives nccl with fewer GPUs than ranks) and InternalError when the GPUs or NCCL are missing.
+ExecutionInfo resolve_execution(const RunOptions& options, int world_size);
+
+struct RunTimings {
+  double ranks_wall = 0.0;           // slowest rank's kernel, generation included
+  double generate_max = 0.0;         // slowest rank's input generation
+  double compute_max = 0.0;          // slowest rank's compute, collectives excluded
+  double collectives_max = 0.0;      // slowest rank's time inside collectives
+  double reference_and_checks = 0.0;  // slowest rank's verification
+  double total = 0.0;
+};
+
+struct RunResult {
+  Case the_case;
+  const Implementation* implementation = nullptr;
+  int ranks = 0;
+  std::vector<CheckResult> checks;
+  Verdict verdict = Verdict::pass;
+  RunTimings timings;
+  std::optional<LayoutSnapshot> snapshot;  // kept for sweeps
+  ErrorMap error_map;                      // where the error sits (plots)
+  ExecutionInfo execution;
+};
+
+// The rows of one rank under the case's layout (global tokens and CP padding, micro-batch by micro-batch).
+RankAssignment assign_rank(const Case& c, const GlobalBatch& batch, int world_rank);
+
+// The ranks' outputs of one case on thread ranks, without checking them (tests use this directly).
+struct RankRun {
+  std::vector<RankOutput> outputs;
+  double wall_seconds = 0.0;
+};
+RankRun execute_ranks(const Case& c, const InputSource& inputs, const Implementation& impl, const RunOptions& options);
+
+// One rank's whole job, collective over `world`: its kernel, then distributed verification. Every rank
+// returns the same merged checks and the timings' maxima over ranks. Backends call this from each rank
+// (a thread, or an MPI process). `snapshot` is shared memory for sweeps on the thread backend.
+struct RankJob {
+  std::vector<CheckResult> checks;
+  RunTimings timings;
+  ErrorMap error_map;
+  ExecutionInfo execution;
+};
+RankJob run_rank(const Case& c, const InputSource& inputs, const Implementation& impl, const RunOptions& options,
+                 Communicator& world, int threads, LayoutSnapshot* snapshot = nullptr);
+
+// Results of a case from the merged checks (shared by all backends).
+RunResult assemble_result(const Case& c, const Implementation& impl, RankJob job);
+
+// Runs one case on thread ranks. Throws CaseError for an unknown implementation, InternalError when a rank
+// fails, TimeoutError when the deadlock guard fires.
+RunResult run_case(const Case& c, const RunOptions& options, bool keep_snapshot = false);
+
+// A case at several layouts and the invariance check between them.
+struct SweepResult {
+  std::vector<RunResult> runs;
+  CheckResult invariance;
+  Verdict verdict = Verdict::pass;
+};
+std::string layout_name(const LayoutSpec& layout);
+// Largest input set the gate and sweeps keep in memory (bytes in the input dtype).
+extern const std::size_t kMaterializeLimitBytes;
+SweepResult run_sweep(const Case& c, const std::vector<LayoutSpec>& layouts, const RunOptions& options);
+
+}  // namespace lossverify

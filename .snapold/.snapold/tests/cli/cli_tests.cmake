@@ -1,0 +1,116 @@
+# CLI tests through CTest: exit codes, messages, reports, faults. Each runs the real binary.
+set(LV $<TARGET_FILE:lossverify>)
+set(EXPECT ${CMAKE_CURRENT_SOURCE_DIR}/cli/expect.sh)
+set(CASES ${PROJECT_SOURCE_DIR}/cases)
+set(OUT ${CMAKE_CURRENT_BINARY_DIR}/cli_out)
+file(MAKE_DIRECTORY ${OUT})
+
+function(lossverify_cli_test name code regex)
+  add_test(NAME cli_${name} COMMAND bash ${EXPECT} ${code} ${regex} ${ARGN})
+endfunction()
+
+lossverify_cli_test(version 0 "lossverify [0-9]+\\.[0-9]+\\.[0-9]+ \\(git" -- ${LV} --version)
+lossverify_cli_test(help 0 "exit codes: 0 all checks pass" -- ${LV} --help)
+lossverify_cli_test(no_command 2 "A subcommand is required" -- ${LV})
+lossverify_cli_test(list 0 "source: Megatron-LM tensor_parallel/cross_entropy.py" -- ${LV} list)
+lossverify_cli_test(list_json 0 "\"caught_by\"" -- ${LV} list --json)
+lossverify_cli_test(unknown_option 2 "frobnicate" -- ${LV} run ${CASES}/smoothing-pytorch.json --frobnicate)
+lossverify_cli_test(missing_case_file 2 "does not exist" -- ${LV} run ${CASES}/no-such-case.json)
+lossverify_cli_test(unknown_impl 2 "--impl no-such-bug: unknown implementation"
+  --absent ${OUT}/unknown_impl.json -- ${LV} run ${CASES}/smoothing-pytorch.json --impl no-such-bug --report ${OUT}/unknown_impl.json)
+lossverify_cli_test(bad_set 2 "expected key=value" -- ${LV} run ${CASES}/smoothing-pytorch.json --set nonsense)
+
+# Every shipped case passes with the correct implementation.
+file(GLOB shipped_cases ${PROJECT_SOURCE_DIR}/cases/*.json)
+foreach(case_file ${shipped_cases})
+  get_filename_component(case_name ${case_file} NAME_WE)
+  lossverify_cli_test(pass_${case_name} 0 "verdict: pass" -- ${LV} run ${case_file} --threads 2)
+endforeach()
+
+# The catalogued bugs fail with the expected checks; exit code 1.
+lossverify_cli_test(bug_partition_vocab 1 "rank_agreement +FAIL"
+  -- ${LV} run ${CASES}/smoothing-pytorch.json --impl smoothing-partition-vocab)
+lossverify_cli_test(bug_partition_vocab_invisible_at_tp1 0 "verdict: pass"
+  -- ${LV} run ${CASES}/smoothing-pytorch.json --impl smoothing-partition-vocab --tp 1)
+lossverify_cli_test(bug_partition_vocab_invisible_without_smoothing 0 "verdict: pass"
+  -- ${LV} run ${CASES}/smoothing-pytorch.json --impl smoothing-partition-vocab --set loss.label_smoothing=0)
+lossverify_cli_test(bug_log_after_exp 1 "finite +FAIL"
+  -- ${LV} run ${CASES}/underflow-gap-240.json --impl smoothing-log-after-exp)
+
+# Faults: a throwing rank (exit 3) and a hanging rank (exit 4) end the run quickly, with no report.
+lossverify_cli_test(fault_throw 3 "rank 1: injected fault" --within 20 --absent ${OUT}/fault_throw.json
+  -- ${LV} run ${CASES}/uneven-shards-v507-tp4.json --inject-fault throw@1 --report ${OUT}/fault_throw.json)
+lossverify_cli_test(fault_hang 4 "deadlock guard: .* rank\\(s\\) 2 never arrived" --within 20
+  --absent ${OUT}/fault_hang.json
+  -- ${LV} run ${CASES}/uneven-shards-v507-tp4.json --inject-fault hang@2 --timeout 1 --report ${OUT}/fault_hang.json)
+# The same faults after the groups are set up (where a GPU run's NCCL groups exist): the others stop.
+lossverify_cli_test(fault_late_throw 3 "rank 1: injected fault: this rank threw after its groups" --within 20
+  --absent ${OUT}/fault_late_throw.json
+  -- ${LV} run ${CASES}/uneven-shards-v507-tp4.json --inject-fault late-throw@1 --report ${OUT}/fault_late_throw.json)
+lossverify_cli_test(fault_late_hang 4 "deadlock guard: .* rank\\(s\\) 2 never arrived" --within 20
+  --absent ${OUT}/fault_late_hang.json
+  -- ${LV} run ${CASES}/uneven-shards-v507-tp4.json --inject-fault late-hang@2 --timeout 1 --report ${OUT}/fault_late_hang.json)
+
+# Malformed case files: exit 2, a message naming file and JSON path, and no report.
+file(STRINGS ${CMAKE_CURRENT_SOURCE_DIR}/cli/bad_cases.txt bad_case_lines REGEX "^[^#]")
+foreach(line ${bad_case_lines})
+  string(FIND "${line}" "|" bar)
+  string(SUBSTRING "${line}" 0 ${bar} file)
+  math(EXPR after "${bar} + 1")
+  string(SUBSTRING "${line}" ${after} -1 regex)
+  get_filename_component(name ${file} NAME_WE)
+  lossverify_cli_test(bad_case_${name} 2 "${regex}" --absent ${OUT}/bad_${name}.json
+    -- ${LV} run ${CMAKE_CURRENT_SOURCE_DIR}/data/bad_cases/${file} --report ${OUT}/bad_${name}.json)
+endforeach()
+# One bad file among good ones: nothing runs, no report.
+lossverify_cli_test(bad_case_among_good 2 "unknown_top_key.json: \\$\\.lyout" --absent ${OUT}/mixed.json
+  -- ${LV} run ${CASES}/smoothing-pytorch.json ${CMAKE_CURRENT_SOURCE_DIR}/data/bad_cases/unknown_top_key.json
+     --report ${OUT}/mixed.json)
+
+# Reports: written for passing and failing runs, valid against the versioned schema.
+find_program(LOSSVERIFY_SYSTEM_PYTHON python3 PATHS /usr/bin NO_DEFAULT_PATH)
+list(LENGTH shipped_cases shipped_count)
+lossverify_cli_test(report_all_cases 0 "${shipped_count} passed, 0 failed" --present ${OUT}/all.json
+  -- ${LV} run ${shipped_cases} --report ${OUT}/all.json --threads 2)
+lossverify_cli_test(report_failing_run 1 "verdict: FAIL" --present ${OUT}/failing.json
+  -- ${LV} run ${CASES}/underflow-gap-240.json ${CASES}/smoothing-pytorch.json --impl smoothing-log-after-exp
+     --report ${OUT}/failing.json)
+lossverify_cli_test(report_partition_vocab 1 "verdict: FAIL" --present ${OUT}/partition.json
+  -- ${LV} run ${CASES}/uneven-shards-v507-tp4.json --impl smoothing-partition-vocab --report ${OUT}/partition.json)
+# Sweeps: every layout passes and the invariance check holds; a layout-dependent bug breaks invariance.
+lossverify_cli_test(sweep_correct 0 "invariance: pass" --present ${OUT}/sweep.json
+  -- ${LV} run ${CASES}/full-4d-layout.json --sweep tp=1,2 cp=1,2 dp=1,3 --report ${OUT}/sweep.json)
+lossverify_cli_test(sweep_catches_dp_local_mean 1 "invariance: FAIL"
+  -- ${LV} run ${CASES}/dp-unequal-tokens.json --impl dp-local-mean --sweep dp=1,2,4)
+lossverify_cli_test(sweep_bad_argument 2 "--sweep tp=1,x: \"x\" is not a count"
+  -- ${LV} run ${CASES}/full-4d-layout.json --sweep tp=1,x)
+
+# The gate: every shipped case x every implementation matches golden/, JSON report and JUnit XML.
+lossverify_cli_test(gate 0 "gate: PASS" --present ${OUT}/gate.json --present ${OUT}/gate.xml
+  -- ${LV} gate --cases ${CASES} --golden ${PROJECT_SOURCE_DIR}/golden --report ${OUT}/gate.json
+     --junit ${OUT}/gate.xml)
+set_tests_properties(cli_gate PROPERTIES TIMEOUT 600)
+# A golden outcome that disagrees makes the gate fail, naming the cell; nothing is rewritten silently.
+add_test(NAME cli_gate_detects_golden_drift
+  COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/cli/gate_drift.sh ${LV} ${PROJECT_SOURCE_DIR}/cases
+          ${PROJECT_SOURCE_DIR}/golden ${OUT}/drift)
+
+add_test(NAME cli_report_schema
+  COMMAND ${LOSSVERIFY_SYSTEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/cli/validate_report.py
+          ${PROJECT_SOURCE_DIR}/schema/report.schema.json ${OUT}/all.json ${OUT}/failing.json ${OUT}/partition.json
+          ${OUT}/sweep.json ${OUT}/gate.json)
+set_tests_properties(cli_report_schema PROPERTIES
+  DEPENDS "cli_report_all_cases;cli_report_failing_run;cli_report_partition_vocab;cli_sweep_correct;cli_gate")
+add_test(NAME cli_junit_wellformed
+  COMMAND ${LOSSVERIFY_SYSTEM_PYTHON} -c "import sys, xml.etree.ElementTree as E; r = E.parse(sys.argv[1]).getroot(); assert r.tag == 'testsuites' and int(r.get('tests')) > 0 and r.get('failures') == '0', r.attrib; print('ok', r.attrib)" ${OUT}/gate.xml)
+set_tests_properties(cli_junit_wellformed PROPERTIES DEPENDS cli_gate)
+
+if(LOSSVERIFY_HAVE_MPI AND MPIEXEC_EXECUTABLE)
+  include(${CMAKE_CURRENT_SOURCE_DIR}/cli/mpi_tests.cmake)
+endif()
+
+add_test(NAME cli_cuda_backend COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/cli/cuda_cli.sh ${LV} ${CASES}/smoothing-pytorch.json)
+
+# 512 thread ranks (tp=8, cp=4, dp=16, ga=2) on a small case: splits, collectives and verification scale.
+lossverify_cli_test(r512_thread_ranks 0 "tp=8 cp=4 dp=16 ga=2.*|verdict: pass" --within 120
+  -- ${LV} run ${PROJECT_SOURCE_DIR}/bench/cases/r512-tp8-cp4-dp16.json --threads 2)

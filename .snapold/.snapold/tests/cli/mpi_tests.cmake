@@ -1,0 +1,46 @@
+# MPI backend tests: run under mpiexec (oversubscribed on small machines), one process per rank.
+set(MPIRUN ${MPIEXEC_EXECUTABLE})
+set(COMPARE ${CMAKE_CURRENT_SOURCE_DIR}/cli/compare_backends.sh)
+
+function(lossverify_mpi_equality processes case impl)
+  add_test(NAME mpi_equals_threads_${case}_${impl}
+    COMMAND bash ${COMPARE} ${MPIRUN} ${LV} ${LOSSVERIFY_SYSTEM_PYTHON} ${processes} ${CASES}/${case}.json ${impl}
+            ${OUT}/mpi)
+  set_tests_properties(mpi_equals_threads_${case}_${impl} PROPERTIES PROCESSORS 2 TIMEOUT 300)
+endfunction()
+
+# Every layout dimension, the correct implementation and bugs caught by different checks.
+lossverify_mpi_equality(4 uneven-shards-v507-tp4 correct)
+lossverify_mpi_equality(4 uneven-shards-v507-tp4 smoothing-partition-vocab)
+lossverify_mpi_equality(2 zloss-ignored zloss-on-ignored)
+lossverify_mpi_equality(4 cp-zigzag-packed correct)
+lossverify_mpi_equality(4 cp-zigzag-packed cp-stats-dp-only)
+lossverify_mpi_equality(8 dp-unequal-tokens dp-local-mean)
+lossverify_mpi_equality(4 ga-unequal-microbatches correct)
+lossverify_mpi_equality(4 ga-unequal-microbatches ga-microbatch-mean)
+lossverify_mpi_equality(4 kd-tp4-temperature2 kd-untracked-allreduce)
+lossverify_mpi_equality(8 full-4d-layout correct)
+lossverify_mpi_equality(8 full-4d-layout cp-roll-after-split)
+lossverify_mpi_equality(2 underflow-gap-240 smoothing-log-after-exp)
+
+# Faults: a rank that throws, exits or hangs ends the whole job, naming the rank; no report.
+lossverify_cli_test(mpi_fault_throw 3 "rank 1: injected fault" --within 30 --absent ${OUT}/mpi_throw.json
+  -- ${MPIRUN} -n 4 ${LV} run ${CASES}/uneven-shards-v507-tp4.json --inject-fault throw@1 --report ${OUT}/mpi_throw.json)
+lossverify_cli_test(mpi_fault_exit 9 "rank 3 exited before the run finished" --within 30 --absent ${OUT}/mpi_exit.json
+  -- ${MPIRUN} -n 4 ${LV} run ${CASES}/uneven-shards-v507-tp4.json --inject-fault exit@3 --report ${OUT}/mpi_exit.json)
+lossverify_cli_test(mpi_fault_hang 4 "deadlock guard: .* rank\\(s\\) 2 never arrived" --within 40
+  --absent ${OUT}/mpi_hang.json
+  -- ${MPIRUN} -n 4 ${LV} run ${CASES}/uneven-shards-v507-tp4.json --inject-fault hang@2 --timeout 2
+     --report ${OUT}/mpi_hang.json)
+# A process count that does not match the layout: a usage error from every rank, not a hang.
+lossverify_cli_test(mpi_wrong_process_count 2 "rank 2 of 3: error: .*4 ranks, but mpiexec started 3 processes"
+  --within 30 -- ${MPIRUN} -n 3 ${LV} run ${CASES}/uneven-shards-v507-tp4.json)
+lossverify_cli_test(mpi_sweep_needs_threads 2 "--sweep runs several layouts: use the thread launcher" --within 30
+  -- ${MPIRUN} -n 2 ${LV} run ${CASES}/zloss-ignored.json --sweep tp=1,2)
+lossverify_cli_test(mpi_report 0 "verdict: pass" --present ${OUT}/mpi_report.json --within 60
+  -- ${MPIRUN} -n 8 ${LV} run ${CASES}/full-4d-layout.json --report ${OUT}/mpi_report.json)
+add_test(NAME mpi_report_schema
+  COMMAND ${LOSSVERIFY_SYSTEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/cli/validate_report.py
+          ${PROJECT_SOURCE_DIR}/schema/report.schema.json ${OUT}/mpi_report.json)
+set_tests_properties(mpi_report_schema PROPERTIES DEPENDS cli_mpi_report)
+set_tests_properties(cli_mpi_fault_hang cli_mpi_report PROPERTIES PROCESSORS 2)

@@ -1,0 +1,463 @@
+// CUDA backend against the same oracle as the CPU (the ggml idiom): device inputs bit-identical to the
+// CPU generator, the correct kernels passing every check at several TP layouts, and the kernel-level
+// catalogued bugs failing with exactly the checks the CPU gate recorded in golden/.
+#include <doctest/doctest.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+#include <fstream>
+#include <limits>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "lossverify/core/build_info.hpp"
+#include "lossverify/core/errors.hpp"
+#include "lossverify/impl/cuda/kernels.hpp"
+#include "lossverify/impl/cuda/reference_kernels.hpp"
+#include "lossverify/inputs/input_source.hpp"
+#include "lossverify/runner/run_case.hpp"
+#include "test_support.hpp"
+
+using namespace lossverify;
+
+namespace {
+
+RunResult run_on_gpu(const Case& c, const std::string& impl) {
+  RunOptions options;
+  options.implementation = impl;
+  options.threads = 2;
+  options.device = RunOptions::Device::cuda;
+  return run_case(c, options);
+}
+
+std::vector<std::string> failing(const RunResult& r) {
+  std::vector<std::string> names;
+  for (const auto& check : r.checks) {
+    if (check.verdict == Verdict::fail) names.push_back(check.name);
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// The same failing checks and, check by check, the same verdict and margins equal to `margin_tolerance`
+// (relative above 1); then more(a_check, b_check) for each pair.
+template <class More>
+void check_same_verdicts(const RunResult& a_run, const RunResult& b_run, double margin_tolerance, More&& more) {
+  CHECK(failing(b_run) == failing(a_run));
+  REQUIRE(b_run.checks.size() == a_run.checks.size());
+  for (std::size_t k = 0; k < a_run.checks.size(); ++k) {
+    const CheckResult& a = a_run.checks[k];
+    const CheckResult& b = b_run.checks[k];
+    CAPTURE(a.name);
+    CHECK(a.verdict == b.verdict);
+    if (std::isfinite(a.margin)) {
+      CHECK(std::fabs(a.margin - b.margin) <= margin_tolerance * std::max(1.0, std::fabs(a.margin)));
+    } else {
+      CHECK(!std::isfinite(b.margin));
+    }
+    more(a, b);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("device_generated_logits_are_bit_identical_to_the_cpu_generator") {
+  for (const char* dtype : {"fp32", "bf16", "fp16"}) {
+    auto j = testing::case_json(37, 1001, 1, dtype);
+    j["inputs"]["distribution"] = std::string(dtype) == "fp16" ? "uniform" : "normal";
+    const Case c = testing::make_case(j);
+    const InputSource inputs(c);
+    const std::int64_t begin = 123;  // an odd first column: the second half of a Philox pair
+    const std::int64_t end = 990;
+    const std::int64_t rows = 37;
+    std::vector<std::int64_t> counters(rows);
+    std::vector<int> padding(rows, 0);
+    for (std::int64_t i = 0; i < rows; ++i) counters[static_cast<std::size_t>(i)] = i;
+    padding[5] = 1;  // one CP padding row
+    counters[5] = (std::int64_t{3} << 32) + 17;
+    const std::size_t element = dtype_size(c.inputs.dtype);
+    const std::size_t bytes = static_cast<std::size_t>(rows * (end - begin)) * element;
+    void *d_out = nullptr, *d_counters = nullptr, *d_padding = nullptr;
+    REQUIRE(cudaMalloc(&d_out, bytes) == cudaSuccess);
+    REQUIRE(cudaMalloc(&d_counters, counters.size() * 8) == cudaSuccess);
+    REQUIRE(cudaMalloc(&d_padding, padding.size() * 4) == cudaSuccess);
+    cudaMemcpy(d_counters, counters.data(), counters.size() * 8, cudaMemcpyHostToDevice);
+    cudaMemcpy(d_padding, padding.data(), padding.size() * 4, cudaMemcpyHostToDevice);
+    const cuda::StorageType type = c.inputs.dtype == DType::bf16 ? cuda::StorageType::bf16
+                                   : c.inputs.dtype == DType::fp16 ? cuda::StorageType::fp16
+                                                                   : cuda::StorageType::fp32;
+    cuda::GenerateArgs g{c.inputs.seed, static_cast<int>(InputStream::student_logits), static_cast<std::int64_t*>(d_counters),
+                         static_cast<int*>(d_padding), rows, begin, end, static_cast<int>(c.inputs.distribution),
+                         c.inputs.mean, c.inputs.scale, c.inputs.mean, c.inputs.scale};
+    cuda::generate_logits(type, g, d_out, nullptr);
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    std::vector<std::byte> device(bytes), host(static_cast<std::size_t>(end - begin) * element);
+    cudaMemcpy(device.data(), d_out, bytes, cudaMemcpyDeviceToHost);
+    for (std::int64_t i = 0; i < rows; ++i) {
+      dispatch_dtype(c.inputs.dtype, [&](auto tag) {
+        using T = typename decltype(tag)::type;
+        if (i == 5) {
+          inputs.padding_logits(3, 17, begin, end, reinterpret_cast<T*>(host.data()));
+        } else {
+          inputs.logits(i, begin, end, reinterpret_cast<T*>(host.data()));
+        }
+      });
+      CAPTURE(dtype);
+      CAPTURE(i);
+      CHECK(std::memcmp(host.data(), device.data() + static_cast<std::size_t>(i) * host.size(), host.size()) == 0);
+    }
+    cudaFree(d_out);
+    cudaFree(d_counters);
+    cudaFree(d_padding);
+  }
+}
+
+TEST_CASE("cuda_correct_implementation_passes_every_check_at_several_tp") {
+  const char* cases[] = {"smoothing-pytorch", "smoothing-megatron", "uneven-shards-v507-tp4", "zloss-ignored",
+                         "reduction-none-upstream", "softcap-gemma", "underflow-gap-240", "cp-zigzag-packed",
+                         "ga-unequal-microbatches", "full-4d-layout", "kd-tp4-temperature2",
+                         "kd-student-equals-teacher"};
+  for (const char* name : cases) {
+    for (int tp : {1, 2, 4}) {
+      Case c = load_case_file(std::string("cases/") + name + ".json");
+      c.layout.tp = tp;
+      const RunResult r = run_on_gpu(c, "correct");
+      CAPTURE(name);
+      CAPTURE(tp);
+      for (const auto& check : r.checks) {
+        CAPTURE(check.name);
+        CHECK(check.verdict != Verdict::fail);
+        CHECK(check.margin < 0.51);
+      }
+    }
+  }
+}
+
+TEST_CASE("cuda_kernel_bugs_fail_with_the_checks_golden_records_for_the_cpu") {
+  const std::pair<const char*, const char*> runs[] = {
+      {"smoothing-pytorch", "smoothing-partition-vocab"}, {"smoothing-pytorch", "smoothing-local-sum"},
+      {"uneven-shards-v507-tp4", "smoothing-backward-partition"}, {"uneven-shards-v507-tp4", "smoothing-convention-swap"},
+      {"large-logits-no-max-shift", "no-max-shift"}, {"bf16-upstream-rounding", "grad-rounded-early"},
+      {"uneven-shards-v507-tp4", "zloss-grad-after-smoothing"}, {"zloss-ignored", "zloss-on-ignored"},
+      {"cp-zigzag-packed", "cp-roll-after-split"}, {"dp-unequal-tokens", "dp-local-mean"},
+      {"kd-tp4-temperature2", "kd-no-t2"}, {"kd-tp4-temperature2", "kd-double-t2"},
+      {"kd-tp4-temperature2", "kd-local-softmax"}, {"kd-tp4-temperature2", "kd-untracked-allreduce"},
+      {"kd-student-equals-teacher", "kd-cross-entropy-value"}, {"kd-student-equals-teacher", "kd-untracked-allreduce"},
+      {"underflow-gap-240", "smoothing-log-after-exp"},       {"smoothing-pytorch", "smoothing-log-after-exp"},
+      {"uneven-shards-v507-tp4", "smoothing-log-after-exp"},  {"smoothing-pytorch", "full-vocab-through-tp"},
+      {"uneven-shards-v507-tp4", "full-vocab-through-tp"},    {"cp-zigzag-packed", "full-vocab-through-tp"},
+      {"softcap-gemma", "full-vocab-through-tp"}};
+  for (const auto& [name, impl] : runs) {
+    const Case c = load_case_file(std::string("cases/") + name + ".json");
+    std::ifstream golden_file(std::string("golden/") + name + ".json");
+    const nlohmann::json golden = nlohmann::json::parse(golden_file)["outcomes"][impl];
+    const RunResult r = run_on_gpu(c, impl);
+    CAPTURE(name);
+    CAPTURE(impl);
+    CHECK(std::string(to_string(r.verdict)) == golden["verdict"].get<std::string>());
+    CHECK(failing(r) == golden["failing_checks"].get<std::vector<std::string>>());
+  }
+}
+
+TEST_CASE("long_rows_take_the_row_resident_kernel_and_give_the_cpu_verdicts") {
+  // Which kernel serves a row width is a host-side decision; aligned stand-in pointers suffice.
+  void* aligned = reinterpret_cast<void*>(std::uintptr_t{1} << 20);
+  void* misaligned = reinterpret_cast<void*>((std::uintptr_t{1} << 20) + 2);
+  const cuda::CrossEntropyConstants plain{0.9f, 1e-6f, 0.9f, 1e-6f, 0.0f, 0.0f, 0, 0, 0};
+  cuda::CrossEntropyConstants capped = plain;
+  capped.softcap = 30.0f;
+  CHECK(cuda::fused_cluster_size(cuda::StorageType::bf16, plain, aligned, aligned, 128256) == 8);
+  CHECK(cuda::fused_cluster_size(cuda::StorageType::bf16, capped, aligned, aligned, 128256) == 8);
+  CHECK(cuda::fused_cluster_size(cuda::StorageType::bf16, plain, aligned, aligned, 40000) == 4);
+  CHECK(cuda::fused_cluster_size(cuda::StorageType::fp32, plain, aligned, aligned, 40000) == 8);
+  CHECK(cuda::fused_cluster_size(cuda::StorageType::bf16, plain, aligned, aligned, 32768) == 0);   // 64 KB rows
+  CHECK(cuda::fused_cluster_size(cuda::StorageType::bf16, plain, aligned, aligned, 100003) == 0);  // no 16-byte vectors
+  CHECK(cuda::fused_cluster_size(cuda::StorageType::bf16, plain, misaligned, aligned, 128256) == 0);
+  CHECK(cuda::fused_cluster_size(cuda::StorageType::fp32, plain, aligned, aligned, 131080) == 0);  // beyond 8 CTAs
+
+  // The kernel on those widths, plain and generic instantiations, whole rows (TP = 1): the CPU run of the
+  // same case is the oracle, and each bug must fail there, so a match is not two passes of nothing.
+  struct Long {
+    const char* name;
+    const char* impl;
+    std::vector<std::string> set;  // through the parser, as `--set` does: the shape determines derived parts
+  };
+  const auto shape = [](std::int64_t vocab, std::int64_t tokens) {
+    return std::vector<std::string>{"shape.vocab=" + std::to_string(vocab), "shape.tokens=" + std::to_string(tokens),
+                                    "layout.tp=1"};
+  };
+  const auto with = [](std::vector<std::string> a, const std::string& b) {
+    a.push_back(b);
+    return a;
+  };
+  const std::vector<std::string> dp_bf16 = {"shape.vocab=40000", "inputs.dtype=bf16", "layout.tp=1"};
+  const Long runs[] = {{"smoothing-pytorch", "correct", with(shape(128256, 24), "inputs.dtype=bf16")},
+                       {"smoothing-pytorch", "correct", shape(40000, 64)},
+                       {"zloss-ignored", "correct", shape(100000, 48)},
+                       {"softcap-gemma", "correct", shape(100000, 32)},
+                       {"reduction-none-upstream", "correct", shape(40000, 40)},
+                       {"bf16-upstream-rounding", "correct", shape(100000, 64)},
+                       {"dp-unequal-tokens", "correct", dp_bf16},
+                       {"dp-unequal-tokens", "dp-local-mean", dp_bf16},
+                       {"large-logits-no-max-shift", "no-max-shift", shape(40000, 32)},
+                       {"bf16-upstream-rounding", "grad-rounded-early", shape(100000, 64)},
+                       {"uneven-shards-v507-tp4", "zloss-grad-after-smoothing", shape(40000, 32)},
+                       {"zloss-ignored", "zloss-on-ignored", shape(100000, 48)},
+                       {"smoothing-pytorch", "smoothing-log-after-exp", shape(128256, 16)}};
+  for (const Long& run : runs) {
+    const Case c = load_case_file(std::string("cases/") + run.name + ".json", run.set);
+    RunOptions cpu;
+    cpu.implementation = run.impl;
+    cpu.threads = 2;
+    const RunResult expected = run_case(c, cpu);
+    const RunResult r = run_on_gpu(c, run.impl);
+    const std::string name = run.name, impl = run.impl;  // strings, so that a failure prints them
+    CAPTURE(name);
+    CAPTURE(impl);
+    CAPTURE(c.shape.vocab);
+    CHECK(r.verdict == expected.verdict);
+    CHECK(failing(r) == failing(expected));
+    if (std::string_view(run.impl) == "correct") {
+      CHECK(r.verdict == Verdict::pass);
+      for (const auto& check : r.checks) {
+        CAPTURE(check.name);
+        CHECK(check.margin < 0.51);
+      }
+    } else if (std::string_view(run.impl) != "smoothing-log-after-exp") {  // no underflow at these widths
+      CHECK(expected.verdict == Verdict::fail);
+    }
+  }
+}
+
+TEST_CASE("nccl_one_gpu_per_rank_matches_host_collectives_bitwise_and_the_cpu_verdicts") {
+  int gpus = 0;
+  cudaGetDeviceCount(&gpus);
+  if (gpus < 2 || !build_info::have_nccl) {
+    MESSAGE("skipped: needs 2 GPUs and an NCCL build (GPUs: " << gpus << ")");
+    return;
+  }
+  // Two-rank layouts (TP, CP, DP) over two GPUs, the correct kernels and bugs that live in the
+  // collectives' inputs and in the normalisation.
+  const std::tuple<const char*, const char*, const char*> runs[] = {
+      {"smoothing-pytorch", "layout.tp", "correct"},        {"smoothing-pytorch", "layout.tp", "smoothing-local-sum"},
+      {"uneven-shards-v507-tp4", "layout.tp", "correct"},   {"uneven-shards-v507-tp4", "layout.tp", "smoothing-partition-vocab"},
+      {"kd-tp4-temperature2", "layout.tp", "correct"},      {"kd-tp4-temperature2", "layout.tp", "kd-local-softmax"},
+      {"cp-zigzag-packed", "layout.cp", "correct"},         {"cp-zigzag-packed", "layout.cp", "cp-roll-after-split"},
+      {"dp-unequal-tokens", "layout.dp", "correct"},        {"dp-unequal-tokens", "layout.dp", "dp-local-mean"},
+      {"large-logits-no-max-shift", "layout.tp", "no-max-shift"}};
+  for (const auto& [name, dimension, impl] : runs) {
+    Case c = load_case_file(std::string("cases/") + name + ".json", {"layout.tp=1", "layout.cp=1", "layout.dp=1",
+                                                                      "layout.ga=1", std::string(dimension) + "=2"});
+    CAPTURE(name);
+    CAPTURE(impl);
+    RunOptions options;
+    options.implementation = impl;
+    options.threads = 2;
+    const RunResult cpu = run_case(c, options);
+    options.device = RunOptions::Device::cuda;
+    options.gpus = 2;
+    options.collectives = RunOptions::Collectives::host;
+    const RunResult host = run_case(c, options);
+    options.collectives = RunOptions::Collectives::nccl;
+    const RunResult nccl = run_case(c, options);
+    CHECK(nccl.execution.collectives == "nccl");
+    CHECK(nccl.execution.gpus == 2);
+    CHECK(host.execution.collectives == "host");
+    CHECK(failing(nccl) == failing(cpu));
+    CHECK(nccl.verdict == cpu.verdict);
+    REQUIRE(nccl.checks.size() == host.checks.size());
+    for (std::size_t k = 0; k < nccl.checks.size(); ++k) {
+      CAPTURE(nccl.checks[k].name);
+      // Same kernels, same reductions in rank order: NCCL only moved the bytes.
+      CHECK(nccl.checks[k].metrics.dump() == host.checks[k].metrics.dump());
+      CHECK((nccl.checks[k].margin == host.checks[k].margin ||
+             (std::isnan(nccl.checks[k].margin) && std::isnan(host.checks[k].margin))));
+    }
+  }
+}
+
+TEST_CASE("nccl_is_refused_where_ranks_would_share_a_gpu") {
+  Case c = load_case_file("cases/smoothing-pytorch.json", {"layout.tp=4"});
+  RunOptions options;
+  options.device = RunOptions::Device::cuda;
+  options.gpus = 1;
+  options.collectives = RunOptions::Collectives::nccl;
+  CHECK_THROWS_AS(run_case(c, options), Error);
+}
+
+TEST_CASE("gpu_float64_reference_agrees_with_the_cpu_reference") {
+  // Same CUDA kernels, the reference once on the host and once where the shard lives: the same verdicts,
+  // the same counts and worst elements, margins equal to float64 rounding.
+  const std::pair<const char*, const char*> runs[] = {
+      {"smoothing-pytorch", "correct"},          {"smoothing-megatron", "correct"},
+      {"uneven-shards-v507-tp4", "correct"},     {"zloss-ignored", "correct"},
+      {"reduction-none-upstream", "correct"},    {"softcap-gemma", "correct"},
+      {"underflow-gap-240", "correct"},          {"cp-zigzag-packed", "correct"},
+      {"full-4d-layout", "correct"},             {"kd-tp4-temperature2", "correct"},
+      {"kd-student-equals-teacher", "correct"},  {"smoothing-pytorch", "smoothing-partition-vocab"},
+      {"bf16-upstream-rounding", "grad-rounded-early"}, {"zloss-ignored", "zloss-on-ignored"},
+      {"cp-zigzag-packed", "cp-roll-after-split"},      {"kd-tp4-temperature2", "kd-untracked-allreduce"},
+      {"large-logits-no-max-shift", "no-max-shift"},    {"uneven-shards-v507-tp4", "full-vocab-through-tp"}};
+  for (const auto& [name, impl] : runs) {
+    const Case c = load_case_file(std::string("cases/") + name + ".json");
+    CAPTURE(name);
+    CAPTURE(impl);
+    RunOptions options;
+    options.implementation = impl;
+    options.threads = 2;
+    options.device = RunOptions::Device::cuda;
+    options.reference = RunOptions::Reference::cpu;
+    const RunResult host = run_case(c, options);
+    options.reference = RunOptions::Reference::gpu;
+    const RunResult gpu = run_case(c, options);
+    CHECK(host.execution.reference == "cpu");
+    CHECK(gpu.execution.reference == "gpu");
+    check_same_verdicts(host, gpu, 1e-6, [](const CheckResult& a, const CheckResult& b) {
+      if (a.name == "grad" || a.name == "loss") {
+        for (const char* key : {"compared", "mismatches"}) {
+          const auto& ma = a.name == "grad" ? a.metrics : a.metrics["per_token"];
+          const auto& mb = b.name == "grad" ? b.metrics : b.metrics["per_token"];
+          CHECK(ma[key] == mb[key]);
+        }
+        if (a.worst && b.worst && a.margin > 0.01) {
+          CHECK(a.worst->token == b.worst->token);
+          CHECK(a.worst->column == b.worst->column);
+        }
+      }
+    });
+  }
+}
+
+TEST_CASE("gpu_reference_exp_is_within_2_ulp_of_the_host_exp") {
+  // The GPU reference's table-method exp against the host's (glibc's, correctly rounded in practice) on a
+  // dense grid of [-745, 0] and at the edges of its fast path; positive, -inf and NaN inputs take the
+  // library's exp. The distance is counted in units in the last place of the host value.
+  std::vector<double> in;
+  for (int i = 0; i <= 2000000; ++i) in.push_back(-745.0 * i / 2000000.0);
+  for (double d : {0.0, -0.0, -1e-300, -5e-324, -1e-17, -0.0108304, -707.0, -707.0000001, -708.39, -744.4, -745.2,
+                   -800.0, 1e-300, 0.5, 700.0, -std::numeric_limits<double>::infinity(),
+                   std::numeric_limits<double>::infinity(), std::nan("")}) {
+    in.push_back(d);
+  }
+  std::vector<double> out(in.size());
+  cuda::reference_exp_values(in.data(), out.data(), in.size());
+  const auto ordered = [](double x) {
+    std::int64_t b = 0;
+    std::memcpy(&b, &x, sizeof b);
+    return b < 0 ? std::numeric_limits<std::int64_t>::min() - b : b;
+  };
+  std::int64_t worst = 0;
+  double worst_at = 0.0;
+  for (std::size_t i = 0; i < in.size(); ++i) {
+    const double want = std::exp(in[i]);
+    if (std::isnan(want)) {
+      CHECK(std::isnan(out[i]));
+      continue;
+    }
+    const std::int64_t ulps = std::llabs(ordered(out[i]) - ordered(want));
+    if (ulps > worst) {
+      worst = ulps;
+      worst_at = in[i];
+    }
+  }
+  MESSAGE("largest distance from the host exp: " << worst << " ulp, at " << worst_at);
+  CHECK(worst <= 2);
+}
+
+TEST_CASE("gpu_reference_code_tables_judge_as_the_full_judgement") {
+  // bf16 rows of the cross-entropy family: the GPU reference judges an element whose (logit, gradient)
+  // codes match its row's table by a lookup (reference_kernels.cu). Against the same runs with the tables
+  // off (every element judged in full): the same verdicts, counts and worst elements, and maxima equal to
+  // float64 rounding (the table rows take the softmax as exp(x) exp(-lse), not exp(x - lse)). Covers
+  // bugs that mismatch, masked rows, CP padding, z-loss, upstream weights, the absolute/relative
+  // tolerance mode, codes outside the table and rows whose |lse| > 600 keep the full judgement.
+  enum Lookups { some, none, any };  // any: a bug whose gradient may miss every code (judged in full)
+  struct Run {
+    const char* name;
+    const char* impl;
+    std::vector<std::string> set;
+    Lookups lookups;
+  };
+  const std::vector<std::string> bf16 = {"inputs.dtype=bf16"};
+  auto with = [&](std::vector<std::string> more) {
+    more.insert(more.begin(), bf16.begin(), bf16.end());
+    return more;
+  };
+  const Run runs[] = {
+      {"smoothing-pytorch", "correct", with({"shape.vocab=1024"}), some},
+      {"smoothing-pytorch", "smoothing-partition-vocab", with({"shape.vocab=1024"}), some},
+      {"smoothing-megatron", "correct", {}, some},
+      {"smoothing-megatron", "correct", {"tolerances.grad.max_ulp=0", "tolerances.grad.rtol=0.004"}, some},
+      {"smoothing-megatron", "correct", {"tolerances.grad.max_ulp=0"}, some},  // fails: atol only
+      {"bf16-upstream-rounding", "correct", {}, some},
+      {"bf16-upstream-rounding", "grad-rounded-early", {}, some},
+      {"zloss-ignored", "correct", bf16, some},
+      {"zloss-ignored", "zloss-on-ignored", bf16, some},
+      {"cp-zigzag-packed", "correct", with({"shape.vocab=512"}), some},
+      {"cp-zigzag-packed", "cp-roll-after-split", with({"shape.vocab=512"}), any},
+      {"dp-unequal-tokens", "correct", bf16, some},
+      {"dp-unequal-tokens", "dp-local-mean", bf16, any},
+      {"realistic-bf16-n2048-v32000-tp8", "correct", {}, some},
+      // rows of 4000 and 4096 columns whose every element misses: more misses than the block's list holds
+      {"realistic-bf16-n2048-v32000-tp8", "smoothing-partition-vocab", {}, any},
+      {"dp-unequal-tokens", "dp-local-mean", with({"shape.vocab=8192"}), any},
+      {"large-logits-no-max-shift", "correct", bf16, none},                        // |x| > 64: outside
+      {"large-logits-no-max-shift", "correct", with({"inputs.mean=650"}), none},  // |lse| > 600
+  };
+  ::unsetenv("LOSSVERIFY_REFERENCE_TABLES");
+  REQUIRE(cuda::reference_code_tables_apply(cuda::StorageType::bf16, false, 0.0));
+  REQUIRE_FALSE(cuda::reference_code_tables_apply(cuda::StorageType::fp16, false, 0.0));
+  REQUIRE_FALSE(cuda::reference_code_tables_apply(cuda::StorageType::bf16, true, 0.0));
+  REQUIRE_FALSE(cuda::reference_code_tables_apply(cuda::StorageType::bf16, false, 30.0));
+  for (const Run& run : runs) {
+    const Case c = load_case_file(std::string("cases/") + run.name + ".json", run.set);
+    CAPTURE(run.name);
+    CAPTURE(run.impl);
+    CAPTURE(run.set.size());
+    REQUIRE(c.inputs.dtype == DType::bf16);
+    RunOptions options;
+    options.implementation = run.impl;
+    options.threads = 2;
+    options.device = RunOptions::Device::cuda;
+    options.reference = RunOptions::Reference::gpu;
+    ::setenv("LOSSVERIFY_REFERENCE_TABLES", "off", 1);
+    const RunResult full = run_case(c, options);
+    ::unsetenv("LOSSVERIFY_REFERENCE_TABLES");
+    const RunResult tables = run_case(c, options);
+    check_same_verdicts(full, tables, 1e-9, [&](const CheckResult& a, const CheckResult& b) {
+      if (a.name != "grad") return;
+      CHECK(a.metrics["judged_by_lookup"] == 0);
+      const std::int64_t lookups = b.metrics["judged_by_lookup"].get<std::int64_t>();
+      const std::int64_t compared = b.metrics["compared"].get<std::int64_t>();
+      MESSAGE(std::string(run.name) << " / " << run.impl << ": " << lookups << " of " << compared << " elements judged by lookup");
+      if (run.lookups == some) CHECK(lookups > 0);
+      if (run.lookups == none) CHECK(lookups == 0);
+      for (const char* key : {"compared", "mismatches", "max_ulp"}) {
+        CAPTURE(key);
+        CHECK(a.metrics.value(key, nlohmann::json()) == b.metrics.value(key, nlohmann::json()));
+      }
+      for (const char* key : {"max_abs_error", "max_rel_error"}) {
+        CAPTURE(key);
+        if (!a.metrics[key].is_number() || !b.metrics[key].is_number()) {  // "Infinity", "NaN"
+          CHECK(a.metrics[key] == b.metrics[key]);
+          continue;
+        }
+        const double x = a.metrics[key].get<double>(), y = b.metrics[key].get<double>();
+        CHECK(std::fabs(x - y) <= 1e-9 * std::fabs(x));
+      }
+      REQUIRE(a.worst.has_value() == b.worst.has_value());
+      if (a.worst) {
+        CHECK(a.worst->token == b.worst->token);
+        CHECK(a.worst->column == b.worst->column);
+        CHECK(std::fabs(a.worst->expected - b.worst->expected) <= 1e-12 * std::fabs(a.worst->expected));
+        CHECK(a.worst->got == b.worst->got);
+      }
+    });
+  }
+}

@@ -1,0 +1,303 @@
+// check-dump end to end in code: the built-in kernels' outputs, written as a dump the way a framework would
+// write one, must give exactly the checks `run` gives (verdicts and margins) for the correct implementation
+// and for catalogued bugs, at TP, CP (padding rows), DP, GA layouts, for cross-entropy and KD, every dtype.
+#include <doctest/doctest.h>
+
+#include <filesystem>
+#include <functional>
+#include <map>
+
+#include "dump_writer.hpp"
+#include "lossverify/dump/check_dump.hpp"
+#include "lossverify/inputs/input_source.hpp"
+#include "lossverify/runner/run_case.hpp"
+#include "test_support.hpp"
+
+using namespace lossverify;
+using namespace lossverify::testing;
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string safetensors_dtype(DType d) { return d == DType::bf16 ? "BF16" : d == DType::fp16 ? "F16" : "F32"; }
+
+// Writes the outputs of a built-in run as a dump: one safetensors file per rank, one manifest.
+fs::path write_dump(const Case& c, const InputSource& inputs, const std::vector<RankOutput>& outputs,
+                    const std::string& name, bool token_loss = true, bool stats = true) {
+  const fs::path dir = temp_folder("dump-" + name);
+  const json resolved = c.resolved();
+  json loss = resolved["loss"];
+  loss.erase("upstream_weights");  // dumped as grad_output tensors instead
+  const bool kd = c.loss.kind == LossKind::kd;
+  const bool none = c.loss.reduction == Reduction::none;
+  std::vector<std::int64_t> cu = {0};
+  for (auto l : c.batch.sequence_lengths) cu.push_back(cu.back() + l);
+  json manifest = {{"format", "lossverify.dump/1"},
+                   {"name", name},
+                   {"shape", {{"tokens", c.shape.tokens}, {"vocab", c.shape.vocab}}},
+                   {"dtype", std::string(to_string(c.inputs.dtype))},
+                   {"cu_seqlens", cu},
+                   {"loss", loss},
+                   {"layout", resolved["layout"]},
+                   {"framework", resolved["framework"]},
+                   {"tolerances", resolved["tolerances"]},
+                   {"ranks", json::array()}};
+  const std::size_t element = dtype_size(c.inputs.dtype);
+  for (const RankOutput& out : outputs) {
+    const auto& a = out.assignment;
+    const std::int64_t cols = a.vocab.size();
+    std::map<std::string, RawTensor> tensors;
+    json mbs = json::array();
+    for (std::size_t k = 0; k + 1 < a.micro_batch_begin.size(); ++k) {
+      const std::int64_t b = a.micro_batch_begin[k];
+      const std::int64_t e = a.micro_batch_begin[k + 1];
+      const std::int64_t rows = e - b;
+      const std::string p = "mb" + std::to_string(k) + ".";
+      RawTensor logits{safetensors_dtype(c.inputs.dtype), {rows, cols}, std::vector<std::byte>(static_cast<std::size_t>(rows * cols) * element)};
+      RawTensor teacher = logits;
+      std::vector<std::int64_t> labels, row_tokens;
+      std::vector<float> mask, losses;
+      std::vector<double> upstream;
+      for (std::int64_t i = b; i < e; ++i) {
+        const std::int64_t t = a.rows[static_cast<std::size_t>(i)].token;
+        row_tokens.push_back(t);
+        dispatch_dtype(c.inputs.dtype, [&](auto type) {
+          using S = typename decltype(type)::type;
+          S* row = reinterpret_cast<S*>(logits.data.data()) + (i - b) * cols;
+          S* trow = reinterpret_cast<S*>(teacher.data.data()) + (i - b) * cols;
+          if (t >= 0) {
+            inputs.logits(t, a.vocab.begin, a.vocab.end, row);
+            if (kd) inputs.teacher_logits(t, a.vocab.begin, a.vocab.end, trow);
+          }
+        });
+        labels.push_back(t >= 0 ? inputs.label(t) : c.loss.ignore_index);
+        mask.push_back(t >= 0 && inputs.is_valid(t) ? 1.0f : 0.0f);
+        losses.push_back(out.token_loss[static_cast<std::size_t>(i)]);
+        upstream.push_back(t >= 0 ? inputs.upstream_weight(t) : 1.0);
+      }
+      RawTensor grad{logits.dtype, {rows, cols},
+                     std::vector<std::byte>(out.grad.begin() + b * cols * static_cast<std::int64_t>(element),
+                                            out.grad.begin() + e * cols * static_cast<std::int64_t>(element))};
+      json t = {{"logits", p + "logits"}, {"grad_logits", p + "grad"}};
+      tensors[p + "logits"] = logits;
+      tensors[p + "grad"] = grad;
+      if (kd) {
+        tensors[p + "teacher"] = teacher;
+        tensors[p + "mask"] = raw_tensor("F32", {rows}, mask);
+        t["teacher_logits"] = p + "teacher";
+        t["loss_mask"] = p + "mask";
+      } else {
+        tensors[p + "labels"] = raw_tensor("I64", {rows}, labels);
+        t["labels"] = p + "labels";
+      }
+      if (token_loss) {
+        tensors[p + "token_loss"] = raw_tensor("F32", {rows}, losses);
+        t["token_loss"] = p + "token_loss";
+      }
+      if (none) {
+        tensors[p + "grad_output"] = raw_tensor("F64", {rows}, upstream);
+        t["grad_output"] = p + "grad_output";
+      }
+      json rows_json = json::array();
+      for (auto token : row_tokens) rows_json.push_back(token);
+      mbs.push_back({{"rows", rows_json}, {"tensors", t}});
+    }
+    json rank = {{"tp", a.coordinates.tp}, {"cp", a.coordinates.cp}, {"dp", a.coordinates.dp},
+                 {"vocab", {a.vocab.begin, a.vocab.end}}, {"file", "rank" + std::to_string(a.world_rank) + ".safetensors"},
+                 {"micro_batches", mbs}};
+    if (stats) {
+      rank["stats"] = {{"num_tokens", "num_tokens"}};
+      tensors["num_tokens"] = raw_tensor("I64", {}, std::vector<std::int64_t>{out.logged_valid_tokens});
+      if (out.has_reduced_loss) {
+        tensors["loss"] = raw_tensor("F32", {}, std::vector<float>{out.reduced_loss});
+        rank["stats"]["loss"] = "loss";
+      }
+    }
+    write_bytes(dir / ("rank" + std::to_string(a.world_rank) + ".safetensors"), safetensors_bytes(tensors));
+    manifest["ranks"].push_back(rank);
+  }
+  write_bytes(dir / "manifest.json", manifest.dump(1));
+  return dir;
+}
+
+struct Outcome {
+  RunResult run;
+  RunResult dumped;
+};
+
+Outcome run_both(const Case& c, const std::string& impl, bool token_loss = true, bool stats = true) {
+  RunOptions options;
+  options.implementation = impl;
+  options.threads = 2;
+  const InputSource inputs(c);
+  const RankRun ranks = execute_ranks(c, inputs, *find_implementation(impl), options);
+  const fs::path dir = write_dump(c, inputs, ranks.outputs, c.name + "-" + impl, token_loss, stats);
+  const auto problem = dump::load_dump((dir / "manifest.json").string());
+  Outcome o{run_case(c, options), dump::check_dump(*problem, {2})};
+  // The report of a dump validates as JSON and locates the worst elements in the dump.
+  const json j = dump::dump_run_to_json(*problem, o.dumped);
+  CHECK(j["dump"]["ranks"].size() == static_cast<std::size_t>(c.layout.world_size()));
+  fs::remove_all(dir);
+  return o;
+}
+
+// check-dump reproduces run: the same verdict and margin for every check.
+void expect_same(const Case& c, const std::string& impl) {
+  CAPTURE(c.name);
+  CAPTURE(impl);
+  const Outcome o = run_both(c, impl);
+  REQUIRE(o.run.checks.size() == o.dumped.checks.size());
+  for (std::size_t i = 0; i < o.run.checks.size(); ++i) {
+    const CheckResult& a = o.run.checks[i];
+    const CheckResult& b = o.dumped.checks[i];
+    CAPTURE(a.name);
+    CHECK(a.name == b.name);
+    CHECK(a.verdict == b.verdict);
+    if (std::isfinite(a.margin)) {
+      CHECK(b.margin == doctest::Approx(a.margin).epsilon(1e-12));
+    } else {
+      CHECK(a.margin == b.margin);
+    }
+  }
+  CHECK(o.run.verdict == o.dumped.verdict);
+}
+
+Case layout_case(const json& extra) {
+  json j = case_json(41, 203, 2, "fp32");
+  j.merge_patch(extra);
+  return make_case(j);
+}
+
+}  // namespace
+
+TEST_CASE("check-dump of the built-in kernels' dump reproduces run: TP, smoothing, bf16") {
+  const Case c = layout_case({{"name", "tp4-bf16"},
+                              {"inputs", {{"dtype", "bf16"}, {"ignore_fraction", 0.2}}},
+                              {"loss", {{"label_smoothing", 0.1}, {"smoothing_convention", "megatron"}}},
+                              {"layout", {{"tp", 4}}}});
+  for (const char* impl : {"correct", "smoothing-partition-vocab", "no-max-shift"}) expect_same(c, impl);
+  CHECK(run_both(c, "correct").dumped.verdict == Verdict::pass);
+  CHECK(run_both(c, "smoothing-partition-vocab").dumped.verdict == Verdict::fail);
+}
+
+TEST_CASE("check-dump reproduces run: CP zigzag with padding rows, packed sequences, fp16") {
+  const Case c = layout_case({{"name", "cp2"},
+                              {"shape", {{"tokens", nullptr}}},
+                              {"inputs", {{"dtype", "fp16"}}},
+                              {"batch", {{"sequence_lengths", {13, 7, 22, 5}}}},
+                              {"layout", {{"tp", 2}, {"cp", 2}}}});
+  for (const char* impl : {"correct", "cp-roll-after-split", "cp-duplicated-loss"}) expect_same(c, impl);
+}
+
+TEST_CASE("check-dump reproduces run: DP x GA micro-batches, both framework models") {
+  const Case c = layout_case({{"name", "dp2-ga2"},
+                              {"shape", {{"tokens", nullptr}}},
+                              {"batch", {{"sequence_lengths", {8, 4, 2, 1, 6, 3, 9, 5}}}},
+                              {"layout", {{"tp", 2}, {"cp", 2}, {"dp", 2}, {"ga", 2}}},
+                              {"framework", {{"grad_reduce", "sum"}, {"ga_reduce", "mean"}}}});
+  for (const char* impl : {"correct", "dp-local-mean", "ga-microbatch-mean", "cp-stats-dp-only"}) expect_same(c, impl);
+}
+
+TEST_CASE("check-dump reproduces run: KD and reduction none with upstream weights") {
+  const Case kd = layout_case({{"name", "kd"},
+                               {"loss", {{"kind", "kd"}, {"temperature", 2.0}}},
+                               {"inputs", {{"ignore_fraction", 0.1}, {"teacher", {{"scale", 3.0}}}}},
+                               {"layout", {{"tp", 3}}}});
+  for (const char* impl : {"correct", "kd-no-t2", "kd-local-softmax"}) expect_same(kd, impl);
+  const Case none = layout_case({{"name", "none"},
+                                 {"loss", {{"reduction", "none"}, {"upstream_weights", {{"distribution", "uniform"}, {"low", 0.25}, {"high", 4.0}}}}},
+                                 {"layout", {{"tp", 3}}}});
+  for (const char* impl : {"correct", "grad-output-first", "none-divides-grad"}) expect_same(none, impl);
+}
+
+TEST_CASE("check-dump: what the dump lacks is reported as not dumped, and the rest is still checked") {
+  const Case c = layout_case({{"name", "partial"},
+                              {"shape", {{"tokens", nullptr}}},
+                              {"batch", {{"sequence_lengths", {17, 9, 11, 4}}}},
+                              {"layout", {{"tp", 2}, {"dp", 2}}},
+                              {"inputs", {{"ignore_fraction", 0.2}}}});
+  auto find = [](const RunResult& r, const std::string& name) -> const CheckResult& {
+    for (const auto& check : r.checks) {
+      if (check.name == name) return check;
+    }
+    FAIL("no check " << name);
+    return r.checks.front();
+  };
+  {
+    const Outcome o = run_both(c, "correct", /*token_loss=*/false, /*stats=*/true);
+    CHECK(find(o.dumped, "rank_agreement").verdict == Verdict::not_applicable);
+    CHECK(find(o.dumped, "rank_agreement").metrics["dumped"] == false);
+    CHECK(find(o.dumped, "loss").metrics["per_token"]["dumped"] == false);
+    CHECK(find(o.dumped, "loss").verdict == Verdict::pass);  // the logged loss is compared
+    CHECK(find(o.dumped, "loss").metrics["reduced"]["compared"] == 4);
+  }
+  {
+    const Outcome o = run_both(c, "correct", /*token_loss=*/true, /*stats=*/false);
+    CHECK(find(o.dumped, "stats").verdict == Verdict::not_applicable);
+    CHECK(find(o.dumped, "loss").metrics["reduced"]["dumped"] == false);
+    CHECK(find(o.dumped, "loss").verdict == Verdict::pass);
+    CHECK(find(o.dumped, "loss").margin == doctest::Approx(find(o.run, "loss").metrics["per_token"]["margin"].get<double>()));
+  }
+  {  // a wrong logged loss with no per-token losses still fails
+    const Outcome o = run_both(c, "dp-local-mean", /*token_loss=*/false, /*stats=*/true);
+    CHECK(find(o.dumped, "loss").verdict == Verdict::fail);
+    REQUIRE(find(o.dumped, "loss").worst);
+    CHECK(find(o.dumped, "loss").worst->token == -1);
+    CHECK(find(o.dumped, "grad").verdict == Verdict::fail);
+  }
+}
+
+TEST_CASE("manifest: rows, ranks, coordinates and sequences") {
+  const json base = {{"format", "lossverify.dump/1"},
+                     {"shape", {{"tokens", 6}, {"vocab", 4}}},
+                     {"dtype", "bf16"},
+                     {"layout", {{"tp", 2}, {"cp", 1}, {"dp", 1}}},
+                     {"cu_seqlens", {0, 2, 2, 6}},
+                     {"ranks",
+                      {{{"tp", 1}, {"vocab", {2, 4}}, {"rows", {json::array({0, 3}), {{"padding", 2}}, 3, json::array({4, 6})}},
+                        {"tensors", {{"logits", {{"file", "r1.safetensors"}, {"name", "x"}}}, {"grad_logits", {{"file", "g.npy"}}},
+                                     {"labels", {{"file", "r1.safetensors"}, {"name", "y"}}}, {"token_loss", {{"file", "r1.safetensors"}, {"name", "l"}}}}}},
+                       {{"rank", 0}, {"vocab", {0, 2}}, {"file", "r0.safetensors"}, {"rows", {json::array({0, 3}), {{"padding", 2}}, 3, json::array({4, 6})}},
+                        {"tensors", {{"logits", "x"}, {"grad_logits", "g"}, {"labels", "y"}, {"token_loss", "l"}}}}}}};
+  const dump::Manifest m = dump::parse_manifest(base, "some/dir/manifest.json");
+  REQUIRE(m.ranks.size() == 2);
+  CHECK(m.ranks[0].world_rank == 0);  // sorted by world rank
+  CHECK(m.ranks[1].coordinates.tp == 1);
+  CHECK(m.ranks[1].micro_batches[0].rows == std::vector<std::int64_t>{0, 1, 2, -1, -1, 3, 4, 5});
+  CHECK(m.ranks[0].micro_batches[0].tensors.at("logits").file == "some/dir/r0.safetensors");
+  CHECK(m.ranks[1].micro_batches[0].tensors.at("grad_logits").file == "some/dir/g.npy");
+  CHECK(m.ranks[1].micro_batches[0].tensors.at("grad_logits").name.empty());
+  CHECK(m.the_case.batch.sequence_lengths == std::vector<std::int64_t>{2, 4});  // the empty sequence is dropped
+  CHECK(m.the_case.inputs.dtype == DType::bf16);
+  CHECK(m.the_case.name == "dir");
+  CHECK(m.dumped.token_loss);
+  CHECK(!m.dumped.loss);
+  CHECK(m.token_row[3] == 5);
+  auto error = [&](const std::function<void(json&)>& edit) {
+    json j = base;
+    edit(j);
+    try {
+      dump::parse_manifest(j, "m.json");
+    } catch (const Error& e) {
+      CHECK(e.code() == ExitCode::usage_error);
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  CHECK(error([](json&) {}).empty());
+  CHECK(error([](json& j) { j["ranks"][1]["file"] = "r0.npy"; }).find("default file must be a .safetensors file") != std::string::npos);
+  CHECK(error([](json& j) { j["ranks"][0]["tensors"]["logits"] = "x"; }).find("needs the rank's \"file\"") != std::string::npos);
+  CHECK(error([](json& j) { j["ranks"][1]["rows"] = json::array({json::array({0, 8})}); }).find("$.ranks[1].rows[0]: range [0, 8) outside [0, 6)") != std::string::npos);
+  CHECK(error([](json& j) { j["ranks"][1]["rows"][2] = -2; }).find("token -2 outside") != std::string::npos);
+  CHECK(error([](json& j) { j["ranks"][1]["rows"][1]["padding"] = 1ll << 40; }).find("too many rows") != std::string::npos);
+  CHECK(error([](json& j) { j["ranks"][1]["tp"] = 2; }).find("tp = 2 outside [0, 2)") != std::string::npos);
+  CHECK(error([](json& j) { j["layout"]["ga"] = 2; }).find("give the rank's \"micro_batches\"") != std::string::npos);
+  CHECK(error([](json& j) { j["cu_seqlens"] = {0, 2, 5}; }).find("must end at shape.tokens = 6") != std::string::npos);
+  CHECK(error([](json& j) { j["ranks"][0].erase("vocab"); }).find("$.ranks[0].vocab: required key is missing") != std::string::npos);
+  CHECK(error([](json& j) { j["dtype"] = "fp64"; }).find("$.dtype: expected one of fp32|bf16|fp16") != std::string::npos);
+  CHECK(error([](json& j) { j["ranks"][0]["stats"] = {{"num_tokens", 2.5}}; }).find("expected integer") != std::string::npos);
+  CHECK(error([](json& j) { j["ranks"][0]["stats"] = {{"num_tokens", "NaN"}}; }).find("a count must be a non-negative integer") != std::string::npos);
+  CHECK(error([](json& j) { j["ranks"][0]["stats"] = {{"loss", 1.0}}; }).find("has stats.loss, but $.ranks[1].stats lacks it: every rank and micro-batch must dump the same things") != std::string::npos);
+  CHECK(error([](json& j) { j["ranks"].push_back(j["ranks"][0]); }).find("3 ranks, but the layout tp*cp*dp = 2") != std::string::npos);
+}
