@@ -11,6 +11,7 @@
 #include <string_view>
 #include <type_traits>
 
+#include "lossverify/impl/cuda/cuda_check.hpp"
 #include "lossverify/impl/cuda/device_types.cuh"
 #include "lossverify/impl/cuda/kernels.hpp"
 #include "lossverify/math/cross_entropy_math.hpp"
@@ -1103,11 +1104,7 @@ void kd_grad(StorageType type, const KdGradArgs& args, void* stream) {
 namespace {
 template <class... Kernels>
 void load_functions(Kernels... kernels) {
-  cudaFuncAttributes attributes{};
-  // A function's attributes need its code on the device: this loads it (CUDA's lazy loading loads a
-  // kernel at its first use otherwise). Errors surface at launch, as before.
-  ((cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(kernels)) != cudaSuccess ? (void)cudaGetLastError() : (void)0),
-   ...);
+  (load_kernel_code(reinterpret_cast<const void*>(kernels)), ...);
 }
 }  // namespace
 

@@ -530,12 +530,13 @@ __device__ CompareState shfl(const CompareState& x, int offset) {
 // for every code x of the table, the gradient a correct kernel most likely wrote (the bf16 value nearest
 // the expected one) with the same visit() as every other element, and keeps its margin when that
 // judgement is inert (no mismatch, no ULP count, nothing for the census). An element whose (x, g) is such
-// a pair then costs a table lookup: its margin joins the worst-element search, its value the row sums,
-// and the code is marked seen, so that the row's maximum absolute and relative errors take every seen
-// code once. Every other element (the label, codes outside the table, any other g) is judged in full.
+// a pair then costs a table lookup: it increments its code's count of hits and lowers its code's first
+// hit column. After the pass every code that was hit enters the worst-element search at its first column
+// and the row's maximum errors once, and its count times its value the row sums. Every other element (the
+// label, codes outside the table, any other g) is judged in full.
 // Table rows take the softmax as exp(x) exp(-lse), exp(x) from the block's table (|lse| <= 600: both
 // factors normal) and, for codes outside it, exp(x - lse) directly where |x| > 700.
-constexpr int kTableThreads = 512;  // two blocks per SM (the tables take 82 KB); 64 registers
+constexpr int kTableThreads = 512;  // two blocks per SM (the tables take 106 KB); 64 registers
 constexpr int kMissCapacity = 2048;  // a row with more misses is judged again, in full
 constexpr std::int64_t kPrefetchBytes = 32 * 1024;  // per block and array: 264 blocks x 64 KB stay within L2
 constexpr std::size_t kTableSharedBytes =
@@ -546,7 +547,7 @@ template <class T, bool kTables, int kThreads>
 __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(ReferenceCompareArgs a, RowComparison* out,
                                                                              bool vectorized) {
   __shared__ double table[32];
-  extern __shared__ double code_tables[];  // kTables: exp(x) per code, then per row margin, g code, seen
+  extern __shared__ double code_tables[];  // kTables: per code exp(x), then per row margin, g code, hits, first hit
   __shared__ int miss_count;               // kTables: the row's elements that missed the table
   double* const exp_of_code = code_tables;
   double* const code_margin = exp_of_code + Bf16Codes::kSlots;
@@ -863,10 +864,7 @@ void reference_compare(StorageType type, const ReferenceCompareArgs& args, RowCo
 }
 
 void preload_reference_kernels(StorageType type, bool kd, double softcap, const void* logits, std::int64_t cols) {
-  cudaFuncAttributes attributes{};
-  auto load = [&](const void* kernel) {
-    if (cudaFuncGetAttributes(&attributes, kernel) != cudaSuccess) cudaGetLastError();  // errors surface at launch
-  };
+  const auto load = load_kernel_code;
   dispatch(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     // reference_partials' and reference_compare's choices (the gradient is allocated like the logits)
