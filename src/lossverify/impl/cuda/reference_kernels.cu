@@ -810,6 +810,35 @@ bool use_code_tables(bool kd, double softcap, bool vectorized) {
          !(e != nullptr && std::string_view(e) == "off");
 }
 
+// The kernels the reference launches for a shard of type T, with or without the code tables: one choice
+// for the launches and for the preload.
+using PartialsKernel = void (*)(ReferencePartialArgs, double*, bool);
+template <class T>
+PartialsKernel partials_kernel_for(bool tables) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    if (tables) return partials_kernel<T, true>;
+  }
+  return partials_kernel<T, false>;
+}
+struct CompareLaunch {
+  void (*kernel)(ReferenceCompareArgs, RowComparison*, bool);
+  int threads;
+  std::size_t shared_bytes;  // dynamic
+  int blocks_per_sm;
+};
+template <class T>
+CompareLaunch compare_launch_for(bool tables) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    if (tables) {
+      // LOSSVERIFY_TABLE_THREADS=256: two blocks of 256 threads per SM, 128 registers (a benchmark knob).
+      const char* e = std::getenv("LOSSVERIFY_TABLE_THREADS");
+      if (e != nullptr && std::string_view(e) == "256") return {compare_kernel<T, true, 256>, 256, kTableSharedBytes, 2};
+      return {compare_kernel<T, true, kTableThreads>, kTableThreads, kTableSharedBytes, 2};
+    }
+  }
+  return {compare_kernel<T, false, kReferenceThreads>, kReferenceThreads, 0, 8};
+}
+
 }  // namespace
 
 bool reference_code_tables_apply(StorageType type, bool kd, double softcap) {
@@ -823,14 +852,8 @@ void reference_partials(StorageType type, const ReferencePartialArgs& args, doub
   dispatch(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const bool vectorized = rows_vectorizable<T>(args.cols, {args.student, args.teacher});
-    const auto s = static_cast<cudaStream_t>(stream);
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-      if (use_code_tables<T>(args.kd != 0, args.softcap, vectorized)) {
-        partials_kernel<T, true><<<reference_blocks(args.rows), kReferenceThreads, 0, s>>>(args, out, vectorized);
-        return;
-      }
-    }
-    partials_kernel<T, false><<<reference_blocks(args.rows), kReferenceThreads, 0, s>>>(args, out, vectorized);
+    const PartialsKernel kernel = partials_kernel_for<T>(use_code_tables<T>(args.kd != 0, args.softcap, vectorized));
+    kernel<<<reference_blocks(args.rows), kReferenceThreads, 0, static_cast<cudaStream_t>(stream)>>>(args, out, vectorized);
   });
 }
 
@@ -847,19 +870,12 @@ void reference_compare(StorageType type, const ReferenceCompareArgs& args, RowCo
   dispatch(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const bool vectorized = rows_vectorizable<T>(args.cols, {args.student, args.teacher, args.grad});
-    const auto s = static_cast<cudaStream_t>(stream);
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-      if (use_code_tables<T>(args.kd != 0, args.softcap, vectorized)) {
-        // LOSSVERIFY_TABLE_THREADS=256: two blocks of 256 threads per SM, 128 registers (a benchmark knob).
-        const char* e = std::getenv("LOSSVERIFY_TABLE_THREADS");
-        const bool narrow_blocks = e != nullptr && std::string_view(e) == "256";
-        auto* kernel = narrow_blocks ? compare_kernel<T, true, 256> : compare_kernel<T, true, kTableThreads>;
-        LV_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kTableSharedBytes)));
-        kernel<<<reference_blocks(args.rows, 2), narrow_blocks ? 256 : kTableThreads, kTableSharedBytes, s>>>(args, out, vectorized);
-        return;
-      }
+    const CompareLaunch l = compare_launch_for<T>(use_code_tables<T>(args.kd != 0, args.softcap, vectorized));
+    if (l.shared_bytes > 0) {
+      LV_CUDA(cudaFuncSetAttribute(l.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(l.shared_bytes)));
     }
-    compare_kernel<T, false, kReferenceThreads><<<reference_blocks(args.rows), kReferenceThreads, 0, s>>>(args, out, vectorized);
+    l.kernel<<<reference_blocks(args.rows, l.blocks_per_sm), l.threads, l.shared_bytes, static_cast<cudaStream_t>(stream)>>>(
+        args, out, vectorized);
   });
 }
 
@@ -870,15 +886,8 @@ void preload_reference_kernels(StorageType type, bool kd, double softcap, const 
     // reference_partials' and reference_compare's choices (the gradient is allocated like the logits)
     const bool tables = use_code_tables<T>(kd, softcap, rows_vectorizable<T>(cols, {logits}));
     if (kd) load(reinterpret_cast<const void*>(kl_kernel<T>));
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-      if (tables) {
-        load(reinterpret_cast<const void*>(partials_kernel<T, true>));
-        load(reinterpret_cast<const void*>(compare_kernel<T, true, kTableThreads>));
-        return;
-      }
-    }
-    load(reinterpret_cast<const void*>(partials_kernel<T, false>));
-    load(reinterpret_cast<const void*>(compare_kernel<T, false, kReferenceThreads>));
+    load(reinterpret_cast<const void*>(partials_kernel_for<T>(tables)));
+    load(reinterpret_cast<const void*>(compare_launch_for<T>(tables).kernel));
   });
 }
 
