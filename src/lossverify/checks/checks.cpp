@@ -285,14 +285,15 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
   const std::int64_t n = c.shape.tokens;
   const std::int64_t vocab = c.shape.vocab;
   const bool kd = c.loss.kind == LossKind::kd;
+  const int world_rank = out.assignment.world_rank;
+  StageTrace trace("rank " + std::to_string(world_rank) + " verify");
+  trace.mark("0 reference");
   const LossReference reference(c, inputs);
   const VocabRange range = out.assignment.vocab;
   const std::int64_t rows = out.rows();
   const std::int64_t cols = range.size();
   const int tp_size = groups.tp.size();
   const bool tp_leader = groups.tp.rank() == 0;
-  const int world_rank = out.assignment.world_rank;
-  StageTrace trace("rank " + std::to_string(world_rank) + " verify");
   trace.mark("0 coverage");
 
   // Coverage: the TP group's columns tile [0, V); every token is held by exactly one TP group.
@@ -365,6 +366,7 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
       device_valid[static_cast<std::size_t>(i)] = 1;
       if (!kd) row_labels[static_cast<std::size_t>(i)] = inputs.label(t);
     }
+    trace.mark("1 partials: gpu");
     partials = cuda::gpu_reference_partials(*out.device_shard, c, row_labels, device_valid);
   } else {
 #pragma omp parallel num_threads(threads)
@@ -386,6 +388,7 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
   trace.mark("2 combine");
   // 2. Row statistics: the TP group's partials combined in column order.
   const std::vector<double> all_partials = gather_all(groups.tp, partials);
+  trace.mark("2 combine: rows");
   std::vector<RowStats> stats(static_cast<std::size_t>(rows));
   std::vector<RowPartial> row_parts(static_cast<std::size_t>(tp_size));
   for (std::int64_t i = 0; i < rows; ++i) {
@@ -396,6 +399,7 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
     }
     stats[static_cast<std::size_t>(i)] = reference.combine(row_parts);
   }
+  trace.mark("2 combine: losses");
   std::vector<double> reference_loss(static_cast<std::size_t>(rows), 0.0);
   if (kd) {
     std::vector<double> kl(static_cast<std::size_t>(2 * rows), 0.0);
@@ -479,6 +483,7 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
     in.quantum = judge.quantum;
     in.grad_scale = grad_scale;
     in.smallest_normal = smallest_normal(out.dtype);
+    trace.mark("3 elements: gpu");
     compared_rows = cuda::gpu_reference_compare(*out.device_shard, c, in);
     trace.mark("3 elements: rows");
     for (std::int64_t i = 0; i < rows; ++i) {

@@ -15,6 +15,7 @@ class StageTrace {
   ~StageTrace() { mark("end"); }
   StageTrace(const StageTrace&) = delete;
   StageTrace& operator=(const StageTrace&) = delete;
+  bool enabled() const { return enabled_; }
   void mark(const char* next) {
     if (!enabled_) return;
     const auto now = std::chrono::steady_clock::now();

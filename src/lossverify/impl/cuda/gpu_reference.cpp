@@ -57,6 +57,8 @@ std::vector<double> gpu_reference_partials(const DeviceShard& shard, const Case&
   trace.mark("kernel");
   reference_partials(shard.type, a, d_out.as<double>(), stream.get());
   LV_CUDA(cudaGetLastError());
+  if (trace.enabled()) stream.sync();  // the kernel's own time
+  trace.mark("download");
   std::vector<double> partials = download<double>(d_out, static_cast<std::size_t>(shard.rows) * 8, stream.get());
   trace.mark("free");
   return partials;
@@ -119,6 +121,8 @@ std::vector<RowComparison> gpu_reference_compare(const DeviceShard& shard, const
   trace.mark("kernel");
   reference_compare(shard.type, a, d_out.as<RowComparison>(), stream.get());
   LV_CUDA(cudaGetLastError());
+  if (trace.enabled()) stream.sync();  // the kernel's own time
+  trace.mark("download");
   std::vector<RowComparison> rows = download<RowComparison>(d_out, static_cast<std::size_t>(shard.rows), stream.get());
   trace.mark("free");
   return rows;
