@@ -1,5 +1,7 @@
 #include "lossverify/inputs/input_source.hpp"
 
+#include <algorithm>
+
 #include "lossverify/core/errors.hpp"
 #include "lossverify/inputs/philox_stream.hpp"
 
@@ -7,6 +9,8 @@ namespace lossverify {
 
 InputSource::InputSource(const Case& c) : case_(c), batch_(c.batch) {
   for (const RowOverride& row : c.inputs.overrides) overrides_[row.token] = &row;
+  labels_.resize(static_cast<std::size_t>(std::max<std::int64_t>(c.shape.tokens, 0)));
+  for (std::size_t t = 0; t < labels_.size(); ++t) labels_[t] = generated_label_of(static_cast<std::int64_t>(t));
 }
 
 InputSource::InputSource(const Case& c, ExplicitInputs data) : case_(c), explicit_(true), batch_(c.batch) {
@@ -178,6 +182,11 @@ std::int64_t InputSource::label(std::int64_t token) const {
     if (masked(token) || explicit_labels_.empty()) return case_.loss.ignore_index;
     return explicit_labels_[static_cast<std::size_t>(token)];
   }
+  if (token >= 0 && static_cast<std::size_t>(token) < labels_.size()) return labels_[static_cast<std::size_t>(token)];
+  return generated_label_of(token);
+}
+
+std::int64_t InputSource::generated_label_of(std::int64_t token) const {
   const auto it = overrides_.find(token);
   if (it != overrides_.end() && it->second->label) return *it->second->label;
   if (masked(token)) return case_.loss.ignore_index;

@@ -81,6 +81,7 @@ class InputSource {
   template <class T>
   bool read_cache(const std::vector<std::byte>& cache, std::int64_t token, std::int64_t begin, std::int64_t end,
                   T* out) const;
+  std::int64_t generated_label_of(std::int64_t token) const;
 
   const Case& case_;
   bool explicit_ = false;
@@ -90,6 +91,9 @@ class InputSource {
   std::vector<std::byte> cache_student_;
   std::vector<std::byte> cache_teacher_;
   std::unordered_map<std::int64_t, const RowOverride*> overrides_;
+  // Generated inputs: every token's label, drawn once at construction (the rank plans and the
+  // reference ask for each label several times, a Philox draw each).
+  std::vector<std::int64_t> labels_;
 };
 
 }  // namespace lossverify

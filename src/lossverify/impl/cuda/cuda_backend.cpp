@@ -15,6 +15,7 @@
 #include "lossverify/core/stage_trace.hpp"
 #include "lossverify/impl/cuda/cuda_check.hpp"
 #include "lossverify/impl/cuda/device_buffer.hpp"
+#include "lossverify/impl/cuda/gpu_reference.hpp"
 #include "lossverify/impl/cuda/kernels.hpp"
 #include "lossverify/impl/cuda/reference_kernels.hpp"
 #include "lossverify/impl/rank_plan.hpp"
@@ -233,6 +234,17 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
     preload_kernels(type, choice);
     if (options.keep_on_device) preload_reference_kernels(type, kd, c.loss.softcap, d_logits.as<void>(), cols);
   }
+  // The rank's other buffers are set up while the GPU generates the inputs, where the host would wait:
+  // the gradient, and for the GPU reference its workspace (page-locked host buffers take about 1 ms to
+  // allocate) and the verification's OpenMP team (its first parallel region starts the threads, 1-2 ms).
+  DeviceBytes d_grad(static_cast<std::size_t>(rows * cols) * element);
+  std::shared_ptr<ReferenceWorkspace> workspace;
+  if (options.keep_on_device) {
+    workspace = make_reference_workspace(options.device, rows);
+#pragma omp parallel num_threads(std::max(1, options.host_threads))
+    {
+    }
+  }
   stream.sync();
   out.generate_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   StageTrace trace("cuda compute");  // LOSSVERIFY_TRACE=1: the compute stage's parts
@@ -257,7 +269,6 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
   DeviceBytes d_active = upload(active, stream.get());
   DeviceBytes d_valid = upload(valid, stream.get());
   DeviceBytes d_weight = upload(weight, stream.get());
-  DeviceBytes d_grad(static_cast<std::size_t>(rows * cols) * element);
   DeviceBytes d_stats(static_cast<std::size_t>(rows) * 4 * sizeof(float));
   DeviceBytes d_max(static_cast<std::size_t>(rows) * sizeof(float));
   DeviceBytes d_log_sum(static_cast<std::size_t>(rows) * sizeof(float));
@@ -416,6 +427,7 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
     shard->student = std::move(d_logits);
     shard->teacher = std::move(d_teacher);
     shard->grad = std::move(d_grad);
+    shard->workspace = std::move(workspace);
     out.device_shard = std::move(shard);
   } else {
     out.grad.resize(static_cast<std::size_t>(rows * out_cols) * element);

@@ -19,15 +19,16 @@ RankOutput run_sharded_loss(const Case&, const InputSource&, RankAssignment, Ran
   unavailable();
 }
 nlohmann::json bench(const BenchOptions&) { unavailable(); }
-std::vector<double> gpu_reference_partials(const DeviceShard&, const Case&, const std::vector<std::int64_t>&,
-                                           const std::vector<int>&) {
+std::shared_ptr<ReferenceWorkspace> make_reference_workspace(int, std::int64_t) { unavailable(); }
+void gpu_reference_partials(const DeviceShard&, const Case&, std::span<const std::int64_t>, std::span<const int>,
+                            std::span<double>) {
   unavailable();
 }
 std::vector<double> gpu_reference_kl(const DeviceShard&, const Case&, const std::vector<double>&,
                                      const std::vector<double>&, const std::vector<int>&) {
   unavailable();
 }
-std::vector<RowComparison> gpu_reference_compare(const DeviceShard&, const Case&, const GpuCompareInputs&) {
+std::span<const RowComparison> gpu_reference_compare(const DeviceShard&, const Case&, const GpuCompareInputs&) {
   unavailable();
 }
 

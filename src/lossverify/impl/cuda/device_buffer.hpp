@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -62,13 +63,38 @@ class Stream {
   cudaStream_t stream_{};
 };
 
+// Owning page-locked host allocation (fast, asynchronous copies to and from the device).
+class PinnedBytes {
+ public:
+  explicit PinnedBytes(std::size_t bytes) : bytes_(bytes) {
+    if (bytes_ > 0) LV_CUDA(cudaMallocHost(&ptr_, bytes_));
+  }
+  ~PinnedBytes() {
+    if (ptr_ != nullptr) cudaFreeHost(ptr_);
+  }
+  PinnedBytes(const PinnedBytes&) = delete;
+  PinnedBytes& operator=(const PinnedBytes&) = delete;
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(ptr_);
+  }
+  std::size_t size() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+struct ReferenceWorkspace;  // gpu_reference.cpp
+
 // A rank's shard left on its GPU after the kernel, for the GPU float64 reference: the inputs the kernel
-// read and the gradient it wrote, never copied to the host.
+// read and the gradient it wrote, never copied to the host; and the reference's buffers.
 struct DeviceShard {
   int device = 0;
   StorageType type = StorageType::fp32;
   std::int64_t rows = 0, cols = 0, begin = 0;
   DeviceBytes student{0}, teacher{0}, grad{0};
+  mutable std::shared_ptr<ReferenceWorkspace> workspace;  // made on first use where the backend left none
 };
 
 }  // namespace lossverify::cuda

@@ -1,7 +1,10 @@
 #include "lossverify/impl/cuda/gpu_reference.hpp"
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 
+#include "lossverify/core/errors.hpp"
 #include "lossverify/core/stage_trace.hpp"
 #include "lossverify/impl/cuda/device_buffer.hpp"
 
@@ -31,37 +34,102 @@ std::vector<T> download(const DeviceBytes& d, std::size_t count, cudaStream_t st
   return host;
 }
 
+// Where each per-row array sits in the workspace's input buffers (16-byte aligned).
+struct InputLayout {
+  std::size_t flags = 0, labels = 0, lse = 0, teacher_lse = 0, weight = 0, bytes = 0;
+  explicit InputLayout(std::int64_t rows) {
+    const auto n = static_cast<std::size_t>(rows);
+    auto next = [](std::size_t at, std::size_t size) { return (at + size + 15) / 16 * 16; };
+    labels = next(flags, n * sizeof(int));
+    lse = next(labels, n * sizeof(std::int64_t));
+    teacher_lse = next(lse, n * sizeof(double));
+    weight = next(teacher_lse, n * sizeof(double));
+    bytes = next(weight, n * sizeof(double));
+  }
+};
+std::size_t output_bytes(std::int64_t rows) {
+  return static_cast<std::size_t>(rows) * std::max(8 * sizeof(double), sizeof(RowComparison));
+}
+
 }  // namespace
 
-std::vector<double> gpu_reference_partials(const DeviceShard& shard, const Case& c, const std::vector<std::int64_t>& labels,
-                                           const std::vector<int>& valid) {
+struct ReferenceWorkspace {
+  explicit ReferenceWorkspace(std::int64_t rows_in)
+      : rows(rows_in),
+        layout(rows_in),
+        d_in(layout.bytes),
+        d_out(output_bytes(rows_in)),
+        h_in(layout.bytes),
+        h_out(output_bytes(rows_in)) {}
+  std::int64_t rows;
+  InputLayout layout;
+  Stream stream;
+  DeviceBytes d_in, d_out;
+  PinnedBytes h_in, h_out;
+  template <class T>
+  T* host_in(std::size_t at) const {
+    return reinterpret_cast<T*>(h_in.as<std::byte>() + at);
+  }
+  template <class T>
+  T* device_in(std::size_t at) const {
+    return reinterpret_cast<T*>(d_in.as<std::byte>() + at);
+  }
+  // The first `bytes` of the input buffers to the device, on the workspace's stream.
+  void upload_inputs(std::size_t bytes) const {
+    LV_CUDA(cudaMemcpyAsync(d_in.as<void>(), h_in.as<void>(), bytes, cudaMemcpyHostToDevice, stream.get()));
+  }
+  void download_outputs(std::size_t bytes) const {
+    LV_CUDA(cudaMemcpyAsync(h_out.as<void>(), d_out.as<void>(), bytes, cudaMemcpyDeviceToHost, stream.get()));
+    stream.sync();
+  }
+};
+
+std::shared_ptr<ReferenceWorkspace> make_reference_workspace(int device, std::int64_t rows) {
+  LV_CUDA(cudaSetDevice(device));
+  return std::make_shared<ReferenceWorkspace>(rows);
+}
+
+namespace {
+ReferenceWorkspace& workspace_of(const DeviceShard& shard) {
+  if (!shard.workspace || shard.workspace->rows < shard.rows)
+    shard.workspace = make_reference_workspace(shard.device, shard.rows);
+  return *shard.workspace;
+}
+
+}  // namespace
+
+void gpu_reference_partials(const DeviceShard& shard, const Case& c, std::span<const std::int64_t> labels,
+                            std::span<const int> valid, std::span<double> out) {
   StageTrace trace("gpu reference partials");
   trace.mark("upload");
   LV_CUDA(cudaSetDevice(shard.device));
-  Stream stream;
-  DeviceBytes d_valid = upload(valid, stream.get());
-  DeviceBytes d_labels = upload(labels, stream.get());
-  DeviceBytes d_out(static_cast<std::size_t>(shard.rows) * 8 * sizeof(double));  // the kernel writes every row
+  const ReferenceWorkspace& ws = workspace_of(shard);
+  const auto rows = static_cast<std::size_t>(shard.rows);
+  if (labels.size() != rows || valid.size() != rows || out.size() != rows * 8) {
+    throw InternalError("gpu reference partials: per-row arrays do not match the shard's rows");
+  }
+  std::memcpy(ws.host_in<int>(ws.layout.flags), valid.data(), rows * sizeof(int));
+  std::memcpy(ws.host_in<std::int64_t>(ws.layout.labels), labels.data(), rows * sizeof(std::int64_t));
+  ws.upload_inputs(ws.layout.lse);
   ReferencePartialArgs a{};
   a.student = shard.student.as<void>();
   a.teacher = shard.teacher.as<void>();
   a.rows = shard.rows;
   a.cols = shard.cols;
   a.begin = shard.begin;
-  a.valid = d_valid.as<int>();
-  a.label = d_labels.as<std::int64_t>();
+  a.valid = ws.device_in<int>(ws.layout.flags);
+  a.label = ws.device_in<std::int64_t>(ws.layout.labels);
   a.kd = c.loss.kind == LossKind::kd;
   a.inverse_temperature = 1.0 / c.loss.temperature;
   a.softcap = c.loss.softcap;
   target_weights(c, a.q_on, a.q_off);
   trace.mark("kernel");
-  reference_partials(shard.type, a, d_out.as<double>(), stream.get());
+  reference_partials(shard.type, a, ws.d_out.as<double>(), ws.stream.get());
   LV_CUDA(cudaGetLastError());
-  if (trace.enabled()) stream.sync();  // the kernel's own time
+  if (trace.enabled()) ws.stream.sync();  // the kernel's own time
   trace.mark("download");
-  std::vector<double> partials = download<double>(d_out, static_cast<std::size_t>(shard.rows) * 8, stream.get());
-  trace.mark("free");
-  return partials;
+  ws.download_outputs(rows * 8 * sizeof(double));
+  std::memcpy(out.data(), ws.h_out.as<double>(), rows * 8 * sizeof(double));
 }
 
 std::vector<double> gpu_reference_kl(const DeviceShard& shard, const Case& c, const std::vector<double>& lse,
@@ -80,17 +148,23 @@ std::vector<double> gpu_reference_kl(const DeviceShard& shard, const Case& c, co
   return download<double>(d_out, zeros.size(), stream.get());
 }
 
-std::vector<RowComparison> gpu_reference_compare(const DeviceShard& shard, const Case& c, const GpuCompareInputs& in) {
+std::span<const RowComparison> gpu_reference_compare(const DeviceShard& shard, const Case& c,
+                                                     const GpuCompareInputs& in) {
   StageTrace trace("gpu reference compare");
   trace.mark("upload");
   LV_CUDA(cudaSetDevice(shard.device));
-  Stream stream;
-  DeviceBytes d_kind = upload(in.kind, stream.get());
-  DeviceBytes d_labels = upload(in.labels, stream.get());
-  DeviceBytes d_lse = upload(in.lse, stream.get());
-  DeviceBytes d_teacher_lse = upload(in.teacher_lse, stream.get());
-  DeviceBytes d_weight = upload(in.weight, stream.get());
-  DeviceBytes d_out(static_cast<std::size_t>(shard.rows) * sizeof(RowComparison));
+  const ReferenceWorkspace& ws = workspace_of(shard);
+  const auto rows = static_cast<std::size_t>(shard.rows);
+  if (in.kind.size() != rows || in.labels.size() != rows || in.lse.size() != rows ||
+      in.teacher_lse.size() != rows || in.weight.size() != rows) {
+    throw InternalError("gpu reference compare: per-row arrays do not match the shard's rows");
+  }
+  std::memcpy(ws.host_in<int>(ws.layout.flags), in.kind.data(), rows * sizeof(int));
+  std::memcpy(ws.host_in<std::int64_t>(ws.layout.labels), in.labels.data(), rows * sizeof(std::int64_t));
+  std::memcpy(ws.host_in<double>(ws.layout.lse), in.lse.data(), rows * sizeof(double));
+  std::memcpy(ws.host_in<double>(ws.layout.teacher_lse), in.teacher_lse.data(), rows * sizeof(double));
+  std::memcpy(ws.host_in<double>(ws.layout.weight), in.weight.data(), rows * sizeof(double));
+  ws.upload_inputs(ws.layout.bytes);
   ReferenceCompareArgs a{};
   a.student = shard.student.as<void>();
   a.teacher = shard.teacher.as<void>();
@@ -98,11 +172,11 @@ std::vector<RowComparison> gpu_reference_compare(const DeviceShard& shard, const
   a.rows = shard.rows;
   a.cols = shard.cols;
   a.begin = shard.begin;
-  a.kind = d_kind.as<int>();
-  a.label = d_labels.as<std::int64_t>();
-  a.lse = d_lse.as<double>();
-  a.teacher_lse = d_teacher_lse.as<double>();
-  a.weight = d_weight.as<double>();
+  a.kind = ws.device_in<int>(ws.layout.flags);
+  a.label = ws.device_in<std::int64_t>(ws.layout.labels);
+  a.lse = ws.device_in<double>(ws.layout.lse);
+  a.teacher_lse = ws.device_in<double>(ws.layout.teacher_lse);
+  a.weight = ws.device_in<double>(ws.layout.weight);
   a.kd = c.loss.kind == LossKind::kd;
   a.temperature = c.loss.temperature;
   a.inverse_temperature = 1.0 / c.loss.temperature;
@@ -119,13 +193,12 @@ std::vector<RowComparison> gpu_reference_compare(const DeviceShard& shard, const
   a.grad_scale = in.grad_scale;
   a.smallest_normal = in.smallest_normal;
   trace.mark("kernel");
-  reference_compare(shard.type, a, d_out.as<RowComparison>(), stream.get());
+  reference_compare(shard.type, a, ws.d_out.as<RowComparison>(), ws.stream.get());
   LV_CUDA(cudaGetLastError());
-  if (trace.enabled()) stream.sync();  // the kernel's own time
+  if (trace.enabled()) ws.stream.sync();  // the kernel's own time
   trace.mark("download");
-  std::vector<RowComparison> rows = download<RowComparison>(d_out, static_cast<std::size_t>(shard.rows), stream.get());
-  trace.mark("free");
-  return rows;
+  ws.download_outputs(rows * sizeof(RowComparison));
+  return {ws.h_out.as<const RowComparison>(), rows};
 }
 
 }  // namespace lossverify::cuda
