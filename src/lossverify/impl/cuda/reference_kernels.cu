@@ -540,21 +540,22 @@ constexpr int kTableThreads = 512;  // two blocks per SM (the tables take 106 KB
 constexpr int kMissCapacity = 2048;  // a row with more misses is judged again, in full
 constexpr std::int64_t kPrefetchBytes = 32 * 1024;  // per block and array: 264 blocks x 64 KB stay within L2
 constexpr std::size_t kTableSharedBytes =
-    static_cast<std::size_t>(Bf16Codes::kSlots) * (2 * sizeof(double) + 3 * sizeof(unsigned)) +
+    static_cast<std::size_t>(Bf16Codes::kSlots) * (2 * sizeof(double) + 2 * sizeof(unsigned)) +
     kMissCapacity * sizeof(int);
 
 template <class T, bool kTables, int kThreads>
 __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(ReferenceCompareArgs a, RowComparison* out,
                                                                              bool vectorized) {
   __shared__ double table[32];
-  extern __shared__ double code_tables[];  // kTables: per code exp(x), then per row margin, g code, hits, first hit
+  extern __shared__ double code_tables[];  // kTables: per code exp(x), then per row margin, g code, hits
   __shared__ int miss_count;               // kTables: the row's elements that missed the table
+  __shared__ unsigned long long worst_hit_bits;  // kTables: the largest margin of a hit code (its bits)
+  __shared__ int worst_hit_codes, worst_hit_slot, worst_hit_column;
   double* const exp_of_code = code_tables;
   double* const code_margin = exp_of_code + Bf16Codes::kSlots;
   unsigned* const code_g = reinterpret_cast<unsigned*>(code_margin + Bf16Codes::kSlots);
   int* const missed_columns = reinterpret_cast<int*>(code_g + Bf16Codes::kSlots);
   unsigned* const code_hits = reinterpret_cast<unsigned*>(missed_columns + kMissCapacity);
-  unsigned* const code_first = code_hits + Bf16Codes::kSlots;  // a code's first hit column
   load_exp_table(table);
   if constexpr (kTables) Bf16Codes::fill_exp(exp_of_code, table);
   const T* student = static_cast<const T*>(a.student);
@@ -682,35 +683,44 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
         code_g[i] = inert ? likeliest : 0xffffffffu;
         code_margin[i] = probe.margin;
         code_hits[i] = 0;
-        code_first[i] = UINT_MAX;
       }
-      if (threadIdx.x == 0) code_g[Bf16Codes::kEntries] = 0xffffffffu;  // the slot outside the table: never a hit
+      if (threadIdx.x == 0) {
+        code_g[Bf16Codes::kEntries] = 0xffffffffu;  // the slot outside the table: never a hit
+        code_hits[Bf16Codes::kEntries] = 0;
+        worst_hit_bits = 0;
+        worst_hit_codes = 0;
+        worst_hit_column = INT_MAX;
+      }
       __syncthreads();
       const uint4* x4 = reinterpret_cast<const uint4*>(x);
       const uint4* g4 = reinterpret_cast<const uint4*>(g);
       const int packs = cols / 8;
       const std::int64_t label_pack = label >= 0 && label < cols ? label / 8 : -1;
-      // A hit counts in its code's entry, with the code's first hit column (the worst hit is the first
-      // column of the code with the largest margin); misses go to the block's list and are judged in full
-      // after the pass, spread over the threads: the pass itself carries no CompareState. A row with more
-      // misses than the list holds is judged again, every element in full, and the counts are dropped.
+      // A hit counts in its code's entry; misses go to the block's list and are judged in full after the
+      // pass, spread over the threads: the pass itself carries no CompareState. The label's element is
+      // judged in full too: the pass counts it like any other, and the count is undone after it. The next
+      // pack's loads are issued before the current pack is counted. A row with more misses than the list
+      // holds is judged again, every element in full, and the counts are dropped.
       int hits = 0;
+      uint4 xw{}, gw{};
+      if (static_cast<int>(threadIdx.x) < packs) {
+        xw = x4[threadIdx.x];
+        gw = g4[threadIdx.x];
+      }
       for (int i = threadIdx.x; i < packs; i += kThreads) {
-        const uint4 xw = x4[i];
-        const uint4 gw = g4[i];
-        const unsigned label_bit = i == label_pack ? 1u << (label & 7) : 0u;
+        const uint4 xv = xw, gv = gw;
+        if (i + kThreads < packs) {
+          xw = x4[i + kThreads];
+          gw = g4[i + kThreads];
+        }
         unsigned missed = 0;
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
-          const unsigned xc = Bf16Codes::code_at(xw, k);
-          const unsigned gc = Bf16Codes::code_at(gw, k);
+          const unsigned xc = Bf16Codes::code_at(xv, k);
+          const unsigned gc = Bf16Codes::code_at(gv, k);
           const unsigned index = Bf16Codes::slot(xc);
-          const bool hit = code_g[index] == gc && ((label_bit >> k) & 1u) == 0;
-          if (hit) {
-            atomicAdd(&code_hits[index], 1u);
-            const unsigned column = static_cast<unsigned>(i * 8 + k);
-            if (column < code_first[index]) atomicMin(&code_first[index], column);
-          }
+          const bool hit = code_g[index] == gc;
+          if (hit) atomicAdd(&code_hits[index], 1u);
           missed |= static_cast<unsigned>(!hit) << k;
         }
         hits += 8 - __popc(missed);
@@ -719,6 +729,16 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
           for (unsigned bits = missed; bits != 0 && slot < kMissCapacity; bits &= bits - 1) {
             missed_columns[slot++] = i * 8 + __ffs(bits) - 1;
           }
+        }
+      }
+      __syncthreads();
+      if (threadIdx.x == 0 && label_pack >= 0) {
+        const unsigned index = Bf16Codes::slot(__bfloat16_as_ushort(reinterpret_cast<const __nv_bfloat16*>(x)[label]));
+        if (code_g[index] == __bfloat16_as_ushort(reinterpret_cast<const __nv_bfloat16*>(g)[label])) {
+          --code_hits[index];
+          --hits;
+          const int slot = miss_count++;
+          if (slot < kMissCapacity) missed_columns[slot] = static_cast<int>(label);
         }
       }
       __syncthreads();
@@ -733,19 +753,63 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
         }
         st.compared += hits;
         st.lookups += hits;
-        // Every code hit: its first column as a candidate worst element, its error and relative error,
-        // once; its hits' values, in the row sums.
+        // Every code hit: its error and relative error, once; its hits' values, in the row sums. The worst
+        // hit is the first hit (in column order) of the codes with the largest margin: that margin first,
+        // then a search of the row from its start for the first element whose (x, g) is such a pair.
         double hit_sum = 0.0, hit_magnitude = 0.0;  // in the gradient's own units
+        double worst_margin = -1.0;
         for (int i = threadIdx.x; i < Bf16Codes::kEntries; i += kThreads) {
           const unsigned n = code_hits[i];
           if (n == 0) continue;
           const double expected = expected_at(kNotLabel, Bf16Codes::value(Bf16Codes::code_of(static_cast<unsigned>(i))), 0.0f);
           const double got_local = Bf16Codes::value(code_g[i]);
           const double got = got_local * fs;
-          st.worst(static_cast<int>(code_first[i]), code_margin[i], expected, got, floor + a.rtol * fabs(expected));
           st.extrema(expected, got == expected ? 0.0 : fabs(got - expected));
           hit_sum += n * got_local;  // exact: a bf16 times a count below 2^31
           hit_magnitude += n * fabs(got_local);
+          worst_margin = fmax(worst_margin, code_margin[i]);
+        }
+        // Margins of inert judgements are finite and >= 0: their bits order as the values do.
+        if (worst_margin >= 0.0) atomicMax(&worst_hit_bits, static_cast<unsigned long long>(__double_as_longlong(worst_margin)));
+        __syncthreads();
+        const double worst_hit_margin = __longlong_as_double(static_cast<long long>(worst_hit_bits));
+        for (int i = threadIdx.x; i < Bf16Codes::kEntries; i += kThreads) {
+          const bool worst = code_hits[i] != 0 && code_margin[i] == worst_hit_margin;
+          code_hits[i] = worst;  // from here on: the codes of the worst hits
+          if (worst) {
+            atomicAdd(&worst_hit_codes, 1);
+            worst_hit_slot = i;
+          }
+        }
+        __syncthreads();
+        if (worst_hit_codes > 0) {
+          for (int base = 0; base < packs; base += kThreads) {
+            const int i = base + static_cast<int>(threadIdx.x);
+            bool found = false;
+            if (i < packs) {
+              const uint4 xv = x4[i];
+              const uint4 gv = g4[i];
+#pragma unroll
+              for (int k = 0; k < 8; ++k) {
+                const unsigned index = Bf16Codes::slot(Bf16Codes::code_at(xv, k));
+                if (!found && code_hits[index] != 0 && code_g[index] == Bf16Codes::code_at(gv, k) && i * 8 + k != label) {
+                  atomicMin(&worst_hit_column, i * 8 + k);
+                  found = true;
+                }
+              }
+            }
+            if (__syncthreads_or(found)) break;
+          }
+          if (threadIdx.x == 0) {
+            const int column = worst_hit_column;
+            const unsigned index =
+                worst_hit_codes == 1
+                    ? static_cast<unsigned>(worst_hit_slot)
+                    : Bf16Codes::slot(__bfloat16_as_ushort(reinterpret_cast<const __nv_bfloat16*>(x)[column]));
+            const double expected = expected_at(kNotLabel, Bf16Codes::value(Bf16Codes::code_of(index)), 0.0f);
+            const double got = Bf16Codes::value(code_g[index]) * fs;
+            st.worst(column, worst_hit_margin, expected, got, floor + a.rtol * fabs(expected));
+          }
         }
         row_sum += hit_sum * fs;
         row_magnitude += hit_magnitude * fabs(fs);
