@@ -357,10 +357,9 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
   const bool on_device = out.device_shard != nullptr;
   if (on_device && snapshot != nullptr) throw InternalError("the GPU reference keeps no snapshot for sweeps");
   std::vector<std::int64_t> row_labels(on_device ? static_cast<std::size_t>(rows) : 0, -1);
+  cuda::GpuCompareInputs compare_in;  // on_device: filled while the partials are computed
   if (on_device) {
-    // (The host loops of the GPU reference run on the rank's threads: per-row work, 16K rows and more.)
     std::vector<int> device_valid(static_cast<std::size_t>(rows), 0);
-#pragma omp parallel for num_threads(threads) schedule(static)
     for (std::int64_t i = 0; i < rows; ++i) {
       const std::int64_t t = out.token_of(i);
       if (t < 0 || !inputs.is_valid(t)) continue;
@@ -369,7 +368,26 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
       if (!kd) row_labels[static_cast<std::size_t>(i)] = inputs.label(t);
     }
     trace.mark("1 partials: gpu");
-    cuda::gpu_reference_partials(*out.device_shard, c, row_labels, device_valid, partials);
+    cuda::gpu_reference_partials_launch(*out.device_shard, c, row_labels, device_valid);
+    // While the GPU computes the partials: the comparison's per-row inputs that do not need them.
+    trace.mark("1 partials: compare inputs");
+    compare_in.kind.assign(static_cast<std::size_t>(rows), 1);
+    compare_in.labels = row_labels;
+    compare_in.lse.assign(static_cast<std::size_t>(rows), 0.0);
+    compare_in.teacher_lse.assign(static_cast<std::size_t>(rows), 0.0);
+    compare_in.weight.assign(static_cast<std::size_t>(rows), 0.0);
+    for (std::int64_t i = 0; i < rows; ++i) {
+      const auto k = static_cast<std::size_t>(i);
+      const std::int64_t t = out.token_of(i);
+      if (t < 0) {
+        compare_in.kind[k] = 2;
+      } else if (valid[k]) {
+        compare_in.kind[k] = 0;
+        compare_in.weight[k] = reference.token_weight(t);
+      }
+    }
+    trace.mark("1 partials: wait");
+    cuda::gpu_reference_partials_wait(*out.device_shard, partials);
   } else {
 #pragma omp parallel num_threads(threads)
     {
@@ -392,18 +410,14 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
   const std::vector<double> all_partials = gather_all(groups.tp, partials);
   trace.mark("2 combine: rows");
   std::vector<RowStats> stats(static_cast<std::size_t>(rows));
-#pragma omp parallel num_threads(threads)
-  {
-    std::vector<RowPartial> row_parts(static_cast<std::size_t>(tp_size));
-#pragma omp for schedule(static)
-    for (std::int64_t i = 0; i < rows; ++i) {
-      if (!valid[static_cast<std::size_t>(i)]) continue;
-      for (int r = 0; r < tp_size; ++r) {
-        row_parts[static_cast<std::size_t>(r)] =
-            RowPartial::load(&all_partials[static_cast<std::size_t>((r * rows + i) * RowPartial::kDoubles)]);
-      }
-      stats[static_cast<std::size_t>(i)] = reference.combine(row_parts);
+  std::vector<RowPartial> row_parts(static_cast<std::size_t>(tp_size));
+  for (std::int64_t i = 0; i < rows; ++i) {
+    if (!valid[static_cast<std::size_t>(i)]) continue;
+    for (int r = 0; r < tp_size; ++r) {
+      row_parts[static_cast<std::size_t>(r)] =
+          RowPartial::load(&all_partials[static_cast<std::size_t>((r * rows + i) * RowPartial::kDoubles)]);
     }
+    stats[static_cast<std::size_t>(i)] = reference.combine(row_parts);
   }
   trace.mark("2 combine: losses");
   std::vector<double> reference_loss(static_cast<std::size_t>(rows), 0.0);
@@ -444,7 +458,6 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
       reference_loss[static_cast<std::size_t>(i)] = reference.kd_loss(total.value());
     }
   } else {
-#pragma omp parallel for num_threads(threads) schedule(static)
     for (std::int64_t i = 0; i < rows; ++i) {
       if (valid[static_cast<std::size_t>(i)]) {
         reference_loss[static_cast<std::size_t>(i)] = reference.cross_entropy_loss(stats[static_cast<std::size_t>(i)]);
@@ -465,23 +478,12 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
   std::span<const cuda::RowComparison> compared_rows;
   std::int64_t grad_lookups = 0;  // GPU reference: elements judged by a code-table lookup
   if (on_device) {
-    cuda::GpuCompareInputs in;
-    in.kind.assign(static_cast<std::size_t>(rows), 1);
-    in.labels = row_labels;
-    in.lse.assign(static_cast<std::size_t>(rows), 0.0);
-    in.teacher_lse.assign(static_cast<std::size_t>(rows), 0.0);
-    in.weight.assign(static_cast<std::size_t>(rows), 0.0);
-#pragma omp parallel for num_threads(threads) schedule(static)
+    cuda::GpuCompareInputs& in = compare_in;
     for (std::int64_t i = 0; i < rows; ++i) {
       const auto k = static_cast<std::size_t>(i);
-      const std::int64_t t = out.token_of(i);
-      if (t < 0) {
-        in.kind[k] = 2;
-      } else if (valid[k]) {
-        in.kind[k] = 0;
+      if (in.kind[k] == 0) {
         in.lse[k] = stats[k].lse;
         in.teacher_lse[k] = stats[k].teacher_lse;
-        in.weight[k] = reference.token_weight(t);
       }
     }
     in.atol = judge.tolerance.atol;
@@ -494,54 +496,39 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
     trace.mark("3 elements: gpu");
     compared_rows = cuda::gpu_reference_compare(*out.device_shard, c, in);
     trace.mark("3 elements: rows");
-#pragma omp parallel num_threads(threads)
-    {
-      ErrorStats local_loss;
-      ErrorStats local_grad;
-      std::int64_t local_mismatches = 0;
-      std::int64_t local_lookups = 0;
-#pragma omp for schedule(static)
-      for (std::int64_t i = 0; i < rows; ++i) {
-        const auto k = static_cast<std::size_t>(i);
-        const std::int64_t t = out.token_of(i);
-        const LocalRow& row = out.assignment.rows[k];
-        const cuda::RowComparison& rc = compared_rows[k];
-        const double got_loss = out.token_loss[k];
-        PackedStats packed{};
-        packed.compared = rc.compared;
-        packed.mismatches = rc.mismatches;
-        packed.max_ulp = rc.max_ulp;
-        packed.has_worst = rc.compared > 0;
-        packed.max_abs = rc.max_abs;
-        packed.max_rel = rc.max_rel;
-        packed.margin = rc.margin;
-        packed.worst = {t, range.begin + rc.worst_column, world_rank, t < 0 ? row.sequence : -1, t < 0 ? row.position : -1,
-                        rc.worst_expected, rc.worst_got, rc.worst_tolerance};
-        local_grad.merge(ErrorStats::unpack(packed));
-        local_mismatches += rc.mismatches;
-        local_lookups += rc.lookups;
-        if (t < 0) {
-          local_loss.add({-1, -1, world_rank, 0.0, got_loss, 0.0, row.sequence, row.position});
-          continue;
-        }
-        const double ref_loss = reference_loss[k];
-        const double loss_tolerance = tol_loss.atol * loss_scale + tol_loss.rtol * std::fabs(ref_loss);
-        local_loss.add({t, -1, world_rank, ref_loss, got_loss, loss_tolerance});
-        row_sums[3 * k] = rc.sum;
-        row_sums[3 * k + 1] = rc.sum_error;
-        row_sums[3 * k + 2] = rc.magnitude;
-        if (!token_margins.empty()) {
-          token_margins[static_cast<std::size_t>(t)] = rc.margin;
-          token_margins[static_cast<std::size_t>(n + t)] =
-              margin_of(got_loss == ref_loss ? 0.0 : std::fabs(got_loss - ref_loss), loss_tolerance);
-        }
+    for (std::int64_t i = 0; i < rows; ++i) {
+      const auto k = static_cast<std::size_t>(i);
+      const std::int64_t t = out.token_of(i);
+      const LocalRow& row = out.assignment.rows[k];
+      const cuda::RowComparison& rc = compared_rows[k];
+      const double got_loss = out.token_loss[k];
+      PackedStats packed{};
+      packed.compared = rc.compared;
+      packed.mismatches = rc.mismatches;
+      packed.max_ulp = rc.max_ulp;
+      packed.has_worst = rc.compared > 0;
+      packed.max_abs = rc.max_abs;
+      packed.max_rel = rc.max_rel;
+      packed.margin = rc.margin;
+      packed.worst = {t, range.begin + rc.worst_column, world_rank, t < 0 ? row.sequence : -1, t < 0 ? row.position : -1,
+                      rc.worst_expected, rc.worst_got, rc.worst_tolerance};
+      grad_stats.merge(ErrorStats::unpack(packed));
+      grad_mismatches += rc.mismatches;
+      grad_lookups += rc.lookups;
+      if (t < 0) {
+        loss_stats.add({-1, -1, world_rank, 0.0, got_loss, 0.0, row.sequence, row.position});
+        continue;
       }
-#pragma omp critical(lossverify_verify_merge)
-      {
-        loss_stats.merge(local_loss);
-        grad_stats.merge(local_grad);
-        grad_mismatches += local_mismatches;
-        grad_lookups += local_lookups;
+      const double ref_loss = reference_loss[k];
+      const double loss_tolerance = tol_loss.atol * loss_scale + tol_loss.rtol * std::fabs(ref_loss);
+      loss_stats.add({t, -1, world_rank, ref_loss, got_loss, loss_tolerance});
+      row_sums[3 * k] = rc.sum;
+      row_sums[3 * k + 1] = rc.sum_error;
+      row_sums[3 * k + 2] = rc.magnitude;
+      if (!token_margins.empty()) {
+        token_margins[static_cast<std::size_t>(t)] = rc.margin;
+        token_margins[static_cast<std::size_t>(n + t)] =
+            margin_of(got_loss == ref_loss ? 0.0 : std::fabs(got_loss - ref_loss), loss_tolerance);
       }
     }
   } else
@@ -628,41 +615,30 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
     const std::vector<float> all_losses = gather_all(groups.tp, out.token_loss);
     const std::vector<int> tp_world = gather_all(groups.tp, world_rank);  // collective: every TP rank calls it
     if (tp_leader) {
-#pragma omp parallel num_threads(threads)
-      {
-        ErrorStats local_agreement;
-        ErrorStats local_row_sum;
-#pragma omp for schedule(static)
-        for (std::int64_t i = 0; i < rows; ++i) {
-          const auto k = static_cast<std::size_t>(i);
-          const std::int64_t t = out.token_of(i);
-          if (t < 0) continue;
-          const double first = all_losses[k];
-          for (int r = 1; r < tp_size; ++r) {
-            local_agreement.add({t, -1, tp_world[static_cast<std::size_t>(r)], first,
-                                 all_losses[static_cast<std::size_t>(r * rows + i)],
-                                 tol_agree.atol * loss_scale + tol_agree.rtol * std::fabs(first)});
-          }
-          if (!row_sum_applies) continue;
-          CompensatedSum total;
-          CompensatedSum magnitude;
-          for (int r = 0; r < tp_size; ++r) {
-            total.add(all_sums[static_cast<std::size_t>(r * 3 * rows + 3 * i)]);
-            total.add(all_sums[static_cast<std::size_t>(r * 3 * rows + 3 * i + 1)]);
-            magnitude.add(all_sums[static_cast<std::size_t>(r * 3 * rows + 3 * i + 2)]);
-          }
-          // SPEC 3 invariant: sum_v dl/dx_v = 2 w_z lse per token (0 for KD), times the token's weight in L.
-          const double weight = valid[k] ? reference.token_weight(t) : 0.0;
-          const double expected_sum = (valid[k] && !kd) ? weight * 2.0 * c.loss.z_loss_weight * stats[k].lse : 0.0;
-          local_row_sum.add({t, -1, world_rank, expected_sum, total.value(),
-                             tol_row.atol * std::fabs(weight) * grad_scale + tol_row.rtol * magnitude.value() +
-                                 judge.quantum * framework_scale});
+      for (std::int64_t i = 0; i < rows; ++i) {
+        const auto k = static_cast<std::size_t>(i);
+        const std::int64_t t = out.token_of(i);
+        if (t < 0) continue;
+        const double first = all_losses[k];
+        for (int r = 1; r < tp_size; ++r) {
+          agreement_stats.add({t, -1, tp_world[static_cast<std::size_t>(r)], first,
+                               all_losses[static_cast<std::size_t>(r * rows + i)],
+                               tol_agree.atol * loss_scale + tol_agree.rtol * std::fabs(first)});
         }
-#pragma omp critical(lossverify_verify_merge)
-        {
-          agreement_stats.merge(local_agreement);
-          row_sum_stats.merge(local_row_sum);
+        if (!row_sum_applies) continue;
+        CompensatedSum total;
+        CompensatedSum magnitude;
+        for (int r = 0; r < tp_size; ++r) {
+          total.add(all_sums[static_cast<std::size_t>(r * 3 * rows + 3 * i)]);
+          total.add(all_sums[static_cast<std::size_t>(r * 3 * rows + 3 * i + 1)]);
+          magnitude.add(all_sums[static_cast<std::size_t>(r * 3 * rows + 3 * i + 2)]);
         }
+        // SPEC 3 invariant: sum_v dl/dx_v = 2 w_z lse per token (0 for KD), times the token's weight in L.
+        const double weight = valid[k] ? reference.token_weight(t) : 0.0;
+        const double expected_sum = (valid[k] && !kd) ? weight * 2.0 * c.loss.z_loss_weight * stats[k].lse : 0.0;
+        row_sum_stats.add({t, -1, world_rank, expected_sum, total.value(),
+                           tol_row.atol * std::fabs(weight) * grad_scale + tol_row.rtol * magnitude.value() +
+                               judge.quantum * framework_scale});
       }
     }
   }
@@ -698,47 +674,26 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
   {
     const double grad_normal = smallest_normal(out.dtype);
     const double fp32_normal = smallest_normal(DType::fp32);
-    // Each thread takes a contiguous run of rows (static schedule), so its first non-finite value is the
-    // first of its run; the earliest row's wins.
-    std::int64_t first_bad_row = rows;
-#pragma omp parallel num_threads(threads)
-    {
-      FiniteCensus local_grad;
-      FiniteCensus local_loss;
-      std::optional<ElementRecord> local_bad;
-      std::int64_t local_bad_row = rows;
-      std::vector<double> g(on_device ? 0 : static_cast<std::size_t>(cols));
-#pragma omp for schedule(static)
-      for (std::int64_t i = 0; i < rows; ++i) {
-        auto note_bad = [&](std::int64_t column, double value) {
-          if (local_bad) return;
-          local_bad = ElementRecord{out.token_of(i), column, world_rank, 0.0, value, 0.0};
-          local_bad_row = i;
-        };
-        if (on_device) {
-          const cuda::RowComparison& rc = compared_rows[static_cast<std::size_t>(i)];
-          local_grad.add(FiniteCensus{rc.nan, rc.pos_inf, rc.neg_inf, rc.subnormal});
-          if (rc.first_bad_column >= 0) note_bad(range.begin + rc.first_bad_column, rc.first_bad_value);
-        } else {
-          out.grad_row(i, g.data());
+    std::vector<double> g(on_device ? 0 : static_cast<std::size_t>(cols));
+    for (std::int64_t i = 0; i < rows; ++i) {
+      if (on_device) {
+        const cuda::RowComparison& rc = compared_rows[static_cast<std::size_t>(i)];
+        grad_census.add(FiniteCensus{rc.nan, rc.pos_inf, rc.neg_inf, rc.subnormal});
+        if (rc.first_bad_column >= 0 && !first_bad) {
+          first_bad = ElementRecord{out.token_of(i), range.begin + rc.first_bad_column, world_rank, 0.0, rc.first_bad_value, 0.0};
         }
-        for (std::int64_t v = 0; v < (on_device ? 0 : cols); ++v) {
-          local_grad.count(g[static_cast<std::size_t>(v)], grad_normal);
-          if (!std::isfinite(g[static_cast<std::size_t>(v)])) note_bad(range.begin + v, g[static_cast<std::size_t>(v)]);
-        }
-        const double l = out.token_loss[static_cast<std::size_t>(i)];
-        local_loss.count(l, fp32_normal);
-        if (!std::isfinite(l)) note_bad(-1, l);
+      } else {
+        out.grad_row(i, g.data());
       }
-#pragma omp critical(lossverify_verify_merge)
-      {
-        grad_census.add(local_grad);
-        loss_census.add(local_loss);
-        if (local_bad && local_bad_row < first_bad_row) {
-          first_bad = local_bad;
-          first_bad_row = local_bad_row;
+      for (std::int64_t v = 0; v < (on_device ? 0 : cols); ++v) {
+        grad_census.count(g[static_cast<std::size_t>(v)], grad_normal);
+        if (!std::isfinite(g[static_cast<std::size_t>(v)]) && !first_bad) {
+          first_bad = ElementRecord{out.token_of(i), range.begin + v, world_rank, 0.0, g[static_cast<std::size_t>(v)], 0.0};
         }
       }
+      const double l = out.token_loss[static_cast<std::size_t>(i)];
+      loss_census.count(l, fp32_normal);
+      if (!std::isfinite(l) && !first_bad) first_bad = ElementRecord{out.token_of(i), -1, world_rank, 0.0, l, 0.0};
     }
     if (out.has_reduced_loss) reduced_census.count(out.reduced_loss, fp32_normal);
   }

@@ -197,7 +197,6 @@ RankJob run_rank(const Case& c, const InputSource& inputs, const Implementation&
       execution.reference = "cpu";
     }
     device_options.keep_on_device = execution.reference == "gpu";
-    device_options.host_threads = threads;
     out = cuda::run_sharded_loss(c, inputs, assign_rank(c, inputs.batch(), rank), groups, impl.bugs, device_options);
   } else {
     out = run_sharded_loss(c, inputs, assign_rank(c, inputs.batch(), rank), groups, impl.bugs, kernel_options);

@@ -236,15 +236,10 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
   }
   // The rank's other buffers are set up while the GPU generates the inputs, where the host would wait:
   // the gradient, and for the GPU reference its workspace (page-locked host buffers take about 1 ms to
-  // allocate) and the verification's OpenMP team (its first parallel region starts the threads, 1-2 ms).
+  // allocate).
   DeviceBytes d_grad(static_cast<std::size_t>(rows * cols) * element);
   std::shared_ptr<ReferenceWorkspace> workspace;
-  if (options.keep_on_device) {
-    workspace = make_reference_workspace(options.device, rows);
-#pragma omp parallel num_threads(std::max(1, options.host_threads))
-    {
-    }
-  }
+  if (options.keep_on_device) workspace = make_reference_workspace(options.device, rows);
   stream.sync();
   out.generate_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   StageTrace trace("cuda compute");  // LOSSVERIFY_TRACE=1: the compute stage's parts

@@ -25,9 +25,6 @@ struct CudaRankOptions {
   int device = 0;
   // Leave the inputs and the gradient on the GPU (RankOutput::device_shard) for the GPU reference.
   bool keep_on_device = false;
-  // The threads the rank's verification will use on the host (their team is started while the GPU
-  // generates the inputs).
-  int host_threads = 1;
 };
 RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssignment assignment, RankGroups groups,
                             const BugSwitches& bugs, const CudaRankOptions& options);

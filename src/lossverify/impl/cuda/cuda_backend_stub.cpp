@@ -20,10 +20,10 @@ RankOutput run_sharded_loss(const Case&, const InputSource&, RankAssignment, Ran
 }
 nlohmann::json bench(const BenchOptions&) { unavailable(); }
 std::shared_ptr<ReferenceWorkspace> make_reference_workspace(int, std::int64_t) { unavailable(); }
-void gpu_reference_partials(const DeviceShard&, const Case&, std::span<const std::int64_t>, std::span<const int>,
-                            std::span<double>) {
+void gpu_reference_partials_launch(const DeviceShard&, const Case&, std::span<const std::int64_t>, std::span<const int>) {
   unavailable();
 }
+void gpu_reference_partials_wait(const DeviceShard&, std::span<double>) { unavailable(); }
 std::vector<double> gpu_reference_kl(const DeviceShard&, const Case&, const std::vector<double>&,
                                      const std::vector<double>&, const std::vector<int>&) {
   unavailable();

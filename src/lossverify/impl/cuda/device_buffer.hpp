@@ -63,6 +63,19 @@ class Stream {
   cudaStream_t stream_{};
 };
 
+class Event {
+ public:
+  Event() { LV_CUDA(cudaEventCreate(&event_)); }
+  ~Event() { cudaEventDestroy(event_); }
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  cudaEvent_t get() const { return event_; }
+  void record(cudaStream_t stream) const { LV_CUDA(cudaEventRecord(event_, stream)); }
+
+ private:
+  cudaEvent_t event_{};
+};
+
 // Owning page-locked host allocation (fast, asynchronous copies to and from the device).
 class PinnedBytes {
  public:

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "lossverify/core/errors.hpp"
@@ -64,6 +66,7 @@ struct ReferenceWorkspace {
   std::int64_t rows;
   InputLayout layout;
   Stream stream;
+  Event kernel_start, kernel_end;  // LOSSVERIFY_TRACE: a kernel's own time
   DeviceBytes d_in, d_out;
   PinnedBytes h_in, h_out;
   template <class T>
@@ -80,7 +83,12 @@ struct ReferenceWorkspace {
   }
   void download_outputs(std::size_t bytes) const {
     LV_CUDA(cudaMemcpyAsync(h_out.as<void>(), d_out.as<void>(), bytes, cudaMemcpyDeviceToHost, stream.get()));
-    stream.sync();
+  }
+  // After stream.sync(): the time between the two events, on stderr.
+  void trace_kernel(const char* who) const {
+    float ms = 0.0f;
+    LV_CUDA(cudaEventElapsedTime(&ms, kernel_start.get(), kernel_end.get()));
+    std::fprintf(stderr, "lossverify trace: %s kernel (events) %9.3f ms\n", who, static_cast<double>(ms));
   }
 };
 
@@ -98,14 +106,12 @@ ReferenceWorkspace& workspace_of(const DeviceShard& shard) {
 
 }  // namespace
 
-void gpu_reference_partials(const DeviceShard& shard, const Case& c, std::span<const std::int64_t> labels,
-                            std::span<const int> valid, std::span<double> out) {
-  StageTrace trace("gpu reference partials");
-  trace.mark("upload");
+void gpu_reference_partials_launch(const DeviceShard& shard, const Case& c, std::span<const std::int64_t> labels,
+                                   std::span<const int> valid) {
   LV_CUDA(cudaSetDevice(shard.device));
   const ReferenceWorkspace& ws = workspace_of(shard);
   const auto rows = static_cast<std::size_t>(shard.rows);
-  if (labels.size() != rows || valid.size() != rows || out.size() != rows * 8) {
+  if (labels.size() != rows || valid.size() != rows) {
     throw InternalError("gpu reference partials: per-row arrays do not match the shard's rows");
   }
   std::memcpy(ws.host_in<int>(ws.layout.flags), valid.data(), rows * sizeof(int));
@@ -123,12 +129,20 @@ void gpu_reference_partials(const DeviceShard& shard, const Case& c, std::span<c
   a.inverse_temperature = 1.0 / c.loss.temperature;
   a.softcap = c.loss.softcap;
   target_weights(c, a.q_on, a.q_off);
-  trace.mark("kernel");
+  ws.kernel_start.record(ws.stream.get());
   reference_partials(shard.type, a, ws.d_out.as<double>(), ws.stream.get());
   LV_CUDA(cudaGetLastError());
-  if (trace.enabled()) ws.stream.sync();  // the kernel's own time
-  trace.mark("download");
+  ws.kernel_end.record(ws.stream.get());
   ws.download_outputs(rows * 8 * sizeof(double));
+}
+
+void gpu_reference_partials_wait(const DeviceShard& shard, std::span<double> out) {
+  LV_CUDA(cudaSetDevice(shard.device));
+  const ReferenceWorkspace& ws = workspace_of(shard);
+  const auto rows = static_cast<std::size_t>(shard.rows);
+  if (out.size() != rows * 8) throw InternalError("gpu reference partials: the output does not match the shard's rows");
+  ws.stream.sync();
+  if (std::getenv("LOSSVERIFY_TRACE") != nullptr) ws.trace_kernel("gpu reference partials");
   std::memcpy(out.data(), ws.h_out.as<double>(), rows * 8 * sizeof(double));
 }
 
@@ -192,12 +206,14 @@ std::span<const RowComparison> gpu_reference_compare(const DeviceShard& shard, c
   a.quantum = in.quantum;
   a.grad_scale = in.grad_scale;
   a.smallest_normal = in.smallest_normal;
-  trace.mark("kernel");
+  trace.mark("kernel and download");
+  ws.kernel_start.record(ws.stream.get());
   reference_compare(shard.type, a, ws.d_out.as<RowComparison>(), ws.stream.get());
   LV_CUDA(cudaGetLastError());
-  if (trace.enabled()) ws.stream.sync();  // the kernel's own time
-  trace.mark("download");
+  ws.kernel_end.record(ws.stream.get());
   ws.download_outputs(rows * sizeof(RowComparison));
+  ws.stream.sync();
+  if (trace.enabled()) ws.trace_kernel("gpu reference compare");
   return {ws.h_out.as<const RowComparison>(), rows};
 }
 

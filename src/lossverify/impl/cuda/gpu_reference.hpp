@@ -21,9 +21,11 @@ struct ReferenceWorkspace;
 // below make one where it is missing.
 std::shared_ptr<ReferenceWorkspace> make_reference_workspace(int device, std::int64_t rows);
 
-// RowPartial's 8 doubles per row into `out` (rows whose valid flag is 0 get the empty partial).
-void gpu_reference_partials(const DeviceShard& shard, const Case& c, std::span<const std::int64_t> labels,
-                            std::span<const int> valid, std::span<double> out);
+// RowPartial's 8 doubles per row (rows whose valid flag is 0 get the empty partial): the launch enqueues
+// the work on the workspace's stream and returns; the wait puts the results in `out`.
+void gpu_reference_partials_launch(const DeviceShard& shard, const Case& c, std::span<const std::int64_t> labels,
+                                   std::span<const int> valid);
+void gpu_reference_partials_wait(const DeviceShard& shard, std::span<double> out);
 // KD: [value, error] per row of sum_v P_v (log P_v - log Q_v) over the shard.
 std::vector<double> gpu_reference_kl(const DeviceShard& shard, const Case& c, const std::vector<double>& lse,
                                      const std::vector<double>& teacher_lse, const std::vector<int>& valid);
