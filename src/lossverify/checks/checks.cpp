@@ -269,6 +269,14 @@ std::vector<T> gather_all(Communicator& comm, const std::vector<T>& mine) {
   return all;
 }
 
+// gather_all, where a group of one needs no copy (a 16K-row shard's partials are 1 MB of fresh pages).
+template <class T>
+const std::vector<T>& gather_all(Communicator& comm, const std::vector<T>& mine, std::vector<T>& storage) {
+  if (comm.size() == 1) return mine;
+  storage = gather_all(comm, mine);
+  return storage;
+}
+
 // Every rank's statistics merged in rank order: the same result on every rank and every backend.
 ErrorStats merge_over(Communicator& world, const ErrorStats& local) {
   const std::vector<PackedStats> all = gather_all(world, local.pack());
@@ -407,7 +415,8 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
   }
   trace.mark("2 combine");
   // 2. Row statistics: the TP group's partials combined in column order.
-  const std::vector<double> all_partials = gather_all(groups.tp, partials);
+  std::vector<double> gathered_partials;
+  const std::vector<double>& all_partials = gather_all(groups.tp, partials, gathered_partials);
   trace.mark("2 combine: rows");
   std::vector<RowStats> stats(static_cast<std::size_t>(rows));
   std::vector<RowPartial> row_parts(static_cast<std::size_t>(tp_size));
@@ -611,8 +620,10 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
   ErrorStats agreement_stats;
   ErrorStats row_sum_stats;
   {
-    const std::vector<double> all_sums = gather_all(groups.tp, row_sums);
-    const std::vector<float> all_losses = gather_all(groups.tp, out.token_loss);
+    std::vector<double> gathered_sums;
+    std::vector<float> gathered_losses;
+    const std::vector<double>& all_sums = gather_all(groups.tp, row_sums, gathered_sums);
+    const std::vector<float>& all_losses = gather_all(groups.tp, out.token_loss, gathered_losses);
     const std::vector<int> tp_world = gather_all(groups.tp, world_rank);  // collective: every TP rank calls it
     if (tp_leader) {
       for (std::int64_t i = 0; i < rows; ++i) {

@@ -235,9 +235,18 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
     if (options.keep_on_device) preload_reference_kernels(type, kd, c.loss.softcap, d_logits.as<void>(), cols);
   }
   // The rank's other buffers are set up while the GPU generates the inputs, where the host would wait:
-  // the gradient, and for the GPU reference its workspace (page-locked host buffers take about 1 ms to
-  // allocate).
+  // the gradient, the per-row arrays and a page-locked copy of the row statistics, and for the GPU
+  // reference its workspace (page-locked host buffers take about 1 ms to allocate).
   DeviceBytes d_grad(static_cast<std::size_t>(rows * cols) * element);
+  const auto row_count = static_cast<std::size_t>(rows);
+  DeviceBytes d_target(row_count * sizeof(std::int64_t));
+  DeviceBytes d_active(row_count * sizeof(int));
+  DeviceBytes d_valid(row_count * sizeof(int));
+  DeviceBytes d_weight(row_count * sizeof(float));
+  DeviceBytes d_stats(row_count * 4 * sizeof(float));
+  DeviceBytes d_max(row_count * sizeof(float));
+  DeviceBytes d_log_sum(row_count * sizeof(float));
+  PinnedBytes h_stats(row_count * 4 * sizeof(float));
   std::shared_ptr<ReferenceWorkspace> workspace;
   if (options.keep_on_device) workspace = make_reference_workspace(options.device, rows);
   stream.sync();
@@ -259,21 +268,18 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
     weight[k] = p.backward_weight;
     if (p.valid && p.label - owner_base >= 0 && p.label - owner_base < cols) target[k] = p.label - owner_base;
   }
-  trace.mark("allocate");
-  DeviceBytes d_target = upload(target, stream.get());
-  DeviceBytes d_active = upload(active, stream.get());
-  DeviceBytes d_valid = upload(valid, stream.get());
-  DeviceBytes d_weight = upload(weight, stream.get());
-  DeviceBytes d_stats(static_cast<std::size_t>(rows) * 4 * sizeof(float));
-  DeviceBytes d_max(static_cast<std::size_t>(rows) * sizeof(float));
-  DeviceBytes d_log_sum(static_cast<std::size_t>(rows) * sizeof(float));
+  trace.mark("upload");
+  copy_to_device(d_target, target, stream.get());
+  copy_to_device(d_active, active, stream.get());
+  copy_to_device(d_valid, valid, stream.get());
+  copy_to_device(d_weight, weight, stream.get());
   const auto shard_width = static_cast<float>(cols);
   const CrossEntropyConstants k = constants_for(c, bugs, shard_width);
   const SmoothingPair smoothing_pair = smoothing_for(c, bugs, shard_width);
   const bool smoothing = c.loss.label_smoothing > 0.0;
   const auto z_weight = static_cast<float>(c.loss.z_loss_weight);
   out.token_loss.assign(static_cast<std::size_t>(rows), 0.0f);
-  std::vector<float> stats(static_cast<std::size_t>(rows) * 4);
+  float* const stats = h_stats.as<float>();  // the kernels' row statistics, 4 per row
   trace.mark("kernels");
 
   const auto& offsets = out.assignment.micro_batch_begin;
@@ -305,11 +311,11 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
       // Whole rows on this rank: both passes in one kernel, no host round trip.
       cross_entropy_fused(type, ga, k, stats_out, stream.get());
       LV_CUDA(cudaGetLastError());
-      LV_CUDA(cudaMemcpyAsync(stats.data() + 4 * b, stats_out, static_cast<std::size_t>(n) * 4 * sizeof(float),
+      LV_CUDA(cudaMemcpyAsync(stats + 4 * b, stats_out, static_cast<std::size_t>(n) * 4 * sizeof(float),
                               cudaMemcpyDeviceToHost, stream.get()));
       stream.sync();
       for (std::int64_t i = 0; i < n; ++i) {
-        const float* s = stats.data() + 4 * (b + i);
+        const float* s = stats + 4 * (b + i);
         const auto j = static_cast<std::size_t>(i);
         row_max[j] = s[0];
         log_sum[j] = s[1];
@@ -322,7 +328,7 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
       StatsArgs sa{ga.logits, n, cols, ga.target_column, ga.active};
       cross_entropy_stats(type, sa, k, stats_out, stream.get());
       LV_CUDA(cudaGetLastError());
-      LV_CUDA(cudaMemcpyAsync(stats.data() + 4 * b, stats_out, static_cast<std::size_t>(n) * 4 * sizeof(float),
+      LV_CUDA(cudaMemcpyAsync(stats + 4 * b, stats_out, static_cast<std::size_t>(n) * 4 * sizeof(float),
                               cudaMemcpyDeviceToHost, stream.get()));
       stream.sync();
       std::vector<float> local_max(static_cast<std::size_t>(n), -INFINITY);
@@ -336,7 +342,7 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
       for (std::int64_t i = 0; i < n; ++i) {
         const auto j = static_cast<std::size_t>(i);
         if (!active[static_cast<std::size_t>(b + i)]) continue;
-        const float* s = stats.data() + 4 * (b + i);
+        const float* s = stats + 4 * (b + i);
         const float m = bugs.no_max_shift ? 0.0f : row_max[j];
         row_max[j] = m;
         packed[j] = s[1] * std::exp(local_max[j] - m);

@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <stdexcept>
 #include <utility>
 #include <vector>
 
@@ -48,6 +49,13 @@ DeviceBytes upload(const std::vector<T>& host, cudaStream_t stream) {
   DeviceBytes d(host.size() * sizeof(T));
   if (!host.empty()) LV_CUDA(cudaMemcpyAsync(d.as<void>(), host.data(), d.size(), cudaMemcpyHostToDevice, stream));
   return d;
+}
+
+// Into an allocation of at least the vector's size.
+template <class T>
+void copy_to_device(const DeviceBytes& d, const std::vector<T>& host, cudaStream_t stream) {
+  if (host.size() * sizeof(T) > d.size()) throw std::logic_error("copy_to_device: the allocation is too small");
+  if (!host.empty()) LV_CUDA(cudaMemcpyAsync(d.as<void>(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice, stream));
 }
 
 class Stream {
