@@ -9,7 +9,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <initializer_list>
-#include <mutex>
 #include <string_view>
 #include <type_traits>
 
@@ -47,8 +46,9 @@ struct OnlineLse {
   __device__ void merge(const OnlineLse& o) {
     const double mm = fmax(m, o.m);
     if (mm == -INFINITY) return;
-    const double f = m == -INFINITY ? 0.0 : exp(m - mm);
-    const double g = o.m == -INFINITY ? 0.0 : exp(o.m - mm);
+    // (exp(0) = 1 exactly: the side that holds the maximum needs no exp, a third of a row's merges.)
+    const double f = m == -INFINITY ? 0.0 : m == mm ? 1.0 : exp(m - mm);
+    const double g = o.m == -INFINITY ? 0.0 : o.m == mm ? 1.0 : exp(o.m - mm);
     Neumaier r;
     r.add(sum.s * f);
     r.add(sum.c * f);
@@ -202,7 +202,7 @@ struct ThreadLse {
   double m = -INFINITY, s = 0.0;
   __device__ __forceinline__ void add(double z, const double* table) {
     if (z > m) {
-      s *= exp_reference(m - z, table);  // 0 when m = -inf
+      if (m != -INFINITY) s *= exp_reference(m - z, table);  // (s is 0 while m = -inf)
       m = z;
     }
     s += exp_reference(z - m, table);
@@ -216,10 +216,8 @@ struct ThreadLse {
 };
 
 // Code tables (bf16 rows of the cross-entropy family without softcap). A bf16 logit is one of 65536
-// codes, so exp(x) needs computing once per code, not once per element: for every code with
-// 2^-8 <= |x| < 2^6 (3584 codes, 28 KB) the partials kernel counts a row's codes and reads exp(x) from a
-// table in global memory, the compare kernel keeps exp(x) in each block's shared memory; elements outside
-// that range take the plain path.
+// codes, so exp(x) needs computing once per code, not once per element: each block keeps exp(x) of every
+// code with 2^-8 <= |x| < 2^6 (3584 codes, 28 KB), and elements outside that range take the plain path.
 struct Bf16Codes {
   static constexpr unsigned kLowExponent = 8;  // |x| >= 2^-8
   static constexpr unsigned kBinades = 14;     // |x| < 2^6
@@ -256,38 +254,12 @@ struct Bf16Codes {
   }
 };
 
-// exp(x) of every code of the table, for the partials kernel's sums over a row's code counts: filled once
-// per device (fill_code_exps), read from L1.
-__device__ double g_code_exp[Bf16Codes::kEntries];
-__global__ void code_exps_kernel() {
-  __shared__ double table[32];
-  load_exp_table(table);
-  const int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
-  if (i < Bf16Codes::kEntries) g_code_exp[i] = exp_reference(static_cast<double>(Bf16Codes::value(Bf16Codes::code_of(static_cast<unsigned>(i)))), table);
-}
-void fill_code_exps() {
-  static std::mutex mutex;
-  static bool filled[64] = {};
-  int device = 0;
-  LV_CUDA(cudaGetDevice(&device));
-  const std::lock_guard<std::mutex> lock(mutex);
-  if (device < 64 && filled[device]) return;
-  Stream stream;
-  code_exps_kernel<<<(Bf16Codes::kEntries + 255) / 256, 256, 0, stream.get()>>>();
-  LV_CUDA(cudaGetLastError());
-  stream.sync();
-  if (device < 64) filled[device] = true;
-}
-
 template <class T, bool kTables>
 __global__ void __launch_bounds__(kReferenceThreads) partials_kernel(ReferencePartialArgs a, double* out, bool vectorized) {
   __shared__ double table[32];
-  __shared__ unsigned code_count[kTables ? Bf16Codes::kEntries : 1];  // kTables: a row's codes, counted
+  __shared__ double exp_of_code[kTables ? Bf16Codes::kSlots : 1];
   load_exp_table(table);
-  if constexpr (kTables) {
-    for (int j = threadIdx.x; j < Bf16Codes::kEntries; j += blockDim.x) code_count[j] = 0;
-    __syncthreads();
-  }
+  if constexpr (kTables) Bf16Codes::fill_exp(exp_of_code, table);
   const T* student = static_cast<const T*>(a.student);
   const T* teacher = static_cast<const T*>(a.teacher);
   const int cols = static_cast<int>(a.cols);
@@ -307,10 +279,8 @@ __global__ void __launch_bounds__(kReferenceThreads) partials_kernel(ReferencePa
         teacher_t.add(static_cast<double>(yv) * inverse_t, table);
       });
     } else if (kTables && vectorized) {
-      // The row's codes in the table are counted; then sum exp(x) over them is a sum over the codes, count
-      // times exp(x) (a maximum of 0: exp(x) <= e^64), and so is their sum of x (exact: count times x,
-      // multiples of 2^-15, sums below 2^40). The codes outside the table are visited one by one, as
-      // before. sum_v q_v x_v = q_off sum_v x_v + (q_on - q_off) x_label.
+      // sum exp(x) over the table's codes (a maximum of 0: exp(x) <= e^64), the rest as before; and
+      // sum_v q_v x_v as q_off sum_v x_v + (q_on - q_off) x_label.
       const std::int64_t label = a.label[r] - a.begin;
       const int packs = cols / 8;
       const std::int64_t label_pack = label >= 0 && label < cols ? label / 8 : -1;
@@ -318,13 +288,19 @@ __global__ void __launch_bounds__(kReferenceThreads) partials_kernel(ReferencePa
       for (int i = threadIdx.x; i < packs; i += blockDim.x) {
         const uint4 w = reinterpret_cast<const uint4*>(x)[i];
         unsigned outside = 0;
+        // The pack's x in the table, summed in float: exact, since each is a multiple of 2^-15 below 2^6
+        // in magnitude, so every partial sum of eight is a multiple of 2^-15 below 2^9 (24 bits).
+        float pack_x = 0.0f;
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
-          const unsigned slot = Bf16Codes::slot(Bf16Codes::code_at(w, k));
+          const unsigned code = Bf16Codes::code_at(w, k);
+          const unsigned slot = Bf16Codes::slot(code);
+          sum_exp += exp_of_code[slot];  // 0 outside the table
           const bool in_table = slot != static_cast<unsigned>(Bf16Codes::kEntries);
-          if (in_table) atomicAdd(&code_count[slot], 1u);
+          pack_x += in_table ? Bf16Codes::value(code) : 0.0f;
           outside |= static_cast<unsigned>(!in_table) << k;
         }
+        sum_x += static_cast<double>(pack_x);
         for (unsigned bits = outside; bits != 0; bits &= bits - 1) {
           const double z = Bf16Codes::value(Bf16Codes::code_at(w, __ffs(bits) - 1));
           lse_t.add(z, table);
@@ -334,14 +310,6 @@ __global__ void __launch_bounds__(kReferenceThreads) partials_kernel(ReferencePa
           const double z = Bf16Codes::value(Bf16Codes::code_at(w, static_cast<int>(label & 7)));
           qx_t += (a.q_on - a.q_off) * z;
         }
-      }
-      __syncthreads();
-      for (int j = threadIdx.x; j < Bf16Codes::kEntries; j += blockDim.x) {
-        const unsigned n = code_count[j];
-        if (n == 0) continue;
-        code_count[j] = 0;  // for the block's next row (the merges below synchronize the block first)
-        sum_exp += n * g_code_exp[j];
-        sum_x += n * static_cast<double>(Bf16Codes::value(Bf16Codes::code_of(static_cast<unsigned>(j))));
       }
       qx_t += a.q_off * sum_x;
       OnlineLse fast;
@@ -952,9 +920,7 @@ void reference_partials(StorageType type, const ReferencePartialArgs& args, doub
   dispatch(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const bool vectorized = rows_vectorizable<T>(args.cols, {args.student, args.teacher});
-    const bool tables = use_code_tables<T>(args.kd != 0, args.softcap, vectorized);
-    if (tables) fill_code_exps();
-    const PartialsKernel kernel = partials_kernel_for<T>(tables);
+    const PartialsKernel kernel = partials_kernel_for<T>(use_code_tables<T>(args.kd != 0, args.softcap, vectorized));
     kernel<<<reference_blocks(args.rows, kernel, kReferenceThreads, 0), kReferenceThreads, 0,
              static_cast<cudaStream_t>(stream)>>>(args, out, vectorized);
   });
@@ -991,7 +957,6 @@ void preload_reference_kernels(StorageType type, bool kd, double softcap, const 
     const bool tables = use_code_tables<T>(kd, softcap, rows_vectorizable<T>(cols, {logits}));
     if (kd) load(reinterpret_cast<const void*>(kl_kernel<T>));
     load(reinterpret_cast<const void*>(partials_kernel_for<T>(tables)));
-    if (tables) load(reinterpret_cast<const void*>(code_exps_kernel));
     load(reinterpret_cast<const void*>(compare_launch_for<T>(tables).kernel));
   });
 }
