@@ -346,7 +346,22 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
 
   trace.mark("1 partials");
   // 1. This rank's rows x columns, kept in the input dtype (exact), and the reference partials.
-  std::vector<double> partials(static_cast<std::size_t>(rows * RowPartial::kDoubles), 0.0);
+  // The per-row arrays of stages 1-3 (allocated together: on the GPU path while the GPU computes the
+  // partials, since first touching 2 MB of fresh pages is not free).
+  std::vector<double> partials;
+  std::vector<RowStats> stats;
+  std::vector<double> reference_loss;
+  // per row: compensated sum of the effective gradient (value, error), and the sum of magnitudes
+  std::vector<double> row_sums;
+  // per global token: this rank's largest gradient margin, then its loss margin (max-reduced below)
+  std::vector<double> token_margins;
+  auto allocate_row_arrays = [&] {
+    partials.assign(static_cast<std::size_t>(rows * RowPartial::kDoubles), 0.0);
+    stats.assign(static_cast<std::size_t>(rows), RowStats{});
+    reference_loss.assign(static_cast<std::size_t>(rows), 0.0);
+    row_sums.assign(static_cast<std::size_t>(3 * rows), 0.0);
+    token_margins.assign(error_map != nullptr ? static_cast<std::size_t>(2 * n) : 0, 0.0);
+  };
   std::vector<char> valid(static_cast<std::size_t>(rows), 0);
   // (Left empty when the shard stays on the GPU: the GPU reference reads it there.)
   const bool host_shard = out.device_shard == nullptr;
@@ -384,6 +399,7 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
     compare_in.lse.assign(static_cast<std::size_t>(rows), 0.0);
     compare_in.teacher_lse.assign(static_cast<std::size_t>(rows), 0.0);
     compare_in.weight.assign(static_cast<std::size_t>(rows), 0.0);
+    allocate_row_arrays();
     for (std::int64_t i = 0; i < rows; ++i) {
       const auto k = static_cast<std::size_t>(i);
       const std::int64_t t = out.token_of(i);
@@ -397,6 +413,7 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
     trace.mark("1 partials: wait");
     cuda::gpu_reference_partials_wait(*out.device_shard, partials);
   } else {
+    allocate_row_arrays();
 #pragma omp parallel num_threads(threads)
     {
       std::vector<double> student(static_cast<std::size_t>(cols));
@@ -418,7 +435,6 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
   std::vector<double> gathered_partials;
   const std::vector<double>& all_partials = gather_all(groups.tp, partials, gathered_partials);
   trace.mark("2 combine: rows");
-  std::vector<RowStats> stats(static_cast<std::size_t>(rows));
   std::vector<RowPartial> row_parts(static_cast<std::size_t>(tp_size));
   for (std::int64_t i = 0; i < rows; ++i) {
     if (!valid[static_cast<std::size_t>(i)]) continue;
@@ -429,7 +445,7 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
     stats[static_cast<std::size_t>(i)] = reference.combine(row_parts);
   }
   trace.mark("2 combine: losses");
-  std::vector<double> reference_loss(static_cast<std::size_t>(rows), 0.0);
+
   if (kd) {
     std::vector<double> kl(static_cast<std::size_t>(2 * rows), 0.0);
     if (on_device) {
@@ -479,11 +495,7 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
   ErrorStats loss_stats;
   ErrorStats grad_stats;
   std::int64_t grad_mismatches = 0;
-  // per row: compensated sum of the effective gradient (value, error) and sum of magnitudes
-  std::vector<double> row_sums(static_cast<std::size_t>(3 * rows), 0.0);
   const bool keep_grads = snapshot != nullptr && n * vocab <= kSnapshotElementLimit;
-  // per global token: this rank's largest gradient margin, then its loss margin (max-reduced below)
-  std::vector<double> token_margins(error_map != nullptr ? static_cast<std::size_t>(2 * n) : 0, 0.0);
   std::span<const cuda::RowComparison> compared_rows;
   std::int64_t grad_lookups = 0;  // GPU reference: elements judged by a code-table lookup
   if (on_device) {

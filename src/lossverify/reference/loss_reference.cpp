@@ -64,7 +64,7 @@ double combine_log_sum_exp(std::span<const RowPartial> parts, bool teacher) {
   for (const RowPartial& p : parts) {
     const double pm = teacher ? p.teacher_max : p.max;
     if (pm == -std::numeric_limits<double>::infinity()) continue;  // an empty slice
-    const double factor = std::exp(pm - m);
+    const double factor = pm == m ? 1.0 : std::exp(pm - m);  // exp(0) = 1 exactly: the common case
     s.add((teacher ? p.teacher_sum_exp : p.sum_exp) * factor);
     s.add((teacher ? p.teacher_sum_exp_error : p.sum_exp_error) * factor);
   }
