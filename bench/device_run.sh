@@ -11,6 +11,9 @@ mode=${1:-all}
 [[ $mode == all ]] && mode=tests,faults,bench
 has() { [[ ",$mode," == *",$1,"* ]]; }
 build=${BUILD_DIR:-build/dev}
+# FRESH_BUILD=1: build from scratch. A warm machine keeps the build folder between calls, and sources
+# unpacked by `git archive` carry the commit's time, so an older snapshot would not be rebuilt.
+[[ ${FRESH_BUILD:-0} == 1 ]] && rm -rf "$build"
 out=${OUT:-/tmp/lossverify-out}
 mkdir -p "$out"
 export PATH=/usr/local/cuda/bin:$PATH NCCL_NVLS_ENABLE=0
