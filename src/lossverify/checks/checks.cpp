@@ -382,14 +382,9 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
   std::vector<std::int64_t> row_labels(on_device ? static_cast<std::size_t>(rows) : 0, -1);
   cuda::GpuCompareInputs compare_in;  // on_device: filled while the partials are computed
   if (on_device) {
-    std::vector<int> device_valid(static_cast<std::size_t>(rows), 0);
-    for (std::int64_t i = 0; i < rows; ++i) {
-      const std::int64_t t = out.token_of(i);
-      if (t < 0 || !inputs.is_valid(t)) continue;
-      valid[static_cast<std::size_t>(i)] = 1;
-      device_valid[static_cast<std::size_t>(i)] = 1;
-      if (!kd) row_labels[static_cast<std::size_t>(i)] = inputs.label(t);
-    }
+    std::vector<int> device_valid;
+    cuda::reference_rows(c, inputs, out.assignment, row_labels, device_valid);
+    std::copy(device_valid.begin(), device_valid.end(), valid.begin());
     trace.mark("1 partials: gpu");
     cuda::gpu_reference_partials_launch(*out.device_shard, c, row_labels, device_valid);
     // While the GPU computes the partials: the comparison's per-row inputs that do not need them.

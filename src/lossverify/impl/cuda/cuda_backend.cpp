@@ -313,6 +313,17 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
       LV_CUDA(cudaGetLastError());
       LV_CUDA(cudaMemcpyAsync(stats + 4 * b, stats_out, static_cast<std::size_t>(n) * 4 * sizeof(float),
                               cudaMemcpyDeviceToHost, stream.get()));
+      if (workspace && mb + 2 == offsets.size() && !full_vocab) {
+        // The GPU reference's partials read only the inputs: queued behind the last loss kernel, they run
+        // while the host finishes this stage. Their per-row inputs come from the case's inputs, as
+        // verification's do (which checks that they match).
+        std::vector<std::int64_t> reference_labels;
+        std::vector<int> reference_valid;
+        reference_rows(c, inputs, out.assignment, reference_labels, reference_valid);
+        const ShardView view{options.device, type, d_logits.as<void>(), d_teacher.as<void>(), rows, cols, vocab.begin};
+        gpu_reference_partials_start(*workspace, view, c, std::move(reference_labels), std::move(reference_valid),
+                                     stream.get());
+      }
       stream.sync();
       for (std::int64_t i = 0; i < n; ++i) {
         const float* s = stats + 4 * (b + i);

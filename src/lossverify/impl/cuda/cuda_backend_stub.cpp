@@ -24,6 +24,10 @@ void gpu_reference_partials_launch(const DeviceShard&, const Case&, std::span<co
   unavailable();
 }
 void gpu_reference_partials_wait(const DeviceShard&, std::span<double>) { unavailable(); }
+void gpu_reference_partials_start(ReferenceWorkspace&, const ShardView&, const Case&, std::vector<std::int64_t>,
+                                  std::vector<int>, void*) {
+  unavailable();
+}
 std::vector<double> gpu_reference_kl(const DeviceShard&, const Case&, const std::vector<double>&,
                                      const std::vector<double>&, const std::vector<int>&) {
   unavailable();
