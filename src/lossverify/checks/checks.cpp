@@ -485,15 +485,9 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
     }
   }
 
-  trace.mark("3 elements");
-  // 3. Every element of this rank against the reference.
-  ErrorStats loss_stats;
-  ErrorStats grad_stats;
-  std::int64_t grad_mismatches = 0;
-  const bool keep_grads = snapshot != nullptr && n * vocab <= kSnapshotElementLimit;
-  std::span<const cuda::RowComparison> compared_rows;
-  std::int64_t grad_lookups = 0;  // GPU reference: elements judged by a code-table lookup
   if (on_device) {
+    // The comparison runs on the GPU while the host computes the logged loss (stage 5).
+    trace.mark("2 compare launch");
     cuda::GpuCompareInputs& in = compare_in;
     for (std::int64_t i = 0; i < rows; ++i) {
       const auto k = static_cast<std::size_t>(i);
@@ -509,8 +503,42 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
     in.quantum = judge.quantum;
     in.grad_scale = grad_scale;
     in.smallest_normal = smallest_normal(out.dtype);
-    trace.mark("3 elements: gpu");
-    compared_rows = cuda::gpu_reference_compare(*out.device_shard, c, in);
+    cuda::gpu_reference_compare_launch(*out.device_shard, c, in);
+  }
+
+  trace.mark("5 logged");
+  // 5. The reference's logged loss: every token's reference loss, summed in token order on every rank.
+  std::vector<double> token_losses(static_cast<std::size_t>(n), 0.0);
+  if (tp_leader) {
+    for (std::int64_t i = 0; i < rows; ++i) {
+      if (out.token_of(i) >= 0) token_losses[static_cast<std::size_t>(out.token_of(i))] = reference_loss[static_cast<std::size_t>(i)];
+    }
+  }
+  world.allreduce_sum(std::span<double>(token_losses));  // one nonzero term per token: exact
+  const double reference_reduced = c.loss.reduction != Reduction::none ? reference.reduced_loss(token_losses) : 0.0;
+  ErrorStats reduced_local;
+  const Tolerance tol_reduced = effective_tolerance(c, "reduced_loss");
+  if (c.loss.reduction != Reduction::none) {
+    // The absolute floor scales with sum_t |w_t|: 1 for mean, N_v for sum.
+    const double weight_total = c.loss.reduction == Reduction::mean ? 1.0 : static_cast<double>(reference.valid_tokens());
+    reduced_local.add({-1, -1, world_rank, reference_reduced, out.reduced_loss,
+                       tol_reduced.atol * loss_scale * std::max(weight_total, 1.0) + tol_reduced.rtol * std::fabs(reference_reduced)});
+  }
+  ErrorStats stats_local;
+  stats_local.add({-1, -1, world_rank, static_cast<double>(reference.valid_tokens()),
+                   static_cast<double>(out.logged_valid_tokens), 0.5});
+
+  trace.mark("3 elements");
+  // 3. Every element of this rank against the reference.
+  ErrorStats loss_stats;
+  ErrorStats grad_stats;
+  std::int64_t grad_mismatches = 0;
+  const bool keep_grads = snapshot != nullptr && n * vocab <= kSnapshotElementLimit;
+  std::span<const cuda::RowComparison> compared_rows;
+  std::int64_t grad_lookups = 0;  // GPU reference: elements judged by a code-table lookup
+  if (on_device) {
+    trace.mark("3 elements: wait");
+    compared_rows = cuda::gpu_reference_compare_wait(*out.device_shard);
     trace.mark("3 elements: rows");
     for (std::int64_t i = 0; i < rows; ++i) {
       const auto k = static_cast<std::size_t>(i);
@@ -660,28 +688,6 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
       }
     }
   }
-
-  trace.mark("5 logged");
-  // 5. The reference's logged loss: every token's reference loss, summed in token order on every rank.
-  std::vector<double> token_losses(static_cast<std::size_t>(n), 0.0);
-  if (tp_leader) {
-    for (std::int64_t i = 0; i < rows; ++i) {
-      if (out.token_of(i) >= 0) token_losses[static_cast<std::size_t>(out.token_of(i))] = reference_loss[static_cast<std::size_t>(i)];
-    }
-  }
-  world.allreduce_sum(std::span<double>(token_losses));  // one nonzero term per token: exact
-  const double reference_reduced = c.loss.reduction != Reduction::none ? reference.reduced_loss(token_losses) : 0.0;
-  ErrorStats reduced_local;
-  const Tolerance tol_reduced = effective_tolerance(c, "reduced_loss");
-  if (c.loss.reduction != Reduction::none) {
-    // The absolute floor scales with sum_t |w_t|: 1 for mean, N_v for sum.
-    const double weight_total = c.loss.reduction == Reduction::mean ? 1.0 : static_cast<double>(reference.valid_tokens());
-    reduced_local.add({-1, -1, world_rank, reference_reduced, out.reduced_loss,
-                       tol_reduced.atol * loss_scale * std::max(weight_total, 1.0) + tol_reduced.rtol * std::fabs(reference_reduced)});
-  }
-  ErrorStats stats_local;
-  stats_local.add({-1, -1, world_rank, static_cast<double>(reference.valid_tokens()),
-                   static_cast<double>(out.logged_valid_tokens), 0.5});
 
   trace.mark("6 census");
   // 6. The finite census of this rank.

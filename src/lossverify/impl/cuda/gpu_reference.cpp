@@ -70,6 +70,7 @@ struct ReferenceWorkspace {
   Event after;                     // gpu_reference_partials_start: the work the partials wait for
   // Partials in flight, and the inputs they were launched with.
   bool partials_pending = false;
+  bool compare_pending = false;
   std::vector<std::int64_t> pending_labels;
   std::vector<int> pending_valid;
   DeviceBytes d_in, d_out;
@@ -201,12 +202,10 @@ std::vector<double> gpu_reference_kl(const DeviceShard& shard, const Case& c, co
   return download<double>(d_out, zeros.size(), stream.get());
 }
 
-std::span<const RowComparison> gpu_reference_compare(const DeviceShard& shard, const Case& c,
-                                                     const GpuCompareInputs& in) {
-  StageTrace trace("gpu reference compare");
-  trace.mark("upload");
+void gpu_reference_compare_launch(const DeviceShard& shard, const Case& c, const GpuCompareInputs& in) {
   LV_CUDA(cudaSetDevice(shard.device));
-  const ReferenceWorkspace& ws = workspace_of(shard);
+  ReferenceWorkspace& ws = workspace_of(shard);
+  if (ws.partials_pending) throw InternalError("gpu reference compare: launched while the partials are in flight");
   const auto rows = static_cast<std::size_t>(shard.rows);
   if (in.kind.size() != rows || in.labels.size() != rows || in.lse.size() != rows ||
       in.teacher_lse.size() != rows || in.weight.size() != rows) {
@@ -245,15 +244,22 @@ std::span<const RowComparison> gpu_reference_compare(const DeviceShard& shard, c
   a.quantum = in.quantum;
   a.grad_scale = in.grad_scale;
   a.smallest_normal = in.smallest_normal;
-  trace.mark("kernel and download");
   ws.kernel_start.record(ws.stream.get());
   reference_compare(shard.type, a, ws.d_out.as<RowComparison>(), ws.stream.get());
   LV_CUDA(cudaGetLastError());
   ws.kernel_end.record(ws.stream.get());
   ws.download_outputs(rows * sizeof(RowComparison));
+  ws.compare_pending = true;
+}
+
+std::span<const RowComparison> gpu_reference_compare_wait(const DeviceShard& shard) {
+  LV_CUDA(cudaSetDevice(shard.device));
+  ReferenceWorkspace& ws = workspace_of(shard);
+  if (!ws.compare_pending) throw InternalError("gpu reference compare: waited for before it was launched");
   ws.stream.sync();
-  if (trace.enabled()) ws.trace_kernel("gpu reference compare");
-  return {ws.h_out.as<const RowComparison>(), rows};
+  ws.compare_pending = false;
+  if (std::getenv("LOSSVERIFY_TRACE") != nullptr) ws.trace_kernel("gpu reference compare");
+  return {ws.h_out.as<const RowComparison>(), static_cast<std::size_t>(shard.rows)};
 }
 
 }  // namespace lossverify::cuda

@@ -68,7 +68,9 @@ struct GpuCompareInputs {
   int max_ulp = 0;
   double framework_scale = 1.0, quantum = 0.0, grad_scale = 1.0, smallest_normal = 0.0;
 };
-// One RowComparison per row, in the shard's workspace (valid until its next comparison).
-std::span<const RowComparison> gpu_reference_compare(const DeviceShard& shard, const Case& c, const GpuCompareInputs& in);
+// One RowComparison per row: the launch enqueues the comparison and returns; the wait returns the rows,
+// in the shard's workspace (valid until its next comparison).
+void gpu_reference_compare_launch(const DeviceShard& shard, const Case& c, const GpuCompareInputs& in);
+std::span<const RowComparison> gpu_reference_compare_wait(const DeviceShard& shard);
 
 }  // namespace lossverify::cuda
