@@ -381,6 +381,16 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
   if (on_device && snapshot != nullptr) throw InternalError("the GPU reference keeps no snapshot for sweeps");
   std::vector<std::int64_t> row_labels(on_device ? static_cast<std::size_t>(rows) : 0, -1);
   cuda::GpuCompareInputs compare_in;  // on_device: filled while the partials are computed
+  compare_in.atol = judge.tolerance.atol;
+  compare_in.rtol = judge.tolerance.rtol;
+  compare_in.max_ulp = judge.tolerance.max_ulp;
+  compare_in.framework_scale = framework_scale;
+  compare_in.quantum = judge.quantum;
+  compare_in.grad_scale = grad_scale;
+  compare_in.smallest_normal = smallest_normal(out.dtype);
+  // Whole rows of cross-entropy: the comparison takes each row's lse from the partials on the device, so
+  // it is queued right behind them, and the host's combine (stage 2) runs while the GPU compares.
+  const bool compare_early = on_device && tp_size == 1 && !kd;
   if (on_device) {
     std::vector<int> device_valid;
     cuda::reference_rows(c, inputs, out.assignment, row_labels, device_valid);
@@ -404,6 +414,10 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
         compare_in.kind[k] = 0;
         compare_in.weight[k] = reference.token_weight(t);
       }
+    }
+    if (compare_early) {
+      trace.mark("1 partials: compare launch");
+      cuda::gpu_reference_compare_launch(*out.device_shard, c, compare_in, true);
     }
     trace.mark("1 partials: wait");
     cuda::gpu_reference_partials_wait(*out.device_shard, partials);
@@ -485,7 +499,7 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
     }
   }
 
-  if (on_device) {
+  if (on_device && !compare_early) {
     // The comparison runs on the GPU while the host computes the logged loss (stage 5).
     trace.mark("2 compare launch");
     cuda::GpuCompareInputs& in = compare_in;
@@ -496,14 +510,7 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
         in.teacher_lse[k] = stats[k].teacher_lse;
       }
     }
-    in.atol = judge.tolerance.atol;
-    in.rtol = judge.tolerance.rtol;
-    in.max_ulp = judge.tolerance.max_ulp;
-    in.framework_scale = framework_scale;
-    in.quantum = judge.quantum;
-    in.grad_scale = grad_scale;
-    in.smallest_normal = smallest_normal(out.dtype);
-    cuda::gpu_reference_compare_launch(*out.device_shard, c, in);
+    cuda::gpu_reference_compare_launch(*out.device_shard, c, in, false);
   }
 
   trace.mark("5 logged");

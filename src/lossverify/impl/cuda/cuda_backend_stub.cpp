@@ -32,7 +32,7 @@ std::vector<double> gpu_reference_kl(const DeviceShard&, const Case&, const std:
                                      const std::vector<double>&, const std::vector<int>&) {
   unavailable();
 }
-void gpu_reference_compare_launch(const DeviceShard&, const Case&, const GpuCompareInputs&) { unavailable(); }
+void gpu_reference_compare_launch(const DeviceShard&, const Case&, const GpuCompareInputs&, bool) { unavailable(); }
 std::span<const RowComparison> gpu_reference_compare_wait(const DeviceShard&) { unavailable(); }
 
 }  // namespace lossverify::cuda

@@ -49,9 +49,13 @@ struct InputLayout {
     bytes = next(weight, n * sizeof(double));
   }
 };
-std::size_t output_bytes(std::int64_t rows) {
-  return static_cast<std::size_t>(rows) * std::max(8 * sizeof(double), sizeof(RowComparison));
+// The partials' own inputs (valid flags, then labels) and outputs: the comparison may be queued before the
+// partials have run, so the two share no buffer.
+std::size_t partials_input_bytes(std::int64_t rows) {
+  return (static_cast<std::size_t>(rows) * sizeof(int) + 15) / 16 * 16 + static_cast<std::size_t>(rows) * sizeof(std::int64_t);
 }
+std::size_t partials_output_bytes(std::int64_t rows) { return static_cast<std::size_t>(rows) * 8 * sizeof(double); }
+std::size_t output_bytes(std::int64_t rows) { return static_cast<std::size_t>(rows) * sizeof(RowComparison); }
 
 }  // namespace
 
@@ -61,20 +65,26 @@ struct ReferenceWorkspace {
         layout(rows_in),
         d_in(layout.bytes),
         d_out(output_bytes(rows_in)),
+        d_partials_in(partials_input_bytes(rows_in)),
+        d_partials(partials_output_bytes(rows_in)),
         h_in(layout.bytes),
-        h_out(output_bytes(rows_in)) {}
+        h_out(output_bytes(rows_in)),
+        h_partials_in(partials_input_bytes(rows_in)),
+        h_partials(partials_output_bytes(rows_in)) {}
   std::int64_t rows;
   InputLayout layout;
   Stream stream;
-  Event kernel_start, kernel_end;  // LOSSVERIFY_TRACE: a kernel's own time
-  Event after;                     // gpu_reference_partials_start: the work the partials wait for
+  Event partials_start, partials_end, compare_start, compare_end;  // LOSSVERIFY_TRACE: the kernels' own times
+  Event partials_done;  // the partials are on the host
+  Event after;          // gpu_reference_partials_start: the work the partials wait for
   // Partials in flight, and the inputs they were launched with.
   bool partials_pending = false;
+  bool partials_ready = false;  // waited for: their values are on the device and the host
   bool compare_pending = false;
   std::vector<std::int64_t> pending_labels;
   std::vector<int> pending_valid;
-  DeviceBytes d_in, d_out;
-  PinnedBytes h_in, h_out;
+  DeviceBytes d_in, d_out, d_partials_in, d_partials;
+  PinnedBytes h_in, h_out, h_partials_in, h_partials;
   template <class T>
   T* host_in(std::size_t at) const {
     return reinterpret_cast<T*>(h_in.as<std::byte>() + at);
@@ -90,10 +100,10 @@ struct ReferenceWorkspace {
   void download_outputs(std::size_t bytes) const {
     LV_CUDA(cudaMemcpyAsync(h_out.as<void>(), d_out.as<void>(), bytes, cudaMemcpyDeviceToHost, stream.get()));
   }
-  // After stream.sync(): the time between the two events, on stderr.
-  void trace_kernel(const char* who) const {
+  // Once `end` has passed: the time between the two events, on stderr.
+  static void trace_kernel(const char* who, const Event& start, const Event& end) {
     float ms = 0.0f;
-    LV_CUDA(cudaEventElapsedTime(&ms, kernel_start.get(), kernel_end.get()));
+    LV_CUDA(cudaEventElapsedTime(&ms, start.get(), end.get()));
     std::fprintf(stderr, "lossverify trace: %s kernel (events) %9.3f ms\n", who, static_cast<double>(ms));
   }
 };
@@ -120,27 +130,32 @@ void launch_partials(ReferenceWorkspace& ws, const ShardView& shard, const Case&
   if (labels.size() != rows || valid.size() != rows) {
     throw InternalError("gpu reference partials: per-row arrays do not match the shard's rows");
   }
-  std::memcpy(ws.host_in<int>(ws.layout.flags), valid.data(), rows * sizeof(int));
-  std::memcpy(ws.host_in<std::int64_t>(ws.layout.labels), labels.data(), rows * sizeof(std::int64_t));
-  ws.upload_inputs(ws.layout.lse);
+  const std::size_t labels_at = (rows * sizeof(int) + 15) / 16 * 16;
+  std::memcpy(ws.h_partials_in.as<std::byte>(), valid.data(), rows * sizeof(int));
+  std::memcpy(ws.h_partials_in.as<std::byte>() + labels_at, labels.data(), rows * sizeof(std::int64_t));
+  LV_CUDA(cudaMemcpyAsync(ws.d_partials_in.as<void>(), ws.h_partials_in.as<void>(), ws.h_partials_in.size(),
+                          cudaMemcpyHostToDevice, ws.stream.get()));
   ReferencePartialArgs a{};
   a.student = shard.student;
   a.teacher = shard.teacher;
   a.rows = shard.rows;
   a.cols = shard.cols;
   a.begin = shard.begin;
-  a.valid = ws.device_in<int>(ws.layout.flags);
-  a.label = ws.device_in<std::int64_t>(ws.layout.labels);
+  a.valid = ws.d_partials_in.as<int>();
+  a.label = reinterpret_cast<const std::int64_t*>(ws.d_partials_in.as<std::byte>() + labels_at);
   a.kd = c.loss.kind == LossKind::kd;
   a.inverse_temperature = 1.0 / c.loss.temperature;
   a.softcap = c.loss.softcap;
   target_weights(c, a.q_on, a.q_off);
-  ws.kernel_start.record(ws.stream.get());
-  reference_partials(shard.type, a, ws.d_out.as<double>(), ws.stream.get());
+  ws.partials_start.record(ws.stream.get());
+  reference_partials(shard.type, a, ws.d_partials.as<double>(), ws.stream.get());
   LV_CUDA(cudaGetLastError());
-  ws.kernel_end.record(ws.stream.get());
-  ws.download_outputs(rows * 8 * sizeof(double));
+  ws.partials_end.record(ws.stream.get());
+  LV_CUDA(cudaMemcpyAsync(ws.h_partials.as<void>(), ws.d_partials.as<void>(), ws.h_partials.size(), cudaMemcpyDeviceToHost,
+                          ws.stream.get()));
+  ws.partials_done.record(ws.stream.get());
   ws.partials_pending = true;
+  ws.partials_ready = false;
 }
 
 ShardView view_of(const DeviceShard& shard) {
@@ -169,7 +184,7 @@ void gpu_reference_partials_launch(const DeviceShard& shard, const Case& c, std:
         std::equal(valid.begin(), valid.end(), ws.pending_valid.begin(), ws.pending_valid.end())) {
       return;  // started by the backend with these very inputs
     }
-    ws.stream.sync();  // a stale start: let it finish, then launch anew
+    LV_CUDA(cudaEventSynchronize(ws.partials_done.get()));  // a stale start: let it finish, then launch anew
   }
   launch_partials(ws, view_of(shard), c, labels, valid);
 }
@@ -180,10 +195,13 @@ void gpu_reference_partials_wait(const DeviceShard& shard, std::span<double> out
   const auto rows = static_cast<std::size_t>(shard.rows);
   if (out.size() != rows * 8) throw InternalError("gpu reference partials: the output does not match the shard's rows");
   if (!ws.partials_pending) throw InternalError("gpu reference partials: waited for before they were launched");
-  ws.stream.sync();
+  LV_CUDA(cudaEventSynchronize(ws.partials_done.get()));  // (a comparison queued behind them may still run)
   ws.partials_pending = false;
-  if (std::getenv("LOSSVERIFY_TRACE") != nullptr) ws.trace_kernel("gpu reference partials");
-  std::memcpy(out.data(), ws.h_out.as<double>(), rows * 8 * sizeof(double));
+  ws.partials_ready = true;
+  if (std::getenv("LOSSVERIFY_TRACE") != nullptr) {
+    ReferenceWorkspace::trace_kernel("gpu reference partials", ws.partials_start, ws.partials_end);
+  }
+  std::memcpy(out.data(), ws.h_partials.as<double>(), rows * 8 * sizeof(double));
 }
 
 std::vector<double> gpu_reference_kl(const DeviceShard& shard, const Case& c, const std::vector<double>& lse,
@@ -202,10 +220,16 @@ std::vector<double> gpu_reference_kl(const DeviceShard& shard, const Case& c, co
   return download<double>(d_out, zeros.size(), stream.get());
 }
 
-void gpu_reference_compare_launch(const DeviceShard& shard, const Case& c, const GpuCompareInputs& in) {
+void gpu_reference_compare_launch(const DeviceShard& shard, const Case& c, const GpuCompareInputs& in,
+                                  bool lse_from_partials) {
   LV_CUDA(cudaSetDevice(shard.device));
   ReferenceWorkspace& ws = workspace_of(shard);
-  if (ws.partials_pending) throw InternalError("gpu reference compare: launched while the partials are in flight");
+  if (lse_from_partials && !(ws.partials_pending || ws.partials_ready)) {
+    throw InternalError("gpu reference compare: the lse from partials that were never launched");
+  }
+  if (!lse_from_partials && ws.partials_pending) {
+    throw InternalError("gpu reference compare: the host's lse while the partials are in flight");
+  }
   const auto rows = static_cast<std::size_t>(shard.rows);
   if (in.kind.size() != rows || in.labels.size() != rows || in.lse.size() != rows ||
       in.teacher_lse.size() != rows || in.weight.size() != rows) {
@@ -229,6 +253,7 @@ void gpu_reference_compare_launch(const DeviceShard& shard, const Case& c, const
   a.lse = ws.device_in<double>(ws.layout.lse);
   a.teacher_lse = ws.device_in<double>(ws.layout.teacher_lse);
   a.weight = ws.device_in<double>(ws.layout.weight);
+  a.partials = lse_from_partials ? ws.d_partials.as<double>() : nullptr;
   a.kd = c.loss.kind == LossKind::kd;
   a.temperature = c.loss.temperature;
   a.inverse_temperature = 1.0 / c.loss.temperature;
@@ -244,10 +269,10 @@ void gpu_reference_compare_launch(const DeviceShard& shard, const Case& c, const
   a.quantum = in.quantum;
   a.grad_scale = in.grad_scale;
   a.smallest_normal = in.smallest_normal;
-  ws.kernel_start.record(ws.stream.get());
+  ws.compare_start.record(ws.stream.get());
   reference_compare(shard.type, a, ws.d_out.as<RowComparison>(), ws.stream.get());
   LV_CUDA(cudaGetLastError());
-  ws.kernel_end.record(ws.stream.get());
+  ws.compare_end.record(ws.stream.get());
   ws.download_outputs(rows * sizeof(RowComparison));
   ws.compare_pending = true;
 }
@@ -258,7 +283,9 @@ std::span<const RowComparison> gpu_reference_compare_wait(const DeviceShard& sha
   if (!ws.compare_pending) throw InternalError("gpu reference compare: waited for before it was launched");
   ws.stream.sync();
   ws.compare_pending = false;
-  if (std::getenv("LOSSVERIFY_TRACE") != nullptr) ws.trace_kernel("gpu reference compare");
+  if (std::getenv("LOSSVERIFY_TRACE") != nullptr) {
+    ReferenceWorkspace::trace_kernel("gpu reference compare", ws.compare_start, ws.compare_end);
+  }
   return {ws.h_out.as<const RowComparison>(), static_cast<std::size_t>(shard.rows)};
 }
 

@@ -70,7 +70,11 @@ struct GpuCompareInputs {
 };
 // One RowComparison per row: the launch enqueues the comparison and returns; the wait returns the rows,
 // in the shard's workspace (valid until its next comparison).
-void gpu_reference_compare_launch(const DeviceShard& shard, const Case& c, const GpuCompareInputs& in);
+// lse_from_partials (whole rows, cross-entropy): each row's lse is taken on the device from the partials
+// launched before, m + log(s + c), so the comparison can be queued before they are on the host; `in.lse`
+// is then unused.
+void gpu_reference_compare_launch(const DeviceShard& shard, const Case& c, const GpuCompareInputs& in,
+                                  bool lse_from_partials);
 std::span<const RowComparison> gpu_reference_compare_wait(const DeviceShard& shard);
 
 }  // namespace lossverify::cuda

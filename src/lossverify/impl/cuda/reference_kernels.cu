@@ -576,7 +576,9 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
     const double weight = kind == 0 ? a.weight[r] : 0.0;
     const double token_scale = fabs(weight) * a.grad_scale;
     const double floor = a.atol * token_scale + a.quantum * fs;
-    const double lse = kind == 0 ? a.lse[r] : 0.0;
+    const double lse = kind != 0             ? 0.0
+                       : a.partials != nullptr ? a.partials[8 * r] + log(a.partials[8 * r + 1] + a.partials[8 * r + 2])
+                                               : a.lse[r];
     const double teacher_lse = kind == 0 && a.kd ? a.teacher_lse[r] : 0.0;
     const double z_factor = 1.0 + 2.0 * a.z_loss_weight * lse;
     const double kd_scale = weight * a.kd_grad_scale;

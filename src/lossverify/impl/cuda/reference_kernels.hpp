@@ -47,6 +47,9 @@ struct ReferenceCompareArgs {
   const int* kind;            // per row: 0 valid token, 1 masked token (expected 0), 2 CP padding (must be exactly 0)
   const std::int64_t* label;  // cross-entropy
   const double* lse;          // per row
+  // Whole rows (TP = 1), cross-entropy: per row the partials kernel's 8 doubles, and the row's lse taken
+  // from them on the device, m + log(s + c), as the host's combine takes it; `lse` is then unused.
+  const double* partials;
   const double* teacher_lse;  // KD
   const double* weight;       // per row: d L / d l_t
   int kd;
