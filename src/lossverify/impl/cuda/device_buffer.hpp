@@ -13,22 +13,25 @@
 
 namespace lossverify::cuda {
 
-// Owning device allocation (the cuCollections idiom: an owner here, plain pointers in the kernels).
-class DeviceBytes {
+// Owning allocation made by Alloc and released by Free (the cuCollections idiom: owners here, plain
+// pointers in the kernels): DeviceBytes on the device, PinnedBytes page-locked on the host (fast,
+// asynchronous copies to and from the device).
+template <cudaError_t (*Alloc)(void**, std::size_t), cudaError_t (*Free)(void*)>
+class OwnedBytes {
  public:
-  explicit DeviceBytes(std::size_t bytes) : bytes_(bytes) {
-    if (bytes_ > 0) LV_CUDA(cudaMalloc(&ptr_, bytes_));
+  explicit OwnedBytes(std::size_t bytes) : bytes_(bytes) {
+    if (bytes_ > 0) LV_CUDA(Alloc(&ptr_, bytes_));
   }
-  ~DeviceBytes() {
-    if (ptr_ != nullptr) cudaFree(ptr_);
+  ~OwnedBytes() {
+    if (ptr_ != nullptr) Free(ptr_);
   }
-  DeviceBytes(const DeviceBytes&) = delete;
-  DeviceBytes& operator=(const DeviceBytes&) = delete;
-  DeviceBytes(DeviceBytes&& other) noexcept : ptr_(other.ptr_), bytes_(other.bytes_) {
+  OwnedBytes(const OwnedBytes&) = delete;
+  OwnedBytes& operator=(const OwnedBytes&) = delete;
+  OwnedBytes(OwnedBytes&& other) noexcept : ptr_(other.ptr_), bytes_(other.bytes_) {
     other.ptr_ = nullptr;
     other.bytes_ = 0;
   }
-  DeviceBytes& operator=(DeviceBytes&& other) noexcept {
+  OwnedBytes& operator=(OwnedBytes&& other) noexcept {
     std::swap(ptr_, other.ptr_);
     std::swap(bytes_, other.bytes_);
     return *this;
@@ -43,6 +46,12 @@ class DeviceBytes {
   void* ptr_ = nullptr;
   std::size_t bytes_ = 0;
 };
+inline cudaError_t allocate_device(void** p, std::size_t bytes) { return cudaMalloc(p, bytes); }
+inline cudaError_t allocate_pinned(void** p, std::size_t bytes) { return cudaMallocHost(p, bytes); }
+inline cudaError_t free_device(void* p) { return cudaFree(p); }
+inline cudaError_t free_pinned(void* p) { return cudaFreeHost(p); }
+using DeviceBytes = OwnedBytes<allocate_device, free_device>;
+using PinnedBytes = OwnedBytes<allocate_pinned, free_pinned>;
 
 template <class T>
 DeviceBytes upload(const std::vector<T>& host, cudaStream_t stream) {
@@ -82,28 +91,6 @@ class Event {
 
  private:
   cudaEvent_t event_{};
-};
-
-// Owning page-locked host allocation (fast, asynchronous copies to and from the device).
-class PinnedBytes {
- public:
-  explicit PinnedBytes(std::size_t bytes) : bytes_(bytes) {
-    if (bytes_ > 0) LV_CUDA(cudaMallocHost(&ptr_, bytes_));
-  }
-  ~PinnedBytes() {
-    if (ptr_ != nullptr) cudaFreeHost(ptr_);
-  }
-  PinnedBytes(const PinnedBytes&) = delete;
-  PinnedBytes& operator=(const PinnedBytes&) = delete;
-  template <class T>
-  T* as() const {
-    return static_cast<T*>(ptr_);
-  }
-  std::size_t size() const { return bytes_; }
-
- private:
-  void* ptr_ = nullptr;
-  std::size_t bytes_ = 0;
 };
 
 struct ReferenceWorkspace;  // gpu_reference.cpp

@@ -7,7 +7,6 @@
 #include <cstring>
 
 #include "lossverify/core/errors.hpp"
-#include "lossverify/core/stage_trace.hpp"
 #include "lossverify/impl/cuda/device_buffer.hpp"
 
 namespace lossverify::cuda {
