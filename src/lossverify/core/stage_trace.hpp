@@ -15,7 +15,6 @@ class StageTrace {
   ~StageTrace() { mark("end"); }
   StageTrace(const StageTrace&) = delete;
   StageTrace& operator=(const StageTrace&) = delete;
-  bool enabled() const { return enabled_; }
   void mark(const char* next) {
     if (!enabled_) return;
     const auto now = std::chrono::steady_clock::now();

@@ -50,8 +50,11 @@ struct InputLayout {
 };
 // The partials' own inputs (valid flags, then labels) and outputs: the comparison may be queued before the
 // partials have run, so the two share no buffer.
+std::size_t partials_labels_at(std::int64_t rows) {
+  return (static_cast<std::size_t>(rows) * sizeof(int) + 15) / 16 * 16;
+}
 std::size_t partials_input_bytes(std::int64_t rows) {
-  return (static_cast<std::size_t>(rows) * sizeof(int) + 15) / 16 * 16 + static_cast<std::size_t>(rows) * sizeof(std::int64_t);
+  return partials_labels_at(rows) + static_cast<std::size_t>(rows) * sizeof(std::int64_t);
 }
 std::size_t partials_output_bytes(std::int64_t rows) { return static_cast<std::size_t>(rows) * 8 * sizeof(double); }
 std::size_t output_bytes(std::int64_t rows) { return static_cast<std::size_t>(rows) * sizeof(RowComparison); }
@@ -113,23 +116,20 @@ std::shared_ptr<ReferenceWorkspace> make_reference_workspace(int device, std::in
 }
 
 namespace {
+
 ReferenceWorkspace& workspace_of(const DeviceShard& shard) {
   if (!shard.workspace || shard.workspace->rows < shard.rows)
     shard.workspace = make_reference_workspace(shard.device, shard.rows);
   return *shard.workspace;
 }
 
-}  // namespace
-
-namespace {
-
-void launch_partials(ReferenceWorkspace& ws, const ShardView& shard, const Case& c, std::span<const std::int64_t> labels,
-                     std::span<const int> valid) {
+void launch_partials(ReferenceWorkspace& ws, const ShardView& shard, const Case& c,
+                     std::span<const std::int64_t> labels, std::span<const int> valid) {
   const auto rows = static_cast<std::size_t>(shard.rows);
   if (labels.size() != rows || valid.size() != rows) {
     throw InternalError("gpu reference partials: per-row arrays do not match the shard's rows");
   }
-  const std::size_t labels_at = (rows * sizeof(int) + 15) / 16 * 16;
+  const std::size_t labels_at = partials_labels_at(shard.rows);
   std::memcpy(ws.h_partials_in.as<std::byte>(), valid.data(), rows * sizeof(int));
   std::memcpy(ws.h_partials_in.as<std::byte>() + labels_at, labels.data(), rows * sizeof(std::int64_t));
   LV_CUDA(cudaMemcpyAsync(ws.d_partials_in.as<void>(), ws.h_partials_in.as<void>(), ws.h_partials_in.size(),
@@ -150,15 +150,16 @@ void launch_partials(ReferenceWorkspace& ws, const ShardView& shard, const Case&
   reference_partials(shard.type, a, ws.d_partials.as<double>(), ws.stream.get());
   LV_CUDA(cudaGetLastError());
   ws.partials_end.record(ws.stream.get());
-  LV_CUDA(cudaMemcpyAsync(ws.h_partials.as<void>(), ws.d_partials.as<void>(), ws.h_partials.size(), cudaMemcpyDeviceToHost,
-                          ws.stream.get()));
+  LV_CUDA(cudaMemcpyAsync(ws.h_partials.as<void>(), ws.d_partials.as<void>(), ws.h_partials.size(),
+                          cudaMemcpyDeviceToHost, ws.stream.get()));
   ws.partials_done.record(ws.stream.get());
   ws.partials_pending = true;
   ws.partials_ready = false;
 }
 
 ShardView view_of(const DeviceShard& shard) {
-  return {shard.device, shard.type, shard.student.as<void>(), shard.teacher.as<void>(), shard.rows, shard.cols, shard.begin};
+  return {shard.device, shard.type, shard.student.as<void>(), shard.teacher.as<void>(), shard.rows, shard.cols,
+          shard.begin};
 }
 
 }  // namespace
