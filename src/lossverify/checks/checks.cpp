@@ -346,8 +346,8 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
 
   trace.mark("1 partials");
   // 1. This rank's rows x columns, kept in the input dtype (exact), and the reference partials.
-  // The per-row arrays of stages 1-3 (allocated together: on the GPU path while the GPU computes the
-  // partials, since first touching 2 MB of fresh pages is not free).
+  // The per-row arrays of stages 1-3 (allocated together: on the GPU path after the comparison is queued,
+  // while the GPU works, since first touching 2 MB of fresh pages is not free).
   std::vector<double> partials;
   std::vector<RowStats> stats;
   std::vector<double> reference_loss;
@@ -404,7 +404,6 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
     compare_in.lse.assign(static_cast<std::size_t>(rows), 0.0);
     compare_in.teacher_lse.assign(static_cast<std::size_t>(rows), 0.0);
     compare_in.weight.assign(static_cast<std::size_t>(rows), 0.0);
-    allocate_row_arrays();
     for (std::int64_t i = 0; i < rows; ++i) {
       const auto k = static_cast<std::size_t>(i);
       const std::int64_t t = out.token_of(i);
@@ -419,6 +418,8 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
       trace.mark("1 partials: compare launch");
       cuda::gpu_reference_compare_launch(*out.device_shard, c, compare_in, true);
     }
+    trace.mark("1 partials: row arrays");
+    allocate_row_arrays();
     trace.mark("1 partials: wait");
     cuda::gpu_reference_partials_wait(*out.device_shard, partials);
   } else {
