@@ -128,7 +128,8 @@ TEST_CASE("cuda_correct_implementation_passes_every_check_at_several_tp") {
       Case c = load_case_file(std::string("cases/") + name + ".json");
       c.layout.tp = tp;
       const RunResult r = run_on_gpu(c, "correct");
-      CAPTURE(name);
+      const std::string case_name = name;  // a string, so that a failure prints it
+      CAPTURE(case_name);
       CAPTURE(tp);
       for (const auto& check : r.checks) {
         CAPTURE(check.name);
@@ -158,8 +159,9 @@ TEST_CASE("cuda_kernel_bugs_fail_with_the_checks_golden_records_for_the_cpu") {
     std::ifstream golden_file(std::string("golden/") + name + ".json");
     const nlohmann::json golden = nlohmann::json::parse(golden_file)["outcomes"][impl];
     const RunResult r = run_on_gpu(c, impl);
-    CAPTURE(name);
-    CAPTURE(impl);
+    const std::string case_name = name, impl_name = impl;  // strings, so that a failure prints them
+    CAPTURE(case_name);
+    CAPTURE(impl_name);
     CHECK(std::string(to_string(r.verdict)) == golden["verdict"].get<std::string>());
     CHECK(failing(r) == golden["failing_checks"].get<std::vector<std::string>>());
   }
@@ -254,8 +256,9 @@ TEST_CASE("nccl_one_gpu_per_rank_matches_host_collectives_bitwise_and_the_cpu_ve
   for (const auto& [name, dimension, impl] : runs) {
     Case c = load_case_file(std::string("cases/") + name + ".json", {"layout.tp=1", "layout.cp=1", "layout.dp=1",
                                                                       "layout.ga=1", std::string(dimension) + "=2"});
-    CAPTURE(name);
-    CAPTURE(impl);
+    const std::string case_name = name, impl_name = impl;  // strings, so that a failure prints them
+    CAPTURE(case_name);
+    CAPTURE(impl_name);
     RunOptions options;
     options.implementation = impl;
     options.threads = 2;
@@ -315,8 +318,9 @@ TEST_CASE("gpu_float64_reference_agrees_with_the_cpu_reference") {
   for (const auto& [name, impl] : whole_rows) all.emplace_back(name, impl, std::vector<std::string>{"layout.tp=1"});
   for (const auto& [name, impl, sets] : all) {
     const Case c = load_case_file(std::string("cases/") + name + ".json", sets);
-    CAPTURE(name);
-    CAPTURE(impl);
+    const std::string case_name = name, impl_name = impl;  // strings, so that a failure prints them
+    CAPTURE(case_name);
+    CAPTURE(impl_name);
     CAPTURE(sets.size());
     RunOptions options;
     options.implementation = impl;
@@ -427,8 +431,9 @@ TEST_CASE("gpu_reference_code_tables_judge_as_the_full_judgement") {
   REQUIRE_FALSE(cuda::reference_code_tables_apply(cuda::StorageType::bf16, false, 30.0));
   for (const Run& run : runs) {
     const Case c = load_case_file(std::string("cases/") + run.name + ".json", run.set);
-    CAPTURE(run.name);
-    CAPTURE(run.impl);
+    const std::string case_name = run.name, impl_name = run.impl;  // strings, so that a failure prints them
+    CAPTURE(case_name);
+    CAPTURE(impl_name);
     CAPTURE(run.set.size());
     REQUIRE(c.inputs.dtype == DType::bf16);
     RunOptions options;
@@ -445,7 +450,7 @@ TEST_CASE("gpu_reference_code_tables_judge_as_the_full_judgement") {
       CHECK(a.metrics["judged_by_lookup"] == 0);
       const std::int64_t lookups = b.metrics["judged_by_lookup"].get<std::int64_t>();
       const std::int64_t compared = b.metrics["compared"].get<std::int64_t>();
-      MESSAGE(std::string(run.name) << " / " << run.impl << ": " << lookups << " of " << compared << " elements judged by lookup");
+      MESSAGE(case_name << " / " << impl_name << ": " << lookups << " of " << compared << " elements judged by lookup");
       if (run.lookups == some) CHECK(lookups > 0);
       if (run.lookups == none) CHECK(lookups == 0);
       for (const char* key : {"compared", "mismatches", "max_ulp"}) {

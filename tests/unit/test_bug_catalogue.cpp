@@ -586,7 +586,7 @@ TEST_CASE("catalogued_bugs_are_invisible_where_spec_says_they_cannot_show") {
 
 TEST_CASE("bugs_invisible_on_one_case_are_caught_once_the_case_can_expose_them") {
   // The other side of invisibility: the same switch is visible once the case can show it.
-  const std::vector<std::pair<const char*, nlohmann::json>> exposed = {
+  const std::vector<std::pair<std::string, nlohmann::json>> exposed = {
       {"smoothing-convention-swap", with(testing::case_json(24, 64, 2), {{"loss", {{"label_smoothing", 0.1}}}})},
       {"kd-local-softmax", kd_json(24, 64, 2, 2.0)},
       {"cp-duplicated-loss", with(testing::case_json(0, 64, 1), {{"shape", {{"tokens", 24}, {"vocab", 64}}},

@@ -94,7 +94,7 @@ TEST_CASE("smoothing_partition_vocab_fails_with_its_signals_at_tp4") {
   j["loss"] = {{"label_smoothing", alpha}, {"smoothing_convention", "megatron"}, {"reduction", "sum"}};
   const RunResult r = run(j, "smoothing-partition-vocab");
   CHECK(r.verdict == Verdict::fail);
-  for (const char* name : {"loss", "grad", "rank_agreement", "row_sum"}) {
+  for (const std::string name : {"loss", "grad", "rank_agreement", "row_sum"}) {
     CAPTURE(name);
     CHECK(check_named(r, name).verdict == Verdict::fail);
     CHECK(check_named(r, name).margin > 10.0);
