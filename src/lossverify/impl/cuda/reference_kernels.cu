@@ -88,21 +88,32 @@ __device__ RowSums shfl(const RowSums& x, int offset) {
   return r;
 }
 
-// A fixed reduction tree over the block (lane pairs, then warp leaders in order): thread 0 gets the result.
+// x merged with lane + offset's x (a shuffle down).
+template <class State>
+__device__ __forceinline__ void merge_down(State& x, int offset) {
+  x.merge(shfl(x, offset));
+}
+
+// A fixed reduction tree over the block, so results are deterministic: lane pairs within each warp, then
+// the warps' results in a second tree of the same shape, in warp 0. Thread 0 gets the result. (With thread 0
+// merging the warps' results one after another, and whole CompareStates shuffled, the comparison kernel's
+// merge cost about 0.9 ms of its 5.7 on the issue's shape, measured by running it twice; now about 0.2 ms.)
 template <int kThreads = kReferenceThreads, class State>
 __device__ State block_merge(State x) {
+  constexpr int kWarps = kThreads / 32;
+  static_assert(kWarps >= 1 && kWarps <= 32 && (kWarps & (kWarps - 1)) == 0, "a power-of-two number of warps");
   // Raw storage: __shared__ variables cannot have constructors.
-  __shared__ alignas(State) unsigned char storage[sizeof(State) * (kThreads / 32)];
+  __shared__ alignas(State) unsigned char storage[sizeof(State) * kWarps];
   State* warps = reinterpret_cast<State*>(storage);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    const State o = shfl(x, offset);
-    if (lane < offset) x.merge(o);
-  }
+  // Every lane merges (branch-free); only lanes below the offset hold values that later levels read.
+  for (int offset = 16; offset > 0; offset >>= 1) merge_down(x, offset);
   if (lane == 0) warps[warp] = x;
   __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 1; w < kThreads / 32; ++w) x.merge(warps[w]);
+  if (warp == 0) {
+    // Lanes from kWarps on hold an empty state that no merge reads: lane < offset <= kWarps / 2.
+    x = lane < kWarps ? warps[lane] : State{};
+    for (int offset = kWarps / 2; offset > 0; offset >>= 1) merge_down(x, offset);
   }
   __syncthreads();
   return x;
@@ -438,8 +449,8 @@ struct CompareState {
   Neumaier sum, magnitude;
 
   // ErrorStats::add_with_margin's extrema. A tie keeps the earlier column, whatever the order of visits
-  // (the code-table path visits an element that misses the table after the pack's hits); merge() breaks
-  // ties between threads the same way.
+  // (the code-table path visits an element that misses the table after the pack's hits); merge_down()
+  // breaks ties between threads the same way.
   __device__ __forceinline__ void extrema(double expected, double error) {
     if (isnan(error)) {
       max_abs = INFINITY;
@@ -471,56 +482,47 @@ struct CompareState {
       first_bad_value = value;
     }
   }
-  __device__ void merge(const CompareState& o) {
-    compared += o.compared;
-    lookups += o.lookups;
-    mismatches += o.mismatches;
-    max_ulp = max(max_ulp, o.max_ulp);
-    nan += o.nan;
-    pos_inf += o.pos_inf;
-    neg_inf += o.neg_inf;
-    subnormal += o.subnormal;
-    max_abs = fmax(max_abs, o.max_abs);
-    max_rel = fmax(max_rel, o.max_rel);
-    if (o.worst_column >= 0 &&
-        (worst_column < 0 || o.margin > margin || (o.margin == margin && o.worst_column < worst_column))) {
-      margin = o.margin;
-      worst_column = o.worst_column;
-      worst_expected = o.worst_expected;
-      worst_got = o.worst_got;
-      worst_tolerance = o.worst_tolerance;
-    }
-    if (o.first_bad_column >= 0 && (first_bad_column < 0 || o.first_bad_column < first_bad_column)) {
-      first_bad_column = o.first_bad_column;
-      first_bad_value = o.first_bad_value;
-    }
-    sum.merge(o.sum);
-    magnitude.merge(o.magnitude);
-  }
 };
 
-__device__ CompareState shfl(const CompareState& x, int offset) {
-  CompareState r;
-  r.compared = __shfl_down_sync(0xffffffffu, x.compared, offset);
-  r.mismatches = __shfl_down_sync(0xffffffffu, x.mismatches, offset);
-  r.lookups = __shfl_down_sync(0xffffffffu, x.lookups, offset);
-  r.max_ulp = __shfl_down_sync(0xffffffffu, x.max_ulp, offset);
-  r.worst_column = __shfl_down_sync(0xffffffffu, x.worst_column, offset);
-  r.first_bad_column = __shfl_down_sync(0xffffffffu, x.first_bad_column, offset);
-  r.nan = __shfl_down_sync(0xffffffffu, x.nan, offset);
-  r.pos_inf = __shfl_down_sync(0xffffffffu, x.pos_inf, offset);
-  r.neg_inf = __shfl_down_sync(0xffffffffu, x.neg_inf, offset);
-  r.subnormal = __shfl_down_sync(0xffffffffu, x.subnormal, offset);
-  r.max_abs = __shfl_down_sync(0xffffffffu, x.max_abs, offset);
-  r.max_rel = __shfl_down_sync(0xffffffffu, x.max_rel, offset);
-  r.margin = __shfl_down_sync(0xffffffffu, x.margin, offset);
-  r.worst_expected = __shfl_down_sync(0xffffffffu, x.worst_expected, offset);
-  r.worst_got = __shfl_down_sync(0xffffffffu, x.worst_got, offset);
-  r.worst_tolerance = __shfl_down_sync(0xffffffffu, x.worst_tolerance, offset);
-  r.first_bad_value = __shfl_down_sync(0xffffffffu, x.first_bad_value, offset);
-  r.sum = shfl(x.sum, offset);
-  r.magnitude = shfl(x.magnitude, offset);
-  return r;
+// block_merge's step for the large state, field by field: each field is shuffled and merged at once, so no
+// second CompareState is live (as a copy, it spilled: the kernel runs at 64 registers). Per-row counts and
+// columns are below 2^31 (a row has at most INT_MAX columns), so they travel as 32-bit values.
+__device__ __forceinline__ void merge_down(CompareState& x, int offset) {
+  constexpr unsigned kAll = 0xffffffffu;
+  const auto down32 = [&](std::int64_t v) { return static_cast<std::int64_t>(__shfl_down_sync(kAll, static_cast<int>(v), offset)); };
+  const auto down = [&](auto v) { return __shfl_down_sync(kAll, v, offset); };
+  x.compared += down32(x.compared);
+  x.lookups += down32(x.lookups);
+  x.mismatches += down32(x.mismatches);
+  x.nan += down32(x.nan);
+  x.pos_inf += down32(x.pos_inf);
+  x.neg_inf += down32(x.neg_inf);
+  x.subnormal += down32(x.subnormal);
+  x.max_ulp = max(x.max_ulp, static_cast<std::int64_t>(down(static_cast<long long>(x.max_ulp))));
+  x.max_abs = fmax(x.max_abs, down(x.max_abs));
+  x.max_rel = fmax(x.max_rel, down(x.max_rel));
+  {
+    const std::int64_t column = down32(x.worst_column);
+    const double margin = down(x.margin);
+    const double expected = down(x.worst_expected), got = down(x.worst_got), tolerance = down(x.worst_tolerance);
+    if (column >= 0 && (x.worst_column < 0 || margin > x.margin || (margin == x.margin && column < x.worst_column))) {
+      x.margin = margin;
+      x.worst_column = column;
+      x.worst_expected = expected;
+      x.worst_got = got;
+      x.worst_tolerance = tolerance;
+    }
+  }
+  {
+    const std::int64_t column = down32(x.first_bad_column);
+    const double value = down(x.first_bad_value);
+    if (column >= 0 && (x.first_bad_column < 0 || column < x.first_bad_column)) {
+      x.first_bad_column = column;
+      x.first_bad_value = value;
+    }
+  }
+  x.sum.merge(shfl(x.sum, offset));
+  x.magnitude.merge(shfl(x.magnitude, offset));
 }
 
 // Every element of a row against the reference gradient, judged as checks.cpp's GradJudge judges it.
