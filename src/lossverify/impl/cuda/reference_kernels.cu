@@ -534,14 +534,29 @@ __device__ __forceinline__ void merge_down(CompareState& x, int offset) {
 // for every code x of the table, the gradient a correct kernel most likely wrote (the bf16 value nearest
 // the expected one) with the same visit() as every other element, and keeps its margin when that
 // judgement is inert (no mismatch, no ULP count, nothing for the census). An element whose (x, g) is such
-// a pair then costs a table lookup: it increments its code's count of hits and lowers its code's first
-// hit column. After the pass every code that was hit enters the worst-element search at its first column
-// and the row's maximum errors once, and its count times its value the row sums. Every other element (the
-// label, codes outside the table, any other g) is judged in full.
+// a pair then costs a table lookup: it increments its code's count of hits, and each thread keeps the pack
+// where it first met its largest table entry (entries order by the judgement's margin, quantized). After
+// the pass every code that was hit enters the row's maximum errors once, and its count times its value the
+// row sums; the worst hit is the first hit of the code with the largest margin, found from those packs (or,
+// where quantization or the label leaves a doubt, by a search of the row). Every other element (the label,
+// codes outside the table, any other g) is judged in full.
 // Table rows take the softmax as exp(x) exp(-lse), exp(x) from the block's table (|lse| <= 600: both
 // factors normal) and, for codes outside it, exp(x - lse) directly where |x| > 700.
 constexpr int kTableThreads = 512;  // two blocks per SM (the tables take 106 KB); 64 registers
 constexpr int kMissCapacity = 2048;  // a row with more misses is judged again, in full
+// A code's gradient entry: bit 31 set where the judgement of its likeliest gradient is inert (0 otherwise,
+// and for the slot outside the table), bits 16-30 that judgement's margin in [0, 1] quantized (monotone:
+// a larger margin never has a smaller key), bits 0-15 the likeliest gradient's code. An element hits when
+// its entry is inert and holds its gradient's code; the largest entry among a thread's hits marks its
+// likely worst hit.
+constexpr unsigned kInert = 1u << 31;
+__device__ __forceinline__ unsigned table_entry(bool inert, double margin, unsigned likeliest) {
+  if (!inert) return 0u;
+  const unsigned key = margin >= 1.0 ? 0x7fffu : static_cast<unsigned>(margin * 32768.0);
+  return kInert | (key << 16) | likeliest;
+}
+__device__ __forceinline__ bool table_hit(unsigned entry, unsigned g_code) { return (entry & 0x8000ffffu) == (g_code | kInert); }
+__device__ __forceinline__ unsigned table_gradient(unsigned entry) { return entry & 0xffffu; }
 constexpr std::int64_t kPrefetchBytes = 32 * 1024;  // per block and array: 264 blocks x 64 KB stay within L2
 constexpr std::size_t kTableSharedBytes =
     static_cast<std::size_t>(Bf16Codes::kSlots) * (2 * sizeof(double) + 2 * sizeof(unsigned)) +
@@ -555,6 +570,8 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
   __shared__ int miss_count;               // kTables: the row's elements that missed the table
   __shared__ unsigned long long worst_hit_bits;  // kTables: the largest margin of a hit code (its bits)
   __shared__ int worst_hit_codes, worst_hit_slot, worst_hit_column;
+  __shared__ unsigned top_entry;  // kTables: the largest entry among the pass's hits
+  __shared__ int top_entry_codes, top_column;  // kTables: the hit codes with that entry; its first hit's column
   double* const exp_of_code = code_tables;
   double* const code_margin = exp_of_code + Bf16Codes::kSlots;
   unsigned* const code_g = reinterpret_cast<unsigned*>(code_margin + Bf16Codes::kSlots);
@@ -686,16 +703,19 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
         visit_into(probe, kNotLabel, xf, 0.0f, Bf16Codes::value(likeliest), probe_sum, probe_magnitude);
         const bool inert = probe.mismatches == 0 && probe.max_ulp == 0 && probe.nan == 0 && probe.pos_inf == 0 &&
                            probe.neg_inf == 0 && probe.subnormal == 0;
-        code_g[i] = inert ? likeliest : 0xffffffffu;
+        code_g[i] = table_entry(inert, probe.margin, likeliest);
         code_margin[i] = probe.margin;
         code_hits[i] = 0;
       }
       if (threadIdx.x == 0) {
-        code_g[Bf16Codes::kEntries] = 0xffffffffu;  // the slot outside the table: never a hit
+        code_g[Bf16Codes::kEntries] = 0u;  // the slot outside the table: never a hit
         code_hits[Bf16Codes::kEntries] = 0;
         worst_hit_bits = 0;
         worst_hit_codes = 0;
         worst_hit_column = INT_MAX;
+        top_entry = 0;
+        top_entry_codes = 0;
+        top_column = INT_MAX;
       }
       __syncthreads();
       const uint4* x4 = reinterpret_cast<const uint4*>(x);
@@ -708,6 +728,8 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
       // pack's loads are issued before the current pack is counted. A row with more misses than the list
       // holds is judged again, every element in full, and the counts are dropped.
       int hits = 0;
+      unsigned best_entry = 0;  // the largest entry among this thread's hits, first met in pack best_pack
+      int best_pack = -1;
       uint4 xw{}, gw{};
       if (static_cast<int>(threadIdx.x) < packs) {
         xw = x4[threadIdx.x];
@@ -719,14 +741,20 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
           xw = x4[i + kThreads];
           gw = g4[i + kThreads];
         }
-        unsigned missed = 0;
+        unsigned missed = 0, pack_top = 0;
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
           const unsigned gc = Bf16Codes::code_at(gv, k);
           const unsigned index = Bf16Codes::slot_at(xv, k);
-          const bool hit = code_g[index] == gc;
+          const unsigned entry = code_g[index];
+          const bool hit = table_hit(entry, gc);
           if (hit) atomicAdd(&code_hits[index], 1u);
           missed |= static_cast<unsigned>(!hit) << k;
+          pack_top = max(pack_top, hit ? entry : 0u);
+        }
+        if (pack_top > best_entry) {
+          best_entry = pack_top;
+          best_pack = i;
         }
         hits += 8 - __popc(missed);
         if (missed != 0) {
@@ -736,10 +764,11 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
           }
         }
       }
+      if (best_entry != 0) atomicMax(&top_entry, best_entry);
       __syncthreads();
       if (threadIdx.x == 0 && label_pack >= 0) {
         const unsigned index = Bf16Codes::slot(__bfloat16_as_ushort(reinterpret_cast<const __nv_bfloat16*>(x)[label]));
-        if (code_g[index] == __bfloat16_as_ushort(reinterpret_cast<const __nv_bfloat16*>(g)[label])) {
+        if (table_hit(code_g[index], __bfloat16_as_ushort(reinterpret_cast<const __nv_bfloat16*>(g)[label]))) {
           --code_hits[index];
           --hits;
           const int slot = miss_count++;
@@ -752,6 +781,14 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
         rows_without_tables = 7;
         for_each_column<false, true>(x, y, g, cols, vectorized, visit);
       } else {
+        // The first hit with the largest entry: from the pack where each thread first met it.
+        if (best_entry != 0 && best_entry == top_entry) {
+          const uint4 xv = x4[best_pack];
+          const uint4 gv = g4[best_pack];
+          int k = 0;
+          while (k < 7 && !(code_g[Bf16Codes::slot_at(xv, k)] == best_entry && table_hit(best_entry, Bf16Codes::code_at(gv, k)))) ++k;
+          atomicMin(&top_column, best_pack * 8 + k);
+        }
         for (int j = threadIdx.x; j < misses; j += kThreads) {
           const int v = missed_columns[j];
           visit(v, widen<T>(x[v]), 0.0f, widen<T>(g[v]));
@@ -760,14 +797,15 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
         st.lookups += hits;
         // Every code hit: its error and relative error, once; its hits' values, in the row sums. The worst
         // hit is the first hit (in column order) of the codes with the largest margin: that margin first,
-        // then a search of the row from its start for the first element whose (x, g) is such a pair.
+        // then its column, from the pass or from a search of the row from its start for the first element
+        // whose (x, g) is such a pair.
         double hit_sum = 0.0, hit_magnitude = 0.0;  // in the gradient's own units
         double worst_margin = -1.0;
         for (int i = threadIdx.x; i < Bf16Codes::kEntries; i += kThreads) {
           const unsigned n = code_hits[i];
           if (n == 0) continue;
           const double expected = expected_at(kNotLabel, Bf16Codes::value(Bf16Codes::code_of(static_cast<unsigned>(i))), 0.0f);
-          const double got_local = Bf16Codes::value(code_g[i]);
+          const double got_local = Bf16Codes::value(table_gradient(code_g[i]));
           const double got = got_local * fs;
           st.extrema(expected, got == expected ? 0.0 : fabs(got - expected));
           hit_sum += n * got_local;  // exact: a bf16 times a count below 2^31
@@ -779,6 +817,7 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
         __syncthreads();
         const double worst_hit_margin = __longlong_as_double(static_cast<long long>(worst_hit_bits));
         for (int i = threadIdx.x; i < Bf16Codes::kEntries; i += kThreads) {
+          if (code_hits[i] != 0 && code_g[i] == top_entry) atomicAdd(&top_entry_codes, 1);
           const bool worst = code_hits[i] != 0 && code_margin[i] == worst_hit_margin;
           code_hits[i] = worst;  // from here on: the codes of the worst hits
           if (worst) {
@@ -787,7 +826,18 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
           }
         }
         __syncthreads();
-        if (worst_hit_codes > 0) {
+        // One code holds the largest margin, and only it has the largest entry: the pass found its first hit
+        // (unless that was the label's element, whose count was undone).
+        const bool found_in_pass = worst_hit_codes == 1 && top_entry_codes == 1 && code_g[worst_hit_slot] == top_entry &&
+                                   top_column != INT_MAX && top_column != label;
+        if (found_in_pass) {
+          if (threadIdx.x == 0) {
+            const unsigned index = static_cast<unsigned>(worst_hit_slot);
+            const double expected = expected_at(kNotLabel, Bf16Codes::value(Bf16Codes::code_of(index)), 0.0f);
+            const double got = Bf16Codes::value(table_gradient(code_g[index])) * fs;
+            st.worst(top_column, worst_hit_margin, expected, got, floor + a.rtol * fabs(expected));
+          }
+        } else if (worst_hit_codes > 0) {
           for (int base = 0; base < packs; base += kThreads) {
             const int i = base + static_cast<int>(threadIdx.x);
             bool found = false;
@@ -797,7 +847,7 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
 #pragma unroll
               for (int k = 0; k < 8; ++k) {
                 const unsigned index = Bf16Codes::slot_at(xv, k);
-                if (!found && code_hits[index] != 0 && code_g[index] == Bf16Codes::code_at(gv, k) && i * 8 + k != label) {
+                if (!found && code_hits[index] != 0 && table_hit(code_g[index], Bf16Codes::code_at(gv, k)) && i * 8 + k != label) {
                   atomicMin(&worst_hit_column, i * 8 + k);
                   found = true;
                 }
@@ -812,7 +862,7 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
                     ? static_cast<unsigned>(worst_hit_slot)
                     : Bf16Codes::slot(__bfloat16_as_ushort(reinterpret_cast<const __nv_bfloat16*>(x)[column]));
             const double expected = expected_at(kNotLabel, Bf16Codes::value(Bf16Codes::code_of(index)), 0.0f);
-            const double got = Bf16Codes::value(code_g[index]) * fs;
+            const double got = Bf16Codes::value(table_gradient(code_g[index])) * fs;
             st.worst(column, worst_hit_margin, expected, got, floor + a.rtol * fabs(expected));
           }
         }
