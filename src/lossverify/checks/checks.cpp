@@ -545,6 +545,25 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
   std::span<const cuda::RowComparison> compared_rows;
   std::int64_t grad_lookups = 0;  // GPU reference: elements judged by a code-table lookup
   if (on_device) {
+    // The losses first: they do not need the comparison, which the GPU may still be running.
+    trace.mark("3 elements: losses");
+    for (std::int64_t i = 0; i < rows; ++i) {
+      const auto k = static_cast<std::size_t>(i);
+      const std::int64_t t = out.token_of(i);
+      const double got_loss = out.token_loss[k];
+      if (t < 0) {
+        const LocalRow& row = out.assignment.rows[k];
+        loss_stats.add({-1, -1, world_rank, 0.0, got_loss, 0.0, row.sequence, row.position});
+        continue;
+      }
+      const double ref_loss = reference_loss[k];
+      const double loss_tolerance = tol_loss.atol * loss_scale + tol_loss.rtol * std::fabs(ref_loss);
+      loss_stats.add({t, -1, world_rank, ref_loss, got_loss, loss_tolerance});
+      if (!token_margins.empty()) {
+        token_margins[static_cast<std::size_t>(n + t)] =
+            margin_of(got_loss == ref_loss ? 0.0 : std::fabs(got_loss - ref_loss), loss_tolerance);
+      }
+    }
     trace.mark("3 elements: wait");
     compared_rows = cuda::gpu_reference_compare_wait(*out.device_shard);
     trace.mark("3 elements: rows");
@@ -553,7 +572,6 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
       const std::int64_t t = out.token_of(i);
       const LocalRow& row = out.assignment.rows[k];
       const cuda::RowComparison& rc = compared_rows[k];
-      const double got_loss = out.token_loss[k];
       PackedStats packed{};
       packed.compared = rc.compared;
       packed.mismatches = rc.mismatches;
@@ -567,21 +585,11 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
       grad_stats.merge(ErrorStats::unpack(packed));
       grad_mismatches += rc.mismatches;
       grad_lookups += rc.lookups;
-      if (t < 0) {
-        loss_stats.add({-1, -1, world_rank, 0.0, got_loss, 0.0, row.sequence, row.position});
-        continue;
-      }
-      const double ref_loss = reference_loss[k];
-      const double loss_tolerance = tol_loss.atol * loss_scale + tol_loss.rtol * std::fabs(ref_loss);
-      loss_stats.add({t, -1, world_rank, ref_loss, got_loss, loss_tolerance});
+      if (t < 0) continue;
       row_sums[3 * k] = rc.sum;
       row_sums[3 * k + 1] = rc.sum_error;
       row_sums[3 * k + 2] = rc.magnitude;
-      if (!token_margins.empty()) {
-        token_margins[static_cast<std::size_t>(t)] = rc.margin;
-        token_margins[static_cast<std::size_t>(n + t)] =
-            margin_of(got_loss == ref_loss ? 0.0 : std::fabs(got_loss - ref_loss), loss_tolerance);
-      }
+      if (!token_margins.empty()) token_margins[static_cast<std::size_t>(t)] = rc.margin;
     }
   } else
 #pragma omp parallel num_threads(threads)
