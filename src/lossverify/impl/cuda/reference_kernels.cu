@@ -256,6 +256,21 @@ struct Bf16Codes {
     const unsigned word = k < 4 ? (k < 2 ? w.x : w.y) : (k < 6 ? w.z : w.w);
     return slot_of_pair(__byte_perm(word, 0u, (k & 1) ? 0x3232u : 0x1010u));
   }
+  // The slot times kScale (an entry's size in bytes), from the same shift and mask: the byte offset of a
+  // per-code array's entry, with no multiplication left for the lookup.
+  template <unsigned kScale>
+  __device__ static unsigned scaled_slot_at(const uint4& w, int k) {
+    static_assert(kScale == 8, "entries of 8 bytes (the shift below)");
+    constexpr unsigned kShift = 12;
+    const unsigned word = k < 4 ? (k < 2 ? w.x : w.y) : (k < 6 ? w.z : w.w);
+    const unsigned twice = __byte_perm(word, 0u, (k & 1) ? 0x3232u : 0x1010u);
+    return min(((twice >> kShift) & (0xffffu * kScale)) - 2u * kLow * kScale, static_cast<unsigned>(kEntries) * kScale);
+  }
+  // The k-th x of 16 bytes as a float (exact: a bf16 is a float's upper half).
+  __device__ static float value_at(const uint4& w, int k) {
+    const unsigned word = k < 4 ? (k < 2 ? w.x : w.y) : (k < 6 ? w.z : w.w);
+    return __uint_as_float((k & 1) ? (word & 0xffff0000u) : (word << 16));
+  }
   // Every thread of the block calls it (it synchronizes the block).
   __device__ static void fill_exp(double* exp_of_code, const double* table) {
     for (int i = threadIdx.x; i < kEntries; i += blockDim.x) {
@@ -297,26 +312,40 @@ __global__ void __launch_bounds__(kReferenceThreads) partials_kernel(ReferencePa
       const int packs = cols / 8;
       const std::int64_t label_pack = label >= 0 && label < cols ? label / 8 : -1;
       double sum_exp = 0.0, sum_x = 0.0;
+      const auto* exp_bytes = reinterpret_cast<const unsigned char*>(exp_of_code);
+      constexpr unsigned kOutside = Bf16Codes::kEntries * sizeof(double);
       for (int i = threadIdx.x; i < packs; i += blockDim.x) {
         const uint4 w = reinterpret_cast<const uint4*>(x)[i];
-        unsigned outside = 0;
-        // The pack's x in the table, summed in float: exact, since each is a multiple of 2^-15 below 2^6
-        // in magnitude, so every partial sum of eight is a multiple of 2^-15 below 2^9 (24 bits).
+        // The pack's eight x summed in float: exact when all are in the table, since each is then a
+        // multiple of 2^-15 below 2^6 in magnitude, so every partial sum of eight is a multiple of 2^-15
+        // below 2^9 (24 bits). A pack with an x outside the table is summed again below.
         float pack_x = 0.0f;
+        bool outside = false;
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
-          const unsigned code = Bf16Codes::code_at(w, k);
-          const unsigned slot = Bf16Codes::slot_at(w, k);
-          sum_exp += exp_of_code[slot];  // 0 outside the table
-          const bool in_table = slot != static_cast<unsigned>(Bf16Codes::kEntries);
-          pack_x += in_table ? Bf16Codes::value(code) : 0.0f;
-          outside |= static_cast<unsigned>(!in_table) << k;
+          const unsigned at = Bf16Codes::scaled_slot_at<sizeof(double)>(w, k);
+          sum_exp += *reinterpret_cast<const double*>(exp_bytes + at);  // 0 outside the table
+          pack_x += Bf16Codes::value_at(w, k);
+          outside |= at == kOutside;
         }
-        sum_x += static_cast<double>(pack_x);
-        for (unsigned bits = outside; bits != 0; bits &= bits - 1) {
-          const double z = Bf16Codes::value(Bf16Codes::code_at(w, __ffs(bits) - 1));
-          lse_t.add(z, table);
-          sum_x += z;
+        if (!outside) {
+          sum_x += static_cast<double>(pack_x);
+        } else {
+          float in_table = 0.0f;
+          unsigned bits = 0;
+          for (int k = 0; k < 8; ++k) {
+            if (Bf16Codes::scaled_slot_at<sizeof(double)>(w, k) != kOutside) {
+              in_table += Bf16Codes::value_at(w, k);
+            } else {
+              bits |= 1u << k;
+            }
+          }
+          sum_x += static_cast<double>(in_table);
+          for (; bits != 0; bits &= bits - 1) {
+            const double z = Bf16Codes::value_at(w, __ffs(bits) - 1);
+            lse_t.add(z, table);
+            sum_x += z;
+          }
         }
         if (i == label_pack) {
           const double z = Bf16Codes::value(Bf16Codes::code_at(w, static_cast<int>(label & 7)));
