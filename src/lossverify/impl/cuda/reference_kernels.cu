@@ -247,29 +247,20 @@ struct Bf16Codes {
   __device__ static unsigned slot(unsigned code) { return slot_of_pair(__byte_perm(code, 0u, 0x1010u)); }
   __device__ static unsigned code_of(unsigned slot) { return (kLow + (slot >> 1)) | ((slot & 1u) << 15); }
   __device__ static float value(unsigned code) { return __uint_as_float(code << 16); }
-  // The k-th of the eight bf16 codes in 16 bytes, and its slot.
-  __device__ static unsigned code_at(const uint4& w, int k) {
-    const unsigned word = k < 4 ? (k < 2 ? w.x : w.y) : (k < 6 ? w.z : w.w);
-    return (word >> ((k & 1) * 16)) & 0xffffu;
-  }
-  __device__ static unsigned slot_at(const uint4& w, int k) {
-    const unsigned word = k < 4 ? (k < 2 ? w.x : w.y) : (k < 6 ? w.z : w.w);
-    return slot_of_pair(__byte_perm(word, 0u, (k & 1) ? 0x3232u : 0x1010u));
-  }
-  // The slot times kScale (an entry's size in bytes), from the same shift and mask: the byte offset of a
-  // per-code array's entry, with no multiplication left for the lookup.
-  template <unsigned kScale>
-  __device__ static unsigned scaled_slot_at(const uint4& w, int k) {
-    static_assert(kScale == 8, "entries of 8 bytes (the shift below)");
-    constexpr unsigned kShift = 12;
-    const unsigned word = k < 4 ? (k < 2 ? w.x : w.y) : (k < 6 ? w.z : w.w);
-    const unsigned twice = __byte_perm(word, 0u, (k & 1) ? 0x3232u : 0x1010u);
-    return min(((twice >> kShift) & (0xffffu * kScale)) - 2u * kLow * kScale, static_cast<unsigned>(kEntries) * kScale);
-  }
-  // The k-th x of 16 bytes as a float (exact: a bf16 is a float's upper half).
+  // The 32-bit word of 16 bytes that holds the k-th of their eight bf16 codes, and that code twice.
+  __device__ static unsigned word_at(const uint4& w, int k) { return k < 4 ? (k < 2 ? w.x : w.y) : (k < 6 ? w.z : w.w); }
+  __device__ static unsigned twice_at(const uint4& w, int k) { return __byte_perm(word_at(w, k), 0u, (k & 1) ? 0x3232u : 0x1010u); }
+  // The k-th code, its slot, and its value as a float (exact: a bf16 is a float's upper half).
+  __device__ static unsigned code_at(const uint4& w, int k) { return (word_at(w, k) >> ((k & 1) * 16)) & 0xffffu; }
+  __device__ static unsigned slot_at(const uint4& w, int k) { return slot_of_pair(twice_at(w, k)); }
   __device__ static float value_at(const uint4& w, int k) {
-    const unsigned word = k < 4 ? (k < 2 ? w.x : w.y) : (k < 6 ? w.z : w.w);
+    const unsigned word = word_at(w, k);
     return __uint_as_float((k & 1) ? (word & 0xffff0000u) : (word << 16));
+  }
+  // The slot times 8, the byte offset of a double's entry, from the same shift and mask: (word >> 12) &
+  // 0x7fff8 is 8 times (word >> 15) & 0xffff, so no multiplication is left for the lookup.
+  __device__ static unsigned double_offset_at(const uint4& w, int k) {
+    return min(((twice_at(w, k) >> 12) & 0x7fff8u) - 16u * kLow, static_cast<unsigned>(kEntries) * 8u);
   }
   // Every thread of the block calls it (it synchronizes the block).
   __device__ static void fill_exp(double* exp_of_code, const double* table) {
@@ -323,7 +314,7 @@ __global__ void __launch_bounds__(kReferenceThreads) partials_kernel(ReferencePa
         bool outside = false;
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
-          const unsigned at = Bf16Codes::scaled_slot_at<sizeof(double)>(w, k);
+          const unsigned at = Bf16Codes::double_offset_at(w, k);
           sum_exp += *reinterpret_cast<const double*>(exp_bytes + at);  // 0 outside the table
           pack_x += Bf16Codes::value_at(w, k);
           outside |= at == kOutside;
@@ -334,7 +325,7 @@ __global__ void __launch_bounds__(kReferenceThreads) partials_kernel(ReferencePa
           float in_table = 0.0f;
           unsigned bits = 0;
           for (int k = 0; k < 8; ++k) {
-            if (Bf16Codes::scaled_slot_at<sizeof(double)>(w, k) != kOutside) {
+            if (Bf16Codes::double_offset_at(w, k) != kOutside) {
               in_table += Bf16Codes::value_at(w, k);
             } else {
               bits |= 1u << k;
