@@ -845,9 +845,11 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
     results.push_back(std::move(r));
   }
   if (error_map != nullptr) {
-    world.allreduce_max(std::span<double>(token_margins));
-    error_map->token_grad_margin.assign(token_margins.begin(), token_margins.begin() + n);
+    // (With one rank its margins are already the maxima.)
+    if (world.size() > 1) world.allreduce_max(std::span<double>(token_margins));
     error_map->token_loss_margin.assign(token_margins.begin() + n, token_margins.end());
+    token_margins.resize(static_cast<std::size_t>(n));
+    error_map->token_grad_margin = std::move(token_margins);
     RankErrorCell cell;
     cell.rank = world_rank;
     cell.tp = out.assignment.coordinates.tp;
