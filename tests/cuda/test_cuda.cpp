@@ -429,15 +429,14 @@ TEST_CASE("gpu_reference_code_tables_judge_as_the_full_judgement") {
   REQUIRE_FALSE(cuda::reference_code_tables_apply(cuda::StorageType::fp16, false, 0.0));
   REQUIRE_FALSE(cuda::reference_code_tables_apply(cuda::StorageType::bf16, true, 0.0));
   REQUIRE_FALSE(cuda::reference_code_tables_apply(cuda::StorageType::bf16, false, 30.0));
-  for (const Run& run : runs) {
-    const Case c = load_case_file(std::string("cases/") + run.name + ".json", run.set);
-    const std::string case_name = run.name, impl_name = run.impl;  // strings, so that a failure prints them
+  // The full judgement's grad check (tables off), after the same run with the tables on was checked against it.
+  auto tables_judge_as_the_full_judgement = [](const Case& c, const std::string& case_name, const std::string& impl_name,
+                                               Lookups expected_lookups) {
     CAPTURE(case_name);
     CAPTURE(impl_name);
-    CAPTURE(run.set.size());
     REQUIRE(c.inputs.dtype == DType::bf16);
     RunOptions options;
-    options.implementation = run.impl;
+    options.implementation = impl_name;
     options.threads = 2;
     options.device = RunOptions::Device::cuda;
     options.reference = RunOptions::Reference::gpu;
@@ -451,8 +450,8 @@ TEST_CASE("gpu_reference_code_tables_judge_as_the_full_judgement") {
       const std::int64_t lookups = b.metrics["judged_by_lookup"].get<std::int64_t>();
       const std::int64_t compared = b.metrics["compared"].get<std::int64_t>();
       MESSAGE(case_name << " / " << impl_name << ": " << lookups << " of " << compared << " elements judged by lookup");
-      if (run.lookups == some) CHECK(lookups > 0);
-      if (run.lookups == none) CHECK(lookups == 0);
+      if (expected_lookups == some) CHECK(lookups > 0);
+      if (expected_lookups == none) CHECK(lookups == 0);
       for (const char* key : {"compared", "mismatches", "max_ulp"}) {
         CAPTURE(key);
         CHECK(a.metrics.value(key, nlohmann::json()) == b.metrics.value(key, nlohmann::json()));
@@ -474,5 +473,38 @@ TEST_CASE("gpu_reference_code_tables_judge_as_the_full_judgement") {
         CHECK(a.worst->got == b.worst->got);
       }
     });
+    return std::find_if(full.checks.begin(), full.checks.end(), [](const CheckResult& r) { return r.name == "grad"; })->worst;
+  };
+  for (const Run& run : runs) {
+    CAPTURE(run.set.size());
+    tables_judge_as_the_full_judgement(load_case_file(std::string("cases/") + run.name + ".json", run.set), run.name,
+                                       run.impl, run.lookups);
+  }
+  // Rows built so that the worst hit is hard to place: one logit of 4 (the label) and 1023 drawn from 41
+  // codes in [-44, -34], where exp(x - lse) is below 1e-14 of the smoothing term. Those codes share their
+  // likeliest gradient and their margins to 1e-13, so their table entries are equal; the largest margin
+  // belongs to one of them, whose first column is not the first column of the entry. With 51 tokens the
+  // bf16 rounding of that gradient is the worst of the case (margin near half a unit in the last place).
+  {
+    Case c = load_case_file("cases/smoothing-pytorch.json",
+                            {"shape.tokens=51", "shape.vocab=1024", "inputs.dtype=bf16", "layout.tp=1"});
+    std::uint32_t state = 12345;
+    for (std::int64_t t = 0; t < c.shape.tokens; ++t) {
+      RowOverride row;
+      row.token = t;
+      const std::int64_t top = (7 * t + 3) % c.shape.vocab;
+      row.label = top;
+      for (std::int64_t v = 0; v < c.shape.vocab; ++v) {
+        state = (state * 1103515245u + 12345u) & 0x7fffffffu;
+        row.logits.push_back(v == top ? 4.0 : -34.0 - 0.25 * static_cast<double>((state >> 8) % 41));
+      }
+      c.inputs.overrides.push_back(std::move(row));
+    }
+    const std::optional<ElementRecord> worst = tables_judge_as_the_full_judgement(c, "flat-codes-n51", "correct", some);
+    // The premise: the worst element is one of those codes (its expected value is -w q_off), not its row's first.
+    REQUIRE(worst.has_value());
+    const double q_off = 0.1 / 1024.0;
+    CHECK(std::fabs(worst->expected + q_off / 51.0) <= 1e-9 * q_off / 51.0);
+    CHECK(worst->column > 0);
   }
 }
