@@ -507,4 +507,24 @@ TEST_CASE("gpu_reference_code_tables_judge_as_the_full_judgement") {
     CHECK(std::fabs(worst->expected + q_off / 51.0) <= 1e-9 * q_off / 51.0);
     CHECK(worst->column > 0);
   }
+  // Rows where the label's element holds its code's likeliest non-label gradient: smoothing 1 - 1e-6 puts
+  // q_on within a quarter of a bf16 unit of q_off. Every column but one (a logit of 4) holds -40, the label
+  // is column 0, and with 43 tokens the label's own margin is below the others': the worst hit is column 1,
+  // though the pass meets the label's pair first.
+  {
+    Case c = load_case_file("cases/smoothing-pytorch.json", {"shape.tokens=43", "shape.vocab=1024", "inputs.dtype=bf16",
+                                                             "layout.tp=1", "loss.label_smoothing=0.999999"});
+    for (std::int64_t t = 0; t < c.shape.tokens; ++t) {
+      RowOverride row;
+      row.token = t;
+      row.label = 0;
+      row.logits.assign(static_cast<std::size_t>(c.shape.vocab), -40.0);
+      row.logits[3] = 4.0;
+      c.inputs.overrides.push_back(std::move(row));
+    }
+    const std::optional<ElementRecord> worst = tables_judge_as_the_full_judgement(c, "label-shares-entry-n43", "correct", some);
+    REQUIRE(worst.has_value());  // the premise
+    CHECK(worst->token == 0);
+    CHECK(worst->column == 1);
+  }
 }
