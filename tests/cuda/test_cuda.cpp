@@ -390,7 +390,8 @@ TEST_CASE("gpu_reference_code_tables_judge_as_the_full_judgement") {
   // off (every element judged in full): the same verdicts, counts and worst elements, and maxima equal to
   // float64 rounding (the table rows take the softmax as exp(x) exp(-lse), not exp(x - lse)). Covers
   // bugs that mismatch, masked rows, CP padding, z-loss, upstream weights, the absolute/relative
-  // tolerance mode, codes outside the table and rows whose |lse| > 600 keep the full judgement.
+  // tolerance mode, codes outside the table and rows whose |lse| > 600 keep the full judgement; and rows
+  // built so that the worst hit found in the pass needs its guards (shared table entries, the label).
   enum Lookups { some, none, any };  // any: a bug whose gradient may miss every code (judged in full)
   struct Run {
     const char* name;
