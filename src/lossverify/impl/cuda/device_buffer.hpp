@@ -4,7 +4,6 @@
 
 #include <cstddef>
 #include <memory>
-#include <stdexcept>
 #include <utility>
 #include <vector>
 
@@ -63,7 +62,7 @@ DeviceBytes upload(const std::vector<T>& host, cudaStream_t stream) {
 // Into an allocation of at least the vector's size.
 template <class T>
 void copy_to_device(const DeviceBytes& d, const std::vector<T>& host, cudaStream_t stream) {
-  if (host.size() * sizeof(T) > d.size()) throw std::logic_error("copy_to_device: the allocation is too small");
+  if (host.size() * sizeof(T) > d.size()) throw InternalError("copy_to_device: the allocation is too small");
   if (!host.empty()) LV_CUDA(cudaMemcpyAsync(d.as<void>(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice, stream));
 }
 
