@@ -544,26 +544,28 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
   const bool keep_grads = snapshot != nullptr && n * vocab <= kSnapshotElementLimit;
   std::span<const cuda::RowComparison> compared_rows;
   std::int64_t grad_lookups = 0;  // GPU reference: elements judged by a code-table lookup
+  // A row's loss against the reference, into `into`: CP padding must be exactly zero, a token within its
+  // tolerance (its margin also goes to the error map).
+  auto judge_row_loss = [&](std::int64_t i, ErrorStats& into) {
+    const auto k = static_cast<std::size_t>(i);
+    const std::int64_t t = out.token_of(i);
+    const double got_loss = out.token_loss[k];
+    if (t < 0) {
+      const LocalRow& row = out.assignment.rows[k];
+      into.add({-1, -1, world_rank, 0.0, got_loss, 0.0, row.sequence, row.position});
+      return;
+    }
+    const double ref_loss = reference_loss[k];
+    const double loss_tolerance = tol_loss.atol * loss_scale + tol_loss.rtol * std::fabs(ref_loss);
+    into.add({t, -1, world_rank, ref_loss, got_loss, loss_tolerance});
+    if (!token_margins.empty()) {
+      token_margins[static_cast<std::size_t>(n + t)] = margin_of(got_loss == ref_loss ? 0.0 : std::fabs(got_loss - ref_loss), loss_tolerance);
+    }
+  };
   if (on_device) {
     // The losses first: they do not need the comparison, which the GPU may still be running.
     trace.mark("3 elements: losses");
-    for (std::int64_t i = 0; i < rows; ++i) {
-      const auto k = static_cast<std::size_t>(i);
-      const std::int64_t t = out.token_of(i);
-      const double got_loss = out.token_loss[k];
-      if (t < 0) {
-        const LocalRow& row = out.assignment.rows[k];
-        loss_stats.add({-1, -1, world_rank, 0.0, got_loss, 0.0, row.sequence, row.position});
-        continue;
-      }
-      const double ref_loss = reference_loss[k];
-      const double loss_tolerance = tol_loss.atol * loss_scale + tol_loss.rtol * std::fabs(ref_loss);
-      loss_stats.add({t, -1, world_rank, ref_loss, got_loss, loss_tolerance});
-      if (!token_margins.empty()) {
-        token_margins[static_cast<std::size_t>(n + t)] =
-            margin_of(got_loss == ref_loss ? 0.0 : std::fabs(got_loss - ref_loss), loss_tolerance);
-      }
-    }
+    for (std::int64_t i = 0; i < rows; ++i) judge_row_loss(i, loss_stats);
     trace.mark("3 elements: wait");
     compared_rows = cuda::gpu_reference_compare_wait(*out.device_shard);
     trace.mark("3 elements: rows");
@@ -608,9 +610,9 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
       const LocalRow& row = out.assignment.rows[k];
       const double got_loss = out.token_loss[k];
       out.grad_row(i, got.data());
+      judge_row_loss(i, local_loss);
       if (t < 0) {
         // CP padding: masked, so zero loss and an exactly zero gradient.
-        local_loss.add({-1, -1, world_rank, 0.0, got_loss, 0.0, row.sequence, row.position});
         for (std::int64_t v = 0; v < cols; ++v) {
           const double g = got[static_cast<std::size_t>(v)] * framework_scale;
           const bool mismatch = g != 0.0;
@@ -620,9 +622,6 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
         }
         continue;
       }
-      const double ref_loss = reference_loss[k];
-      const double loss_tolerance = tol_loss.atol * loss_scale + tol_loss.rtol * std::fabs(ref_loss);
-      local_loss.add({t, -1, world_rank, ref_loss, got_loss, loss_tolerance});
       double row_margin = 0.0;
       const double weight = valid[k] ? reference.token_weight(t) : 0.0;
       if (valid[k]) {
@@ -654,7 +653,6 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
       row_sums[3 * k + 2] = magnitude.value();
       if (!token_margins.empty()) {
         token_margins[static_cast<std::size_t>(t)] = std::isnan(row_margin) ? std::numeric_limits<double>::infinity() : row_margin;
-        token_margins[static_cast<std::size_t>(n + t)] = margin_of(got_loss == ref_loss ? 0.0 : std::fabs(got_loss - ref_loss), loss_tolerance);
       }
       if (snapshot != nullptr && tp_leader) snapshot->token_loss[static_cast<std::size_t>(t)] = static_cast<float>(got_loss);
     }
