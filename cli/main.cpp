@@ -25,6 +25,7 @@
 #include "lossverify/layout/vocab_range.hpp"
 #include "lossverify/impl/cuda/cuda_backend.hpp"
 #include "check_dump.hpp"
+#include "export_inputs.hpp"
 #include "repro.hpp"
 #ifdef LOSSVERIFY_HAVE_MPI
 #include "lossverify/comm/mpi_world.hpp"
@@ -497,6 +498,8 @@ int main(int argc, char** argv) {
 
   lossverify::cli::CheckDumpCommand check_dump;
   lossverify::cli::register_check_dump(app, check_dump);
+  lossverify::cli::ExportInputsCommand export_inputs;
+  lossverify::cli::register_export_inputs(app, export_inputs);
   lossverify::cli::ReproCommands repro;
   lossverify::cli::register_repro_commands(app, repro);
   lossverify::cli::remember_command_line(argc, argv);
@@ -533,6 +536,7 @@ int main(int argc, char** argv) {
     if (*gate) return command_gate(gate_args);
     if (*bench) return command_bench(bench_args);
     if (check_dump.selected()) return lossverify::cli::run_check_dump(check_dump.args);
+    if (export_inputs.selected()) return lossverify::cli::run_export_inputs(export_inputs.args);
     if (const auto code = lossverify::cli::run_repro_command(repro)) return *code;
   } catch (const TimeoutError& e) {
     std::cerr << "lossverify: timeout: " << e.what() << "\n";

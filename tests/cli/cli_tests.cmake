@@ -114,3 +114,12 @@ add_test(NAME cli_cuda_backend COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/cli/cuda
 # 512 thread ranks (tp=8, cp=4, dp=16, ga=2) on a small case: splits, collectives and verification scale.
 lossverify_cli_test(r512_thread_ranks 0 "tp=8 cp=4 dp=16 ga=2.*|verdict: pass" --within 120
   -- ${LV} run ${PROJECT_SOURCE_DIR}/bench/cases/r512-tp8-cp4-dp16.json --threads 2)
+
+# export-inputs: writes every rank's file and the index; a bad layout or a folder in use is exit 2, untouched.
+lossverify_cli_test(export_inputs 0 "exported 8 rank\\(s\\) of case cp-zigzag-packed.*tp=2 cp=2 dp=2"
+  --present ${OUT}/export/inputs.json --present ${OUT}/export/rank7.safetensors
+  -- bash -c "rm -rf ${OUT}/export && ${LV} export-inputs ${CASES}/cp-zigzag-packed.json --dp 2 --out ${OUT}/export")
+lossverify_cli_test(export_inputs_tp_above_vocab 2 "layout.tp.*300" --absent ${OUT}/export_wide/inputs.json
+  -- ${LV} export-inputs ${CASES}/cp-zigzag-packed.json --tp 301 --out ${OUT}/export_wide)
+lossverify_cli_test(export_inputs_folder_in_use 2 "not empty .*nothing was written"
+  -- bash -c "mkdir -p ${OUT}/export_busy && touch ${OUT}/export_busy/mine && ${LV} export-inputs ${CASES}/cp-zigzag-packed.json --out ${OUT}/export_busy")

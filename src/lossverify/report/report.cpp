@@ -1,10 +1,8 @@
 #include "lossverify/report/report.hpp"
 
-#include <fcntl.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
-#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -13,6 +11,7 @@
 #include <sstream>
 #include <thread>
 
+#include "lossverify/core/atomic_file.hpp"
 #include "lossverify/core/build_info.hpp"
 #include "lossverify/layout/rank_layout.hpp"
 
@@ -153,30 +152,9 @@ json make_report(const std::string& command, const std::vector<json>& runs, Exit
 }
 
 void write_file_atomically(const std::string& path, const std::string& contents) {
-  const std::string temporary = path + ".tmp." + std::to_string(::getpid());
-  const int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  if (fd < 0) throw InternalError(path + ": cannot write report: " + std::strerror(errno));
-  std::size_t written = 0;
-  while (written < contents.size()) {
-    const ssize_t n = ::write(fd, contents.data() + written, contents.size() - written);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      const std::string why = std::strerror(errno);
-      ::close(fd);
-      ::unlink(temporary.c_str());
-      throw InternalError(path + ": cannot write report: " + why);
-    }
-    written += static_cast<std::size_t>(n);
-  }
-  if (::fsync(fd) != 0 || ::close(fd) != 0) {
-    ::unlink(temporary.c_str());
-    throw InternalError(path + ": cannot flush report");
-  }
-  if (std::rename(temporary.c_str(), path.c_str()) != 0) {
-    const std::string why = std::strerror(errno);
-    ::unlink(temporary.c_str());
-    throw InternalError(path + ": cannot rename report into place: " + why);
-  }
+  AtomicFile file(path, "report");
+  file.write(contents);
+  file.commit();
 }
 
 void print_summary(std::ostream& out, const RunResult& run) {

@@ -1,0 +1,50 @@
+#include "export_inputs.hpp"
+
+#include <iostream>
+#include <thread>
+
+#include "lossverify/dump/export_inputs.hpp"
+
+namespace lossverify::cli {
+
+void register_export_inputs(CLI::App& app, ExportInputsCommand& command) {
+  ExportInputsArguments& a = command.args;
+  command.app = app.add_subcommand(
+      "export-inputs", "write every rank's exact inputs (logits shard, labels, loss mask, rows, ...) of a case as "
+                       "safetensors plus an index, for code that runs outside lossverify");
+  CLI::App& sub = *command.app;
+  sub.add_option("case", a.case_file, "case file (JSON)")->required()->check(CLI::ExistingFile);
+  sub.add_option("--set", a.set, "override a case field, e.g. --set loss.label_smoothing=0.1")->allow_extra_args(false);
+  sub.add_option("--tp", a.tp, "tensor-parallel ranks (overrides layout.tp)")->check(CLI::PositiveNumber);
+  sub.add_option("--cp", a.cp, "context-parallel ranks (overrides layout.cp)")->check(CLI::PositiveNumber);
+  sub.add_option("--dp", a.dp, "data-parallel ranks (overrides layout.dp)")->check(CLI::PositiveNumber);
+  sub.add_option("--ga", a.ga, "gradient-accumulation micro-batches (overrides layout.ga)")->check(CLI::PositiveNumber);
+  sub.add_option("--out", a.out_dir, "folder to write (created; must be empty if it exists)")->required();
+  sub.add_option("--threads", a.threads, "OpenMP threads for generating the inputs (default: all)")
+      ->check(CLI::NonNegativeNumber);
+  sub.add_flag("--quiet,-q", a.quiet, "print nothing");
+}
+
+int run_export_inputs(const ExportInputsArguments& args) {
+  std::vector<std::string> overrides = args.set;
+  const std::pair<const char*, int> layout[] = {{"tp", args.tp}, {"cp", args.cp}, {"dp", args.dp}, {"ga", args.ga}};
+  for (const auto& [key, value] : layout) {
+    if (value > 0) overrides.push_back("layout." + std::string(key) + "=" + std::to_string(value));
+  }
+  const Case c = load_case_file(args.case_file, overrides);
+  dump::ExportOptions options;
+  options.out_dir = args.out_dir;
+  options.case_file = args.case_file;
+  options.overrides = overrides;
+  options.threads = args.threads > 0 ? args.threads : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  const nlohmann::json index = dump::export_inputs(c, options);
+  if (!args.quiet) {
+    std::cout << "exported " << index["ranks"].size() << " rank(s) of case " << c.name << " [N=" << c.shape.tokens
+              << " V=" << c.shape.vocab << ", " << to_string(c.inputs.dtype) << ", tp=" << c.layout.tp
+              << " cp=" << c.layout.cp << " dp=" << c.layout.dp << " ga=" << c.layout.ga << "] to " << args.out_dir
+              << "/" << dump::kInputsIndex << "\n";
+  }
+  return 0;
+}
+
+}  // namespace lossverify::cli

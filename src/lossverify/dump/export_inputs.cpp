@@ -1,0 +1,117 @@
+#include "lossverify/dump/export_inputs.hpp"
+
+#include <filesystem>
+#include <system_error>
+
+#include "lossverify/core/atomic_file.hpp"
+#include "lossverify/core/build_info.hpp"
+#include "lossverify/core/errors.hpp"
+#include "lossverify/dump/safetensors_writer.hpp"
+#include "lossverify/impl/rank_inputs.hpp"
+#include "lossverify/runner/run_case.hpp"
+
+namespace lossverify::dump {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+void prepare_folder(const std::string& dir) {
+  std::error_code error;
+  const fs::file_status status = fs::status(dir, error);
+  if (fs::exists(status)) {
+    if (!fs::is_directory(status)) throw CaseError("--out " + dir + ": exists and is not a folder");
+    if (!fs::is_empty(dir, error)) {
+      throw CaseError("--out " + dir + ": the folder is not empty (give a new or empty folder; nothing was written)");
+    }
+    return;
+  }
+  if (!fs::create_directories(dir, error) && error) {
+    throw CaseError("--out " + dir + ": cannot create the folder: " + error.message());
+  }
+}
+
+TensorDType tensor_dtype(DType dtype) {
+  switch (dtype) {
+    case DType::bf16:
+      return TensorDType::bf16;
+    case DType::fp16:
+      return TensorDType::f16;
+    case DType::fp32:
+    default:
+      return TensorDType::f32;
+  }
+}
+
+std::string rank_file_name(int rank) { return "rank" + std::to_string(rank) + ".safetensors"; }
+
+// Writes one rank's tensors; returns its entry of the index.
+nlohmann::json write_rank(const Case& c, const InputSource& inputs, int rank, const std::string& dir, int threads) {
+  const RankInputs in = make_rank_inputs(c, inputs, assign_rank(c, inputs.batch(), rank), threads);
+  const std::vector<std::int64_t> shard_shape = {in.rows(), in.columns()};
+  const std::vector<std::int64_t> rows_shape = {in.rows()};
+  std::vector<TensorToWrite> tensors = {
+      {"logits", tensor_dtype(in.dtype), shard_shape, std::span<const std::byte>(in.logits)},
+      tensor_to_write("labels", TensorDType::i64, rows_shape, in.labels),
+      tensor_to_write("loss_mask", TensorDType::boolean, rows_shape, in.loss_mask),
+      tensor_to_write("tokens", TensorDType::i64, rows_shape, in.tokens),
+      tensor_to_write("token_ids", TensorDType::i64, rows_shape, in.token_ids),
+      tensor_to_write("sequences", TensorDType::i64, rows_shape, in.sequences),
+      tensor_to_write("positions", TensorDType::i64, rows_shape, in.positions),
+      tensor_to_write("upstream_weights", TensorDType::f64, rows_shape, in.upstream_weights)};
+  if (!in.teacher_logits.empty()) {
+    tensors.push_back({"teacher_logits", tensor_dtype(in.dtype), shard_shape, std::span<const std::byte>(in.teacher_logits)});
+  }
+  const std::string file = rank_file_name(rank);
+  write_safetensors((fs::path(dir) / file).string(), tensors, {{"format", kInputsFormat}, {"rank", std::to_string(rank)}});
+
+  nlohmann::json micro_batches = nlohmann::json::array();
+  const auto& offsets = in.assignment.micro_batch_begin;
+  for (std::size_t k = 0; k + 1 < offsets.size(); ++k) micro_batches.push_back({offsets[k], offsets[k + 1]});
+  nlohmann::json names = nlohmann::json::array();
+  for (const TensorToWrite& t : tensors) names.push_back(t.name);
+  const RankCoordinates& at = in.assignment.coordinates;
+  return {{"rank", rank},
+          {"tp", at.tp},
+          {"cp", at.cp},
+          {"dp", at.dp},
+          {"vocab", {in.assignment.vocab.begin, in.assignment.vocab.end}},
+          {"file", file},
+          {"rows", in.rows()},
+          {"micro_batches", micro_batches},
+          {"tensors", names}};
+}
+
+}  // namespace
+
+nlohmann::json export_inputs(const Case& c, const ExportOptions& options) {
+  check_case(c);
+  prepare_folder(options.out_dir);
+  const InputSource inputs(c);
+  nlohmann::json ranks = nlohmann::json::array();
+  for (int rank = 0; rank < c.layout.world_size(); ++rank) {
+    ranks.push_back(write_rank(c, inputs, rank, options.out_dir, options.threads));
+  }
+  std::int64_t valid_tokens = 0;
+  for (std::int64_t t = 0; t < c.shape.tokens; ++t) valid_tokens += inputs.is_valid(t);
+  nlohmann::json cu_seqlens = nlohmann::json::array({0});
+  for (const Sequence& s : inputs.batch().sequences()) cu_seqlens.push_back(s.begin + s.length);
+  const nlohmann::json index = {
+      {"format", kInputsFormat},
+      {"tool", {{"version", build_info::version}, {"git_revision", build_info::git_revision}}},
+      {"case_file", options.case_file},
+      {"overrides", options.overrides},
+      {"case", c.resolved()},
+      {"shape", {{"tokens", c.shape.tokens}, {"vocab", c.shape.vocab}}},
+      {"dtype", to_string(c.inputs.dtype)},
+      {"layout", {{"tp", c.layout.tp}, {"cp", c.layout.cp}, {"dp", c.layout.dp}, {"ga", c.layout.ga}}},
+      {"valid_tokens", valid_tokens},
+      {"cu_seqlens", cu_seqlens},
+      {"ranks", ranks}};
+  AtomicFile file((fs::path(options.out_dir) / kInputsIndex).string(), "inputs index");
+  file.write(index.dump(1) + "\n");
+  file.commit();
+  return index;
+}
+
+}  // namespace lossverify::dump

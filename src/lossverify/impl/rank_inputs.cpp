@@ -1,0 +1,56 @@
+#include "lossverify/impl/rank_inputs.hpp"
+
+namespace lossverify {
+
+namespace {
+
+template <class T>
+void fill_logits(const InputSource& inputs, const RankAssignment& a, bool teacher, T* out, int threads) {
+  const VocabRange vocab = a.vocab;
+  const auto rows = static_cast<std::int64_t>(a.rows.size());
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+  for (std::int64_t i = 0; i < rows; ++i) {
+    const LocalRow& row = a.rows[static_cast<std::size_t>(i)];
+    T* dst = out + i * vocab.size();
+    if (row.token < 0) {
+      inputs.padding_logits(row.sequence, row.position, vocab.begin, vocab.end, dst);
+    } else if (teacher) {
+      inputs.teacher_logits(row.token, vocab.begin, vocab.end, dst);
+    } else {
+      inputs.logits(row.token, vocab.begin, vocab.end, dst);
+    }
+  }
+}
+
+}  // namespace
+
+RankInputs make_rank_inputs(const Case& c, const InputSource& inputs, RankAssignment assignment, int threads) {
+  RankInputs in;
+  in.assignment = std::move(assignment);
+  in.dtype = c.inputs.dtype;
+  const bool kd = c.loss.kind == LossKind::kd;
+  const auto rows = static_cast<std::size_t>(in.rows());
+  const std::size_t bytes = rows * static_cast<std::size_t>(in.columns()) * dtype_size(in.dtype);
+  in.logits.resize(bytes);
+  if (kd) in.teacher_logits.resize(bytes);
+  dispatch_dtype(in.dtype, [&](auto type) {
+    using T = typename decltype(type)::type;
+    fill_logits(inputs, in.assignment, false, reinterpret_cast<T*>(in.logits.data()), threads);
+    if (kd) fill_logits(inputs, in.assignment, true, reinterpret_cast<T*>(in.teacher_logits.data()), threads);
+  });
+  const bool weighted = c.loss.reduction == Reduction::none;
+  for (const LocalRow& row : in.assignment.rows) {
+    const bool real = row.token >= 0;
+    const bool valid = real && inputs.is_valid(row.token);
+    in.labels.push_back(valid ? inputs.label(row.token) : c.loss.ignore_index);
+    in.loss_mask.push_back(valid ? 1 : 0);
+    in.tokens.push_back(row.token);
+    in.token_ids.push_back(real ? inputs.token_id(row.token) : -1);
+    in.sequences.push_back(row.sequence);
+    in.positions.push_back(row.position);
+    in.upstream_weights.push_back(!real ? 0.0 : weighted ? inputs.upstream_weight(row.token) : 1.0);
+  }
+  return in;
+}
+
+}  // namespace lossverify
