@@ -7,7 +7,7 @@
 namespace lossverify::cli {
 
 struct CheckDumpArguments {
-  std::string manifest;
+  std::vector<std::string> manifests;
   std::string report_path;
   bool quiet = false;
   int threads = 0;

@@ -102,14 +102,6 @@ struct GateArguments {
   bool quiet = false;
 };
 
-nlohmann::json check_to_json(const CheckResult& c) {
-  RunResult holder;
-  holder.checks = {c};
-  static const Implementation* correct = find_implementation("correct");
-  holder.implementation = correct;
-  return run_to_json(holder)["checks"][0];
-}
-
 void print_sweep_line(std::ostream& out, const RunResult& r) {
   double worst = 0.0;
   std::string failing;
@@ -171,7 +163,7 @@ int command_run(const RunArguments& args) {
       sweeps.push_back({{"case", c.name},
                         {"layouts", names},
                         {"verdict", std::string(to_string(result.verdict))},
-                        {"invariance", check_to_json(result.invariance)}});
+                        {"invariance", check_to_json(result.invariance, c)}});
     }
   } else {
     for (const Case& c : cases) {

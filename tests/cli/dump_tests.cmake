@@ -70,3 +70,17 @@ lossverify_dump_test(good_npy_and_inline 0 "verdict: pass"
 lossverify_cli_test(check_dump_no_manifest 2 "--manifest is required" -- ${LV} check-dump)
 lossverify_cli_test(check_dump_missing_manifest 2 "no-such/manifest.json: cannot open manifest"
   -- ${LV} check-dump --manifest ${DUMP_OUT}/no-such/manifest.json)
+
+# Several manifests of one problem: a sweep with the invariance check; a dump of another problem is exit 2.
+set(FIXTURE_TP2 ${DUMPS}/torch-vocab-parallel-ce-tp2-dp2-bf16/manifest.json)
+lossverify_cli_test(check_dump_sweep 0 "invariance over 2 dumps: pass, margin 0" --present ${DUMP_OUT}/sweep.json
+  -- ${LV} check-dump --manifest ${FIXTURE_TP2} --manifest ${FIXTURE_TP2} --report ${DUMP_OUT}/sweep.json)
+lossverify_cli_test(check_dump_sweep_other_problem 2
+  "torch-ce-cp2-zigzag/manifest.json: not the problem of .*torch-vocab-parallel-ce-tp2-dp2-bf16/manifest.json: its shape differs"
+  --absent ${DUMP_OUT}/sweep_other.json
+  -- ${LV} check-dump --manifest ${FIXTURE_TP2} --manifest ${DUMPS}/torch-ce-cp2-zigzag/manifest.json
+     --report ${DUMP_OUT}/sweep_other.json)
+add_test(NAME dump_sweep_report_schema
+  COMMAND ${LOSSVERIFY_SYSTEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/cli/validate_report.py
+          ${PROJECT_SOURCE_DIR}/schema/report.schema.json ${DUMP_OUT}/sweep.json)
+set_tests_properties(dump_sweep_report_schema PROPERTIES DEPENDS cli_check_dump_sweep)

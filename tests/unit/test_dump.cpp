@@ -3,6 +3,8 @@
 // and for catalogued bugs, at TP, CP (padding rows), DP, GA layouts, for cross-entropy and KD, every dtype.
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <functional>
 #include <map>
@@ -23,8 +25,32 @@ namespace {
 std::string safetensors_dtype(DType d) { return d == DType::bf16 ? "BF16" : d == DType::fp16 ? "F16" : "F32"; }
 
 // Writes the outputs of a built-in run as a dump: one safetensors file per rank, one manifest.
+// How a dump stores its losses: float32 as the kernels computed them, or rounded to bf16 the way
+// torch.nn.functional.cross_entropy and Liger-Kernel return a bf16 loss (declared BF16, or the rounded values
+// declared F32), optionally moved by a number of bf16 units. `softmax_logits`: the logits written as softmax
+// probabilities, as code that overwrites its input in place leaves them.
+struct LossStorage {
+  bool bf16_values = false;
+  bool declared_bf16 = false;
+  int bf16_units_off = 0;
+  bool softmax_logits = false;
+};
+
+RawTensor loss_tensor(std::vector<std::int64_t> shape, std::vector<float> values, const LossStorage& storage) {
+  if (!storage.bf16_values) return raw_tensor("F32", std::move(shape), values);
+  std::vector<std::uint16_t> bits;
+  for (float& v : values) {
+    std::uint16_t b = Eigen::numext::bit_cast<std::uint16_t>(Eigen::bfloat16(v));
+    if (v != 0.0f) b = static_cast<std::uint16_t>(b + storage.bf16_units_off);  // away from zero for v > 0
+    bits.push_back(b);
+    v = static_cast<float>(Eigen::numext::bit_cast<Eigen::bfloat16>(b));
+  }
+  if (storage.declared_bf16) return raw_tensor("BF16", std::move(shape), bits);
+  return raw_tensor("F32", std::move(shape), values);
+}
+
 fs::path write_dump(const Case& c, const InputSource& inputs, const std::vector<RankOutput>& outputs,
-                    const std::string& name, bool token_loss = true, bool stats = true) {
+                    const std::string& name, bool token_loss = true, bool stats = true, LossStorage storage = {}) {
   const fs::path dir = temp_folder("dump-" + name);
   const json resolved = c.resolved();
   json loss = resolved["loss"];
@@ -66,7 +92,16 @@ fs::path write_dump(const Case& c, const InputSource& inputs, const std::vector<
           using S = typename decltype(type)::type;
           S* row = reinterpret_cast<S*>(logits.data.data()) + (i - b) * cols;
           S* trow = reinterpret_cast<S*>(teacher.data.data()) + (i - b) * cols;
-          if (t >= 0) {
+          if (t >= 0 && storage.softmax_logits) {
+            std::vector<double> whole(static_cast<std::size_t>(c.shape.vocab));
+            inputs.logits(t, 0, c.shape.vocab, whole.data());
+            const double top = *std::max_element(whole.begin(), whole.end());
+            double sum = 0.0;
+            for (double x : whole) sum += std::exp(x - top);
+            for (std::int64_t j = 0; j < cols; ++j) {
+              row[j] = S(static_cast<float>(std::exp(whole[static_cast<std::size_t>(a.vocab.begin + j)] - top) / sum));
+            }
+          } else if (t >= 0) {
             inputs.logits(t, a.vocab.begin, a.vocab.end, row);
             if (kd) inputs.teacher_logits(t, a.vocab.begin, a.vocab.end, trow);
           }
@@ -92,7 +127,7 @@ fs::path write_dump(const Case& c, const InputSource& inputs, const std::vector<
         t["labels"] = p + "labels";
       }
       if (token_loss) {
-        tensors[p + "token_loss"] = raw_tensor("F32", {rows}, losses);
+        tensors[p + "token_loss"] = loss_tensor({rows}, losses, storage);
         t["token_loss"] = p + "token_loss";
       }
       if (none) {
@@ -110,7 +145,7 @@ fs::path write_dump(const Case& c, const InputSource& inputs, const std::vector<
       rank["stats"] = {{"num_tokens", "num_tokens"}};
       tensors["num_tokens"] = raw_tensor("I64", {}, std::vector<std::int64_t>{out.logged_valid_tokens});
       if (out.has_reduced_loss) {
-        tensors["loss"] = raw_tensor("F32", {}, std::vector<float>{out.reduced_loss});
+        tensors["loss"] = loss_tensor({}, std::vector<float>{out.reduced_loss}, storage);
         rank["stats"]["loss"] = "loss";
       }
     }
@@ -300,4 +335,115 @@ TEST_CASE("manifest: rows, ranks, coordinates and sequences") {
   CHECK(error([](json& j) { j["ranks"][0]["stats"] = {{"num_tokens", "NaN"}}; }).find("a count must be a non-negative integer") != std::string::npos);
   CHECK(error([](json& j) { j["ranks"][0]["stats"] = {{"loss", 1.0}}; }).find("has stats.loss, but $.ranks[1].stats lacks it: every rank and micro-batch must dump the same things") != std::string::npos);
   CHECK(error([](json& j) { j["ranks"].push_back(j["ranks"][0]); }).find("3 ranks, but the layout tp*cp*dp = 2") != std::string::npos);
+  // Logged losses may be non-finite; strict JSON spells them as strings (what lossverify.dump writes).
+  for (const char* spelled : {"NaN", "Infinity", "-Infinity"}) {
+    json j = base;
+    for (json& r : j["ranks"]) r["stats"] = {{"loss", spelled}};
+    const dump::Manifest nonfinite = dump::parse_manifest(j, "m.json");
+    CHECK(!std::isfinite(nonfinite.ranks[0].loss.value));
+    CHECK(std::isnan(nonfinite.ranks[0].loss.value) == (std::string(spelled) == "NaN"));
+  }
+  CHECK(error([](json& j) { j["loss"] = {{"label_smoothing", 0.1}}; }).find("$.loss.smoothing_convention: label_smoothing > 0 needs an explicit convention") != std::string::npos);
+  CHECK(error([](json& j) { j["loss"] = {{"label_smoothing", 0.1}, {"smoothing_convention", "pytorch"}}; }).empty());
+}
+
+// A loss stored in bf16 (what torch and Liger-Kernel return for bf16 logits) is judged in bf16 units at the
+// exact value: correctly rounded losses pass (within half a unit); the same values declared float32 fail, and
+// values two units away fail.
+TEST_CASE("check_dump_judges_bf16_losses_in_bf16_units") {
+  const Case c = layout_case({{"name", "bf16-loss"}, {"inputs", {{"dtype", "bf16"}, {"scale", 3.0}}}});
+  RunOptions options;
+  options.threads = 2;
+  const InputSource inputs(c);
+  const RankRun ranks = execute_ranks(c, inputs, *find_implementation("correct"), options);
+  auto loss_check = [&](const LossStorage& storage, const std::string& name) {
+    const fs::path dir = write_dump(c, inputs, ranks.outputs, name, true, true, storage);
+    const auto problem = dump::load_dump((dir / "manifest.json").string());
+    const RunResult r = dump::check_dump(*problem, {2});
+    fs::remove_all(dir);
+    for (const CheckResult& check : r.checks) {
+      if (check.name == "loss") return check;
+    }
+    FAIL("no loss check");
+    return CheckResult{};
+  };
+  const CheckResult rounded = loss_check({true, true, 0}, "bf16-loss-rounded");
+  CHECK(rounded.verdict == Verdict::pass);
+  CHECK(rounded.margin > 0.01);  // the rounding is visible in the margin
+  CHECK(rounded.margin < 0.6);   // half a unit, plus the kernel's float32 error
+  const CheckResult as_float = loss_check({true, false, 0}, "bf16-loss-as-f32");
+  CHECK(as_float.verdict == Verdict::fail);
+  CHECK(as_float.margin > 10.0);
+  const CheckResult two_units = loss_check({true, true, 2}, "bf16-loss-two-units");
+  CHECK(two_units.verdict == Verdict::fail);
+  CHECK(two_units.margin > 1.4);
+}
+
+// Logits that are softmax probabilities (overwritten in place, dumped after the call) fail, and the failure
+// says why; real logits that fail carry no such hint.
+TEST_CASE("check_dump_hints_at_logits_overwritten_by_softmax") {
+  const Case c = layout_case({{"name", "softmax-logits"}, {"loss", {{"label_smoothing", 0.1}, {"smoothing_convention", "megatron"}}}});
+  RunOptions options;
+  options.threads = 2;
+  const InputSource inputs(c);
+  auto checked = [&](const std::string& impl, bool softmax, const std::string& name) {
+    const RankRun ranks = execute_ranks(c, inputs, *find_implementation(impl), options);
+    LossStorage storage;
+    storage.softmax_logits = softmax;
+    const fs::path dir = write_dump(c, inputs, ranks.outputs, name, true, true, storage);
+    const auto problem = dump::load_dump((dir / "manifest.json").string());
+    RunResult r = dump::check_dump(*problem, {2});
+    fs::remove_all(dir);
+    return r;
+  };
+  const RunResult overwritten = checked("correct", true, "softmax-logits");
+  CHECK(overwritten.verdict == Verdict::fail);
+  REQUIRE(overwritten.hints.size() == 1);
+  CHECK(overwritten.hints[0].find("look like softmax probabilities") != std::string::npos);
+  const RunResult buggy = checked("smoothing-partition-vocab", false, "real-logits-bug");
+  CHECK(buggy.verdict == Verdict::fail);
+  CHECK(buggy.hints.empty());
+  CHECK(checked("correct", false, "real-logits").hints.empty());
+}
+
+// Dumps of one problem at several layouts: the invariance check compares their global answers, and a dump
+// of another problem is refused before it is compared.
+TEST_CASE("check_dump_sweep_compares_layouts_of_one_problem") {
+  const Case base = layout_case({{"name", "sweep"}, {"loss", {{"label_smoothing", 0.1}, {"smoothing_convention", "pytorch"}}}});
+  RunOptions options;
+  options.threads = 2;
+  auto dumped = [&](int tp, const std::string& impl, double scale) {
+    Case c = base;
+    c.layout.tp = tp;
+    c.inputs.scale = scale;
+    const InputSource inputs(c);
+    const RankRun ranks = execute_ranks(c, inputs, *find_implementation(impl), options);
+    const fs::path dir = write_dump(c, inputs, ranks.outputs, "sweep-tp" + std::to_string(tp) + "-" + impl);
+    return dump::load_dump((dir / "manifest.json").string());
+  };
+  dump::DumpCheckOptions keep;
+  keep.threads = 2;
+  keep.keep_snapshot = true;
+  auto invariance = [&](const dump::DumpProblem& a, const dump::DumpProblem& b) {
+    dump::require_same_problem(a, b);
+    std::vector<LayoutSnapshot> snapshots;
+    for (const dump::DumpProblem* p : {&a, &b}) snapshots.push_back(*dump::check_dump(*p, keep).snapshot);
+    return invariance_check(base, snapshots, {"tp1", "tp3"});
+  };
+  const auto tp1 = dumped(1, "correct", 2.0);
+  const auto tp3 = dumped(3, "correct", 2.0);
+  CHECK(invariance(*tp1, *tp3).verdict == Verdict::pass);
+  // A bug whose answers depend on the layout breaks invariance.
+  const auto tp3_bug = dumped(3, "smoothing-partition-vocab", 2.0);
+  const CheckResult broken = invariance(*tp1, *tp3_bug);
+  CHECK(broken.verdict == Verdict::fail);
+  CHECK(broken.margin > 10.0);
+  // Other inputs: not a sweep of one problem.
+  const auto other_inputs = dumped(3, "correct", 2.5);
+  try {
+    dump::require_same_problem(*tp1, *other_inputs);
+    FAIL("a dump of other inputs was accepted");
+  } catch (const dump::DumpError& e) {
+    CHECK(std::string(e.what()).find("logits, teacher logits, labels or loss mask differ") != std::string::npos);
+  }
 }

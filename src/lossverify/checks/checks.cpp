@@ -227,6 +227,15 @@ struct GradJudge {
 };
 
 
+// A loss a framework stored in 16 bits (torch's cross_entropy and Liger return the loss in the logits'
+// dtype) is judged as 16-bit gradients are: within the dtype's max_ulp units of its spacing at the exact
+// value, where a correctly rounded value is within half a unit; the float32 tolerance still applies when wider.
+double stored_loss_tolerance(double float32_tolerance, double expected, DType stored) {
+  if (stored == DType::fp32) return float32_tolerance;
+  const int max_ulp = default_tolerance("grad", stored).tolerance.max_ulp;
+  return std::max(float32_tolerance, max_ulp * ulp_size(expected, stored));
+}
+
 // A rank's rows x columns of inputs, kept in the input dtype (exact) between verification passes so
 // they are generated once; widened to float64 on use.
 class ShardCache {
@@ -530,7 +539,9 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
     // The absolute floor scales with sum_t |w_t|: 1 for mean, N_v for sum.
     const double weight_total = c.loss.reduction == Reduction::mean ? 1.0 : static_cast<double>(reference.valid_tokens());
     reduced_local.add({-1, -1, world_rank, reference_reduced, out.reduced_loss,
-                       tol_reduced.atol * loss_scale * std::max(weight_total, 1.0) + tol_reduced.rtol * std::fabs(reference_reduced)});
+                       stored_loss_tolerance(tol_reduced.atol * loss_scale * std::max(weight_total, 1.0) +
+                                                 tol_reduced.rtol * std::fabs(reference_reduced),
+                                             reference_reduced, out.reduced_loss_dtype)});
   }
   ErrorStats stats_local;
   stats_local.add({-1, -1, world_rank, static_cast<double>(reference.valid_tokens()),
@@ -556,7 +567,8 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
       return;
     }
     const double ref_loss = reference_loss[k];
-    const double loss_tolerance = tol_loss.atol * loss_scale + tol_loss.rtol * std::fabs(ref_loss);
+    const double loss_tolerance = stored_loss_tolerance(
+        tol_loss.atol * loss_scale + tol_loss.rtol * std::fabs(ref_loss), ref_loss, out.token_loss_dtype);
     into.add({t, -1, world_rank, ref_loss, got_loss, loss_tolerance});
     if (!token_margins.empty()) {
       token_margins[static_cast<std::size_t>(n + t)] = margin_of(got_loss == ref_loss ? 0.0 : std::fabs(got_loss - ref_loss), loss_tolerance);

@@ -39,6 +39,40 @@ TensorDType tensor_dtype_of(DType d) {
   }
 }
 
+// Whether every global row lies in [0, 1] and sums to 1: softmax output where logits were expected (code that
+// overwrites its input in place, dumped after the call).
+bool rows_look_like_probabilities(const std::vector<std::byte>& rows, std::int64_t n, std::int64_t v, DType dtype) {
+  const double slack = dtype == DType::fp32 ? 1e-3 : 1e-2;  // V roundings of the stored values
+  return dispatch_dtype(dtype, [&](auto type) {
+    using T = typename decltype(type)::type;
+    const T* x = reinterpret_cast<const T*>(rows.data());
+    for (std::int64_t t = 0; t < n; ++t) {
+      double sum = 0.0;
+      for (std::int64_t j = 0; j < v; ++j) {
+        const auto value = static_cast<double>(static_cast<float>(x[t * v + j]));
+        if (!(value >= 0.0 && value <= 1.0)) return false;
+        sum += value;
+      }
+      if (std::fabs(sum - 1.0) > slack) return false;
+    }
+    return n > 0;
+  });
+}
+
+// FNV-1a over the global inputs: two dumps of one problem at different layouts must hold the same ones.
+std::uint64_t fingerprint(const ExplicitInputs& data) {
+  std::uint64_t h = 14695981039346656037ull;
+  auto mix = [&h](const void* bytes, std::size_t size) {
+    const auto* p = static_cast<const unsigned char*>(bytes);
+    for (std::size_t i = 0; i < size; ++i) h = (h ^ p[i]) * 1099511628211ull;
+  };
+  mix(data.student.data(), data.student.size());
+  mix(data.teacher.data(), data.teacher.size());
+  mix(data.labels.data(), data.labels.size() * sizeof(std::int64_t));
+  mix(data.loss_mask.data(), data.loss_mask.size());
+  return h;
+}
+
 // One tensor of the dump, opened and located.
 struct Located {
   const TensorFile* file = nullptr;
@@ -82,6 +116,8 @@ class Loader {
       c_.loss.upstream_weights.kind = UpstreamWeights::Kind::explicit_list;
       c_.loss.upstream_weights.values = upstream_;
     }
+    p_.logits_look_like_probabilities = rows_look_like_probabilities(data_.student, n, v, c_.inputs.dtype);
+    p_.inputs_fingerprint = fingerprint(data_);
     p_.inputs = std::make_unique<InputSource>(c_, std::move(data_));
     fill_not_dumped();
     p_.load_seconds = std::chrono::duration<double>(Clock::now() - start).count();
@@ -295,6 +331,7 @@ class Loader {
       if (mb.tensors.count("token_loss")) {
         const Located t = locate(mb.tensors.at("token_loss"));
         expect_rows(t, rows);
+        out.token_loss_dtype = stored_dtype(t);
         for (double x : doubles(t)) out.token_loss.push_back(static_cast<float>(x));
       } else {
         out.token_loss.insert(out.token_loss.end(), static_cast<std::size_t>(rows), 0.0f);  // filled below
@@ -304,10 +341,18 @@ class Loader {
     if (rank.loss.kind != ScalarSpec::Kind::absent) {
       out.has_reduced_loss = true;
       out.reduced_loss = static_cast<float>(scalar(rank.loss, false));
+      if (rank.loss.kind == ScalarSpec::Kind::tensor) out.reduced_loss_dtype = stored_dtype(locate(rank.loss.ref));
     }
     if (rank.num_tokens.kind != ScalarSpec::Kind::absent) {
       out.logged_valid_tokens = static_cast<std::int64_t>(scalar(rank.num_tokens, true));
     }
+  }
+
+  // A loss stored in 16 bits is judged in that dtype's units (verify_rank); anything wider as float32.
+  static DType stored_dtype(const Located& t) {
+    if (t.info->dtype == TensorDType::bf16) return DType::bf16;
+    if (t.info->dtype == TensorDType::f16) return DType::fp16;
+    return DType::fp32;
   }
 
   double scalar(const ScalarSpec& s, bool count) {
@@ -465,6 +510,24 @@ std::unique_ptr<DumpProblem> load_dump(Manifest manifest) {
 
 std::unique_ptr<DumpProblem> load_dump(const std::string& manifest_path) { return load_dump(load_manifest(manifest_path)); }
 
+void require_same_problem(const DumpProblem& first, const DumpProblem& other) {
+  const Case& a = first.manifest.the_case;
+  const Case& b = other.manifest.the_case;
+  const std::string where = other.manifest.path + ": not the problem of " + first.manifest.path + ": ";
+  auto section = [](const Case& c, const char* key) { return c.resolved().value(key, json()); };
+  for (const char* key : {"shape", "loss", "framework"}) {
+    if (section(a, key) != section(b, key)) {
+      throw DumpError(where + "its " + key + " differs (" + section(b, key).dump() + " against " +
+                      section(a, key).dump() + "); a sweep compares one problem at several layouts");
+    }
+  }
+  if (a.inputs.dtype != b.inputs.dtype) throw DumpError(where + "its dtype differs");
+  if (a.batch.sequence_lengths != b.batch.sequence_lengths) throw DumpError(where + "its sequences (cu_seqlens) differ");
+  if (first.inputs_fingerprint != other.inputs_fingerprint) {
+    throw DumpError(where + "its logits, teacher logits, labels or loss mask differ from the first dump's");
+  }
+}
+
 RunResult check_dump(const DumpProblem& p, const DumpCheckOptions& options) {
   const auto start = Clock::now();
   const Case& c = p.manifest.the_case;
@@ -474,6 +537,13 @@ RunResult check_dump(const DumpProblem& p, const DumpCheckOptions& options) {
   std::vector<CheckResult> checks;
   ErrorMap error_map;
   double verify_seconds = 0.0;
+  LayoutSnapshot snapshot;
+  if (options.keep_snapshot) {
+    snapshot.token_loss.assign(static_cast<std::size_t>(c.shape.tokens), 0.0f);
+    if (c.shape.tokens * c.shape.vocab <= kSnapshotElementLimit) {
+      snapshot.effective_grad.assign(static_cast<std::size_t>(c.shape.tokens * c.shape.vocab), 0.0f);
+    }
+  }
   ThreadWorldOptions world_options;
   world_options.ranks = world_size;
   world_options.timeout_seconds = c.timeout_seconds;
@@ -488,7 +558,8 @@ RunResult check_dump(const DumpProblem& p, const DumpCheckOptions& options) {
     RankGroups groups{*tp, *batch, *dp};
     ErrorMap map;
     std::vector<CheckResult> results =
-        verify_rank(c, *p.inputs, p.outputs[static_cast<std::size_t>(rank)], groups, world, threads, nullptr, &map);
+        verify_rank(c, *p.inputs, p.outputs[static_cast<std::size_t>(rank)], groups, world, threads,
+                    options.keep_snapshot ? &snapshot : nullptr, &map);
     double seconds[1] = {std::chrono::duration<double>(Clock::now() - rank_start).count()};
     world.allreduce_max(std::span<double>(seconds, 1));
     if (rank == 0) {
@@ -508,6 +579,13 @@ RunResult check_dump(const DumpProblem& p, const DumpCheckOptions& options) {
   for (const CheckResult& check : result.checks) {
     if (check.verdict == Verdict::fail) result.verdict = Verdict::fail;
   }
+  if (result.verdict == Verdict::fail && p.logits_look_like_probabilities) {
+    result.hints.push_back(
+        "every row of the dumped logits lies in [0, 1] and sums to 1: they look like softmax probabilities, not "
+        "logits. The implementation probably overwrote its input in place (Megatron-LM's fp32 "
+        "vocab_parallel_cross_entropy does) and the logits were dumped after the call: dump a copy taken before it");
+  }
+  if (options.keep_snapshot) result.snapshot = std::move(snapshot);
   result.timings.generate_max = p.load_seconds;
   result.timings.reference_and_checks = verify_seconds;
   result.timings.ranks_wall = verify_seconds;
@@ -595,6 +673,7 @@ void print_dump_summary(std::ostream& out, const DumpProblem& p, const RunResult
     out << "  " << std::left << std::setw(16) << check.name << std::setw(16) << verdict << std::setw(11)
         << margin.str() << (not_dumped ? "not in the dump" : worst) << "\n";
   }
+  for (const std::string& hint : run.hints) out << "  hint: " << hint << "\n";
   out << "  verdict: " << (run.verdict == Verdict::fail ? "FAIL" : "pass") << "   (" << std::fixed << std::setprecision(2)
       << run.timings.total << " s, " << p.files.size() << " files, " << p.bytes_read << " bytes)\n"
       << std::defaultfloat;

@@ -29,6 +29,8 @@ struct DumpProblem {
   std::vector<std::string> files;   // every tensor file read, in first-use order
   std::uint64_t bytes_read = 0;
   double load_seconds = 0.0;
+  bool logits_look_like_probabilities = false;  // every row in [0, 1], summing to 1
+  std::uint64_t inputs_fingerprint = 0;          // of the global logits, teacher logits, labels and mask
 
   DumpProblem() = default;
   DumpProblem(const DumpProblem&) = delete;
@@ -42,7 +44,12 @@ std::unique_ptr<DumpProblem> load_dump(const std::string& manifest_path);
 
 struct DumpCheckOptions {
   int threads = 0;  // OpenMP threads in all (0: the hardware's)
+  bool keep_snapshot = false;  // keep the global answers (RunResult::snapshot) for the invariance check
 };
+
+// Several dumps of one global problem at different layouts (a sweep): DumpError naming `other`'s manifest
+// unless the two hold the same problem: shape, dtype, loss, framework, sequences and identical inputs.
+void require_same_problem(const DumpProblem& first, const DumpProblem& other);
 
 // Verifies the dump on thread ranks (one per dumped rank). Quantities the dump does not hold (per-token
 // losses, the logged loss, the logged count) are reported as not dumped, never as passing comparisons.

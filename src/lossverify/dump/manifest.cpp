@@ -86,8 +86,22 @@ class Parser {
     }
     c["timeout_seconds"] = root.number("timeout_seconds", 120.0);
     m_.the_case = parse_case(c, m_.path);
+    require_smoothing_convention(c);
     const std::int64_t n = m_.the_case.shape.tokens;
     if (n > limits_.max_rows) root.fail("shape", "tokens = " + std::to_string(n) + " is more than this reader takes");
+  }
+
+  // Cases may keep the default convention; a dump comes from foreign code, where a silent default turns
+  // correct Megatron-style smoothing into a false alarm (or hides a convention bug).
+  void require_smoothing_convention(const json& c) const {
+    const LossSpec& loss = m_.the_case.loss;
+    if (loss.kind != LossKind::cross_entropy || loss.label_smoothing <= 0.0) return;
+    if (c.contains("loss") && c["loss"].is_object() && c["loss"].contains("smoothing_convention")) return;
+    fail_at(src(), "$.loss.smoothing_convention",
+            "label_smoothing > 0 needs an explicit convention: \"pytorch\" (q = (1-a)[v=l] + a/V, as "
+            "torch.nn.functional.cross_entropy and TransformerEngine) or \"megatron\" (q = (1-a)[v=l] + "
+            "a/(V-1)[v!=l], as Megatron-LM's vocab_parallel_cross_entropy); they differ by a constant on every "
+            "non-target gradient, so a wrong guess fails correct code");
   }
 
   void parse_cu_seqlens(ObjectReader& root) {

@@ -33,6 +33,10 @@ struct RankOutput {
   bool has_reduced_loss = false;  // false for reduction "none"
   float reduced_loss = 0.0f;      // the logged loss
   std::int64_t logged_valid_tokens = 0;
+  // The dtype a framework stored its losses in (check-dump): 16-bit losses are judged in units of their
+  // spacing, as 16-bit gradients are. fp32 stands for float32 and wider.
+  DType token_loss_dtype = DType::fp32;
+  DType reduced_loss_dtype = DType::fp32;
   double generate_seconds = 0.0;
   double compute_seconds = 0.0;
   double collective_seconds = 0.0;

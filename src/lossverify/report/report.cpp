@@ -83,25 +83,35 @@ double decode_number(const json& value) {
   return value.get<double>();
 }
 
+namespace {
+
+json check_json(const CheckResult& c, const Case& the_case, const GlobalBatch& batch) {
+  json j = {{"name", c.name},
+            {"verdict", std::string(to_string(c.verdict))},
+            {"margin", c.margin},
+            {"summary", c.summary},
+            {"metrics", c.metrics},
+            {"worst", record_to_json(c.worst, the_case, batch)}};
+  j["tolerance"] = nullptr;
+  if (c.tolerance) {
+    j["tolerance"] = {{"atol", c.tolerance->atol}, {"rtol", c.tolerance->rtol}};
+    if (c.tolerance->max_ulp > 0) j["tolerance"]["max_ulp"] = c.tolerance->max_ulp;
+  }
+  return j;
+}
+
+}  // namespace
+
+json check_to_json(const CheckResult& check, const Case& the_case) {
+  return encode_nonfinite(check_json(check, the_case, GlobalBatch(the_case.batch)));
+}
+
 json run_to_json(const RunResult& run) {
   const GlobalBatch batch(run.the_case.batch);
   json checks = json::array();
-  for (const CheckResult& c : run.checks) {
-    json j = {{"name", c.name},
-              {"verdict", std::string(to_string(c.verdict))},
-              {"margin", c.margin},
-              {"summary", c.summary},
-              {"metrics", c.metrics},
-              {"worst", record_to_json(c.worst, run.the_case, batch)}};
-    j["tolerance"] = nullptr;
-    if (c.tolerance) {
-      j["tolerance"] = {{"atol", c.tolerance->atol}, {"rtol", c.tolerance->rtol}};
-      if (c.tolerance->max_ulp > 0) j["tolerance"]["max_ulp"] = c.tolerance->max_ulp;
-    }
-    checks.push_back(j);
-  }
+  for (const CheckResult& c : run.checks) checks.push_back(check_json(c, run.the_case, batch));
   const Implementation& impl = *run.implementation;
-  return {{"case", run.the_case.resolved()},
+  json run_json = {{"case", run.the_case.resolved()},
           {"case_file", run.the_case.source},
           {"implementation",
            {{"name", impl.name}, {"summary", impl.summary}, {"source", impl.source}, {"expected_failures", impl.caught_by}}},
@@ -124,6 +134,8 @@ json run_to_json(const RunResult& run) {
             {"collectives_max_rank", run.timings.collectives_max},
             {"reference_and_checks", run.timings.reference_and_checks},
             {"total", run.timings.total}}}};
+  if (!run.hints.empty()) run_json["hints"] = run.hints;
+  return run_json;
 }
 
 json make_report(const std::string& command, const std::vector<json>& runs, ExitCode exit_code,

@@ -16,6 +16,8 @@ namespace lossverify {
 inline constexpr const char* kReportSchemaVersion = "lossverify.report/1";
 
 nlohmann::json run_to_json(const RunResult& run);
+// One check as the report writes it (a sweep's invariance check); worst elements are located in `the_case`.
+nlohmann::json check_to_json(const CheckResult& check, const Case& the_case);
 
 // The whole report of one command: tool, environment, every run, overall verdict and exit code.
 nlohmann::json make_report(const std::string& command, const std::vector<nlohmann::json>& runs, ExitCode exit_code,

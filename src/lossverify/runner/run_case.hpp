@@ -73,6 +73,7 @@ struct RunResult {
   std::optional<LayoutSnapshot> snapshot;  // kept for sweeps
   ErrorMap error_map;                      // where the error sits (plots)
   ExecutionInfo execution;
+  std::vector<std::string> hints;  // what probably caused a failure, when the inputs tell (check-dump)
 };
 
 // The rows of one rank under the case's layout (global tokens and CP padding, micro-batch by micro-batch).

@@ -208,6 +208,9 @@ def case(name):
         m["format"] = "lossverify.dump/2"
     elif name == "loss_section_error":
         m["loss"]["label_smoothing"] = 1.5
+    elif name == "smoothing_without_convention":
+        m["loss"]["label_smoothing"] = 0.1
+        m["loss"].pop("smoothing_convention", None)
     elif name == "manifest_not_json":
         raw["manifest.json"] = b'{"format": "lossverify.dump/1", "ranks": [}'
     elif name == "manifest_duplicate_key":
