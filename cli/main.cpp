@@ -100,6 +100,8 @@ struct GateArguments {
   bool update_golden = false;
   int threads = 0;
   bool quiet = false;
+  std::vector<std::string> implementations;
+  std::string expect;
 };
 
 void print_sweep_line(std::ostream& out, const RunResult& r) {
@@ -295,6 +297,9 @@ int command_gate(const GateArguments& args) {
   options.update_golden = args.update_golden;
   options.threads = args.threads;
   options.quiet = args.quiet;
+  options.implementations = args.implementations;
+  options.expect = args.expect;
+  if (!args.expect.empty() && args.implementations.empty()) throw CaseError("--expect needs --impl");
   const GateResult result = run_gate(options);
   if (!args.quiet) print_gate_matrix(std::cout, result);
   if (!args.report_path.empty()) write_file_atomically(args.report_path, gate_report(result).dump(2) + "\n");
@@ -472,6 +477,11 @@ int main(int argc, char** argv) {
   gate->add_flag("--update-golden", gate_args.update_golden, "rewrite golden/ from this run (review the diff)");
   gate->add_option("--threads", gate_args.threads, "OpenMP threads for the reference")->check(CLI::NonNegativeNumber);
   gate->add_flag("--quiet,-q", gate_args.quiet, "print nothing; rely on the exit code and the reports");
+  gate->add_option("--impl", gate_args.implementations,
+                   "gate these implementations only (repeatable), e.g. a plugin: --impl plugin:./libmy_loss.so")
+      ->allow_extra_args(false);
+  gate->add_option("--expect", gate_args.expect,
+                   "judge them against golden's outcomes of this implementation (default: their own; correct for a plugin)");
 
   BenchArguments bench_args;
   CLI::App* bench = app.add_subcommand("bench", "kernel speed as % of the memory floor (CUDA), with PyTorch figures");

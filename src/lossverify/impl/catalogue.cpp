@@ -1,5 +1,7 @@
 #include "lossverify/impl/catalogue.hpp"
 
+#include "lossverify/impl/plugin/plugin_library.hpp"
+
 namespace lossverify {
 
 namespace {
@@ -132,6 +134,7 @@ const std::vector<Implementation>& implementations() {
 }
 
 const Implementation* find_implementation(std::string_view name) {
+  if (is_plugin_spec(name)) return load_plugin_implementation(name);
   for (const auto& impl : implementations()) {
     if (impl.name == name) return &impl;
   }

@@ -44,6 +44,8 @@ struct BugSwitches {
 
 enum class Applies { cross_entropy, kd, any };
 
+struct PluginLibrary;  // impl/plugin/plugin_library.hpp
+
 struct Implementation {
   std::string name;
   std::string summary;  // what the implementation does wrong (or "correct")
@@ -52,10 +54,12 @@ struct Implementation {
   std::vector<std::string> caught_by;  // checks expected to fail on a case that exposes it
   Applies applies = Applies::any;      // losses whose kernels carry the switch
   BugSwitches bugs;
+  const PluginLibrary* plugin = nullptr;  // set for `plugin:PATH` implementations (loaded, never unloaded)
 };
 
 const std::vector<Implementation>& implementations();
-// nullptr when no implementation has that name.
+// nullptr when no implementation has that name. A `plugin:PATH.so[?PARAMS]` name loads that native plugin
+// (once per process) and throws CaseError when it cannot be loaded.
 const Implementation* find_implementation(std::string_view name);
 // Whether the implementation's switches reach a loss kind's kernel at all.
 bool applies_to(const Implementation& impl, LossKind kind);

@@ -53,19 +53,153 @@ std::string join(const std::vector<std::string>& items) {
 
 }  // namespace
 
-GateResult run_gate(const GateOptions& options) {
-  const auto start = Clock::now();
-  GateResult result;
-  if (!fs::is_directory(options.cases_dir)) throw CaseError(options.cases_dir + ": cases directory not found");
+namespace {
+
+std::vector<Case> load_cases(const std::string& dir) {
+  if (!fs::is_directory(dir)) throw CaseError(dir + ": cases directory not found");
   std::vector<fs::path> files;
-  for (const auto& entry : fs::directory_iterator(options.cases_dir)) {
+  for (const auto& entry : fs::directory_iterator(dir)) {
     if (entry.path().extension() == ".json") files.push_back(entry.path());
   }
   std::sort(files.begin(), files.end());
-  if (files.empty()) throw CaseError(options.cases_dir + ": no case files");
+  if (files.empty()) throw CaseError(dir + ": no case files");
   std::vector<Case> cases;
   for (const auto& f : files) cases.push_back(load_case_file(f.string()));  // all validated before any run
-  for (const auto& impl : implementations()) result.implementations.push_back(impl.name);
+  return cases;
+}
+
+// What the gate runs: each implementation and the golden row it must match.
+struct GateEntry {
+  const Implementation* implementation = nullptr;
+  std::string expected_as;
+};
+
+std::vector<GateEntry> gate_entries(const GateOptions& options) {
+  std::vector<GateEntry> entries;
+  if (options.implementations.empty()) {
+    for (const Implementation& impl : implementations()) entries.push_back({&impl, impl.name});
+    return entries;
+  }
+  if (options.update_golden) throw CaseError("--update-golden rewrites every implementation's outcomes: leave out --impl");
+  if (!options.expect.empty() && find_implementation(options.expect) == nullptr) {
+    throw CaseError("--expect " + options.expect + ": unknown implementation (see `lossverify list`)");
+  }
+  for (const std::string& name : options.implementations) {
+    const Implementation* impl = find_implementation(name);
+    if (impl == nullptr) throw CaseError("--impl " + name + ": unknown implementation (see `lossverify list`)");
+    const std::string own = impl->plugin != nullptr ? "correct" : impl->name;
+    entries.push_back({impl, options.expect.empty() ? own : options.expect});
+  }
+  return entries;
+}
+
+GateCell run_cell(const Case& c, const GateEntry& entry, const std::optional<json>& golden, const fs::path& golden_path,
+                  RunOptions run_options, bool update_golden) {
+  const Implementation& impl = *entry.implementation;
+  GateCell cell;
+  cell.case_name = c.name;
+  cell.implementation = impl.name;
+  cell.expected_as = entry.expected_as;
+  const auto start = Clock::now();
+  const bool runs = applies_to(impl, c.loss.kind);
+  if (!runs) {
+    cell.verdict = "not_applicable";
+  } else {
+    run_options.implementation = impl.name;
+    const RunResult run = run_case(c, run_options);
+    cell.verdict = std::string(to_string(run.verdict));
+    for (const CheckResult& check : run.checks) {
+      if (check.verdict == Verdict::fail) cell.failing_checks.push_back(check.name);
+      if (check.verdict != Verdict::not_applicable) cell.margin = std::max(cell.margin, check.margin);
+    }
+    std::sort(cell.failing_checks.begin(), cell.failing_checks.end());
+  }
+  cell.seconds = seconds_since(start);
+  const json got = outcome_json(cell);
+  if (golden && golden->at("outcomes").contains(entry.expected_as)) cell.expected = golden->at("outcomes").at(entry.expected_as);
+  // A plugin that does not compute this loss is skipped, whatever golden expects of the built-in row.
+  const bool unsupported_by_plugin = !runs && impl.plugin != nullptr;
+  cell.matches = update_golden || unsupported_by_plugin || (cell.expected && *cell.expected == got);
+  if (!cell.matches) {
+    cell.detail = cell.expected ? "golden " + cell.expected->dump() + (entry.expected_as == impl.name ? "" : " (of " + entry.expected_as + ")") +
+                                      ", got " + got.dump()
+                                : "no golden outcome for this cell (" + golden_path.string() +
+                                      "); run `lossverify gate --update-golden` and review the diff";
+  }
+  return cell;
+}
+
+GateSweep run_gate_sweep(const Case& c, const Implementation& impl, const std::optional<json>& golden,
+                         RunOptions run_options, bool update_golden) {
+  GateSweep sweep;
+  sweep.case_name = c.name;
+  sweep.implementation = impl.name;
+  const auto start = Clock::now();
+  run_options.implementation = impl.name;
+  const std::vector<LayoutSpec> layouts = sweep_layouts(c);
+  const SweepResult s = run_sweep(c, layouts, run_options);
+  for (const auto& l : layouts) sweep.layouts.push_back(layout_name(l));
+  sweep.verdict = std::string(to_string(s.verdict));
+  std::vector<std::string> failing;
+  for (std::size_t k = 0; k < s.runs.size(); ++k) {
+    if (s.runs[k].verdict == Verdict::fail) failing.push_back(sweep.layouts[k]);
+  }
+  if (s.invariance.verdict == Verdict::fail) failing.push_back("invariance");
+  sweep.failing_layouts = join(failing);
+  sweep.invariance_margin = s.invariance.margin;
+  sweep.seconds = seconds_since(start);
+  if (golden && golden->contains("sweep")) sweep.expected = golden->at("sweep").value("verdict", "");
+  sweep.matches = update_golden || (sweep.expected && *sweep.expected == sweep.verdict);
+  return sweep;
+}
+
+// Mutation score: a bug is caught when it fails at least one case; its detection margin is the largest
+// margin among the cases that catch it. The gate reports the smallest of those over all bugs. Cells judged
+// as the correct implementation give the false alarms and the largest margin of a correct run.
+void score(GateResult& result, const std::vector<GateEntry>& entries) {
+  result.smallest_detection_margin = std::numeric_limits<double>::infinity();
+  for (const GateCell& cell : result.cells) {
+    if (cell.expected_as != "correct") continue;
+    if (cell.verdict == "fail") ++result.false_alarms;
+    result.largest_correct_margin = std::max(result.largest_correct_margin, cell.margin);
+  }
+  for (const GateSweep& sweep : result.sweeps) result.false_alarms += sweep.verdict == "fail";
+  for (const GateEntry& entry : entries) {
+    if (entry.expected_as == "correct") continue;
+    const std::string& name = entry.implementation->name;
+    bool ran = false;
+    double best = 0.0;
+    std::string where;
+    for (const GateCell& cell : result.cells) {
+      if (cell.implementation != name || cell.verdict == "not_applicable") continue;
+      ran = true;
+      if (cell.verdict == "fail" && cell.margin > best) {
+        best = cell.margin;
+        where = cell.case_name;
+      }
+    }
+    if (!ran) continue;
+    ++result.bugs_run;
+    if (best > 0.0) {
+      ++result.bugs_caught;
+      if (best < result.smallest_detection_margin) {
+        result.smallest_detection_margin = best;
+        result.smallest_detection = name + " on " + where;
+      }
+    } else {
+      result.uncaught_bugs.push_back(name);
+    }
+  }
+}
+
+}  // namespace
+
+GateResult run_gate(const GateOptions& options) {
+  const auto start = Clock::now();
+  GateResult result;
+  const std::vector<Case> cases = load_cases(options.cases_dir);
+  const std::vector<GateEntry> entries = gate_entries(options);
+  for (const GateEntry& entry : entries) result.implementations.push_back(entry.implementation->name);
 
   RunOptions run_options;
   run_options.threads = options.threads;
@@ -79,61 +213,21 @@ GateResult run_gate(const GateOptions& options) {
     inputs.materialize(options.threads > 0 ? options.threads : static_cast<int>(std::thread::hardware_concurrency()),
                        kMaterializeLimitBytes);
     run_options.shared_inputs = &inputs;
-    for (const Implementation& impl : implementations()) {
-      GateCell cell;
-      cell.case_name = c.name;
-      cell.implementation = impl.name;
-      const auto cell_start = Clock::now();
-      if (!applies_to(impl, c.loss.kind)) {
-        cell.verdict = "not_applicable";
-      } else {
-        run_options.implementation = impl.name;
-        const RunResult run = run_case(c, run_options);
-        cell.verdict = std::string(to_string(run.verdict));
-        for (const CheckResult& check : run.checks) {
-          if (check.verdict == Verdict::fail) cell.failing_checks.push_back(check.name);
-          if (check.verdict != Verdict::not_applicable) cell.margin = std::max(cell.margin, check.margin);
-        }
-        std::sort(cell.failing_checks.begin(), cell.failing_checks.end());
-      }
-      cell.seconds = seconds_since(cell_start);
-      const json got = outcome_json(cell);
-      new_golden["outcomes"][impl.name] = got;
-      if (golden && golden->at("outcomes").contains(impl.name)) cell.expected = golden->at("outcomes").at(impl.name);
-      cell.matches = options.update_golden || (cell.expected && *cell.expected == got);
-      if (!cell.matches) {
-        cell.detail = cell.expected ? "golden " + cell.expected->dump() + ", got " + got.dump()
-                                    : "no golden outcome for this cell (" + golden_path.string() +
-                                          "); run `lossverify gate --update-golden` and review the diff";
-        ++result.mismatches;
-      }
-      if (impl.name == "correct" && cell.verdict == "fail") ++result.false_alarms;
+    for (const GateEntry& entry : entries) {
+      GateCell cell = run_cell(c, entry, golden, golden_path, run_options, options.update_golden);
+      new_golden["outcomes"][cell.implementation] = outcome_json(cell);
+      result.mismatches += !cell.matches;
       result.cells.push_back(std::move(cell));
       if (!options.quiet) std::cerr << "." << std::flush;
     }
     if (!c.sweep.empty()) {
-      GateSweep sweep;
-      sweep.case_name = c.name;
-      const auto sweep_start = Clock::now();
-      run_options.implementation = "correct";
-      const std::vector<LayoutSpec> layouts = sweep_layouts(c);
-      const SweepResult s = run_sweep(c, layouts, run_options);
-      for (const auto& l : layouts) sweep.layouts.push_back(layout_name(l));
-      sweep.verdict = std::string(to_string(s.verdict));
-      std::vector<std::string> failing;
-      for (std::size_t k = 0; k < s.runs.size(); ++k) {
-        if (s.runs[k].verdict == Verdict::fail) failing.push_back(sweep.layouts[k]);
+      for (const GateEntry& entry : entries) {
+        if (entry.expected_as != "correct" || !applies_to(*entry.implementation, c.loss.kind)) continue;
+        GateSweep sweep = run_gate_sweep(c, *entry.implementation, golden, run_options, options.update_golden);
+        new_golden["sweep"] = {{"verdict", sweep.verdict}, {"layouts", sweep.layouts}};
+        result.mismatches += !sweep.matches;
+        result.sweeps.push_back(std::move(sweep));
       }
-      if (s.invariance.verdict == Verdict::fail) failing.push_back("invariance");
-      sweep.failing_layouts = join(failing);
-      sweep.invariance_margin = s.invariance.margin;
-      sweep.seconds = seconds_since(sweep_start);
-      new_golden["sweep"] = {{"verdict", sweep.verdict}, {"layouts", sweep.layouts}};
-      if (golden && golden->contains("sweep")) sweep.expected = golden->at("sweep").value("verdict", "");
-      sweep.matches = options.update_golden || (sweep.expected && *sweep.expected == sweep.verdict);
-      if (!sweep.matches) ++result.mismatches;
-      if (s.verdict == Verdict::fail) ++result.false_alarms;
-      result.sweeps.push_back(std::move(sweep));
     }
     if (options.update_golden) {
       fs::create_directories(options.golden_dir);
@@ -142,40 +236,7 @@ GateResult run_gate(const GateOptions& options) {
     }
   }
   if (!options.quiet) std::cerr << "\n";
-
-  // Mutation score: a bug is caught when it fails at least one case; its detection margin is the largest
-  // margin among the cases that catch it. The gate reports the smallest of those over all bugs.
-  result.smallest_detection_margin = std::numeric_limits<double>::infinity();
-  for (const Implementation& impl : implementations()) {
-    if (impl.name == "correct") {
-      for (const GateCell& cell : result.cells) {
-        if (cell.implementation == "correct") result.largest_correct_margin = std::max(result.largest_correct_margin, cell.margin);
-      }
-      continue;
-    }
-    bool ran = false;
-    double best = 0.0;
-    std::string where;
-    for (const GateCell& cell : result.cells) {
-      if (cell.implementation != impl.name || cell.verdict == "not_applicable") continue;
-      ran = true;
-      if (cell.verdict == "fail" && cell.margin > best) {
-        best = cell.margin;
-        where = cell.case_name;
-      }
-    }
-    if (!ran) continue;
-    ++result.bugs_run;
-    if (best > 0.0) {
-      ++result.bugs_caught;
-      if (best < result.smallest_detection_margin) {
-        result.smallest_detection_margin = best;
-        result.smallest_detection = impl.name + " on " + where;
-      }
-    } else {
-      result.uncaught_bugs.push_back(impl.name);
-    }
-  }
+  score(result, entries);
   result.wall_seconds = seconds_since(start);
   return result;
 }
@@ -265,11 +326,6 @@ json gate_report(const GateResult& r) {
   report["verdict"] = r.passed() ? "pass" : "fail";
   return encode_nonfinite(report);
 }
-
-namespace {
-
-
-}  // namespace
 
 std::string gate_junit(const GateResult& r) {
   std::ostringstream x;

@@ -19,12 +19,18 @@ struct GateOptions {
   bool update_golden = false;
   int threads = 0;
   bool quiet = false;
+  // Empty: the correct implementation and every catalogued bug. Otherwise these implementations only (a
+  // plugin:PATH included), each judged against golden's outcomes of `expect` (empty: its own name; for a
+  // plugin, correct). Sweeps run for the implementations judged as correct.
+  std::vector<std::string> implementations;
+  std::string expect;
 };
 
 // One (case, implementation) cell of the matrix.
 struct GateCell {
   std::string case_name;
   std::string implementation;
+  std::string expected_as;                  // the golden row it is judged against (its own name by default)
   std::string verdict;                      // pass | fail | not_applicable (the bug cannot reach this loss)
   std::vector<std::string> failing_checks;  // sorted
   double margin = 0.0;                      // worst check margin of the run (detection margin for a bug)
@@ -36,6 +42,7 @@ struct GateCell {
 
 struct GateSweep {
   std::string case_name;
+  std::string implementation;
   std::vector<std::string> layouts;
   std::string verdict;
   std::string failing_layouts;
@@ -53,7 +60,7 @@ struct GateResult {
   int bugs_run = 0;
   int bugs_caught = 0;
   std::vector<std::string> uncaught_bugs;
-  int false_alarms = 0;       // correct implementation failing a case or a sweep layout
+  int false_alarms = 0;       // an implementation judged as correct failing a case or a sweep
   int mismatches = 0;         // outcomes differing from golden
   std::string smallest_detection;  // "impl on case"
   double smallest_detection_margin = 0.0;  // over bugs: the margin on the case that catches it best

@@ -11,6 +11,7 @@
 #include "lossverify/impl/cpu/sharded_loss.hpp"
 #include "lossverify/impl/cuda/cuda_backend.hpp"
 #include "lossverify/impl/cuda/nccl_communicator.hpp"
+#include "lossverify/impl/plugin/plugin_backend.hpp"
 #include "lossverify/layout/rank_layout.hpp"
 #include "lossverify/inputs/input_source.hpp"
 
@@ -103,6 +104,23 @@ void check_fault_rank(const FaultInjection& fault, int world_size) {
 
 }  // namespace
 
+RunOptions options_for(const Implementation& impl, const RunOptions& options) {
+  if (impl.plugin == nullptr) return options;
+  RunOptions effective = options;
+  if (!impl.plugin->device_memory()) {
+    if (options.device == RunOptions::Device::cuda) {
+      throw CaseError("--backend cuda: the plugin " + impl.name + " computes in host memory (a plugin declares where it runs)");
+    }
+    return effective;
+  }
+  if (options.reference == RunOptions::Reference::gpu) {
+    throw CaseError("--reference gpu: a plugin's outputs are judged by the CPU reference");
+  }
+  effective.device = RunOptions::Device::cuda;
+  effective.reference = RunOptions::Reference::cpu;
+  return effective;
+}
+
 ExecutionInfo resolve_execution(const RunOptions& options, int world_size) {
   ExecutionInfo info;
   if (options.device != RunOptions::Device::cuda) {
@@ -166,9 +184,10 @@ RankRun execute_ranks(const Case& c, const InputSource& inputs, const Implementa
   return run;
 }
 
-RankJob run_rank(const Case& c, const InputSource& inputs, const Implementation& impl, const RunOptions& options,
+RankJob run_rank(const Case& c, const InputSource& inputs, const Implementation& impl, const RunOptions& requested,
                  Communicator& world, int threads, LayoutSnapshot* snapshot) {
   const auto start = Clock::now();
+  const RunOptions options = options_for(impl, requested);
   const int rank = world.rank();
   OwnedGroups owned = make_groups(world, c.layout);
   inject(options.fault, rank, false);
@@ -187,7 +206,10 @@ RankJob run_rank(const Case& c, const InputSource& inputs, const Implementation&
   CpuKernelOptions kernel_options;
   kernel_options.threads = threads;
   RankOutput out;
-  if (options.device == RunOptions::Device::cuda) {
+  if (impl.plugin != nullptr) {
+    out = run_plugin_rank(*impl.plugin, c, inputs, assign_rank(c, inputs.batch(), rank), groups,
+                          PluginRankOptions{device, threads});
+  } else if (options.device == RunOptions::Device::cuda) {
     cuda::CudaRankOptions device_options;
     device_options.device = device;
     if (execution.reference == "gpu" && snapshot != nullptr) {
@@ -230,11 +252,16 @@ RunResult assemble_result(const Case& c, const Implementation& impl, RankJob job
   return result;
 }
 
-RunResult run_case(const Case& c, const RunOptions& options, bool keep_snapshot) {
-  const Implementation* impl = find_implementation(options.implementation);
+RunResult run_case(const Case& c, const RunOptions& requested, bool keep_snapshot) {
+  const Implementation* impl = find_implementation(requested.implementation);
   if (impl == nullptr) {
-    throw CaseError("--impl " + options.implementation + ": unknown implementation (see `lossverify list`)");
+    throw CaseError("--impl " + requested.implementation + ": unknown implementation (see `lossverify list`)");
   }
+  if (impl->plugin != nullptr && !applies_to(*impl, c.loss.kind)) {
+    throw CaseError(c.source + ": the plugin " + impl->name + " does not compute " + std::string(to_string(c.loss.kind)) +
+                    " losses (its lv_plugin.losses)");
+  }
+  const RunOptions options = options_for(*impl, requested);
   check_case(c);
   const auto start = Clock::now();
   const int world_size = c.layout.world_size();

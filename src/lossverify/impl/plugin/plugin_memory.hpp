@@ -1,0 +1,36 @@
+#pragma once
+// The memory a plugin reads and writes: host, or CUDA device memory when the plugin declares it. Every
+// buffer is zero-filled and followed by a guard of known bytes, so a plugin that writes past the end of an
+// output is caught. Without CUDA at build time, device memory raises InternalError saying so.
+#include <cstddef>
+
+#include "lossverify/plugin.h"
+
+namespace lossverify::plugin_memory {
+
+class Buffer {
+ public:
+  Buffer(lv_memory memory, std::size_t bytes);
+  ~Buffer();
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+
+  void* data() const { return data_; }
+  std::size_t size() const { return bytes_; }
+  void upload(const void* host);      // size() bytes from the host
+  void download(void* host) const;    // size() bytes to the host
+  bool guard_intact() const;
+
+ private:
+  lv_memory memory_;
+  std::size_t bytes_;
+  void* data_ = nullptr;
+};
+
+// Copies between the host and `memory` (plain copies for host memory; synchronous cudaMemcpy otherwise).
+void to_host(lv_memory memory, const void* source, void* host, std::size_t bytes);
+void from_host(lv_memory memory, const void* host, void* destination, std::size_t bytes);
+// Makes `device` the calling thread's CUDA device (device memory only).
+void select_device(lv_memory memory, int device);
+
+}  // namespace lossverify::plugin_memory
