@@ -21,6 +21,16 @@
  * Rows of micro-batch k are [micro_batch_begin[k], micro_batch_begin[k+1]); each micro-batch is one
  * forward/backward of the rank, and its gradient rows are the rank's gradient for those rows.
  *
+ * Parameters: PARAMS, the text after '?', is the plugin's own (the examples take '&'-separated key=value
+ * items, e.g. "bug=smoothing-partition-vocab"). check_params, when set, vets it once at load time, so a bad
+ * parameter is a usage error (exit code 2) before any rank runs.
+ *
+ * CUDA plugins: link the shared CUDA runtime (nvcc -cudart shared), as lossverify does: one runtime in the
+ * process. Inputs are in device memory when run_rank is called, and an all-reduce's result is in device
+ * memory when allreduce returns (lossverify synchronizes its copies). Before calling allreduce, and before
+ * returning from run_rank, finish the work that produces the data (lossverify copies on the legacy default
+ * stream, which does not wait for non-blocking streams).
+ *
  * Versioning: abi_version must equal LV_PLUGIN_ABI_VERSION of the lossverify that loads the plugin, or the
  * load fails (exit code 2) naming both versions. Structures only grow at the end within one version.
  * Errors: return nonzero from run_rank with a message in outputs->error (exit code 3, naming the plugin and
@@ -112,8 +122,10 @@ typedef struct lv_rank_inputs {
   lv_dtype dtype;
   lv_memory memory;                  /* where the arrays below live (the plugin's declared memory) */
   int32_t device;                    /* CUDA device ordinal when memory is LV_MEMORY_CUDA, else -1 */
+  /* Arrays are never NULL for the losses they belong to (a rank with no rows gets valid empty arrays). The
+   * plugin may scribble on them: they are its own copies, and the reference never reads them. */
   const void* logits;                /* rows x (vocab_end - vocab_begin), row major, in dtype */
-  const void* teacher_logits;        /* KD: as logits; NULL otherwise */
+  const void* teacher_logits;        /* KD: as logits; NULL for cross-entropy */
   const int64_t* labels;             /* rows: the global label, or ignore_index (ignored, masked, padding) */
   const uint8_t* loss_mask;          /* rows: 1 when the row counts in the loss */
   const double* upstream_weights;    /* rows: g_t of reduction none, 1 otherwise, 0 on padding rows */
@@ -125,8 +137,9 @@ typedef struct lv_rank_inputs {
 
 typedef struct lv_rank_outputs {
   size_t struct_size;    /* sizeof(lv_rank_outputs) of the lossverify that calls */
-  void* grad;            /* rows x columns in dtype, in the declared memory, zero-filled: write every row */
-  float* token_loss;     /* rows float32 values, in the declared memory, zero-filled */
+  /* Both zero-filled. Rows whose loss_mask is 0 must end exactly zero (leave them or write zeros). */
+  void* grad;            /* rows x columns in dtype, in the declared memory */
+  float* token_loss;     /* rows float32 values, in the declared memory */
   /* Set by the plugin: */
   int64_t grad_rows, grad_columns; /* what it wrote: must be rows and vocab_end - vocab_begin */
   int64_t token_loss_count;        /* must be rows */
@@ -145,6 +158,9 @@ typedef struct lv_plugin {
   /* Called once per rank, concurrently from several threads (thread ranks) or once per process (MPI).
    * Returns 0 on success. */
   int (*run_rank)(const lv_rank_inputs* inputs, lv_rank_outputs* outputs, const lv_collectives* collectives);
+  /* Optional (NULL: any PARAMS is accepted): returns 0 when PARAMS is one the plugin understands, else
+   * nonzero with a message in error (error_size bytes, NUL-terminated). */
+  int (*check_params)(const char* params, char* error, size_t error_size);
 } lv_plugin;
 
 /* The symbol lossverify looks up. The returned object must live as long as the library is loaded. */

@@ -5,7 +5,7 @@
 set -u
 mpiexec=$1 lv=$2 python=$3 n=$4 case=$5 impl=$6 work=$7
 mkdir -p "$work"
-name=$(basename "$case" .json)-$impl
+name=$(basename "$case" .json)-$(basename "$impl" | tr -c 'A-Za-z0-9_.=-\n' '_')
 timeout 300 "$mpiexec" -n "$n" "$lv" run "$case" --impl "$impl" --quiet --report "$work/$name.mpi.json"
 mpi_code=$?
 timeout 300 "$lv" run "$case" --impl "$impl" --launcher threads --quiet --report "$work/$name.threads.json"

@@ -44,3 +44,19 @@ add_test(NAME mpi_report_schema
           ${PROJECT_SOURCE_DIR}/schema/report.schema.json ${OUT}/mpi_report.json)
 set_tests_properties(mpi_report_schema PROPERTIES DEPENDS cli_mpi_report)
 set_tests_properties(cli_mpi_fault_hang cli_mpi_report PROPERTIES PROCESSORS 2)
+
+# The example CPU plugin on MPI processes: bitwise the thread ranks' checks, correct and with its bug.
+foreach(params "" "?bug=smoothing-partition-vocab")
+  string(MAKE_C_IDENTIFIER "plugin${params}" plugin_test_name)
+  add_test(NAME mpi_equals_threads_${plugin_test_name}
+    COMMAND bash ${COMPARE} ${MPIRUN} ${LV} ${LOSSVERIFY_SYSTEM_PYTHON} 8 ${CASES}/full-4d-layout.json
+            "plugin:$<TARGET_FILE:lossverify_example_cpu_plugin>${params}" ${OUT}/mpi)
+  set_tests_properties(mpi_equals_threads_${plugin_test_name} PROPERTIES PROCESSORS 2 TIMEOUT 300)
+endforeach()
+# A plugin that crashes in one process names itself and the rank; mpiexec ends the job with a nonzero code
+# (3, the crashed rank's, or 9, a rank it killed: whichever it reports first).
+add_test(NAME cli_mpi_plugin_crash
+  COMMAND bash -c "out=$(timeout 30 ${MPIRUN} -n 4 ${LV} run ${CASES}/uneven-shards-v507-tp4.json \
+    --impl 'plugin:$<TARGET_FILE:lossverify_test_faulty_plugin>?fault=crash@2' --timeout 5 2>&1); code=$?; \
+    echo \"$out\"; [ $code -eq 3 ] || [ $code -eq 9 ] || exit 1; \
+    grep -q 'plugin plugin:.*faulty.* crashed in rank 2: SIGSEGV' <<<\"$out\"")

@@ -27,3 +27,31 @@ lossverify_plugin_fault(losses 3 "rank 0: plugin plugin:.*: wrote 255 per-row lo
 lossverify_plugin_fault(overrun 3 "rank 3: plugin plugin:.*: wrote past the end of its gradient buffer" overrun@3)
 lossverify_plugin_fault(unlogged 3 "rank 0: plugin plugin:.*: reduction mean logs a loss, but the plugin set has_logged_loss = 0" unlogged@0)
 lossverify_plugin_fault(misuse 3 "rank 1: plugin plugin:.*: allreduce called with group 9" misuse@1)
+
+# The example plugins: the CPU one passes the gate as the correct implementation (every case and sweep,
+# against golden/) and, with its bug parameter, fails exactly where golden says that bug fails; it runs
+# under MPI and reproduces through a bundle. The CUDA one is compiled here and run where a GPU is.
+set(CPU_PLUGIN $<TARGET_FILE:lossverify_example_cpu_plugin>)
+lossverify_cli_test(plugin_cpu_gate 0 "gate: PASS" -- ${LV} gate --impl plugin:${CPU_PLUGIN}
+  --cases ${CASES} --golden ${PROJECT_SOURCE_DIR}/golden --threads 2)
+lossverify_cli_test(plugin_cpu_bug_gate 0 "mutation score: 1/1 bugs caught"
+  -- ${LV} gate --impl "plugin:${CPU_PLUGIN}?bug=smoothing-partition-vocab" --expect smoothing-partition-vocab
+     --cases ${CASES} --golden ${PROJECT_SOURCE_DIR}/golden --threads 2)
+lossverify_cli_test(plugin_cpu_bug_is_not_correct 1 "MISMATCH smoothing-pytorch"
+  -- ${LV} gate --impl "plugin:${CPU_PLUGIN}?bug=smoothing-partition-vocab" --expect correct
+     --cases ${CASES} --golden ${PROJECT_SOURCE_DIR}/golden --threads 2)
+set_tests_properties(cli_plugin_cpu_gate cli_plugin_cpu_bug_gate cli_plugin_cpu_bug_is_not_correct PROPERTIES TIMEOUT 600)
+lossverify_cli_test(plugin_bad_parameter 2 "the plugin refuses its parameters \"bug=nope\": unknown parameter"
+  -- ${LV} run ${PLUGIN_CASE} --impl "plugin:${CPU_PLUGIN}?bug=nope")
+lossverify_cli_test(plugin_host_on_cuda 2 "--backend cuda: the plugin .* computes in host memory"
+  -- ${LV} run ${PLUGIN_CASE} --impl plugin:${CPU_PLUGIN} --backend cuda)
+set(PLUGIN_REPRO ${OUT}/plugin_repro)
+add_test(NAME cli_plugin_bundle_replays
+  COMMAND bash -c "rm -rf ${PLUGIN_REPRO} && mkdir -p ${PLUGIN_REPRO} && \
+    bash ${EXPECT} 1 'rank_agreement +FAIL' -- ${LV} run ${CASES}/smoothing-pytorch.json \
+      --impl 'plugin:${CPU_PLUGIN}?bug=smoothing-partition-vocab' --save-inputs failed --save-inputs-dir ${PLUGIN_REPRO} && \
+    bash ${EXPECT} 0 '^reproduced: FAIL as recorded' -- ${LV} replay ${PLUGIN_REPRO}/*.bundle.json && \
+    bash ${EXPECT} 0 'with --impl correct: pass' -- ${LV} replay ${PLUGIN_REPRO}/*.bundle.json --impl correct")
+add_test(NAME cli_plugin_cuda COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/cli/cuda_plugin.sh ${LV}
+  $<$<TARGET_EXISTS:lossverify_example_cuda_plugin>:$<TARGET_FILE:lossverify_example_cuda_plugin>> ${CASES})
+set_tests_properties(cli_plugin_cuda PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 600)

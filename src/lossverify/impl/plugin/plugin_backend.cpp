@@ -144,6 +144,7 @@ class PluginRank {
     context.memory = memory_;
     const lv_collectives table{&context, plugin_allreduce, plugin_group_size, plugin_group_rank};
     const int status = call_plugin(abi_in, abi_out, table);
+    plugin_memory::wait_for_device(memory_);  // work a plugin left queued on its own streams
     if (context.failure) std::rethrow_exception(context.failure);
     if (!context.misuse.empty()) fail(context.misuse);
     if (status != 0) {
@@ -182,7 +183,7 @@ class PluginRank {
   InputBuffers upload(const RankInputs& in) const {
     InputBuffers b;
     b.logits = buffer_of(memory_, in.logits);
-    if (!in.teacher_logits.empty()) b.teacher = buffer_of(memory_, in.teacher_logits);
+    if (case_.loss.kind == LossKind::kd) b.teacher = buffer_of(memory_, in.teacher_logits);
     b.labels = buffer_of(memory_, in.labels);
     b.loss_mask = buffer_of(memory_, in.loss_mask);
     b.upstream = buffer_of(memory_, in.upstream_weights);

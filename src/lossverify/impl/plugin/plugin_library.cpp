@@ -71,6 +71,13 @@ void validate_entry(const PluginLibrary& lib, const std::string& spec) {
   if ((p.losses & (LV_SUPPORTS_CROSS_ENTROPY | LV_SUPPORTS_KD)) == 0) {
     refuse(spec, "the plugin supports no loss (set LV_SUPPORTS_CROSS_ENTROPY and/or LV_SUPPORTS_KD in losses)");
   }
+  if (p.check_params != nullptr) {
+    char error[1024] = {};
+    if (p.check_params(lib.params.c_str(), error, sizeof(error)) != 0) {
+      error[sizeof(error) - 1] = '\0';
+      refuse(spec, "the plugin refuses its parameters \"" + lib.params + "\"" + (error[0] != '\0' ? ": " + std::string(error) : ""));
+    }
+  }
 }
 
 Implementation implementation_of(const PluginLibrary& lib) {

@@ -73,6 +73,7 @@ void from_host(lv_memory memory, const void* host, void* destination, std::size_
   }
 #ifdef LOSSVERIFY_HAVE_CUDA
   check(cudaMemcpy(destination, host, bytes, cudaMemcpyHostToDevice), "cudaMemcpy (host to device)");
+  check(cudaStreamSynchronize(cudaStreamLegacy), "cudaStreamSynchronize after a copy to the device");
 #else
   no_cuda();
 #endif
@@ -84,6 +85,15 @@ void select_device(lv_memory memory, int device) {
   check(cudaSetDevice(device), "cudaSetDevice");
 #else
   (void)device;
+  no_cuda();
+#endif
+}
+
+void wait_for_device(lv_memory memory) {
+  if (memory == LV_MEMORY_HOST) return;
+#ifdef LOSSVERIFY_HAVE_CUDA
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize after the plugin returned");
+#else
   no_cuda();
 #endif
 }

@@ -27,10 +27,13 @@ class Buffer {
   void* data_ = nullptr;
 };
 
-// Copies between the host and `memory` (plain copies for host memory; synchronous cudaMemcpy otherwise).
+// Copies between the host and `memory` (plain copies for host memory; cudaMemcpy otherwise, complete on
+// return: a copy from pageable memory may return before the data lands, so it is waited for).
 void to_host(lv_memory memory, const void* source, void* host, std::size_t bytes);
 void from_host(lv_memory memory, const void* host, void* destination, std::size_t bytes);
 // Makes `device` the calling thread's CUDA device (device memory only).
 void select_device(lv_memory memory, int device);
+// Waits until the calling thread's device is idle (device memory only).
+void wait_for_device(lv_memory memory);
 
 }  // namespace lossverify::plugin_memory
