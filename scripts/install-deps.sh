@@ -6,7 +6,7 @@ packages=(
   cmake ninja-build g++ git
   libeigen3-dev libcli11-dev nlohmann-json3-dev doctest-dev librandom123-dev
   mpich libmpich-dev
-  python3 python3-jsonschema python3-torch
+  python3 python3-jsonschema python3-torch python3-pip python3-setuptools
 )
 missing=()
 for p in "${packages[@]}"; do

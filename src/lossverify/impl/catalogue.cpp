@@ -48,7 +48,7 @@ const std::vector<Implementation>& implementations() {
                     "gradient only: non-target entries off by -a(1/(V_p-1) - 1/(V-1)), row sums nonzero",
                     {"grad", "row_sum"}, ce, with([](BugSwitches& b) { b.smoothing_vocab_local_backward = true; })));
     v.push_back(bug("smoothing-local-sum", "the sum_v x_v of the smoothing term summed over the local shard only",
-                    "reads like NVIDIA/TransformerEngine's parallel_cross_entropy Triton kernel used with TP > 1 (SPEC 7)",
+                    "NVIDIA/TransformerEngine's parallel_cross_entropy Triton kernel with TP > 1 and label smoothing (reproduced at d0067d0d through lossverify.torch: docs/pytorch.md)",
                     "TP rank losses differ by (a/V) sum of the other shards' x; gradient right",
                     {"loss", "rank_agreement"}, ce, with([](BugSwitches& b) { b.smoothing_raw_local_sum = true; })));
     v.push_back(bug("smoothing-convention-swap", "pytorch smoothing convention where megatron was asked, or back",

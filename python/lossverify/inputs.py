@@ -1,0 +1,219 @@
+"""Reading what `lossverify export-inputs` writes: every rank's exact inputs of a case at one layout.
+
+A folder holds `inputs.json` (format `lossverify.inputs/1`: the resolved case, the layout, the global
+valid-token count, cu_seqlens and per rank its coordinates, vocabulary columns, row count and micro-batch
+ranges) and one `rank<R>.safetensors` per world rank with the rank's rows, micro-batch after micro-batch
+(CP padding rows included): logits [rows, columns] in the case dtype, teacher_logits (KD), labels,
+loss_mask, tokens (-1 on padding), token_ids, sequences, positions and upstream_weights.
+
+The logits are bit-identical to what `lossverify run` feeds its own kernels, so a PyTorch loss run on
+them can be checked by `check-dump` against the same float64 reference. `load` validates the index and
+each rank file against it; errors (InputsError) name the file and the field.
+"""
+
+import contextlib
+import json
+import os
+import tempfile
+
+import torch
+
+from lossverify import safetensors, tool
+from lossverify.errors import InputsError
+from lossverify.layout import Layout, vocab_shard
+
+__all__ = ["Inputs", "RankInputs", "load", "export", "exported", "TORCH_DTYPES"]
+
+INPUTS_FORMAT = "lossverify.inputs/1"
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_ROW_TENSORS = {  # name -> dtype (None: the case dtype); all [rows] except the logits
+    "logits": None, "labels": torch.int64, "loss_mask": torch.bool, "tokens": torch.int64,
+    "token_ids": torch.int64, "sequences": torch.int64, "positions": torch.int64,
+    "upstream_weights": torch.float64,
+}
+
+
+class RankInputs:
+    """One rank's inputs: coordinates, vocabulary columns [begin, end), rows, micro-batch row ranges, and
+    its tensors (read from its safetensors file on first use)."""
+
+    def __init__(self, entry, inputs, where):
+        self._inputs = inputs
+        self.where = where
+        self.rank = _int(entry, "rank", where)
+        self.tp = _int(entry, "tp", where)
+        self.cp = _int(entry, "cp", where)
+        self.dp = _int(entry, "dp", where)
+        vocab = entry.get("vocab")
+        if not (isinstance(vocab, list) and len(vocab) == 2 and all(type(v) is int for v in vocab)):
+            raise InputsError(f"{where}.vocab: expected [begin, end), got {vocab!r}")
+        self.vocab = (vocab[0], vocab[1])
+        self.rows = _int(entry, "rows", where)
+        self.file = os.path.join(inputs.directory, _str(entry, "file", where))
+        ranges = entry.get("micro_batches")
+        if not isinstance(ranges, list) or not all(
+                isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r) for r in ranges):
+            raise InputsError(f"{where}.micro_batches: expected a list of [begin, end) row ranges")
+        self.micro_batches = [tuple(r) for r in ranges]
+        self._tensors = None
+
+    @property
+    def coordinates(self):
+        return {"tp": self.tp, "cp": self.cp, "dp": self.dp}
+
+    @property
+    def tensors(self):
+        """{name: tensor} of the whole rank (all micro-batches), validated against the index."""
+        if self._tensors is None:
+            self._tensors = self._load()
+        return self._tensors
+
+    def micro_batch(self, k):
+        """{name: tensor} of micro-batch k: rows micro_batches[k][0] to [1] of every tensor."""
+        begin, end = self.micro_batches[k]
+        return {name: t[begin:end] for name, t in self.tensors.items()}
+
+    def _load(self):
+        if not os.path.isfile(self.file):
+            raise InputsError(f"{self.file}: missing (named by {self.where}.file)")
+        try:
+            tensors = safetensors.load_file(self.file)
+        except safetensors.SafetensorsError as e:
+            raise InputsError(str(e)) from None
+        inputs = self._inputs
+        expected = dict(_ROW_TENSORS)
+        if inputs.kind == "kd":
+            expected["teacher_logits"] = None
+        width = self.vocab[1] - self.vocab[0]
+        for name, dtype in expected.items():
+            if name not in tensors:
+                raise InputsError(f"{self.file}: tensor {name!r} missing (the rank of {self.where})")
+            tensor = tensors[name]
+            want_dtype = dtype or inputs.torch_dtype
+            want_shape = (self.rows, width) if dtype is None else (self.rows,)
+            if tensor.dtype != want_dtype or tuple(tensor.shape) != want_shape:
+                raise InputsError(f"{self.file}: tensor {name!r} is {tensor.dtype} {list(tensor.shape)}, expected "
+                                  f"{want_dtype} {list(want_shape)} ({self.rows} rows x {width} columns of "
+                                  f"{self.where})")
+        return tensors
+
+
+class Inputs:
+    """An export-inputs folder: the resolved case and every rank's inputs (see the module's docstring)."""
+
+    def __init__(self, directory, data):
+        self.directory = os.path.abspath(directory)
+        self.path = os.path.join(self.directory, "inputs.json")
+        self.data = data
+        where = self.path
+        if data.get("format") != INPUTS_FORMAT:
+            raise InputsError(f"{where}: $.format: expected {INPUTS_FORMAT!r}, got {data.get('format')!r}")
+        self.case = data.get("case")
+        if not isinstance(self.case, dict) or not isinstance(self.case.get("loss"), dict):
+            raise InputsError(f"{where}: $.case: expected the resolved case with its loss section")
+        self.case_file = data.get("case_file")
+        self.overrides = list(data.get("overrides", []))
+        self.tool = data.get("tool", {})
+        shape = data.get("shape", {})
+        self.tokens = _int(shape, "tokens", f"{where}: $.shape")
+        self.vocab = _int(shape, "vocab", f"{where}: $.shape")
+        self.dtype = data.get("dtype")
+        if self.dtype not in TORCH_DTYPES:
+            raise InputsError(f"{where}: $.dtype: expected one of {', '.join(TORCH_DTYPES)}, got {self.dtype!r}")
+        layout = data.get("layout", {})
+        self.layout = Layout(*[_int(layout, k, f"{where}: $.layout") for k in ("tp", "cp", "dp", "ga")])
+        if min(self.layout) < 1:
+            raise InputsError(f"{where}: $.layout: counts must be >= 1, got {layout}")
+        self.valid_tokens = _int(data, "valid_tokens", f"{where}: $")
+        self.cu_seqlens = data.get("cu_seqlens")
+        entries = data.get("ranks")
+        if not isinstance(entries, list) or len(entries) != self.layout.world_size:
+            raise InputsError(f"{where}: $.ranks: expected {self.layout.world_size} ranks (tp*cp*dp of "
+                              f"{self.layout.label}), got {len(entries) if isinstance(entries, list) else entries!r}")
+        self.ranks = [RankInputs(e, self, f"{where}: $.ranks[{i}]") for i, e in enumerate(entries)]
+        self._validate_ranks()
+
+    @property
+    def torch_dtype(self):
+        return TORCH_DTYPES[self.dtype]
+
+    @property
+    def loss(self):
+        """The resolved loss section (kind, label_smoothing, smoothing_convention, ...)."""
+        return self.case["loss"]
+
+    @property
+    def kind(self):
+        return self.loss.get("kind", "cross_entropy")
+
+    @property
+    def framework(self):
+        return self.case.get("framework", {"grad_reduce": "avg", "ga_reduce": "sum"})
+
+    def rank(self, world_rank):
+        return self.ranks[world_rank]
+
+    def _validate_ranks(self):
+        layout = self.layout
+        for i, r in enumerate(self.ranks):
+            if r.rank != i or layout.world_rank(r.tp, r.cp, r.dp) != i:
+                raise InputsError(f"{r.where}: rank {r.rank} at tp={r.tp} cp={r.cp} dp={r.dp}, expected world rank "
+                                  f"{i} = (dp*CP + cp)*TP + tp in position {i}")
+            if r.vocab != vocab_shard(self.vocab, layout.tp, r.tp):
+                raise InputsError(f"{r.where}.vocab: {list(r.vocab)}, expected TP rank {r.tp}'s shard "
+                                  f"{list(vocab_shard(self.vocab, layout.tp, r.tp))} of {self.vocab} columns")
+            if len(r.micro_batches) != layout.ga:
+                raise InputsError(f"{r.where}.micro_batches: {len(r.micro_batches)} ranges, expected ga = {layout.ga}")
+            position = 0
+            for k, (begin, end) in enumerate(r.micro_batches):
+                if begin != position or end < begin:
+                    raise InputsError(f"{r.where}.micro_batches[{k}]: [{begin}, {end}) does not follow row {position}")
+                position = end
+            if position != r.rows:
+                raise InputsError(f"{r.where}.micro_batches: cover {position} rows, but the rank has {r.rows}")
+
+
+def load(directory):
+    """Read and validate an export-inputs folder (rank files are read when first used)."""
+    path = os.path.join(directory, "inputs.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise InputsError(f"{path}: missing (is {directory} a lossverify export-inputs folder?)") from None
+    except json.JSONDecodeError as e:
+        raise InputsError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise InputsError(f"{path}: expected a JSON object")
+    return Inputs(directory, data)
+
+
+def export(case, out_dir, tp=None, cp=None, dp=None, ga=None, overrides=None, binary=None):
+    """Run `lossverify export-inputs` into `out_dir` (new or empty) and load the result.
+
+    `overrides` are --set items: {"loss.label_smoothing": 0.1} or ["loss.label_smoothing=0.1"].
+    """
+    tool.export_inputs(case, out_dir, tp=tp, cp=cp, dp=dp, ga=ga, overrides=overrides, binary=binary)
+    return load(out_dir)
+
+
+@contextlib.contextmanager
+def exported(case, tp=None, cp=None, dp=None, ga=None, overrides=None, binary=None):
+    """`with exported("cases/x.json", tp=2) as inputs:` exports into a temporary folder, removed after."""
+    with tempfile.TemporaryDirectory(prefix="lossverify-inputs-") as directory:
+        yield export(case, os.path.join(directory, "inputs"), tp=tp, cp=cp, dp=dp, ga=ga, overrides=overrides,
+                     binary=binary)
+
+
+def _int(obj, key, where):
+    value = obj.get(key) if isinstance(obj, dict) else None
+    if type(value) is not int:
+        raise InputsError(f"{where}.{key}: expected an integer, got {value!r}")
+    return value
+
+
+def _str(obj, key, where):
+    value = obj.get(key)
+    if not isinstance(value, str) or not value:
+        raise InputsError(f"{where}.{key}: expected a file name, got {value!r}")
+    return value

@@ -1,0 +1,92 @@
+"""Rank layouts as lossverify numbers them: world rank = (dp * CP + cp) * TP + tp, TP shards of the
+vocabulary with the remainder spread over the first ranks, and the framework factor that turns a rank's
+local gradient into the effective one. Shared by the inputs reader, the dump writer and the harness so
+that all three agree with the C++ tool (README, "Layouts and the framework model")."""
+
+from typing import NamedTuple
+
+__all__ = ["Layout", "Coordinates", "vocab_shard", "framework_factor", "parse_layout"]
+
+
+class Coordinates(NamedTuple):
+    tp: int
+    cp: int
+    dp: int
+
+
+class Layout(NamedTuple):
+    tp: int = 1
+    cp: int = 1
+    dp: int = 1
+    ga: int = 1
+
+    @property
+    def world_size(self):
+        return self.tp * self.cp * self.dp
+
+    @property
+    def label(self):
+        """tp2-cp1-dp1-ga1, as lossverify names layouts."""
+        return f"tp{self.tp}-cp{self.cp}-dp{self.dp}-ga{self.ga}"
+
+    def world_rank(self, tp, cp, dp):
+        return (dp * self.cp + cp) * self.tp + tp
+
+    def coordinates(self, rank):
+        tp = rank % self.tp
+        cp = (rank // self.tp) % self.cp
+        dp = rank // (self.tp * self.cp)
+        return Coordinates(tp, cp, dp)
+
+    def as_dict(self):
+        return {"tp": self.tp, "cp": self.cp, "dp": self.dp, "ga": self.ga}
+
+
+def vocab_shard(vocab, tp, tp_rank):
+    """Columns [begin, end) of TP rank `tp_rank`: begin = r floor(V/TP) + min(r, V mod TP)."""
+    base, extra = divmod(vocab, tp)
+    begin = tp_rank * base + min(tp_rank, extra)
+    return begin, begin + base + (1 if tp_rank < extra else 0)
+
+
+def framework_factor(layout, grad_reduce="avg", ga_reduce="sum"):
+    """What the framework multiplies a rank's local gradient by: 1/(DP CP) when it averages gradients over
+    the DP x CP group, and 1/GA when it averages micro-batches. A correct loss divides its local objective
+    by this factor so that the effective gradient is dL/dx of the global objective."""
+    factor = 1.0
+    if grad_reduce == "avg":
+        factor /= layout.dp * layout.cp
+    if ga_reduce == "mean":
+        factor /= layout.ga
+    return factor
+
+
+def parse_layout(value):
+    """A Layout from a dict {"tp": 2, ...}, a tuple (tp, cp, dp, ga), a Layout, or "tp2-cp1-dp1-ga1" /
+    "tp=2,cp=2"; missing counts are 1."""
+    if isinstance(value, Layout):
+        return value
+    if isinstance(value, dict):
+        unknown = set(value) - set(Layout._fields)
+        if unknown:
+            raise ValueError(f"layout {value!r}: unknown keys {sorted(unknown)} (expected tp, cp, dp, ga)")
+        layout = Layout(**{k: int(v) for k, v in value.items()})
+    elif isinstance(value, (tuple, list)):
+        layout = Layout(*[int(v) for v in value])
+    elif isinstance(value, str):
+        counts = {}
+        for part in value.replace("-", ",").split(","):
+            part = part.strip()
+            if not part:
+                continue
+            name = part.rstrip("0123456789=").rstrip("=")
+            digits = part[len(name):].lstrip("=")
+            if name not in Layout._fields or not digits.isdigit():
+                raise ValueError(f"layout {value!r}: cannot read {part!r} (expected e.g. tp2-cp1 or tp=2,cp=1)")
+            counts[name] = int(digits)
+        layout = Layout(**counts)
+    else:
+        raise ValueError(f"cannot read a layout from {value!r}")
+    if min(layout) < 1:
+        raise ValueError(f"layout {value!r}: counts must be >= 1")
+    return layout

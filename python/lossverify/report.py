@@ -1,0 +1,229 @@
+"""lossverify's JSON report (`lossverify.report/1`) as Python objects, and the check table printed from it.
+
+The report is the single source of truth: `lossverify.torch.check` returns what `lossverify check-dump`
+wrote, parsed here, so a pytest failure shows exactly what the command line would. Non-finite numbers,
+which strict JSON cannot spell, arrive as the strings "NaN", "Infinity" and "-Infinity" and become floats.
+"""
+
+import json
+import math
+import os
+
+__all__ = ["Check", "Run", "Report", "load_report"]
+
+_NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+_NUMERIC_KEYS = {"margin", "expected", "got", "tolerance", "max_abs_error", "max_rel_error", "atol", "rtol",
+                 "max_ulp", "value", "expected_valid_tokens"}
+
+
+def _decode(value, key=None):
+    """JSON as read, with the non-finite strings of numeric fields turned into floats."""
+    if isinstance(value, dict):
+        return {k: _decode(v, k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_decode(v, key) for v in value]
+    if isinstance(value, str) and value in _NON_FINITE and (key in _NUMERIC_KEYS or key is None):
+        return _NON_FINITE[value]
+    return value
+
+
+def _short(x, digits=6):
+    """A number as the lossverify table prints it (6 significant digits; margins 3)."""
+    if x is None:
+        return "-"
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, int):
+        return str(x)
+    return f"{x:.{digits}g}"
+
+
+class Check:
+    """One named check of one run: verdict (pass | fail | not_applicable), margin (error / tolerance of the
+    worst element: < 1 passes) and the worst element (token, column, rank, expected, got, and for dumps
+    the tensor and row)."""
+
+    def __init__(self, data, run_label=""):
+        self.data = data
+        self.name = data.get("name", "?")
+        self.verdict = data.get("verdict", "?")
+        margin = data.get("margin")
+        self.margin = float(margin) if isinstance(margin, (int, float)) else None
+        self.worst = data.get("worst")
+        self.tolerance = data.get("tolerance")
+        self.metrics = data.get("metrics", {})
+        self.summary = data.get("summary", "")
+        self.run_label = run_label
+
+    @property
+    def passed(self):
+        return self.verdict != "fail"
+
+    def worst_text(self, short_paths=False):
+        """(token, column, rank: expected -> got) and where it sits in the dump (file names only with
+        short_paths, for dumps that no longer exist)."""
+        w = self.worst
+        if not w or self.verdict == "pass" and self.margin == 0:
+            return "-"
+        text = (f"({_short(w.get('token'))}, {_short(w.get('column'))}, {_short(w.get('rank'))}: "
+                f"{_short(w.get('expected'))} -> {_short(w.get('got'))})")
+        if w.get("tensor"):
+            tensor = os.path.basename(w["tensor"]) if short_paths else w["tensor"]
+            text += f" mb {_short(w.get('micro_batch'))} row {_short(w.get('row'))} of {tensor}"
+        return text
+
+    def __repr__(self):
+        return f"Check({self.name!r}, {self.verdict}, margin={_short(self.margin)})"
+
+
+class Run:
+    """One run of a report: a case (or dump) at one layout, with its checks by name."""
+
+    def __init__(self, data):
+        self.data = data
+        case = data.get("case", {})
+        self.case_name = case.get("name", "?")
+        self.layout = {k: data.get("layout", {}).get(k, 1) for k in ("tp", "cp", "dp", "ga")}
+        self.label = "tp{tp}-cp{cp}-dp{dp}-ga{ga}".format(**self.layout)
+        self.implementation = data.get("implementation", {}).get("name", "?")
+        self.verdict = data.get("verdict", "?")
+        self.checks = {c["name"]: Check(c, self.label) for c in data.get("checks", [])}
+
+    @property
+    def failing_checks(self):
+        return sorted(name for name, c in self.checks.items() if c.verdict == "fail")
+
+
+class Report:
+    """A lossverify report. `verdict` is "pass" or "fail"; `checks` maps each check name to its worst
+    instance over the runs (a sweep has one run per layout, plus `invariance`); `warnings` holds what the
+    Python harness noticed on the way (an implementation that modified its inputs in place, ...)."""
+
+    def __init__(self, data, warnings=(), dump_dir=None, path=None, dump_kept=True):
+        if not isinstance(data, dict) or data.get("schema_version") != "lossverify.report/1":
+            raise ValueError(f"{path or 'report'}: not a lossverify.report/1 document")
+        self.raw = data
+        self.data = _decode(data)
+        self.path = path
+        self.verdict = self.data.get("verdict")
+        self.exit_code = self.data.get("exit_code")
+        self.command = self.data.get("command")
+        self.runs = [Run(r) for r in self.data.get("runs", [])]
+        self.invariance = None
+        for sweep in self.data.get("sweeps", []):
+            if sweep.get("invariance"):
+                self.invariance = Check(sweep["invariance"], "sweep")
+        self.warnings = list(warnings)
+        self.dump_dir = dump_dir
+        self.dump_kept = dump_kept  # False: the dump was temporary, the table shows file names only
+
+    @property
+    def passed(self):
+        return self.verdict == "pass"
+
+    @property
+    def checks(self):
+        """{name: Check}: each check's failing instance with the largest margin, else its largest margin."""
+        worst = {}
+        candidates = [c for run in self.runs for c in run.checks.values()]
+        if self.invariance is not None:
+            candidates.append(self.invariance)
+        for c in candidates:
+            best = worst.get(c.name)
+            if best is None or _rank_of(c) > _rank_of(best):
+                worst[c.name] = c
+        return worst
+
+    def check(self, name):
+        """The named check (see `checks`); KeyError naming the checks there are."""
+        checks = self.checks
+        if name not in checks:
+            raise KeyError(f"no check {name!r} in the report (checks: {', '.join(checks)})")
+        return checks[name]
+
+    @property
+    def failing_checks(self):
+        """Sorted names of the checks that fail in any run (or the sweep's invariance)."""
+        return sorted(name for name, c in self.checks.items() if c.verdict == "fail")
+
+    @property
+    def margins(self):
+        """{check name: worst margin}."""
+        return {name: c.margin for name, c in self.checks.items()}
+
+    def table(self, max_warnings=4):
+        """The check table, as lossverify prints it. A single run gets every check with its worst element;
+        several runs (a sweep) get one line per layout, the failing checks of failing layouts, then the
+        invariance check. At most `max_warnings` warnings are listed."""
+        lines = []
+        short = not self.dump_kept
+        if len(self.runs) == 1:
+            run = self.runs[0]
+            lines.append(f"{run.case_name}  [{run.label}]  impl {run.implementation}")
+            lines += self._check_lines(run.checks.values(), short)
+        elif self.runs:
+            run = self.runs[0]
+            lines.append(f"{run.case_name}: {len(self.runs)} layouts, impl {run.implementation}")
+            for run in self.runs:
+                worst = max((c.margin for c in run.checks.values() if c.margin is not None), default=0.0)
+                lines.append(f"  {run.label:<20} {run.verdict:<5} worst margin {_short(worst, 3)}")
+                if run.verdict == "fail":
+                    failing = [c for c in run.checks.values() if c.verdict == "fail"]
+                    lines += ["  " + line for line in self._check_lines(failing, short)[1:]]
+        if self.invariance is not None:
+            c = self.invariance
+            lines.append(f"  invariance: {c.verdict}, margin {_short(c.margin, 3)} ({c.summary})")
+        for w in self.warnings[:max_warnings]:
+            lines.append(f"  warning: {w}")
+        if len(self.warnings) > max_warnings:
+            lines.append(f"  ... and {len(self.warnings) - max_warnings} more warning(s) (Report.warnings)")
+        lines.append(f"  verdict: {self.verdict.upper() if self.verdict == 'fail' else self.verdict}")
+        return "\n".join(lines)
+
+    @staticmethod
+    def _check_lines(checks, short_paths=False):
+        lines = [f"  {'check':<15} {'verdict':<15} {'margin':<10} "
+                 "worst (token, column, rank: expected -> got) where in the dump"]
+        for c in checks:
+            verdict = c.verdict.upper() if c.verdict == "fail" else c.verdict
+            lines.append(f"  {c.name:<15} {verdict:<15} {_short(c.margin, 3):<10} {c.worst_text(short_paths)}")
+        return lines
+
+    def summary(self):
+        """One line: verdict and, when it fails, each failing check with its margin and worst element."""
+        if self.passed:
+            worst = max((c.margin for c in self.checks.values() if c.margin is not None), default=0.0)
+            return f"pass (largest margin {_short(worst)})"
+        parts = [f"{c.name} (margin {_short(c.margin, 3)}, worst {c.worst_text(not self.dump_kept)})"
+                 for c in self.checks.values() if c.verdict == "fail"]
+        return "FAIL: " + "; ".join(parts)
+
+    def assert_pass(self):
+        """Raise AssertionError with the check table unless every check passes (for pytest/unittest)."""
+        if not self.passed:
+            raise AssertionError("lossverify: " + self.summary() + "\n" + self.table())
+        return self
+
+    raise_for_failure = assert_pass
+
+    def __str__(self):
+        return self.table()
+
+    def __repr__(self):
+        return f"Report({self.verdict}, failing={self.failing_checks})"
+
+
+def _rank_of(check):
+    """Order for picking a check's representative: failing first, then by margin (NaN counts as worst)."""
+    margin = check.margin
+    if margin is None:
+        margin = -1.0
+    elif math.isnan(margin):
+        margin = math.inf
+    return (check.verdict == "fail", margin)
+
+
+def load_report(path, warnings=(), dump_dir=None, dump_kept=True):
+    """Read a report file written by lossverify --report."""
+    with open(path, encoding="utf-8") as f:
+        return Report(json.load(f), warnings=warnings, dump_dir=dump_dir, path=path, dump_kept=dump_kept)

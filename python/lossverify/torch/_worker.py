@@ -1,0 +1,392 @@
+"""One rank of a harness launch: a process that joins the torch.distributed world, builds the TP, CP, DP
+and DP x CP groups, runs each loss function of the launch on its exported inputs, micro-batch by
+micro-batch, back-propagates through autograd and writes its part of each dump.
+
+Every rank ends by writing a status file (ok, or the error with its traceback and micro-batch), so the
+parent learns what happened even when a rank dies or hangs; on an error the rank exits at once with code 3
+(no clean shutdown that could wait on peers that will never come).
+"""
+
+import datetime
+import importlib
+import inspect
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, List
+
+import torch
+import torch.distributed as dist
+
+from lossverify.dump import DumpWriter
+from lossverify.inputs import load as load_inputs
+from lossverify.layout import framework_factor
+from lossverify.torch.context import Context, FrameworkConfig, LossConfig, MicroBatch, Reduced
+
+RETURNS = ("auto", "token_loss", "reduced")
+
+
+@dataclass
+class Job:
+    """One loss function to run on the launch's inputs, dumped to its own folder."""
+
+    fn: Any  # a callable (pickled by reference) or "module:function"
+    name: str
+    dump_dir: str
+    returns: str = "auto"  # auto | token_loss | reduced
+
+
+@dataclass
+class Launch:
+    """What every rank of one launch needs (pickled to the rank processes)."""
+
+    inputs_dir: str
+    jobs: List[Job]
+    world_size: int
+    device: str  # cpu | cuda
+    init_file: str
+    status_dir: str
+    timeout_seconds: float
+    threads: int = 1
+    launched_at: float = 0.0  # time.monotonic() in the parent when the launch began (for tracing)
+
+
+class UserCodeError(Exception):
+    """The checked function (or its backward, or what it returned) failed on this rank."""
+
+    def __init__(self, message, micro_batch=None, job=None):
+        super().__init__(message)
+        self.micro_batch = micro_batch
+        self.job = job
+
+
+def resolve_function(fn):
+    """A callable from "package.module:function" (attributes may be dotted), or fn itself."""
+    if callable(fn):
+        return fn
+    if not isinstance(fn, str) or ":" not in fn:
+        raise ValueError(f"expected a callable or \"module:function\", got {fn!r}")
+    module_name, _, attribute = fn.partition(":")
+    target = importlib.import_module(module_name)
+    for part in attribute.split("."):
+        target = getattr(target, part)
+    if not callable(target):
+        raise ValueError(f"{fn} is a {type(target).__name__}, not a function")
+    return target
+
+
+def rank_main(rank, launch):
+    """Entry point of a rank process."""
+    _trace(rank, "started after launch", launch.launched_at)
+    status_path = os.path.join(launch.status_dir, f"rank{rank}.json")
+    # NCCL timeouts abort instead of hanging (the variable was renamed in torch 2.2)
+    renamed = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 2)
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING" if renamed else "NCCL_ASYNC_ERROR_HANDLING", "1")
+    torch.set_num_threads(max(1, launch.threads))
+    try:
+        warnings = _run_rank(rank, launch)
+    except UserCodeError as e:  # the time tells the first failure from the echoes it causes in peers
+        _write_status(status_path, {"rank": rank, "ok": False, "kind": "user", "message": str(e), "time": time.time(),
+                                    "micro_batch": e.micro_batch, "job": e.job})
+        os._exit(3)
+    except BaseException:  # noqa: B902 - anything else is the harness's or the environment's failure
+        _write_status(status_path, {"rank": rank, "ok": False, "kind": "harness", "message": traceback.format_exc(),
+                                    "time": time.time()})
+        os._exit(3)
+    _write_status(status_path, {"rank": rank, "ok": True, "warnings": warnings})
+    try:
+        dist.destroy_process_group()
+    finally:
+        _trace(rank, "exiting after launch", launch.launched_at)
+        os._exit(0)
+
+
+def _user_traceback(error):
+    """The traceback of an exception raised by the checked code, without this harness's own frames."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(error), error, tb))
+
+
+def _write_status(path, status):
+    temporary = path + ".tmp"
+    with open(temporary, "w", encoding="utf-8") as f:
+        json.dump(status, f)
+    os.replace(temporary, path)
+
+
+def _trace(rank, what, since):
+    """LOSSVERIFY_TORCH_TRACE=1 prints each rank's phases and their seconds to stderr (launch costs)."""
+    if os.environ.get("LOSSVERIFY_TORCH_TRACE"):
+        print(f"lossverify.torch: rank {rank}: {what} {time.monotonic() - since:.3f} s", file=sys.stderr, flush=True)
+    return time.monotonic()
+
+
+@dataclass
+class _Rank:
+    """This rank's place in the launch: everything a job needs besides the function."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    groups: dict  # tp, cp, dp, dp_cp
+    control: Any  # the group for gathering Python objects (gloo even when the device group is NCCL)
+    inputs: Any  # lossverify.inputs.Inputs
+    rank_inputs: Any  # lossverify.inputs.RankInputs
+    num_valid: int  # N_v over the world
+
+
+def _run_rank(rank, launch):
+    started = time.monotonic()
+    inputs = load_inputs(launch.inputs_dir)
+    device = torch.device("cpu")
+    backend = "gloo"
+    if launch.device == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    # Collectives time out well after the parent's deadline: a hang is reported by the parent as such
+    # (HarnessTimeout naming the ranks), not as a peer's receive timeout; this is the backstop.
+    dist.init_process_group(backend, init_method="file://" + launch.init_file, rank=rank,
+                            world_size=launch.world_size,
+                            timeout=datetime.timedelta(seconds=2 * launch.timeout_seconds + 10))
+    started = _trace(rank, "init_process_group", started)
+    groups = _build_groups(inputs.layout, rank)
+    control = dist.new_group(backend="gloo") if backend != "gloo" else None
+    started = _trace(rank, "groups", started)
+    rank_inputs = inputs.rank(rank)
+    num_valid = _global_valid_tokens(_micro_batches(inputs, rank_inputs, device)[0], groups["dp_cp"], device)
+    if num_valid != inputs.valid_tokens:
+        raise RuntimeError(f"harness: all-reduced valid-token count {num_valid} differs from export-inputs' "
+                           f"{inputs.valid_tokens}")
+    me = _Rank(rank, launch.world_size, device, groups, control, inputs, rank_inputs, num_valid)
+    started = _trace(rank, "inputs", started)
+    warnings = {}
+    for job in launch.jobs:
+        try:
+            fn = resolve_function(job.fn)
+        except Exception:
+            raise UserCodeError(f"cannot load the loss function {job.fn!r}:\n{traceback.format_exc()}",
+                                job=job.name) from None
+        warnings[job.name] = _run_job(job, fn, me)
+        started = _trace(rank, f"job {job.name}", started)
+    return warnings
+
+
+def _build_groups(layout, rank):
+    """The TP, CP, DP and DP x CP groups holding `rank`. new_group synchronises the whole world on torch
+    1.13, so every rank creates every group in the same order (a group with the same members as an earlier
+    one is reused); torch >= 2.1 lets each rank create only its own groups."""
+    families = {
+        "tp": [[layout.world_rank(t, c, d) for t in range(layout.tp)] for d in range(layout.dp) for c in range(layout.cp)],
+        "cp": [[layout.world_rank(t, c, d) for c in range(layout.cp)] for d in range(layout.dp) for t in range(layout.tp)],
+        "dp": [[layout.world_rank(t, c, d) for d in range(layout.dp)] for c in range(layout.cp) for t in range(layout.tp)],
+        "dp_cp": [[layout.world_rank(t, c, d) for d in range(layout.dp) for c in range(layout.cp)]
+                  for t in range(layout.tp)],
+    }
+    local = "use_local_synchronization" in inspect.signature(dist.new_group).parameters
+    created, mine = {}, {}
+    for name, members_list in families.items():
+        for members in members_list:
+            key = tuple(sorted(members))
+            if key not in created and (rank in members or not local):
+                created[key] = dist.new_group(members, use_local_synchronization=True) if local else (
+                    dist.new_group(members))
+            if rank in members:
+                mine[name] = created[key]
+    return mine
+
+
+def _micro_batches(inputs, rank_inputs, device):
+    """The rank's micro-batches as MicroBatch records on the device, and their logits (fresh copies: a job
+    may overwrite what it is given)."""
+    kd = inputs.kind == "kd"
+    out, logits = [], []
+    for k in range(len(rank_inputs.micro_batches)):
+        t = {name: v.to(device, copy=True) for name, v in rank_inputs.micro_batch(k).items()}
+        mb = MicroBatch(index=k, labels=t["labels"], loss_mask=t["loss_mask"], tokens=t["tokens"],
+                        token_ids=t["token_ids"], sequences=t["sequences"], positions=t["positions"],
+                        upstream_weights=t["upstream_weights"], teacher_logits=t.get("teacher_logits") if kd else None)
+        out.append(mb)
+        logits.append(t["logits"])
+    return out, logits
+
+
+def _global_valid_tokens(micro_batches, dp_cp_group, device):
+    """N_v as frameworks get it before the step: this rank's count, all-reduced over DP x CP."""
+    count = torch.zeros((), dtype=torch.int64, device=device)
+    for mb in micro_batches:
+        count += mb.loss_mask.sum()
+    dist.all_reduce(count, group=dp_cp_group)
+    return int(count.item())
+
+
+def _manifest_loss(loss):
+    """The loss section for the manifest: reduction none takes its upstream weights from grad_output."""
+    section = dict(loss)
+    if section.get("reduction") == "none":
+        section.pop("upstream_weights", None)
+    return section
+
+
+def _run_job(job, fn, me):
+    """Run fn on every micro-batch of this rank, back-propagate, and write this rank's part of the dump."""
+    inputs, rank_inputs = me.inputs, me.rank_inputs
+    loss = LossConfig.from_case(inputs.case["loss"])
+    framework = FrameworkConfig(**inputs.framework)
+    factor = framework_factor(inputs.layout, framework.grad_reduce, framework.ga_reduce)
+    writer = _dump_writer(job, inputs)
+    rank_dump = writer.rank(rank_inputs.tp, rank_inputs.cp, rank_inputs.dp, vocab=rank_inputs.vocab)
+    micro_batches, logits = _micro_batches(inputs, rank_inputs, me.device)
+    step = _StepLog(loss, factor, me.num_valid)
+    state = {}
+    for k, mb in enumerate(micro_batches):
+        leaf = logits[k].clone().requires_grad_(True)
+        labels = mb.labels.clone()
+        dump_mb = rank_dump.begin_micro_batch(
+            mb.tokens, logits=leaf, labels=None if loss.kind == "kd" else labels, loss_mask=mb.loss_mask,
+            teacher_logits=mb.teacher_logits, grad_output=mb.upstream_weights if loss.reduction == "none" else None)
+        if mb.rows == 0:  # an empty micro-batch: nothing to call (its TP peers skip it too)
+            dump_mb.finish(grad_logits=torch.zeros_like(leaf))
+            continue
+        ctx = _context(me, loss, framework, factor, micro_batches, k, state)
+        try:
+            result = fn(leaf, labels, ctx)
+        except Exception as e:
+            raise UserCodeError(_user_traceback(e), micro_batch=k, job=job.name) from None
+        objective, token_loss = step.add(result, job.returns, ctx, k, job.name)
+        try:
+            objective.backward()
+        except Exception as e:
+            raise UserCodeError("backward through the returned loss failed:\n" + _user_traceback(e),
+                                micro_batch=k, job=job.name) from None
+        if leaf.grad is None:
+            raise UserCodeError("the returned loss does not depend on the logits (their .grad is None after "
+                                "backward)", micro_batch=k, job=job.name)
+        dump_mb.finish(grad_logits=leaf.grad, token_loss=token_loss)
+    logged, num_tokens = step.finish(me.groups["dp_cp"], me.device)
+    rank_dump.stats(loss=logged, num_tokens=num_tokens)
+    writer.close(group=me.control)
+    return writer.modified_inputs
+
+
+def _dump_writer(job, inputs):
+    case = inputs.case
+    return DumpWriter(job.dump_dir, shape=(inputs.tokens, inputs.vocab), dtype=inputs.dtype,
+                      loss=_manifest_loss(case["loss"]), layout=inputs.layout, framework=inputs.framework,
+                      cu_seqlens=inputs.cu_seqlens, implementation=job.name, name=case.get("name"),
+                      description=f"lossverify.torch harness: {job.name} on case {case.get('name')}",
+                      tolerances=case.get("tolerances"), timeout_seconds=case.get("timeout_seconds"), warn=False)
+
+
+def _context(me, loss, framework, factor, micro_batches, k, state):
+    r, layout = me.rank_inputs, me.inputs.layout
+    groups = me.groups
+    return Context(rank=me.rank, world_size=me.world_size, tp_rank=r.tp, tp_size=layout.tp, cp_rank=r.cp,
+                   cp_size=layout.cp, dp_rank=r.dp, dp_size=layout.dp, tp_group=groups["tp"], cp_group=groups["cp"],
+                   dp_group=groups["dp"], dp_cp_group=groups["dp_cp"], device=me.device, dtype=me.inputs.torch_dtype,
+                   vocab_start=r.vocab[0], vocab_end=r.vocab[1], vocab_size=me.inputs.vocab, loss=loss,
+                   framework=framework, framework_factor=factor, num_valid_tokens=me.num_valid, micro_batch=k,
+                   ga=layout.ga, micro_batches=micro_batches, state=state)
+
+
+class _StepLog:
+    """Turns fn's results into what is back-propagated, dumped and logged (see Context and Reduced)."""
+
+    def __init__(self, loss, factor, num_valid):
+        self.loss = loss
+        self.factor = factor
+        self.num_valid = num_valid
+        self.logged_parts = []
+        self.loss_dtype = torch.float32
+        self.num_tokens = None
+        self.mode = None
+
+    def add(self, result, returns, ctx, k, job):
+        """(objective to back-propagate, per-token losses to dump or None)."""
+        def fail(message):
+            raise UserCodeError(message, micro_batch=k, job=job)
+
+        rows = ctx.current.rows
+        if isinstance(result, Reduced) and returns == "token_loss":
+            fail("returned a Reduced loss, but returns='token_loss' asks for per-token losses")
+        if isinstance(result, Reduced) or returns == "reduced":
+            if not isinstance(result, Reduced):
+                result = Reduced(result)
+            return self._add_reduced(result, rows, fail)
+        if not isinstance(result, torch.Tensor):
+            fail(f"returned {type(result).__name__}; expected the per-token losses [{rows}] or "
+                 "lossverify.torch.Reduced(loss, ...)")
+        if result.dim() == 0:
+            fail("returned a scalar: the harness expects the per-token losses [rows]; wrap an already-reduced "
+                 "loss in lossverify.torch.Reduced(loss, token_loss=..., num_tokens=...) or pass returns='reduced'")
+        if result.numel() != rows or not result.is_floating_point():
+            fail(f"returned a {result.dtype} tensor of shape {list(result.shape)}; expected per-token losses, "
+                 f"floating point, one per row [{rows}]")
+        if not result.requires_grad:
+            fail("the returned per-token losses do not require grad: they do not depend on the logits")
+        self._set_mode("token_loss", fail)
+        token_loss = torch.where(ctx.loss_mask, result.reshape(rows), torch.zeros((), dtype=result.dtype,
+                                                                                   device=result.device))
+        forward = self._forward_weights(ctx)  # float64: the token's weight in L
+        backward = (forward / self.factor).to(torch.float32)
+        objective = (token_loss.float() * backward).sum()
+        if self.loss.reduction != "none":
+            self.logged_parts.append((token_loss.detach().double() * forward).sum())
+        self.loss_dtype = result.dtype
+        return objective, token_loss.detach()
+
+    def _add_reduced(self, result, rows, fail):
+        loss = result.loss
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+            fail(f"Reduced(loss=...) must be a floating-point tensor of one element, got {loss!r:.200}")
+        if not loss.requires_grad:
+            fail("Reduced(loss=...) does not require grad: it does not depend on the logits")
+        self._set_mode("reduced", fail)
+        if result.token_loss is not None:
+            tl = result.token_loss
+            if not isinstance(tl, torch.Tensor) or tl.numel() != rows or not tl.is_floating_point():
+                fail(f"Reduced(token_loss=...) must be a floating-point tensor with one loss per row [{rows}]")
+            token_loss = tl.detach().reshape(rows)
+        else:
+            token_loss = None
+        if self.loss.reduction != "none":
+            logged = result.logged if result.logged is not None else loss.detach().double() * self.factor
+            if isinstance(logged, torch.Tensor):
+                logged = logged.detach()
+            self.logged_parts.append(torch.as_tensor(logged, dtype=torch.float64, device=loss.device).reshape(()))
+        if result.num_tokens is not None:
+            self.num_tokens = result.num_tokens
+        self.loss_dtype = loss.dtype
+        return loss.reshape(()), token_loss
+
+    def _set_mode(self, mode, fail):
+        if self.mode is not None and self.mode != mode:
+            fail(f"returned {mode} here but {self.mode} on an earlier micro-batch: return one kind throughout")
+        self.mode = mode
+
+    def _forward_weights(self, ctx):
+        reduction = self.loss.reduction
+        mask = ctx.loss_mask
+        if reduction == "none":
+            return ctx.upstream_weights.double() * mask
+        if reduction == "sum":
+            return mask.double()
+        scale = 1.0 / self.num_valid if self.num_valid > 0 else 0.0  # an all-masked batch: L = 0, no NaN
+        return mask.double() * scale
+
+    def finish(self, dp_cp_group, device):
+        """The logged loss (summed over micro-batches, all-reduced over DP x CP) and the logged count."""
+        logged = None
+        if self.loss.reduction != "none":
+            total = torch.zeros((), dtype=torch.float64, device=device)
+            for part in self.logged_parts:
+                total += part.to(device)
+            dist.all_reduce(total, group=dp_cp_group)
+            logged = total.to(self.loss_dtype)
+        num_tokens = self.num_valid if self.mode in (None, "token_loss") else self.num_tokens
+        return logged, num_tokens

@@ -1,0 +1,288 @@
+"""The correct implementation and the catalogued bugs as loss functions `fn(logits, labels, ctx)` for the
+harness (`lossverify list` describes each bug; SPEC 7). Kernel-level bugs are switches of the one
+vocabulary-parallel kernel; framework-level bugs (normalisers, labels, logged counts) are written here the
+way the framework computed them, and return `Reduced` because their own normalisation is the bug.
+"""
+
+import torch
+import torch.distributed as dist
+
+from lossverify.torch.context import Reduced
+from lossverify.torch.implementations._collectives import gather_columns
+from lossverify.torch.implementations.cross_entropy import CrossEntropyBugs, vocab_parallel_cross_entropy
+from lossverify.torch.implementations.kd import KdBugs, kl_with_untracked_all_reduce, vocab_parallel_kl
+
+# ---------------------------------------------------------------------------------------------------------
+# the correct implementation
+
+
+def correct(logits, labels, ctx):
+    """The correct vocabulary-parallel loss of the case's kind: per-token losses [rows] (SPEC 5)."""
+    if ctx.loss.kind == "kd":
+        return vocab_parallel_kl(logits, ctx.teacher_logits, ctx)
+    return vocab_parallel_cross_entropy(logits, labels, ctx)
+
+
+def _cross_entropy(logits, labels, ctx, **switches):
+    _require(ctx, "cross_entropy")
+    return vocab_parallel_cross_entropy(logits, labels, ctx, bugs=CrossEntropyBugs(**switches))
+
+
+def _kd(logits, ctx, **switches):
+    _require(ctx, "kd")
+    return vocab_parallel_kl(logits, ctx.teacher_logits, ctx, bugs=KdBugs(**switches))
+
+
+def _require(ctx, kind):
+    if ctx.loss.kind != kind:
+        raise NotApplicable(f"this bug lives in the {kind} loss; the case is {ctx.loss.kind}")
+
+
+class NotApplicable(ValueError):
+    """The bug cannot reach this case's loss kind (lossverify reports such cells as not_applicable)."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# kernel-level bugs: one switch each (see CrossEntropyBugs and KdBugs for their sources)
+
+def smoothing_partition_vocab(logits, labels, ctx):
+    """Label smoothing with the shard width V_p and a shard-local mean log-probability
+    (Megatron-LM before PR #5522, issue #737)."""
+    return _cross_entropy(logits, labels, ctx, partition_vocab_forward=True, partition_vocab_backward=True)
+
+
+def smoothing_log_after_exp(logits, labels, ctx):
+    """Smoothing's mean log-probability as log(exp(x - M) / S) (Megatron-LM before PR #5522)."""
+    return _cross_entropy(logits, labels, ctx, log_after_exp=True)
+
+
+def smoothing_backward_partition(logits, labels, ctx):
+    """Forward fixed, backward smoothing still from V_p (the half-fixed state of Megatron-LM)."""
+    return _cross_entropy(logits, labels, ctx, partition_vocab_backward=True)
+
+
+def smoothing_local_sum(logits, labels, ctx):
+    """The smoothing term's sum_v x_v over the local shard only (TE's Triton kernel with TP > 1)."""
+    return _cross_entropy(logits, labels, ctx, raw_local_sum=True)
+
+
+def smoothing_convention_swap(logits, labels, ctx):
+    """PyTorch smoothing where Megatron's was asked, or back (alpha against alpha V/(V-1))."""
+    return _cross_entropy(logits, labels, ctx, convention_swap=True)
+
+
+def no_max_shift(logits, labels, ctx):
+    """exp(x) without subtracting the row max: inf/NaN once a logit exceeds ~88.7 in float32."""
+    return _cross_entropy(logits, labels, ctx, no_max_shift=True)
+
+
+def zloss_grad_after_smoothing(logits, labels, ctx):
+    """The z-loss factor (1 + 2 w_z lse) applied to (p - q) (an early revision of TE PR #2707)."""
+    return _cross_entropy(logits, labels, ctx, zloss_grad_after_smoothing=True)
+
+
+def grad_output_first(logits, labels, ctx):
+    """Reduction none: the first upstream weight used for every row (TE issue #2139)."""
+    return _cross_entropy(logits, labels, ctx, grad_output_first=True)
+
+
+def none_divides_grad(logits, labels, ctx):
+    """Reduction none still divides the gradient by the row count (TE issue #1879)."""
+    return _cross_entropy(logits, labels, ctx, none_divides_grad=True)
+
+
+def grad_rounded_early(logits, labels, ctx):
+    """The gradient rounded to the input dtype before the upstream weight (TE issue #3193)."""
+    return _cross_entropy(logits, labels, ctx, grad_rounded_early=True)
+
+
+def kd_no_t2(logits, labels, ctx):
+    """The KD loss without its T^2 factor (NeMo KDLoss before PR #1499)."""
+    return _kd(logits, ctx, no_t2=True)
+
+
+def kd_double_t2(logits, labels, ctx):
+    """T^2 applied twice: NeMo KDLoss scales by T^2 itself and the caller scales again."""
+    return _kd(logits, ctx, double_t2=True)
+
+
+def kd_cross_entropy_value(logits, labels, ctx):
+    """Reports the cross-entropy H(P, Q) instead of KL(P || Q) (NeMo KDLoss at PR #1499)."""
+    return _kd(logits, ctx, cross_entropy_value=True)
+
+
+def kd_local_softmax(logits, labels, ctx):
+    """Teacher and student softmax normalised per TP shard (TP KD without a distributed softmax)."""
+    return _kd(logits, ctx, local_softmax=True)
+
+
+def kd_untracked_allreduce(logits, labels, ctx):
+    """The student's softmax statistics all-reduced outside autograd (NeMo KDLoss PR #1499, _kl_forward_tp)."""
+    _require(ctx, "kd")
+    return kl_with_untracked_all_reduce(logits, ctx.teacher_logits, ctx)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# framework-level bugs: the normaliser, the labels or the logged count
+
+
+def _once(ctx, key, compute):
+    """A per-step value computed at this rank's first call (collectives included) and reused after."""
+    if key not in ctx.state:
+        ctx.state[key] = compute()
+    return ctx.state[key]
+
+
+def _all_reduced_count(values, group, device):
+    counts = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(counts, group=group)
+    return counts.tolist()
+
+
+def _reduced(token_loss, ctx, include, count):
+    """The reduction a framework applies to per-token losses, with its own `include` mask and `count`,
+    as the scalar this rank back-propagates (compensated for the framework factor, as a correct loop does)."""
+    loss = ctx.loss
+    weights = include.to(torch.float32)
+    if loss.reduction == "mean":
+        weights = weights / count if count else weights * 0.0
+    elif loss.reduction == "none":
+        weights = weights * ctx.upstream_weights.to(torch.float32)
+    return (token_loss.float() * weights).sum() / ctx.framework_factor
+
+
+def _token_loss(logits, labels, ctx, **kwargs):
+    if ctx.loss.kind == "kd":
+        return vocab_parallel_kl(logits, ctx.teacher_logits, ctx, **kwargs)
+    return vocab_parallel_cross_entropy(logits, labels, ctx, **kwargs)
+
+
+def ignore_index_unmasked(logits, labels, ctx):
+    """Ignored targets treated as ordinary tokens: the kernel never tests ignore_index and the loop counts
+    every row it did not pad itself (fused cross-entropy kernels, SPEC 7)."""
+    _require(ctx, "cross_entropy")
+    rows = ctx.tokens >= 0
+    token_loss = vocab_parallel_cross_entropy(logits, labels, ctx, valid=rows, active=rows)
+    count = _once(ctx, "rows", lambda: _all_reduced_count(
+        [sum(int((mb.tokens >= 0).sum()) for mb in ctx.micro_batches)], ctx.dp_cp_group, ctx.device)[0])
+    return Reduced(_reduced(token_loss, ctx, rows, count), token_loss=token_loss, num_tokens=count)
+
+
+def zloss_on_ignored(logits, labels, ctx):
+    """z-loss (and its gradient) left on ignored rows: the loop sums the kernel's per-token losses without
+    masking them (z-loss in TE's parallel_cross_entropy, PR #2707)."""
+    _require(ctx, "cross_entropy")
+    rows = ctx.tokens >= 0
+    token_loss = vocab_parallel_cross_entropy(logits, labels, ctx, bugs=CrossEntropyBugs(zloss_on_ignored=True),
+                                              active=rows)
+    return Reduced(_reduced(token_loss, ctx, rows, ctx.num_valid_tokens), token_loss=token_loss,
+                   num_tokens=ctx.num_valid_tokens)
+
+
+def mean_over_all_rows(logits, labels, ctx):
+    """The mean divides by every row, not by the valid tokens (TE issue #2476)."""
+    token_loss = _token_loss(logits, labels, ctx)
+    count = _once(ctx, "rows", lambda: _all_reduced_count(
+        [sum(int((mb.tokens >= 0).sum()) for mb in ctx.micro_batches)], ctx.dp_cp_group, ctx.device)[0])
+    return Reduced(_reduced(token_loss, ctx, ctx.loss_mask, count), token_loss=token_loss)
+
+
+def dp_local_mean(logits, labels, ctx):
+    """Each DP rank divides by its own valid-token count, then the framework averages the gradients
+    (torchtitan before its loss-balancing fix): token weight 1/(R N_r) instead of 1/N_v. The logged loss is
+    the average of the ranks' own means."""
+    token_loss = _token_loss(logits, labels, ctx)
+    own = ctx.rank_valid_tokens
+    ranks = ctx.dp_size * ctx.cp_size
+    ga = ctx.ga if ctx.framework.ga_reduce == "mean" else 1
+    token_sum = (token_loss.float() * ctx.loss_mask).sum()
+    if ctx.loss.reduction != "mean":
+        return token_loss
+    loss = token_sum / own * ga if own else token_sum * 0.0
+    logged = token_sum.detach().double() / own / ranks if own else 0.0
+    return Reduced(loss, token_loss=token_loss, logged=logged)
+
+
+def ga_microbatch_mean(logits, labels, ctx):
+    """Each micro-batch is a mean over its own valid tokens, divided by GA (pytorch/torchtitan issue #1842):
+    token weight 1/(GA N_k) instead of 1/N_v."""
+    token_loss = _token_loss(logits, labels, ctx)
+    if ctx.loss.reduction != "mean":
+        return token_loss
+    counts = _once(ctx, "micro_batch_counts", lambda: _all_reduced_count(
+        [int(mb.loss_mask.sum()) for mb in ctx.micro_batches], ctx.dp_cp_group, ctx.device))
+    count = counts[ctx.micro_batch] * ctx.ga
+    return Reduced(_reduced(token_loss, ctx, ctx.loss_mask, count), token_loss=token_loss)
+
+
+def cp_stats_dp_only(logits, labels, ctx):
+    """Loss and gradient right, but the logged valid-token count is reduced over DP only, not DP x CP
+    (inclusionAI/AReaL issue #1242)."""
+    token_loss = _token_loss(logits, labels, ctx)
+    count = _once(ctx, "dp_count", lambda: _all_reduced_count([ctx.rank_valid_tokens], ctx.dp_group, ctx.device)[0])
+    return Reduced(_reduced(token_loss, ctx, ctx.loss_mask, ctx.num_valid_tokens), token_loss=token_loss,
+                   num_tokens=count)
+
+
+def _rolled_labels(mb, ignore_index):
+    """Next-token labels made from this rank's CP shard: torch.roll of the local token ids, so the last row
+    of a chunk takes the first row of the next local chunk (or wraps), not the sequence's next token."""
+    following = torch.roll(mb.token_ids, -1)
+    keep = (mb.labels != ignore_index) & (following >= 0)
+    return torch.where(keep, following, torch.full_like(following, ignore_index))
+
+
+def cp_roll_after_split(logits, labels, ctx):
+    """Labels shifted after the CP split (inclusionAI/AReaL PR #1223 moved the roll before it): wrong labels
+    at chunk ends, and a valid-token count from those labels. Meaningful on next-token data only."""
+    _require(ctx, "cross_entropy")
+    ignore = ctx.loss.ignore_index
+    rolled = _rolled_labels(ctx.current, ignore)
+    count = _once(ctx, "rolled_count", lambda: _all_reduced_count(
+        [sum(int((_rolled_labels(mb, ignore) != ignore).sum()) for mb in ctx.micro_batches)], ctx.dp_cp_group,
+        ctx.device)[0])
+    valid = rolled != ignore
+    token_loss = vocab_parallel_cross_entropy(logits, rolled, ctx, valid=valid)
+    return Reduced(_reduced(token_loss, ctx, valid, count), token_loss=token_loss, num_tokens=count)
+
+
+def full_vocab_through_tp(logits, labels, ctx):
+    """Megatron-LM's vocab_parallel_cross_entropy called on logits already gathered over TP (an output layer
+    with gather_output=True): every rank takes itself for the owner of columns [tp V, (tp + 1) V)."""
+    _require(ctx, "cross_entropy")
+    gathered = gather_columns(logits, ctx.tp_group)
+    return vocab_parallel_cross_entropy(gathered, labels, ctx, vocab_start=ctx.tp_rank * gathered.shape[-1],
+                                        vocab_size=gathered.shape[-1] * ctx.tp_size)
+
+
+CATALOGUE = {
+    "correct": correct,
+    "smoothing_partition_vocab": smoothing_partition_vocab,
+    "smoothing_log_after_exp": smoothing_log_after_exp,
+    "smoothing_backward_partition": smoothing_backward_partition,
+    "smoothing_local_sum": smoothing_local_sum,
+    "smoothing_convention_swap": smoothing_convention_swap,
+    "full_vocab_through_tp": full_vocab_through_tp,
+    "no_max_shift": no_max_shift,
+    "ignore_index_unmasked": ignore_index_unmasked,
+    "mean_over_all_rows": mean_over_all_rows,
+    "none_divides_grad": none_divides_grad,
+    "grad_output_first": grad_output_first,
+    "grad_rounded_early": grad_rounded_early,
+    "zloss_on_ignored": zloss_on_ignored,
+    "zloss_grad_after_smoothing": zloss_grad_after_smoothing,
+    "kd_no_t2": kd_no_t2,
+    "kd_double_t2": kd_double_t2,
+    "kd_cross_entropy_value": kd_cross_entropy_value,
+    "kd_local_softmax": kd_local_softmax,
+    "kd_untracked_allreduce": kd_untracked_allreduce,
+    "dp_local_mean": dp_local_mean,
+    "ga_microbatch_mean": ga_microbatch_mean,
+    "cp_stats_dp_only": cp_stats_dp_only,
+    "cp_roll_after_split": cp_roll_after_split,
+}
+KIND = {name: ("kd" if name.startswith("kd_") else "cross_entropy") for name in CATALOGUE}
+for _name in ("correct", "mean_over_all_rows", "dp_local_mean", "ga_microbatch_mean", "cp_stats_dp_only"):
+    KIND[_name] = "any"
+
+__all__ = [*CATALOGUE, "CATALOGUE", "KIND", "NotApplicable"]

@@ -1,0 +1,92 @@
+"""Loss functions the harness and command-line tests run on real ranks (importable by the rank processes)."""
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from lossverify.torch import Reduced
+from lossverify.torch.implementations import vocab_parallel_cross_entropy
+
+
+def full_rows_cross_entropy(logits, labels, ctx):
+    """tp = 1 only: torch's own cross-entropy on whole rows, per token."""
+    alpha = ctx.loss.label_smoothing
+    return torch.nn.functional.cross_entropy(logits.float(), labels, label_smoothing=alpha, reduction="none",
+                                             ignore_index=ctx.loss.ignore_index)
+
+
+def reduced_mean(logits, labels, ctx):
+    """An already reduced loss, normalised the way a correct training loop does it."""
+    token_loss = vocab_parallel_cross_entropy(logits, labels, ctx)
+    loss = token_loss.sum() / ctx.num_valid_tokens / ctx.framework_factor
+    return Reduced(loss, token_loss=token_loss, num_tokens=ctx.num_valid_tokens)
+
+
+def returns_scalar(logits, labels, ctx):
+    token_loss = vocab_parallel_cross_entropy(logits, labels, ctx)
+    return token_loss.sum() / ctx.num_valid_tokens / ctx.framework_factor
+
+
+def wrong_shape(logits, labels, ctx):
+    return vocab_parallel_cross_entropy(logits, labels, ctx).unsqueeze(0).expand(2, -1)
+
+
+class _SoftmaxInPlace(torch.autograd.Function):
+    """Cross-entropy on whole rows that turns its float32 input into the softmax in place to save memory,
+    as Megatron-LM's vocab_parallel_cross_entropy does; the loss and gradient are right."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, ignore_index):
+        x = logits.float()  # the input itself when it is float32
+        valid = labels != ignore_index
+        target = x.gather(1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        x -= x.max(dim=-1, keepdim=True).values
+        target = target - (target - x.gather(1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1))
+        x.exp_()
+        total = x.sum(dim=-1)
+        x /= total.unsqueeze(-1)
+        ctx.save_for_backward(x, labels, valid)
+        return torch.where(valid, total.log() - target, torch.zeros_like(total))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        softmax, labels, valid = ctx.saved_tensors
+        grad = softmax.clone()
+        grad[torch.arange(grad.shape[0]), labels.clamp(min=0)] -= 1.0
+        grad *= (grad_output * valid).unsqueeze(-1)
+        return grad, None, None
+
+
+def modifies_logits_in_place(logits, labels, ctx):
+    """tp = 1: right loss and gradient, but the input logits end up holding the softmax."""
+    return _SoftmaxInPlace.apply(logits, labels, ctx.loss.ignore_index)
+
+
+def raises_on_rank_1(logits, labels, ctx):
+    """Rank 1 raises while the other ranks wait for it in a collective."""
+    if ctx.rank == 1:
+        raise ValueError("deliberate failure on rank 1")
+    return vocab_parallel_cross_entropy(logits, labels, ctx)
+
+
+def hangs_on_rank_0(logits, labels, ctx):
+    """Rank 0 never returns (no collective involved)."""
+    if ctx.rank == 0:
+        while True:
+            time.sleep(0.05)
+    return vocab_parallel_cross_entropy(logits, labels, ctx)
+
+
+def waits_for_a_message_never_sent(logits, labels, ctx):
+    """Rank 0 waits for a message rank 1 never sends; rank 1 then waits for rank 0 in the TP all-reduce."""
+    if ctx.rank == 0:
+        dist.recv(torch.zeros(1), src=1)
+    return vocab_parallel_cross_entropy(logits, labels, ctx)
+
+
+def mismatched_collectives(logits, labels, ctx):
+    """Rank 0 all-reduces one number where its TP peer all-reduces a row statistic: gloo aborts rank 0."""
+    if ctx.rank == 0:
+        dist.all_reduce(torch.zeros(1), group=ctx.tp_group)
+    return vocab_parallel_cross_entropy(logits, labels, ctx)

@@ -1,0 +1,51 @@
+"""Shared by the tests: where the repository's cases and golden outcomes are, and the lossverify binary.
+
+The tests run against a real lossverify executable: LOSSVERIFY_BIN, else `lossverify` on PATH, else the
+build tree (python/../build/release/cli/lossverify). None of them is skipped when it is missing: they fail,
+saying where they looked, so CI cannot pass without checking anything.
+"""
+
+import glob
+import json
+import os
+
+PYTHON_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(PYTHON_DIR)
+CASES = os.path.join(REPO, "cases")
+GOLDEN = os.path.join(REPO, "golden")
+DUMP_FIXTURES = os.path.join(REPO, "tests", "data", "dumps")
+
+
+def case_path(name):
+    return os.path.join(CASES, name + ".json")
+
+
+def case_names():
+    return sorted(os.path.basename(p)[:-5] for p in glob.glob(os.path.join(CASES, "*.json")))
+
+
+def read_case(name):
+    with open(case_path(name), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def golden(name):
+    """{implementation (kebab-case): {"verdict": ..., "failing_checks": [...]}} of a case."""
+    with open(os.path.join(GOLDEN, name + ".json"), encoding="utf-8") as f:
+        return json.load(f)["outcomes"]
+
+
+def loss_kind(name):
+    return read_case(name).get("loss", {}).get("kind", "cross_entropy")
+
+
+def next_token_labels(name):
+    """Whether the case's labels are next-token labels (the default when it has packed sequences)."""
+    batch = read_case(name).get("batch")
+    return bool(batch) and batch.get("labels", "next_token") == "next_token"
+
+
+def keep_dir(*parts):
+    """LOSSVERIFY_TEST_KEEP=DIR keeps every check's inputs, dumps and reports under DIR (a CI artifact)."""
+    root = os.environ.get("LOSSVERIFY_TEST_KEEP")
+    return os.path.join(root, *parts) if root else None

@@ -1,0 +1,24 @@
+"""The correct PyTorch implementation passes every shipped case at tp = 1, 2 and 4 (each case's own cp, dp
+and ga), with the margins lossverify's own kernels have: at most half an ulp for 16-bit gradients."""
+
+import unittest
+
+import lossverify.torch as lvt
+from support import case_names, case_path, keep_dir
+
+CORRECT = "lossverify.torch.implementations:correct"
+
+
+class CorrectPassesEveryCase(unittest.TestCase):
+    def test_every_case_at_tp_1_2_4(self):
+        for name in case_names():
+            for tp in (1, 2, 4):
+                with self.subTest(case=name, tp=tp):
+                    report = lvt.check(CORRECT, case_path(name), tp=tp, keep_dump=keep_dir("correct", f"{name}-tp{tp}"))
+                    report.assert_pass()
+                    worst = max(m for m in report.margins.values() if m is not None)
+                    self.assertLess(worst, 0.51, report.table())
+
+
+if __name__ == "__main__":
+    unittest.main()

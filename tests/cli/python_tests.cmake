@@ -1,0 +1,26 @@
+# The Python package (python/lossverify): its unittest modules, each one CTest test, run by Debian's python3
+# (the one that sees python3-torch) against this build's lossverify. They must run, not skip: without torch
+# the suite fails saying how to install it.
+set(PYTHON_DIR ${PROJECT_SOURCE_DIR}/python)
+execute_process(COMMAND ${LOSSVERIFY_SYSTEM_PYTHON} -c "import torch" RESULT_VARIABLE torch_missing
+                OUTPUT_QUIET ERROR_QUIET)
+if(torch_missing)
+  add_test(NAME python_torch_missing
+    COMMAND bash -c "echo '${LOSSVERIFY_SYSTEM_PYTHON} cannot import torch: run scripts/install-deps.sh (Debian python3-torch)'; exit 1")
+  return()
+endif()
+foreach(module test_safetensors test_report test_inputs test_dump test_harness test_cli test_golden_correct test_golden_bugs)
+  add_test(NAME python_${module}
+    COMMAND ${LOSSVERIFY_SYSTEM_PYTHON} -m unittest discover -s tests -p ${module}.py -v
+    WORKING_DIRECTORY ${PYTHON_DIR})
+  set_tests_properties(python_${module} PROPERTIES TIMEOUT 900
+    ENVIRONMENT "LOSSVERIFY_BIN=$<TARGET_FILE:lossverify>;PYTHONPATH=${PYTHON_DIR};PYTHONDONTWRITEBYTECODE=1")
+endforeach()
+# The package installs with pip (from a copy: a build writes into the source folder), pulling nothing:
+# torch is the environment's own.
+set(PIP_WORK ${CMAKE_CURRENT_BINARY_DIR}/pip_install)
+add_test(NAME python_pip_install
+  COMMAND bash -c "rm -rf ${PIP_WORK} && mkdir -p ${PIP_WORK} && cp -r ${PYTHON_DIR}/pyproject.toml ${PYTHON_DIR}/README.md \
+    ${PYTHON_DIR}/lossverify ${PIP_WORK}/ && ${LOSSVERIFY_SYSTEM_PYTHON} -m pip install --no-build-isolation --no-deps \
+    --quiet --target ${PIP_WORK}/site ${PIP_WORK} && cd / && PYTHONPATH=${PIP_WORK}/site ${LOSSVERIFY_SYSTEM_PYTHON} -c \
+    'import lossverify.torch.implementations, lossverify.dump; print(\"installed\", lossverify.__file__)'")
