@@ -410,8 +410,7 @@ void run_typed(const lv_rank_inputs& in, lv_rank_outputs& out, const Options& op
 void run(const lv_rank_inputs& in, lv_rank_outputs& out, const Collectives& comm) {
   check_rank_inputs(in, out);
   if (in.memory != LV_MEMORY_HOST) throw std::invalid_argument("inputs are not in host memory");
-  // A rank without rows may get null arrays, so only a rank with rows needs the teacher's.
-  if (in.loss.kind == LV_LOSS_KD && in.rows > 0 && in.teacher_logits == nullptr) {
+  if (in.loss.kind == LV_LOSS_KD && in.teacher_logits == nullptr) {
     throw std::invalid_argument("KD without teacher logits");
   }
   const Options options = parse_options(in.params);
@@ -426,17 +425,8 @@ void run(const lv_rank_inputs& in, lv_rank_outputs& out, const Collectives& comm
   throw std::invalid_argument("unknown dtype " + std::to_string(static_cast<int>(in.dtype)));
 }
 
-// No exception may cross the C ABI: every failure becomes run_rank's error message.
 int run_rank(const lv_rank_inputs* inputs, lv_rank_outputs* outputs, const lv_collectives* collectives) {
-  try {
-    run(*inputs, *outputs, Collectives(*collectives));
-    return 0;
-  } catch (const std::exception& e) {
-    std::snprintf(outputs->error, sizeof outputs->error, "%s", e.what());
-  } catch (...) {
-    std::snprintf(outputs->error, sizeof outputs->error, "unknown exception");
-  }
-  return 1;
+  return run_guarded(*outputs, [&] { run(*inputs, *outputs, Collectives(*collectives)); });
 }
 
 int check_params(const char* params, char* error, size_t error_size) {

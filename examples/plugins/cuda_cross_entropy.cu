@@ -411,17 +411,8 @@ void run(const lv_rank_inputs& in, lv_rank_outputs& out, const Collectives& comm
   throw std::invalid_argument("unknown dtype " + std::to_string(static_cast<int>(in.dtype)));
 }
 
-// No exception may cross the C ABI: every failure becomes run_rank's error message.
 int run_rank(const lv_rank_inputs* inputs, lv_rank_outputs* outputs, const lv_collectives* collectives) {
-  try {
-    run(*inputs, *outputs, Collectives(*collectives));
-    return 0;
-  } catch (const std::exception& e) {
-    std::snprintf(outputs->error, sizeof outputs->error, "%s", e.what());
-  } catch (...) {
-    std::snprintf(outputs->error, sizeof outputs->error, "unknown exception");
-  }
-  return 1;
+  return run_guarded(*outputs, [&] { run(*inputs, *outputs, Collectives(*collectives)); });
 }
 
 int check_params(const char* params, char* error, size_t error_size) {

@@ -52,6 +52,20 @@ inline int check_bug_parameter(const char* params, std::string_view known, char*
   }
 }
 
+// No exception may cross the C ABI: every failure becomes run_rank's nonzero return and its message.
+template <class Run>
+int run_guarded(lv_rank_outputs& out, Run&& run) {
+  try {
+    run();
+    return 0;
+  } catch (const std::exception& e) {
+    std::snprintf(out.error, sizeof out.error, "%s", e.what());
+  } catch (...) {
+    std::snprintf(out.error, sizeof out.error, "unknown exception");
+  }
+  return 1;
+}
+
 // ---- Collectives --------------------------------------------------------------------------------
 
 inline const char* group_name(lv_group group) {

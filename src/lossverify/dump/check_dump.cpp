@@ -27,18 +27,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using nlohmann::json;
 
-TensorDType tensor_dtype_of(DType d) {
-  switch (d) {
-    case DType::bf16:
-      return TensorDType::bf16;
-    case DType::fp16:
-      return TensorDType::f16;
-    case DType::fp32:
-    default:
-      return TensorDType::f32;
-  }
-}
-
 // Whether every global row lies in [0, 1] and sums to 1: softmax output where logits were expected (code that
 // overwrites its input in place, dumped after the call).
 bool rows_look_like_probabilities(const std::vector<std::byte>& rows, std::int64_t n, std::int64_t v, DType dtype) {

@@ -31,18 +31,6 @@ void prepare_folder(const std::string& dir) {
   }
 }
 
-TensorDType tensor_dtype(DType dtype) {
-  switch (dtype) {
-    case DType::bf16:
-      return TensorDType::bf16;
-    case DType::fp16:
-      return TensorDType::f16;
-    case DType::fp32:
-    default:
-      return TensorDType::f32;
-  }
-}
-
 std::string rank_file_name(int rank) { return "rank" + std::to_string(rank) + ".safetensors"; }
 
 // Writes one rank's tensors; returns its entry of the index.
@@ -51,7 +39,7 @@ nlohmann::json write_rank(const Case& c, const InputSource& inputs, int rank, co
   const std::vector<std::int64_t> shard_shape = {in.rows(), in.columns()};
   const std::vector<std::int64_t> rows_shape = {in.rows()};
   std::vector<TensorToWrite> tensors = {
-      {"logits", tensor_dtype(in.dtype), shard_shape, std::span<const std::byte>(in.logits)},
+      {"logits", tensor_dtype_of(in.dtype), shard_shape, std::span<const std::byte>(in.logits)},
       tensor_to_write("labels", TensorDType::i64, rows_shape, in.labels),
       tensor_to_write("loss_mask", TensorDType::boolean, rows_shape, in.loss_mask),
       tensor_to_write("tokens", TensorDType::i64, rows_shape, in.tokens),
@@ -60,7 +48,7 @@ nlohmann::json write_rank(const Case& c, const InputSource& inputs, int rank, co
       tensor_to_write("positions", TensorDType::i64, rows_shape, in.positions),
       tensor_to_write("upstream_weights", TensorDType::f64, rows_shape, in.upstream_weights)};
   if (!in.teacher_logits.empty()) {
-    tensors.push_back({"teacher_logits", tensor_dtype(in.dtype), shard_shape, std::span<const std::byte>(in.teacher_logits)});
+    tensors.push_back({"teacher_logits", tensor_dtype_of(in.dtype), shard_shape, std::span<const std::byte>(in.teacher_logits)});
   }
   const std::string file = rank_file_name(rank);
   write_safetensors((fs::path(dir) / file).string(), tensors, {{"format", kInputsFormat}, {"rank", std::to_string(rank)}});

@@ -59,6 +59,18 @@ std::int64_t checked_numel(const std::vector<std::int64_t>& shape) {
 
 }  // namespace
 
+TensorDType tensor_dtype_of(DType dtype) {
+  switch (dtype) {
+    case DType::bf16:
+      return TensorDType::bf16;
+    case DType::fp16:
+      return TensorDType::f16;
+    case DType::fp32:
+    default:
+      return TensorDType::f32;
+  }
+}
+
 std::string_view to_string(TensorDType dtype) {
   for (const auto& d : kDTypes) {
     if (d.dtype == dtype) return d.name;

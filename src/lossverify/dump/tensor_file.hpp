@@ -13,6 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "lossverify/core/dtype.hpp"
 #include "lossverify/core/errors.hpp"
 
 namespace lossverify::dump {
@@ -24,6 +25,9 @@ class DumpError : public Error {
 };
 
 enum class TensorDType { f64, f32, f16, bf16, i64, i32, i16, i8, u64, u32, u16, u8, boolean };
+
+// The tensor dtype that stores a case dtype (F32, BF16, F16).
+TensorDType tensor_dtype_of(DType dtype);
 
 // The safetensors spelling: F64, F32, F16, BF16, I64, ..., U8, BOOL.
 std::string_view to_string(TensorDType dtype);
