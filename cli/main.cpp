@@ -216,6 +216,7 @@ int command_run_mpi(const RunArguments& args, mpi::Session& session) {
       throw CaseError("--impl " + args.implementation + ": unknown implementation (see `lossverify list`)");
     }
     for (const Case& c : cases) {
+      require_supported(*find_implementation(args.implementation), c);
       if (c.layout.world_size() != session.size()) {
         throw CaseError(c.source + ": layout tp*cp*dp = " + std::to_string(c.layout.tp) + "*" +
                         std::to_string(c.layout.cp) + "*" + std::to_string(c.layout.dp) + " = " +

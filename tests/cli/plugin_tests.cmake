@@ -55,3 +55,6 @@ add_test(NAME cli_plugin_bundle_replays
 add_test(NAME cli_plugin_cuda COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/cli/cuda_plugin.sh ${LV}
   $<$<TARGET_EXISTS:lossverify_example_cuda_plugin>:$<TARGET_FILE:lossverify_example_cuda_plugin>> ${CASES})
 set_tests_properties(cli_plugin_cuda PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 600)
+lossverify_cli_test(plugin_shrink 0 "layout      tp=4 cp=1 dp=1 ga=1 -> tp=2" --present ${OUT}/plugin_shrunk.json
+  -- ${LV} shrink ${CASES}/smoothing-pytorch.json --impl "plugin:${CPU_PLUGIN}?bug=smoothing-partition-vocab"
+     --out ${OUT}/plugin_shrunk.json --threads 1)

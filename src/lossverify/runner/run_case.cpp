@@ -104,6 +104,13 @@ void check_fault_rank(const FaultInjection& fault, int world_size) {
 
 }  // namespace
 
+void require_supported(const Implementation& impl, const Case& c) {
+  if (impl.plugin != nullptr && !applies_to(impl, c.loss.kind)) {
+    throw CaseError(c.source + ": the plugin " + impl.name + " does not compute " + std::string(to_string(c.loss.kind)) +
+                    " losses (its lv_plugin.losses)");
+  }
+}
+
 RunOptions options_for(const Implementation& impl, const RunOptions& options) {
   if (impl.plugin == nullptr) return options;
   RunOptions effective = options;
@@ -257,10 +264,7 @@ RunResult run_case(const Case& c, const RunOptions& requested, bool keep_snapsho
   if (impl == nullptr) {
     throw CaseError("--impl " + requested.implementation + ": unknown implementation (see `lossverify list`)");
   }
-  if (impl->plugin != nullptr && !applies_to(*impl, c.loss.kind)) {
-    throw CaseError(c.source + ": the plugin " + impl->name + " does not compute " + std::string(to_string(c.loss.kind)) +
-                    " losses (its lv_plugin.losses)");
-  }
+  require_supported(*impl, c);
   const RunOptions options = options_for(*impl, requested);
   check_case(c);
   const auto start = Clock::now();

@@ -53,6 +53,8 @@ struct ExecutionInfo {
 // Resolves the options for a world of `world_size` ranks; throws CaseError for an impossible request
 // (--collectives nccl with fewer GPUs than ranks) and InternalError when the GPUs or NCCL are missing.
 ExecutionInfo resolve_execution(const RunOptions& options, int world_size);
+// A plugin runs only the losses it declares: CaseError naming the case otherwise.
+void require_supported(const Implementation& impl, const Case& c);
 // The options an implementation runs under: a plugin declares its memory (a device-memory plugin runs on
 // the GPUs, judged by the CPU reference). Throws CaseError for a request the plugin cannot meet.
 RunOptions options_for(const Implementation& impl, const RunOptions& options);
