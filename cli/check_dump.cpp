@@ -45,7 +45,7 @@ int run_check_dump(const CheckDumpArguments& args) {
   std::unique_ptr<dump::DumpProblem> first;
   Verdict verdict = Verdict::pass;
   for (dump::Manifest& manifest : manifests) {
-    auto problem = dump::load_dump(std::move(manifest));
+    auto problem = dump::load_dump(std::move(manifest), sweep);
     if (first) dump::require_same_problem(*first, *problem);
     RunResult result = dump::check_dump(*problem, options);
     if (!args.quiet) dump::print_dump_summary(std::cout, *problem, result);

@@ -419,7 +419,7 @@ TEST_CASE("check_dump_sweep_compares_layouts_of_one_problem") {
     const InputSource inputs(c);
     const RankRun ranks = execute_ranks(c, inputs, *find_implementation(impl), options);
     const fs::path dir = write_dump(c, inputs, ranks.outputs, "sweep-tp" + std::to_string(tp) + "-" + impl);
-    return dump::load_dump((dir / "manifest.json").string());
+    return dump::load_dump((dir / "manifest.json").string(), /*fingerprint_inputs=*/true);
   };
   dump::DumpCheckOptions keep;
   keep.threads = 2;

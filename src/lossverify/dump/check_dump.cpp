@@ -71,7 +71,8 @@ struct Located {
 
 class Loader {
  public:
-  explicit Loader(DumpProblem& p) : p_(p), m_(p.manifest), c_(p.manifest.the_case) {}
+  Loader(DumpProblem& p, bool fingerprint_inputs)
+      : p_(p), m_(p.manifest), c_(p.manifest.the_case), fingerprint_inputs_(fingerprint_inputs) {}
 
   void run() {
     const auto start = Clock::now();
@@ -105,7 +106,7 @@ class Loader {
       c_.loss.upstream_weights.values = upstream_;
     }
     p_.logits_look_like_probabilities = rows_look_like_probabilities(data_.student, n, v, c_.inputs.dtype);
-    p_.inputs_fingerprint = fingerprint(data_);
+    if (fingerprint_inputs_) p_.inputs_fingerprint = fingerprint(data_);
     p_.inputs = std::make_unique<InputSource>(c_, std::move(data_));
     fill_not_dumped();
     p_.load_seconds = std::chrono::duration<double>(Clock::now() - start).count();
@@ -401,6 +402,7 @@ class Loader {
   DumpProblem& p_;
   Manifest& m_;
   Case& c_;
+  bool fingerprint_inputs_ = false;
   bool kd_ = false;
   ExplicitInputs data_;
   std::vector<double> upstream_;
@@ -485,18 +487,20 @@ std::string ref_text(const TensorRef& ref) { return ref.name.empty() ? ref.file 
 
 }  // namespace
 
-std::unique_ptr<DumpProblem> load_dump(Manifest manifest) {
+std::unique_ptr<DumpProblem> load_dump(Manifest manifest, bool fingerprint_inputs) {
   auto problem = std::make_unique<DumpProblem>();
   problem->manifest = std::move(manifest);
   problem->implementation.name = problem->manifest.implementation;
   problem->implementation.summary = "the implementation that wrote the dump";
   problem->implementation.source = problem->manifest.path;
   problem->implementation.signal = "";
-  Loader(*problem).run();
+  Loader(*problem, fingerprint_inputs).run();
   return problem;
 }
 
-std::unique_ptr<DumpProblem> load_dump(const std::string& manifest_path) { return load_dump(load_manifest(manifest_path)); }
+std::unique_ptr<DumpProblem> load_dump(const std::string& manifest_path, bool fingerprint_inputs) {
+  return load_dump(load_manifest(manifest_path), fingerprint_inputs);
+}
 
 void require_same_problem(const DumpProblem& first, const DumpProblem& other) {
   const Case& a = first.manifest.the_case;
@@ -511,7 +515,10 @@ void require_same_problem(const DumpProblem& first, const DumpProblem& other) {
   }
   if (a.inputs.dtype != b.inputs.dtype) throw DumpError(where + "its dtype differs");
   if (a.batch.sequence_lengths != b.batch.sequence_lengths) throw DumpError(where + "its sequences (cu_seqlens) differ");
-  if (first.inputs_fingerprint != other.inputs_fingerprint) {
+  if (!first.inputs_fingerprint || !other.inputs_fingerprint) {
+    throw InternalError("require_same_problem: load the dumps with fingerprint_inputs");
+  }
+  if (*first.inputs_fingerprint != *other.inputs_fingerprint) {
     throw DumpError(where + "its logits, teacher logits, labels or loss mask differ from the first dump's");
   }
 }

@@ -6,6 +6,7 @@
 // RankOutput, and the same distributed verification (verify_rank on thread ranks) and report follow.
 #include <iosfwd>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -30,7 +31,8 @@ struct DumpProblem {
   std::uint64_t bytes_read = 0;
   double load_seconds = 0.0;
   bool logits_look_like_probabilities = false;  // every row in [0, 1], summing to 1
-  std::uint64_t inputs_fingerprint = 0;          // of the global logits, teacher logits, labels and mask
+  // Of the global logits, teacher logits, labels and mask; taken only when asked for (sweeps compare them).
+  std::optional<std::uint64_t> inputs_fingerprint;
 
   DumpProblem() = default;
   DumpProblem(const DumpProblem&) = delete;
@@ -39,8 +41,9 @@ struct DumpProblem {
 
 // Reads and validates every tensor the manifest names and reassembles the global problem. Throws
 // DumpError / CaseError (exit code 2) naming the file and tensor for anything malformed or inconsistent.
-std::unique_ptr<DumpProblem> load_dump(Manifest manifest);
-std::unique_ptr<DumpProblem> load_dump(const std::string& manifest_path);
+// `fingerprint_inputs`: also hash the reassembled inputs, for require_same_problem (one more pass over them).
+std::unique_ptr<DumpProblem> load_dump(Manifest manifest, bool fingerprint_inputs = false);
+std::unique_ptr<DumpProblem> load_dump(const std::string& manifest_path, bool fingerprint_inputs = false);
 
 struct DumpCheckOptions {
   int threads = 0;  // OpenMP threads in all (0: the hardware's)
