@@ -18,7 +18,7 @@ flags=(-std=c++20 -O1 -g -fno-omit-frame-pointer -fsanitize=fuzzer,address,undef
        -Isrc -I/usr/include/eigen3)
 # The readers and what they parse with (the case file's sections for the manifest).
 sources=(src/lossverify/dump/tensor_file.cpp src/lossverify/dump/manifest.cpp src/lossverify/case/case.cpp
-         src/lossverify/case/json_reader.cpp src/lossverify/core/dtype.cpp src/lossverify/checks/tolerances.cpp
+         src/lossverify/case/json_reader.cpp src/lossverify/core/dtype.cpp src/lossverify/core/strings.cpp src/lossverify/checks/tolerances.cpp
          src/lossverify/layout/rank_layout.cpp src/lossverify/layout/global_batch.cpp)
 status=0
 for target in "${targets[@]}"; do

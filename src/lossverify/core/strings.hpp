@@ -10,6 +10,13 @@ inline void append_to_list(std::string& list, std::string_view item, std::string
   list += item;
 }
 
+// Whether text is well-formed UTF-8 (RFC 3629).
+bool is_valid_utf8(std::string_view text);
+
+// Text safe to print on a terminal and to store in JSON: control characters, backslashes and bytes that
+// are not well-formed UTF-8 become escapes (\n, \t, \r, \\, \xHH); everything else is kept as is.
+std::string printable(std::string_view text);
+
 // Text for XML attributes and character data: & < > " ' escaped.
 inline std::string xml_escape(std::string_view text) {
   std::string out;

@@ -1,0 +1,1 @@
+# Hostile-input suite: see tests/CMakeLists.txt.
