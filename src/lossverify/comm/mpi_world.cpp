@@ -171,7 +171,7 @@ class MpiCommunicator final : public Communicator {
   }
 
   void abort(const std::string& reason) override {
-    std::fprintf(stderr, "lossverify: rank %d aborted the run: %s\n", g_world_rank, reason.c_str());
+    std::fprintf(stderr, "lossverify: rank %d aborted the run: %s\n", g_world_rank, printable_message(reason).c_str());
     let_output_drain();
     g_finished = true;
     MPI_Abort(MPI_COMM_WORLD, static_cast<int>(ExitCode::internal_error));
@@ -252,7 +252,7 @@ Communicator& Session::world() { return *state_->world; }
 void Session::set_timeout(double seconds) { state_->watch->timeout_seconds = seconds; }
 
 void Session::abort(int exit_code, const std::string& message) {
-  std::fprintf(stderr, "lossverify: rank %d: %s\n", g_world_rank, message.c_str());
+  std::fprintf(stderr, "lossverify: rank %d: %s\n", g_world_rank, printable_message(message).c_str());
   let_output_drain();
   g_finished = true;
   MPI_Abort(MPI_COMM_WORLD, exit_code);

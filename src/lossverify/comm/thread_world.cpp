@@ -1,17 +1,20 @@
 #include "lossverify/comm/thread_world.hpp"
-#include "lossverify/core/strings.hpp"
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstring>
 #include <map>
-#include <optional>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
+#include "lossverify/comm/progress_beacon.hpp"
 #include "lossverify/core/errors.hpp"
+#include "lossverify/core/strings.hpp"
 
 namespace lossverify {
 
@@ -25,25 +28,43 @@ class RankAborted : public std::runtime_error {
   RankAborted() : std::runtime_error("aborted because another rank failed") {}
 };
 
+struct GroupState;
+
+// Where a rank waits: the collective it entered and has not left, its group, and since when.
+struct Wait {
+  const GroupState* group = nullptr;  // null: the rank is not waiting in a collective
+  const char* what = "";
+  Clock::time_point since;
+};
+
 struct WorldState {
-  explicit WorldState(double timeout) : timeout_seconds(timeout) {}
+  WorldState(int ranks, double timeout)
+      : timeout_seconds(timeout),
+        beacons(static_cast<std::size_t>(ranks)),
+        waits(static_cast<std::size_t>(ranks)),
+        finished(static_cast<std::size_t>(ranks), 0) {}
   const double timeout_seconds;
   std::atomic<bool> aborted{false};
-  std::mutex mutex;
-  std::exception_ptr first_error;  // guarded by mutex
-  std::atomic<std::int64_t> last_activity_ns{0};
-  std::atomic<int> waiting{0};  // ranks inside a collective; their own deadline covers them
+  std::mutex error_mutex;
+  std::exception_ptr first_error;  // guarded by error_mutex
+  std::vector<ProgressBeacon> beacons;  // by world rank
+  // One lock for every group's barrier state and for `waits`, so that the watchdog sees who waits for
+  // whom consistently.
+  std::mutex sync;
+  std::vector<Wait> waits;  // by world rank; guarded by sync
+  std::vector<char> finished;  // by world rank: its function returned or threw; guarded by sync
 
   void record(std::exception_ptr error) {
     {
-      std::lock_guard lock(mutex);
+      std::lock_guard lock(error_mutex);
       if (!first_error) first_error = std::move(error);
     }
     aborted = true;
   }
-  void touch() { last_activity_ns = Clock::now().time_since_epoch().count(); }
 };
 
+// A group's barrier state, guarded by its world's `sync` (each rank fills its own slot and count before
+// it arrives).
 struct GroupState {
   GroupState(std::shared_ptr<WorldState> w, std::vector<int> members)
       : world(std::move(w)),
@@ -56,7 +77,6 @@ struct GroupState {
   std::shared_ptr<WorldState> world;
   std::vector<int> world_ranks;
   int size;
-  std::mutex mutex;
   std::condition_variable cv;
   int arrived = 0;
   std::uint64_t generation = 0;
@@ -163,14 +183,16 @@ class ThreadCommunicator final : public Communicator {
 
  private:
   // The barrier under every collective. `completion` runs once, in the last rank to arrive, under the
-  // group's lock, before anyone leaves (std::barrier's completion step, plus a deadline and an abort).
+  // world's lock, before anyone leaves (std::barrier's completion step, plus an abort). Entering and
+  // leaving are progress; in between, the rank is recorded as waiting, which the watchdog judges.
   template <class Completion>
   void wait_for_all(const char* what, Completion&& completion) {
     GroupState& g = *group_;
     WorldState& w = *g.world;
-    std::unique_lock lock(g.mutex);
+    ProgressBeacon& beacon = w.beacons[static_cast<std::size_t>(world_rank())];
+    beacon.beat();
+    std::unique_lock lock(w.sync);
     if (w.aborted) throw RankAborted();
-    w.touch();
     const std::uint64_t generation = g.generation;
     g.present[static_cast<std::size_t>(rank_)] = 1;
     if (++g.arrived == g.size) {
@@ -185,45 +207,152 @@ class ThreadCommunicator final : public Communicator {
       }
       g.arrived = 0;
       std::fill(g.present.begin(), g.present.end(), 0);
+      for (const int r : g.world_ranks) {  // released: progress, before they wake to beat themselves
+        w.waits[static_cast<std::size_t>(r)] = Wait{};
+        w.beacons[static_cast<std::size_t>(r)].beat();
+      }
       ++g.generation;
       g.cv.notify_all();
-      return;
-    }
-    const auto deadline = Clock::now() + std::chrono::duration<double>(w.timeout_seconds);
-    struct Waiting {
-      std::atomic<int>& count;
-      explicit Waiting(std::atomic<int>& c) : count(c) { ++count; }
-      ~Waiting() { --count; }
-    } waiting(w.waiting);
-    while (g.generation == generation) {
-      if (w.aborted) throw RankAborted();
-      if (Clock::now() >= deadline) {
-        std::string missing;
-        for (int r = 0; r < g.size; ++r) {
-          if (!g.present[static_cast<std::size_t>(r)]) {
-            append_to_list(missing, std::to_string(g.world_ranks[static_cast<std::size_t>(r)]));
-          }
+    } else {
+      // Cleared by the rank that completes the group, or here on an abort: a record never outlives the
+      // wait, so the group it points to is alive while the watchdog can read it.
+      Wait& mine = w.waits[static_cast<std::size_t>(world_rank())];
+      mine = Wait{&g, what, Clock::now()};
+      while (g.generation == generation) {
+        if (w.aborted) {
+          mine = Wait{};
+          throw RankAborted();
         }
-        char seconds[32];
-        std::snprintf(seconds, sizeof(seconds), "%g", w.timeout_seconds);
-        w.record(std::make_exception_ptr(TimeoutError(std::string("deadlock guard: ") + what + " waited " + seconds +
-                                                      " s; rank(s) " + missing + " never arrived")));
-        throw RankAborted();
+        g.cv.wait_for(lock, std::chrono::milliseconds(20));
       }
-      g.cv.wait_for(lock, std::chrono::milliseconds(20));
     }
+    lock.unlock();
+    beacon.beat();
   }
 
   std::shared_ptr<GroupState> group_;
   int rank_;
 };
 
+// The deadlock guard. Time counts only while a rank waits inside a collective: the guard fires when a
+// rank has waited longer than the timeout and every rank it waits for, directly or through ranks that
+// wait in turn, has made no progress (its beacon has not moved) for longer than the timeout too. It
+// names the ranks at the ends of those chains, the ones that are not waiting; when every rank reached
+// waits (a cycle: ranks calling collectives in different orders), it names them and their collectives.
+// When no rank waits at all, it fires once no running rank has made progress for the timeout.
+class Watchdog {
+ public:
+  explicit Watchdog(WorldState& world)
+      : world_(world),
+        timeout_(std::chrono::duration<double>(world.timeout_seconds)),
+        seen_(world.beacons.size(), 0),
+        progressed_(world.beacons.size(), Clock::now()) {}
+
+  // Samples the beacons; returns the error message when the guard fires. Called every few tens of ms.
+  std::optional<std::string> check(Clock::time_point now) {
+    // Sampled under the lock that releases waits, which beats the released ranks: a rank seen neither
+    // waiting nor beating has really been silent.
+    std::lock_guard lock(world_.sync);
+    for (std::size_t r = 0; r < seen_.size(); ++r) {
+      const std::uint64_t beats = world_.beacons[r].beats();
+      if (beats != seen_[r]) {
+        seen_[r] = beats;
+        progressed_[r] = now;
+      }
+    }
+    for (std::size_t r = 0; r < seen_.size(); ++r) {
+      const Wait& wait = world_.waits[r];
+      if (wait.group == nullptr || now - wait.since <= timeout_) continue;
+      const Blame blame = blame_for(*wait.group);
+      if (std::all_of(blame.chain.begin(), blame.chain.end(), [&](int k) { return stalled(k, now); })) {
+        return message(wait.what, blame);
+      }
+    }
+    return silent_world(now);
+  }
+
+ private:
+  bool stalled(int rank, Clock::time_point now) const {
+    return now - progressed_[static_cast<std::size_t>(rank)] > timeout_;
+  }
+
+  // No rank waits in a collective and none of the running ones has made progress for the timeout: a rank
+  // hung outside every collective that no wait will reveal (a world of one rank). Under world_.sync.
+  std::optional<std::string> silent_world(Clock::time_point now) const {
+    std::vector<int> running;
+    for (std::size_t r = 0; r < seen_.size(); ++r) {
+      if (world_.finished[r]) continue;
+      if (world_.waits[r].group != nullptr || !stalled(static_cast<int>(r), now)) return std::nullopt;
+      running.push_back(static_cast<int>(r));
+    }
+    if (running.empty()) return std::nullopt;
+    char seconds[32];
+    std::snprintf(seconds, sizeof(seconds), "%g", world_.timeout_seconds);
+    return std::string("deadlock guard: no rank made progress for ") + seconds + " s; rank(s) " + join(running) +
+           " never reached a collective";
+  }
+
+  // The ranks a wait in `group` waits for, followed through those that wait in turn (`chain`), and
+  // those of them that are not waiting in a collective (`roots`). Under world_.sync.
+  struct Blame {
+    std::vector<int> chain, roots;
+  };
+  Blame blame_for(const GroupState& group) const {
+    Blame blame;
+    std::vector<char> reached(seen_.size(), 0);
+    std::vector<const GroupState*> pending = {&group};
+    while (!pending.empty()) {
+      const GroupState& g = *pending.back();
+      pending.pop_back();
+      for (int m = 0; m < g.size; ++m) {
+        const int r = g.world_ranks[static_cast<std::size_t>(m)];
+        if (g.present[static_cast<std::size_t>(m)] || reached[static_cast<std::size_t>(r)]) continue;
+        reached[static_cast<std::size_t>(r)] = 1;
+        blame.chain.push_back(r);
+        const GroupState* next = world_.waits[static_cast<std::size_t>(r)].group;
+        if (next != nullptr) {
+          pending.push_back(next);
+        } else {
+          blame.roots.push_back(r);
+        }
+      }
+    }
+    std::sort(blame.chain.begin(), blame.chain.end());
+    std::sort(blame.roots.begin(), blame.roots.end());
+    return blame;
+  }
+
+  std::string message(const char* what, const Blame& blame) const {
+    char seconds[32];
+    std::snprintf(seconds, sizeof(seconds), "%g", world_.timeout_seconds);
+    std::string text = std::string("deadlock guard: ") + what + " waited " + seconds + " s; rank(s) ";
+    if (!blame.roots.empty()) return text + join(blame.roots) + " never arrived";
+    std::string cycle;
+    for (const int r : blame.chain) {
+      const char* where = world_.waits[static_cast<std::size_t>(r)].what;
+      append_to_list(cycle, "rank " + std::to_string(r) + ": " + where);
+    }
+    return text + join(blame.chain) + " never arrived, each waiting in a different collective (" + cycle +
+           "): a deadlock cycle";
+  }
+
+  static std::string join(const std::vector<int>& ranks) {
+    std::string list;
+    for (const int r : ranks) append_to_list(list, std::to_string(r));
+    return list;
+  }
+
+  WorldState& world_;
+  const std::chrono::duration<double> timeout_;
+  std::vector<std::uint64_t> seen_;           // each rank's beats at the last sample
+  std::vector<Clock::time_point> progressed_;  // when they last moved
+};
+
 }  // namespace
 
 void run_thread_ranks(const ThreadWorldOptions& options, const std::function<void(Communicator&)>& rank_main) {
   if (options.ranks < 1) throw InternalError("thread backend needs at least one rank");
-  auto world = std::make_shared<WorldState>(options.timeout_seconds);
-  world->touch();
+  auto world = std::make_shared<WorldState>(options.ranks, options.timeout_seconds);
   std::vector<int> members(static_cast<std::size_t>(options.ranks));
   for (int r = 0; r < options.ranks; ++r) members[static_cast<std::size_t>(r)] = r;
   auto top = std::make_shared<GroupState>(world, members);
@@ -241,6 +370,7 @@ void run_thread_ranks(const ThreadWorldOptions& options, const std::function<voi
   threads.reserve(static_cast<std::size_t>(options.ranks));
   for (int r = 0; r < options.ranks; ++r) {
     threads.emplace_back([world, top, done, r, main_function] {
+      ProgressBeacon::set_current(&world->beacons[static_cast<std::size_t>(r)]);
       try {
         ThreadCommunicator comm(top, r);
         (*main_function)(comm);
@@ -253,29 +383,27 @@ void run_thread_ranks(const ThreadWorldOptions& options, const std::function<voi
       } catch (...) {
         world->record(std::make_exception_ptr(InternalError("rank " + std::to_string(r) + ": unknown exception")));
       }
+      {
+        std::lock_guard sync(world->sync);
+        world->finished[static_cast<std::size_t>(r)] = 1;
+      }
       std::lock_guard lock(done->mutex);
       ++done->finished;
       done->cv.notify_all();
     });
   }
 
-  // Watchdog: when no rank is inside a collective and none has reached one for the timeout (every rank
-  // stuck outside the collectives), the run times out too; ranks waiting in a collective have their own.
-  // After an abort, ranks get a grace period to unwind; any still running are detached.
-  const auto timeout = std::chrono::duration<double>(options.timeout_seconds);
+  // This thread is the watchdog. After an abort, ranks get a grace period to unwind; any still running
+  // are detached.
+  Watchdog watchdog(*world);
   const auto grace = std::chrono::seconds(2);
   std::unique_lock lock(done->mutex);
   std::optional<Clock::time_point> aborted_at;
   while (done->finished < options.ranks) {
     done->cv.wait_for(lock, std::chrono::milliseconds(50));
     const auto now = Clock::now();
-    if (!world->aborted && world->waiting == 0) {
-      const auto idle = now.time_since_epoch() - Clock::duration(world->last_activity_ns.load());
-      if (idle > timeout) {
-        world->record(std::make_exception_ptr(
-            TimeoutError("deadlock guard: no rank reached a collective for " +
-                         std::to_string(static_cast<int>(options.timeout_seconds)) + " s")));
-      }
+    if (!world->aborted) {
+      if (auto message = watchdog.check(now)) world->record(std::make_exception_ptr(TimeoutError(*message)));
     }
     if (world->aborted) {
       if (!aborted_at) aborted_at = now;

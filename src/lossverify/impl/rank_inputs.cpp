@@ -1,5 +1,7 @@
 #include "lossverify/impl/rank_inputs.hpp"
 
+#include "lossverify/comm/progress_beacon.hpp"
+
 namespace lossverify {
 
 namespace {
@@ -8,8 +10,10 @@ template <class T>
 void fill_logits(const InputSource& inputs, const RankAssignment& a, bool teacher, T* out, int threads) {
   const VocabRange vocab = a.vocab;
   const auto rows = static_cast<std::int64_t>(a.rows.size());
+  ProgressBeacon* const beacon = ProgressBeacon::current();  // captured on the rank thread
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
   for (std::int64_t i = 0; i < rows; ++i) {
+    beat_row(beacon, i);
     const LocalRow& row = a.rows[static_cast<std::size_t>(i)];
     T* dst = out + i * vocab.size();
     if (row.token < 0) {

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <limits>
 
+#include "lossverify/comm/progress_beacon.hpp"
 #include "lossverify/math/cross_entropy_math.hpp"
 #include "lossverify/math/kd_math.hpp"
 #include "lossverify/impl/rank_plan.hpp"
@@ -58,6 +59,7 @@ class RankKernel {
     if (kd()) teacher.resize(student.size());
 #pragma omp parallel for num_threads(threads_) schedule(static) if (threads_ > 1)
     for (std::int64_t i = 0; i < rows(); ++i) {
+      beat_row(beacon_, i);
       const LocalRow& row = out_.assignment.rows[static_cast<std::size_t>(i)];
       T* s = student.data() + i * work_.size();
       if (row.token < 0) {
@@ -133,6 +135,7 @@ class RankKernel {
     if (!bugs_.no_max_shift) {
 #pragma omp parallel for num_threads(threads_) schedule(static) if (threads_ > 1)
       for (std::int64_t i = 0; i < n; ++i) {
+        beat_row(beacon_, i);
         if (!plan(i).active) continue;
         const T* x = row_of(i);
         float m = kNegInf;
@@ -151,6 +154,7 @@ class RankKernel {
     float* sum_shifted = smoothing ? packed.data() + 2 * n : nullptr;
 #pragma omp parallel for num_threads(threads_) schedule(static) if (threads_ > 1)
     for (std::int64_t i = 0; i < n; ++i) {
+      beat_row(beacon_, i);
       if (!plan(i).active) continue;
       const T* x = row_of(i);
       const float m = row_max[static_cast<std::size_t>(i)];
@@ -179,6 +183,7 @@ class RankKernel {
         std::vector<float> sum_log_p(static_cast<std::size_t>(n), 0.0f);
 #pragma omp parallel for num_threads(threads_) schedule(static) if (threads_ > 1)
         for (std::int64_t i = 0; i < n; ++i) {
+          beat_row(beacon_, i);
           if (!plan(i).active) continue;
           const T* x = row_of(i);
           const float m = row_max[static_cast<std::size_t>(i)];
@@ -216,6 +221,7 @@ class RankKernel {
     const std::int64_t target_shift = owner_base - work_.begin;  // column c is the target if c + shift == label
 #pragma omp parallel for num_threads(threads_) schedule(static) if (threads_ > 1)
     for (std::int64_t i = 0; i < n; ++i) {
+      beat_row(beacon_, i);
       const auto k = static_cast<std::size_t>(i);
       const RowPlan& p = plan(i);
       if (!p.active) continue;
@@ -268,6 +274,7 @@ class RankKernel {
     std::vector<float> maxima(static_cast<std::size_t>(2 * n), kNegInf);
     std::vector<std::int64_t> local_argmax(static_cast<std::size_t>(n), 0);
     for (std::int64_t i = 0; i < n; ++i) {
+      beat_row(beacon_, i);
       if (!plan(i).active) continue;
       for (std::int64_t v = 0; v < cols; ++v) {
         const float a = a_of(i, v);
@@ -285,6 +292,7 @@ class RankKernel {
     const int width = cross_entropy_value ? 4 : 3;
     std::vector<float> packed(static_cast<std::size_t>(width * n), 0.0f);
     for (std::int64_t i = 0; i < n; ++i) {
+      beat_row(beacon_, i);
       if (!plan(i).active) continue;
       const float ma = maxima[static_cast<std::size_t>(i)];
       const float mb = maxima[static_cast<std::size_t>(n + i)];
@@ -331,6 +339,7 @@ class RankKernel {
     // 4. Gradient T^(s-1) (Q - P) of this rank's columns.
     T* grad = reinterpret_cast<T*>(out_.grad.data());
     for (std::int64_t i = 0; i < n; ++i) {
+      beat_row(beacon_, i);
       const auto k = static_cast<std::size_t>(i);
       const RowPlan& p = plan(i);
       if (!p.active) continue;
@@ -359,6 +368,8 @@ class RankKernel {
   RankGroups groups_;
   const BugSwitches& bugs_;
   int threads_;
+  // Captured on the rank thread, where current() is this rank's: the OpenMP workers beat through it.
+  ProgressBeacon* const beacon_ = ProgressBeacon::current();
   RankOutput out_;
   std::optional<RankPlan> plan_;
   VocabRange work_;

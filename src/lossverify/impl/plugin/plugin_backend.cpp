@@ -143,6 +143,9 @@ class PluginRank {
     context.groups[LV_GROUP_DP_CP] = &groups_.batch;
     context.memory = memory_;
     const lv_collectives table{&context, plugin_allreduce, plugin_group_size, plugin_group_rank};
+    // Native code cannot beat the rank's progress beacon: to the deadlock guard, the plugin's compute
+    // between its collectives (whose entries and exits do count) gets the timeout as its grace period.
+    // The split above is its last beat before the call.
     const int status = call_plugin(abi_in, abi_out, table);
     plugin_memory::wait_for_device(memory_);  // work a plugin left queued on its own streams
     if (context.failure) std::rethrow_exception(context.failure);
