@@ -1,7 +1,14 @@
 #include "check_dump.hpp"
 
-#include <iostream>
+#include "options.hpp"
 
+#include <filesystem>
+#include <iostream>
+#include <optional>
+
+#include "lossverify/core/errors.hpp"
+#include "lossverify/core/output_path.hpp"
+#include "lossverify/core/strings.hpp"
 #include "lossverify/dump/check_dump.hpp"
 #include "lossverify/report/report.hpp"
 
@@ -11,17 +18,35 @@ void register_check_dump(CLI::App& app, CheckDumpCommand& command) {
   command.app = app.add_subcommand(
       "check-dump", "check a training step dumped by a framework (manifest + safetensors/.npy tensors) against the "
                     "float64 reference; several manifests of one problem at different layouts add the invariance check");
-  command.app->add_option("--manifest", command.args.manifests,
-                          "the dump's manifest (lossverify.dump/1 JSON); repeat for the same problem at other layouts")
-      ->required()
+  command.app->add_option("manifests", command.args.manifests,
+                          "the dump's manifest (lossverify.dump/1 JSON); several: the same problem at other layouts");
+  command.app->add_option("--manifest", command.args.named_manifests,
+                          "a manifest, as the positional ones (repeatable; checked after them)")
       ->allow_extra_args(false);
+  command.app->add_flag("--allow-outside-dump", command.args.allow_outside_dump,
+                        "read tensor files outside the manifest's folder (absolute paths, ../, symlinks out of it); "
+                        "by default every tensor file, symlinks resolved, must lie in that folder");
   command.app->add_option("--report", command.args.report_path, "write the JSON report here (atomically)");
   command.app->add_flag("--quiet,-q", command.args.quiet, "print nothing; rely on the exit code and the report");
   command.app->add_option("--threads", command.args.threads, "OpenMP threads for the reference (default: all)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(thread_count());
+  command.app->footer(exit_codes("0 all checks pass, 1 a check failed, 2 usage error or a malformed dump, 3 internal error"));
 }
 
 namespace {
+
+// What check-dump reads, which its report must not overwrite: the manifests and the files of their folders.
+std::vector<std::string> dump_inputs(const std::vector<std::string>& manifests) {
+  std::vector<std::string> files = manifests;
+  for (const std::string& manifest : manifests) {
+    std::error_code error;
+    const std::filesystem::path folder = std::filesystem::path(manifest).parent_path();
+    for (const auto& entry : std::filesystem::directory_iterator(folder.empty() ? "." : folder, error)) {
+      files.push_back(entry.path().string());
+    }
+  }
+  return files;
+}
 
 nlohmann::json layout_of(const Case& c) {
   return "tp" + std::to_string(c.layout.tp) + "-cp" + std::to_string(c.layout.cp) + "-dp" + std::to_string(c.layout.dp) +
@@ -31,16 +56,25 @@ nlohmann::json layout_of(const Case& c) {
 }  // namespace
 
 int run_check_dump(const CheckDumpArguments& args) {
-  // Every manifest is parsed and validated before any tensor is read.
+  std::vector<std::string> paths = args.manifests;
+  paths.insert(paths.end(), args.named_manifests.begin(), args.named_manifests.end());
+  if (paths.empty()) {
+    throw CaseError("check-dump needs a manifest: lossverify check-dump MANIFEST.json [MORE.json ...], or "
+                    "--manifest MANIFEST.json");
+  }
+  check_output_path("--report", args.report_path, dump_inputs(paths));
+  // Every manifest is parsed and validated (its tensor files confined to its folder) before any tensor is read.
+  dump::ManifestLimits limits;
+  limits.allow_outside_folder = args.allow_outside_dump;
   std::vector<dump::Manifest> manifests;
-  for (const std::string& path : args.manifests) manifests.push_back(dump::load_manifest(path));
+  for (const std::string& path : paths) manifests.push_back(dump::load_manifest(path, limits));
   const bool sweep = manifests.size() > 1;
   dump::DumpCheckOptions options;
   options.threads = args.threads;
   options.keep_snapshot = sweep;
 
   std::vector<nlohmann::json> runs;
-  std::vector<LayoutSnapshot> snapshots;
+  std::optional<InvarianceCheck> invariance_check;  // of a sweep: each dump against the first as it comes
   std::vector<std::string> layouts;
   std::unique_ptr<dump::DumpProblem> first;
   Verdict verdict = Verdict::pass;
@@ -51,16 +85,19 @@ int run_check_dump(const CheckDumpArguments& args) {
     if (!args.quiet) dump::print_dump_summary(std::cout, *problem, result);
     if (result.verdict == Verdict::fail) verdict = Verdict::fail;
     runs.push_back(dump::dump_run_to_json(*problem, result));
-    if (sweep) {
-      snapshots.push_back(std::move(*result.snapshot));
-      layouts.push_back(layout_of(result.the_case));
+    if (!first) {
+      first = std::move(problem);  // kept for the comparison of inputs; the others are freed
+      if (sweep) invariance_check.emplace(first->manifest.the_case);
     }
-    if (!first) first = std::move(problem);  // kept for the comparison of inputs; the others are freed
+    if (sweep) {
+      layouts.push_back(layout_of(result.the_case));
+      invariance_check->add(std::move(*result.snapshot), layouts.back());
+    }
   }
   nlohmann::json sweeps = nlohmann::json::array();
   if (sweep) {
     const Case& c = first->manifest.the_case;
-    const CheckResult invariance = invariance_check(c, snapshots, layouts);
+    const CheckResult invariance = invariance_check->result();
     if (invariance.verdict == Verdict::fail) verdict = Verdict::fail;
     if (!args.quiet) {
       std::cout << "invariance over " << layouts.size() << " dumps: "
@@ -77,8 +114,8 @@ int run_check_dump(const CheckDumpArguments& args) {
   if (!args.report_path.empty()) {
     nlohmann::json report = make_report(sweep ? "sweep" : "check-dump", runs, code);
     if (sweep) report["sweeps"] = encode_nonfinite(sweeps);
-    write_file_atomically(args.report_path, report.dump(2) + "\n");
-    if (!args.quiet) std::cout << "report written to " << args.report_path << "\n";
+    write_file_atomically(args.report_path, json_text(report, 2) + "\n");
+    if (!args.quiet) std::cout << "report written to " << printable(args.report_path) << "\n";
   }
   return static_cast<int>(code);
 }

@@ -1,16 +1,20 @@
 #pragma once
-// `lossverify check-dump --manifest dump/manifest.json`: checks a training step dumped by a framework.
+// `lossverify check-dump dump/manifest.json` (or `--manifest dump/manifest.json`): checks a training step
+// dumped by a framework.
 #include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
 namespace lossverify::cli {
 
 struct CheckDumpArguments {
-  std::vector<std::string> manifests;
+  std::vector<std::string> manifests;        // positional
+  std::vector<std::string> named_manifests;  // after --manifest: checked after the positional ones
   std::string report_path;
   bool quiet = false;
   int threads = 0;
+  bool allow_outside_dump = false;  // tensor files may lie outside their manifest's folder
 };
 
 struct CheckDumpCommand {
@@ -21,7 +25,8 @@ struct CheckDumpCommand {
 
 // Adds the subcommand to `app`; the returned object must outlive app.parse().
 void register_check_dump(CLI::App& app, CheckDumpCommand& command);
-// Runs it: 0 pass, 1 a check failed; throws lossverify::Error (exit 2 for a malformed dump or manifest).
+// Runs it: 0 pass, 1 a check failed; throws lossverify::Error (exit 2 for a malformed dump or manifest, or
+// no manifest at all).
 int run_check_dump(const CheckDumpArguments& args);
 
 }  // namespace lossverify::cli

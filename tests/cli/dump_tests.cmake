@@ -66,8 +66,8 @@ lossverify_dump_test(good_wrong_grad 1 "grad +FAIL .*, 1: .* row .* of .*rank1.s
 lossverify_dump_test(good_npy_and_inline 0 "verdict: pass"
   -- ${LV} check-dump --manifest ${BAD_DUMPS}/good_npy_and_inline/manifest.json)
 
-# Command line: the manifest is required; a manifest that is not there is a usage error.
-lossverify_cli_test(check_dump_no_manifest 2 "--manifest is required" -- ${LV} check-dump)
+# Command line: a manifest is required; a manifest that is not there is a usage error.
+lossverify_cli_test(check_dump_no_manifest 2 "check-dump needs a manifest" -- ${LV} check-dump)
 lossverify_cli_test(check_dump_missing_manifest 2 "no-such/manifest.json: cannot open manifest"
   -- ${LV} check-dump --manifest ${DUMP_OUT}/no-such/manifest.json)
 

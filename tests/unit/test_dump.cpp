@@ -347,6 +347,96 @@ TEST_CASE("manifest: rows, ranks, coordinates and sequences") {
   CHECK(error([](json& j) { j["loss"] = {{"label_smoothing", 0.1}, {"smoothing_convention", "pytorch"}}; }).empty());
 }
 
+// Tensor files must lie in the manifest's folder, symlinks resolved, unless allowed: absolute paths, ../ and
+// symlinks out of the folder are errors naming the JSON path that names the file; inside, anything goes.
+TEST_CASE("manifest: tensor files are confined to the manifest's folder") {
+  const fs::path dir = temp_folder("confined");
+  fs::create_directories(dir / "dump" / "sub");
+  fs::create_directories(dir / "elsewhere");
+  write_bytes(dir / "elsewhere" / "x.safetensors", "");
+  write_bytes(dir / "dump" / "sub" / "x.safetensors", "");
+  fs::create_symlink(dir / "elsewhere" / "x.safetensors", dir / "dump" / "out.safetensors");
+  fs::create_symlink("sub/x.safetensors", dir / "dump" / "in.safetensors");
+  fs::create_symlink(dir / "elsewhere" / "missing.safetensors", dir / "dump" / "dangling.safetensors");
+  const json base = {{"format", "lossverify.dump/1"},
+                     {"shape", {{"tokens", 2}, {"vocab", 4}}},
+                     {"dtype", "fp32"},
+                     {"layout", {{"tp", 2}}},
+                     {"ranks",
+                      {{{"rank", 0}, {"vocab", {0, 2}}, {"file", "r0.safetensors"}, {"rows", {json::array({0, 2})}},
+                        {"tensors", {{"logits", "x"}, {"grad_logits", "g"}, {"labels", "y"}, {"token_loss", "l"}}}},
+                       {{"rank", 1}, {"vocab", {2, 4}}, {"file", "r1.safetensors"}, {"rows", {json::array({0, 2})}},
+                        {"tensors", {{"logits", "x"}, {"grad_logits", {{"file", "g1.npy"}}}, {"labels", "y"},
+                                     {"token_loss", "l"}}}}}}};
+  const std::string manifest = (dir / "dump" / "manifest.json").string();
+  auto error = [&](const std::function<void(json&)>& edit, bool allow = false) {
+    json j = base;
+    edit(j);
+    dump::ManifestLimits limits;
+    limits.allow_outside_folder = allow;
+    try {
+      dump::parse_manifest(j, manifest, limits);
+    } catch (const Error& e) {
+      CHECK(e.code() == ExitCode::usage_error);
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  const std::string outside = "outside the dump's folder " + fs::canonical(dir / "dump").string() + " (symlinks resolved)";
+  CHECK(error([](json&) {}).empty());
+  // inside: a subfolder, a symlink to a file in it, an absolute path into the folder, a ../ that comes back
+  CHECK(error([](json& j) { j["ranks"][1]["file"] = "sub/r1.safetensors"; }).empty());
+  CHECK(error([](json& j) { j["ranks"][1]["file"] = "in.safetensors"; }).empty());
+  CHECK(error([&](json& j) { j["ranks"][1]["file"] = (dir / "dump" / "r1.safetensors").string(); }).empty());
+  CHECK(error([](json& j) { j["ranks"][1]["file"] = "../dump/r1.safetensors"; }).empty());
+  // outside: ../, an absolute path, a symlink out, a sibling folder whose name starts with the folder's
+  const std::string dotdot = error([](json& j) { j["ranks"][1]["file"] = "../elsewhere/r1.safetensors"; });
+  CHECK(dotdot.find(manifest + ": $.ranks[1].file: the tensor file ") == 0);
+  CHECK(dotdot.find("resolves to " + fs::canonical(dir).string() + "/elsewhere/r1.safetensors, " + outside) != std::string::npos);
+  CHECK(dotdot.find("--allow-outside-dump") != std::string::npos);
+  CHECK(error([](json& j) { j["ranks"][1]["tensors"]["grad_logits"]["file"] = "/etc/g1.npy"; })
+            .find("$.ranks[1].tensors.grad_logits.file: the tensor file /etc/g1.npy resolves to /etc/g1.npy, " + outside) !=
+        std::string::npos);
+  CHECK(error([](json& j) { j["ranks"][0]["file"] = "out.safetensors"; }).find("$.ranks[0].file: ") != std::string::npos);
+  CHECK(error([](json& j) { j["ranks"][0]["file"] = "../dump-other/r0.safetensors"; }).find(outside) != std::string::npos);
+  CHECK(error([](json& j) { j["cu_seqlens"] = {{"file", "/tmp/cu.npy"}}; }).find("$.cu_seqlens.file: ") != std::string::npos);
+  CHECK(error([](json& j) { j["ranks"][0]["stats"] = {{"loss", {{"file", "../l.npy"}}}}; j["ranks"][1]["stats"] = {{"loss", "l"}}; })
+            .find("$.ranks[0].stats.loss.file: ") != std::string::npos);
+  // a symlink to nowhere (it could lead anywhere once its target appears)
+  CHECK(error([](json& j) { j["ranks"][0]["file"] = "dangling.safetensors"; })
+            .find("$.ranks[0].file: the tensor file " + (dir / "dump" / "dangling.safetensors").string() + " is a symlink to " +
+                  (dir / "elsewhere" / "missing.safetensors").string() + ", which does not exist") != std::string::npos);
+  // allowed: the same manifests parse
+  CHECK(error([](json& j) { j["ranks"][1]["file"] = "../elsewhere/r1.safetensors"; }, true).empty());
+  CHECK(error([](json& j) { j["ranks"][0]["file"] = "out.safetensors"; }, true).empty());
+  // a NUL would cut the name short where the system opens it
+  CHECK(error([](json& j) { j["ranks"][0]["file"] = std::string("r0.safetensors\0.npy", 19); })
+            .find("$.ranks[0].file: a file name must not hold a NUL character") != std::string::npos);
+  fs::remove_all(dir);
+}
+
+// Names with control characters or invalid UTF-8 (a folder's name) are stored and printed escaped.
+TEST_CASE("manifest: names are printable") {
+  const json base = {{"format", "lossverify.dump/1"},
+                     {"shape", {{"tokens", 2}, {"vocab", 2}}},
+                     {"dtype", "fp32"},
+                     {"implementation", "mine\x1b[2J"},
+                     {"ranks",
+                      {{{"rank", 0}, {"vocab", {0, 2}}, {"file", "r\x01.safetensors"}, {"rows", {json::array({0, 2})}},
+                        {"tensors", {{"logits", "x"}, {"grad_logits", "g"}, {"labels", "y"}, {"token_loss", "l"}}}}}}};
+  const dump::Manifest m = dump::parse_manifest(base, "odd\xff\x07/manifest.json");
+  CHECK(m.path == "odd\\xFF\\x07/manifest.json");
+  CHECK(m.the_case.name == "odd\\xFF\\x07");
+  CHECK(m.implementation == "mine\\x1B[2J");
+  CHECK(m.ranks[0].micro_batches[0].tensors.at("logits").file == "odd\xff\x07/r\x01.safetensors");  // to open
+  json bad = base;
+  bad["ranks"][0]["tensors"]["logits"] = {{"file", "x\x1b.bin"}};
+  CHECK_THROWS_WITH_AS(dump::parse_manifest(bad, "odd\xff/manifest.json"),
+                       "odd\\xFF/manifest.json: $.ranks[0].tensors.logits.file: expected a .safetensors or .npy file, got "
+                       "\"x\\x1B.bin\"",
+                       Error);
+}
+
 // A loss stored in bf16 (what torch and Liger-Kernel return for bf16 logits) is judged in bf16 units at the
 // exact value: correctly rounded losses pass (within half a unit); the same values declared float32 fail, and
 // values two units away fail.

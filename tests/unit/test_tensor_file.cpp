@@ -5,6 +5,8 @@
 #include <cmath>
 #include <filesystem>
 
+#include <sys/stat.h>
+
 #include <Eigen/Core>
 
 #include "dump_writer.hpp"
@@ -95,11 +97,14 @@ TEST_CASE("safetensors: malformed headers and offsets are errors naming the file
   const std::string good = safetensors_bytes({{"a", raw_tensor("F32", {2}, std::vector<float>{1, 2})}});
   CHECK(st_error(good).empty());
   CHECK(st_error(good.substr(0, 5)) == "x.safetensors: truncated safetensors file: 5 bytes, too short for the 8-byte header length");
-  CHECK(st_error(le64(1ull << 62) + good.substr(8)).find("header length 4611686018427387904 runs past the end of the file") != std::string::npos);
-  CHECK(st_error(le64(~0ull) + good.substr(8)).find("runs past the end") != std::string::npos);  // no overflow in 8 + n
+  CHECK(st_error(le64(1ull << 62) + good.substr(8)) ==
+        "x.safetensors: not a safetensors file (or a truncated one): the header length in its first 8 bytes exceeds "
+        "the file's " + std::to_string(good.size()) + " bytes");
+  CHECK(st_error(le64(~0ull) + good.substr(8)).find("exceeds the file's") != std::string::npos);  // no overflow in 8 + n
   CHECK(st_error(good.substr(0, good.size() - 1)).find("x.safetensors: tensor \"a\": data_offsets [0,8] run past the end of the data (7 bytes") == 0);
-  CHECK(st_error(header_file("[1, 2]", 0)).find("does not start with '{'") != std::string::npos);
-  CHECK(st_error(header_file("{\"a\": 1", 0)).find("safetensors header is not valid JSON") != std::string::npos);
+  CHECK(st_error(header_file("[1, 2]", 0)).find("not a safetensors file: its header does not start with '{'") != std::string::npos);
+  CHECK(st_error(header_file("{\"a\": 1", 0)) == "x.safetensors: safetensors header is not valid JSON");  // quotes none of it
+  CHECK(st_error(header_file("{", 0)).find("too short for JSON") != std::string::npos);
   CHECK(st_error(header_file("{\"a\": 1}", 0)).find("tensor \"a\": header entry is not an object") != std::string::npos);
   CHECK(st_error(header_file(R"({"a": {"dtype": "F8_E5M2", "shape": [1], "data_offsets": [0, 1]}})", 1)).find("unsupported dtype \"F8_E5M2\"") != std::string::npos);
   CHECK(st_error(header_file(R"({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}})", 4)).find("must hold non-negative integers") != std::string::npos);
@@ -114,6 +119,9 @@ TEST_CASE("safetensors: malformed headers and offsets are errors naming the file
         "x.safetensors: tensors \"a\" and \"b\" overlap (data_offsets [0, 8) and [4, 8))");
   CHECK(st_error(header_file(R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}})", 4)).find("repeats the key \"a\"") != std::string::npos);
   CHECK(st_error(header_file(R"({"__metadata__": {"k": 1}})", 0)).find("must be a string") != std::string::npos);
+  // names from the header are printed escaped (a terminal must not run their control characters)
+  CHECK(st_error(header_file(R"({"a\u001b[2J": {"dtype": "X\u0007", "shape": [1], "data_offsets": [0, 1]}})", 1)) ==
+        "x.safetensors: tensor \"a\\x1B[2J\": unsupported dtype \"X\\x07\" (this reader knows F64|F32|F16|BF16|I64|I32|I16|I8|U64|U32|U16|U8|BOOL)");
   // empty tensors may share an offset; gaps between tensors are allowed
   CHECK(st_error(header_file(R"({"e": {"dtype": "F32", "shape": [0], "data_offsets": [4, 4]}, "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "b": {"dtype": "U8", "shape": [1], "data_offsets": [6, 7]}})", 8)).empty());
 }
@@ -139,7 +147,8 @@ TEST_CASE(".npy: versions 1-3, scalars, dtypes; Fortran order, big-endian and tr
   CHECK(npy_error(npy_bytes("<f8", {2}, data)).find("holds 24 bytes") != std::string::npos);
   CHECK(npy_error("\x93NUMPY").find("truncated .npy file") != std::string::npos);
   CHECK(npy_error(std::string("\x93NUMPY\x04\x00\x10\x00", 10) + std::string(16, ' ')).find("version 4") != std::string::npos);
-  CHECK(npy_error(std::string("\x93NUMPY\x01\x00\xff\x7f", 10) + "{}").find("runs past the end of the file") != std::string::npos);
+  CHECK(npy_error(std::string("\x93NUMPY\x01\x00\xff\x7f", 10) + "{}") ==
+        "x.npy: truncated .npy file: its header runs past the end of the file (12 bytes)");  // not its length 32767
   CHECK(npy_error(std::string("XXNUMPY\x01\x00\x00\x00", 10)).find("no \\x93NUMPY magic") != std::string::npos);
   std::string bad = npy_bytes("<f8", {3}, data);
   bad.replace(bad.find("'shape'"), 7, "'shapf'");
@@ -147,6 +156,17 @@ TEST_CASE(".npy: versions 1-3, scalars, dtypes; Fortran order, big-endian and tr
   bad = npy_bytes("<f8", {3}, data);
   bad.replace(bad.find("(3, )"), 5, "(3,-1)");
   CHECK(npy_error(bad).find(".npy header:") != std::string::npos);
+  // the header quoted in a message: escaped, and no more than 200 characters of it
+  bad = npy_bytes("<f8", {3}, data);
+  bad.replace(bad.find("'shape'"), 7, "'\x1b[31m'");
+  CHECK(npy_error(bad).find(".npy header: unexpected or repeated key '\\x1B[31m' at offset ") != std::string::npos);
+  CHECK(npy_error(bad).find("), }\"") != std::string::npos);  // the whole (short) header, no "..."
+  const std::string long_header = "{'descr': '<f8', " + std::string(300, 'x') + "}";
+  std::string long_file = std::string("\x93NUMPY\x01\x00", 8) + std::string(1, static_cast<char>(long_header.size())) +
+                          std::string(1, static_cast<char>(long_header.size() >> 8)) + long_header;
+  const std::string long_error = npy_error(long_file);
+  CHECK(long_error.find("xxx...\"") != std::string::npos);
+  CHECK(long_error.size() < 320);
 }
 
 TEST_CASE("TensorFile: opens by extension, names what is missing, reads exactly the tensor's bytes") {
@@ -171,7 +191,18 @@ TEST_CASE("TensorFile: opens by extension, names what is missing, reads exactly 
   CHECK_THROWS_WITH_AS(TensorFile::open((dir / "r.bin").string()), doctest::Contains("expected .safetensors or .npy"), DumpError);
   CHECK_THROWS_WITH_AS(TensorFile::open(dir.string() + "/.safetensors"), doctest::Contains("cannot open"), DumpError);
   std::filesystem::create_directories(dir / "d.safetensors");
-  CHECK_THROWS_WITH_AS(TensorFile::open((dir / "d.safetensors").string()), doctest::Contains("not a regular file"), DumpError);
+  CHECK_THROWS_WITH_AS(TensorFile::open((dir / "d.safetensors").string()), doctest::Contains("d.safetensors: is a directory, not a regular file"), DumpError);
+  // A FIFO is refused at once, never opened for reading (that would wait for a writer forever); so is a device.
+  REQUIRE(::mkfifo((dir / "f.safetensors").c_str(), 0600) == 0);
+  CHECK_THROWS_WITH_AS(TensorFile::open((dir / "f.safetensors").string()), doctest::Contains("f.safetensors: is a FIFO, not a regular file"), DumpError);
+  CHECK_THROWS_WITH_AS(read_regular_file((dir / "f.safetensors").string(), "manifest"), doctest::Contains("is a FIFO, not a regular file"), DumpError);
+  CHECK_THROWS_WITH_AS(TensorFile::open("/dev/null/../null.npy"), doctest::Contains("cannot open"), DumpError);
+  std::filesystem::create_symlink("/dev/zero", dir / "z.npy");
+  CHECK_THROWS_WITH_AS(TensorFile::open((dir / "z.npy").string()), doctest::Contains("z.npy: is a character device, not a regular file"), DumpError);
+  CHECK_THROWS_WITH_AS(read_regular_file((dir / "none.json").string(), "manifest"), doctest::Contains("none.json: cannot open manifest: No such file"), DumpError);
+  // Odd bytes in a file's name are printed escaped.
+  write_bytes(dir / "odd\x1b\xff.safetensors", "short");
+  CHECK_THROWS_WITH_AS(TensorFile::open((dir / "odd\x1b\xff.safetensors").string()), doctest::Contains("odd\\x1B\\xFF.safetensors: truncated safetensors file: 5 bytes"), DumpError);
   // A file truncated after its header was read: the read fails, naming the tensor.
   std::filesystem::resize_file(dir / "r.safetensors", std::filesystem::file_size(dir / "r.safetensors") - 4);
   CHECK_THROWS_WITH_AS(st.read(st.tensor("y")), doctest::Contains("r.safetensors: tensor \"y\": the file ended early"), DumpError);

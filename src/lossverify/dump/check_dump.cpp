@@ -15,6 +15,7 @@
 
 #include "lossverify/checks/checks.hpp"
 #include "lossverify/comm/thread_world.hpp"
+#include "lossverify/core/strings.hpp"
 #include "lossverify/impl/cpu/sharded_loss.hpp"
 #include "lossverify/layout/rank_layout.hpp"
 #include "lossverify/reference/loss_reference.hpp"
@@ -127,7 +128,7 @@ class Loader {
       } catch (const DumpError& e) {
         throw DumpError(std::string(e.what()) + " (named by " + m_.path + " at " + ref.json_path + ")");
       }
-      p_.files.push_back(ref.file);
+      p_.files.push_back(printable(ref.file));
     }
     Located l;
     l.file = it->second.get();
@@ -483,7 +484,9 @@ DumpPlace place_of(const DumpProblem& p, const ElementRecord& w) {
   return place;
 }
 
-std::string ref_text(const TensorRef& ref) { return ref.name.empty() ? ref.file : ref.file + ":" + ref.name; }
+std::string ref_text(const TensorRef& ref) {
+  return ref.name.empty() ? printable(ref.file) : printable(ref.file) + ":" + printable(ref.name);
+}
 
 }  // namespace
 

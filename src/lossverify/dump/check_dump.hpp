@@ -27,7 +27,7 @@ struct DumpProblem {
   Implementation implementation;  // what produced the dump (name from the manifest)
   std::unique_ptr<InputSource> inputs;
   std::vector<RankOutput> outputs;  // world-rank order
-  std::vector<std::string> files;   // every tensor file read, in first-use order
+  std::vector<std::string> files;   // every tensor file read, in first-use order (printable, for the report)
   std::uint64_t bytes_read = 0;
   double load_seconds = 0.0;
   bool logits_look_like_probabilities = false;  // every row in [0, 1], summing to 1

@@ -2,10 +2,8 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
 #include <limits>
 #include <set>
-#include <sstream>
 
 #include "lossverify/case/json_reader.hpp"
 #include "lossverify/core/strings.hpp"
@@ -16,6 +14,7 @@ namespace lossverify::dump {
 using detail::fail_at;
 using detail::ObjectReader;
 using nlohmann::json;
+namespace fs = std::filesystem;
 
 std::int64_t RankSpec::row_count() const {
   std::int64_t n = 0;
@@ -33,32 +32,46 @@ namespace {
 std::string index_path(const std::string& path, std::size_t i) { return path + "[" + std::to_string(i) + "]"; }
 
 std::string resolve(const std::string& directory, const std::string& file) {
-  const std::filesystem::path p(file);
+  const fs::path p(file);
   if (p.is_absolute() || directory.empty()) return file;
-  return (std::filesystem::path(directory) / p).lexically_normal().string();
+  return (fs::path(directory) / p).lexically_normal().string();
+}
+
+// Whether `target` is `folder` or lies below it, both without symlinks or dot components (compared part by
+// part: /dump-other is not inside /dump).
+bool lies_inside(const fs::path& target, const fs::path& folder) {
+  auto t = target.begin();
+  for (const fs::path& part : folder) {
+    if (part.empty()) continue;  // a trailing separator
+    if (t == target.end() || *t != part) return false;
+    ++t;
+  }
+  return true;
 }
 
 class Parser {
  public:
   Parser(const std::string& path, const ManifestLimits& limits) : limits_(limits) {
-    m_.path = path;
-    m_.directory = std::filesystem::path(path).parent_path().string();
+    m_.path = printable(path);
+    m_.directory = fs::path(path).parent_path().string();
   }
 
   Manifest run(const json& doc) {
     ObjectReader root(doc, "$", m_.path);
     const std::string format = root.string("format");
     if (format != kManifestFormat) {
-      root.fail("format", "unsupported format \"" + format + "\" (this version reads " + kManifestFormat + ")");
+      root.fail("format",
+                "unsupported format \"" + printable(format) + "\" (this version reads " + kManifestFormat + ")");
     }
     build_case(root);
-    m_.implementation = root.string("implementation", "dump");
+    m_.implementation = printable(root.string("implementation", "dump"));
     if (m_.implementation.empty()) root.fail("implementation", "must not be empty");
     parse_cu_seqlens(root);
     parse_ranks(root);
     root.reject_unknown_keys();
     validate_layout();
     validate_tensors();
+    if (!limits_.allow_outside_folder) confine_to_folder();
     return std::move(m_);
   }
 
@@ -69,11 +82,11 @@ class Parser {
   // loss, shape, layout, framework and tolerances are the same in the manifest as in a case file.
   void build_case(ObjectReader& root) {
     json c = json::object();
-    c["name"] = root.string("name", std::filesystem::path(m_.path).parent_path().filename().string());
+    c["name"] = printable(root.string("name", fs::path(m_.directory).filename().string()));
     if (c["name"].get<std::string>().empty()) c["name"] = "dump";
-    c["description"] = root.string("description", "");
+    c["description"] = printable(root.string("description", ""));
     const std::string dtype = root.string("dtype");
-    if (!parse_dtype(dtype)) root.fail("dtype", "expected one of fp32|bf16|fp16, got \"" + dtype + "\"");
+    if (!parse_dtype(dtype)) root.fail("dtype", "expected one of fp32|bf16|fp16, got \"" + printable(dtype) + "\"");
     c["inputs"] = {{"dtype", dtype}};
     for (const char* key : {"shape", "loss", "layout", "framework", "tolerances"}) {
       if (root.has(key)) {
@@ -116,7 +129,7 @@ class Parser {
       for (std::size_t i = 0; i < v.size(); ++i) offsets.push_back(detail::as_integer(v[i], index_path(path, i), src()));
       set_sequences(offsets, path);
     } else {
-      m_.cu_seqlens = tensor_ref(v, path, "");
+      m_.cu_seqlens = tensor_ref(v, path, TensorRef{});
     }
   }
 
@@ -146,15 +159,24 @@ class Parser {
     m_.the_case.batch.sequence_lengths = sequence_lengths(offsets, m_.the_case.shape.tokens, src() + ": " + path);
   }
 
-  // {"file": ..., "name": ...} or a bare name in the rank's default file.
-  TensorRef tensor_ref(const json& v, const std::string& path, const std::string& default_file) {
+  // The file name at r's "file": not empty, and none that the system would cut short at a NUL character.
+  static std::string file_name(ObjectReader& r) {
+    std::string file = r.string("file");
+    if (file.empty()) r.fail("file", "must not be empty");
+    if (file.find('\0') != std::string::npos) r.fail("file", "a file name must not hold a NUL character");
+    return file;
+  }
+
+  // {"file": ..., "name": ...} or a bare name in the rank's default file (no file: none given).
+  TensorRef tensor_ref(const json& v, const std::string& path, const TensorRef& default_file) {
     TensorRef ref;
     ref.json_path = path;
     if (v.is_string()) {
-      if (default_file.empty()) {
+      if (default_file.file.empty()) {
         fail_at(src(), path, "a bare tensor name needs the rank's \"file\"; or give {\"file\": ..., \"name\": ...}");
       }
-      ref.file = default_file;
+      ref.file = default_file.file;
+      ref.file_json_path = default_file.file_json_path;
       ref.name = v.get<std::string>();
       if (ref.name.empty()) fail_at(src(), path, "tensor name must not be empty");
       if (ref.file.size() >= 4 && ref.file.ends_with(".npy")) {
@@ -163,19 +185,21 @@ class Parser {
       return ref;
     }
     ObjectReader r(v, path, src());
-    const std::string file = r.string("file");
-    if (file.empty()) r.fail("file", "must not be empty");
+    const std::string file = file_name(r);
     ref.file = resolve(m_.directory, file);
+    ref.file_json_path = r.path_of("file");
     ref.name = r.string("name", "");
     const bool npy = file.ends_with(".npy");
-    if (!npy && !file.ends_with(".safetensors")) r.fail("file", "expected a .safetensors or .npy file, got \"" + file + "\"");
+    if (!npy && !file.ends_with(".safetensors")) {
+      r.fail("file", "expected a .safetensors or .npy file, got \"" + printable(file) + "\"");
+    }
     if (npy && !ref.name.empty()) r.fail("name", "an .npy file holds one unnamed tensor: give no name");
     if (!npy && ref.name.empty()) r.fail("name", "a safetensors file needs the tensor's name");
     r.reject_unknown_keys();
     return ref;
   }
 
-  ScalarSpec scalar(ObjectReader& r, const std::string& key, const std::string& default_file, bool integer) {
+  ScalarSpec scalar(ObjectReader& r, const std::string& key, const TensorRef& default_file, bool integer) {
     ScalarSpec s;
     s.json_path = r.path_of(key);
     if (!r.has(key)) {
@@ -250,7 +274,7 @@ class Parser {
     return rows;
   }
 
-  MicroBatchSpec parse_micro_batch(ObjectReader& r, const std::string& default_file) {
+  MicroBatchSpec parse_micro_batch(ObjectReader& r, const TensorRef& default_file) {
     MicroBatchSpec mb;
     mb.json_path = r.path();
     mb.rows = parse_rows(r.raw("rows"), r.path_of("rows"));
@@ -328,11 +352,13 @@ class Parser {
         r.fail("vocab", "columns [" + std::to_string(rank.vocab.begin) + ", " + std::to_string(rank.vocab.end) +
                             ") must be a non-empty range inside [0, " + std::to_string(m_.the_case.shape.vocab) + ")");
       }
-      std::string default_file;
+      TensorRef default_file;
       if (r.has("file")) {
-        const std::string f = r.string("file");
-        if (!f.ends_with(".safetensors")) r.fail("file", "a rank's default file must be a .safetensors file");
-        default_file = resolve(m_.directory, f);
+        default_file.file = resolve(m_.directory, file_name(r));
+        default_file.file_json_path = r.path_of("file");
+        if (!default_file.file.ends_with(".safetensors")) {
+          r.fail("file", "a rank's default file must be a .safetensors file");
+        }
       } else {
         r.allow("file");
       }
@@ -536,6 +562,46 @@ class Parser {
     }
   }
 
+  // Every tensor file, symlinks resolved, must lie inside the manifest's folder, symlinks resolved: a
+  // manifest must not make lossverify read /etc/passwd (by an absolute path, ../ or a symlink in the dump).
+  // Checked before any tensor file is opened; a file that does not exist resolves as far as its folders do.
+  void confine_to_folder() const {
+    auto resolved = [&](const std::string& path, const std::string& where) {
+      std::error_code error;
+      fs::path p = fs::absolute(path.empty() ? "." : path, error);
+      if (!error) p = fs::weakly_canonical(p, error);
+      if (error) throw DumpError(where + ": cannot resolve " + printable(path) + ": " + error.message());
+      return p;
+    };
+    const fs::path folder = resolved(m_.directory, src() + ": the manifest's folder");
+    std::set<std::string> checked;
+    auto check = [&](const TensorRef& ref) {
+      if (!checked.insert(ref.file).second) return;
+      const fs::path target = resolved(ref.file, src() + ": " + ref.file_json_path);
+      std::error_code error;
+      if (fs::is_symlink(target, error)) {  // left unresolved: it leads nowhere (yet)
+        fail_at(src(), ref.file_json_path,
+                "the tensor file " + printable(ref.file) + " is a symlink to " +
+                    printable(fs::read_symlink(target, error).string()) + ", which does not exist");
+      }
+      if (lies_inside(target, folder)) return;
+      fail_at(src(), ref.file_json_path,
+              "the tensor file " + printable(ref.file) + " resolves to " + printable(target.string()) +
+                  ", outside the dump's folder " + printable(folder.string()) +
+                  " (symlinks resolved): move it into that folder, or pass --allow-outside-dump to check-dump to "
+                  "read tensor files wherever paths and symlinks lead");
+    };
+    if (m_.cu_seqlens) check(*m_.cu_seqlens);
+    for (const RankSpec& rank : m_.ranks) {
+      for (const MicroBatchSpec& mb : rank.micro_batches) {
+        for (const auto& [key, ref] : mb.tensors) check(ref);
+      }
+      for (const ScalarSpec* s : {&rank.loss, &rank.num_tokens}) {
+        if (s->kind == ScalarSpec::Kind::tensor) check(s->ref);
+      }
+    }
+  }
+
   Manifest m_;
   ManifestLimits limits_;
   std::int64_t total_rows_ = 0;
@@ -548,15 +614,11 @@ Manifest parse_manifest(const json& document, const std::string& path, const Man
 }
 
 json parse_manifest_text(const std::string& text, const std::string& path) {
-  return parse_json_without_duplicates(text, path, "manifest");
+  return parse_json_without_duplicates(text, printable(path), "manifest", true);
 }
 
 Manifest load_manifest(const std::string& path, const ManifestLimits& limits) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw DumpError(path + ": cannot open manifest");
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  return parse_manifest(parse_manifest_text(buffer.str(), path), path, limits);
+  return parse_manifest(parse_manifest_text(read_regular_file(path, "manifest"), path), path, limits);
 }
 
 std::vector<std::int64_t> sequence_lengths_from_cu_seqlens(const std::vector<std::int64_t>& offsets, std::int64_t n,

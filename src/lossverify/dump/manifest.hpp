@@ -3,9 +3,10 @@
 // configuration (the case file's own `loss`, `framework` and `tolerances` sections, parsed by the same
 // code so the semantics are identical to `run`), the global shape and dtype, the layout, and per rank its
 // coordinates, vocabulary columns, the global token positions of its rows (micro-batch by micro-batch) and
-// the files and tensor names of what it dumped. Parsing is strict and pure (no file is opened): unknown
-// keys, impossible layouts, missing or duplicated ranks, overlapping vocabulary shards and tokens held
-// twice or never are errors naming the manifest and the JSON path (exit code 2).
+// the files and tensor names of what it dumped. Parsing is strict and opens no file: unknown keys,
+// impossible layouts, missing or duplicated ranks, overlapping vocabulary shards, tokens held twice or never
+// and tensor files outside the manifest's folder are errors naming the manifest and the JSON path (exit
+// code 2). The last is the one check that looks at the file system (it resolves symlinks).
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -24,9 +25,10 @@ inline constexpr const char* kManifestFormat = "lossverify.dump/1";
 
 // A tensor in a file: safetensors key, or the whole .npy file (empty name).
 struct TensorRef {
-  std::string file;       // resolved against the manifest's folder
-  std::string name;       // safetensors key; empty for .npy
-  std::string json_path;  // where the manifest names it, for messages
+  std::string file;            // resolved against the manifest's folder: the path to open, printable() to show
+  std::string name;            // safetensors key; empty for .npy
+  std::string json_path;       // where the manifest names it, for messages
+  std::string file_json_path;  // where it names the file: json_path + ".file", or the rank's "$.ranks[i].file"
 };
 
 // A logged scalar: given inline in the manifest or as a one-element tensor.
@@ -70,8 +72,8 @@ struct Dumped {
 };
 
 struct Manifest {
-  std::string path;       // the manifest file
-  std::string directory;  // relative tensor paths resolve here
+  std::string path;       // the manifest file, printable: for messages and reports
+  std::string directory;  // relative tensor paths resolve here (as given: a path to open)
   std::string implementation = "dump";
   Case the_case;  // loss, shape, dtype, layout, framework, tolerances; batch from cu_seqlens
   std::optional<TensorRef> cu_seqlens;  // a tensor to read; inline cu_seqlens are already in the case
@@ -86,10 +88,13 @@ struct Manifest {
 
 struct ManifestLimits {
   std::int64_t max_rows = std::int64_t{1} << 26;  // rows of all ranks together, padding included
+  // Tensor files may lie outside the manifest's folder (check-dump --allow-outside-dump). Otherwise every
+  // tensor file the manifest names, symlinks resolved, must lie inside the folder, symlinks resolved too.
+  bool allow_outside_folder = false;
 };
 
 // Parse and validate a manifest document. `path` names it in messages and fixes the folder that relative
-// tensor paths resolve against.
+// tensor paths resolve against (and that tensor files must lie in, unless limits allow otherwise).
 Manifest parse_manifest(const nlohmann::json& document, const std::string& path, const ManifestLimits& limits = {});
 // Reads the file (strict JSON) and parses it.
 Manifest load_manifest(const std::string& path, const ManifestLimits& limits = {});

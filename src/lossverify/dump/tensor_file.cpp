@@ -11,6 +11,7 @@
 #include <cstring>
 #include <limits>
 #include <set>
+#include <utility>
 
 #include <Eigen/Core>
 #include <nlohmann/json.hpp>
@@ -26,6 +27,9 @@ namespace {
 [[noreturn]] void fail(const std::string& source, const std::string& message) {
   throw DumpError(source + ": " + message);
 }
+
+// A name from a header or a manifest, for messages: "name", printable.
+std::string quote_name(std::string_view name) { return std::string("\"").append(printable(name)).append("\""); }
 
 struct DTypeName {
   TensorDType dtype;
@@ -102,7 +106,8 @@ std::string TensorInfo::shape_string() const {
 }
 
 // Rejects duplicate keys in any object (nlohmann keeps the last one silently).
-nlohmann::json parse_json_without_duplicates(std::string_view text, const std::string& source, const char* what) {
+nlohmann::json parse_json_without_duplicates(std::string_view text, const std::string& source, const char* what,
+                                             bool quote_text) {
   std::vector<std::set<std::string>> keys;
   std::string duplicate;
   auto callback = [&](int /*depth*/, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
@@ -127,15 +132,15 @@ nlohmann::json parse_json_without_duplicates(std::string_view text, const std::s
   nlohmann::json doc;
   try {
     doc = nlohmann::json::parse(text.begin(), text.end(), callback);
-  } catch (const nlohmann::json::exception& e) {
-    fail(source, std::string(what) + " is not valid JSON: " + e.what());
+  } catch (const nlohmann::json::exception& e) {  // its message quotes the text near the error
+    fail(source, std::string(what) + " is not valid JSON" + (quote_text ? ": " + printable(e.what()) : ""));
   }
-  if (!duplicate.empty()) fail(source, std::string(what) + " repeats the key \"" + duplicate + "\"");
+  if (!duplicate.empty()) fail(source, std::string(what) + " repeats the key " + quote_name(duplicate));
   return doc;
 }
 
 std::string tensor_label(const std::string& path, const std::string& name) {
-  return name.empty() ? path : path + ": tensor \"" + name + "\"";
+  return name.empty() ? printable(path) : printable(path) + ": tensor " + quote_name(name);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -147,13 +152,16 @@ std::uint64_t safetensors_header_length(std::span<const std::byte> prefix, std::
     fail(source, "truncated safetensors file: " + std::to_string(file_size) +
                      " bytes, too short for the 8-byte header length");
   }
+  // n is whatever the first 8 bytes hold, of any file: never printed.
   const std::uint64_t n = read_le(prefix, 0, 8);
   if (n > file_size - 8) {
-    fail(source, "safetensors header length " + std::to_string(n) + " runs past the end of the file (" +
-                     std::to_string(file_size) + " bytes): truncated or not a safetensors file");
+    fail(source, "not a safetensors file (or a truncated one): the header length in its first 8 bytes exceeds the "
+                 "file's " + std::to_string(file_size) + " bytes");
   }
-  if (n > kMaxHeaderBytes) fail(source, "safetensors header length " + std::to_string(n) + " exceeds 100 MB");
-  if (n < 2) fail(source, "safetensors header of " + std::to_string(n) + " bytes cannot hold a JSON object");
+  if (n > kMaxHeaderBytes) {
+    fail(source, "not a safetensors file: the header length in its first 8 bytes exceeds the limit of 100 MB");
+  }
+  if (n < 2) fail(source, "not a safetensors file: the header length in its first 8 bytes is too short for JSON");
   return n;
 }
 
@@ -162,8 +170,8 @@ std::vector<TensorInfo> parse_safetensors_header(std::span<const std::byte> pref
   const std::uint64_t n = safetensors_header_length(prefix, file_size, source);
   if (prefix.size() < 8 + n) fail(source, "safetensors header: fewer bytes than its length says");
   const std::string_view text(reinterpret_cast<const char*>(prefix.data()) + 8, static_cast<std::size_t>(n));
-  if (text.front() != '{') fail(source, "safetensors header does not start with '{'");
-  const nlohmann::json header = parse_json_without_duplicates(text, source, "safetensors header");
+  if (text.front() != '{') fail(source, "not a safetensors file: its header does not start with '{'");
+  const nlohmann::json header = parse_json_without_duplicates(text, source, "safetensors header", false);
   if (!header.is_object()) fail(source, "safetensors header is not a JSON object");
   const std::uint64_t data_begin = 8 + n;
   const std::uint64_t data_size = file_size - data_begin;
@@ -172,16 +180,16 @@ std::vector<TensorInfo> parse_safetensors_header(std::span<const std::byte> pref
     if (name == "__metadata__") {
       if (!entry.is_object()) fail(source, "__metadata__ must be an object of strings");
       for (const auto& [key, value] : entry.items()) {
-        if (!value.is_string()) fail(source, "__metadata__[\"" + key + "\"] must be a string");
+        if (!value.is_string()) fail(source, "__metadata__[" + quote_name(key) + "] must be a string");
       }
       continue;
     }
-    const std::string where = tensor_label(source, name);
+    const std::string where = source + ": tensor " + quote_name(name);
     if (name.empty()) fail(source, "a tensor has an empty name");
     if (!entry.is_object()) throw DumpError(where + ": header entry is not an object");
     for (const auto& [key, value] : entry.items()) {
       if (key != "dtype" && key != "shape" && key != "data_offsets") {
-        throw DumpError(where + ": unknown header key \"" + key + "\" (expected dtype, shape, data_offsets)");
+        throw DumpError(where + ": unknown header key " + quote_name(key) + " (expected dtype, shape, data_offsets)");
       }
     }
     if (!entry.contains("dtype") || !entry["dtype"].is_string()) throw DumpError(where + ": missing string dtype");
@@ -202,7 +210,7 @@ std::vector<TensorInfo> parse_safetensors_header(std::span<const std::byte> pref
     if (!known) {
       std::string list;
       for (const auto& d : kDTypes) append_to_list(list, d.name, "|");
-      throw DumpError(where + ": unsupported dtype \"" + dtype + "\" (this reader knows " + list + ")");
+      throw DumpError(where + ": unsupported dtype " + quote_name(dtype) + " (this reader knows " + list + ")");
     }
     if (entry["shape"].size() > 16) throw DumpError(where + ": more than 16 dimensions");
     for (const auto& d : entry["shape"]) {
@@ -245,7 +253,7 @@ std::vector<TensorInfo> parse_safetensors_header(std::span<const std::byte> pref
     const TensorInfo& a = *by_offset[i - 1];
     const TensorInfo& b = *by_offset[i];
     if (b.offset < a.offset + a.bytes) {
-      fail(source, "tensors \"" + a.name + "\" and \"" + b.name + "\" overlap (data_offsets [" +
+      fail(source, "tensors " + quote_name(a.name) + " and " + quote_name(b.name) + " overlap (data_offsets [" +
                        std::to_string(a.offset - data_begin) + ", " + std::to_string(a.offset - data_begin + a.bytes) +
                        ") and [" + std::to_string(b.offset - data_begin) + ", " +
                        std::to_string(b.offset - data_begin + b.bytes) + "))");
@@ -334,10 +342,13 @@ class PyLiteral {
     skip();
     if (i_ != s_.size()) error("trailing characters after the header dict");
   }
+  // Quotes the header (past the magic: it is an .npy header), at most its first 200 characters.
   [[noreturn]] void error(const std::string& what) const {
-    std::string_view shown = s_;
+    constexpr std::size_t kQuoted = 200;
+    std::string_view shown = s_.substr(0, kQuoted);
     while (!shown.empty() && (shown.back() == ' ' || shown.back() == '\n')) shown.remove_suffix(1);
-    fail(source_, ".npy header: " + what + " at offset " + std::to_string(i_) + " of \"" + std::string(shown) + "\"");
+    fail(source_, ".npy header: " + what + " at offset " + std::to_string(i_) + " of \"" + printable(shown) +
+                      (s_.size() > kQuoted ? "..." : "") + "\"");
   }
 
  private:
@@ -358,13 +369,13 @@ std::uint64_t npy_header_end(std::span<const std::byte> prefix, std::uint64_t fi
   if (major < 1 || major > 3) fail(source, ".npy format version " + std::to_string(major) + " is not 1, 2 or 3");
   const std::size_t width = major == 1 ? 2 : 4;
   if (file_size < 8 + width || prefix.size() < 8 + width) fail(source, "truncated .npy header");
-  const std::uint64_t n = read_le(prefix, 8, width);
+  const std::uint64_t n = read_le(prefix, 8, width);  // never printed, as safetensors' header length
   const std::uint64_t end = 8 + width + n;
   if (end > file_size) {
-    fail(source, ".npy header length " + std::to_string(n) + " runs past the end of the file (" +
-                     std::to_string(file_size) + " bytes)");
+    fail(source, "truncated .npy file: its header runs past the end of the file (" + std::to_string(file_size) +
+                     " bytes)");
   }
-  if (n > kMaxHeaderBytes) fail(source, ".npy header too long");
+  if (n > kMaxHeaderBytes) fail(source, ".npy header longer than 100 MB");
   return end;
 }
 
@@ -396,7 +407,7 @@ TensorInfo parse_npy_header(std::span<const std::byte> prefix, std::uint64_t fil
       shape = p.tuple();
       has_shape = true;
     } else {
-      p.error("unexpected or repeated key '" + key + "'");
+      p.error("unexpected or repeated key '" + printable(key) + "'");
     }
     if (!p.accept(',')) {
       p.expect('}');
@@ -416,7 +427,7 @@ TensorInfo parse_npy_header(std::span<const std::byte> prefix, std::uint64_t fil
                {"i8", TensorDType::i64}, {"i4", TensorDType::i32}, {"i2", TensorDType::i16},
                {"i1", TensorDType::i8},  {"u8", TensorDType::u64}, {"u4", TensorDType::u32},
                {"u2", TensorDType::u16}, {"u1", TensorDType::u8},  {"b1", TensorDType::boolean}};
-  if (descr.size() < 3) fail(source, ".npy dtype '" + descr + "' is not supported");
+  if (descr.size() < 3) fail(source, ".npy dtype '" + printable(descr) + "' is not supported");
   const char order = descr[0];
   const std::string_view code = std::string_view(descr).substr(1);
   TensorInfo info;
@@ -427,14 +438,16 @@ TensorInfo parse_npy_header(std::span<const std::byte> prefix, std::uint64_t fil
       known = true;
     }
   }
-  if (!known) fail(source, ".npy dtype '" + descr + "' is not supported (floating, integer or bool arrays only)");
+  if (!known) {
+    fail(source, ".npy dtype '" + printable(descr) + "' is not supported (floating, integer or bool arrays only)");
+  }
   const bool single_byte = item_size(info.dtype) == 1;
   if (order == '>' && !single_byte) {
     fail(source, ".npy array is big-endian ('" + descr + "'); save it little-endian (array.astype('<" +
                      std::string(code) + "'))");
   }
   if (order != '<' && order != '|' && !(order == '>' && single_byte)) {
-    fail(source, ".npy dtype '" + descr + "' has an unknown byte-order mark");
+    fail(source, ".npy dtype '" + printable(descr) + "' has an unknown byte-order mark");
   }
   info.shape = shape;
   const std::int64_t numel = checked_numel(shape);
@@ -543,18 +556,46 @@ namespace {
 class Fd {
  public:
   explicit Fd(int fd) : fd_(fd) {}
+  Fd(Fd&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
   ~Fd() {
     if (fd_ >= 0) ::close(fd_);
   }
   Fd(const Fd&) = delete;
   Fd& operator=(const Fd&) = delete;
+  Fd& operator=(Fd&&) = delete;
   int get() const { return fd_; }
 
  private:
   int fd_;
 };
 
-// Reads exactly `bytes` bytes at `offset`, or fails naming the file.
+// What a file that is not a regular file is, for messages.
+const char* file_kind(mode_t mode) {
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "a special file";
+}
+
+// Opens a regular file for reading and nothing else; its size goes to `size`. stat first refuses a FIFO
+// (whose open would wait for a writer), a device or a socket unopened; O_NONBLOCK and fstat refuse one that
+// took the file's place in between. `cannot_open` starts the message of a failure ("cannot open manifest").
+Fd open_regular_file(const std::string& path, const std::string& cannot_open, std::uint64_t& size) {
+  const std::string shown = printable(path);
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) throw DumpError(shown + ": " + cannot_open + ": " + std::strerror(errno));
+  if (!S_ISREG(st.st_mode)) throw DumpError(shown + ": is " + file_kind(st.st_mode) + ", not a regular file");
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY));
+  if (fd.get() < 0) throw DumpError(shown + ": " + cannot_open + ": " + std::strerror(errno));
+  if (::fstat(fd.get(), &st) != 0) throw DumpError(shown + ": cannot stat: " + std::strerror(errno));
+  if (!S_ISREG(st.st_mode)) throw DumpError(shown + ": is " + file_kind(st.st_mode) + ", not a regular file");
+  size = static_cast<std::uint64_t>(st.st_size);
+  return fd;
+}
+
+// Reads exactly `bytes` bytes at `offset`, or fails naming the file (`what`: printable).
 void read_exactly(int fd, std::uint64_t offset, std::byte* out, std::uint64_t bytes, const std::string& what) {
   std::uint64_t done = 0;
   while (done < bytes) {
@@ -575,50 +616,55 @@ bool ends_with(const std::string& s, std::string_view suffix) {
 
 }  // namespace
 
+std::string read_regular_file(const std::string& path, const char* what) {
+  std::uint64_t size = 0;
+  const Fd fd = open_regular_file(path, std::string("cannot open ") + what, size);
+  std::string text(static_cast<std::size_t>(size), '\0');
+  read_exactly(fd.get(), 0, reinterpret_cast<std::byte*>(text.data()), size, printable(path));
+  return text;
+}
+
 TensorFile TensorFile::open(const std::string& path) {
   TensorFile f;
   f.path_ = path;
+  const std::string shown = printable(path);
   if (ends_with(path, ".safetensors")) {
     f.format_ = FileFormat::safetensors;
   } else if (ends_with(path, ".npy")) {
     f.format_ = FileFormat::npy;
   } else {
-    throw DumpError(path + ": unknown tensor file type (expected .safetensors or .npy)");
+    throw DumpError(shown + ": unknown tensor file type (expected .safetensors or .npy)");
   }
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) throw DumpError(path + ": cannot open: " + std::strerror(errno));
-  struct stat st{};
-  if (::fstat(fd.get(), &st) != 0) throw DumpError(path + ": cannot stat: " + std::strerror(errno));
-  if (!S_ISREG(st.st_mode)) throw DumpError(path + ": not a regular file");
-  f.size_ = static_cast<std::uint64_t>(st.st_size);
+  const Fd fd = open_regular_file(path, "cannot open", f.size_);
   if (f.format_ == FileFormat::safetensors) {
     std::vector<std::byte> head(static_cast<std::size_t>(std::min<std::uint64_t>(f.size_, 8)));
-    read_exactly(fd.get(), 0, head.data(), head.size(), path);
-    const std::uint64_t n = safetensors_header_length(head, f.size_, path);
+    read_exactly(fd.get(), 0, head.data(), head.size(), shown);
+    const std::uint64_t n = safetensors_header_length(head, f.size_, shown);
     head.resize(static_cast<std::size_t>(8 + n));
-    read_exactly(fd.get(), 8, head.data() + 8, n, path);
-    f.tensors_ = parse_safetensors_header(head, f.size_, path);
+    read_exactly(fd.get(), 8, head.data() + 8, n, shown);
+    f.tensors_ = parse_safetensors_header(head, f.size_, shown);
   } else {
     std::vector<std::byte> head(static_cast<std::size_t>(std::min<std::uint64_t>(f.size_, 12)));
-    read_exactly(fd.get(), 0, head.data(), head.size(), path);
-    const std::uint64_t end = npy_header_end(head, f.size_, path);
+    read_exactly(fd.get(), 0, head.data(), head.size(), shown);
+    const std::uint64_t end = npy_header_end(head, f.size_, shown);
     const std::size_t have = head.size();
     head.resize(static_cast<std::size_t>(end));
-    if (end > have) read_exactly(fd.get(), have, head.data() + have, end - have, path);
-    f.tensors_ = {parse_npy_header(head, f.size_, path)};
+    if (end > have) read_exactly(fd.get(), have, head.data() + have, end - have, shown);
+    f.tensors_ = {parse_npy_header(head, f.size_, shown)};
   }
   return f;
 }
 
 const TensorInfo& TensorFile::tensor(const std::string& name) const {
+  const std::string shown = printable(path_);
   if (format_ == FileFormat::npy) {
     if (!name.empty()) {
-      throw DumpError(path_ + ": an .npy file holds one unnamed tensor; the manifest names \"" + name +
-                      "\" (give only \"file\")");
+      throw DumpError(shown + ": an .npy file holds one unnamed tensor; the manifest names " + quote_name(name) +
+                      " (give only \"file\")");
     }
     return tensors_.front();
   }
-  if (name.empty()) throw DumpError(path_ + ": a safetensors file needs a tensor name (\"name\" in the manifest)");
+  if (name.empty()) throw DumpError(shown + ": a safetensors file needs a tensor name (\"name\" in the manifest)");
   for (const auto& t : tensors_) {
     if (t.name == name) return t;
   }
@@ -628,14 +674,15 @@ const TensorInfo& TensorFile::tensor(const std::string& name) const {
       list += ", ...";
       break;
     }
-    append_to_list(list, "\"" + t.name + "\"");
+    append_to_list(list, quote_name(t.name));
   }
-  throw DumpError(path_ + ": no tensor \"" + name + "\" (the file holds " + (list.empty() ? "none" : list) + ")");
+  throw DumpError(shown + ": no tensor " + quote_name(name) + " (the file holds " + (list.empty() ? "none" : list) +
+                  ")");
 }
 
 std::vector<std::byte> TensorFile::read(const TensorInfo& info) const {
-  Fd fd(::open(path_.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) throw DumpError(path_ + ": cannot open: " + std::strerror(errno));
+  std::uint64_t size = 0;
+  const Fd fd = open_regular_file(path_, "cannot open", size);
   std::vector<std::byte> out(static_cast<std::size_t>(info.bytes));
   read_exactly(fd.get(), info.offset, out.data(), info.bytes, tensor_label(path_, info.name));
   return out;

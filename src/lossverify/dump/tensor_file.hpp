@@ -4,6 +4,10 @@
 // the file before any data is read: header lengths past the end of the file, offsets out of range or
 // overlapping, sizes that do not match shape x itemsize, unknown dtypes and duplicate names all raise
 // DumpError (exit code 2) with a message that names the file and the tensor. Nothing is read out of bounds.
+// Only regular files are opened (a FIFO, a folder, a device or a socket is refused without waiting on it).
+// Messages never quote a file's bytes before they are known to be a header: a file that is not a tensor file
+// (a symlink to /etc/passwd) is "not a safetensors file", its first bytes are not printed as a length; names
+// from headers and paths go through printable().
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -53,7 +57,7 @@ inline constexpr std::int64_t kMaxElements = std::int64_t{1} << 40;
 
 // Parse a header from the first bytes of a file of `file_size` bytes. `prefix` holds at least the whole
 // header when it fits in the file (callers read min(file_size, needed) bytes); `source` names the file in
-// messages. Pure functions (no I/O): the fuzzers call them on arbitrary bytes.
+// messages (printable text). Pure functions (no I/O): the fuzzers call them on arbitrary bytes.
 //   safetensors: 8-byte little-endian header length n, then n bytes of JSON, then the data buffer.
 std::uint64_t safetensors_header_length(std::span<const std::byte> prefix, std::uint64_t file_size,
                                         const std::string& source);
@@ -75,10 +79,10 @@ std::vector<std::int64_t> to_integers(const TensorInfo& info, std::span<const st
 class TensorFile {
  public:
   // Opens and validates; the format comes from the extension (.safetensors or .npy) and is confirmed by
-  // the file's magic bytes.
+  // the file's magic bytes. Anything but a regular file is a DumpError ("is a FIFO, not a regular file").
   static TensorFile open(const std::string& path);
 
-  const std::string& path() const { return path_; }
+  const std::string& path() const { return path_; }  // as given, to open; printable(path()) to show
   FileFormat format() const { return format_; }
   std::uint64_t size() const { return size_; }
   const std::vector<TensorInfo>& tensors() const { return tensors_; }
@@ -94,10 +98,17 @@ class TensorFile {
   std::vector<TensorInfo> tensors_;
 };
 
-// Strict JSON: invalid text or a key repeated in any object is a DumpError "source: what ...".
-nlohmann::json parse_json_without_duplicates(std::string_view text, const std::string& source, const char* what);
+// Strict JSON: invalid text or a key repeated in any object is a DumpError "source: what ...". `quote_text`:
+// whether the message may quote the text near the error (a manifest's, yes; a tensor file's header, which
+// may be the bytes of any file, no).
+nlohmann::json parse_json_without_duplicates(std::string_view text, const std::string& source, const char* what,
+                                             bool quote_text);
 
-// "'name' in path" / "path" for messages.
+// The whole of a regular file (a manifest); DumpError "<path>: cannot open <what>: ..." or "<path>: is a
+// FIFO, not a regular file" (never waits on a FIFO).
+std::string read_regular_file(const std::string& path, const char* what);
+
+// For messages, made printable: 'path: tensor "name"', or 'path' alone for the unnamed tensor of an .npy file.
 std::string tensor_label(const std::string& path, const std::string& name);
 
 }  // namespace lossverify::dump
