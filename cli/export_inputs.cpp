@@ -1,8 +1,11 @@
 #include "export_inputs.hpp"
 
+#include "options.hpp"
+
 #include <iostream>
 #include <thread>
 
+#include "lossverify/core/strings.hpp"
 #include "lossverify/dump/export_inputs.hpp"
 
 namespace lossverify::cli {
@@ -13,6 +16,7 @@ void register_export_inputs(CLI::App& app, ExportInputsCommand& command) {
       "export-inputs", "write every rank's exact inputs (logits shard, labels, loss mask, rows, ...) of a case as "
                        "safetensors plus an index, for code that runs outside lossverify");
   CLI::App& sub = *command.app;
+  sub.footer(exit_codes("0 written, 2 usage or case error (or --out is not empty), 3 internal error"));
   sub.add_option("case", a.case_file, "case file (JSON)")->required()->check(CLI::ExistingFile);
   sub.add_option("--set", a.set, "override a case field, e.g. --set loss.label_smoothing=0.1")->allow_extra_args(false);
   sub.add_option("--tp", a.tp, "tensor-parallel ranks (overrides layout.tp)")->check(CLI::PositiveNumber);
@@ -21,7 +25,7 @@ void register_export_inputs(CLI::App& app, ExportInputsCommand& command) {
   sub.add_option("--ga", a.ga, "gradient-accumulation micro-batches (overrides layout.ga)")->check(CLI::PositiveNumber);
   sub.add_option("--out", a.out_dir, "folder to write (created; must be empty if it exists)")->required();
   sub.add_option("--threads", a.threads, "OpenMP threads for generating the inputs (default: all)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(thread_count());
   sub.add_flag("--quiet,-q", a.quiet, "print nothing");
 }
 
@@ -39,7 +43,7 @@ int run_export_inputs(const ExportInputsArguments& args) {
   options.threads = args.threads > 0 ? args.threads : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   const nlohmann::json index = dump::export_inputs(c, options);
   if (!args.quiet) {
-    std::cout << "exported " << index["ranks"].size() << " rank(s) of case " << c.name << " [N=" << c.shape.tokens
+    std::cout << "exported " << index["ranks"].size() << " rank(s) of case " << printable(c.name) << " [N=" << c.shape.tokens
               << " V=" << c.shape.vocab << ", " << to_string(c.inputs.dtype) << ", tp=" << c.layout.tp
               << " cp=" << c.layout.cp << " dp=" << c.layout.dp << " ga=" << c.layout.ga << "] to " << args.out_dir
               << "/" << dump::kInputsIndex << "\n";

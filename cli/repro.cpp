@@ -1,5 +1,7 @@
 #include "repro.hpp"
 
+#include "options.hpp"
+
 #include <algorithm>
 #include <cctype>
 #include <cstring>
@@ -9,6 +11,7 @@
 #include <map>
 
 #include "lossverify/core/errors.hpp"
+#include "lossverify/core/output_path.hpp"
 #include "lossverify/core/strings.hpp"
 #include "lossverify/impl/catalogue.hpp"
 #include "lossverify/report/plot.hpp"
@@ -70,24 +73,22 @@ std::string verdict_text(Verdict v) {
 void write_plots(const std::string& path, const std::vector<const RunResult*>& runs, bool quiet) {
   for (const auto& [file, contents] : render_plots(path, runs)) {
     write_file_atomically(file, contents);
-    if (!quiet) std::cout << "plot written to " << file << "\n";
+    if (!quiet) std::cout << "plot written to " << printable(file) << "\n";
   }
 }
 
-void check_plot_path(const std::string& path) {
+void check_plot_path(const std::string& path, const std::vector<std::string>& inputs) {
   if (path.empty()) return;
   if (!is_plot_path(path))
-    throw CaseError("--plot " + path + ": expected a file ending in .svg, .html or .htm");
-  const std::filesystem::path parent = std::filesystem::path(path).parent_path();
-  if (!parent.empty() && !std::filesystem::is_directory(parent)) {
-    throw CaseError("--plot " + path + ": folder " + parent.string() + " does not exist");
-  }
+    throw CaseError("--plot " + printable(path) + ": expected a file ending in .svg, .html or .htm");
+  check_output_path("--plot", path, inputs);
 }
 
 // --- replay -------------------------------------------------------------------------------------------
 
 int command_replay(const ReplayArguments& args) {
-  check_plot_path(args.plot_path);
+  check_plot_path(args.plot_path, {args.bundle});
+  check_output_path("--report", args.report_path, {args.bundle});
   const Bundle bundle = read_bundle(args.bundle);
   const bool other_impl = !args.implementation.empty() && args.implementation != bundle.implementation;
   if (other_impl && find_implementation(args.implementation) == nullptr) {
@@ -96,7 +97,7 @@ int command_replay(const ReplayArguments& args) {
   const std::string device = args.backend.empty() ? bundle.device : args.backend;
   if (!args.quiet) {
     const std::string failing = failing_list(bundle);
-    std::cout << "replaying " << args.bundle << ": case " << bundle.the_case.name << ", impl "
+    std::cout << "replaying " << printable(args.bundle) << ": case " << printable(bundle.the_case.name) << ", impl "
               << bundle.implementation << ", recorded verdict " << verdict_text(bundle.verdict)
               << (failing.empty() ? "" : " (" + failing + ")") << " by lossverify " << bundle.tool_version
               << " (git " << bundle.git_revision << ") on " << bundle.device << "\n";
@@ -123,8 +124,8 @@ int command_replay(const ReplayArguments& args) {
   if (!args.plot_path.empty()) write_plots(args.plot_path, {&result}, args.quiet);
   if (!args.report_path.empty()) {
     write_file_atomically(args.report_path,
-                          make_report("run", {run_to_json(result)}, run_code).dump(2) + "\n");
-    if (!args.quiet) std::cout << "report written to " << args.report_path << "\n";
+                          json_text(make_report("run", {run_to_json(result)}, run_code), 2) + "\n");
+    if (!args.quiet) std::cout << "report written to " << printable(args.report_path) << "\n";
   }
 
   if (other_impl) {
@@ -180,10 +181,7 @@ int command_shrink(const ShrinkArguments& args) {
   const Case original = load_case_file(args.case_file, overrides);
   const std::string out_path =
       args.out_path.empty() ? sanitise(original.name) + "-shrunk.json" : args.out_path;
-  const std::filesystem::path parent = std::filesystem::path(out_path).parent_path();
-  if (!parent.empty() && !std::filesystem::is_directory(parent)) {
-    throw CaseError("--out " + out_path + ": folder " + parent.string() + " does not exist");
-  }
+  check_output_path("--out", out_path, {args.case_file});
   ShrinkOptions options;
   options.implementation = args.implementation;
   options.check = args.check;
@@ -213,7 +211,7 @@ int command_shrink(const ShrinkArguments& args) {
   if (!args.quiet) {
     const ShrinkSize& b = result.before;
     const ShrinkSize& a = result.after;
-    std::cout << "shrunk " << args.case_file << " with --impl " << args.implementation << ": check "
+    std::cout << "shrunk " << printable(args.case_file) << " with --impl " << args.implementation << ": check "
               << result.check << " still fails\n";
     std::cout << size_line("tokens", b.tokens, a.tokens) << size_line("vocab", b.vocab, a.vocab)
               << size_line("logits", b.logits(), a.logits())
@@ -229,7 +227,7 @@ int command_shrink(const ShrinkArguments& args) {
                       : " (no reduction left that keeps it failing)")
               << "\n";
   }
-  std::cout << "minimized case written to " << out_path << "\n";
+  std::cout << "minimized case written to " << printable(out_path) << "\n";
   return 0;
 }
 
@@ -254,15 +252,11 @@ void add_artifact_options(CLI::App& run, ArtifactOptions& options) {
 }
 
 void check_artifact_options(const ArtifactOptions& options, const ArtifactContext& context) {
-  check_plot_path(options.plot_path);
-  if (!options.save_inputs_dir.empty() && !std::filesystem::is_directory(options.save_inputs_dir)) {
-    throw CaseError("--save-inputs-dir " + options.save_inputs_dir + ": not an existing folder");
-  }
+  check_plot_path(options.plot_path, context.inputs);
+  if (!options.save_inputs_dir.empty()) check_output_folder("--save-inputs-dir", options.save_inputs_dir);
   if (resolved_save_policy(options) != "never") {
-    const std::string folder = bundle_folder(options, context);
-    if (!std::filesystem::is_directory(folder)) {
-      throw CaseError("--save-inputs: folder " + folder + " (of --report) does not exist");
-    }
+    check_output_folder(options.save_inputs_dir.empty() ? "--save-inputs: the --report file's folder" : "--save-inputs-dir",
+                        bundle_folder(options, context));
   }
 }
 
@@ -293,7 +287,7 @@ void write_artifacts(const ArtifactOptions& options, const std::vector<RunResult
         values += row.at("logits_bits").get<std::string>().size() / 5;
       // Pretty-printed unless the rows are large (every number would take a line of its own).
       bundles.emplace_back((folder / (name + ".bundle.json")).string(),
-                           (values <= 65536 ? bundle.dump(1) : bundle.dump()) + "\n");
+                           (values <= 65536 ? json_text(bundle, 1) : json_text(bundle)) + "\n");
     }
   }
   std::vector<std::pair<std::string, std::string>> plots;
@@ -304,11 +298,11 @@ void write_artifacts(const ArtifactOptions& options, const std::vector<RunResult
   }
   for (const auto& [path, contents] : bundles) {
     write_file_atomically(path, contents);
-    if (!context.quiet) std::cout << "reproducer bundle written to " << path << "\n";
+    if (!context.quiet) std::cout << "reproducer bundle written to " << printable(path) << "\n";
   }
   for (const auto& [path, contents] : plots) {
     write_file_atomically(path, contents);
-    if (!context.quiet) std::cout << "plot written to " << path << "\n";
+    if (!context.quiet) std::cout << "plot written to " << printable(path) << "\n";
   }
 }
 
@@ -321,6 +315,8 @@ void register_repro_commands(CLI::App& app, ReproCommands& commands) {
       "replay",
       "re-run a reproducer bundle (run --save-inputs) and compare with the recorded outcome: exit 0 "
       "reproduced, 1 did not reproduce (with --impl: the run's own exit code)");
+  commands.replay->footer(exit_codes(
+      "0 reproduced, 1 did not reproduce (with --impl: 0 pass, 1 a check failed), 2 usage error, 3 internal error"));
   commands.replay->add_option("bundle", r.bundle, "the bundle (lossverify.bundle/1 JSON)")
       ->required()
       ->check(CLI::ExistingFile);
@@ -332,7 +328,7 @@ void register_repro_commands(CLI::App& app, ReproCommands& commands) {
   commands.replay->add_option("--report", r.report_path, "write the run's JSON report here (atomically)");
   commands.replay->add_option("--plot", r.plot_path, "draw where the error sits (.svg or .html)");
   commands.replay->add_option("--threads", r.threads, "OpenMP threads for the reference (default: all)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(thread_count());
   commands.replay->add_flag("--quiet,-q", r.quiet, "print only the reproduced / did not reproduce lines");
 
   ShrinkArguments& s = commands.shrink_args;
@@ -340,6 +336,8 @@ void register_repro_commands(CLI::App& app, ReproCommands& commands) {
       "shrink",
       "reduce a failing case (tokens, vocabulary, rank counts, features, inline rows) to a small case that "
       "still fails the same check, and write it as a case file");
+  commands.shrink->footer(exit_codes(
+      "0 the minimized case was written, 2 usage error (or the case does not fail), 3 internal error"));
   commands.shrink->add_option("case", s.case_file, "the failing case file (JSON)")
       ->required()
       ->check(CLI::ExistingFile);
@@ -360,7 +358,7 @@ void register_repro_commands(CLI::App& app, ReproCommands& commands) {
   commands.shrink->add_flag("--pin-rows", s.pin_rows,
                             "pin the worst element's row inline, so the case needs no generator for it");
   commands.shrink->add_option("--threads", s.threads, "OpenMP threads per trial (default: all)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(thread_count());
   commands.shrink->add_flag("--quiet,-q", s.quiet, "print only the output path");
 }
 

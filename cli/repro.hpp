@@ -33,10 +33,11 @@ struct ArtifactContext {
   std::string device = "cpu";
   int gpus = 0;
   bool quiet = false;
+  std::vector<std::string> inputs;  // the files the command reads: never written over
 };
 
 // Checks the options before anything runs: throws CaseError (exit 2) for a --plot path that is neither
-// .svg nor .html, or a --save-inputs-dir that is not an existing folder.
+// .svg nor .html or cannot be written (output_path.hpp), or a bundle folder that cannot be written.
 void check_artifact_options(const ArtifactOptions& options, const ArtifactContext& context);
 
 // Writes the bundles (per --save-inputs) and the plot of the runs of one command, each file atomically;

@@ -38,5 +38,5 @@ tamper unknown_key 'b["comment"] = "hi"' '\$\.comment: unknown key'
 
 echo "== truncated"
 head -c 300 "$bundle" > "$out/truncated.bundle.json"
-bash "$expect" 2 "truncated\\.bundle\\.json: not valid JSON" -- "$lv" replay "$out/truncated.bundle.json" || status=1
+bash "$expect" 2 "truncated\\.bundle\\.json: bundle is not valid JSON" -- "$lv" replay "$out/truncated.bundle.json" || status=1
 exit $status

@@ -23,3 +23,7 @@ TEST_CASE("is_valid_utf8 follows RFC 3629") {
   CHECK_FALSE(is_valid_utf8("\xe2\x82"));
   CHECK_FALSE(is_valid_utf8("\x80"));
 }
+
+TEST_CASE("printable_message keeps line breaks and backslashes but not other control characters") {
+  CHECK(lossverify::printable_message("line one\nline two \\ \x1b[2J") == "line one\nline two \\ \\x1B[2J");
+}

@@ -35,10 +35,41 @@ std::size_t utf8_sequence_length(std::string_view text, std::size_t i) {
   return length;
 }
 
-std::string hex_escape(unsigned char ch) {
-  char buffer[8];
-  std::snprintf(buffer, sizeof(buffer), "\\x%02X", ch);
-  return buffer;
+std::string escape_byte(unsigned char ch) {
+  switch (ch) {
+    case '\\':
+      return "\\\\";
+    case '\n':
+      return "\\n";
+    case '\t':
+      return "\\t";
+    case '\r':
+      return "\\r";
+    default: {
+      char buffer[8];
+      std::snprintf(buffer, sizeof(buffer), "\\x%02X", ch);
+      return buffer;
+    }
+  }
+}
+
+// printable() and printable_message(): a message keeps its line breaks and backslashes.
+std::string escape(std::string_view text, bool message) {
+  std::string out;
+  out.reserve(text.size());
+  for (std::size_t i = 0; i < text.size();) {
+    const auto ch = static_cast<unsigned char>(text[i]);
+    const std::size_t length = utf8_sequence_length(text, i);
+    const bool kept = message && (ch == '\n' || ch == '\\');
+    if (!kept && (length == 0 || ch < 0x20 || ch == 0x7F || ch == '\\')) {
+      out += escape_byte(ch);
+      ++i;
+      continue;
+    }
+    out.append(text.substr(i, length));
+    i += length;
+  }
+  return out;
 }
 
 }  // namespace
@@ -52,25 +83,8 @@ bool is_valid_utf8(std::string_view text) {
   return true;
 }
 
-std::string printable(std::string_view text) {
-  std::string out;
-  out.reserve(text.size());
-  for (std::size_t i = 0; i < text.size();) {
-    const auto ch = static_cast<unsigned char>(text[i]);
-    const std::size_t length = utf8_sequence_length(text, i);
-    if (length == 0 || ch < 0x20 || ch == 0x7F || ch == '\\') {
-      if (ch == '\\') out += "\\\\";
-      else if (ch == '\n') out += "\\n";
-      else if (ch == '\t') out += "\\t";
-      else if (ch == '\r') out += "\\r";
-      else out += hex_escape(ch);
-      ++i;
-      continue;
-    }
-    out.append(text.substr(i, length));
-    i += length;
-  }
-  return out;
-}
+std::string printable(std::string_view text) { return escape(text, false); }
+
+std::string printable_message(std::string_view text) { return escape(text, true); }
 
 }  // namespace lossverify

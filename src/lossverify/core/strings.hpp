@@ -17,6 +17,9 @@ bool is_valid_utf8(std::string_view text);
 // are not well-formed UTF-8 become escapes (\n, \t, \r, \\, \xHH); everything else is kept as is.
 std::string printable(std::string_view text);
 
+// A message for the terminal: as printable(), but its line breaks and backslashes are kept.
+std::string printable_message(std::string_view text);
+
 // Text for XML attributes and character data: & < > " ' escaped.
 inline std::string xml_escape(std::string_view text) {
   std::string out;

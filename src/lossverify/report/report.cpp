@@ -1,4 +1,5 @@
 #include "lossverify/report/report.hpp"
+#include "lossverify/core/strings.hpp"
 
 #include <sys/resource.h>
 #include <unistd.h>
@@ -163,6 +164,10 @@ json make_report(const std::string& command, const std::vector<json>& runs, Exit
   return encode_nonfinite(std::move(report));
 }
 
+std::string json_text(const nlohmann::json& document, int indent) {
+  return document.dump(indent, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
 void write_file_atomically(const std::string& path, const std::string& contents) {
   AtomicFile file(path, "report");
   file.write(contents);
@@ -173,9 +178,9 @@ void print_summary(std::ostream& out, const RunResult& run) {
   const Case& c = run.the_case;
   const GlobalBatch batch(c.batch);
   const bool show_place = c.batch.sequence_lengths.size() > 1 || c.layout.cp > 1 || c.layout.dp > 1 || c.layout.ga > 1;
-  out << "case " << c.name << "  [" << to_string(c.loss.kind) << ", N=" << c.shape.tokens << " V=" << c.shape.vocab
+  out << "case " << printable(c.name) << "  [" << to_string(c.loss.kind) << ", N=" << c.shape.tokens << " V=" << c.shape.vocab
       << ", " << to_string(c.inputs.dtype) << ", tp=" << c.layout.tp << " cp=" << c.layout.cp << " dp=" << c.layout.dp
-      << " ga=" << c.layout.ga << "]  impl " << run.implementation->name << "\n";
+      << " ga=" << c.layout.ga << "]  impl " << printable(run.implementation->name) << "\n";
   out << "  " << std::left << std::setw(16) << "check" << std::setw(16) << "verdict" << std::setw(11) << "margin"
       << std::setw(12) << "max abs err" << "worst (token, column, rank: expected -> got)\n";
   for (const CheckResult& check : run.checks) {

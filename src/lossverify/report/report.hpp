@@ -32,6 +32,10 @@ double decode_number(const nlohmann::json& value);
 // readers see the old file or the whole new one, never a partial report.
 void write_file_atomically(const std::string& path, const std::string& contents);
 
+// A JSON document as text; bytes that are not UTF-8 (a case path, a --set value) become U+FFFD instead of
+// throwing.
+std::string json_text(const nlohmann::json& document, int indent = -1);
+
 // Peak resident set of this process so far (the high-water mark), in bytes.
 std::int64_t peak_resident_bytes();
 

@@ -9,6 +9,7 @@
 #include <set>
 
 #include "lossverify/core/errors.hpp"
+#include "lossverify/report/report.hpp"
 #include "lossverify/core/strings.hpp"
 #include "lossverify/impl/catalogue.hpp"
 #include "lossverify/inputs/input_source.hpp"
@@ -150,7 +151,7 @@ class Shrinker {
     }
     if (candidate == doc_) return false;
     // A candidate that passed once passes again (runs are deterministic): never run it twice.
-    const std::size_t key = std::hash<std::string>{}(candidate.dump());
+    const std::size_t key = std::hash<std::string>{}(json_text(candidate));
     if (rejected_.count(key)) return false;
     ++trials_;
     const std::optional<double> margin = failing_margin(candidate);
@@ -461,7 +462,7 @@ std::string case_file_text(const json& document) {
   for (const auto& [key, value] : document.items()) {
     if (!out.contains(key)) out[key] = value;
   }
-  return out.dump(2) + "\n";
+  return json_text(out, 2) + "\n";
 }
 
 ShrinkSize size_of(const Case& c) {

@@ -234,7 +234,7 @@ GateResult run_gate(const GateOptions& options) {
     }
     if (options.update_golden) {
       fs::create_directories(options.golden_dir);
-      write_file_atomically(golden_path.string(), new_golden.dump(2) + "\n");
+      write_file_atomically(golden_path.string(), json_text(new_golden, 2) + "\n");
       result.golden_updated = true;
     }
   }

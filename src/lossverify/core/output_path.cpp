@@ -1,0 +1,100 @@
+#include "lossverify/core/output_path.hpp"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <filesystem>
+
+#include "lossverify/core/errors.hpp"
+#include "lossverify/core/strings.hpp"
+
+namespace lossverify {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+[[noreturn]] void refuse(std::string_view option, const std::string& path, const std::string& why) {
+  throw CaseError(std::string(option) + " " + printable(path) + ": " + why);
+}
+
+// Follows symbolic links until a path that is not one (it may not exist yet); the loop limit is the kernel's.
+fs::path follow_links(std::string_view option, const std::string& path) {
+  fs::path current = path;
+  for (int hops = 0; hops < 40; ++hops) {
+    std::error_code error;
+    if (!fs::is_symlink(fs::symlink_status(current, error))) return current;
+    const fs::path target = fs::read_symlink(current, error);
+    if (error) refuse(option, path, "cannot read the symbolic link " + printable(current.string()));
+    current = target.is_absolute() ? target : current.parent_path() / target;
+  }
+  refuse(option, path, "too many levels of symbolic links");
+}
+
+const char* kind_of(mode_t mode) {
+  if (S_ISDIR(mode)) return "a folder";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  return nullptr;
+}
+
+bool same_file(const struct stat& a, const struct stat& b) { return a.st_dev == b.st_dev && a.st_ino == b.st_ino; }
+
+}  // namespace
+
+OutputTarget resolve_output(std::string_view option, const std::string& path) {
+  if (path.empty()) refuse(option, path, "empty path");
+  struct stat info {};
+  if (::stat(path.c_str(), &info) == 0) {
+    if (const char* kind = kind_of(info.st_mode)) refuse(option, path, std::string("is ") + kind + ", not a file");
+    if (S_ISCHR(info.st_mode) || S_ISFIFO(info.st_mode)) return {OutputTarget::Kind::stream, path};
+  } else if (errno != ENOENT) {
+    refuse(option, path, std::strerror(errno));
+  }
+  const fs::path target = follow_links(option, path);
+  const fs::path folder = target.parent_path().empty() ? fs::path(".") : target.parent_path();
+  std::error_code error;
+  if (!fs::is_directory(folder, error)) refuse(option, path, "folder " + printable(folder.string()) + " does not exist");
+  return {OutputTarget::Kind::file, target.string()};
+}
+
+void check_output_path(std::string_view option, const std::string& path, const std::vector<std::string>& inputs) {
+  if (path.empty()) return;
+  const OutputTarget target = resolve_output(option, path);
+  struct stat info {};
+  const bool exists = ::stat(target.path.c_str(), &info) == 0;
+  if (exists) {
+    for (const std::string& input : inputs) {
+      struct stat read {};
+      if (::stat(input.c_str(), &read) == 0 && same_file(info, read)) {
+        refuse(option, path, "is " + printable(input) + ", which this command reads; write elsewhere");
+      }
+    }
+  }
+  if (target.kind == OutputTarget::Kind::stream) {
+    if (::access(target.path.c_str(), W_OK) != 0) refuse(option, path, std::strerror(errno));
+    return;
+  }
+  const fs::path file(target.path);
+  const std::string folder = file.parent_path().empty() ? "." : file.parent_path().string();
+  if (::access(folder.c_str(), W_OK | X_OK) != 0) {
+    refuse(option, path, "folder " + printable(folder) + " cannot be written: " + std::strerror(errno));
+  }
+  const long name_max = ::pathconf(folder.c_str(), _PC_NAME_MAX);
+  const std::size_t name_length = file.filename().string().size();
+  if (name_max > 0 && name_length > static_cast<std::size_t>(name_max)) {
+    refuse(option, path, "the file name is " + std::to_string(name_length) + " bytes, more than the " +
+                              std::to_string(name_max) + " its file system allows");
+  }
+}
+
+void check_output_folder(std::string_view option, const std::string& folder) {
+  std::error_code error;
+  if (!fs::is_directory(folder, error)) refuse(option, folder, "not an existing folder");
+  if (::access(folder.c_str(), W_OK | X_OK) != 0) refuse(option, folder, std::string("cannot be written: ") + std::strerror(errno));
+}
+
+}  // namespace lossverify
