@@ -52,6 +52,7 @@ lossverify_cli_test(fault_late_hang 4 "deadlock guard: .* rank\\(s\\) 2 never ar
   -- ${LV} run ${CASES}/uneven-shards-v507-tp4.json --inject-fault late-hang@2 --timeout 1 --report ${OUT}/fault_late_hang.json)
 
 # Malformed case files: exit 2, a message naming file and JSON path, and no report.
+set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS ${CMAKE_CURRENT_SOURCE_DIR}/cli/bad_cases.txt)
 file(STRINGS ${CMAKE_CURRENT_SOURCE_DIR}/cli/bad_cases.txt bad_case_lines REGEX "^[^#]")
 foreach(line ${bad_case_lines})
   string(FIND "${line}" "|" bar)

@@ -71,10 +71,14 @@ void parse_loss(ObjectReader r, Case& c) {
     if (!kd && r.has(key)) r.fail(key, "applies to kd only, not cross_entropy");
   }
   loss.temperature = r.number("temperature", 1.0);
-  if (!(loss.temperature > 0.0)) r.fail("temperature", "must be > 0, got " + json(loss.temperature).dump());
+  if (!(loss.temperature > 0.0 && loss.temperature <= kMaxTemperature)) {
+    r.fail("temperature", "must be in (0, 1e6], got " + json(loss.temperature).dump());
+  }
   loss.t2_scaling = r.boolean("t2_scaling", true);
   loss.softcap = r.number("softcap", 0.0);
-  if (loss.softcap < 0.0) r.fail("softcap", "must be >= 0 (0 turns it off), got " + json(loss.softcap).dump());
+  if (loss.softcap != 0.0 && !(loss.softcap >= kMinSoftcap && loss.softcap <= kMaxSoftcap)) {
+    r.fail("softcap", "must be 0 (off) or in [1e-6, 1e6], got " + json(loss.softcap).dump());
+  }
   loss.label_smoothing = r.number("label_smoothing", 0.0);
   if (!(loss.label_smoothing >= 0.0 && loss.label_smoothing < 1.0)) {
     r.fail("label_smoothing", "must be in [0, 1), got " + json(loss.label_smoothing).dump());
@@ -83,8 +87,8 @@ void parse_loss(ObjectReader r, Case& c) {
                                  std::array{SmoothingConvention::pytorch, SmoothingConvention::megatron},
                                  SmoothingConvention::pytorch);
   loss.z_loss_weight = r.number("z_loss_weight", 0.0);
-  if (loss.z_loss_weight < 0.0) {
-    r.fail("z_loss_weight", "must be >= 0, got " + json(loss.z_loss_weight).dump());
+  if (!(loss.z_loss_weight >= 0.0 && loss.z_loss_weight <= kMaxZLossWeight)) {
+    r.fail("z_loss_weight", "must be in [0, 10], got " + json(loss.z_loss_weight).dump());
   }
   loss.ignore_index = r.integer("ignore_index", -100);
   loss.reduction = parse_choice(r, "reduction", std::array{Reduction::mean, Reduction::sum, Reduction::none},
@@ -124,6 +128,7 @@ void parse_shape(ObjectReader r, Case& c, bool has_batch) {
   if (c.shape.tokens < 1) r.fail("tokens", "must be >= 1, got " + std::to_string(c.shape.tokens));
   if (c.shape.vocab < 2) r.fail("vocab", "must be >= 2, got " + std::to_string(c.shape.vocab));
   if (c.shape.vocab > (std::int64_t{1} << 32)) r.fail("vocab", "must be <= 2^32");
+  if (c.shape.tokens > kMaxTokens) r.fail("tokens", "must be <= 2^40");
   r.reject_unknown_keys();
 }
 
@@ -202,7 +207,7 @@ void parse_layout(ObjectReader r, Case& c) {
   c.layout.cp = parse_dimension(r, "cp");
   c.layout.dp = parse_dimension(r, "dp");
   c.layout.ga = parse_dimension(r, "ga");
-  if (c.layout.world_size() > 65536) r.fail_here("tp * cp * dp must be <= 65536 ranks");
+  if (std::int64_t{c.layout.tp} * c.layout.cp * c.layout.dp > 65536) r.fail_here("tp * cp * dp must be <= 65536 ranks");
   r.reject_unknown_keys();
 }
 
@@ -288,6 +293,14 @@ void parse_batch(ObjectReader r, Case& c) {
                              BatchSpec::Placement::round_robin);
   b.labels = parse_choice(r, "labels", std::array{BatchSpec::Labels::next_token, BatchSpec::Labels::independent},
                           BatchSpec::Labels::next_token);
+  std::int64_t total = 0;
+  for (std::size_t i = 0; i < b.sequence_lengths.size(); ++i) {
+    if (b.sequence_lengths[i] <= kMaxTokens) total += b.sequence_lengths[i];  // total stays <= 2^41
+    if (b.sequence_lengths[i] > kMaxTokens || total > kMaxTokens) {
+      fail_at(r.source(), r.path_of(r.has("generator") ? "generator" : "sequence_lengths"),
+              "the sequences hold more than 2^40 tokens (at sequence " + std::to_string(i) + ")");
+    }
+  }
   r.reject_unknown_keys();
 }
 
@@ -311,6 +324,50 @@ void parse_tolerances(ObjectReader r, Case& c) {
     c.tolerance_overrides[key] = tol;
   }
   r.reject_unknown_keys();
+}
+
+// The ranges in which the correct implementation passes every check (docs/cases.md, "Value ranges"): beyond
+// them float32 and 16-bit arithmetic, not an implementation's bug, would decide the verdict.
+void validate_value_ranges(const Case& c) {
+  const std::string& src = c.source;
+  const std::string dtype(to_string(c.inputs.dtype));
+  const double bound = std::min(kMaxLogit, dtype_max(c.inputs.dtype));
+  const std::string bound_text = json(bound).dump() + " (" +
+                                 (bound < kMaxLogit ? dtype + "'s largest value" : "the range where the tool is exact") + ")";
+  const auto check_generated = [&](double mean, double scale, const std::string& path) {
+    const double reach = std::fabs(mean) + 9.0 * scale;  // no generated logit lies further out
+    if (reach > bound) {
+      fail_at(src, path, "generated logits reach |mean| + 9 * scale = " + json(reach).dump() + ", beyond " + bound_text);
+    }
+    if (c.loss.kind == LossKind::kd && reach / c.loss.temperature > kMaxScaledLogit) {
+      fail_at(src, path, "generated logits / temperature reach " + json(reach / c.loss.temperature).dump() +
+                             ", beyond 200, where float32 rounding of logits / T decides the verdict (raise the "
+                             "temperature or lower the scale)");
+    }
+  };
+  check_generated(c.inputs.mean, c.inputs.scale, "$.inputs.scale");
+  if (c.loss.kind == LossKind::kd && !c.inputs.teacher.same_as_student) {
+    check_generated(c.inputs.teacher.mean, c.inputs.teacher.scale, "$.inputs.teacher.scale");
+  }
+  for (std::size_t i = 0; i < c.inputs.overrides.size(); ++i) {
+    const auto& logits = c.inputs.overrides[i].logits;
+    for (std::size_t k = 0; k < logits.size(); ++k) {
+      if (std::fabs(logits[k]) > bound) {
+        fail_at(src, "$.inputs.overrides[" + std::to_string(i) + "].logits[" + std::to_string(k) + "]",
+                json(logits[k]).dump() + " is beyond " + bound_text);
+      }
+    }
+  }
+  const double weight_bound = std::min(kMaxUpstreamWeight, dtype_max(c.inputs.dtype) / 2.0);
+  const UpstreamWeights& w = c.loss.upstream_weights;
+  std::vector<double> extremes = w.values;
+  if (w.kind == UpstreamWeights::Kind::uniform) extremes = {w.low, w.high};
+  for (std::size_t i = 0; i < extremes.size(); ++i) {
+    if (std::fabs(extremes[i]) > weight_bound) {
+      fail_at(src, "$.loss.upstream_weights", json(extremes[i]).dump() + " is beyond +-" + json(weight_bound).dump() +
+                                                 " (the gradients would overflow " + dtype + ")");
+    }
+  }
 }
 
 // Cross-field checks that need the whole case.
@@ -357,22 +414,13 @@ void validate_consistency(const Case& c) {
       fail_at(src, path + ".logits",
               "row has " + std::to_string(row.logits.size()) + " logits, expected vocab = " + std::to_string(v));
     }
-    for (std::size_t k = 0; k < row.logits.size(); ++k) {
-      if (std::fabs(row.logits[k]) > dtype_max(c.inputs.dtype)) {
-        fail_at(src, path + ".logits[" + std::to_string(k) + "]",
-                json(row.logits[k]).dump() + " overflows " + std::string(to_string(c.inputs.dtype)));
-      }
-    }
     if (row.label && *row.label != c.loss.ignore_index && (*row.label < 0 || *row.label >= v)) {
       fail_at(src, path + ".label",
               "label " + std::to_string(*row.label) + " outside [0, " + std::to_string(v) +
                   ") and not the ignore_index " + std::to_string(c.loss.ignore_index));
     }
   }
-  const double generated_bound = std::fabs(c.inputs.mean) + 9.0 * c.inputs.scale;
-  if (generated_bound > dtype_max(c.inputs.dtype)) {
-    fail_at(src, "$.inputs.scale", "generated logits would overflow " + std::string(to_string(c.inputs.dtype)));
-  }
+  validate_value_ranges(c);
 }
 
 }  // namespace
@@ -466,11 +514,14 @@ void apply_set_override(json& document, const std::string& assignment, const std
   }
   const std::string key = assignment.substr(0, eq);
   const std::string text = assignment.substr(eq + 1);
+  if (!is_valid_utf8(assignment)) throw CaseError("--set " + printable(assignment) + ": not UTF-8 text");
   json value;
   try {
     value = json::parse(text);
   } catch (const json::parse_error&) {
     value = text;  // bare words such as bf16 or megatron are strings
+  } catch (const json::out_of_range&) {
+    throw CaseError("--set " + assignment + ": " + text + " is outside the range of a double");
   }
   json* node = &document;
   std::string path = "$";

@@ -1,10 +1,15 @@
 #include "lossverify/case/json_reader.hpp"
 
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cmath>
+#include <cstring>
 #include <fstream>
 #include <sstream>
-#include "lossverify/core/strings.hpp"
+#include <vector>
 
-#include <cmath>
+#include "lossverify/core/strings.hpp"
 
 namespace lossverify::detail {
 
@@ -94,16 +99,43 @@ void ObjectReader::fail(const std::string& key, const std::string& message) cons
 }
 void ObjectReader::fail_here(const std::string& message) const { fail_at(source_, path_, message); }
 
+nlohmann::json parse_json_strictly(std::string_view text, const std::string& source, const std::string& what) {
+  std::vector<std::set<std::string>> keys_of_open_objects;
+  std::string duplicate;
+  auto callback = [&](int /*depth*/, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
+    using Event = nlohmann::json::parse_event_t;
+    if (event == Event::object_start) keys_of_open_objects.emplace_back();
+    if (event == Event::object_end && !keys_of_open_objects.empty()) keys_of_open_objects.pop_back();
+    if (event == Event::key && !keys_of_open_objects.empty() && duplicate.empty() &&
+        !keys_of_open_objects.back().insert(parsed.get<std::string>()).second) {
+      duplicate = parsed.get<std::string>();
+    }
+    return true;
+  };
+  nlohmann::json document;
+  try {
+    document = nlohmann::json::parse(text.begin(), text.end(), callback);
+  } catch (const nlohmann::json::exception& e) {  // parse_error, and out_of_range for 1e400
+    throw CaseError(printable(source) + ": " + what + " is not valid JSON: " + printable(e.what()));
+  }
+  if (!duplicate.empty()) {
+    throw CaseError(printable(source) + ": " + what + " repeats the key \"" + printable(duplicate) +
+                    "\" in one object (which one is meant?)");
+  }
+  return document;
+}
+
 nlohmann::json read_json_file(const std::string& path, const std::string& what) {
-  std::ifstream in(path);
-  if (!in) throw CaseError(path + ": cannot open " + what);
+  struct stat info {};
+  if (::stat(path.c_str(), &info) != 0) {
+    throw CaseError(printable(path) + ": cannot open " + what + ": " + std::strerror(errno));
+  }
+  if (!S_ISREG(info.st_mode)) throw CaseError(printable(path) + ": cannot open " + what + ": not a regular file");
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw CaseError(printable(path) + ": cannot open " + what);
   std::stringstream buffer;
   buffer << in.rdbuf();
-  try {
-    return nlohmann::json::parse(buffer.str());
-  } catch (const nlohmann::json::parse_error& e) {
-    throw CaseError(path + ": not valid JSON: " + e.what());
-  }
+  return parse_json_strictly(buffer.str(), path, what);
 }
 
 }  // namespace lossverify::detail

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <set>
 #include <string>
+#include <string_view>
 
 #include <nlohmann/json.hpp>
 
@@ -49,7 +50,12 @@ std::int64_t as_integer(const nlohmann::json& value, const std::string& path, co
 double as_number(const nlohmann::json& value, const std::string& path, const std::string& source);
 [[noreturn]] void fail_at(const std::string& source, const std::string& path, const std::string& message);
 
-// Reads and parses a JSON file; CaseError "<path>: cannot open <what>" or "<path>: not valid JSON: ...".
+// Parses JSON strictly: a key repeated in one object, or a number outside the range of a double (1e400), is
+// an error, not a silent choice. Throws CaseError "<source>: <what> is not valid JSON: ...".
+nlohmann::json parse_json_strictly(std::string_view text, const std::string& source, const std::string& what);
+
+// Reads a regular file (not a FIFO, a device or a folder) and parses it with parse_json_strictly; CaseError
+// "<path>: cannot open <what>: ..." otherwise.
 nlohmann::json read_json_file(const std::string& path, const std::string& what);
 
 }  // namespace lossverify::detail

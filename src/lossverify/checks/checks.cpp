@@ -16,6 +16,7 @@
 #include "lossverify/reference/compensated_sum.hpp"
 #include "lossverify/reference/loss_reference.hpp"
 #include "lossverify/comm/communicator.hpp"
+#include "lossverify/comm/progress_beacon.hpp"
 #include "lossverify/impl/cuda/gpu_reference.hpp"
 #include "lossverify/impl/cpu/sharded_loss.hpp"
 #include <cstring>
@@ -304,6 +305,9 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
   const bool kd = c.loss.kind == LossKind::kd;
   const int world_rank = out.assignment.world_rank;
   StageTrace trace("rank " + std::to_string(world_rank) + " verify");
+  // The rank's progress beacon, captured here on the rank thread: the row loops beat it (OpenMP workers
+  // included), so that the deadlock guard sees a rank that is verifying as busy, not hung.
+  ProgressBeacon* const beacon = ProgressBeacon::current();
   trace.mark("0 reference");
   const LossReference reference(c, inputs);
   const VocabRange range = out.assignment.vocab;
@@ -439,6 +443,7 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
       std::vector<double> teacher(kd ? static_cast<std::size_t>(cols) : 0);
   #pragma omp for schedule(dynamic, 4)
       for (std::int64_t i = 0; i < rows; ++i) {
+        beat_row(beacon, i);
         const std::int64_t t = out.token_of(i);
         if (t < 0 || !inputs.is_valid(t)) continue;
         valid[static_cast<std::size_t>(i)] = 1;
@@ -484,6 +489,7 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
       std::vector<double> teacher(static_cast<std::size_t>(cols));
 #pragma omp for schedule(dynamic, 4)
       for (std::int64_t i = 0; i < rows; ++i) {
+        beat_row(beacon, i);
         if (!valid[static_cast<std::size_t>(i)]) continue;
         load_row(i, student, teacher);
         const auto [sum, error] = reference.kl_partial(stats[static_cast<std::size_t>(i)], student, teacher);
@@ -617,6 +623,7 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
     std::vector<double> got(static_cast<std::size_t>(cols));
 #pragma omp for schedule(dynamic, 4)
     for (std::int64_t i = 0; i < rows; ++i) {
+      beat_row(beacon, i);
       const auto k = static_cast<std::size_t>(i);
       const std::int64_t t = out.token_of(i);
       const LocalRow& row = out.assignment.rows[k];
@@ -726,6 +733,7 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
     const double fp32_normal = smallest_normal(DType::fp32);
     std::vector<double> g(on_device ? 0 : static_cast<std::size_t>(cols));
     for (std::int64_t i = 0; i < rows; ++i) {
+      beat_row(beacon, i);
       if (on_device) {
         const cuda::RowComparison& rc = compared_rows[static_cast<std::size_t>(i)];
         grad_census.add(FiniteCensus{rc.nan, rc.pos_inf, rc.neg_inf, rc.subnormal});
@@ -879,63 +887,74 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
   return results;
 }
 
-CheckResult invariance_check(const Case& c, const std::vector<LayoutSnapshot>& snapshots,
-                             const std::vector<std::string>& layout_names) {
-  const Tolerance tol = effective_tolerance(c, "invariance");
+namespace {
+
+// One layout's answers against the first layout's, element by element; "token scale" here is the largest
+// gradient magnitude of the row.
+ErrorStats compare_layouts(const Case& c, const Tolerance& tol, const LayoutSnapshot& base,
+                           const LayoutSnapshot& other, int k) {
   const DType dtype = c.inputs.dtype;
-  ErrorStats stats;
-  nlohmann::json per_layout = nlohmann::json::array();
-  if (snapshots.empty()) return make_result("invariance", stats, tol, "no layouts");
-  const LayoutSnapshot& base = snapshots.front();
   const double quantum = output_quantum(dtype);
-  // Compared element by element; "token scale" here is the largest gradient magnitude of the row.
-  for (std::size_t k = 1; k < snapshots.size(); ++k) {
-    const LayoutSnapshot& other = snapshots[k];
-    ErrorStats layout_stats;
-    for (std::size_t t = 0; t < base.token_loss.size(); ++t) {
-      const double e = base.token_loss[t];
-      layout_stats.add({static_cast<std::int64_t>(t), -1, static_cast<int>(k), e, other.token_loss[t],
-                        1e-5 + 2e-5 * std::fabs(e)});
-    }
-    layout_stats.add({-1, -1, static_cast<int>(k), base.logged_loss, other.logged_loss,
-                      1e-5 + 4e-5 * std::fabs(base.logged_loss)});
-    layout_stats.add({-1, -1, static_cast<int>(k), static_cast<double>(base.logged_valid_tokens),
-                      static_cast<double>(other.logged_valid_tokens), 0.5});
-    if (!base.effective_grad.empty() && !other.effective_grad.empty()) {
-      const std::size_t vocab = static_cast<std::size_t>(c.shape.vocab);
-      for (std::size_t t = 0; t < base.token_loss.size(); ++t) {
-        double row_scale = 0.0;
-        for (std::size_t v = 0; v < vocab; ++v) row_scale = std::max(row_scale, std::fabs(double(base.effective_grad[t * vocab + v])));
-        for (std::size_t v = 0; v < vocab; ++v) {
-          const double e = base.effective_grad[t * vocab + v];
-          const double g = other.effective_grad[t * vocab + v];
-          const double error = e == g ? 0.0 : std::fabs(g - e);
-          const double floor = tol.atol * row_scale + quantum;
-          double m = 0.0;
-          bool mismatch = false;
-          if (tol.max_ulp > 0) {
-            const double by_ulp = error / (tol.max_ulp * ulp_size(e, dtype));
-            m = std::min(by_ulp, margin_of(error, floor));
-          } else {
-            m = margin_of(error, floor + tol.rtol * std::fabs(e));
-          }
-          mismatch = !(m <= 1.0);
-          layout_stats.add_with_margin({static_cast<std::int64_t>(t), static_cast<std::int64_t>(v), static_cast<int>(k),
-                                        e, g, floor},
-                                       m, mismatch);
-        }
-      }
-    }
-    per_layout.push_back({{"layout", layout_names[k]}, {"against", layout_names[0]}, {"margin", layout_stats.margin()},
-                          {"mismatches", layout_stats.mismatches()}});
-    stats.merge(layout_stats);
+  ErrorStats stats;
+  for (std::size_t t = 0; t < base.token_loss.size(); ++t) {
+    const double e = base.token_loss[t];
+    stats.add({static_cast<std::int64_t>(t), -1, k, e, other.token_loss[t], 1e-5 + 2e-5 * std::fabs(e)});
   }
-  CheckResult r = make_result("invariance", stats, tol,
+  stats.add({-1, -1, k, base.logged_loss, other.logged_loss, 1e-5 + 4e-5 * std::fabs(base.logged_loss)});
+  stats.add({-1, -1, k, static_cast<double>(base.logged_valid_tokens), static_cast<double>(other.logged_valid_tokens),
+             0.5});
+  if (base.effective_grad.empty() || other.effective_grad.empty()) return stats;
+  const std::size_t vocab = static_cast<std::size_t>(c.shape.vocab);
+  for (std::size_t t = 0; t < base.token_loss.size(); ++t) {
+    double row_scale = 0.0;
+    for (std::size_t v = 0; v < vocab; ++v) row_scale = std::max(row_scale, std::fabs(double(base.effective_grad[t * vocab + v])));
+    for (std::size_t v = 0; v < vocab; ++v) {
+      const double e = base.effective_grad[t * vocab + v];
+      const double g = other.effective_grad[t * vocab + v];
+      const double error = e == g ? 0.0 : std::fabs(g - e);
+      const double floor = tol.atol * row_scale + quantum;
+      const double m = tol.max_ulp > 0 ? std::min(error / (tol.max_ulp * ulp_size(e, dtype)), margin_of(error, floor))
+                                       : margin_of(error, floor + tol.rtol * std::fabs(e));
+      stats.add_with_margin({static_cast<std::int64_t>(t), static_cast<std::int64_t>(v), k, e, g, floor}, m, !(m <= 1.0));
+    }
+  }
+  return stats;
+}
+
+}  // namespace
+
+InvarianceCheck::InvarianceCheck(const Case& c) : case_(c), tolerance_(effective_tolerance(c, "invariance")) {}
+
+void InvarianceCheck::add(LayoutSnapshot snapshot, const std::string& layout_name) {
+  if (!base_) {
+    base_ = std::move(snapshot);
+    base_name_ = layout_name;
+    gradients_compared_ = !base_->effective_grad.empty();
+    return;
+  }
+  ++layouts_;
+  const ErrorStats stats = compare_layouts(case_, tolerance_, *base_, snapshot, layouts_);
+  gradients_compared_ = gradients_compared_ && !snapshot.effective_grad.empty();
+  per_layout_.push_back({{"layout", layout_name}, {"against", base_name_}, {"margin", stats.margin()},
+                         {"mismatches", stats.mismatches()}});
+  stats_.merge(stats);
+}
+
+CheckResult InvarianceCheck::result() const {
+  if (!base_) return make_result("invariance", stats_, tolerance_, "no layouts");
+  CheckResult r = make_result("invariance", stats_, tolerance_,
                               "every layout reproduces the first layout's losses, logged values and gradients");
-  r.metrics["layouts"] = per_layout;
-  r.metrics["gradients_compared"] = !base.effective_grad.empty();
+  r.metrics["layouts"] = per_layout_;
+  r.metrics["gradients_compared"] = gradients_compared_;
   if (r.verdict == Verdict::not_applicable) r.summary = "a single layout: nothing to compare";
   return r;
+}
+
+CheckResult invariance_check(const Case& c, const std::vector<LayoutSnapshot>& snapshots,
+                             const std::vector<std::string>& layout_names) {
+  InvarianceCheck check(c);
+  for (std::size_t k = 0; k < snapshots.size(); ++k) check.add(snapshots[k], layout_names[k]);
+  return check.result();
 }
 
 }  // namespace lossverify

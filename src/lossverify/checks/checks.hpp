@@ -127,7 +127,25 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
                                      RankGroups& groups, Communicator& world, int threads,
                                      LayoutSnapshot* snapshot = nullptr, ErrorMap* error_map = nullptr);
 
-// The invariance check: every snapshot against the first (same global answers at every layout).
+// The invariance check: every layout's snapshot against the first (same global answers at every layout).
+// Layouts are added one at a time; only the first is kept, so a sweep holds at most two snapshots.
+class InvarianceCheck {
+ public:
+  explicit InvarianceCheck(const Case& c);
+  void add(LayoutSnapshot snapshot, const std::string& layout_name);
+  CheckResult result() const;
+
+ private:
+  const Case& case_;
+  Tolerance tolerance_;
+  std::optional<LayoutSnapshot> base_;
+  std::string base_name_;
+  int layouts_ = 0;  // compared so far
+  ErrorStats stats_;
+  nlohmann::json per_layout_ = nlohmann::json::array();
+  bool gradients_compared_ = false;
+};
+
 CheckResult invariance_check(const Case& c, const std::vector<LayoutSnapshot>& snapshots,
                              const std::vector<std::string>& layout_names);
 

@@ -13,6 +13,7 @@
 #include "lossverify/impl/cuda/nccl_communicator.hpp"
 #include "lossverify/impl/plugin/plugin_backend.hpp"
 #include "lossverify/layout/rank_layout.hpp"
+#include "lossverify/runner/memory_estimate.hpp"
 #include "lossverify/inputs/input_source.hpp"
 
 namespace lossverify {
@@ -95,6 +96,8 @@ OwnedGroups make_groups(Communicator& world, const LayoutSpec& layout) {
   return g;
 }
 
+}  // namespace
+
 void check_fault_rank(const FaultInjection& fault, int world_size) {
   if (fault.kind != FaultInjection::Kind::none && (fault.rank < 0 || fault.rank >= world_size)) {
     throw CaseError("--inject-fault: rank " + std::to_string(fault.rank) + " outside [0, " +
@@ -102,13 +105,15 @@ void check_fault_rank(const FaultInjection& fault, int world_size) {
   }
 }
 
-}  // namespace
-
 void require_supported(const Implementation& impl, const Case& c) {
-  if (impl.plugin != nullptr && !applies_to(impl, c.loss.kind)) {
+  if (applies_to(impl, c.loss.kind)) return;
+  if (impl.plugin != nullptr) {
     throw CaseError(c.source + ": the plugin " + impl.name + " does not compute " + std::string(to_string(c.loss.kind)) +
                     " losses (its lv_plugin.losses)");
   }
+  throw CaseError(c.source + ": --impl " + impl.name + " is a bug of " +
+                  (c.loss.kind == LossKind::kd ? "cross_entropy" : "kd") + " losses, and this case is " +
+                  std::string(to_string(c.loss.kind)) + ": not applicable (the gate records such pairs as not run)");
 }
 
 RunOptions options_for(const Implementation& impl, const RunOptions& options) {
@@ -259,7 +264,7 @@ RunResult assemble_result(const Case& c, const Implementation& impl, RankJob job
   return result;
 }
 
-RunResult run_case(const Case& c, const RunOptions& requested, bool keep_snapshot) {
+RunOptions check_run(const Case& c, const RunOptions& requested, bool keep_snapshot) {
   const Implementation* impl = find_implementation(requested.implementation);
   if (impl == nullptr) {
     throw CaseError("--impl " + requested.implementation + ": unknown implementation (see `lossverify list`)");
@@ -267,13 +272,22 @@ RunResult run_case(const Case& c, const RunOptions& requested, bool keep_snapsho
   require_supported(*impl, c);
   const RunOptions options = options_for(*impl, requested);
   check_case(c);
-  const auto start = Clock::now();
   const int world_size = c.layout.world_size();
   check_fault_rank(options.fault, world_size);
   if (options.device == RunOptions::Device::cuda) {
     cuda::require_device(0);
+  } else {
+    require_memory(c, keep_snapshot);
   }
-  resolve_execution(options, world_size);  // an impossible request fails before any rank starts
+  resolve_execution(options, world_size);
+  return options;
+}
+
+RunResult run_case(const Case& c, const RunOptions& requested, bool keep_snapshot) {
+  const RunOptions options = check_run(c, requested, keep_snapshot);
+  const Implementation* impl = find_implementation(requested.implementation);
+  const auto start = Clock::now();
+  const int world_size = c.layout.world_size();
   std::optional<InputSource> own_inputs;
   if (options.shared_inputs == nullptr) own_inputs.emplace(c);
   const InputSource& inputs = options.shared_inputs != nullptr ? *options.shared_inputs : *own_inputs;
@@ -306,10 +320,32 @@ std::string layout_name(const LayoutSpec& l) {
          std::to_string(l.ga);
 }
 
-SweepResult run_sweep(const Case& c, const std::vector<LayoutSpec>& layouts, const RunOptions& options) {
+// Every layout is checked before the first one runs: a sweep fails at once or not for its layouts.
+void check_sweep(const Case& c, const std::vector<LayoutSpec>& layouts, const RunOptions& options) {
+  if (layouts.size() > kMaxSweepLayouts) {
+    throw CaseError(c.source + ": the sweep has " + std::to_string(layouts.size()) + " layouts; at most " +
+                    std::to_string(kMaxSweepLayouts) + " run in one command (split it)");
+  }
+  for (const LayoutSpec& layout : layouts) {
+    if (std::int64_t{layout.tp} * layout.cp * layout.dp > kMaxRanks) {
+      throw CaseError(c.source + ": sweep layout " + layout_name(layout) + ": tp * cp * dp exceeds " +
+                      std::to_string(kMaxRanks) + " ranks");
+    }
+    Case at = c;
+    at.layout = layout;
+    try {
+      check_run(at, options, true);
+    } catch (const CaseError& e) {
+      throw CaseError("sweep layout " + layout_name(layout) + ": " + e.what());
+    }
+  }
+}
+
+SweepResult run_sweep(const Case& c, const std::vector<LayoutSpec>& layouts, const RunOptions& options,
+                      const SweepProgress& progress) {
+  check_sweep(c, layouts, options);
   SweepResult sweep;
-  std::vector<LayoutSnapshot> snapshots;
-  std::vector<std::string> names;
+  InvarianceCheck invariance(c);
   std::optional<InputSource> own_inputs;
   RunOptions shared = options;
   if (shared.shared_inputs == nullptr) {
@@ -318,19 +354,16 @@ SweepResult run_sweep(const Case& c, const std::vector<LayoutSpec>& layouts, con
     shared.shared_inputs = &*own_inputs;
   }
   for (const LayoutSpec& layout : layouts) {
-    if (layout.tp > c.shape.vocab) {
-      throw CaseError(c.source + ": sweep layout " + layout_name(layout) + ": tp exceeds the vocabulary size");
-    }
     Case at = c;
     at.layout = layout;
     RunResult r = run_case(at, shared, true);
-    snapshots.push_back(std::move(*r.snapshot));
+    invariance.add(std::move(*r.snapshot), layout_name(layout));
     r.snapshot.reset();
-    names.push_back(layout_name(layout));
     if (r.verdict == Verdict::fail) sweep.verdict = Verdict::fail;
+    if (progress) progress(sweep.runs.size() + 1, layouts.size(), r);
     sweep.runs.push_back(std::move(r));
   }
-  sweep.invariance = invariance_check(c, snapshots, names);
+  sweep.invariance = invariance.result();
   if (sweep.invariance.verdict == Verdict::fail) sweep.verdict = Verdict::fail;
   return sweep;
 }

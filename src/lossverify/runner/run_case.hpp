@@ -1,5 +1,6 @@
 #pragma once
 // case -> inputs -> ranks run an implementation -> checks against the reference -> one run's result.
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -24,6 +25,8 @@ struct FaultInjection {
 // "throw@R", "hang@R" or "exit@R" (the process exits: MPI backend), each also as "late-KIND@R";
 // throws CaseError otherwise.
 FaultInjection parse_fault(const std::string& text);
+// CaseError when the fault names a rank outside [0, world_size).
+void check_fault_rank(const FaultInjection& fault, int world_size);
 
 struct RunOptions {
   std::string implementation = "correct";
@@ -110,6 +113,11 @@ RunResult assemble_result(const Case& c, const Implementation& impl, RankJob job
 // fails, TimeoutError when the deadlock guard fires.
 RunResult run_case(const Case& c, const RunOptions& options, bool keep_snapshot = false);
 
+// What run_case refuses before any rank starts (an unknown or inapplicable implementation, an invalid case,
+// a fault rank outside the world, memory the machine does not have, an impossible execution); returns the
+// options the implementation runs under.
+RunOptions check_run(const Case& c, const RunOptions& options, bool keep_snapshot = false);
+
 // A case at several layouts and the invariance check between them.
 struct SweepResult {
   std::vector<RunResult> runs;
@@ -119,6 +127,13 @@ struct SweepResult {
 std::string layout_name(const LayoutSpec& layout);
 // Largest input set the gate and sweeps keep in memory (bytes in the input dtype).
 extern const std::size_t kMaterializeLimitBytes;
-SweepResult run_sweep(const Case& c, const std::vector<LayoutSpec>& layouts, const RunOptions& options);
+// Sweeps are bounded: at most kMaxSweepLayouts layouts, each of at most kMaxRanks ranks, all checked with
+// check_run before the first runs. `progress` (optional) hears of each finished layout.
+inline constexpr std::size_t kMaxSweepLayouts = 256;
+inline constexpr std::int64_t kMaxRanks = 65536;
+void check_sweep(const Case& c, const std::vector<LayoutSpec>& layouts, const RunOptions& options);
+using SweepProgress = std::function<void(std::size_t done, std::size_t total, const RunResult& run)>;
+SweepResult run_sweep(const Case& c, const std::vector<LayoutSpec>& layouts, const RunOptions& options,
+                      const SweepProgress& progress = {});
 
 }  // namespace lossverify
