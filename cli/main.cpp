@@ -4,8 +4,12 @@
 #include <chrono>
 #include <iomanip>
 #include <thread>
+#include <charconv>
 #include <cstdlib>
+#include <filesystem>
 #include <iostream>
+#include <optional>
+#include <string_view>
 #include <string>
 #include <vector>
 
@@ -17,6 +21,7 @@
 #include "lossverify/checks/tolerances.hpp"
 #include "lossverify/core/build_info.hpp"
 #include "lossverify/core/errors.hpp"
+#include "lossverify/core/output_path.hpp"
 #include "lossverify/impl/catalogue.hpp"
 #include "lossverify/report/report.hpp"
 #include "lossverify/runner/gate.hpp"
@@ -25,6 +30,7 @@
 #include "lossverify/layout/vocab_range.hpp"
 #include "lossverify/impl/cuda/cuda_backend.hpp"
 #include "check_dump.hpp"
+#include "options.hpp"
 #include "export_inputs.hpp"
 #include "repro.hpp"
 #ifdef LOSSVERIFY_HAVE_MPI
@@ -59,6 +65,7 @@ struct RunArguments {
   double timeout = 0.0;
   std::string fault;
   std::vector<std::string> sweep;
+  bool sweep_requested = false;  // --sweep given, perhaps with no layouts (the case's own sweep)
   std::string launcher = "auto";
   std::string backend = "cpu";
   int gpus = 1;
@@ -77,6 +84,7 @@ lossverify::cli::ArtifactContext artifact_context(const RunArguments& args, cons
   context.device = args.backend;
   context.gpus = args.backend == "cuda" ? args.gpus : 0;
   context.quiet = args.quiet;
+  context.inputs = args.case_files;
   return context;
 }
 
@@ -128,6 +136,7 @@ int command_run(const RunArguments& args) {
   }
   const lossverify::cli::ArtifactContext artifacts = artifact_context(args, "threads", 1);
   lossverify::cli::check_artifact_options(args.artifacts, artifacts);
+  check_output_path("--report", args.report_path, args.case_files);
   std::vector<RunResult> results;  // kept for bundles and plots only
   const bool keep_results = lossverify::cli::artifacts_requested(args.artifacts);
   RunOptions options;
@@ -142,15 +151,33 @@ int command_run(const RunArguments& args) {
   std::vector<nlohmann::json> runs;
   nlohmann::json sweeps = nlohmann::json::array();
   bool any_failed = false;
-  if (!args.sweep.empty()) {
-    const SweepSpec spec = parse_sweep_arguments(args.sweep);
-    for (const Case& c : cases) {
+  if (args.sweep_requested) {
+    const std::optional<SweepSpec> spec =
+        args.sweep.empty() ? std::nullopt : std::optional<SweepSpec>(parse_sweep_arguments(args.sweep));
+    std::vector<std::vector<LayoutSpec>> layouts_of_case;
+    for (const Case& c : cases) {  // every layout of every case is checked before the first runs
       Case swept = c;
-      swept.sweep = spec;
-      const std::vector<LayoutSpec> layouts = sweep_layouts(swept);
-      const SweepResult result = run_sweep(c, layouts, options);
+      if (spec) swept.sweep = *spec;
+      if (!spec && swept.sweep.tp.empty() && swept.sweep.cp.empty() && swept.sweep.dp.empty() && swept.sweep.ga.empty()) {
+        throw CaseError(printable(c.source) + ": --sweep without layouts uses the case's \"sweep\", and it has none "
+                        "(give them: --sweep tp=1,2 cp=1,2)");
+      }
+      layouts_of_case.push_back(sweep_layouts(swept));
+      check_sweep(c, layouts_of_case.back(), options);
+    }
+    for (std::size_t k = 0; k < cases.size(); ++k) {
+      const Case& c = cases[k];
+      const std::vector<LayoutSpec>& layouts = layouts_of_case[k];
+      SweepProgress progress;
+      if (!args.quiet && layouts.size() > 4) {
+        progress = [&c](std::size_t done, std::size_t total, const RunResult& r) {
+          std::cerr << "lossverify: sweep of " << printable(c.name) << ": " << done << "/" << total << " layouts done ("
+                    << layout_name(r.the_case.layout) << ")\n";
+        };
+      }
+      const SweepResult result = run_sweep(c, layouts, options, progress);
       if (!args.quiet) {
-        std::cout << "case " << c.name << ": sweep of " << layouts.size() << " layouts, impl " << args.implementation
+        std::cout << "case " << printable(c.name) << ": sweep of " << layouts.size() << " layouts, impl " << args.implementation
                   << "\n";
         for (const RunResult& r : result.runs) print_sweep_line(std::cout, r);
         std::cout << "  invariance: " << (result.invariance.verdict == Verdict::fail ? "FAIL" : std::string(to_string(result.invariance.verdict)))
@@ -179,15 +206,15 @@ int command_run(const RunArguments& args) {
   lossverify::cli::write_artifacts(args.artifacts, results, artifacts);
   const ExitCode code = any_failed ? ExitCode::check_failed : ExitCode::pass;
   if (!args.report_path.empty()) {
-    nlohmann::json report = make_report(args.sweep.empty() ? "run" : "sweep", runs, code);
-    if (!args.sweep.empty()) {
+    nlohmann::json report = make_report(args.sweep_requested ? "sweep" : "run", runs, code);
+    if (args.sweep_requested) {
       report["sweeps"] = encode_nonfinite(sweeps);
       if (any_failed) report["verdict"] = "fail";
     }
-    write_file_atomically(args.report_path, report.dump(2) + "\n");
-    if (!args.quiet) std::cout << "report written to " << args.report_path << "\n";
+    write_file_atomically(args.report_path, json_text(report, 2) + "\n");
+    if (!args.quiet) std::cout << "report written to " << printable(args.report_path) << "\n";
   }
-  if (cases.size() > 1 && !args.quiet && args.sweep.empty()) {
+  if (cases.size() > 1 && !args.quiet && !args.sweep_requested) {
     int failed = 0;
     for (const auto& r : runs) failed += r.at("verdict") == "fail";
     std::cout << cases.size() - static_cast<std::size_t>(failed) << " passed, " << failed << " failed\n";
@@ -205,9 +232,13 @@ int command_run_mpi(const RunArguments& args, mpi::Session& session) {
   std::vector<Case> cases;
   const lossverify::cli::ArtifactContext artifacts = artifact_context(args, "mpi", session.size());
   std::vector<RunResult> results;  // rank 0's, kept for bundles and plots only
+  FaultInjection fault;
   try {
+    if (!args.fault.empty()) fault = parse_fault(args.fault);
+    check_fault_rank(fault, session.size());
     lossverify::cli::check_artifact_options(args.artifacts, artifacts);
-    if (!args.sweep.empty()) throw CaseError("--sweep runs several layouts: use the thread launcher (--launcher threads)");
+    check_output_path("--report", args.report_path, args.case_files);
+    if (args.sweep_requested) throw CaseError("--sweep runs several layouts: use the thread launcher (--launcher threads)");
     std::vector<std::string> overrides = args.set;
     if (args.tp > 0) overrides.push_back("layout.tp=" + std::to_string(args.tp));
     if (args.timeout > 0.0) overrides.push_back("timeout_seconds=" + std::to_string(args.timeout));
@@ -227,13 +258,13 @@ int command_run_mpi(const RunArguments& args, mpi::Session& session) {
   } catch (const Error& e) {
     // One write per line: every rank prints this at once, and mpiexec merges their streams.
     const std::string line = "lossverify: rank " + std::to_string(rank) + " of " + std::to_string(session.size()) +
-                             ": error: " + e.what() + "\n";
+                             ": error: " + printable_message(e.what()) + "\n";
     std::fwrite(line.data(), 1, line.size(), stderr);
     return static_cast<int>(e.code());
   }
   RunOptions options;
   options.implementation = args.implementation;
-  if (!args.fault.empty()) options.fault = parse_fault(args.fault);
+  options.fault = fault;
   options.device = args.backend == "cuda" ? RunOptions::Device::cuda : RunOptions::Device::cpu;
   options.gpus = std::max(1, cuda::visible_devices());  // one process per GPU: rank % GPUs
   options.collectives = collectives_of(args.collectives);
@@ -281,15 +312,25 @@ int command_run_mpi(const RunArguments& args, mpi::Session& session) {
   const ExitCode code = any_failed ? ExitCode::check_failed : ExitCode::pass;
   if (leader && !args.report_path.empty()) {
     try {
-      write_file_atomically(args.report_path, make_report("run", runs, code, "mpi", session.size()).dump(2) + "\n");
+      write_file_atomically(args.report_path, json_text(make_report("run", runs, code, "mpi", session.size()), 2) + "\n");
     } catch (const Error& e) {
       session.abort(static_cast<int>(e.code()), e.what());
     }
-    if (!args.quiet) std::cout << "report written to " << args.report_path << "\n";
+    if (!args.quiet) std::cout << "report written to " << printable(args.report_path) << "\n";
   }
   return static_cast<int>(code);
 }
 #endif
+
+// The case and golden files a gate reads: its reports must not be written over them.
+std::vector<std::string> gate_input_files(const std::string& cases_dir, const std::string& golden_dir) {
+  std::vector<std::string> files;
+  for (const std::string& dir : {cases_dir, golden_dir}) {
+    std::error_code error;
+    for (const auto& entry : std::filesystem::directory_iterator(dir, error)) files.push_back(entry.path().string());
+  }
+  return files;
+}
 
 int command_gate(const GateArguments& args) {
   GateOptions options;
@@ -301,9 +342,20 @@ int command_gate(const GateArguments& args) {
   options.implementations = args.implementations;
   options.expect = args.expect;
   if (!args.expect.empty() && args.implementations.empty()) throw CaseError("--expect needs --impl");
+  for (const auto& [option, dir] : {std::pair{"--cases", args.cases_dir}, std::pair{"--golden", args.golden_dir}}) {
+    if (!std::filesystem::is_directory(dir)) {
+      throw CaseError(std::string(option) + " " + printable(dir) + ": no such folder" +
+                      (dir == "cases" || dir == "golden"
+                           ? " here: run the gate from the repository root, or give --cases DIR --golden DIR"
+                           : ""));
+    }
+  }
+  const std::vector<std::string> inputs = gate_input_files(args.cases_dir, args.golden_dir);
+  check_output_path("--report", args.report_path, inputs);
+  check_output_path("--junit", args.junit_path, inputs);
   const GateResult result = run_gate(options);
   if (!args.quiet) print_gate_matrix(std::cout, result);
-  if (!args.report_path.empty()) write_file_atomically(args.report_path, gate_report(result).dump(2) + "\n");
+  if (!args.report_path.empty()) write_file_atomically(args.report_path, json_text(gate_report(result), 2) + "\n");
   if (!args.junit_path.empty()) write_file_atomically(args.junit_path, gate_junit(result));
   return static_cast<int>(result.passed() ? ExitCode::pass : ExitCode::check_failed);
 }
@@ -337,17 +389,28 @@ nlohmann::json torch_figures(const BenchArguments& a, std::int64_t tokens, std::
   }
 }
 
+// "N,V": two positive integers, or CaseError naming the option.
+std::pair<std::int64_t, std::int64_t> parse_shape(const std::string& text) {
+  const auto comma = text.find(',');
+  const auto integer = [&](std::string_view part) {
+    std::int64_t value = 0;
+    const auto [end, error] = std::from_chars(part.data(), part.data() + part.size(), value);
+    if (error != std::errc() || end != part.data() + part.size() || part.empty()) {
+      throw CaseError("--shape " + printable(text) + ": expected N,V (two integers), e.g. 16384,128256");
+    }
+    return value;
+  };
+  if (comma == std::string::npos) throw CaseError("--shape " + printable(text) + ": expected N,V, e.g. 16384,128256");
+  const std::string_view view(text);
+  return {integer(view.substr(0, comma)), integer(view.substr(comma + 1))};
+}
+
 int command_bench(const BenchArguments& a) {
-  const auto comma = a.shape.find(',');
-  if (comma == std::string::npos) throw CaseError("--shape " + a.shape + ": expected N,V");
-  const std::int64_t tokens = std::stoll(a.shape.substr(0, comma));
-  const std::int64_t vocab = std::stoll(a.shape.substr(comma + 1));
+  check_output_path("--report", a.report_path);
+  const auto [tokens, vocab] = parse_shape(a.shape);
   const auto dtype = parse_dtype(a.dtype);
   if (!dtype) throw CaseError("--dtype " + a.dtype + ": expected fp32|bf16|fp16");
   if (tokens < 1 || vocab < 2 || a.tp < 1 || a.tp > vocab) throw CaseError("--shape/--tp: need N >= 1, V >= 2, 1 <= tp <= V");
-  if (a.backend != "cuda") {
-    throw CaseError("--backend " + a.backend + ": bench measures the CUDA kernels; CPU figures are in bench/run_benchmarks.sh");
-  }
   cuda::BenchOptions o;
   o.tokens = tokens;
   o.vocab = vocab_range(vocab, a.tp, 0).size();  // the first (largest) shard of a TP rank
@@ -384,7 +447,7 @@ int command_bench(const BenchArguments& a) {
     }
   }
   std::cout << std::defaultfloat;
-  if (!a.report_path.empty()) write_file_atomically(a.report_path, encode_nonfinite(r).dump(2) + "\n");
+  if (!a.report_path.empty()) write_file_atomically(a.report_path, json_text(encode_nonfinite(r), 2) + "\n");
   return r["check"]["pass"].get<bool>() ? 0 : static_cast<int>(ExitCode::check_failed);
 }
 
@@ -392,7 +455,10 @@ int command_list(bool as_json) {
   nlohmann::json doc;
   doc["losses"] = nlohmann::json::array(
       {{{"name", "cross_entropy"},
-        {"options", "label_smoothing (pytorch|megatron), z_loss_weight, ignore_index, reduction mean|sum|none, "
+        {"options", "label_smoothing with smoothing_convention pytorch|megatron, z_loss_weight, softcap, ignore_index, "
+                    "reduction mean|sum|none, upstream_weights"}},
+       {{"name", "kd"},
+        {"options", "forward KL from teacher logits: temperature, t2_scaling, reduction mean|sum|none, "
                     "upstream_weights"}}});
   nlohmann::json impls = nlohmann::json::array();
   for (const auto& i : implementations()) {
@@ -426,6 +492,83 @@ int command_list(bool as_json) {
   return 0;
 }
 
+// Words after `--sweep` that are not KEY=COUNTS are case files that CLI11 took for sweep values
+// (`run --sweep tp=1,2 cp=1,2 CASE.json`).
+void sweep_arguments_to_cases(RunArguments& args) {
+  std::vector<std::string> layouts;
+  for (std::string& word : args.sweep) {
+    if (word.empty()) continue;  // CLI11's value for a bare --sweep
+    (word.find('=') == std::string::npos ? args.case_files : layouts).push_back(std::move(word));
+  }
+  args.sweep = std::move(layouts);
+}
+
+// The number of processes mpiexec started, from its environment (1 when not started by mpiexec).
+int mpiexec_processes() {
+  for (const char* name : {"PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS"}) {
+    if (const char* value = std::getenv(name)) return std::max(1, std::atoi(value));
+  }
+  return 1;
+}
+
+// threads or mpi for --launcher; nullopt (after printing why) for a launcher that cannot work here.
+std::optional<std::string> choose_launcher(const std::string& requested) {
+  const int processes = mpiexec_processes();
+  if (requested == "threads" && processes > 1) {
+    std::cerr << "lossverify: error: --launcher threads under mpiexec with " << processes
+              << " processes would run the whole job in every process: drop --launcher threads (one rank per "
+                 "process), or start one process\n";
+    return std::nullopt;
+  }
+#ifdef LOSSVERIFY_HAVE_MPI
+  if (requested == "mpi" && !mpi::launched_by_mpiexec()) {
+    std::cerr << "lossverify: error: --launcher mpi: this process was not started by mpiexec; start one process per "
+                 "rank: mpiexec -n RANKS lossverify run ...\n";
+    return std::nullopt;
+  }
+  if (requested == "auto") return mpi::launched_by_mpiexec() ? "mpi" : "threads";
+#else
+  if (requested == "mpi") {
+    std::cerr << "lossverify: error: --launcher mpi: this build has no MPI (MPICH was not found at configure time)\n";
+    return std::nullopt;
+  }
+  if (requested == "auto") return "threads";
+#endif
+  return requested;
+}
+
+// Levenshtein distance, for suggesting the command a typo meant.
+std::size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<std::size_t> row(b.size() + 1);
+  for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i) {
+    std::size_t diagonal = row[0];
+    row[0] = i;
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      const std::size_t substitution = diagonal + (a[i - 1] == b[j - 1] ? 0 : 1);
+      diagonal = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, substitution});
+    }
+  }
+  return row[b.size()];
+}
+
+// `lossverify lst`: CLI11 would say only "A subcommand is required"; name the word and the nearest command.
+std::optional<int> refuse_unknown_command(const CLI::App& app, int argc, char** argv) {
+  if (argc < 2 || argv[1][0] == '-') return std::nullopt;
+  const std::string word = argv[1];
+  std::string nearest;
+  std::size_t best = std::string::npos;
+  for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; })) {
+    if (sub->get_name() == word) return std::nullopt;
+    const std::size_t d = edit_distance(word, sub->get_name());
+    if (d < best) best = d, nearest = sub->get_name();
+  }
+  std::cerr << "lossverify: error: unknown command \"" << printable(word) << "\""
+            << (best <= 2 ? "; did you mean \"" + nearest + "\"?" : "") << " (see lossverify --help)\n";
+  return static_cast<int>(ExitCode::usage_error);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -437,7 +580,11 @@ int main(int argc, char** argv) {
 
   RunArguments run_args;
   CLI::App* run = app.add_subcommand("run", "run case files on thread ranks or MPI processes (CPU or CUDA) and check them against the reference");
-  run->add_option("cases", run_args.case_files, "case file(s) (JSON)")->required()->check(CLI::ExistingFile);
+  run->footer(lossverify::cli::exit_codes(
+      "0 all checks pass, 1 a check failed, 2 usage or case error, 3 internal/backend error, 4 timeout"));
+  // Not required here: a case file given after `--sweep tp=1,2 cp=1,2` lands in the sweep's list and is
+  // moved back (sweep_arguments_to_cases), so the check that one was given comes after parsing.
+  run->add_option("cases", run_args.case_files, "case file(s) (JSON)")->check(CLI::ExistingFile);
   run->add_option("--impl", run_args.implementation, "implementation: correct or a catalogued bug (see list)");
   run->add_option("--tp", run_args.tp, "tensor-parallel ranks (overrides layout.tp)")->check(CLI::PositiveNumber);
   run->add_option("--set", run_args.set, "override a case field, e.g. --set loss.label_smoothing=0.1")
@@ -445,9 +592,9 @@ int main(int argc, char** argv) {
   run->add_option("--report", run_args.report_path, "write the JSON report here (atomically)");
   run->add_flag("--quiet,-q", run_args.quiet, "print nothing; rely on the exit code and the report");
   run->add_option("--threads", run_args.threads, "OpenMP threads for the reference (default: all)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(lossverify::cli::thread_count());
   run->add_option("--timeout", run_args.timeout, "deadlock guard in seconds (overrides timeout_seconds)")
-      ->check(CLI::PositiveNumber);
+      ->check(lossverify::cli::seconds());
   run->add_option("--inject-fault", run_args.fault, "test aid: [late-]throw@RANK, [late-]hang@RANK or [late-]exit@RANK (late: after the groups, NCCL included, are set up)")->group("");
   run->add_option("--launcher", run_args.launcher,
                   "auto (mpi when started by mpiexec, else threads), threads, or mpi: one rank per process")
@@ -464,19 +611,23 @@ int main(int argc, char** argv) {
                   "where the float64 reference runs: auto (the GPU for --backend cuda, except sweeps), cpu, or gpu")
       ->check(CLI::IsMember({"auto", "cpu", "gpu"}));
   run->add_option("--sweep", run_args.sweep,
-                  "run at every layout of the product, e.g. --sweep tp=1,2,4 cp=1,2 dp=1,2, and check invariance")
-      ->expected(1, 4);
+                  "run at every layout of the product, e.g. --sweep tp=1,2,4 cp=1,2 dp=1,2, and check invariance; "
+                  "alone: the case's own \"sweep\"")
+      ->expected(0, 4);
   lossverify::cli::add_artifact_options(*run, run_args.artifacts);
 
   GateArguments gate_args;
   CLI::App* gate = app.add_subcommand(
       "gate", "CI gate: every shipped case x every implementation vs golden/, matrix, mutation score, JUnit");
-  gate->add_option("--cases", gate_args.cases_dir, "directory of case files")->check(CLI::ExistingDirectory);
-  gate->add_option("--golden", gate_args.golden_dir, "directory of golden outcomes");
+  gate->footer(lossverify::cli::exit_codes(
+      "0 every outcome matches golden, 1 an outcome differs, 2 usage error, 3 internal error"));
+  gate->add_option("--cases", gate_args.cases_dir, "directory of case files (default: cases)");
+  gate->add_option("--golden", gate_args.golden_dir, "directory of golden outcomes (default: golden)");
   gate->add_option("--report", gate_args.report_path, "write the JSON gate report here");
   gate->add_option("--junit", gate_args.junit_path, "write JUnit XML here");
   gate->add_flag("--update-golden", gate_args.update_golden, "rewrite golden/ from this run (review the diff)");
-  gate->add_option("--threads", gate_args.threads, "OpenMP threads for the reference")->check(CLI::NonNegativeNumber);
+  gate->add_option("--threads", gate_args.threads, "OpenMP threads for the reference")
+      ->check(lossverify::cli::thread_count());
   gate->add_flag("--quiet,-q", gate_args.quiet, "print nothing; rely on the exit code and the reports");
   gate->add_option("--impl", gate_args.implementations,
                    "gate these implementations only (repeatable), e.g. a plugin: --impl plugin:./libmy_loss.so")
@@ -486,7 +637,10 @@ int main(int argc, char** argv) {
 
   BenchArguments bench_args;
   CLI::App* bench = app.add_subcommand("bench", "kernel speed as % of the memory floor (CUDA), with PyTorch figures");
-  bench->add_option("--backend", bench_args.backend, "cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  bench->footer(lossverify::cli::exit_codes(
+      "0 measured and the sampled check passed, 1 the check failed, 2 usage error, 3 no GPU or internal error"));
+  bench->add_option("--backend", bench_args.backend, "cuda (the only one measured here)")
+      ->check(CLI::IsMember({"cuda"}));
   bench->add_option("--shape", bench_args.shape, "N,V (global vocabulary)");
   bench->add_option("--dtype", bench_args.dtype, "fp32|bf16|fp16");
   bench->add_option("--tp", bench_args.tp, "time one rank's shard of the vocabulary: the two kernels around the all-reduce");
@@ -498,6 +652,7 @@ int main(int argc, char** argv) {
   bool list_json = false;
   CLI::App* list = app.add_subcommand("list", "list losses, implementations (correct and catalogued bugs), checks");
   list->add_flag("--json", list_json, "machine-readable output");
+  list->footer(lossverify::cli::exit_codes("0"));
 
   lossverify::cli::CheckDumpCommand check_dump;
   lossverify::cli::register_check_dump(app, check_dump);
@@ -507,6 +662,7 @@ int main(int argc, char** argv) {
   lossverify::cli::register_repro_commands(app, repro);
   lossverify::cli::remember_command_line(argc, argv);
 
+  if (const auto code = refuse_unknown_command(app, argc, argv)) return *code;
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -517,15 +673,15 @@ int main(int argc, char** argv) {
 
   bool use_mpi = false;
   if (*run) {
-    use_mpi = run_args.launcher == "mpi";
-#ifdef LOSSVERIFY_HAVE_MPI
-    if (run_args.launcher == "auto") use_mpi = mpi::launched_by_mpiexec();
-#else
-    if (use_mpi) {
-      std::cerr << "lossverify: error: --launcher mpi: this build has no MPI (MPICH was not found at configure time)\n";
+    run_args.sweep_requested = run->count("--sweep") > 0;
+    sweep_arguments_to_cases(run_args);
+    if (run_args.case_files.empty()) {
+      std::cerr << "lossverify: error: run needs a case file, e.g. lossverify run cases/smoothing-pytorch.json\n";
       return static_cast<int>(ExitCode::usage_error);
     }
-#endif
+    const auto launcher = choose_launcher(run_args.launcher);
+    if (!launcher) return static_cast<int>(ExitCode::usage_error);
+    use_mpi = *launcher == "mpi";
   }
 #ifdef LOSSVERIFY_HAVE_MPI
   if (use_mpi) {
@@ -542,16 +698,16 @@ int main(int argc, char** argv) {
     if (export_inputs.selected()) return lossverify::cli::run_export_inputs(export_inputs.args);
     if (const auto code = lossverify::cli::run_repro_command(repro)) return *code;
   } catch (const TimeoutError& e) {
-    std::cerr << "lossverify: timeout: " << e.what() << "\n";
+    std::cerr << "lossverify: timeout: " << printable_message(e.what()) << "\n";
     std::cerr.flush();
     std::cout.flush();
     std::_Exit(static_cast<int>(ExitCode::timeout));  // hung rank threads cannot be joined
   } catch (const Error& e) {
-    std::cerr << "lossverify: " << (e.code() == ExitCode::usage_error ? "error: " : "internal error: ") << e.what()
-              << "\n";
+    std::cerr << "lossverify: " << (e.code() == ExitCode::usage_error ? "error: " : "internal error: ")
+              << printable_message(e.what()) << "\n";
     return static_cast<int>(e.code());
   } catch (const std::exception& e) {
-    std::cerr << "lossverify: internal error: " << e.what() << "\n";
+    std::cerr << "lossverify: internal error: " << printable_message(e.what()) << "\n";
     return static_cast<int>(ExitCode::internal_error);
   }
   return 0;

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer targets of the dump readers with AddressSanitizer and UndefinedBehaviorSanitizer and
+# Builds the libFuzzer targets of the case file and dump readers with AddressSanitizer and UndefinedBehaviorSanitizer and
 # runs each for a bounded time from the seed corpus in tests/fuzz/corpus/. Not part of CI.
-#   usage: scripts/fuzz.sh [SECONDS_PER_TARGET] [safetensors|manifest ...]     (default: 60 s, both targets)
+#   usage: scripts/fuzz.sh [SECONDS_PER_TARGET] [safetensors|manifest|case ...]     (default: 60 s, every target)
 # Needs clang with libFuzzer (Debian: apt-get install clang libclang-rt-dev). Work files go to build/fuzz/:
 # the grown corpus (corpus_<target>/), and crash-/leak-/timeout- artifacts, which make the script exit 1.
 set -euo pipefail
@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 seconds=${1:-60}
 shift || true
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(safetensors manifest)
+[ ${#targets[@]} -gt 0 ] || targets=(safetensors manifest case)
 cxx=${CXX_FUZZ:-clang++}
 command -v "$cxx" >/dev/null || { echo "fuzz.sh: $cxx not found (apt-get install clang libclang-rt-dev)" >&2; exit 2; }
 out=build/fuzz
@@ -19,7 +19,8 @@ flags=(-std=c++20 -O1 -g -fno-omit-frame-pointer -fsanitize=fuzzer,address,undef
 # The readers and what they parse with (the case file's sections for the manifest).
 sources=(src/lossverify/dump/tensor_file.cpp src/lossverify/dump/manifest.cpp src/lossverify/case/case.cpp
          src/lossverify/case/json_reader.cpp src/lossverify/core/dtype.cpp src/lossverify/core/strings.cpp src/lossverify/checks/tolerances.cpp
-         src/lossverify/layout/rank_layout.cpp src/lossverify/layout/global_batch.cpp)
+         src/lossverify/layout/rank_layout.cpp src/lossverify/layout/global_batch.cpp
+         src/lossverify/runner/memory_estimate.cpp)
 status=0
 for target in "${targets[@]}"; do
   binary=$out/fuzz_$target
