@@ -99,30 +99,37 @@ void ObjectReader::fail(const std::string& key, const std::string& message) cons
 }
 void ObjectReader::fail_here(const std::string& message) const { fail_at(source_, path_, message); }
 
-nlohmann::json parse_json_strictly(std::string_view text, const std::string& source, const std::string& what) {
+StrictJson parse_json_checked(std::string_view text) {
+  StrictJson result;
   std::vector<std::set<std::string>> keys_of_open_objects;
-  std::string duplicate;
   auto callback = [&](int /*depth*/, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
     using Event = nlohmann::json::parse_event_t;
     if (event == Event::object_start) keys_of_open_objects.emplace_back();
     if (event == Event::object_end && !keys_of_open_objects.empty()) keys_of_open_objects.pop_back();
-    if (event == Event::key && !keys_of_open_objects.empty() && duplicate.empty() &&
+    if (event == Event::key && !keys_of_open_objects.empty() && result.repeated_key.empty() &&
         !keys_of_open_objects.back().insert(parsed.get<std::string>()).second) {
-      duplicate = parsed.get<std::string>();
+      result.repeated_key = parsed.get<std::string>();
     }
     return true;
   };
-  nlohmann::json document;
   try {
-    document = nlohmann::json::parse(text.begin(), text.end(), callback);
+    result.document = nlohmann::json::parse(text.begin(), text.end(), callback);
   } catch (const nlohmann::json::exception& e) {  // parse_error, and out_of_range for 1e400
-    throw CaseError(printable(source) + ": " + what + " is not valid JSON: " + printable(e.what()));
+    result.parse_error = e.what();
   }
-  if (!duplicate.empty()) {
-    throw CaseError(printable(source) + ": " + what + " repeats the key \"" + printable(duplicate) +
+  return result;
+}
+
+nlohmann::json parse_json_strictly(std::string_view text, const std::string& source, const std::string& what) {
+  StrictJson parsed = parse_json_checked(text);
+  if (!parsed.parse_error.empty()) {
+    throw CaseError(printable(source) + ": " + what + " is not valid JSON: " + printable(parsed.parse_error));
+  }
+  if (!parsed.repeated_key.empty()) {
+    throw CaseError(printable(source) + ": " + what + " repeats the key \"" + printable(parsed.repeated_key) +
                     "\" in one object (which one is meant?)");
   }
-  return document;
+  return std::move(parsed.document);
 }
 
 nlohmann::json read_json_file(const std::string& path, const std::string& what) {

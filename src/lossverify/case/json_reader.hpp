@@ -50,8 +50,16 @@ std::int64_t as_integer(const nlohmann::json& value, const std::string& path, co
 double as_number(const nlohmann::json& value, const std::string& path, const std::string& source);
 [[noreturn]] void fail_at(const std::string& source, const std::string& path, const std::string& message);
 
-// Parses JSON strictly: a key repeated in one object, or a number outside the range of a double (1e400), is
-// an error, not a silent choice. Throws CaseError "<source>: <what> is not valid JSON: ...".
+// JSON parsed strictly: a key repeated in one object, or a number outside the range of a double (1e400), is
+// an error, not a silent choice. Either `document` is set, or one of the two reasons.
+struct StrictJson {
+  nlohmann::json document;
+  std::string parse_error;   // the parser's message (it quotes the text near the error)
+  std::string repeated_key;  // the first key found twice in one object
+};
+StrictJson parse_json_checked(std::string_view text);
+
+// parse_json_checked, or CaseError "<source>: <what> is not valid JSON: ..." / "... repeats the key ...".
 nlohmann::json parse_json_strictly(std::string_view text, const std::string& source, const std::string& what);
 
 // Reads a regular file (not a FIFO, a device or a folder) and parses it with parse_json_strictly; CaseError

@@ -10,12 +10,12 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <set>
 #include <utility>
 
 #include <Eigen/Core>
 #include <nlohmann/json.hpp>
 
+#include "lossverify/case/json_reader.hpp"
 #include "lossverify/core/strings.hpp"
 
 static_assert(std::endian::native == std::endian::little, "the dump readers assume a little-endian host");
@@ -108,35 +108,12 @@ std::string TensorInfo::shape_string() const {
 // Rejects duplicate keys in any object (nlohmann keeps the last one silently).
 nlohmann::json parse_json_without_duplicates(std::string_view text, const std::string& source, const char* what,
                                              bool quote_text) {
-  std::vector<std::set<std::string>> keys;
-  std::string duplicate;
-  auto callback = [&](int /*depth*/, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
-    switch (event) {
-      case nlohmann::json::parse_event_t::object_start:
-        keys.emplace_back();
-        break;
-      case nlohmann::json::parse_event_t::object_end:
-        if (!keys.empty()) keys.pop_back();
-        break;
-      case nlohmann::json::parse_event_t::key:
-        if (!keys.empty() && parsed.is_string() && !keys.back().insert(parsed.get<std::string>()).second &&
-            duplicate.empty()) {
-          duplicate = parsed.get<std::string>();
-        }
-        break;
-      default:
-        break;
-    }
-    return true;
-  };
-  nlohmann::json doc;
-  try {
-    doc = nlohmann::json::parse(text.begin(), text.end(), callback);
-  } catch (const nlohmann::json::exception& e) {  // its message quotes the text near the error
-    fail(source, std::string(what) + " is not valid JSON" + (quote_text ? ": " + printable(e.what()) : ""));
+  detail::StrictJson parsed = detail::parse_json_checked(text);
+  if (!parsed.parse_error.empty()) {  // the parser's message quotes the text near the error
+    fail(source, std::string(what) + " is not valid JSON" + (quote_text ? ": " + printable(parsed.parse_error) : ""));
   }
-  if (!duplicate.empty()) fail(source, std::string(what) + " repeats the key " + quote_name(duplicate));
-  return doc;
+  if (!parsed.repeated_key.empty()) fail(source, std::string(what) + " repeats the key " + quote_name(parsed.repeated_key));
+  return std::move(parsed.document);
 }
 
 std::string tensor_label(const std::string& path, const std::string& name) {
