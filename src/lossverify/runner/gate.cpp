@@ -247,12 +247,12 @@ GateResult run_gate(const GateOptions& options) {
 void print_gate_matrix(std::ostream& out, const GateResult& r) {
   out << "lossverify gate: " << r.cases.size() << " cases x " << r.implementations.size() << " implementations\n";
   out << "cases:\n";
-  for (std::size_t k = 0; k < r.cases.size(); ++k) out << "  " << std::setw(2) << k + 1 << " " << r.cases[k] << "\n";
+  for (std::size_t k = 0; k < r.cases.size(); ++k) out << "  " << std::setw(2) << k + 1 << " " << printable(r.cases[k]) << "\n";
   out << "\n" << std::left << std::setw(30) << "implementation";
   for (std::size_t k = 0; k < r.cases.size(); ++k) out << std::right << std::setw(3) << k + 1;
   out << "\n";
   for (const std::string& impl : r.implementations) {
-    out << std::left << std::setw(30) << impl;
+    out << std::left << std::setw(30) << printable(impl);
     for (const std::string& name : r.cases) {
       const auto it = std::find_if(r.cells.begin(), r.cells.end(), [&](const GateCell& c) {
         return c.case_name == name && c.implementation == impl;
@@ -268,12 +268,15 @@ void print_gate_matrix(std::ostream& out, const GateResult& r) {
   }
   out << "  . pass   X caught (fails as golden says)   - not applicable   ! differs from golden\n";
   for (const GateSweep& s : r.sweeps) {
-    out << "sweep " << s.case_name << ": " << s.layouts.size() << " layouts, " << s.verdict
+    out << "sweep " << printable(s.case_name) << ": " << s.layouts.size() << " layouts, " << s.verdict
         << (s.failing_layouts.empty() ? "" : " (" + s.failing_layouts + ")") << ", invariance margin "
         << std::setprecision(3) << s.invariance_margin << (s.matches ? "" : "  ! differs from golden") << "\n";
   }
   for (const GateCell& c : r.cells) {
-    if (!c.matches) out << "MISMATCH " << c.case_name << " --impl " << c.implementation << ": " << c.detail << "\n";
+    if (!c.matches) {
+      out << "MISMATCH " << printable(c.case_name) << " --impl " << printable(c.implementation) << ": "
+          << printable(c.detail) << "\n";
+    }
   }
   for (const auto& bug : r.uncaught_bugs) out << "UNCAUGHT " << bug << ": passes every shipped case\n";
   out << std::defaultfloat << std::setprecision(4);
