@@ -24,3 +24,15 @@ add_test(NAME python_pip_install
     ${PYTHON_DIR}/lossverify ${PIP_WORK}/ && ${LOSSVERIFY_SYSTEM_PYTHON} -m pip install --no-build-isolation --no-deps \
     --quiet --target ${PIP_WORK}/site ${PIP_WORK} && cd / && PYTHONPATH=${PIP_WORK}/site ${LOSSVERIFY_SYSTEM_PYTHON} -c \
     'import lossverify.torch.implementations, lossverify.dump; print(\"installed\", lossverify.__file__)'")
+# The framework judge (scripts/frameworks) on the one framework every machine has, PyTorch: the per-token
+# kernel passes, and the DDP loop's failure on unequal ranks is attributed to dp-local-mean.
+add_test(NAME python_framework_judge
+  COMMAND bash -c "torch_dir=$(${LOSSVERIFY_SYSTEM_PYTHON} -c 'import os, torch; print(os.path.dirname(torch.__file__))') && \
+    ${LOSSVERIFY_SYSTEM_PYTHON} ${PROJECT_SOURCE_DIR}/scripts/frameworks/judge.py torch_native $torch_dir \
+      --only dp-unequal-tokens --json ${CMAKE_CURRENT_BINARY_DIR}/framework_judge.json && \
+    ${LOSSVERIFY_SYSTEM_PYTHON} -c \"import json, sys; runs = json.load(open(sys.argv[1]))['runs']; \
+      verdicts = {r['function'].split(':')[1]: (r['verdict'], r.get('explained_by')) for r in runs}; print(verdicts); \
+      assert verdicts == {'per_token': ('pass', None), 'ddp_microbatch_mean': ('fail', 'dp-local-mean')}\" \
+      ${CMAKE_CURRENT_BINARY_DIR}/framework_judge.json")
+set_tests_properties(python_framework_judge PROPERTIES TIMEOUT 300
+  ENVIRONMENT "LOSSVERIFY_BIN=$<TARGET_FILE:lossverify>;PYTHONDONTWRITEBYTECODE=1")

@@ -32,7 +32,7 @@ const std::vector<Implementation>& implementations() {
     // Cross-entropy: label smoothing.
     v.push_back(bug("smoothing-partition-vocab",
                     "label smoothing uses the shard width V_p and a shard-local mean log-probability",
-                    "Megatron-LM tensor_parallel/cross_entropy.py before NVIDIA/Megatron-LM PR #5522 (issue #737)",
+                    "Megatron-LM tensor_parallel/cross_entropy.py, still on main at d98e8a64 (issue #737; the fix, PR #5522, was closed unmerged; docs/frameworks.md)",
                     "TP rank losses disagree; non-target gradient off by -a(1/(V_p-1) - 1/(V-1)); row sum "
                     "-(TP-1) a V_p/(V_p-1)",
                     {"loss", "grad", "rank_agreement", "row_sum"}, ce, with([](BugSwitches& b) {
@@ -40,7 +40,7 @@ const std::vector<Implementation>& implementations() {
                           b.smoothing_vocab_local_backward = true;
                     })));
     v.push_back(bug("smoothing-log-after-exp", "smoothing's mean log-probability taken as log(exp(x - M) / S)",
-                    "Megatron-LM tensor_parallel/cross_entropy.py before NVIDIA/Megatron-LM PR #5522",
+                    "Megatron-LM tensor_parallel/cross_entropy.py, still on main at d98e8a64 (PR #5522 would have fixed it; docs/frameworks.md)",
                     "loss = +inf once a row's logit gap exceeds ~103 (fp32 exp underflow)", {"loss", "finite"}, ce,
                     with([](BugSwitches& b) { b.smoothing_log_after_exp = true; })));
     v.push_back(bug("smoothing-backward-partition", "forward fixed, backward smoothing still uses the shard width V_p",

@@ -47,12 +47,12 @@ class NotApplicable(ValueError):
 
 def smoothing_partition_vocab(logits, labels, ctx):
     """Label smoothing with the shard width V_p and a shard-local mean log-probability
-    (Megatron-LM before PR #5522, issue #737)."""
+    (Megatron-LM, still on main at d98e8a64: issue #737; PR #5522 closed unmerged)."""
     return _cross_entropy(logits, labels, ctx, partition_vocab_forward=True, partition_vocab_backward=True)
 
 
 def smoothing_log_after_exp(logits, labels, ctx):
-    """Smoothing's mean log-probability as log(exp(x - M) / S) (Megatron-LM before PR #5522)."""
+    """Smoothing's mean log-probability as log(exp(x - M) / S) (Megatron-LM, still on main at d98e8a64)."""
     return _cross_entropy(logits, labels, ctx, log_after_exp=True)
 
 

@@ -29,7 +29,7 @@ __all__ = ["CrossEntropyBugs", "vocab_parallel_cross_entropy", "smoothing_weight
 class CrossEntropyBugs:
     """Kernel-level catalogued bugs; each switch names where it was seen."""
 
-    # smoothing constants and mean log-prob from the shard: width V_p, local sum (Megatron-LM before PR #5522)
+    # smoothing constants and mean log-prob from the shard: width V_p, local sum (Megatron-LM, still on main at d98e8a64)
     partition_vocab_forward: bool = False
     partition_vocab_backward: bool = False  # the backward's constants from V_p (half-fixed Megatron-LM)
     log_after_exp: bool = False  # mean log-prob as log(exp(x - M) / S): -inf once exp underflows
@@ -152,7 +152,7 @@ def _capped(x, softcap):
 
 def _smoothing_sum(shifted, packed, local_sum_shifted, sum_exp, log_sum, setup, width):
     """sum_v (x_v - M) as the forward's smoothing term uses it: global, the shard's, or rebuilt from
-    log(exp(x - M) / S) (Megatron-LM before PR #5522 took the log of the probabilities)."""
+    log(exp(x - M) / S) (Megatron-LM, still on main at d98e8a64, takes the log of the probabilities)."""
     bugs = setup.bugs
     if bugs.log_after_exp:
         sum_log_p = torch.log(shifted.exp() / sum_exp.unsqueeze(-1)).sum(dim=-1)

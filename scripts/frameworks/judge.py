@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""Judges a framework's loss function, as shipped, on lossverify's cases (docs/frameworks.md).
+
+usage: python3 scripts/frameworks/judge.py FRAMEWORK CHECKOUT [--only CASE] [--device cpu|cuda]
+                                           [--json OUT.json] [--markdown OUT.md] [--keep DIR]
+FRAMEWORK names a module of lv_frameworks (megatron, ...); CHECKOUT is the framework's source tree, imported
+as its users import it. Each run prints one line; the JSON holds every run's verdict, failing checks, margins
+and warnings, and the Markdown the table rows of docs/frameworks.md. Exit 0 when every run finished (whatever
+the verdicts), 2 on a usage error.
+"""
+import argparse
+import importlib
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+def _environment(checkout):
+    """Rank processes import the adapters and the framework by name: the paths travel in the environment
+    (set before the harness starts its fork server)."""
+    paths = [os.path.join(ROOT, "python"), HERE]
+    os.environ["PYTHONPATH"] = os.pathsep.join(paths + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    os.environ["LV_FRAMEWORK_CHECKOUT"] = os.path.abspath(checkout)
+    sys.path[:0] = paths
+
+
+def _shipped_cases():
+    folder = os.path.join(ROOT, "cases")
+    return {name[:-5]: json.load(open(os.path.join(folder, name))) for name in os.listdir(folder) if name.endswith(".json")}
+
+
+def _command(framework, run):
+    only = f"{run.case}@{run.label.replace(' ', '')}"
+    return f"python3 scripts/frameworks/judge.py {framework} CHECKOUT --only '{only}'"
+
+
+def _judge(run, device, keep):
+    import lossverify.torch as lvt
+    case = os.path.join(ROOT, "cases", run.case + ".json")
+    dump = os.path.join(keep, f"{run.case}-{run.label}".replace(" ", "").replace(",", "_")) if keep else None
+    start = time.time()
+    try:
+        if run.sweep:
+            report = lvt.sweep(run.function, case, layouts=run.sweep, device=device, set=run.overrides, keep_dump=dump)
+        else:
+            report = lvt.check(run.function, case, device=device, set=run.overrides, keep_dump=dump, **run.layout)
+    except Exception as e:  # the function raised, or the harness refused: recorded, not fatal to the others
+        return {"verdict": "error", "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                "seconds": round(time.time() - start, 2)}
+    return {"verdict": report.verdict, "failing_checks": report.failing_checks,
+            "margins": {k: v for k, v in report.margins.items() if v is not None},
+            "summary": report.summary(), "warnings": report.warnings[:2], "seconds": round(time.time() - start, 2)}
+
+
+def _lossverify_run(run, bug):
+    """lossverify's own kernel with a catalogued bug on the same case, layout and overrides: its report."""
+    import subprocess
+    import tempfile
+    from lossverify import tool
+    with tempfile.TemporaryDirectory() as work:
+        report = os.path.join(work, "report.json")
+        command = [tool.find_binary(None), "run", os.path.join(ROOT, "cases", run.case + ".json"), "--impl", bug,
+                   "--quiet", "--report", report]
+        for key, value in run.layout.items():
+            command += ["--set", f"layout.{key}={value}"]
+        for key, value in run.overrides.items():
+            command += ["--set", f"{key}={json.dumps(value) if not isinstance(value, str) else value}"]
+        if subprocess.run(command, capture_output=True).returncode not in (0, 1):
+            return None
+        return json.load(open(report))["runs"][0]
+
+
+def _explain(run, row, bugs):
+    """The catalogued bugs that account for the failure: each failing check is attributed to a bug whose
+    lossverify kernel, on the same inputs, fails that check with the same margin (within 1%, or both
+    infinite). Returns "bug" or "bug + other bug" when every failing check is attributed, else None."""
+    margins_of = {}
+    for bug in bugs:
+        theirs = _lossverify_run(run, bug)
+        if theirs is not None:  # "Infinity" in the JSON
+            margins_of[bug] = {c["name"]: float(c["margin"]) for c in theirs["checks"] if c["verdict"] == "fail"}
+    used = []
+    for check in row["failing_checks"]:
+        mine = row["margins"].get(check)
+        match = next((bug for bug, margins in margins_of.items() if check in margins and mine is not None and
+                      (mine == margins[check] or abs(mine - margins[check]) <= 0.01 * abs(margins[check]))), None)
+        if match is None:
+            return None
+        if match not in used:
+            used.append(match)
+    return " + ".join(used) if used else None
+
+
+def _markdown(framework, commit, rows):
+    lines = []
+    for r in rows:
+        verdict = r["verdict"].upper() if r["verdict"] != "pass" else "pass"
+        margins = r.get("margins", {})
+        if r["verdict"] == "fail":
+            detail = ", ".join(f"{c} {margins.get(c, float('nan')):.3g}" for c in r["failing_checks"])
+            if r.get("explained_by"):
+                detail += f"; = {' + '.join(f'`{b}`' for b in r['explained_by'].split(' + '))}"
+        elif r["verdict"] == "pass":
+            detail = f"largest margin {max(margins.values(), default=0.0):.3g}"
+        else:
+            detail = r.get("error", "")
+        sets = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in r["overrides"].items())
+        function = r["function"].rpartition(":")[2]
+        lines.append(f"| {framework} {commit} | `{function}` | {r['case']}{' (' + sets + ')' if sets else ''} | "
+                     f"{r['layout']} | {verdict} | {detail} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("framework")
+    parser.add_argument("checkout")
+    parser.add_argument("--only", action="append", default=[], help="CASE or CASE@LAYOUT (repeatable)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--json")
+    parser.add_argument("--markdown")
+    parser.add_argument("--keep", help="keep every run's inputs, dump and report under this folder")
+    args = parser.parse_args(argv)
+    if not os.path.isdir(args.checkout):
+        parser.error(f"{args.checkout}: not a folder")
+    _environment(args.checkout)
+    try:
+        adapter = importlib.import_module(f"lv_frameworks.{args.framework}")
+    except ModuleNotFoundError:
+        parser.error(f"no adapter lv_frameworks/{args.framework}.py")
+    described = adapter.describe(args.checkout)
+    runs = adapter.runs(_shipped_cases())
+    if args.only:
+        runs = [r for r in runs if r.case in args.only or f"{r.case}@{r.label.replace(' ', '')}" in args.only]
+    print(f"{adapter.NAME} at {described['commit']} ({described['source']}): {len(runs)} runs on {args.device}")
+    rows = []
+    for run in runs:
+        result = _judge(run, args.device, args.keep)
+        row = {"case": run.case, "layout": run.label, "overrides": run.overrides, "note": run.note,
+               "function": run.function, "command": _command(args.framework, run), **result}
+        if row["verdict"] == "fail" and not run.sweep:
+            row["explained_by"] = _explain(run, row, getattr(adapter, "EXPLANATIONS", []))
+        rows.append(row)
+        explained = f" = {row['explained_by']}" if row.get("explained_by") else ""
+        print(f"  {run.case:<34} {run.label:<22} {row['verdict']:<5}{explained} "
+              f"{row.get('summary', row.get('error', ''))[:140]}  ({row['seconds']} s)", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"framework": adapter.NAME, **described, "device": args.device, "runs": rows}, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(_markdown(adapter.NAME, described["commit"], rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""Adapters that call real frameworks' loss functions, as shipped, under lossverify.torch.
+
+Each module imports its framework from the checkout named by LV_FRAMEWORK_CHECKOUT (the rank processes
+import these modules by name, so the path travels in the environment) and defines:
+  NAME            the framework's name in the results
+  describe(path)  {"commit": ..., "source": ...}: what is judged
+  runs(cases)     the (function, case, layout, overrides, note) runs of its supported subset
+and the module-level loss functions that the runs name.
+"""
+import os
+import subprocess
+
+
+def checkout():
+    """The framework checkout the rank processes import from."""
+    path = os.environ.get("LV_FRAMEWORK_CHECKOUT")
+    if not path:
+        raise RuntimeError("LV_FRAMEWORK_CHECKOUT is not set: run scripts/frameworks/judge.py")
+    return path
+
+
+def git_commit(path):
+    """The checkout's commit (short), or "unknown" when it is not a git work tree."""
+    try:
+        out = subprocess.run(["git", "-C", path, "rev-parse", "--short=8", "HEAD"], capture_output=True, text=True,
+                             check=True)
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+class Run:
+    """One check: a loss function on a shipped case at a layout, with --set overrides."""
+
+    def __init__(self, function, case, layout, overrides=None, note="", sweep=None):
+        self.function = function  # "lv_frameworks.module:function"
+        self.case = case          # a shipped case's name
+        self.layout = layout      # {"tp": 2, ...}; for a sweep, the layouts instead
+        self.overrides = overrides or {}
+        self.note = note
+        self.sweep = sweep        # a list of layout labels ("tp2-cp1-dp1-ga1"): a sweep with invariance
+
+    @property
+    def label(self):
+        if self.sweep:
+            return "sweep " + ", ".join(self.sweep)
+        return "-".join(f"{k}{v}" for k, v in self.layout.items())

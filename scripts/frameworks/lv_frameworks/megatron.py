@@ -1,0 +1,105 @@
+"""Megatron-LM's `tensor_parallel.vocab_parallel_cross_entropy`, imported from a checkout.
+
+Its module is loaded unmodified from the checkout. Only what surrounds it is stubbed, none of its math:
+the package __init__ files of `megatron` and `megatron.core` (they import the whole library), and the two
+modules it takes process-group helpers from, `megatron.core.parallel_state` (the default TP group; the
+runs pass theirs) and `megatron.core.utils` (a group's rank and size, and torch-version probes).
+"""
+import os
+import sys
+import types
+
+import torch
+
+from lv_frameworks import Run, checkout, git_commit
+
+NAME = "Megatron-LM"
+# Catalogued bugs a failure is compared with (judge.py: same failing checks, same loss margin).
+EXPLANATIONS = ["smoothing-partition-vocab", "smoothing-log-after-exp"]
+_function = None
+
+
+def _package(name, path):
+    """A package whose __init__ is not run; its submodules load from `path`."""
+    module = types.ModuleType(name)
+    module.__path__ = [path]
+    sys.modules[name] = module
+    return module
+
+
+def _stub_utils():
+    utils = types.ModuleType("megatron.core.utils")
+    utils.get_pg_rank = lambda group=None: torch.distributed.get_rank(group)
+    utils.get_pg_size = lambda group=None: torch.distributed.get_world_size(group)
+    utils.get_tensor_model_parallel_group_if_none = lambda group, **kwargs: group
+
+    def divide(numerator, denominator):
+        assert numerator % denominator == 0, f"{numerator} is not divisible by {denominator}"
+        return numerator // denominator
+
+    def is_torch_min_version(version, check_equality=True):
+        have = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:3] if x.isdigit())
+        want = tuple(int(x) for x in version.split("."))
+        return have >= want if check_equality else have > want
+
+    utils.divide = divide
+    utils.is_torch_min_version = is_torch_min_version
+    sys.modules["megatron.core.utils"] = utils
+
+
+def _load():
+    global _function
+    if _function is None:
+        root = checkout()
+        core = os.path.join(root, "megatron", "core")
+        _package("megatron", os.path.join(root, "megatron"))
+        _package("megatron.core", core)
+        _package("megatron.core.tensor_parallel", os.path.join(core, "tensor_parallel"))
+        state = types.ModuleType("megatron.core.parallel_state")
+        state.get_tensor_model_parallel_group = lambda *args, **kwargs: None  # the runs pass tp_group
+        sys.modules["megatron.core.parallel_state"] = state
+        _stub_utils()
+        from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+        _function = vocab_parallel_cross_entropy
+    return _function
+
+
+def vocab_parallel_ce(logits, labels, ctx):
+    """[rows, V/TP] logits, [rows] targets: Megatron's per-token losses."""
+    return _load()(logits, labels, ctx.loss.label_smoothing, tp_group=ctx.tp_group)
+
+
+def describe(path):
+    return {"commit": git_commit(path), "source": "megatron/core/tensor_parallel/cross_entropy.py"}
+
+
+def runs(cases):
+    """Every shipped cross-entropy case at tp 1, 2 and 4 (where V splits evenly: Megatron derives a rank's
+    columns from its shard width), with the case's own cp, dp and ga. Megatron has no z-loss and no softcap
+    (set to 0) and smooths with the megatron convention."""
+    out = []
+    for name, case in sorted(cases.items()):
+        loss = case.get("loss", {})
+        if loss.get("kind", "cross_entropy") != "cross_entropy":
+            continue
+        overrides, notes = {}, []
+        if loss.get("z_loss_weight", 0):
+            overrides["loss.z_loss_weight"] = 0
+            notes.append("z-loss off")
+        if loss.get("softcap", 0):
+            overrides["loss.softcap"] = 0
+            notes.append("softcap off")
+        if loss.get("label_smoothing", 0) and loss.get("smoothing_convention") != "megatron":
+            overrides["loss.smoothing_convention"] = "megatron"
+            notes.append("megatron convention")
+        layout = case.get("layout", {})
+        rest = {k: layout[k] for k in ("cp", "dp", "ga") if layout.get(k, 1) > 1}
+        for tp in (1, 2, 4):
+            if case["shape"]["vocab"] % tp == 0:
+                out.append(Run(f"{__name__}:vocab_parallel_ce", name, {"tp": tp, **rest}, overrides, ", ".join(notes)))
+        if loss.get("label_smoothing", 0):  # the same case without smoothing
+            for tp in (2, 4):
+                if case["shape"]["vocab"] % tp == 0:
+                    out.append(Run(f"{__name__}:vocab_parallel_ce", name, {"tp": tp, **rest},
+                                   {**overrides, "loss.label_smoothing": 0}, ", ".join(notes + ["no smoothing"])))
+    return out
