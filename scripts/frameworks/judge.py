@@ -2,7 +2,7 @@
 """Judges a framework's loss function, as shipped, on lossverify's cases (docs/frameworks.md).
 
 usage: python3 scripts/frameworks/judge.py FRAMEWORK CHECKOUT [--only CASE] [--device cpu|cuda]
-                                           [--json OUT.json] [--markdown OUT.md] [--keep DIR]
+                                           [--json OUT.json] [--markdown OUT.md] [--keep DIR] [--commit C]
 FRAMEWORK names a module of lv_frameworks (megatron, ...); CHECKOUT is the framework's source tree, imported
 as its users import it. Each run prints one line; the JSON holds every run's verdict, failing checks, margins
 and warnings, and the Markdown the table rows of docs/frameworks.md. Exit 0 when every run finished (whatever
@@ -124,6 +124,7 @@ def main(argv=None):
     parser.add_argument("--json")
     parser.add_argument("--markdown")
     parser.add_argument("--keep", help="keep every run's inputs, dump and report under this folder")
+    parser.add_argument("--commit", help="the commit judged, when CHECKOUT is an exported copy rather than a git tree")
     args = parser.parse_args(argv)
     if not os.path.isdir(args.checkout):
         parser.error(f"{args.checkout}: not a folder")
@@ -133,6 +134,8 @@ def main(argv=None):
     except ModuleNotFoundError:
         parser.error(f"no adapter lv_frameworks/{args.framework}.py")
     described = adapter.describe(args.checkout)
+    if args.commit:
+        described["commit"] = args.commit
     runs = adapter.runs(_shipped_cases())
     if args.only:
         runs = [r for r in runs if r.case in args.only or f"{r.case}@{r.label.replace(' ', '')}" in args.only]
