@@ -69,6 +69,31 @@ def vocab_parallel_ce(logits, labels, ctx):
     return _load()(logits, labels, ctx.loss.label_smoothing, tp_group=ctx.tp_group)
 
 
+class _GatherVocab(torch.autograd.Function):
+    """The TP shards gathered along the vocabulary, as `gather_output=True` / `runtime_gather_output=True`
+    make Megatron's output layer do (Megatron-LM issue #7452); the backward keeps this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, shard, group):
+        ctx.group, ctx.width = group, shard.shape[-1]
+        wide = shard.float().contiguous()  # gloo gathers no bf16; the round trip through float32 is exact
+        parts = [torch.empty_like(wide) for _ in range(torch.distributed.get_world_size(group))]
+        torch.distributed.all_gather(parts, wide, group=group)
+        return torch.cat(parts, dim=-1).to(shard.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rank = torch.distributed.get_rank(ctx.group)
+        return grad[..., rank * ctx.width:(rank + 1) * ctx.width].contiguous(), None
+
+
+def gathered_logits_ce(logits, labels, ctx):
+    """Megatron's GPT model with TP > 1 and gathered output logits: the whole vocabulary on every TP rank,
+    passed to the vocabulary-parallel cross entropy all the same (issue #7452's first item)."""
+    full = _GatherVocab.apply(logits, ctx.tp_group)
+    return _load()(full, labels, ctx.loss.label_smoothing, tp_group=ctx.tp_group)
+
+
 def describe(path):
     return {"commit": git_commit(path), "source": "megatron/core/tensor_parallel/cross_entropy.py"}
 
@@ -102,4 +127,7 @@ def runs(cases):
                 if case["shape"]["vocab"] % tp == 0:
                     out.append(Run(f"{__name__}:vocab_parallel_ce", name, {"tp": tp, **rest},
                                    {**overrides, "loss.label_smoothing": 0}, ", ".join(notes + ["no smoothing"])))
+    for tp in (2, 4):  # issue #7452: gathered logits into the vocabulary-parallel cross entropy
+        out.append(Run(f"{__name__}:gathered_logits_ce", "smoothing-megatron", {"tp": tp},
+                       {"loss.label_smoothing": 0}, "no smoothing, logits gathered over TP first"))
     return out
