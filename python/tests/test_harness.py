@@ -76,6 +76,15 @@ class CheckTest(unittest.TestCase):
             harness._require_gpus(4096)
         self.assertIn("4096 ranks", str(caught.exception))
 
+    def test_the_backend_is_checked_before_any_rank_starts(self):
+        with self.assertRaises(UsageError) as caught:
+            lvt.check(implementations.correct, case_path("smoothing-pytorch"), backend="nccl")
+        self.assertIn("backend \"nccl\" needs device=\"cuda\"", str(caught.exception))
+        with self.assertRaises(UsageError):
+            lvt.check(implementations.correct, case_path("smoothing-pytorch"), backend="mpi")
+        report = lvt.check(implementations.correct, case_path("smoothing-pytorch"), backend="gloo")  # cpu's own
+        report.assert_pass()
+
     def test_a_lambda_is_refused_before_any_rank_starts(self):
         with self.assertRaises(UsageError) as caught:
             lvt.check(lambda logits, labels, ctx: logits.sum(-1), case_path("underflow-gap-240"))

@@ -2,7 +2,8 @@
 """Judges a framework's loss function, as shipped, on lossverify's cases (docs/frameworks.md).
 
 usage: python3 scripts/frameworks/judge.py FRAMEWORK CHECKOUT [--only CASE] [--device cpu|cuda]
-                                           [--json OUT.json] [--markdown OUT.md] [--keep DIR] [--commit C]
+                                           [--backend gloo|nccl] [--json OUT.json] [--markdown OUT.md]
+                                           [--keep DIR] [--commit C]
 FRAMEWORK names a module of lv_frameworks (megatron, ...); CHECKOUT is the framework's source tree, imported
 as its users import it. Each run prints one line; the JSON holds every run's verdict, failing checks, margins
 and warnings, and the Markdown the table rows of docs/frameworks.md. Exit 0 when every run finished (whatever
@@ -38,16 +39,18 @@ def _command(framework, run):
     return f"python3 scripts/frameworks/judge.py {framework} CHECKOUT --only '{only}'"
 
 
-def _judge(run, device, keep):
+def _judge(run, device, keep, backend=None):
     import lossverify.torch as lvt
     case = os.path.join(ROOT, "cases", run.case + ".json")
     dump = os.path.join(keep, f"{run.case}-{run.label}".replace(" ", "").replace(",", "_")) if keep else None
     start = time.time()
     try:
         if run.sweep:
-            report = lvt.sweep(run.function, case, layouts=run.sweep, device=device, set=run.overrides, keep_dump=dump)
+            report = lvt.sweep(run.function, case, layouts=run.sweep, device=device, set=run.overrides, keep_dump=dump,
+                               backend=backend)
         else:
-            report = lvt.check(run.function, case, device=device, set=run.overrides, keep_dump=dump, **run.layout)
+            report = lvt.check(run.function, case, device=device, set=run.overrides, keep_dump=dump, backend=backend,
+                               **run.layout)
     except Exception as e:  # the function raised, or the harness refused: recorded, not fatal to the others
         return {"verdict": "error", "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
                 "seconds": round(time.time() - start, 2)}
@@ -121,6 +124,8 @@ def main(argv=None):
     parser.add_argument("checkout")
     parser.add_argument("--only", action="append", default=[], help="CASE or CASE@LAYOUT (repeatable)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--backend", choices=["gloo", "nccl"],
+                        help="process groups (default: gloo on cpu, nccl on cuda; gloo on cuda: ranks share a GPU)")
     parser.add_argument("--json")
     parser.add_argument("--markdown")
     parser.add_argument("--keep", help="keep every run's inputs, dump and report under this folder")
@@ -139,10 +144,11 @@ def main(argv=None):
     runs = adapter.runs(_shipped_cases())
     if args.only:
         runs = [r for r in runs if r.case in args.only or f"{r.case}@{r.label.replace(' ', '')}" in args.only]
-    print(f"{adapter.NAME} at {described['commit']} ({described['source']}): {len(runs)} runs on {args.device}")
+    print(f"{adapter.NAME} at {described['commit']} ({described['source']}): {len(runs)} runs on {args.device}"
+          f"{' over ' + args.backend if args.backend else ''}")
     rows = []
     for run in runs:
-        result = _judge(run, args.device, args.keep)
+        result = _judge(run, args.device, args.keep, args.backend)
         row = {"case": run.case, "layout": run.label, "overrides": run.overrides, "note": run.note,
                "function": run.function, "command": _command(args.framework, run), **result}
         if row["verdict"] == "fail" and not run.sweep:
@@ -153,7 +159,8 @@ def main(argv=None):
               f"{row.get('summary', row.get('error', ''))[:140]}  ({row['seconds']} s)", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"framework": adapter.NAME, **described, "device": args.device, "runs": rows}, f, indent=1)
+            json.dump({"framework": adapter.NAME, **described, "device": args.device, "backend": args.backend,
+                       "runs": rows}, f, indent=1)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(_markdown(adapter.NAME, described["commit"], rows))

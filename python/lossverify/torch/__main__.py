@@ -33,6 +33,9 @@ def _parser():
                        help="the loss function fn(logits, labels, ctx), e.g. lossverify.torch.implementations:correct")
         p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                        help="cpu (gloo) or cuda (NCCL, one GPU per rank)")
+        p.add_argument("--backend", choices=("gloo", "nccl"),
+                       help="the process group's backend (default: gloo on cpu, nccl on cuda; gloo on cuda lets "
+                            "ranks share a GPU)")
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a case field, e.g. --set loss.label_smoothing=0.1 (repeatable)")
         p.add_argument("--returns", choices=("auto", "token_loss", "reduced"), default="auto",
@@ -98,7 +101,7 @@ def main(argv=None):
     try:
         fn = _load_function(args.fn)
         options = dict(device=args.device, set=args.set, returns=args.returns, binary=args.binary,
-                       keep_dump=args.keep_dump, timeout=args.timeout, report=args.report)
+                       keep_dump=args.keep_dump, timeout=args.timeout, report=args.report, backend=args.backend)
         if args.command == "run":
             report = harness.check(fn, args.case, tp=args.tp, cp=args.cp, dp=args.dp, ga=args.ga, **options)
         else:

@@ -52,6 +52,7 @@ class Launch:
     timeout_seconds: float
     threads: int = 1
     launched_at: float = 0.0  # time.monotonic() in the parent when the launch began (for tracing)
+    backend: str = "gloo"  # the process group's: gloo (on cuda the ranks share the GPUs) | nccl (a GPU per rank)
 
 
 class UserCodeError(Exception):
@@ -144,11 +145,10 @@ def _run_rank(rank, launch):
     started = time.monotonic()
     inputs = load_inputs(launch.inputs_dir)
     device = torch.device("cpu")
-    backend = "gloo"
+    backend = launch.backend
     if launch.device == "cuda":
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-        backend = "nccl"
     # Collectives time out well after the parent's deadline: a hang is reported by the parent as such
     # (HarnessTimeout naming the ranks), not as a peer's receive timeout; this is the backstop.
     dist.init_process_group(backend, init_method="file://" + launch.init_file, rank=rank,

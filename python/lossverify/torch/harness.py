@@ -52,18 +52,20 @@ def _process_context():
 
 
 def check(fn, case, tp=None, cp=None, dp=None, ga=None, device="cpu", set=None, returns="auto", binary=None,
-          keep_dump=None, timeout=None, name=None, report=None):
+          keep_dump=None, timeout=None, name=None, report=None, backend=None):
     """Run `fn(logits, labels, ctx)` on every rank of `case` (a case file) at the layout and check it.
 
     tp, cp, dp, ga override the case's layout; set: --set overrides ({"loss.label_smoothing": 0.1} or
     ["k=v", ...]); returns: "auto" (per-token losses, or a Reduced), "token_loss" or "reduced" (a scalar is
     an already-reduced loss); keep_dump: a new or empty folder to keep the inputs, dump and report in;
     timeout: seconds per launch (default: the case's timeout_seconds); report: also write the report JSON
-    there. Returns the Report (report.assert_pass() for tests); raises UserFunctionError when fn raises.
+    there; backend: the process group's, "gloo" (the default on the CPU; on "cuda" the ranks then share the
+    GPUs, rank % GPUs) or "nccl" (the default on "cuda": one GPU per rank). Returns the Report
+    (report.assert_pass() for tests); raises UserFunctionError when fn raises.
     """
     name = name or _function_name(fn)
     reports = check_many({name: fn}, case, tp=tp, cp=cp, dp=dp, ga=ga, device=device, set=set, returns=returns,
-                         binary=binary, keep_dump=keep_dump, timeout=timeout)
+                         binary=binary, keep_dump=keep_dump, timeout=timeout, backend=backend)
     result = reports[name]
     if report:
         _copy_report(result, report)
@@ -71,11 +73,11 @@ def check(fn, case, tp=None, cp=None, dp=None, ga=None, device="cpu", set=None, 
 
 
 def check_many(fns, case, tp=None, cp=None, dp=None, ga=None, device="cpu", set=None, returns="auto", binary=None,
-               keep_dump=None, timeout=None):
+               keep_dump=None, timeout=None, backend=None):
     """Like `check` for several functions on the same inputs and process group, one dump and report each
     (cheaper than one launch per function). fns: {name: fn} or a list of functions. Returns {name: Report}."""
     jobs_in = _named_functions(fns)
-    _check_arguments(device, returns)
+    backend = _check_arguments(device, returns, backend)
     binary = tool.find_binary(binary)
     with _work_directory(keep_dump) as work:
         inputs_dir = os.path.join(work, "inputs")
@@ -83,7 +85,7 @@ def check_many(fns, case, tp=None, cp=None, dp=None, ga=None, device="cpu", set=
         folders = _unique_slugs(jobs_in)
         jobs = [Job(fn=f, name=n, dump_dir=os.path.join(work, "dumps", folders[n]), returns=returns)
                 for n, f in jobs_in.items()]
-        warnings = _launch(inputs, jobs, device, timeout, work)
+        warnings = _launch(inputs, jobs, device, backend, timeout, work)
         reports = {}
         for job in jobs:
             kept = job.dump_dir if keep_dump else None
@@ -95,11 +97,11 @@ def check_many(fns, case, tp=None, cp=None, dp=None, ga=None, device="cpu", set=
 
 
 def sweep(fn, case, layouts=None, device="cpu", set=None, returns="auto", binary=None, keep_dump=None, timeout=None,
-          name=None, report=None):
+          name=None, report=None, backend=None):
     """Run fn at several layouts of the same case and check each run and their invariance (check-dump with
     one manifest per layout). layouts: a list of {"tp": 2, ...}, (tp, cp, dp, ga) tuples or
     "tp2-cp1-dp1-ga1" strings; default: the product of the case file's "sweep" section."""
-    _check_arguments(device, returns)
+    backend = _check_arguments(device, returns, backend)
     binary = tool.find_binary(binary)
     name = name or _function_name(fn)
     _named_functions({name: fn})
@@ -113,7 +115,7 @@ def sweep(fn, case, layouts=None, device="cpu", set=None, returns="auto", binary
             inputs = _export(case, os.path.join(folder, "inputs"), layout.tp, layout.cp, layout.dp, layout.ga, set,
                              binary)
             job = Job(fn=fn, name=name, dump_dir=os.path.join(folder, "dump"), returns=returns)
-            warnings += _launch(inputs, [job], device, timeout, folder).get(name, [])
+            warnings += _launch(inputs, [job], device, backend, timeout, folder).get(name, [])
             manifests.append(os.path.join(job.dump_dir, "manifest.json"))
         result = tool.check_dump(manifests, os.path.join(work, "report.json"), binary=binary, warnings=warnings,
                                  dump_dir=work if keep_dump else None, dump_kept=bool(keep_dump))
@@ -125,11 +127,18 @@ def sweep(fn, case, layouts=None, device="cpu", set=None, returns="auto", binary
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _check_arguments(device, returns):
+def _check_arguments(device, returns, backend):
+    """Validates the options; returns the process group's backend."""
     if device not in ("cpu", "cuda"):
         raise UsageError(f"device must be \"cpu\" or \"cuda\", got {device!r}")
     if returns not in RETURNS:
         raise UsageError(f"returns must be one of {', '.join(RETURNS)}, got {returns!r}")
+    backend = backend or ("nccl" if device == "cuda" else "gloo")
+    if backend not in ("gloo", "nccl"):
+        raise UsageError(f"backend must be \"gloo\" or \"nccl\", got {backend!r}")
+    if backend == "nccl" and device != "cuda":
+        raise UsageError("backend \"nccl\" needs device=\"cuda\"")
+    return backend
 
 
 def _function_name(fn):
@@ -216,15 +225,15 @@ def _copy_report(result, path):
         f.write("\n")
 
 
-def _launch(inputs, jobs, device, timeout, work):
+def _launch(inputs, jobs, device, backend, timeout, work):
     """Run the jobs on one world of rank processes; {job name: [warnings]}. Raises on any rank's failure."""
     world = inputs.layout.world_size
     if device == "cuda":
-        _require_gpus(world)
+        _require_gpus(world if backend == "nccl" else 1)
     timeout = float(timeout or inputs.case.get("timeout_seconds") or 120.0)
     status_dir = os.path.join(work, f".status-{uuid.uuid4().hex[:8]}")
     os.makedirs(status_dir)
-    launch = Launch(inputs_dir=inputs.directory, jobs=jobs, world_size=world, device=device,
+    launch = Launch(inputs_dir=inputs.directory, jobs=jobs, world_size=world, device=device, backend=backend,
                     init_file=os.path.join(status_dir, "init"), status_dir=status_dir, timeout_seconds=timeout,
                     threads=_threads_per_rank(), launched_at=time.monotonic())
     context = _process_context()
@@ -261,8 +270,9 @@ def _require_gpus(world):
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count < world:
-        raise UsageError(f"device=\"cuda\" runs one rank per GPU: this layout has {world} ranks but {count} GPU(s) "
-                         "are visible")
+        raise UsageError(f"device=\"cuda\" with NCCL runs one rank per GPU: this layout has {world} ranks but {count} "
+                         "GPU(s) are visible (backend=\"gloo\" lets ranks share a GPU)" if world > 1 else
+                         "device=\"cuda\": no GPU is visible")
 
 
 def _wait(processes, seconds):
