@@ -35,14 +35,19 @@ def _shipped_cases():
 
 
 def _command(framework, run):
-    only = f"{run.case}@{run.label.replace(' ', '')}"
+    only = f"{run.case}@{_key(run)}"
     return f"python3 scripts/frameworks/judge.py {framework} CHECKOUT --only '{only}'"
+
+
+def _key(run):
+    """The run's name for --only: its layout label, or "sweep"."""
+    return "sweep" if run.sweep else run.label
 
 
 def _judge(run, device, keep, backend=None):
     import lossverify.torch as lvt
     case = os.path.join(ROOT, "cases", run.case + ".json")
-    dump = os.path.join(keep, f"{run.case}-{run.label}".replace(" ", "").replace(",", "_")) if keep else None
+    dump = os.path.join(keep, f"{run.case}-{_key(run)}") if keep else None
     start = time.time()
     try:
         if run.sweep:
@@ -143,13 +148,14 @@ def main(argv=None):
         described["commit"] = args.commit
     runs = adapter.runs(_shipped_cases())
     if args.only:
-        runs = [r for r in runs if r.case in args.only or f"{r.case}@{r.label.replace(' ', '')}" in args.only]
+        runs = [r for r in runs if r.case in args.only or f"{r.case}@{_key(r)}" in args.only]
     print(f"{adapter.NAME} at {described['commit']} ({described['source']}): {len(runs)} runs on {args.device}"
           f"{' over ' + args.backend if args.backend else ''}")
     rows = []
     for run in runs:
         result = _judge(run, args.device, args.keep, args.backend)
-        row = {"case": run.case, "layout": run.label, "overrides": run.overrides, "note": run.note,
+        row = {"case": run.case, "layout": run.label + (": " + ", ".join(run.sweep) if run.sweep else ""),
+               "overrides": run.overrides, "note": run.note,
                "function": run.function, "command": _command(args.framework, run), **result}
         if row["verdict"] == "fail" and not run.sweep:
             row["explained_by"] = _explain(run, row, getattr(adapter, "EXPLANATIONS", []))

@@ -43,5 +43,5 @@ class Run:
     @property
     def label(self):
         if self.sweep:
-            return "sweep " + ", ".join(self.sweep)
+            return f"sweep of {len(self.sweep)}"
         return "-".join(f"{k}{v}" for k, v in self.layout.items())

@@ -98,6 +98,18 @@ def describe(path):
     return {"commit": git_commit(path), "source": "megatron/core/tensor_parallel/cross_entropy.py"}
 
 
+def _sweep_layouts(case, max_ranks=8):
+    """The case's "sweep" product where V splits evenly over tp, up to `max_ranks` processes (CPU gloo)."""
+    import itertools
+    layout, sweep = case.get("layout", {}), case.get("sweep", {})
+    axes = {k: sweep.get(k, [layout.get(k, 1)]) for k in ("tp", "cp", "dp", "ga")}
+    labels = []
+    for tp, cp, dp, ga in itertools.product(axes["tp"], axes["cp"], axes["dp"], axes["ga"]):
+        if case["shape"]["vocab"] % tp == 0 and tp * cp * dp <= max_ranks:
+            labels.append(f"tp{tp}-cp{cp}-dp{dp}-ga{ga}")
+    return labels
+
+
 def runs(cases):
     """Every shipped cross-entropy case at tp 1, 2 and 4 (where V splits evenly: Megatron derives a rank's
     columns from its shard width), with the case's own cp, dp and ga. Megatron has no z-loss and no softcap
@@ -127,6 +139,9 @@ def runs(cases):
                 if case["shape"]["vocab"] % tp == 0:
                     out.append(Run(f"{__name__}:vocab_parallel_ce", name, {"tp": tp, **rest},
                                    {**overrides, "loss.label_smoothing": 0}, ", ".join(notes + ["no smoothing"])))
+        sweep = _sweep_layouts(case)
+        if len(sweep) > 1:  # the case's own sweep, with the invariance check between its layouts
+            out.append(Run(f"{__name__}:vocab_parallel_ce", name, {}, overrides, ", ".join(notes), sweep=sweep))
     for tp in (2, 4):  # issue #7452: gathered logits into the vocabulary-parallel cross entropy
         out.append(Run(f"{__name__}:gathered_logits_ce", "smoothing-megatron", {"tp": tp},
                        {"loss.label_smoothing": 0}, "no smoothing, logits gathered over TP first"))
