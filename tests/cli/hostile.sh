@@ -54,7 +54,25 @@ report_dev_full)  # a stream that fails reports the failure
   [ -c "$device" ] || fail "$device is no longer a character device" ;;
 report_fifo)  # a FIFO with a reader gets the report as a stream; one without a reader fails, without hanging
   mkfifo pipe
-  cat pipe >received.json &
+  # The reader opens the FIFO without blocking (so it is a reader before lossverify opens it), says so, and
+  # reads until the writer closes.
+  python3 - <<'PY' &
+import os, select, time
+fd = os.open("pipe", os.O_RDONLY | os.O_NONBLOCK)
+open("reader-ready", "w").close()
+data, deadline = b"", time.monotonic() + 60
+while time.monotonic() < deadline:
+    select.select([fd], [], [], 1)
+    chunk = os.read(fd, 65536)
+    if chunk:
+        data += chunk
+    elif data:
+        break  # the writer closed
+    else:
+        time.sleep(0.01)  # no writer yet
+open("received.json", "wb").write(data)
+PY
+  for _ in $(seq 100); do [ -e reader-ready ] && break; sleep 0.05; done
   expect 0 "" "$LV" run "$CE" -q --report pipe
   wait
   python3 -c "import json,sys; json.load(open('received.json'))" || fail "the FIFO did not carry a JSON report"
