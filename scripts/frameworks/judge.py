@@ -128,6 +128,7 @@ def main(argv=None):
     parser.add_argument("framework")
     parser.add_argument("checkout")
     parser.add_argument("--only", action="append", default=[], help="CASE or CASE@LAYOUT (repeatable)")
+    parser.add_argument("--function", action="append", default=[], help="only the runs of this adapter function")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--backend", choices=["gloo", "nccl"],
                         help="process groups (default: gloo on cpu, nccl on cuda; gloo on cuda: ranks share a GPU)")
@@ -149,6 +150,8 @@ def main(argv=None):
     runs = adapter.runs(_shipped_cases())
     if args.only:
         runs = [r for r in runs if r.case in args.only or f"{r.case}@{_key(r)}" in args.only]
+    if args.function:
+        runs = [r for r in runs if r.function.rpartition(":")[2] in args.function]
     print(f"{adapter.NAME} at {described['commit']} ({described['source']}): {len(runs)} runs on {args.device}"
           f"{' over ' + args.backend if args.backend else ''}")
     rows = []
@@ -163,10 +166,10 @@ def main(argv=None):
         explained = f" = {row['explained_by']}" if row.get("explained_by") else ""
         print(f"  {run.case:<34} {run.label:<22} {row['verdict']:<5}{explained} "
               f"{row.get('summary', row.get('error', ''))[:140]}  ({row['seconds']} s)", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"framework": adapter.NAME, **described, "device": args.device, "backend": args.backend,
-                       "runs": rows}, f, indent=1)
+        if args.json:  # after every run: a long judgement that is cut short keeps what it did
+            with open(args.json, "w") as f:
+                json.dump({"framework": adapter.NAME, **described, "device": args.device, "backend": args.backend,
+                           "runs": rows}, f, indent=1)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(_markdown(adapter.NAME, described["commit"], rows))

@@ -1,13 +1,15 @@
-"""Liger-Kernel's cross entropy (`liger_kernel.transformers.functional.liger_cross_entropy`, Triton), imported
-from a checkout's src/ as its users import it; one rank on one GPU (whole rows)."""
+"""Liger-Kernel's cross entropy (`liger_kernel.transformers.functional.liger_cross_entropy`, Triton, whole rows
+on one rank) and its vocabulary-parallel cross entropy (`LigerVocabParallelCrossEntropy`, tp 1 and 2, both
+smoothing formulas and modes), imported from a checkout's src/ as its users import them. On one GPU the two
+ranks of tp 2 share it over gloo (--backend gloo)."""
 import os
 import sys
 
-from lv_frameworks import checkout, git_commit
+from lv_frameworks import Run, checkout, git_commit
 from lv_frameworks.single_gpu import single_rank_runs
 
 NAME = "Liger-Kernel"
-EXPLANATIONS = []
+EXPLANATIONS = ["smoothing-partition-vocab", "smoothing-log-after-exp"]
 _function = None
 
 
@@ -27,6 +29,27 @@ def cross_entropy(logits, labels, ctx):
                    softcap=ctx.loss.softcap or None)
 
 
+def _vocab_parallel(logits, labels, ctx, mode):
+    sys.path.insert(0, os.path.join(checkout(), "src"))
+    from liger_kernel.transformers import LigerVocabParallelCrossEntropy
+    ce = LigerVocabParallelCrossEntropy(ignore_index=ctx.loss.ignore_index, label_smoothing=ctx.loss.label_smoothing,
+                                        label_smoothing_formula=ctx.loss.smoothing_convention,
+                                        label_smoothing_mode=mode)
+    # [S, B, V_local] logits and [S, B] global targets: the rows as S, a batch of one
+    return ce(logits.unsqueeze(1), labels.unsqueeze(1), tp_group=ctx.tp_group).squeeze(1)
+
+
+def vocab_parallel_global(logits, labels, ctx):
+    """label_smoothing_mode "global" (the default): H(u, p) averaged over the whole vocabulary."""
+    return _vocab_parallel(logits, labels, ctx, "global")
+
+
+def vocab_parallel_partition(logits, labels, ctx):
+    """label_smoothing_mode "partition": H(u, p) averaged over each rank's shard, documented as
+    mirroring Megatron's behaviour."""
+    return _vocab_parallel(logits, labels, ctx, "partition")
+
+
 def describe(path):
     return {"commit": git_commit(path), "source": "src/liger_kernel/ops/cross_entropy.py"}
 
@@ -36,4 +59,16 @@ def runs(cases):
         if loss.get("label_smoothing", 0) and loss.get("smoothing_convention", "pytorch") != "pytorch":
             return {"loss.smoothing_convention": "pytorch"}, ["pytorch convention"]
         return {}, []
-    return single_rank_runs(__name__, "cross_entropy", cases, supports)
+    out = single_rank_runs(__name__, "cross_entropy", cases, supports)
+    for name, case in sorted(cases.items()):  # the vocabulary-parallel module: z-loss and softcap off
+        loss = case.get("loss", {})
+        if loss.get("kind", "cross_entropy") != "cross_entropy" or case["shape"]["vocab"] % 2:
+            continue
+        overrides = {f"loss.{k}": 0 for k in ("z_loss_weight", "softcap") if loss.get(k, 0)}
+        ga = case.get("layout", {}).get("ga", 1)
+        for tp in (1, 2):
+            layout = {"tp": tp, "cp": 1, "dp": 1, "ga": ga}
+            out.append(Run(f"{__name__}:vocab_parallel_global", name, layout, overrides, "global mode"))
+            if loss.get("label_smoothing", 0) and tp > 1:
+                out.append(Run(f"{__name__}:vocab_parallel_partition", name, layout, overrides, "partition mode"))
+    return out
