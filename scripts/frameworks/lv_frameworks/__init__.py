@@ -29,6 +29,29 @@ def git_commit(path):
         return "unknown"
 
 
+def cross_entropy_cases(cases):
+    """(name, case, loss section) of every shipped cross-entropy case, by name."""
+    for name, case in sorted(cases.items()):
+        loss = case.get("loss", {})
+        if loss.get("kind", "cross_entropy") == "cross_entropy":
+            yield name, case, loss
+
+
+def adapt(loss, without=(), convention=None):
+    """The --set overrides, and notes saying them, that bring a case's loss within what a kernel computes:
+    the features in `without` (z_loss_weight, softcap) turned off, and the smoothing `convention` it uses."""
+    overrides, notes = {}, []
+    names = {"z_loss_weight": "z-loss off", "softcap": "softcap off"}
+    for key in without:
+        if loss.get(key, 0):
+            overrides[f"loss.{key}"] = 0
+            notes.append(names[key])
+    if convention and loss.get("label_smoothing", 0) and loss.get("smoothing_convention", "pytorch") != convention:
+        overrides["loss.smoothing_convention"] = convention
+        notes.append(f"{convention} convention")
+    return overrides, notes
+
+
 class Run:
     """One check: a loss function on a shipped case at a layout, with --set overrides."""
 

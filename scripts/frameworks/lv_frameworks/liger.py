@@ -5,7 +5,7 @@ ranks of tp 2 share it over gloo (--backend gloo)."""
 import os
 import sys
 
-from lv_frameworks import Run, checkout, git_commit
+from lv_frameworks import Run, adapt, checkout, cross_entropy_cases, git_commit
 from lv_frameworks.single_gpu import single_rank_runs
 
 NAME = "Liger-Kernel"
@@ -56,15 +56,12 @@ def describe(path):
 
 def runs(cases):
     def supports(loss):  # Liger smooths with the pytorch convention
-        if loss.get("label_smoothing", 0) and loss.get("smoothing_convention", "pytorch") != "pytorch":
-            return {"loss.smoothing_convention": "pytorch"}, ["pytorch convention"]
-        return {}, []
+        return adapt(loss, convention="pytorch")
     out = single_rank_runs(__name__, "cross_entropy", cases, supports)
-    for name, case in sorted(cases.items()):  # the vocabulary-parallel module: z-loss and softcap off
-        loss = case.get("loss", {})
-        if loss.get("kind", "cross_entropy") != "cross_entropy" or case["shape"]["vocab"] % 2:
+    for name, case, loss in cross_entropy_cases(cases):  # the vocabulary-parallel module: z-loss and softcap off
+        if case["shape"]["vocab"] % 2:
             continue
-        overrides = {f"loss.{k}": 0 for k in ("z_loss_weight", "softcap") if loss.get(k, 0)}
+        overrides, _ = adapt(loss, without=("z_loss_weight", "softcap"))
         ga = case.get("layout", {}).get("ga", 1)
         for tp in (1, 2):
             layout = {"tp": tp, "cp": 1, "dp": 1, "ga": ga}

@@ -11,7 +11,7 @@ import types
 
 import torch
 
-from lv_frameworks import Run, checkout, git_commit
+from lv_frameworks import Run, adapt, checkout, cross_entropy_cases, git_commit
 
 NAME = "Megatron-LM"
 # Catalogued bugs a failure is compared with (judge.py: same failing checks, same loss margin).
@@ -115,20 +115,8 @@ def runs(cases):
     columns from its shard width), with the case's own cp, dp and ga. Megatron has no z-loss and no softcap
     (set to 0) and smooths with the megatron convention."""
     out = []
-    for name, case in sorted(cases.items()):
-        loss = case.get("loss", {})
-        if loss.get("kind", "cross_entropy") != "cross_entropy":
-            continue
-        overrides, notes = {}, []
-        if loss.get("z_loss_weight", 0):
-            overrides["loss.z_loss_weight"] = 0
-            notes.append("z-loss off")
-        if loss.get("softcap", 0):
-            overrides["loss.softcap"] = 0
-            notes.append("softcap off")
-        if loss.get("label_smoothing", 0) and loss.get("smoothing_convention") != "megatron":
-            overrides["loss.smoothing_convention"] = "megatron"
-            notes.append("megatron convention")
+    for name, case, loss in cross_entropy_cases(cases):
+        overrides, notes = adapt(loss, without=("z_loss_weight", "softcap"), convention="megatron")
         layout = case.get("layout", {})
         rest = {k: layout[k] for k in ("cp", "dp", "ga") if layout.get(k, 1) > 1}
         for tp in (1, 2, 4):

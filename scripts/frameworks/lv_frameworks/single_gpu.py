@@ -3,7 +3,7 @@ the case's own GA), and package shells for imports that must not run a package's
 import sys
 import types
 
-from lv_frameworks import Run
+from lv_frameworks import Run, cross_entropy_cases
 
 
 def package_shell(name, path):
@@ -18,10 +18,7 @@ def single_rank_runs(module, function, cases, supports):
     """Every shipped cross-entropy case on one rank; `supports(loss)` returns the overrides and notes that
     bring the case within what the kernel computes, or None to leave the case out."""
     out = []
-    for name, case in sorted(cases.items()):
-        loss = case.get("loss", {})
-        if loss.get("kind", "cross_entropy") != "cross_entropy":
-            continue
+    for name, case, loss in cross_entropy_cases(cases):
         adapted = supports(loss)
         if adapted is None:
             continue

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from lossverify.torch import Reduced
-from lv_frameworks import Run
+from lv_frameworks import Run, adapt, cross_entropy_cases
 
 NAME = "PyTorch"
 EXPLANATIONS = ["dp-local-mean", "ga-microbatch-mean"]
@@ -41,18 +41,8 @@ def runs(cases):
     DDP-style loop on the cases split over ranks or micro-batches whose framework is DDP's (gradients
     averaged over DP x CP, micro-batches summed)."""
     out = []
-    for name, case in sorted(cases.items()):
-        loss = case.get("loss", {})
-        if loss.get("kind", "cross_entropy") != "cross_entropy":
-            continue
-        overrides, notes = {}, []
-        for key, what in (("z_loss_weight", "z-loss off"), ("softcap", "softcap off")):
-            if loss.get(key, 0):
-                overrides[f"loss.{key}"] = 0
-                notes.append(what)
-        if loss.get("label_smoothing", 0) and loss.get("smoothing_convention", "pytorch") != "pytorch":
-            overrides["loss.smoothing_convention"] = "pytorch"
-            notes.append("pytorch convention")
+    for name, case, loss in cross_entropy_cases(cases):
+        overrides, notes = adapt(loss, without=("z_loss_weight", "softcap"), convention="pytorch")
         layout = case.get("layout", {})
         rest = {k: layout[k] for k in ("cp", "dp", "ga") if layout.get(k, 1) > 1}
         out.append(Run(f"{__name__}:per_token", name, {"tp": 1, **rest}, overrides, ", ".join(notes)))

@@ -3,7 +3,7 @@ files, unmodified. Only the package __init__ files around them are skipped (they
 library, which the loss does not use). tp 1 and 2 on one GPU: the two ranks of tp 2 share it over gloo."""
 import os
 
-from lv_frameworks import Run, checkout, git_commit
+from lv_frameworks import Run, adapt, checkout, git_commit
 from lv_frameworks.single_gpu import package_shell, single_rank_runs
 
 NAME = "TransformerEngine"
@@ -39,15 +39,7 @@ def describe(path):
 
 def runs(cases):
     def supports(loss):  # no z-loss, no softcap; the pytorch smoothing convention
-        overrides, notes = {}, []
-        for key, what in (("z_loss_weight", "z-loss off"), ("softcap", "softcap off")):
-            if loss.get(key, 0):
-                overrides[f"loss.{key}"] = 0
-                notes.append(what)
-        if loss.get("label_smoothing", 0) and loss.get("smoothing_convention", "pytorch") != "pytorch":
-            overrides["loss.smoothing_convention"] = "pytorch"
-            notes.append("pytorch convention")
-        return overrides, notes
+        return adapt(loss, without=("z_loss_weight", "softcap"), convention="pytorch")
     out = single_rank_runs(__name__, "cross_entropy", cases, supports)
     # tp = 2: the TP path no one else judges (TE's own tests pass no process group). Even shards only (TE
     # takes a rank's columns as rank * width); on one GPU the two ranks share it over gloo (--backend gloo).

@@ -360,13 +360,16 @@ void validate_value_ranges(const Case& c) {
   }
   const double weight_bound = std::min(kMaxUpstreamWeight, dtype_max(c.inputs.dtype) / 2.0);
   const UpstreamWeights& w = c.loss.upstream_weights;
-  std::vector<double> extremes = w.values;
-  if (w.kind == UpstreamWeights::Kind::uniform) extremes = {w.low, w.high};
-  for (std::size_t i = 0; i < extremes.size(); ++i) {
-    if (std::fabs(extremes[i]) > weight_bound) {
-      fail_at(src, "$.loss.upstream_weights", json(extremes[i]).dump() + " is beyond +-" + json(weight_bound).dump() +
+  const auto check_weight = [&](double weight) {
+    if (std::fabs(weight) > weight_bound) {
+      fail_at(src, "$.loss.upstream_weights", json(weight).dump() + " is beyond +-" + json(weight_bound).dump() +
                                                  " (the gradients would overflow " + dtype + ")");
     }
+  };
+  for (const double weight : w.values) check_weight(weight);  // an explicit list (empty otherwise)
+  if (w.kind == UpstreamWeights::Kind::uniform) {
+    check_weight(w.low);
+    check_weight(w.high);
   }
 }
 
