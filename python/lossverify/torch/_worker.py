@@ -388,5 +388,10 @@ class _StepLog:
                 total += part.to(device)
             dist.all_reduce(total, group=dp_cp_group)
             logged = total.to(self.loss_dtype)
-        num_tokens = self.num_valid if self.mode in (None, "token_loss") else self.num_tokens
+        num_tokens = self.num_valid if self.mode == "token_loss" else self.num_tokens
+        # A rank with no rows never called fn: it logs a count (the global one) when its peers log one.
+        logs = torch.tensor([0.0 if num_tokens is None else 1.0], dtype=torch.float64, device=device)
+        dist.all_reduce(logs, op=dist.ReduceOp.MAX, group=dp_cp_group)
+        if self.mode is None and logs.item() > 0:
+            num_tokens = self.num_valid
         return logged, num_tokens

@@ -534,6 +534,7 @@ class Parser {
         if (!none && has("grad_output")) {
           fail_at(src(), tp + ".grad_output", "the upstream gradient of per-token losses applies to reduction \"none\" only");
         }
+        if (mb.rows.empty()) continue;  // a micro-batch with no rows may leave the optional tensors out
         all_or_none(m_.dumped.token_loss, has("token_loss"), "token_loss", tp);
         all_or_none(m_.dumped.loss_mask, has("loss_mask"), "loss_mask", tp);
         all_or_none(m_.dumped.grad_output, has("grad_output"), "grad_output", tp);
