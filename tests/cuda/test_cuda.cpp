@@ -150,6 +150,7 @@ TEST_CASE("cuda_kernel_bugs_fail_with_the_checks_golden_records_for_the_cpu") {
       {"kd-tp4-temperature2", "kd-no-t2"}, {"kd-tp4-temperature2", "kd-double-t2"},
       {"kd-tp4-temperature2", "kd-local-softmax"}, {"kd-tp4-temperature2", "kd-untracked-allreduce"},
       {"kd-student-equals-teacher", "kd-cross-entropy-value"}, {"kd-student-equals-teacher", "kd-untracked-allreduce"},
+      {"kd-tp2-dp2-unequal", "kd-tp-grad-sum"},               {"kd-tp2-dp2-unequal", "correct"},
       {"underflow-gap-240", "smoothing-log-after-exp"},       {"smoothing-pytorch", "smoothing-log-after-exp"},
       {"uneven-shards-v507-tp4", "smoothing-log-after-exp"},  {"smoothing-pytorch", "full-vocab-through-tp"},
       {"uneven-shards-v507-tp4", "full-vocab-through-tp"},    {"cp-zigzag-packed", "full-vocab-through-tp"},

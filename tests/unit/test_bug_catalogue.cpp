@@ -229,6 +229,58 @@ TEST_CASE("kd_cross_entropy_value_adds_t2_times_the_teacher_entropy_to_the_loss_
   }
 }
 
+TEST_CASE("mtp_local_count_ratio_weights_each_micro_batch_by_its_local_main_over_mtp_counts") {
+  // Megatron's per-token MTP: weight (N_rk + E_rk) / (N_rk (N_v + S)) where the reference has 1 / N_v.
+  auto j = testing::case_json(0, 97, 2);
+  j["shape"].erase("tokens");
+  j["batch"] = {{"sequence_lengths", {23, 4, 6, 17, 3, 11}}, {"labels", "next_token"}};
+  j["inputs"]["ignore_fraction"] = 0.1;
+  j["layout"] = {{"tp", 2}, {"dp", 2}, {"ga", 2}};
+  j["framework"] = {{"grad_reduce", "sum"}, {"ga_reduce", "sum"}};
+  const Case c = testing::make_case(j);
+  const InputSource inputs(c);
+  const RankRun right = ranks_of(c, inputs, "correct");
+  const RankRun buggy = ranks_of(c, inputs, "mtp-local-count-ratio");
+  const auto valid_total = static_cast<double>(global_valid_tokens(c, inputs));
+  const auto sequences = static_cast<double>(inputs.batch().sequences().size());
+  auto ratio = [&](const RankOutput& out, std::int64_t row) {
+    const auto& begin = out.assignment.micro_batch_begin;
+    std::size_t k = 0;
+    while (begin[k + 1] <= row) ++k;
+    double valid = 0.0, ends = 0.0;
+    for (std::int64_t i = begin[k]; i < begin[k + 1]; ++i) {
+      const LocalRow& r = out.assignment.rows[static_cast<std::size_t>(i)];
+      if (r.token < 0) continue;
+      valid += inputs.is_valid(r.token);
+      ends += r.position == inputs.batch().sequences()[static_cast<std::size_t>(r.sequence)].length - 1;
+    }
+    return (valid + ends) / (valid * (valid_total + sequences)) * valid_total;
+  };
+  CHECK(check_grad_ratio(buggy, right, ratio) > 0);
+  // Unequal counts make some micro-batch's ratio differ from 1 by far more than rounding.
+  bool off = false;
+  for (const RankOutput& out : buggy.outputs) {
+    for (std::int64_t i = 0; i < out.rows(); ++i) off = off || std::fabs(ratio(out, i) - 1.0) > 0.05;
+  }
+  CHECK(off);
+}
+
+TEST_CASE("kd_tp_grad_sum_multiplies_every_gradient_element_by_tp_and_leaves_the_loss_right") {
+  // fp32, T = 3: the switch scales the gradient's float32 factor T^(s-1) by TP, exact for TP = 2 and 4.
+  for (int tp : {2, 4}) {
+    CAPTURE(tp);
+    const Case c = testing::make_case(kd_json(24, 203, tp, 3.0));
+    const InputSource inputs(c);
+    const RankRun right = ranks_of(c, inputs, "correct");
+    const RankRun buggy = ranks_of(c, inputs, "kd-tp-grad-sum");
+    CHECK(check_grad_ratio(buggy, right, [&](const RankOutput&, std::int64_t) { return tp; }, 0.0) > 0);
+    for (std::size_t k = 0; k < right.outputs.size(); ++k) {
+      CHECK(buggy.outputs[k].token_loss == right.outputs[k].token_loss);
+      CHECK(buggy.outputs[k].reduced_loss == right.outputs[k].reduced_loss);
+    }
+  }
+}
+
 TEST_CASE("kd_untracked_allreduce_keeps_row_sums_at_zero_while_elements_follow_the_pr_1499_formula") {
   // T = 2: a = x / 2 is exact in float32, so the local argmax of the kernel is the argmax of x.
   const double temperature = 2.0;
@@ -532,10 +584,13 @@ std::vector<Invisible> invisible_cases() {
       {"kd-double-t2", "T = 1", with(kd, {{"loss", {{"temperature", 1.0}}}}), true},
       {"kd-local-softmax", "tp = 1: the shard's softmax is the softmax", with(kd, {{"layout", {{"tp", 1}}}}), true},
       {"kd-untracked-allreduce", "tp = 1: P_r = Q_r = 1 up to rounding", with(kd, {{"layout", {{"tp", 1}}}}), false},
+      {"kd-tp-grad-sum", "tp = 1: the sum over the TP ranks is the one rank's gradient", with(kd, {{"layout", {{"tp", 1}}}}), true},
       // Layout bugs need the layout dimension they live in, or unequal counts.
       {"dp-local-mean", "dp = cp = 1: N_r = N_v", ce, true},
       {"dp-local-mean", "dp = 2 with equal valid counts: 1/(2 N_r) = 1/N_v", equal_dp, true},
       {"ga-microbatch-mean", "ga = 1: N_k = N_v", ce, true},
+      {"mtp-local-count-ratio", "one micro-batch of one sequence: (N_v + 1) / (N_v (N_v + 1)) = 1/N_v", ce, true},
+      {"mtp-local-count-ratio", "dp = 2 with equal counts, one sequence each", equal_dp, true},
       {"ga-microbatch-mean", "ga = 2 with equal valid counts", with(equal_dp, {{"layout", {{"dp", 1}, {"ga", 2}}}}), true},
       {"cp-duplicated-loss", "cp = 1", cp1_next_token, true},
       {"cp-stats-dp-only", "cp = 1: the DP group is the batch group", with(equal_dp, {{"layout", {{"tp", 2}}}}), true},

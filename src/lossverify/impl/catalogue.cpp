@@ -57,7 +57,7 @@ const std::vector<Implementation>& implementations() {
                     with([](BugSwitches& b) { b.smoothing_convention_swap = true; })));
     // Cross-entropy: sharding, stability, masking, reduction.
     v.push_back(bug("full-vocab-through-tp", "gathered full-vocabulary logits fed to the vocab-parallel path",
-                    "calling Megatron-LM's vocab_parallel_cross_entropy on already gathered logits",
+                    "Megatron-LM's vocab_parallel_cross_entropy on logits its output layer gathered (issue #7452), reproduced on main at d98e8a64 (docs/frameworks.md)",
                     "loss = reference + ln(TP); non-target gradient = p/TP (the label is owned by TP rank 0 only)", {"loss", "grad", "row_sum"}, ce,
                     with([](BugSwitches& b) { b.full_vocab_through_tp = true; })));
     v.push_back(bug("no-max-shift", "exp(x) without subtracting the row max",
@@ -106,11 +106,19 @@ const std::vector<Implementation>& implementations() {
                     "NeMo KDLoss PR #1499 (_kl_forward_tp)",
                     "g_j = P_r Q_j - P_j + [j = local argmax] P_r (1 - Q_r): elementwise error, row sums stay 0",
                     {"grad"}, kd, with([](BugSwitches& b) { b.kd_untracked_allreduce = true; })));
+    v.push_back(bug("kd-tp-grad-sum", "the TP all-reduces go through torch.distributed.nn.functional.all_reduce, whose backward sums the gradients of a loss every TP rank holds",
+                    "NVIDIA-NeMo/Automodel kd_loss.py _kl_forward_tp, on main at 36044ad3 (docs/frameworks.md)",
+                    "gradient = TP x reference; loss right", {"grad"}, kd,
+                    with([](BugSwitches& b) { b.kd_tp_grad_sum = true; })));
     // Layouts.
     v.push_back(bug("dp-local-mean", "each DP rank divides by its own valid-token count; gradients then averaged",
                     "pytorch/torchtitan before its loss-balancing fix (VLM PR stacked on #1802)",
                     "token weight 1/(R N_r) instead of 1/N_v: wrong when ranks hold unequal counts",
                     {"loss", "grad"}, any, with([](BugSwitches& b) { b.dp_local_mean = true; })));
+    v.push_back(bug("mtp-local-count-ratio", "an MTP layer's per-token loss scaled by its micro-batch's local main-loss over MTP token counts, then divided by the global main-loss count",
+                    "Megatron-LM transformer/multi_token_prediction.py process_mtp_loss with calculate_per_token_loss, on main at d98e8a64 (issue #7452; docs/frameworks.md)",
+                    "token weight (N_rk + E_rk)/(N_rk (N_v + S)) instead of 1/N_v (E_rk: sequences ending in the micro-batch, S: sequences): wrong when ranks or micro-batches hold unequal counts",
+                    {"loss", "grad"}, ce, with([](BugSwitches& b) { b.mtp_local_count_ratio = true; })));
     v.push_back(bug("ga-microbatch-mean", "each micro-batch divided by its own valid count and by GA",
                     "pytorch/torchtitan issue #1842", "token weight 1/(GA N_k) instead of 1/N_v", {"loss", "grad"}, any,
                     with([](BugSwitches& b) { b.ga_microbatch_mean = true; })));

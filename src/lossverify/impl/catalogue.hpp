@@ -33,8 +33,10 @@ struct BugSwitches {
   bool kd_cross_entropy_value = false;  // reports H(P, Q) instead of KL(P || Q)
   bool kd_local_softmax = false;        // softmax normalised per shard
   bool kd_untracked_allreduce = false;  // TP all-reduce invisible to autograd
+  bool kd_tp_grad_sum = false;          // all-reduce backward sums the replicated loss's gradients over TP
   // Layouts: data parallel, gradient accumulation, context parallel.
   bool dp_local_mean = false;       // each rank divides by its own valid count
+  bool mtp_local_count_ratio = false;  // MTP per-token weights from local main/MTP count ratios
   bool ga_microbatch_mean = false;  // each micro-batch divided by its own count and by GA
   bool cp_duplicated_loss = false;  // every CP rank back-propagates the full loss
   bool cp_stats_dp_only = false;    // token-count statistics reduced over DP only

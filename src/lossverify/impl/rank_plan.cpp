@@ -15,6 +15,30 @@ float pairwise_sum(const float* x, std::int64_t n) {
   return pairwise_sum(x, half) + pairwise_sum(x + half, n - half);
 }
 
+// mtp-local-count-ratio, each micro-batch's token weight. Megatron-LM's process_mtp_loss in per-token mode
+// scales a micro-batch's summed MTP loss by its local main-loss count over its local MTP count, and
+// finalize_model_grads divides every gradient by the step's main-loss count. A case's rows are the MTP
+// layer's; the main loss has one valid token more per sequence, where the MTP roll ends the sequence.
+std::vector<double> mtp_local_count_weights(const RankAssignment& assignment, const std::vector<RowPlan>& rows,
+                                            const GlobalBatch& batch, std::int64_t valid_total) {
+  const auto& offsets = assignment.micro_batch_begin;
+  const auto main_total = static_cast<double>(valid_total + static_cast<std::int64_t>(batch.sequences().size()));
+  std::vector<double> weights;
+  for (std::size_t k = 0; k + 1 < offsets.size(); ++k) {
+    std::int64_t valid = 0;
+    std::int64_t sequence_ends = 0;
+    for (std::int64_t i = offsets[k]; i < offsets[k + 1]; ++i) {
+      const LocalRow& row = assignment.rows[static_cast<std::size_t>(i)];
+      valid += rows[static_cast<std::size_t>(i)].valid;
+      sequence_ends += row.token >= 0 &&
+                       row.position == batch.sequences()[static_cast<std::size_t>(row.sequence)].length - 1;
+    }
+    const double ratio = static_cast<double>(valid + sequence_ends) / static_cast<double>(std::max<std::int64_t>(valid, 1));
+    weights.push_back(ratio / main_total);
+  }
+  return weights;
+}
+
 }  // namespace
 
 RankPlan::RankPlan(const Case& c, const InputSource& inputs, const RankAssignment& assignment,
@@ -113,6 +137,8 @@ void RankPlan::plan_weights(const RankAssignment& assignment, RankGroups& groups
       break;
     }
   }
+  const std::vector<double> mtp_weights =
+      mtp_local_count_weights(assignment, rows_, inputs_.batch(), valid_total);
   for (std::size_t k = 0; k < ga; ++k) {
     for (std::int64_t i = offsets[k]; i < offsets[k + 1]; ++i) {
       RowPlan& p = rows_[static_cast<std::size_t>(i)];
@@ -126,6 +152,7 @@ void RankPlan::plan_weights(const RankAssignment& assignment, RankGroups& groups
         if (bugs_.ga_microbatch_mean)
           forward = 1.0 / (static_cast<double>(layout.ga) * static_cast<double>(counts[k]));
         if (bugs_.dp_local_mean) forward = 1.0 / (data_ranks * static_cast<double>(rank_valid));
+        if (bugs_.mtp_local_count_ratio) forward = mtp_weights[k];
       } else if (reduction == Reduction::none) {
         forward = inputs_.upstream_weight(token);
       }

@@ -42,16 +42,19 @@ inline float cross_entropy_row_loss(const RowPlan& p, float row_max, float log_s
   return cross_entropy_from_sums(log_sum, target_shifted, smoothing_sum, q, z_weight, lse);
 }
 
-// KD's T^s on the loss and T^(s-1) on the gradient, with the T^2 bugs.
+// KD's T^s on the loss and T^(s-1) on the gradient, with the T^2 bugs, and the gradient times TP under
+// kd-tp-grad-sum (`tp` is the layout's TP degree).
 struct KdScales {
   float loss;
   float grad;
 };
-inline KdScales kd_scales(const LossSpec& loss, const BugSwitches& bugs) {
+inline KdScales kd_scales(const LossSpec& loss, const BugSwitches& bugs, int tp) {
   int power = loss.t2_scaling ? 2 : 0;
   if (loss.t2_scaling && bugs.kd_no_t2) power = 0;
   if (loss.t2_scaling && bugs.kd_double_t2) power = 4;
-  return {static_cast<float>(std::pow(loss.temperature, power)), static_cast<float>(std::pow(loss.temperature, power - 1))};
+  const double grad_factor = bugs.kd_tp_grad_sum ? tp : 1;
+  return {static_cast<float>(std::pow(loss.temperature, power)),
+          static_cast<float>(grad_factor * std::pow(loss.temperature, power - 1))};
 }
 
 // KD's per-row value from the all-reduced sums [S_a, S_b, W (, U)] and maxima: KL(P || Q), or the shard's

@@ -25,6 +25,7 @@ from lossverify.torch.implementations.catalogue import (
     kd_double_t2,
     kd_local_softmax,
     kd_no_t2,
+    kd_tp_grad_sum,
     kd_untracked_allreduce,
     mean_over_all_rows,
     no_max_shift,

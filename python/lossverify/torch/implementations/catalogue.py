@@ -116,6 +116,12 @@ def kd_local_softmax(logits, labels, ctx):
     return _kd(logits, ctx, local_softmax=True)
 
 
+def kd_tp_grad_sum(logits, labels, ctx):
+    """The TP all-reduces differentiated by torch.distributed.nn.functional.all_reduce, whose backward sums
+    the gradients of a loss that every TP rank holds (NeMo Automodel's _kl_forward_tp): gradient x TP."""
+    return _kd(logits, ctx, tp_grad_sum=True)
+
+
 def kd_untracked_allreduce(logits, labels, ctx):
     """The student's softmax statistics all-reduced outside autograd (NeMo KDLoss PR #1499, _kl_forward_tp)."""
     _require(ctx, "kd")
@@ -276,6 +282,7 @@ CATALOGUE = {
     "kd_cross_entropy_value": kd_cross_entropy_value,
     "kd_local_softmax": kd_local_softmax,
     "kd_untracked_allreduce": kd_untracked_allreduce,
+    "kd_tp_grad_sum": kd_tp_grad_sum,
     "dp_local_mean": dp_local_mean,
     "ga_microbatch_mean": ga_microbatch_mean,
     "cp_stats_dp_only": cp_stats_dp_only,

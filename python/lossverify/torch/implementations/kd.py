@@ -23,6 +23,7 @@ class KdBugs:
     double_t2: bool = False  # T^2 applied twice: the loss scales itself and the caller scales again
     cross_entropy_value: bool = False  # reports H(P, Q) instead of KL (NeMo KDLoss at PR #1499)
     local_softmax: bool = False  # softmax normalised per TP shard, the shard KLs summed
+    tp_grad_sum: bool = False  # the replicated loss's gradients summed over TP (NeMo Automodel _kl_forward_tp)
 
 
 def _t_powers(loss, bugs):
@@ -83,7 +84,10 @@ def vocab_parallel_kl(student, teacher, ctx, bugs=None, active=None):
     if active is None:
         active = ctx.loss_mask
     inverse_t = float(torch.tensor(1.0 / ctx.loss.temperature, dtype=torch.float32))
-    return _VocabParallelKL.apply(student, teacher, active, ctx.tp_group, inverse_t, _t_powers(ctx.loss, bugs), bugs)
+    loss_scale, grad_scale = _t_powers(ctx.loss, bugs)
+    if bugs.tp_grad_sum:
+        grad_scale *= ctx.tp_size
+    return _VocabParallelKL.apply(student, teacher, active, ctx.tp_group, inverse_t, (loss_scale, grad_scale), bugs)
 
 
 def _distributed_log_softmax(z, group):

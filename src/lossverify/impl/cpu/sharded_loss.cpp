@@ -259,7 +259,7 @@ class RankKernel {
     const std::int64_t cols = work_.size();
     const auto inverse_t = static_cast<float>(1.0 / loss.temperature);
     const bool local_softmax = bugs_.kd_local_softmax;
-    const KdScales scales = kd_scales(loss, bugs_);
+    const KdScales scales = kd_scales(loss, bugs_, case_.layout.tp);
     const float loss_scale = scales.loss;
     const float grad_scale = scales.grad;
     auto plan = [&](std::int64_t i) -> const RowPlan& { return plan_->row(begin + i); };

@@ -52,7 +52,7 @@ void kd_micro_batch(const Case& c, const BugSwitches& bugs, RankGroups& groups, 
                     const DeviceBytes& teacher, const DeviceBytes& active, std::vector<float>& token_loss, const DeviceBytes& grad, cudaStream_t stream) {
   const LossSpec& loss = c.loss;
   const auto inverse_t = static_cast<float>(1.0 / loss.temperature);
-  const KdScales scales = kd_scales(loss, bugs);
+  const KdScales scales = kd_scales(loss, bugs, c.layout.tp);
   const float loss_scale = scales.loss;
   const float grad_scale = scales.grad;
   const std::size_t offset = static_cast<std::size_t>(b * cols) * element;
