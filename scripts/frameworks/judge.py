@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Judges a framework's loss function, as shipped, on lossverify's cases (docs/frameworks.md).
 
-usage: python3 scripts/frameworks/judge.py FRAMEWORK CHECKOUT [--only CASE] [--device cpu|cuda]
+usage: python3 scripts/frameworks/judge.py FRAMEWORK CHECKOUT [--only CASE] [--function F] [--device cpu|cuda]
                                            [--backend gloo|nccl] [--json OUT.json] [--markdown OUT.md]
-                                           [--keep DIR] [--commit C]
+                                           [--keep DIR] [--commit C] [--case FILE --function F]
 FRAMEWORK names a module of lv_frameworks (megatron, ...); CHECKOUT is the framework's source tree, imported
 as its users import it. Each run prints one line; the JSON holds every run's verdict, failing checks, margins
 and warnings, and the Markdown the table rows of docs/frameworks.md. Exit 0 when every run finished (whatever
@@ -34,7 +34,24 @@ def _shipped_cases():
     return {name[:-5]: json.load(open(os.path.join(folder, name))) for name in os.listdir(folder) if name.endswith(".json")}
 
 
+def _case_path(run):
+    """A shipped case's file, or the case file a --case run names."""
+    return run.case if run.case.endswith(".json") else os.path.join(ROOT, "cases", run.case + ".json")
+
+
+def _file_layout(path):
+    """A case file's own layout, as a run's layout."""
+    try:
+        layout = json.load(open(path)).get("layout", {})
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"judge.py: {path}: {e}")
+    return {k: layout.get(k, 1) for k in ("tp", "cp", "dp", "ga")}
+
+
 def _command(framework, run):
+    if run.case.endswith(".json"):
+        function = run.function.rpartition(":")[2]
+        return f"python3 scripts/frameworks/judge.py {framework} CHECKOUT --function {function} --case {run.case}"
     only = f"{run.case}@{_key(run)}"
     return f"python3 scripts/frameworks/judge.py {framework} CHECKOUT --only '{only}'"
 
@@ -46,8 +63,8 @@ def _key(run):
 
 def _judge(run, device, keep, backend=None):
     import lossverify.torch as lvt
-    case = os.path.join(ROOT, "cases", run.case + ".json")
-    dump = os.path.join(keep, f"{run.case}-{_key(run)}") if keep else None
+    case = _case_path(run)
+    dump = os.path.join(keep, f"{os.path.basename(run.case)}-{_key(run)}") if keep else None
     start = time.time()
     try:
         if run.sweep:
@@ -71,7 +88,7 @@ def _lossverify_run(run, bug):
     from lossverify import tool
     with tempfile.TemporaryDirectory() as work:
         report = os.path.join(work, "report.json")
-        command = [tool.find_binary(None), "run", os.path.join(ROOT, "cases", run.case + ".json"), "--impl", bug,
+        command = [tool.find_binary(None), "run", _case_path(run), "--impl", bug,
                    "--quiet", "--report", report]
         for key, value in run.layout.items():
             command += ["--set", f"layout.{key}={value}"]
@@ -136,6 +153,8 @@ def main(argv=None):
     parser.add_argument("--markdown")
     parser.add_argument("--keep", help="keep every run's inputs, dump and report under this folder")
     parser.add_argument("--commit", help="the commit judged, when CHECKOUT is an exported copy rather than a git tree")
+    parser.add_argument("--case", action="append", default=[],
+                        help="run the --function functions on this case file, at its own layout (repeatable)")
     args = parser.parse_args(argv)
     if not os.path.isdir(args.checkout):
         parser.error(f"{args.checkout}: not a folder")
@@ -144,27 +163,37 @@ def main(argv=None):
         adapter = importlib.import_module(f"lv_frameworks.{args.framework}")
     except ModuleNotFoundError:
         parser.error(f"no adapter lv_frameworks/{args.framework}.py")
+    from lv_frameworks import Run as _Run
     described = adapter.describe(args.checkout)
     if args.commit:
         described["commit"] = args.commit
     runs = adapter.runs(_shipped_cases())
+    if args.case:
+        if not args.function:
+            parser.error("--case needs --function (which of the adapter's functions to run)")
+        functions = {r.function.rpartition(":")[2]: r.function for r in runs}
+        unknown = [f for f in args.function if f not in functions]
+        if unknown:
+            parser.error(f"no function {unknown[0]} among the adapter's runs ({', '.join(sorted(functions))})")
+        runs = [_Run(functions[f], os.path.abspath(path), _file_layout(path)) for f in args.function
+                for path in args.case]
     if args.only:
         runs = [r for r in runs if r.case in args.only or f"{r.case}@{_key(r)}" in args.only]
-    if args.function:
+    if args.function and not args.case:
         runs = [r for r in runs if r.function.rpartition(":")[2] in args.function]
     print(f"{adapter.NAME} at {described['commit']} ({described['source']}): {len(runs)} runs on {args.device}"
           f"{' over ' + args.backend if args.backend else ''}")
     rows = []
     for run in runs:
         result = _judge(run, args.device, args.keep, args.backend)
-        row = {"case": run.case, "layout": run.label + (": " + ", ".join(run.sweep) if run.sweep else ""),
+        row = {"case": os.path.relpath(run.case, ROOT) if run.case.endswith(".json") else run.case, "layout": run.label + (": " + ", ".join(run.sweep) if run.sweep else ""),
                "overrides": run.overrides, "note": run.note,
                "function": run.function, "command": _command(args.framework, run), **result}
         if row["verdict"] == "fail" and not run.sweep:
             row["explained_by"] = _explain(run, row, getattr(adapter, "EXPLANATIONS", []))
         rows.append(row)
         explained = f" = {row['explained_by']}" if row.get("explained_by") else ""
-        print(f"  {run.case:<34} {run.label:<22} {row['verdict']:<5}{explained} "
+        print(f"  {row['case']:<34} {run.label:<22} {row['verdict']:<5}{explained} "
               f"{row.get('summary', row.get('error', ''))[:140]}  ({row['seconds']} s)", flush=True)
         if args.json:  # after every run: a long judgement that is cut short keeps what it did
             with open(args.json, "w") as f:

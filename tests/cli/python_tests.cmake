@@ -36,3 +36,17 @@ add_test(NAME python_framework_judge
       ${CMAKE_CURRENT_BINARY_DIR}/framework_judge.json")
 set_tests_properties(python_framework_judge PROPERTIES TIMEOUT 300
   ENVIRONMENT "LOSSVERIFY_BIN=$<TARGET_FILE:lossverify>;PYTHONDONTWRITEBYTECODE=1")
+# The judge's --case path on a minimal reproducer: the DDP loop still fails there as dp-local-mean, and the
+# per-token kernel passes.
+add_test(NAME python_framework_judge_reproducer
+  COMMAND bash -c "torch_dir=$(${LOSSVERIFY_SYSTEM_PYTHON} -c 'import os, torch; print(os.path.dirname(torch.__file__))') && \
+    ${LOSSVERIFY_SYSTEM_PYTHON} ${PROJECT_SOURCE_DIR}/scripts/frameworks/judge.py torch_native $torch_dir \
+      --function ddp_microbatch_mean --function per_token \
+      --case ${PROJECT_SOURCE_DIR}/scripts/frameworks/repros/dp-local-mean.json \
+      --json ${CMAKE_CURRENT_BINARY_DIR}/framework_judge_repro.json && \
+    ${LOSSVERIFY_SYSTEM_PYTHON} -c \"import json, sys; runs = json.load(open(sys.argv[1]))['runs']; \
+      verdicts = {r['function'].split(':')[1]: (r['verdict'], r.get('explained_by')) for r in runs}; print(verdicts); \
+      assert verdicts == {'per_token': ('pass', None), 'ddp_microbatch_mean': ('fail', 'dp-local-mean')}\" \
+      ${CMAKE_CURRENT_BINARY_DIR}/framework_judge_repro.json")
+set_tests_properties(python_framework_judge_reproducer PROPERTIES TIMEOUT 300
+  ENVIRONMENT "LOSSVERIFY_BIN=$<TARGET_FILE:lossverify>;PYTHONDONTWRITEBYTECODE=1")

@@ -9,7 +9,7 @@ from lv_frameworks import Run, adapt, checkout, cross_entropy_cases, git_commit
 from lv_frameworks.single_gpu import single_rank_runs
 
 NAME = "Liger-Kernel"
-EXPLANATIONS = ["smoothing-partition-vocab", "smoothing-log-after-exp"]
+EXPLANATIONS = ["smoothing-partition-vocab", "smoothing-log-after-exp", "grad-rounded-early"]
 _function = None
 
 

@@ -15,7 +15,7 @@ from lv_frameworks import Run, adapt, checkout, cross_entropy_cases, git_commit
 
 NAME = "Megatron-LM"
 # Catalogued bugs a failure is compared with (judge.py: same failing checks, same loss margin).
-EXPLANATIONS = ["smoothing-partition-vocab", "smoothing-log-after-exp"]
+EXPLANATIONS = ["smoothing-partition-vocab", "smoothing-log-after-exp", "full-vocab-through-tp", "mtp-local-count-ratio"]
 _function = None
 
 
@@ -133,4 +133,14 @@ def runs(cases):
     for tp in (2, 4):  # issue #7452: gathered logits into the vocabulary-parallel cross entropy
         out.append(Run(f"{__name__}:gathered_logits_ce", "smoothing-megatron", {"tp": tp},
                        {"loss.label_smoothing": 0}, "no smoothing, logits gathered over TP first"))
-    return out
+    return out + _mtp_runs()
+
+
+def _mtp_runs():
+    """Issue #7452's MTP item: process_mtp_loss in per-token mode (gradients summed over DP), on layouts
+    that give every rank rows, one DP rank and several."""
+    per_token = {"framework.grad_reduce": "sum", "framework.ga_reduce": "sum"}
+    function = "lv_frameworks.megatron_mtp:mtp_per_token_loss"
+    layouts = {"dp-unequal-tokens": [{"tp": 1, "dp": 1}, {"tp": 1, "dp": 2}, {"tp": 1, "dp": 4}, {"tp": 2, "dp": 4}],
+               "mtp-per-token-dp-unequal": [{"tp": 1, "dp": 1, "ga": 1}, {"tp": 2, "dp": 2, "ga": 2}, {"tp": 4, "dp": 2, "ga": 2}]}
+    return [Run(function, case, layout, per_token, "per-token mode") for case, ls in layouts.items() for layout in ls]
