@@ -151,6 +151,7 @@ TEST_CASE("cuda_kernel_bugs_fail_with_the_checks_golden_records_for_the_cpu") {
       {"kd-tp4-temperature2", "kd-local-softmax"}, {"kd-tp4-temperature2", "kd-untracked-allreduce"},
       {"kd-student-equals-teacher", "kd-cross-entropy-value"}, {"kd-student-equals-teacher", "kd-untracked-allreduce"},
       {"kd-tp2-dp2-unequal", "kd-tp-grad-sum"},               {"kd-tp2-dp2-unequal", "correct"},
+      {"smoothing-pytorch", "overwrites-input"},              {"uneven-shards-v507-tp4", "overwrites-input"},
       {"underflow-gap-240", "smoothing-log-after-exp"},       {"smoothing-pytorch", "smoothing-log-after-exp"},
       {"uneven-shards-v507-tp4", "smoothing-log-after-exp"},  {"smoothing-pytorch", "full-vocab-through-tp"},
       {"uneven-shards-v507-tp4", "full-vocab-through-tp"},    {"cp-zigzag-packed", "full-vocab-through-tp"},
@@ -346,6 +347,37 @@ TEST_CASE("gpu_float64_reference_agrees_with_the_cpu_reference") {
         }
       }
     });
+  }
+}
+
+TEST_CASE("the_gpu_oracle_owns_its_inputs_an_implementation_that_overwrites_its_own_does_not_move_its_figures") {
+  // overwrites-input writes its softmax over its logits on the device and hands that over as the gradient.
+  // Its losses are the correct run's, so an oracle that owns its inputs reports the same loss check, to the
+  // bit; one that read the implementation's logits would judge against the softmax. The gradient fails.
+  for (const char* sets : {"layout.tp=1", "layout.tp=4"}) {
+    CAPTURE(sets);
+    const Case c = load_case_file("cases/smoothing-pytorch.json", {sets});
+    RunOptions options;
+    options.threads = 2;
+    options.device = RunOptions::Device::cuda;
+    options.reference = RunOptions::Reference::gpu;
+    options.implementation = "correct";
+    const RunResult right = run_case(c, options);
+    options.implementation = "overwrites-input";
+    const RunResult scribbled = run_case(c, options);
+    REQUIRE(right.checks.size() == scribbled.checks.size());
+    for (std::size_t k = 0; k < right.checks.size(); ++k) {
+      CAPTURE(right.checks[k].name);
+      if (right.checks[k].name == "loss" || right.checks[k].name == "rank_agreement") {
+        CHECK(scribbled.checks[k].metrics.dump() == right.checks[k].metrics.dump());
+        CHECK(scribbled.checks[k].verdict == right.checks[k].verdict);  // rank_agreement: n/a at tp = 1
+        CHECK(scribbled.checks[k].verdict != Verdict::fail);
+      }
+      if (right.checks[k].name == "grad" || right.checks[k].name == "row_sum") {
+        CHECK(right.checks[k].verdict == Verdict::pass);
+        CHECK(scribbled.checks[k].verdict == Verdict::fail);
+      }
+    }
   }
 }
 

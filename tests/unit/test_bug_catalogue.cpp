@@ -229,6 +229,33 @@ TEST_CASE("kd_cross_entropy_value_adds_t2_times_the_teacher_entropy_to_the_loss_
   }
 }
 
+TEST_CASE("overwrites_input_hands_over_the_softmax_as_the_gradient_and_leaves_the_loss_right") {
+  // The softmax p of every row, rounded to the output dtype, where the gradient should be: rows sum to ~1.
+  auto j = testing::case_json(16, 97, 2);
+  j["loss"] = {{"label_smoothing", 0.1}};
+  const Case c = testing::make_case(j);
+  const InputSource inputs(c);
+  const RankRun right = ranks_of(c, inputs, "correct");
+  const RankRun buggy = ranks_of(c, inputs, "overwrites-input");
+  std::vector<double> x(97);
+  std::vector<double> row_sum(16, 0.0);
+  for (std::size_t k = 0; k < right.outputs.size(); ++k) {
+    CHECK(buggy.outputs[k].token_loss == right.outputs[k].token_loss);
+    CHECK(buggy.outputs[k].reduced_loss == right.outputs[k].reduced_loss);
+  }
+  for_each_element(buggy, right, [&](const RankOutput& b, const RankOutput&, std::int64_t i, std::int64_t v) {
+    const std::int64_t t = b.token_of(i);
+    inputs.logits(t, 0, 97, x.data());
+    double m = x[0], s = 0.0;
+    for (double xv : x) m = std::max(m, xv);
+    for (double xv : x) s += std::exp(xv - m);
+    const double p = std::exp(x[static_cast<std::size_t>(v)] - m) / s;
+    CHECK(b.grad_at(i, v) == doctest::Approx(p).epsilon(1e-5));  // float32 exp and sums
+    row_sum[static_cast<std::size_t>(t)] += b.grad_at(i, v);
+  });
+  for (double sum : row_sum) CHECK(sum == doctest::Approx(1.0).epsilon(1e-5));
+}
+
 TEST_CASE("mtp_local_count_ratio_weights_each_micro_batch_by_its_local_main_over_mtp_counts") {
   // Megatron's per-token MTP: weight (N_rk + E_rk) / (N_rk (N_v + S)) where the reference has 1 / N_v.
   auto j = testing::case_json(0, 97, 2);
@@ -527,7 +554,8 @@ TEST_CASE("cp_stats_dp_only_logs_the_valid_count_of_one_cp_rank_instead_of_the_g
 
 namespace {
 
-// Where a catalogued bug cannot show. Every catalogued implementation appears here except kd-cross-entropy-value,
+// Where a catalogued bug cannot show. Every catalogued implementation appears here except kd-cross-entropy-value
+// and overwrites-input (their gradients are wrong wherever they apply),
 // which shows whenever the teacher's entropy is nonzero (its gradient is right, tested above). `identical`: the switch leaves every computed number unchanged (equal
 // outputs, not merely within tolerance); otherwise it only changes float32 rounding and the checks pass.
 struct Invisible {
@@ -570,6 +598,7 @@ std::vector<Invisible> invisible_cases() {
        with(smoothed, {{"layout", {{"tp", 1}}}}), false},
       {"smoothing-convention-swap", "alpha = 0", ce, true},
       {"zloss-grad-after-smoothing", "z-loss weight 0: the factor is 1", smoothed, true},
+      // overwrites-input has no such case: a cross-entropy gradient is never the softmax itself.
       {"zloss-on-ignored", "z-loss weight 0: ignored rows get 0 loss and 0 gradient",
        with(ce, {{"inputs", {{"ignore_fraction", 0.3}}}}), true},
       {"full-vocab-through-tp", "tp = 1: the gathered logits are the shard", with(smoothed, {{"layout", {{"tp", 1}}}}), true},

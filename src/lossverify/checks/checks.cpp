@@ -299,7 +299,7 @@ ErrorStats merge_over(Communicator& world, const ErrorStats& local) {
 
 std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, const RankOutput& out,
                                      RankGroups& groups, Communicator& world, int threads, LayoutSnapshot* snapshot,
-                                     ErrorMap* error_map) {
+                                     ErrorMap* error_map, std::shared_ptr<cuda::OracleShard> gpu_oracle) {
   const std::int64_t n = c.shape.tokens;
   const std::int64_t vocab = c.shape.vocab;
   const bool kd = c.loss.kind == LossKind::kd;
@@ -389,9 +389,12 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
     student_cache.widen(i, student.data());
     if (kd) teacher_cache.widen(i, teacher.data());
   };
-  // On the GPU where the shard stayed there (the CUDA backend with the GPU reference), else here.
+  // On the GPU where the rank's gradient stayed there (the CUDA backend with the GPU reference), else here.
+  // The GPU oracle generates its own copy of the inputs; it reads nothing of the rank but its gradient.
   const bool on_device = out.device_shard != nullptr;
   if (on_device && snapshot != nullptr) throw InternalError("the GPU reference keeps no snapshot for sweeps");
+  std::shared_ptr<cuda::OracleShard> oracle = gpu_oracle;
+  if (on_device && !oracle) oracle = cuda::make_oracle_shard(c, inputs, out.assignment, cuda::device_of(*out.device_shard));
   std::vector<std::int64_t> row_labels(on_device ? static_cast<std::size_t>(rows) : 0, -1);
   cuda::GpuCompareInputs compare_in;  // on_device: filled while the partials are computed
   compare_in.atol = judge.tolerance.atol;
@@ -409,7 +412,7 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
     cuda::reference_rows(c, inputs, out.assignment, row_labels, device_valid);
     std::copy(device_valid.begin(), device_valid.end(), valid.begin());
     trace.mark("1 partials: gpu");
-    cuda::gpu_reference_partials_launch(*out.device_shard, c, row_labels, device_valid);
+    cuda::gpu_reference_partials_launch(*oracle, c, row_labels, device_valid);
     // While the GPU computes the partials: the comparison's per-row inputs that do not need them.
     trace.mark("1 partials: compare inputs");
     compare_in.kind.assign(static_cast<std::size_t>(rows), 1);
@@ -429,12 +432,12 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
     }
     if (compare_early) {
       trace.mark("1 partials: compare launch");
-      cuda::gpu_reference_compare_launch(*out.device_shard, c, compare_in, true);
+      cuda::gpu_reference_compare_launch(*oracle, *out.device_shard, c, compare_in, true);
     }
     trace.mark("1 partials: row arrays");
     allocate_row_arrays();
     trace.mark("1 partials: wait");
-    cuda::gpu_reference_partials_wait(*out.device_shard, partials);
+    cuda::gpu_reference_partials_wait(*oracle, partials);
   } else {
     allocate_row_arrays();
 #pragma omp parallel num_threads(threads)
@@ -481,7 +484,7 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
         lse[k] = stats[k].lse;
         teacher_lse[k] = stats[k].teacher_lse;
       }
-      kl = cuda::gpu_reference_kl(*out.device_shard, c, lse, teacher_lse, device_valid);
+      kl = cuda::gpu_reference_kl(*oracle, c, lse, teacher_lse, device_valid);
     } else
 #pragma omp parallel num_threads(threads)
     {
@@ -526,7 +529,7 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
         in.teacher_lse[k] = stats[k].teacher_lse;
       }
     }
-    cuda::gpu_reference_compare_launch(*out.device_shard, c, in, false);
+    cuda::gpu_reference_compare_launch(*oracle, *out.device_shard, c, in, false);
   }
 
   trace.mark("5 logged");
@@ -585,7 +588,7 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
     trace.mark("3 elements: losses");
     for (std::int64_t i = 0; i < rows; ++i) judge_row_loss(i, loss_stats);
     trace.mark("3 elements: wait");
-    compared_rows = cuda::gpu_reference_compare_wait(*out.device_shard);
+    compared_rows = cuda::gpu_reference_compare_wait(*oracle);
     trace.mark("3 elements: rows");
     for (std::int64_t i = 0; i < rows; ++i) {
       const auto k = static_cast<std::size_t>(i);

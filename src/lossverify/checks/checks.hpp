@@ -2,6 +2,7 @@
 // The checks of SPEC 6: every loss value, gradient element and logged statistic of every rank against
 // the float64 reference, plus reference-free signals (rank agreement, finiteness, the row-sum invariant).
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -116,6 +117,9 @@ struct ErrorMap {
 
 struct RankGroups;
 class Communicator;
+namespace cuda {
+struct OracleShard;  // the GPU oracle's own inputs (impl/cuda/gpu_reference.hpp)
+}
 
 // Distributed verification, run by every rank after its kernel (collective over `world`): the rank
 // regenerates its own rows x columns, computes the float64 reference for them (row statistics combined
@@ -123,9 +127,12 @@ class Communicator;
 // reduced, in rank order. No rank ever holds more than its own shard, and every backend that runs the
 // same layout gets bitwise the same results. Returns the merged results (identical on every rank).
 // `snapshot` (thread backend only: shared memory) receives the layout's answers for the invariance check.
+// A rank whose gradient stayed on its GPU is judged by the GPU oracle: `gpu_oracle` when the runner made
+// it before the implementation ran (its inputs are generated meanwhile), else one made here.
 std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, const RankOutput& out,
                                      RankGroups& groups, Communicator& world, int threads,
-                                     LayoutSnapshot* snapshot = nullptr, ErrorMap* error_map = nullptr);
+                                     LayoutSnapshot* snapshot = nullptr, ErrorMap* error_map = nullptr,
+                                     std::shared_ptr<cuda::OracleShard> gpu_oracle = nullptr);
 
 // The invariance check: every layout's snapshot against the first (same global answers at every layout).
 // Layouts are added one at a time; only the first is kept, so a sweep holds at most two snapshots.

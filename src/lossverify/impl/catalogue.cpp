@@ -88,6 +88,10 @@ const std::vector<Implementation>& implementations() {
                     "an earlier revision of NVIDIA/TransformerEngine PR #2707, corrected in review",
                     "gradient error -2 w_z lse q", {"grad", "row_sum"}, ce,
                     with([](BugSwitches& b) { b.zloss_grad_after_smoothing = true; })));
+    v.push_back(bug("overwrites-input", "the softmax written into the kernel's own logits buffer, in place, and that buffer handed over as the gradient before the target term and the token weight",
+                    "in-place kernels: Megatron-LM's fp32 path keeps its softmax in the logits' storage and Liger-Kernel writes its gradient there; an oracle that read the implementation's buffers would judge against what they overwrote",
+                    "gradient = p, each row summing to 1 instead of 0; the loss is right, and the oracle's figures are those of the correct run",
+                    {"grad", "row_sum"}, ce, with([](BugSwitches& b) { b.overwrites_input = true; })));
     // KD.
     v.push_back(bug("kd-no-t2", "KD loss missing the T^2 factor", "NeMo KDLoss, PR #1499 (adds T^2 scaling)",
                     "loss and gradient / reference = 1/T^2", {"loss", "grad"}, kd,

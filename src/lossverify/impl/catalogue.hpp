@@ -27,6 +27,7 @@ struct BugSwitches {
   bool grad_rounded_early = false;     // gradient rounded to the output dtype before the upstream weight
   bool zloss_on_ignored = false;       // z-loss (and its gradient) not masked on ignored tokens
   bool zloss_grad_after_smoothing = false;  // z-loss factor applied to (p - q) instead of p
+  bool overwrites_input = false;  // the softmax written over the logits and handed over as the gradient
   // KD.
   bool kd_no_t2 = false;
   bool kd_double_t2 = false;

@@ -10,6 +10,7 @@
 #include "lossverify/core/errors.hpp"
 #include "lossverify/impl/cpu/sharded_loss.hpp"
 #include "lossverify/impl/cuda/cuda_backend.hpp"
+#include "lossverify/impl/cuda/gpu_reference.hpp"
 #include "lossverify/impl/cuda/nccl_communicator.hpp"
 #include "lossverify/impl/plugin/plugin_backend.hpp"
 #include "lossverify/layout/rank_layout.hpp"
@@ -218,6 +219,7 @@ RankJob run_rank(const Case& c, const InputSource& inputs, const Implementation&
   CpuKernelOptions kernel_options;
   kernel_options.threads = threads;
   RankOutput out;
+  std::shared_ptr<cuda::OracleShard> gpu_oracle;
   if (impl.plugin != nullptr) {
     out = run_plugin_rank(*impl.plugin, c, inputs, assign_rank(c, inputs.batch(), rank), groups,
                           PluginRankOptions{device, threads});
@@ -231,14 +233,18 @@ RankJob run_rank(const Case& c, const InputSource& inputs, const Implementation&
       execution.reference = "cpu";
     }
     device_options.keep_on_device = execution.reference == "gpu";
-    out = cuda::run_sharded_loss(c, inputs, assign_rank(c, inputs.batch(), rank), groups, impl.bugs, device_options);
+    RankAssignment assignment = assign_rank(c, inputs.batch(), rank);
+    // The GPU oracle first: its own copy of the inputs is generated on its stream while the implementation
+    // generates and computes on its own. The two never share a buffer.
+    if (device_options.keep_on_device) gpu_oracle = cuda::make_oracle_shard(c, inputs, assignment, device);
+    out = cuda::run_sharded_loss(c, inputs, std::move(assignment), groups, impl.bugs, device_options);
   } else {
     out = run_sharded_loss(c, inputs, assign_rank(c, inputs.batch(), rank), groups, impl.bugs, kernel_options);
   }
   const auto kernel_done = Clock::now();
   RankJob job;
   job.execution = execution;
-  job.checks = verify_rank(c, inputs, out, groups, world, threads, snapshot, &job.error_map);
+  job.checks = verify_rank(c, inputs, out, groups, world, threads, snapshot, &job.error_map, std::move(gpu_oracle));
   const auto end = Clock::now();
   double t[6] = {std::chrono::duration<double>(kernel_done - start).count(), out.generate_seconds, out.compute_seconds,
                  out.collective_seconds, std::chrono::duration<double>(end - kernel_done).count(),

@@ -104,16 +104,8 @@ class RankKernel {
     return groups_.tp.collective_seconds() + groups_.batch.collective_seconds() + groups_.dp.collective_seconds();
   }
 
-
-
-
-
-
-
-
-
   template <class T>
-  void cross_entropy_micro_batch(std::int64_t begin, std::int64_t end, const T* logits) {
+  void cross_entropy_micro_batch(std::int64_t begin, std::int64_t end, T* logits) {
     const LossSpec& loss = case_.loss;
     const std::int64_t n = end - begin;
     const std::int64_t width = work_.size();
@@ -225,7 +217,7 @@ class RankKernel {
       const auto k = static_cast<std::size_t>(i);
       const RowPlan& p = plan(i);
       if (!p.active) continue;
-      const T* x = row_of(i) + column_offset;
+      T* x = row_of(i) + column_offset;
       T* g = grad + (begin + i) * cols;
       const float shift = row_max[k] + log_sum[k];  // lse
       const float z_factor = 1.0f + 2.0f * z_weight * shift;
@@ -243,7 +235,10 @@ class RankKernel {
           value = cross_entropy_grad(probability, v == target_column, q_backward, z_factor);
         }
         if (cap > 0.0f) value *= 1.0f - (xv / cap) * (xv / cap);
-        if (bugs_.grad_rounded_early) {
+        if (bugs_.overwrites_input) {  // the softmax over its own input, then that buffer as the gradient
+          x[v] = T(probability);
+          g[v] = x[v];
+        } else if (bugs_.grad_rounded_early) {
           g[v] = T(static_cast<float>(T(value)) * p.backward_weight);
         } else {
           g[v] = T(p.backward_weight * value);

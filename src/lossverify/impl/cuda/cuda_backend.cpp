@@ -15,21 +15,15 @@
 #include "lossverify/core/stage_trace.hpp"
 #include "lossverify/impl/cuda/cuda_check.hpp"
 #include "lossverify/impl/cuda/device_buffer.hpp"
-#include "lossverify/impl/cuda/gpu_reference.hpp"
 #include "lossverify/impl/cuda/kernels.hpp"
-#include "lossverify/impl/cuda/reference_kernels.hpp"
+#include "lossverify/impl/cuda/shard_inputs.hpp"
 #include "lossverify/impl/rank_plan.hpp"
 #include "lossverify/impl/row_loss.hpp"
 #include "lossverify/math/kd_math.hpp"
-#include "lossverify/reference/loss_reference.hpp"
 
 namespace lossverify::cuda {
 
 namespace {
-
-StorageType storage_of(DType d) {
-  return d == DType::bf16 ? StorageType::bf16 : d == DType::fp16 ? StorageType::fp16 : StorageType::fp32;
-}
 
 CrossEntropyConstants constants_for(const Case& c, const BugSwitches& bugs, float shard_width) {
   const SmoothingPair q = smoothing_for(c, bugs, shard_width);
@@ -168,55 +162,10 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
   const std::size_t element = dtype_size(out.dtype);
 
   // The rank generates its shard on the device; hand-written rows are laid on top from the host.
-  std::vector<std::int64_t> counters(static_cast<std::size_t>(rows));
-  std::vector<int> padding(static_cast<std::size_t>(rows));
-  for (std::int64_t i = 0; i < rows; ++i) {
-    const LocalRow& r = out.assignment.rows[static_cast<std::size_t>(i)];
-    padding[static_cast<std::size_t>(i)] = r.token < 0;
-    counters[static_cast<std::size_t>(i)] =
-        r.token >= 0 ? r.token : static_cast<std::int64_t>((static_cast<std::uint64_t>(r.sequence) << 32) +
-                                                           static_cast<std::uint64_t>(r.position));
-  }
-  DeviceBytes d_counters = upload(counters, stream.get());
-  DeviceBytes d_padding = upload(padding, stream.get());
-  DeviceBytes d_logits(static_cast<std::size_t>(rows * cols) * element);
-  GenerateArgs g{c.inputs.seed, static_cast<int>(InputStream::student_logits), d_counters.as<std::int64_t>(),
-                 d_padding.as<int>(), rows, work.begin, work.end, static_cast<int>(c.inputs.distribution),
-                 c.inputs.mean, c.inputs.scale, c.inputs.mean, c.inputs.scale};
-  generate_logits(type, g, d_logits.as<void>(), stream.get());
-  LV_CUDA(cudaGetLastError());
+  ShardInputs generated = generate_shard_inputs(c, inputs, out.assignment, work, stream.get());
+  DeviceBytes d_logits = std::move(generated.student);
+  DeviceBytes d_teacher = std::move(generated.teacher);
   const bool kd = c.loss.kind == LossKind::kd;
-  DeviceBytes d_teacher(kd ? static_cast<std::size_t>(rows * cols) * element : 0);
-  if (kd) {
-    const TeacherSpec& t = c.inputs.teacher;
-    GenerateArgs gt = g;
-    if (!t.same_as_student) {
-      gt.stream = static_cast<int>(InputStream::teacher_logits);
-      gt.mean = t.mean;
-      gt.scale = t.scale;
-    }
-    generate_logits(type, gt, d_teacher.as<void>(), stream.get());
-    LV_CUDA(cudaGetLastError());
-  }
-  if (!c.inputs.overrides.empty()) {
-    std::vector<std::byte> row_bytes(static_cast<std::size_t>(cols) * element);
-    for (std::int64_t i = 0; i < rows; ++i) {
-      const std::int64_t t = out.token_of(i);
-      const bool overridden = std::any_of(c.inputs.overrides.begin(), c.inputs.overrides.end(),
-                                          [t](const RowOverride& o) { return o.token == t && !o.logits.empty(); });
-      if (!overridden) continue;
-      dispatch_dtype(out.dtype, [&](auto tag) {
-        using T = typename decltype(tag)::type;
-        inputs.logits(t, work.begin, work.end, reinterpret_cast<T*>(row_bytes.data()));
-      });
-      LV_CUDA(cudaMemcpyAsync(d_logits.as<std::byte>() + static_cast<std::size_t>(i * cols) * element, row_bytes.data(),
-                              row_bytes.size(), cudaMemcpyHostToDevice, stream.get()));
-      if (kd && c.inputs.teacher.same_as_student) {
-        LV_CUDA(cudaMemcpyAsync(d_teacher.as<std::byte>() + static_cast<std::size_t>(i * cols) * element,
-                                row_bytes.data(), row_bytes.size(), cudaMemcpyHostToDevice, stream.get()));
-      }
-    }
-  }
   // The code of the kernels this rank will launch, loaded while the inputs are generated (once per
   // process and device; otherwise the first launch of each pays for it inside the timed stages).
   // LOSSVERIFY_PRELOAD=off leaves the loading to the first launches (a benchmark knob).
@@ -232,11 +181,9 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
     choice.logits = d_logits.as<void>();
     choice.cols = cols;
     preload_kernels(type, choice);
-    if (options.keep_on_device) preload_reference_kernels(type, kd, c.loss.softcap, d_logits.as<void>(), cols);
   }
   // The rank's other buffers are set up while the GPU generates the inputs, where the host would wait:
-  // the gradient, the per-row arrays and a page-locked copy of the row statistics, and for the GPU
-  // reference its workspace (page-locked host buffers take about 1 ms to allocate).
+  // the gradient, the per-row arrays and a page-locked copy of the row statistics.
   DeviceBytes d_grad(static_cast<std::size_t>(rows * cols) * element);
   const auto row_count = static_cast<std::size_t>(rows);
   DeviceBytes d_target(row_count * sizeof(std::int64_t));
@@ -247,8 +194,6 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
   DeviceBytes d_max(row_count * sizeof(float));
   DeviceBytes d_log_sum(row_count * sizeof(float));
   PinnedBytes h_stats(row_count * 4 * sizeof(float));
-  std::shared_ptr<ReferenceWorkspace> workspace;
-  if (options.keep_on_device) workspace = make_reference_workspace(options.device, rows);
   stream.sync();
   out.generate_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   StageTrace trace("cuda compute");  // LOSSVERIFY_TRACE=1: the compute stage's parts
@@ -313,17 +258,6 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
       LV_CUDA(cudaGetLastError());
       LV_CUDA(cudaMemcpyAsync(stats + 4 * b, stats_out, static_cast<std::size_t>(n) * 4 * sizeof(float),
                               cudaMemcpyDeviceToHost, stream.get()));
-      if (workspace && mb + 2 == offsets.size() && !full_vocab) {
-        // The GPU reference's partials read only the inputs: queued behind the last loss kernel, they run
-        // while the host finishes this stage. Their per-row inputs come from the case's inputs, as
-        // verification's do (which checks that they match).
-        std::vector<std::int64_t> reference_labels;
-        std::vector<int> reference_valid;
-        reference_rows(c, inputs, out.assignment, reference_labels, reference_valid);
-        const ShardView view{options.device, type, d_logits.as<void>(), d_teacher.as<void>(), rows, cols, vocab.begin};
-        gpu_reference_partials_start(*workspace, view, c, std::move(reference_labels), std::move(reference_valid),
-                                     stream.get());
-      }
       stream.sync();
       for (std::int64_t i = 0; i < n; ++i) {
         const float* s = stats + 4 * (b + i);
@@ -397,6 +331,18 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
         log_after_exp[j] += terms * log_sum[j];
       }
     }
+    if (bugs.overwrites_input) {
+      // The softmax over the kernel's own logits, and that buffer handed over as the gradient.
+      LV_CUDA(cudaMemcpyAsync(d_max.as<float>() + b, row_max.data(), row_max.size() * sizeof(float),
+                              cudaMemcpyHostToDevice, stream.get()));
+      LV_CUDA(cudaMemcpyAsync(d_log_sum.as<float>() + b, log_sum.data(), log_sum.size() * sizeof(float),
+                              cudaMemcpyHostToDevice, stream.get()));
+      const SoftmaxInPlaceArgs sa{d_logits.as<std::byte>() + static_cast<std::size_t>(b * cols) * element, ga.grad, n,
+                                  cols, ga.active, ga.row_max, ga.log_sum};
+      cross_entropy_softmax_in_place(type, sa, k.softcap, stream.get());
+      LV_CUDA(cudaGetLastError());
+      stream.sync();  // the host vectors above go out of scope with this micro-batch
+    }
     for (std::int64_t i = 0; i < n; ++i) {
       const auto j = static_cast<std::size_t>(i);
       const RowPlan& p = plan.row(b + i);
@@ -424,7 +370,6 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
       return to;
     };
     d_grad = shard_columns(d_grad);
-    d_logits = shard_columns(d_logits);
     stream.sync();
   }
   const std::int64_t out_cols = vocab.size();
@@ -436,10 +381,7 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
     shard->rows = rows;
     shard->cols = out_cols;
     shard->begin = vocab.begin;
-    shard->student = std::move(d_logits);
-    shard->teacher = std::move(d_teacher);
     shard->grad = std::move(d_grad);
-    shard->workspace = std::move(workspace);
     out.device_shard = std::move(shard);
   } else {
     out.grad.resize(static_cast<std::size_t>(rows * out_cols) * element);

@@ -19,20 +19,21 @@ RankOutput run_sharded_loss(const Case&, const InputSource&, RankAssignment, Ran
   unavailable();
 }
 nlohmann::json bench(const BenchOptions&) { unavailable(); }
-std::shared_ptr<ReferenceWorkspace> make_reference_workspace(int, std::int64_t) { unavailable(); }
-void gpu_reference_partials_launch(const DeviceShard&, const Case&, std::span<const std::int64_t>, std::span<const int>) {
+std::shared_ptr<OracleShard> make_oracle_shard(const Case&, const InputSource&, const RankAssignment&, int) {
   unavailable();
 }
-void gpu_reference_partials_wait(const DeviceShard&, std::span<double>) { unavailable(); }
-void gpu_reference_partials_start(ReferenceWorkspace&, const ShardView&, const Case&, std::vector<std::int64_t>,
-                                  std::vector<int>, void*) {
+int device_of(const DeviceShard&) { unavailable(); }
+void gpu_reference_partials_launch(OracleShard&, const Case&, std::span<const std::int64_t>, std::span<const int>) {
   unavailable();
 }
-std::vector<double> gpu_reference_kl(const DeviceShard&, const Case&, const std::vector<double>&,
-                                     const std::vector<double>&, const std::vector<int>&) {
+void gpu_reference_partials_wait(OracleShard&, std::span<double>) { unavailable(); }
+std::vector<double> gpu_reference_kl(OracleShard&, const Case&, const std::vector<double>&, const std::vector<double>&,
+                                     const std::vector<int>&) {
   unavailable();
 }
-void gpu_reference_compare_launch(const DeviceShard&, const Case&, const GpuCompareInputs&, bool) { unavailable(); }
-std::span<const RowComparison> gpu_reference_compare_wait(const DeviceShard&) { unavailable(); }
+void gpu_reference_compare_launch(OracleShard&, const DeviceShard&, const Case&, const GpuCompareInputs&, bool) {
+  unavailable();
+}
+std::span<const RowComparison> gpu_reference_compare_wait(OracleShard&) { unavailable(); }
 
 }  // namespace lossverify::cuda

@@ -92,16 +92,13 @@ class Event {
   cudaEvent_t event_{};
 };
 
-struct ReferenceWorkspace;  // gpu_reference.cpp
-
-// A rank's shard left on its GPU after the kernel, for the GPU float64 reference: the inputs the kernel
-// read and the gradient it wrote, never copied to the host; and the reference's buffers.
+// A rank's output left on its GPU after the kernel: the gradient it wrote, never copied to the host. The GPU
+// oracle reads it (read-only) next to its own copy of the inputs (gpu_reference.hpp).
 struct DeviceShard {
   int device = 0;
   StorageType type = StorageType::fp32;
   std::int64_t rows = 0, cols = 0, begin = 0;
-  DeviceBytes student{0}, teacher{0}, grad{0};
-  mutable std::shared_ptr<ReferenceWorkspace> workspace;  // made on first use where the backend left none
+  DeviceBytes grad{0};
 };
 
 }  // namespace lossverify::cuda

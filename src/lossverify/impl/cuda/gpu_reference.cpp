@@ -8,6 +8,7 @@
 
 #include "lossverify/core/errors.hpp"
 #include "lossverify/impl/cuda/device_buffer.hpp"
+#include "lossverify/impl/cuda/shard_inputs.hpp"
 
 namespace lossverify::cuda {
 
@@ -78,13 +79,9 @@ struct ReferenceWorkspace {
   Stream stream;
   Event partials_start, partials_end, compare_start, compare_end;  // LOSSVERIFY_TRACE: the kernels' own times
   Event partials_done;  // the partials are on the host
-  Event after;          // gpu_reference_partials_start: the work the partials wait for
-  // Partials in flight, and the inputs they were launched with.
   bool partials_pending = false;
   bool partials_ready = false;  // waited for: their values are on the device and the host
   bool compare_pending = false;
-  std::vector<std::int64_t> pending_labels;
-  std::vector<int> pending_valid;
   DeviceBytes d_in, d_out, d_partials_in, d_partials;
   PinnedBytes h_in, h_out, h_partials_in, h_partials;
   template <class T>
@@ -110,36 +107,52 @@ struct ReferenceWorkspace {
   }
 };
 
-std::shared_ptr<ReferenceWorkspace> make_reference_workspace(int device, std::int64_t rows) {
+struct OracleShard {
+  OracleShard(int device_in, StorageType type_in, std::int64_t rows_in, std::int64_t cols_in, std::int64_t begin_in)
+      : device(device_in), type(type_in), rows(rows_in), cols(cols_in), begin(begin_in), workspace(rows_in) {}
+  int device;
+  StorageType type;
+  std::int64_t rows, cols, begin;
+  ReferenceWorkspace workspace;
+  ShardInputs inputs;  // the oracle's own: no implementation has their address
+};
+
+int device_of(const DeviceShard& output) { return output.device; }
+
+std::shared_ptr<OracleShard> make_oracle_shard(const Case& c, const InputSource& inputs,
+                                               const RankAssignment& assignment, int device) {
   LV_CUDA(cudaSetDevice(device));
-  return std::make_shared<ReferenceWorkspace>(rows);
+  const VocabRange columns = assignment.vocab;
+  auto oracle = std::make_shared<OracleShard>(device, storage_of(c.inputs.dtype),
+                                              static_cast<std::int64_t>(assignment.rows.size()), columns.size(),
+                                              columns.begin);
+  oracle->inputs = generate_shard_inputs(c, inputs, assignment, columns, oracle->workspace.stream.get());
+  // The reference kernels' code, loaded while the inputs are generated (once per process and device).
+  preload_reference_kernels(oracle->type, c.loss.kind == LossKind::kd, c.loss.softcap,
+                            oracle->inputs.student.as<void>(), oracle->cols);
+  return oracle;
 }
 
 namespace {
 
-ReferenceWorkspace& workspace_of(const DeviceShard& shard) {
-  if (!shard.workspace || shard.workspace->rows < shard.rows)
-    shard.workspace = make_reference_workspace(shard.device, shard.rows);
-  return *shard.workspace;
-}
-
-void launch_partials(ReferenceWorkspace& ws, const ShardView& shard, const Case& c,
-                     std::span<const std::int64_t> labels, std::span<const int> valid) {
-  const auto rows = static_cast<std::size_t>(shard.rows);
+void launch_partials(OracleShard& oracle, const Case& c, std::span<const std::int64_t> labels,
+                     std::span<const int> valid) {
+  ReferenceWorkspace& ws = oracle.workspace;
+  const auto rows = static_cast<std::size_t>(oracle.rows);
   if (labels.size() != rows || valid.size() != rows) {
     throw InternalError("gpu reference partials: per-row arrays do not match the shard's rows");
   }
-  const std::size_t labels_at = partials_labels_at(shard.rows);
+  const std::size_t labels_at = partials_labels_at(oracle.rows);
   std::memcpy(ws.h_partials_in.as<std::byte>(), valid.data(), rows * sizeof(int));
   std::memcpy(ws.h_partials_in.as<std::byte>() + labels_at, labels.data(), rows * sizeof(std::int64_t));
   LV_CUDA(cudaMemcpyAsync(ws.d_partials_in.as<void>(), ws.h_partials_in.as<void>(), ws.h_partials_in.size(),
                           cudaMemcpyHostToDevice, ws.stream.get()));
   ReferencePartialArgs a{};
-  a.student = shard.student;
-  a.teacher = shard.teacher;
-  a.rows = shard.rows;
-  a.cols = shard.cols;
-  a.begin = shard.begin;
+  a.student = oracle.inputs.student.as<void>();
+  a.teacher = oracle.inputs.teacher.as<void>();
+  a.rows = oracle.rows;
+  a.cols = oracle.cols;
+  a.begin = oracle.begin;
   a.valid = ws.d_partials_in.as<int>();
   a.label = reinterpret_cast<const std::int64_t*>(ws.d_partials_in.as<std::byte>() + labels_at);
   a.kd = c.loss.kind == LossKind::kd;
@@ -147,7 +160,7 @@ void launch_partials(ReferenceWorkspace& ws, const ShardView& shard, const Case&
   a.softcap = c.loss.softcap;
   target_weights(c, a.q_on, a.q_off);
   ws.partials_start.record(ws.stream.get());
-  reference_partials(shard.type, a, ws.d_partials.as<double>(), ws.stream.get());
+  reference_partials(oracle.type, a, ws.d_partials.as<double>(), ws.stream.get());
   LV_CUDA(cudaGetLastError());
   ws.partials_end.record(ws.stream.get());
   LV_CUDA(cudaMemcpyAsync(ws.h_partials.as<void>(), ws.d_partials.as<void>(), ws.h_partials.size(),
@@ -157,42 +170,19 @@ void launch_partials(ReferenceWorkspace& ws, const ShardView& shard, const Case&
   ws.partials_ready = false;
 }
 
-ShardView view_of(const DeviceShard& shard) {
-  return {shard.device, shard.type, shard.student.as<void>(), shard.teacher.as<void>(), shard.rows, shard.cols,
-          shard.begin};
-}
-
 }  // namespace
 
-void gpu_reference_partials_start(ReferenceWorkspace& ws, const ShardView& shard, const Case& c,
-                                  std::vector<std::int64_t> labels, std::vector<int> valid, void* after) {
-  LV_CUDA(cudaSetDevice(shard.device));
-  if (ws.rows < shard.rows) throw InternalError("gpu reference partials: the workspace is smaller than the shard");
-  ws.after.record(static_cast<cudaStream_t>(after));
-  LV_CUDA(cudaStreamWaitEvent(ws.stream.get(), ws.after.get(), 0));
-  launch_partials(ws, shard, c, labels, valid);
-  ws.pending_labels = std::move(labels);
-  ws.pending_valid = std::move(valid);
-}
-
-void gpu_reference_partials_launch(const DeviceShard& shard, const Case& c, std::span<const std::int64_t> labels,
+void gpu_reference_partials_launch(OracleShard& oracle, const Case& c, std::span<const std::int64_t> labels,
                                    std::span<const int> valid) {
-  LV_CUDA(cudaSetDevice(shard.device));
-  ReferenceWorkspace& ws = workspace_of(shard);
-  if (ws.partials_pending) {
-    if (std::equal(labels.begin(), labels.end(), ws.pending_labels.begin(), ws.pending_labels.end()) &&
-        std::equal(valid.begin(), valid.end(), ws.pending_valid.begin(), ws.pending_valid.end())) {
-      return;  // started by the backend with these very inputs
-    }
-    LV_CUDA(cudaEventSynchronize(ws.partials_done.get()));  // a stale start: let it finish, then launch anew
-  }
-  launch_partials(ws, view_of(shard), c, labels, valid);
+  LV_CUDA(cudaSetDevice(oracle.device));
+  if (oracle.workspace.partials_pending) LV_CUDA(cudaEventSynchronize(oracle.workspace.partials_done.get()));
+  launch_partials(oracle, c, labels, valid);
 }
 
-void gpu_reference_partials_wait(const DeviceShard& shard, std::span<double> out) {
-  LV_CUDA(cudaSetDevice(shard.device));
-  ReferenceWorkspace& ws = workspace_of(shard);
-  const auto rows = static_cast<std::size_t>(shard.rows);
+void gpu_reference_partials_wait(OracleShard& oracle, std::span<double> out) {
+  LV_CUDA(cudaSetDevice(oracle.device));
+  ReferenceWorkspace& ws = oracle.workspace;
+  const auto rows = static_cast<std::size_t>(oracle.rows);
   if (out.size() != rows * 8) throw InternalError("gpu reference partials: the output does not match the shard's rows");
   if (!ws.partials_pending) throw InternalError("gpu reference partials: waited for before they were launched");
   LV_CUDA(cudaEventSynchronize(ws.partials_done.get()));  // (a comparison queued behind them may still run)
@@ -204,33 +194,37 @@ void gpu_reference_partials_wait(const DeviceShard& shard, std::span<double> out
   std::memcpy(out.data(), ws.h_partials.as<double>(), rows * 8 * sizeof(double));
 }
 
-std::vector<double> gpu_reference_kl(const DeviceShard& shard, const Case& c, const std::vector<double>& lse,
+std::vector<double> gpu_reference_kl(OracleShard& oracle, const Case& c, const std::vector<double>& lse,
                                      const std::vector<double>& teacher_lse, const std::vector<int>& valid) {
-  LV_CUDA(cudaSetDevice(shard.device));
-  Stream stream;
+  LV_CUDA(cudaSetDevice(oracle.device));
+  const Stream& stream = oracle.workspace.stream;  // behind the oracle's generation
   DeviceBytes d_valid = upload(valid, stream.get());
   DeviceBytes d_lse = upload(lse, stream.get());
   DeviceBytes d_teacher_lse = upload(teacher_lse, stream.get());
-  const std::vector<double> zeros(static_cast<std::size_t>(2 * shard.rows), 0.0);
+  const std::vector<double> zeros(static_cast<std::size_t>(2 * oracle.rows), 0.0);
   DeviceBytes d_out = upload(zeros, stream.get());
-  ReferenceKlArgs a{shard.student.as<void>(), shard.teacher.as<void>(), shard.rows, shard.cols, d_valid.as<int>(),
-                    d_lse.as<double>(), d_teacher_lse.as<double>(), 1.0 / c.loss.temperature};
-  reference_kl(shard.type, a, d_out.as<double>(), stream.get());
+  ReferenceKlArgs a{oracle.inputs.student.as<void>(), oracle.inputs.teacher.as<void>(), oracle.rows, oracle.cols,
+                    d_valid.as<int>(), d_lse.as<double>(), d_teacher_lse.as<double>(), 1.0 / c.loss.temperature};
+  reference_kl(oracle.type, a, d_out.as<double>(), stream.get());
   LV_CUDA(cudaGetLastError());
   return download<double>(d_out, zeros.size(), stream.get());
 }
 
-void gpu_reference_compare_launch(const DeviceShard& shard, const Case& c, const GpuCompareInputs& in,
-                                  bool lse_from_partials) {
-  LV_CUDA(cudaSetDevice(shard.device));
-  ReferenceWorkspace& ws = workspace_of(shard);
+void gpu_reference_compare_launch(OracleShard& oracle, const DeviceShard& output, const Case& c,
+                                  const GpuCompareInputs& in, bool lse_from_partials) {
+  LV_CUDA(cudaSetDevice(oracle.device));
+  if (output.device != oracle.device || output.rows != oracle.rows || output.cols != oracle.cols ||
+      output.begin != oracle.begin || output.type != oracle.type) {
+    throw InternalError("gpu reference compare: the rank's gradient does not match the oracle's shard");
+  }
+  ReferenceWorkspace& ws = oracle.workspace;
   if (lse_from_partials && !(ws.partials_pending || ws.partials_ready)) {
     throw InternalError("gpu reference compare: the lse from partials that were never launched");
   }
   if (!lse_from_partials && ws.partials_pending) {
     throw InternalError("gpu reference compare: the host's lse while the partials are in flight");
   }
-  const auto rows = static_cast<std::size_t>(shard.rows);
+  const auto rows = static_cast<std::size_t>(oracle.rows);
   if (in.kind.size() != rows || in.labels.size() != rows || in.lse.size() != rows ||
       in.teacher_lse.size() != rows || in.weight.size() != rows) {
     throw InternalError("gpu reference compare: per-row arrays do not match the shard's rows");
@@ -242,12 +236,12 @@ void gpu_reference_compare_launch(const DeviceShard& shard, const Case& c, const
   std::memcpy(ws.host_in<double>(ws.layout.weight), in.weight.data(), rows * sizeof(double));
   ws.upload_inputs(ws.layout.bytes);
   ReferenceCompareArgs a{};
-  a.student = shard.student.as<void>();
-  a.teacher = shard.teacher.as<void>();
-  a.grad = shard.grad.as<void>();
-  a.rows = shard.rows;
-  a.cols = shard.cols;
-  a.begin = shard.begin;
+  a.student = oracle.inputs.student.as<void>();
+  a.teacher = oracle.inputs.teacher.as<void>();
+  a.grad = output.grad.as<void>();
+  a.rows = oracle.rows;
+  a.cols = oracle.cols;
+  a.begin = oracle.begin;
   a.kind = ws.device_in<int>(ws.layout.flags);
   a.label = ws.device_in<std::int64_t>(ws.layout.labels);
   a.lse = ws.device_in<double>(ws.layout.lse);
@@ -264,29 +258,29 @@ void gpu_reference_compare_launch(const DeviceShard& shard, const Case& c, const
   a.atol = in.atol;
   a.rtol = in.rtol;
   a.max_ulp = in.max_ulp;
-  a.dtype = static_cast<int>(shard.type);
+  a.dtype = static_cast<int>(oracle.type);
   a.framework_scale = in.framework_scale;
   a.quantum = in.quantum;
   a.grad_scale = in.grad_scale;
   a.smallest_normal = in.smallest_normal;
   ws.compare_start.record(ws.stream.get());
-  reference_compare(shard.type, a, ws.d_out.as<RowComparison>(), ws.stream.get());
+  reference_compare(oracle.type, a, ws.d_out.as<RowComparison>(), ws.stream.get());
   LV_CUDA(cudaGetLastError());
   ws.compare_end.record(ws.stream.get());
   ws.download_outputs(rows * sizeof(RowComparison));
   ws.compare_pending = true;
 }
 
-std::span<const RowComparison> gpu_reference_compare_wait(const DeviceShard& shard) {
-  LV_CUDA(cudaSetDevice(shard.device));
-  ReferenceWorkspace& ws = workspace_of(shard);
+std::span<const RowComparison> gpu_reference_compare_wait(OracleShard& oracle) {
+  LV_CUDA(cudaSetDevice(oracle.device));
+  ReferenceWorkspace& ws = oracle.workspace;
   if (!ws.compare_pending) throw InternalError("gpu reference compare: waited for before it was launched");
   ws.stream.sync();
   ws.compare_pending = false;
   if (std::getenv("LOSSVERIFY_TRACE") != nullptr) {
     ReferenceWorkspace::trace_kernel("gpu reference compare", ws.compare_start, ws.compare_end);
   }
-  return {ws.h_out.as<const RowComparison>(), static_cast<std::size_t>(shard.rows)};
+  return {ws.h_out.as<const RowComparison>(), static_cast<std::size_t>(oracle.rows)};
 }
 
 }  // namespace lossverify::cuda

@@ -59,6 +59,19 @@ struct GradArgs {
 };
 void cross_entropy_grad(StorageType type, const GradArgs& args, const CrossEntropyConstants& k, void* stream);
 
+// The catalogued overwrites-input, after the loss kernels: each active row's softmax p = exp(x - M - log S)
+// written over its own logits, then copied into its gradient (a pass of its own, so that the loss kernels
+// carry no branch for it).
+struct SoftmaxInPlaceArgs {
+  void* logits;
+  void* grad;
+  std::int64_t rows, cols;
+  const int* active;
+  const float* row_max;  // global M
+  const float* log_sum;  // global log S
+};
+void cross_entropy_softmax_in_place(StorageType type, const SoftmaxInPlaceArgs& args, float softcap, void* stream);
+
 // Both passes in one kernel for a rank that holds whole rows (TP = 1), so DRAM sees about 4 bytes per
 // bf16 logit. Writes per-row [M, log S, Z, x_l].
 void cross_entropy_fused(StorageType type, const GradArgs& args, const CrossEntropyConstants& k, float* row_stats,

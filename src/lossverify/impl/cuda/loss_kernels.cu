@@ -924,6 +924,35 @@ void cross_entropy_stats(StorageType type, const StatsArgs& args, const CrossEnt
   });
 }
 
+namespace {
+
+// overwrites-input: p = exp(x - M - log S) over the row's own logits, and the same into its gradient.
+template <class T>
+__global__ void __launch_bounds__(kThreads) softmax_in_place_kernel(SoftmaxInPlaceArgs a, float softcap) {
+  T* const logits = static_cast<T*>(a.logits);
+  T* const grad = static_cast<T*>(a.grad);
+  for (std::int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    if (!a.active[row]) continue;
+    const float shift = a.row_max[row] + a.log_sum[row];
+    for (std::int64_t c = threadIdx.x; c < a.cols; c += blockDim.x) {
+      const std::int64_t at = row * a.cols + c;
+      logits[at] = narrow<T>(fast_exp(load_capped(widen<T>(logits[at]), softcap) - shift));
+      grad[at] = logits[at];
+    }
+  }
+}
+
+}  // namespace
+
+void cross_entropy_softmax_in_place(StorageType type, const SoftmaxInPlaceArgs& args, float softcap, void* stream) {
+  if (args.rows == 0) return;
+  dispatch(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const auto blocks = static_cast<unsigned>(std::min<std::int64_t>(args.rows, 65535));
+    softmax_in_place_kernel<T><<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(args, softcap);
+  });
+}
+
 void cross_entropy_grad(StorageType type, const GradArgs& args, const CrossEntropyConstants& k, void* stream) {
   if (args.rows == 0) return;
   dispatch(type, [&](auto* tag) {
