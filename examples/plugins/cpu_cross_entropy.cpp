@@ -1,5 +1,5 @@
 // Example lossverify plugin, host memory: one rank's vocabulary-parallel cross-entropy (and forward-KL
-// knowledge distillation) over all its micro-batches, written from SPEC.md sections 3 and 5.
+// knowledge distillation) over all its micro-batches, written from docs/spec.md §3 and §5.
 //
 //   lossverify run CASE.json --impl plugin:./libcpu_cross_entropy.so
 //   lossverify run CASE.json --impl plugin:./libcpu_cross_entropy.so?bug=smoothing-partition-vocab

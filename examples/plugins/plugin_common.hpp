@@ -1,5 +1,5 @@
 // What both example plugins need besides their kernels: the bug parameter, the collectives table wrapped
-// so that a failure unwinds to run_rank, and the training loop's side of a rank (SPEC 5, "framework
+// so that a failure unwinds to run_rank, and the training loop's side of a rank (docs/spec.md §5, "framework
 // model"): which rows count, the valid-token count over DP x CP, each row's weight in the logged loss and
 // in the backward pass, and the logged loss. Host code, C++17 (nvcc compiles it too). Where the
 // collectives' data lives is the caller's business: it passes "sum over DP x CP" as a function.
@@ -194,7 +194,7 @@ float logged_loss(const BatchPlan& plan, const float* token_loss, SumOverDpCp su
 
 // ---- Label smoothing ----------------------------------------------------------------------------
 
-// Target distribution q of SPEC 3: on_target at the label, off_target elsewhere, for a vocabulary of
+// Target distribution q of docs/spec.md §3: on_target at the label, off_target elsewhere, for a vocabulary of
 // `vocab` columns (the global V; the shard width V_p under the partition-vocab bug).
 struct TargetWeights {
   float on_target;

@@ -7,7 +7,7 @@
  * could write) and a table of collectives over the rank's TP, CP, DP and DP x CP groups (threads, MPI
  * processes or NCCL underneath). The plugin returns the rank's per-row losses, its logged loss and token
  * count, and the gradient of its logits shard; lossverify compares every element with the float64 reference
- * exactly as it compares its own kernels (SPEC: the layouts, the framework model, the checks).
+ * exactly as it compares its own kernels (docs/spec.md: the layouts, the framework model, the checks).
  *
  * What a rank computes (the same contract as lossverify's built-in kernels and a dump's tensors):
  *   - token_loss[i]: the loss of local row i as it enters the reduction, unweighted (0 on rows whose

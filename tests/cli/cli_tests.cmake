@@ -124,3 +124,14 @@ lossverify_cli_test(export_inputs_tp_above_vocab 2 "layout.tp.*300" --absent ${O
   -- ${LV} export-inputs ${CASES}/cp-zigzag-packed.json --tp 301 --out ${OUT}/export_wide)
 lossverify_cli_test(export_inputs_folder_in_use 2 "not empty .*nothing was written"
   -- bash -c "mkdir -p ${OUT}/export_busy && touch ${OUT}/export_busy/mine && ${LV} export-inputs ${CASES}/cp-zigzag-packed.json --out ${OUT}/export_busy")
+
+# docs/catalogue.md's bug table is `lossverify list --json`, rendered (scripts/catalogue_table.py); the
+# check fails on a table that drifted (a copy with one source changed).
+add_test(NAME docs_catalogue_matches_list
+  COMMAND ${LOSSVERIFY_SYSTEM_PYTHON} ${PROJECT_SOURCE_DIR}/scripts/catalogue_table.py $<TARGET_FILE:lossverify>
+          --check ${PROJECT_SOURCE_DIR}/docs/catalogue.md)
+add_test(NAME docs_catalogue_check_catches_drift
+  COMMAND bash -c "sed 's/TransformerEngine issue #2476/TransformerEngine issue #9999/' \
+    ${PROJECT_SOURCE_DIR}/docs/catalogue.md > ${CMAKE_CURRENT_BINARY_DIR}/catalogue-drifted.md && \
+    ! ${LOSSVERIFY_SYSTEM_PYTHON} ${PROJECT_SOURCE_DIR}/scripts/catalogue_table.py $<TARGET_FILE:lossverify> \
+      --check ${CMAKE_CURRENT_BINARY_DIR}/catalogue-drifted.md")

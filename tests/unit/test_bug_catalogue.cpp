@@ -1,4 +1,4 @@
-// The catalogued bugs of SPEC 7 show exactly the signal SPEC predicts, measured on the ranks' raw
+// The catalogued bugs of docs/spec.md §7 show exactly the signal it predicts, measured on the ranks' raw
 // outputs against the correct implementation's on the same case; and they stay invisible where they
 // must (a layout bug on a layout that cannot expose it, a smoothing bug without smoothing).
 //
@@ -355,7 +355,7 @@ TEST_CASE("kd_untracked_allreduce_keeps_row_sums_at_zero_while_elements_follow_t
         if (x[static_cast<std::size_t>(v)] > x[static_cast<std::size_t>(argmax)]) argmax = v;
       }
       for (std::int64_t v = shard.begin; v < shard.end; ++v) {
-        // g_j = P_r Q_j - P_j + [j = local argmax] P_r (1 - Q_r)   (SPEC 7)
+        // g_j = P_r Q_j - P_j + [j = local argmax] P_r (1 - Q_r)   (docs/spec.md §7)
         double expected = shard_p * q(v) - p(v);
         if (v == argmax) expected += shard_p * (1.0 - shard_q);
         CAPTURE(v);

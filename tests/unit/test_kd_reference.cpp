@@ -1,4 +1,4 @@
-// The float64 KD reference (forward KL with temperature, SPEC 3) against an independent long-double
+// The float64 KD reference (forward KL with temperature, docs/spec.md §3) against an independent long-double
 // computation written from the definition k = T^s sum_v P_v (log P_v - log Q_v), P = softmax(y/T),
 // Q = softmax(x/T), and its gradient against central finite differences of that long-double function.
 // Then the sharded KD implementation against the reference at several TP sizes and dtypes.
@@ -75,7 +75,7 @@ std::int64_t compare_with_long_double(const nlohmann::json& j) {
     inputs.teacher_logits(t, 0, vocab, y.data());
     const ReferenceToken r = reference.evaluate(t, x, y, grad);
     if (!r.valid) {
-      // Masked: 0 loss and exactly 0 gradient (SPEC 3).
+      // Masked: 0 loss and exactly 0 gradient (docs/spec.md §3).
       CHECK(inputs.masked(t));
       CHECK(r.loss == 0.0);
       CHECK(r.weight == 0.0);

@@ -1,4 +1,4 @@
-// Where every token lives (SPEC 5): world rank <-> (tp, cp, dp), sequences -> (DP rank, micro-batch) slots,
+// Where every token lives (docs/spec.md §5): world rank <-> (tp, cp, dp), sequences -> (DP rank, micro-batch) slots,
 // the load-balanced zigzag split across CP ranks, and locate_token. Expected values are built here from
 // the definitions (enumerations and counts), not from the formulas of rank_layout.cpp.
 #include <doctest/doctest.h>

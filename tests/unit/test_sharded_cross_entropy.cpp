@@ -1,5 +1,5 @@
 // The sharded CPU implementation against the reference at many layouts, and the catalogued bugs caught
-// with the signals SPEC 7 predicts for them.
+// with the signals docs/spec.md §7 predicts for them.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -86,7 +86,7 @@ TEST_CASE("all_masked_batch_loss_0_and_zero_gradient_on_every_rank") {
 }
 
 TEST_CASE("smoothing_partition_vocab_fails_with_its_signals_at_tp4") {
-  // Megatron convention, sum reduction (weight 1), no ignored tokens: the signals of SPEC 7 exactly.
+  // Megatron convention, sum reduction (weight 1), no ignored tokens: the signals of docs/spec.md §7 exactly.
   const double alpha = 0.1;
   const std::int64_t vocab = 400;
   const int tp = 4;

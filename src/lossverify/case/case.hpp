@@ -102,7 +102,7 @@ struct LayoutSpec {
   int world_size() const { return tp * cp * dp; }
 };
 
-// How the framework combines what the ranks compute (SPEC 5).
+// How the framework combines what the ranks compute (docs/spec.md §5).
 struct FrameworkSpec {
   enum class GradReduce { avg, sum };  // over the DP x CP group
   enum class GaReduce { sum, mean };   // over micro-batches

@@ -715,7 +715,7 @@ std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, c
           total.add(all_sums[static_cast<std::size_t>(r * 3 * rows + 3 * i + 1)]);
           magnitude.add(all_sums[static_cast<std::size_t>(r * 3 * rows + 3 * i + 2)]);
         }
-        // SPEC 3 invariant: sum_v dl/dx_v = 2 w_z lse per token (0 for KD), times the token's weight in L.
+        // docs/spec.md §3 invariant: sum_v dl/dx_v = 2 w_z lse per token (0 for KD), times the token's weight in L.
         const double weight = valid[k] ? reference.token_weight(t) : 0.0;
         const double expected_sum = (valid[k] && !kd) ? weight * 2.0 * c.loss.z_loss_weight * stats[k].lse : 0.0;
         row_sum_stats.add({t, -1, world_rank, expected_sum, total.value(),

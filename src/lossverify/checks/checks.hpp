@@ -1,5 +1,5 @@
 #pragma once
-// The checks of SPEC 6: every loss value, gradient element and logged statistic of every rank against
+// The checks of docs/spec.md §6: every loss value, gradient element and logged statistic of every rank against
 // the float64 reference, plus reference-free signals (rank agreement, finiteness, the row-sum invariant).
 #include <cstdint>
 #include <memory>

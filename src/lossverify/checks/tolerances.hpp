@@ -22,7 +22,7 @@ inline constexpr std::array<std::string_view, 6> kToleranceQuantities = {
     "loss",            // per-token loss
     "reduced_loss",    // the logged (mean or sum) loss
     "grad",            // every effective gradient element
-    "row_sum",         // sum over the vocabulary of one token's gradient (the SPEC 3 invariant)
+    "row_sum",         // sum over the vocabulary of one token's gradient (the docs/spec.md §3 invariant)
     "rank_agreement",  // per-token loss of one TP rank against the others
     "invariance",      // the same global answer at another rank layout
 };

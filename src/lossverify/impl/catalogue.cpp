@@ -27,7 +27,7 @@ const std::vector<Implementation>& implementations() {
     const Applies kd = Applies::kd;
     const Applies any = Applies::any;
     std::vector<Implementation> v;
-    v.push_back({"correct", "SPEC 5 algorithm: max all-reduce, one packed sum all-reduce, no log(p)", "lossverify",
+    v.push_back({"correct", "docs/spec.md §5 algorithm: max all-reduce, one packed sum all-reduce, no log(p)", "lossverify",
                  "none", {}, any, {}});
     // Cross-entropy: label smoothing.
     v.push_back(bug("smoothing-partition-vocab",
@@ -52,7 +52,7 @@ const std::vector<Implementation>& implementations() {
                     "TP rank losses differ by (a/V) sum of the other shards' x; gradient right",
                     {"loss", "rank_agreement"}, ce, with([](BugSwitches& b) { b.smoothing_raw_local_sum = true; })));
     v.push_back(bug("smoothing-convention-swap", "pytorch smoothing convention where megatron was asked, or back",
-                    "label_smoothing means a in PyTorch but a V/(V-1) in Megatron-LM (SPEC 3)",
+                    "label_smoothing means a in PyTorch but a V/(V-1) in Megatron-LM (docs/spec.md §3)",
                     "constant non-target gradient offset a(1/V - 1/(V-1)); loss off", {"loss", "grad"}, ce,
                     with([](BugSwitches& b) { b.smoothing_convention_swap = true; })));
     // Cross-entropy: sharding, stability, masking, reduction.
@@ -65,7 +65,7 @@ const std::vector<Implementation>& implementations() {
                     "inf/NaN once a logit exceeds ~88.7 (fp32)", {"loss", "grad", "finite"}, ce,
                     with([](BugSwitches& b) { b.no_max_shift = true; })));
     v.push_back(bug("ignore-index-unmasked", "ignored targets treated as ordinary tokens",
-                    "fused cross-entropy kernels that skip the ignore_index test (SPEC 7)",
+                    "fused cross-entropy kernels that skip the ignore_index test (docs/spec.md §7)",
                     "loss = lse on ignored rows, nonzero gradient there, valid-token count too large",
                     {"loss", "grad", "stats"}, ce, with([](BugSwitches& b) { b.ignore_index_unmasked = true; })));
     v.push_back(bug("mean-over-all-rows", "mean reduction divides by all rows, not the valid ones",

@@ -1,6 +1,6 @@
 #pragma once
 // The one sharded implementation is a set of switches; the correct implementation has none on and each
-// catalogued bug (SPEC 7) is a named set of them, so CPU and CUDA kernels carry the same bugs.
+// catalogued bug (docs/spec.md §7) is a named set of them, so CPU and CUDA kernels carry the same bugs.
 #include <string>
 #include <string_view>
 #include <vector>

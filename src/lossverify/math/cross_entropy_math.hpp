@@ -1,5 +1,5 @@
 #pragma once
-// Per-element cross-entropy math of SPEC 3, written once for the CPU and CUDA kernels.
+// Per-element cross-entropy math of docs/spec.md §3, written once for the CPU and CUDA kernels.
 // Real is float in the sharded implementations. The float64 reference does not use this file: it is
 // written from the definitions on its own (reference/), so a shared mistake cannot hide itself.
 #include "lossverify/core/host_device.hpp"

@@ -1,5 +1,5 @@
 #pragma once
-// Per-row KD math of SPEC 3, written once for the CPU and CUDA kernels. With a = x/T (student) and
+// Per-row KD math of docs/spec.md §3, written once for the CPU and CUDA kernels. With a = x/T (student) and
 // b = y/T (teacher), P = softmax(b), Q = softmax(a):
 //   KL(P || Q) = sum_v P_v (b_v - a_v) - lse_b + lse_a
 //              = W / S_b + (M_a - M_b) + log(S_a / S_b),   W = sum_v exp(b_v - M_b)(b_v - a_v)

@@ -31,7 +31,7 @@ double LossReference::token_weight(std::int64_t token) const {
 }
 
 double LossReference::target_weight(std::int64_t label, std::int64_t column) const {
-  // Target distribution q_v, straight from SPEC 3.
+  // Target distribution q_v, straight from docs/spec.md §3.
   const double n = static_cast<double>(case_.shape.vocab);
   const double alpha = case_.loss.label_smoothing;
   const double hit = (column == label) ? 1.0 : 0.0;

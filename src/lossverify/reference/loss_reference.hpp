@@ -1,5 +1,5 @@
 #pragma once
-// Dense float64 reference of the global problem, written from the definitions of SPEC 3 and nothing
+// Dense float64 reference of the global problem, written from the definitions of docs/spec.md §3 and nothing
 // else: no shards, no packed sums, no shared math header. It is evaluated one token at a time from a
 // whole row of logits, so no N x V float64 array ever exists. It knows nothing of rank layouts: token
 // weights come from the global valid count, labels from the global sequences.

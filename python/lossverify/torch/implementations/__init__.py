@@ -1,7 +1,7 @@
 """The project's own PyTorch implementations, usable as `--fn lossverify.torch.implementations:<name>`.
 
 `correct` is the vocabulary-parallel cross-entropy (both smoothing conventions, z-loss, ignore_index,
-softcap, every reduction) and KD (forward KL, temperature, T^2) of SPEC 5: all-reduce max, then one packed
+softcap, every reduction) and KD (forward KL, temperature, T^2) of docs/spec.md §5: all-reduce max, then one packed
 all-reduce sum over the TP group, custom backward with no communication. Every other name is a bug of
 lossverify's catalogue (`lossverify list`, snake_case here), written the way the framework it comes from
 wrote it; lossverify must catch each one on the cases where its golden outcomes say it fails.

@@ -1,5 +1,5 @@
 """The correct implementation and the catalogued bugs as loss functions `fn(logits, labels, ctx)` for the
-harness (`lossverify list` describes each bug; SPEC 7). Kernel-level bugs are switches of the one
+harness (`lossverify list` describes each bug; docs/spec.md §7). Kernel-level bugs are switches of the one
 vocabulary-parallel kernel; framework-level bugs (normalisers, labels, logged counts) are written here the
 way the framework computed them, and return `Reduced` because their own normalisation is the bug.
 """
@@ -17,7 +17,7 @@ from lossverify.torch.implementations.kd import KdBugs, kl_with_untracked_all_re
 
 
 def correct(logits, labels, ctx):
-    """The correct vocabulary-parallel loss of the case's kind: per-token losses [rows] (SPEC 5)."""
+    """The correct vocabulary-parallel loss of the case's kind: per-token losses [rows] (docs/spec.md §5)."""
     if ctx.loss.kind == "kd":
         return vocab_parallel_kl(logits, ctx.teacher_logits, ctx)
     return vocab_parallel_cross_entropy(logits, labels, ctx)
@@ -165,7 +165,7 @@ def _token_loss(logits, labels, ctx, **kwargs):
 
 def ignore_index_unmasked(logits, labels, ctx):
     """Ignored targets treated as ordinary tokens: the kernel never tests ignore_index and the loop counts
-    every row it did not pad itself (fused cross-entropy kernels, SPEC 7)."""
+    every row it did not pad itself (fused cross-entropy kernels, docs/spec.md §7)."""
     _require(ctx, "cross_entropy")
     rows = ctx.tokens >= 0
     token_loss = vocab_parallel_cross_entropy(logits, labels, ctx, valid=rows, active=rows)

@@ -1,4 +1,4 @@
-"""Vocabulary-parallel cross-entropy (SPEC 3 and 5) as a torch.autograd.Function, with the catalogue's
+"""Vocabulary-parallel cross-entropy (docs/spec.md §3 and 5) as a torch.autograd.Function, with the catalogue's
 kernel-level bugs as switches.
 
 Per row, over the TP group only: M = all-reduce max of the local maxima, then one packed all-reduce sum of

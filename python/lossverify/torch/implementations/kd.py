@@ -1,4 +1,4 @@
-"""Vocabulary-parallel knowledge distillation: forward KL(P || Q) with temperature T and T^2 scaling (SPEC 3),
+"""Vocabulary-parallel knowledge distillation: forward KL(P || Q) with temperature T and T^2 scaling (docs/spec.md §3),
 as a torch.autograd.Function with the catalogue's KD switches, plus the untracked all-reduce bug written
 with plain autograd (where that bug lives).
 

@@ -18,7 +18,7 @@ struct RankGroups {
   Communicator& dp;     // ranks with the same TP and CP coordinates (for the statistics bug)
 };
 
-// One rank of the sharded loss (SPEC 5), computing in float32 from the input dtype. The rank generates
+// One rank of the sharded loss (docs/spec.md §5), computing in float32 from the input dtype. The rank generates
 // exactly its own shard, counts valid tokens over the batch group, then for every micro-batch:
 //   cross-entropy: M = allreduce_max(local max); one packed allreduce_sum of [S, x_l - M, sum(x - M)];
 //                  loss from the sums without log(p); gradient of the local columns from p = exp(x - lse)

@@ -269,7 +269,7 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
         if (target[static_cast<std::size_t>(b + i)] >= 0) target_shifted[j] = s[3] - s[0];
       }
     } else {
-      // Pass 1, then the SPEC 5 collectives on per-row statistics, then pass 2.
+      // Pass 1, then the docs/spec.md §5 collectives on per-row statistics, then pass 2.
       StatsArgs sa{ga.logits, n, cols, ga.target_column, ga.active};
       cross_entropy_stats(type, sa, k, stats_out, stream.get());
       LV_CUDA(cudaGetLastError());

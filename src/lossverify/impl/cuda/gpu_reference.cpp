@@ -14,7 +14,7 @@ namespace lossverify::cuda {
 
 namespace {
 
-// Target weights of SPEC 3, as the CPU reference writes them: q_v = (1 - a) [v = l] + a / n (pytorch) or
+// Target weights of docs/spec.md §3, as the CPU reference writes them: q_v = (1 - a) [v = l] + a / n (pytorch) or
 // (1 - a) [v = l] + a / (n - 1) [v != l] (megatron).
 void target_weights(const Case& c, double& on, double& off) {
   const double n = static_cast<double>(c.shape.vocab);

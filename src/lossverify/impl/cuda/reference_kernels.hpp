@@ -1,6 +1,6 @@
 #pragma once
 // The float64 reference on the GPU, plain-data interface (no CUDA headers): the same definitions as
-// reference/loss_reference.cpp (SPEC 3), evaluated where a rank's shard lives, so a case too large for
+// reference/loss_reference.cpp (docs/spec.md §3), evaluated where a rank's shard lives, so a case too large for
 // the CPU is still checked element by element. Sums are compensated (Neumaier) per thread and combined
 // in thread order, so the results do not depend on scheduling.
 #include <cstddef>
