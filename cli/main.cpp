@@ -29,7 +29,10 @@
 #include "lossverify/inputs/input_source.hpp"
 #include "lossverify/layout/vocab_range.hpp"
 #include "lossverify/impl/cuda/cuda_backend.hpp"
+#include "bench.hpp"
 #include "check_dump.hpp"
+#include "gate.hpp"
+#include "list.hpp"
 #include "options.hpp"
 #include "export_inputs.hpp"
 #include "repro.hpp"
@@ -99,18 +102,6 @@ RunOptions::Collectives collectives_of(const std::string& name) {
          : name == "host" ? RunOptions::Collectives::host
                           : RunOptions::Collectives::automatic;
 }
-
-struct GateArguments {
-  std::string cases_dir = "cases";
-  std::string golden_dir = "golden";
-  std::string report_path;
-  std::string junit_path;
-  bool update_golden = false;
-  int threads = 0;
-  bool quiet = false;
-  std::vector<std::string> implementations;
-  std::string expect;
-};
 
 void print_sweep_line(std::ostream& out, const RunResult& r) {
   double worst = 0.0;
@@ -322,176 +313,6 @@ int command_run_mpi(const RunArguments& args, mpi::Session& session) {
 }
 #endif
 
-// The case and golden files a gate reads: its reports must not be written over them.
-std::vector<std::string> gate_input_files(const std::string& cases_dir, const std::string& golden_dir) {
-  std::vector<std::string> files;
-  for (const std::string& dir : {cases_dir, golden_dir}) {
-    std::error_code error;
-    for (const auto& entry : std::filesystem::directory_iterator(dir, error)) files.push_back(entry.path().string());
-  }
-  return files;
-}
-
-int command_gate(const GateArguments& args) {
-  GateOptions options;
-  options.cases_dir = args.cases_dir;
-  options.golden_dir = args.golden_dir;
-  options.update_golden = args.update_golden;
-  options.threads = args.threads;
-  options.quiet = args.quiet;
-  options.implementations = args.implementations;
-  options.expect = args.expect;
-  if (!args.expect.empty() && args.implementations.empty()) throw CaseError("--expect needs --impl");
-  for (const auto& [option, dir] : {std::pair{"--cases", args.cases_dir}, std::pair{"--golden", args.golden_dir}}) {
-    if (!std::filesystem::is_directory(dir)) {
-      throw CaseError(std::string(option) + " " + printable(dir) + ": no such folder" +
-                      (dir == "cases" || dir == "golden"
-                           ? " here: run the gate from the repository root, or give --cases DIR --golden DIR"
-                           : ""));
-    }
-  }
-  const std::vector<std::string> inputs = gate_input_files(args.cases_dir, args.golden_dir);
-  check_output_path("--report", args.report_path, inputs);
-  check_output_path("--junit", args.junit_path, inputs);
-  const GateResult result = run_gate(options);
-  if (!args.quiet) print_gate_matrix(std::cout, result);
-  if (!args.report_path.empty()) write_file_atomically(args.report_path, json_text(gate_report(result), 2) + "\n");
-  if (!args.junit_path.empty()) write_file_atomically(args.junit_path, gate_junit(result));
-  return static_cast<int>(result.passed() ? ExitCode::pass : ExitCode::check_failed);
-}
-
-struct BenchArguments {
-  std::string backend = "cuda";
-  std::string shape = "16384,128256";
-  std::string dtype = "bf16";
-  int tp = 1;
-  int repeats = 20;
-  double label_smoothing = 0.1;
-  std::string report_path;
-  std::string torch_script = "bench/torch_ce_bench.py";
-};
-
-// Runs the PyTorch comparison script, when python3 is there; its JSON line, or why not.
-nlohmann::json torch_figures(const BenchArguments& a, std::int64_t tokens, std::int64_t vocab) {
-  const std::string command = "python3 " + a.torch_script + " " + std::to_string(tokens) + " " + std::to_string(vocab) +
-                              " " + a.dtype + " " + std::to_string(a.label_smoothing) + " " + std::to_string(a.repeats) +
-                              " 2>/dev/null";
-  FILE* pipe = popen(command.c_str(), "r");
-  if (pipe == nullptr) return {{"available", false}, {"reason", "cannot start python3"}};
-  std::string output;
-  char buffer[4096];
-  while (std::fgets(buffer, sizeof(buffer), pipe) != nullptr) output += buffer;
-  pclose(pipe);
-  try {
-    return nlohmann::json::parse(output.substr(0, output.find('\n')));
-  } catch (const std::exception&) {
-    return {{"available", false}, {"reason", "no JSON from " + a.torch_script}};
-  }
-}
-
-// "N,V": two positive integers, or CaseError naming the option.
-std::pair<std::int64_t, std::int64_t> parse_shape(const std::string& text) {
-  const auto comma = text.find(',');
-  const auto integer = [&](std::string_view part) {
-    std::int64_t value = 0;
-    const auto [end, error] = std::from_chars(part.data(), part.data() + part.size(), value);
-    if (error != std::errc() || end != part.data() + part.size() || part.empty()) {
-      throw CaseError("--shape " + printable(text) + ": expected N,V (two integers), e.g. 16384,128256");
-    }
-    return value;
-  };
-  if (comma == std::string::npos) throw CaseError("--shape " + printable(text) + ": expected N,V, e.g. 16384,128256");
-  const std::string_view view(text);
-  return {integer(view.substr(0, comma)), integer(view.substr(comma + 1))};
-}
-
-int command_bench(const BenchArguments& a) {
-  check_output_path("--report", a.report_path);
-  const auto [tokens, vocab] = parse_shape(a.shape);
-  const auto dtype = parse_dtype(a.dtype);
-  if (!dtype) throw CaseError("--dtype " + a.dtype + ": expected fp32|bf16|fp16");
-  if (tokens < 1 || vocab < 2 || a.tp < 1 || a.tp > vocab) throw CaseError("--shape/--tp: need N >= 1, V >= 2, 1 <= tp <= V");
-  cuda::BenchOptions o;
-  o.tokens = tokens;
-  o.vocab = vocab_range(vocab, a.tp, 0).size();  // the first (largest) shard of a TP rank
-  o.dtype = *dtype;
-  o.tp = a.tp;
-  o.repeats = a.repeats;
-  o.label_smoothing = a.label_smoothing;
-  nlohmann::json r = cuda::bench(o);
-  r["global_vocab"] = vocab;
-  if (a.tp == 1) r["torch"] = torch_figures(a, tokens, vocab);
-  std::cout << std::fixed << std::setprecision(3);
-  std::cout << "device " << r["device"].get<std::string>() << ", copy " << r["copy_tb_per_s"].get<double>() << " TB/s\n";
-  std::cout << "shape N=" << tokens << " V=" << vocab << " (" << o.vocab << " per rank, tp=" << a.tp << "), " << a.dtype
-            << ", smoothing " << a.label_smoothing << ", mean\n";
-  std::cout << "floor (" << r["floor_bytes_per_logit"].get<double>() << " B/logit at the copy bandwidth): "
-            << r["floor_ms"].get<double>() << " ms\n";
-  std::cout << "lossverify " << r["kernel"].get<std::string>() << ": "
-            << r["kernel_ms"].get<double>() << " ms = " << std::setprecision(1) << r["percent_of_floor"].get<double>()
-            << "% of the floor" << std::setprecision(3) << "; check on sampled rows: "
-            << (r["check"]["pass"].get<bool>() ? "pass" : "FAIL") << "\n";
-  if (r.contains("torch")) {
-    const auto& t = r["torch"];
-    if (t.value("available", false)) {
-      for (const char* key : {"eager_ms", "compile_ms"}) {
-        if (!t.contains(key)) continue;
-        const double ms = t[key].get<double>();
-        std::cout << "PyTorch " << t["torch"].get<std::string>() << " " << (std::string(key) == "eager_ms" ? "eager" : "torch.compile")
-                  << ": " << ms << " ms = " << std::setprecision(1) << 100.0 * r["floor_ms"].get<double>() / ms
-                  << "% of the floor; lossverify is " << ms / r["kernel_ms"].get<double>() << "x faster\n"
-                  << std::setprecision(3);
-      }
-    } else {
-      std::cout << "PyTorch figures unavailable: " << t.value("reason", std::string("?")) << "\n";
-    }
-  }
-  std::cout << std::defaultfloat;
-  if (!a.report_path.empty()) write_file_atomically(a.report_path, json_text(encode_nonfinite(r), 2) + "\n");
-  return r["check"]["pass"].get<bool>() ? 0 : static_cast<int>(ExitCode::check_failed);
-}
-
-int command_list(bool as_json) {
-  nlohmann::json doc;
-  doc["losses"] = nlohmann::json::array(
-      {{{"name", "cross_entropy"},
-        {"options", "label_smoothing with smoothing_convention pytorch|megatron, z_loss_weight, softcap, ignore_index, "
-                    "reduction mean|sum|none, upstream_weights"}},
-       {{"name", "kd"},
-        {"options", "forward KL from teacher logits: temperature, t2_scaling, reduction mean|sum|none, "
-                    "upstream_weights"}}});
-  nlohmann::json impls = nlohmann::json::array();
-  for (const auto& i : implementations()) {
-    impls.push_back({{"name", i.name}, {"summary", i.summary}, {"source", i.source}, {"signal", i.signal},
-                     {"caught_by", i.caught_by}});
-  }
-  doc["implementations"] = impls;
-  nlohmann::json checks = nlohmann::json::array();
-  for (const auto& c : check_catalogue()) checks.push_back({{"name", c.name}, {"description", c.description}});
-  doc["checks"] = checks;
-  if (as_json) {
-    std::cout << doc.dump(2) << "\n";
-    return 0;
-  }
-  std::cout << "losses:\n";
-  for (const auto& l : doc["losses"]) {
-    std::cout << "  " << l["name"].get<std::string>() << "  " << l["options"].get<std::string>() << "\n";
-  }
-  std::cout << "\nimplementations (--impl):\n";
-  for (const auto& i : implementations()) {
-    std::cout << "  " << i.name << "\n      " << i.summary << "\n";
-    if (i.name != "correct") {
-      std::string caught;
-      for (const auto& c : i.caught_by) append_to_list(caught, c);
-      std::cout << "      source: " << i.source << "\n      signal: " << i.signal << "\n      caught by: " << caught
-                << "\n";
-    }
-  }
-  std::cout << "\nchecks:\n";
-  for (const auto& c : check_catalogue()) std::cout << "  " << c.name << "  " << c.description << "\n";
-  return 0;
-}
-
 // Words after `--sweep` that are not KEY=COUNTS are case files that CLI11 took for sweep values
 // (`run --sweep tp=1,2 cp=1,2 CASE.json`).
 void sweep_arguments_to_cases(RunArguments& args) {
@@ -616,44 +437,12 @@ int main(int argc, char** argv) {
       ->expected(0, 4);
   lossverify::cli::add_artifact_options(*run, run_args.artifacts);
 
-  GateArguments gate_args;
-  CLI::App* gate = app.add_subcommand(
-      "gate", "CI gate: every shipped case x every implementation vs golden/, matrix, mutation score, JUnit");
-  gate->footer(lossverify::cli::exit_codes(
-      "0 every outcome matches golden, 1 an outcome differs, 2 usage error, 3 internal error"));
-  gate->add_option("--cases", gate_args.cases_dir, "directory of case files (default: cases)");
-  gate->add_option("--golden", gate_args.golden_dir, "directory of golden outcomes (default: golden)");
-  gate->add_option("--report", gate_args.report_path, "write the JSON gate report here");
-  gate->add_option("--junit", gate_args.junit_path, "write JUnit XML here");
-  gate->add_flag("--update-golden", gate_args.update_golden, "rewrite golden/ from this run (review the diff)");
-  gate->add_option("--threads", gate_args.threads, "OpenMP threads for the reference")
-      ->check(lossverify::cli::thread_count());
-  gate->add_flag("--quiet,-q", gate_args.quiet, "print nothing; rely on the exit code and the reports");
-  gate->add_option("--impl", gate_args.implementations,
-                   "gate these implementations only (repeatable), e.g. a plugin: --impl plugin:./libmy_loss.so")
-      ->allow_extra_args(false);
-  gate->add_option("--expect", gate_args.expect,
-                   "judge them against golden's outcomes of this implementation (default: their own; correct for a plugin)");
-
-  BenchArguments bench_args;
-  CLI::App* bench = app.add_subcommand("bench", "kernel speed as % of the memory floor (CUDA), with PyTorch figures");
-  bench->footer(lossverify::cli::exit_codes(
-      "0 measured and the sampled check passed, 1 the check failed, 2 usage error, 3 no GPU or internal error"));
-  bench->add_option("--backend", bench_args.backend, "cuda (the only one measured here)")
-      ->check(CLI::IsMember({"cuda"}));
-  bench->add_option("--shape", bench_args.shape, "N,V (global vocabulary)");
-  bench->add_option("--dtype", bench_args.dtype, "fp32|bf16|fp16");
-  bench->add_option("--tp", bench_args.tp, "time one rank's shard of the vocabulary: the two kernels around the all-reduce");
-  bench->add_option("--repeats", bench_args.repeats, "timed repetitions (median)")->check(CLI::PositiveNumber);
-  bench->add_option("--label-smoothing", bench_args.label_smoothing, "alpha");
-  bench->add_option("--report", bench_args.report_path, "write the figures as JSON");
-  bench->add_option("--torch-script", bench_args.torch_script, "PyTorch comparison script");
-
-  bool list_json = false;
-  CLI::App* list = app.add_subcommand("list", "list losses, implementations (correct and catalogued bugs), checks");
-  list->add_flag("--json", list_json, "machine-readable output");
-  list->footer(lossverify::cli::exit_codes("0"));
-
+  lossverify::cli::GateCommand gate;
+  lossverify::cli::register_gate(app, gate);
+  lossverify::cli::BenchCommand bench;
+  lossverify::cli::register_bench(app, bench);
+  lossverify::cli::ListCommand list;
+  lossverify::cli::register_list(app, list);
   lossverify::cli::CheckDumpCommand check_dump;
   lossverify::cli::register_check_dump(app, check_dump);
   lossverify::cli::ExportInputsCommand export_inputs;
@@ -691,9 +480,9 @@ int main(int argc, char** argv) {
 #endif
   try {
     if (*run) return command_run(run_args);
-    if (*list) return command_list(list_json);
-    if (*gate) return command_gate(gate_args);
-    if (*bench) return command_bench(bench_args);
+    if (list.selected()) return lossverify::cli::run_list(list.json);
+    if (gate.selected()) return lossverify::cli::run_gate(gate.args);
+    if (bench.selected()) return lossverify::cli::run_bench(bench.args);
     if (check_dump.selected()) return lossverify::cli::run_check_dump(check_dump.args);
     if (export_inputs.selected()) return lossverify::cli::run_export_inputs(export_inputs.args);
     if (const auto code = lossverify::cli::run_repro_command(repro)) return *code;

@@ -1,0 +1,123 @@
+#include "bench.hpp"
+
+#include <charconv>
+#include <cstdio>
+#include <iomanip>
+#include <iostream>
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include <nlohmann/json.hpp>
+
+#include "lossverify/case/case.hpp"
+#include "lossverify/core/errors.hpp"
+#include "lossverify/core/output_path.hpp"
+#include "lossverify/core/strings.hpp"
+#include "lossverify/impl/cuda/cuda_backend.hpp"
+#include "lossverify/layout/vocab_range.hpp"
+#include "lossverify/report/report.hpp"
+#include "options.hpp"
+
+namespace lossverify::cli {
+
+namespace {
+
+// Runs the PyTorch comparison script, when python3 is there; its JSON line, or why not.
+nlohmann::json torch_figures(const BenchArguments& a, std::int64_t tokens, std::int64_t vocab) {
+  const std::string command = "python3 " + a.torch_script + " " + std::to_string(tokens) + " " + std::to_string(vocab) +
+                              " " + a.dtype + " " + std::to_string(a.label_smoothing) + " " + std::to_string(a.repeats) +
+                              " 2>/dev/null";
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) return {{"available", false}, {"reason", "cannot start python3"}};
+  std::string output;
+  char buffer[4096];
+  while (std::fgets(buffer, sizeof(buffer), pipe) != nullptr) output += buffer;
+  pclose(pipe);
+  try {
+    return nlohmann::json::parse(output.substr(0, output.find('\n')));
+  } catch (const std::exception&) {
+    return {{"available", false}, {"reason", "no JSON from " + a.torch_script}};
+  }
+}
+
+// "N,V": two positive integers, or CaseError naming the option.
+std::pair<std::int64_t, std::int64_t> parse_shape(const std::string& text) {
+  const auto comma = text.find(',');
+  const auto integer = [&](std::string_view part) {
+    std::int64_t value = 0;
+    const auto [end, error] = std::from_chars(part.data(), part.data() + part.size(), value);
+    if (error != std::errc() || end != part.data() + part.size() || part.empty()) {
+      throw CaseError("--shape " + printable(text) + ": expected N,V (two integers), e.g. 16384,128256");
+    }
+    return value;
+  };
+  if (comma == std::string::npos) throw CaseError("--shape " + printable(text) + ": expected N,V, e.g. 16384,128256");
+  const std::string_view view(text);
+  return {integer(view.substr(0, comma)), integer(view.substr(comma + 1))};
+}
+
+}  // namespace
+
+int run_bench(const BenchArguments& a) {
+  check_output_path("--report", a.report_path);
+  const auto [tokens, vocab] = parse_shape(a.shape);
+  const auto dtype = parse_dtype(a.dtype);
+  if (!dtype) throw CaseError("--dtype " + a.dtype + ": expected fp32|bf16|fp16");
+  if (tokens < 1 || vocab < 2 || a.tp < 1 || a.tp > vocab) throw CaseError("--shape/--tp: need N >= 1, V >= 2, 1 <= tp <= V");
+  cuda::BenchOptions o;
+  o.tokens = tokens;
+  o.vocab = vocab_range(vocab, a.tp, 0).size();  // the first (largest) shard of a TP rank
+  o.dtype = *dtype;
+  o.tp = a.tp;
+  o.repeats = a.repeats;
+  o.label_smoothing = a.label_smoothing;
+  nlohmann::json r = cuda::bench(o);
+  r["global_vocab"] = vocab;
+  if (a.tp == 1) r["torch"] = torch_figures(a, tokens, vocab);
+  std::cout << std::fixed << std::setprecision(3);
+  std::cout << "device " << r["device"].get<std::string>() << ", copy " << r["copy_tb_per_s"].get<double>() << " TB/s\n";
+  std::cout << "shape N=" << tokens << " V=" << vocab << " (" << o.vocab << " per rank, tp=" << a.tp << "), " << a.dtype
+            << ", smoothing " << a.label_smoothing << ", mean\n";
+  std::cout << "floor (" << r["floor_bytes_per_logit"].get<double>() << " B/logit at the copy bandwidth): "
+            << r["floor_ms"].get<double>() << " ms\n";
+  std::cout << "lossverify " << r["kernel"].get<std::string>() << ": "
+            << r["kernel_ms"].get<double>() << " ms = " << std::setprecision(1) << r["percent_of_floor"].get<double>()
+            << "% of the floor" << std::setprecision(3) << "; check on sampled rows: "
+            << (r["check"]["pass"].get<bool>() ? "pass" : "FAIL") << "\n";
+  if (r.contains("torch")) {
+    const auto& t = r["torch"];
+    if (t.value("available", false)) {
+      for (const char* key : {"eager_ms", "compile_ms"}) {
+        if (!t.contains(key)) continue;
+        const double ms = t[key].get<double>();
+        std::cout << "PyTorch " << t["torch"].get<std::string>() << " " << (std::string(key) == "eager_ms" ? "eager" : "torch.compile")
+                  << ": " << ms << " ms = " << std::setprecision(1) << 100.0 * r["floor_ms"].get<double>() / ms
+                  << "% of the floor; lossverify is " << ms / r["kernel_ms"].get<double>() << "x faster\n"
+                  << std::setprecision(3);
+      }
+    } else {
+      std::cout << "PyTorch figures unavailable: " << t.value("reason", std::string("?")) << "\n";
+    }
+  }
+  std::cout << std::defaultfloat;
+  if (!a.report_path.empty()) write_file_atomically(a.report_path, json_text(encode_nonfinite(r), 2) + "\n");
+  return r["check"]["pass"].get<bool>() ? 0 : static_cast<int>(ExitCode::check_failed);
+}
+
+void register_bench(CLI::App& app, BenchCommand& command) {
+  command.app = app.add_subcommand("bench", "kernel speed as % of the memory floor (CUDA), with PyTorch figures");
+  command.app->footer(lossverify::cli::exit_codes(
+      "0 measured and the sampled check passed, 1 the check failed, 2 usage error, 3 no GPU or internal error"));
+  command.app->add_option("--backend", command.args.backend, "cuda (the only one measured here)")
+      ->check(CLI::IsMember({"cuda"}));
+  command.app->add_option("--shape", command.args.shape, "N,V (global vocabulary)");
+  command.app->add_option("--dtype", command.args.dtype, "fp32|bf16|fp16");
+  command.app->add_option("--tp", command.args.tp, "time one rank's shard of the vocabulary: the two kernels around the all-reduce");
+  command.app->add_option("--repeats", command.args.repeats, "timed repetitions (median)")->check(CLI::PositiveNumber);
+  command.app->add_option("--label-smoothing", command.args.label_smoothing, "alpha");
+  command.app->add_option("--report", command.args.report_path, "write the figures as JSON");
+  command.app->add_option("--torch-script", command.args.torch_script, "PyTorch comparison script");
+}
+
+}  // namespace lossverify::cli

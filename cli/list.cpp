@@ -1,0 +1,62 @@
+#include "list.hpp"
+
+#include <iostream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "lossverify/checks/checks.hpp"
+#include "lossverify/core/strings.hpp"
+#include "lossverify/impl/catalogue.hpp"
+#include "options.hpp"
+
+namespace lossverify::cli {
+
+int run_list(bool as_json) {
+  nlohmann::json doc;
+  doc["losses"] = nlohmann::json::array(
+      {{{"name", "cross_entropy"},
+        {"options", "label_smoothing with smoothing_convention pytorch|megatron, z_loss_weight, softcap, ignore_index, "
+                    "reduction mean|sum|none, upstream_weights"}},
+       {{"name", "kd"},
+        {"options", "forward KL from teacher logits: temperature, t2_scaling, reduction mean|sum|none, "
+                    "upstream_weights"}}});
+  nlohmann::json impls = nlohmann::json::array();
+  for (const auto& i : implementations()) {
+    impls.push_back({{"name", i.name}, {"summary", i.summary}, {"source", i.source}, {"signal", i.signal},
+                     {"caught_by", i.caught_by}});
+  }
+  doc["implementations"] = impls;
+  nlohmann::json checks = nlohmann::json::array();
+  for (const auto& c : check_catalogue()) checks.push_back({{"name", c.name}, {"description", c.description}});
+  doc["checks"] = checks;
+  if (as_json) {
+    std::cout << doc.dump(2) << "\n";
+    return 0;
+  }
+  std::cout << "losses:\n";
+  for (const auto& l : doc["losses"]) {
+    std::cout << "  " << l["name"].get<std::string>() << "  " << l["options"].get<std::string>() << "\n";
+  }
+  std::cout << "\nimplementations (--impl):\n";
+  for (const auto& i : implementations()) {
+    std::cout << "  " << i.name << "\n      " << i.summary << "\n";
+    if (i.name != "correct") {
+      std::string caught;
+      for (const auto& c : i.caught_by) append_to_list(caught, c);
+      std::cout << "      source: " << i.source << "\n      signal: " << i.signal << "\n      caught by: " << caught
+                << "\n";
+    }
+  }
+  std::cout << "\nchecks:\n";
+  for (const auto& c : check_catalogue()) std::cout << "  " << c.name << "  " << c.description << "\n";
+  return 0;
+}
+
+void register_list(CLI::App& app, ListCommand& command) {
+  command.app = app.add_subcommand("list", "list losses, implementations (correct and catalogued bugs), checks");
+  command.app->add_flag("--json", command.json, "machine-readable output");
+  command.app->footer(exit_codes("0"));
+}
+
+}  // namespace lossverify::cli
