@@ -15,7 +15,9 @@ expect() {
   local code=$1 regex=$2
   shift 2
   local output
-  output=$(timeout --kill-after=5 60 "$@" 2>&1)
+  # No stdin: mpiexec forwards it to rank 0, and writing it to a rank that has already exited (a usage error)
+  # kills mpiexec with SIGPIPE.
+  output=$(timeout --kill-after=5 60 "$@" 2>&1 </dev/null)
   local got=$?
   [ "$got" -eq "$code" ] || fail "exit $got, expected $code: $*"
   if [ -n "$regex" ] && ! grep -Eq -- "$regex" <<<"$output"; then fail "output does not match '$regex': $*"; fi
