@@ -15,10 +15,25 @@ expect() {
   local code=$1 regex=$2
   shift 2
   local output
-  # No stdin: mpiexec forwards it to rank 0, and writing it to a rank that has already exited (a usage error)
-  # kills mpiexec with SIGPIPE.
   output=$(timeout --kill-after=5 60 "$@" 2>&1 </dev/null)
   local got=$?
+  [ "$got" -eq "$code" ] || fail "exit $got, expected $code: $*"
+  if [ -n "$regex" ] && ! grep -Eq -- "$regex" <<<"$output"; then fail "output does not match '$regex': $*"; fi
+  [ $status -eq 0 ] || printf '%s\n' "--- output:" "$output"
+}
+
+# expect, for a command under mpiexec whose ranks all exit before MPI_Init: MPICH's mpiexec now and then dies
+# of SIGPIPE then (exit 141 and no output; seen twice in CI, never on a quiet machine). lossverify's answer is
+# the same each time, so a run that mpiexec lost that way is repeated, at most twice.
+expect_early_exit_under_mpiexec() {
+  local code=$1 regex=$2
+  shift 2
+  local output got attempt
+  for attempt in 1 2 3; do
+    output=$(timeout --kill-after=5 60 "$@" 2>&1 </dev/null)
+    got=$?
+    [ "$got" -ne 141 ] && break
+  done
   [ "$got" -eq "$code" ] || fail "exit $got, expected $code: $*"
   if [ -n "$regex" ] && ! grep -Eq -- "$regex" <<<"$output"; then fail "output does not match '$regex': $*"; fi
   [ $status -eq 0 ] || printf '%s\n' "--- output:" "$output"
@@ -277,7 +292,7 @@ help_exit_codes)  # each subcommand's help lists its own exit codes
 launcher_without_mpiexec)
   expect 2 "--launcher mpi: this (process was not started by mpiexec|build has no MPI)" "$LV" run "$CE" --launcher mpi ;;
 launcher_threads_under_mpiexec)  # every process would run the whole job
-  expect 2 "--launcher threads under mpiexec with 2 processes would run the whole job in every process" \
+  expect_early_exit_under_mpiexec 2 "--launcher threads under mpiexec with 2 processes would run the whole job in every process" \
     "$MPIEXEC" -n 2 "$LV" run "$CE" --launcher threads ;;
 mpi_fault_values)  # a bad --inject-fault is a usage error on every rank, not std::terminate
   expect 2 "rank 0 of 4: error: --inject-fault bogus: expected" \
