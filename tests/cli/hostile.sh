@@ -23,7 +23,7 @@ expect() {
 }
 
 # expect, for a command under mpiexec whose ranks all exit before MPI_Init: MPICH's mpiexec now and then dies
-# of SIGPIPE then (exit 141 and no output; seen twice in CI, never on a quiet machine). lossverify's answer is
+# of SIGPIPE then (exit 141 and no output; seen twice in CI, once in about 235 runs here). lossverify's answer is
 # the same each time, so a run that mpiexec lost that way is repeated, at most twice.
 expect_early_exit_under_mpiexec() {
   local code=$1 regex=$2
