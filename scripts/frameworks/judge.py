@@ -163,7 +163,7 @@ def main(argv=None):
         adapter = importlib.import_module(f"lv_frameworks.{args.framework}")
     except ModuleNotFoundError:
         parser.error(f"no adapter lv_frameworks/{args.framework}.py")
-    from lv_frameworks import Run as _Run
+    from lv_frameworks import Run  # importable once _environment has set the path
     described = adapter.describe(args.checkout)
     if args.commit:
         described["commit"] = args.commit
@@ -175,7 +175,7 @@ def main(argv=None):
         unknown = [f for f in args.function if f not in functions]
         if unknown:
             parser.error(f"no function {unknown[0]} among the adapter's runs ({', '.join(sorted(functions))})")
-        runs = [_Run(functions[f], os.path.abspath(path), _file_layout(path)) for f in args.function
+        runs = [Run(functions[f], os.path.abspath(path), _file_layout(path)) for f in args.function
                 for path in args.case]
     if args.only:
         runs = [r for r in runs if r.case in args.only or f"{r.case}@{_key(r)}" in args.only]

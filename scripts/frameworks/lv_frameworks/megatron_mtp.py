@@ -98,11 +98,11 @@ def _load():
     return _module
 
 
-def _main_loss_tokens(ctx, extended_masks):
+def _main_loss_tokens(ctx):
     """The step's main-loss token count (finalize_model_grads' num_tokens): every micro-batch's main-loss
     mask, summed over DP x CP. Computed at this rank's first call; the runs give every rank rows."""
     if "mtp_main_tokens" not in ctx.state:
-        local = sum(int(m.sum()) for m in extended_masks)
+        local = sum(int(_extended(mb, mb.labels)[1].sum()) for mb in ctx.micro_batches)
         count = torch.tensor([local], dtype=torch.float64, device=ctx.device)
         dist.all_reduce(count, group=ctx.dp_cp_group)
         ctx.state["mtp_main_tokens"] = count.item()
@@ -144,7 +144,7 @@ def mtp_per_token_loss(logits, labels, ctx):
     config.calculate_per_token_loss, its gradient back-propagated through MTPLossAutoScaler."""
     mtp = _load()
     ignore = ctx.loss.ignore_index
-    main_tokens = _main_loss_tokens(ctx, [_extended(mb, mb.labels)[1] for mb in ctx.micro_batches])
+    main_tokens = _main_loss_tokens(ctx)
     main_labels, main_mask, offsets, mtp_logits = _extended(ctx.current, torch.where(labels == ignore, 0, labels),
                                                             logits)
     rows = main_labels.shape[0]
