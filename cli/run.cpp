@@ -19,13 +19,14 @@
 #include "lossverify/case/case.hpp"
 #include "lossverify/core/strings.hpp"
 #include "lossverify/checks/checks.hpp"
-#include "lossverify/checks/tolerances.hpp"
+#include "lossverify/case/tolerances.hpp"
 #include "lossverify/core/build_info.hpp"
 #include "lossverify/core/errors.hpp"
 #include "lossverify/core/output_path.hpp"
 #include "lossverify/impl/catalogue.hpp"
 #include "lossverify/report/report.hpp"
 #include "lossverify/runner/gate.hpp"
+#include "lossverify/runner/launcher.hpp"
 #include "lossverify/runner/run_case.hpp"
 #include "lossverify/inputs/input_source.hpp"
 #include "lossverify/layout/vocab_range.hpp"
@@ -81,8 +82,12 @@ void print_sweep_line(std::ostream& out, const RunResult& r) {
 
 }  // namespace
 
-int run_run(const RunArguments& args) {
-  // Every case is loaded and validated before anything runs: a bad file means no report at all.
+namespace {
+
+// Every case of the command on the launcher's ranks: thread ranks, or this process as one MPI rank. Every
+// case is loaded and validated before anything runs: a bad file means no report at all. Only the
+// launcher's reporting process prints and writes files.
+int run_cases(const RunArguments& args, Launcher& launcher) {
   std::vector<std::string> overrides = args.set;
   if (args.tp > 0) overrides.push_back("layout.tp=" + std::to_string(args.tp));
   if (args.timeout > 0.0) overrides.push_back("timeout_seconds=" + std::to_string(args.timeout));
@@ -91,7 +96,7 @@ int run_run(const RunArguments& args) {
   if (find_implementation(args.implementation) == nullptr) {
     throw CaseError("--impl " + args.implementation + ": unknown implementation (see `lossverify list`)");
   }
-  const lossverify::cli::ArtifactContext artifacts = artifact_context(args, "threads", 1);
+  const lossverify::cli::ArtifactContext artifacts = artifact_context(args, launcher.name(), launcher.processes());
   lossverify::cli::check_artifact_options(args.artifacts, artifacts);
   check_output_path("--report", args.report_path, args.case_files);
   std::vector<RunResult> results;  // kept for bundles and plots only
@@ -101,7 +106,7 @@ int run_run(const RunArguments& args) {
   options.threads = args.threads;
   if (!args.fault.empty()) options.fault = parse_fault(args.fault);
   options.device = args.backend == "cuda" ? RunOptions::Device::cuda : RunOptions::Device::cpu;
-  options.gpus = args.gpus;
+  options.gpus = launcher.gpus(args.gpus);
   options.collectives = collectives_of(args.collectives);
   options.reference = reference_of(args.reference);
 
@@ -152,23 +157,27 @@ int run_run(const RunArguments& args) {
                         {"invariance", check_to_json(result.invariance, c)}});
     }
   } else {
+    for (const Case& c : cases) check_run(c, options, launcher);
     for (const Case& c : cases) {
-      const RunResult result = run_case(c, options);
-      if (!args.quiet) print_summary(std::cout, result);
+      const RunResult result = run_case(c, options, launcher);
       any_failed = any_failed || result.verdict == Verdict::fail;
+      if (!launcher.reports()) continue;
+      if (!args.quiet) print_summary(std::cout, result);
       runs.push_back(run_to_json(result));
       if (keep_results) results.push_back(result);
     }
   }
-  lossverify::cli::write_artifacts(args.artifacts, results, artifacts);
   const ExitCode code = any_failed ? ExitCode::check_failed : ExitCode::pass;
+  if (!launcher.reports()) return static_cast<int>(code);
+  launcher.report_step([&] { lossverify::cli::write_artifacts(args.artifacts, results, artifacts); });
   if (!args.report_path.empty()) {
-    nlohmann::json report = make_report(args.sweep_requested ? "sweep" : "run", runs, code);
+    nlohmann::json report =
+        make_report(args.sweep_requested ? "sweep" : "run", runs, code, launcher.environment(), launcher.processes());
     if (args.sweep_requested) {
       report["sweeps"] = encode_nonfinite(sweeps);
       if (any_failed) report["verdict"] = "fail";
     }
-    write_file_atomically(args.report_path, json_text(report, 2) + "\n");
+    launcher.report_step([&] { write_file_atomically(args.report_path, json_text(report, 2) + "\n"); });
     if (!args.quiet) std::cout << "report written to " << printable(args.report_path) << "\n";
   }
   if (cases.size() > 1 && !args.quiet && !args.sweep_requested) {
@@ -179,103 +188,26 @@ int run_run(const RunArguments& args) {
   return static_cast<int>(code);
 }
 
+}  // namespace
+
+int run_run(const RunArguments& args) { return run_cases(args, *thread_launcher()); }
+
 #ifdef LOSSVERIFY_HAVE_MPI
-// One process per rank: every process runs its rank of every case; rank 0 prints and writes the report.
-// Errors that every rank meets before the run (a bad case, a process count that does not match) end
-// every process with exit code 2; an error inside the run ends the whole job (MPI_Abort) naming the rank.
+// One process per rank, through the same path as thread ranks. Errors that every rank meets before the run
+// (a bad case, a process count that does not match) end every process with exit code 2, each naming its
+// rank; an error inside the run ends the whole job (MPI_Abort) naming the rank.
 int command_run_mpi(const RunArguments& args, mpi::Session& session) {
-  const int rank = session.rank();
-  const bool leader = rank == 0;
-  std::vector<Case> cases;
-  const lossverify::cli::ArtifactContext artifacts = artifact_context(args, "mpi", session.size());
-  std::vector<RunResult> results;  // rank 0's, kept for bundles and plots only
-  FaultInjection fault;
+  const std::unique_ptr<Launcher> launcher = mpi_launcher(session);
   try {
-    if (!args.fault.empty()) fault = parse_fault(args.fault);
-    check_fault_rank(fault, session.size());
-    lossverify::cli::check_artifact_options(args.artifacts, artifacts);
-    check_output_path("--report", args.report_path, args.case_files);
     if (args.sweep_requested) throw CaseError("--sweep runs several layouts: use the thread launcher (--launcher threads)");
-    std::vector<std::string> overrides = args.set;
-    if (args.tp > 0) overrides.push_back("layout.tp=" + std::to_string(args.tp));
-    if (args.timeout > 0.0) overrides.push_back("timeout_seconds=" + std::to_string(args.timeout));
-    for (const auto& file : args.case_files) cases.push_back(load_case_file(file, overrides));
-    if (find_implementation(args.implementation) == nullptr) {
-      throw CaseError("--impl " + args.implementation + ": unknown implementation (see `lossverify list`)");
-    }
-    for (const Case& c : cases) {
-      require_supported(*find_implementation(args.implementation), c);
-      if (c.layout.world_size() != session.size()) {
-        throw CaseError(c.source + ": layout tp*cp*dp = " + std::to_string(c.layout.tp) + "*" +
-                        std::to_string(c.layout.cp) + "*" + std::to_string(c.layout.dp) + " = " +
-                        std::to_string(c.layout.world_size()) + " ranks, but mpiexec started " +
-                        std::to_string(session.size()) + " processes");
-      }
-    }
+    return run_cases(args, *launcher);
   } catch (const Error& e) {
     // One write per line: every rank prints this at once, and mpiexec merges their streams.
-    const std::string line = "lossverify: rank " + std::to_string(rank) + " of " + std::to_string(session.size()) +
-                             ": error: " + printable_message(e.what()) + "\n";
+    const std::string line = "lossverify: rank " + std::to_string(session.rank()) + " of " +
+                             std::to_string(session.size()) + ": error: " + printable_message(e.what()) + "\n";
     std::fwrite(line.data(), 1, line.size(), stderr);
     return static_cast<int>(e.code());
   }
-  RunOptions options;
-  options.implementation = args.implementation;
-  options.fault = fault;
-  options.device = args.backend == "cuda" ? RunOptions::Device::cuda : RunOptions::Device::cpu;
-  options.gpus = std::max(1, cuda::visible_devices());  // one process per GPU: rank % GPUs
-  options.collectives = collectives_of(args.collectives);
-  options.reference = reference_of(args.reference);
-  const char* local = std::getenv("MPI_LOCALNRANKS");
-  const int local_ranks = local != nullptr ? std::max(1, std::atoi(local)) : 1;
-  const int hardware = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
-  const int threads = args.threads > 0 ? args.threads : std::max(1, hardware / local_ranks);
-
-  std::vector<nlohmann::json> runs;
-  bool any_failed = false;
-  for (const Case& c : cases) {
-    session.set_timeout(c.timeout_seconds);
-    const auto start = std::chrono::steady_clock::now();
-    RankJob job;
-    try {
-      const InputSource inputs(c);
-      job = run_rank(c, inputs, *find_implementation(args.implementation), options, session.world(), threads);
-    } catch (const Error& e) {
-      session.abort(static_cast<int>(e.code()), e.what());
-    } catch (const std::exception& e) {
-      session.abort(static_cast<int>(ExitCode::internal_error), e.what());
-    }
-    RunResult result = assemble_result(c, *find_implementation(args.implementation), std::move(job));
-    result.timings.total = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    any_failed = any_failed || result.verdict == Verdict::fail;
-    // Every rank's high-water mark: with distributed verification it falls as 1/R with the shard.
-    const std::int64_t rss = peak_resident_bytes();
-    std::vector<std::int64_t> rss_per_rank(static_cast<std::size_t>(session.size()));
-    session.world().all_gather(&rss, rss_per_rank.data(), sizeof(rss));
-    if (leader) {
-      if (!args.quiet) print_summary(std::cout, result);
-      runs.push_back(run_to_json(result));
-      runs.back()["resources"]["peak_rss_bytes_per_rank"] = rss_per_rank;
-      if (lossverify::cli::artifacts_requested(args.artifacts)) results.push_back(result);
-    }
-  }
-  if (leader) {
-    try {
-      lossverify::cli::write_artifacts(args.artifacts, results, artifacts);
-    } catch (const Error& e) {
-      session.abort(static_cast<int>(e.code()), e.what());
-    }
-  }
-  const ExitCode code = any_failed ? ExitCode::check_failed : ExitCode::pass;
-  if (leader && !args.report_path.empty()) {
-    try {
-      write_file_atomically(args.report_path, json_text(make_report("run", runs, code, "mpi", session.size()), 2) + "\n");
-    } catch (const Error& e) {
-      session.abort(static_cast<int>(e.code()), e.what());
-    }
-    if (!args.quiet) std::cout << "report written to " << printable(args.report_path) << "\n";
-  }
-  return static_cast<int>(code);
 }
 #endif
 

@@ -19,7 +19,7 @@
 #include "lossverify/core/build_info.hpp"
 #include "lossverify/core/errors.hpp"
 #include "lossverify/impl/cuda/kernels.hpp"
-#include "lossverify/impl/cuda/reference_kernels.hpp"
+#include "lossverify/oracle/cuda/reference_kernels.hpp"
 #include "lossverify/inputs/input_source.hpp"
 #include "lossverify/runner/run_case.hpp"
 #include "test_support.hpp"

@@ -7,7 +7,7 @@
 #include <sstream>
 
 #include "lossverify/case/json_reader.hpp"
-#include "lossverify/checks/tolerances.hpp"
+#include "lossverify/case/tolerances.hpp"
 #include "lossverify/core/errors.hpp"
 
 namespace lossverify {

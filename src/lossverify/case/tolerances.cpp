@@ -1,4 +1,4 @@
-#include "lossverify/checks/tolerances.hpp"
+#include "lossverify/case/tolerances.hpp"
 
 namespace lossverify {
 

@@ -10,8 +10,8 @@
 #include <nlohmann/json.hpp>
 
 #include "lossverify/case/case.hpp"
-#include "lossverify/impl/rank_output.hpp"
-#include "lossverify/inputs/input_source.hpp"
+#include "lossverify/checks/oracle.hpp"
+#include "lossverify/outputs/rank_output.hpp"
 
 namespace lossverify {
 
@@ -33,16 +33,7 @@ struct ElementRecord {
 
 // Error statistics of one quantity; the worst element is the one with the largest error/tolerance,
 // ties broken by position so the result does not depend on thread scheduling.
-// ErrorStats as plain data, for all-gathers between ranks.
-struct PackedElement {
-  std::int64_t token, column, rank, padding_sequence, padding_position;
-  double expected, got, tolerance;
-};
-struct PackedStats {
-  std::int64_t compared, mismatches, max_ulp, has_worst;
-  double max_abs, max_rel, margin;
-  PackedElement worst;
-};
+// ErrorStats as plain data (PackedStats, checks/oracle.hpp), for all-gathers between ranks.
 
 class ErrorStats {
  public:
@@ -88,6 +79,8 @@ struct CheckInfo {
   std::string description;
 };
 const std::vector<CheckInfo>& check_catalogue();
+// A check's result from its statistics: not applicable when nothing was compared.
+CheckResult make_result(const std::string& name, const ErrorStats& stats, Tolerance tol, std::string what);
 
 // Largest N x V whose effective gradients a sweep keeps for the invariance check (float32 each).
 inline constexpr std::int64_t kSnapshotElementLimit = std::int64_t{1} << 25;
@@ -117,22 +110,20 @@ struct ErrorMap {
 
 struct RankGroups;
 class Communicator;
-namespace cuda {
-struct OracleShard;  // the GPU oracle's own inputs (impl/cuda/gpu_reference.hpp)
-}
 
-// Distributed verification, run by every rank after its kernel (collective over `world`): the rank
-// regenerates its own rows x columns, computes the float64 reference for them (row statistics combined
-// over its TP group), checks every element locally, and only metrics and worst-element records are
-// reduced, in rank order. No rank ever holds more than its own shard, and every backend that runs the
-// same layout gets bitwise the same results. Returns the merged results (identical on every rank).
-// `snapshot` (thread backend only: shared memory) receives the layout's answers for the invariance check.
-// A rank whose gradient stayed on its GPU is judged by the GPU oracle: `gpu_oracle` when the runner made
-// it before the implementation ran (its inputs are generated meanwhile), else one made here.
-std::vector<CheckResult> verify_rank(const Case& c, const InputSource& inputs, const RankOutput& out,
-                                     RankGroups& groups, Communicator& world, int threads,
-                                     LayoutSnapshot* snapshot = nullptr, ErrorMap* error_map = nullptr,
-                                     std::shared_ptr<cuda::OracleShard> gpu_oracle = nullptr);
+// How the case's gradient elements are judged, for a rank whose gradient is stored in `output_dtype`.
+GradJudgement grad_judgement(const Case& c, DType output_dtype);
+
+// Distributed verification, run by every rank after its kernel (collective over `world`): the rank's
+// oracle computes the float64 reference of its own rows x columns (row statistics combined over its TP
+// group here) and judges every element of its gradient; the losses, logged values and cross-rank
+// invariants are judged here, and only metrics and worst-element records are reduced, in rank order. No
+// rank ever holds more than its own shard, and every oracle gets bitwise the same results. Returns the
+// merged results (identical on every rank). `snapshot` (thread ranks only: shared memory) receives the
+// layout's answers for the invariance check; it needs the rank's gradient on the host.
+std::vector<CheckResult> verify_rank(const Case& c, const RankOutput& out, Oracle& oracle, RankGroups& groups,
+                                     Communicator& world, LayoutSnapshot* snapshot = nullptr,
+                                     ErrorMap* error_map = nullptr);
 
 // The invariance check: every layout's snapshot against the first (same global answers at every layout).
 // Layouts are added one at a time; only the first is kept, so a sweep holds at most two snapshots.

@@ -1,4 +1,4 @@
-#include "lossverify/impl/cuda/nccl_communicator.hpp"
+#include "lossverify/comm/nccl_communicator.hpp"
 
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "lossverify/core/errors.hpp"
-#include "lossverify/impl/cuda/cuda_check.hpp"
+#include "lossverify/cuda/cuda_check.hpp"
 
 namespace lossverify::cuda {
 

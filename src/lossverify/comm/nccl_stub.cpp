@@ -1,6 +1,6 @@
 // Built when NCCL was not found at configure time: one GPU per rank falls back to host collectives.
 #include "lossverify/core/errors.hpp"
-#include "lossverify/impl/cuda/nccl_communicator.hpp"
+#include "lossverify/comm/nccl_communicator.hpp"
 
 namespace lossverify::cuda {
 

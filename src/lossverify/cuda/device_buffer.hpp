@@ -7,8 +7,8 @@
 #include <utility>
 #include <vector>
 
-#include "lossverify/impl/cuda/cuda_check.hpp"
-#include "lossverify/impl/cuda/kernels.hpp"
+#include "lossverify/cuda/cuda_check.hpp"
+#include "lossverify/cuda/storage.hpp"
 
 namespace lossverify::cuda {
 
@@ -53,10 +53,14 @@ using DeviceBytes = OwnedBytes<allocate_device, free_device>;
 using PinnedBytes = OwnedBytes<allocate_pinned, free_pinned>;
 
 template <class T>
-DeviceBytes upload(const std::vector<T>& host, cudaStream_t stream) {
-  DeviceBytes d(host.size() * sizeof(T));
-  if (!host.empty()) LV_CUDA(cudaMemcpyAsync(d.as<void>(), host.data(), d.size(), cudaMemcpyHostToDevice, stream));
+DeviceBytes upload(const T* host, std::size_t count, cudaStream_t stream) {
+  DeviceBytes d(count * sizeof(T));
+  if (count > 0) LV_CUDA(cudaMemcpyAsync(d.as<void>(), host, d.size(), cudaMemcpyHostToDevice, stream));
   return d;
+}
+template <class T>
+DeviceBytes upload(const std::vector<T>& host, cudaStream_t stream) {
+  return upload(host.data(), host.size(), stream);
 }
 
 // Into an allocation of at least the vector's size.

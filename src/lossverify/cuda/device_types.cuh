@@ -4,7 +4,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "lossverify/impl/cuda/kernels.hpp"
+#include "lossverify/cuda/storage.hpp"
 
 namespace lossverify::cuda {
 

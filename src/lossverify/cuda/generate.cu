@@ -4,7 +4,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include "lossverify/impl/cuda/kernels.hpp"
+#include "lossverify/cuda/storage.hpp"
 #include "lossverify/inputs/philox_stream.hpp"
 
 namespace lossverify::cuda {

@@ -1,10 +1,10 @@
-#include "lossverify/impl/cuda/shard_inputs.hpp"
+#include "lossverify/cuda/shard_inputs.hpp"
 
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
-#include "lossverify/impl/cuda/kernels.hpp"
+#include "lossverify/cuda/storage.hpp"
 
 namespace lossverify::cuda {
 

@@ -6,8 +6,8 @@
 #include <cuda_runtime.h>
 
 #include "lossverify/case/case.hpp"
-#include "lossverify/impl/cuda/device_buffer.hpp"
-#include "lossverify/impl/rank_output.hpp"
+#include "lossverify/cuda/device_buffer.hpp"
+#include "lossverify/outputs/rank_output.hpp"
 #include "lossverify/inputs/input_source.hpp"
 
 namespace lossverify::cuda {

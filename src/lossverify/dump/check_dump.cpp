@@ -16,7 +16,8 @@
 #include "lossverify/checks/checks.hpp"
 #include "lossverify/comm/thread_world.hpp"
 #include "lossverify/core/strings.hpp"
-#include "lossverify/impl/cpu/sharded_loss.hpp"
+#include "lossverify/comm/rank_groups.hpp"
+#include "lossverify/oracle/host_oracle.hpp"
 #include "lossverify/layout/rank_layout.hpp"
 #include "lossverify/reference/loss_reference.hpp"
 #include "lossverify/report/report.hpp"
@@ -555,9 +556,10 @@ RunResult check_dump(const DumpProblem& p, const DumpCheckOptions& options) {
     const auto dp = world.split(at.cp * c.layout.tp + at.tp, at.dp);
     RankGroups groups{*tp, *batch, *dp};
     ErrorMap map;
+    const RankOutput& out = p.outputs[static_cast<std::size_t>(rank)];
+    HostOracle oracle(c, *p.inputs, out, grad_judgement(c, out.dtype), threads);
     std::vector<CheckResult> results =
-        verify_rank(c, *p.inputs, p.outputs[static_cast<std::size_t>(rank)], groups, world, threads,
-                    options.keep_snapshot ? &snapshot : nullptr, &map);
+        verify_rank(c, out, oracle, groups, world, options.keep_snapshot ? &snapshot : nullptr, &map);
     double seconds[1] = {std::chrono::duration<double>(Clock::now() - rank_start).count()};
     world.allreduce_max(std::span<double>(seconds, 1));
     if (rank == 0) {

@@ -15,7 +15,7 @@
 #include "lossverify/dump/manifest.hpp"
 #include "lossverify/dump/tensor_file.hpp"
 #include "lossverify/impl/catalogue.hpp"
-#include "lossverify/impl/rank_output.hpp"
+#include "lossverify/outputs/rank_output.hpp"
 #include "lossverify/inputs/input_source.hpp"
 #include "lossverify/runner/run_case.hpp"
 

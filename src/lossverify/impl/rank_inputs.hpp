@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "lossverify/case/case.hpp"
-#include "lossverify/impl/rank_output.hpp"
+#include "lossverify/outputs/rank_output.hpp"
 #include "lossverify/inputs/input_source.hpp"
 
 namespace lossverify {

@@ -1,4 +1,4 @@
-#include "lossverify/impl/rank_output.hpp"
+#include "lossverify/outputs/rank_output.hpp"
 
 namespace lossverify {
 

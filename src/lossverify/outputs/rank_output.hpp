@@ -22,7 +22,7 @@ struct RankAssignment {
 };
 
 namespace cuda {
-struct DeviceShard;  // a rank's inputs and gradient left on its GPU (impl/cuda/device_buffer.hpp)
+struct DeviceShard;  // a rank's inputs and gradient left on its GPU (cuda/device_buffer.hpp)
 }
 
 struct RankOutput {

@@ -107,6 +107,15 @@ json check_to_json(const CheckResult& check, const Case& the_case) {
   return encode_nonfinite(check_json(check, the_case, GlobalBatch(the_case.batch)));
 }
 
+namespace {
+// This process's high-water mark, and each rank's when every rank is a process of its own (MPI).
+json resources_json(const RunResult& run) {
+  json resources = {{"peak_rss_bytes", peak_resident_bytes()}};
+  if (!run.peak_rss_per_rank.empty()) resources["peak_rss_bytes_per_rank"] = run.peak_rss_per_rank;
+  return resources;
+}
+}  // namespace
+
 json run_to_json(const RunResult& run) {
   const GlobalBatch batch(run.the_case.batch);
   json checks = json::array();
@@ -127,7 +136,7 @@ json run_to_json(const RunResult& run) {
            {{"device", run.execution.device}, {"gpus", run.execution.gpus}, {"collectives", run.execution.collectives},
             {"reference", run.execution.reference}}},
           {"checks", checks},
-          {"resources", {{"peak_rss_bytes", peak_resident_bytes()}}},
+          {"resources", resources_json(run)},
           {"timings_seconds",
            {{"ranks_wall", run.timings.ranks_wall},
             {"generate_max_rank", run.timings.generate_max},

@@ -10,10 +10,14 @@
 #include "lossverify/core/errors.hpp"
 #include "lossverify/impl/cpu/sharded_loss.hpp"
 #include "lossverify/impl/cuda/cuda_backend.hpp"
-#include "lossverify/impl/cuda/gpu_reference.hpp"
-#include "lossverify/impl/cuda/nccl_communicator.hpp"
+#include "lossverify/oracle/cuda/device_oracle.hpp"
+#include "lossverify/oracle/cuda/gpu_reference.hpp"
+#include "lossverify/oracle/host_oracle.hpp"
+#include "lossverify/comm/nccl_communicator.hpp"
 #include "lossverify/impl/plugin/plugin_backend.hpp"
 #include "lossverify/layout/rank_layout.hpp"
+#include "lossverify/report/report.hpp"
+#include "lossverify/runner/launcher.hpp"
 #include "lossverify/runner/memory_estimate.hpp"
 #include "lossverify/inputs/input_source.hpp"
 
@@ -244,7 +248,12 @@ RankJob run_rank(const Case& c, const InputSource& inputs, const Implementation&
   const auto kernel_done = Clock::now();
   RankJob job;
   job.execution = execution;
-  job.checks = verify_rank(c, inputs, out, groups, world, threads, snapshot, &job.error_map, std::move(gpu_oracle));
+  // The oracle judges the rank's outputs read-only; the GPU oracle where the gradient stayed on the GPU.
+  const GradJudgement judgement = grad_judgement(c, out.dtype);
+  std::unique_ptr<Oracle> oracle =
+      gpu_oracle ? cuda::make_device_oracle(c, inputs, std::move(gpu_oracle), out, judgement, groups.tp.size() == 1)
+                 : std::make_unique<HostOracle>(c, inputs, out, judgement, threads);
+  job.checks = verify_rank(c, out, *oracle, groups, world, snapshot, &job.error_map);
   const auto end = Clock::now();
   double t[6] = {std::chrono::duration<double>(kernel_done - start).count(), out.generate_seconds, out.compute_seconds,
                  out.collective_seconds, std::chrono::duration<double>(end - kernel_done).count(),
@@ -270,7 +279,7 @@ RunResult assemble_result(const Case& c, const Implementation& impl, RankJob job
   return result;
 }
 
-RunOptions check_run(const Case& c, const RunOptions& requested, bool keep_snapshot) {
+RunOptions check_run(const Case& c, const RunOptions& requested, const Launcher& launcher, bool keep_snapshot) {
   const Implementation* impl = find_implementation(requested.implementation);
   if (impl == nullptr) {
     throw CaseError("--impl " + requested.implementation + ": unknown implementation (see `lossverify list`)");
@@ -280,17 +289,22 @@ RunOptions check_run(const Case& c, const RunOptions& requested, bool keep_snaps
   check_case(c);
   const int world_size = c.layout.world_size();
   check_fault_rank(options.fault, world_size);
+  launcher.check_world(c);
   if (options.device == RunOptions::Device::cuda) {
     cuda::require_device(0);
-  } else {
+  } else if (launcher.processes() == 1) {
     require_memory(c, keep_snapshot);
   }
   resolve_execution(options, world_size);
   return options;
 }
 
-RunResult run_case(const Case& c, const RunOptions& requested, bool keep_snapshot) {
-  const RunOptions options = check_run(c, requested, keep_snapshot);
+RunOptions check_run(const Case& c, const RunOptions& requested, bool keep_snapshot) {
+  return check_run(c, requested, *thread_launcher(), keep_snapshot);
+}
+
+RunResult run_case(const Case& c, const RunOptions& requested, Launcher& launcher, bool keep_snapshot) {
+  const RunOptions options = check_run(c, requested, launcher, keep_snapshot);
   const Implementation* impl = find_implementation(requested.implementation);
   const auto start = Clock::now();
   const int world_size = c.layout.world_size();
@@ -304,19 +318,29 @@ RunResult run_case(const Case& c, const RunOptions& requested, bool keep_snapsho
       snapshot.effective_grad.assign(static_cast<std::size_t>(c.shape.tokens * c.shape.vocab), 0.0f);
     }
   }
-  const int threads = std::max(1, resolved_threads(options) / world_size);
-  RankJob rank0;
-  ThreadWorldOptions world_options;
-  world_options.ranks = world_size;
-  world_options.timeout_seconds = c.timeout_seconds;
-  run_thread_ranks(world_options, [&](Communicator& world) {
+  const int threads = launcher.threads_per_rank(options.threads, world_size);
+  const bool rank_per_process = launcher.processes() > 1;
+  RankJob kept;
+  std::vector<std::int64_t> rss_per_rank;
+  launcher.run(world_size, c.timeout_seconds, [&](Communicator& world) {
     RankJob job = run_rank(c, inputs, *impl, options, world, threads, keep_snapshot ? &snapshot : nullptr);
-    if (world.rank() == 0) rank0 = std::move(job);
+    if (rank_per_process) {
+      // Every rank's high-water mark: with distributed verification it falls as 1/R with the shard.
+      const std::int64_t rss = peak_resident_bytes();
+      rss_per_rank.resize(static_cast<std::size_t>(world.size()));
+      world.all_gather(&rss, rss_per_rank.data(), sizeof(rss));
+    }
+    if (launcher.keeps(world.rank())) kept = std::move(job);
   });
-  RunResult result = assemble_result(c, *impl, std::move(rank0));
+  RunResult result = assemble_result(c, *impl, std::move(kept));
   result.timings.total = std::chrono::duration<double>(Clock::now() - start).count();
+  result.peak_rss_per_rank = std::move(rss_per_rank);
   if (keep_snapshot) result.snapshot = std::move(snapshot);
   return result;
+}
+
+RunResult run_case(const Case& c, const RunOptions& options, bool keep_snapshot) {
+  return run_case(c, options, *thread_launcher(), keep_snapshot);
 }
 
 const std::size_t kMaterializeLimitBytes = std::size_t{1} << 30;

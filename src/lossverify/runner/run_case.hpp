@@ -11,7 +11,7 @@
 #include "lossverify/checks/checks.hpp"
 #include "lossverify/comm/communicator.hpp"
 #include "lossverify/impl/catalogue.hpp"
-#include "lossverify/impl/rank_output.hpp"
+#include "lossverify/outputs/rank_output.hpp"
 #include "lossverify/inputs/input_source.hpp"
 
 namespace lossverify {
@@ -82,6 +82,7 @@ struct RunResult {
   ErrorMap error_map;                      // where the error sits (plots)
   ExecutionInfo execution;
   std::vector<std::string> hints;  // what probably caused a failure, when the inputs tell (check-dump)
+  std::vector<std::int64_t> peak_rss_per_rank;  // one process per rank (MPI): each one's high-water mark
 };
 
 // The rows of one rank under the case's layout (global tokens and CP padding, micro-batch by micro-batch).
@@ -109,14 +110,19 @@ RankJob run_rank(const Case& c, const InputSource& inputs, const Implementation&
 // Results of a case from the merged checks (shared by all backends).
 RunResult assemble_result(const Case& c, const Implementation& impl, RankJob job);
 
-// Runs one case on thread ranks. Throws CaseError for an unknown implementation, InternalError when a rank
-// fails, TimeoutError when the deadlock guard fires.
+class Launcher;  // runner/launcher.hpp
+
+// Runs one case on the launcher's ranks (thread ranks by default). Throws CaseError for an unknown
+// implementation, InternalError when a rank fails, TimeoutError when the deadlock guard fires (threads;
+// under MPI a failing rank ends the job).
 RunResult run_case(const Case& c, const RunOptions& options, bool keep_snapshot = false);
+RunResult run_case(const Case& c, const RunOptions& options, Launcher& launcher, bool keep_snapshot = false);
 
 // What run_case refuses before any rank starts (an unknown or inapplicable implementation, an invalid case,
-// a fault rank outside the world, memory the machine does not have, an impossible execution); returns the
-// options the implementation runs under.
+// a fault rank outside the world, a world the launcher cannot hold, memory the machine does not have for
+// thread ranks, an impossible execution); returns the options the implementation runs under.
 RunOptions check_run(const Case& c, const RunOptions& options, bool keep_snapshot = false);
+RunOptions check_run(const Case& c, const RunOptions& options, const Launcher& launcher, bool keep_snapshot = false);
 
 // A case at several layouts and the invariance check between them.
 struct SweepResult {

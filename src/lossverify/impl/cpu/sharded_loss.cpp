@@ -5,13 +5,15 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
+#include <span>
 
 #include "lossverify/comm/progress_beacon.hpp"
 #include "lossverify/math/cross_entropy_math.hpp"
 #include "lossverify/math/kd_math.hpp"
+#include "lossverify/impl/loss_protocol.hpp"
 #include "lossverify/impl/rank_plan.hpp"
 #include "lossverify/impl/row_loss.hpp"
-#include <optional>
 
 namespace lossverify {
 
@@ -37,6 +39,213 @@ float lane_sum(std::int64_t n, F f) {
   return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
 }
 
+
+// The CPU kernel's side of the cross-entropy protocol over one micro-batch: float32 from the input dtype,
+// OpenMP over rows.
+template <class T>
+class CpuCrossEntropyShard final : public CrossEntropyShard {
+ public:
+  struct Geometry {
+    T* logits = nullptr;                // the micro-batch's first row of the kernel's columns
+    std::int64_t width = 0;             // columns the kernel sees
+    T* grad = nullptr;                  // the micro-batch's first gradient row
+    std::int64_t cols = 0;              // gradient columns (the rank's own)
+    std::int64_t column_offset = 0;     // first gradient column within the kernel's columns
+    std::int64_t label_offset = 0;      // label - this = the target's column among the kernel's columns
+    std::int64_t grad_label_offset = 0;  // label - this = the target's gradient column
+  };
+
+  CpuCrossEntropyShard(const Case& c, const BugSwitches& bugs, const RankPlan& plan, std::int64_t begin, std::int64_t n,
+                       const Geometry& at, int threads, ProgressBeacon* beacon)
+      : case_(c), bugs_(bugs), plan_(plan), begin_(begin), n_(n), at_(at), threads_(threads), beacon_(beacon),
+        cap_(static_cast<float>(c.loss.softcap)) {}
+
+  void local_max(std::span<float> max) override {
+#pragma omp parallel for num_threads(threads_) schedule(static) if (threads_ > 1)
+    for (std::int64_t i = 0; i < n_; ++i) {
+      beat_row(beacon_, i);
+      if (!active(i)) continue;
+      const T* x = row(i);
+      float m = kNegInf;
+      for (std::int64_t v = 0; v < at_.width; ++v) m = std::fmax(m, load(x[v]));
+      max[static_cast<std::size_t>(i)] = m;
+    }
+  }
+
+  void shifted_sums(std::span<const float> max, std::span<float> sum_exp, std::span<float> target_shifted,
+                    std::span<float> sum_shifted) override {
+    const bool smoothing = case_.loss.label_smoothing > 0.0;
+#pragma omp parallel for num_threads(threads_) schedule(static) if (threads_ > 1)
+    for (std::int64_t i = 0; i < n_; ++i) {
+      beat_row(beacon_, i);
+      if (!active(i)) continue;
+      const auto k = static_cast<std::size_t>(i);
+      const T* x = row(i);
+      const float m = max[k];
+      sum_exp[k] = lane_sum(at_.width, [&](std::int64_t v) { return std::exp(load(x[v]) - m); });
+      if (smoothing) sum_shifted[k] = lane_sum(at_.width, [&](std::int64_t v) { return load(x[v]) - m; });
+      const std::int64_t local = plan_.row(begin_ + i).label - at_.label_offset;
+      if (local >= 0 && local < at_.width) target_shifted[k] = load(x[local]) - m;
+    }
+  }
+
+  void sum_log_p(std::span<const float> max, std::span<const float> sum_exp, std::span<float> out) override {
+#pragma omp parallel for num_threads(threads_) schedule(static) if (threads_ > 1)
+    for (std::int64_t i = 0; i < n_; ++i) {
+      beat_row(beacon_, i);
+      if (!active(i)) continue;
+      const auto k = static_cast<std::size_t>(i);
+      const T* x = row(i);
+      const float m = max[k];
+      const float s = sum_exp[k];
+      out[k] = lane_sum(at_.width, [&](std::int64_t v) { return std::log(std::exp(load(x[v]) - m) / s); });
+    }
+  }
+
+  void gradient(std::span<const float> max, std::span<const float> log_sum) override {
+    const auto z_weight = static_cast<float>(case_.loss.z_loss_weight);
+    const SmoothingWeights<float> q = smoothing_for(case_, bugs_, static_cast<float>(at_.width)).backward;
+#pragma omp parallel for num_threads(threads_) schedule(static) if (threads_ > 1)
+    for (std::int64_t i = 0; i < n_; ++i) {
+      beat_row(beacon_, i);
+      const RowPlan& p = plan_.row(begin_ + i);
+      if (!p.active) continue;
+      const auto k = static_cast<std::size_t>(i);
+      T* x = row(i) + at_.column_offset;
+      T* g = at_.grad + i * at_.cols;
+      const float shift = max[k] + log_sum[k];  // lse
+      const float z_factor = 1.0f + 2.0f * z_weight * shift;
+      const std::int64_t target_column = p.label - at_.grad_label_offset;
+      for (std::int64_t v = 0; v < at_.cols; ++v) {
+        const float xv = load(x[v]);
+        const float probability = std::exp((xv - max[k]) - log_sum[k]);
+        float value = 0.0f;
+        if (!p.valid) {
+          value = 2.0f * z_weight * shift * probability;
+        } else if (bugs_.zloss_grad_after_smoothing) {
+          value = (probability - (v == target_column ? q.on_target : q.off_target)) * z_factor;
+        } else {
+          value = cross_entropy_grad(probability, v == target_column, q, z_factor);
+        }
+        if (cap_ > 0.0f) value *= 1.0f - (xv / cap_) * (xv / cap_);
+        if (bugs_.overwrites_input) {  // the softmax over its own input, then that buffer as the gradient
+          x[v] = T(probability);
+          g[v] = x[v];
+        } else if (bugs_.grad_rounded_early) {
+          g[v] = T(static_cast<float>(T(value)) * p.backward_weight);
+        } else {
+          g[v] = T(p.backward_weight * value);
+        }
+      }
+    }
+  }
+
+ private:
+  bool active(std::int64_t i) const { return plan_.row(begin_ + i).active; }
+  T* row(std::int64_t i) const { return at_.logits + i * at_.width; }
+  float load(T raw) const {
+    const float x = static_cast<float>(raw);
+    return cap_ > 0.0f ? cap_ * std::tanh(x / cap_) : x;
+  }
+
+  const Case& case_;
+  const BugSwitches& bugs_;
+  const RankPlan& plan_;
+  const std::int64_t begin_;
+  const std::int64_t n_;
+  const Geometry at_;
+  const int threads_;
+  ProgressBeacon* const beacon_;
+  const float cap_;
+};
+
+// The CPU kernel's side of the KD protocol over one micro-batch (serial over rows).
+template <class T>
+class CpuKdShard final : public KdShard {
+ public:
+  CpuKdShard(const Case& c, const BugSwitches& bugs, const RankPlan& plan, std::int64_t begin, std::int64_t n,
+             std::int64_t cols, const T* student, const T* teacher, T* grad, ProgressBeacon* beacon)
+      : bugs_(bugs), plan_(plan), begin_(begin), n_(n), cols_(cols), student_(student), teacher_(teacher),
+        grad_(grad), beacon_(beacon), inverse_t_(static_cast<float>(1.0 / c.loss.temperature)),
+        local_argmax_(static_cast<std::size_t>(n), 0) {}
+
+  void local_maxima(std::span<float> maxima) override {
+    for (std::int64_t i = 0; i < n_; ++i) {
+      beat_row(beacon_, i);
+      if (!active(i)) continue;
+      const auto k = static_cast<std::size_t>(i);
+      for (std::int64_t v = 0; v < cols_; ++v) {
+        const float a = a_of(i, v);
+        if (a > maxima[k]) {
+          maxima[k] = a;
+          local_argmax_[k] = v;
+        }
+        maxima[static_cast<std::size_t>(n_ + i)] = std::fmax(maxima[static_cast<std::size_t>(n_ + i)], b_of(i, v));
+      }
+    }
+  }
+
+  void shifted_sums(std::span<const float> maxima, std::span<float> packed) override {
+    const bool cross_entropy_value = packed.size() == static_cast<std::size_t>(4 * n_);
+    for (std::int64_t i = 0; i < n_; ++i) {
+      beat_row(beacon_, i);
+      if (!active(i)) continue;
+      const float ma = maxima[static_cast<std::size_t>(i)];
+      const float mb = maxima[static_cast<std::size_t>(n_ + i)];
+      packed[static_cast<std::size_t>(i)] = lane_sum(cols_, [&](std::int64_t v) { return std::exp(a_of(i, v) - ma); });
+      packed[static_cast<std::size_t>(n_ + i)] =
+          lane_sum(cols_, [&](std::int64_t v) { return std::exp(b_of(i, v) - mb); });
+      packed[static_cast<std::size_t>(2 * n_ + i)] = lane_sum(
+          cols_, [&](std::int64_t v) { return std::exp(b_of(i, v) - mb) * (b_of(i, v) - a_of(i, v)); });
+      if (cross_entropy_value) {
+        packed[static_cast<std::size_t>(3 * n_ + i)] =
+            lane_sum(cols_, [&](std::int64_t v) { return std::exp(b_of(i, v) - mb) * (a_of(i, v) - ma); });
+      }
+    }
+  }
+
+  void gradient(std::span<const float> lse_a, std::span<const float> lse_b, std::span<const float> weight) override {
+    for (std::int64_t i = 0; i < n_; ++i) {
+      beat_row(beacon_, i);
+      if (!active(i)) continue;
+      const auto k = static_cast<std::size_t>(i);
+      T* g = grad_ + i * cols_;
+      float shard_teacher_mass = 0.0f;
+      float shard_student_mass = 0.0f;
+      if (bugs_.kd_untracked_allreduce) {
+        shard_student_mass = lane_sum(cols_, [&](std::int64_t v) { return std::exp(a_of(i, v) - lse_a[k]); });
+        shard_teacher_mass = lane_sum(cols_, [&](std::int64_t v) { return std::exp(b_of(i, v) - lse_b[k]); });
+      }
+      for (std::int64_t v = 0; v < cols_; ++v) {
+        const float q = std::exp(a_of(i, v) - lse_a[k]);
+        const float t = std::exp(b_of(i, v) - lse_b[k]);
+        float value = q - t;
+        if (bugs_.kd_untracked_allreduce) {
+          value = shard_teacher_mass * q - t;
+          if (v == local_argmax_[k]) value += shard_teacher_mass * (1.0f - shard_student_mass);
+        }
+        g[v] = T(weight[k] * value);
+      }
+    }
+  }
+
+ private:
+  bool active(std::int64_t i) const { return plan_.row(begin_ + i).active; }
+  float a_of(std::int64_t i, std::int64_t v) const { return static_cast<float>(student_[i * cols_ + v]) * inverse_t_; }
+  float b_of(std::int64_t i, std::int64_t v) const { return static_cast<float>(teacher_[i * cols_ + v]) * inverse_t_; }
+
+  const BugSwitches& bugs_;
+  const RankPlan& plan_;
+  const std::int64_t begin_;
+  const std::int64_t n_;
+  const std::int64_t cols_;
+  const T* student_;
+  const T* teacher_;
+  T* grad_;
+  ProgressBeacon* const beacon_;
+  const float inverse_t_;
+  std::vector<std::int64_t> local_argmax_;
+};
 
 class RankKernel {
  public:
@@ -106,256 +315,28 @@ class RankKernel {
 
   template <class T>
   void cross_entropy_micro_batch(std::int64_t begin, std::int64_t end, T* logits) {
-    const LossSpec& loss = case_.loss;
-    const std::int64_t n = end - begin;
     const std::int64_t width = work_.size();
     const VocabRange out_vocab = out_.assignment.vocab;
-    const std::int64_t cols = out_vocab.size();
+    typename CpuCrossEntropyShard<T>::Geometry at;
+    at.logits = logits + begin * width;
+    at.width = width;
+    at.grad = reinterpret_cast<T*>(out_.grad.data()) + begin * out_vocab.size();
+    at.cols = out_vocab.size();
+    at.column_offset = out_vocab.begin - work_.begin;
     // Under full-vocab-through-tp every rank believes its columns start at tp * width.
-    const std::int64_t owner_base =
-        full_vocab() ? out_.assignment.coordinates.tp * width : work_.begin;
-    const float cap = static_cast<float>(loss.softcap);
-    auto load = [cap](T raw) {
-      const float x = static_cast<float>(raw);
-      return cap > 0.0f ? cap * std::tanh(x / cap) : x;
-    };
-    auto row_of = [&](std::int64_t i) { return logits + (begin + i) * width; };
-    auto plan = [&](std::int64_t i) -> const RowPlan& { return plan_->row(begin + i); };
-
-    // 1. Global row max (skipped entirely by the no-max-shift bug).
-    std::vector<float> row_max(static_cast<std::size_t>(n), bugs_.no_max_shift ? 0.0f : kNegInf);
-    if (!bugs_.no_max_shift) {
-#pragma omp parallel for num_threads(threads_) schedule(static) if (threads_ > 1)
-      for (std::int64_t i = 0; i < n; ++i) {
-        beat_row(beacon_, i);
-        if (!plan(i).active) continue;
-        const T* x = row_of(i);
-        float m = kNegInf;
-        for (std::int64_t v = 0; v < width; ++v) m = std::fmax(m, load(x[v]));
-        row_max[static_cast<std::size_t>(i)] = m;
-      }
-      groups_.tp.allreduce_max(row_max);
-    }
-
-    // 2. One packed all-reduce: [S | x_l - M | sum(x - M)].
-    const bool smoothing = loss.label_smoothing > 0.0;
-    const int packed_width = smoothing ? 3 : 2;
-    std::vector<float> packed(static_cast<std::size_t>(n * packed_width), 0.0f);
-    float* sum_exp = packed.data();
-    float* target_shifted = packed.data() + n;
-    float* sum_shifted = smoothing ? packed.data() + 2 * n : nullptr;
-#pragma omp parallel for num_threads(threads_) schedule(static) if (threads_ > 1)
-    for (std::int64_t i = 0; i < n; ++i) {
-      beat_row(beacon_, i);
-      if (!plan(i).active) continue;
-      const T* x = row_of(i);
-      const float m = row_max[static_cast<std::size_t>(i)];
-      sum_exp[i] = lane_sum(width, [&](std::int64_t v) { return std::exp(load(x[v]) - m); });
-      if (smoothing) sum_shifted[i] = lane_sum(width, [&](std::int64_t v) { return load(x[v]) - m; });
-      const std::int64_t local = plan(i).label - owner_base;
-      if (local >= 0 && local < width) target_shifted[i] = load(x[local]) - m;
-    }
-    std::vector<float> local_sum_shifted;
-    if (smoothing) local_sum_shifted.assign(sum_shifted, sum_shifted + n);
-    groups_.tp.allreduce_sum(packed);
-
-    std::vector<float> log_sum(static_cast<std::size_t>(n), 0.0f);
-    for (std::int64_t i = 0; i < n; ++i) {
-      if (plan(i).active) log_sum[static_cast<std::size_t>(i)] = std::log(sum_exp[i]);
-    }
-
-    // The smoothing sum the forward uses: global, shard-local, or rebuilt from log(exp(x - M) / S).
-    std::vector<float> smoothing_sum(static_cast<std::size_t>(n), 0.0f);
-    if (smoothing) {
-      for (std::int64_t i = 0; i < n; ++i) {
-        smoothing_sum[static_cast<std::size_t>(i)] =
-            bugs_.smoothing_sum_local_forward ? local_sum_shifted[static_cast<std::size_t>(i)] : sum_shifted[i];
-      }
-      if (bugs_.smoothing_log_after_exp) {
-        std::vector<float> sum_log_p(static_cast<std::size_t>(n), 0.0f);
-#pragma omp parallel for num_threads(threads_) schedule(static) if (threads_ > 1)
-        for (std::int64_t i = 0; i < n; ++i) {
-          beat_row(beacon_, i);
-          if (!plan(i).active) continue;
-          const T* x = row_of(i);
-          const float m = row_max[static_cast<std::size_t>(i)];
-          const float s = sum_exp[i];
-          sum_log_p[static_cast<std::size_t>(i)] =
-              lane_sum(width, [&](std::int64_t v) { return std::log(std::exp(load(x[v]) - m) / s); });
-        }
-        if (!bugs_.smoothing_sum_local_forward) groups_.tp.allreduce_sum(sum_log_p);
-        const auto terms = static_cast<float>(bugs_.smoothing_sum_local_forward ? width : case_.shape.vocab);
-        for (std::int64_t i = 0; i < n; ++i) {
-          smoothing_sum[static_cast<std::size_t>(i)] =
-              sum_log_p[static_cast<std::size_t>(i)] + terms * log_sum[static_cast<std::size_t>(i)];
-        }
-      }
-    }
-
-    const auto z_weight = static_cast<float>(loss.z_loss_weight);
-    const auto shard_vocab = static_cast<float>(width);
-    const SmoothingPair smoothing_pair = smoothing_for(case_, bugs_, shard_vocab);
-    const SmoothingWeights<float> q_backward = smoothing_pair.backward;
-
-    // 3. Per-token loss.
-    for (std::int64_t i = 0; i < n; ++i) {
-      const auto k = static_cast<std::size_t>(i);
-      const RowPlan& p = plan(i);
-      if (!p.active) continue;
-      out_.token_loss[static_cast<std::size_t>(begin + i)] = cross_entropy_row_loss(
-          p, row_max[k], log_sum[k], target_shifted[i], smoothing ? smoothing_sum[k] : 0.0f,
-          local_sum_shifted.empty() ? 0.0f : local_sum_shifted[k], shard_vocab, smoothing_pair.forward, z_weight, bugs_);
-    }
-
-    // 4. Gradient of this rank's columns; inactive rows keep their exact zeros.
-    T* grad = reinterpret_cast<T*>(out_.grad.data());
-    const std::int64_t column_offset = out_vocab.begin - work_.begin;
-    const std::int64_t target_shift = owner_base - work_.begin;  // column c is the target if c + shift == label
-#pragma omp parallel for num_threads(threads_) schedule(static) if (threads_ > 1)
-    for (std::int64_t i = 0; i < n; ++i) {
-      beat_row(beacon_, i);
-      const auto k = static_cast<std::size_t>(i);
-      const RowPlan& p = plan(i);
-      if (!p.active) continue;
-      T* x = row_of(i) + column_offset;
-      T* g = grad + (begin + i) * cols;
-      const float shift = row_max[k] + log_sum[k];  // lse
-      const float z_factor = 1.0f + 2.0f * z_weight * shift;
-      const std::int64_t target_column = p.label - out_vocab.begin - target_shift;
-      for (std::int64_t v = 0; v < cols; ++v) {
-        const float xv = load(x[v]);
-        const float probability = std::exp((xv - row_max[k]) - log_sum[k]);
-        float value = 0.0f;
-        if (!p.valid) {
-          value = 2.0f * z_weight * shift * probability;
-        } else if (bugs_.zloss_grad_after_smoothing) {
-          const float q = v == target_column ? q_backward.on_target : q_backward.off_target;
-          value = (probability - q) * z_factor;
-        } else {
-          value = cross_entropy_grad(probability, v == target_column, q_backward, z_factor);
-        }
-        if (cap > 0.0f) value *= 1.0f - (xv / cap) * (xv / cap);
-        if (bugs_.overwrites_input) {  // the softmax over its own input, then that buffer as the gradient
-          x[v] = T(probability);
-          g[v] = x[v];
-        } else if (bugs_.grad_rounded_early) {
-          g[v] = T(static_cast<float>(T(value)) * p.backward_weight);
-        } else {
-          g[v] = T(p.backward_weight * value);
-        }
-      }
-    }
+    const std::int64_t owner_base = full_vocab() ? out_.assignment.coordinates.tp * width : work_.begin;
+    at.label_offset = owner_base;
+    at.grad_label_offset = out_vocab.begin + (owner_base - work_.begin);
+    CpuCrossEntropyShard<T> shard(case_, bugs_, *plan_, begin, end - begin, at, threads_, beacon_);
+    cross_entropy_protocol(case_, bugs_, *plan_, groups_, begin, end - begin, width, shard, out_.token_loss);
   }
 
   template <class T>
   void kd_micro_batch(std::int64_t begin, std::int64_t end, const T* student, const T* teacher) {
-    const LossSpec& loss = case_.loss;
-    const std::int64_t n = end - begin;
     const std::int64_t cols = work_.size();
-    const auto inverse_t = static_cast<float>(1.0 / loss.temperature);
-    const bool local_softmax = bugs_.kd_local_softmax;
-    const KdScales scales = kd_scales(loss, bugs_, case_.layout.tp);
-    const float loss_scale = scales.loss;
-    const float grad_scale = scales.grad;
-    auto plan = [&](std::int64_t i) -> const RowPlan& { return plan_->row(begin + i); };
-    auto a_of = [&](std::int64_t i, std::int64_t v) {
-      return static_cast<float>(student[(begin + i) * cols + v]) * inverse_t;
-    };
-    auto b_of = [&](std::int64_t i, std::int64_t v) {
-      return static_cast<float>(teacher[(begin + i) * cols + v]) * inverse_t;
-    };
-
-    // 1. Student and teacher maxima in one all-reduce: [M_a | M_b].
-    std::vector<float> maxima(static_cast<std::size_t>(2 * n), kNegInf);
-    std::vector<std::int64_t> local_argmax(static_cast<std::size_t>(n), 0);
-    for (std::int64_t i = 0; i < n; ++i) {
-      beat_row(beacon_, i);
-      if (!plan(i).active) continue;
-      for (std::int64_t v = 0; v < cols; ++v) {
-        const float a = a_of(i, v);
-        if (a > maxima[static_cast<std::size_t>(i)]) {
-          maxima[static_cast<std::size_t>(i)] = a;
-          local_argmax[static_cast<std::size_t>(i)] = v;
-        }
-        maxima[static_cast<std::size_t>(n + i)] = std::fmax(maxima[static_cast<std::size_t>(n + i)], b_of(i, v));
-      }
-    }
-    if (!local_softmax) groups_.tp.allreduce_max(maxima);
-
-    // 2. One packed all-reduce: [S_a | S_b | sum exp(b - M_b)(b - a) (| sum exp(b - M_b)(a - M_a))].
-    const bool cross_entropy_value = bugs_.kd_cross_entropy_value;
-    const int width = cross_entropy_value ? 4 : 3;
-    std::vector<float> packed(static_cast<std::size_t>(width * n), 0.0f);
-    for (std::int64_t i = 0; i < n; ++i) {
-      beat_row(beacon_, i);
-      if (!plan(i).active) continue;
-      const float ma = maxima[static_cast<std::size_t>(i)];
-      const float mb = maxima[static_cast<std::size_t>(n + i)];
-      packed[static_cast<std::size_t>(i)] = lane_sum(cols, [&](std::int64_t v) { return std::exp(a_of(i, v) - ma); });
-      packed[static_cast<std::size_t>(n + i)] =
-          lane_sum(cols, [&](std::int64_t v) { return std::exp(b_of(i, v) - mb); });
-      packed[static_cast<std::size_t>(2 * n + i)] = lane_sum(
-          cols, [&](std::int64_t v) { return std::exp(b_of(i, v) - mb) * (b_of(i, v) - a_of(i, v)); });
-      if (cross_entropy_value) {
-        packed[static_cast<std::size_t>(3 * n + i)] =
-            lane_sum(cols, [&](std::int64_t v) { return std::exp(b_of(i, v) - mb) * (a_of(i, v) - ma); });
-      }
-    }
-    std::vector<float> divergence(static_cast<std::size_t>(n), 0.0f);
-    if (local_softmax) {
-      // Each shard's own KL, summed over the TP group: every rank reports the same (wrong) value.
-      for (std::int64_t i = 0; i < n; ++i) {
-        if (!plan(i).active) continue;
-        divergence[static_cast<std::size_t>(i)] = kl_from_sums(
-            packed[static_cast<std::size_t>(i)], packed[static_cast<std::size_t>(n + i)],
-            packed[static_cast<std::size_t>(2 * n + i)], maxima[static_cast<std::size_t>(i)],
-            maxima[static_cast<std::size_t>(n + i)]);
-      }
-      groups_.tp.allreduce_sum(divergence);
-    } else {
-      groups_.tp.allreduce_sum(packed);
-    }
-
-    // 3. Per-token loss.
-    std::vector<float> lse_a(static_cast<std::size_t>(n), 0.0f);
-    std::vector<float> lse_b(static_cast<std::size_t>(n), 0.0f);
-    for (std::int64_t i = 0; i < n; ++i) {
-      const auto k = static_cast<std::size_t>(i);
-      if (!plan(i).active) continue;
-      lse_a[k] = maxima[k] + std::log(packed[k]);
-      lse_b[k] = maxima[static_cast<std::size_t>(n + i)] + std::log(packed[static_cast<std::size_t>(n + i)]);
-      const float value = kd_row_value(packed[k], packed[static_cast<std::size_t>(n + i)],
-                                       packed[static_cast<std::size_t>(2 * n + i)],
-                                       cross_entropy_value ? packed[static_cast<std::size_t>(3 * n + i)] : 0.0f,
-                                       maxima[k], maxima[static_cast<std::size_t>(n + i)], divergence[k], bugs_);
-      out_.token_loss[static_cast<std::size_t>(begin + i)] = loss_scale * value;
-    }
-
-    // 4. Gradient T^(s-1) (Q - P) of this rank's columns.
-    T* grad = reinterpret_cast<T*>(out_.grad.data());
-    for (std::int64_t i = 0; i < n; ++i) {
-      beat_row(beacon_, i);
-      const auto k = static_cast<std::size_t>(i);
-      const RowPlan& p = plan(i);
-      if (!p.active) continue;
-      T* g = grad + (begin + i) * cols;
-      float shard_teacher_mass = 0.0f;
-      float shard_student_mass = 0.0f;
-      if (bugs_.kd_untracked_allreduce) {
-        shard_student_mass = lane_sum(cols, [&](std::int64_t v) { return std::exp(a_of(i, v) - lse_a[k]); });
-        shard_teacher_mass = lane_sum(cols, [&](std::int64_t v) { return std::exp(b_of(i, v) - lse_b[k]); });
-      }
-      for (std::int64_t v = 0; v < cols; ++v) {
-        const float q = std::exp(a_of(i, v) - lse_a[k]);
-        const float t = std::exp(b_of(i, v) - lse_b[k]);
-        float value = q - t;
-        if (bugs_.kd_untracked_allreduce) {
-          value = shard_teacher_mass * q - t;
-          if (v == local_argmax[k]) value += shard_teacher_mass * (1.0f - shard_student_mass);
-        }
-        g[v] = T(p.backward_weight * grad_scale * value);
-      }
-    }
+    CpuKdShard<T> shard(case_, bugs_, *plan_, begin, end - begin, cols, student + begin * cols, teacher + begin * cols,
+                        reinterpret_cast<T*>(out_.grad.data()) + begin * cols, beacon_);
+    kd_protocol(case_, bugs_, *plan_, groups_, begin, end - begin, shard, out_.token_loss);
   }
 
   const Case& case_;

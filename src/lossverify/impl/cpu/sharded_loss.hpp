@@ -1,21 +1,14 @@
 #pragma once
 #include "lossverify/case/case.hpp"
-#include "lossverify/comm/communicator.hpp"
+#include "lossverify/comm/rank_groups.hpp"
 #include "lossverify/impl/catalogue.hpp"
-#include "lossverify/impl/rank_output.hpp"
+#include "lossverify/outputs/rank_output.hpp"
 #include "lossverify/inputs/input_source.hpp"
 
 namespace lossverify {
 
 struct CpuKernelOptions {
   int threads = 1;  // OpenMP threads inside this rank
-};
-
-// The communicators a rank needs.
-struct RankGroups {
-  Communicator& tp;     // ranks holding the same tokens, different vocabulary columns
-  Communicator& batch;  // ranks holding different tokens (DP x CP), same TP coordinate
-  Communicator& dp;     // ranks with the same TP and CP coordinates (for the statistics bug)
 };
 
 // One rank of the sharded loss (docs/spec.md §5), computing in float32 from the input dtype. The rank generates

@@ -13,13 +13,13 @@
 
 #include "lossverify/core/errors.hpp"
 #include "lossverify/core/stage_trace.hpp"
-#include "lossverify/impl/cuda/cuda_check.hpp"
-#include "lossverify/impl/cuda/device_buffer.hpp"
+#include "lossverify/cuda/cuda_check.hpp"
+#include "lossverify/cuda/device_buffer.hpp"
 #include "lossverify/impl/cuda/kernels.hpp"
-#include "lossverify/impl/cuda/shard_inputs.hpp"
+#include "lossverify/cuda/shard_inputs.hpp"
+#include "lossverify/impl/loss_protocol.hpp"
 #include "lossverify/impl/rank_plan.hpp"
 #include "lossverify/impl/row_loss.hpp"
-#include "lossverify/math/kd_math.hpp"
 
 namespace lossverify::cuda {
 
@@ -40,92 +40,188 @@ CrossEntropyConstants constants_for(const Case& c, const BugSwitches& bugs, floa
   return k;
 }
 
-// One KD micro-batch: pass 1 on the device, the CPU kernel's collectives on per-row sums, pass 2.
-void kd_micro_batch(const Case& c, const BugSwitches& bugs, RankGroups& groups, const RankPlan& plan, std::int64_t b,
-                    std::int64_t n, std::int64_t cols, StorageType type, std::size_t element, const DeviceBytes& student,
-                    const DeviceBytes& teacher, const DeviceBytes& active, std::vector<float>& token_loss, const DeviceBytes& grad, cudaStream_t stream) {
-  const LossSpec& loss = c.loss;
-  const auto inverse_t = static_cast<float>(1.0 / loss.temperature);
-  const KdScales scales = kd_scales(loss, bugs, c.layout.tp);
-  const float loss_scale = scales.loss;
-  const float grad_scale = scales.grad;
-  const std::size_t offset = static_cast<std::size_t>(b * cols) * element;
-  DeviceBytes d_stats(static_cast<std::size_t>(n) * 8 * sizeof(float));
-  KdStatsArgs sa{student.as<std::byte>() + offset, teacher.as<std::byte>() + offset, n, cols, active.as<int>() + b,
-                 inverse_t};
-  kd_stats(type, sa, d_stats.as<float>(), stream);
-  LV_CUDA(cudaGetLastError());
-  std::vector<float> stats(static_cast<std::size_t>(n) * 8);
-  LV_CUDA(cudaMemcpyAsync(stats.data(), d_stats.as<void>(), stats.size() * sizeof(float), cudaMemcpyDeviceToHost, stream));
-  LV_CUDA(cudaStreamSynchronize(stream));
-  auto at = [&](std::int64_t i, int j) { return stats[static_cast<std::size_t>(8 * i + j)]; };
-  const bool local_softmax = bugs.kd_local_softmax;
-  const bool cross_entropy_value = bugs.kd_cross_entropy_value;
-  std::vector<float> maxima(static_cast<std::size_t>(2 * n), -INFINITY);
-  for (std::int64_t i = 0; i < n; ++i) {
-    if (!plan.row(b + i).active) continue;
-    maxima[static_cast<std::size_t>(i)] = at(i, 0);
-    maxima[static_cast<std::size_t>(n + i)] = at(i, 2);
-  }
-  if (!local_softmax) groups.tp.allreduce_max(maxima);
-  const int width = cross_entropy_value ? 4 : 3;
-  std::vector<float> packed(static_cast<std::size_t>(width * n), 0.0f);
-  for (std::int64_t i = 0; i < n; ++i) {
-    if (!plan.row(b + i).active) continue;
-    const float ma = maxima[static_cast<std::size_t>(i)], mb = maxima[static_cast<std::size_t>(n + i)];
-    const float fa = std::exp(at(i, 0) - ma), fb = std::exp(at(i, 2) - mb);
-    packed[static_cast<std::size_t>(i)] = at(i, 1) * fa;
-    packed[static_cast<std::size_t>(n + i)] = at(i, 3) * fb;
-    packed[static_cast<std::size_t>(2 * n + i)] = at(i, 4) * fb;
-    if (cross_entropy_value) packed[static_cast<std::size_t>(3 * n + i)] = fb * (at(i, 5) + (at(i, 0) - ma) * at(i, 3));
-  }
-  std::vector<float> divergence(static_cast<std::size_t>(n), 0.0f);
-  if (local_softmax) {
-    for (std::int64_t i = 0; i < n; ++i) {
-      if (!plan.row(b + i).active) continue;
-      divergence[static_cast<std::size_t>(i)] =
-          kl_from_sums(packed[static_cast<std::size_t>(i)], packed[static_cast<std::size_t>(n + i)],
-                       packed[static_cast<std::size_t>(2 * n + i)], maxima[static_cast<std::size_t>(i)],
-                       maxima[static_cast<std::size_t>(n + i)]);
+// The CUDA kernels' side of the cross-entropy protocol over one micro-batch. Whole rows take the fused
+// kernel (statistics and gradient in one pass); sharded rows take pass 1 (per-row [local M, S relative to
+// it, sum x, x_target]), the protocol's collectives, then pass 2.
+class CudaCrossEntropyShard final : public CrossEntropyShard {
+ public:
+  struct Buffers {
+    GradArgs grad;            // the micro-batch's rows (row_max and log_sum point at the device copies)
+    void* logits = nullptr;   // writable view of the same logits (overwrites-input)
+    float* device_stats = nullptr;
+    float* host_stats = nullptr;  // page-locked, 4 per row
+    const std::int64_t* target = nullptr;  // host copy of the target columns, -1 where not in the shard
+    const int* active = nullptr;           // host copy
+  };
+  CudaCrossEntropyShard(StorageType type, const CrossEntropyConstants& k, const BugSwitches& bugs, bool whole_rows,
+                        const Buffers& at, cudaStream_t stream)
+      : type_(type), k_(k), bugs_(bugs), whole_rows_(whole_rows), at_(at), stream_(stream) {}
+
+  bool fused_pass(std::span<float> max, std::span<float> log_sum, std::span<float> target_shifted,
+                  std::span<float> sum_shifted) override {
+    if (!whole_rows_) return false;
+    cross_entropy_fused(type_, at_.grad, k_, at_.device_stats, stream_);
+    LV_CUDA(cudaGetLastError());
+    download_stats();
+    const auto width = static_cast<float>(at_.grad.cols);
+    for (std::size_t i = 0; i < max.size(); ++i) {
+      const float* s = at_.host_stats + 4 * i;
+      max[i] = s[0];
+      log_sum[i] = s[1];
+      sum_shifted[i] = s[2] - width * s[0];
+      if (at_.target[i] >= 0) target_shifted[i] = s[3] - s[0];
     }
-    groups.tp.allreduce_sum(divergence);
-  } else {
-    groups.tp.allreduce_sum(packed);
+    fused_ = true;
+    return true;
   }
-  std::vector<float> lse_a(static_cast<std::size_t>(n), 0.0f), lse_b(static_cast<std::size_t>(n), 0.0f);
-  std::vector<float> grad_weight(static_cast<std::size_t>(n), 0.0f), argmax(static_cast<std::size_t>(n), 0.0f);
-  for (std::int64_t i = 0; i < n; ++i) {
-    const auto k = static_cast<std::size_t>(i);
-    const RowPlan& p = plan.row(b + i);
-    if (!p.active) continue;
-    lse_a[k] = maxima[k] + std::log(packed[k]);
-    lse_b[k] = maxima[static_cast<std::size_t>(n + i)] + std::log(packed[static_cast<std::size_t>(n + i)]);
-    const float value = kd_row_value(packed[k], packed[static_cast<std::size_t>(n + i)],
-                                     packed[static_cast<std::size_t>(2 * n + i)],
-                                     cross_entropy_value ? packed[static_cast<std::size_t>(3 * n + i)] : 0.0f, maxima[k],
-                                     maxima[static_cast<std::size_t>(n + i)], divergence[k], bugs);
-    token_loss[static_cast<std::size_t>(b + i)] = loss_scale * value;
-    grad_weight[k] = p.backward_weight * grad_scale;
-    argmax[k] = at(i, 6);
+
+  void local_max(std::span<float> max) override {
+    compute_stats();
+    for (std::size_t i = 0; i < max.size(); ++i) {
+      if (at_.active[i]) max[i] = at_.host_stats[4 * i];
+    }
   }
-  DeviceBytes d_lse_a = upload(lse_a, stream), d_lse_b = upload(lse_b, stream), d_w = upload(grad_weight, stream),
-              d_arg = upload(argmax, stream);
-  KdGradArgs ga{student.as<std::byte>() + offset,
-                teacher.as<std::byte>() + offset,
-                grad.as<std::byte>() + offset,
-                n,
-                cols,
-                active.as<int>() + b,
-                d_lse_a.as<float>(),
-                d_lse_b.as<float>(),
-                d_w.as<float>(),
-                d_arg.as<float>(),
-                inverse_t,
-                bugs.kd_untracked_allreduce};
-  kd_grad(type, ga, stream);
-  LV_CUDA(cudaGetLastError());
-  LV_CUDA(cudaStreamSynchronize(stream));  // the uploads above are freed on return
-}
+
+  void shifted_sums(std::span<const float> max, std::span<float> sum_exp, std::span<float> target_shifted,
+                    std::span<float> sum_shifted) override {
+    if (!stats_ready_) compute_stats();  // no-max-shift asks for no maxima
+    const auto width = static_cast<float>(at_.grad.cols);
+    for (std::size_t i = 0; i < max.size(); ++i) {
+      if (!at_.active[i]) continue;
+      const float* s = at_.host_stats + 4 * i;
+      const float m = max[i];
+      sum_exp[i] = s[1] * std::exp(s[0] - m);
+      if (at_.target[i] >= 0) target_shifted[i] = s[3] - m;
+      sum_shifted[i] = s[2] - width * m;
+    }
+  }
+
+  void sum_log_p(std::span<const float> max, std::span<const float> sum_exp, std::span<float> out) override {
+    DeviceBytes d_row_max = upload(max.data(), max.size(), stream_);
+    DeviceBytes d_sum_exp = upload(sum_exp.data(), sum_exp.size(), stream_);
+    DeviceBytes d_out(out.size() * sizeof(float));
+    const SumLogProbArgs args{at_.grad.logits, at_.grad.rows, at_.grad.cols, at_.grad.active, d_row_max.as<float>(),
+                              d_sum_exp.as<float>()};
+    cross_entropy_sum_log_p(type_, args, k_, d_out.as<float>(), stream_);
+    LV_CUDA(cudaGetLastError());
+    LV_CUDA(cudaMemcpyAsync(out.data(), d_out.as<void>(), out.size_bytes(), cudaMemcpyDeviceToHost, stream_));
+    LV_CUDA(cudaStreamSynchronize(stream_));
+  }
+
+  void gradient(std::span<const float> max, std::span<const float> log_sum) override {
+    if (fused_ && !bugs_.overwrites_input) return;
+    float* const d_max = const_cast<float*>(at_.grad.row_max);
+    float* const d_log_sum = const_cast<float*>(at_.grad.log_sum);
+    LV_CUDA(cudaMemcpyAsync(d_max, max.data(), max.size_bytes(), cudaMemcpyHostToDevice, stream_));
+    LV_CUDA(cudaMemcpyAsync(d_log_sum, log_sum.data(), log_sum.size_bytes(), cudaMemcpyHostToDevice, stream_));
+    if (!fused_) {
+      cross_entropy_grad(type_, at_.grad, k_, stream_);
+      LV_CUDA(cudaGetLastError());
+    }
+    if (bugs_.overwrites_input) {
+      // The softmax over the kernel's own logits, and that buffer handed over as the gradient.
+      const SoftmaxInPlaceArgs args{at_.logits, at_.grad.grad, at_.grad.rows, at_.grad.cols, at_.grad.active,
+                                    at_.grad.row_max, at_.grad.log_sum};
+      cross_entropy_softmax_in_place(type_, args, k_.softcap, stream_);
+      LV_CUDA(cudaGetLastError());
+      LV_CUDA(cudaStreamSynchronize(stream_));  // the protocol's host vectors go out of scope on return
+    }
+  }
+
+ private:
+  void download_stats() {
+    LV_CUDA(cudaMemcpyAsync(at_.host_stats, at_.device_stats, static_cast<std::size_t>(at_.grad.rows) * 4 * sizeof(float),
+                            cudaMemcpyDeviceToHost, stream_));
+    LV_CUDA(cudaStreamSynchronize(stream_));
+  }
+  void compute_stats() {
+    const StatsArgs args{at_.grad.logits, at_.grad.rows, at_.grad.cols, at_.grad.target_column, at_.grad.active};
+    cross_entropy_stats(type_, args, k_, at_.device_stats, stream_);
+    LV_CUDA(cudaGetLastError());
+    download_stats();
+    stats_ready_ = true;
+  }
+
+  StorageType type_;
+  CrossEntropyConstants k_;
+  const BugSwitches& bugs_;
+  bool whole_rows_;
+  Buffers at_;
+  cudaStream_t stream_;
+  bool fused_ = false;
+  bool stats_ready_ = false;
+};
+
+// The CUDA kernels' side of the KD protocol over one micro-batch: pass 1 gives per-row
+// [M_a, S_a, M_b, S_b, W, U, argmax, 0] relative to the local maxima, rescaled here to the global ones.
+class CudaKdShard final : public KdShard {
+ public:
+  // `host_active`: the host copy of args.active.
+  CudaKdShard(StorageType type, const KdStatsArgs& stats_args, const int* host_active, void* grad,
+              const BugSwitches& bugs, cudaStream_t stream)
+      : type_(type), args_(stats_args), grad_(grad), bugs_(bugs), stream_(stream),
+        stats_(static_cast<std::size_t>(stats_args.rows) * 8),
+        active_(host_active, host_active + stats_args.rows) {}
+
+  void local_maxima(std::span<float> maxima) override {
+    const std::size_t n = stats_.size() / 8;
+    DeviceBytes d_stats(stats_.size() * sizeof(float));
+    kd_stats(type_, args_, d_stats.as<float>(), stream_);
+    LV_CUDA(cudaGetLastError());
+    LV_CUDA(cudaMemcpyAsync(stats_.data(), d_stats.as<void>(), stats_.size() * sizeof(float), cudaMemcpyDeviceToHost,
+                            stream_));
+    LV_CUDA(cudaStreamSynchronize(stream_));
+    for (std::size_t i = 0; i < n; ++i) {
+      if (!active_[i]) continue;
+      maxima[i] = at(i, 0);
+      maxima[n + i] = at(i, 2);
+    }
+  }
+
+  void shifted_sums(std::span<const float> maxima, std::span<float> packed) override {
+    const std::size_t n = stats_.size() / 8;
+    const bool cross_entropy_value = packed.size() == 4 * n;
+    for (std::size_t i = 0; i < n; ++i) {
+      if (!active_[i]) continue;
+      const float ma = maxima[i], mb = maxima[n + i];
+      const float fa = std::exp(at(i, 0) - ma), fb = std::exp(at(i, 2) - mb);
+      packed[i] = at(i, 1) * fa;
+      packed[n + i] = at(i, 3) * fb;
+      packed[2 * n + i] = at(i, 4) * fb;
+      if (cross_entropy_value) packed[3 * n + i] = fb * (at(i, 5) + (at(i, 0) - ma) * at(i, 3));
+    }
+  }
+
+  void gradient(std::span<const float> lse_a, std::span<const float> lse_b, std::span<const float> weight) override {
+    const std::size_t n = stats_.size() / 8;
+    std::vector<float> argmax(n, 0.0f);
+    for (std::size_t i = 0; i < n; ++i) {
+      if (active_[i]) argmax[i] = at(i, 6);
+    }
+    DeviceBytes d_lse_a = upload(lse_a.data(), lse_a.size(), stream_);
+    DeviceBytes d_lse_b = upload(lse_b.data(), lse_b.size(), stream_);
+    DeviceBytes d_w = upload(weight.data(), weight.size(), stream_);
+    DeviceBytes d_arg = upload(argmax, stream_);
+    const KdGradArgs ga{args_.student,        args_.teacher,        grad_,
+                        args_.rows,           args_.cols,           args_.active,
+                        d_lse_a.as<float>(),  d_lse_b.as<float>(),  d_w.as<float>(),
+                        d_arg.as<float>(),    args_.inverse_temperature, bugs_.kd_untracked_allreduce};
+    kd_grad(type_, ga, stream_);
+    LV_CUDA(cudaGetLastError());
+    LV_CUDA(cudaStreamSynchronize(stream_));  // the uploads above are freed on return
+  }
+
+ private:
+  float at(std::size_t i, int j) const { return stats_[8 * i + static_cast<std::size_t>(j)]; }
+
+  StorageType type_;
+  KdStatsArgs args_;
+  void* grad_;
+  const BugSwitches& bugs_;
+  cudaStream_t stream_;
+  std::vector<float> stats_;
+  std::vector<int> active_;
+};
 
 }  // namespace
 
@@ -220,11 +316,7 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
   copy_to_device(d_weight, weight, stream.get());
   const auto shard_width = static_cast<float>(cols);
   const CrossEntropyConstants k = constants_for(c, bugs, shard_width);
-  const SmoothingPair smoothing_pair = smoothing_for(c, bugs, shard_width);
-  const bool smoothing = c.loss.label_smoothing > 0.0;
-  const auto z_weight = static_cast<float>(c.loss.z_loss_weight);
   out.token_loss.assign(static_cast<std::size_t>(rows), 0.0f);
-  float* const stats = h_stats.as<float>();  // the kernels' row statistics, 4 per row
   trace.mark("kernels");
 
   const auto& offsets = out.assignment.micro_batch_begin;
@@ -232,128 +324,25 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
     const std::int64_t b = offsets[mb];
     const std::int64_t n = offsets[mb + 1] - b;
     if (n == 0) continue;
-    GradArgs ga{d_logits.as<std::byte>() + static_cast<std::size_t>(b * cols) * element,
-                d_grad.as<std::byte>() + static_cast<std::size_t>(b * cols) * element,
-                n,
-                cols,
-                d_target.as<std::int64_t>() + b,
-                d_active.as<int>() + b,
-                d_valid.as<int>() + b,
-                d_max.as<float>() + b,
-                d_log_sum.as<float>() + b,
-                d_weight.as<float>() + b};
+    const std::size_t offset = static_cast<std::size_t>(b * cols) * element;
     if (kd) {
-      kd_micro_batch(c, bugs, groups, plan, b, n, cols, type, element, d_logits, d_teacher, d_active, out.token_loss, d_grad, stream.get());
+      const KdStatsArgs sa{d_logits.as<std::byte>() + offset, d_teacher.as<std::byte>() + offset, n, cols,
+                           d_active.as<int>() + b, static_cast<float>(1.0 / c.loss.temperature)};
+      CudaKdShard shard(type, sa, active.data() + b, d_grad.as<std::byte>() + offset, bugs, stream.get());
+      kd_protocol(c, bugs, plan, groups, b, n, shard, out.token_loss);
       continue;
     }
-    float* stats_out = d_stats.as<float>() + 4 * b;
-    std::vector<float> row_max(static_cast<std::size_t>(n));
-    std::vector<float> log_sum(static_cast<std::size_t>(n), 0.0f);
-    std::vector<float> target_shifted(static_cast<std::size_t>(n), 0.0f);
-    std::vector<float> sum_shifted(static_cast<std::size_t>(n), 0.0f);
-    std::vector<float> local_sum_shifted(static_cast<std::size_t>(n), 0.0f);
-    if (groups.tp.size() == 1) {
-      // Whole rows on this rank: both passes in one kernel, no host round trip.
-      cross_entropy_fused(type, ga, k, stats_out, stream.get());
-      LV_CUDA(cudaGetLastError());
-      LV_CUDA(cudaMemcpyAsync(stats + 4 * b, stats_out, static_cast<std::size_t>(n) * 4 * sizeof(float),
-                              cudaMemcpyDeviceToHost, stream.get()));
-      stream.sync();
-      for (std::int64_t i = 0; i < n; ++i) {
-        const float* s = stats + 4 * (b + i);
-        const auto j = static_cast<std::size_t>(i);
-        row_max[j] = s[0];
-        log_sum[j] = s[1];
-        sum_shifted[j] = s[2] - shard_width * s[0];
-        local_sum_shifted[j] = sum_shifted[j];
-        if (target[static_cast<std::size_t>(b + i)] >= 0) target_shifted[j] = s[3] - s[0];
-      }
-    } else {
-      // Pass 1, then the docs/spec.md §5 collectives on per-row statistics, then pass 2.
-      StatsArgs sa{ga.logits, n, cols, ga.target_column, ga.active};
-      cross_entropy_stats(type, sa, k, stats_out, stream.get());
-      LV_CUDA(cudaGetLastError());
-      LV_CUDA(cudaMemcpyAsync(stats + 4 * b, stats_out, static_cast<std::size_t>(n) * 4 * sizeof(float),
-                              cudaMemcpyDeviceToHost, stream.get()));
-      stream.sync();
-      std::vector<float> local_max(static_cast<std::size_t>(n), -INFINITY);
-      for (std::int64_t i = 0; i < n; ++i) {
-        if (active[static_cast<std::size_t>(b + i)]) local_max[static_cast<std::size_t>(i)] = stats[static_cast<std::size_t>(4 * (b + i))];
-      }
-      row_max = local_max;
-      if (!bugs.no_max_shift) groups.tp.allreduce_max(row_max);
-      const int width = smoothing ? 3 : 2;
-      std::vector<float> packed(static_cast<std::size_t>(width * n), 0.0f);
-      for (std::int64_t i = 0; i < n; ++i) {
-        const auto j = static_cast<std::size_t>(i);
-        if (!active[static_cast<std::size_t>(b + i)]) continue;
-        const float* s = stats + 4 * (b + i);
-        const float m = bugs.no_max_shift ? 0.0f : row_max[j];
-        row_max[j] = m;
-        packed[j] = s[1] * std::exp(local_max[j] - m);
-        if (target[static_cast<std::size_t>(b + i)] >= 0) packed[static_cast<std::size_t>(n + i)] = s[3] - m;
-        local_sum_shifted[j] = s[2] - shard_width * m;
-        if (smoothing) packed[static_cast<std::size_t>(2 * n + i)] = local_sum_shifted[j];
-      }
-      groups.tp.allreduce_sum(packed);
-      for (std::int64_t i = 0; i < n; ++i) {
-        const auto j = static_cast<std::size_t>(i);
-        if (!active[static_cast<std::size_t>(b + i)]) continue;
-        log_sum[j] = std::log(packed[j]);
-        target_shifted[j] = packed[static_cast<std::size_t>(n + i)];
-        if (smoothing) sum_shifted[j] = packed[static_cast<std::size_t>(2 * n + i)];
-      }
-      LV_CUDA(cudaMemcpyAsync(d_max.as<float>() + b, row_max.data(), row_max.size() * sizeof(float),
-                              cudaMemcpyHostToDevice, stream.get()));
-      LV_CUDA(cudaMemcpyAsync(d_log_sum.as<float>() + b, log_sum.data(), log_sum.size() * sizeof(float),
-                              cudaMemcpyHostToDevice, stream.get()));
-      cross_entropy_grad(type, ga, k, stream.get());
-      LV_CUDA(cudaGetLastError());
-    }
-    std::vector<float> log_after_exp;
-    if (smoothing && bugs.smoothing_log_after_exp) {
-      // The bug's third pass: sum_v log(exp(x_v - M) / S) with the global M and S.
-      std::vector<float> sum_exp(static_cast<std::size_t>(n));
-      for (std::int64_t i = 0; i < n; ++i) sum_exp[static_cast<std::size_t>(i)] = std::exp(log_sum[static_cast<std::size_t>(i)]);
-      DeviceBytes d_row_max = upload(row_max, stream.get()), d_sum_exp = upload(sum_exp, stream.get());
-      DeviceBytes d_sum_log_p(static_cast<std::size_t>(n) * sizeof(float));
-      SumLogProbArgs la{ga.logits, n, cols, ga.active, d_row_max.as<float>(), d_sum_exp.as<float>()};
-      cross_entropy_sum_log_p(type, la, k, d_sum_log_p.as<float>(), stream.get());
-      LV_CUDA(cudaGetLastError());
-      log_after_exp.resize(static_cast<std::size_t>(n));
-      LV_CUDA(cudaMemcpyAsync(log_after_exp.data(), d_sum_log_p.as<void>(), log_after_exp.size() * sizeof(float),
-                              cudaMemcpyDeviceToHost, stream.get()));
-      stream.sync();
-      if (!bugs.smoothing_sum_local_forward) groups.tp.allreduce_sum(log_after_exp);
-      const auto terms = static_cast<float>(bugs.smoothing_sum_local_forward ? cols : c.shape.vocab);
-      for (std::int64_t i = 0; i < n; ++i) {
-        const auto j = static_cast<std::size_t>(i);
-        log_after_exp[j] += terms * log_sum[j];
-      }
-    }
-    if (bugs.overwrites_input) {
-      // The softmax over the kernel's own logits, and that buffer handed over as the gradient.
-      LV_CUDA(cudaMemcpyAsync(d_max.as<float>() + b, row_max.data(), row_max.size() * sizeof(float),
-                              cudaMemcpyHostToDevice, stream.get()));
-      LV_CUDA(cudaMemcpyAsync(d_log_sum.as<float>() + b, log_sum.data(), log_sum.size() * sizeof(float),
-                              cudaMemcpyHostToDevice, stream.get()));
-      const SoftmaxInPlaceArgs sa{d_logits.as<std::byte>() + static_cast<std::size_t>(b * cols) * element, ga.grad, n,
-                                  cols, ga.active, ga.row_max, ga.log_sum};
-      cross_entropy_softmax_in_place(type, sa, k.softcap, stream.get());
-      LV_CUDA(cudaGetLastError());
-      stream.sync();  // the host vectors above go out of scope with this micro-batch
-    }
-    for (std::int64_t i = 0; i < n; ++i) {
-      const auto j = static_cast<std::size_t>(i);
-      const RowPlan& p = plan.row(b + i);
-      if (!p.active) continue;
-      const float smoothing_sum = !log_after_exp.empty()           ? log_after_exp[j]
-                                  : bugs.smoothing_sum_local_forward ? local_sum_shifted[j]
-                                                                     : sum_shifted[j];
-      out.token_loss[static_cast<std::size_t>(b + i)] =
-          cross_entropy_row_loss(p, row_max[j], log_sum[j], target_shifted[j], smoothing ? smoothing_sum : 0.0f,
-                                 local_sum_shifted[j], shard_width, smoothing_pair.forward, z_weight, bugs);
-    }
+    CudaCrossEntropyShard::Buffers at;
+    at.grad = GradArgs{d_logits.as<std::byte>() + offset, d_grad.as<std::byte>() + offset, n, cols,
+                       d_target.as<std::int64_t>() + b, d_active.as<int>() + b, d_valid.as<int>() + b,
+                       d_max.as<float>() + b, d_log_sum.as<float>() + b, d_weight.as<float>() + b};
+    at.logits = d_logits.as<std::byte>() + offset;
+    at.device_stats = d_stats.as<float>() + 4 * b;
+    at.host_stats = h_stats.as<float>() + 4 * b;
+    at.target = target.data() + b;
+    at.active = active.data() + b;
+    CudaCrossEntropyShard shard(type, k, bugs, groups.tp.size() == 1, at, stream.get());
+    cross_entropy_protocol(c, bugs, plan, groups, b, n, cols, shard, out.token_loss);
   }
   trace.mark("hand over");
   if (full_vocab) {

@@ -1,7 +1,6 @@
 // Built when the CUDA toolkit is absent: the backend exists and says why it cannot run.
 #include "lossverify/core/errors.hpp"
 #include "lossverify/impl/cuda/cuda_backend.hpp"
-#include "lossverify/impl/cuda/gpu_reference.hpp"
 
 namespace lossverify::cuda {
 
@@ -19,21 +18,4 @@ RankOutput run_sharded_loss(const Case&, const InputSource&, RankAssignment, Ran
   unavailable();
 }
 nlohmann::json bench(const BenchOptions&) { unavailable(); }
-std::shared_ptr<OracleShard> make_oracle_shard(const Case&, const InputSource&, const RankAssignment&, int) {
-  unavailable();
-}
-int device_of(const DeviceShard&) { unavailable(); }
-void gpu_reference_partials_launch(OracleShard&, const Case&, std::span<const std::int64_t>, std::span<const int>) {
-  unavailable();
-}
-void gpu_reference_partials_wait(OracleShard&, std::span<double>) { unavailable(); }
-std::vector<double> gpu_reference_kl(OracleShard&, const Case&, const std::vector<double>&, const std::vector<double>&,
-                                     const std::vector<int>&) {
-  unavailable();
-}
-void gpu_reference_compare_launch(OracleShard&, const DeviceShard&, const Case&, const GpuCompareInputs&, bool) {
-  unavailable();
-}
-std::span<const RowComparison> gpu_reference_compare_wait(OracleShard&) { unavailable(); }
-
 }  // namespace lossverify::cuda

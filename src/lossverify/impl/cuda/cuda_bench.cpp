@@ -8,7 +8,7 @@
 
 #include "lossverify/core/errors.hpp"
 #include "lossverify/impl/cuda/cuda_backend.hpp"
-#include "lossverify/impl/cuda/cuda_check.hpp"
+#include "lossverify/cuda/cuda_check.hpp"
 #include "lossverify/impl/cuda/kernels.hpp"
 #include "lossverify/reference/loss_reference.hpp"
 

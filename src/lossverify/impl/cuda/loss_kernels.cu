@@ -11,8 +11,8 @@
 #include <string_view>
 #include <type_traits>
 
-#include "lossverify/impl/cuda/cuda_check.hpp"
-#include "lossverify/impl/cuda/device_types.cuh"
+#include "lossverify/cuda/cuda_check.hpp"
+#include "lossverify/cuda/device_types.cuh"
 #include "lossverify/impl/cuda/kernels.hpp"
 #include "lossverify/math/cross_entropy_math.hpp"
 

@@ -7,7 +7,7 @@
 #include "lossverify/case/case.hpp"
 #include "lossverify/impl/cpu/sharded_loss.hpp"
 #include "lossverify/impl/plugin/plugin_library.hpp"
-#include "lossverify/impl/rank_output.hpp"
+#include "lossverify/outputs/rank_output.hpp"
 #include "lossverify/inputs/input_source.hpp"
 
 namespace lossverify {

@@ -1,4 +1,4 @@
-#include "lossverify/impl/cuda/gpu_reference.hpp"
+#include "lossverify/oracle/cuda/gpu_reference.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -7,8 +7,8 @@
 #include <cstring>
 
 #include "lossverify/core/errors.hpp"
-#include "lossverify/impl/cuda/device_buffer.hpp"
-#include "lossverify/impl/cuda/shard_inputs.hpp"
+#include "lossverify/cuda/device_buffer.hpp"
+#include "lossverify/cuda/shard_inputs.hpp"
 
 namespace lossverify::cuda {
 

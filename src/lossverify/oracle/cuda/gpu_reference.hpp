@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "lossverify/case/case.hpp"
-#include "lossverify/impl/cuda/reference_kernels.hpp"
-#include "lossverify/impl/rank_output.hpp"
+#include "lossverify/oracle/cuda/reference_kernels.hpp"
+#include "lossverify/outputs/rank_output.hpp"
 #include "lossverify/inputs/input_source.hpp"
 
 namespace lossverify::cuda {

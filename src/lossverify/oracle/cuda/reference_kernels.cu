@@ -12,9 +12,9 @@
 #include <string_view>
 #include <type_traits>
 
-#include "lossverify/impl/cuda/device_buffer.hpp"
-#include "lossverify/impl/cuda/device_types.cuh"
-#include "lossverify/impl/cuda/reference_kernels.hpp"
+#include "lossverify/cuda/device_buffer.hpp"
+#include "lossverify/cuda/device_types.cuh"
+#include "lossverify/oracle/cuda/reference_kernels.hpp"
 
 namespace lossverify::cuda {
 

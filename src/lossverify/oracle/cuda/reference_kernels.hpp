@@ -6,7 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "lossverify/impl/cuda/kernels.hpp"
+#include "lossverify/cuda/storage.hpp"
 
 namespace lossverify::cuda {
 

@@ -1,0 +1,65 @@
+#pragma once
+// The judgement of one compared value (docs/spec.md §6), shared by the checks and the host oracle.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "lossverify/checks/oracle.hpp"
+#include "lossverify/core/dtype.hpp"
+
+namespace lossverify {
+
+// error / tolerance: 0 for an exact value, +inf for NaN or a zero tolerance that is exceeded.
+inline double margin_of(double error, double tolerance) {
+  if (std::isnan(error)) return std::numeric_limits<double>::infinity();
+  if (error == 0.0) return 0.0;
+  if (tolerance <= 0.0) return std::numeric_limits<double>::infinity();
+  return error / tolerance;
+}
+
+// Smallest positive value of the output dtype: no output can be closer to the exact value than this.
+inline double output_quantum(DType dtype) {
+  switch (dtype) {
+    case DType::fp16:
+      return 0x1p-24;
+    case DType::bf16:
+      return 0x1p-133;
+    case DType::fp32:
+    default:
+      return 0x1p-149;
+  }
+}
+
+// Element check of one gradient value against the reference, in effective units.
+// ULP mode (16-bit outputs): the distance to the exact value in units of the dtype's spacing there,
+// measured on the rank's own (local) value against reference / framework scale, or within the floor.
+struct GradJudge {
+  const GradJudgement& j;
+
+  // The margin of `got_local` against `expected`; sets `mismatch` and, in ULP mode, `ulp`.
+  double judge(double got_local, double expected, double token_scale, bool& mismatch, std::int64_t& ulp) const {
+    const double got = got_local * j.framework_scale;
+    const double error = got == expected ? 0.0 : std::fabs(got - expected);
+    const double floor = j.tolerance.atol * token_scale + j.quantum * j.framework_scale;
+    if (j.tolerance.max_ulp > 0) {
+      const double local_expected = expected / j.framework_scale;
+      const double local_error = got_local == local_expected ? 0.0 : std::fabs(got_local - local_expected);
+      const double spacing = ulp_size(local_expected, j.dtype);
+      // A stored value closer than half a spacing is round(expected): distance 0, no need to count.
+      ulp = local_error < 0.5 * spacing ? 0 : ulp_distance(got_local, local_expected, j.dtype);
+      const double by_ulp = local_error / (j.tolerance.max_ulp * spacing);
+      const double m = std::min(by_ulp, margin_of(error, floor));
+      mismatch = !(m <= 1.0);
+      return std::isnan(error) ? std::numeric_limits<double>::infinity() : m;
+    }
+    const double tol = floor + j.tolerance.rtol * std::fabs(expected);
+    mismatch = !(error <= tol);
+    return margin_of(error, tol);
+  }
+  double tolerance_at(double expected, double token_scale) const {
+    return j.tolerance.atol * token_scale + j.quantum * j.framework_scale + j.tolerance.rtol * std::fabs(expected);
+  }
+};
+
+}  // namespace lossverify

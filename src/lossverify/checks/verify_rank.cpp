@@ -1,0 +1,553 @@
+// verify_rank: one rank's outputs against its oracle, then the checks merged over the world (docs/spec.md §6).
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "lossverify/checks/checks.hpp"
+#include "lossverify/checks/element_judge.hpp"
+#include "lossverify/case/tolerances.hpp"
+#include "lossverify/comm/communicator.hpp"
+#include "lossverify/comm/rank_groups.hpp"
+#include "lossverify/core/errors.hpp"
+#include "lossverify/core/stage_trace.hpp"
+#include "lossverify/reference/compensated_sum.hpp"
+
+namespace lossverify {
+
+GradJudgement grad_judgement(const Case& c, DType output_dtype) {
+  const bool kd = c.loss.kind == LossKind::kd;
+  const double kd_power = c.loss.t2_scaling ? 2.0 : 0.0;
+  GradJudgement j;
+  j.tolerance = effective_tolerance(c, "grad");
+  j.dtype = c.inputs.dtype;
+  j.framework_scale = c.framework.gradient_scale(c.layout);
+  j.quantum = output_quantum(c.inputs.dtype);
+  j.grad_scale = kd ? std::pow(c.loss.temperature, kd_power - 1.0) : 1.0;
+  j.smallest_normal = smallest_normal(output_dtype);
+  return j;
+}
+
+namespace {
+
+struct FiniteCensus {
+  std::int64_t nan = 0;
+  std::int64_t pos_inf = 0;
+  std::int64_t neg_inf = 0;
+  std::int64_t subnormal = 0;
+  std::int64_t nonfinite() const { return nan + pos_inf + neg_inf; }
+  // `value` is exactly representable in the dtype it was stored in, so no rounding is needed.
+  void count(double value, double smallest_normal_value) {
+    if (std::isnan(value)) {
+      ++nan;
+    } else if (std::isinf(value)) {
+      ++(value > 0 ? pos_inf : neg_inf);
+    } else if (value != 0.0 && std::fabs(value) < smallest_normal_value) {
+      ++subnormal;
+    }
+  }
+  void add(const FiniteCensus& o) {
+    nan += o.nan;
+    pos_inf += o.pos_inf;
+    neg_inf += o.neg_inf;
+    subnormal += o.subnormal;
+  }
+  nlohmann::json to_json() const {
+    return {{"nan", nan}, {"pos_inf", pos_inf}, {"neg_inf", neg_inf}, {"subnormal", subnormal}};
+  }
+};
+
+// A loss a framework stored in 16 bits (torch's cross_entropy and Liger return the loss in the logits'
+// dtype) is judged as 16-bit gradients are: within the dtype's max_ulp units of its spacing at the exact
+// value, where a correctly rounded value is within half a unit; the float32 tolerance still applies when wider.
+double stored_loss_tolerance(double float32_tolerance, double expected, DType stored) {
+  if (stored == DType::fp32) return float32_tolerance;
+  const int max_ulp = default_tolerance("grad", stored).tolerance.max_ulp;
+  return std::max(float32_tolerance, max_ulp * ulp_size(expected, stored));
+}
+
+// All-gathers fixed-size values over a communicator, in rank order.
+template <class T>
+std::vector<T> gather_all(Communicator& comm, const T& mine) {
+  static_assert(std::is_trivially_copyable_v<T>);
+  std::vector<T> all(static_cast<std::size_t>(comm.size()));
+  comm.all_gather(&mine, all.data(), sizeof(T));
+  return all;
+}
+template <class T>
+std::vector<T> gather_all(Communicator& comm, const std::vector<T>& mine) {
+  std::vector<T> all(mine.size() * static_cast<std::size_t>(comm.size()));
+  comm.all_gather(mine.data(), all.data(), mine.size() * sizeof(T));
+  return all;
+}
+
+// gather_all, where a group of one needs no copy (a 16K-row shard's partials are 1 MB of fresh pages).
+template <class T>
+const std::vector<T>& gather_all(Communicator& comm, const std::vector<T>& mine, std::vector<T>& storage) {
+  if (comm.size() == 1) return mine;
+  storage = gather_all(comm, mine);
+  return storage;
+}
+
+// Every rank's statistics merged in rank order: the same result on every rank and every backend.
+ErrorStats merge_over(Communicator& world, const ErrorStats& local) {
+  const std::vector<PackedStats> all = gather_all(world, local.pack());
+  ErrorStats merged = ErrorStats::unpack(all[0]);
+  for (std::size_t r = 1; r < all.size(); ++r) merged.merge(ErrorStats::unpack(all[r]));
+  return merged;
+}
+
+// What every stage of one rank's verification reads.
+struct RankContext {
+  const Case& c;
+  const RankOutput& out;
+  Oracle& oracle;
+  const LossReference& reference;
+  RankGroups& groups;
+  Communicator& world;
+  std::int64_t tokens;
+  std::int64_t rows;
+  int tp_size;
+  bool tp_leader;
+  bool kd;
+  int world_rank;
+  double loss_scale;  // KD: T^s; 1 for cross-entropy
+};
+
+// The TP group's columns tile [0, V); every token is held by exactly one TP group.
+void check_coverage(const RankContext& x) {
+  const VocabRange range = x.out.assignment.vocab;
+  const std::int64_t mine[2] = {range.begin, range.end};
+  std::vector<std::int64_t> all(static_cast<std::size_t>(2 * x.tp_size));
+  x.groups.tp.all_gather(mine, all.data(), sizeof(mine));
+  std::vector<std::pair<std::int64_t, std::int64_t>> ranges;
+  for (int r = 0; r < x.tp_size; ++r) {
+    ranges.push_back({all[static_cast<std::size_t>(2 * r)], all[static_cast<std::size_t>(2 * r + 1)]});
+  }
+  std::sort(ranges.begin(), ranges.end());
+  const std::string who = "rank " + std::to_string(x.world_rank);
+  std::int64_t next = 0;
+  for (const auto& [b, e] : ranges) {
+    if (b != next) throw InternalError(who + ": TP shards do not tile the vocabulary at column " + std::to_string(next));
+    next = e;
+  }
+  if (next != x.c.shape.vocab) throw InternalError(who + ": TP shards do not cover the vocabulary");
+  std::vector<std::int64_t> holders(static_cast<std::size_t>(x.tokens), 0);
+  if (x.tp_leader) {
+    for (std::int64_t i = 0; i < x.rows; ++i) {
+      if (x.out.token_of(i) >= 0) ++holders[static_cast<std::size_t>(x.out.token_of(i))];
+    }
+  }
+  x.world.allreduce_sum(std::span<std::int64_t>(holders));
+  for (std::int64_t t = 0; t < x.tokens; ++t) {
+    const std::int64_t held = holders[static_cast<std::size_t>(t)];
+    if (held != 1) {
+      throw InternalError("token " + std::to_string(t) + " is held by " + std::to_string(held) +
+                          " TP groups, expected exactly one");
+    }
+  }
+}
+
+// The reference of the rank's rows: which are valid tokens, their statistics over the whole vocabulary
+// (the TP group's partials combined in column order) and their losses.
+struct RowReference {
+  std::vector<char> valid;
+  std::vector<RowStats> stats;
+  std::vector<double> loss;
+};
+
+std::vector<double> kd_losses(const RankContext& x, const RowReference& ref) {
+  const std::vector<double> all_kl = gather_all(x.groups.tp, x.oracle.kl_partials(ref.stats));
+  std::vector<double> loss(static_cast<std::size_t>(x.rows), 0.0);
+  for (std::int64_t i = 0; i < x.rows; ++i) {
+    if (!ref.valid[static_cast<std::size_t>(i)]) continue;
+    CompensatedSum total;
+    for (int r = 0; r < x.tp_size; ++r) {
+      total.add(all_kl[static_cast<std::size_t>(r * 2 * x.rows + 2 * i)]);
+      total.add(all_kl[static_cast<std::size_t>(r * 2 * x.rows + 2 * i + 1)]);
+    }
+    loss[static_cast<std::size_t>(i)] = x.reference.kd_loss(total.value());
+  }
+  return loss;
+}
+
+RowReference reference_rows(const RankContext& x, StageTrace& trace) {
+  RowReference ref;
+  std::vector<double> partials(static_cast<std::size_t>(x.rows * RowPartial::kDoubles), 0.0);
+  x.oracle.row_partials(partials, ref.valid);
+  trace.mark("2 combine");
+  std::vector<double> gathered;
+  const std::vector<double>& all_partials = gather_all(x.groups.tp, partials, gathered);
+  ref.stats.assign(static_cast<std::size_t>(x.rows), RowStats{});
+  std::vector<RowPartial> row_parts(static_cast<std::size_t>(x.tp_size));
+  for (std::int64_t i = 0; i < x.rows; ++i) {
+    if (!ref.valid[static_cast<std::size_t>(i)]) continue;
+    for (int r = 0; r < x.tp_size; ++r) {
+      row_parts[static_cast<std::size_t>(r)] =
+          RowPartial::load(&all_partials[static_cast<std::size_t>((r * x.rows + i) * RowPartial::kDoubles)]);
+    }
+    ref.stats[static_cast<std::size_t>(i)] = x.reference.combine(row_parts);
+  }
+  trace.mark("2 combine: losses");
+  if (x.kd) {
+    ref.loss = kd_losses(x, ref);
+  } else {
+    ref.loss.assign(static_cast<std::size_t>(x.rows), 0.0);
+    for (std::int64_t i = 0; i < x.rows; ++i) {
+      const auto k = static_cast<std::size_t>(i);
+      if (ref.valid[k]) ref.loss[k] = x.reference.cross_entropy_loss(ref.stats[k]);
+    }
+  }
+  return ref;
+}
+
+// The losses: every row's against the reference, the logged (reduced) loss and the logged count.
+struct LossFindings {
+  ErrorStats per_token;  // this rank's rows
+  ErrorStats reduced;
+  ErrorStats count;
+  double reference_reduced = 0.0;
+  Tolerance tolerance;
+  Tolerance reduced_tolerance;
+};
+
+LossFindings judge_losses(const RankContext& x, const RowReference& ref, std::vector<double>& token_margins) {
+  LossFindings f;
+  f.tolerance = effective_tolerance(x.c, "loss");
+  f.reduced_tolerance = effective_tolerance(x.c, "reduced_loss");
+  // The reference's logged loss: every token's reference loss, summed in token order on every rank.
+  std::vector<double> token_losses(static_cast<std::size_t>(x.tokens), 0.0);
+  if (x.tp_leader) {
+    for (std::int64_t i = 0; i < x.rows; ++i) {
+      if (x.out.token_of(i) >= 0) token_losses[static_cast<std::size_t>(x.out.token_of(i))] = ref.loss[static_cast<std::size_t>(i)];
+    }
+  }
+  x.world.allreduce_sum(std::span<double>(token_losses));  // one nonzero term per token: exact
+  if (x.c.loss.reduction != Reduction::none) {
+    f.reference_reduced = x.reference.reduced_loss(token_losses);
+    // The absolute floor scales with sum_t |w_t|: 1 for mean, N_v for sum.
+    const double weight_total =
+        x.c.loss.reduction == Reduction::mean ? 1.0 : static_cast<double>(x.reference.valid_tokens());
+    const double tolerance = f.reduced_tolerance.atol * x.loss_scale * std::max(weight_total, 1.0) +
+                             f.reduced_tolerance.rtol * std::fabs(f.reference_reduced);
+    f.reduced.add({-1, -1, x.world_rank, f.reference_reduced, x.out.reduced_loss,
+                   stored_loss_tolerance(tolerance, f.reference_reduced, x.out.reduced_loss_dtype)});
+  }
+  f.count.add({-1, -1, x.world_rank, static_cast<double>(x.reference.valid_tokens()),
+               static_cast<double>(x.out.logged_valid_tokens), 0.5});
+  // Each row: CP padding must be exactly zero, a token within its tolerance (its margin goes to the map).
+  for (std::int64_t i = 0; i < x.rows; ++i) {
+    const auto k = static_cast<std::size_t>(i);
+    const std::int64_t t = x.out.token_of(i);
+    const double got = x.out.token_loss[k];
+    if (t < 0) {
+      const LocalRow& row = x.out.assignment.rows[k];
+      f.per_token.add({-1, -1, x.world_rank, 0.0, got, 0.0, row.sequence, row.position});
+      continue;
+    }
+    const double expected = ref.loss[k];
+    const double tolerance = stored_loss_tolerance(
+        f.tolerance.atol * x.loss_scale + f.tolerance.rtol * std::fabs(expected), expected, x.out.token_loss_dtype);
+    f.per_token.add({t, -1, x.world_rank, expected, got, tolerance});
+    if (!token_margins.empty()) {
+      token_margins[static_cast<std::size_t>(x.tokens + t)] =
+          margin_of(got == expected ? 0.0 : std::fabs(got - expected), tolerance);
+    }
+  }
+  return f;
+}
+
+// The gradient, from the oracle's rows: statistics, per-row sums for the row-sum invariant, the census.
+struct GradFindings {
+  ErrorStats stats;
+  std::int64_t mismatches = 0;
+  std::int64_t lookups = 0;
+  std::vector<double> row_sums;  // per row: compensated sum (value, error) and the sum of magnitudes
+  FiniteCensus census;
+};
+
+GradFindings collect_grad(const RankContext& x, std::span<const RowJudgement> judged, std::vector<double>& token_margins) {
+  GradFindings f;
+  f.row_sums.assign(static_cast<std::size_t>(3 * x.rows), 0.0);
+  for (std::int64_t i = 0; i < x.rows; ++i) {
+    const auto k = static_cast<std::size_t>(i);
+    const RowJudgement& row = judged[k];
+    f.stats.merge(ErrorStats::unpack(row.grad));
+    f.mismatches += row.grad.mismatches;
+    f.lookups += row.lookups;
+    f.census.add(FiniteCensus{row.nan, row.pos_inf, row.neg_inf, row.subnormal});
+    const std::int64_t t = x.out.token_of(i);
+    if (t < 0) continue;
+    f.row_sums[3 * k] = row.sum;
+    f.row_sums[3 * k + 1] = row.sum_error;
+    f.row_sums[3 * k + 2] = row.magnitude;
+    if (!token_margins.empty()) token_margins[static_cast<std::size_t>(t)] = row.grad.margin;
+  }
+  return f;
+}
+
+// Across the TP group, judged by the TP leader: rank agreement of the losses and the row-sum invariant.
+struct TpFindings {
+  ErrorStats agreement;
+  ErrorStats row_sum;
+  Tolerance agreement_tolerance;
+  Tolerance row_sum_tolerance;
+};
+
+TpFindings judge_tp_group(const RankContext& x, const RowReference& ref, const GradFindings& grad,
+                          const GradJudgement& judgement) {
+  TpFindings f;
+  f.agreement_tolerance = effective_tolerance(x.c, "rank_agreement");
+  f.row_sum_tolerance = effective_tolerance(x.c, "row_sum");
+  const Tolerance& agree = f.agreement_tolerance;
+  const Tolerance& row_tol = f.row_sum_tolerance;
+  std::vector<double> gathered_sums;
+  std::vector<float> gathered_losses;
+  const std::vector<double>& all_sums = gather_all(x.groups.tp, grad.row_sums, gathered_sums);
+  const std::vector<float>& all_losses = gather_all(x.groups.tp, x.out.token_loss, gathered_losses);
+  const std::vector<int> tp_world = gather_all(x.groups.tp, x.world_rank);  // collective: every TP rank calls it
+  if (!x.tp_leader) return f;
+  const bool row_sum_applies = x.c.loss.softcap == 0.0;
+  for (std::int64_t i = 0; i < x.rows; ++i) {
+    const auto k = static_cast<std::size_t>(i);
+    const std::int64_t t = x.out.token_of(i);
+    if (t < 0) continue;
+    const double first = all_losses[k];
+    for (int r = 1; r < x.tp_size; ++r) {
+      f.agreement.add({t, -1, tp_world[static_cast<std::size_t>(r)], first,
+                       all_losses[static_cast<std::size_t>(r * x.rows + i)],
+                       agree.atol * x.loss_scale + agree.rtol * std::fabs(first)});
+    }
+    if (!row_sum_applies) continue;
+    CompensatedSum total;
+    CompensatedSum magnitude;
+    for (int r = 0; r < x.tp_size; ++r) {
+      const auto at = static_cast<std::size_t>(r * 3 * x.rows + 3 * i);
+      total.add(all_sums[at]);
+      total.add(all_sums[at + 1]);
+      magnitude.add(all_sums[at + 2]);
+    }
+    // docs/spec.md §3 invariant: sum_v dl/dx_v = 2 w_z lse per token (0 for KD), times the token's weight in L.
+    const double weight = ref.valid[k] ? x.reference.token_weight(t) : 0.0;
+    const double expected_sum = (ref.valid[k] && !x.kd) ? weight * 2.0 * x.c.loss.z_loss_weight * ref.stats[k].lse : 0.0;
+    f.row_sum.add({t, -1, x.world_rank, expected_sum, total.value(),
+                   row_tol.atol * std::fabs(weight) * judgement.grad_scale + row_tol.rtol * magnitude.value() +
+                       judgement.quantum * judgement.framework_scale});
+  }
+  return f;
+}
+
+// The finite census of the losses, and the rank's first non-finite value (gradient before loss, row by row).
+struct CensusRecord {
+  std::int64_t rank;
+  std::int64_t values[12];  // gradient, token loss, reduced loss: nan, +inf, -inf, subnormal
+  std::int64_t has_bad;
+  PackedElement bad;
+};
+
+CensusRecord take_census(const RankContext& x, std::span<const RowJudgement> judged, const FiniteCensus& grad) {
+  FiniteCensus loss;
+  FiniteCensus reduced;
+  std::optional<ElementRecord> first_bad;
+  const double fp32_normal = smallest_normal(DType::fp32);
+  for (std::int64_t i = 0; i < x.rows; ++i) {
+    const RowJudgement& row = judged[static_cast<std::size_t>(i)];
+    if (row.first_bad_column >= 0 && !first_bad) {
+      first_bad = ElementRecord{x.out.token_of(i), row.first_bad_column, x.world_rank, 0.0, row.first_bad_value, 0.0};
+    }
+    const double l = x.out.token_loss[static_cast<std::size_t>(i)];
+    loss.count(l, fp32_normal);
+    if (!std::isfinite(l) && !first_bad) first_bad = ElementRecord{x.out.token_of(i), -1, x.world_rank, 0.0, l, 0.0};
+  }
+  if (x.out.has_reduced_loss) reduced.count(x.out.reduced_loss, fp32_normal);
+  CensusRecord mine{};
+  mine.rank = x.world_rank;
+  const FiniteCensus* parts[3] = {&grad, &loss, &reduced};
+  for (int j = 0; j < 3; ++j) {
+    mine.values[4 * j] = parts[j]->nan;
+    mine.values[4 * j + 1] = parts[j]->pos_inf;
+    mine.values[4 * j + 2] = parts[j]->neg_inf;
+    mine.values[4 * j + 3] = parts[j]->subnormal;
+  }
+  if (first_bad) {
+    mine.has_bad = 1;
+    mine.bad = {first_bad->token, first_bad->column, first_bad->rank, -1, -1, 0.0, first_bad->got, 0.0};
+  }
+  return mine;
+}
+
+CheckResult finite_result(const std::vector<CensusRecord>& censuses) {
+  CheckResult r;
+  r.name = "finite";
+  FiniteCensus grad_total;
+  FiniteCensus loss_total;
+  nlohmann::json per_rank = nlohmann::json::array();
+  for (const CensusRecord& cr : censuses) {
+    FiniteCensus f[3];
+    for (int j = 0; j < 3; ++j) {
+      f[j] = FiniteCensus{cr.values[4 * j], cr.values[4 * j + 1], cr.values[4 * j + 2], cr.values[4 * j + 3]};
+    }
+    grad_total.add(f[0]);
+    loss_total.add(f[1]);
+    loss_total.add(f[2]);
+    if (f[0].nonfinite() + f[0].subnormal + f[1].nonfinite() + f[1].subnormal + f[2].nonfinite() > 0) {
+      per_rank.push_back({{"rank", cr.rank}, {"grad", f[0].to_json()}, {"token_loss", f[1].to_json()},
+                          {"reduced_loss", f[2].to_json()}});
+    }
+    if (cr.has_bad && !r.worst) {
+      r.worst = ElementRecord{cr.bad.token, cr.bad.column, static_cast<int>(cr.bad.rank), 0.0, cr.bad.got, 0.0};
+    }
+  }
+  const std::int64_t bad = grad_total.nonfinite() + loss_total.nonfinite();
+  r.metrics = {{"nonfinite", bad}, {"grad", grad_total.to_json()}, {"loss", loss_total.to_json()}, {"per_rank", per_rank}};
+  r.verdict = bad == 0 ? Verdict::pass : Verdict::fail;
+  r.margin = bad == 0 ? 0.0 : std::numeric_limits<double>::infinity();
+  r.summary = bad == 0 ? "no NaN or Inf in any rank's outputs"
+                       : std::to_string(bad) + " non-finite values (the reference is finite everywhere)";
+  return r;
+}
+
+CheckResult loss_result(const RankContext& x, const LossFindings& losses) {
+  const ErrorStats per_token = merge_over(x.world, losses.per_token);
+  const ErrorStats reduced = merge_over(x.world, losses.reduced);
+  ErrorStats both = per_token;
+  both.merge(reduced);
+  CheckResult r = make_result("loss", both, losses.tolerance, "per-token and logged losses vs the float64 reference");
+  r.metrics = {{"per_token", per_token.to_json()}, {"margin", both.margin()}};
+  if (x.c.loss.reduction != Reduction::none) {
+    r.metrics["reduced"] = reduced.to_json();
+    r.metrics["reduced"]["expected"] = losses.reference_reduced;
+    r.metrics["reduced"]["tolerance"] = {{"atol", losses.reduced_tolerance.atol}, {"rtol", losses.reduced_tolerance.rtol}};
+  }
+  return r;
+}
+
+CheckResult grad_result(const RankContext& x, const GradFindings& grad, const GradJudgement& judgement) {
+  const ErrorStats all = merge_over(x.world, grad.stats);
+  const std::vector<std::int64_t> mismatches_per_rank = gather_all(x.world, grad.mismatches);
+  CheckResult r = make_result("grad", all, judgement.tolerance, "effective gradient vs the float64 reference");
+  if (x.c.inputs.dtype != DType::fp32) r.metrics["max_ulp"] = all.max_ulp();
+  r.metrics["framework_scale"] = judgement.framework_scale;
+  nlohmann::json per_rank = nlohmann::json::array();
+  for (std::size_t k = 0; k < mismatches_per_rank.size(); ++k) {
+    per_rank.push_back({{"rank", static_cast<int>(k)}, {"mismatches", mismatches_per_rank[k]}});
+  }
+  r.metrics["mismatches_per_rank"] = per_rank;
+  // (Every rank has the same kind of oracle: one reference per run.)
+  if (x.oracle.counts_lookups()) {
+    std::int64_t lookups = 0;
+    for (const std::int64_t l : gather_all(x.world, grad.lookups)) lookups += l;
+    r.metrics["judged_by_lookup"] = lookups;
+  }
+  return r;
+}
+
+void fill_error_map(const RankContext& x, const LossFindings& losses, const GradFindings& grad,
+                    std::vector<double> token_margins, ErrorMap& map) {
+  // (With one rank its margins are already the maxima.)
+  if (x.world.size() > 1) x.world.allreduce_max(std::span<double>(token_margins));
+  map.token_loss_margin.assign(token_margins.begin() + x.tokens, token_margins.end());
+  token_margins.resize(static_cast<std::size_t>(x.tokens));
+  map.token_grad_margin = std::move(token_margins);
+  RankErrorCell cell;
+  cell.rank = x.world_rank;
+  cell.tp = x.out.assignment.coordinates.tp;
+  cell.cp = x.out.assignment.coordinates.cp;
+  cell.dp = x.out.assignment.coordinates.dp;
+  cell.vocab_begin = x.out.assignment.vocab.begin;
+  cell.vocab_end = x.out.assignment.vocab.end;
+  cell.loss_margin = losses.per_token.margin();
+  cell.grad_margin = grad.stats.margin();
+  cell.grad_mismatches = grad.mismatches;
+  map.ranks = gather_all(x.world, cell);
+}
+
+// The layout's answers for the invariance check, from the rank's own outputs.
+void fill_snapshot(const RankContext& x, double framework_scale, LayoutSnapshot& snapshot) {
+  const std::int64_t vocab = x.c.shape.vocab;
+  const std::int64_t cols = x.out.columns();
+  const std::int64_t begin = x.out.assignment.vocab.begin;
+  const bool keep_grads = x.tokens * vocab <= kSnapshotElementLimit;
+  if (keep_grads && x.out.grad.empty() && x.rows * cols > 0) {
+    throw InternalError("the invariance check needs the rank's gradient on the host");
+  }
+  std::vector<double> got(static_cast<std::size_t>(cols));
+  for (std::int64_t i = 0; i < x.rows; ++i) {
+    const std::int64_t t = x.out.token_of(i);
+    if (t < 0) continue;
+    if (x.tp_leader) snapshot.token_loss[static_cast<std::size_t>(t)] = x.out.token_loss[static_cast<std::size_t>(i)];
+    if (!keep_grads) continue;
+    x.out.grad_row(i, got.data());
+    for (std::int64_t v = 0; v < cols; ++v) {
+      const double g = got[static_cast<std::size_t>(v)] * framework_scale;
+      snapshot.effective_grad[static_cast<std::size_t>(t * vocab + begin + v)] = static_cast<float>(g);
+    }
+  }
+  if (x.world.rank() == 0) {
+    snapshot.logged_loss = x.out.reduced_loss;
+    snapshot.logged_valid_tokens = x.out.logged_valid_tokens;
+  }
+}
+
+}  // namespace
+
+std::vector<CheckResult> verify_rank(const Case& c, const RankOutput& out, Oracle& oracle, RankGroups& groups,
+                                     Communicator& world, LayoutSnapshot* snapshot, ErrorMap* error_map) {
+  const bool kd = c.loss.kind == LossKind::kd;
+  const double kd_power = c.loss.t2_scaling ? 2.0 : 0.0;
+  const RankContext x{c, out, oracle, oracle.reference(), groups, world, c.shape.tokens, out.rows(),
+                      groups.tp.size(), groups.tp.rank() == 0, kd, out.assignment.world_rank,
+                      kd ? std::pow(c.loss.temperature, kd_power) : 1.0};
+  const GradJudgement judgement = grad_judgement(c, out.dtype);
+  StageTrace trace("rank " + std::to_string(x.world_rank) + " verify");
+  trace.mark("0 coverage");
+  check_coverage(x);
+  trace.mark("1 partials");
+  const RowReference ref = reference_rows(x, trace);
+  trace.mark("3 elements: start");
+  oracle.start_judging(ref.stats);  // the GPU oracle judges while the host goes on with the losses
+  // per global token: this rank's largest gradient margin, then its loss margin (max-reduced below)
+  std::vector<double> token_margins(error_map != nullptr ? static_cast<std::size_t>(2 * x.tokens) : 0, 0.0);
+  trace.mark("5 losses");
+  const LossFindings losses = judge_losses(x, ref, token_margins);
+  trace.mark("3 elements: wait");
+  const std::span<const RowJudgement> judged = oracle.judged_rows();
+  const GradFindings grad = collect_grad(x, judged, token_margins);
+  trace.mark("4 tp checks");
+  const TpFindings tp = judge_tp_group(x, ref, grad, judgement);
+  trace.mark("6 census");
+  const CensusRecord census = take_census(x, judged, grad.census);
+  if (snapshot != nullptr) fill_snapshot(x, judgement.framework_scale, *snapshot);
+
+  trace.mark("7 merge");
+  std::vector<CheckResult> results;
+  results.push_back(loss_result(x, losses));
+  results.push_back(grad_result(x, grad, judgement));
+  {
+    CheckResult r = make_result("rank_agreement", merge_over(world, tp.agreement), tp.agreement_tolerance,
+                                "TP ranks of each token report the same loss");
+    if (r.verdict == Verdict::not_applicable) r.summary = "one TP rank per token: nothing to compare";
+    results.push_back(std::move(r));
+  }
+  results.push_back(finite_result(gather_all(world, census)));
+  {
+    CheckResult r = make_result("row_sum", merge_over(world, tp.row_sum), tp.row_sum_tolerance,
+                                "sum_v grad = w_t 2 w_z lse for every token");
+    if (c.loss.softcap != 0.0) r.summary = "softcap changes the invariant: not applicable";
+    results.push_back(std::move(r));
+  }
+  {
+    CheckResult r = make_result("stats", merge_over(world, losses.count), Tolerance{0.5, 0.0, 0},
+                                "logged valid-token count vs the global count");
+    r.metrics["expected_valid_tokens"] = x.reference.valid_tokens();
+    results.push_back(std::move(r));
+  }
+  if (error_map != nullptr) fill_error_map(x, losses, grad, std::move(token_margins), *error_map);
+  return results;
+}
+
+}  // namespace lossverify

@@ -1,0 +1,127 @@
+#include "lossverify/impl/loss_protocol.hpp"
+
+#include <cmath>
+#include <limits>
+
+#include "lossverify/impl/row_loss.hpp"
+#include "lossverify/math/kd_math.hpp"
+
+namespace lossverify {
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// The smoothing sum of the forward: global, shard-local, or rebuilt from sum log(exp(x - M) / S).
+std::vector<float> forward_smoothing_sums(const Case& c, const BugSwitches& bugs, RankGroups& groups,
+                                          std::int64_t shard_width, CrossEntropyShard& shard,
+                                          std::span<const float> row_max, std::span<const float> sum_exp,
+                                          std::span<const float> log_sum, std::span<const float> sum_shifted,
+                                          std::span<const float> local_sum_shifted) {
+  const auto n = row_max.size();
+  std::vector<float> smoothing_sum(n, 0.0f);
+  for (std::size_t i = 0; i < n; ++i) {
+    smoothing_sum[i] = bugs.smoothing_sum_local_forward ? local_sum_shifted[i] : sum_shifted[i];
+  }
+  if (!bugs.smoothing_log_after_exp) return smoothing_sum;
+  std::vector<float> sum_log_p(n, 0.0f);
+  shard.sum_log_p(row_max, sum_exp, sum_log_p);
+  if (!bugs.smoothing_sum_local_forward) groups.tp.allreduce_sum(sum_log_p);
+  const auto terms = static_cast<float>(bugs.smoothing_sum_local_forward ? shard_width : c.shape.vocab);
+  for (std::size_t i = 0; i < n; ++i) smoothing_sum[i] = sum_log_p[i] + terms * log_sum[i];
+  return smoothing_sum;
+}
+
+}  // namespace
+
+void cross_entropy_protocol(const Case& c, const BugSwitches& bugs, const RankPlan& plan, RankGroups& groups,
+                            std::int64_t begin, std::int64_t n, std::int64_t shard_width, CrossEntropyShard& shard,
+                            std::vector<float>& token_loss) {
+  const auto rows = static_cast<std::size_t>(n);
+  const bool smoothing = c.loss.label_smoothing > 0.0;
+  std::vector<float> row_max(rows, bugs.no_max_shift ? 0.0f : kNegInf);
+  std::vector<float> log_sum(rows, 0.0f);
+  // [S | x_l - M | sum(x - M)]: the last part travels only with label smoothing.
+  std::vector<float> packed(3 * rows, 0.0f);
+  const std::span<float> sum_exp(packed.data(), rows);
+  const std::span<float> target_shifted(packed.data() + rows, rows);
+  const std::span<float> sum_shifted(packed.data() + 2 * rows, rows);
+  std::vector<float> local_sum_shifted;
+  std::vector<float> fused_sum_exp;
+  if (shard.fused_pass(row_max, log_sum, target_shifted, sum_shifted)) {
+    // One rank holds the whole rows: the sums are already global.
+    local_sum_shifted.assign(sum_shifted.begin(), sum_shifted.end());
+    for (std::size_t i = 0; i < rows; ++i) sum_exp[i] = std::exp(log_sum[i]);
+  } else {
+    if (!bugs.no_max_shift) {
+      shard.local_max(row_max);
+      groups.tp.allreduce_max(row_max);
+    }
+    shard.shifted_sums(row_max, sum_exp, target_shifted, sum_shifted);
+    if (smoothing) local_sum_shifted.assign(sum_shifted.begin(), sum_shifted.end());
+    groups.tp.allreduce_sum(std::span<float>(packed.data(), (smoothing ? 3 : 2) * rows));
+    for (std::size_t i = 0; i < rows; ++i) {
+      if (plan.row(begin + static_cast<std::int64_t>(i)).active) log_sum[i] = std::log(sum_exp[i]);
+    }
+  }
+  std::vector<float> smoothing_sum;
+  if (smoothing) {
+    smoothing_sum = forward_smoothing_sums(c, bugs, groups, shard_width, shard, row_max, sum_exp, log_sum,
+                                           sum_shifted, local_sum_shifted);
+  }
+  const auto width = static_cast<float>(shard_width);
+  const SmoothingPair q = smoothing_for(c, bugs, width);
+  const auto z_weight = static_cast<float>(c.loss.z_loss_weight);
+  for (std::size_t i = 0; i < rows; ++i) {
+    const RowPlan& p = plan.row(begin + static_cast<std::int64_t>(i));
+    if (!p.active) continue;
+    token_loss[static_cast<std::size_t>(begin) + i] = cross_entropy_row_loss(
+        p, row_max[i], log_sum[i], target_shifted[i], smoothing ? smoothing_sum[i] : 0.0f,
+        local_sum_shifted.empty() ? 0.0f : local_sum_shifted[i], width, q.forward, z_weight, bugs);
+  }
+  shard.gradient(row_max, log_sum);
+}
+
+void kd_protocol(const Case& c, const BugSwitches& bugs, const RankPlan& plan, RankGroups& groups, std::int64_t begin,
+                 std::int64_t n, KdShard& shard, std::vector<float>& token_loss) {
+  const auto rows = static_cast<std::size_t>(n);
+  auto active = [&](std::size_t i) { return plan.row(begin + static_cast<std::int64_t>(i)).active; };
+  const KdScales scales = kd_scales(c.loss, bugs, c.layout.tp);
+  // 1. Student and teacher maxima in one all-reduce: [M_a | M_b].
+  std::vector<float> maxima(2 * rows, kNegInf);
+  shard.local_maxima(maxima);
+  if (!bugs.kd_local_softmax) groups.tp.allreduce_max(maxima);
+  // 2. One packed all-reduce: [S_a | S_b | W (| U)]; under kd-local-softmax each shard's own KL instead.
+  const bool cross_entropy_value = bugs.kd_cross_entropy_value;
+  std::vector<float> packed((cross_entropy_value ? 4 : 3) * rows, 0.0f);
+  shard.shifted_sums(maxima, packed);
+  std::vector<float> divergence(rows, 0.0f);
+  if (bugs.kd_local_softmax) {
+    for (std::size_t i = 0; i < rows; ++i) {
+      if (!active(i)) continue;
+      divergence[i] = kl_from_sums(packed[i], packed[rows + i], packed[2 * rows + i], maxima[i], maxima[rows + i]);
+    }
+    groups.tp.allreduce_sum(divergence);
+  } else {
+    groups.tp.allreduce_sum(packed);
+  }
+  // 3. Per-token loss, and the two lse and the weight the gradient needs.
+  std::vector<float> lse_a(rows, 0.0f);
+  std::vector<float> lse_b(rows, 0.0f);
+  std::vector<float> weight(rows, 0.0f);
+  for (std::size_t i = 0; i < rows; ++i) {
+    const RowPlan& p = plan.row(begin + static_cast<std::int64_t>(i));
+    if (!p.active) continue;
+    lse_a[i] = maxima[i] + std::log(packed[i]);
+    lse_b[i] = maxima[rows + i] + std::log(packed[rows + i]);
+    const float value = kd_row_value(packed[i], packed[rows + i], packed[2 * rows + i],
+                                     cross_entropy_value ? packed[3 * rows + i] : 0.0f, maxima[i], maxima[rows + i],
+                                     divergence[i], bugs);
+    token_loss[static_cast<std::size_t>(begin) + i] = scales.loss * value;
+    weight[i] = p.backward_weight * scales.grad;
+  }
+  // 4. Gradient T^(s-1) (Q - P) of the shard's columns.
+  shard.gradient(lse_a, lse_b, weight);
+}
+
+}  // namespace lossverify

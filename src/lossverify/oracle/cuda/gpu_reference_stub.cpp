@@ -1,0 +1,30 @@
+// Built when the CUDA toolkit is absent: the GPU oracle exists and says why it cannot run.
+#include "lossverify/core/errors.hpp"
+#include "lossverify/oracle/cuda/gpu_reference.hpp"
+
+namespace lossverify::cuda {
+
+namespace {
+[[noreturn]] void unavailable() {
+  throw InternalError("--reference gpu: this build has no CUDA (the CUDA toolkit was not found at configure time)");
+}
+}  // namespace
+
+std::shared_ptr<OracleShard> make_oracle_shard(const Case&, const InputSource&, const RankAssignment&, int) {
+  unavailable();
+}
+int device_of(const DeviceShard&) { unavailable(); }
+void gpu_reference_partials_launch(OracleShard&, const Case&, std::span<const std::int64_t>, std::span<const int>) {
+  unavailable();
+}
+void gpu_reference_partials_wait(OracleShard&, std::span<double>) { unavailable(); }
+std::vector<double> gpu_reference_kl(OracleShard&, const Case&, const std::vector<double>&, const std::vector<double>&,
+                                     const std::vector<int>&) {
+  unavailable();
+}
+void gpu_reference_compare_launch(OracleShard&, const DeviceShard&, const Case&, const GpuCompareInputs&, bool) {
+  unavailable();
+}
+std::span<const RowComparison> gpu_reference_compare_wait(OracleShard&) { unavailable(); }
+
+}  // namespace lossverify::cuda

@@ -1,0 +1,197 @@
+#include "lossverify/oracle/host_oracle.hpp"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "lossverify/checks/checks.hpp"
+#include "lossverify/checks/element_judge.hpp"
+#include "lossverify/reference/compensated_sum.hpp"
+
+namespace lossverify {
+
+HostOracle::ShardCache::ShardCache(DType dtype, std::int64_t rows, std::int64_t cols)
+    : dtype_(dtype), cols_(cols), bytes_(static_cast<std::size_t>(rows * cols) * dtype_size(dtype)) {}
+
+template <class Fill>
+void HostOracle::ShardCache::store(std::int64_t row, Fill fill) {
+  dispatch_dtype(dtype_, [&](auto type) {
+    using T = typename decltype(type)::type;
+    fill(reinterpret_cast<T*>(bytes_.data()) + row * cols_);
+  });
+}
+
+void HostOracle::ShardCache::widen(std::int64_t row, double* out) const {
+  dispatch_dtype(dtype_, [&](auto type) {
+    using T = typename decltype(type)::type;
+    const T* in = reinterpret_cast<const T*>(bytes_.data()) + row * cols_;
+    for (std::int64_t v = 0; v < cols_; ++v) out[v] = static_cast<double>(static_cast<float>(in[v]));
+  });
+}
+
+HostOracle::HostOracle(const Case& c, const InputSource& inputs, const RankOutput& out,
+                       const GradJudgement& judgement, int threads)
+    : case_(c),
+      inputs_(inputs),
+      out_(out),
+      reference_(c, inputs),
+      judgement_(judgement),
+      threads_(threads),
+      kd_(c.loss.kind == LossKind::kd),
+      beacon_(ProgressBeacon::current()),
+      student_(c.inputs.dtype, out.rows(), out.columns()),
+      teacher_(c.inputs.dtype, kd_ ? out.rows() : 0, out.columns()) {}
+
+void HostOracle::load_row(std::int64_t i, std::vector<double>& student, std::vector<double>& teacher) const {
+  student_.widen(i, student.data());
+  if (kd_) teacher_.widen(i, teacher.data());
+}
+
+void HostOracle::row_partials(std::vector<double>& partials, std::vector<char>& valid) {
+  const std::int64_t rows = out_.rows();
+  const std::int64_t cols = out_.columns();
+  const VocabRange range = out_.assignment.vocab;
+  valid_.assign(static_cast<std::size_t>(rows), 0);
+#pragma omp parallel num_threads(threads_)
+  {
+    std::vector<double> student(static_cast<std::size_t>(cols));
+    std::vector<double> teacher(kd_ ? static_cast<std::size_t>(cols) : 0);
+#pragma omp for schedule(dynamic, 4)
+    for (std::int64_t i = 0; i < rows; ++i) {
+      beat_row(beacon_, i);
+      const std::int64_t t = out_.token_of(i);
+      if (t < 0 || !inputs_.is_valid(t)) continue;
+      valid_[static_cast<std::size_t>(i)] = 1;
+      student_.store(i, [&](auto* row) { inputs_.logits(t, range.begin, range.end, row); });
+      if (kd_) teacher_.store(i, [&](auto* row) { inputs_.teacher_logits(t, range.begin, range.end, row); });
+      load_row(i, student, teacher);
+      const RowPartial p = reference_.partial(t, range.begin, student, teacher);
+      p.store(&partials[static_cast<std::size_t>(i * RowPartial::kDoubles)]);
+    }
+  }
+  valid = valid_;
+}
+
+std::vector<double> HostOracle::kl_partials(std::span<const RowStats> stats) {
+  const std::int64_t rows = out_.rows();
+  const std::int64_t cols = out_.columns();
+  std::vector<double> kl(static_cast<std::size_t>(2 * rows), 0.0);
+#pragma omp parallel num_threads(threads_)
+  {
+    std::vector<double> student(static_cast<std::size_t>(cols));
+    std::vector<double> teacher(static_cast<std::size_t>(cols));
+#pragma omp for schedule(dynamic, 4)
+    for (std::int64_t i = 0; i < rows; ++i) {
+      beat_row(beacon_, i);
+      if (!valid_[static_cast<std::size_t>(i)]) continue;
+      load_row(i, student, teacher);
+      const auto [sum, error] = reference_.kl_partial(stats[static_cast<std::size_t>(i)], student, teacher);
+      kl[static_cast<std::size_t>(2 * i)] = sum;
+      kl[static_cast<std::size_t>(2 * i + 1)] = error;
+    }
+  }
+  return kl;
+}
+
+namespace {
+
+// The finite census of one stored value, and the row's first non-finite one.
+void count_value(RowJudgement& row, double value, std::int64_t column, double smallest_normal_value) {
+  if (std::isnan(value)) {
+    ++row.nan;
+  } else if (std::isinf(value)) {
+    ++(value > 0 ? row.pos_inf : row.neg_inf);
+  } else if (value != 0.0 && std::fabs(value) < smallest_normal_value) {
+    ++row.subnormal;
+  }
+  if (!std::isfinite(value) && row.first_bad_column < 0) {
+    row.first_bad_column = column;
+    row.first_bad_value = value;
+  }
+}
+
+}  // namespace
+
+// CP padding: masked, so an exactly zero gradient.
+RowJudgement HostOracle::judge_padding_row(std::int64_t i, std::span<const double> got) const {
+  const LocalRow& row = out_.assignment.rows[static_cast<std::size_t>(i)];
+  const std::int64_t begin = out_.assignment.vocab.begin;
+  const int rank = out_.assignment.world_rank;
+  RowJudgement judged;
+  ErrorStats stats;
+  for (std::size_t v = 0; v < got.size(); ++v) {
+    const std::int64_t column = begin + static_cast<std::int64_t>(v);
+    const double g = got[v] * judgement_.framework_scale;
+    const bool mismatch = g != 0.0;
+    stats.add_with_margin({-1, column, rank, 0.0, g, 0.0, row.sequence, row.position},
+                          mismatch ? std::numeric_limits<double>::infinity() : 0.0, mismatch);
+    count_value(judged, got[v], column, judgement_.smallest_normal);
+  }
+  judged.grad = stats.pack();
+  return judged;
+}
+
+RowJudgement HostOracle::judge_token_row(std::int64_t i, const RowStats& row_stats, std::span<const double> got,
+                                         std::vector<double>& student, std::vector<double>& teacher,
+                                         std::vector<double>& expected) const {
+  const auto k = static_cast<std::size_t>(i);
+  const std::int64_t t = out_.token_of(i);
+  const std::int64_t begin = out_.assignment.vocab.begin;
+  const int rank = out_.assignment.world_rank;
+  const GradJudge judge{judgement_};
+  const double weight = valid_[k] ? reference_.token_weight(t) : 0.0;
+  if (valid_[k]) {
+    load_row(i, student, teacher);
+    reference_.gradient(t, row_stats, begin, student, teacher, expected);
+  } else {
+    std::fill(expected.begin(), expected.end(), 0.0);
+  }
+  const double token_scale = std::fabs(weight) * judgement_.grad_scale;
+  RowJudgement judged;
+  ErrorStats stats;
+  CompensatedSum sum;
+  CompensatedSum magnitude;
+  for (std::size_t v = 0; v < got.size(); ++v) {
+    const std::int64_t column = begin + static_cast<std::int64_t>(v);
+    const double e = expected[v];
+    bool mismatch = false;
+    std::int64_t ulp = 0;
+    const double m = judge.judge(got[v], e, token_scale, mismatch, ulp);
+    const double g = got[v] * judgement_.framework_scale;
+    stats.add_with_margin({t, column, rank, e, g, judge.tolerance_at(e, token_scale)}, m, mismatch);
+    stats.add_ulp(ulp);
+    sum.add(g);
+    magnitude.add(std::fabs(g));
+    count_value(judged, got[v], column, judgement_.smallest_normal);
+  }
+  judged.grad = stats.pack();
+  judged.sum = sum.sum();
+  judged.sum_error = sum.error();
+  judged.magnitude = magnitude.value();
+  return judged;
+}
+
+void HostOracle::start_judging(std::span<const RowStats> stats) {
+  const std::int64_t rows = out_.rows();
+  const std::int64_t cols = out_.columns();
+  rows_.assign(static_cast<std::size_t>(rows), RowJudgement{});
+#pragma omp parallel num_threads(threads_)
+  {
+    std::vector<double> student(static_cast<std::size_t>(cols));
+    std::vector<double> teacher(kd_ ? static_cast<std::size_t>(cols) : 0);
+    std::vector<double> expected(static_cast<std::size_t>(cols));
+    std::vector<double> got(static_cast<std::size_t>(cols));
+#pragma omp for schedule(dynamic, 4)
+    for (std::int64_t i = 0; i < rows; ++i) {
+      beat_row(beacon_, i);
+      const auto k = static_cast<std::size_t>(i);
+      out_.grad_row(i, got.data());
+      rows_[k] = out_.token_of(i) < 0 ? judge_padding_row(i, got)
+                                      : judge_token_row(i, stats[k], got, student, teacher, expected);
+    }
+  }
+}
+
+}  // namespace lossverify
