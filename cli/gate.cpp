@@ -38,6 +38,9 @@ int run_gate(const GateArguments& args) {
   options.quiet = args.quiet;
   options.implementations = args.implementations;
   options.expect = args.expect;
+  options.device = args.backend == "cuda" ? RunOptions::Device::cuda : RunOptions::Device::cpu;
+  options.gpus = args.gpus;
+  if (args.backend != "cuda" && args.gpus != 1) throw CaseError("--gpus needs --backend cuda");
   if (!args.expect.empty() && args.implementations.empty()) throw CaseError("--expect needs --impl");
   for (const auto& [option, dir] : {std::pair{"--cases", args.cases_dir}, std::pair{"--golden", args.golden_dir}}) {
     if (!std::filesystem::is_directory(dir)) {
@@ -73,6 +76,11 @@ void register_gate(CLI::App& app, GateCommand& command) {
   command.app->add_option("--impl", command.args.implementations,
                    "gate these implementations only (repeatable), e.g. a plugin: --impl plugin:./libmy_loss.so")
       ->allow_extra_args(false);
+  command.app->add_option("--backend", command.args.backend,
+                          "where the kernels run: cpu, or cuda (judged by the GPU oracle; golden/ is the same)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  command.app->add_option("--gpus", command.args.gpus, "cuda: GPUs to spread each case's ranks over (rank % gpus)")
+      ->check(CLI::PositiveNumber);
   command.app->add_option("--expect", command.args.expect,
                    "judge them against golden's outcomes of this implementation (default: their own; correct for a plugin)");
 }

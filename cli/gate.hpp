@@ -18,6 +18,8 @@ struct GateArguments {
   bool quiet = false;
   std::vector<std::string> implementations;
   std::string expect;
+  std::string backend = "cpu";
+  int gpus = 1;
 };
 
 struct GateCommand {

@@ -91,6 +91,14 @@ lossverify_cli_test(gate 0 "gate: PASS" --present ${OUT}/gate.json --present ${O
   -- ${LV} gate --cases ${CASES} --golden ${PROJECT_SOURCE_DIR}/golden --report ${OUT}/gate.json
      --junit ${OUT}/gate.xml)
 set_tests_properties(cli_gate PROPERTIES TIMEOUT 600)
+# The gate on a GPU (skipped where none is), and what it refuses on any machine.
+add_test(NAME cli_gate_cuda COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/cli/cuda_gate.sh ${LV} ${CASES} ${OUT}/gate_cuda)
+set_tests_properties(cli_gate_cuda PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 600)
+lossverify_cli_test(gate_gpus_without_cuda 2 "--gpus needs --backend cuda"
+  -- ${LV} gate --gpus 2 --cases ${CASES} --golden ${PROJECT_SOURCE_DIR}/golden)
+lossverify_cli_test(gate_cuda_update_golden 2 "golden outcomes are written from the CPU backend"
+  -- bash -c "rm -rf ${OUT}/golden_cuda && cp -r ${PROJECT_SOURCE_DIR}/golden ${OUT}/golden_cuda && \
+               ${LV} gate --backend cuda --update-golden --cases ${CASES} --golden ${OUT}/golden_cuda")
 # A golden outcome that disagrees makes the gate fail, naming the cell; nothing is rewritten silently.
 add_test(NAME cli_gate_detects_golden_drift
   COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/cli/gate_drift.sh ${LV} ${PROJECT_SOURCE_DIR}/cases
@@ -135,3 +143,12 @@ add_test(NAME docs_catalogue_check_catches_drift
     ${PROJECT_SOURCE_DIR}/docs/catalogue.md > ${CMAKE_CURRENT_BINARY_DIR}/catalogue-drifted.md && \
     ! ${LOSSVERIFY_SYSTEM_PYTHON} ${PROJECT_SOURCE_DIR}/scripts/catalogue_table.py $<TARGET_FILE:lossverify> \
       --check ${CMAKE_CURRENT_BINARY_DIR}/catalogue-drifted.md")
+
+# The seams of src/lossverify hold (scripts/check_layering.sh), and the check fails on a copy of checks/
+# that includes a backend header.
+add_test(NAME layering_seams_hold COMMAND bash ${PROJECT_SOURCE_DIR}/scripts/check_layering.sh)
+add_test(NAME layering_check_catches_a_violation
+  COMMAND bash -c "rm -rf ${CMAKE_CURRENT_BINARY_DIR}/layering && mkdir -p ${CMAKE_CURRENT_BINARY_DIR}/layering && \
+    cp -r ${PROJECT_SOURCE_DIR}/src/lossverify/checks ${CMAKE_CURRENT_BINARY_DIR}/layering/ && \
+    echo '#include \"lossverify/impl/cpu/sharded_loss.hpp\"' >> ${CMAKE_CURRENT_BINARY_DIR}/layering/checks/checks.cpp && \
+    ! bash ${PROJECT_SOURCE_DIR}/scripts/check_layering.sh ${CMAKE_CURRENT_BINARY_DIR}/layering")

@@ -204,8 +204,18 @@ GateResult run_gate(const GateOptions& options) {
   const std::vector<GateEntry> entries = gate_entries(options);
   for (const GateEntry& entry : entries) result.implementations.push_back(entry.implementation->name);
 
+  if (options.update_golden && options.device == RunOptions::Device::cuda) {
+    throw CaseError("--update-golden --backend cuda: golden outcomes are written from the CPU backend; "
+                    "the GPU gate is judged against them");
+  }
   RunOptions run_options;
   run_options.threads = options.threads;
+  run_options.device = options.device;
+  run_options.gpus = options.gpus;
+  if (options.device == RunOptions::Device::cuda) {
+    result.backend = "cuda";
+    result.gpus = options.gpus;
+  }
   for (const Case& c : cases) {
     result.cases.push_back(c.name);
     const fs::path golden_path = fs::path(options.golden_dir) / (c.name + ".json");
@@ -245,7 +255,9 @@ GateResult run_gate(const GateOptions& options) {
 }
 
 void print_gate_matrix(std::ostream& out, const GateResult& r) {
-  out << "lossverify gate: " << r.cases.size() << " cases x " << r.implementations.size() << " implementations\n";
+  out << "lossverify gate: " << r.cases.size() << " cases x " << r.implementations.size() << " implementations"
+      << (r.backend == "cuda" ? " on CUDA (" + std::to_string(r.gpus) + " GPU" + (r.gpus > 1 ? "s)" : ")") : "")
+      << "\n";
   out << "cases:\n";
   for (std::size_t k = 0; k < r.cases.size(); ++k) out << "  " << std::setw(2) << k + 1 << " " << printable(r.cases[k]) << "\n";
   out << "\n" << std::left << std::setw(30) << "implementation";
@@ -326,6 +338,8 @@ json gate_report(const GateResult& r) {
                     {"smallest_detection", r.smallest_detection},
                     {"largest_correct_margin", r.largest_correct_margin},
                     {"wall_seconds", r.wall_seconds},
+                    {"backend", r.backend},
+                    {"gpus", r.gpus},
                     {"peak_rss_bytes", peak_resident_bytes()},
                     {"cells", cells},
                     {"sweeps", sweeps}};

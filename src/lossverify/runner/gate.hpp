@@ -24,6 +24,10 @@ struct GateOptions {
   // plugin, correct). Sweeps run for the implementations judged as correct.
   std::vector<std::string> implementations;
   std::string expect;
+  // Where the kernels run: the CPU, or CUDA GPUs (the GPU oracle judges them; sweeps keep the CPU
+  // reference), against the same golden outcomes.
+  RunOptions::Device device = RunOptions::Device::cpu;
+  int gpus = 1;
 };
 
 // One (case, implementation) cell of the matrix.
@@ -66,6 +70,8 @@ struct GateResult {
   double smallest_detection_margin = 0.0;  // over bugs: the margin on the case that catches it best
   double largest_correct_margin = 0.0;     // over cases: how close the correct implementation comes to failing
   double wall_seconds = 0.0;
+  std::string backend = "cpu";
+  int gpus = 0;
   bool golden_updated = false;
   bool passed() const { return mismatches == 0 && false_alarms == 0 && uncaught_bugs.empty(); }
 };
