@@ -5,8 +5,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-all}
-# A comma-separated list of parts: build (always), cudatests, tests, faults, sweep, bench, ncu (the reference
-# kernels under Nsight Compute), e2e (stage times of
+# A comma-separated list of parts: build (always), cudatests, gate (the gate on the GPU and the CUDA CTests),
+# parity (every case x implementation on CUDA, reports of the tree in out/before vs this one), tests, faults,
+# sweep, bench, ncu (the reference kernels under Nsight Compute), e2e (stage times of
 # the end-to-end run, and an Nsight Systems summary where nsys exists); all = tests,faults,bench.
 [[ $mode == all ]] && mode=tests,faults,bench
 has() { [[ ",$mode," == *",$1,"* ]]; }
@@ -122,6 +123,23 @@ if has ncu; then
     --section Occupancy --section WarpStateStats --metrics smsp__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active \
     "$bin" run bench/cases/cuda-e2e-n16384-v128256-bf16.json --set shape.tokens=1024 --backend cuda --quiet 2>&1 \
     | grep -E "partials_kernel|compare_kernel|Duration|DRAM Throughput|Compute \(SM\)|inst_executed|issue_active|Registers|Achieved Occupancy|Stall|Warp Cycles Per Issued" | head -60
+fi
+if has gate; then
+  echo "== gate --backend cuda"
+  /usr/bin/time -f "gate wall %e s" "$bin" gate --backend cuda --report "$out/gate-cuda.json" 2>&1 | tail -8
+  echo "== CUDA CTests"; (cd "$build" && ctest -R "cuda" --output-on-failure 2>&1 | tail -8)
+fi
+if has parity; then
+  echo "== CUDA report parity: out/before vs this tree"
+  cmake -S out/before -B build/before -G Ninja -DCMAKE_BUILD_TYPE=Release "${extra[@]}" > "$out/configure-before.log" 2>&1 &&
+    cmake --build build/before -j16 --target lossverify > "$out/build-before.log" 2>&1 || tail -20 "$out/build-before.log"
+  rm -rf "$out/parity-before" "$out/parity-after"
+  for side in before after; do
+    b=build/before/cli/lossverify; [[ $side == after ]] && b=$bin
+    PARITY_JOBS=${PARITY_JOBS:-8} PARITY_THREADS=2 PARITY_RUN_ARGS="--backend cuda" \
+      bash scripts/report_parity.sh "$b" "$out/parity-$side" 2>&1 | tail -3
+  done
+  bash scripts/report_parity.sh --compare "$out/parity-before" "$out/parity-after" 2>&1 | head -80
 fi
 if has bench; then
   echo "== bench"
