@@ -26,8 +26,8 @@ namespace {
 // Runs the PyTorch comparison script, when python3 is there; its JSON line, or why not.
 nlohmann::json torch_figures(const BenchArguments& a, std::int64_t tokens, std::int64_t vocab) {
   const std::string command = "python3 " + a.torch_script + " " + std::to_string(tokens) + " " + std::to_string(vocab) +
-                              " " + a.dtype + " " + std::to_string(a.label_smoothing) + " " + std::to_string(a.repeats) +
-                              " 2>/dev/null";
+                              " " + a.dtype + " " + std::to_string(a.label_smoothing) + " " +
+                              std::to_string(a.repeats) + " 2>/dev/null";
   FILE* pipe = popen(command.c_str(), "r");
   if (pipe == nullptr) return {{"available", false}, {"reason", "cannot start python3"}};
   std::string output;
@@ -64,7 +64,8 @@ int run_bench(const BenchArguments& a) {
   const auto [tokens, vocab] = parse_shape(a.shape);
   const auto dtype = parse_dtype(a.dtype);
   if (!dtype) throw CaseError("--dtype " + a.dtype + ": expected fp32|bf16|fp16");
-  if (tokens < 1 || vocab < 2 || a.tp < 1 || a.tp > vocab) throw CaseError("--shape/--tp: need N >= 1, V >= 2, 1 <= tp <= V");
+  if (tokens < 1 || vocab < 2 || a.tp < 1 || a.tp > vocab)
+    throw CaseError("--shape/--tp: need N >= 1, V >= 2, 1 <= tp <= V");
   cuda::BenchOptions o;
   o.tokens = tokens;
   o.vocab = vocab_range(vocab, a.tp, 0).size();  // the first (largest) shard of a TP rank
@@ -76,23 +77,25 @@ int run_bench(const BenchArguments& a) {
   r["global_vocab"] = vocab;
   if (a.tp == 1) r["torch"] = torch_figures(a, tokens, vocab);
   std::cout << std::fixed << std::setprecision(3);
-  std::cout << "device " << r["device"].get<std::string>() << ", copy " << r["copy_tb_per_s"].get<double>() << " TB/s\n";
+  std::cout << "device " << r["device"].get<std::string>() << ", copy " << r["copy_tb_per_s"].get<double>()
+            << " TB/s\n";
   std::cout << "shape N=" << tokens << " V=" << vocab << " (" << o.vocab << " per rank, tp=" << a.tp << "), " << a.dtype
             << ", smoothing " << a.label_smoothing << ", mean\n";
-  std::cout << "floor (" << r["floor_bytes_per_logit"].get<double>() << " B/logit at the copy bandwidth): "
-            << r["floor_ms"].get<double>() << " ms\n";
-  std::cout << "lossverify " << r["kernel"].get<std::string>() << ": "
-            << r["kernel_ms"].get<double>() << " ms = " << std::setprecision(1) << r["percent_of_floor"].get<double>()
-            << "% of the floor" << std::setprecision(3) << "; check on sampled rows: "
-            << (r["check"]["pass"].get<bool>() ? "pass" : "FAIL") << "\n";
+  std::cout << "floor (" << r["floor_bytes_per_logit"].get<double>()
+            << " B/logit at the copy bandwidth): " << r["floor_ms"].get<double>() << " ms\n";
+  std::cout << "lossverify " << r["kernel"].get<std::string>() << ": " << r["kernel_ms"].get<double>()
+            << " ms = " << std::setprecision(1) << r["percent_of_floor"].get<double>() << "% of the floor"
+            << std::setprecision(3) << "; check on sampled rows: " << (r["check"]["pass"].get<bool>() ? "pass" : "FAIL")
+            << "\n";
   if (r.contains("torch")) {
     const auto& t = r["torch"];
     if (t.value("available", false)) {
       for (const char* key : {"eager_ms", "compile_ms"}) {
         if (!t.contains(key)) continue;
         const double ms = t[key].get<double>();
-        std::cout << "PyTorch " << t["torch"].get<std::string>() << " " << (std::string(key) == "eager_ms" ? "eager" : "torch.compile")
-                  << ": " << ms << " ms = " << std::setprecision(1) << 100.0 * r["floor_ms"].get<double>() / ms
+        std::cout << "PyTorch " << t["torch"].get<std::string>() << " "
+                  << (std::string(key) == "eager_ms" ? "eager" : "torch.compile") << ": " << ms
+                  << " ms = " << std::setprecision(1) << 100.0 * r["floor_ms"].get<double>() / ms
                   << "% of the floor; lossverify is " << ms / r["kernel_ms"].get<double>() << "x faster\n"
                   << std::setprecision(3);
       }
@@ -113,7 +116,8 @@ void register_bench(CLI::App& app, BenchCommand& command) {
       ->check(CLI::IsMember({"cuda"}));
   command.app->add_option("--shape", command.args.shape, "N,V (global vocabulary)");
   command.app->add_option("--dtype", command.args.dtype, "fp32|bf16|fp16");
-  command.app->add_option("--tp", command.args.tp, "time one rank's shard of the vocabulary: the two kernels around the all-reduce");
+  command.app->add_option("--tp", command.args.tp,
+                          "time one rank's shard of the vocabulary: the two kernels around the all-reduce");
   command.app->add_option("--repeats", command.args.repeats, "timed repetitions (median)")->check(CLI::PositiveNumber);
   command.app->add_option("--label-smoothing", command.args.label_smoothing, "alpha");
   command.app->add_option("--report", command.args.report_path, "write the figures as JSON");

@@ -16,12 +16,14 @@ namespace lossverify::cli {
 
 void register_check_dump(CLI::App& app, CheckDumpCommand& command) {
   command.app = app.add_subcommand(
-      "check-dump", "check a training step dumped by a framework (manifest + safetensors/.npy tensors) against the "
-                    "float64 reference; several manifests of one problem at different layouts add the invariance check");
+      "check-dump",
+      "check a training step dumped by a framework (manifest + safetensors/.npy tensors) against the "
+      "float64 reference; several manifests of one problem at different layouts add the invariance check");
   command.app->add_option("manifests", command.args.manifests,
                           "the dump's manifest (lossverify.dump/1 JSON); several: the same problem at other layouts");
-  command.app->add_option("--manifest", command.args.named_manifests,
-                          "a manifest, as the positional ones (repeatable; checked after them)")
+  command.app
+      ->add_option("--manifest", command.args.named_manifests,
+                   "a manifest, as the positional ones (repeatable; checked after them)")
       ->allow_extra_args(false);
   command.app->add_flag("--allow-outside-dump", command.args.allow_outside_dump,
                         "read tensor files outside the manifest's folder (absolute paths, ../, symlinks out of it); "
@@ -30,7 +32,8 @@ void register_check_dump(CLI::App& app, CheckDumpCommand& command) {
   command.app->add_flag("--quiet,-q", command.args.quiet, "print nothing; rely on the exit code and the report");
   command.app->add_option("--threads", command.args.threads, "OpenMP threads for the reference (default: all)")
       ->check(thread_count());
-  command.app->footer(exit_codes("0 all checks pass, 1 a check failed, 2 usage error or a malformed dump, 3 internal error"));
+  command.app->footer(
+      exit_codes("0 all checks pass, 1 a check failed, 2 usage error or a malformed dump, 3 internal error"));
 }
 
 namespace {
@@ -49,8 +52,8 @@ std::vector<std::string> dump_inputs(const std::vector<std::string>& manifests) 
 }
 
 nlohmann::json layout_of(const Case& c) {
-  return "tp" + std::to_string(c.layout.tp) + "-cp" + std::to_string(c.layout.cp) + "-dp" + std::to_string(c.layout.dp) +
-         "-ga" + std::to_string(c.layout.ga);
+  return "tp" + std::to_string(c.layout.tp) + "-cp" + std::to_string(c.layout.cp) + "-dp" +
+         std::to_string(c.layout.dp) + "-ga" + std::to_string(c.layout.ga);
 }
 
 }  // namespace
@@ -59,8 +62,9 @@ int run_check_dump(const CheckDumpArguments& args) {
   std::vector<std::string> paths = args.manifests;
   paths.insert(paths.end(), args.named_manifests.begin(), args.named_manifests.end());
   if (paths.empty()) {
-    throw CaseError("check-dump needs a manifest: lossverify check-dump MANIFEST.json [MORE.json ...], or "
-                    "--manifest MANIFEST.json");
+    throw CaseError(
+        "check-dump needs a manifest: lossverify check-dump MANIFEST.json [MORE.json ...], or "
+        "--manifest MANIFEST.json");
   }
   check_output_path("--report", args.report_path, dump_inputs(paths));
   // Every manifest is parsed and validated (its tensor files confined to its folder) before any tensor is read.

@@ -12,9 +12,10 @@ namespace lossverify::cli {
 
 void register_export_inputs(CLI::App& app, ExportInputsCommand& command) {
   ExportInputsArguments& a = command.args;
-  command.app = app.add_subcommand(
-      "export-inputs", "write every rank's exact inputs (logits shard, labels, loss mask, rows, ...) of a case as "
-                       "safetensors plus an index, for code that runs outside lossverify");
+  command.app =
+      app.add_subcommand("export-inputs",
+                         "write every rank's exact inputs (logits shard, labels, loss mask, rows, ...) of a case as "
+                         "safetensors plus an index, for code that runs outside lossverify");
   CLI::App& sub = *command.app;
   sub.footer(exit_codes("0 written, 2 usage or case error (or --out is not empty), 3 internal error"));
   sub.add_option("case", a.case_file, "case file (JSON)")->required()->check(CLI::ExistingFile);
@@ -40,13 +41,14 @@ int run_export_inputs(const ExportInputsArguments& args) {
   options.out_dir = args.out_dir;
   options.case_file = args.case_file;
   options.overrides = overrides;
-  options.threads = args.threads > 0 ? args.threads : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  options.threads =
+      args.threads > 0 ? args.threads : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   const nlohmann::json index = dump::export_inputs(c, options);
   if (!args.quiet) {
-    std::cout << "exported " << index["ranks"].size() << " rank(s) of case " << printable(c.name) << " [N=" << c.shape.tokens
-              << " V=" << c.shape.vocab << ", " << to_string(c.inputs.dtype) << ", tp=" << c.layout.tp
-              << " cp=" << c.layout.cp << " dp=" << c.layout.dp << " ga=" << c.layout.ga << "] to " << args.out_dir
-              << "/" << dump::kInputsIndex << "\n";
+    std::cout << "exported " << index["ranks"].size() << " rank(s) of case " << printable(c.name)
+              << " [N=" << c.shape.tokens << " V=" << c.shape.vocab << ", " << to_string(c.inputs.dtype)
+              << ", tp=" << c.layout.tp << " cp=" << c.layout.cp << " dp=" << c.layout.dp << " ga=" << c.layout.ga
+              << "] to " << args.out_dir << "/" << dump::kInputsIndex << "\n";
   }
   return 0;
 }

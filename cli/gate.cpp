@@ -69,20 +69,24 @@ void register_gate(CLI::App& app, GateCommand& command) {
   command.app->add_option("--golden", command.args.golden_dir, "directory of golden outcomes (default: golden)");
   command.app->add_option("--report", command.args.report_path, "write the JSON gate report here");
   command.app->add_option("--junit", command.args.junit_path, "write JUnit XML here");
-  command.app->add_flag("--update-golden", command.args.update_golden, "rewrite golden/ from this run (review the diff)");
+  command.app->add_flag("--update-golden", command.args.update_golden,
+                        "rewrite golden/ from this run (review the diff)");
   command.app->add_option("--threads", command.args.threads, "OpenMP threads for the reference")
       ->check(lossverify::cli::thread_count());
   command.app->add_flag("--quiet,-q", command.args.quiet, "print nothing; rely on the exit code and the reports");
-  command.app->add_option("--impl", command.args.implementations,
+  command.app
+      ->add_option("--impl", command.args.implementations,
                    "gate these implementations only (repeatable), e.g. a plugin: --impl plugin:./libmy_loss.so")
       ->allow_extra_args(false);
-  command.app->add_option("--backend", command.args.backend,
-                          "where the kernels run: cpu, or cuda (judged by the GPU oracle; golden/ is the same)")
+  command.app
+      ->add_option("--backend", command.args.backend,
+                   "where the kernels run: cpu, or cuda (judged by the GPU oracle; golden/ is the same)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
   command.app->add_option("--gpus", command.args.gpus, "cuda: GPUs to spread each case's ranks over (rank % gpus)")
       ->check(CLI::PositiveNumber);
-  command.app->add_option("--expect", command.args.expect,
-                   "judge them against golden's outcomes of this implementation (default: their own; correct for a plugin)");
+  command.app->add_option(
+      "--expect", command.args.expect,
+      "judge them against golden's outcomes of this implementation (default: their own; correct for a plugin)");
 }
 
 }  // namespace lossverify::cli

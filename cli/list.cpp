@@ -16,14 +16,19 @@ int run_list(bool as_json) {
   nlohmann::json doc;
   doc["losses"] = nlohmann::json::array(
       {{{"name", "cross_entropy"},
-        {"options", "label_smoothing with smoothing_convention pytorch|megatron, z_loss_weight, softcap, ignore_index, "
-                    "reduction mean|sum|none, upstream_weights"}},
+        {"options",
+         "label_smoothing with smoothing_convention pytorch|megatron, z_loss_weight, softcap, ignore_index, "
+         "reduction mean|sum|none, upstream_weights"}},
        {{"name", "kd"},
-        {"options", "forward KL from teacher logits: temperature, t2_scaling, reduction mean|sum|none, "
-                    "upstream_weights"}}});
+        {"options",
+         "forward KL from teacher logits: temperature, t2_scaling, reduction mean|sum|none, "
+         "upstream_weights"}}});
   nlohmann::json impls = nlohmann::json::array();
   for (const auto& i : implementations()) {
-    impls.push_back({{"name", i.name}, {"summary", i.summary}, {"source", i.source}, {"signal", i.signal},
+    impls.push_back({{"name", i.name},
+                     {"summary", i.summary},
+                     {"source", i.source},
+                     {"signal", i.signal},
                      {"caught_by", i.caught_by}});
   }
   doc["implementations"] = impls;

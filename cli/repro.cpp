@@ -66,9 +66,7 @@ std::string failing_list(const Bundle& bundle) {
   return list;
 }
 
-std::string verdict_text(Verdict v) {
-  return v == Verdict::fail ? "FAIL" : std::string(to_string(v));
-}
+std::string verdict_text(Verdict v) { return v == Verdict::fail ? "FAIL" : std::string(to_string(v)); }
 
 void write_plots(const std::string& path, const std::vector<const RunResult*>& runs, bool quiet) {
   for (const auto& [file, contents] : render_plots(path, runs)) {
@@ -99,8 +97,8 @@ int command_replay(const ReplayArguments& args) {
     const std::string failing = failing_list(bundle);
     std::cout << "replaying " << printable(args.bundle) << ": case " << printable(bundle.the_case.name) << ", impl "
               << bundle.implementation << ", recorded verdict " << verdict_text(bundle.verdict)
-              << (failing.empty() ? "" : " (" + failing + ")") << " by lossverify " << bundle.tool_version
-              << " (git " << bundle.git_revision << ") on " << bundle.device << "\n";
+              << (failing.empty() ? "" : " (" + failing + ")") << " by lossverify " << bundle.tool_version << " (git "
+              << bundle.git_revision << ") on " << bundle.device << "\n";
   }
   const std::vector<std::string> drift = input_drift(bundle);
   if (!args.quiet && !bundle.rows.empty()) {
@@ -123,8 +121,7 @@ int command_replay(const ReplayArguments& args) {
   const ExitCode run_code = result.verdict == Verdict::fail ? ExitCode::check_failed : ExitCode::pass;
   if (!args.plot_path.empty()) write_plots(args.plot_path, {&result}, args.quiet);
   if (!args.report_path.empty()) {
-    write_file_atomically(args.report_path,
-                          json_text(make_report("run", {run_to_json(result)}, run_code), 2) + "\n");
+    write_file_atomically(args.report_path, json_text(make_report("run", {run_to_json(result)}, run_code), 2) + "\n");
     if (!args.quiet) std::cout << "report written to " << printable(args.report_path) << "\n";
   }
 
@@ -132,9 +129,8 @@ int command_replay(const ReplayArguments& args) {
     // Checking a fix (or another bug) on the bundle's inputs: the run's own verdict decides.
     if (!args.quiet) {
       std::cout << "with --impl " << args.implementation << ": " << verdict_text(result.verdict)
-                << (result.verdict == Verdict::fail ? " (" + failing_list(result) + ")" : "")
-                << "; recorded with " << bundle.implementation << ": " << verdict_text(bundle.verdict)
-                << "\n";
+                << (result.verdict == Verdict::fail ? " (" + failing_list(result) + ")" : "") << "; recorded with "
+                << bundle.implementation << ": " << verdict_text(bundle.verdict) << "\n";
     }
     return static_cast<int>(run_code);
   }
@@ -148,8 +144,7 @@ int command_replay(const ReplayArguments& args) {
                       : std::string(": ") + failing +
                             (failing.find(',') == std::string::npos
                                  ? (same_backend ? " fails with its worst element where recorded" : " fails")
-                                 : (same_backend ? " fail with their worst elements where recorded"
-                                                 : " fail")))
+                                 : (same_backend ? " fail with their worst elements where recorded" : " fail")))
               << "\n";
   } else {
     std::cout << "did not reproduce:\n";
@@ -157,8 +152,7 @@ int command_replay(const ReplayArguments& args) {
   }
   if (!args.quiet) {
     for (const std::string& line : comparison.notes) std::cout << "  note: " << line << "\n";
-    if (!same_backend)
-      std::cout << "  note: recorded on " << bundle.device << ", replayed on " << device << "\n";
+    if (!same_backend) std::cout << "  note: recorded on " << bundle.device << ", replayed on " << device << "\n";
   }
   return comparison.reproduced ? 0 : static_cast<int>(ExitCode::check_failed);
 }
@@ -179,8 +173,7 @@ int command_shrink(const ShrinkArguments& args) {
   std::vector<std::string> overrides = args.set;
   if (args.tp > 0) overrides.push_back("layout.tp=" + std::to_string(args.tp));
   const Case original = load_case_file(args.case_file, overrides);
-  const std::string out_path =
-      args.out_path.empty() ? sanitise(original.name) + "-shrunk.json" : args.out_path;
+  const std::string out_path = args.out_path.empty() ? sanitise(original.name) + "-shrunk.json" : args.out_path;
   check_output_path("--out", out_path, {args.case_file});
   ShrinkOptions options;
   options.implementation = args.implementation;
@@ -189,8 +182,7 @@ int command_shrink(const ShrinkArguments& args) {
   options.max_seconds = args.max_seconds;
   options.pin_rows = args.pin_rows;
   options.threads = args.threads;
-  if (!args.quiet)
-    options.progress = [](const std::string& line) { std::cout << line << "\n" << std::flush; };
+  if (!args.quiet) options.progress = [](const std::string& line) { std::cout << line << "\n" << std::flush; };
   const ShrinkResult result = shrink_case(original, options);
 
   // The file must read back as a case that still fails the check before it is written.
@@ -203,8 +195,7 @@ int command_shrink(const ShrinkArguments& args) {
   const auto it = std::find_if(confirm.checks.begin(), confirm.checks.end(),
                                [&](const CheckResult& c) { return c.name == result.check; });
   if (it == confirm.checks.end() || it->verdict != Verdict::fail) {
-    throw InternalError("shrink: the minimized case no longer fails check " + result.check +
-                        " when read back");
+    throw InternalError("shrink: the minimized case no longer fails check " + result.check + " when read back");
   }
   write_file_atomically(out_path, text);
 
@@ -214,17 +205,15 @@ int command_shrink(const ShrinkArguments& args) {
     std::cout << "shrunk " << printable(args.case_file) << " with --impl " << args.implementation << ": check "
               << result.check << " still fails\n";
     std::cout << size_line("tokens", b.tokens, a.tokens) << size_line("vocab", b.vocab, a.vocab)
-              << size_line("logits", b.logits(), a.logits())
-              << size_line("sequences", b.sequences, a.sequences)
+              << size_line("logits", b.logits(), a.logits()) << size_line("sequences", b.sequences, a.sequences)
               << size_line("inline rows", b.overrides, a.overrides);
     std::cout << "  layout      " << layout_text(b.layout) << " -> " << layout_text(a.layout) << "\n";
     std::cout << "  margin      " << std::setprecision(3) << result.margin_before << " -> " << it->margin
               << std::setprecision(6) << "\n";
-    std::cout << "  " << result.steps.size() << " reductions kept in " << result.trials << " trials, "
-              << std::fixed << std::setprecision(2) << result.seconds << " s" << std::defaultfloat
-              << (result.budget_exhausted
-                      ? " (budget exhausted: raise --max-trials or --max-seconds to go further)"
-                      : " (no reduction left that keeps it failing)")
+    std::cout << "  " << result.steps.size() << " reductions kept in " << result.trials << " trials, " << std::fixed
+              << std::setprecision(2) << result.seconds << " s" << std::defaultfloat
+              << (result.budget_exhausted ? " (budget exhausted: raise --max-trials or --max-seconds to go further)"
+                                          : " (no reduction left that keeps it failing)")
               << "\n";
   }
   std::cout << "minimized case written to " << printable(out_path) << "\n";
@@ -235,18 +224,15 @@ int command_shrink(const ShrinkArguments& args) {
 
 // --- run --save-inputs / --plot ----------------------------------------------------------------------------
 
-void remember_command_line(int argc, char** argv) {
-  command_line().assign(argv, argv + argc);
-}
+void remember_command_line(int argc, char** argv) { command_line().assign(argv, argv + argc); }
 
 void add_artifact_options(CLI::App& run, ArtifactOptions& options) {
   run.add_option("--save-inputs", options.save_inputs,
                  "write a reproducer bundle per run: never (default), failed, or always")
       ->check(CLI::IsMember({"never", "failed", "always"}));
-  run.add_option(
-      "--save-inputs-dir", options.save_inputs_dir,
-      "folder for the bundles (default: the --report file's folder, else the current one); alone it "
-      "implies --save-inputs failed");
+  run.add_option("--save-inputs-dir", options.save_inputs_dir,
+                 "folder for the bundles (default: the --report file's folder, else the current one); alone it "
+                 "implies --save-inputs failed");
   run.add_option("--plot", options.plot_path,
                  "draw where the error sits: FILE.svg (one per run when several) or FILE.html (one page)");
 }
@@ -255,8 +241,9 @@ void check_artifact_options(const ArtifactOptions& options, const ArtifactContex
   check_plot_path(options.plot_path, context.inputs);
   if (!options.save_inputs_dir.empty()) check_output_folder("--save-inputs-dir", options.save_inputs_dir);
   if (resolved_save_policy(options) != "never") {
-    check_output_folder(options.save_inputs_dir.empty() ? "--save-inputs: the --report file's folder" : "--save-inputs-dir",
-                        bundle_folder(options, context));
+    check_output_folder(
+        options.save_inputs_dir.empty() ? "--save-inputs: the --report file's folder" : "--save-inputs-dir",
+        bundle_folder(options, context));
   }
 }
 
@@ -283,8 +270,7 @@ void write_artifacts(const ArtifactOptions& options, const std::vector<RunResult
       if (cases_named[run.the_case.name] > 1) name += "." + layout_name(run.the_case.layout);
       if (const int n = ++used[name]; n > 1) name += "." + std::to_string(n);
       std::size_t values = 0;
-      for (const auto& row : bundle.at("failing_rows"))
-        values += row.at("logits_bits").get<std::string>().size() / 5;
+      for (const auto& row : bundle.at("failing_rows")) values += row.at("logits_bits").get<std::string>().size() / 5;
       // Pretty-printed unless the rows are large (every number would take a line of its own).
       bundles.emplace_back((folder / (name + ".bundle.json")).string(),
                            (values <= 65536 ? json_text(bundle, 1) : json_text(bundle)) + "\n");
@@ -311,18 +297,17 @@ void write_artifacts(const ArtifactOptions& options, const std::vector<RunResult
 
 void register_repro_commands(CLI::App& app, ReproCommands& commands) {
   ReplayArguments& r = commands.replay_args;
-  commands.replay = app.add_subcommand(
-      "replay",
-      "re-run a reproducer bundle (run --save-inputs) and compare with the recorded outcome: exit 0 "
-      "reproduced, 1 did not reproduce (with --impl: the run's own exit code)");
+  commands.replay =
+      app.add_subcommand("replay",
+                         "re-run a reproducer bundle (run --save-inputs) and compare with the recorded outcome: exit 0 "
+                         "reproduced, 1 did not reproduce (with --impl: the run's own exit code)");
   commands.replay->footer(exit_codes(
       "0 reproduced, 1 did not reproduce (with --impl: 0 pass, 1 a check failed), 2 usage error, 3 internal error"));
   commands.replay->add_option("bundle", r.bundle, "the bundle (lossverify.bundle/1 JSON)")
       ->required()
       ->check(CLI::ExistingFile);
-  commands.replay->add_option(
-      "--impl", r.implementation,
-      "run the bundle's inputs with another implementation (e.g. your fix); exit code as run");
+  commands.replay->add_option("--impl", r.implementation,
+                              "run the bundle's inputs with another implementation (e.g. your fix); exit code as run");
   commands.replay->add_option("--backend", r.backend, "cpu or cuda (default: the recorded backend)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
   commands.replay->add_option("--report", r.report_path, "write the run's JSON report here (atomically)");
@@ -336,29 +321,25 @@ void register_repro_commands(CLI::App& app, ReproCommands& commands) {
       "shrink",
       "reduce a failing case (tokens, vocabulary, rank counts, features, inline rows) to a small case that "
       "still fails the same check, and write it as a case file");
-  commands.shrink->footer(exit_codes(
-      "0 the minimized case was written, 2 usage error (or the case does not fail), 3 internal error"));
+  commands.shrink->footer(
+      exit_codes("0 the minimized case was written, 2 usage error (or the case does not fail), 3 internal error"));
   commands.shrink->add_option("case", s.case_file, "the failing case file (JSON)")
       ->required()
       ->check(CLI::ExistingFile);
   commands.shrink->add_option("--impl", s.implementation, "the implementation that fails (a catalogued bug)")
       ->required();
-  commands.shrink->add_option("--check", s.check,
-                              "the check that must keep failing (default: the first failing one)");
+  commands.shrink->add_option("--check", s.check, "the check that must keep failing (default: the first failing one)");
   commands.shrink->add_option("--set", s.set, "override a case field first, e.g. --set layout.cp=2")
       ->allow_extra_args(false);
-  commands.shrink->add_option("--tp", s.tp, "tensor-parallel ranks (overrides layout.tp)")
-      ->check(CLI::PositiveNumber);
-  commands.shrink->add_option("--out,-o", s.out_path,
-                              "where to write the minimized case (default: NAME-shrunk.json)");
+  commands.shrink->add_option("--tp", s.tp, "tensor-parallel ranks (overrides layout.tp)")->check(CLI::PositiveNumber);
+  commands.shrink->add_option("--out,-o", s.out_path, "where to write the minimized case (default: NAME-shrunk.json)");
   commands.shrink->add_option("--max-trials", s.max_trials, "runs to try at most (default 400)")
       ->check(CLI::PositiveNumber);
   commands.shrink->add_option("--max-seconds", s.max_seconds, "time budget in seconds (default 60)")
       ->check(CLI::PositiveNumber);
   commands.shrink->add_flag("--pin-rows", s.pin_rows,
                             "pin the worst element's row inline, so the case needs no generator for it");
-  commands.shrink->add_option("--threads", s.threads, "OpenMP threads per trial (default: all)")
-      ->check(thread_count());
+  commands.shrink->add_option("--threads", s.threads, "OpenMP threads per trial (default: all)")->check(thread_count());
   commands.shrink->add_flag("--quiet,-q", s.quiet, "print only the output path");
 }
 

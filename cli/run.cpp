@@ -1,36 +1,36 @@
 #include "run.hpp"
 
 #include <algorithm>
-#include <cstdio>
-#include <chrono>
-#include <iomanip>
-#include <thread>
 #include <charconv>
+#include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <iomanip>
 #include <iostream>
 #include <optional>
-#include <string_view>
 #include <string>
+#include <string_view>
+#include <thread>
 #include <vector>
 
 #include <CLI/CLI.hpp>
 
 #include "lossverify/case/case.hpp"
-#include "lossverify/core/strings.hpp"
-#include "lossverify/checks/checks.hpp"
 #include "lossverify/case/tolerances.hpp"
+#include "lossverify/checks/checks.hpp"
 #include "lossverify/core/build_info.hpp"
 #include "lossverify/core/errors.hpp"
 #include "lossverify/core/output_path.hpp"
+#include "lossverify/core/strings.hpp"
 #include "lossverify/impl/catalogue.hpp"
+#include "lossverify/impl/cuda/cuda_backend.hpp"
+#include "lossverify/inputs/input_source.hpp"
+#include "lossverify/layout/vocab_range.hpp"
 #include "lossverify/report/report.hpp"
 #include "lossverify/runner/gate.hpp"
 #include "lossverify/runner/launcher.hpp"
 #include "lossverify/runner/run_case.hpp"
-#include "lossverify/inputs/input_source.hpp"
-#include "lossverify/layout/vocab_range.hpp"
-#include "lossverify/impl/cuda/cuda_backend.hpp"
 #include "options.hpp"
 #include "repro.hpp"
 #ifdef LOSSVERIFY_HAVE_MPI
@@ -41,8 +41,8 @@ namespace lossverify::cli {
 
 namespace {
 
-
-lossverify::cli::ArtifactContext artifact_context(const RunArguments& args, const std::string& launcher, int processes) {
+lossverify::cli::ArtifactContext artifact_context(const RunArguments& args, const std::string& launcher,
+                                                  int processes) {
   lossverify::cli::ArtifactContext context;
   context.set_overrides = args.set;
   if (args.tp > 0) context.set_overrides.push_back("layout.tp=" + std::to_string(args.tp));
@@ -57,13 +57,13 @@ lossverify::cli::ArtifactContext artifact_context(const RunArguments& args, cons
 }
 
 RunOptions::Reference reference_of(const std::string& name) {
-  return name == "gpu" ? RunOptions::Reference::gpu
+  return name == "gpu"   ? RunOptions::Reference::gpu
          : name == "cpu" ? RunOptions::Reference::cpu
                          : RunOptions::Reference::automatic;
 }
 
 RunOptions::Collectives collectives_of(const std::string& name) {
-  return name == "nccl" ? RunOptions::Collectives::nccl
+  return name == "nccl"   ? RunOptions::Collectives::nccl
          : name == "host" ? RunOptions::Collectives::host
                           : RunOptions::Collectives::automatic;
 }
@@ -120,8 +120,10 @@ int run_cases(const RunArguments& args, Launcher& launcher) {
     for (const Case& c : cases) {  // every layout of every case is checked before the first runs
       Case swept = c;
       if (spec) swept.sweep = *spec;
-      if (!spec && swept.sweep.tp.empty() && swept.sweep.cp.empty() && swept.sweep.dp.empty() && swept.sweep.ga.empty()) {
-        throw CaseError(printable(c.source) + ": --sweep without layouts uses the case's \"sweep\", and it has none "
+      if (!spec && swept.sweep.tp.empty() && swept.sweep.cp.empty() && swept.sweep.dp.empty() &&
+          swept.sweep.ga.empty()) {
+        throw CaseError(printable(c.source) +
+                        ": --sweep without layouts uses the case's \"sweep\", and it has none "
                         "(give them: --sweep tp=1,2 cp=1,2)");
       }
       layouts_of_case.push_back(sweep_layouts(swept));
@@ -139,10 +141,12 @@ int run_cases(const RunArguments& args, Launcher& launcher) {
       }
       const SweepResult result = run_sweep(c, layouts, options, progress);
       if (!args.quiet) {
-        std::cout << "case " << printable(c.name) << ": sweep of " << layouts.size() << " layouts, impl " << args.implementation
-                  << "\n";
+        std::cout << "case " << printable(c.name) << ": sweep of " << layouts.size() << " layouts, impl "
+                  << args.implementation << "\n";
         for (const RunResult& r : result.runs) print_sweep_line(std::cout, r);
-        std::cout << "  invariance: " << (result.invariance.verdict == Verdict::fail ? "FAIL" : std::string(to_string(result.invariance.verdict)))
+        std::cout << "  invariance: "
+                  << (result.invariance.verdict == Verdict::fail ? "FAIL"
+                                                                 : std::string(to_string(result.invariance.verdict)))
                   << ", margin " << result.invariance.margin << " (" << result.invariance.summary << ")\n";
         std::cout << "  verdict: " << (result.verdict == Verdict::fail ? "FAIL" : "pass") << "\n";
       }
@@ -199,7 +203,8 @@ int run_run(const RunArguments& args) { return run_cases(args, *thread_launcher(
 int command_run_mpi(const RunArguments& args, mpi::Session& session) {
   const std::unique_ptr<Launcher> launcher = mpi_launcher(session);
   try {
-    if (args.sweep_requested) throw CaseError("--sweep runs several layouts: use the thread launcher (--launcher threads)");
+    if (args.sweep_requested)
+      throw CaseError("--sweep runs several layouts: use the thread launcher (--launcher threads)");
     return run_cases(args, *launcher);
   } catch (const Error& e) {
     // One write per line: every rank prints this at once, and mpiexec merges their streams.
@@ -256,14 +261,17 @@ std::optional<std::string> choose_launcher(const std::string& requested) {
   return requested;
 }
 void register_run(CLI::App& app, RunCommand& command) {
-  command.app = app.add_subcommand("run", "run case files on thread ranks or MPI processes (CPU or CUDA) and check them against the reference");
+  command.app = app.add_subcommand(
+      "run", "run case files on thread ranks or MPI processes (CPU or CUDA) and check them against the reference");
   command.app->footer(lossverify::cli::exit_codes(
       "0 all checks pass, 1 a check failed, 2 usage or case error, 3 internal/backend error, 4 timeout"));
   // Not required here: a case file given after `--sweep tp=1,2 cp=1,2` lands in the sweep's list and is
   // moved back (sweep_arguments_to_cases), so the check that one was given comes after parsing.
   command.app->add_option("cases", command.args.case_files, "case file(s) (JSON)")->check(CLI::ExistingFile);
-  command.app->add_option("--impl", command.args.implementation, "implementation: correct or a catalogued bug (see list)");
-  command.app->add_option("--tp", command.args.tp, "tensor-parallel ranks (overrides layout.tp)")->check(CLI::PositiveNumber);
+  command.app->add_option("--impl", command.args.implementation,
+                          "implementation: correct or a catalogued bug (see list)");
+  command.app->add_option("--tp", command.args.tp, "tensor-parallel ranks (overrides layout.tp)")
+      ->check(CLI::PositiveNumber);
   command.app->add_option("--set", command.args.set, "override a case field, e.g. --set loss.label_smoothing=0.1")
       ->allow_extra_args(false);
   command.app->add_option("--report", command.args.report_path, "write the JSON report here (atomically)");
@@ -272,24 +280,36 @@ void register_run(CLI::App& app, RunCommand& command) {
       ->check(lossverify::cli::thread_count());
   command.app->add_option("--timeout", command.args.timeout, "deadlock guard in seconds (overrides timeout_seconds)")
       ->check(lossverify::cli::seconds());
-  command.app->add_option("--inject-fault", command.args.fault, "test aid: [late-]throw@RANK, [late-]hang@RANK or [late-]exit@RANK (late: after the groups, NCCL included, are set up)")->group("");
-  command.app->add_option("--launcher", command.args.launcher,
-                  "auto (mpi when started by mpiexec, else threads), threads, or mpi: one rank per process")
+  command.app
+      ->add_option("--inject-fault", command.args.fault,
+                   "test aid: [late-]throw@RANK, [late-]hang@RANK or [late-]exit@RANK (late: after the groups, NCCL "
+                   "included, are set up)")
+      ->group("");
+  command.app
+      ->add_option("--launcher", command.args.launcher,
+                   "auto (mpi when started by mpiexec, else threads), threads, or mpi: one rank per process")
       ->check(CLI::IsMember({"auto", "threads", "mpi"}));
-  command.app->add_option("--backend", command.args.backend, "where the kernels run: cpu, or cuda (GPU 0 with a stream per rank; see --gpus)")
+  command.app
+      ->add_option("--backend", command.args.backend,
+                   "where the kernels run: cpu, or cuda (GPU 0 with a stream per rank; see --gpus)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
-  command.app->add_option("--gpus", command.args.gpus,
-                  "cuda: GPUs to spread the ranks over (rank % gpus); as many as ranks: one GPU per rank, NCCL between them")
+  command.app
+      ->add_option(
+          "--gpus", command.args.gpus,
+          "cuda: GPUs to spread the ranks over (rank % gpus); as many as ranks: one GPU per rank, NCCL between them")
       ->check(CLI::PositiveNumber);
-  command.app->add_option("--collectives", command.args.collectives,
-                  "cuda: auto (NCCL when every rank has its own GPU), host (shared memory or MPI), or nccl")
+  command.app
+      ->add_option("--collectives", command.args.collectives,
+                   "cuda: auto (NCCL when every rank has its own GPU), host (shared memory or MPI), or nccl")
       ->check(CLI::IsMember({"auto", "host", "nccl"}));
-  command.app->add_option("--reference", command.args.reference,
-                  "where the float64 reference runs: auto (the GPU for --backend cuda, except sweeps), cpu, or gpu")
+  command.app
+      ->add_option("--reference", command.args.reference,
+                   "where the float64 reference runs: auto (the GPU for --backend cuda, except sweeps), cpu, or gpu")
       ->check(CLI::IsMember({"auto", "cpu", "gpu"}));
-  command.app->add_option("--sweep", command.args.sweep,
-                  "run at every layout of the product, e.g. --sweep tp=1,2,4 cp=1,2 dp=1,2, and check invariance; "
-                  "alone: the case's own \"sweep\"")
+  command.app
+      ->add_option("--sweep", command.args.sweep,
+                   "run at every layout of the product, e.g. --sweep tp=1,2,4 cp=1,2 dp=1,2, and check invariance; "
+                   "alone: the case's own \"sweep\"")
       ->expected(0, 4);
   add_artifact_options(*command.app, command.args.artifacts);
 }

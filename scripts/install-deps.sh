@@ -3,7 +3,7 @@
 # The CUDA toolkit is not a Debian package here: it is used when present (/usr/local/cuda), never required.
 set -euo pipefail
 packages=(
-  cmake ninja-build g++ git
+  cmake ninja-build g++ git clang-format
   libeigen3-dev libcli11-dev nlohmann-json3-dev doctest-dev librandom123-dev
   mpich libmpich-dev
   python3 python3-jsonschema python3-torch python3-pip python3-setuptools

@@ -38,13 +38,9 @@ struct Fp16 {
   std::uint16_t bits;
 };
 
-float widen(float x) {
-  return x;
-}
+float widen(float x) { return x; }
 // bf16 is the upper half of a float32.
-float widen(Bf16 x) {
-  return std::bit_cast<float>(static_cast<std::uint32_t>(x.bits) << 16);
-}
+float widen(Bf16 x) { return std::bit_cast<float>(static_cast<std::uint32_t>(x.bits) << 16); }
 // fp16 by hand (not every compiler has _Float16): sign, 5 exponent bits biased by 15, 10 mantissa bits.
 // Both directions go through an exact integer multiple of the format's quantum, 2^(max(E,1) - 25).
 float widen(Fp16 x) {
@@ -164,8 +160,7 @@ struct CrossEntropySetup {
   bool shard_local_mean;  // the partition-vocab bug: Z is the shard's own sum, not the TP sum
 };
 
-CrossEntropySetup cross_entropy_setup(const lv_rank_inputs& in, const Options& options,
-                                      std::int64_t shard_width) {
+CrossEntropySetup cross_entropy_setup(const lv_rank_inputs& in, const Options& options, std::int64_t shard_width) {
   const bool bug = options.smoothing_partition_vocab;
   const double smoothing_vocab = static_cast<double>(bug ? shard_width : in.vocab_size);
   return {static_cast<float>(in.loss.softcap), static_cast<float>(in.loss.z_loss_weight),
@@ -183,15 +178,14 @@ struct RowStats {
 
 // Step 1: M = all-reduce max over TP of the local maxima (-inf on rows that do not count).
 template <class T>
-std::vector<float> row_maxima(Matrix<T> logits, RowRange range, const BatchPlan& plan,
-                              const CrossEntropySetup& setup, const Collectives& comm) {
+std::vector<float> row_maxima(Matrix<T> logits, RowRange range, const BatchPlan& plan, const CrossEntropySetup& setup,
+                              const Collectives& comm) {
   std::vector<float> maxima(static_cast<std::size_t>(range.size()), kNegInf);
   for (std::int64_t i = 0; i < range.size(); ++i) {
     if (!plan.rows[static_cast<std::size_t>(range.begin + i)].valid) continue;
     const T* x = logits.row(range.begin + i);
     float max = kNegInf;
-    for (std::int64_t v = 0; v < logits.width; ++v)
-      max = std::fmax(max, capped(widen(x[v]), setup.softcap).value);
+    for (std::int64_t v = 0; v < logits.width; ++v) max = std::fmax(max, capped(widen(x[v]), setup.softcap).value);
     maxima[static_cast<std::size_t>(i)] = max;
   }
   allreduce(comm, LV_GROUP_TP, maxima, LV_REDUCE_MAX);
@@ -218,8 +212,7 @@ std::vector<RowStats> cross_entropy_stats(const lv_rank_inputs& in, Matrix<T> lo
     }
     packed[i] = sum_exp.value();
     const std::int64_t target = in.labels[row] - in.vocab_begin;
-    if (target >= 0 && target < logits.width)
-      packed[n + i] = capped(widen(x[target]), setup.softcap).value - maxima[i];
+    if (target >= 0 && target < logits.width) packed[n + i] = capped(widen(x[target]), setup.softcap).value - maxima[i];
     packed[2 * n + i] = sum_shifted.value();
   }
   std::vector<float> local_sum_shifted;  // the partition-vocab bug's Z: this shard's own, before the sum
@@ -259,8 +252,8 @@ void cross_entropy_grad_row(const T* x, T* grad, std::int64_t width, std::int64_
 }
 
 template <class T>
-void cross_entropy_micro_batch(const lv_rank_inputs& in, lv_rank_outputs& out, RowRange range,
-                               const BatchPlan& plan, const Options& options, const Collectives& comm) {
+void cross_entropy_micro_batch(const lv_rank_inputs& in, lv_rank_outputs& out, RowRange range, const BatchPlan& plan,
+                               const Options& options, const Collectives& comm) {
   const std::int64_t width = in.vocab_end - in.vocab_begin;
   const Matrix<T> logits{static_cast<const T*>(in.logits), width};
   const CrossEntropySetup setup = cross_entropy_setup(in, options, width);
@@ -272,8 +265,8 @@ void cross_entropy_micro_batch(const lv_rank_inputs& in, lv_rank_outputs& out, R
     if (!row_plan.valid) continue;
     const RowStats& s = stats[static_cast<std::size_t>(i)];
     out.token_loss[row] = cross_entropy_loss(s, setup);
-    cross_entropy_grad_row(logits.row(row), grad + row * width, width, in.labels[row] - in.vocab_begin, s,
-                           setup, row_plan.backward_weight);
+    cross_entropy_grad_row(logits.row(row), grad + row * width, width, in.labels[row] - in.vocab_begin, s, setup,
+                           row_plan.backward_weight);
   }
 }
 
@@ -374,20 +367,18 @@ void zero_rows_that_do_not_count(const BatchPlan& plan, lv_rank_outputs& out, st
   for (std::size_t row = 0; row < plan.rows.size(); ++row) {
     if (plan.rows[row].valid) continue;
     out.token_loss[row] = 0.0f;
-    std::fill(grad + static_cast<std::int64_t>(row) * width,
-              grad + static_cast<std::int64_t>(row + 1) * width, narrow<T>(0.0f));
+    std::fill(grad + static_cast<std::int64_t>(row) * width, grad + static_cast<std::int64_t>(row + 1) * width,
+              narrow<T>(0.0f));
   }
 }
 
 template <class T>
-void run_typed(const lv_rank_inputs& in, lv_rank_outputs& out, const Options& options,
-               const Collectives& comm) {
+void run_typed(const lv_rank_inputs& in, lv_rank_outputs& out, const Options& options, const Collectives& comm) {
   auto sum_over_dp_cp = [&comm](auto value) {
     comm.allreduce(LV_GROUP_DP_CP, &value, 1, LV_REDUCE_SUM);
     return value;
   };
-  const BatchPlan plan =
-      plan_batch(in, HostRows{in.labels, in.loss_mask, in.upstream_weights}, sum_over_dp_cp);
+  const BatchPlan plan = plan_batch(in, HostRows{in.labels, in.loss_mask, in.upstream_weights}, sum_over_dp_cp);
   zero_rows_that_do_not_count<T>(plan, out, in.vocab_end - in.vocab_begin);
   for (std::int32_t k = 0; k < in.ga; ++k) {
     const RowRange range{in.micro_batch_begin[k], in.micro_batch_begin[k + 1]};
@@ -446,6 +437,4 @@ const lv_plugin kPlugin = {
 
 }  // namespace
 
-extern "C" const lv_plugin* lossverify_plugin(void) {
-  return &kPlugin;
-}
+extern "C" const lv_plugin* lossverify_plugin(void) { return &kPlugin; }

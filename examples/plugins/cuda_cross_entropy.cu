@@ -107,8 +107,7 @@ class RankStream {
   // The collectives copy `data` through the host on the legacy default stream: the work that wrote it has
   // finished (finish() or a synchronous copy), and later work on this stream waits for the copy back.
   template <class T>
-  void allreduce(const Collectives& comm, lv_group group, T* data, std::int64_t count,
-                 lv_reduce_op op) const {
+  void allreduce(const Collectives& comm, lv_group group, T* data, std::int64_t count, lv_reduce_op op) const {
     comm.allreduce(group, data, count, op);
     follow_legacy_stream();
   }
@@ -129,15 +128,9 @@ V sum_over_dp_cp(const RankStream& stream, const Collectives& comm, V value) {
 
 // ---- Device helpers -----------------------------------------------------------------------------
 
-__device__ float widen(float x) {
-  return x;
-}
-__device__ float widen(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
-__device__ float widen(__half x) {
-  return __half2float(x);
-}
+__device__ float widen(float x) { return x; }
+__device__ float widen(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ float widen(__half x) { return __half2float(x); }
 
 template <class T>
 __device__ T narrow(float x);
@@ -181,13 +174,11 @@ __device__ float block_reduce(float value, Op op, float identity) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int warp = static_cast<int>(threadIdx.x) / 32;
   const int warps = static_cast<int>(blockDim.x) / 32;
-  for (int offset = 16; offset > 0; offset /= 2)
-    value = op(value, __shfl_xor_sync(0xffffffffu, value, offset));
+  for (int offset = 16; offset > 0; offset /= 2) value = op(value, __shfl_xor_sync(0xffffffffu, value, offset));
   if (lane == 0) warp_results[warp] = value;
   __syncthreads();
   value = lane < warps ? warp_results[lane] : identity;  // every warp reduces the partials itself
-  for (int offset = 16; offset > 0; offset /= 2)
-    value = op(value, __shfl_xor_sync(0xffffffffu, value, offset));
+  for (int offset = 16; offset > 0; offset /= 2) value = op(value, __shfl_xor_sync(0xffffffffu, value, offset));
   __syncthreads();  // warp_results may be written again by the next call
   return value;
 }
@@ -220,8 +211,7 @@ __global__ void row_max_kernel(const T* logits, std::int64_t width, const Device
   }
   const T* x = logits + i * width;
   float max = -INFINITY;
-  for (std::int64_t v = threadIdx.x; v < width; v += blockDim.x)
-    max = fmaxf(max, capped(widen(x[v]), softcap).value);
+  for (std::int64_t v = threadIdx.x; v < width; v += blockDim.x) max = fmaxf(max, capped(widen(x[v]), softcap).value);
   max = block_reduce(max, MaxOp{}, -INFINITY);
   if (threadIdx.x == 0) row_max[i] = max;
 }
@@ -258,9 +248,8 @@ __global__ void row_sums_kernel(const T* logits, std::int64_t width, const Devic
 //   l = log S - [q_off Z + (q_on - q_off)(x_l - M)] + w_z lse^2         (sum_v q_v = 1 cancels M)
 //   dl/dx_v = [p_v (1 + 2 w_z lse) - q_v] (1 - tanh^2(x_v / c) under a softcap c), times the row's weight.
 template <class T>
-__global__ void loss_grad_kernel(const T* logits, std::int64_t width, const DeviceRow* rows,
-                                 const float* row_max, const float* packed, std::int64_t n, LossConstants k,
-                                 float* token_loss, T* grad) {
+__global__ void loss_grad_kernel(const T* logits, std::int64_t width, const DeviceRow* rows, const float* row_max,
+                                 const float* packed, std::int64_t n, LossConstants k, float* token_loss, T* grad) {
   const std::int64_t i = blockIdx.x;
   const DeviceRow row = rows[i];
   const T* x = logits + i * width;
@@ -274,8 +263,7 @@ __global__ void loss_grad_kernel(const T* logits, std::int64_t width, const Devi
   const float log_sum = logf(packed[i]);
   const float lse = m + log_sum;
   if (threadIdx.x == 0) {
-    const float smoothing_term =
-        k.q_off_target * packed[2 * n + i] + (k.q_on_target - k.q_off_target) * packed[n + i];
+    const float smoothing_term = k.q_off_target * packed[2 * n + i] + (k.q_on_target - k.q_off_target) * packed[n + i];
     token_loss[i] = log_sum - smoothing_term + k.z_loss_weight * lse * lse;
   }
   const float z_factor = 1.0f + 2.0f * k.z_loss_weight * lse;
@@ -323,14 +311,13 @@ std::vector<DeviceRow> device_rows(const lv_rank_inputs& in, const BatchPlan& pl
 
 LossConstants loss_constants(const lv_loss_config& loss, std::int64_t vocab) {
   const TargetWeights q = target_weights(loss, static_cast<double>(vocab));
-  return {static_cast<float>(loss.softcap), static_cast<float>(loss.z_loss_weight), q.on_target,
-          q.off_target};
+  return {static_cast<float>(loss.softcap), static_cast<float>(loss.z_loss_weight), q.on_target, q.off_target};
 }
 
 template <class T>
-void cross_entropy_micro_batch(const lv_rank_inputs& in, lv_rank_outputs& out, std::int64_t begin,
-                               std::int64_t end, const Options& options, const Workspace& work,
-                               const RankStream& stream, const Collectives& comm) {
+void cross_entropy_micro_batch(const lv_rank_inputs& in, lv_rank_outputs& out, std::int64_t begin, std::int64_t end,
+                               const Options& options, const Workspace& work, const RankStream& stream,
+                               const Collectives& comm) {
   const std::int64_t width = in.vocab_end - in.vocab_begin;
   const std::int64_t n = end - begin;
   const T* logits = static_cast<const T*>(in.logits) + begin * width;
@@ -342,30 +329,27 @@ void cross_entropy_micro_batch(const lv_rank_inputs& in, lv_rank_outputs& out, s
     const auto bytes = static_cast<std::size_t>(n) * sizeof(float);
     check(cudaMemsetAsync(work.row_max.get(), 0, bytes, stream.get()), "cudaMemsetAsync (row_max = 0)");
   } else {
-    row_max_kernel<T>
-        <<<blocks, kThreads, 0, stream.get()>>>(logits, width, rows, k.softcap, work.row_max.get());
+    row_max_kernel<T><<<blocks, kThreads, 0, stream.get()>>>(logits, width, rows, k.softcap, work.row_max.get());
     stream.finish("row_max_kernel");
     stream.allreduce(comm, LV_GROUP_TP, work.row_max.get(), n, LV_REDUCE_MAX);
   }
-  row_sums_kernel<T><<<blocks, kThreads, 0, stream.get()>>>(logits, width, rows, k.softcap,
-                                                            work.row_max.get(), n, work.packed.get());
+  row_sums_kernel<T>
+      <<<blocks, kThreads, 0, stream.get()>>>(logits, width, rows, k.softcap, work.row_max.get(), n, work.packed.get());
   stream.finish("row_sums_kernel");
   stream.allreduce(comm, LV_GROUP_TP, work.packed.get(), 3 * n, LV_REDUCE_SUM);
-  loss_grad_kernel<T><<<blocks, kThreads, 0, stream.get()>>>(logits, width, rows, work.row_max.get(),
-                                                             work.packed.get(), n, k, out.token_loss + begin,
+  loss_grad_kernel<T><<<blocks, kThreads, 0, stream.get()>>>(logits, width, rows, work.row_max.get(), work.packed.get(),
+                                                             n, k, out.token_loss + begin,
                                                              static_cast<T*>(out.grad) + begin * width);
   stream.finish("loss_grad_kernel");  // lossverify reads the outputs on the legacy stream
 }
 
 template <class T>
-void run_typed(const lv_rank_inputs& in, lv_rank_outputs& out, const Options& options,
-               const Collectives& comm) {
+void run_typed(const lv_rank_inputs& in, lv_rank_outputs& out, const Options& options, const Collectives& comm) {
   const RankStream stream;
   stream.follow_legacy_stream();  // lossverify's copies of the inputs
   // The framework side reads a few numbers per row: bring them to the host.
   const std::vector<std::int64_t> labels = stream.download(in.labels, in.rows, "cudaMemcpyAsync (labels)");
-  const std::vector<std::uint8_t> loss_mask =
-      stream.download(in.loss_mask, in.rows, "cudaMemcpyAsync (loss_mask)");
+  const std::vector<std::uint8_t> loss_mask = stream.download(in.loss_mask, in.rows, "cudaMemcpyAsync (loss_mask)");
   const std::vector<double> upstream =
       stream.download(in.upstream_weights, in.rows, "cudaMemcpyAsync (upstream_weights)");
   auto sum = [&stream, &comm](auto value) { return sum_over_dp_cp(stream, comm, value); };
@@ -388,8 +372,7 @@ void run_typed(const lv_rank_inputs& in, lv_rank_outputs& out, const Options& op
   out.logged_num_tokens = plan.valid_tokens;
   out.has_logged_loss = in.loss.reduction != LV_REDUCTION_NONE;
   if (out.has_logged_loss != 0) {
-    const std::vector<float> token_loss =
-        stream.download(out.token_loss, in.rows, "cudaMemcpyAsync (token_loss)");
+    const std::vector<float> token_loss = stream.download(out.token_loss, in.rows, "cudaMemcpyAsync (token_loss)");
     out.logged_loss = logged_loss(plan, token_loss.data(), sum);
   }
 }
@@ -397,8 +380,7 @@ void run_typed(const lv_rank_inputs& in, lv_rank_outputs& out, const Options& op
 void run(const lv_rank_inputs& in, lv_rank_outputs& out, const Collectives& comm) {
   check_rank_inputs(in, out);
   if (in.memory != LV_MEMORY_CUDA) throw std::invalid_argument("inputs are not in CUDA memory");
-  if (in.loss.kind != LV_LOSS_CROSS_ENTROPY)
-    throw std::invalid_argument("this plugin computes cross-entropy only");
+  if (in.loss.kind != LV_LOSS_CROSS_ENTROPY) throw std::invalid_argument("this plugin computes cross-entropy only");
   const Options options{parse_bug_parameter(in.params == nullptr ? "" : in.params, "bug=no-max-shift")};
   switch (in.dtype) {
     case LV_DTYPE_F32:
@@ -431,6 +413,4 @@ const lv_plugin kPlugin = {
 
 }  // namespace
 
-extern "C" const lv_plugin* lossverify_plugin(void) {
-  return &kPlugin;
-}
+extern "C" const lv_plugin* lossverify_plugin(void) { return &kPlugin; }

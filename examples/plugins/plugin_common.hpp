@@ -34,8 +34,7 @@ inline bool parse_bug_parameter(std::string_view params, std::string_view known)
     }
   }
   if (!unknown.empty()) {
-    throw std::invalid_argument("unknown parameter(s) " + unknown + "; this plugin knows only " +
-                                std::string(known));
+    throw std::invalid_argument("unknown parameter(s) " + unknown + "; this plugin knows only " + std::string(known));
   }
   return given;
 }
@@ -187,8 +186,7 @@ inline float pairwise_sum(const float* x, std::size_t n) {
 template <class SumOverDpCp>
 float logged_loss(const BatchPlan& plan, const float* token_loss, SumOverDpCp sum_over_dp_cp) {
   std::vector<float> weighted(plan.rows.size(), 0.0f);
-  for (std::size_t i = 0; i < plan.rows.size(); ++i)
-    weighted[i] = plan.rows[i].forward_weight * token_loss[i];
+  for (std::size_t i = 0; i < plan.rows.size(); ++i) weighted[i] = plan.rows[i].forward_weight * token_loss[i];
   return sum_over_dp_cp(pairwise_sum(weighted.data(), weighted.size()));
 }
 

@@ -51,6 +51,7 @@ extern "C" {
 #define LV_PLUGIN_ABI_VERSION 1u
 
 /* Element types of logits and gradients (the case's input dtype; gradients are written in it too). */
+/* clang-format off: the field comments are aligned by hand */
 typedef enum lv_dtype { LV_DTYPE_F32 = 0, LV_DTYPE_BF16 = 1, LV_DTYPE_F16 = 2 } lv_dtype;
 
 /* Where a plugin wants its inputs and outputs. LV_MEMORY_CUDA: device memory of the GPU `device`
@@ -73,9 +74,9 @@ typedef struct lv_loss_config {
   /* cross-entropy */
   double label_smoothing;
   lv_smoothing_convention smoothing_convention;
-  double z_loss_weight;  /* loss += w_z lse^2 */
-  double softcap;        /* > 0: logits become c tanh(x / c) */
-  int64_t ignore_index;  /* labels of rows that do not count */
+  double z_loss_weight; /* loss += w_z lse^2 */
+  double softcap;       /* > 0: logits become c tanh(x / c) */
+  int64_t ignore_index; /* labels of rows that do not count */
   /* KD: k = T^s KL(softmax(teacher / T) || softmax(student / T)), s = 2 when t2_scaling */
   double temperature;
   int32_t t2_scaling;
@@ -114,47 +115,47 @@ typedef struct lv_rank_inputs {
   int32_t tp_size, cp_size, dp_size; /* the layout */
   int32_t ga;                        /* micro-batches */
   /* the shard */
-  int64_t vocab_size;                /* V, the global vocabulary */
-  int64_t vocab_begin, vocab_end;    /* this rank's columns [begin, end) */
-  int64_t rows;                      /* local rows of all micro-batches, CP padding included */
-  const int64_t* micro_batch_begin;  /* ga + 1 offsets into the rows; host memory */
-  int64_t global_valid_tokens;       /* N_v, as a framework's loader counts it before the step */
+  int64_t vocab_size;               /* V, the global vocabulary */
+  int64_t vocab_begin, vocab_end;   /* this rank's columns [begin, end) */
+  int64_t rows;                     /* local rows of all micro-batches, CP padding included */
+  const int64_t* micro_batch_begin; /* ga + 1 offsets into the rows; host memory */
+  int64_t global_valid_tokens;      /* N_v, as a framework's loader counts it before the step */
   lv_dtype dtype;
-  lv_memory memory;                  /* where the arrays below live (the plugin's declared memory) */
-  int32_t device;                    /* CUDA device ordinal when memory is LV_MEMORY_CUDA, else -1 */
+  lv_memory memory; /* where the arrays below live (the plugin's declared memory) */
+  int32_t device;   /* CUDA device ordinal when memory is LV_MEMORY_CUDA, else -1 */
   /* Arrays are never NULL for the losses they belong to (a rank with no rows gets valid empty arrays). The
    * plugin may scribble on them: they are its own copies, and the reference never reads them. */
-  const void* logits;                /* rows x (vocab_end - vocab_begin), row major, in dtype */
-  const void* teacher_logits;        /* KD: as logits; NULL for cross-entropy */
-  const int64_t* labels;             /* rows: the global label, or ignore_index (ignored, masked, padding) */
-  const uint8_t* loss_mask;          /* rows: 1 when the row counts in the loss */
-  const double* upstream_weights;    /* rows: g_t of reduction none, 1 otherwise, 0 on padding rows */
-  const int64_t* tokens;             /* rows: the global token, -1 on CP padding rows */
+  const void* logits;             /* rows x (vocab_end - vocab_begin), row major, in dtype */
+  const void* teacher_logits;     /* KD: as logits; NULL for cross-entropy */
+  const int64_t* labels;          /* rows: the global label, or ignore_index (ignored, masked, padding) */
+  const uint8_t* loss_mask;       /* rows: 1 when the row counts in the loss */
+  const double* upstream_weights; /* rows: g_t of reduction none, 1 otherwise, 0 on padding rows */
+  const int64_t* tokens;          /* rows: the global token, -1 on CP padding rows */
   lv_loss_config loss;
   lv_framework framework;
-  const char* params;                /* the text after '?' in --impl plugin:PATH?PARAMS; "" when none */
+  const char* params; /* the text after '?' in --impl plugin:PATH?PARAMS; "" when none */
 } lv_rank_inputs;
 
 typedef struct lv_rank_outputs {
-  size_t struct_size;    /* sizeof(lv_rank_outputs) of the lossverify that calls */
+  size_t struct_size; /* sizeof(lv_rank_outputs) of the lossverify that calls */
   /* Both zero-filled. Rows whose loss_mask is 0 must end exactly zero (leave them or write zeros). */
-  void* grad;            /* rows x columns in dtype, in the declared memory */
-  float* token_loss;     /* rows float32 values, in the declared memory */
+  void* grad;        /* rows x columns in dtype, in the declared memory */
+  float* token_loss; /* rows float32 values, in the declared memory */
   /* Set by the plugin: */
   int64_t grad_rows, grad_columns; /* what it wrote: must be rows and vocab_end - vocab_begin */
   int64_t token_loss_count;        /* must be rows */
   int32_t has_logged_loss;         /* 0 for reduction none */
   double logged_loss;
   int64_t logged_num_tokens;
-  char error[1024];                /* a message when run_rank returns nonzero (NUL-terminated) */
+  char error[1024]; /* a message when run_rank returns nonzero (NUL-terminated) */
 } lv_rank_outputs;
 
 typedef struct lv_plugin {
-  uint32_t abi_version;     /* LV_PLUGIN_ABI_VERSION */
-  const char* name;         /* short name for reports */
-  const char* description;  /* one line: what it implements */
-  lv_memory memory;         /* where run_rank wants its inputs and outputs */
-  uint32_t losses;          /* LV_SUPPORTS_* bits; other losses are not run (gate: not applicable) */
+  uint32_t abi_version;    /* LV_PLUGIN_ABI_VERSION */
+  const char* name;        /* short name for reports */
+  const char* description; /* one line: what it implements */
+  lv_memory memory;        /* where run_rank wants its inputs and outputs */
+  uint32_t losses;         /* LV_SUPPORTS_* bits; other losses are not run (gate: not applicable) */
   /* Called once per rank, concurrently from several threads (thread ranks) or once per process (MPI).
    * Returns 0 on success. */
   int (*run_rank)(const lv_rank_inputs* inputs, lv_rank_outputs* outputs, const lv_collectives* collectives);
@@ -166,6 +167,7 @@ typedef struct lv_plugin {
 /* The symbol lossverify looks up. The returned object must live as long as the library is loaded. */
 #define LV_PLUGIN_ENTRY_POINT "lossverify_plugin"
 typedef const lv_plugin* (*lv_plugin_entry)(void);
+/* clang-format on */
 
 #ifdef __cplusplus
 } /* extern "C" */

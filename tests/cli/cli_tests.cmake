@@ -152,3 +152,13 @@ add_test(NAME layering_check_catches_a_violation
     cp -r ${PROJECT_SOURCE_DIR}/src/lossverify/checks ${CMAKE_CURRENT_BINARY_DIR}/layering/ && \
     echo '#include \"lossverify/impl/cpu/sharded_loss.hpp\"' >> ${CMAKE_CURRENT_BINARY_DIR}/layering/checks/checks.cpp && \
     ! bash ${PROJECT_SOURCE_DIR}/scripts/check_layering.sh ${CMAKE_CURRENT_BINARY_DIR}/layering")
+
+# The tree follows .clang-format (scripts/check_format.sh), and the check fails on a mis-formatted copy.
+add_test(NAME format_follows_clang_format COMMAND bash ${PROJECT_SOURCE_DIR}/scripts/check_format.sh
+  WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+add_test(NAME format_check_catches_a_violation
+  COMMAND bash -c "mkdir -p ${CMAKE_CURRENT_BINARY_DIR}/format && \
+    sed 's/^  \\(const auto byte\\)/      \\1/' ${PROJECT_SOURCE_DIR}/src/lossverify/core/strings.cpp \
+      > ${CMAKE_CURRENT_BINARY_DIR}/format/strings.cpp && \
+    ! cmp -s ${PROJECT_SOURCE_DIR}/src/lossverify/core/strings.cpp ${CMAKE_CURRENT_BINARY_DIR}/format/strings.cpp && \
+    ! bash ${PROJECT_SOURCE_DIR}/scripts/check_format.sh ${CMAKE_CURRENT_BINARY_DIR}/format/strings.cpp")

@@ -1,13 +1,13 @@
 // CUDA backend against the same oracle as the CPU (the ggml idiom): device inputs bit-identical to the
 // CPU generator, the correct kernels passing every check at several TP layouts, and the kernel-level
 // catalogued bugs failing with exactly the checks the CPU gate recorded in golden/.
-#include <doctest/doctest.h>
 #include <cuda_runtime.h>
+#include <doctest/doctest.h>
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <limits>
@@ -19,8 +19,8 @@
 #include "lossverify/core/build_info.hpp"
 #include "lossverify/core/errors.hpp"
 #include "lossverify/impl/cuda/kernels.hpp"
-#include "lossverify/oracle/cuda/reference_kernels.hpp"
 #include "lossverify/inputs/input_source.hpp"
+#include "lossverify/oracle/cuda/reference_kernels.hpp"
 #include "lossverify/runner/run_case.hpp"
 #include "test_support.hpp"
 
@@ -89,12 +89,21 @@ TEST_CASE("device_generated_logits_are_bit_identical_to_the_cpu_generator") {
     REQUIRE(cudaMalloc(&d_padding, padding.size() * 4) == cudaSuccess);
     cudaMemcpy(d_counters, counters.data(), counters.size() * 8, cudaMemcpyHostToDevice);
     cudaMemcpy(d_padding, padding.data(), padding.size() * 4, cudaMemcpyHostToDevice);
-    const cuda::StorageType type = c.inputs.dtype == DType::bf16 ? cuda::StorageType::bf16
+    const cuda::StorageType type = c.inputs.dtype == DType::bf16   ? cuda::StorageType::bf16
                                    : c.inputs.dtype == DType::fp16 ? cuda::StorageType::fp16
                                                                    : cuda::StorageType::fp32;
-    cuda::GenerateArgs g{c.inputs.seed, static_cast<int>(InputStream::student_logits), static_cast<std::int64_t*>(d_counters),
-                         static_cast<int*>(d_padding), rows, begin, end, static_cast<int>(c.inputs.distribution),
-                         c.inputs.mean, c.inputs.scale, c.inputs.mean, c.inputs.scale};
+    cuda::GenerateArgs g{c.inputs.seed,
+                         static_cast<int>(InputStream::student_logits),
+                         static_cast<std::int64_t*>(d_counters),
+                         static_cast<int*>(d_padding),
+                         rows,
+                         begin,
+                         end,
+                         static_cast<int>(c.inputs.distribution),
+                         c.inputs.mean,
+                         c.inputs.scale,
+                         c.inputs.mean,
+                         c.inputs.scale};
     cuda::generate_logits(type, g, d_out, nullptr);
     REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
     std::vector<std::byte> device(bytes), host(static_cast<std::size_t>(end - begin) * element);
@@ -119,10 +128,10 @@ TEST_CASE("device_generated_logits_are_bit_identical_to_the_cpu_generator") {
 }
 
 TEST_CASE("cuda_correct_implementation_passes_every_check_at_several_tp") {
-  const char* cases[] = {"smoothing-pytorch", "smoothing-megatron", "uneven-shards-v507-tp4", "zloss-ignored",
-                         "reduction-none-upstream", "softcap-gemma", "underflow-gap-240", "cp-zigzag-packed",
-                         "ga-unequal-microbatches", "full-4d-layout", "kd-tp4-temperature2",
-                         "kd-student-equals-teacher"};
+  const char* cases[] = {"smoothing-pytorch", "smoothing-megatron",      "uneven-shards-v507-tp4",
+                         "zloss-ignored",     "reduction-none-upstream", "softcap-gemma",
+                         "underflow-gap-240", "cp-zigzag-packed",        "ga-unequal-microbatches",
+                         "full-4d-layout",    "kd-tp4-temperature2",     "kd-student-equals-teacher"};
   for (const char* name : cases) {
     for (int tp : {1, 2, 4}) {
       Case c = load_case_file(std::string("cases/") + name + ".json");
@@ -141,21 +150,33 @@ TEST_CASE("cuda_correct_implementation_passes_every_check_at_several_tp") {
 }
 
 TEST_CASE("cuda_kernel_bugs_fail_with_the_checks_golden_records_for_the_cpu") {
-  const std::pair<const char*, const char*> runs[] = {
-      {"smoothing-pytorch", "smoothing-partition-vocab"}, {"smoothing-pytorch", "smoothing-local-sum"},
-      {"uneven-shards-v507-tp4", "smoothing-backward-partition"}, {"uneven-shards-v507-tp4", "smoothing-convention-swap"},
-      {"large-logits-no-max-shift", "no-max-shift"}, {"bf16-upstream-rounding", "grad-rounded-early"},
-      {"uneven-shards-v507-tp4", "zloss-grad-after-smoothing"}, {"zloss-ignored", "zloss-on-ignored"},
-      {"cp-zigzag-packed", "cp-roll-after-split"}, {"dp-unequal-tokens", "dp-local-mean"},
-      {"kd-tp4-temperature2", "kd-no-t2"}, {"kd-tp4-temperature2", "kd-double-t2"},
-      {"kd-tp4-temperature2", "kd-local-softmax"}, {"kd-tp4-temperature2", "kd-untracked-allreduce"},
-      {"kd-student-equals-teacher", "kd-cross-entropy-value"}, {"kd-student-equals-teacher", "kd-untracked-allreduce"},
-      {"kd-tp2-dp2-unequal", "kd-tp-grad-sum"},               {"kd-tp2-dp2-unequal", "correct"},
-      {"smoothing-pytorch", "overwrites-input"},              {"uneven-shards-v507-tp4", "overwrites-input"},
-      {"underflow-gap-240", "smoothing-log-after-exp"},       {"smoothing-pytorch", "smoothing-log-after-exp"},
-      {"uneven-shards-v507-tp4", "smoothing-log-after-exp"},  {"smoothing-pytorch", "full-vocab-through-tp"},
-      {"uneven-shards-v507-tp4", "full-vocab-through-tp"},    {"cp-zigzag-packed", "full-vocab-through-tp"},
-      {"softcap-gemma", "full-vocab-through-tp"}};
+  const std::pair<const char*, const char*> runs[] = {{"smoothing-pytorch", "smoothing-partition-vocab"},
+                                                      {"smoothing-pytorch", "smoothing-local-sum"},
+                                                      {"uneven-shards-v507-tp4", "smoothing-backward-partition"},
+                                                      {"uneven-shards-v507-tp4", "smoothing-convention-swap"},
+                                                      {"large-logits-no-max-shift", "no-max-shift"},
+                                                      {"bf16-upstream-rounding", "grad-rounded-early"},
+                                                      {"uneven-shards-v507-tp4", "zloss-grad-after-smoothing"},
+                                                      {"zloss-ignored", "zloss-on-ignored"},
+                                                      {"cp-zigzag-packed", "cp-roll-after-split"},
+                                                      {"dp-unequal-tokens", "dp-local-mean"},
+                                                      {"kd-tp4-temperature2", "kd-no-t2"},
+                                                      {"kd-tp4-temperature2", "kd-double-t2"},
+                                                      {"kd-tp4-temperature2", "kd-local-softmax"},
+                                                      {"kd-tp4-temperature2", "kd-untracked-allreduce"},
+                                                      {"kd-student-equals-teacher", "kd-cross-entropy-value"},
+                                                      {"kd-student-equals-teacher", "kd-untracked-allreduce"},
+                                                      {"kd-tp2-dp2-unequal", "kd-tp-grad-sum"},
+                                                      {"kd-tp2-dp2-unequal", "correct"},
+                                                      {"smoothing-pytorch", "overwrites-input"},
+                                                      {"uneven-shards-v507-tp4", "overwrites-input"},
+                                                      {"underflow-gap-240", "smoothing-log-after-exp"},
+                                                      {"smoothing-pytorch", "smoothing-log-after-exp"},
+                                                      {"uneven-shards-v507-tp4", "smoothing-log-after-exp"},
+                                                      {"smoothing-pytorch", "full-vocab-through-tp"},
+                                                      {"uneven-shards-v507-tp4", "full-vocab-through-tp"},
+                                                      {"cp-zigzag-packed", "full-vocab-through-tp"},
+                                                      {"softcap-gemma", "full-vocab-through-tp"}};
   for (const auto& [name, impl] : runs) {
     const Case c = load_case_file(std::string("cases/") + name + ".json");
     std::ifstream golden_file(std::string("golden/") + name + ".json");
@@ -249,15 +270,20 @@ TEST_CASE("nccl_one_gpu_per_rank_matches_host_collectives_bitwise_and_the_cpu_ve
   // Two-rank layouts (TP, CP, DP) over two GPUs, the correct kernels and bugs that live in the
   // collectives' inputs and in the normalisation.
   const std::tuple<const char*, const char*, const char*> runs[] = {
-      {"smoothing-pytorch", "layout.tp", "correct"},        {"smoothing-pytorch", "layout.tp", "smoothing-local-sum"},
-      {"uneven-shards-v507-tp4", "layout.tp", "correct"},   {"uneven-shards-v507-tp4", "layout.tp", "smoothing-partition-vocab"},
-      {"kd-tp4-temperature2", "layout.tp", "correct"},      {"kd-tp4-temperature2", "layout.tp", "kd-local-softmax"},
-      {"cp-zigzag-packed", "layout.cp", "correct"},         {"cp-zigzag-packed", "layout.cp", "cp-roll-after-split"},
-      {"dp-unequal-tokens", "layout.dp", "correct"},        {"dp-unequal-tokens", "layout.dp", "dp-local-mean"},
+      {"smoothing-pytorch", "layout.tp", "correct"},
+      {"smoothing-pytorch", "layout.tp", "smoothing-local-sum"},
+      {"uneven-shards-v507-tp4", "layout.tp", "correct"},
+      {"uneven-shards-v507-tp4", "layout.tp", "smoothing-partition-vocab"},
+      {"kd-tp4-temperature2", "layout.tp", "correct"},
+      {"kd-tp4-temperature2", "layout.tp", "kd-local-softmax"},
+      {"cp-zigzag-packed", "layout.cp", "correct"},
+      {"cp-zigzag-packed", "layout.cp", "cp-roll-after-split"},
+      {"dp-unequal-tokens", "layout.dp", "correct"},
+      {"dp-unequal-tokens", "layout.dp", "dp-local-mean"},
       {"large-logits-no-max-shift", "layout.tp", "no-max-shift"}};
   for (const auto& [name, dimension, impl] : runs) {
     Case c = load_case_file(std::string("cases/") + name + ".json", {"layout.tp=1", "layout.cp=1", "layout.dp=1",
-                                                                      "layout.ga=1", std::string(dimension) + "=2"});
+                                                                     "layout.ga=1", std::string(dimension) + "=2"});
     const std::string case_name = name, impl_name = impl;  // strings, so that a failure prints them
     CAPTURE(case_name);
     CAPTURE(impl_name);
@@ -299,22 +325,32 @@ TEST_CASE("nccl_is_refused_where_ranks_would_share_a_gpu") {
 TEST_CASE("gpu_float64_reference_agrees_with_the_cpu_reference") {
   // Same CUDA kernels, the reference once on the host and once where the shard lives: the same verdicts,
   // the same counts and worst elements, margins equal to float64 rounding.
-  const std::pair<const char*, const char*> runs[] = {
-      {"smoothing-pytorch", "correct"},          {"smoothing-megatron", "correct"},
-      {"uneven-shards-v507-tp4", "correct"},     {"zloss-ignored", "correct"},
-      {"reduction-none-upstream", "correct"},    {"softcap-gemma", "correct"},
-      {"underflow-gap-240", "correct"},          {"cp-zigzag-packed", "correct"},
-      {"full-4d-layout", "correct"},             {"kd-tp4-temperature2", "correct"},
-      {"kd-student-equals-teacher", "correct"},  {"smoothing-pytorch", "smoothing-partition-vocab"},
-      {"bf16-upstream-rounding", "grad-rounded-early"}, {"zloss-ignored", "zloss-on-ignored"},
-      {"cp-zigzag-packed", "cp-roll-after-split"},      {"kd-tp4-temperature2", "kd-untracked-allreduce"},
-      {"large-logits-no-max-shift", "no-max-shift"},    {"uneven-shards-v507-tp4", "full-vocab-through-tp"}};
+  const std::pair<const char*, const char*> runs[] = {{"smoothing-pytorch", "correct"},
+                                                      {"smoothing-megatron", "correct"},
+                                                      {"uneven-shards-v507-tp4", "correct"},
+                                                      {"zloss-ignored", "correct"},
+                                                      {"reduction-none-upstream", "correct"},
+                                                      {"softcap-gemma", "correct"},
+                                                      {"underflow-gap-240", "correct"},
+                                                      {"cp-zigzag-packed", "correct"},
+                                                      {"full-4d-layout", "correct"},
+                                                      {"kd-tp4-temperature2", "correct"},
+                                                      {"kd-student-equals-teacher", "correct"},
+                                                      {"smoothing-pytorch", "smoothing-partition-vocab"},
+                                                      {"bf16-upstream-rounding", "grad-rounded-early"},
+                                                      {"zloss-ignored", "zloss-on-ignored"},
+                                                      {"cp-zigzag-packed", "cp-roll-after-split"},
+                                                      {"kd-tp4-temperature2", "kd-untracked-allreduce"},
+                                                      {"large-logits-no-max-shift", "no-max-shift"},
+                                                      {"uneven-shards-v507-tp4", "full-vocab-through-tp"}};
   // At TP = 1 (whole rows of cross-entropy) the comparison takes each row's lse from the partials on the
   // device instead of the host's combine: the same pairs, one shard per token.
-  const std::pair<const char*, const char*> whole_rows[] = {
-      {"smoothing-pytorch", "correct"},          {"zloss-ignored", "zloss-on-ignored"},
-      {"softcap-gemma", "correct"},              {"cp-zigzag-packed", "cp-roll-after-split"},
-      {"large-logits-no-max-shift", "no-max-shift"}, {"reduction-none-upstream", "correct"}};
+  const std::pair<const char*, const char*> whole_rows[] = {{"smoothing-pytorch", "correct"},
+                                                            {"zloss-ignored", "zloss-on-ignored"},
+                                                            {"softcap-gemma", "correct"},
+                                                            {"cp-zigzag-packed", "cp-roll-after-split"},
+                                                            {"large-logits-no-max-shift", "no-max-shift"},
+                                                            {"reduction-none-upstream", "correct"}};
   std::vector<std::tuple<const char*, const char*, std::vector<std::string>>> all;
   for (const auto& [name, impl] : runs) all.emplace_back(name, impl, std::vector<std::string>{});
   for (const auto& [name, impl] : whole_rows) all.emplace_back(name, impl, std::vector<std::string>{"layout.tp=1"});
@@ -387,9 +423,9 @@ TEST_CASE("gpu_reference_exp_is_within_2_ulp_of_the_host_exp") {
   // library's exp. The distance is counted in units in the last place of the host value.
   std::vector<double> in;
   for (int i = 0; i <= 2000000; ++i) in.push_back(-745.0 * i / 2000000.0);
-  for (double d : {0.0, -0.0, -1e-300, -5e-324, -1e-17, -0.0108304, -707.0, -707.0000001, -708.39, -744.4, -745.2,
-                   -800.0, 1e-300, 0.5, 700.0, -std::numeric_limits<double>::infinity(),
-                   std::numeric_limits<double>::infinity(), std::nan("")}) {
+  for (double d :
+       {0.0, -0.0, -1e-300, -5e-324, -1e-17, -0.0108304, -707.0, -707.0000001, -708.39, -744.4, -745.2, -800.0, 1e-300,
+        0.5, 700.0, -std::numeric_limits<double>::infinity(), std::numeric_limits<double>::infinity(), std::nan("")}) {
     in.push_back(d);
   }
   std::vector<double> out(in.size());
@@ -455,7 +491,7 @@ TEST_CASE("gpu_reference_code_tables_judge_as_the_full_judgement") {
       // rows of 4000 and 4096 columns whose every element misses: more misses than the block's list holds
       {"realistic-bf16-n2048-v32000-tp8", "smoothing-partition-vocab", {}, any},
       {"dp-unequal-tokens", "dp-local-mean", with({"shape.vocab=8192"}), any},
-      {"large-logits-no-max-shift", "correct", bf16, none},                        // |x| > 64: outside
+      {"large-logits-no-max-shift", "correct", bf16, none},                       // |x| > 64: outside
       {"large-logits-no-max-shift", "correct", with({"inputs.mean=650"}), none},  // |lse| > 600
   };
   ::unsetenv("LOSSVERIFY_REFERENCE_TABLES");
@@ -464,8 +500,8 @@ TEST_CASE("gpu_reference_code_tables_judge_as_the_full_judgement") {
   REQUIRE_FALSE(cuda::reference_code_tables_apply(cuda::StorageType::bf16, true, 0.0));
   REQUIRE_FALSE(cuda::reference_code_tables_apply(cuda::StorageType::bf16, false, 30.0));
   // The full judgement's grad check (tables off), after the same run with the tables on was checked against it.
-  auto tables_judge_as_the_full_judgement = [](const Case& c, const std::string& case_name, const std::string& impl_name,
-                                               Lookups expected_lookups) {
+  auto tables_judge_as_the_full_judgement = [](const Case& c, const std::string& case_name,
+                                               const std::string& impl_name, Lookups expected_lookups) {
     CAPTURE(case_name);
     CAPTURE(impl_name);
     REQUIRE(c.inputs.dtype == DType::bf16);
@@ -507,7 +543,8 @@ TEST_CASE("gpu_reference_code_tables_judge_as_the_full_judgement") {
         CHECK(a.worst->got == b.worst->got);
       }
     });
-    return std::find_if(full.checks.begin(), full.checks.end(), [](const CheckResult& r) { return r.name == "grad"; })->worst;
+    return std::find_if(full.checks.begin(), full.checks.end(), [](const CheckResult& r) { return r.name == "grad"; })
+        ->worst;
   };
   for (const Run& run : runs) {
     CAPTURE(run.set.size());
@@ -556,7 +593,8 @@ TEST_CASE("gpu_reference_code_tables_judge_as_the_full_judgement") {
       row.logits[3] = 4.0;
       c.inputs.overrides.push_back(std::move(row));
     }
-    const std::optional<ElementRecord> worst = tables_judge_as_the_full_judgement(c, "label-shares-entry-n43", "correct", some);
+    const std::optional<ElementRecord> worst =
+        tables_judge_as_the_full_judgement(c, "label-shares-entry-n43", "correct", some);
     REQUIRE(worst.has_value());  // the premise
     CHECK(worst->token == 0);
     CHECK(worst->column == 1);

@@ -9,10 +9,10 @@
 #include "lossverify/runner/run_case.hpp"
 
 int main() {
-  const lossverify::Case c = lossverify::parse_case(
-      nlohmann::json::parse(R"({"name": "consumer", "shape": {"tokens": 32, "vocab": 64},
+  const lossverify::Case c =
+      lossverify::parse_case(nlohmann::json::parse(R"({"name": "consumer", "shape": {"tokens": 32, "vocab": 64},
                                 "loss": {"label_smoothing": 0.1}, "layout": {"tp": 2}})"),
-      "<consumer>");
+                             "<consumer>");
   lossverify::RunOptions options;
   options.threads = 1;
   const auto right = lossverify::run_case(c, options);

@@ -80,8 +80,13 @@ int run_rank(const lv_rank_inputs* in, lv_rank_outputs* out, const lv_collective
   return 0;
 }
 
-const lv_plugin plugin = {LV_PLUGIN_ABI_VERSION, "faulty", "misbehaves on purpose (tests)", LV_MEMORY_HOST,
-                          LV_SUPPORTS_CROSS_ENTROPY | LV_SUPPORTS_KD, run_rank, nullptr};
+const lv_plugin plugin = {LV_PLUGIN_ABI_VERSION,
+                          "faulty",
+                          "misbehaves on purpose (tests)",
+                          LV_MEMORY_HOST,
+                          LV_SUPPORTS_CROSS_ENTROPY | LV_SUPPORTS_KD,
+                          run_rank,
+                          nullptr};
 
 }  // namespace
 

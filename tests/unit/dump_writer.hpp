@@ -34,11 +34,13 @@ inline std::string le64(std::uint64_t v) {
   return s;
 }
 
-inline std::string safetensors_bytes(const std::map<std::string, RawTensor>& tensors, const nlohmann::json& metadata = nullptr) {
+inline std::string safetensors_bytes(const std::map<std::string, RawTensor>& tensors,
+                                     const nlohmann::json& metadata = nullptr) {
   nlohmann::json header = nlohmann::json::object();
   std::string data;
   for (const auto& [name, t] : tensors) {
-    header[name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {data.size(), data.size() + t.data.size()}}};
+    header[name] = {
+        {"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {data.size(), data.size() + t.data.size()}}};
     data.append(reinterpret_cast<const char*>(t.data.data()), t.data.size());
   }
   if (!metadata.is_null()) header["__metadata__"] = metadata;
@@ -51,8 +53,8 @@ inline std::string npy_bytes(const std::string& descr, const std::vector<std::in
                              int version = 1, bool fortran = false) {
   std::string dims;
   for (auto d : shape) dims += std::to_string(d) + ", ";
-  std::string header = "{'descr': '" + descr + "', 'fortran_order': " + (fortran ? "True" : "False") +
-                       ", 'shape': (" + dims + "), }";
+  std::string header =
+      "{'descr': '" + descr + "', 'fortran_order': " + (fortran ? "True" : "False") + ", 'shape': (" + dims + "), }";
   const std::size_t prefix = version == 1 ? 10 : 12;
   header.append((64 - (prefix + header.size() + 1) % 64) % 64, ' ');
   header += '\n';
@@ -71,7 +73,8 @@ inline void write_bytes(const std::filesystem::path& path, const std::string& by
 
 // A fresh, empty temporary folder.
 inline std::filesystem::path temp_folder(const std::string& name) {
-  const auto dir = std::filesystem::temp_directory_path() / ("lossverify-test-" + name + "-" + std::to_string(::getpid()));
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("lossverify-test-" + name + "-" + std::to_string(::getpid()));
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   return dir;

@@ -35,7 +35,7 @@ TEST_CASE("a signal during a write removes the temporary file, and the signal st
     const fs::path folder = fresh_folder("signal");
     const pid_t child = ::fork();
     REQUIRE(child >= 0);
-    if (child == 0) {  // the child writes 4 MB, then the signal arrives before commit()
+    if (child == 0) {              // the child writes 4 MB, then the signal arrives before commit()
       ::signal(SIGTERM, SIG_DFL);  // as in the command-line tool: not doctest's crash handlers
       ::signal(SIGINT, SIG_DFL);
       lossverify::AtomicFile file((folder / "report.json").string(), "report");

@@ -154,7 +154,8 @@ TEST_CASE("kd_no_t2_and_kd_double_t2_scale_kd_loss_and_gradient_by_inverse_t2_an
       const RankRun buggy = ranks_of(c, inputs, name);
       // At T = 2 the ratio is a power of two: float32 carries it exactly.
       const double rtol = temperature == 2.0 ? 0.0 : kRatioRtol;
-      CHECK(check_grad_ratio(buggy, right, [&](const RankOutput&, std::int64_t) { return ratio; }, rtol) == 24 * 101);
+      CHECK(check_grad_ratio(
+                buggy, right, [&](const RankOutput&, std::int64_t) { return ratio; }, rtol) == 24 * 101);
       for (std::size_t k = 0; k < right.outputs.size(); ++k) {
         for (std::size_t i = 0; i < right.outputs[k].token_loss.size(); ++i) {
           const double expected = ratio * static_cast<double>(right.outputs[k].token_loss[i]);
@@ -190,7 +191,8 @@ TEST_CASE("kd_cross_entropy_value_reports_t2_times_the_teacher_entropy_when_stud
         const double expected = temperature * temperature * entropy_of_softmax(x, temperature);
         CHECK(b.token_loss[static_cast<std::size_t>(i)] > 0.0f);
         // float32 lane sums over 97 terms of an O(ln V) quantity (measured error ~3e-7): 1e-5 relative.
-        CHECK(static_cast<double>(b.token_loss[static_cast<std::size_t>(i)]) == doctest::Approx(expected).epsilon(1e-5));
+        CHECK(static_cast<double>(b.token_loss[static_cast<std::size_t>(i)]) ==
+              doctest::Approx(expected).epsilon(1e-5));
       }
     }
     // The gradient is right: Q - P = 0 exactly in both.
@@ -224,7 +226,8 @@ TEST_CASE("kd_cross_entropy_value_adds_t2_times_the_teacher_entropy_to_the_loss_
       const double got = static_cast<double>(b.token_loss[static_cast<std::size_t>(i)]) -
                          static_cast<double>(g.token_loss[static_cast<std::size_t>(i)]);
       // Both float32 losses are O(T^2 ln V): 1e-5 of the larger.
-      CHECK(std::fabs(got - expected) <= 1e-5 * std::fabs(static_cast<double>(b.token_loss[static_cast<std::size_t>(i)])));
+      CHECK(std::fabs(got - expected) <=
+            1e-5 * std::fabs(static_cast<double>(b.token_loss[static_cast<std::size_t>(i)])));
     }
   }
 }
@@ -300,7 +303,8 @@ TEST_CASE("kd_tp_grad_sum_multiplies_every_gradient_element_by_tp_and_leaves_the
     const InputSource inputs(c);
     const RankRun right = ranks_of(c, inputs, "correct");
     const RankRun buggy = ranks_of(c, inputs, "kd-tp-grad-sum");
-    CHECK(check_grad_ratio(buggy, right, [&](const RankOutput&, std::int64_t) { return tp; }, 0.0) > 0);
+    CHECK(check_grad_ratio(
+              buggy, right, [&](const RankOutput&, std::int64_t) { return tp; }, 0.0) > 0);
     for (std::size_t k = 0; k < right.outputs.size(); ++k) {
       CHECK(buggy.outputs[k].token_loss == right.outputs[k].token_loss);
       CHECK(buggy.outputs[k].reduced_loss == right.outputs[k].reduced_loss);
@@ -319,7 +323,7 @@ TEST_CASE("kd_untracked_allreduce_keeps_row_sums_at_zero_while_elements_follow_t
   const RankRun right = ranks_of(c, inputs, "correct");
   const RankRun buggy = ranks_of(c, inputs, "kd-untracked-allreduce");
   const double weight = 1.0 / static_cast<double>(tokens);  // mean over all-valid tokens
-  const double grad_scale = weight * temperature;         // w T^(s-1), s = 2
+  const double grad_scale = weight * temperature;           // w T^(s-1), s = 2
   // float32 compute of values |g| <= 1 in units of w T^(s-1): 1e-5 of that unit is ~100 roundings.
   const double tol = 1e-5 * grad_scale;
   std::vector<double> x(static_cast<std::size_t>(vocab)), y(static_cast<std::size_t>(vocab));
@@ -407,7 +411,8 @@ TEST_CASE("none_divides_grad_divides_the_gradient_by_the_token_count") {
   j["shape"] = {{"vocab", 64}};
   j["batch"] = {{"sequence_lengths", {7, 10}}};
   j["layout"] = {{"tp", 2}, {"cp", 2}};
-  j["loss"] = {{"reduction", "none"}, {"upstream_weights", {{"distribution", "uniform"}, {"low", 0.25}, {"high", 4.0}}}};
+  j["loss"] = {{"reduction", "none"},
+               {"upstream_weights", {{"distribution", "uniform"}, {"low", 0.25}, {"high", 4.0}}}};
   const Case c = testing::make_case(j);
   const InputSource inputs(c);
   const RankRun right = ranks_of(c, inputs, "correct");
@@ -415,12 +420,14 @@ TEST_CASE("none_divides_grad_divides_the_gradient_by_the_token_count") {
   const double n = 17.0;  // non-padding tokens; the cp = 2 padding (7 -> 8, 10 -> 12) does not count
   CHECK(check_grad_ratio(buggy, right, [&](const RankOutput&, std::int64_t) { return 1.0 / n; }) > 0);
   // The per-token losses are untouched.
-  for (std::size_t k = 0; k < right.outputs.size(); ++k) CHECK(buggy.outputs[k].token_loss == right.outputs[k].token_loss);
+  for (std::size_t k = 0; k < right.outputs.size(); ++k)
+    CHECK(buggy.outputs[k].token_loss == right.outputs[k].token_loss);
 }
 
 TEST_CASE("grad_output_first_scales_row_t_by_g0_over_gt") {
   auto j = testing::case_json(24, 64, 2);
-  j["loss"] = {{"reduction", "none"}, {"upstream_weights", {{"distribution", "uniform"}, {"low", 0.25}, {"high", 4.0}}}};
+  j["loss"] = {{"reduction", "none"},
+               {"upstream_weights", {{"distribution", "uniform"}, {"low", 0.25}, {"high", 4.0}}}};
   const Case c = testing::make_case(j);
   const InputSource inputs(c);
   const RankRun right = ranks_of(c, inputs, "correct");
@@ -481,7 +488,8 @@ TEST_CASE("dp_local_mean_gives_token_weight_1_over_r_n_r_with_unequal_rank_count
   }
   for (const RankOutput& out : buggy.outputs) {
     CHECK(static_cast<double>(out.reduced_loss) == doctest::Approx(expected_loss).epsilon(1e-5));
-    CHECK(static_cast<double>(out.reduced_loss) != doctest::Approx(static_cast<double>(right.outputs[0].reduced_loss)).epsilon(1e-3));
+    CHECK(static_cast<double>(out.reduced_loss) !=
+          doctest::Approx(static_cast<double>(right.outputs[0].reduced_loss)).epsilon(1e-3));
   }
 }
 
@@ -519,10 +527,12 @@ TEST_CASE("cp_duplicated_loss_multiplies_the_effective_gradient_by_cp") {
     const RankRun right = ranks_of(c, inputs, "correct");
     const RankRun buggy = ranks_of(c, inputs, "cp-duplicated-loss");
     // Same framework scale on both sides, so effective ratio = local ratio; CP = 2 is exact in float32.
-    CHECK(check_grad_ratio(buggy, right, [&](const RankOutput&, std::int64_t) { return static_cast<double>(cp); },
-                           cp == 2 ? 0.0 : kRatioRtol) > 0);
+    CHECK(check_grad_ratio(
+              buggy, right, [&](const RankOutput&, std::int64_t) { return static_cast<double>(cp); },
+              cp == 2 ? 0.0 : kRatioRtol) > 0);
     // The logged loss is not touched: only the backward is duplicated.
-    for (std::size_t k = 0; k < right.outputs.size(); ++k) CHECK(buggy.outputs[k].reduced_loss == right.outputs[k].reduced_loss);
+    for (std::size_t k = 0; k < right.outputs.size(); ++k)
+      CHECK(buggy.outputs[k].reduced_loss == right.outputs[k].reduced_loss);
   }
 }
 
@@ -556,8 +566,9 @@ namespace {
 
 // Where a catalogued bug cannot show. Every catalogued implementation appears here except kd-cross-entropy-value
 // and overwrites-input (their gradients are wrong wherever they apply),
-// which shows whenever the teacher's entropy is nonzero (its gradient is right, tested above). `identical`: the switch leaves every computed number unchanged (equal
-// outputs, not merely within tolerance); otherwise it only changes float32 rounding and the checks pass.
+// which shows whenever the teacher's entropy is nonzero (its gradient is right, tested above). `identical`: the switch
+// leaves every computed number unchanged (equal outputs, not merely within tolerance); otherwise it only changes
+// float32 rounding and the checks pass.
 struct Invisible {
   const char* impl;
   const char* why;
@@ -572,21 +583,22 @@ nlohmann::json with(nlohmann::json j, const nlohmann::json& patch) {
 
 std::vector<Invisible> invisible_cases() {
   const nlohmann::json ce = testing::case_json(24, 64, 2);
-  const nlohmann::json smoothed = with(ce, {{"loss", {{"label_smoothing", 0.1}, {"smoothing_convention", "megatron"}}}});
+  const nlohmann::json smoothed =
+      with(ce, {{"loss", {{"label_smoothing", 0.1}, {"smoothing_convention", "megatron"}}}});
   const nlohmann::json kd = kd_json(24, 64, 2, 2.0);
   // Two DP ranks with equal valid counts (12 - 1 each), next-token labels.
-  const nlohmann::json equal_dp = with(testing::case_json(0, 64, 1),
-                                       {{"shape", {{"tokens", 24}, {"vocab", 64}}},
-                                        {"batch", {{"sequence_lengths", {12, 12}}}},
-                                        {"layout", {{"tp", 1}, {"dp", 2}}}});
+  const nlohmann::json equal_dp = with(testing::case_json(0, 64, 1), {{"shape", {{"tokens", 24}, {"vocab", 64}}},
+                                                                      {"batch", {{"sequence_lengths", {12, 12}}}},
+                                                                      {"layout", {{"tp", 1}, {"dp", 2}}}});
   // CP = 2 on lengths divisible by 2 CP = 4 (no padding), next-token labels.
-  const nlohmann::json cp2_aligned = with(testing::case_json(0, 64, 2),
-                                          {{"shape", {{"tokens", 28}, {"vocab", 64}}},
-                                           {"batch", {{"sequence_lengths", {8, 12, 8}}}},
-                                           {"layout", {{"tp", 2}, {"cp", 2}}}});
-  const nlohmann::json cp1_next_token = with(cp2_aligned, {{"batch", {{"sequence_lengths", {9, 12, 7}}}}, {"layout", {{"cp", 1}}}});
+  const nlohmann::json cp2_aligned = with(testing::case_json(0, 64, 2), {{"shape", {{"tokens", 28}, {"vocab", 64}}},
+                                                                         {"batch", {{"sequence_lengths", {8, 12, 8}}}},
+                                                                         {"layout", {{"tp", 2}, {"cp", 2}}}});
+  const nlohmann::json cp1_next_token =
+      with(cp2_aligned, {{"batch", {{"sequence_lengths", {9, 12, 7}}}}, {"layout", {{"cp", 1}}}});
   const nlohmann::json none_weights = {
-      {"loss", {{"reduction", "none"}, {"upstream_weights", {{"distribution", "uniform"}, {"low", 0.25}, {"high", 4.0}}}}}};
+      {"loss",
+       {{"reduction", "none"}, {"upstream_weights", {{"distribution", "uniform"}, {"low", 0.25}, {"high", 4.0}}}}}};
   return {
       // Smoothing bugs need alpha > 0: at alpha = 0 both conventions and every V_p give q = one-hot.
       {"smoothing-partition-vocab", "alpha = 0", ce, true},
@@ -601,7 +613,8 @@ std::vector<Invisible> invisible_cases() {
       // overwrites-input has no such case: a cross-entropy gradient is never the softmax itself.
       {"zloss-on-ignored", "z-loss weight 0: ignored rows get 0 loss and 0 gradient",
        with(ce, {{"inputs", {{"ignore_fraction", 0.3}}}}), true},
-      {"full-vocab-through-tp", "tp = 1: the gathered logits are the shard", with(smoothed, {{"layout", {{"tp", 1}}}}), true},
+      {"full-vocab-through-tp", "tp = 1: the gathered logits are the shard", with(smoothed, {{"layout", {{"tp", 1}}}}),
+       true},
       {"no-max-shift", "logits of scale 2: exp(x) neither overflows nor underflows", ce, false},
       {"ignore-index-unmasked", "no ignored labels", ce, true},
       {"mean-over-all-rows", "no ignored labels and no padding: N_v = N", ce, true},
@@ -613,18 +626,22 @@ std::vector<Invisible> invisible_cases() {
       {"kd-double-t2", "T = 1", with(kd, {{"loss", {{"temperature", 1.0}}}}), true},
       {"kd-local-softmax", "tp = 1: the shard's softmax is the softmax", with(kd, {{"layout", {{"tp", 1}}}}), true},
       {"kd-untracked-allreduce", "tp = 1: P_r = Q_r = 1 up to rounding", with(kd, {{"layout", {{"tp", 1}}}}), false},
-      {"kd-tp-grad-sum", "tp = 1: the sum over the TP ranks is the one rank's gradient", with(kd, {{"layout", {{"tp", 1}}}}), true},
+      {"kd-tp-grad-sum", "tp = 1: the sum over the TP ranks is the one rank's gradient",
+       with(kd, {{"layout", {{"tp", 1}}}}), true},
       // Layout bugs need the layout dimension they live in, or unequal counts.
       {"dp-local-mean", "dp = cp = 1: N_r = N_v", ce, true},
       {"dp-local-mean", "dp = 2 with equal valid counts: 1/(2 N_r) = 1/N_v", equal_dp, true},
       {"ga-microbatch-mean", "ga = 1: N_k = N_v", ce, true},
       {"mtp-local-count-ratio", "one micro-batch of one sequence: (N_v + 1) / (N_v (N_v + 1)) = 1/N_v", ce, true},
       {"mtp-local-count-ratio", "dp = 2 with equal counts, one sequence each", equal_dp, true},
-      {"ga-microbatch-mean", "ga = 2 with equal valid counts", with(equal_dp, {{"layout", {{"dp", 1}, {"ga", 2}}}}), true},
+      {"ga-microbatch-mean", "ga = 2 with equal valid counts", with(equal_dp, {{"layout", {{"dp", 1}, {"ga", 2}}}}),
+       true},
       {"cp-duplicated-loss", "cp = 1", cp1_next_token, true},
       {"cp-stats-dp-only", "cp = 1: the DP group is the batch group", with(equal_dp, {{"layout", {{"tp", 2}}}}), true},
-      {"cp-roll-after-split", "cp = 1: the local rows of a sequence are the whole sequence, in order", cp1_next_token, true},
-      {"cp-roll-after-split", "independent labels: nothing to roll", with(cp2_aligned, {{"batch", {{"labels", "independent"}}}}), true},
+      {"cp-roll-after-split", "cp = 1: the local rows of a sequence are the whole sequence, in order", cp1_next_token,
+       true},
+      {"cp-roll-after-split", "independent labels: nothing to roll",
+       with(cp2_aligned, {{"batch", {{"labels", "independent"}}}}), true},
       {"cp-pad-to-cp", "lengths divisible by 2 CP: padding to CP or 2 CP is the same", cp2_aligned, true},
   };
 }

@@ -8,7 +8,7 @@ using namespace lossverify;
 
 TEST_CASE("round_to_dtype_rounds_to_nearest_even_in_each_dtype") {
   CHECK(round_to_dtype(1.0 + 0x1p-30, DType::fp32) == 1.0);
-  CHECK(round_to_dtype(1.0 + 0x1p-8, DType::bf16) == 1.0);           // tie -> even
+  CHECK(round_to_dtype(1.0 + 0x1p-8, DType::bf16) == 1.0);               // tie -> even
   CHECK(round_to_dtype(1.0 + 3 * 0x1p-8, DType::bf16) == 1.0 + 0x1p-6);  // tie -> even (up)
   CHECK(round_to_dtype(1.0 + 0x1p-11, DType::fp16) == 1.0);
   CHECK(round_to_dtype(70000.0, DType::fp16) == INFINITY);

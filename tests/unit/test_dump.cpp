@@ -80,7 +80,9 @@ fs::path write_dump(const Case& c, const InputSource& inputs, const std::vector<
       const std::int64_t e = a.micro_batch_begin[k + 1];
       const std::int64_t rows = e - b;
       const std::string p = "mb" + std::to_string(k) + ".";
-      RawTensor logits{safetensors_dtype(c.inputs.dtype), {rows, cols}, std::vector<std::byte>(static_cast<std::size_t>(rows * cols) * element)};
+      RawTensor logits{safetensors_dtype(c.inputs.dtype),
+                       {rows, cols},
+                       std::vector<std::byte>(static_cast<std::size_t>(rows * cols) * element)};
       RawTensor teacher = logits;
       std::vector<std::int64_t> labels, row_tokens;
       std::vector<float> mask, losses;
@@ -111,7 +113,8 @@ fs::path write_dump(const Case& c, const InputSource& inputs, const std::vector<
         losses.push_back(out.token_loss[static_cast<std::size_t>(i)]);
         upstream.push_back(t >= 0 ? inputs.upstream_weight(t) : 1.0);
       }
-      RawTensor grad{logits.dtype, {rows, cols},
+      RawTensor grad{logits.dtype,
+                     {rows, cols},
                      std::vector<std::byte>(out.grad.begin() + b * cols * static_cast<std::int64_t>(element),
                                             out.grad.begin() + e * cols * static_cast<std::int64_t>(element))};
       json t = {{"logits", p + "logits"}, {"grad_logits", p + "grad"}};
@@ -138,8 +141,11 @@ fs::path write_dump(const Case& c, const InputSource& inputs, const std::vector<
       for (auto token : row_tokens) rows_json.push_back(token);
       mbs.push_back({{"rows", rows_json}, {"tensors", t}});
     }
-    json rank = {{"tp", a.coordinates.tp}, {"cp", a.coordinates.cp}, {"dp", a.coordinates.dp},
-                 {"vocab", {a.vocab.begin, a.vocab.end}}, {"file", "rank" + std::to_string(a.world_rank) + ".safetensors"},
+    json rank = {{"tp", a.coordinates.tp},
+                 {"cp", a.coordinates.cp},
+                 {"dp", a.coordinates.dp},
+                 {"vocab", {a.vocab.begin, a.vocab.end}},
+                 {"file", "rank" + std::to_string(a.world_rank) + ".safetensors"},
                  {"micro_batches", mbs}};
     if (stats) {
       rank["stats"] = {{"num_tokens", "num_tokens"}};
@@ -240,9 +246,11 @@ TEST_CASE("check-dump reproduces run: KD and reduction none with upstream weight
                                {"inputs", {{"ignore_fraction", 0.1}, {"teacher", {{"scale", 3.0}}}}},
                                {"layout", {{"tp", 3}}}});
   for (const char* impl : {"correct", "kd-no-t2", "kd-local-softmax"}) expect_same(kd, impl);
-  const Case none = layout_case({{"name", "none"},
-                                 {"loss", {{"reduction", "none"}, {"upstream_weights", {{"distribution", "uniform"}, {"low", 0.25}, {"high", 4.0}}}}},
-                                 {"layout", {{"tp", 3}}}});
+  const Case none = layout_case(
+      {{"name", "none"},
+       {"loss",
+        {{"reduction", "none"}, {"upstream_weights", {{"distribution", "uniform"}, {"low", 0.25}, {"high", 4.0}}}}},
+       {"layout", {{"tp", 3}}}});
   for (const char* impl : {"correct", "grad-output-first", "none-divides-grad"}) expect_same(none, impl);
 }
 
@@ -272,7 +280,8 @@ TEST_CASE("check-dump: what the dump lacks is reported as not dumped, and the re
     CHECK(find(o.dumped, "stats").verdict == Verdict::not_applicable);
     CHECK(find(o.dumped, "loss").metrics["reduced"]["dumped"] == false);
     CHECK(find(o.dumped, "loss").verdict == Verdict::pass);
-    CHECK(find(o.dumped, "loss").margin == doctest::Approx(find(o.run, "loss").metrics["per_token"]["margin"].get<double>()));
+    CHECK(find(o.dumped, "loss").margin ==
+          doctest::Approx(find(o.run, "loss").metrics["per_token"]["margin"].get<double>()));
   }
   {  // a wrong logged loss with no per-token losses still fails
     const Outcome o = run_both(c, "dp-local-mean", /*token_loss=*/false, /*stats=*/true);
@@ -290,10 +299,18 @@ TEST_CASE("manifest: rows, ranks, coordinates and sequences") {
                      {"layout", {{"tp", 2}, {"cp", 1}, {"dp", 1}}},
                      {"cu_seqlens", {0, 2, 2, 6}},
                      {"ranks",
-                      {{{"tp", 1}, {"vocab", {2, 4}}, {"rows", {json::array({0, 3}), {{"padding", 2}}, 3, json::array({4, 6})}},
-                        {"tensors", {{"logits", {{"file", "r1.safetensors"}, {"name", "x"}}}, {"grad_logits", {{"file", "g.npy"}}},
-                                     {"labels", {{"file", "r1.safetensors"}, {"name", "y"}}}, {"token_loss", {{"file", "r1.safetensors"}, {"name", "l"}}}}}},
-                       {{"rank", 0}, {"vocab", {0, 2}}, {"file", "r0.safetensors"}, {"rows", {json::array({0, 3}), {{"padding", 2}}, 3, json::array({4, 6})}},
+                      {{{"tp", 1},
+                        {"vocab", {2, 4}},
+                        {"rows", {json::array({0, 3}), {{"padding", 2}}, 3, json::array({4, 6})}},
+                        {"tensors",
+                         {{"logits", {{"file", "r1.safetensors"}, {"name", "x"}}},
+                          {"grad_logits", {{"file", "g.npy"}}},
+                          {"labels", {{"file", "r1.safetensors"}, {"name", "y"}}},
+                          {"token_loss", {{"file", "r1.safetensors"}, {"name", "l"}}}}}},
+                       {{"rank", 0},
+                        {"vocab", {0, 2}},
+                        {"file", "r0.safetensors"},
+                        {"rows", {json::array({0, 3}), {{"padding", 2}}, 3, json::array({4, 6})}},
                         {"tensors", {{"logits", "x"}, {"grad_logits", "g"}, {"labels", "y"}, {"token_loss", "l"}}}}}}};
   const dump::Manifest m = dump::parse_manifest(base, "some/dir/manifest.json");
   REQUIRE(m.ranks.size() == 2);
@@ -321,20 +338,36 @@ TEST_CASE("manifest: rows, ranks, coordinates and sequences") {
     return std::string();
   };
   CHECK(error([](json&) {}).empty());
-  CHECK(error([](json& j) { j["ranks"][1]["file"] = "r0.npy"; }).find("default file must be a .safetensors file") != std::string::npos);
-  CHECK(error([](json& j) { j["ranks"][0]["tensors"]["logits"] = "x"; }).find("needs the rank's \"file\"") != std::string::npos);
-  CHECK(error([](json& j) { j["ranks"][1]["rows"] = json::array({json::array({0, 8})}); }).find("$.ranks[1].rows[0]: range [0, 8) outside [0, 6)") != std::string::npos);
+  CHECK(error([](json& j) { j["ranks"][1]["file"] = "r0.npy"; }).find("default file must be a .safetensors file") !=
+        std::string::npos);
+  CHECK(error([](json& j) { j["ranks"][0]["tensors"]["logits"] = "x"; }).find("needs the rank's \"file\"") !=
+        std::string::npos);
+  CHECK(error([](json& j) {
+          j["ranks"][1]["rows"] = json::array({json::array({0, 8})});
+        }).find("$.ranks[1].rows[0]: range [0, 8) outside [0, 6)") != std::string::npos);
   CHECK(error([](json& j) { j["ranks"][1]["rows"][2] = -2; }).find("token -2 outside") != std::string::npos);
-  CHECK(error([](json& j) { j["ranks"][1]["rows"][1]["padding"] = 1ll << 40; }).find("too many rows") != std::string::npos);
+  CHECK(error([](json& j) { j["ranks"][1]["rows"][1]["padding"] = 1ll << 40; }).find("too many rows") !=
+        std::string::npos);
   CHECK(error([](json& j) { j["ranks"][1]["tp"] = 2; }).find("tp = 2 outside [0, 2)") != std::string::npos);
   CHECK(error([](json& j) { j["layout"]["ga"] = 2; }).find("give the rank's \"micro_batches\"") != std::string::npos);
   CHECK(error([](json& j) { j["cu_seqlens"] = {0, 2, 5}; }).find("must end at shape.tokens = 6") != std::string::npos);
-  CHECK(error([](json& j) { j["ranks"][0].erase("vocab"); }).find("$.ranks[0].vocab: required key is missing") != std::string::npos);
-  CHECK(error([](json& j) { j["dtype"] = "fp64"; }).find("$.dtype: expected one of fp32|bf16|fp16") != std::string::npos);
-  CHECK(error([](json& j) { j["ranks"][0]["stats"] = {{"num_tokens", 2.5}}; }).find("expected integer") != std::string::npos);
-  CHECK(error([](json& j) { j["ranks"][0]["stats"] = {{"num_tokens", "NaN"}}; }).find("a count must be a non-negative integer") != std::string::npos);
-  CHECK(error([](json& j) { j["ranks"][0]["stats"] = {{"loss", 1.0}}; }).find("has stats.loss, but $.ranks[1].stats lacks it: every rank and micro-batch must dump the same things") != std::string::npos);
-  CHECK(error([](json& j) { j["ranks"].push_back(j["ranks"][0]); }).find("3 ranks, but the layout tp*cp*dp = 2") != std::string::npos);
+  CHECK(error([](json& j) { j["ranks"][0].erase("vocab"); }).find("$.ranks[0].vocab: required key is missing") !=
+        std::string::npos);
+  CHECK(error([](json& j) { j["dtype"] = "fp64"; }).find("$.dtype: expected one of fp32|bf16|fp16") !=
+        std::string::npos);
+  CHECK(error([](json& j) {
+          j["ranks"][0]["stats"] = {{"num_tokens", 2.5}};
+        }).find("expected integer") != std::string::npos);
+  CHECK(error([](json& j) {
+          j["ranks"][0]["stats"] = {{"num_tokens", "NaN"}};
+        }).find("a count must be a non-negative integer") != std::string::npos);
+  CHECK(
+      error([](json& j) {
+        j["ranks"][0]["stats"] = {{"loss", 1.0}};
+      }).find("has stats.loss, but $.ranks[1].stats lacks it: every rank and micro-batch must dump the same things") !=
+      std::string::npos);
+  CHECK(error([](json& j) { j["ranks"].push_back(j["ranks"][0]); }).find("3 ranks, but the layout tp*cp*dp = 2") !=
+        std::string::npos);
   // Logged losses may be non-finite; strict JSON spells them as strings (what lossverify.dump writes).
   for (const char* spelled : {"NaN", "Infinity", "-Infinity"}) {
     json j = base;
@@ -343,7 +376,9 @@ TEST_CASE("manifest: rows, ranks, coordinates and sequences") {
     CHECK(!std::isfinite(nonfinite.ranks[0].loss.value));
     CHECK(std::isnan(nonfinite.ranks[0].loss.value) == (std::string(spelled) == "NaN"));
   }
-  CHECK(error([](json& j) { j["loss"] = {{"label_smoothing", 0.1}}; }).find("$.loss.smoothing_convention: label_smoothing > 0 needs an explicit convention") != std::string::npos);
+  CHECK(error([](json& j) {
+          j["loss"] = {{"label_smoothing", 0.1}};
+        }).find("$.loss.smoothing_convention: label_smoothing > 0 needs an explicit convention") != std::string::npos);
   CHECK(error([](json& j) { j["loss"] = {{"label_smoothing", 0.1}, {"smoothing_convention", "pytorch"}}; }).empty());
 }
 
@@ -358,16 +393,23 @@ TEST_CASE("manifest: tensor files are confined to the manifest's folder") {
   fs::create_symlink(dir / "elsewhere" / "x.safetensors", dir / "dump" / "out.safetensors");
   fs::create_symlink("sub/x.safetensors", dir / "dump" / "in.safetensors");
   fs::create_symlink(dir / "elsewhere" / "missing.safetensors", dir / "dump" / "dangling.safetensors");
-  const json base = {{"format", "lossverify.dump/1"},
-                     {"shape", {{"tokens", 2}, {"vocab", 4}}},
-                     {"dtype", "fp32"},
-                     {"layout", {{"tp", 2}}},
-                     {"ranks",
-                      {{{"rank", 0}, {"vocab", {0, 2}}, {"file", "r0.safetensors"}, {"rows", {json::array({0, 2})}},
-                        {"tensors", {{"logits", "x"}, {"grad_logits", "g"}, {"labels", "y"}, {"token_loss", "l"}}}},
-                       {{"rank", 1}, {"vocab", {2, 4}}, {"file", "r1.safetensors"}, {"rows", {json::array({0, 2})}},
-                        {"tensors", {{"logits", "x"}, {"grad_logits", {{"file", "g1.npy"}}}, {"labels", "y"},
-                                     {"token_loss", "l"}}}}}}};
+  const json base = {
+      {"format", "lossverify.dump/1"},
+      {"shape", {{"tokens", 2}, {"vocab", 4}}},
+      {"dtype", "fp32"},
+      {"layout", {{"tp", 2}}},
+      {"ranks",
+       {{{"rank", 0},
+         {"vocab", {0, 2}},
+         {"file", "r0.safetensors"},
+         {"rows", {json::array({0, 2})}},
+         {"tensors", {{"logits", "x"}, {"grad_logits", "g"}, {"labels", "y"}, {"token_loss", "l"}}}},
+        {{"rank", 1},
+         {"vocab", {2, 4}},
+         {"file", "r1.safetensors"},
+         {"rows", {json::array({0, 2})}},
+         {"tensors",
+          {{"logits", "x"}, {"grad_logits", {{"file", "g1.npy"}}}, {"labels", "y"}, {"token_loss", "l"}}}}}}};
   const std::string manifest = (dir / "dump" / "manifest.json").string();
   auto error = [&](const std::function<void(json&)>& edit, bool allow = false) {
     json j = base;
@@ -382,7 +424,8 @@ TEST_CASE("manifest: tensor files are confined to the manifest's folder") {
     }
     return std::string();
   };
-  const std::string outside = "outside the dump's folder " + fs::canonical(dir / "dump").string() + " (symlinks resolved)";
+  const std::string outside =
+      "outside the dump's folder " + fs::canonical(dir / "dump").string() + " (symlinks resolved)";
   CHECK(error([](json&) {}).empty());
   // inside: a subfolder, a symlink to a file in it, an absolute path into the folder, a ../ that comes back
   CHECK(error([](json& j) { j["ranks"][1]["file"] = "sub/r1.safetensors"; }).empty());
@@ -392,26 +435,37 @@ TEST_CASE("manifest: tensor files are confined to the manifest's folder") {
   // outside: ../, an absolute path, a symlink out, a sibling folder whose name starts with the folder's
   const std::string dotdot = error([](json& j) { j["ranks"][1]["file"] = "../elsewhere/r1.safetensors"; });
   CHECK(dotdot.find(manifest + ": $.ranks[1].file: the tensor file ") == 0);
-  CHECK(dotdot.find("resolves to " + fs::canonical(dir).string() + "/elsewhere/r1.safetensors, " + outside) != std::string::npos);
-  CHECK(dotdot.find("--allow-outside-dump") != std::string::npos);
-  CHECK(error([](json& j) { j["ranks"][1]["tensors"]["grad_logits"]["file"] = "/etc/g1.npy"; })
-            .find("$.ranks[1].tensors.grad_logits.file: the tensor file /etc/g1.npy resolves to /etc/g1.npy, " + outside) !=
+  CHECK(dotdot.find("resolves to " + fs::canonical(dir).string() + "/elsewhere/r1.safetensors, " + outside) !=
         std::string::npos);
-  CHECK(error([](json& j) { j["ranks"][0]["file"] = "out.safetensors"; }).find("$.ranks[0].file: ") != std::string::npos);
-  CHECK(error([](json& j) { j["ranks"][0]["file"] = "../dump-other/r0.safetensors"; }).find(outside) != std::string::npos);
-  CHECK(error([](json& j) { j["cu_seqlens"] = {{"file", "/tmp/cu.npy"}}; }).find("$.cu_seqlens.file: ") != std::string::npos);
-  CHECK(error([](json& j) { j["ranks"][0]["stats"] = {{"loss", {{"file", "../l.npy"}}}}; j["ranks"][1]["stats"] = {{"loss", "l"}}; })
-            .find("$.ranks[0].stats.loss.file: ") != std::string::npos);
+  CHECK(dotdot.find("--allow-outside-dump") != std::string::npos);
+  CHECK(
+      error([](json& j) {
+        j["ranks"][1]["tensors"]["grad_logits"]["file"] = "/etc/g1.npy";
+      }).find("$.ranks[1].tensors.grad_logits.file: the tensor file /etc/g1.npy resolves to /etc/g1.npy, " + outside) !=
+      std::string::npos);
+  CHECK(error([](json& j) { j["ranks"][0]["file"] = "out.safetensors"; }).find("$.ranks[0].file: ") !=
+        std::string::npos);
+  CHECK(error([](json& j) { j["ranks"][0]["file"] = "../dump-other/r0.safetensors"; }).find(outside) !=
+        std::string::npos);
+  CHECK(error([](json& j) {
+          j["cu_seqlens"] = {{"file", "/tmp/cu.npy"}};
+        }).find("$.cu_seqlens.file: ") != std::string::npos);
+  CHECK(error([](json& j) {
+          j["ranks"][0]["stats"] = {{"loss", {{"file", "../l.npy"}}}};
+          j["ranks"][1]["stats"] = {{"loss", "l"}};
+        }).find("$.ranks[0].stats.loss.file: ") != std::string::npos);
   // a symlink to nowhere (it could lead anywhere once its target appears)
   CHECK(error([](json& j) { j["ranks"][0]["file"] = "dangling.safetensors"; })
-            .find("$.ranks[0].file: the tensor file " + (dir / "dump" / "dangling.safetensors").string() + " is a symlink to " +
-                  (dir / "elsewhere" / "missing.safetensors").string() + ", which does not exist") != std::string::npos);
+            .find("$.ranks[0].file: the tensor file " + (dir / "dump" / "dangling.safetensors").string() +
+                  " is a symlink to " + (dir / "elsewhere" / "missing.safetensors").string() +
+                  ", which does not exist") != std::string::npos);
   // allowed: the same manifests parse
   CHECK(error([](json& j) { j["ranks"][1]["file"] = "../elsewhere/r1.safetensors"; }, true).empty());
   CHECK(error([](json& j) { j["ranks"][0]["file"] = "out.safetensors"; }, true).empty());
   // a NUL would cut the name short where the system opens it
-  CHECK(error([](json& j) { j["ranks"][0]["file"] = std::string("r0.safetensors\0.npy", 19); })
-            .find("$.ranks[0].file: a file name must not hold a NUL character") != std::string::npos);
+  CHECK(error([](json& j) {
+          j["ranks"][0]["file"] = std::string("r0.safetensors\0.npy", 19);
+        }).find("$.ranks[0].file: a file name must not hold a NUL character") != std::string::npos);
   fs::remove_all(dir);
 }
 
@@ -422,7 +476,10 @@ TEST_CASE("manifest: names are printable") {
                      {"dtype", "fp32"},
                      {"implementation", "mine\x1b[2J"},
                      {"ranks",
-                      {{{"rank", 0}, {"vocab", {0, 2}}, {"file", "r\x01.safetensors"}, {"rows", {json::array({0, 2})}},
+                      {{{"rank", 0},
+                        {"vocab", {0, 2}},
+                        {"file", "r\x01.safetensors"},
+                        {"rows", {json::array({0, 2})}},
                         {"tensors", {{"logits", "x"}, {"grad_logits", "g"}, {"labels", "y"}, {"token_loss", "l"}}}}}}};
   const dump::Manifest m = dump::parse_manifest(base, "odd\xff\x07/manifest.json");
   CHECK(m.path == "odd\\xFF\\x07/manifest.json");
@@ -431,10 +488,11 @@ TEST_CASE("manifest: names are printable") {
   CHECK(m.ranks[0].micro_batches[0].tensors.at("logits").file == "odd\xff\x07/r\x01.safetensors");  // to open
   json bad = base;
   bad["ranks"][0]["tensors"]["logits"] = {{"file", "x\x1b.bin"}};
-  CHECK_THROWS_WITH_AS(dump::parse_manifest(bad, "odd\xff/manifest.json"),
-                       "odd\\xFF/manifest.json: $.ranks[0].tensors.logits.file: expected a .safetensors or .npy file, got "
-                       "\"x\\x1B.bin\"",
-                       Error);
+  CHECK_THROWS_WITH_AS(
+      dump::parse_manifest(bad, "odd\xff/manifest.json"),
+      "odd\\xFF/manifest.json: $.ranks[0].tensors.logits.file: expected a .safetensors or .npy file, got "
+      "\"x\\x1B.bin\"",
+      Error);
 }
 
 // A loss stored in bf16 (what torch and Liger-Kernel return for bf16 logits) is judged in bf16 units at the
@@ -472,7 +530,8 @@ TEST_CASE("check_dump_judges_bf16_losses_in_bf16_units") {
 // Logits that are softmax probabilities (overwritten in place, dumped after the call) fail, and the failure
 // says why; real logits that fail carry no such hint.
 TEST_CASE("check_dump_hints_at_logits_overwritten_by_softmax") {
-  const Case c = layout_case({{"name", "softmax-logits"}, {"loss", {{"label_smoothing", 0.1}, {"smoothing_convention", "megatron"}}}});
+  const Case c = layout_case(
+      {{"name", "softmax-logits"}, {"loss", {{"label_smoothing", 0.1}, {"smoothing_convention", "megatron"}}}});
   RunOptions options;
   options.threads = 2;
   const InputSource inputs(c);
@@ -499,7 +558,8 @@ TEST_CASE("check_dump_hints_at_logits_overwritten_by_softmax") {
 // Dumps of one problem at several layouts: the invariance check compares their global answers, and a dump
 // of another problem is refused before it is compared.
 TEST_CASE("check_dump_sweep_compares_layouts_of_one_problem") {
-  const Case base = layout_case({{"name", "sweep"}, {"loss", {{"label_smoothing", 0.1}, {"smoothing_convention", "pytorch"}}}});
+  const Case base =
+      layout_case({{"name", "sweep"}, {"loss", {{"label_smoothing", 0.1}, {"smoothing_convention", "pytorch"}}}});
   RunOptions options;
   options.threads = 2;
   auto dumped = [&](int tp, const std::string& impl, double scale) {

@@ -16,7 +16,8 @@ TEST_CASE("portable_log_and_sincos_agree_with_the_c_library_to_float64_accuracy"
     const double u = std::pow(0.9993, i);  // spans (0, 1) down to ~1e-6
     CHECK(std::fabs(detail::portable_log(u) - std::log(u)) <= 4e-16 * std::fabs(std::log(u)) + 1e-16);
   }
-  CHECK(detail::portable_log(1.1102230246251565e-16) == doctest::Approx(std::log(1.1102230246251565e-16)).epsilon(1e-15));
+  CHECK(detail::portable_log(1.1102230246251565e-16) ==
+        doctest::Approx(std::log(1.1102230246251565e-16)).epsilon(1e-15));
   for (int i = 0; i < 20000; ++i) {
     const double turns = (i + 0.5) / 20000.0;
     double s = 0;

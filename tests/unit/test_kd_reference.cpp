@@ -90,7 +90,8 @@ std::int64_t compare_with_long_double(const nlohmann::json& j) {
     // The terms P_v |log P_v - log Q_v| sum to a few tens at most here; the reference rounds each in double
     // (~1e-16) and sums them compensated, so 1e-13 T^s leaves a wide margin.
     const double loss_scale = std::pow(c.loss.temperature, static_cast<double>(s));
-    CHECK(std::fabs(r.loss - static_cast<double>(exact)) <= 1e-13 * loss_scale + 1e-13 * std::fabs(static_cast<double>(exact)));
+    CHECK(std::fabs(r.loss - static_cast<double>(exact)) <=
+          1e-13 * loss_scale + 1e-13 * std::fabs(static_cast<double>(exact)));
     // Central differences: truncation h^2/6 |k'''| ~ 1e-11 T^(s-3), rounding ~1e-19 |k| / h ~ 1e-14.
     for (std::int64_t v = 0; v < vocab; v += std::max<std::int64_t>(1, vocab / 17)) {
       const long double h = 1e-5L;

@@ -14,7 +14,8 @@ using namespace lossverify;
 
 namespace {
 
-BatchSpec batch_of(std::vector<std::int64_t> lengths, BatchSpec::Placement placement = BatchSpec::Placement::round_robin) {
+BatchSpec batch_of(std::vector<std::int64_t> lengths,
+                   BatchSpec::Placement placement = BatchSpec::Placement::round_robin) {
   BatchSpec spec;
   spec.sequence_lengths = std::move(lengths);
   spec.placement = placement;
@@ -150,7 +151,8 @@ TEST_CASE("round_robin_placement_sends_sequence_i_to_dp_i_mod_dp_and_micro_batch
     int sequences, dp, ga;
   };
   // Includes more slots (dp x ga) than sequences.
-  for (const Shape shape : {Shape{11, 3, 2}, Shape{8, 2, 2}, Shape{5, 1, 3}, Shape{3, 2, 3}, Shape{1, 4, 2}, Shape{7, 4, 1}}) {
+  for (const Shape shape :
+       {Shape{11, 3, 2}, Shape{8, 2, 2}, Shape{5, 1, 3}, Shape{3, 2, 3}, Shape{1, 4, 2}, Shape{7, 4, 1}}) {
     CAPTURE(shape.sequences);
     CAPTURE(shape.dp);
     CAPTURE(shape.ga);
@@ -177,13 +179,13 @@ TEST_CASE("contiguous_placement_puts_every_sequence_in_one_slot_in_order") {
   struct Shape {
     int sequences, dp, ga;
   };
-  for (const Shape shape : {Shape{11, 3, 2}, Shape{8, 2, 2}, Shape{5, 1, 3}, Shape{3, 2, 3}, Shape{1, 4, 2}, Shape{7, 4, 1},
-                            Shape{13, 2, 4}}) {
+  for (const Shape shape : {Shape{11, 3, 2}, Shape{8, 2, 2}, Shape{5, 1, 3}, Shape{3, 2, 3}, Shape{1, 4, 2},
+                            Shape{7, 4, 1}, Shape{13, 2, 4}}) {
     CAPTURE(shape.sequences);
     CAPTURE(shape.dp);
     CAPTURE(shape.ga);
-    const BatchSpec spec =
-        batch_of(std::vector<std::int64_t>(static_cast<std::size_t>(shape.sequences), 2), BatchSpec::Placement::contiguous);
+    const BatchSpec spec = batch_of(std::vector<std::int64_t>(static_cast<std::size_t>(shape.sequences), 2),
+                                    BatchSpec::Placement::contiguous);
     const GlobalBatch batch(spec);
     const LayoutSpec layout = layout_of(1, 1, shape.dp, shape.ga);
     // Slots in the order (dp 0, mb 0), (dp 0, mb 1), ..., (dp 1, mb 0), ...: concatenated they give 0, 1, ..., n-1,

@@ -65,7 +65,8 @@ void compare_with_long_double(const nlohmann::json& j) {
       minus[static_cast<std::size_t>(v)] -= h;
       const long double derivative = (f(plus) - f(minus)) / (2 * h);
       const double expected = r.weight * static_cast<double>(derivative);
-      CHECK(std::fabs(grad[static_cast<std::size_t>(v)] - expected) <= 1e-9 * std::fabs(r.weight) + 1e-9 * std::fabs(expected));
+      CHECK(std::fabs(grad[static_cast<std::size_t>(v)] - expected) <=
+            1e-9 * std::fabs(r.weight) + 1e-9 * std::fabs(expected));
     }
   }
 }

@@ -135,15 +135,13 @@ TEST_CASE("kd_bundles_record_teacher_rows_exactly") {
 }
 
 TEST_CASE("row_bits_round_trip_exactly_in_every_dtype") {
-  const std::vector<double> values = {0.0,  -0.0,  1.0,      -2.5,     3.14159265358979,
-                                      1e-6, 240.0, -65504.0, 1.0 / 3.0};
+  const std::vector<double> values = {0.0, -0.0, 1.0, -2.5, 3.14159265358979, 1e-6, 240.0, -65504.0, 1.0 / 3.0};
   for (DType dtype : {DType::fp32, DType::bf16, DType::fp16}) {
     CAPTURE(to_string(dtype));
     std::vector<double> rounded;
     for (double v : values) rounded.push_back(round_to_dtype(v, dtype));
     const std::string text = encode_row_bits(values, dtype);
-    const std::vector<double> back =
-        decode_row_bits(text, dtype, static_cast<std::int64_t>(values.size()), "f", "$.x");
+    const std::vector<double> back = decode_row_bits(text, dtype, static_cast<std::int64_t>(values.size()), "f", "$.x");
     REQUIRE(back.size() == rounded.size());
     for (std::size_t i = 0; i < back.size(); ++i) {
       CHECK(back[i] == rounded[i]);
@@ -164,8 +162,7 @@ TEST_CASE("tampered_bundles_are_rejected_naming_file_and_field") {
   };
   const std::vector<Tamper> tampers = {
       {"b.json: $.format: unsupported bundle format", [](json& b) { b["format"] = "lossverify.bundle/9"; }},
-      {"b.json: $.implementation: unknown implementation \"nope\"",
-       [](json& b) { b["implementation"] = "nope"; }},
+      {"b.json: $.implementation: unknown implementation \"nope\"", [](json& b) { b["implementation"] = "nope"; }},
       {"b.json: $.case.loss.label_smoothing: must be in [0, 1)",
        [](json& b) { b["case"]["loss"]["label_smoothing"] = 1.5; }},
       {"b.json: $.case: required key is missing", [](json& b) { b.erase("case"); }},
@@ -246,8 +243,7 @@ TEST_CASE("shrink_keeps_the_inline_row_that_triggers_the_bug") {
   std::vector<double> gap(32, 0.0);
   gap[5] = 240.0;
   std::vector<double> plain(32, 1.0);
-  j["inputs"]["overrides"] = {{{"token", 3}, {"logits", plain}},
-                              {{"token", 9}, {"logits", gap}, {"label", 5}}};
+  j["inputs"]["overrides"] = {{{"token", 3}, {"logits", plain}}, {{"token", 9}, {"logits", gap}, {"label", 5}}};
   ShrinkOptions options;
   options.implementation = "smoothing-log-after-exp";
   options.check = "finite";
@@ -258,8 +254,7 @@ TEST_CASE("shrink_keeps_the_inline_row_that_triggers_the_bug") {
   CHECK(row.token < result.minimized_case.shape.tokens);
   CHECK(*std::max_element(row.logits.begin(), row.logits.end()) == 240.0);
   CHECK(result.after.tokens < 16);
-  CHECK(check_named(run_with(result.minimized_case, "smoothing-log-after-exp"), "finite").verdict ==
-        Verdict::fail);
+  CHECK(check_named(run_with(result.minimized_case, "smoothing-log-after-exp"), "finite").verdict == Verdict::fail);
 }
 
 TEST_CASE("shrink_refuses_a_case_that_does_not_fail") {

@@ -80,7 +80,8 @@ TEST_CASE("all_masked_batch_loss_0_and_zero_gradient_on_every_rank") {
     CHECK(out.reduced_loss == 0.0f);
     CHECK(out.logged_valid_tokens == 0);
     for (std::int64_t i = 0; i < out.rows(); ++i) {
-      for (std::int64_t v = out.assignment.vocab.begin; v < out.assignment.vocab.end; ++v) CHECK(out.grad_at(i, v) == 0.0);
+      for (std::int64_t v = out.assignment.vocab.begin; v < out.assignment.vocab.end; ++v)
+        CHECK(out.grad_at(i, v) == 0.0);
     }
   }
 }

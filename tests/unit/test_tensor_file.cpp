@@ -22,7 +22,9 @@ std::span<const std::byte> bytes_of(const std::string& s) {
   return {reinterpret_cast<const std::byte*>(s.data()), s.size()};
 }
 
-std::vector<TensorInfo> parse_st(const std::string& file) { return parse_safetensors_header(bytes_of(file), file.size(), "x.safetensors"); }
+std::vector<TensorInfo> parse_st(const std::string& file) {
+  return parse_safetensors_header(bytes_of(file), file.size(), "x.safetensors");
+}
 
 // The message of the DumpError that parsing throws, or "" when it parses.
 std::string st_error(const std::string& file) {
@@ -53,7 +55,8 @@ std::string npy_error(const std::string& file) {
 TEST_CASE("safetensors: every dtype is read and converted exactly") {
   const std::vector<float> f32 = {1.5f, -2.25f, 3.0e-39f};
   const std::vector<double> f64 = {0.1, -1e300};
-  const std::vector<std::uint16_t> bf16 = {std::bit_cast<std::uint32_t>(1.0f) >> 16, std::bit_cast<std::uint32_t>(-96.0f) >> 16};
+  const std::vector<std::uint16_t> bf16 = {std::bit_cast<std::uint32_t>(1.0f) >> 16,
+                                           std::bit_cast<std::uint32_t>(-96.0f) >> 16};
   const std::vector<Eigen::half> f16 = {Eigen::half(0.5f), Eigen::half(-65504.0f)};
   const std::vector<std::int64_t> i64 = {-100, 4, INT64_MAX};
   const std::vector<std::int32_t> i32 = {-7, 300};
@@ -78,7 +81,8 @@ TEST_CASE("safetensors: every dtype is read and converted exactly") {
     return tensors.front();
   };
   auto data = [&](const TensorInfo& t) { return bytes_of(file).subspan(t.offset, t.bytes); };
-  CHECK(to_doubles(find("f32"), data(find("f32")), "f32") == std::vector<double>{1.5, -2.25, static_cast<double>(3.0e-39f)});
+  CHECK(to_doubles(find("f32"), data(find("f32")), "f32") ==
+        std::vector<double>{1.5, -2.25, static_cast<double>(3.0e-39f)});
   CHECK(to_doubles(find("f64"), data(find("f64")), "f64") == f64);
   CHECK(to_doubles(find("bf16"), data(find("bf16")), "bf16") == std::vector<double>{1.0, -96.0});
   CHECK(to_doubles(find("f16"), data(find("f16")), "f16") == std::vector<double>{0.5, -65504.0});
@@ -90,40 +94,71 @@ TEST_CASE("safetensors: every dtype is read and converted exactly") {
   CHECK(find("empty").bytes == 0);
   CHECK(find("f64").shape_string() == "[1, 2]");
   // floating-point labels or counts are not integers
-  CHECK_THROWS_WITH_AS(to_integers(find("f32"), data(find("f32")), "f32 label"), doctest::Contains("f32 label: dtype F32 where an integer"), DumpError);
+  CHECK_THROWS_WITH_AS(to_integers(find("f32"), data(find("f32")), "f32 label"),
+                       doctest::Contains("f32 label: dtype F32 where an integer"), DumpError);
 }
 
 TEST_CASE("safetensors: malformed headers and offsets are errors naming the file and tensor") {
   const std::string good = safetensors_bytes({{"a", raw_tensor("F32", {2}, std::vector<float>{1, 2})}});
   CHECK(st_error(good).empty());
-  CHECK(st_error(good.substr(0, 5)) == "x.safetensors: truncated safetensors file: 5 bytes, too short for the 8-byte header length");
+  CHECK(st_error(good.substr(0, 5)) ==
+        "x.safetensors: truncated safetensors file: 5 bytes, too short for the 8-byte header length");
   CHECK(st_error(le64(1ull << 62) + good.substr(8)) ==
         "x.safetensors: not a safetensors file (or a truncated one): the header length in its first 8 bytes exceeds "
-        "the file's " + std::to_string(good.size()) + " bytes");
-  CHECK(st_error(le64(~0ull) + good.substr(8)).find("exceeds the file's") != std::string::npos);  // no overflow in 8 + n
-  CHECK(st_error(good.substr(0, good.size() - 1)).find("x.safetensors: tensor \"a\": data_offsets [0,8] run past the end of the data (7 bytes") == 0);
-  CHECK(st_error(header_file("[1, 2]", 0)).find("not a safetensors file: its header does not start with '{'") != std::string::npos);
-  CHECK(st_error(header_file("{\"a\": 1", 0)) == "x.safetensors: safetensors header is not valid JSON");  // quotes none of it
+        "the file's " +
+            std::to_string(good.size()) + " bytes");
+  CHECK(st_error(le64(~0ull) + good.substr(8)).find("exceeds the file's") !=
+        std::string::npos);  // no overflow in 8 + n
+  CHECK(st_error(good.substr(0, good.size() - 1))
+            .find("x.safetensors: tensor \"a\": data_offsets [0,8] run past the end of the data (7 bytes") == 0);
+  CHECK(st_error(header_file("[1, 2]", 0)).find("not a safetensors file: its header does not start with '{'") !=
+        std::string::npos);
+  CHECK(st_error(header_file("{\"a\": 1", 0)) ==
+        "x.safetensors: safetensors header is not valid JSON");  // quotes none of it
   CHECK(st_error(header_file("{", 0)).find("too short for JSON") != std::string::npos);
-  CHECK(st_error(header_file("{\"a\": 1}", 0)).find("tensor \"a\": header entry is not an object") != std::string::npos);
-  CHECK(st_error(header_file(R"({"a": {"dtype": "F8_E5M2", "shape": [1], "data_offsets": [0, 1]}})", 1)).find("unsupported dtype \"F8_E5M2\"") != std::string::npos);
-  CHECK(st_error(header_file(R"({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}})", 4)).find("must hold non-negative integers") != std::string::npos);
-  CHECK(st_error(header_file(R"({"a": {"dtype": "F32", "shape": [1.5], "data_offsets": [0, 4]}})", 4)).find("must hold non-negative integers") != std::string::npos);
-  CHECK(st_error(header_file(R"({"a": {"dtype": "F32", "shape": [1099511627776, 1099511627776], "data_offsets": [0, 4]}})", 4)).find("too many elements") != std::string::npos);
-  CHECK(st_error(header_file(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [4, 0]}})", 8)).find("end before they begin") != std::string::npos);
-  CHECK(st_error(header_file(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [-4, 4]}})", 8)).find("must be non-negative integers") != std::string::npos);
-  CHECK(st_error(header_file(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}})", 8)).find("hold 4 bytes, but dtype F32 and shape [2] need 8") != std::string::npos);
-  CHECK(st_error(header_file(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8], "x": 1}})", 8)).find("unknown header key \"x\"") != std::string::npos);
-  CHECK(st_error(header_file(R"({"a": {"dtype": "F32", "shape": [2]}})", 8)).find("data_offsets must be an array") != std::string::npos);
-  CHECK(st_error(header_file(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "b": {"dtype": "I32", "shape": [1], "data_offsets": [4, 8]}})", 8)) ==
-        "x.safetensors: tensors \"a\" and \"b\" overlap (data_offsets [0, 8) and [4, 8))");
-  CHECK(st_error(header_file(R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}})", 4)).find("repeats the key \"a\"") != std::string::npos);
+  CHECK(st_error(header_file("{\"a\": 1}", 0)).find("tensor \"a\": header entry is not an object") !=
+        std::string::npos);
+  CHECK(st_error(header_file(R"({"a": {"dtype": "F8_E5M2", "shape": [1], "data_offsets": [0, 1]}})", 1))
+            .find("unsupported dtype \"F8_E5M2\"") != std::string::npos);
+  CHECK(st_error(header_file(R"({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}})", 4))
+            .find("must hold non-negative integers") != std::string::npos);
+  CHECK(st_error(header_file(R"({"a": {"dtype": "F32", "shape": [1.5], "data_offsets": [0, 4]}})", 4))
+            .find("must hold non-negative integers") != std::string::npos);
+  CHECK(st_error(header_file(
+                     R"({"a": {"dtype": "F32", "shape": [1099511627776, 1099511627776], "data_offsets": [0, 4]}})", 4))
+            .find("too many elements") != std::string::npos);
+  CHECK(st_error(header_file(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [4, 0]}})", 8))
+            .find("end before they begin") != std::string::npos);
+  CHECK(st_error(header_file(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [-4, 4]}})", 8))
+            .find("must be non-negative integers") != std::string::npos);
+  CHECK(st_error(header_file(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}})", 8))
+            .find("hold 4 bytes, but dtype F32 and shape [2] need 8") != std::string::npos);
+  CHECK(st_error(header_file(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8], "x": 1}})", 8))
+            .find("unknown header key \"x\"") != std::string::npos);
+  CHECK(st_error(header_file(R"({"a": {"dtype": "F32", "shape": [2]}})", 8)).find("data_offsets must be an array") !=
+        std::string::npos);
+  CHECK(
+      st_error(header_file(
+          R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "b": {"dtype": "I32", "shape": [1], "data_offsets": [4, 8]}})",
+          8)) == "x.safetensors: tensors \"a\" and \"b\" overlap (data_offsets [0, 8) and [4, 8))");
+  CHECK(
+      st_error(
+          header_file(
+              R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}})",
+              4))
+          .find("repeats the key \"a\"") != std::string::npos);
   CHECK(st_error(header_file(R"({"__metadata__": {"k": 1}})", 0)).find("must be a string") != std::string::npos);
   // names from the header are printed escaped (a terminal must not run their control characters)
   CHECK(st_error(header_file(R"({"a\u001b[2J": {"dtype": "X\u0007", "shape": [1], "data_offsets": [0, 1]}})", 1)) ==
-        "x.safetensors: tensor \"a\\x1B[2J\": unsupported dtype \"X\\x07\" (this reader knows F64|F32|F16|BF16|I64|I32|I16|I8|U64|U32|U16|U8|BOOL)");
+        "x.safetensors: tensor \"a\\x1B[2J\": unsupported dtype \"X\\x07\" (this reader knows "
+        "F64|F32|F16|BF16|I64|I32|I16|I8|U64|U32|U16|U8|BOOL)");
   // empty tensors may share an offset; gaps between tensors are allowed
-  CHECK(st_error(header_file(R"({"e": {"dtype": "F32", "shape": [0], "data_offsets": [4, 4]}, "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "b": {"dtype": "U8", "shape": [1], "data_offsets": [6, 7]}})", 8)).empty());
+  CHECK(
+      st_error(
+          header_file(
+              R"({"e": {"dtype": "F32", "shape": [0], "data_offsets": [4, 4]}, "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "b": {"dtype": "U8", "shape": [1], "data_offsets": [6, 7]}})",
+              8))
+          .empty());
 }
 
 TEST_CASE(".npy: versions 1-3, scalars, dtypes; Fortran order, big-endian and truncation rejected") {
@@ -143,10 +178,12 @@ TEST_CASE(".npy: versions 1-3, scalars, dtypes; Fortran order, big-endian and tr
   CHECK(npy_error(npy_bytes("<f8", {3}, data, 1, true)).find("Fortran (column-major) order") != std::string::npos);
   CHECK(npy_error(npy_bytes(">f8", {3}, data)).find("big-endian") != std::string::npos);
   CHECK(npy_error(npy_bytes("<c8", {3}, data)).find("'<c8' is not supported") != std::string::npos);
-  CHECK(npy_error(npy_bytes("<f8", {4}, data)).find("holds 24 bytes, but dtype '<f8' and shape [4] need 32: the file is truncated") != std::string::npos);
+  CHECK(npy_error(npy_bytes("<f8", {4}, data))
+            .find("holds 24 bytes, but dtype '<f8' and shape [4] need 32: the file is truncated") != std::string::npos);
   CHECK(npy_error(npy_bytes("<f8", {2}, data)).find("holds 24 bytes") != std::string::npos);
   CHECK(npy_error("\x93NUMPY").find("truncated .npy file") != std::string::npos);
-  CHECK(npy_error(std::string("\x93NUMPY\x04\x00\x10\x00", 10) + std::string(16, ' ')).find("version 4") != std::string::npos);
+  CHECK(npy_error(std::string("\x93NUMPY\x04\x00\x10\x00", 10) + std::string(16, ' ')).find("version 4") !=
+        std::string::npos);
   CHECK(npy_error(std::string("\x93NUMPY\x01\x00\xff\x7f", 10) + "{}") ==
         "x.npy: truncated .npy file: its header runs past the end of the file (12 bytes)");  // not its length 32767
   CHECK(npy_error(std::string("XXNUMPY\x01\x00\x00\x00", 10)).find("no \\x93NUMPY magic") != std::string::npos);
@@ -181,30 +218,40 @@ TEST_CASE("TensorFile: opens by extension, names what is missing, reads exactly 
   CHECK(st.format() == FileFormat::safetensors);
   const auto bytes = st.read(st.tensor("x"));
   CHECK(to_doubles(st.tensor("x"), bytes, "x") == std::vector<double>{1, 2, 3, 4, 5, 6});
-  CHECK_THROWS_WITH_AS(st.tensor("z"), doctest::Contains("r.safetensors: no tensor \"z\" (the file holds \"x\", \"y\")"), DumpError);
+  CHECK_THROWS_WITH_AS(st.tensor("z"),
+                       doctest::Contains("r.safetensors: no tensor \"z\" (the file holds \"x\", \"y\")"), DumpError);
   CHECK_THROWS_WITH_AS(st.tensor(""), doctest::Contains("needs a tensor name"), DumpError);
   const TensorFile npy = TensorFile::open((dir / "a.npy").string());
   CHECK(npy.format() == FileFormat::npy);
   CHECK(to_doubles(npy.tensor(""), npy.read(npy.tensor("")), "a") == std::vector<double>{1, 2, 3, 4, 5, 6});
   CHECK_THROWS_WITH_AS(npy.tensor("x"), doctest::Contains("holds one unnamed tensor"), DumpError);
-  CHECK_THROWS_WITH_AS(TensorFile::open((dir / "none.safetensors").string()), doctest::Contains("cannot open"), DumpError);
-  CHECK_THROWS_WITH_AS(TensorFile::open((dir / "r.bin").string()), doctest::Contains("expected .safetensors or .npy"), DumpError);
+  CHECK_THROWS_WITH_AS(TensorFile::open((dir / "none.safetensors").string()), doctest::Contains("cannot open"),
+                       DumpError);
+  CHECK_THROWS_WITH_AS(TensorFile::open((dir / "r.bin").string()), doctest::Contains("expected .safetensors or .npy"),
+                       DumpError);
   CHECK_THROWS_WITH_AS(TensorFile::open(dir.string() + "/.safetensors"), doctest::Contains("cannot open"), DumpError);
   std::filesystem::create_directories(dir / "d.safetensors");
-  CHECK_THROWS_WITH_AS(TensorFile::open((dir / "d.safetensors").string()), doctest::Contains("d.safetensors: is a directory, not a regular file"), DumpError);
+  CHECK_THROWS_WITH_AS(TensorFile::open((dir / "d.safetensors").string()),
+                       doctest::Contains("d.safetensors: is a directory, not a regular file"), DumpError);
   // A FIFO is refused at once, never opened for reading (that would wait for a writer forever); so is a device.
   REQUIRE(::mkfifo((dir / "f.safetensors").c_str(), 0600) == 0);
-  CHECK_THROWS_WITH_AS(TensorFile::open((dir / "f.safetensors").string()), doctest::Contains("f.safetensors: is a FIFO, not a regular file"), DumpError);
-  CHECK_THROWS_WITH_AS(read_regular_file((dir / "f.safetensors").string(), "manifest"), doctest::Contains("is a FIFO, not a regular file"), DumpError);
+  CHECK_THROWS_WITH_AS(TensorFile::open((dir / "f.safetensors").string()),
+                       doctest::Contains("f.safetensors: is a FIFO, not a regular file"), DumpError);
+  CHECK_THROWS_WITH_AS(read_regular_file((dir / "f.safetensors").string(), "manifest"),
+                       doctest::Contains("is a FIFO, not a regular file"), DumpError);
   CHECK_THROWS_WITH_AS(TensorFile::open("/dev/null/../null.npy"), doctest::Contains("cannot open"), DumpError);
   std::filesystem::create_symlink("/dev/zero", dir / "z.npy");
-  CHECK_THROWS_WITH_AS(TensorFile::open((dir / "z.npy").string()), doctest::Contains("z.npy: is a character device, not a regular file"), DumpError);
-  CHECK_THROWS_WITH_AS(read_regular_file((dir / "none.json").string(), "manifest"), doctest::Contains("none.json: cannot open manifest: No such file"), DumpError);
+  CHECK_THROWS_WITH_AS(TensorFile::open((dir / "z.npy").string()),
+                       doctest::Contains("z.npy: is a character device, not a regular file"), DumpError);
+  CHECK_THROWS_WITH_AS(read_regular_file((dir / "none.json").string(), "manifest"),
+                       doctest::Contains("none.json: cannot open manifest: No such file"), DumpError);
   // Odd bytes in a file's name are printed escaped.
   write_bytes(dir / "odd\x1b\xff.safetensors", "short");
-  CHECK_THROWS_WITH_AS(TensorFile::open((dir / "odd\x1b\xff.safetensors").string()), doctest::Contains("odd\\x1B\\xFF.safetensors: truncated safetensors file: 5 bytes"), DumpError);
+  CHECK_THROWS_WITH_AS(TensorFile::open((dir / "odd\x1b\xff.safetensors").string()),
+                       doctest::Contains("odd\\x1B\\xFF.safetensors: truncated safetensors file: 5 bytes"), DumpError);
   // A file truncated after its header was read: the read fails, naming the tensor.
   std::filesystem::resize_file(dir / "r.safetensors", std::filesystem::file_size(dir / "r.safetensors") - 4);
-  CHECK_THROWS_WITH_AS(st.read(st.tensor("y")), doctest::Contains("r.safetensors: tensor \"y\": the file ended early"), DumpError);
+  CHECK_THROWS_WITH_AS(st.read(st.tensor("y")), doctest::Contains("r.safetensors: tensor \"y\": the file ended early"),
+                       DumpError);
   std::filesystem::remove_all(dir);
 }

@@ -52,8 +52,8 @@ inline std::string xml_problem(const std::string& doc) {
     if (!tag.empty() && tag[0] == '/') {
       const std::string name = tag.substr(1);
       if (stack.empty() || stack.back() != name) {
-        return "closing </" + name + "> does not match <" +
-               (stack.empty() ? std::string("nothing") : stack.back()) + ">";
+        return "closing </" + name + "> does not match <" + (stack.empty() ? std::string("nothing") : stack.back()) +
+               ">";
       }
       stack.pop_back();
       i = gt + 1;
@@ -64,8 +64,7 @@ inline std::string xml_problem(const std::string& doc) {
     std::size_t name_end = 0;
     while (name_end < tag.size() && !std::isspace(static_cast<unsigned char>(tag[name_end]))) ++name_end;
     const std::string name = tag.substr(0, name_end);
-    if (name.empty() || !(std::isalpha(static_cast<unsigned char>(name[0]))))
-      return "bad tag name <" + tag + ">";
+    if (name.empty() || !(std::isalpha(static_cast<unsigned char>(name[0])))) return "bad tag name <" + tag + ">";
     std::string rest = tag.substr(name_end);
     std::map<std::string, int> seen;
     std::smatch m;
@@ -95,8 +94,7 @@ inline std::map<std::string, std::string> element_with_id(const std::string& doc
   const std::size_t gt = doc.find('>', at);
   const std::string tag = doc.substr(lt, gt - lt);
   static const std::regex attribute(R"(([A-Za-z_:][-A-Za-z0-9_:.]*)=\"([^\"]*)\")");
-  for (auto it = std::sregex_iterator(tag.begin(), tag.end(), attribute); it != std::sregex_iterator();
-       ++it) {
+  for (auto it = std::sregex_iterator(tag.begin(), tag.end(), attribute); it != std::sregex_iterator(); ++it) {
     out[(*it)[1]] = (*it)[2];
   }
   return out;
@@ -105,9 +103,7 @@ inline std::map<std::string, std::string> element_with_id(const std::string& doc
 // How many times `needle` occurs in `text`.
 inline std::size_t count_of(const std::string& text, const std::string& needle) {
   std::size_t n = 0;
-  for (std::size_t at = text.find(needle); at != std::string::npos;
-       at = text.find(needle, at + needle.size()))
-    ++n;
+  for (std::size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + needle.size())) ++n;
   return n;
 }
 

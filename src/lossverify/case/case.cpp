@@ -22,10 +22,10 @@ std::string_view to_string(FrameworkSpec::GaReduce g) { return g == FrameworkSpe
 std::string_view to_string(BatchSpec::Placement p) {
   return p == BatchSpec::Placement::round_robin ? "round_robin" : "contiguous";
 }
-std::string_view to_string(BatchSpec::Labels l) { return l == BatchSpec::Labels::independent ? "independent" : "next_token"; }
-std::string_view to_string(SmoothingConvention c) {
-  return c == SmoothingConvention::pytorch ? "pytorch" : "megatron";
+std::string_view to_string(BatchSpec::Labels l) {
+  return l == BatchSpec::Labels::independent ? "independent" : "next_token";
 }
+std::string_view to_string(SmoothingConvention c) { return c == SmoothingConvention::pytorch ? "pytorch" : "megatron"; }
 std::string_view to_string(Reduction r) {
   switch (r) {
     case Reduction::mean:
@@ -42,8 +42,7 @@ std::string_view to_string(LogitDistribution d) { return d == LogitDistribution:
 namespace {
 
 template <class Enum, std::size_t N>
-Enum parse_choice(ObjectReader& reader, const std::string& key, const std::array<Enum, N>& choices,
-                  Enum fallback) {
+Enum parse_choice(ObjectReader& reader, const std::string& key, const std::array<Enum, N>& choices, Enum fallback) {
   if (!reader.has(key)) {
     reader.allow(key);
     return fallback;
@@ -83,16 +82,16 @@ void parse_loss(ObjectReader r, Case& c) {
   if (!(loss.label_smoothing >= 0.0 && loss.label_smoothing < 1.0)) {
     r.fail("label_smoothing", "must be in [0, 1), got " + json(loss.label_smoothing).dump());
   }
-  loss.convention = parse_choice(r, "smoothing_convention",
-                                 std::array{SmoothingConvention::pytorch, SmoothingConvention::megatron},
-                                 SmoothingConvention::pytorch);
+  loss.convention =
+      parse_choice(r, "smoothing_convention", std::array{SmoothingConvention::pytorch, SmoothingConvention::megatron},
+                   SmoothingConvention::pytorch);
   loss.z_loss_weight = r.number("z_loss_weight", 0.0);
   if (!(loss.z_loss_weight >= 0.0 && loss.z_loss_weight <= kMaxZLossWeight)) {
     r.fail("z_loss_weight", "must be in [0, 10], got " + json(loss.z_loss_weight).dump());
   }
   loss.ignore_index = r.integer("ignore_index", -100);
-  loss.reduction = parse_choice(r, "reduction", std::array{Reduction::mean, Reduction::sum, Reduction::none},
-                                Reduction::mean);
+  loss.reduction =
+      parse_choice(r, "reduction", std::array{Reduction::mean, Reduction::sum, Reduction::none}, Reduction::mean);
   if (r.has("upstream_weights")) {
     const json& u = r.raw("upstream_weights");
     const std::string path = r.path_of("upstream_weights");
@@ -141,8 +140,7 @@ void parse_inputs(ObjectReader r, Case& c) {
   const auto parsed = parse_dtype(dtype);
   if (!parsed) r.fail("dtype", "expected one of fp32|bf16|fp16, got \"" + dtype + "\"");
   in.dtype = *parsed;
-  in.distribution = parse_choice(r, "distribution",
-                                 std::array{LogitDistribution::normal, LogitDistribution::uniform},
+  in.distribution = parse_choice(r, "distribution", std::array{LogitDistribution::normal, LogitDistribution::uniform},
                                  LogitDistribution::normal);
   in.mean = r.number("mean", 0.0);
   in.scale = r.number("scale", 1.0);
@@ -288,9 +286,9 @@ void parse_batch(ObjectReader r, Case& c) {
   } else {
     r.fail_here("needs sequence_lengths or a generator");
   }
-  b.placement = parse_choice(r, "placement",
-                             std::array{BatchSpec::Placement::round_robin, BatchSpec::Placement::contiguous},
-                             BatchSpec::Placement::round_robin);
+  b.placement =
+      parse_choice(r, "placement", std::array{BatchSpec::Placement::round_robin, BatchSpec::Placement::contiguous},
+                   BatchSpec::Placement::round_robin);
   b.labels = parse_choice(r, "labels", std::array{BatchSpec::Labels::next_token, BatchSpec::Labels::independent},
                           BatchSpec::Labels::next_token);
   std::int64_t total = 0;
@@ -332,17 +330,20 @@ void validate_value_ranges(const Case& c) {
   const std::string& src = c.source;
   const std::string dtype(to_string(c.inputs.dtype));
   const double bound = std::min(kMaxLogit, dtype_max(c.inputs.dtype));
-  const std::string bound_text = json(bound).dump() + " (" +
-                                 (bound < kMaxLogit ? dtype + "'s largest value" : "the range where the tool is exact") + ")";
+  const std::string bound_text =
+      json(bound).dump() + " (" +
+      (bound < kMaxLogit ? dtype + "'s largest value" : "the range where the tool is exact") + ")";
   const auto check_generated = [&](double mean, double scale, const std::string& path) {
     const double reach = std::fabs(mean) + 9.0 * scale;  // no generated logit lies further out
     if (reach > bound) {
-      fail_at(src, path, "generated logits reach |mean| + 9 * scale = " + json(reach).dump() + ", beyond " + bound_text);
+      fail_at(src, path,
+              "generated logits reach |mean| + 9 * scale = " + json(reach).dump() + ", beyond " + bound_text);
     }
     if (c.loss.kind == LossKind::kd && reach / c.loss.temperature > kMaxScaledLogit) {
-      fail_at(src, path, "generated logits / temperature reach " + json(reach / c.loss.temperature).dump() +
-                             ", beyond 200, where float32 rounding of logits / T decides the verdict (raise the "
-                             "temperature or lower the scale)");
+      fail_at(src, path,
+              "generated logits / temperature reach " + json(reach / c.loss.temperature).dump() +
+                  ", beyond 200, where float32 rounding of logits / T decides the verdict (raise the "
+                  "temperature or lower the scale)");
     }
   };
   check_generated(c.inputs.mean, c.inputs.scale, "$.inputs.scale");
@@ -362,8 +363,9 @@ void validate_value_ranges(const Case& c) {
   const UpstreamWeights& w = c.loss.upstream_weights;
   const auto check_weight = [&](double weight) {
     if (std::fabs(weight) > weight_bound) {
-      fail_at(src, "$.loss.upstream_weights", json(weight).dump() + " is beyond +-" + json(weight_bound).dump() +
-                                                 " (the gradients would overflow " + dtype + ")");
+      fail_at(src, "$.loss.upstream_weights",
+              json(weight).dump() + " is beyond +-" + json(weight_bound).dump() + " (the gradients would overflow " +
+                  dtype + ")");
     }
   };
   for (const double weight : w.values) check_weight(weight);  // an explicit list (empty otherwise)
@@ -384,7 +386,8 @@ void validate_consistency(const Case& c) {
                 ": every TP rank needs at least one column");
   }
   for (int tp : c.sweep.tp) {
-    if (tp > v) fail_at(src, "$.sweep.tp", "tp = " + std::to_string(tp) + " exceeds the vocabulary size " + std::to_string(v));
+    if (tp > v)
+      fail_at(src, "$.sweep.tp", "tp = " + std::to_string(tp) + " exceeds the vocabulary size " + std::to_string(v));
   }
   if (c.loss.kind == LossKind::kd) {
     for (const auto& row : c.inputs.overrides) {
@@ -571,10 +574,14 @@ SweepSpec parse_sweep_arguments(const std::vector<std::string>& arguments) {
   for (const std::string& argument : arguments) {
     const auto eq = argument.find('=');
     const std::string key = argument.substr(0, eq);
-    std::vector<int>* target = key == "tp" ? &sweep.tp : key == "cp" ? &sweep.cp : key == "dp" ? &sweep.dp
-                             : key == "ga" ? &sweep.ga : nullptr;
+    std::vector<int>* target = key == "tp"   ? &sweep.tp
+                               : key == "cp" ? &sweep.cp
+                               : key == "dp" ? &sweep.dp
+                               : key == "ga" ? &sweep.ga
+                                             : nullptr;
     if (eq == std::string::npos || target == nullptr) {
-      throw CaseError("--sweep " + argument + ": expected tp=..., cp=..., dp=... or ga=... with comma-separated counts");
+      throw CaseError("--sweep " + argument +
+                      ": expected tp=..., cp=..., dp=... or ga=... with comma-separated counts");
     }
     std::stringstream list(argument.substr(eq + 1));
     std::string item;

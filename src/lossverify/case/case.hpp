@@ -19,7 +19,6 @@ std::string_view to_string(SmoothingConvention);
 std::string_view to_string(Reduction);
 std::string_view to_string(LogitDistribution);
 
-
 // Upstream gradient weights g_t of reduction "none": ones, an explicit list, or drawn uniformly.
 struct UpstreamWeights {
   enum class Kind { ones, explicit_list, uniform } kind = Kind::ones;
@@ -52,12 +51,12 @@ inline constexpr std::int64_t kMaxTokens = std::int64_t{1} << 40;
 
 // The value ranges in which the tool is exact (docs/cases.md): the correct implementation passes at each
 // edge, and values beyond are refused (exit 2).
-inline constexpr double kMaxLogit = 1e6;            // |generated or written logit|
-inline constexpr double kMaxScaledLogit = 200.0;    // kd: |logit| / temperature
+inline constexpr double kMaxLogit = 1e6;          // |generated or written logit|
+inline constexpr double kMaxScaledLogit = 200.0;  // kd: |logit| / temperature
 inline constexpr double kMaxTemperature = 1e6;
 inline constexpr double kMinSoftcap = 1e-6, kMaxSoftcap = 1e6;
 inline constexpr double kMaxZLossWeight = 10.0;
-inline constexpr double kMaxUpstreamWeight = 1e6;   // and half the dtype's largest value
+inline constexpr double kMaxUpstreamWeight = 1e6;  // and half the dtype's largest value
 
 // A hand-written row: replaces the generated logits (and optionally the label) of one token.
 struct RowOverride {

@@ -18,7 +18,7 @@ class ObjectReader {
 
   bool has(const std::string& key) const;
   void allow(const std::string& key) { known_.insert(key); }  // an optional key that is absent
-  const nlohmann::json& raw(const std::string& key);  // marks the key as known; must exist
+  const nlohmann::json& raw(const std::string& key);          // marks the key as known; must exist
   std::string path_of(const std::string& key) const { return path_ + "." + key; }
   const std::string& path() const { return path_; }
   const std::string& source() const { return source_; }

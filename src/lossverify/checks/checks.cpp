@@ -24,12 +24,14 @@ std::string_view to_string(Verdict v) {
 const std::vector<CheckInfo>& check_catalogue() {
   static const std::vector<CheckInfo> list = {
       {"loss", "per-token losses of every rank and the logged (reduced) loss vs the float64 reference"},
-      {"grad", "every effective gradient element vs the reference: abs/rel error, ULP in the output dtype, "
-               "mismatches per rank, worst (token, column, rank)"},
+      {"grad",
+       "every effective gradient element vs the reference: abs/rel error, ULP in the output dtype, "
+       "mismatches per rank, worst (token, column, rank)"},
       {"rank_agreement", "all TP ranks of a token report the same loss (needs no reference)"},
       {"finite", "census of NaN, +-Inf and subnormal values per tensor and rank; fails on any non-finite value"},
-      {"row_sum", "invariant: sum over the vocabulary of a token's gradient = w_t 2 w_z lse (0 without z-loss; "
-                  "0 for KD); not applicable with softcap"},
+      {"row_sum",
+       "invariant: sum over the vocabulary of a token's gradient = w_t 2 w_z lse (0 without z-loss; "
+       "0 for KD); not applicable with softcap"},
       {"stats", "logged statistics (the valid-token count) of every rank vs the global count"},
       {"invariance", "the same case at several rank layouts gives the same losses and gradients (sweeps)"},
   };
@@ -72,18 +74,20 @@ void ErrorStats::merge(const ErrorStats& o) {
   max_abs_ = std::max(max_abs_, o.max_abs_);
   max_rel_ = std::max(max_rel_, o.max_rel_);
   max_ulp_ = std::max(max_ulp_, o.max_ulp_);
-  if (o.worst_ && (!worst_ || o.max_margin_ > max_margin_ ||
-                   (o.max_margin_ == max_margin_ && earlier(*o.worst_, *worst_)))) {
+  if (o.worst_ &&
+      (!worst_ || o.max_margin_ > max_margin_ || (o.max_margin_ == max_margin_ && earlier(*o.worst_, *worst_)))) {
     worst_ = o.worst_;
     max_margin_ = o.max_margin_;
   }
 }
 
 nlohmann::json ErrorStats::to_json() const {
-  return {{"compared", compared_},     {"mismatches", mismatches_}, {"max_abs_error", max_abs_},
-          {"max_rel_error", max_rel_}, {"margin", max_margin_}};
+  return {{"compared", compared_},
+          {"mismatches", mismatches_},
+          {"max_abs_error", max_abs_},
+          {"max_rel_error", max_rel_},
+          {"margin", max_margin_}};
 }
-
 
 PackedStats ErrorStats::pack() const {
   PackedStats p{};
@@ -95,8 +99,8 @@ PackedStats ErrorStats::pack() const {
   p.margin = max_margin_;
   p.has_worst = worst_.has_value();
   if (worst_) {
-    p.worst = {worst_->token,    worst_->column,   worst_->rank,     worst_->padding_sequence,
-               worst_->padding_position, worst_->expected, worst_->got, worst_->tolerance};
+    p.worst = {worst_->token,    worst_->column, worst_->rank,     worst_->padding_sequence, worst_->padding_position,
+               worst_->expected, worst_->got,    worst_->tolerance};
   }
   return p;
 }
@@ -110,9 +114,9 @@ ErrorStats ErrorStats::unpack(const PackedStats& p) {
   s.max_rel_ = p.max_rel;
   s.max_margin_ = p.margin;
   if (p.has_worst) {
-    s.worst_ = ElementRecord{p.worst.token,    p.worst.column,           static_cast<int>(p.worst.rank),
-                             p.worst.expected, p.worst.got,              p.worst.tolerance,
-                             p.worst.padding_sequence, p.worst.padding_position};
+    s.worst_ =
+        ElementRecord{p.worst.token, p.worst.column,    static_cast<int>(p.worst.rank), p.worst.expected,
+                      p.worst.got,   p.worst.tolerance, p.worst.padding_sequence,       p.worst.padding_position};
   }
   return s;
 }
@@ -124,9 +128,7 @@ CheckResult make_result(const std::string& name, const ErrorStats& stats, Tolera
   r.metrics = stats.to_json();
   r.worst = stats.worst();
   r.margin = stats.margin();
-  r.verdict = stats.compared() == 0 ? Verdict::not_applicable
-              : stats.mismatches() == 0 ? Verdict::pass
-                                        : Verdict::fail;
+  r.verdict = stats.compared() == 0 ? Verdict::not_applicable : stats.mismatches() == 0 ? Verdict::pass : Verdict::fail;
   r.summary = std::move(what);
   return r;
 }

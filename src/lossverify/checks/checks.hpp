@@ -103,9 +103,9 @@ struct RankErrorCell {
   std::int64_t grad_mismatches = 0;
 };
 struct ErrorMap {
-  std::vector<RankErrorCell> ranks;        // in world-rank order
-  std::vector<double> token_grad_margin;   // per global token
-  std::vector<double> token_loss_margin;   // per global token
+  std::vector<RankErrorCell> ranks;       // in world-rank order
+  std::vector<double> token_grad_margin;  // per global token
+  std::vector<double> token_loss_margin;  // per global token
 };
 
 struct RankGroups;

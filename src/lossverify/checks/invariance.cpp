@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
-#include "lossverify/checks/element_judge.hpp"
 #include "lossverify/case/tolerances.hpp"
+#include "lossverify/checks/element_judge.hpp"
 
 namespace lossverify {
 
@@ -12,8 +12,8 @@ namespace {
 
 // One layout's answers against the first layout's, element by element; "token scale" here is the largest
 // gradient magnitude of the row.
-ErrorStats compare_layouts(const Case& c, const Tolerance& tol, const LayoutSnapshot& base,
-                           const LayoutSnapshot& other, int k) {
+ErrorStats compare_layouts(const Case& c, const Tolerance& tol, const LayoutSnapshot& base, const LayoutSnapshot& other,
+                           int k) {
   const DType dtype = c.inputs.dtype;
   const double quantum = output_quantum(dtype);
   ErrorStats stats;
@@ -22,13 +22,14 @@ ErrorStats compare_layouts(const Case& c, const Tolerance& tol, const LayoutSnap
     stats.add({static_cast<std::int64_t>(t), -1, k, e, other.token_loss[t], 1e-5 + 2e-5 * std::fabs(e)});
   }
   stats.add({-1, -1, k, base.logged_loss, other.logged_loss, 1e-5 + 4e-5 * std::fabs(base.logged_loss)});
-  stats.add({-1, -1, k, static_cast<double>(base.logged_valid_tokens), static_cast<double>(other.logged_valid_tokens),
-             0.5});
+  stats.add(
+      {-1, -1, k, static_cast<double>(base.logged_valid_tokens), static_cast<double>(other.logged_valid_tokens), 0.5});
   if (base.effective_grad.empty() || other.effective_grad.empty()) return stats;
   const std::size_t vocab = static_cast<std::size_t>(c.shape.vocab);
   for (std::size_t t = 0; t < base.token_loss.size(); ++t) {
     double row_scale = 0.0;
-    for (std::size_t v = 0; v < vocab; ++v) row_scale = std::max(row_scale, std::fabs(double(base.effective_grad[t * vocab + v])));
+    for (std::size_t v = 0; v < vocab; ++v)
+      row_scale = std::max(row_scale, std::fabs(double(base.effective_grad[t * vocab + v])));
     for (std::size_t v = 0; v < vocab; ++v) {
       const double e = base.effective_grad[t * vocab + v];
       const double g = other.effective_grad[t * vocab + v];
@@ -36,7 +37,8 @@ ErrorStats compare_layouts(const Case& c, const Tolerance& tol, const LayoutSnap
       const double floor = tol.atol * row_scale + quantum;
       const double m = tol.max_ulp > 0 ? std::min(error / (tol.max_ulp * ulp_size(e, dtype)), margin_of(error, floor))
                                        : margin_of(error, floor + tol.rtol * std::fabs(e));
-      stats.add_with_margin({static_cast<std::int64_t>(t), static_cast<std::int64_t>(v), k, e, g, floor}, m, !(m <= 1.0));
+      stats.add_with_margin({static_cast<std::int64_t>(t), static_cast<std::int64_t>(v), k, e, g, floor}, m,
+                            !(m <= 1.0));
     }
   }
   return stats;
@@ -56,7 +58,9 @@ void InvarianceCheck::add(LayoutSnapshot snapshot, const std::string& layout_nam
   ++layouts_;
   const ErrorStats stats = compare_layouts(case_, tolerance_, *base_, snapshot, layouts_);
   gradients_compared_ = gradients_compared_ && !snapshot.effective_grad.empty();
-  per_layout_.push_back({{"layout", layout_name}, {"against", base_name_}, {"margin", stats.margin()},
+  per_layout_.push_back({{"layout", layout_name},
+                         {"against", base_name_},
+                         {"margin", stats.margin()},
                          {"mismatches", stats.mismatches()}});
   stats_.merge(stats);
 }
@@ -79,4 +83,3 @@ CheckResult invariance_check(const Case& c, const std::vector<LayoutSnapshot>& s
 }
 
 }  // namespace lossverify
-

@@ -27,22 +27,22 @@ struct PackedStats {
 // How one gradient element is judged (docs/spec.md §6): the same numbers for every oracle.
 struct GradJudgement {
   Tolerance tolerance;
-  DType dtype = DType::fp32;      // of the rank's gradient
-  double framework_scale = 1.0;   // local gradient x this = the effective gradient
-  double quantum = 0.0;           // smallest positive value of the dtype
-  double grad_scale = 1.0;        // KD: T^(s-1); 1 for cross-entropy
-  double smallest_normal = 0.0;   // of the dtype, for the finite census
+  DType dtype = DType::fp32;     // of the rank's gradient
+  double framework_scale = 1.0;  // local gradient x this = the effective gradient
+  double quantum = 0.0;          // smallest positive value of the dtype
+  double grad_scale = 1.0;       // KD: T^(s-1); 1 for cross-entropy
+  double smallest_normal = 0.0;  // of the dtype, for the finite census
 };
 
 // What the oracle found in one row of a rank's gradient.
 struct RowJudgement {
-  PackedStats grad{};                     // every element of the row (worst: global token and column)
-  double sum = 0.0, sum_error = 0.0;      // compensated sum of the effective gradient (row-sum invariant)
-  double magnitude = 0.0;                 // sum of its magnitudes
+  PackedStats grad{};                 // every element of the row (worst: global token and column)
+  double sum = 0.0, sum_error = 0.0;  // compensated sum of the effective gradient (row-sum invariant)
+  double magnitude = 0.0;             // sum of its magnitudes
   std::int64_t nan = 0, pos_inf = 0, neg_inf = 0, subnormal = 0;  // of the stored values
-  std::int64_t first_bad_column = -1;     // global column of the first non-finite value, -1 if none
+  std::int64_t first_bad_column = -1;  // global column of the first non-finite value, -1 if none
   double first_bad_value = 0.0;
-  std::int64_t lookups = 0;               // elements judged by a code-table lookup (GPU oracle)
+  std::int64_t lookups = 0;  // elements judged by a code-table lookup (GPU oracle)
 };
 
 class Oracle {

@@ -8,9 +8,9 @@
 #include <utility>
 #include <vector>
 
+#include "lossverify/case/tolerances.hpp"
 #include "lossverify/checks/checks.hpp"
 #include "lossverify/checks/element_judge.hpp"
-#include "lossverify/case/tolerances.hpp"
 #include "lossverify/comm/communicator.hpp"
 #include "lossverify/comm/rank_groups.hpp"
 #include "lossverify/core/errors.hpp"
@@ -132,7 +132,8 @@ void check_coverage(const RankContext& x) {
   const std::string who = "rank " + std::to_string(x.world_rank);
   std::int64_t next = 0;
   for (const auto& [b, e] : ranges) {
-    if (b != next) throw InternalError(who + ": TP shards do not tile the vocabulary at column " + std::to_string(next));
+    if (b != next)
+      throw InternalError(who + ": TP shards do not tile the vocabulary at column " + std::to_string(next));
     next = e;
   }
   if (next != x.c.shape.vocab) throw InternalError(who + ": TP shards do not cover the vocabulary");
@@ -223,7 +224,8 @@ LossFindings judge_losses(const RankContext& x, const RowReference& ref, std::ve
   std::vector<double> token_losses(static_cast<std::size_t>(x.tokens), 0.0);
   if (x.tp_leader) {
     for (std::int64_t i = 0; i < x.rows; ++i) {
-      if (x.out.token_of(i) >= 0) token_losses[static_cast<std::size_t>(x.out.token_of(i))] = ref.loss[static_cast<std::size_t>(i)];
+      if (x.out.token_of(i) >= 0)
+        token_losses[static_cast<std::size_t>(x.out.token_of(i))] = ref.loss[static_cast<std::size_t>(i)];
     }
   }
   x.world.allreduce_sum(std::span<double>(token_losses));  // one nonzero term per token: exact
@@ -270,7 +272,8 @@ struct GradFindings {
   FiniteCensus census;
 };
 
-GradFindings collect_grad(const RankContext& x, std::span<const RowJudgement> judged, std::vector<double>& token_margins) {
+GradFindings collect_grad(const RankContext& x, std::span<const RowJudgement> judged,
+                          std::vector<double>& token_margins) {
   GradFindings f;
   f.row_sums.assign(static_cast<std::size_t>(3 * x.rows), 0.0);
   for (std::int64_t i = 0; i < x.rows; ++i) {
@@ -333,7 +336,8 @@ TpFindings judge_tp_group(const RankContext& x, const RowReference& ref, const G
     }
     // docs/spec.md §3 invariant: sum_v dl/dx_v = 2 w_z lse per token (0 for KD), times the token's weight in L.
     const double weight = ref.valid[k] ? x.reference.token_weight(t) : 0.0;
-    const double expected_sum = (ref.valid[k] && !x.kd) ? weight * 2.0 * x.c.loss.z_loss_weight * ref.stats[k].lse : 0.0;
+    const double expected_sum =
+        (ref.valid[k] && !x.kd) ? weight * 2.0 * x.c.loss.z_loss_weight * ref.stats[k].lse : 0.0;
     f.row_sum.add({t, -1, x.world_rank, expected_sum, total.value(),
                    row_tol.atol * std::fabs(weight) * judgement.grad_scale + row_tol.rtol * magnitude.value() +
                        judgement.quantum * judgement.framework_scale});
@@ -395,7 +399,9 @@ CheckResult finite_result(const std::vector<CensusRecord>& censuses) {
     loss_total.add(f[1]);
     loss_total.add(f[2]);
     if (f[0].nonfinite() + f[0].subnormal + f[1].nonfinite() + f[1].subnormal + f[2].nonfinite() > 0) {
-      per_rank.push_back({{"rank", cr.rank}, {"grad", f[0].to_json()}, {"token_loss", f[1].to_json()},
+      per_rank.push_back({{"rank", cr.rank},
+                          {"grad", f[0].to_json()},
+                          {"token_loss", f[1].to_json()},
                           {"reduced_loss", f[2].to_json()}});
     }
     if (cr.has_bad && !r.worst) {
@@ -403,7 +409,8 @@ CheckResult finite_result(const std::vector<CensusRecord>& censuses) {
     }
   }
   const std::int64_t bad = grad_total.nonfinite() + loss_total.nonfinite();
-  r.metrics = {{"nonfinite", bad}, {"grad", grad_total.to_json()}, {"loss", loss_total.to_json()}, {"per_rank", per_rank}};
+  r.metrics = {
+      {"nonfinite", bad}, {"grad", grad_total.to_json()}, {"loss", loss_total.to_json()}, {"per_rank", per_rank}};
   r.verdict = bad == 0 ? Verdict::pass : Verdict::fail;
   r.margin = bad == 0 ? 0.0 : std::numeric_limits<double>::infinity();
   r.summary = bad == 0 ? "no NaN or Inf in any rank's outputs"
@@ -421,7 +428,8 @@ CheckResult loss_result(const RankContext& x, const LossFindings& losses) {
   if (x.c.loss.reduction != Reduction::none) {
     r.metrics["reduced"] = reduced.to_json();
     r.metrics["reduced"]["expected"] = losses.reference_reduced;
-    r.metrics["reduced"]["tolerance"] = {{"atol", losses.reduced_tolerance.atol}, {"rtol", losses.reduced_tolerance.rtol}};
+    r.metrics["reduced"]["tolerance"] = {{"atol", losses.reduced_tolerance.atol},
+                                         {"rtol", losses.reduced_tolerance.rtol}};
   }
   return r;
 }
@@ -499,8 +507,18 @@ std::vector<CheckResult> verify_rank(const Case& c, const RankOutput& out, Oracl
                                      Communicator& world, LayoutSnapshot* snapshot, ErrorMap* error_map) {
   const bool kd = c.loss.kind == LossKind::kd;
   const double kd_power = c.loss.t2_scaling ? 2.0 : 0.0;
-  const RankContext x{c, out, oracle, oracle.reference(), groups, world, c.shape.tokens, out.rows(),
-                      groups.tp.size(), groups.tp.rank() == 0, kd, out.assignment.world_rank,
+  const RankContext x{c,
+                      out,
+                      oracle,
+                      oracle.reference(),
+                      groups,
+                      world,
+                      c.shape.tokens,
+                      out.rows(),
+                      groups.tp.size(),
+                      groups.tp.rank() == 0,
+                      kd,
+                      out.assignment.world_rank,
                       kd ? std::pow(c.loss.temperature, kd_power) : 1.0};
   const GradJudgement judgement = grad_judgement(c, out.dtype);
   StageTrace trace("rank " + std::to_string(x.world_rank) + " verify");

@@ -54,9 +54,7 @@ class Communicator {
 class CollectiveTimer {
  public:
   explicit CollectiveTimer(double& counter) : counter_(counter), start_(std::chrono::steady_clock::now()) {}
-  ~CollectiveTimer() {
-    counter_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-  }
+  ~CollectiveTimer() { counter_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count(); }
   CollectiveTimer(const CollectiveTimer&) = delete;
   CollectiveTimer& operator=(const CollectiveTimer&) = delete;
 

@@ -150,7 +150,8 @@ class MpiCommunicator final : public Communicator {
     std::vector<unsigned char> all(bytes * static_cast<std::size_t>(size_));
     gather(data, all.data(), bytes, "allreduce");
     std::vector<const void*> inputs(static_cast<std::size_t>(size_));
-    for (int r = 0; r < size_; ++r) inputs[static_cast<std::size_t>(r)] = all.data() + bytes * static_cast<std::size_t>(r);
+    for (int r = 0; r < size_; ++r)
+      inputs[static_cast<std::size_t>(r)] = all.data() + bytes * static_cast<std::size_t>(r);
     reduce_in_rank_order(inputs.data(), size_, data, 0, count, type, op);
   }
 

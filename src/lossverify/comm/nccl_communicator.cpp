@@ -78,7 +78,8 @@ class NcclCommunicator final : public Communicator {
     gathered_.resize(bytes * static_cast<std::size_t>(size()));
     all_gather(data, gathered_.data(), bytes);
     std::vector<const void*> inputs(static_cast<std::size_t>(size()));
-    for (int r = 0; r < size(); ++r) inputs[static_cast<std::size_t>(r)] = gathered_.data() + bytes * static_cast<std::size_t>(r);
+    for (int r = 0; r < size(); ++r)
+      inputs[static_cast<std::size_t>(r)] = gathered_.data() + bytes * static_cast<std::size_t>(r);
     reduce_in_rank_order(inputs.data(), size(), data, 0, count, type, op);
   }
 

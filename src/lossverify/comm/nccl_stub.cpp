@@ -1,13 +1,14 @@
 // Built when NCCL was not found at configure time: one GPU per rank falls back to host collectives.
-#include "lossverify/core/errors.hpp"
 #include "lossverify/comm/nccl_communicator.hpp"
+#include "lossverify/core/errors.hpp"
 
 namespace lossverify::cuda {
 
 bool built_with_nccl() { return false; }
 
 std::unique_ptr<Communicator> make_nccl_group(Communicator&, int, double) {
-  throw InternalError("--collectives nccl: this build has no NCCL (nccl.h and libnccl were not found at configure time)");
+  throw InternalError(
+      "--collectives nccl: this build has no NCCL (nccl.h and libnccl were not found at configure time)");
 }
 
 }  // namespace lossverify::cuda

@@ -46,12 +46,12 @@ struct WorldState {
   const double timeout_seconds;
   std::atomic<bool> aborted{false};
   std::mutex error_mutex;
-  std::exception_ptr first_error;  // guarded by error_mutex
+  std::exception_ptr first_error;       // guarded by error_mutex
   std::vector<ProgressBeacon> beacons;  // by world rank
   // One lock for every group's barrier state and for `waits`, so that the watchdog sees who waits for
   // whom consistently.
   std::mutex sync;
-  std::vector<Wait> waits;  // by world rank; guarded by sync
+  std::vector<Wait> waits;     // by world rank; guarded by sync
   std::vector<char> finished;  // by world rank: its function returned or threw; guarded by sync
 
   void record(std::exception_ptr error) {
@@ -106,9 +106,8 @@ class ThreadCommunicator final : public Communicator {
       for (int r = 0; r < g.size; ++r) {
         if (g.counts[static_cast<std::size_t>(r)] != g.counts[0]) {
           throw InternalError("allreduce: rank " + std::to_string(g.world_ranks[static_cast<std::size_t>(r)]) +
-                              " passed " + std::to_string(g.counts[static_cast<std::size_t>(r)]) +
-                              " elements, rank " + std::to_string(g.world_ranks[0]) + " passed " +
-                              std::to_string(g.counts[0]));
+                              " passed " + std::to_string(g.counts[static_cast<std::size_t>(r)]) + " elements, rank " +
+                              std::to_string(g.world_ranks[0]) + " passed " + std::to_string(g.counts[0]));
         }
       }
       g.scratch.resize(g.counts[0] * esize);
@@ -177,8 +176,8 @@ class ThreadCommunicator final : public Communicator {
   }
 
   void abort(const std::string& reason) override {
-    group_->world->record(std::make_exception_ptr(
-        InternalError("rank " + std::to_string(world_rank()) + " aborted the run: " + reason)));
+    group_->world->record(
+        std::make_exception_ptr(InternalError("rank " + std::to_string(world_rank()) + " aborted the run: " + reason)));
   }
 
  private:
@@ -344,7 +343,7 @@ class Watchdog {
 
   WorldState& world_;
   const std::chrono::duration<double> timeout_;
-  std::vector<std::uint64_t> seen_;           // each rank's beats at the last sample
+  std::vector<std::uint64_t> seen_;            // each rank's beats at the last sample
   std::vector<Clock::time_point> progressed_;  // when they last moved
 };
 

@@ -24,7 +24,8 @@ namespace {
 // The temporary files open now, for SIGINT and SIGTERM to remove: the handler may only read these slots and
 // call unlink(), which is async-signal-safe.
 std::array<std::atomic<const char*>, 16> open_temporaries{};
-struct sigaction previous_interrupt {}, previous_terminate {};
+struct sigaction previous_interrupt {
+}, previous_terminate{};
 
 void remove_temporaries_and_reraise(int signal_number) {
   for (auto& slot : open_temporaries) {

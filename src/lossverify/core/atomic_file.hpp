@@ -33,8 +33,8 @@ class AtomicFile {
   std::string path_;         // as the user gave it (messages)
   std::string destination_;  // where the bytes land: symbolic links resolved
   std::string what_;
-  std::string temporary_;    // empty for a stream
-  int slot_ = -1;            // in the signal handler's list of temporary files
+  std::string temporary_;  // empty for a stream
+  int slot_ = -1;          // in the signal handler's list of temporary files
   int fd_ = -1;
 };
 

@@ -48,7 +48,6 @@ double ulp_size(double value, DType dtype);
 // Smallest positive normal value of the dtype.
 double smallest_normal(DType dtype);
 
-
 // Call f(std::type_identity<StorageType>{}) for the storage type of a runtime dtype.
 template <class F>
 decltype(auto) dispatch_dtype(DType dtype, F&& f) {

@@ -57,7 +57,8 @@ OutputTarget resolve_output(std::string_view option, const std::string& path) {
   const fs::path target = follow_links(option, path);
   const fs::path folder = target.parent_path().empty() ? fs::path(".") : target.parent_path();
   std::error_code error;
-  if (!fs::is_directory(folder, error)) refuse(option, path, "folder " + printable(folder.string()) + " does not exist");
+  if (!fs::is_directory(folder, error))
+    refuse(option, path, "folder " + printable(folder.string()) + " does not exist");
   return {OutputTarget::Kind::file, target.string()};
 }
 
@@ -86,15 +87,17 @@ void check_output_path(std::string_view option, const std::string& path, const s
   const long name_max = ::pathconf(folder.c_str(), _PC_NAME_MAX);
   const std::size_t name_length = file.filename().string().size();
   if (name_max > 0 && name_length > static_cast<std::size_t>(name_max)) {
-    refuse(option, path, "the file name is " + std::to_string(name_length) + " bytes, more than the " +
-                              std::to_string(name_max) + " its file system allows");
+    refuse(option, path,
+           "the file name is " + std::to_string(name_length) + " bytes, more than the " + std::to_string(name_max) +
+               " its file system allows");
   }
 }
 
 void check_output_folder(std::string_view option, const std::string& folder) {
   std::error_code error;
   if (!fs::is_directory(folder, error)) refuse(option, folder, "not an existing folder");
-  if (::access(folder.c_str(), W_OK | X_OK) != 0) refuse(option, folder, std::string("cannot be written: ") + std::strerror(errno));
+  if (::access(folder.c_str(), W_OK | X_OK) != 0)
+    refuse(option, folder, std::string("cannot be written: ") + std::strerror(errno));
 }
 
 }  // namespace lossverify

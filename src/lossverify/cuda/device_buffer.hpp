@@ -67,7 +67,8 @@ DeviceBytes upload(const std::vector<T>& host, cudaStream_t stream) {
 template <class T>
 void copy_to_device(const DeviceBytes& d, const std::vector<T>& host, cudaStream_t stream) {
   if (host.size() * sizeof(T) > d.size()) throw InternalError("copy_to_device: the allocation is too small");
-  if (!host.empty()) LV_CUDA(cudaMemcpyAsync(d.as<void>(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice, stream));
+  if (!host.empty())
+    LV_CUDA(cudaMemcpyAsync(d.as<void>(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice, stream));
 }
 
 class Stream {

@@ -22,16 +22,26 @@ ShardInputs generate_shard_inputs(const Case& c, const InputSource& inputs, cons
     const LocalRow& r = assignment.rows[static_cast<std::size_t>(i)];
     padding[static_cast<std::size_t>(i)] = r.token < 0;
     counters[static_cast<std::size_t>(i)] =
-        r.token >= 0 ? r.token : static_cast<std::int64_t>((static_cast<std::uint64_t>(r.sequence) << 32) +
-                                                           static_cast<std::uint64_t>(r.position));
+        r.token >= 0 ? r.token
+                     : static_cast<std::int64_t>((static_cast<std::uint64_t>(r.sequence) << 32) +
+                                                 static_cast<std::uint64_t>(r.position));
   }
   DeviceBytes d_counters = upload(counters, stream);
   DeviceBytes d_padding = upload(padding, stream);
   ShardInputs out;
   out.student = DeviceBytes(static_cast<std::size_t>(rows * cols) * element);
-  GenerateArgs g{c.inputs.seed, static_cast<int>(InputStream::student_logits), d_counters.as<std::int64_t>(),
-                 d_padding.as<int>(), rows, columns.begin, columns.end, static_cast<int>(c.inputs.distribution),
-                 c.inputs.mean, c.inputs.scale, c.inputs.mean, c.inputs.scale};
+  GenerateArgs g{c.inputs.seed,
+                 static_cast<int>(InputStream::student_logits),
+                 d_counters.as<std::int64_t>(),
+                 d_padding.as<int>(),
+                 rows,
+                 columns.begin,
+                 columns.end,
+                 static_cast<int>(c.inputs.distribution),
+                 c.inputs.mean,
+                 c.inputs.scale,
+                 c.inputs.mean,
+                 c.inputs.scale};
   generate_logits(type, g, out.student.as<void>(), stream);
   LV_CUDA(cudaGetLastError());
   const bool kd = c.loss.kind == LossKind::kd;

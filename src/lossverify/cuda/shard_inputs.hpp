@@ -7,8 +7,8 @@
 
 #include "lossverify/case/case.hpp"
 #include "lossverify/cuda/device_buffer.hpp"
-#include "lossverify/outputs/rank_output.hpp"
 #include "lossverify/inputs/input_source.hpp"
+#include "lossverify/outputs/rank_output.hpp"
 
 namespace lossverify::cuda {
 

@@ -14,11 +14,11 @@
 #include <thread>
 
 #include "lossverify/checks/checks.hpp"
+#include "lossverify/comm/rank_groups.hpp"
 #include "lossverify/comm/thread_world.hpp"
 #include "lossverify/core/strings.hpp"
-#include "lossverify/comm/rank_groups.hpp"
-#include "lossverify/oracle/host_oracle.hpp"
 #include "lossverify/layout/rank_layout.hpp"
+#include "lossverify/oracle/host_oracle.hpp"
 #include "lossverify/reference/loss_reference.hpp"
 #include "lossverify/report/report.hpp"
 
@@ -160,7 +160,8 @@ class Loader {
     const auto& s = t.info->shape;
     std::int64_t leading = 1;
     bool overflow = false;
-    for (std::size_t i = 0; i + 1 < s.size(); ++i) overflow = overflow || __builtin_mul_overflow(leading, s[i], &leading);
+    for (std::size_t i = 0; i + 1 < s.size(); ++i)
+      overflow = overflow || __builtin_mul_overflow(leading, s[i], &leading);
     if (s.size() < 2 || s.back() != cols || overflow || leading != rows) {
       t.fail("shape " + t.info->shape_string() + ", but the rank holds " + std::to_string(rows) + " rows x " +
              std::to_string(cols) + " vocabulary columns (expected [" + std::to_string(rows) + ", " +
@@ -191,9 +192,9 @@ class Loader {
     a << static_cast<double>(values[t]);
     b << static_cast<double>(value);
     throw DumpError(std::string(what) + " of token " + std::to_string(token) + " disagree between ranks " +
-                    std::to_string(o.rank) + " and " + std::to_string(rank.world_rank) + " of one TP group: " + a.str() +
-                     " at row " + std::to_string(o.row) + " of " + labels_[o.label] + ", " + b.str() + " at row " +
-                    std::to_string(row) + " of " + label);
+                    std::to_string(o.rank) + " and " + std::to_string(rank.world_rank) +
+                    " of one TP group: " + a.str() + " at row " + std::to_string(o.row) + " of " + labels_[o.label] +
+                    ", " + b.str() + " at row " + std::to_string(row) + " of " + label);
   }
 
   void validate_shapes(const RankSpec& rank) {
@@ -254,8 +255,8 @@ class Loader {
             for (std::int64_t j = 0; j < cols; ++j) {
               const float x = static_cast<float>(values[i * cols + j]);
               if (!std::isfinite(x)) {
-                t.fail("non-finite value " + std::string(std::isnan(x) ? "NaN" : "Inf") + " at row " + std::to_string(i) +
-                       ", column " + std::to_string(rank.vocab.begin + j) +
+                t.fail("non-finite value " + std::string(std::isnan(x) ? "NaN" : "Inf") + " at row " +
+                       std::to_string(i) + ", column " + std::to_string(rank.vocab.begin + j) +
                        ": the reference needs finite inputs (a NaN in the forward input is not the loss's fault)");
               }
             }
@@ -265,7 +266,8 @@ class Loader {
           const std::int64_t token = mb.rows[static_cast<std::size_t>(i)];
           if (token < 0) continue;
           std::memcpy(global.data() + static_cast<std::size_t>(token * v + rank.vocab.begin) * element,
-                      data.data() + static_cast<std::size_t>(i * cols) * element, static_cast<std::size_t>(cols) * element);
+                      data.data() + static_cast<std::size_t>(i * cols) * element,
+                      static_cast<std::size_t>(cols) * element);
         }
       }
       // gradient: the rank's own, as dumped
@@ -393,7 +395,8 @@ class Loader {
       if (!d.token_loss) {
         for (std::int64_t i = 0; i < out.rows(); ++i) {
           const std::int64_t t = out.token_of(i);
-          out.token_loss[static_cast<std::size_t>(i)] = t >= 0 ? static_cast<float>(losses[static_cast<std::size_t>(t)]) : 0.0f;
+          out.token_loss[static_cast<std::size_t>(i)] =
+              t >= 0 ? static_cast<float>(losses[static_cast<std::size_t>(t)]) : 0.0f;
         }
       }
       if (!d.loss) out.reduced_loss = reduced;
@@ -518,7 +521,8 @@ void require_same_problem(const DumpProblem& first, const DumpProblem& other) {
     }
   }
   if (a.inputs.dtype != b.inputs.dtype) throw DumpError(where + "its dtype differs");
-  if (a.batch.sequence_lengths != b.batch.sequence_lengths) throw DumpError(where + "its sequences (cu_seqlens) differ");
+  if (a.batch.sequence_lengths != b.batch.sequence_lengths)
+    throw DumpError(where + "its sequences (cu_seqlens) differ");
   if (!first.inputs_fingerprint || !other.inputs_fingerprint) {
     throw InternalError("require_same_problem: load the dumps with fingerprint_inputs");
   }
@@ -637,7 +641,8 @@ json dump_run_to_json(const DumpProblem& p, const RunResult& run) {
                  {"loss_mask", m.dumped.loss_mask},
                  {"grad_output", m.dumped.grad_output}}},
                {"ranks", ranks}};
-  j["case"]["description"] = "inputs from the dump " + m.path + (m.the_case.description.empty() ? "" : ": " + m.the_case.description);
+  j["case"]["description"] =
+      "inputs from the dump " + m.path + (m.the_case.description.empty() ? "" : ": " + m.the_case.description);
   return j;
 }
 
@@ -670,12 +675,13 @@ void print_dump_summary(std::ostream& out, const DumpProblem& p, const RunResult
     margin << std::setprecision(3) << check.margin;
     const std::string verdict = check.verdict == Verdict::fail ? "FAIL" : std::string(to_string(check.verdict));
     const bool not_dumped = check.metrics.is_object() && check.metrics.value("dumped", true) == false;
-    out << "  " << std::left << std::setw(16) << check.name << std::setw(16) << verdict << std::setw(11)
-        << margin.str() << (not_dumped ? "not in the dump" : worst) << "\n";
+    out << "  " << std::left << std::setw(16) << check.name << std::setw(16) << verdict << std::setw(11) << margin.str()
+        << (not_dumped ? "not in the dump" : worst) << "\n";
   }
   for (const std::string& hint : run.hints) out << "  hint: " << hint << "\n";
-  out << "  verdict: " << (run.verdict == Verdict::fail ? "FAIL" : "pass") << "   (" << std::fixed << std::setprecision(2)
-      << run.timings.total << " s, " << p.files.size() << " files, " << p.bytes_read << " bytes)\n"
+  out << "  verdict: " << (run.verdict == Verdict::fail ? "FAIL" : "pass") << "   (" << std::fixed
+      << std::setprecision(2) << run.timings.total << " s, " << p.files.size() << " files, " << p.bytes_read
+      << " bytes)\n"
       << std::defaultfloat;
 }
 

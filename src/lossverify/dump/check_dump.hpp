@@ -15,8 +15,8 @@
 #include "lossverify/dump/manifest.hpp"
 #include "lossverify/dump/tensor_file.hpp"
 #include "lossverify/impl/catalogue.hpp"
-#include "lossverify/outputs/rank_output.hpp"
 #include "lossverify/inputs/input_source.hpp"
+#include "lossverify/outputs/rank_output.hpp"
 #include "lossverify/runner/run_case.hpp"
 
 namespace lossverify::dump {
@@ -46,7 +46,7 @@ std::unique_ptr<DumpProblem> load_dump(Manifest manifest, bool fingerprint_input
 std::unique_ptr<DumpProblem> load_dump(const std::string& manifest_path, bool fingerprint_inputs = false);
 
 struct DumpCheckOptions {
-  int threads = 0;  // OpenMP threads in all (0: the hardware's)
+  int threads = 0;             // OpenMP threads in all (0: the hardware's)
   bool keep_snapshot = false;  // keep the global answers (RunResult::snapshot) for the invariance check
 };
 

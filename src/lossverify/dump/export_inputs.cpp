@@ -48,10 +48,12 @@ nlohmann::json write_rank(const Case& c, const InputSource& inputs, int rank, co
       tensor_to_write("positions", TensorDType::i64, rows_shape, in.positions),
       tensor_to_write("upstream_weights", TensorDType::f64, rows_shape, in.upstream_weights)};
   if (c.loss.kind == LossKind::kd) {  // even for a rank with no rows: the reader needs every tensor
-    tensors.push_back({"teacher_logits", tensor_dtype_of(in.dtype), shard_shape, std::span<const std::byte>(in.teacher_logits)});
+    tensors.push_back(
+        {"teacher_logits", tensor_dtype_of(in.dtype), shard_shape, std::span<const std::byte>(in.teacher_logits)});
   }
   const std::string file = rank_file_name(rank);
-  write_safetensors((fs::path(dir) / file).string(), tensors, {{"format", kInputsFormat}, {"rank", std::to_string(rank)}});
+  write_safetensors((fs::path(dir) / file).string(), tensors,
+                    {{"format", kInputsFormat}, {"rank", std::to_string(rank)}});
 
   nlohmann::json micro_batches = nlohmann::json::array();
   const auto& offsets = in.assignment.micro_batch_begin;

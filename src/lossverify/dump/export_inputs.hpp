@@ -18,9 +18,9 @@ inline constexpr const char* kInputsFormat = "lossverify.inputs/1";
 inline constexpr const char* kInputsIndex = "inputs.json";
 
 struct ExportOptions {
-  std::string out_dir;                   // created when missing; must be empty when it exists
-  std::string case_file;                 // recorded in the index
-  std::vector<std::string> overrides;    // the --set overrides applied, recorded in the index
+  std::string out_dir;                 // created when missing; must be empty when it exists
+  std::string case_file;               // recorded in the index
+  std::vector<std::string> overrides;  // the --set overrides applied, recorded in the index
   int threads = 1;
 };
 

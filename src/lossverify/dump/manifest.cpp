@@ -126,7 +126,8 @@ class Parser {
     const std::string path = root.path_of("cu_seqlens");
     if (v.is_array()) {
       std::vector<std::int64_t> offsets;
-      for (std::size_t i = 0; i < v.size(); ++i) offsets.push_back(detail::as_integer(v[i], index_path(path, i), src()));
+      for (std::size_t i = 0; i < v.size(); ++i)
+        offsets.push_back(detail::as_integer(v[i], index_path(path, i), src()));
       set_sequences(offsets, path);
     } else {
       m_.cu_seqlens = tensor_ref(v, path, TensorRef{});
@@ -138,7 +139,8 @@ class Parser {
   static std::vector<std::int64_t> sequence_lengths(const std::vector<std::int64_t>& offsets, std::int64_t n,
                                                     const std::string& where) {
     if (offsets.size() < 2) throw DumpError(where + ": cu_seqlens needs at least two offsets [0, ..., N]");
-    if (offsets.front() != 0) throw DumpError(where + ": cu_seqlens must start at 0, got " + std::to_string(offsets.front()));
+    if (offsets.front() != 0)
+      throw DumpError(where + ": cu_seqlens must start at 0, got " + std::to_string(offsets.front()));
     if (offsets.back() != n) {
       throw DumpError(where + ": cu_seqlens must end at shape.tokens = " + std::to_string(n) + ", got " +
                       std::to_string(offsets.back()));
@@ -219,7 +221,7 @@ class Parser {
     } else if (v.is_string() && !integer && (v == "NaN" || v == "Infinity" || v == "-Infinity")) {
       // A logged loss may be non-finite (the finite and loss checks then fail); strict JSON cannot spell it.
       s.kind = ScalarSpec::Kind::inline_value;
-      s.value = v == "NaN" ? std::numeric_limits<double>::quiet_NaN()
+      s.value = v == "NaN"        ? std::numeric_limits<double>::quiet_NaN()
                 : v == "Infinity" ? std::numeric_limits<double>::infinity()
                                   : -std::numeric_limits<double>::infinity();
     } else if (v.is_string() && integer && (v == "NaN" || v == "Infinity" || v == "-Infinity")) {
@@ -249,8 +251,9 @@ class Parser {
         const std::int64_t b = detail::as_integer(item[0], index_path(item_path, 0), src());
         const std::int64_t e = detail::as_integer(item[1], index_path(item_path, 1), src());
         if (b < 0 || e < b || e > n) {
-          fail_at(src(), item_path, "range [" + std::to_string(b) + ", " + std::to_string(e) + ") outside [0, " +
-                                        std::to_string(n) + ") or reversed");
+          fail_at(src(), item_path,
+                  "range [" + std::to_string(b) + ", " + std::to_string(e) + ") outside [0, " + std::to_string(n) +
+                      ") or reversed");
         }
         reserve(e - b, item_path);
         for (std::int64_t t = b; t < e; ++t) rows.push_back(t);
@@ -264,8 +267,8 @@ class Parser {
       } else {
         const std::int64_t t = detail::as_integer(item, item_path, src());
         if (t < -1 || t >= n) {
-          fail_at(src(), item_path, "token " + std::to_string(t) + " outside [0, " + std::to_string(n) +
-                                        ") (-1 marks a padding row)");
+          fail_at(src(), item_path,
+                  "token " + std::to_string(t) + " outside [0, " + std::to_string(n) + ") (-1 marks a padding row)");
         }
         reserve(1, item_path);
         rows.push_back(t);
@@ -308,7 +311,8 @@ class Parser {
       rank.json_path = r.path();
       const bool has_rank = r.has("rank");
       const bool has_coordinates = r.has("tp") || r.has("cp") || r.has("dp");
-      if (!has_rank && !has_coordinates) r.fail_here("give the rank's \"rank\" (world rank) or its tp, cp, dp coordinates");
+      if (!has_rank && !has_coordinates)
+        r.fail_here("give the rank's \"rank\" (world rank) or its tp, cp, dp coordinates");
       auto coordinate = [&](const char* key, int size) {
         const std::int64_t v = r.integer(key, 0);
         if (v < 0 || v >= size) {
@@ -322,10 +326,12 @@ class Parser {
       }
       if (has_rank) {
         const std::int64_t w = r.integer("rank");
-        if (w < 0 || w >= world) r.fail("rank", "rank " + std::to_string(w) + " outside [0, " + std::to_string(world) + ")");
+        if (w < 0 || w >= world)
+          r.fail("rank", "rank " + std::to_string(w) + " outside [0, " + std::to_string(world) + ")");
         if (has_coordinates && w != rank.world_rank) {
           r.fail("rank", "rank " + std::to_string(w) + " disagrees with tp=" + std::to_string(rank.coordinates.tp) +
-                             " cp=" + std::to_string(rank.coordinates.cp) + " dp=" + std::to_string(rank.coordinates.dp) +
+                             " cp=" + std::to_string(rank.coordinates.cp) +
+                             " dp=" + std::to_string(rank.coordinates.dp) +
                              ", which is world rank (dp*CP + cp)*TP + tp = " + std::to_string(rank.world_rank) +
                              " (give the coordinates alone when your ranks are numbered otherwise)");
         }
@@ -371,7 +377,8 @@ class Parser {
         const std::string mbs_path = r.path_of("micro_batches");
         if (!mbs.is_array()) fail_at(src(), mbs_path, "expected an array of {rows, tensors}");
         if (static_cast<std::int64_t>(mbs.size()) != layout.ga) {
-          fail_at(src(), mbs_path, std::to_string(mbs.size()) + " micro-batches, but layout.ga = " + std::to_string(layout.ga));
+          fail_at(src(), mbs_path,
+                  std::to_string(mbs.size()) + " micro-batches, but layout.ga = " + std::to_string(layout.ga));
         }
         for (std::size_t k = 0; k < mbs.size(); ++k) {
           ObjectReader mr(mbs[k], index_path(mbs_path, k), src());
@@ -381,7 +388,8 @@ class Parser {
       } else {
         r.allow("micro_batches");
         if (layout.ga != 1) {
-          r.fail_here("layout.ga = " + std::to_string(layout.ga) + ": give the rank's \"micro_batches\", one per micro-batch");
+          r.fail_here("layout.ga = " + std::to_string(layout.ga) +
+                      ": give the rank's \"micro_batches\", one per micro-batch");
         }
         rank.micro_batches.push_back(parse_micro_batch(r, default_file));
       }
@@ -408,10 +416,12 @@ class Parser {
       }
     }
     if (missing_count > 0) {
-      fail_at(src(), path, "missing rank(s) " + missing + (missing_count > 8 ? ", ..." : "") + ": the layout tp*cp*dp = " +
-                               std::to_string(world) + " needs every rank's dump");
+      fail_at(src(), path,
+              "missing rank(s) " + missing + (missing_count > 8 ? ", ..." : "") +
+                  ": the layout tp*cp*dp = " + std::to_string(world) + " needs every rank's dump");
     }
-    std::sort(ranks.begin(), ranks.end(), [](const RankSpec& a, const RankSpec& b) { return a.world_rank < b.world_rank; });
+    std::sort(ranks.begin(), ranks.end(),
+              [](const RankSpec& a, const RankSpec& b) { return a.world_rank < b.world_rank; });
     m_.ranks = std::move(ranks);
   }
 
@@ -426,8 +436,9 @@ class Parser {
       if (r.coordinates.tp == 0) group_rows += r.row_count();
     }
     if (group_rows < n) {
-      fail_at(src(), "$.ranks", "the TP groups hold " + std::to_string(group_rows) + " rows in all, fewer than the " +
-                                    std::to_string(n) + " tokens of shape.tokens: some tokens are held by no rank");
+      fail_at(src(), "$.ranks",
+              "the TP groups hold " + std::to_string(group_rows) + " rows in all, fewer than the " + std::to_string(n) +
+                  " tokens of shape.tokens: some tokens are held by no rank");
     }
     m_.token_rank.assign(static_cast<std::size_t>(n), -1);
     m_.token_micro_batch.assign(static_cast<std::size_t>(n), -1);
@@ -466,9 +477,9 @@ class Parser {
                                          ", " + std::to_string(r.vocab.end) + ")");
             }
             fail_at(src(), first.json_path + ".vocab",
-                    std::string(b < next ? "vocabulary shards overlap" : "vocabulary shards leave a gap") + " at column " +
-                        std::to_string(std::min(b, next)) + " in the TP group cp=" + std::to_string(cp) + " dp=" +
-                        std::to_string(dp) + ": " + shards);
+                    std::string(b < next ? "vocabulary shards overlap" : "vocabulary shards leave a gap") +
+                        " at column " + std::to_string(std::min(b, next)) +
+                        " in the TP group cp=" + std::to_string(cp) + " dp=" + std::to_string(dp) + ": " + shards);
           }
           next = e;
         }
@@ -500,8 +511,9 @@ class Parser {
     }
     for (std::int64_t t = 0; t < n; ++t) {
       if (m_.token_rank[static_cast<std::size_t>(t)] < 0) {
-        fail_at(src(), "$.ranks", "token " + std::to_string(t) + " is held by no rank (every token in [0, " +
-                                      std::to_string(n) + ") must be in some rank's rows)");
+        fail_at(src(), "$.ranks",
+                "token " + std::to_string(t) + " is held by no rank (every token in [0, " + std::to_string(n) +
+                    ") must be in some rank's rows)");
       }
     }
   }
@@ -516,8 +528,9 @@ class Parser {
       if (first) {
         flag = here;
       } else if (flag != here) {
-        fail_at(src(), path, std::string(here ? "has" : "lacks") + " " + what + ", but " + first_path +
-                                 (here ? " lacks it" : " has it") + ": every rank and micro-batch must dump the same things");
+        fail_at(src(), path,
+                std::string(here ? "has" : "lacks") + " " + what + ", but " + first_path +
+                    (here ? " lacks it" : " has it") + ": every rank and micro-batch must dump the same things");
       }
     };
     for (const RankSpec& r : m_.ranks) {
@@ -532,7 +545,8 @@ class Parser {
         if (!kd && !has("labels")) fail_at(src(), tp, "\"labels\" is required for cross_entropy");
         if (kd && has("labels")) fail_at(src(), tp + ".labels", "kd takes no labels (mask tokens with loss_mask)");
         if (!none && has("grad_output")) {
-          fail_at(src(), tp + ".grad_output", "the upstream gradient of per-token losses applies to reduction \"none\" only");
+          fail_at(src(), tp + ".grad_output",
+                  "the upstream gradient of per-token losses applies to reduction \"none\" only");
         }
         if (mb.rows.empty()) continue;  // a micro-batch with no rows may leave the optional tensors out
         all_or_none(m_.dumped.token_loss, has("token_loss"), "token_loss", tp);
@@ -550,16 +564,20 @@ class Parser {
       if (first) first_path = sp;
       first = false;
     }
-    if (none && m_.dumped.loss) fail_at(src(), m_.ranks.front().loss.json_path, "reduction \"none\" logs no reduced loss");
+    if (none && m_.dumped.loss)
+      fail_at(src(), m_.ranks.front().loss.json_path, "reduction \"none\" logs no reduced loss");
     if (none && !m_.dumped.token_loss) {
-      fail_at(src(), "$.ranks", "reduction \"none\": every micro-batch must dump \"token_loss\" (the per-token losses)");
+      fail_at(src(), "$.ranks",
+              "reduction \"none\": every micro-batch must dump \"token_loss\" (the per-token losses)");
     }
     if (!m_.dumped.token_loss && !m_.dumped.loss) {
-      fail_at(src(), "$.ranks", "the dump holds no loss: give per-token losses (tensors.token_loss) and/or the logged "
-                                "loss (stats.loss) of every rank");
+      fail_at(src(), "$.ranks",
+              "the dump holds no loss: give per-token losses (tensors.token_loss) and/or the logged "
+              "loss (stats.loss) of every rank");
     }
     if (m_.dumped.grad_output && m_.the_case.loss.upstream_weights.kind != UpstreamWeights::Kind::ones) {
-      fail_at(src(), "$.loss.upstream_weights", "give the upstream weights either here or as grad_output tensors, not both");
+      fail_at(src(), "$.loss.upstream_weights",
+              "give the upstream weights either here or as grad_output tensors, not both");
     }
   }
 

@@ -55,8 +55,8 @@ struct RankSpec {
   RankCoordinates coordinates;
   VocabRange vocab;
   std::vector<MicroBatchSpec> micro_batches;  // GA of them
-  ScalarSpec loss;        // the logged (reduced) loss
-  ScalarSpec num_tokens;  // the logged valid-token count
+  ScalarSpec loss;                            // the logged (reduced) loss
+  ScalarSpec num_tokens;                      // the logged valid-token count
   std::string json_path;
   std::int64_t row_count() const;
   std::string describe() const;  // "rank 3 (tp=1 cp=0 dp=1, $.ranks[3])"
@@ -75,7 +75,7 @@ struct Manifest {
   std::string path;       // the manifest file, printable: for messages and reports
   std::string directory;  // relative tensor paths resolve here (as given: a path to open)
   std::string implementation = "dump";
-  Case the_case;  // loss, shape, dtype, layout, framework, tolerances; batch from cu_seqlens
+  Case the_case;                        // loss, shape, dtype, layout, framework, tolerances; batch from cu_seqlens
   std::optional<TensorRef> cu_seqlens;  // a tensor to read; inline cu_seqlens are already in the case
   std::vector<RankSpec> ranks;          // in world-rank order
   Dumped dumped;

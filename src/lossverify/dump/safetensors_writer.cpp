@@ -16,7 +16,8 @@ void write_safetensors(const std::string& path, const std::vector<TensorToWrite>
       throw InternalError(path + ": tensor \"" + t.name + "\": " + std::to_string(t.data.size()) +
                           " bytes for its shape and dtype " + std::string(to_string(t.dtype)));
     }
-    header[t.name] = {{"dtype", to_string(t.dtype)}, {"shape", t.shape}, {"data_offsets", {offset, offset + t.data.size()}}};
+    header[t.name] = {
+        {"dtype", to_string(t.dtype)}, {"shape", t.shape}, {"data_offsets", {offset, offset + t.data.size()}}};
     offset += t.data.size();
   }
   if (metadata.is_object()) header["__metadata__"] = metadata;

@@ -37,10 +37,10 @@ struct DTypeName {
   std::size_t size;
 };
 constexpr DTypeName kDTypes[] = {
-    {TensorDType::f64, "F64", 8},  {TensorDType::f32, "F32", 4},  {TensorDType::f16, "F16", 2},
-    {TensorDType::bf16, "BF16", 2}, {TensorDType::i64, "I64", 8}, {TensorDType::i32, "I32", 4},
-    {TensorDType::i16, "I16", 2},  {TensorDType::i8, "I8", 1},    {TensorDType::u64, "U64", 8},
-    {TensorDType::u32, "U32", 4},  {TensorDType::u16, "U16", 2},  {TensorDType::u8, "U8", 1},
+    {TensorDType::f64, "F64", 8},      {TensorDType::f32, "F32", 4}, {TensorDType::f16, "F16", 2},
+    {TensorDType::bf16, "BF16", 2},    {TensorDType::i64, "I64", 8}, {TensorDType::i32, "I32", 4},
+    {TensorDType::i16, "I16", 2},      {TensorDType::i8, "I8", 1},   {TensorDType::u64, "U64", 8},
+    {TensorDType::u32, "U32", 4},      {TensorDType::u16, "U16", 2}, {TensorDType::u8, "U8", 1},
     {TensorDType::boolean, "BOOL", 1},
 };
 
@@ -112,7 +112,8 @@ nlohmann::json parse_json_without_duplicates(std::string_view text, const std::s
   if (!parsed.parse_error.empty()) {  // the parser's message quotes the text near the error
     fail(source, std::string(what) + " is not valid JSON" + (quote_text ? ": " + printable(parsed.parse_error) : ""));
   }
-  if (!parsed.repeated_key.empty()) fail(source, std::string(what) + " repeats the key " + quote_name(parsed.repeated_key));
+  if (!parsed.repeated_key.empty())
+    fail(source, std::string(what) + " repeats the key " + quote_name(parsed.repeated_key));
   return std::move(parsed.document);
 }
 
@@ -126,14 +127,16 @@ std::string tensor_label(const std::string& path, const std::string& name) {
 std::uint64_t safetensors_header_length(std::span<const std::byte> prefix, std::uint64_t file_size,
                                         const std::string& source) {
   if (file_size < 8 || prefix.size() < 8) {
-    fail(source, "truncated safetensors file: " + std::to_string(file_size) +
-                     " bytes, too short for the 8-byte header length");
+    fail(source,
+         "truncated safetensors file: " + std::to_string(file_size) + " bytes, too short for the 8-byte header length");
   }
   // n is whatever the first 8 bytes hold, of any file: never printed.
   const std::uint64_t n = read_le(prefix, 0, 8);
   if (n > file_size - 8) {
-    fail(source, "not a safetensors file (or a truncated one): the header length in its first 8 bytes exceeds the "
-                 "file's " + std::to_string(file_size) + " bytes");
+    fail(source,
+         "not a safetensors file (or a truncated one): the header length in its first 8 bytes exceeds the "
+         "file's " +
+             std::to_string(file_size) + " bytes");
   }
   if (n > kMaxHeaderBytes) {
     fail(source, "not a safetensors file: the header length in its first 8 bytes exceeds the limit of 100 MB");
@@ -340,7 +343,8 @@ class PyLiteral {
 }  // namespace
 
 std::uint64_t npy_header_end(std::span<const std::byte> prefix, std::uint64_t file_size, const std::string& source) {
-  if (file_size < 10 || prefix.size() < 10) fail(source, "truncated .npy file: " + std::to_string(file_size) + " bytes");
+  if (file_size < 10 || prefix.size() < 10)
+    fail(source, "truncated .npy file: " + std::to_string(file_size) + " bytes");
   if (std::memcmp(prefix.data(), kNpyMagic, 6) != 0) fail(source, "not an .npy file (no \\x93NUMPY magic)");
   const auto major = static_cast<unsigned>(prefix[6]);
   if (major < 1 || major > 3) fail(source, ".npy format version " + std::to_string(major) + " is not 1, 2 or 3");
@@ -349,8 +353,8 @@ std::uint64_t npy_header_end(std::span<const std::byte> prefix, std::uint64_t fi
   const std::uint64_t n = read_le(prefix, 8, width);  // never printed, as safetensors' header length
   const std::uint64_t end = 8 + width + n;
   if (end > file_size) {
-    fail(source, "truncated .npy file: its header runs past the end of the file (" + std::to_string(file_size) +
-                     " bytes)");
+    fail(source,
+         "truncated .npy file: its header runs past the end of the file (" + std::to_string(file_size) + " bytes)");
   }
   if (n > kMaxHeaderBytes) fail(source, ".npy header longer than 100 MB");
   return end;
@@ -394,8 +398,9 @@ TensorInfo parse_npy_header(std::span<const std::byte> prefix, std::uint64_t fil
   p.end();
   if (!has_descr || !has_fortran || !has_shape) fail(source, ".npy header lacks descr, fortran_order or shape");
   if (fortran) {
-    fail(source, ".npy array is stored in Fortran (column-major) order; save a C-contiguous array "
-                 "(numpy.ascontiguousarray, or tensor.contiguous() before .numpy())");
+    fail(source,
+         ".npy array is stored in Fortran (column-major) order; save a C-contiguous array "
+         "(numpy.ascontiguousarray, or tensor.contiguous() before .numpy())");
   }
   static const struct {
     std::string_view code;
@@ -432,8 +437,8 @@ TensorInfo parse_npy_header(std::span<const std::byte> prefix, std::uint64_t fil
   info.bytes = static_cast<std::uint64_t>(numel) * item_size(info.dtype);
   info.offset = end;
   if (file_size - end != info.bytes) {
-    fail(source, ".npy data holds " + std::to_string(file_size - end) + " bytes, but dtype '" + descr +
-                     "' and shape " + info.shape_string() + " need " + std::to_string(info.bytes) +
+    fail(source, ".npy data holds " + std::to_string(file_size - end) + " bytes, but dtype '" + descr + "' and shape " +
+                     info.shape_string() + " need " + std::to_string(info.bytes) +
                      (file_size - end < info.bytes ? ": the file is truncated" : ""));
   }
   return info;

@@ -18,16 +18,16 @@ struct BugSwitches {
   bool smoothing_raw_local_sum = false;         // sum_v x_v of the smoothing term over the local shard only
   bool smoothing_convention_swap = false;       // pytorch where megatron was asked, or back
   // Cross-entropy: sharding, stability, masking, reduction.
-  bool full_vocab_through_tp = false;  // gathered full-vocabulary logits fed to the TP path
-  bool no_max_shift = false;           // exp(x) without subtracting the max
-  bool ignore_index_unmasked = false;  // ignored targets treated as ordinary tokens
-  bool mean_over_all_rows = false;     // mean divides by all rows, not valid ones
-  bool none_divides_grad = false;      // reduction none still divides the gradient by N
-  bool grad_output_first = false;      // the first upstream weight used for every row
-  bool grad_rounded_early = false;     // gradient rounded to the output dtype before the upstream weight
-  bool zloss_on_ignored = false;       // z-loss (and its gradient) not masked on ignored tokens
+  bool full_vocab_through_tp = false;       // gathered full-vocabulary logits fed to the TP path
+  bool no_max_shift = false;                // exp(x) without subtracting the max
+  bool ignore_index_unmasked = false;       // ignored targets treated as ordinary tokens
+  bool mean_over_all_rows = false;          // mean divides by all rows, not valid ones
+  bool none_divides_grad = false;           // reduction none still divides the gradient by N
+  bool grad_output_first = false;           // the first upstream weight used for every row
+  bool grad_rounded_early = false;          // gradient rounded to the output dtype before the upstream weight
+  bool zloss_on_ignored = false;            // z-loss (and its gradient) not masked on ignored tokens
   bool zloss_grad_after_smoothing = false;  // z-loss factor applied to (p - q) instead of p
-  bool overwrites_input = false;  // the softmax written over the logits and handed over as the gradient
+  bool overwrites_input = false;            // the softmax written over the logits and handed over as the gradient
   // KD.
   bool kd_no_t2 = false;
   bool kd_double_t2 = false;
@@ -36,13 +36,13 @@ struct BugSwitches {
   bool kd_untracked_allreduce = false;  // TP all-reduce invisible to autograd
   bool kd_tp_grad_sum = false;          // all-reduce backward sums the replicated loss's gradients over TP
   // Layouts: data parallel, gradient accumulation, context parallel.
-  bool dp_local_mean = false;       // each rank divides by its own valid count
+  bool dp_local_mean = false;          // each rank divides by its own valid count
   bool mtp_local_count_ratio = false;  // MTP per-token weights from local main/MTP count ratios
-  bool ga_microbatch_mean = false;  // each micro-batch divided by its own count and by GA
-  bool cp_duplicated_loss = false;  // every CP rank back-propagates the full loss
-  bool cp_stats_dp_only = false;    // token-count statistics reduced over DP only
-  bool cp_roll_after_split = false; // next-token labels made after the CP split
-  bool cp_pad_to_cp = false;        // labels split with sequences padded to a multiple of CP, not 2 CP
+  bool ga_microbatch_mean = false;     // each micro-batch divided by its own count and by GA
+  bool cp_duplicated_loss = false;     // every CP rank back-propagates the full loss
+  bool cp_stats_dp_only = false;       // token-count statistics reduced over DP only
+  bool cp_roll_after_split = false;    // next-token labels made after the CP split
+  bool cp_pad_to_cp = false;           // labels split with sequences padded to a multiple of CP, not 2 CP
 };
 
 enum class Applies { cross_entropy, kd, any };
@@ -51,9 +51,9 @@ struct PluginLibrary;  // impl/plugin/plugin_library.hpp
 
 struct Implementation {
   std::string name;
-  std::string summary;  // what the implementation does wrong (or "correct")
-  std::string source;   // the public issue or pull request it comes from
-  std::string signal;   // how the bug shows
+  std::string summary;                 // what the implementation does wrong (or "correct")
+  std::string source;                  // the public issue or pull request it comes from
+  std::string signal;                  // how the bug shows
   std::vector<std::string> caught_by;  // checks expected to fail on a case that exposes it
   Applies applies = Applies::any;      // losses whose kernels carry the switch
   BugSwitches bugs;

@@ -66,8 +66,8 @@ void cross_entropy_protocol(const Case& c, const BugSwitches& bugs, const RankPl
   }
   std::vector<float> smoothing_sum;
   if (smoothing) {
-    smoothing_sum = forward_smoothing_sums(c, bugs, groups, shard_width, shard, row_max, sum_exp, log_sum,
-                                           sum_shifted, local_sum_shifted);
+    smoothing_sum = forward_smoothing_sums(c, bugs, groups, shard_width, shard, row_max, sum_exp, log_sum, sum_shifted,
+                                           local_sum_shifted);
   }
   const auto width = static_cast<float>(shard_width);
   const SmoothingPair q = smoothing_for(c, bugs, width);

@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "lossverify/case/case.hpp"
-#include "lossverify/outputs/rank_output.hpp"
 #include "lossverify/inputs/input_source.hpp"
+#include "lossverify/outputs/rank_output.hpp"
 
 namespace lossverify {
 
@@ -20,13 +20,13 @@ struct RankInputs {
   std::vector<std::byte> logits;          // rows x vocab.size() in dtype, row major
   std::vector<std::byte> teacher_logits;  // KD only
   // Per local row (CP padding rows: label ignore_index, mask 0, token / token id -1, weight 0).
-  std::vector<std::int64_t> labels;       // next-token labels made on the whole sequence before any split
-  std::vector<std::uint8_t> loss_mask;    // 1: the token counts in the loss
-  std::vector<std::int64_t> tokens;       // global token, -1 for padding
-  std::vector<std::int64_t> token_ids;    // the input token id at that position, -1 for padding
-  std::vector<std::int64_t> sequences;    // sequence index in the global batch
-  std::vector<std::int64_t> positions;    // position in the (padded) sequence
-  std::vector<double> upstream_weights;   // g_t of reduction none, 1 otherwise, 0 on padding
+  std::vector<std::int64_t> labels;      // next-token labels made on the whole sequence before any split
+  std::vector<std::uint8_t> loss_mask;   // 1: the token counts in the loss
+  std::vector<std::int64_t> tokens;      // global token, -1 for padding
+  std::vector<std::int64_t> token_ids;   // the input token id at that position, -1 for padding
+  std::vector<std::int64_t> sequences;   // sequence index in the global batch
+  std::vector<std::int64_t> positions;   // position in the (padded) sequence
+  std::vector<double> upstream_weights;  // g_t of reduction none, 1 otherwise, 0 on padding
 
   std::int64_t rows() const { return static_cast<std::int64_t>(assignment.rows.size()); }
   std::int64_t columns() const { return assignment.vocab.size(); }

@@ -30,10 +30,11 @@ std::vector<double> mtp_local_count_weights(const RankAssignment& assignment, co
     for (std::int64_t i = offsets[k]; i < offsets[k + 1]; ++i) {
       const LocalRow& row = assignment.rows[static_cast<std::size_t>(i)];
       valid += rows[static_cast<std::size_t>(i)].valid;
-      sequence_ends += row.token >= 0 &&
-                       row.position == batch.sequences()[static_cast<std::size_t>(row.sequence)].length - 1;
+      sequence_ends +=
+          row.token >= 0 && row.position == batch.sequences()[static_cast<std::size_t>(row.sequence)].length - 1;
     }
-    const double ratio = static_cast<double>(valid + sequence_ends) / static_cast<double>(std::max<std::int64_t>(valid, 1));
+    const double ratio =
+        static_cast<double>(valid + sequence_ends) / static_cast<double>(std::max<std::int64_t>(valid, 1));
     weights.push_back(ratio / main_total);
   }
   return weights;
@@ -41,8 +42,8 @@ std::vector<double> mtp_local_count_weights(const RankAssignment& assignment, co
 
 }  // namespace
 
-RankPlan::RankPlan(const Case& c, const InputSource& inputs, const RankAssignment& assignment,
-                   RankGroups& groups, const BugSwitches& bugs)
+RankPlan::RankPlan(const Case& c, const InputSource& inputs, const RankAssignment& assignment, RankGroups& groups,
+                   const BugSwitches& bugs)
     : case_(c), inputs_(inputs), bugs_(bugs) {
   plan_labels(assignment);
   plan_weights(assignment, groups);
@@ -58,8 +59,7 @@ void RankPlan::plan_labels(const RankAssignment& assignment) {
     std::int64_t group_start = offsets[k];  // first local row of the current sequence
     for (std::int64_t i = offsets[k]; i < offsets[k + 1]; ++i) {
       const LocalRow& row = rows_in[static_cast<std::size_t>(i)];
-      if (i > offsets[k] && rows_in[static_cast<std::size_t>(i - 1)].sequence != row.sequence)
-        group_start = i;
+      if (i > offsets[k] && rows_in[static_cast<std::size_t>(i - 1)].sequence != row.sequence) group_start = i;
       RowPlan& p = rows_[static_cast<std::size_t>(i)];
       p.label = ignore;
       if (row.token < 0) continue;  // CP padding: masked
@@ -68,8 +68,7 @@ void RankPlan::plan_labels(const RankAssignment& assignment) {
         continue;
       }
       p.label = inputs_.label(row.token);
-      if (bugs_.cp_roll_after_split && p.label != ignore &&
-          case_.batch.labels == BatchSpec::Labels::next_token) {
+      if (bugs_.cp_roll_after_split && p.label != ignore && case_.batch.labels == BatchSpec::Labels::next_token) {
         // torch.roll(local_ids, -1) after the split: the next local row, whichever chunk it belongs to.
         const std::int64_t next = i + 1 < offsets[k + 1] ? i + 1 : offsets[k];
         const std::int64_t next_token = rows_in[static_cast<std::size_t>(next)].token;
@@ -137,8 +136,7 @@ void RankPlan::plan_weights(const RankAssignment& assignment, RankGroups& groups
       break;
     }
   }
-  const std::vector<double> mtp_weights =
-      mtp_local_count_weights(assignment, rows_, inputs_.batch(), valid_total);
+  const std::vector<double> mtp_weights = mtp_local_count_weights(assignment, rows_, inputs_.batch(), valid_total);
   for (std::size_t k = 0; k < ga; ++k) {
     for (std::int64_t i = offsets[k]; i < offsets[k + 1]; ++i) {
       RowPlan& p = rows_[static_cast<std::size_t>(i)];
@@ -149,8 +147,7 @@ void RankPlan::plan_weights(const RankAssignment& assignment, RankGroups& groups
       if (reduction == Reduction::mean) {
         forward = 1.0 / static_cast<double>(valid_total);
         if (bugs_.mean_over_all_rows) forward = 1.0 / static_cast<double>(rows_total);
-        if (bugs_.ga_microbatch_mean)
-          forward = 1.0 / (static_cast<double>(layout.ga) * static_cast<double>(counts[k]));
+        if (bugs_.ga_microbatch_mean) forward = 1.0 / (static_cast<double>(layout.ga) * static_cast<double>(counts[k]));
         if (bugs_.dp_local_mean) forward = 1.0 / (data_ranks * static_cast<double>(rank_valid));
         if (bugs_.mtp_local_count_ratio) forward = mtp_weights[k];
       } else if (reduction == Reduction::none) {

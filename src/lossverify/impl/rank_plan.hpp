@@ -11,8 +11,8 @@
 #include "lossverify/comm/communicator.hpp"
 #include "lossverify/impl/catalogue.hpp"
 #include "lossverify/impl/cpu/sharded_loss.hpp"
-#include "lossverify/outputs/rank_output.hpp"
 #include "lossverify/inputs/input_source.hpp"
+#include "lossverify/outputs/rank_output.hpp"
 
 namespace lossverify {
 

@@ -19,9 +19,10 @@ struct SmoothingPair {
 inline SmoothingPair smoothing_for(const Case& c, const BugSwitches& bugs, float shard_width) {
   const auto alpha = static_cast<float>(c.loss.label_smoothing);
   const SmoothingConvention convention =
-      bugs.smoothing_convention_swap ? (c.loss.convention == SmoothingConvention::pytorch ? SmoothingConvention::megatron
-                                                                                          : SmoothingConvention::pytorch)
-                                     : c.loss.convention;
+      bugs.smoothing_convention_swap
+          ? (c.loss.convention == SmoothingConvention::pytorch ? SmoothingConvention::megatron
+                                                               : SmoothingConvention::pytorch)
+          : c.loss.convention;
   const auto vocab = static_cast<float>(c.shape.vocab);
   return {smoothing_weights(alpha, convention, bugs.smoothing_vocab_local_forward ? shard_width : vocab),
           smoothing_weights(alpha, convention, bugs.smoothing_vocab_local_backward ? shard_width : vocab)};

@@ -128,20 +128,19 @@ bool InputSource::materialize(int threads, std::size_t max_bytes) {
   return true;
 }
 
-#define LOSSVERIFY_LOGITS(T)                                                                                   \
-  void InputSource::logits(std::int64_t token, std::int64_t begin, std::int64_t end, T* out) const {          \
-    if (read_cache(cache_student_, token, begin, end, out)) return;                                            \
-    fill(InputStream::student_logits, static_cast<std::uint64_t>(token), begin, end, out, case_.inputs.mean,   \
-         case_.inputs.scale, true);                                                                            \
-  }                                                                                                            \
-  void InputSource::teacher_logits(std::int64_t token, std::int64_t begin, std::int64_t end, T* out) const {  \
-    const TeacherSpec& t = case_.inputs.teacher;                                                               \
-    if (t.same_as_student) {                                                                                   \
-      logits(token, begin, end, out);                                                                          \
-    } else if (!read_cache(cache_teacher_, token, begin, end, out)) {                                          \
-      fill(InputStream::teacher_logits, static_cast<std::uint64_t>(token), begin, end, out, t.mean, t.scale,   \
-           false);                                                                                             \
-    }                                                                                                          \
+#define LOSSVERIFY_LOGITS(T)                                                                                         \
+  void InputSource::logits(std::int64_t token, std::int64_t begin, std::int64_t end, T* out) const {                 \
+    if (read_cache(cache_student_, token, begin, end, out)) return;                                                  \
+    fill(InputStream::student_logits, static_cast<std::uint64_t>(token), begin, end, out, case_.inputs.mean,         \
+         case_.inputs.scale, true);                                                                                  \
+  }                                                                                                                  \
+  void InputSource::teacher_logits(std::int64_t token, std::int64_t begin, std::int64_t end, T* out) const {         \
+    const TeacherSpec& t = case_.inputs.teacher;                                                                     \
+    if (t.same_as_student) {                                                                                         \
+      logits(token, begin, end, out);                                                                                \
+    } else if (!read_cache(cache_teacher_, token, begin, end, out)) {                                                \
+      fill(InputStream::teacher_logits, static_cast<std::uint64_t>(token), begin, end, out, t.mean, t.scale, false); \
+    }                                                                                                                \
   }
 LOSSVERIFY_LOGITS(double)
 LOSSVERIFY_LOGITS(float)
@@ -149,11 +148,11 @@ LOSSVERIFY_LOGITS(Eigen::bfloat16)
 LOSSVERIFY_LOGITS(Eigen::half)
 #undef LOSSVERIFY_LOGITS
 
-#define LOSSVERIFY_PADDING(T)                                                                                 \
-  void InputSource::padding_logits(std::int64_t sequence, std::int64_t position, std::int64_t begin,          \
-                                   std::int64_t end, T* out) const {                                          \
+#define LOSSVERIFY_PADDING(T)                                                                                          \
+  void InputSource::padding_logits(std::int64_t sequence, std::int64_t position, std::int64_t begin, std::int64_t end, \
+                                   T* out) const {                                                                     \
     fill(InputStream::pad_logits, (static_cast<std::uint64_t>(sequence) << 32) + static_cast<std::uint64_t>(position), \
-         begin, end, out, case_.inputs.mean, case_.inputs.scale, false);                                      \
+         begin, end, out, case_.inputs.mean, case_.inputs.scale, false);                                               \
   }
 LOSSVERIFY_PADDING(float)
 LOSSVERIFY_PADDING(Eigen::bfloat16)

@@ -75,8 +75,8 @@ class InputSource {
 
  private:
   template <class T>
-  void fill(InputStream stream, std::uint64_t counter_token, std::int64_t begin, std::int64_t end, T* out,
-            double mean, double scale, bool use_overrides) const;
+  void fill(InputStream stream, std::uint64_t counter_token, std::int64_t begin, std::int64_t end, T* out, double mean,
+            double scale, bool use_overrides) const;
 
   template <class T>
   bool read_cache(const std::vector<std::byte>& cache, std::int64_t token, std::int64_t begin, std::int64_t end,

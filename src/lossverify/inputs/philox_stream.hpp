@@ -33,8 +33,7 @@ LV_HOST_DEVICE PhiloxBlock philox_block(std::uint64_t seed, InputStream stream, 
                                         std::uint32_t block) {
   r123::Philox4x32 generator;
   r123::Philox4x32::ctr_type counter = {{block, static_cast<std::uint32_t>(token),
-                                         static_cast<std::uint32_t>(token >> 32),
-                                         static_cast<std::uint32_t>(stream)}};
+                                         static_cast<std::uint32_t>(token >> 32), static_cast<std::uint32_t>(stream)}};
   r123::Philox4x32::key_type key = {{static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32)}};
   const auto out = generator(counter, key);
   return PhiloxBlock{{out.v[0], out.v[1], out.v[2], out.v[3]}};
@@ -43,7 +42,7 @@ LV_HOST_DEVICE PhiloxBlock philox_block(std::uint64_t seed, InputStream stream, 
 // Uniform in the open interval (0, 1) from 52 random bits: (2k + 1) / 2^53, exact in float64.
 LV_HOST_DEVICE double uniform_open01(std::uint32_t high, std::uint32_t low) {
   const std::uint64_t bits = (static_cast<std::uint64_t>(high & 0xfffffu) << 32) | low;  // 52 bits
-  return static_cast<double>(2 * bits + 1) * 1.1102230246251565404e-16;                    // 2^-53
+  return static_cast<double>(2 * bits + 1) * 1.1102230246251565404e-16;                  // 2^-53
 }
 
 namespace detail {
@@ -135,8 +134,7 @@ LV_HOST_DEVICE void portable_sincos_turns(double turns, double* sine, double* co
 
 // Two consecutive logits (columns 2*block and 2*block + 1) of one token, in float64, before rounding.
 LV_HOST_DEVICE void logit_pair(std::uint64_t seed, InputStream stream, std::uint64_t token, std::uint32_t block,
-                               LogitDistribution distribution, double mean, double scale, double* even,
-                               double* odd) {
+                               LogitDistribution distribution, double mean, double scale, double* even, double* odd) {
   const PhiloxBlock r = philox_block(seed, stream, token, block);
   const double u1 = uniform_open01(r.word[0], r.word[1]);
   const double u2 = uniform_open01(r.word[2], r.word[3]);

@@ -9,7 +9,7 @@
 namespace lossverify {
 
 struct Sequence {
-  std::int64_t begin = 0;   // first global token
+  std::int64_t begin = 0;  // first global token
   std::int64_t length = 0;
 };
 

@@ -74,8 +74,7 @@ std::vector<LocalRow> zigzag_rows(const GlobalBatch& batch, const std::vector<st
   return rows;
 }
 
-TokenPlace locate_token(const GlobalBatch& batch, const BatchSpec& spec, const LayoutSpec& layout,
-                        std::int64_t token) {
+TokenPlace locate_token(const GlobalBatch& batch, const BatchSpec& spec, const LayoutSpec& layout, std::int64_t token) {
   TokenPlace p;
   if (token < 0 || token >= batch.tokens()) return p;
   p.sequence = batch.sequence_of(token);

@@ -24,9 +24,9 @@ std::vector<std::int64_t> sequences_of_slot(const GlobalBatch& batch, const Batc
 
 // One local row of a rank: a global token, or a masked padding position.
 struct LocalRow {
-  std::int64_t token = -1;     // -1: padding
-  std::int64_t sequence = 0;   // index in the global batch
-  std::int64_t position = 0;   // position in the padded sequence
+  std::int64_t token = -1;    // -1: padding
+  std::int64_t sequence = 0;  // index in the global batch
+  std::int64_t position = 0;  // position in the padded sequence
 };
 
 // Rows of CP rank `cp_rank` for the given sequences: each sequence is padded to a multiple of
@@ -47,7 +47,6 @@ struct TokenPlace {
   int cp = -1;
   int chunk = -1;
 };
-TokenPlace locate_token(const GlobalBatch& batch, const BatchSpec& spec, const LayoutSpec& layout,
-                        std::int64_t token);
+TokenPlace locate_token(const GlobalBatch& batch, const BatchSpec& spec, const LayoutSpec& layout, std::int64_t token);
 
 }  // namespace lossverify

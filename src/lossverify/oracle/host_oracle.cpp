@@ -31,8 +31,8 @@ void HostOracle::ShardCache::widen(std::int64_t row, double* out) const {
   });
 }
 
-HostOracle::HostOracle(const Case& c, const InputSource& inputs, const RankOutput& out,
-                       const GradJudgement& judgement, int threads)
+HostOracle::HostOracle(const Case& c, const InputSource& inputs, const RankOutput& out, const GradJudgement& judgement,
+                       int threads)
     : case_(c),
       inputs_(inputs),
       out_(out),

@@ -2,8 +2,8 @@
 // The host oracle: the float64 reference of one rank's rows x columns on the CPU (OpenMP threads). It
 // regenerates the rank's inputs from the case's Philox streams into its own cache (kept in the input
 // dtype, exact, between the stages) and reads nothing of the rank but its gradient, through RankOutput.
-#include <cstdint>
 #include <cstddef>
+#include <cstdint>
 #include <span>
 #include <vector>
 

@@ -64,7 +64,7 @@ double combine_log_sum_exp(std::span<const RowPartial> parts, bool teacher) {
   for (const RowPartial& p : parts) {
     const double pm = teacher ? p.teacher_max : p.max;
     if (pm == -std::numeric_limits<double>::infinity()) continue;  // an empty slice
-    const double factor = pm == m ? 1.0 : std::exp(pm - m);  // exp(0) = 1 exactly: the common case
+    const double factor = pm == m ? 1.0 : std::exp(pm - m);        // exp(0) = 1 exactly: the common case
     s.add((teacher ? p.teacher_sum_exp : p.sum_exp) * factor);
     s.add((teacher ? p.teacher_sum_exp_error : p.sum_exp_error) * factor);
   }
@@ -130,9 +130,8 @@ double LossReference::kd_loss(double kl) const {
   return std::pow(case_.loss.temperature, case_.loss.t2_scaling ? 2.0 : 0.0) * kl;
 }
 
-void LossReference::gradient(std::int64_t token, const RowStats& s, std::int64_t begin,
-                             std::span<const double> student, std::span<const double> teacher,
-                             std::span<double> grad) const {
+void LossReference::gradient(std::int64_t token, const RowStats& s, std::int64_t begin, std::span<const double> student,
+                             std::span<const double> teacher, std::span<double> grad) const {
   const double weight = token_weight(token);
   if (case_.loss.kind == LossKind::kd) {
     const double t = case_.loss.temperature;

@@ -5,8 +5,8 @@
 // weights come from the global valid count, labels from the global sequences.
 #include <cstdint>
 #include <limits>
-#include <utility>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "lossverify/case/case.hpp"
@@ -31,8 +31,8 @@ struct RowPartial {
   double teacher_sum_exp = 0.0, teacher_sum_exp_error = 0.0;
   static constexpr int kDoubles = 8;
   void store(double* out) const {
-    const double values[kDoubles] = {max, sum_exp, sum_exp_error, sum_qx, sum_qx_error,
-                                     teacher_max, teacher_sum_exp, teacher_sum_exp_error};
+    const double values[kDoubles] = {max,          sum_exp,     sum_exp_error,   sum_qx,
+                                     sum_qx_error, teacher_max, teacher_sum_exp, teacher_sum_exp_error};
     for (int k = 0; k < kDoubles; ++k) out[k] = values[k];
   }
   static RowPartial load(const double* in) {

@@ -24,7 +24,6 @@ constexpr double kWidth = 980.0;
 constexpr double kLogFloor = -4.0;   // margins below 1e-4 share the palest color
 constexpr double kLogCeiling = 4.0;  // and above 1e4 the darkest red
 
-
 std::string fixed(double v, int decimals = 1) {
   char buffer[64];
   std::snprintf(buffer, sizeof(buffer), "%.*f", decimals, v);
@@ -59,9 +58,7 @@ std::string exact_number(double v) {
   return buffer;
 }
 
-bool fails(double margin) {
-  return std::isnan(margin) || margin > 1.0;
-}
+bool fails(double margin) { return std::isnan(margin) || margin > 1.0; }
 
 // Whether a label fits a width at a font size (sans-serif digits are about 0.6 em wide), with some air.
 bool fits(std::string_view label, double font_size, double width) {
@@ -95,25 +92,24 @@ class Svg {
  public:
   std::ostringstream body;
   void text(double x, double y, std::string_view content, const std::string& attributes = "") {
-    body << "<text x=\"" << fixed(x) << "\" y=\"" << fixed(y) << "\"" << (attributes.empty() ? "" : " ")
-         << attributes << ">" << xml_escape(content) << "</text>\n";
+    body << "<text x=\"" << fixed(x) << "\" y=\"" << fixed(y) << "\"" << (attributes.empty() ? "" : " ") << attributes
+         << ">" << xml_escape(content) << "</text>\n";
   }
   void line(double x1, double y1, double x2, double y2, const std::string& attributes) {
-    body << "<line x1=\"" << fixed(x1) << "\" y1=\"" << fixed(y1) << "\" x2=\"" << fixed(x2) << "\" y2=\""
-         << fixed(y2) << "\" " << attributes << "/>\n";
+    body << "<line x1=\"" << fixed(x1) << "\" y1=\"" << fixed(y1) << "\" x2=\"" << fixed(x2) << "\" y2=\"" << fixed(y2)
+         << "\" " << attributes << "/>\n";
   }
 };
 
 std::string check_line(const CheckResult& check) {
   std::string line = check.name + ": " +
-                     (check.verdict == Verdict::fail ? "FAIL" : std::string(to_string(check.verdict))) +
-                     ", margin " + short_margin(check.margin);
+                     (check.verdict == Verdict::fail ? "FAIL" : std::string(to_string(check.verdict))) + ", margin " +
+                     short_margin(check.margin);
   if (check.worst && check.margin > 0.0) {
     const ElementRecord& w = *check.worst;
     line += "; worst at token " + (w.token >= 0 ? std::to_string(w.token) : std::string("-")) + ", column " +
-            (w.column >= 0 ? std::to_string(w.column) : std::string("-")) + ", rank " +
-            std::to_string(w.rank) + ": expected " + short_margin(w.expected) + ", got " +
-            short_margin(w.got);
+            (w.column >= 0 ? std::to_string(w.column) : std::string("-")) + ", rank " + std::to_string(w.rank) +
+            ": expected " + short_margin(w.expected) + ", got " + short_margin(w.got);
     if (w.padding_sequence >= 0) line += " (padding of sequence " + std::to_string(w.padding_sequence) + ")";
   }
   return line;
@@ -138,8 +134,7 @@ double draw_heatmap(Svg& svg, const RunResult& run, bool grad, double left, doub
   const double grid_width = width - label_width - 28.0;  // room for the last column's range label
   const double cell_w = std::clamp(grid_width / layout.tp, 2.0, 120.0);
   const double cell_h = std::clamp(320.0 / groups, 3.0, 30.0);
-  svg.text(left, top + 14.0,
-           grad ? "gradient margin per rank x vocabulary shard" : "per-token loss margin per rank",
+  svg.text(left, top + 14.0, grad ? "gradient margin per rank x vocabulary shard" : "per-token loss margin per rank",
            "font-size=\"13\" font-weight=\"bold\"");
   // Column labels: TP rank and its vocabulary range, when there is room; ranges too wide for one cell
   // alternate between two lines.
@@ -161,8 +156,7 @@ double draw_heatmap(Svg& svg, const RunResult& run, bool grad, double left, doub
              "font-size=\"11\" text-anchor=\"middle\"");
     if (ranges_inline || ranges_staggered) {
       const double y = grid_top - (ranges_staggered && t % 2 == 0 ? 18.0 : 7.0);
-      svg.text(x, y, range_of(t),
-               "font-size=\"9\" text-anchor=\"middle\" fill=\"#555\" class=\"vocab-range\"");
+      svg.text(x, y, range_of(t), "font-size=\"9\" text-anchor=\"middle\" fill=\"#555\" class=\"vocab-range\"");
     }
   }
   const int row_label_every = std::max(1, static_cast<int>(std::ceil(11.0 / cell_h)));
@@ -172,8 +166,7 @@ double draw_heatmap(Svg& svg, const RunResult& run, bool grad, double left, doub
     const int cp = g % layout.cp;
     std::string label = "dp " + std::to_string(dp);
     if (layout.cp > 1) label += " cp " + std::to_string(cp);
-    svg.text(grid_left - 6.0, grid_top + (g + 0.5) * cell_h + 4.0, label,
-             "font-size=\"11\" text-anchor=\"end\"");
+    svg.text(grid_left - 6.0, grid_top + (g + 0.5) * cell_h + 4.0, label, "font-size=\"11\" text-anchor=\"end\"");
   }
   for (const RankErrorCell& cell : map.ranks) {
     const double margin = grad ? cell.grad_margin : cell.loss_margin;
@@ -181,27 +174,24 @@ double draw_heatmap(Svg& svg, const RunResult& run, bool grad, double left, doub
     const double x = grid_left + static_cast<double>(cell.tp) * cell_w;
     const double y = grid_top + g * cell_h;
     const bool failed = fails(margin);
-    svg.body << "<rect id=\"" << prefix << "-cell-r" << cell.rank << "\" class=\"cell "
-             << (failed ? "fail" : "pass") << "\" data-rank=\"" << cell.rank << "\" data-tp=\"" << cell.tp
-             << "\" data-cp=\"" << cell.cp << "\" data-dp=\"" << cell.dp << "\" data-vocab-begin=\""
-             << cell.vocab_begin << "\" data-vocab-end=\"" << cell.vocab_end << "\" data-margin=\""
-             << exact_number(margin) << "\" x=\"" << fixed(x) << "\" y=\"" << fixed(y) << "\" width=\""
-             << fixed(cell_w) << "\" height=\"" << fixed(cell_h) << "\" fill=\"" << margin_color(margin)
-             << "\" stroke=\"" << (failed ? "#000" : "#fff") << "\" stroke-width=\""
+    svg.body << "<rect id=\"" << prefix << "-cell-r" << cell.rank << "\" class=\"cell " << (failed ? "fail" : "pass")
+             << "\" data-rank=\"" << cell.rank << "\" data-tp=\"" << cell.tp << "\" data-cp=\"" << cell.cp
+             << "\" data-dp=\"" << cell.dp << "\" data-vocab-begin=\"" << cell.vocab_begin << "\" data-vocab-end=\""
+             << cell.vocab_end << "\" data-margin=\"" << exact_number(margin) << "\" x=\"" << fixed(x) << "\" y=\""
+             << fixed(y) << "\" width=\"" << fixed(cell_w) << "\" height=\"" << fixed(cell_h) << "\" fill=\""
+             << margin_color(margin) << "\" stroke=\"" << (failed ? "#000" : "#fff") << "\" stroke-width=\""
              << (failed && cell_w >= 6.0 ? "2" : "0.5") << "\"><title>"
-             << xml_escape(
-                    "rank " + std::to_string(cell.rank) + " (tp " + std::to_string(cell.tp) + ", cp " +
-                    std::to_string(cell.cp) + ", dp " + std::to_string(cell.dp) + "), columns [" +
-                    std::to_string(cell.vocab_begin) + ", " + std::to_string(cell.vocab_end) +
-                    "): " + prefix + " margin " + short_margin(margin) +
-                    (grad ? ", " + std::to_string(cell.grad_mismatches) + " mismatching elements" : ""))
+             << xml_escape("rank " + std::to_string(cell.rank) + " (tp " + std::to_string(cell.tp) + ", cp " +
+                           std::to_string(cell.cp) + ", dp " + std::to_string(cell.dp) + "), columns [" +
+                           std::to_string(cell.vocab_begin) + ", " + std::to_string(cell.vocab_end) + "): " + prefix +
+                           " margin " + short_margin(margin) +
+                           (grad ? ", " + std::to_string(cell.grad_mismatches) + " mismatching elements" : ""))
              << "</title></rect>\n";
     const std::string label = short_margin(margin);
     if (cell_h >= 14.0 && fits(label, 11.0, cell_w)) {
       const bool dark = failed || margin > 0.1;
-      svg.text(
-          x + cell_w / 2.0, y + cell_h / 2.0 + 4.0, label,
-          std::string("font-size=\"11\" text-anchor=\"middle\" fill=\"") + (dark ? "#fff" : "#222") + "\"");
+      svg.text(x + cell_w / 2.0, y + cell_h / 2.0 + 4.0, label,
+               std::string("font-size=\"11\" text-anchor=\"middle\" fill=\"") + (dark ? "#fff" : "#222") + "\"");
     }
   }
   double height = header + groups * cell_h + 8.0;
@@ -212,13 +202,11 @@ double draw_heatmap(Svg& svg, const RunResult& run, bool grad, double left, doub
       const json& reduced = check.metrics["reduced"];
       if (!reduced.contains("margin")) continue;
       const double margin = decode_number(reduced["margin"]);
-      svg.body << "<rect id=\"logged-loss\" class=\"logged " << (fails(margin) ? "fail" : "pass")
-               << "\" data-margin=\"" << exact_number(margin) << "\" x=\"" << fixed(grid_left) << "\" y=\""
-               << fixed(top + height) << "\" width=\"14\" height=\"14\" fill=\"" << margin_color(margin)
-               << "\"/>\n";
+      svg.body << "<rect id=\"logged-loss\" class=\"logged " << (fails(margin) ? "fail" : "pass") << "\" data-margin=\""
+               << exact_number(margin) << "\" x=\"" << fixed(grid_left) << "\" y=\"" << fixed(top + height)
+               << "\" width=\"14\" height=\"14\" fill=\"" << margin_color(margin) << "\"/>\n";
       svg.text(grid_left + 20.0, top + height + 11.0,
-               "logged (reduced) loss, all ranks: margin " + short_margin(margin) +
-                   (fails(margin) ? "  FAIL" : ""),
+               "logged (reduced) loss, all ranks: margin " + short_margin(margin) + (fails(margin) ? "  FAIL" : ""),
                "font-size=\"11\"");
       height += 22.0;
     }
@@ -235,19 +223,16 @@ double draw_legend(Svg& svg, double left, double top) {
   for (int i = 0; i < steps; ++i) {
     const double l = kLogFloor + (kLogCeiling - kLogFloor) * (i + 0.5) / steps;
     svg.body << "<rect class=\"legend\" x=\"" << fixed(bar_left + bar_width * i / steps) << "\" y=\""
-             << fixed(top + 2.0) << "\" width=\"" << fixed(bar_width / steps + 0.3)
-             << "\" height=\"14\" fill=\"" << margin_color(std::pow(10.0, l)) << "\"/>\n";
+             << fixed(top + 2.0) << "\" width=\"" << fixed(bar_width / steps + 0.3) << "\" height=\"14\" fill=\""
+             << margin_color(std::pow(10.0, l)) << "\"/>\n";
   }
   for (int l = static_cast<int>(kLogFloor); l <= static_cast<int>(kLogCeiling); l += 2) {
     const double x = bar_left + bar_width * (l - kLogFloor) / (kLogCeiling - kLogFloor);
-    svg.text(x, top + 30.0, l == 0 ? "1" : "1e" + std::to_string(l),
-             "font-size=\"10\" text-anchor=\"middle\"");
+    svg.text(x, top + 30.0, l == 0 ? "1" : "1e" + std::to_string(l), "font-size=\"10\" text-anchor=\"middle\"");
   }
   const double threshold = bar_left + bar_width * (0.0 - kLogFloor) / (kLogCeiling - kLogFloor);
-  svg.line(threshold, top - 2.0, threshold, top + 20.0,
-           "stroke=\"#000\" stroke-width=\"2\" class=\"threshold\"");
-  svg.text(bar_left + bar_width + 14.0, top + 13.0, "pass <= 1 < fail",
-           "font-size=\"11\" font-weight=\"bold\"");
+  svg.line(threshold, top - 2.0, threshold, top + 20.0, "stroke=\"#000\" stroke-width=\"2\" class=\"threshold\"");
+  svg.text(bar_left + bar_width + 14.0, top + 13.0, "pass <= 1 < fail", "font-size=\"11\" font-weight=\"bold\"");
   svg.body << "<rect x=\"" << fixed(bar_left + bar_width + 120.0) << "\" y=\"" << fixed(top + 2.0)
            << "\" width=\"14\" height=\"14\" fill=\"" << margin_color(std::numeric_limits<double>::infinity())
            << "\"/>\n";
@@ -256,8 +241,7 @@ double draw_legend(Svg& svg, double left, double top) {
 }
 
 // One per-token strip: a bar per bin, log-scaled height, dashed threshold at 1.
-double draw_token_strip(Svg& svg, const RunResult& run, const std::vector<TokenBin>& bins, bool grad,
-                        double top) {
+double draw_token_strip(Svg& svg, const RunResult& run, const std::vector<TokenBin>& bins, bool grad, double top) {
   const double left = 70.0;
   const double width = kWidth - left - 20.0;
   const double height = 110.0;
@@ -278,8 +262,7 @@ double draw_token_strip(Svg& svg, const RunResult& run, const std::vector<TokenB
   svg.body << "<rect x=\"" << fixed(left) << "\" y=\"" << fixed(plot_top) << "\" width=\"" << fixed(width)
            << "\" height=\"" << fixed(height) << "\" fill=\"#fafafa\" stroke=\"#ccc\"/>\n";
   for (int l = static_cast<int>(kLogFloor); l <= static_cast<int>(log_top); l += 2) {
-    svg.text(left - 4.0, y_of(l) + 3.0, l == 0 ? "1" : "1e" + std::to_string(l),
-             "font-size=\"9\" text-anchor=\"end\"");
+    svg.text(left - 4.0, y_of(l) + 3.0, l == 0 ? "1" : "1e" + std::to_string(l), "font-size=\"9\" text-anchor=\"end\"");
     svg.line(left, y_of(l), left + width, y_of(l), "stroke=\"#eee\"");
   }
   // Sequence boundaries, when few enough to read.
@@ -288,8 +271,7 @@ double draw_token_strip(Svg& svg, const RunResult& run, const std::vector<TokenB
     for (const Sequence& s : batch.sequences()) {
       if (s.begin == 0) continue;
       const double x = left + width * static_cast<double>(s.begin) / static_cast<double>(n);
-      svg.line(x, plot_top, x, plot_top + height,
-               "stroke=\"#bbb\" stroke-dasharray=\"2,2\" class=\"sequence-start\"");
+      svg.line(x, plot_top, x, plot_top + height, "stroke=\"#bbb\" stroke-dasharray=\"2,2\" class=\"sequence-start\"");
     }
   }
   const double bar_width = width / static_cast<double>(std::max<std::size_t>(1, bins.size()));
@@ -303,11 +285,10 @@ double draw_token_strip(Svg& svg, const RunResult& run, const std::vector<TokenB
     const double y = y_of(l);
     const bool failed = fails(margin);
     svg.body << "<rect class=\"bin " << (failed ? "fail" : "pass") << "\" data-quantity=\"" << name
-             << "\" data-first-token=\"" << bin.first << "\" data-last-token=\"" << bin.last
-             << "\" data-margin=\"" << exact_number(margin) << "\" x=\"" << fixed(x) << "\" y=\"" << fixed(y)
-             << "\" width=\"" << fixed(std::max(bar_width - (bar_width > 3.0 ? 0.5 : 0.0), 0.6))
-             << "\" height=\"" << fixed(plot_top + height - y) << "\" fill=\"" << margin_color(margin)
-             << "\"><title>"
+             << "\" data-first-token=\"" << bin.first << "\" data-last-token=\"" << bin.last << "\" data-margin=\""
+             << exact_number(margin) << "\" x=\"" << fixed(x) << "\" y=\"" << fixed(y) << "\" width=\""
+             << fixed(std::max(bar_width - (bar_width > 3.0 ? 0.5 : 0.0), 0.6)) << "\" height=\""
+             << fixed(plot_top + height - y) << "\" fill=\"" << margin_color(margin) << "\"><title>"
              << xml_escape((bin.first == bin.last
                                 ? "token " + std::to_string(bin.first)
                                 : "tokens " + std::to_string(bin.first) + "-" + std::to_string(bin.last)) +
@@ -324,8 +305,7 @@ double draw_token_strip(Svg& svg, const RunResult& run, const std::vector<TokenB
     const double x = left + width * (static_cast<double>(token) + 0.5) / static_cast<double>(n);
     svg.text(x, axis_y, std::to_string(token), "font-size=\"9\" text-anchor=\"middle\"");
   }
-  svg.text(left + width / 2.0, axis_y + 12.0, "token",
-           "font-size=\"10\" text-anchor=\"middle\" fill=\"#555\"");
+  svg.text(left + width / 2.0, axis_y + 12.0, "token", "font-size=\"10\" text-anchor=\"middle\" fill=\"#555\"");
   return 20.0 + height + 30.0;
 }
 
@@ -349,8 +329,7 @@ std::string run_title(const RunResult& run) {
 }  // namespace
 
 std::vector<TokenBin> bin_token_margins(const ErrorMap& map, int max_bins) {
-  const auto n =
-      static_cast<std::int64_t>(std::max(map.token_grad_margin.size(), map.token_loss_margin.size()));
+  const auto n = static_cast<std::int64_t>(std::max(map.token_grad_margin.size(), map.token_loss_margin.size()));
   std::vector<TokenBin> bins;
   if (n == 0) return bins;
   const std::int64_t count = std::min<std::int64_t>(n, std::max(1, max_bins));
@@ -365,10 +344,8 @@ std::vector<TokenBin> bin_token_margins(const ErrorMap& map, int max_bins) {
     bin.last = (b + 1) * n / count - 1;
     for (std::int64_t t = bin.first; t <= bin.last; ++t) {
       const auto k = static_cast<std::size_t>(t);
-      if (k < map.token_grad_margin.size())
-        bin.grad_margin = worse(bin.grad_margin, map.token_grad_margin[k]);
-      if (k < map.token_loss_margin.size())
-        bin.loss_margin = worse(bin.loss_margin, map.token_loss_margin[k]);
+      if (k < map.token_grad_margin.size()) bin.grad_margin = worse(bin.grad_margin, map.token_grad_margin[k]);
+      if (k < map.token_loss_margin.size()) bin.loss_margin = worse(bin.loss_margin, map.token_loss_margin[k]);
     }
     bins.push_back(bin);
   }
@@ -379,17 +356,15 @@ std::string plot_svg(const RunResult& run, const PlotOptions& options) {
   const Case& c = run.the_case;
   Svg svg;
   double y = 26.0;
-  svg.text(16.0, y, "lossverify error map: " + run_title(run),
-           "font-size=\"18\" font-weight=\"bold\" class=\"title\"");
+  svg.text(16.0, y, "lossverify error map: " + run_title(run), "font-size=\"18\" font-weight=\"bold\" class=\"title\"");
   y += 20.0;
   const std::string failing = failing_checks(run);
   svg.text(16.0, y,
            std::string(to_string(c.loss.kind)) + ", N=" + std::to_string(c.shape.tokens) +
                " V=" + std::to_string(c.shape.vocab) + ", " + std::string(to_string(c.inputs.dtype)) +
-               ", tp=" + std::to_string(c.layout.tp) + " cp=" + std::to_string(c.layout.cp) +
-               " dp=" + std::to_string(c.layout.dp) + " ga=" + std::to_string(c.layout.ga) + " (" +
-               std::to_string(run.ranks) + " ranks)   verdict: " +
-               (run.verdict == Verdict::fail ? "FAIL (" + failing + ")" : std::string("pass")),
+               ", tp=" + std::to_string(c.layout.tp) + " cp=" + std::to_string(c.layout.cp) + " dp=" +
+               std::to_string(c.layout.dp) + " ga=" + std::to_string(c.layout.ga) + " (" + std::to_string(run.ranks) +
+               " ranks)   verdict: " + (run.verdict == Verdict::fail ? "FAIL (" + failing + ")" : std::string("pass")),
            std::string("font-size=\"13\" class=\"verdict\" fill=\"") +
                (run.verdict == Verdict::fail ? "#a50026" : "#1b5e20") + "\"");
   y += 6.0;
@@ -410,13 +385,12 @@ std::string plot_svg(const RunResult& run, const PlotOptions& options) {
     y += draw_token_strip(svg, run, bins, false, y);
   }
   y += 4.0;
-  svg.text(16.0, y,
-           std::string("lossverify ") + build_info::version + " (git " + build_info::git_revision + ")",
+  svg.text(16.0, y, std::string("lossverify ") + build_info::version + " (git " + build_info::git_revision + ")",
            "font-size=\"9\" fill=\"#888\"");
   y += 10.0;
   std::ostringstream out;
-  out << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << fixed(kWidth, 0) << "\" height=\""
-      << fixed(y, 0) << "\" viewBox=\"0 0 " << fixed(kWidth, 0) << " " << fixed(y, 0)
+  out << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << fixed(kWidth, 0) << "\" height=\"" << fixed(y, 0)
+      << "\" viewBox=\"0 0 " << fixed(kWidth, 0) << " " << fixed(y, 0)
       << "\" font-family=\"DejaVu Sans, Helvetica, Arial, sans-serif\">\n"
       << "<title>" << xml_escape("lossverify error map: " + run_title(run)) << "</title>\n"
       << "<rect width=\"100%\" height=\"100%\" fill=\"#fff\"/>\n"
@@ -447,9 +421,8 @@ std::string plot_html(const std::vector<const RunResult*>& runs, const PlotOptio
     for (const CheckResult& check : run->checks) {
       const bool failed = check.verdict == Verdict::fail;
       out << "<tr" << (failed ? " class=\"fail\"" : "") << "><td>" << xml_escape(check.name) << "</td><td>"
-          << (failed ? "FAIL" : std::string(to_string(check.verdict))) << "</td><td>"
-          << short_margin(check.margin) << "</td><td>"
-          << xml_escape(check_line(check) + (check.summary.empty() ? "" : " (" + check.summary + ")"))
+          << (failed ? "FAIL" : std::string(to_string(check.verdict))) << "</td><td>" << short_margin(check.margin)
+          << "</td><td>" << xml_escape(check_line(check) + (check.summary.empty() ? "" : " (" + check.summary + ")"))
           << "</td></tr>\n";
     }
     out << "</table>\n</section>\n";

@@ -87,12 +87,9 @@ double decode_number(const json& value) {
 namespace {
 
 json check_json(const CheckResult& c, const Case& the_case, const GlobalBatch& batch) {
-  json j = {{"name", c.name},
-            {"verdict", std::string(to_string(c.verdict))},
-            {"margin", c.margin},
-            {"summary", c.summary},
-            {"metrics", c.metrics},
-            {"worst", record_to_json(c.worst, the_case, batch)}};
+  json j = {{"name", c.name},       {"verdict", std::string(to_string(c.verdict))},
+            {"margin", c.margin},   {"summary", c.summary},
+            {"metrics", c.metrics}, {"worst", record_to_json(c.worst, the_case, batch)}};
   j["tolerance"] = nullptr;
   if (c.tolerance) {
     j["tolerance"] = {{"atol", c.tolerance->atol}, {"rtol", c.tolerance->rtol}};
@@ -122,28 +119,33 @@ json run_to_json(const RunResult& run) {
   for (const CheckResult& c : run.checks) checks.push_back(check_json(c, run.the_case, batch));
   const Implementation& impl = *run.implementation;
   json run_json = {{"case", run.the_case.resolved()},
-          {"case_file", run.the_case.source},
-          {"implementation",
-           {{"name", impl.name}, {"summary", impl.summary}, {"source", impl.source}, {"expected_failures", impl.caught_by}}},
-          {"layout",
-           {{"tp", run.the_case.layout.tp},
-            {"cp", run.the_case.layout.cp},
-            {"dp", run.the_case.layout.dp},
-            {"ga", run.the_case.layout.ga},
-            {"ranks", run.ranks}}},
-          {"verdict", std::string(to_string(run.verdict))},
-          {"execution",
-           {{"device", run.execution.device}, {"gpus", run.execution.gpus}, {"collectives", run.execution.collectives},
-            {"reference", run.execution.reference}}},
-          {"checks", checks},
-          {"resources", resources_json(run)},
-          {"timings_seconds",
-           {{"ranks_wall", run.timings.ranks_wall},
-            {"generate_max_rank", run.timings.generate_max},
-            {"compute_max_rank", run.timings.compute_max},
-            {"collectives_max_rank", run.timings.collectives_max},
-            {"reference_and_checks", run.timings.reference_and_checks},
-            {"total", run.timings.total}}}};
+                   {"case_file", run.the_case.source},
+                   {"implementation",
+                    {{"name", impl.name},
+                     {"summary", impl.summary},
+                     {"source", impl.source},
+                     {"expected_failures", impl.caught_by}}},
+                   {"layout",
+                    {{"tp", run.the_case.layout.tp},
+                     {"cp", run.the_case.layout.cp},
+                     {"dp", run.the_case.layout.dp},
+                     {"ga", run.the_case.layout.ga},
+                     {"ranks", run.ranks}}},
+                   {"verdict", std::string(to_string(run.verdict))},
+                   {"execution",
+                    {{"device", run.execution.device},
+                     {"gpus", run.execution.gpus},
+                     {"collectives", run.execution.collectives},
+                     {"reference", run.execution.reference}}},
+                   {"checks", checks},
+                   {"resources", resources_json(run)},
+                   {"timings_seconds",
+                    {{"ranks_wall", run.timings.ranks_wall},
+                     {"generate_max_rank", run.timings.generate_max},
+                     {"compute_max_rank", run.timings.compute_max},
+                     {"collectives_max_rank", run.timings.collectives_max},
+                     {"reference_and_checks", run.timings.reference_and_checks},
+                     {"total", run.timings.total}}}};
   if (!run.hints.empty()) run_json["hints"] = run.hints;
   return run_json;
 }
@@ -187,18 +189,19 @@ void print_summary(std::ostream& out, const RunResult& run) {
   const Case& c = run.the_case;
   const GlobalBatch batch(c.batch);
   const bool show_place = c.batch.sequence_lengths.size() > 1 || c.layout.cp > 1 || c.layout.dp > 1 || c.layout.ga > 1;
-  out << "case " << printable(c.name) << "  [" << to_string(c.loss.kind) << ", N=" << c.shape.tokens << " V=" << c.shape.vocab
-      << ", " << to_string(c.inputs.dtype) << ", tp=" << c.layout.tp << " cp=" << c.layout.cp << " dp=" << c.layout.dp
-      << " ga=" << c.layout.ga << "]  impl " << printable(run.implementation->name) << "\n";
+  out << "case " << printable(c.name) << "  [" << to_string(c.loss.kind) << ", N=" << c.shape.tokens
+      << " V=" << c.shape.vocab << ", " << to_string(c.inputs.dtype) << ", tp=" << c.layout.tp << " cp=" << c.layout.cp
+      << " dp=" << c.layout.dp << " ga=" << c.layout.ga << "]  impl " << printable(run.implementation->name) << "\n";
   out << "  " << std::left << std::setw(16) << "check" << std::setw(16) << "verdict" << std::setw(11) << "margin"
-      << std::setw(12) << "max abs err" << "worst (token, column, rank: expected -> got)\n";
+      << std::setw(12) << "max abs err"
+      << "worst (token, column, rank: expected -> got)\n";
   for (const CheckResult& check : run.checks) {
     std::string worst = "-";
     if (check.worst && check.margin > 0.0) {
       const ElementRecord& w = *check.worst;
       worst = "(" + (w.token >= 0 ? std::to_string(w.token) : std::string("-")) + ", " +
-              (w.column >= 0 ? std::to_string(w.column) : std::string("-")) + ", " + std::to_string(w.rank) +
-              ": " + format_number(w.expected, 6) + " -> " + format_number(w.got, 6) + ")";
+              (w.column >= 0 ? std::to_string(w.column) : std::string("-")) + ", " + std::to_string(w.rank) + ": " +
+              format_number(w.expected, 6) + " -> " + format_number(w.got, 6) + ")";
       if (show_place && w.token >= 0) {
         const TokenPlace p = locate_token(batch, c.batch, c.layout, w.token);
         worst += " seq " + std::to_string(p.sequence) + " pos " + std::to_string(p.position) + ", dp " +

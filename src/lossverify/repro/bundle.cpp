@@ -58,9 +58,7 @@ double value_of(std::uint32_t bits, DType dtype) {
   }
 }
 
-int hex_digits(DType dtype) {
-  return dtype == DType::fp32 ? 8 : 4;
-}
+int hex_digits(DType dtype) { return dtype == DType::fp32 ? 8 : 4; }
 
 std::string hex_word(std::uint32_t bits, DType dtype) {
   char buffer[12];
@@ -80,9 +78,7 @@ std::vector<double> teacher_row(const InputSource& inputs, std::int64_t token) {
   return row;
 }
 
-bool has_own_teacher(const Case& c) {
-  return c.loss.kind == LossKind::kd && !c.inputs.teacher.same_as_student;
-}
+bool has_own_teacher(const Case& c) { return c.loss.kind == LossKind::kd && !c.inputs.teacher.same_as_student; }
 
 // Rewrites "SOURCE: $.x: ..." from the case reader into "SOURCE: $.case.x: ..." (the case sits in $.case).
 [[noreturn]] void rethrow_in_case(const CaseError& e, const std::string& source) {
@@ -113,16 +109,14 @@ double parse_margin(const json& value, const std::string& source, const std::str
   fail_at(source, path, "expected a margin >= 0 (a number, \"NaN\" or \"Infinity\"), got " + value.dump());
 }
 
-std::optional<std::int64_t> optional_index(const json& value, const std::string& source,
-                                           const std::string& path) {
+std::optional<std::int64_t> optional_index(const json& value, const std::string& source, const std::string& path) {
   if (value.is_null()) return std::nullopt;
   return detail::as_integer(value, path, source);
 }
 
 std::string element_text(const RecordedElement& e) {
   return "(token " + (e.token >= 0 ? std::to_string(e.token) : std::string("-")) + ", column " +
-         (e.column >= 0 ? std::to_string(e.column) : std::string("-")) + ", rank " + std::to_string(e.rank) +
-         ")";
+         (e.column >= 0 ? std::to_string(e.column) : std::string("-")) + ", rank " + std::to_string(e.rank) + ")";
 }
 
 std::string margin_text(double m) {
@@ -150,24 +144,20 @@ std::vector<double> decode_row_bits(const std::string& text, DType dtype, std::i
   std::string word;
   const int digits = hex_digits(dtype);
   while (words >> word) {
-    const std::string where =
-        path + ": word " + std::to_string(values.size()) + " \"" + word.substr(0, 16) + "\"";
-    if (static_cast<int>(word.size()) != digits || !std::all_of(word.begin(), word.end(), [](char ch) {
-          return std::isxdigit(static_cast<unsigned char>(ch));
-        })) {
-      throw CaseError(source + ": " + where + ": expected " + std::to_string(digits) +
-                      " hex digits (the raw bits of " + std::string(to_string(dtype)) + ")");
+    const std::string where = path + ": word " + std::to_string(values.size()) + " \"" + word.substr(0, 16) + "\"";
+    if (static_cast<int>(word.size()) != digits ||
+        !std::all_of(word.begin(), word.end(), [](char ch) { return std::isxdigit(static_cast<unsigned char>(ch)); })) {
+      throw CaseError(source + ": " + where + ": expected " + std::to_string(digits) + " hex digits (the raw bits of " +
+                      std::string(to_string(dtype)) + ")");
     }
     const auto bits = static_cast<std::uint32_t>(std::stoul(word, nullptr, 16));
     const double v = value_of(bits, dtype);
-    if (!std::isfinite(v))
-      throw CaseError(source + ": " + where + ": not a finite " + std::string(to_string(dtype)));
+    if (!std::isfinite(v)) throw CaseError(source + ": " + where + ": not a finite " + std::string(to_string(dtype)));
     values.push_back(v);
   }
   if (static_cast<std::int64_t>(values.size()) != expected_count) {
     fail_at(source, path,
-            "has " + std::to_string(values.size()) +
-                " values, expected vocab = " + std::to_string(expected_count));
+            "has " + std::to_string(values.size()) + " values, expected vocab = " + std::to_string(expected_count));
   }
   return values;
 }
@@ -208,8 +198,7 @@ json make_bundle(const RunResult& run, const BundleContext& context, const Bundl
     const double m = token_margin(t);
     if (m > 1.0) ranked.emplace_back(m, static_cast<std::int64_t>(t));
   }
-  std::stable_sort(ranked.begin(), ranked.end(),
-                   [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::stable_sort(ranked.begin(), ranked.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
   for (const auto& [margin, t] : ranked) {
     if (worst_of.count(t)) continue;
     if (!fits(tokens.size())) break;
@@ -285,27 +274,26 @@ json make_bundle(const RunResult& run, const BundleContext& context, const Bundl
                      {"loss_margin", cell.loss_margin},
                      {"grad_mismatches", cell.grad_mismatches}});
   }
-  json bundle = {{"format", kBundleFormat},
-                 {"tool",
-                  {{"name", "lossverify"},
-                   {"version", build_info::version},
-                   {"git_revision", build_info::git_revision},
-                   {"compiler", build_info::compiler},
-                   {"build_type", build_info::build_type}}},
-                 {"implementation", run.implementation->name},
-                 {"backend", backend},
-                 {"provenance",
-                  {{"case_file", c.source},
-                   {"set_overrides", context.set_overrides},
-                   {"command_line", context.command_line}}},
-                 {"seeds", {{"inputs", c.inputs.seed}, {"generator", "philox4x32-10"}}},
-                 {"case", the_case},
-                 {"failing_rows", rows},
-                 {"outcome",
-                  {{"verdict", std::string(to_string(run.verdict))},
-                   {"exit_code", run.verdict == Verdict::fail ? 1 : 0},
-                   {"checks", run_json.at("checks")},
-                   {"error_map", {{"ranks", ranks}}}}}};
+  json bundle = {
+      {"format", kBundleFormat},
+      {"tool",
+       {{"name", "lossverify"},
+        {"version", build_info::version},
+        {"git_revision", build_info::git_revision},
+        {"compiler", build_info::compiler},
+        {"build_type", build_info::build_type}}},
+      {"implementation", run.implementation->name},
+      {"backend", backend},
+      {"provenance",
+       {{"case_file", c.source}, {"set_overrides", context.set_overrides}, {"command_line", context.command_line}}},
+      {"seeds", {{"inputs", c.inputs.seed}, {"generator", "philox4x32-10"}}},
+      {"case", the_case},
+      {"failing_rows", rows},
+      {"outcome",
+       {{"verdict", std::string(to_string(run.verdict))},
+        {"exit_code", run.verdict == Verdict::fail ? 1 : 0},
+        {"checks", run_json.at("checks")},
+        {"error_map", {{"ranks", ranks}}}}}};
   return encode_nonfinite(std::move(bundle));
 }
 
@@ -316,8 +304,7 @@ Bundle parse_bundle(const json& document, const std::string& source) {
   ObjectReader root(document, "$", source);
   const std::string format = root.string("format");
   if (format != kBundleFormat) {
-    root.fail("format",
-              "unsupported bundle format \"" + format + "\" (this version reads " + kBundleFormat + ")");
+    root.fail("format", "unsupported bundle format \"" + format + "\" (this version reads " + kBundleFormat + ")");
   }
   {
     ObjectReader tool = root.object("tool");
@@ -326,8 +313,7 @@ Bundle parse_bundle(const json& document, const std::string& source) {
   }
   b.implementation = root.string("implementation");
   if (find_implementation(b.implementation) == nullptr) {
-    root.fail("implementation",
-              "unknown implementation \"" + b.implementation + "\" (see `lossverify list`)");
+    root.fail("implementation", "unknown implementation \"" + b.implementation + "\" (see `lossverify list`)");
   }
   {
     ObjectReader backend = root.object("backend");
@@ -348,8 +334,7 @@ Bundle parse_bundle(const json& document, const std::string& source) {
   const bool kd = c.loss.kind == LossKind::kd;
 
   const json& rows = root.raw("failing_rows");
-  if (!rows.is_array())
-    fail_at(source, "$.failing_rows", "expected array, got " + detail::json_type_name(rows));
+  if (!rows.is_array()) fail_at(source, "$.failing_rows", "expected array, got " + detail::json_type_name(rows));
   std::set<std::int64_t> seen;
   for (std::size_t i = 0; i < rows.size(); ++i) {
     const std::string path = "$.failing_rows[" + std::to_string(i) + "]";
@@ -357,31 +342,26 @@ Bundle parse_bundle(const json& document, const std::string& source) {
     RecordedRow row;
     row.token = r.integer("token");
     if (row.token < 0 || row.token >= c.shape.tokens) {
-      r.fail("token",
-             "token " + std::to_string(row.token) + " outside [0, " + std::to_string(c.shape.tokens) + ")");
+      r.fail("token", "token " + std::to_string(row.token) + " outside [0, " + std::to_string(c.shape.tokens) + ")");
     }
-    if (!seen.insert(row.token).second)
-      r.fail("token", "token " + std::to_string(row.token) + " recorded twice");
+    if (!seen.insert(row.token).second) r.fail("token", "token " + std::to_string(row.token) + " recorded twice");
     row.pinned = r.boolean("pinned", false);
     r.boolean("pinned_label", false);
     const std::string dtype = r.string("dtype");
     if (dtype != to_string(c.inputs.dtype)) {
-      r.fail("dtype", "\"" + dtype + "\" but $.case.inputs.dtype is \"" +
-                          std::string(to_string(c.inputs.dtype)) + "\"");
+      r.fail("dtype",
+             "\"" + dtype + "\" but $.case.inputs.dtype is \"" + std::string(to_string(c.inputs.dtype)) + "\"");
     }
     const json& bits = r.raw("logits_bits");
-    if (!bits.is_string())
-      r.fail("logits_bits", "expected a string of hex words, got " + detail::json_type_name(bits));
-    row.logits = decode_row_bits(bits.get<std::string>(), c.inputs.dtype, c.shape.vocab, source,
-                                 r.path_of("logits_bits"));
+    if (!bits.is_string()) r.fail("logits_bits", "expected a string of hex words, got " + detail::json_type_name(bits));
+    row.logits =
+        decode_row_bits(bits.get<std::string>(), c.inputs.dtype, c.shape.vocab, source, r.path_of("logits_bits"));
     if (r.has("teacher_bits")) {
-      if (!has_own_teacher(c))
-        r.fail("teacher_bits", "only a kd case with its own teacher records teacher rows");
+      if (!has_own_teacher(c)) r.fail("teacher_bits", "only a kd case with its own teacher records teacher rows");
       const json& t = r.raw("teacher_bits");
-      if (!t.is_string())
-        r.fail("teacher_bits", "expected a string of hex words, got " + detail::json_type_name(t));
-      row.teacher = decode_row_bits(t.get<std::string>(), c.inputs.dtype, c.shape.vocab, source,
-                                    r.path_of("teacher_bits"));
+      if (!t.is_string()) r.fail("teacher_bits", "expected a string of hex words, got " + detail::json_type_name(t));
+      row.teacher =
+          decode_row_bits(t.get<std::string>(), c.inputs.dtype, c.shape.vocab, source, r.path_of("teacher_bits"));
     } else {
       r.allow("teacher_bits");
     }
@@ -404,9 +384,9 @@ Bundle parse_bundle(const json& document, const std::string& source) {
       }
     }
     if (row.pinned && (pinned == nullptr || pinned->logits.empty())) {
-      fail_at(source, path + ".pinned",
-              "the row is marked pinned but $.case.inputs.overrides has no logits for token " +
-                  std::to_string(row.token));
+      fail_at(
+          source, path + ".pinned",
+          "the row is marked pinned but $.case.inputs.overrides has no logits for token " + std::to_string(row.token));
     }
     if (pinned != nullptr && !pinned->logits.empty()) {
       for (std::size_t v = 0; v < row.logits.size(); ++v) {
@@ -414,16 +394,16 @@ Bundle parse_bundle(const json& document, const std::string& source) {
           fail_at(source, path + ".logits_bits",
                   "word " + std::to_string(v) + " (" +
                       hex_word(bits_of(row.logits[v], c.inputs.dtype), c.inputs.dtype) +
-                      ") disagrees with $.case.inputs.overrides[" + std::to_string(pinned_index) +
-                      "].logits[" + std::to_string(v) + "] = " + json(pinned->logits[v]).dump() +
+                      ") disagrees with $.case.inputs.overrides[" + std::to_string(pinned_index) + "].logits[" +
+                      std::to_string(v) + "] = " + json(pinned->logits[v]).dump() +
                       ": the bundle was edited; restore one from the other");
         }
       }
     }
     if (row.label && pinned != nullptr && pinned->label && *pinned->label != *row.label) {
       fail_at(source, path + ".label",
-              std::to_string(*row.label) + " disagrees with $.case.inputs.overrides[" +
-                  std::to_string(pinned_index) + "].label = " + std::to_string(*pinned->label));
+              std::to_string(*row.label) + " disagrees with $.case.inputs.overrides[" + std::to_string(pinned_index) +
+                  "].label = " + std::to_string(*pinned->label));
     }
     b.rows.push_back(std::move(row));
   }
@@ -452,8 +432,7 @@ Bundle parse_bundle(const json& document, const std::string& source) {
       e.column = optional_index(w.raw("column"), source, w.path_of("column")).value_or(-1);
       const std::int64_t rank = w.integer("rank");
       if (rank < 0 || rank >= c.layout.world_size()) {
-        w.fail("rank", "rank " + std::to_string(rank) + " outside [0, " +
-                           std::to_string(c.layout.world_size()) + ")");
+        w.fail("rank", "rank " + std::to_string(rank) + " outside [0, " + std::to_string(c.layout.world_size()) + ")");
       }
       e.rank = static_cast<int>(rank);
       check.worst = e;
@@ -472,9 +451,7 @@ Bundle parse_bundle(const json& document, const std::string& source) {
   return b;
 }
 
-Bundle read_bundle(const std::string& path) {
-  return parse_bundle(detail::read_json_file(path, "bundle"), path);
-}
+Bundle read_bundle(const std::string& path) { return parse_bundle(detail::read_json_file(path, "bundle"), path); }
 
 std::vector<std::string> input_drift(const Bundle& bundle) {
   std::vector<std::string> lines;
@@ -494,12 +471,11 @@ std::vector<std::string> input_drift(const Bundle& bundle) {
   for (RowOverride& o : generated.inputs.overrides) {
     if (pinned_label.count(o.token) && pinned_label[o.token]) o.label.reset();
   }
-  std::erase_if(generated.inputs.overrides,
-                [](const RowOverride& o) { return o.logits.empty() && !o.label; });
+  std::erase_if(generated.inputs.overrides, [](const RowOverride& o) { return o.logits.empty() && !o.label; });
   const InputSource inputs(generated);
   const DType dtype = generated.inputs.dtype;
-  auto compare = [&](const RecordedRow& row, const std::vector<double>& now,
-                     const std::vector<double>& recorded, const char* what) {
+  auto compare = [&](const RecordedRow& row, const std::vector<double>& now, const std::vector<double>& recorded,
+                     const char* what) {
     for (std::size_t v = 0; v < recorded.size(); ++v) {
       if (bits_of(now[v], dtype) != bits_of(recorded[v], dtype)) {
         lines.push_back("token " + std::to_string(row.token) + ": this build generates " + what +
@@ -515,8 +491,7 @@ std::vector<std::string> input_drift(const Bundle& bundle) {
     if (!row.teacher.empty()) compare(row, teacher_row(inputs, row.token), row.teacher, "teacher logits");
     if (row.label && pinned_label[row.token] && inputs.label(row.token) != *row.label) {
       lines.push_back("token " + std::to_string(row.token) + ": this build generates label " +
-                      std::to_string(inputs.label(row.token)) + ", the bundle recorded " +
-                      std::to_string(*row.label));
+                      std::to_string(inputs.label(row.token)) + ", the bundle recorded " + std::to_string(*row.label));
     }
   }
   return lines;
@@ -527,17 +502,17 @@ ReplayComparison compare_outcome(const Bundle& bundle, const RunResult& run, boo
   std::set<std::string> recorded;
   for (const RecordedCheck& rec : bundle.checks) {
     recorded.insert(rec.name);
-    const auto it = std::find_if(run.checks.begin(), run.checks.end(),
-                                 [&](const CheckResult& c) { return c.name == rec.name; });
+    const auto it =
+        std::find_if(run.checks.begin(), run.checks.end(), [&](const CheckResult& c) { return c.name == rec.name; });
     if (it == run.checks.end()) {
       out.differences.push_back("check " + rec.name + " was " + std::string(to_string(rec.verdict)) +
                                 ", and this build has no such check");
       continue;
     }
     if (it->verdict != rec.verdict) {
-      out.differences.push_back("check " + rec.name + " was " + std::string(to_string(rec.verdict)) +
-                                ", now " + std::string(to_string(it->verdict)) + " (margin " +
-                                margin_text(rec.margin) + " -> " + margin_text(it->margin) + ")");
+      out.differences.push_back("check " + rec.name + " was " + std::string(to_string(rec.verdict)) + ", now " +
+                                std::string(to_string(it->verdict)) + " (margin " + margin_text(rec.margin) + " -> " +
+                                margin_text(it->margin) + ")");
       continue;
     }
     if (rec.verdict == Verdict::fail && compare_worst && rec.worst && it->worst) {
@@ -556,8 +531,7 @@ ReplayComparison compare_outcome(const Bundle& bundle, const RunResult& run, boo
   }
   for (const CheckResult& c : run.checks) {
     if (!recorded.count(c.name)) {
-      out.notes.push_back("check " + c.name + " is new in this build (" + std::string(to_string(c.verdict)) +
-                          ")");
+      out.notes.push_back("check " + c.name + " is new in this build (" + std::string(to_string(c.verdict)) + ")");
     }
   }
   out.reproduced = out.differences.empty();

@@ -48,8 +48,7 @@ struct BundleLimits {
   std::int64_t max_values = std::int64_t{1} << 20;  // logits recorded in all (the first row always is)
 };
 
-nlohmann::json make_bundle(const RunResult& run, const BundleContext& context,
-                           const BundleLimits& limits = {});
+nlohmann::json make_bundle(const RunResult& run, const BundleContext& context, const BundleLimits& limits = {});
 
 // Hex words of the raw bits of values in the dtype (each value is rounded to the dtype first).
 std::string encode_row_bits(const std::vector<double>& values, DType dtype);

@@ -9,10 +9,10 @@
 #include <set>
 
 #include "lossverify/core/errors.hpp"
-#include "lossverify/report/report.hpp"
 #include "lossverify/core/strings.hpp"
 #include "lossverify/impl/catalogue.hpp"
 #include "lossverify/inputs/input_source.hpp"
+#include "lossverify/report/report.hpp"
 #include "lossverify/runner/run_case.hpp"
 
 namespace lossverify {
@@ -86,8 +86,7 @@ json restrict_tokens(const json& doc, const std::vector<Segment>& segments) {
     const json& old = out["loss"]["upstream_weights"];
     json kept = json::array();
     for (const Segment& s : segments) {
-      for (std::int64_t t = s.begin; t < s.begin + s.length; ++t)
-        kept.push_back(old.at(static_cast<std::size_t>(t)));
+      for (std::int64_t t = s.begin; t < s.begin + s.length; ++t) kept.push_back(old.at(static_cast<std::size_t>(t)));
     }
     out["loss"]["upstream_weights"] = kept;
   }
@@ -184,8 +183,7 @@ class Shrinker {
           previous = next;
           json candidate = doc_;
           candidate["layout"][dim] = next;
-          if (attempt(candidate,
-                      std::string(dim) + " " + std::to_string(v) + " -> " + std::to_string(next))) {
+          if (attempt(candidate, std::string(dim) + " " + std::to_string(v) + " -> " + std::to_string(next))) {
             progress = changed = true;
             break;
           }
@@ -209,11 +207,11 @@ class Shrinker {
         for (std::size_t i = 0; i < all.size(); ++i) {
           if (i < start || i >= end) kept.push_back(all[i]);
         }
-        const std::string what =
-            end - start == 1 ? "drop sequence " + std::to_string(start)
-                             : "drop sequences " + std::to_string(start) + "-" + std::to_string(end - 1);
-        if (attempt(restrict_tokens(doc_, kept), what + " (" + std::to_string(all.size()) + " -> " +
-                                                     std::to_string(kept.size()) + " sequences)")) {
+        const std::string what = end - start == 1
+                                     ? "drop sequence " + std::to_string(start)
+                                     : "drop sequences " + std::to_string(start) + "-" + std::to_string(end - 1);
+        if (attempt(restrict_tokens(doc_, kept),
+                    what + " (" + std::to_string(all.size()) + " -> " + std::to_string(kept.size()) + " sequences)")) {
           changed = true;
         } else {
           start = end;
@@ -249,8 +247,7 @@ class Shrinker {
           std::vector<Segment> candidate_segments = all;
           candidate_segments[i] = option.keep;
           const std::string what = "sequence " + std::to_string(i) + ": keep its " + option.what + " (" +
-                                   std::to_string(s.length) + " -> " + std::to_string(option.keep.length) +
-                                   " tokens)";
+                                   std::to_string(s.length) + " -> " + std::to_string(option.keep.length) + " tokens)";
           if (attempt(restrict_tokens(doc_, candidate_segments), what)) {
             progress = changed = true;
             break;
@@ -539,8 +536,7 @@ ShrinkResult shrink_case(const Case& c, const ShrinkOptions& options) {
   }
   if (!options.check.empty()) {
     const auto& catalogue = check_catalogue();
-    if (std::none_of(catalogue.begin(), catalogue.end(),
-                     [&](const CheckInfo& i) { return i.name == options.check; }) ||
+    if (std::none_of(catalogue.begin(), catalogue.end(), [&](const CheckInfo& i) { return i.name == options.check; }) ||
         options.check == "invariance") {
       throw CaseError("--check " + options.check + ": not a check of a single run (see `lossverify list`)");
     }
@@ -560,19 +556,17 @@ ShrinkResult shrink_case(const Case& c, const ShrinkOptions& options) {
       break;
     }
   }
-  const bool fails = std::any_of(first.checks.begin(), first.checks.end(), [&](const CheckResult& r) {
-    return r.name == check && r.verdict == Verdict::fail;
-  });
+  const bool fails = std::any_of(first.checks.begin(), first.checks.end(),
+                                 [&](const CheckResult& r) { return r.name == check && r.verdict == Verdict::fail; });
   if (!fails) {
     throw CaseError("nothing to shrink: " + c.source + " " +
-                    (options.check.empty() ? "passes" : "does not fail check " + options.check) +
-                    " with --impl " + options.implementation);
+                    (options.check.empty() ? "passes" : "does not fail check " + options.check) + " with --impl " +
+                    options.implementation);
   }
   if (options.progress) {
     options.progress("start: " + check + " fails (margin " + margin_text(margin) +
-                     ") at N=" + std::to_string(c.shape.tokens) + " V=" + std::to_string(c.shape.vocab) +
-                     " " + layout_text(c.layout) + ", " + std::to_string(c.batch.sequence_lengths.size()) +
-                     " sequence(s)");
+                     ") at N=" + std::to_string(c.shape.tokens) + " V=" + std::to_string(c.shape.vocab) + " " +
+                     layout_text(c.layout) + ", " + std::to_string(c.batch.sequence_lengths.size()) + " sequence(s)");
   }
   // Work on the resolved case without its sweep and default tolerances (the trials run one layout).
   Case plain = c;
@@ -596,10 +590,9 @@ ShrinkResult shrink_case(const Case& c, const ShrinkOptions& options) {
   Case named = result.minimized_case;
   named.name = c.name + "-shrunk";
   std::string what = "Shrunk by lossverify shrink --impl " + options.implementation + " from " +
-                     std::filesystem::path(c.source).filename().string() +
-                     " (N=" + std::to_string(c.shape.tokens) + " V=" + std::to_string(c.shape.vocab) + " " +
-                     layout_text(c.layout) + "): still fails check " + check + " (margin " +
-                     margin_text(result.margin_after) + ").";
+                     std::filesystem::path(c.source).filename().string() + " (N=" + std::to_string(c.shape.tokens) +
+                     " V=" + std::to_string(c.shape.vocab) + " " + layout_text(c.layout) + "): still fails check " +
+                     check + " (margin " + margin_text(result.margin_after) + ").";
   if (!c.description.empty()) what += " Original description: " + c.description;
   named.description = what;
   named.source = c.source;

@@ -22,9 +22,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double seconds_since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
+double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
 json outcome_json(const GateCell& cell) {
   if (cell.verdict == "not_applicable") return {{"verdict", "not_applicable"}};
@@ -80,7 +78,8 @@ std::vector<GateEntry> gate_entries(const GateOptions& options) {
     for (const Implementation& impl : implementations()) entries.push_back({&impl, impl.name});
     return entries;
   }
-  if (options.update_golden) throw CaseError("--update-golden rewrites every implementation's outcomes: leave out --impl");
+  if (options.update_golden)
+    throw CaseError("--update-golden rewrites every implementation's outcomes: leave out --impl");
   if (!options.expect.empty() && find_implementation(options.expect) == nullptr) {
     throw CaseError("--expect " + options.expect + ": unknown implementation (see `lossverify list`)");
   }
@@ -101,7 +100,8 @@ GateCell run_cell(const Case& c, const GateEntry& entry, const std::optional<jso
   cell.implementation = impl.name;
   cell.expected_as = entry.expected_as;
   const auto start = Clock::now();
-  if (golden && golden->at("outcomes").contains(entry.expected_as)) cell.expected = golden->at("outcomes").at(entry.expected_as);
+  if (golden && golden->at("outcomes").contains(entry.expected_as))
+    cell.expected = golden->at("outcomes").at(entry.expected_as);
   // Where golden says the expected behaviour cannot reach this loss, the cell is not run (a plugin carrying a
   // cross-entropy bug on a KD case computes KD correctly, as the built-in switch does).
   const bool inapplicable = cell.expected && cell.expected->value("verdict", "") == "not_applicable";
@@ -124,7 +124,8 @@ GateCell run_cell(const Case& c, const GateEntry& entry, const std::optional<jso
   const bool unsupported_by_plugin = !runs && impl.plugin != nullptr;
   cell.matches = update_golden || unsupported_by_plugin || (cell.expected && *cell.expected == got);
   if (!cell.matches) {
-    cell.detail = cell.expected ? "golden " + cell.expected->dump() + (entry.expected_as == impl.name ? "" : " (of " + entry.expected_as + ")") +
+    cell.detail = cell.expected ? "golden " + cell.expected->dump() +
+                                      (entry.expected_as == impl.name ? "" : " (of " + entry.expected_as + ")") +
                                       ", got " + got.dump()
                                 : "no golden outcome for this cell (" + golden_path.string() +
                                       "); run `lossverify gate --update-golden` and review the diff";
@@ -205,8 +206,9 @@ GateResult run_gate(const GateOptions& options) {
   for (const GateEntry& entry : entries) result.implementations.push_back(entry.implementation->name);
 
   if (options.update_golden && options.device == RunOptions::Device::cuda) {
-    throw CaseError("--update-golden --backend cuda: golden outcomes are written from the CPU backend; "
-                    "the GPU gate is judged against them");
+    throw CaseError(
+        "--update-golden --backend cuda: golden outcomes are written from the CPU backend; "
+        "the GPU gate is judged against them");
   }
   RunOptions run_options;
   run_options.threads = options.threads;
@@ -259,16 +261,16 @@ void print_gate_matrix(std::ostream& out, const GateResult& r) {
       << (r.backend == "cuda" ? " on CUDA (" + std::to_string(r.gpus) + " GPU" + (r.gpus > 1 ? "s)" : ")") : "")
       << "\n";
   out << "cases:\n";
-  for (std::size_t k = 0; k < r.cases.size(); ++k) out << "  " << std::setw(2) << k + 1 << " " << printable(r.cases[k]) << "\n";
+  for (std::size_t k = 0; k < r.cases.size(); ++k)
+    out << "  " << std::setw(2) << k + 1 << " " << printable(r.cases[k]) << "\n";
   out << "\n" << std::left << std::setw(30) << "implementation";
   for (std::size_t k = 0; k < r.cases.size(); ++k) out << std::right << std::setw(3) << k + 1;
   out << "\n";
   for (const std::string& impl : r.implementations) {
     out << std::left << std::setw(30) << printable(impl);
     for (const std::string& name : r.cases) {
-      const auto it = std::find_if(r.cells.begin(), r.cells.end(), [&](const GateCell& c) {
-        return c.case_name == name && c.implementation == impl;
-      });
+      const auto it = std::find_if(r.cells.begin(), r.cells.end(),
+                                   [&](const GateCell& c) { return c.case_name == name && c.implementation == impl; });
       char mark = '?';
       if (it != r.cells.end()) {
         mark = it->verdict == "not_applicable" ? '-' : it->verdict == "pass" ? '.' : 'X';
@@ -370,8 +372,8 @@ std::string gate_junit(const GateResult& r) {
       ++case_tests;
       case_failures += !c.matches;
     }
-    x << "  <testsuite name=\"" << xml_escape(name) << "\" tests=\"" << case_tests << "\" failures=\""
-      << case_failures << "\">\n";
+    x << "  <testsuite name=\"" << xml_escape(name) << "\" tests=\"" << case_tests << "\" failures=\"" << case_failures
+      << "\">\n";
     for (const GateCell& c : r.cells) {
       if (c.case_name != name) continue;
       x << "    <testcase classname=\"" << xml_escape(name) << "\" name=\"" << xml_escape(c.implementation)

@@ -64,9 +64,9 @@ struct GateResult {
   int bugs_run = 0;
   int bugs_caught = 0;
   std::vector<std::string> uncaught_bugs;
-  int false_alarms = 0;       // an implementation judged as correct failing a case or a sweep
-  int mismatches = 0;         // outcomes differing from golden
-  std::string smallest_detection;  // "impl on case"
+  int false_alarms = 0;                    // an implementation judged as correct failing a case or a sweep
+  int mismatches = 0;                      // outcomes differing from golden
+  std::string smallest_detection;          // "impl on case"
   double smallest_detection_margin = 0.0;  // over bugs: the margin on the case that catches it best
   double largest_correct_margin = 0.0;     // over cases: how close the correct implementation comes to failing
   double wall_seconds = 0.0;

@@ -15,9 +15,9 @@ namespace lossverify {
 class Launcher {
  public:
   virtual ~Launcher() = default;
-  virtual std::string name() const = 0;  // "threads" or "mpi" (--launcher, bundles)
+  virtual std::string name() const = 0;         // "threads" or "mpi" (--launcher, bundles)
   virtual std::string environment() const = 0;  // the report's environment.backend
-  virtual int processes() const = 0;     // processes the world spans
+  virtual int processes() const = 0;            // processes the world spans
   // Whether this process speaks for the run (prints and writes files): always for threads, rank 0 under MPI.
   virtual bool reports() const = 0;
   // A world this launcher cannot hold, before anything runs (CaseError): under MPI, a layout whose world

@@ -83,10 +83,10 @@ void require_memory(const Case& c, bool keep_snapshot) {
   const std::int64_t available = available_memory();
   if (available < 0 || e.total() <= available) return;
   throw CaseError(c.source + ": N=" + std::to_string(c.shape.tokens) + " V=" + std::to_string(c.shape.vocab) +
-                  " at tp=" + std::to_string(c.layout.tp) + " cp=" + std::to_string(c.layout.cp) +
-                  " dp=" + std::to_string(c.layout.dp) + " needs about " + gigabytes(e.total()) + " (" +
-                  gigabytes(e.shards) + " of logit shards and gradients, " + gigabytes(e.partials) +
-                  " of gathered row statistics" + (e.snapshot > 0 ? ", " + gigabytes(e.snapshot) + " kept for the sweep" : "") +
+                  " at tp=" + std::to_string(c.layout.tp) + " cp=" + std::to_string(c.layout.cp) + " dp=" +
+                  std::to_string(c.layout.dp) + " needs about " + gigabytes(e.total()) + " (" + gigabytes(e.shards) +
+                  " of logit shards and gradients, " + gigabytes(e.partials) + " of gathered row statistics" +
+                  (e.snapshot > 0 ? ", " + gigabytes(e.snapshot) + " kept for the sweep" : "") +
                   "), but this machine has " + gigabytes(available) + " available");
 }
 

@@ -6,20 +6,20 @@
 #include <cstdlib>
 #include <thread>
 
+#include "lossverify/comm/nccl_communicator.hpp"
 #include "lossverify/comm/thread_world.hpp"
 #include "lossverify/core/errors.hpp"
 #include "lossverify/impl/cpu/sharded_loss.hpp"
 #include "lossverify/impl/cuda/cuda_backend.hpp"
+#include "lossverify/impl/plugin/plugin_backend.hpp"
+#include "lossverify/inputs/input_source.hpp"
+#include "lossverify/layout/rank_layout.hpp"
 #include "lossverify/oracle/cuda/device_oracle.hpp"
 #include "lossverify/oracle/cuda/gpu_reference.hpp"
 #include "lossverify/oracle/host_oracle.hpp"
-#include "lossverify/comm/nccl_communicator.hpp"
-#include "lossverify/impl/plugin/plugin_backend.hpp"
-#include "lossverify/layout/rank_layout.hpp"
 #include "lossverify/report/report.hpp"
 #include "lossverify/runner/launcher.hpp"
 #include "lossverify/runner/memory_estimate.hpp"
-#include "lossverify/inputs/input_source.hpp"
 
 namespace lossverify {
 
@@ -34,7 +34,7 @@ FaultInjection parse_fault(const std::string& text) {
   if (at == std::string::npos || (kind != "throw" && kind != "hang" && kind != "exit")) {
     throw CaseError("--inject-fault " + text + ": expected [late-]throw@RANK, [late-]hang@RANK or [late-]exit@RANK");
   }
-  f.kind = kind == "throw" ? FaultInjection::Kind::throw_error
+  f.kind = kind == "throw"  ? FaultInjection::Kind::throw_error
            : kind == "hang" ? FaultInjection::Kind::hang
                             : FaultInjection::Kind::exit;
   try {
@@ -113,8 +113,8 @@ void check_fault_rank(const FaultInjection& fault, int world_size) {
 void require_supported(const Implementation& impl, const Case& c) {
   if (applies_to(impl, c.loss.kind)) return;
   if (impl.plugin != nullptr) {
-    throw CaseError(c.source + ": the plugin " + impl.name + " does not compute " + std::string(to_string(c.loss.kind)) +
-                    " losses (its lv_plugin.losses)");
+    throw CaseError(c.source + ": the plugin " + impl.name + " does not compute " +
+                    std::string(to_string(c.loss.kind)) + " losses (its lv_plugin.losses)");
   }
   throw CaseError(c.source + ": --impl " + impl.name + " is a bug of " +
                   (c.loss.kind == LossKind::kd ? "cross_entropy" : "kd") + " losses, and this case is " +
@@ -126,7 +126,8 @@ RunOptions options_for(const Implementation& impl, const RunOptions& options) {
   RunOptions effective = options;
   if (!impl.plugin->device_memory()) {
     if (options.device == RunOptions::Device::cuda) {
-      throw CaseError("--backend cuda: the plugin " + impl.name + " computes in host memory (a plugin declares where it runs)");
+      throw CaseError("--backend cuda: the plugin " + impl.name +
+                      " computes in host memory (a plugin declares where it runs)");
     }
     return effective;
   }
@@ -164,8 +165,8 @@ ExecutionInfo resolve_execution(const RunOptions& options, int world_size) {
         throw InternalError("--collectives nccl: this build has no NCCL (not found at configure time)");
       }
       if (!own_gpu) {
-        throw CaseError("--collectives nccl: NCCL needs one GPU per rank: " + std::to_string(world_size) +
-                        " ranks, " + std::to_string(options.gpus) + " GPU(s) (use --gpus)");
+        throw CaseError("--collectives nccl: NCCL needs one GPU per rank: " + std::to_string(world_size) + " ranks, " +
+                        std::to_string(options.gpus) + " GPU(s) (use --gpus)");
       }
       info.collectives = "nccl";
       break;
@@ -255,8 +256,11 @@ RankJob run_rank(const Case& c, const InputSource& inputs, const Implementation&
                  : std::make_unique<HostOracle>(c, inputs, out, judgement, threads);
   job.checks = verify_rank(c, out, *oracle, groups, world, snapshot, &job.error_map);
   const auto end = Clock::now();
-  double t[6] = {std::chrono::duration<double>(kernel_done - start).count(), out.generate_seconds, out.compute_seconds,
-                 out.collective_seconds, std::chrono::duration<double>(end - kernel_done).count(),
+  double t[6] = {std::chrono::duration<double>(kernel_done - start).count(),
+                 out.generate_seconds,
+                 out.compute_seconds,
+                 out.collective_seconds,
+                 std::chrono::duration<double>(end - kernel_done).count(),
                  std::chrono::duration<double>(end - start).count()};
   world.allreduce_max(std::span<double>(t, 6));
   job.timings = {t[0], t[1], t[2], t[3], t[4], t[5]};

@@ -11,8 +11,8 @@
 #include "lossverify/checks/checks.hpp"
 #include "lossverify/comm/communicator.hpp"
 #include "lossverify/impl/catalogue.hpp"
-#include "lossverify/outputs/rank_output.hpp"
 #include "lossverify/inputs/input_source.hpp"
+#include "lossverify/outputs/rank_output.hpp"
 
 namespace lossverify {
 
@@ -63,10 +63,10 @@ void require_supported(const Implementation& impl, const Case& c);
 RunOptions options_for(const Implementation& impl, const RunOptions& options);
 
 struct RunTimings {
-  double ranks_wall = 0.0;           // slowest rank's kernel, generation included
-  double generate_max = 0.0;         // slowest rank's input generation
-  double compute_max = 0.0;          // slowest rank's compute, collectives excluded
-  double collectives_max = 0.0;      // slowest rank's time inside collectives
+  double ranks_wall = 0.0;            // slowest rank's kernel, generation included
+  double generate_max = 0.0;          // slowest rank's input generation
+  double compute_max = 0.0;           // slowest rank's compute, collectives excluded
+  double collectives_max = 0.0;       // slowest rank's time inside collectives
   double reference_and_checks = 0.0;  // slowest rank's verification
   double total = 0.0;
 };
@@ -81,7 +81,7 @@ struct RunResult {
   std::optional<LayoutSnapshot> snapshot;  // kept for sweeps
   ErrorMap error_map;                      // where the error sits (plots)
   ExecutionInfo execution;
-  std::vector<std::string> hints;  // what probably caused a failure, when the inputs tell (check-dump)
+  std::vector<std::string> hints;               // what probably caused a failure, when the inputs tell (check-dump)
   std::vector<std::int64_t> peak_rss_per_rank;  // one process per rank (MPI): each one's high-water mark
 };
 

@@ -9,11 +9,11 @@
 #include <span>
 
 #include "lossverify/comm/progress_beacon.hpp"
-#include "lossverify/math/cross_entropy_math.hpp"
-#include "lossverify/math/kd_math.hpp"
 #include "lossverify/impl/loss_protocol.hpp"
 #include "lossverify/impl/rank_plan.hpp"
 #include "lossverify/impl/row_loss.hpp"
+#include "lossverify/math/cross_entropy_math.hpp"
+#include "lossverify/math/kd_math.hpp"
 
 namespace lossverify {
 
@@ -22,9 +22,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-double seconds_since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
+double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
 // Sum of f(v) for v in [0, n) with 8 independent float32 lanes (vectorizable, shallow error growth).
 template <class F>
@@ -39,25 +37,31 @@ float lane_sum(std::int64_t n, F f) {
   return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
 }
 
-
 // The CPU kernel's side of the cross-entropy protocol over one micro-batch: float32 from the input dtype,
 // OpenMP over rows.
 template <class T>
 class CpuCrossEntropyShard final : public CrossEntropyShard {
  public:
   struct Geometry {
-    T* logits = nullptr;                // the micro-batch's first row of the kernel's columns
-    std::int64_t width = 0;             // columns the kernel sees
-    T* grad = nullptr;                  // the micro-batch's first gradient row
-    std::int64_t cols = 0;              // gradient columns (the rank's own)
-    std::int64_t column_offset = 0;     // first gradient column within the kernel's columns
-    std::int64_t label_offset = 0;      // label - this = the target's column among the kernel's columns
+    T* logits = nullptr;                 // the micro-batch's first row of the kernel's columns
+    std::int64_t width = 0;              // columns the kernel sees
+    T* grad = nullptr;                   // the micro-batch's first gradient row
+    std::int64_t cols = 0;               // gradient columns (the rank's own)
+    std::int64_t column_offset = 0;      // first gradient column within the kernel's columns
+    std::int64_t label_offset = 0;       // label - this = the target's column among the kernel's columns
     std::int64_t grad_label_offset = 0;  // label - this = the target's gradient column
   };
 
   CpuCrossEntropyShard(const Case& c, const BugSwitches& bugs, const RankPlan& plan, std::int64_t begin, std::int64_t n,
                        const Geometry& at, int threads, ProgressBeacon* beacon)
-      : case_(c), bugs_(bugs), plan_(plan), begin_(begin), n_(n), at_(at), threads_(threads), beacon_(beacon),
+      : case_(c),
+        bugs_(bugs),
+        plan_(plan),
+        begin_(begin),
+        n_(n),
+        at_(at),
+        threads_(threads),
+        beacon_(beacon),
         cap_(static_cast<float>(c.loss.softcap)) {}
 
   void local_max(std::span<float> max) override {
@@ -165,8 +169,16 @@ class CpuKdShard final : public KdShard {
  public:
   CpuKdShard(const Case& c, const BugSwitches& bugs, const RankPlan& plan, std::int64_t begin, std::int64_t n,
              std::int64_t cols, const T* student, const T* teacher, T* grad, ProgressBeacon* beacon)
-      : bugs_(bugs), plan_(plan), begin_(begin), n_(n), cols_(cols), student_(student), teacher_(teacher),
-        grad_(grad), beacon_(beacon), inverse_t_(static_cast<float>(1.0 / c.loss.temperature)),
+      : bugs_(bugs),
+        plan_(plan),
+        begin_(begin),
+        n_(n),
+        cols_(cols),
+        student_(student),
+        teacher_(teacher),
+        grad_(grad),
+        beacon_(beacon),
+        inverse_t_(static_cast<float>(1.0 / c.loss.temperature)),
         local_argmax_(static_cast<std::size_t>(n), 0) {}
 
   void local_maxima(std::span<float> maxima) override {
@@ -195,8 +207,8 @@ class CpuKdShard final : public KdShard {
       packed[static_cast<std::size_t>(i)] = lane_sum(cols_, [&](std::int64_t v) { return std::exp(a_of(i, v) - ma); });
       packed[static_cast<std::size_t>(n_ + i)] =
           lane_sum(cols_, [&](std::int64_t v) { return std::exp(b_of(i, v) - mb); });
-      packed[static_cast<std::size_t>(2 * n_ + i)] = lane_sum(
-          cols_, [&](std::int64_t v) { return std::exp(b_of(i, v) - mb) * (b_of(i, v) - a_of(i, v)); });
+      packed[static_cast<std::size_t>(2 * n_ + i)] =
+          lane_sum(cols_, [&](std::int64_t v) { return std::exp(b_of(i, v) - mb) * (b_of(i, v) - a_of(i, v)); });
       if (cross_entropy_value) {
         packed[static_cast<std::size_t>(3 * n_ + i)] =
             lane_sum(cols_, [&](std::int64_t v) { return std::exp(b_of(i, v) - mb) * (a_of(i, v) - ma); });
@@ -273,7 +285,8 @@ class RankKernel {
       T* s = student.data() + i * work_.size();
       if (row.token < 0) {
         inputs_.padding_logits(row.sequence, row.position, work_.begin, work_.end, s);
-        if (kd()) inputs_.padding_logits(row.sequence, row.position, work_.begin, work_.end, teacher.data() + i * work_.size());
+        if (kd())
+          inputs_.padding_logits(row.sequence, row.position, work_.begin, work_.end, teacher.data() + i * work_.size());
       } else {
         inputs_.logits(row.token, work_.begin, work_.end, s);
         if (kd()) inputs_.teacher_logits(row.token, work_.begin, work_.end, teacher.data() + i * work_.size());

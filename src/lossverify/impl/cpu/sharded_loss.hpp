@@ -2,8 +2,8 @@
 #include "lossverify/case/case.hpp"
 #include "lossverify/comm/rank_groups.hpp"
 #include "lossverify/impl/catalogue.hpp"
-#include "lossverify/outputs/rank_output.hpp"
 #include "lossverify/inputs/input_source.hpp"
+#include "lossverify/outputs/rank_output.hpp"
 
 namespace lossverify {
 

@@ -15,8 +15,8 @@
 #include "lossverify/core/stage_trace.hpp"
 #include "lossverify/cuda/cuda_check.hpp"
 #include "lossverify/cuda/device_buffer.hpp"
-#include "lossverify/impl/cuda/kernels.hpp"
 #include "lossverify/cuda/shard_inputs.hpp"
+#include "lossverify/impl/cuda/kernels.hpp"
 #include "lossverify/impl/loss_protocol.hpp"
 #include "lossverify/impl/rank_plan.hpp"
 #include "lossverify/impl/row_loss.hpp"
@@ -46,10 +46,10 @@ CrossEntropyConstants constants_for(const Case& c, const BugSwitches& bugs, floa
 class CudaCrossEntropyShard final : public CrossEntropyShard {
  public:
   struct Buffers {
-    GradArgs grad;            // the micro-batch's rows (row_max and log_sum point at the device copies)
-    void* logits = nullptr;   // writable view of the same logits (overwrites-input)
+    GradArgs grad;           // the micro-batch's rows (row_max and log_sum point at the device copies)
+    void* logits = nullptr;  // writable view of the same logits (overwrites-input)
     float* device_stats = nullptr;
-    float* host_stats = nullptr;  // page-locked, 4 per row
+    float* host_stats = nullptr;           // page-locked, 4 per row
     const std::int64_t* target = nullptr;  // host copy of the target columns, -1 where not in the shard
     const int* active = nullptr;           // host copy
   };
@@ -100,8 +100,8 @@ class CudaCrossEntropyShard final : public CrossEntropyShard {
     DeviceBytes d_row_max = upload(max.data(), max.size(), stream_);
     DeviceBytes d_sum_exp = upload(sum_exp.data(), sum_exp.size(), stream_);
     DeviceBytes d_out(out.size() * sizeof(float));
-    const SumLogProbArgs args{at_.grad.logits, at_.grad.rows, at_.grad.cols, at_.grad.active, d_row_max.as<float>(),
-                              d_sum_exp.as<float>()};
+    const SumLogProbArgs args{at_.grad.logits, at_.grad.rows,         at_.grad.cols,
+                              at_.grad.active, d_row_max.as<float>(), d_sum_exp.as<float>()};
     cross_entropy_sum_log_p(type_, args, k_, d_out.as<float>(), stream_);
     LV_CUDA(cudaGetLastError());
     LV_CUDA(cudaMemcpyAsync(out.data(), d_out.as<void>(), out.size_bytes(), cudaMemcpyDeviceToHost, stream_));
@@ -120,8 +120,8 @@ class CudaCrossEntropyShard final : public CrossEntropyShard {
     }
     if (bugs_.overwrites_input) {
       // The softmax over the kernel's own logits, and that buffer handed over as the gradient.
-      const SoftmaxInPlaceArgs args{at_.logits, at_.grad.grad, at_.grad.rows, at_.grad.cols, at_.grad.active,
-                                    at_.grad.row_max, at_.grad.log_sum};
+      const SoftmaxInPlaceArgs args{at_.logits,      at_.grad.grad,    at_.grad.rows,   at_.grad.cols,
+                                    at_.grad.active, at_.grad.row_max, at_.grad.log_sum};
       cross_entropy_softmax_in_place(type_, args, k_.softcap, stream_);
       LV_CUDA(cudaGetLastError());
       LV_CUDA(cudaStreamSynchronize(stream_));  // the protocol's host vectors go out of scope on return
@@ -130,8 +130,9 @@ class CudaCrossEntropyShard final : public CrossEntropyShard {
 
  private:
   void download_stats() {
-    LV_CUDA(cudaMemcpyAsync(at_.host_stats, at_.device_stats, static_cast<std::size_t>(at_.grad.rows) * 4 * sizeof(float),
-                            cudaMemcpyDeviceToHost, stream_));
+    LV_CUDA(cudaMemcpyAsync(at_.host_stats, at_.device_stats,
+                            static_cast<std::size_t>(at_.grad.rows) * 4 * sizeof(float), cudaMemcpyDeviceToHost,
+                            stream_));
     LV_CUDA(cudaStreamSynchronize(stream_));
   }
   void compute_stats() {
@@ -159,7 +160,11 @@ class CudaKdShard final : public KdShard {
   // `host_active`: the host copy of args.active.
   CudaKdShard(StorageType type, const KdStatsArgs& stats_args, const int* host_active, void* grad,
               const BugSwitches& bugs, cudaStream_t stream)
-      : type_(type), args_(stats_args), grad_(grad), bugs_(bugs), stream_(stream),
+      : type_(type),
+        args_(stats_args),
+        grad_(grad),
+        bugs_(bugs),
+        stream_(stream),
         stats_(static_cast<std::size_t>(stats_args.rows) * 8),
         active_(host_active, host_active + stats_args.rows) {}
 
@@ -202,10 +207,18 @@ class CudaKdShard final : public KdShard {
     DeviceBytes d_lse_b = upload(lse_b.data(), lse_b.size(), stream_);
     DeviceBytes d_w = upload(weight.data(), weight.size(), stream_);
     DeviceBytes d_arg = upload(argmax, stream_);
-    const KdGradArgs ga{args_.student,        args_.teacher,        grad_,
-                        args_.rows,           args_.cols,           args_.active,
-                        d_lse_a.as<float>(),  d_lse_b.as<float>(),  d_w.as<float>(),
-                        d_arg.as<float>(),    args_.inverse_temperature, bugs_.kd_untracked_allreduce};
+    const KdGradArgs ga{args_.student,
+                        args_.teacher,
+                        grad_,
+                        args_.rows,
+                        args_.cols,
+                        args_.active,
+                        d_lse_a.as<float>(),
+                        d_lse_b.as<float>(),
+                        d_w.as<float>(),
+                        d_arg.as<float>(),
+                        args_.inverse_temperature,
+                        bugs_.kd_untracked_allreduce};
     kd_grad(type_, ga, stream_);
     LV_CUDA(cudaGetLastError());
     LV_CUDA(cudaStreamSynchronize(stream_));  // the uploads above are freed on return
@@ -326,16 +339,27 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
     if (n == 0) continue;
     const std::size_t offset = static_cast<std::size_t>(b * cols) * element;
     if (kd) {
-      const KdStatsArgs sa{d_logits.as<std::byte>() + offset, d_teacher.as<std::byte>() + offset, n, cols,
-                           d_active.as<int>() + b, static_cast<float>(1.0 / c.loss.temperature)};
+      const KdStatsArgs sa{d_logits.as<std::byte>() + offset,
+                           d_teacher.as<std::byte>() + offset,
+                           n,
+                           cols,
+                           d_active.as<int>() + b,
+                           static_cast<float>(1.0 / c.loss.temperature)};
       CudaKdShard shard(type, sa, active.data() + b, d_grad.as<std::byte>() + offset, bugs, stream.get());
       kd_protocol(c, bugs, plan, groups, b, n, shard, out.token_loss);
       continue;
     }
     CudaCrossEntropyShard::Buffers at;
-    at.grad = GradArgs{d_logits.as<std::byte>() + offset, d_grad.as<std::byte>() + offset, n, cols,
-                       d_target.as<std::int64_t>() + b, d_active.as<int>() + b, d_valid.as<int>() + b,
-                       d_max.as<float>() + b, d_log_sum.as<float>() + b, d_weight.as<float>() + b};
+    at.grad = GradArgs{d_logits.as<std::byte>() + offset,
+                       d_grad.as<std::byte>() + offset,
+                       n,
+                       cols,
+                       d_target.as<std::int64_t>() + b,
+                       d_active.as<int>() + b,
+                       d_valid.as<int>() + b,
+                       d_max.as<float>() + b,
+                       d_log_sum.as<float>() + b,
+                       d_weight.as<float>() + b};
     at.logits = d_logits.as<std::byte>() + offset;
     at.device_stats = d_stats.as<float>() + 4 * b;
     at.host_stats = h_stats.as<float>() + 4 * b;
@@ -352,9 +376,10 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
     auto shard_columns = [&](const DeviceBytes& from) {
       DeviceBytes to(static_cast<std::size_t>(rows * out_cols) * element);
       if (rows > 0) {
-        LV_CUDA(cudaMemcpy2DAsync(to.as<void>(), static_cast<std::size_t>(out_cols) * element, from.as<std::byte>() + offset,
-                                  static_cast<std::size_t>(cols) * element, static_cast<std::size_t>(out_cols) * element,
-                                  static_cast<std::size_t>(rows), cudaMemcpyDeviceToDevice, stream.get()));
+        LV_CUDA(cudaMemcpy2DAsync(to.as<void>(), static_cast<std::size_t>(out_cols) * element,
+                                  from.as<std::byte>() + offset, static_cast<std::size_t>(cols) * element,
+                                  static_cast<std::size_t>(out_cols) * element, static_cast<std::size_t>(rows),
+                                  cudaMemcpyDeviceToDevice, stream.get()));
       }
       return to;
     };
@@ -381,9 +406,8 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
     out.has_reduced_loss = true;
     out.reduced_loss = *logged;
   }
-  out.collective_seconds =
-      groups.tp.collective_seconds() + groups.batch.collective_seconds() + groups.dp.collective_seconds() -
-      collectives_before;
+  out.collective_seconds = groups.tp.collective_seconds() + groups.batch.collective_seconds() +
+                           groups.dp.collective_seconds() - collectives_before;
   out.compute_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() -
                         out.generate_seconds - out.collective_seconds;
   return out;

@@ -7,8 +7,8 @@
 #include <vector>
 
 #include "lossverify/core/errors.hpp"
-#include "lossverify/impl/cuda/cuda_backend.hpp"
 #include "lossverify/cuda/cuda_check.hpp"
+#include "lossverify/impl/cuda/cuda_backend.hpp"
 #include "lossverify/impl/cuda/kernels.hpp"
 #include "lossverify/reference/loss_reference.hpp"
 
@@ -65,7 +65,9 @@ nlohmann::json bench(const BenchOptions& o) {
   const std::int64_t cols = o.vocab;  // the rank's shard width
   const std::size_t element = dtype_size(o.dtype);
   const std::size_t bytes = static_cast<std::size_t>(rows * cols) * element;
-  const StorageType type = o.dtype == DType::bf16 ? StorageType::bf16 : o.dtype == DType::fp16 ? StorageType::fp16 : StorageType::fp32;
+  const StorageType type = o.dtype == DType::bf16   ? StorageType::bf16
+                           : o.dtype == DType::fp16 ? StorageType::fp16
+                                                    : StorageType::fp32;
 
   // 1. The bandwidth ceiling: a device-to-device copy, bytes read plus bytes written.
   const std::size_t copy_bytes = std::size_t{2} << 30;
@@ -95,9 +97,18 @@ nlohmann::json bench(const BenchOptions& o) {
   LV_CUDA(cudaMemcpy(d_one.p, ones.data(), ones.size() * 4, cudaMemcpyHostToDevice));
   Buffer logits_a(bytes), logits_b(bytes), grad(bytes);
   for (int set = 0; set < 2; ++set) {
-    GenerateArgs g{static_cast<std::uint64_t>(7 + set), static_cast<int>(InputStream::student_logits),
-                   static_cast<std::int64_t*>(d_counters.p), static_cast<int*>(d_zero.p), rows, 0, cols,
-                   static_cast<int>(LogitDistribution::normal), 0.0, 2.0, 0.0, 2.0};
+    GenerateArgs g{static_cast<std::uint64_t>(7 + set),
+                   static_cast<int>(InputStream::student_logits),
+                   static_cast<std::int64_t*>(d_counters.p),
+                   static_cast<int*>(d_zero.p),
+                   rows,
+                   0,
+                   cols,
+                   static_cast<int>(LogitDistribution::normal),
+                   0.0,
+                   2.0,
+                   0.0,
+                   2.0};
     generate_logits(type, g, set == 0 ? logits_a.p : logits_b.p, stream);
   }
   const InputSource inputs(c);
@@ -110,11 +121,19 @@ nlohmann::json bench(const BenchOptions& o) {
   LV_CUDA(cudaMemcpy(d_weight.p, weight.data(), weight.size() * 4, cudaMemcpyHostToDevice));
   const float alpha = static_cast<float>(o.label_smoothing);
   const float v = static_cast<float>(c.shape.vocab);
-  CrossEntropyConstants k{1.0f - alpha + alpha / v, alpha / v, 1.0f - alpha + alpha / v, alpha / v, 0.0f, 0.0f, 0, 0, 0};
+  CrossEntropyConstants k{
+      1.0f - alpha + alpha / v, alpha / v, 1.0f - alpha + alpha / v, alpha / v, 0.0f, 0.0f, 0, 0, 0};
   auto args_for = [&](int i) {
-    return GradArgs{i % 2 == 0 ? logits_a.p : logits_b.p, grad.p, rows, cols,
-                    static_cast<std::int64_t*>(d_target.p), static_cast<int*>(d_one.p), static_cast<int*>(d_one.p),
-                    static_cast<float*>(d_max.p), static_cast<float*>(d_log_sum.p), static_cast<float*>(d_weight.p)};
+    return GradArgs{i % 2 == 0 ? logits_a.p : logits_b.p,
+                    grad.p,
+                    rows,
+                    cols,
+                    static_cast<std::int64_t*>(d_target.p),
+                    static_cast<int*>(d_one.p),
+                    static_cast<int*>(d_one.p),
+                    static_cast<float*>(d_max.p),
+                    static_cast<float*>(d_log_sum.p),
+                    static_cast<float*>(d_weight.p)};
   };
 
   // 3. The kernels.
@@ -153,7 +172,8 @@ nlohmann::json bench(const BenchOptions& o) {
   const int samples = 32;
   for (int s = 0; s < samples; ++s) {
     const std::int64_t row = (static_cast<std::int64_t>(s) * 7919) % rows;
-    LV_CUDA(cudaMemcpy(host_grad.data(), static_cast<std::byte*>(grad.p) + static_cast<std::size_t>(row * cols) * element,
+    LV_CUDA(cudaMemcpy(host_grad.data(),
+                       static_cast<std::byte*>(grad.p) + static_cast<std::size_t>(row * cols) * element,
                        host_grad.size(), cudaMemcpyDeviceToHost));
     inputs.logits(row, 0, cols, x.data());
     reference.evaluate(row, x, {}, expected);

@@ -12,10 +12,10 @@ struct CrossEntropyConstants {
   float q_on_forward, q_off_forward;    // target distribution in the forward
   float q_on_backward, q_off_backward;  // and in the backward (they differ under catalogued bugs)
   float z_loss_weight;
-  float softcap;                  // 0: off
-  int no_max_shift;               // catalogued: exp(x) without the max
-  int zloss_grad_after_smoothing; // catalogued: (p - q)(1 + 2 w_z lse)
-  int grad_rounded_early;         // catalogued: rounded to the output dtype before the row weight
+  float softcap;                   // 0: off
+  int no_max_shift;                // catalogued: exp(x) without the max
+  int zloss_grad_after_smoothing;  // catalogued: (p - q)(1 + 2 w_z lse)
+  int grad_rounded_early;          // catalogued: rounded to the output dtype before the row weight
 };
 
 // Pass 1, per row: the local max M_r, S_r = sum exp(x - M_r), Z_r = sum (x - M_r) and the target logit

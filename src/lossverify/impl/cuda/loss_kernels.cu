@@ -1,9 +1,9 @@
 // Cross-entropy kernels of the CUDA backend: one block per row (a persistent grid), 16-byte vector
 // loads where the rows allow them, online softmax statistics in pass 1, the gradient in pass 2.
 // The per-element math is the HOST_DEVICE code the CPU kernel uses.
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -197,7 +197,8 @@ __device__ void row_stats(const T* row, std::int64_t cols, std::int64_t target, 
       consume(*reinterpret_cast<const V*>(&raw));
     }
   } else {
-    for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) o.add(load_capped(widen<T>(row[c]), k.softcap), no_shift);
+    for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x)
+      o.add(load_capped(widen<T>(row[c]), k.softcap), no_shift);
   }
   if (threadIdx.x == 0 && target >= 0) target_value = load_capped(widen<T>(row[target]), k.softcap);
   float m = o.m, s = o.s, sum_x = o.sum_x;
@@ -298,7 +299,8 @@ bool can_vectorize(const void* a, const void* b, std::int64_t cols) {
 }
 
 template <class T>
-__global__ void __launch_bounds__(kThreads) stats_kernel(StatsArgs a, CrossEntropyConstants k, float* out, bool vectorized) {
+__global__ void __launch_bounds__(kThreads)
+    stats_kernel(StatsArgs a, CrossEntropyConstants k, float* out, bool vectorized) {
   const T* logits = static_cast<const T*>(a.logits);
   for (std::int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
     float* o = out + 4 * r;
@@ -329,8 +331,8 @@ __global__ void __launch_bounds__(kThreads) grad_kernel(GradArgs a, CrossEntropy
 }
 
 template <class T>
-__global__ void __launch_bounds__(kThreads) fused_kernel(GradArgs a, CrossEntropyConstants k, float* row_stats_out,
-                                                         bool vectorized, L2Hint l2_hint) {
+__global__ void __launch_bounds__(kThreads)
+    fused_kernel(GradArgs a, CrossEntropyConstants k, float* row_stats_out, bool vectorized, L2Hint l2_hint) {
   const T* logits = static_cast<const T*>(a.logits);
   T* grad = static_cast<T*>(a.grad);
   for (std::int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
@@ -408,11 +410,10 @@ __device__ __forceinline__ void barrier_wait(std::uint64_t* barrier, std::uint32
   const std::uint32_t b = smem_address(barrier);
   std::uint32_t done = 0;
   while (!done) {
-    asm volatile(
-        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-        : "=r"(done)
-        : "r"(b), "r"(parity)
-        : "memory");
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done)
+                 : "r"(b), "r"(parity)
+                 : "memory");
   }
 }
 
@@ -578,7 +579,8 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
       for (int e = 0; e < V::kCount; ++e) zero.v[e] = narrow<T>(0.0f);
 #pragma unroll
       for (int j = 0; j < kResidentVectors; ++j) {
-        if (j * kBlock < limit) __stcs(reinterpret_cast<int4*>(mine_grad + j * kBlock), *reinterpret_cast<const int4*>(&zero));
+        if (j * kBlock < limit)
+          __stcs(reinterpret_cast<int4*>(mine_grad + j * kBlock), *reinterpret_cast<const int4*>(&zero));
       }
       if (rank == 0 && threadIdx.x == 0) o[0] = o[1] = o[2] = o[3] = 0.0f;
       continue;
@@ -910,7 +912,6 @@ LaunchShape launch_shape(std::int64_t rows, std::int64_t cols) {
   return {static_cast<int>(std::min<std::int64_t>(rows, blocks)), threads};
 }
 
-
 }  // namespace
 
 void cross_entropy_stats(StorageType type, const StatsArgs& args, const CrossEntropyConstants& k, float* out,
@@ -1027,8 +1028,8 @@ ResidentVariant resident_variant(const CrossEntropyConstants& k) {
   return {resident_fused_kernel<T, 256, 4, false>, 256};
 }
 
-bool launch_resident(const ResidentVariant& variant, const GradArgs& args, const CrossEntropyConstants& k, float* row_stats,
-                     int cluster, cudaStream_t stream) {
+bool launch_resident(const ResidentVariant& variant, const GradArgs& args, const CrossEntropyConstants& k,
+                     float* row_stats, int cluster, cudaStream_t stream) {
   const ResidentKernel kernel = variant.kernel;
   const int block = variant.block;
   cudaLaunchAttribute attribute[1];
@@ -1097,8 +1098,9 @@ void cross_entropy_fused(StorageType type, const GradArgs& args, const CrossEntr
       const char* e = std::getenv("LOSSVERIFY_FUSED_L2");
       return e == nullptr || std::string_view(e) != "none";
     }();
-    fused_kernel<T><<<shape.blocks, shape.threads, 0, s>>>(
-        args, k, row_stats_out, can_vectorize<T>(args.logits, args.grad, args.cols), hints ? L2Hint::keep : L2Hint::none);
+    fused_kernel<T><<<shape.blocks, shape.threads, 0, s>>>(args, k, row_stats_out,
+                                                           can_vectorize<T>(args.logits, args.grad, args.cols),
+                                                           hints ? L2Hint::keep : L2Hint::none);
   });
 }
 

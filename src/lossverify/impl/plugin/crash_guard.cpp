@@ -41,12 +41,18 @@ void say_number(int value) {
 }
 const char* signal_name(int sig) {
   switch (sig) {
-    case SIGSEGV: return "SIGSEGV (invalid memory access)";
-    case SIGBUS: return "SIGBUS";
-    case SIGFPE: return "SIGFPE (arithmetic fault)";
-    case SIGILL: return "SIGILL";
-    case SIGABRT: return "SIGABRT (abort, e.g. an uncaught C++ exception)";
-    default: return "a fatal signal";
+    case SIGSEGV:
+      return "SIGSEGV (invalid memory access)";
+    case SIGBUS:
+      return "SIGBUS";
+    case SIGFPE:
+      return "SIGFPE (arithmetic fault)";
+    case SIGILL:
+      return "SIGILL";
+    case SIGABRT:
+      return "SIGABRT (abort, e.g. an uncaught C++ exception)";
+    default:
+      return "a fatal signal";
   }
 }
 

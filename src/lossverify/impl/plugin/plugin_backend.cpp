@@ -47,7 +47,7 @@ int plugin_allreduce(void* context, lv_group group, void* data, int64_t count, l
                  std::to_string(static_cast<int>(op));
     return 1;
   }
-  const ElementType type = element == LV_ELEMENT_F32 ? ElementType::f32
+  const ElementType type = element == LV_ELEMENT_F32   ? ElementType::f32
                            : element == LV_ELEMENT_F64 ? ElementType::f64
                                                        : ElementType::i64;
   try {

@@ -7,8 +7,8 @@
 #include "lossverify/case/case.hpp"
 #include "lossverify/impl/cpu/sharded_loss.hpp"
 #include "lossverify/impl/plugin/plugin_library.hpp"
-#include "lossverify/outputs/rank_output.hpp"
 #include "lossverify/inputs/input_source.hpp"
+#include "lossverify/outputs/rank_output.hpp"
 
 namespace lossverify {
 

@@ -62,7 +62,8 @@ void validate_entry(const PluginLibrary& lib, const std::string& spec) {
   const lv_plugin& p = *lib.entry;
   if (p.abi_version != LV_PLUGIN_ABI_VERSION) {
     refuse(spec, "plugin ABI version " + std::to_string(p.abi_version) + ", but this lossverify implements version " +
-                     std::to_string(LV_PLUGIN_ABI_VERSION) + " (rebuild the plugin against this include/lossverify/plugin.h)");
+                     std::to_string(LV_PLUGIN_ABI_VERSION) +
+                     " (rebuild the plugin against this include/lossverify/plugin.h)");
   }
   if (p.run_rank == nullptr) refuse(spec, "the plugin's run_rank is NULL");
   if (p.memory != LV_MEMORY_HOST && p.memory != LV_MEMORY_CUDA) {
@@ -75,7 +76,8 @@ void validate_entry(const PluginLibrary& lib, const std::string& spec) {
     char error[1024] = {};
     if (p.check_params(lib.params.c_str(), error, sizeof(error)) != 0) {
       error[sizeof(error) - 1] = '\0';
-      refuse(spec, "the plugin refuses its parameters \"" + lib.params + "\"" + (error[0] != '\0' ? ": " + std::string(error) : ""));
+      refuse(spec, "the plugin refuses its parameters \"" + lib.params + "\"" +
+                       (error[0] != '\0' ? ": " + std::string(error) : ""));
     }
   }
 }

@@ -23,8 +23,9 @@ void check(cudaError_t e, const char* what) {
 }
 #else
 [[noreturn]] void no_cuda() {
-  throw InternalError("the plugin declares CUDA device memory, but this build has no CUDA (the CUDA toolkit was not "
-                      "found at configure time)");
+  throw InternalError(
+      "the plugin declares CUDA device memory, but this build has no CUDA (the CUDA toolkit was not "
+      "found at configure time)");
 }
 #endif
 

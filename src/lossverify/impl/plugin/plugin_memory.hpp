@@ -17,8 +17,8 @@ class Buffer {
 
   void* data() const { return data_; }
   std::size_t size() const { return bytes_; }
-  void upload(const void* host);      // size() bytes from the host
-  void download(void* host) const;    // size() bytes to the host
+  void upload(const void* host);    // size() bytes from the host
+  void download(void* host) const;  // size() bytes to the host
   bool guard_intact() const;
 
  private:

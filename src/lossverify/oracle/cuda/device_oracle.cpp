@@ -19,7 +19,8 @@ class DeviceOracle final : public Oracle {
         out_(out),
         reference_(c, inputs),
         compare_early_(whole_rows && c.loss.kind != LossKind::kd) {
-    if (!shard_ || !out_.device_shard) throw InternalError("the GPU oracle needs its inputs and the rank's gradient on the GPU");
+    if (!shard_ || !out_.device_shard)
+      throw InternalError("the GPU oracle needs its inputs and the rank's gradient on the GPU");
     compare_.atol = judgement.tolerance.atol;
     compare_.rtol = judgement.tolerance.rtol;
     compare_.max_ulp = judgement.tolerance.max_ulp;
@@ -85,10 +86,16 @@ class DeviceOracle final : public Oracle {
       const LocalRow& row = out_.assignment.rows[k];
       const bool padding = row.token < 0;
       RowJudgement& j = rows_[k];
-      j.grad = PackedStats{rc.compared, rc.mismatches, rc.max_ulp, rc.compared > 0, rc.max_abs, rc.max_rel, rc.margin,
-                           PackedElement{row.token, begin + rc.worst_column, rank, padding ? row.sequence : -1,
-                                         padding ? row.position : -1, rc.worst_expected, rc.worst_got,
-                                         rc.worst_tolerance}};
+      j.grad =
+          PackedStats{rc.compared,
+                      rc.mismatches,
+                      rc.max_ulp,
+                      rc.compared > 0,
+                      rc.max_abs,
+                      rc.max_rel,
+                      rc.margin,
+                      PackedElement{row.token, begin + rc.worst_column, rank, padding ? row.sequence : -1,
+                                    padding ? row.position : -1, rc.worst_expected, rc.worst_got, rc.worst_tolerance}};
       j.sum = rc.sum;
       j.sum_error = rc.sum_error;
       j.magnitude = rc.magnitude;

@@ -78,7 +78,7 @@ struct ReferenceWorkspace {
   InputLayout layout;
   Stream stream;
   Event partials_start, partials_end, compare_start, compare_end;  // LOSSVERIFY_TRACE: the kernels' own times
-  Event partials_done;  // the partials are on the host
+  Event partials_done;                                             // the partials are on the host
   bool partials_pending = false;
   bool partials_ready = false;  // waited for: their values are on the device and the host
   bool compare_pending = false;
@@ -123,9 +123,9 @@ std::shared_ptr<OracleShard> make_oracle_shard(const Case& c, const InputSource&
                                                const RankAssignment& assignment, int device) {
   LV_CUDA(cudaSetDevice(device));
   const VocabRange columns = assignment.vocab;
-  auto oracle = std::make_shared<OracleShard>(device, storage_of(c.inputs.dtype),
-                                              static_cast<std::int64_t>(assignment.rows.size()), columns.size(),
-                                              columns.begin);
+  auto oracle =
+      std::make_shared<OracleShard>(device, storage_of(c.inputs.dtype),
+                                    static_cast<std::int64_t>(assignment.rows.size()), columns.size(), columns.begin);
   oracle->inputs = generate_shard_inputs(c, inputs, assignment, columns, oracle->workspace.stream.get());
   // The reference kernels' code, loaded while the inputs are generated (once per process and device).
   preload_reference_kernels(oracle->type, c.loss.kind == LossKind::kd, c.loss.softcap,
@@ -203,8 +203,14 @@ std::vector<double> gpu_reference_kl(OracleShard& oracle, const Case& c, const s
   DeviceBytes d_teacher_lse = upload(teacher_lse, stream.get());
   const std::vector<double> zeros(static_cast<std::size_t>(2 * oracle.rows), 0.0);
   DeviceBytes d_out = upload(zeros, stream.get());
-  ReferenceKlArgs a{oracle.inputs.student.as<void>(), oracle.inputs.teacher.as<void>(), oracle.rows, oracle.cols,
-                    d_valid.as<int>(), d_lse.as<double>(), d_teacher_lse.as<double>(), 1.0 / c.loss.temperature};
+  ReferenceKlArgs a{oracle.inputs.student.as<void>(),
+                    oracle.inputs.teacher.as<void>(),
+                    oracle.rows,
+                    oracle.cols,
+                    d_valid.as<int>(),
+                    d_lse.as<double>(),
+                    d_teacher_lse.as<double>(),
+                    1.0 / c.loss.temperature};
   reference_kl(oracle.type, a, d_out.as<double>(), stream.get());
   LV_CUDA(cudaGetLastError());
   return download<double>(d_out, zeros.size(), stream.get());
@@ -225,8 +231,8 @@ void gpu_reference_compare_launch(OracleShard& oracle, const DeviceShard& output
     throw InternalError("gpu reference compare: the host's lse while the partials are in flight");
   }
   const auto rows = static_cast<std::size_t>(oracle.rows);
-  if (in.kind.size() != rows || in.labels.size() != rows || in.lse.size() != rows ||
-      in.teacher_lse.size() != rows || in.weight.size() != rows) {
+  if (in.kind.size() != rows || in.labels.size() != rows || in.lse.size() != rows || in.teacher_lse.size() != rows ||
+      in.weight.size() != rows) {
     throw InternalError("gpu reference compare: per-row arrays do not match the shard's rows");
   }
   std::memcpy(ws.host_in<int>(ws.layout.flags), in.kind.data(), rows * sizeof(int));

@@ -8,9 +8,9 @@
 #include <vector>
 
 #include "lossverify/case/case.hpp"
+#include "lossverify/inputs/input_source.hpp"
 #include "lossverify/oracle/cuda/reference_kernels.hpp"
 #include "lossverify/outputs/rank_output.hpp"
-#include "lossverify/inputs/input_source.hpp"
 
 namespace lossverify::cuda {
 

@@ -178,9 +178,8 @@ __constant__ double kExp2Fractions[32] = {
     0x1.b7f76f2fb5e47p+0, 0x1.c199bdd85529cp+0, 0x1.cb720dcef9069p+0, 0x1.d5818dcfba487p+0, 0x1.dfc97337b9b5fp+0,
     0x1.ea4afa2a490dap+0, 0x1.f50765b6e4540p+0};
 // 32 / ln 2; ln 2 / 32 in two parts; 1/6!, 1/5!, 1/4!, 1/3!
-__constant__ double kExpConstants[7] = {0x1.71547652b82fep+5, 0x1.62e42fefa39efp-6, 0x1.abc9e3b39803fp-61,
-                                        1.0 / 720.0,           1.0 / 120.0,           1.0 / 24.0,
-                                        1.0 / 6.0};
+__constant__ double kExpConstants[7] = {
+    0x1.71547652b82fep+5, 0x1.62e42fefa39efp-6, 0x1.abc9e3b39803fp-61, 1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0};
 
 // Every thread of the block calls it before the first exp_reference (it synchronizes the block).
 __device__ __forceinline__ void load_exp_table(double* table) {
@@ -191,7 +190,7 @@ __device__ __noinline__ double exp_far(double d) { return exp(d); }
 
 __device__ __forceinline__ double exp_reference(double d, const double* table) {
   if (!(d >= -707.0 && d <= 0.0)) return exp_far(d);  // positive, far below, -inf or NaN: the library's exp
-  constexpr double kMagic = 0x1.8p52;                  // adding it rounds to an integer, left in the low word
+  constexpr double kMagic = 0x1.8p52;                 // adding it rounds to an integer, left in the low word
   const double t = fma(d, kExpConstants[0], kMagic);
   const int n = __double2loint(t);
   const double nd = t - kMagic;
@@ -248,8 +247,12 @@ struct Bf16Codes {
   __device__ static unsigned code_of(unsigned slot) { return (kLow + (slot >> 1)) | ((slot & 1u) << 15); }
   __device__ static float value(unsigned code) { return __uint_as_float(code << 16); }
   // The 32-bit word of 16 bytes that holds the k-th of their eight bf16 codes, and that code twice.
-  __device__ static unsigned word_at(const uint4& w, int k) { return k < 4 ? (k < 2 ? w.x : w.y) : (k < 6 ? w.z : w.w); }
-  __device__ static unsigned twice_at(const uint4& w, int k) { return __byte_perm(word_at(w, k), 0u, (k & 1) ? 0x3232u : 0x1010u); }
+  __device__ static unsigned word_at(const uint4& w, int k) {
+    return k < 4 ? (k < 2 ? w.x : w.y) : (k < 6 ? w.z : w.w);
+  }
+  __device__ static unsigned twice_at(const uint4& w, int k) {
+    return __byte_perm(word_at(w, k), 0u, (k & 1) ? 0x3232u : 0x1010u);
+  }
   // The k-th code, its slot, and its value as a float (exact: a bf16 is a float's upper half).
   __device__ static unsigned code_at(const uint4& w, int k) { return (word_at(w, k) >> ((k & 1) * 16)) & 0xffffu; }
   __device__ static unsigned slot_at(const uint4& w, int k) { return slot_of_pair(twice_at(w, k)); }
@@ -273,7 +276,8 @@ struct Bf16Codes {
 };
 
 template <class T, bool kTables>
-__global__ void __launch_bounds__(kReferenceThreads) partials_kernel(ReferencePartialArgs a, double* out, bool vectorized) {
+__global__ void __launch_bounds__(kReferenceThreads)
+    partials_kernel(ReferencePartialArgs a, double* out, bool vectorized) {
   __shared__ double table[32];
   __shared__ double exp_of_code[kTables ? Bf16Codes::kSlots : 1];
   load_exp_table(table);
@@ -478,7 +482,8 @@ struct CompareState {
     }
     if (error > max_abs) max_abs = error;
     // The division only where it can raise the maximum (the factor covers the product's rounding).
-    if (expected != 0.0 && error > max_rel * fabs(expected) * (1.0 - 1e-12)) max_rel = fmax(max_rel, error / fabs(expected));
+    if (expected != 0.0 && error > max_rel * fabs(expected) * (1.0 - 1e-12))
+      max_rel = fmax(max_rel, error / fabs(expected));
   }
   __device__ __forceinline__ void worst(int column, double m, double expected, double got, double tolerance) {
     if (worst_column < 0 || m > margin || (m == margin && column < worst_column)) {
@@ -509,7 +514,9 @@ struct CompareState {
 // columns are below 2^31 (a row has at most INT_MAX columns), so they travel as 32-bit values.
 __device__ __forceinline__ void merge_down(CompareState& x, int offset) {
   constexpr unsigned kAll = 0xffffffffu;
-  const auto down32 = [&](std::int64_t v) { return static_cast<std::int64_t>(__shfl_down_sync(kAll, static_cast<int>(v), offset)); };
+  const auto down32 = [&](std::int64_t v) {
+    return static_cast<std::int64_t>(__shfl_down_sync(kAll, static_cast<int>(v), offset));
+  };
   const auto down = [&](auto v) { return __shfl_down_sync(kAll, v, offset); };
   x.compared += down32(x.compared);
   x.lookups += down32(x.lookups);
@@ -562,7 +569,7 @@ __device__ __forceinline__ void merge_down(CompareState& x, int offset) {
 // codes outside the table, any other g) is judged in full.
 // Table rows take the softmax as exp(x) exp(-lse), exp(x) from the block's table (|lse| <= 600: both
 // factors normal) and, for codes outside it, exp(x - lse) directly where |x| > 700.
-constexpr int kTableThreads = 512;  // two blocks per SM (the tables take 106 KB); 64 registers
+constexpr int kTableThreads = 512;   // two blocks per SM (the tables take 106 KB); 64 registers
 constexpr int kMissCapacity = 2048;  // a row with more misses is judged again, in full
 // A code's gradient entry: bit 31 set where the judgement of its likeliest gradient is inert (0 otherwise,
 // and for the slot outside the table), bits 16-30 that judgement's margin in [0, 1] quantized (monotone:
@@ -575,7 +582,9 @@ __device__ __forceinline__ unsigned table_entry(bool inert, double margin, unsig
   const unsigned key = margin >= 1.0 ? 0x7fffu : static_cast<unsigned>(margin * 32768.0);
   return kInert | (key << 16) | likeliest;
 }
-__device__ __forceinline__ bool table_hit(unsigned entry, unsigned g_code) { return (entry & 0x8000ffffu) == (g_code | kInert); }
+__device__ __forceinline__ bool table_hit(unsigned entry, unsigned g_code) {
+  return (entry & 0x8000ffffu) == (g_code | kInert);
+}
 __device__ __forceinline__ unsigned table_gradient(unsigned entry) { return entry & 0xffffu; }
 constexpr std::int64_t kPrefetchBytes = 32 * 1024;  // per block and array: 264 blocks x 64 KB stay within L2
 constexpr std::size_t kTableSharedBytes =
@@ -583,14 +592,14 @@ constexpr std::size_t kTableSharedBytes =
     kMissCapacity * sizeof(int);
 
 template <class T, bool kTables, int kThreads>
-__global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(ReferenceCompareArgs a, RowComparison* out,
-                                                                             bool vectorized) {
+__global__ void __launch_bounds__(kThreads, kTables ? 2 : 4)
+    compare_kernel(ReferenceCompareArgs a, RowComparison* out, bool vectorized) {
   __shared__ double table[32];
-  extern __shared__ double code_tables[];  // kTables: per code exp(x), then per row margin, g code, hits
-  __shared__ int miss_count;               // kTables: the row's elements that missed the table
+  extern __shared__ double code_tables[];        // kTables: per code exp(x), then per row margin, g code, hits
+  __shared__ int miss_count;                     // kTables: the row's elements that missed the table
   __shared__ unsigned long long worst_hit_bits;  // kTables: the largest margin of a hit code (its bits)
   __shared__ int worst_hit_codes, worst_hit_slot, worst_hit_column;
-  __shared__ unsigned top_entry;  // kTables: the largest entry among the pass's hits
+  __shared__ unsigned top_entry;               // kTables: the largest entry among the pass's hits
   __shared__ int top_entry_codes, top_column;  // kTables: the hit codes with that entry; its first hit's column
   double* const exp_of_code = code_tables;
   double* const code_margin = exp_of_code + Bf16Codes::kSlots;
@@ -615,7 +624,7 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
     const double weight = kind == 0 ? a.weight[r] : 0.0;
     const double token_scale = fabs(weight) * a.grad_scale;
     const double floor = a.atol * token_scale + a.quantum * fs;
-    const double lse = kind != 0             ? 0.0
+    const double lse = kind != 0               ? 0.0
                        : a.partials != nullptr ? a.partials[8 * r] + log(a.partials[8 * r + 1] + a.partials[8 * r + 2])
                                                : a.lse[r];
     const double teacher_lse = kind == 0 && a.kd ? a.teacher_lse[r] : 0.0;
@@ -640,7 +649,8 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
       const double xv = xf;
       if (a.kd) {
         const double t = a.temperature;
-        return kd_scale * (exp_reference(xv / t - lse, table) - exp_reference(static_cast<double>(yf) / t - teacher_lse, table));
+        return kd_scale *
+               (exp_reference(xv / t - lse, table) - exp_reference(static_cast<double>(yf) / t - teacher_lse, table));
       }
       const double p = student_p(xf);
       double d = p * z_factor - (v == label ? a.q_on : a.q_off);
@@ -656,7 +666,8 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
       const double got_local = gf;
       const double got = got_local * fs;
       const double magnitude_local = fabs(got_local);
-      if (!(magnitude_local >= a.smallest_normal && magnitude_local <= DBL_MAX)) s.census(v, got_local, a.smallest_normal);
+      if (!(magnitude_local >= a.smallest_normal && magnitude_local <= DBL_MAX))
+        s.census(v, got_local, a.smallest_normal);
       ++s.compared;
       if (kind == 2) {  // CP padding: masked, exactly zero
         const bool mismatch = got != 0.0;
@@ -678,7 +689,8 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
         if (!(in_spacings < 0.5)) {
           s.max_ulp = max(s.max_ulp, ulp_distance(got_local, local_expected, a.dtype));
         }
-        const double by_ulp = a.max_ulp == 1 ? in_spacings : local_error / (a.max_ulp * ulp_size(local_expected, a.dtype));
+        const double by_ulp =
+            a.max_ulp == 1 ? in_spacings : local_error / (a.max_ulp * ulp_size(local_expected, a.dtype));
         // m = min(by_ulp, by_floor) <= by_ulp: when by_ulp is within 1 and below the worst so far, the
         // element neither mismatches nor becomes the worst, and by_floor is not needed.
         if (s.worst_column < 0 || !(by_ulp <= 1.0 && by_ulp < s.margin)) {
@@ -806,7 +818,9 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
           const uint4 xv = x4[best_pack];
           const uint4 gv = g4[best_pack];
           int k = 0;
-          while (k < 7 && !(code_g[Bf16Codes::slot_at(xv, k)] == best_entry && table_hit(best_entry, Bf16Codes::code_at(gv, k)))) ++k;
+          while (k < 7 &&
+                 !(code_g[Bf16Codes::slot_at(xv, k)] == best_entry && table_hit(best_entry, Bf16Codes::code_at(gv, k))))
+            ++k;
           atomicMin(&top_column, best_pack * 8 + k);
         }
         for (int j = threadIdx.x; j < misses; j += kThreads) {
@@ -824,7 +838,8 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
         for (int i = threadIdx.x; i < Bf16Codes::kEntries; i += kThreads) {
           const unsigned n = code_hits[i];
           if (n == 0) continue;
-          const double expected = expected_at(kNotLabel, Bf16Codes::value(Bf16Codes::code_of(static_cast<unsigned>(i))), 0.0f);
+          const double expected =
+              expected_at(kNotLabel, Bf16Codes::value(Bf16Codes::code_of(static_cast<unsigned>(i))), 0.0f);
           const double got_local = Bf16Codes::value(table_gradient(code_g[i]));
           const double got = got_local * fs;
           st.extrema(expected, got == expected ? 0.0 : fabs(got - expected));
@@ -833,7 +848,8 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
           worst_margin = fmax(worst_margin, code_margin[i]);
         }
         // Margins of inert judgements are finite and >= 0: their bits order as the values do.
-        if (worst_margin >= 0.0) atomicMax(&worst_hit_bits, static_cast<unsigned long long>(__double_as_longlong(worst_margin)));
+        if (worst_margin >= 0.0)
+          atomicMax(&worst_hit_bits, static_cast<unsigned long long>(__double_as_longlong(worst_margin)));
         __syncthreads();
         const double worst_hit_margin = __longlong_as_double(static_cast<long long>(worst_hit_bits));
         for (int i = threadIdx.x; i < Bf16Codes::kEntries; i += kThreads) {
@@ -848,8 +864,8 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
         __syncthreads();
         // One code holds the largest margin, and only it has the largest entry: the pass found its first hit
         // (unless that was the label's element, whose count was undone).
-        const bool found_in_pass = worst_hit_codes == 1 && top_entry_codes == 1 && code_g[worst_hit_slot] == top_entry &&
-                                   top_column != INT_MAX && top_column != label;
+        const bool found_in_pass = worst_hit_codes == 1 && top_entry_codes == 1 &&
+                                   code_g[worst_hit_slot] == top_entry && top_column != INT_MAX && top_column != label;
         if (found_in_pass) {
           if (threadIdx.x == 0) {
             const unsigned index = static_cast<unsigned>(worst_hit_slot);
@@ -867,7 +883,8 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4) compare_kernel(Refe
 #pragma unroll
               for (int k = 0; k < 8; ++k) {
                 const unsigned index = Bf16Codes::slot_at(xv, k);
-                if (!found && code_hits[index] != 0 && table_hit(code_g[index], Bf16Codes::code_at(gv, k)) && i * 8 + k != label) {
+                if (!found && code_hits[index] != 0 && table_hit(code_g[index], Bf16Codes::code_at(gv, k)) &&
+                    i * 8 + k != label) {
                   atomicMin(&worst_hit_column, i * 8 + k);
                   found = true;
                 }
@@ -1016,10 +1033,11 @@ void reference_compare(StorageType type, const ReferenceCompareArgs& args, RowCo
     const bool vectorized = rows_vectorizable<T>(args.cols, {args.student, args.teacher, args.grad});
     const CompareLaunch l = compare_launch_for<T>(use_code_tables<T>(args.kd != 0, args.softcap, vectorized));
     if (l.shared_bytes > 0) {
-      LV_CUDA(cudaFuncSetAttribute(l.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(l.shared_bytes)));
+      LV_CUDA(cudaFuncSetAttribute(l.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   static_cast<int>(l.shared_bytes)));
     }
-    l.kernel<<<reference_blocks(args.rows, l.kernel, l.threads, l.shared_bytes), l.threads, l.shared_bytes, static_cast<cudaStream_t>(stream)>>>(
-        args, out, vectorized);
+    l.kernel<<<reference_blocks(args.rows, l.kernel, l.threads, l.shared_bytes), l.threads, l.shared_bytes,
+               static_cast<cudaStream_t>(stream)>>>(args, out, vectorized);
   });
 }
 

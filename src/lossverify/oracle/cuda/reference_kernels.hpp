@@ -16,8 +16,8 @@ struct ReferencePartialArgs {
   const void* student;
   const void* teacher;  // KD only
   std::int64_t rows, cols, begin;
-  const int* valid;            // rows to evaluate (others get the empty partial: -inf, 0, 0, 0, 0, -inf, 0, 0)
-  const std::int64_t* label;   // global label per row (cross-entropy)
+  const int* valid;           // rows to evaluate (others get the empty partial: -inf, 0, 0, 0, 0, -inf, 0, 0)
+  const std::int64_t* label;  // global label per row (cross-entropy)
   int kd;
   double inverse_temperature;  // KD
   double softcap;              // cross-entropy: 0 = off
