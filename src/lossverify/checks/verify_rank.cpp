@@ -1,5 +1,6 @@
 // verify_rank: one rank's outputs against its oracle, then the checks merged over the world (docs/spec.md §6).
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <optional>
@@ -70,35 +71,66 @@ double stored_loss_tolerance(double float32_tolerance, double expected, DType st
   return std::max(float32_tolerance, max_ulp * ulp_size(expected, stored));
 }
 
-// All-gathers fixed-size values over a communicator, in rank order.
-template <class T>
-std::vector<T> gather_all(Communicator& comm, const T& mine) {
-  static_assert(std::is_trivially_copyable_v<T>);
-  std::vector<T> all(static_cast<std::size_t>(comm.size()));
-  comm.all_gather(&mine, all.data(), sizeof(T));
-  return all;
-}
-template <class T>
-std::vector<T> gather_all(Communicator& comm, const std::vector<T>& mine) {
-  std::vector<T> all(mine.size() * static_cast<std::size_t>(comm.size()));
-  comm.all_gather(mine.data(), all.data(), mine.size() * sizeof(T));
-  return all;
-}
-
-// gather_all, where a group of one needs no copy (a 16K-row shard's partials are 1 MB of fresh pages).
-template <class T>
-const std::vector<T>& gather_all(Communicator& comm, const std::vector<T>& mine, std::vector<T>& storage) {
-  if (comm.size() == 1) return mine;
-  storage = gather_all(comm, mine);
-  return storage;
-}
-
-// Every rank's statistics merged in rank order: the same result on every rank and every backend.
+// Every rank's statistics merged as ErrorStats::merge merges them in rank order, through reductions of a
+// fixed size, so that no rank holds the others' records: the counts summed, the extrema max-reduced, and
+// the worst element the one with the largest margin, ties going to the earliest (token, column, rank).
+// The same result on every rank and every backend.
 ErrorStats merge_over(Communicator& world, const ErrorStats& local) {
-  const std::vector<PackedStats> all = gather_all(world, local.pack());
-  ErrorStats merged = ErrorStats::unpack(all[0]);
-  for (std::size_t r = 1; r < all.size(); ++r) merged.merge(ErrorStats::unpack(all[r]));
-  return merged;
+  const PackedStats mine = local.pack();
+  std::int64_t counts[2] = {mine.compared, mine.mismatches};
+  world.allreduce_sum(std::span<std::int64_t>(counts));
+  std::int64_t max_ulp[1] = {mine.max_ulp};
+  world.allreduce_max(std::span<std::int64_t>(max_ulp));
+  const double no_worst = -std::numeric_limits<double>::infinity();
+  double extrema[3] = {mine.max_abs, mine.max_rel, mine.has_worst ? mine.margin : no_worst};
+  world.allreduce_max(std::span<double>(extrema));
+  PackedStats merged{};
+  merged.compared = counts[0];
+  merged.mismatches = counts[1];
+  merged.max_ulp = max_ulp[0];
+  merged.max_abs = extrema[0];
+  merged.max_rel = extrema[1];
+  merged.margin = extrema[2] == no_worst ? 0.0 : extrema[2];
+  merged.has_worst = extrema[2] != no_worst;
+  if (!merged.has_worst) return ErrorStats::unpack(merged);
+  // The earliest position among the ranks whose worst has the largest margin: token, then column, then rank.
+  bool contends = mine.has_worst && mine.margin == extrema[2];
+  const std::int64_t position[3] = {mine.worst.token, mine.worst.column, mine.worst.rank};
+  std::int64_t best[3] = {0, 0, 0};
+  for (int k = 0; k < 3; ++k) {
+    std::int64_t key[1] = {contends ? -position[k] : std::numeric_limits<std::int64_t>::min()};
+    world.allreduce_max(std::span<std::int64_t>(key));
+    best[k] = -key[0];
+    contends = contends && position[k] == best[k];
+  }
+  // The winner's record reaches every rank bit for bit (x + 0 = x on the integers).
+  std::int64_t record[5] = {};
+  if (contends) {
+    record[0] = mine.worst.padding_sequence;
+    record[1] = mine.worst.padding_position;
+    record[2] = std::bit_cast<std::int64_t>(mine.worst.expected);
+    record[3] = std::bit_cast<std::int64_t>(mine.worst.got);
+    record[4] = std::bit_cast<std::int64_t>(mine.worst.tolerance);
+  }
+  world.allreduce_sum(std::span<std::int64_t>(record));
+  merged.worst = {best[0],
+                  best[1],
+                  best[2],
+                  record[0],
+                  record[1],
+                  std::bit_cast<double>(record[2]),
+                  std::bit_cast<double>(record[3]),
+                  std::bit_cast<double>(record[4])};
+  return ErrorStats::unpack(merged);
+}
+
+// Fixed-size records of every rank on world rank 0 only (elsewhere: empty).
+template <class T>
+std::vector<T> gather_on_root(Communicator& world, const T& mine) {
+  static_assert(std::is_trivially_copyable_v<T>);
+  std::vector<T> all(world.rank() == 0 ? static_cast<std::size_t>(world.size()) : 0);
+  world.gather_to_root(&mine, all.data(), sizeof(T));
+  return all;
 }
 
 // What every stage of one rank's verification reads.
@@ -161,19 +193,54 @@ struct RowReference {
   std::vector<double> loss;
 };
 
+// Sums over the TP group, in rank order (in place; a group of one has nothing to add).
+void sum_over_tp(const RankContext& x, std::vector<double>& values) {
+  if (x.tp_size > 1) x.groups.tp.allreduce_sum(std::span<double>(values));
+}
+
 std::vector<double> kd_losses(const RankContext& x, const RowReference& ref) {
-  const std::vector<double> all_kl = gather_all(x.groups.tp, x.oracle.kl_partials(ref.stats));
+  std::vector<double> kl = x.oracle.kl_partials(ref.stats);  // [value, error] per row
+  sum_over_tp(x, kl);
   std::vector<double> loss(static_cast<std::size_t>(x.rows), 0.0);
   for (std::int64_t i = 0; i < x.rows; ++i) {
-    if (!ref.valid[static_cast<std::size_t>(i)]) continue;
+    const auto k = static_cast<std::size_t>(i);
+    if (!ref.valid[k]) continue;
     CompensatedSum total;
-    for (int r = 0; r < x.tp_size; ++r) {
-      total.add(all_kl[static_cast<std::size_t>(r * 2 * x.rows + 2 * i)]);
-      total.add(all_kl[static_cast<std::size_t>(r * 2 * x.rows + 2 * i + 1)]);
-    }
-    loss[static_cast<std::size_t>(i)] = x.reference.kd_loss(total.value());
+    total.add(kl[2 * k]);
+    total.add(kl[2 * k + 1]);
+    loss[k] = x.reference.kd_loss(total.value());
   }
   return loss;
+}
+
+// Each row's statistics over the whole vocabulary: the TP group's maxima (exact), then every slice's sums
+// rescaled to them and added up in rank order. Every rank holds only its own rows' numbers, whatever the
+// TP degree.
+std::vector<RowStats> row_statistics(const RankContext& x, const std::vector<double>& partials,
+                                     const std::vector<char>& valid) {
+  const auto rows = static_cast<std::size_t>(x.rows);
+  auto slice = [&](std::size_t k) { return RowPartial::load(&partials[k * RowPartial::kDoubles]); };
+  std::vector<double> maxima(2 * rows, -std::numeric_limits<double>::infinity());
+  for (std::size_t k = 0; k < rows; ++k) {
+    if (!valid[k]) continue;
+    maxima[k] = slice(k).max;
+    maxima[rows + k] = slice(k).teacher_max;
+  }
+  if (x.tp_size > 1) x.groups.tp.allreduce_max(std::span<double>(maxima));
+  std::vector<double> sums(rows * RowPartial::kDoubles, 0.0);
+  for (std::size_t k = 0; k < rows; ++k) {
+    if (valid[k]) LossReference::rescaled(slice(k), maxima[k], maxima[rows + k]).store(&sums[k * RowPartial::kDoubles]);
+  }
+  sum_over_tp(x, sums);
+  std::vector<RowStats> stats(rows);
+  for (std::size_t k = 0; k < rows; ++k) {
+    if (!valid[k]) continue;
+    RowPartial total = RowPartial::load(&sums[k * RowPartial::kDoubles]);
+    total.max = maxima[k];
+    total.teacher_max = maxima[rows + k];
+    stats[k] = x.reference.stats_from_sums(total);
+  }
+  return stats;
 }
 
 RowReference reference_rows(const RankContext& x, StageTrace& trace) {
@@ -181,18 +248,7 @@ RowReference reference_rows(const RankContext& x, StageTrace& trace) {
   std::vector<double> partials(static_cast<std::size_t>(x.rows * RowPartial::kDoubles), 0.0);
   x.oracle.row_partials(partials, ref.valid);
   trace.mark("2 combine");
-  std::vector<double> gathered;
-  const std::vector<double>& all_partials = gather_all(x.groups.tp, partials, gathered);
-  ref.stats.assign(static_cast<std::size_t>(x.rows), RowStats{});
-  std::vector<RowPartial> row_parts(static_cast<std::size_t>(x.tp_size));
-  for (std::int64_t i = 0; i < x.rows; ++i) {
-    if (!ref.valid[static_cast<std::size_t>(i)]) continue;
-    for (int r = 0; r < x.tp_size; ++r) {
-      row_parts[static_cast<std::size_t>(r)] =
-          RowPartial::load(&all_partials[static_cast<std::size_t>((r * x.rows + i) * RowPartial::kDoubles)]);
-    }
-    ref.stats[static_cast<std::size_t>(i)] = x.reference.combine(row_parts);
-  }
+  ref.stats = row_statistics(x, partials, ref.valid);
   trace.mark("2 combine: losses");
   if (x.kd) {
     ref.loss = kd_losses(x, ref);
@@ -308,38 +364,33 @@ TpFindings judge_tp_group(const RankContext& x, const RowReference& ref, const G
   f.row_sum_tolerance = effective_tolerance(x.c, "row_sum");
   const Tolerance& agree = f.agreement_tolerance;
   const Tolerance& row_tol = f.row_sum_tolerance;
-  std::vector<double> gathered_sums;
-  std::vector<float> gathered_losses;
-  const std::vector<double>& all_sums = gather_all(x.groups.tp, grad.row_sums, gathered_sums);
-  const std::vector<float>& all_losses = gather_all(x.groups.tp, x.out.token_loss, gathered_losses);
-  const std::vector<int> tp_world = gather_all(x.groups.tp, x.world_rank);  // collective: every TP rank calls it
-  if (!x.tp_leader) return f;
+  // Rank agreement: the TP leader's losses reach every rank (x + 0 is x), which judges its own against them.
+  std::vector<float> first(x.out.token_loss.size(), 0.0f);
+  if (x.tp_leader) first = x.out.token_loss;
+  if (x.tp_size > 1) x.groups.tp.allreduce_sum(std::span<float>(first));
+  // The row-sum invariant: each row's sums over the TP group, judged by the TP leader.
+  std::vector<double> sums = grad.row_sums;
+  sum_over_tp(x, sums);
   const bool row_sum_applies = x.c.loss.softcap == 0.0;
   for (std::int64_t i = 0; i < x.rows; ++i) {
     const auto k = static_cast<std::size_t>(i);
     const std::int64_t t = x.out.token_of(i);
     if (t < 0) continue;
-    const double first = all_losses[k];
-    for (int r = 1; r < x.tp_size; ++r) {
-      f.agreement.add({t, -1, tp_world[static_cast<std::size_t>(r)], first,
-                       all_losses[static_cast<std::size_t>(r * x.rows + i)],
-                       agree.atol * x.loss_scale + agree.rtol * std::fabs(first)});
+    if (!x.tp_leader) {
+      f.agreement.add({t, -1, x.world_rank, first[k], x.out.token_loss[k],
+                       agree.atol * x.loss_scale + agree.rtol * std::fabs(static_cast<double>(first[k]))});
+      continue;
     }
     if (!row_sum_applies) continue;
     CompensatedSum total;
-    CompensatedSum magnitude;
-    for (int r = 0; r < x.tp_size; ++r) {
-      const auto at = static_cast<std::size_t>(r * 3 * x.rows + 3 * i);
-      total.add(all_sums[at]);
-      total.add(all_sums[at + 1]);
-      magnitude.add(all_sums[at + 2]);
-    }
+    total.add(sums[3 * k]);
+    total.add(sums[3 * k + 1]);
     // docs/spec.md §3 invariant: sum_v dl/dx_v = 2 w_z lse per token (0 for KD), times the token's weight in L.
     const double weight = ref.valid[k] ? x.reference.token_weight(t) : 0.0;
     const double expected_sum =
         (ref.valid[k] && !x.kd) ? weight * 2.0 * x.c.loss.z_loss_weight * ref.stats[k].lse : 0.0;
     f.row_sum.add({t, -1, x.world_rank, expected_sum, total.value(),
-                   row_tol.atol * std::fabs(weight) * judgement.grad_scale + row_tol.rtol * magnitude.value() +
+                   row_tol.atol * std::fabs(weight) * judgement.grad_scale + row_tol.rtol * sums[3 * k + 2] +
                        judgement.quantum * judgement.framework_scale});
   }
   return f;
@@ -384,20 +435,23 @@ CensusRecord take_census(const RankContext& x, std::span<const RowJudgement> jud
   return mine;
 }
 
-CheckResult finite_result(const std::vector<CensusRecord>& censuses) {
+// The totals reach every rank (and decide the verdict); the ranks' own lines and the first non-finite value
+// are gathered on world rank 0, which reports them.
+CheckResult finite_result(Communicator& world, const CensusRecord& mine) {
   CheckResult r;
   r.name = "finite";
-  FiniteCensus grad_total;
-  FiniteCensus loss_total;
+  std::int64_t totals[12];
+  std::copy(std::begin(mine.values), std::end(mine.values), totals);
+  world.allreduce_sum(std::span<std::int64_t>(totals));
+  const FiniteCensus grad_total{totals[0], totals[1], totals[2], totals[3]};
+  FiniteCensus loss_total{totals[4], totals[5], totals[6], totals[7]};
+  loss_total.add(FiniteCensus{totals[8], totals[9], totals[10], totals[11]});
   nlohmann::json per_rank = nlohmann::json::array();
-  for (const CensusRecord& cr : censuses) {
+  for (const CensusRecord& cr : gather_on_root(world, mine)) {
     FiniteCensus f[3];
     for (int j = 0; j < 3; ++j) {
       f[j] = FiniteCensus{cr.values[4 * j], cr.values[4 * j + 1], cr.values[4 * j + 2], cr.values[4 * j + 3]};
     }
-    grad_total.add(f[0]);
-    loss_total.add(f[1]);
-    loss_total.add(f[2]);
     if (f[0].nonfinite() + f[0].subnormal + f[1].nonfinite() + f[1].subnormal + f[2].nonfinite() > 0) {
       per_rank.push_back({{"rank", cr.rank},
                           {"grad", f[0].to_json()},
@@ -436,7 +490,7 @@ CheckResult loss_result(const RankContext& x, const LossFindings& losses) {
 
 CheckResult grad_result(const RankContext& x, const GradFindings& grad, const GradJudgement& judgement) {
   const ErrorStats all = merge_over(x.world, grad.stats);
-  const std::vector<std::int64_t> mismatches_per_rank = gather_all(x.world, grad.mismatches);
+  const std::vector<std::int64_t> mismatches_per_rank = gather_on_root(x.world, grad.mismatches);
   CheckResult r = make_result("grad", all, judgement.tolerance, "effective gradient vs the float64 reference");
   if (x.c.inputs.dtype != DType::fp32) r.metrics["max_ulp"] = all.max_ulp();
   r.metrics["framework_scale"] = judgement.framework_scale;
@@ -447,9 +501,9 @@ CheckResult grad_result(const RankContext& x, const GradFindings& grad, const Gr
   r.metrics["mismatches_per_rank"] = per_rank;
   // (Every rank has the same kind of oracle: one reference per run.)
   if (x.oracle.counts_lookups()) {
-    std::int64_t lookups = 0;
-    for (const std::int64_t l : gather_all(x.world, grad.lookups)) lookups += l;
-    r.metrics["judged_by_lookup"] = lookups;
+    std::int64_t lookups[1] = {grad.lookups};
+    x.world.allreduce_sum(std::span<std::int64_t>(lookups));
+    r.metrics["judged_by_lookup"] = lookups[0];
   }
   return r;
 }
@@ -471,7 +525,7 @@ void fill_error_map(const RankContext& x, const LossFindings& losses, const Grad
   cell.loss_margin = losses.per_token.margin();
   cell.grad_margin = grad.stats.margin();
   cell.grad_mismatches = grad.mismatches;
-  map.ranks = gather_all(x.world, cell);
+  map.ranks = gather_on_root(x.world, cell);
 }
 
 // The layout's answers for the invariance check, from the rank's own outputs.
@@ -551,7 +605,7 @@ std::vector<CheckResult> verify_rank(const Case& c, const RankOutput& out, Oracl
     if (r.verdict == Verdict::not_applicable) r.summary = "one TP rank per token: nothing to compare";
     results.push_back(std::move(r));
   }
-  results.push_back(finite_result(gather_all(world, census)));
+  results.push_back(finite_result(world, census));
   {
     CheckResult r = make_result("row_sum", merge_over(world, tp.row_sum), tp.row_sum_tolerance,
                                 "sum_v grad = w_t 2 w_z lse for every token");

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 namespace lossverify {
 
@@ -42,6 +44,12 @@ void reduce_in_rank_order(const void* const* inputs, int ranks, void* out, std::
       reduce_typed<std::int64_t>(inputs, ranks, out, begin, end, op);
       break;
   }
+}
+
+void Communicator::gather_to_root(const void* mine, void* out, std::size_t bytes) {
+  std::vector<unsigned char> all(static_cast<std::size_t>(size()) * bytes);
+  all_gather(mine, all.data(), bytes);
+  if (rank() == 0 && !all.empty()) std::memcpy(out, all.data(), all.size());
 }
 
 }  // namespace lossverify

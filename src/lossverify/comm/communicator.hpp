@@ -28,6 +28,10 @@ class Communicator {
   virtual void allreduce(void* data, std::size_t count, ElementType type, ReduceOp op) = 0;
   // Gathers `bytes` bytes from every rank into out (size() * bytes), in rank order.
   virtual void all_gather(const void* mine, void* out, std::size_t bytes) = 0;
+  // Gathers `bytes` bytes from every rank into out (size() * bytes) on rank 0 only; out is untouched
+  // elsewhere. Backends that can avoid giving every rank a copy (threads: O(size) memory per rank, O(size^2)
+  // in all) do; the default gathers everywhere.
+  virtual void gather_to_root(const void* mine, void* out, std::size_t bytes);
   virtual void barrier() = 0;
   // Ranks with the same color form a group, ordered by key (then by rank). Collective.
   virtual std::unique_ptr<Communicator> split(int color, int key) = 0;
@@ -45,6 +49,7 @@ class Communicator {
   void allreduce_sum(std::span<std::int64_t> v) { allreduce(v.data(), v.size(), ElementType::i64, ReduceOp::sum); }
   void allreduce_max(std::span<float> v) { allreduce(v.data(), v.size(), ElementType::f32, ReduceOp::max); }
   void allreduce_max(std::span<double> v) { allreduce(v.data(), v.size(), ElementType::f64, ReduceOp::max); }
+  void allreduce_max(std::span<std::int64_t> v) { allreduce(v.data(), v.size(), ElementType::i64, ReduceOp::max); }
 
  protected:
   double collective_seconds_ = 0.0;

@@ -141,6 +141,24 @@ class ThreadCommunicator final : public Communicator {
     wait_for_all("all_gather", nullptr);
   }
 
+  void gather_to_root(const void* mine, void* out, std::size_t bytes) override {
+    CollectiveTimer timer(collective_seconds_);
+    GroupState& g = *group_;
+    g.slots[static_cast<std::size_t>(rank_)] = mine;
+    g.counts[static_cast<std::size_t>(rank_)] = bytes;
+    wait_for_all("gather", [&g] {
+      for (int r = 0; r < g.size; ++r) {
+        if (g.counts[static_cast<std::size_t>(r)] != g.counts[0])
+          throw InternalError("gather: ranks passed different sizes");
+      }
+    });
+    auto* dst = static_cast<unsigned char*>(out);
+    for (int r = 0; rank_ == 0 && r < g.size && bytes > 0; ++r) {
+      std::memcpy(dst + static_cast<std::size_t>(r) * bytes, g.slots[static_cast<std::size_t>(r)], bytes);
+    }
+    wait_for_all("gather", nullptr);
+  }
+
   void barrier() override {
     CollectiveTimer timer(collective_seconds_);
     wait_for_all("barrier", nullptr);

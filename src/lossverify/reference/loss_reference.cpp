@@ -57,20 +57,6 @@ void log_sum_exp_partial(std::span<const double> z, double scale, double& max, d
 }
 
 // Combines (max_r, sum_r) slices in order: log sum_r sum_r exp(max_r - M) + M.
-double combine_log_sum_exp(std::span<const RowPartial> parts, bool teacher) {
-  double m = -std::numeric_limits<double>::infinity();
-  for (const RowPartial& p : parts) m = std::max(m, teacher ? p.teacher_max : p.max);
-  CompensatedSum s;
-  for (const RowPartial& p : parts) {
-    const double pm = teacher ? p.teacher_max : p.max;
-    if (pm == -std::numeric_limits<double>::infinity()) continue;  // an empty slice
-    const double factor = pm == m ? 1.0 : std::exp(pm - m);        // exp(0) = 1 exactly: the common case
-    s.add((teacher ? p.teacher_sum_exp : p.sum_exp) * factor);
-    s.add((teacher ? p.teacher_sum_exp_error : p.sum_exp_error) * factor);
-  }
-  return m + std::log(s.value());
-}
-
 }  // namespace
 
 RowPartial LossReference::partial(std::int64_t token, std::int64_t begin, std::span<const double> student,
@@ -93,18 +79,40 @@ RowPartial LossReference::partial(std::int64_t token, std::int64_t begin, std::s
   return p;
 }
 
-RowStats LossReference::combine(std::span<const RowPartial> parts) const {
+RowPartial LossReference::rescaled(const RowPartial& slice, double max, double teacher_max) {
+  // exp(0) = 1 exactly: the common case (the slice holds the max) needs no exp.
+  auto factor = [](double slice_max, double row_max) {
+    if (slice_max == -std::numeric_limits<double>::infinity()) return 0.0;  // an empty slice
+    return slice_max == row_max ? 1.0 : std::exp(slice_max - row_max);
+  };
+  const double f = factor(slice.max, max);
+  const double g = factor(slice.teacher_max, teacher_max);
+  RowPartial r = slice;
+  r.max = max;
+  r.teacher_max = teacher_max;
+  r.sum_exp = slice.sum_exp * f;
+  r.sum_exp_error = slice.sum_exp_error * f;
+  r.teacher_sum_exp = slice.teacher_sum_exp * g;
+  r.teacher_sum_exp_error = slice.teacher_sum_exp_error * g;
+  return r;
+}
+
+RowStats LossReference::stats_from_sums(const RowPartial& total) const {
+  auto log_sum_exp = [](double max, double sum, double error) {
+    CompensatedSum s;
+    s.add(sum);
+    s.add(error);
+    return max + std::log(s.value());
+  };
   RowStats r;
-  r.lse = combine_log_sum_exp(parts, false);
+  r.lse = log_sum_exp(total.max, total.sum_exp, total.sum_exp_error);
   if (case_.loss.kind == LossKind::kd) {
-    r.teacher_lse = combine_log_sum_exp(parts, true);
+    r.teacher_lse = log_sum_exp(total.teacher_max, total.teacher_sum_exp, total.teacher_sum_exp_error);
     return r;
   }
   CompensatedSum qx;
-  for (const RowPartial& p : parts) {
-    qx.add(p.sum_qx);
-    qx.add(p.sum_qx_error);
-  }
+  qx.add(total.sum_qx);
+  qx.add(total.sum_qx_error);
   r.sum_qx = qx.value();
   return r;
 }
@@ -163,7 +171,7 @@ ReferenceToken LossReference::evaluate(std::int64_t token, std::span<const doubl
   }
   // The whole row as one slice.
   const RowPartial p = partial(token, 0, student, teacher);
-  const RowStats s = combine(std::span<const RowPartial>(&p, 1));
+  const RowStats s = stats_from_sums(rescaled(p, p.max, p.teacher_max));
   ReferenceToken r;
   r.valid = true;
   r.lse = s.lse;

@@ -22,7 +22,7 @@ struct ReferenceToken {
 };
 
 // What one slice of a row's columns contributes to its reference statistics (float64, compensated sums
-// as value + error pairs). Slices are combined in a fixed order, so every backend gets the same numbers.
+// as value + error pairs). Slices are added up in a fixed order, so every backend gets the same numbers.
 struct RowPartial {
   double max = -std::numeric_limits<double>::infinity();  // student (x, or x/T for KD)
   double sum_exp = 0.0, sum_exp_error = 0.0;              // sum exp(z - max)
@@ -64,12 +64,18 @@ class LossReference {
   double reduced_loss(std::span<const double> token_losses) const;
 
   // The same reference split over column slices [begin, begin + size) of a row, for verification that
-  // runs where the columns live (each TP rank its own slice):
-  //   partial(slice) for every slice -> combine(partials in column order) -> loss(...) and gradient(slice)
+  // runs where the columns live (each TP rank its own slice), with per-rank memory independent of the
+  // number of slices:
+  //   partial(slice) for every slice -> the row's maxima (the max over slices, exact) -> rescaled(partial,
+  //   maxima) summed over the slices in slice order -> stats_from_sums(...) -> loss(...) and gradient(slice)
   // KD needs one more pass: kl_partial(slice) summed over slices, then kd_loss.
   RowPartial partial(std::int64_t token, std::int64_t begin, std::span<const double> student,
                      std::span<const double> teacher) const;
-  RowStats combine(std::span<const RowPartial> partials) const;
+  // A slice's sums taken relative to the row's maxima (an empty slice contributes nothing).
+  static RowPartial rescaled(const RowPartial& slice, double max, double teacher_max);
+  // The row's statistics from the slices' rescaled sums, added up; `total.max` and `total.teacher_max` are
+  // the row's maxima.
+  RowStats stats_from_sums(const RowPartial& total) const;
   double cross_entropy_loss(const RowStats& stats) const;
   // sum over the slice of P_v (log P_v - log Q_v), compensated, as a value + error pair
   std::pair<double, double> kl_partial(const RowStats& stats, std::span<const double> student,

@@ -13,9 +13,10 @@ namespace lossverify {
 
 namespace {
 
-// Measured peak bytes per (rank, TP peer, row) of the verification's gathered row statistics: 1.89 GB at
-// tp=200 on 512 tokens; the measured figures at tp 8..200 lie within 10% of it.
-constexpr double kBytesPerGatheredRowStatistic = 96.0;
+// Peak bytes per (rank, row) of the verification's per-row statistics and each rank's own bookkeeping
+// (row statistics are reduced over the TP group, never gathered): measured from the peak RSS at tp 8, 100
+// and 1000 on 512 tokens (bench/memory_scaling.sh), rounded up.
+constexpr double kBytesPerRankRow = 512.0;
 
 // a * b, saturating instead of overflowing.
 std::int64_t times(std::int64_t a, std::int64_t b) {
@@ -60,9 +61,9 @@ MemoryEstimate estimate_memory(const Case& c, bool keep_snapshot) {
   MemoryEstimate e;
   e.shards = times(logits, element * (inputs_per_logit + 1));  // + the gradient, in the same dtype
   const std::int64_t rows_per_rank = n / (std::int64_t{c.layout.cp} * c.layout.dp) + 2 * c.layout.cp;
-  const auto gathered = static_cast<double>(c.layout.world_size()) * c.layout.tp * static_cast<double>(rows_per_rank) *
-                        kBytesPerGatheredRowStatistic;
-  e.partials = gathered > 9e18 ? std::numeric_limits<std::int64_t>::max() : static_cast<std::int64_t>(gathered);
+  const auto statistics =
+      static_cast<double>(c.layout.world_size()) * static_cast<double>(rows_per_rank) * kBytesPerRankRow;
+  e.partials = statistics > 9e18 ? std::numeric_limits<std::int64_t>::max() : static_cast<std::int64_t>(statistics);
   if (keep_snapshot) {  // the answers of two layouts at once, and the inputs materialized (up to 1 GiB)
     const std::int64_t answers = plus(times(n, 4), logits <= (std::int64_t{1} << 25) ? times(logits, 4) : 0);
     e.snapshot = plus(times(answers, 2), std::min(times(logits, element * inputs_per_logit), std::int64_t{1} << 30));
@@ -85,7 +86,7 @@ void require_memory(const Case& c, bool keep_snapshot) {
   throw CaseError(c.source + ": N=" + std::to_string(c.shape.tokens) + " V=" + std::to_string(c.shape.vocab) +
                   " at tp=" + std::to_string(c.layout.tp) + " cp=" + std::to_string(c.layout.cp) + " dp=" +
                   std::to_string(c.layout.dp) + " needs about " + gigabytes(e.total()) + " (" + gigabytes(e.shards) +
-                  " of logit shards and gradients, " + gigabytes(e.partials) + " of gathered row statistics" +
+                  " of logit shards and gradients, " + gigabytes(e.partials) + " of per-row statistics" +
                   (e.snapshot > 0 ? ", " + gigabytes(e.snapshot) + " kept for the sweep" : "") +
                   "), but this machine has " + gigabytes(available) + " available");
 }

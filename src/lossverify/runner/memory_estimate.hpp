@@ -11,7 +11,7 @@ namespace lossverify {
 
 struct MemoryEstimate {
   std::int64_t shards = 0;    // logits (and teacher) shards plus the gradients, over all ranks
-  std::int64_t partials = 0;  // per-row statistics each TP rank gathers from every TP peer
+  std::int64_t partials = 0;  // every rank's per-row statistics (reduced over its TP group, not gathered)
   std::int64_t snapshot = 0;  // a sweep's kept answers for the invariance check and its shared inputs
   std::int64_t total() const { return shards + partials + snapshot; }
 };
