@@ -1,34 +1,24 @@
 #include "run.hpp"
 
 #include <algorithm>
-#include <charconv>
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <filesystem>
 #include <iomanip>
 #include <iostream>
 #include <optional>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <vector>
 
 #include <CLI/CLI.hpp>
 
 #include "lossverify/case/case.hpp"
-#include "lossverify/case/tolerances.hpp"
 #include "lossverify/checks/checks.hpp"
-#include "lossverify/core/build_info.hpp"
 #include "lossverify/core/errors.hpp"
 #include "lossverify/core/output_path.hpp"
 #include "lossverify/core/strings.hpp"
 #include "lossverify/impl/catalogue.hpp"
-#include "lossverify/impl/cuda/cuda_backend.hpp"
-#include "lossverify/inputs/input_source.hpp"
-#include "lossverify/layout/vocab_range.hpp"
 #include "lossverify/report/report.hpp"
-#include "lossverify/runner/gate.hpp"
 #include "lossverify/runner/launcher.hpp"
 #include "lossverify/runner/run_case.hpp"
 #include "options.hpp"

@@ -47,7 +47,6 @@ void cross_entropy_protocol(const Case& c, const BugSwitches& bugs, const RankPl
   const std::span<float> target_shifted(packed.data() + rows, rows);
   const std::span<float> sum_shifted(packed.data() + 2 * rows, rows);
   std::vector<float> local_sum_shifted;
-  std::vector<float> fused_sum_exp;
   if (shard.fused_pass(row_max, log_sum, target_shifted, sum_shifted)) {
     // One rank holds the whole rows: the sums are already global.
     local_sum_shifted.assign(sum_shifted.begin(), sum_shifted.end());

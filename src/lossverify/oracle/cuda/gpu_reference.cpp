@@ -117,8 +117,6 @@ struct OracleShard {
   ShardInputs inputs;  // the oracle's own: no implementation has their address
 };
 
-int device_of(const DeviceShard& output) { return output.device; }
-
 std::shared_ptr<OracleShard> make_oracle_shard(const Case& c, const InputSource& inputs,
                                                const RankAssignment& assignment, int device) {
   LV_CUDA(cudaSetDevice(device));

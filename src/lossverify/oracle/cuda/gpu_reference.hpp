@@ -24,8 +24,6 @@ struct OracleShard;
 // below queue behind it.
 std::shared_ptr<OracleShard> make_oracle_shard(const Case& c, const InputSource& inputs,
                                                const RankAssignment& assignment, int device);
-// The GPU that holds a rank's gradient.
-int device_of(const DeviceShard& output);
 
 // The reference's per-row inputs, from the case's inputs and never from the rank plan: each row's valid
 // flag and label (-1 where the row is no valid token, and for KD).

@@ -13,7 +13,6 @@ namespace {
 std::shared_ptr<OracleShard> make_oracle_shard(const Case&, const InputSource&, const RankAssignment&, int) {
   unavailable();
 }
-int device_of(const DeviceShard&) { unavailable(); }
 void gpu_reference_partials_launch(OracleShard&, const Case&, std::span<const std::int64_t>, std::span<const int>) {
   unavailable();
 }
