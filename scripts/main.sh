@@ -4,6 +4,6 @@
 # and writes lossverify-gate.json and lossverify-gate.xml (JUnit). Exit code 0 only if all match golden.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install-deps.sh
-bash scripts/build.sh
+bash scripts/install-deps.sh --gate
+bash scripts/build.sh --gate
 ./build/release/cli/lossverify gate --report lossverify-gate.json --junit lossverify-gate.xml "$@"
