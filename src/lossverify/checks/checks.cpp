@@ -53,15 +53,7 @@ void ErrorStats::add(const ElementRecord& r) {
 }
 
 void ErrorStats::add_with_margin(const ElementRecord& r, double m, bool mismatch) {
-  ++compared_;
-  const double error = r.got == r.expected ? 0.0 : std::fabs(r.got - r.expected);
-  if (mismatch) ++mismatches_;
-  if (std::isnan(error)) {
-    max_abs_ = std::numeric_limits<double>::infinity();
-  } else {
-    max_abs_ = std::max(max_abs_, error);
-    if (r.expected != 0.0) max_rel_ = std::max(max_rel_, error / std::fabs(r.expected));
-  }
+  count(r.got, r.expected, mismatch);
   if (!worst_ || m > max_margin_ || (m == max_margin_ && earlier(r, *worst_))) {
     max_margin_ = m;
     worst_ = r;

@@ -1,7 +1,10 @@
 #pragma once
 // The checks of docs/spec.md §6: every loss value, gradient element and logged statistic of every rank against
 // the float64 reference, plus reference-free signals (rank agreement, finiteness, the row-sum invariant).
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -42,6 +45,16 @@ class ErrorStats {
   void add(const ElementRecord& record);
   // Adds an element whose margin the caller computed (ULP-based tolerances).
   void add_with_margin(const ElementRecord& record, double margin, bool mismatch);
+  // add_with_margin for elements added in increasing (token, column, rank) order, as a row's columns are:
+  // the same statistics, but the record is built only when the element becomes the worst so far.
+  template <class MakeRecord>
+  void add_in_order(double got, double expected, double margin, bool mismatch, MakeRecord make_record) {
+    count(got, expected, mismatch);
+    if (!worst_ || margin > max_margin_) {
+      max_margin_ = margin;
+      worst_ = make_record();
+    }
+  }
   void add_ulp(std::int64_t ulp) { max_ulp_ = std::max(max_ulp_, ulp); }
   void merge(const ErrorStats& other);
 
@@ -55,6 +68,19 @@ class ErrorStats {
   nlohmann::json to_json() const;
 
  private:
+  // compared, mismatches and the largest absolute and relative errors
+  void count(double got, double expected, bool mismatch) {
+    ++compared_;
+    const double error = got == expected ? 0.0 : std::fabs(got - expected);
+    if (mismatch) ++mismatches_;
+    if (std::isnan(error)) {
+      max_abs_ = std::numeric_limits<double>::infinity();
+    } else {
+      max_abs_ = std::max(max_abs_, error);
+      if (expected != 0.0) max_rel_ = std::max(max_rel_, error / std::fabs(expected));
+    }
+  }
+
   std::int64_t compared_ = 0;
   std::int64_t mismatches_ = 0;
   double max_abs_ = 0.0;

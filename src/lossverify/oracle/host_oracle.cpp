@@ -160,7 +160,8 @@ RowJudgement HostOracle::judge_token_row(std::int64_t i, const RowStats& row_sta
     std::int64_t ulp = 0;
     const double m = judge.judge(got[v], e, token_scale, mismatch, ulp);
     const double g = got[v] * judgement_.framework_scale;
-    stats.add_with_margin({t, column, rank, e, g, judge.tolerance_at(e, token_scale)}, m, mismatch);
+    stats.add_in_order(g, e, m, mismatch,
+                       [&] { return ElementRecord{t, column, rank, e, g, judge.tolerance_at(e, token_scale)}; });
     stats.add_ulp(ulp);
     sum.add(g);
     magnitude.add(std::fabs(g));

@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <tuple>
 
 #include "lossverify/reference/compensated_sum.hpp"
+#include "lossverify/reference/row_sums.hpp"
 
 namespace lossverify {
 
@@ -30,13 +32,19 @@ double LossReference::token_weight(std::int64_t token) const {
   return 0.0;
 }
 
-double LossReference::target_weight(std::int64_t label, std::int64_t column) const {
+double LossReference::target_weight(bool on_label) const {
   // Target distribution q_v, straight from docs/spec.md §3.
   const double n = static_cast<double>(case_.shape.vocab);
   const double alpha = case_.loss.label_smoothing;
-  const double hit = (column == label) ? 1.0 : 0.0;
+  const double hit = on_label ? 1.0 : 0.0;
   if (case_.loss.convention == SmoothingConvention::pytorch) return (1.0 - alpha) * hit + alpha / n;
   return (1.0 - alpha) * hit + alpha / (n - 1.0) * (1.0 - hit);
+}
+
+std::ptrdiff_t LossReference::label_in_slice(std::int64_t token, std::int64_t begin, std::size_t size) const {
+  const std::int64_t label = inputs_.label(token);
+  const bool inside = label >= begin && label - begin < static_cast<std::int64_t>(size);
+  return inside ? static_cast<std::ptrdiff_t>(label - begin) : -1;
 }
 
 double LossReference::capped(double x) const {
@@ -46,17 +54,12 @@ double LossReference::capped(double x) const {
 
 namespace {
 
-// max and compensated sum exp(z - max) of a slice
+// max and compensated sum exp(z * scale - max) of a slice
 void log_sum_exp_partial(std::span<const double> z, double scale, double& max, double& sum, double& error) {
-  max = -std::numeric_limits<double>::infinity();
-  for (double v : z) max = std::max(max, v * scale);
-  CompensatedSum s;
-  for (double v : z) s.add(std::exp(v * scale - max));
-  sum = s.sum();
-  error = s.error();
+  max = row_sums::scaled_max(z, scale);
+  std::tie(sum, error) = row_sums::sum_exp(z, scale, max);
 }
 
-// Combines (max_r, sum_r) slices in order: log sum_r sum_r exp(max_r - M) + M.
 }  // namespace
 
 RowPartial LossReference::partial(std::int64_t token, std::int64_t begin, std::span<const double> student,
@@ -68,14 +71,16 @@ RowPartial LossReference::partial(std::int64_t token, std::int64_t begin, std::s
     log_sum_exp_partial(teacher, inverse_t, p.teacher_max, p.teacher_sum_exp, p.teacher_sum_exp_error);
     return p;
   }
-  std::vector<double> x(student.size());
-  for (std::size_t v = 0; v < x.size(); ++v) x[v] = capped(student[v]);
+  std::vector<double> capped_logits;
+  std::span<const double> x = student;
+  if (case_.loss.softcap > 0.0) {
+    capped_logits.resize(student.size());
+    for (std::size_t v = 0; v < x.size(); ++v) capped_logits[v] = capped(student[v]);
+    x = capped_logits;
+  }
   log_sum_exp_partial(x, 1.0, p.max, p.sum_exp, p.sum_exp_error);
-  const std::int64_t label = inputs_.label(token);
-  CompensatedSum qx;
-  for (std::size_t v = 0; v < x.size(); ++v) qx.add(target_weight(label, begin + static_cast<std::int64_t>(v)) * x[v]);
-  p.sum_qx = qx.sum();
-  p.sum_qx_error = qx.error();
+  std::tie(p.sum_qx, p.sum_qx_error) =
+      row_sums::weighted_sum(x, target_weight(false), target_weight(true), label_in_slice(token, begin, x.size()));
   return p;
 }
 
@@ -125,13 +130,19 @@ std::pair<double, double> LossReference::kl_partial(const RowStats& s, std::span
                                                     std::span<const double> teacher) const {
   // k = T^s sum_v P_v (log P_v - log Q_v); terms with P_v = 0 contribute 0.
   const double inverse_t = 1.0 / case_.loss.temperature;
-  CompensatedSum kl;
-  for (std::size_t v = 0; v < student.size(); ++v) {
-    const double log_p = teacher[v] * inverse_t - s.teacher_lse;
-    const double p = std::exp(log_p);
-    if (p > 0.0) kl.add(p * (log_p - (student[v] * inverse_t - s.lse)));
+  row_sums::LaneSum kl;
+  double log_p[row_sums::kBlock];
+  double p[row_sums::kBlock];
+  for (std::size_t b = 0; b < student.size(); b += row_sums::kBlock) {
+    const std::size_t n = std::min(row_sums::kBlock, student.size() - b);
+    for (std::size_t i = 0; i < n; ++i) log_p[i] = teacher[b + i] * inverse_t - s.teacher_lse;
+    row_sums::exp_block(log_p, p, n);
+    for (std::size_t i = 0; i < n; ++i) {
+      p[i] = p[i] > 0.0 ? p[i] * (log_p[i] - (student[b + i] * inverse_t - s.lse)) : 0.0;
+    }
+    kl.add(p, n);
   }
-  return {kl.sum(), kl.error()};
+  return kl.result();
 }
 
 double LossReference::kd_loss(double kl) const {
@@ -142,24 +153,64 @@ void LossReference::gradient(std::int64_t token, const RowStats& s, std::int64_t
                              std::span<const double> teacher, std::span<double> grad) const {
   const double weight = token_weight(token);
   if (case_.loss.kind == LossKind::kd) {
-    const double t = case_.loss.temperature;
-    const double scale = weight * std::pow(t, (case_.loss.t2_scaling ? 2.0 : 0.0) - 1.0);
-    for (std::size_t v = 0; v < student.size(); ++v) {
-      grad[v] = scale * (std::exp(student[v] / t - s.lse) - std::exp(teacher[v] / t - s.teacher_lse));
-    }
-    return;
+    kd_gradient(s, weight, student, teacher, grad);
+  } else if (case_.loss.softcap > 0.0) {
+    capped_gradient(token, s, weight, begin, student, grad);
+  } else {
+    cross_entropy_gradient(token, s, weight, begin, student, grad);
   }
-  const std::int64_t label = inputs_.label(token);
+}
+
+void LossReference::kd_gradient(const RowStats& s, double weight, std::span<const double> student,
+                                std::span<const double> teacher, std::span<double> grad) const {
+  // d L / d x_v = w T^(s-1) (Q_v - P_v)
+  const double t = case_.loss.temperature;
+  const double scale = weight * std::pow(t, (case_.loss.t2_scaling ? 2.0 : 0.0) - 1.0);
+  double shifted[row_sums::kBlock];
+  double q[row_sums::kBlock];
+  double p[row_sums::kBlock];
+  for (std::size_t b = 0; b < student.size(); b += row_sums::kBlock) {
+    const std::size_t n = std::min(row_sums::kBlock, student.size() - b);
+    for (std::size_t i = 0; i < n; ++i) shifted[i] = student[b + i] / t - s.lse;
+    row_sums::exp_block(shifted, q, n);
+    for (std::size_t i = 0; i < n; ++i) shifted[i] = teacher[b + i] / t - s.teacher_lse;
+    row_sums::exp_block(shifted, p, n);
+    for (std::size_t i = 0; i < n; ++i) grad[b + i] = scale * (q[i] - p[i]);
+  }
+}
+
+void LossReference::cross_entropy_gradient(std::int64_t token, const RowStats& s, double weight, std::int64_t begin,
+                                           std::span<const double> student, std::span<double> grad) const {
+  // d L / d x_v = w (p_v (1 + 2 w_z lse) - q_v)
+  const double z_factor = 1.0 + 2.0 * case_.loss.z_loss_weight * s.lse;
+  const double off = target_weight(false);
+  const std::ptrdiff_t label = label_in_slice(token, begin, student.size());
+  double shifted[row_sums::kBlock];
+  double p[row_sums::kBlock];
+  for (std::size_t b = 0; b < student.size(); b += row_sums::kBlock) {
+    const std::size_t n = std::min(row_sums::kBlock, student.size() - b);
+    for (std::size_t i = 0; i < n; ++i) shifted[i] = student[b + i] - s.lse;
+    row_sums::exp_block(shifted, p, n);
+    for (std::size_t i = 0; i < n; ++i) grad[b + i] = weight * (p[i] * z_factor - off);
+    if (label >= 0 && static_cast<std::size_t>(label) >= b && static_cast<std::size_t>(label) < b + n) {
+      grad[static_cast<std::size_t>(label)] =
+          weight * (p[static_cast<std::size_t>(label) - b] * z_factor - target_weight(true));
+    }
+  }
+}
+
+void LossReference::capped_gradient(std::int64_t token, const RowStats& s, double weight, std::int64_t begin,
+                                    std::span<const double> student, std::span<double> grad) const {
+  // Softcap c tanh(x / c): the chain rule's factor d/dx = sech^2(x / c) = 1 / cosh^2(x / c) on every column,
+  // in that form because 1 - tanh^2 cancels to 0 once tanh rounds to 1 (|x / c| > 19). Scalar: rare.
   const double cap = case_.loss.softcap;
   const double z_factor = 1.0 + 2.0 * case_.loss.z_loss_weight * s.lse;
+  const std::ptrdiff_t label = label_in_slice(token, begin, student.size());
   for (std::size_t v = 0; v < student.size(); ++v) {
     const double p = std::exp(capped(student[v]) - s.lse);
-    double d = p * z_factor - target_weight(label, begin + static_cast<std::int64_t>(v));
-    if (cap > 0.0) {
-      const double th = std::tanh(student[v] / cap);
-      d *= 1.0 - th * th;
-    }
-    grad[v] = weight * d;
+    const double ch = std::cosh(student[v] / cap);
+    const double d = p * z_factor - target_weight(static_cast<std::ptrdiff_t>(v) == label);
+    grad[v] = weight * (d / (ch * ch));
   }
 }
 

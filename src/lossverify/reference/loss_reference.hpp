@@ -3,6 +3,7 @@
 // else: no shards, no packed sums, no shared math header. It is evaluated one token at a time from a
 // whole row of logits, so no N x V float64 array ever exists. It knows nothing of rank layouts: token
 // weights come from the global valid count, labels from the global sequences.
+#include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <span>
@@ -86,8 +87,16 @@ class LossReference {
                 std::span<const double> teacher, std::span<double> grad) const;
 
  private:
-  double target_weight(std::int64_t label, std::int64_t column) const;  // q_v
+  double target_weight(bool on_label) const;  // q_v at the label's column or at any other
+  // The label's index in the slice [begin, begin + size), or -1 when the slice does not hold it.
+  std::ptrdiff_t label_in_slice(std::int64_t token, std::int64_t begin, std::size_t size) const;
   double capped(double x) const;
+  void kd_gradient(const RowStats& stats, double weight, std::span<const double> student,
+                   std::span<const double> teacher, std::span<double> grad) const;
+  void cross_entropy_gradient(std::int64_t token, const RowStats& stats, double weight, std::int64_t begin,
+                              std::span<const double> student, std::span<double> grad) const;
+  void capped_gradient(std::int64_t token, const RowStats& stats, double weight, std::int64_t begin,
+                       std::span<const double> student, std::span<double> grad) const;
 
   const Case& case_;
   const InputSource& inputs_;
