@@ -64,25 +64,30 @@ class CpuCrossEntropyShard final : public CrossEntropyShard {
         beacon_(beacon),
         cap_(static_cast<float>(c.loss.softcap)) {}
 
-  void local_max(std::span<float> max) override {
+  // f(i) for every active row of the micro-batch, over the shard's OpenMP threads.
+  template <class F>
+  void for_active_rows(F f) const {
 #pragma omp parallel for num_threads(threads_) schedule(static) if (threads_ > 1)
     for (std::int64_t i = 0; i < n_; ++i) {
       beat_row(beacon_, i);
       if (!active(i)) continue;
+      f(i);
+    }
+  }
+
+  void local_max(std::span<float> max) override {
+    for_active_rows([&](std::int64_t i) {
       const T* x = row(i);
       float m = kNegInf;
       for (std::int64_t v = 0; v < at_.width; ++v) m = std::fmax(m, load(x[v]));
       max[static_cast<std::size_t>(i)] = m;
-    }
+    });
   }
 
   void shifted_sums(std::span<const float> max, std::span<float> sum_exp, std::span<float> target_shifted,
                     std::span<float> sum_shifted) override {
     const bool smoothing = case_.loss.label_smoothing > 0.0;
-#pragma omp parallel for num_threads(threads_) schedule(static) if (threads_ > 1)
-    for (std::int64_t i = 0; i < n_; ++i) {
-      beat_row(beacon_, i);
-      if (!active(i)) continue;
+    for_active_rows([&](std::int64_t i) {
       const auto k = static_cast<std::size_t>(i);
       const T* x = row(i);
       const float m = max[k];
@@ -90,20 +95,17 @@ class CpuCrossEntropyShard final : public CrossEntropyShard {
       if (smoothing) sum_shifted[k] = lane_sum(at_.width, [&](std::int64_t v) { return load(x[v]) - m; });
       const std::int64_t local = plan_.row(begin_ + i).label - at_.label_offset;
       if (local >= 0 && local < at_.width) target_shifted[k] = load(x[local]) - m;
-    }
+    });
   }
 
   void sum_log_p(std::span<const float> max, std::span<const float> sum_exp, std::span<float> out) override {
-#pragma omp parallel for num_threads(threads_) schedule(static) if (threads_ > 1)
-    for (std::int64_t i = 0; i < n_; ++i) {
-      beat_row(beacon_, i);
-      if (!active(i)) continue;
+    for_active_rows([&](std::int64_t i) {
       const auto k = static_cast<std::size_t>(i);
       const T* x = row(i);
       const float m = max[k];
       const float s = sum_exp[k];
       out[k] = lane_sum(at_.width, [&](std::int64_t v) { return std::log(std::exp(load(x[v]) - m) / s); });
-    }
+    });
   }
 
   void gradient(std::span<const float> max, std::span<const float> log_sum) override {
