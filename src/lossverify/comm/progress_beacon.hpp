@@ -8,8 +8,11 @@
 // threads are not the rank thread, so a loop captures current() before its parallel region and beats
 // through that pointer. Outside thread ranks (MPI processes, tools) current() is null and a beat is a
 // branch.
+#include <algorithm>
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace lossverify {
 
@@ -36,6 +39,20 @@ inline void beat(ProgressBeacon* beacon) {
 // on narrow rows, while the widest rows still beat many times a second.
 inline void beat_row(ProgressBeacon* beacon, std::int64_t row) {
   if (row % 16 == 0) beat(beacon);
+}
+
+// Makes v hold n zeros, filled 8 MiB at a time with a beat after each: zeroing (and first touching) a rank's
+// shard of hundreds of MB can outlast the deadlock guard's timeout where page faults are slow, and a rank
+// that is filling its memory is not hung.
+template <class U>
+void assign_zeros_beating(std::vector<U>& v, std::size_t n, ProgressBeacon* beacon) {
+  v.clear();
+  v.reserve(n);
+  constexpr std::size_t kChunk = (std::size_t{8} << 20) / sizeof(U);
+  while (v.size() < n) {
+    v.resize(std::min(n, v.size() + kChunk));
+    beat(beacon);
+  }
 }
 
 }  // namespace lossverify

@@ -12,8 +12,10 @@
 
 namespace lossverify {
 
-HostOracle::ShardCache::ShardCache(DType dtype, std::int64_t rows, std::int64_t cols)
-    : dtype_(dtype), cols_(cols), bytes_(static_cast<std::size_t>(rows * cols) * dtype_size(dtype)) {}
+HostOracle::ShardCache::ShardCache(DType dtype, std::int64_t rows, std::int64_t cols, ProgressBeacon* beacon)
+    : dtype_(dtype), cols_(cols) {
+  assign_zeros_beating(bytes_, static_cast<std::size_t>(rows * cols) * dtype_size(dtype), beacon);
+}
 
 template <class Fill>
 void HostOracle::ShardCache::store(std::int64_t row, Fill fill) {
@@ -41,8 +43,8 @@ HostOracle::HostOracle(const Case& c, const InputSource& inputs, const RankOutpu
       threads_(threads),
       kd_(c.loss.kind == LossKind::kd),
       beacon_(ProgressBeacon::current()),
-      student_(c.inputs.dtype, out.rows(), out.columns()),
-      teacher_(c.inputs.dtype, kd_ ? out.rows() : 0, out.columns()) {}
+      student_(c.inputs.dtype, out.rows(), out.columns(), beacon_),
+      teacher_(c.inputs.dtype, kd_ ? out.rows() : 0, out.columns(), beacon_) {}
 
 void HostOracle::load_row(std::int64_t i, std::vector<double>& student, std::vector<double>& teacher) const {
   student_.widen(i, student.data());

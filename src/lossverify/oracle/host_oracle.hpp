@@ -33,7 +33,7 @@ class HostOracle final : public Oracle {
   // A rank's rows x columns in the input dtype, generated once and widened to float64 on use.
   class ShardCache {
    public:
-    ShardCache(DType dtype, std::int64_t rows, std::int64_t cols);
+    ShardCache(DType dtype, std::int64_t rows, std::int64_t cols, ProgressBeacon* beacon);
     template <class Fill>
     void store(std::int64_t row, Fill fill);
     void widen(std::int64_t row, double* out) const;

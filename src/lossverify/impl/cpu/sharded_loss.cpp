@@ -277,9 +277,9 @@ class RankKernel {
     // The rank generates exactly its own shard (the whole vocabulary under full-vocab-through-tp).
     const VocabRange vocab = out_.assignment.vocab;
     work_ = full_vocab() ? VocabRange{0, case_.shape.vocab} : vocab;
-    std::vector<T> student(static_cast<std::size_t>(rows() * work_.size()));
-    std::vector<T> teacher;
-    if (kd()) teacher.resize(student.size());
+    std::vector<T> student, teacher;
+    assign_zeros_beating(student, static_cast<std::size_t>(rows() * work_.size()), beacon_);
+    if (kd()) assign_zeros_beating(teacher, student.size(), beacon_);
 #pragma omp parallel for num_threads(threads_) schedule(static) if (threads_ > 1)
     for (std::int64_t i = 0; i < rows(); ++i) {
       beat_row(beacon_, i);
@@ -300,7 +300,7 @@ class RankKernel {
     plan_.emplace(case_, inputs_, out_.assignment, groups_, bugs_);
     out_.logged_valid_tokens = plan_->logged_valid_tokens();
     out_.token_loss.assign(static_cast<std::size_t>(rows()), 0.0f);
-    out_.grad.assign(static_cast<std::size_t>(rows() * vocab.size()) * sizeof(T), std::byte{0});
+    assign_zeros_beating(out_.grad, static_cast<std::size_t>(rows() * vocab.size()) * sizeof(T), beacon_);
     const auto& offsets = out_.assignment.micro_batch_begin;
     for (std::size_t k = 0; k + 1 < offsets.size(); ++k) {
       if (offsets[k + 1] == offsets[k]) continue;  // an empty micro-batch: TP peers skip it too
