@@ -16,6 +16,7 @@
 #include "export_inputs.hpp"
 #include "gate.hpp"
 #include "list.hpp"
+#include "lossverify/comm/nccl_communicator.hpp"
 #include "lossverify/core/build_info.hpp"
 #include "lossverify/core/errors.hpp"
 #include "lossverify/core/strings.hpp"
@@ -113,6 +114,10 @@ int main(int argc, char** argv) {
     if (const auto code = lossverify::cli::prepare_run(run, use_mpi)) return *code;
   }
   if (use_mpi) return lossverify::cli::run_run_mpi(run.args, &argc, &argv);
+  // NCCL endpoints kept between the runs of this command go when it returns (not on a timeout's _Exit).
+  struct ReleaseNccl {
+    ~ReleaseNccl() { cuda::release_nccl_endpoints(); }
+  } release_nccl;
   try {
     if (run.selected()) return lossverify::cli::run_run(run.args);
     if (list.selected()) return lossverify::cli::run_list(list.json);

@@ -16,6 +16,7 @@
 #include <tuple>
 #include <vector>
 
+#include "lossverify/comm/nccl_communicator.hpp"
 #include "lossverify/core/build_info.hpp"
 #include "lossverify/core/errors.hpp"
 #include "lossverify/impl/cuda/kernels.hpp"
@@ -311,6 +312,56 @@ TEST_CASE("nccl_one_gpu_per_rank_matches_host_collectives_bitwise_and_the_cpu_ve
              (std::isnan(nccl.checks[k].margin) && std::isnan(host.checks[k].margin))));
     }
   }
+}
+
+TEST_CASE("nccl_endpoints_are_set_up_once_per_group_and_never_reused_after_a_failed_run") {
+  int gpus = 0;
+  cudaGetDeviceCount(&gpus);
+  if (gpus < 2 || !build_info::have_nccl) {
+    MESSAGE("skipped: needs 2 GPUs and an NCCL build (GPUs: " << gpus << ")");
+    return;
+  }
+  cuda::release_nccl_endpoints();  // whatever earlier tests kept
+  const Case c = load_case_file("cases/smoothing-pytorch.json", {"layout.tp=2", "layout.cp=1", "layout.dp=1"});
+  RunOptions options;
+  options.threads = 2;
+  options.device = RunOptions::Device::cuda;
+  options.gpus = 2;
+  options.collectives = RunOptions::Collectives::nccl;
+  // Two ranks: their TP group over NCCL (one endpoint each); the batch and DP groups of one stay on the host.
+  const std::int64_t before = cuda::nccl_endpoints_created();
+  const RunResult first = run_case(c, options);
+  CHECK(cuda::nccl_endpoints_created() - before == 2);
+  CHECK(cuda::nccl_endpoints_kept() == 2);
+  const RunResult second = run_case(c, options);
+  CHECK(cuda::nccl_endpoints_created() - before == 2);  // the second run created none
+  REQUIRE(first.checks.size() == second.checks.size());
+  for (std::size_t k = 0; k < first.checks.size(); ++k) {
+    CAPTURE(first.checks[k].name);
+    CHECK(first.checks[k].metrics.dump() == second.checks[k].metrics.dump());
+  }
+  // A rank that fails after its groups are set up (the kept endpoints taken again): the run ends with the
+  // error and none of its endpoints goes back, so the next run sets up both again and passes as before.
+  RunOptions faulty = options;
+  faulty.fault = parse_fault("late-throw@1");
+  CHECK_THROWS_AS(run_case(c, faulty), Error);
+  CHECK(cuda::nccl_endpoints_kept() == 0);
+  const std::int64_t after_fault = cuda::nccl_endpoints_created();
+  const RunResult third = run_case(c, options);
+  CHECK(cuda::nccl_endpoints_created() - after_fault == 2);
+  CHECK(third.verdict == Verdict::pass);
+  CHECK(failing(third) == failing(first));
+  // A layout whose batch and DP groups have the same members keeps one endpoint per role.
+  const Case dp =
+      load_case_file("cases/dp-unequal-tokens.json", {"layout.tp=1", "layout.cp=1", "layout.dp=2", "layout.ga=1"});
+  const std::int64_t before_dp = cuda::nccl_endpoints_created();
+  const RunResult dp_first = run_case(dp, options);
+  CHECK(cuda::nccl_endpoints_created() - before_dp == 4);  // batch {0,1} and DP {0,1}, on both ranks
+  const RunResult dp_second = run_case(dp, options);
+  CHECK(cuda::nccl_endpoints_created() - before_dp == 4);
+  CHECK(dp_second.verdict == dp_first.verdict);
+  cuda::release_nccl_endpoints();
+  CHECK(cuda::nccl_endpoints_kept() == 0);
 }
 
 TEST_CASE("nccl_is_refused_where_ranks_would_share_a_gpu") {

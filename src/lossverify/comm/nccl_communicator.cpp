@@ -3,8 +3,12 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <atomic>
 #include <chrono>
-#include <cstring>
+#include <compare>
+#include <exception>
+#include <map>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -24,31 +28,112 @@ void nccl_check(ncclResult_t r, const char* what, int world_rank) {
   }
 }
 
+// What one member of a group keeps between runs: its NCCL communicator, the stream its collectives run
+// on, and the device buffer they stage through. Torn down with ncclCommAbort, which is local: endpoints
+// are released one after another from one thread, and those of a failed run may have absent peers.
+struct Endpoint {
+  int device = 0;
+  ncclComm_t comm = nullptr;
+  cudaStream_t stream = nullptr;
+  void* buffer = nullptr;
+  std::size_t buffer_bytes = 0;
+
+  explicit Endpoint(int d) : device(d) {}
+  ~Endpoint() {
+    cudaSetDevice(device);
+    if (comm != nullptr) ncclCommAbort(comm);
+    if (buffer != nullptr) cudaFree(buffer);
+    if (stream != nullptr) cudaStreamDestroy(stream);
+  }
+  Endpoint(const Endpoint&) = delete;
+  Endpoint& operator=(const Endpoint&) = delete;
+};
+
+// A member's endpoint is found again by its group's role, the members' devices in group order, and its
+// own place in the group.
+struct EndpointKey {
+  int role = 0;
+  std::vector<int> devices;
+  int group_rank = 0;
+  auto operator<=>(const EndpointKey&) const = default;
+};
+
+class EndpointCache {
+ public:
+  std::unique_ptr<Endpoint> take(const EndpointKey& key) {
+    std::lock_guard lock(mutex_);
+    const auto it = idle_.find(key);
+    if (it == idle_.end()) return nullptr;
+    std::unique_ptr<Endpoint> endpoint = std::move(it->second);
+    idle_.erase(it);
+    return endpoint;
+  }
+  void keep(const EndpointKey& key, std::unique_ptr<Endpoint> endpoint) {
+    std::unique_ptr<Endpoint> displaced;  // torn down outside the lock
+    std::lock_guard lock(mutex_);
+    auto& slot = idle_[key];
+    displaced = std::move(slot);
+    slot = std::move(endpoint);
+  }
+  void release_all() {
+    std::map<EndpointKey, std::unique_ptr<Endpoint>> gone;
+    {
+      std::lock_guard lock(mutex_);
+      gone.swap(idle_);
+    }
+  }
+  void count_created() { ++created_; }
+  std::int64_t created() const { return created_.load(); }
+  std::int64_t kept() {
+    std::lock_guard lock(mutex_);
+    return static_cast<std::int64_t>(idle_.size());
+  }
+
+ private:
+  std::mutex mutex_;
+  std::map<EndpointKey, std::unique_ptr<Endpoint>> idle_;
+  std::atomic<std::int64_t> created_{0};
+};
+
+EndpointCache& endpoint_cache() {
+  static EndpointCache* cache = new EndpointCache();  // never destroyed: endpoints are released explicitly
+  return *cache;
+}
+
+// Collective over `host`: a new endpoint for every member (rank 0 makes the id, the host group carries it).
+std::unique_ptr<Endpoint> create_endpoint(Communicator& host, int device) {
+  auto endpoint = std::make_unique<Endpoint>(device);
+  LV_CUDA(cudaSetDevice(device));
+  LV_CUDA(cudaStreamCreateWithFlags(&endpoint->stream, cudaStreamNonBlocking));
+  ncclUniqueId id{};
+  if (host.rank() == 0) nccl_check(ncclGetUniqueId(&id), "ncclGetUniqueId", host.world_rank());
+  std::vector<ncclUniqueId> ids(static_cast<std::size_t>(host.size()));
+  host.all_gather(&id, ids.data(), sizeof(id));
+  // Every member has just passed the host all-gather above, so the (blocking) initialisation meets
+  // no absent peer; collectives are enqueued and their completion is polled (wait_stream).
+  nccl_check(ncclCommInitRank(&endpoint->comm, host.size(), ids[0], host.rank()), "ncclCommInitRank",
+             host.world_rank());
+  endpoint_cache().count_created();
+  return endpoint;
+}
+
 class NcclCommunicator final : public Communicator {
  public:
-  NcclCommunicator(Communicator& host, int device, double timeout_seconds)
-      : host_(host), device_(device), timeout_seconds_(timeout_seconds) {
-    LV_CUDA(cudaSetDevice(device_));
-    LV_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    // Rank 0 of the group makes the id; the host group carries it to the others.
-    ncclUniqueId id{};
-    if (host_.rank() == 0) nccl_check(ncclGetUniqueId(&id), "ncclGetUniqueId", host_.world_rank());
-    std::vector<ncclUniqueId> ids(static_cast<std::size_t>(host_.size()));
-    host_.all_gather(&id, ids.data(), sizeof(id));
-    // Every member has just passed the host all-gather above, so the (blocking) initialisation meets
-    // no absent peer; collectives are enqueued and their completion is polled (wait_stream).
-    nccl_check(ncclCommInitRank(&comm_, host_.size(), ids[0], host_.rank()), "ncclCommInitRank", host_.world_rank());
-  }
+  NcclCommunicator(Communicator& host, std::unique_ptr<Endpoint> endpoint, EndpointKey key, double timeout_seconds)
+      : host_(host),
+        endpoint_(std::move(endpoint)),
+        key_(std::move(key)),
+        timeout_seconds_(timeout_seconds),
+        exceptions_at_start_(std::uncaught_exceptions()) {}
   ~NcclCommunicator() override {
-    if (comm_ != nullptr) {
-      if (broken_) {
-        ncclCommAbort(comm_);
-      } else {
-        ncclCommDestroy(comm_);
-      }
-    }
-    if (device_buffer_ != nullptr) cudaFree(device_buffer_);
-    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+    // Kept only after a clean run: no collective broke, this rank is not unwinding an error, no rank of
+    // the world failed, and nothing is left on the stream. Anything else is aborted with the endpoint.
+    const bool unwinding = std::uncaught_exceptions() > exceptions_at_start_;
+    if (endpoint_ == nullptr || broken_ || unwinding || host_.aborted()) return;
+    if (cudaSetDevice(endpoint_->device) != cudaSuccess || cudaStreamQuery(endpoint_->stream) != cudaSuccess) return;
+    ncclResult_t async = ncclSuccess;
+    if (ncclCommGetAsyncError(endpoint_->comm, &async) != ncclSuccess || async != ncclSuccess) return;
+    endpoint_cache().keep(key_, std::move(endpoint_));
   }
   NcclCommunicator(const NcclCommunicator&) = delete;
   NcclCommunicator& operator=(const NcclCommunicator&) = delete;
@@ -61,14 +146,23 @@ class NcclCommunicator final : public Communicator {
   void all_gather(const void* mine, void* out, std::size_t bytes) override {
     CollectiveTimer timer(collective_seconds_);
     if (bytes == 0) return;
+    if (endpoint_ == nullptr) {
+      throw InternalError("rank " + std::to_string(world_rank()) + ": NCCL group used after an earlier failure");
+    }
     const std::size_t total = bytes * static_cast<std::size_t>(size());
     reserve(bytes + total);
-    std::byte* send = static_cast<std::byte*>(device_buffer_);
+    std::byte* send = static_cast<std::byte*>(endpoint_->buffer);
     std::byte* receive = send + bytes;
-    LV_CUDA(cudaSetDevice(device_));
-    LV_CUDA(cudaMemcpyAsync(send, mine, bytes, cudaMemcpyHostToDevice, stream_));
-    nccl_check(ncclAllGather(send, receive, bytes, ncclUint8, comm_, stream_), "ncclAllGather", world_rank());
-    LV_CUDA(cudaMemcpyAsync(out, receive, total, cudaMemcpyDeviceToHost, stream_));
+    // Every member first meets the others on the host: an NCCL kernel is launched only once the whole group
+    // has arrived, so a rank that fails before a collective never leaves its peers' kernels spinning on the
+    // GPU (which ncclCommAbort does not reliably release in this process). Only a rank that dies between
+    // the barrier and its enqueue can, and that ends the process.
+    host_.barrier();
+    LV_CUDA(cudaSetDevice(endpoint_->device));
+    LV_CUDA(cudaMemcpyAsync(send, mine, bytes, cudaMemcpyHostToDevice, endpoint_->stream));
+    nccl_check(ncclAllGather(send, receive, bytes, ncclUint8, endpoint_->comm, endpoint_->stream), "ncclAllGather",
+               world_rank());
+    LV_CUDA(cudaMemcpyAsync(out, receive, total, cudaMemcpyDeviceToHost, endpoint_->stream));
     wait_stream("ncclAllGather");
   }
 
@@ -95,12 +189,13 @@ class NcclCommunicator final : public Communicator {
 
  private:
   void reserve(std::size_t bytes) {
-    if (bytes <= device_bytes_) return;
-    LV_CUDA(cudaSetDevice(device_));
-    if (device_buffer_ != nullptr) LV_CUDA(cudaFree(device_buffer_));
-    device_buffer_ = nullptr;
-    LV_CUDA(cudaMalloc(&device_buffer_, bytes));
-    device_bytes_ = bytes;
+    if (bytes <= endpoint_->buffer_bytes) return;
+    LV_CUDA(cudaSetDevice(endpoint_->device));
+    if (endpoint_->buffer != nullptr) LV_CUDA(cudaFree(endpoint_->buffer));
+    endpoint_->buffer = nullptr;
+    endpoint_->buffer_bytes = 0;
+    LV_CUDA(cudaMalloc(&endpoint_->buffer, bytes));
+    endpoint_->buffer_bytes = bytes;
   }
 
   // Polls instead of blocking: a peer that failed (abort flag) or never arrives (deadline) ends the wait.
@@ -110,17 +205,17 @@ class NcclCommunicator final : public Communicator {
     for (;;) {
       if (done()) return;
       ncclResult_t async = ncclSuccess;
-      ncclCommGetAsyncError(comm_, &async);
+      ncclCommGetAsyncError(endpoint_->comm, &async);
       if (async != ncclSuccess) {
-        broken_ = true;
+        abandon();
         nccl_check(async, what, world_rank());
       }
       if (host_.aborted()) {
-        broken_ = true;
+        abandon();
         throw InternalError("rank " + std::to_string(world_rank()) + ": " + what + " abandoned: another rank failed");
       }
       if (Clock::now() > deadline) {
-        broken_ = true;
+        abandon();
         throw TimeoutError("rank " + std::to_string(world_rank()) + ": " + what + " waited more than " +
                            std::to_string(static_cast<int>(timeout_seconds_)) +
                            " s for the other GPUs of its group (a rank never arrived)");
@@ -130,19 +225,27 @@ class NcclCommunicator final : public Communicator {
   }
   void wait_stream(const char* what) {
     poll(what, [&] {
-      const cudaError_t e = cudaStreamQuery(stream_);
+      const cudaError_t e = cudaStreamQuery(endpoint_->stream);
       if (e == cudaErrorNotReady) return false;
+      if (e != cudaSuccess) abandon();
       check(e, what);
       return true;
     });
   }
+
+  // A collective that will not complete: its NCCL kernel may be spinning on the GPU, waiting for a peer that
+  // failed, and any device-wide synchronisation (a cudaFree while the error unwinds) would wait for it too.
+  // The endpoint is aborted here, before the error is thrown: ncclCommAbort stops the kernel.
+  void abandon() {
+    broken_ = true;
+    endpoint_.reset();
+  }
+
   Communicator& host_;
-  int device_;
+  std::unique_ptr<Endpoint> endpoint_;
+  EndpointKey key_;
   double timeout_seconds_;
-  cudaStream_t stream_ = nullptr;
-  ncclComm_t comm_ = nullptr;
-  void* device_buffer_ = nullptr;
-  std::size_t device_bytes_ = 0;
+  int exceptions_at_start_;
   std::vector<std::byte> gathered_;
   bool broken_ = false;
 };
@@ -151,8 +254,32 @@ class NcclCommunicator final : public Communicator {
 
 bool built_with_nccl() { return true; }
 
-std::unique_ptr<Communicator> make_nccl_group(Communicator& host_group, int device, double timeout_seconds) {
-  return std::make_unique<NcclCommunicator>(host_group, device, timeout_seconds);
+std::unique_ptr<Communicator> make_nccl_group(Communicator& host_group, int device, double timeout_seconds,
+                                              NcclRole role) {
+  EndpointKey key;
+  key.role = static_cast<int>(role);
+  key.group_rank = host_group.rank();
+  key.devices.resize(static_cast<std::size_t>(host_group.size()));
+  host_group.all_gather(&device, key.devices.data(), sizeof(int));
+  std::unique_ptr<Endpoint> endpoint = endpoint_cache().take(key);
+  // Reused only when every member holds its endpoint of the same group: one that a failed run aborted
+  // on some member makes them all start afresh (the others abort theirs, which is local).
+  const int held = endpoint != nullptr ? 1 : 0;
+  std::vector<int> all_held(static_cast<std::size_t>(host_group.size()));
+  host_group.all_gather(&held, all_held.data(), sizeof(int));
+  bool everyone = true;
+  for (const int h : all_held) everyone = everyone && h == 1;
+  if (!everyone) {
+    endpoint.reset();
+    endpoint = create_endpoint(host_group, device);
+  }
+  return std::make_unique<NcclCommunicator>(host_group, std::move(endpoint), std::move(key), timeout_seconds);
 }
+
+std::int64_t nccl_endpoints_created() { return endpoint_cache().created(); }
+
+std::int64_t nccl_endpoints_kept() { return endpoint_cache().kept(); }
+
+void release_nccl_endpoints() { endpoint_cache().release_all(); }
 
 }  // namespace lossverify::cuda

@@ -212,14 +212,20 @@ RankJob run_rank(const Case& c, const InputSource& inputs, const Implementation&
   ExecutionInfo execution = resolve_execution(options, world.size());
   const int device = execution.gpus > 1 ? rank % execution.gpus : 0;
   // NCCL groups over the host groups (one GPU per rank); they outlive the verification below, whose
-  // collectives travel over them too.
+  // collectives travel over them too. Their endpoints are kept for the next run of the same groups. A group
+  // of one keeps its host communicator: its collectives are copies, and NCCL would only cost its setup.
   std::unique_ptr<Communicator> nccl_tp, nccl_batch, nccl_dp;
   if (execution.collectives == "nccl") {
-    nccl_tp = cuda::make_nccl_group(*owned.tp, device, c.timeout_seconds);
-    nccl_batch = cuda::make_nccl_group(*owned.batch, device, c.timeout_seconds);
-    nccl_dp = cuda::make_nccl_group(*owned.dp, device, c.timeout_seconds);
+    const auto over_nccl = [&](Communicator& host, cuda::NcclRole role) -> std::unique_ptr<Communicator> {
+      if (host.size() == 1) return nullptr;
+      return cuda::make_nccl_group(host, device, c.timeout_seconds, role);
+    };
+    nccl_tp = over_nccl(*owned.tp, cuda::NcclRole::tp);
+    nccl_batch = over_nccl(*owned.batch, cuda::NcclRole::batch);
+    nccl_dp = over_nccl(*owned.dp, cuda::NcclRole::dp);
   }
-  RankGroups groups = nccl_tp ? RankGroups{*nccl_tp, *nccl_batch, *nccl_dp} : owned.view();
+  RankGroups groups{nccl_tp ? *nccl_tp : *owned.tp, nccl_batch ? *nccl_batch : *owned.batch,
+                    nccl_dp ? *nccl_dp : *owned.dp};
   inject(options.fault, rank, true);
   CpuKernelOptions kernel_options;
   kernel_options.threads = threads;
