@@ -57,6 +57,58 @@ std::pair<std::int64_t, std::int64_t> parse_shape(const std::string& text) {
   return {integer(view.substr(0, comma)), integer(view.substr(comma + 1))};
 }
 
+// `bench --gpus N`: the TP-sharded step over N GPUs; prints the three comparisons and returns the figures.
+nlohmann::json bench_gpus(const BenchArguments& a, std::int64_t tokens, std::int64_t vocab, DType dtype) {
+  cuda::MultiGpuBenchOptions o;
+  o.tokens = tokens;
+  o.vocab = vocab;
+  o.dtype = dtype;
+  o.gpus = a.gpus;
+  o.repeats = a.repeats;
+  o.label_smoothing = a.label_smoothing;
+  nlohmann::json r = cuda::bench_multi_gpu(o);
+  const auto ms = [](const nlohmann::json& v) { return v.get<double>(); };
+  std::cout << std::fixed << std::setprecision(3);
+  for (const auto& g : r["per_gpu"]) {
+    std::cout << "GPU " << g["gpu"].get<int>() << " " << g["device"].get<std::string>() << ": copy "
+              << ms(g["copy_tb_per_s"]) << " TB/s, " << g["vocab_columns"].get<std::int64_t>() << " columns, kernels "
+              << ms(g["kernel_ms"]) << " ms (floor " << ms(g["floor_ms"]) << " ms)\n";
+  }
+  std::cout << "shape N=" << tokens << " V=" << vocab << " over " << a.gpus << " GPUs (tp=" << a.gpus << "), "
+            << a.dtype << ", smoothing " << a.label_smoothing << ", mean\n";
+  const auto& k = r["kernels"];
+  std::cout << "kernels (statistics + gradient, slowest GPU): " << ms(k["ms"]) << " ms; floor ("
+            << ms(k["floor_bytes_per_logit"]) << " B/logit at its copy bandwidth) " << ms(k["floor_ms"])
+            << " ms = " << std::setprecision(1) << ms(k["percent_of_floor"]) << "% of the floor\n"
+            << std::setprecision(3);
+  const auto& c = r["collectives"];
+  std::cout << "collectives (" << c["path"].get<std::string>() << "):\n  model t = " << ms(c["model"]["latency_us"])
+            << " us + bytes / " << std::setprecision(2) << ms(c["model"]["bandwidth_gb_per_s"])
+            << " GB/s, fitted to the sweep\n"
+            << std::setprecision(3);
+  std::cout << "  bytes/rank     measured ms   model ms\n";
+  for (const auto& p : c["sweep"]) {
+    std::cout << "  " << std::setw(12) << p["bytes_per_rank"].get<std::int64_t>() << "   " << std::setw(11)
+              << ms(p["ms"]) << "   " << std::setw(8) << ms(p["model_ms"]) << "\n";
+  }
+  for (const auto& m : c["step_messages"]) {
+    std::cout << "  step's " << m["what"].get<std::string>() << " (" << m["bytes_per_rank"].get<std::int64_t>()
+              << " B/rank): " << ms(m["ms"]) << " ms, model " << ms(m["model_ms"]) << " ms\n";
+  }
+  const auto& s = r["step"];
+  std::cout << "step: " << ms(s["ms"]) << " ms (statistics pass and download " << ms(s["statistics_ms"])
+            << ", collectives " << ms(s["collectives_ms"]) << ", host " << ms(s["host_ms"]) << ", gradient pass "
+            << ms(s["gradient_ms"]) << ") vs kernels + model " << ms(s["kernels_plus_model_ms"])
+            << " ms: " << std::setprecision(2) << ms(s["ratio_to_sum"]) << "x\n";
+  const auto& ch = r["check"];
+  std::cout << "check on " << ch["rows_sampled"].get<int>()
+            << " sampled rows vs the float64 reference: " << (ch["pass"].get<bool>() ? "pass" : "FAIL") << " (gradient "
+            << ms(ch["worst_ulp_beyond_atol"]) << " ulp beyond atol, loss " << std::scientific
+            << ms(ch["worst_loss_relative"]) << " relative)\n"
+            << std::defaultfloat;
+  return r;
+}
+
 }  // namespace
 
 int run_bench(const BenchArguments& a) {
@@ -66,6 +118,15 @@ int run_bench(const BenchArguments& a) {
   if (!dtype) throw CaseError("--dtype " + a.dtype + ": expected fp32|bf16|fp16");
   if (tokens < 1 || vocab < 2 || a.tp < 1 || a.tp > vocab)
     throw CaseError("--shape/--tp: need N >= 1, V >= 2, 1 <= tp <= V");
+  if (a.gpus > 1) {
+    if (a.tp != 1)
+      throw CaseError("--gpus " + std::to_string(a.gpus) +
+                      ": the vocabulary is split over the GPUs (tp = gpus); leave --tp out");
+    if (a.gpus > vocab) throw CaseError("--gpus: more GPUs than vocabulary columns");
+    const nlohmann::json r = bench_gpus(a, tokens, vocab, *dtype);
+    if (!a.report_path.empty()) write_file_atomically(a.report_path, json_text(encode_nonfinite(r), 2) + "\n");
+    return r["check"]["pass"].get<bool>() ? 0 : static_cast<int>(ExitCode::check_failed);
+  }
   cuda::BenchOptions o;
   o.tokens = tokens;
   o.vocab = vocab_range(vocab, a.tp, 0).size();  // the first (largest) shard of a TP rank
@@ -118,6 +179,10 @@ void register_bench(CLI::App& app, BenchCommand& command) {
   command.app->add_option("--dtype", command.args.dtype, "fp32|bf16|fp16");
   command.app->add_option("--tp", command.args.tp,
                           "time one rank's shard of the vocabulary: the two kernels around the all-reduce");
+  command.app
+      ->add_option("--gpus", command.args.gpus,
+                   "time the TP-sharded step over this many GPUs (2 or more; NCCL between them)")
+      ->check(CLI::PositiveNumber);
   command.app->add_option("--repeats", command.args.repeats, "timed repetitions (median)")->check(CLI::PositiveNumber);
   command.app->add_option("--label-smoothing", command.args.label_smoothing, "alpha");
   command.app->add_option("--report", command.args.report_path, "write the figures as JSON");

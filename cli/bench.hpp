@@ -13,6 +13,7 @@ struct BenchArguments {
   std::string shape = "16384,128256";
   std::string dtype = "bf16";
   int tp = 1;
+  int gpus = 1;  // > 1: the TP-sharded step over this many GPUs, NCCL between them
   int repeats = 20;
   double label_smoothing = 0.1;
   std::string report_path;

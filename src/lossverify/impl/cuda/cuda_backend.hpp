@@ -43,4 +43,17 @@ struct BenchOptions {
 };
 nlohmann::json bench(const BenchOptions& options);
 
+// `lossverify bench --gpus N`: the TP-sharded step on N GPUs (one thread rank each) with the NCCL collectives
+// between them: the kernels against their floor, the collectives against a latency + size/bandwidth model
+// fitted to a message-size sweep, the whole step against the sum; checked on sampled rows.
+struct MultiGpuBenchOptions {
+  std::int64_t tokens = 16384;
+  std::int64_t vocab = 128256;  // the global vocabulary, split over the GPUs
+  DType dtype = DType::bf16;
+  int gpus = 2;
+  double label_smoothing = 0.1;
+  int repeats = 20;
+};
+nlohmann::json bench_multi_gpu(const MultiGpuBenchOptions& options);
+
 }  // namespace lossverify::cuda

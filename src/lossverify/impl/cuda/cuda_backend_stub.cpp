@@ -18,4 +18,5 @@ RankOutput run_sharded_loss(const Case&, const InputSource&, RankAssignment, Ran
   unavailable();
 }
 nlohmann::json bench(const BenchOptions&) { unavailable(); }
+nlohmann::json bench_multi_gpu(const MultiGpuBenchOptions&) { unavailable(); }
 }  // namespace lossverify::cuda

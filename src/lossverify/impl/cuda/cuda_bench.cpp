@@ -8,51 +8,15 @@
 
 #include "lossverify/core/errors.hpp"
 #include "lossverify/cuda/cuda_check.hpp"
+#include "lossverify/impl/cuda/bench_timing.hpp"
 #include "lossverify/impl/cuda/cuda_backend.hpp"
 #include "lossverify/impl/cuda/kernels.hpp"
 #include "lossverify/reference/loss_reference.hpp"
 
 namespace lossverify::cuda {
 
-namespace {
-
-struct Buffer {
-  void* p = nullptr;
-  explicit Buffer(std::size_t bytes) { LV_CUDA(cudaMalloc(&p, bytes)); }
-  ~Buffer() { cudaFree(p); }
-  Buffer(const Buffer&) = delete;
-  Buffer& operator=(const Buffer&) = delete;
-};
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-// Median time in milliseconds of `launch`, with events around each repetition after warm-ups.
-template <class F>
-double time_ms(int repeats, cudaStream_t stream, F&& launch) {
-  cudaEvent_t a, b;
-  LV_CUDA(cudaEventCreate(&a));
-  LV_CUDA(cudaEventCreate(&b));
-  for (int i = 0; i < 3; ++i) launch(i);
-  std::vector<double> times;
-  for (int i = 0; i < repeats; ++i) {
-    LV_CUDA(cudaEventRecord(a, stream));
-    launch(i);
-    LV_CUDA(cudaEventRecord(b, stream));
-    LV_CUDA(cudaEventSynchronize(b));
-    float ms = 0.0f;
-    LV_CUDA(cudaEventElapsedTime(&ms, a, b));
-    times.push_back(ms);
-  }
-  LV_CUDA(cudaGetLastError());
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  return median(times);
-}
-
-}  // namespace
+using bench_timing::Buffer;
+using bench_timing::time_ms;
 
 nlohmann::json bench(const BenchOptions& o) {
   require_device(o.device);
@@ -70,16 +34,7 @@ nlohmann::json bench(const BenchOptions& o) {
                                                     : StorageType::fp32;
 
   // 1. The bandwidth ceiling: a device-to-device copy, bytes read plus bytes written.
-  const std::size_t copy_bytes = std::size_t{2} << 30;
-  double copy_tb_s = 0.0;
-  {
-    Buffer src(copy_bytes), dst(copy_bytes);
-    LV_CUDA(cudaMemsetAsync(src.p, 1, copy_bytes, stream));
-    const double ms = time_ms(o.repeats, stream, [&](int) {
-      LV_CUDA(cudaMemcpyAsync(dst.p, src.p, copy_bytes, cudaMemcpyDeviceToDevice, stream));
-    });
-    copy_tb_s = 2.0 * static_cast<double>(copy_bytes) / (ms * 1e-3) / 1e12;
-  }
+  const double copy_tb_s = bench_timing::copy_bandwidth_tb_per_s(o.repeats, stream);
 
   // 2. Inputs: two sets from different seeds (rotated, so L2 never holds the next launch's input).
   nlohmann::json case_json = {{"name", "bench"},

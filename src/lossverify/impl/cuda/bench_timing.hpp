@@ -1,0 +1,67 @@
+#pragma once
+// What the CUDA benchmarks share: a device allocation that frees itself, the median of repeated timings,
+// event timing of a launch, and the device-to-device copy that sets the bandwidth ceiling.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <vector>
+
+#include "lossverify/cuda/cuda_check.hpp"
+
+namespace lossverify::cuda::bench_timing {
+
+struct Buffer {
+  void* p = nullptr;
+  explicit Buffer(std::size_t bytes) { LV_CUDA(cudaMalloc(&p, bytes)); }
+  ~Buffer() { cudaFree(p); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(p);
+  }
+};
+
+inline double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+// Median time in milliseconds of `launch(i)` on `stream`, with events around each repetition after three
+// warm-ups.
+template <class F>
+double time_ms(int repeats, cudaStream_t stream, F&& launch) {
+  cudaEvent_t a, b;
+  LV_CUDA(cudaEventCreate(&a));
+  LV_CUDA(cudaEventCreate(&b));
+  for (int i = 0; i < 3; ++i) launch(i);
+  std::vector<double> times;
+  for (int i = 0; i < repeats; ++i) {
+    LV_CUDA(cudaEventRecord(a, stream));
+    launch(i);
+    LV_CUDA(cudaEventRecord(b, stream));
+    LV_CUDA(cudaEventSynchronize(b));
+    float ms = 0.0f;
+    LV_CUDA(cudaEventElapsedTime(&ms, a, b));
+    times.push_back(ms);
+  }
+  LV_CUDA(cudaGetLastError());
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return median(times);
+}
+
+// The bandwidth ceiling of the current device in TB/s: a 2 GiB device-to-device copy, bytes read plus
+// bytes written.
+inline double copy_bandwidth_tb_per_s(int repeats, cudaStream_t stream) {
+  const std::size_t copy_bytes = std::size_t{2} << 30;
+  Buffer src(copy_bytes), dst(copy_bytes);
+  LV_CUDA(cudaMemsetAsync(src.p, 1, copy_bytes, stream));
+  const double ms = time_ms(repeats, stream, [&](int) {
+    LV_CUDA(cudaMemcpyAsync(dst.p, src.p, copy_bytes, cudaMemcpyDeviceToDevice, stream));
+  });
+  return 2.0 * static_cast<double>(copy_bytes) / (ms * 1e-3) / 1e12;
+}
+
+}  // namespace lossverify::cuda::bench_timing
