@@ -27,6 +27,10 @@ void register_export_inputs(CLI::App& app, ExportInputsCommand& command) {
   sub.add_option("--out", a.out_dir, "folder to write (created; must be empty if it exists)")->required();
   sub.add_option("--threads", a.threads, "OpenMP threads for generating the inputs (default: all)")
       ->check(thread_count());
+  sub.add_option("--rank", a.rank,
+                 "write only this world rank's file (the index still describes every rank): a process of a "
+                 "distributed launch regenerates its own inputs")
+      ->check(CLI::NonNegativeNumber);
   sub.add_flag("--quiet,-q", a.quiet, "print nothing");
 }
 
@@ -41,14 +45,16 @@ int run_export_inputs(const ExportInputsArguments& args) {
   options.out_dir = args.out_dir;
   options.case_file = args.case_file;
   options.overrides = overrides;
+  options.only_rank = args.rank;
   options.threads =
       args.threads > 0 ? args.threads : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   const nlohmann::json index = dump::export_inputs(c, options);
   if (!args.quiet) {
-    std::cout << "exported " << index["ranks"].size() << " rank(s) of case " << printable(c.name)
-              << " [N=" << c.shape.tokens << " V=" << c.shape.vocab << ", " << to_string(c.inputs.dtype)
-              << ", tp=" << c.layout.tp << " cp=" << c.layout.cp << " dp=" << c.layout.dp << " ga=" << c.layout.ga
-              << "] to " << args.out_dir << "/" << dump::kInputsIndex << "\n";
+    std::cout << "exported " << (args.rank >= 0 ? "rank " + std::to_string(args.rank) + " of " : "")
+              << index["ranks"].size() << " rank(s) of case " << printable(c.name) << " [N=" << c.shape.tokens
+              << " V=" << c.shape.vocab << ", " << to_string(c.inputs.dtype) << ", tp=" << c.layout.tp
+              << " cp=" << c.layout.cp << " dp=" << c.layout.dp << " ga=" << c.layout.ga << "] to " << args.out_dir
+              << "/" << dump::kInputsIndex << "\n";
   }
   return 0;
 }

@@ -13,6 +13,7 @@ struct ExportInputsArguments {
   int tp = 0, cp = 0, dp = 0, ga = 0;  // 0: the case's own
   std::string out_dir;
   int threads = 0;
+  int rank = -1;  // >= 0: only this world rank's file
   bool quiet = false;
 };
 

@@ -25,17 +25,27 @@
 #include "repro.hpp"
 #ifdef LOSSVERIFY_HAVE_MPI
 #include "lossverify/comm/mpi_world.hpp"
+#include "lossverify/comm/nccl_communicator.hpp"
 #endif
 
 namespace lossverify::cli {
 
 namespace {
 
+// --set overrides, then --tp/--cp/--dp/--ga as layout overrides.
+std::vector<std::string> case_overrides(const RunArguments& args) {
+  std::vector<std::string> overrides = args.set;
+  const std::pair<const char*, int> layout[] = {{"tp", args.tp}, {"cp", args.cp}, {"dp", args.dp}, {"ga", args.ga}};
+  for (const auto& [key, value] : layout) {
+    if (value > 0) overrides.push_back("layout." + std::string(key) + "=" + std::to_string(value));
+  }
+  return overrides;
+}
+
 lossverify::cli::ArtifactContext artifact_context(const RunArguments& args, const std::string& launcher,
                                                   int processes) {
   lossverify::cli::ArtifactContext context;
-  context.set_overrides = args.set;
-  if (args.tp > 0) context.set_overrides.push_back("layout.tp=" + std::to_string(args.tp));
+  context.set_overrides = case_overrides(args);
   context.report_path = args.report_path;
   context.launcher = launcher;
   context.processes = processes;
@@ -78,8 +88,7 @@ namespace {
 // case is loaded and validated before anything runs: a bad file means no report at all. Only the
 // launcher's reporting process prints and writes files.
 int run_cases(const RunArguments& args, Launcher& launcher) {
-  std::vector<std::string> overrides = args.set;
-  if (args.tp > 0) overrides.push_back("layout.tp=" + std::to_string(args.tp));
+  std::vector<std::string> overrides = case_overrides(args);
   if (args.timeout > 0.0) overrides.push_back("timeout_seconds=" + std::to_string(args.timeout));
   std::vector<Case> cases;
   for (const auto& file : args.case_files) cases.push_back(load_case_file(file, overrides));
@@ -262,6 +271,12 @@ void register_run(CLI::App& app, RunCommand& command) {
                           "implementation: correct or a catalogued bug (see list)");
   command.app->add_option("--tp", command.args.tp, "tensor-parallel ranks (overrides layout.tp)")
       ->check(CLI::PositiveNumber);
+  command.app->add_option("--cp", command.args.cp, "context-parallel ranks (overrides layout.cp)")
+      ->check(CLI::PositiveNumber);
+  command.app->add_option("--dp", command.args.dp, "data-parallel ranks (overrides layout.dp)")
+      ->check(CLI::PositiveNumber);
+  command.app->add_option("--ga", command.args.ga, "gradient-accumulation micro-batches (overrides layout.ga)")
+      ->check(CLI::PositiveNumber);
   command.app->add_option("--set", command.args.set, "override a case field, e.g. --set loss.label_smoothing=0.1")
       ->allow_extra_args(false);
   command.app->add_option("--report", command.args.report_path, "write the JSON report here (atomically)");
@@ -321,7 +336,9 @@ std::optional<int> prepare_run(RunCommand& command, bool& use_mpi) {
 int run_run_mpi(const RunArguments& args, int* argc, char*** argv) {
 #ifdef LOSSVERIFY_HAVE_MPI
   mpi::Session session(argc, argv, args.timeout > 0.0 ? args.timeout : 120.0);
-  return command_run_mpi(args, session);
+  const int code = command_run_mpi(args, session);
+  cuda::release_nccl_endpoints();  // before MPI_Finalize
+  return code;
 #else
   (void)args;
   (void)argc;

@@ -14,7 +14,7 @@ namespace lossverify::cli {
 struct RunArguments {
   std::vector<std::string> case_files;
   std::string implementation = "correct";
-  int tp = 0;
+  int tp = 0, cp = 0, dp = 0, ga = 0;  // > 0: override the case's layout
   std::vector<std::string> set;
   std::string report_path;
   bool quiet = false;

@@ -132,6 +132,21 @@ lossverify_cli_test(export_inputs_tp_above_vocab 2 "layout.tp.*300" --absent ${O
   -- ${LV} export-inputs ${CASES}/cp-zigzag-packed.json --tp 301 --out ${OUT}/export_wide)
 lossverify_cli_test(export_inputs_folder_in_use 2 "not empty .*nothing was written"
   -- bash -c "mkdir -p ${OUT}/export_busy && touch ${OUT}/export_busy/mine && ${LV} export-inputs ${CASES}/cp-zigzag-packed.json --out ${OUT}/export_busy")
+# --rank: one process of a distributed launch regenerates its own rank's file, bit for bit the full export's,
+# and the same index; a rank outside the layout is exit 2 with nothing written.
+lossverify_cli_test(export_inputs_one_rank 0 "exported rank 5 of 8 rank\\(s\\)"
+  --present ${OUT}/export_rank5/rank5.safetensors --absent ${OUT}/export_rank5/rank0.safetensors
+  -- bash -c "rm -rf ${OUT}/export_rank5 && ${LV} export-inputs ${CASES}/cp-zigzag-packed.json --dp 2 --rank 5 --out ${OUT}/export_rank5 && \
+              cmp ${OUT}/export_rank5/rank5.safetensors ${OUT}/export/rank5.safetensors && \
+              cmp ${OUT}/export_rank5/inputs.json ${OUT}/export/inputs.json")
+set_tests_properties(cli_export_inputs_one_rank PROPERTIES DEPENDS cli_export_inputs)
+lossverify_cli_test(export_inputs_rank_outside 2 "--rank 8: outside the layout's 8 ranks" --absent ${OUT}/export_rank8
+  -- ${LV} export-inputs ${CASES}/cp-zigzag-packed.json --dp 2 --rank 8 --out ${OUT}/export_rank8)
+# run takes the whole layout on the command line, as export-inputs and the Python package do.
+lossverify_cli_test(run_layout_options 0 "tp=2 cp=1 dp=2 ga=2\\]  impl correct"
+  -- ${LV} run ${CASES}/full-4d-layout.json --tp 2 --cp 1 --dp 2 --ga 2 --threads 2)
+# bench --gpus splits the vocabulary over the GPUs itself: --tp beside it is a usage error (no GPU needed).
+lossverify_cli_test(bench_gpus_with_tp 2 "leave --tp out" -- ${LV} bench --gpus 2 --tp 2)
 
 # docs/catalogue.md's bug table is `lossverify list --json`, rendered (scripts/catalogue_table.py); the
 # check fails on a table that drifted (a copy with one source changed).

@@ -33,9 +33,7 @@ void prepare_folder(const std::string& dir) {
 
 std::string rank_file_name(int rank) { return "rank" + std::to_string(rank) + ".safetensors"; }
 
-// Writes one rank's tensors; returns its entry of the index.
-nlohmann::json write_rank(const Case& c, const InputSource& inputs, int rank, const std::string& dir, int threads) {
-  const RankInputs in = make_rank_inputs(c, inputs, assign_rank(c, inputs.batch(), rank), threads);
+std::vector<TensorToWrite> rank_tensors(const Case& c, const RankInputs& in) {
   const std::vector<std::int64_t> shard_shape = {in.rows(), in.columns()};
   const std::vector<std::int64_t> rows_shape = {in.rows()};
   std::vector<TensorToWrite> tensors = {
@@ -51,23 +49,33 @@ nlohmann::json write_rank(const Case& c, const InputSource& inputs, int rank, co
     tensors.push_back(
         {"teacher_logits", tensor_dtype_of(in.dtype), shard_shape, std::span<const std::byte>(in.teacher_logits)});
   }
-  const std::string file = rank_file_name(rank);
-  write_safetensors((fs::path(dir) / file).string(), tensors,
-                    {{"format", kInputsFormat}, {"rank", std::to_string(rank)}});
+  return tensors;
+}
 
+// Writes one rank's tensors.
+void write_rank(const Case& c, const InputSource& inputs, int rank, const std::string& dir, int threads) {
+  const RankInputs in = make_rank_inputs(c, inputs, assign_rank(c, inputs.batch(), rank), threads);
+  write_safetensors((fs::path(dir) / rank_file_name(rank)).string(), rank_tensors(c, in),
+                    {{"format", kInputsFormat}, {"rank", std::to_string(rank)}});
+}
+
+// A rank's entry of the index, from its assignment alone (whether or not its file is written here).
+nlohmann::json rank_entry(const Case& c, const InputSource& inputs, int rank) {
+  const RankAssignment assignment = assign_rank(c, inputs.batch(), rank);
   nlohmann::json micro_batches = nlohmann::json::array();
-  const auto& offsets = in.assignment.micro_batch_begin;
+  const auto& offsets = assignment.micro_batch_begin;
   for (std::size_t k = 0; k + 1 < offsets.size(); ++k) micro_batches.push_back({offsets[k], offsets[k + 1]});
-  nlohmann::json names = nlohmann::json::array();
-  for (const TensorToWrite& t : tensors) names.push_back(t.name);
-  const RankCoordinates& at = in.assignment.coordinates;
+  nlohmann::json names = nlohmann::json::array(
+      {"logits", "labels", "loss_mask", "tokens", "token_ids", "sequences", "positions", "upstream_weights"});
+  if (c.loss.kind == LossKind::kd) names.push_back("teacher_logits");
+  const RankCoordinates& at = assignment.coordinates;
   return {{"rank", rank},
           {"tp", at.tp},
           {"cp", at.cp},
           {"dp", at.dp},
-          {"vocab", {in.assignment.vocab.begin, in.assignment.vocab.end}},
-          {"file", file},
-          {"rows", in.rows()},
+          {"vocab", {assignment.vocab.begin, assignment.vocab.end}},
+          {"file", rank_file_name(rank)},
+          {"rows", static_cast<std::int64_t>(assignment.rows.size())},
           {"micro_batches", micro_batches},
           {"tensors", names}};
 }
@@ -76,11 +84,17 @@ nlohmann::json write_rank(const Case& c, const InputSource& inputs, int rank, co
 
 nlohmann::json export_inputs(const Case& c, const ExportOptions& options) {
   check_case(c);
+  if (options.only_rank >= c.layout.world_size()) {
+    throw CaseError("--rank " + std::to_string(options.only_rank) + ": outside the layout's " +
+                    std::to_string(c.layout.world_size()) + " ranks (tp * cp * dp)");
+  }
   prepare_folder(options.out_dir);
   const InputSource inputs(c);
   nlohmann::json ranks = nlohmann::json::array();
   for (int rank = 0; rank < c.layout.world_size(); ++rank) {
-    ranks.push_back(write_rank(c, inputs, rank, options.out_dir, options.threads));
+    if (options.only_rank < 0 || options.only_rank == rank)
+      write_rank(c, inputs, rank, options.out_dir, options.threads);
+    ranks.push_back(rank_entry(c, inputs, rank));
   }
   std::int64_t valid_tokens = 0;
   for (std::int64_t t = 0; t < c.shape.tokens; ++t) valid_tokens += inputs.is_valid(t);

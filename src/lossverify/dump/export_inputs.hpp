@@ -22,6 +22,9 @@ struct ExportOptions {
   std::string case_file;               // recorded in the index
   std::vector<std::string> overrides;  // the --set overrides applied, recorded in the index
   int threads = 1;
+  // >= 0: write only this world rank's file (a process of a distributed launch regenerates its own inputs);
+  // the index still describes every rank.
+  int only_rank = -1;
 };
 
 // Throws CaseError (exit 2) when the folder is not usable (a file, or a folder that is not empty), before
