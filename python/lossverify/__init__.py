@@ -9,8 +9,8 @@ This package is the PyTorch side of it:
 - `lossverify.inputs` reads what `lossverify export-inputs` writes;
 - `lossverify.safetensors` reads and writes the tensor files, without the `safetensors` package.
 
-Importing `lossverify` itself needs no torch: only `lossverify.torch`, `lossverify.dump`,
-`lossverify.inputs` and `lossverify.safetensors` do.
+Importing `lossverify` itself needs no torch; `lossverify.dump` and `lossverify.safetensors` import it, and
+`lossverify.torch` and `lossverify.inputs` import it only once they need it (a harness's parent never does).
 """
 
 from lossverify.errors import (

@@ -16,21 +16,37 @@ import json
 import os
 import tempfile
 
-import torch
-
-from lossverify import safetensors, tool
+from lossverify import tool
 from lossverify.errors import InputsError
 from lossverify.layout import Layout, vocab_shard
 
 __all__ = ["Inputs", "RankInputs", "load", "export", "exported", "TORCH_DTYPES"]
 
 INPUTS_FORMAT = "lossverify.inputs/1"
-TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_ROW_TENSORS = {  # name -> dtype (None: the case dtype); all [rows] except the logits
-    "logits": None, "labels": torch.int64, "loss_mask": torch.bool, "tokens": torch.int64,
-    "token_ids": torch.int64, "sequences": torch.int64, "positions": torch.int64,
-    "upstream_weights": torch.float64,
-}
+DTYPE_NAMES = ("fp32", "bf16", "fp16")
+
+
+# torch is imported when a rank's tensors are first read, not with this module: the harness's parent reads
+# the index only, and a torch import costs seconds.
+def _torch_dtypes():
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _row_tensors():
+    """name -> dtype (None: the case dtype); all [rows] except the logits."""
+    import torch
+
+    return {"logits": None, "labels": torch.int64, "loss_mask": torch.bool, "tokens": torch.int64,
+            "token_ids": torch.int64, "sequences": torch.int64, "positions": torch.int64,
+            "upstream_weights": torch.float64}
+
+
+def __getattr__(name):
+    if name == "TORCH_DTYPES":
+        return _torch_dtypes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class RankInputs:
@@ -76,12 +92,14 @@ class RankInputs:
     def _load(self):
         if not os.path.isfile(self.file):
             raise InputsError(f"{self.file}: missing (named by {self.where}.file)")
+        from lossverify import safetensors
+
         try:
             tensors = safetensors.load_file(self.file)
         except safetensors.SafetensorsError as e:
             raise InputsError(str(e)) from None
         inputs = self._inputs
-        expected = dict(_ROW_TENSORS)
+        expected = _row_tensors()
         if inputs.kind == "kd":
             expected["teacher_logits"] = None
         width = self.vocab[1] - self.vocab[0]
@@ -118,8 +136,8 @@ class Inputs:
         self.tokens = _int(shape, "tokens", f"{where}: $.shape")
         self.vocab = _int(shape, "vocab", f"{where}: $.shape")
         self.dtype = data.get("dtype")
-        if self.dtype not in TORCH_DTYPES:
-            raise InputsError(f"{where}: $.dtype: expected one of {', '.join(TORCH_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_NAMES:
+            raise InputsError(f"{where}: $.dtype: expected one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
         layout = data.get("layout", {})
         self.layout = Layout(*[_int(layout, k, f"{where}: $.layout") for k in ("tp", "cp", "dp", "ga")])
         if min(self.layout) < 1:
@@ -135,7 +153,7 @@ class Inputs:
 
     @property
     def torch_dtype(self):
-        return TORCH_DTYPES[self.dtype]
+        return _torch_dtypes()[self.dtype]
 
     @property
     def loss(self):
@@ -188,12 +206,13 @@ def load(directory):
     return Inputs(directory, data)
 
 
-def export(case, out_dir, tp=None, cp=None, dp=None, ga=None, overrides=None, binary=None):
+def export(case, out_dir, tp=None, cp=None, dp=None, ga=None, overrides=None, binary=None, rank=None):
     """Run `lossverify export-inputs` into `out_dir` (new or empty) and load the result.
 
-    `overrides` are --set items: {"loss.label_smoothing": 0.1} or ["loss.label_smoothing=0.1"].
+    `overrides` are --set items: {"loss.label_smoothing": 0.1} or ["loss.label_smoothing=0.1"]; `rank`: only
+    that world rank's tensors are written (a process of a distributed launch regenerates its own).
     """
-    tool.export_inputs(case, out_dir, tp=tp, cp=cp, dp=dp, ga=ga, overrides=overrides, binary=binary)
+    tool.export_inputs(case, out_dir, tp=tp, cp=cp, dp=dp, ga=ga, overrides=overrides, binary=binary, rank=rank)
     return load(out_dir)
 
 

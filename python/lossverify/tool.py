@@ -92,11 +92,15 @@ def _raise_for(result, command):
                     returncode=result.returncode, output=output)
 
 
-def export_inputs(case, out_dir, tp=None, cp=None, dp=None, ga=None, overrides=None, binary=None, timeout=None):
-    """Run `lossverify export-inputs CASE --out OUT_DIR` (OUT_DIR new or empty); returns OUT_DIR."""
+def export_inputs(case, out_dir, tp=None, cp=None, dp=None, ga=None, overrides=None, binary=None, timeout=None,
+                  rank=None):
+    """Run `lossverify export-inputs CASE --out OUT_DIR` (OUT_DIR new or empty); returns OUT_DIR. rank: write
+    only that world rank's file (the index still describes every rank)."""
     binary = find_binary(binary)
     args = ["export-inputs", os.fspath(case), *set_arguments(overrides), *layout_arguments(tp, cp, dp, ga),
             "--out", os.fspath(out_dir)]
+    if rank is not None:
+        args += ["--rank", str(int(rank))]
     result = _run(binary, args, timeout)
     if result.returncode != 0:
         _raise_for(result, [binary] + args)

@@ -12,7 +12,17 @@ See docs/pytorch.md. `lossverify.torch.implementations` holds the project's own 
 correct vocabulary-parallel cross-entropy and KD, and catalogued bugs written the way frameworks wrote them.
 """
 
-from lossverify.torch.context import Context, FrameworkConfig, LossConfig, MicroBatch, Reduced
 from lossverify.torch.harness import check, check_many, sweep
 
 __all__ = ["Context", "FrameworkConfig", "LossConfig", "MicroBatch", "Reduced", "check", "check_many", "sweep"]
+_CONTEXT_NAMES = ("Context", "FrameworkConfig", "LossConfig", "MicroBatch", "Reduced")
+
+
+def __getattr__(name):
+    """The context records import torch: they load when first named, so that `python3 -m lossverify.torch`
+    can start its rank processes' torch import before its own (the harness's parent needs none)."""
+    if name in _CONTEXT_NAMES:
+        from lossverify.torch import context
+
+        return getattr(context, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

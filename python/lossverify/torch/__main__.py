@@ -3,6 +3,7 @@
     python3 -m lossverify.torch run --fn my_module:my_loss cases/smoothing-pytorch.json --tp 4
     python3 -m lossverify.torch sweep --fn my_module:my_loss cases/cp-zigzag-packed.json --layout tp2-cp2 ...
     python3 -m lossverify.torch list
+    torchrun --nproc-per-node 4 -m lossverify.torch run --fn my_module:my_loss cases/full-4d-layout.json --tp 2 --dp 2
 
 Exit codes are lossverify's: 0 every check passes, 1 a check failed, 2 usage or a bad case, 3 the loss
 function raised (its rank and traceback are printed) or an internal error, 4 a rank hung past the timeout.
@@ -10,6 +11,7 @@ function raised (its rank and traceback are printed) or an internal error, 4 a r
 
 import argparse
 import importlib
+import importlib.util
 import sys
 import traceback
 
@@ -66,20 +68,18 @@ def _positive(text):
 
 
 def _load_function(spec):
-    """The --fn target, imported here so that a typo is a usage error before any rank starts."""
-    if ":" not in spec:
-        raise UsageError(f"--fn {spec}: expected MODULE:FUNCTION")
-    module_name, _, attribute = spec.partition(":")
+    """The --fn target: its form and its module are checked here, so that a typo is a usage error before any
+    rank starts; the module itself is imported by the ranks, which look up the function (a missing one is a
+    usage error too). Importing it here would cost this process a torch import for nothing."""
+    module_name, colon, attribute = spec.partition(":")
+    if not colon or not module_name or not attribute or any(not part for part in attribute.split(".")):
+        raise UsageError(f"--fn {spec}: expected MODULE:FUNCTION, e.g. my_package.losses:my_loss")
     try:
-        target = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
+        found = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError) as e:  # a parent package that does not exist, or a malformed name
         raise UsageError(f"--fn {spec}: cannot import {module_name}: {e}") from None
-    for part in attribute.split("."):
-        if not hasattr(target, part):
-            raise UsageError(f"--fn {spec}: {module_name} has no {attribute}")
-        target = getattr(target, part)
-    if not callable(target):
-        raise UsageError(f"--fn {spec}: {attribute} is not callable")
+    if found is None:
+        raise UsageError(f"--fn {spec}: cannot import {module_name}: no module named {module_name!r}")
     return spec
 
 
@@ -96,9 +96,23 @@ def main(argv=None):
     args = _parser().parse_args(argv)
     if args.command == "list":
         return _list()
+    from lossverify.torch import torchrun
+
+    if torchrun.launched_by_torchrun():
+        if args.command != "run":
+            print("lossverify.torch: error: under torchrun each launch checks one layout: use run", file=sys.stderr)
+            return EXIT_USAGE
+        try:
+            fn = _load_function(args.fn)
+        except LossverifyError as e:
+            print(f"lossverify.torch: error: {e}", file=sys.stderr)
+            return e.exit_code
+        return torchrun.main_under_torchrun(args, fn)
     from lossverify.torch import harness
+    from lossverify.torch._launch import start_process_context
 
     try:
+        start_process_context()  # the server's torch import runs while this process exports the inputs
         fn = _load_function(args.fn)
         options = dict(device=args.device, set=args.set, returns=args.returns, binary=args.binary,
                        keep_dump=args.keep_dump, timeout=args.timeout, report=args.report, backend=args.backend)

@@ -16,7 +16,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, List
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,35 +24,8 @@ import torch.distributed as dist
 from lossverify.dump import DumpWriter
 from lossverify.inputs import load as load_inputs
 from lossverify.layout import framework_factor
+from lossverify.torch._launch import RETURNS, Job, Launch  # noqa: F401 - the records ranks receive
 from lossverify.torch.context import Context, FrameworkConfig, LossConfig, MicroBatch, Reduced
-
-RETURNS = ("auto", "token_loss", "reduced")
-
-
-@dataclass
-class Job:
-    """One loss function to run on the launch's inputs, dumped to its own folder."""
-
-    fn: Any  # a callable (pickled by reference) or "module:function"
-    name: str
-    dump_dir: str
-    returns: str = "auto"  # auto | token_loss | reduced
-
-
-@dataclass
-class Launch:
-    """What every rank of one launch needs (pickled to the rank processes)."""
-
-    inputs_dir: str
-    jobs: List[Job]
-    world_size: int
-    device: str  # cpu | cuda
-    init_file: str
-    status_dir: str
-    timeout_seconds: float
-    threads: int = 1
-    launched_at: float = 0.0  # time.monotonic() in the parent when the launch began (for tracing)
-    backend: str = "gloo"  # the process group's: gloo (on cuda the ranks share the GPUs) | nccl (a GPU per rank)
 
 
 class UserCodeError(Exception):
@@ -64,18 +37,25 @@ class UserCodeError(Exception):
         self.job = job
 
 
+class FunctionNotFound(Exception):
+    """--fn names a module that has no such function, or something that is not callable (a usage error)."""
+
+
 def resolve_function(fn):
-    """A callable from "package.module:function" (attributes may be dotted), or fn itself."""
+    """A callable from "package.module:function" (attributes may be dotted), or fn itself. An exception the
+    module raises while it is imported propagates (the checked code failed); FunctionNotFound otherwise."""
     if callable(fn):
         return fn
     if not isinstance(fn, str) or ":" not in fn:
-        raise ValueError(f"expected a callable or \"module:function\", got {fn!r}")
+        raise FunctionNotFound(f"expected a callable or \"module:function\", got {fn!r}")
     module_name, _, attribute = fn.partition(":")
     target = importlib.import_module(module_name)
     for part in attribute.split("."):
+        if not hasattr(target, part):
+            raise FunctionNotFound(f"--fn {fn}: {module_name} has no {attribute}")
         target = getattr(target, part)
     if not callable(target):
-        raise ValueError(f"{fn} is a {type(target).__name__}, not a function")
+        raise FunctionNotFound(f"--fn {fn}: {attribute} is a {type(target).__name__}, not a function")
     return target
 
 
@@ -88,7 +68,10 @@ def rank_main(rank, launch):
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING" if renamed else "NCCL_ASYNC_ERROR_HANDLING", "1")
     torch.set_num_threads(max(1, launch.threads))
     try:
-        warnings = _run_rank(rank, launch)
+        warnings = run_jobs(rank, launch)
+    except FunctionNotFound as e:
+        _write_status(status_path, {"rank": rank, "ok": False, "kind": "usage", "message": str(e), "time": time.time()})
+        os._exit(2)
     except UserCodeError as e:  # the time tells the first failure from the echoes it causes in peers
         _write_status(status_path, {"rank": rank, "ok": False, "kind": "user", "message": str(e), "time": time.time(),
                                     "micro_batch": e.micro_batch, "job": e.job})
@@ -141,20 +124,24 @@ class _Rank:
     num_valid: int  # N_v over the world
 
 
-def _run_rank(rank, launch):
+def run_jobs(rank, launch):
+    """Join the world (unless torchrun's process group is already up), build the groups and run every job of
+    the launch on this rank's inputs; returns {job name: [warnings]}."""
     started = time.monotonic()
     inputs = load_inputs(launch.inputs_dir)
     device = torch.device("cpu")
     backend = launch.backend
     if launch.device == "cuda":
-        device = torch.device("cuda", rank % torch.cuda.device_count())
+        device = torch.device("cuda", launch.local_rank if launch.local_rank is not None
+                              else rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    # Collectives time out well after the parent's deadline: a hang is reported by the parent as such
-    # (HarnessTimeout naming the ranks), not as a peer's receive timeout; this is the backstop.
-    dist.init_process_group(backend, init_method="file://" + launch.init_file, rank=rank,
-                            world_size=launch.world_size,
-                            timeout=datetime.timedelta(seconds=2 * launch.timeout_seconds + 10))
-    started = _trace(rank, "init_process_group", started)
+    if launch.init_file is not None:
+        # Collectives time out well after the parent's deadline: a hang is reported by the parent as such
+        # (HarnessTimeout naming the ranks), not as a peer's receive timeout; this is the backstop.
+        dist.init_process_group(backend, init_method="file://" + launch.init_file, rank=rank,
+                                world_size=launch.world_size,
+                                timeout=datetime.timedelta(seconds=2 * launch.timeout_seconds + 10))
+        started = _trace(rank, "init_process_group", started)
     groups = _build_groups(inputs.layout, rank)
     control = dist.new_group(backend="gloo") if backend != "gloo" else None
     started = _trace(rank, "groups", started)
@@ -169,6 +156,8 @@ def _run_rank(rank, launch):
     for job in launch.jobs:
         try:
             fn = resolve_function(job.fn)
+        except FunctionNotFound:
+            raise
         except Exception:
             raise UserCodeError(f"cannot load the loss function {job.fn!r}:\n{traceback.format_exc()}",
                                 job=job.name) from None

@@ -16,7 +16,6 @@ time raises HarnessTimeout.
 import contextlib
 import itertools
 import json
-import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
@@ -30,25 +29,12 @@ from lossverify import inputs as inputs_module
 from lossverify import tool
 from lossverify.errors import HarnessTimeout, ToolError, UsageError, UserFunctionError
 from lossverify.layout import parse_layout
-from lossverify.torch._worker import RETURNS, Job, Launch, rank_main
+from lossverify.torch._launch import RETURNS, Job, Launch, process_context, rank_entry, start_process_context
 
 __all__ = ["check", "check_many", "sweep"]
 
 _STOP_GRACE_SECONDS = 1.0  # after a rank fails, how long the others get to write their own status
-_context = None
-
-
-def _process_context():
-    """A fork server with torch imported: each rank starts as a fork of it (no CUDA state is ever in it).
-    torch is named on its own because Python 3.11's fork server ignores sys.path changes made at run time:
-    lossverify itself may then fail to preload, which costs little, but torch must not."""
-    global _context
-    if _context is None:
-        method = os.environ.get("LOSSVERIFY_TORCH_START", "forkserver")
-        _context = multiprocessing.get_context(method)
-        if method == "forkserver":
-            _context.set_forkserver_preload(["torch", "torch.distributed", "lossverify.torch"])
-    return _context
+_process_context = process_context  # the tests start their own ranks from the same server
 
 
 def check(fn, case, tp=None, cp=None, dp=None, ga=None, device="cpu", set=None, returns="auto", binary=None,
@@ -79,6 +65,7 @@ def check_many(fns, case, tp=None, cp=None, dp=None, ga=None, device="cpu", set=
     jobs_in = _named_functions(fns)
     backend = _check_arguments(device, returns, backend)
     binary = tool.find_binary(binary)
+    start_process_context()  # the server imports torch while the inputs are exported
     with _work_directory(keep_dump) as work:
         inputs_dir = os.path.join(work, "inputs")
         inputs = _export(case, inputs_dir, tp, cp, dp, ga, set, binary)
@@ -103,6 +90,7 @@ def sweep(fn, case, layouts=None, device="cpu", set=None, returns="auto", binary
     "tp2-cp1-dp1-ga1" strings; default: the product of the case file's "sweep" section."""
     backend = _check_arguments(device, returns, backend)
     binary = tool.find_binary(binary)
+    start_process_context()
     name = name or _function_name(fn)
     _named_functions({name: fn})
     layouts = [parse_layout(x) for x in layouts] if layouts else _case_sweep(case)
@@ -236,8 +224,8 @@ def _launch(inputs, jobs, device, backend, timeout, work):
     launch = Launch(inputs_dir=inputs.directory, jobs=jobs, world_size=world, device=device, backend=backend,
                     init_file=os.path.join(status_dir, "init"), status_dir=status_dir, timeout_seconds=timeout,
                     threads=_threads_per_rank(), launched_at=time.monotonic())
-    context = _process_context()
-    processes = [context.Process(target=rank_main, args=(rank, launch), name=f"lossverify-rank{rank}")
+    context = process_context()
+    processes = [context.Process(target=rank_entry, args=(rank, launch), name=f"lossverify-rank{rank}")
                  for rank in range(world)]
     try:
         for p in processes:
@@ -321,6 +309,9 @@ def _raise_for_failures(processes, statuses, timed_out, timeout, inputs):
     stopped = (None, 0, -signal.SIGTERM, -signal.SIGKILL)
     silent = [(r, p.exitcode) for r, p in enumerate(processes) if not statuses[r] and p.exitcode not in stopped]
     note = "; ".join(f"rank {r} ended without a report ({_exit_text(code)})" for r, code in silent)
+    usage = [s for s in statuses.values() if s.get("kind") == "usage"]
+    if usage:  # every rank looks the function up alike: the first one's words
+        raise UsageError(min(usage, key=lambda s: s["rank"])["message"])
     user = [s for s in statuses.values() if s.get("kind") == "user"]
     if user:  # the checked code's first error: the later ones are usually its echo in a collective
         first = min(user, key=lambda s: (s["time"], s["rank"]))
