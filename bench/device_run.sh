@@ -8,7 +8,11 @@ mode=${1:-all}
 # A comma-separated list of parts: build (always), cudatests, gate (the gate on the GPU and the CUDA CTests),
 # parity (every case x implementation on CUDA, reports of the tree in out/before vs this one), tests, faults,
 # sweep, bench, ncu (the reference kernels under Nsight Compute), e2e (stage times of
-# the end-to-end run, and an Nsight Systems summary where nsys exists); all = tests,faults,bench.
+# the end-to-end run, and an Nsight Systems summary where nsys exists), gates (the gate on 1, 2 and 4 GPUs),
+# benchgpus (bench --gpus 2 and 4), verdicts (bench/verdict_matrix.py: CPU, one GPU, NCCL, MPI + NCCL, the
+# Python package over gloo and NCCL, torchrun), launch (python3 -m lossverify.torch run timed, the package of
+# PYTHON_BEFORE beside this one), torchrun (4 processes over NCCL, and two launches of 2 as two machines);
+# all = tests,faults,bench.
 [[ $mode == all ]] && mode=tests,faults,bench
 has() { [[ ",$mode," == *",$1,"* ]]; }
 build=${BUILD_DIR:-build/dev}
@@ -26,14 +30,18 @@ extra=()
 [[ ! -f /usr/local/cuda/include/nccl.h && -n "$nccl_root" ]] && extra+=("-DLOSSVERIFY_NCCL_ROOT=$nccl_root")
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release "${extra[@]}" > "$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
 grep "lossverify:" "$out/configure.log"
-cmake --build "$build" -j16 > "$out/build.log" 2>&1 || { grep -B2 -A8 "error" "$out/build.log" | head -60; exit 1; }
+# BUILD_TARGETS="lossverify lossverify_cuda_tests" builds only those (a shorter first call on a bare machine).
+echo "build started $(date +%T)"
+cmake --build "$build" -j"$(nproc)" ${BUILD_TARGETS:+--target $BUILD_TARGETS} > "$out/build.log" 2>&1 ||
+  { grep -B2 -A8 "error" "$out/build.log" | head -60; exit 1; }
+echo "build done $(date +%T)"
 [[ -n "$nccl_root" ]] && export LD_LIBRARY_PATH="$nccl_root/lib:${LD_LIBRARY_PATH:-}"
 bin=$build/cli/lossverify
 "$bin" --version
 mpi=$(grep -q "MPI backend ON" "$out/configure.log" && command -v mpiexec || true)
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 if has cudatests || has tests; then
-  echo "== CUDA tests"; "$build"/tests/lossverify_cuda_tests 2>&1 | tail -25
+  echo "== CUDA tests $(date +%T)"; timeout 300 "$build"/tests/lossverify_cuda_tests -d 2>&1 | grep -v "^$" | tail -40
 fi
 if has tests; then
   echo "== multi-GPU CLI runs vs CPU"
@@ -69,7 +77,7 @@ PY
   done
 fi
 if has faults; then
-  echo "== a failing rank while the others wait inside NCCL (one GPU per rank)"
+  echo "== a failing rank while the others wait inside NCCL (one GPU per rank) $(date +%T)"
   gpus=$(nvidia-smi -L | wc -l)
   start=$(date +%s.%N)
   "$bin" run cases/smoothing-pytorch.json --set layout.tp=$gpus --backend cuda --gpus $gpus --inject-fault late-throw@1 --quiet
@@ -150,4 +158,74 @@ if has bench; then
     "$bin" run bench/cases/cuda-e2e-n16384-v128256-bf16.json --backend cuda --quiet --report "$out/e2e-$k.json"; echo "exit $?"
   done
   summarize_e2e "$out"/e2e-[0-9].json
+fi
+if has gates; then
+  echo "== the gate on 1, 2 and 4 GPUs (NCCL endpoints set up once per process) $(date +%T)"
+  gpus=$(nvidia-smi -L | wc -l)
+  for g in 1 2 4; do
+    (( g <= gpus )) || continue
+    /usr/bin/time -f "gate --backend cuda --gpus $g: wall %e s" "$bin" gate --backend cuda --gpus $g \
+      --report "$out/gate-cuda-gpus$g.json" 2>&1 | tail -3
+  done
+  if [[ -z "${BUILD_TARGETS:-}" ]]; then
+    echo "== CUDA CLI CTests"; (cd "$build" && ctest -R "cli_.*cuda" --output-on-failure 2>&1 | tail -6)
+  fi
+fi
+if has benchgpus; then
+  gpus=$(nvidia-smi -L | wc -l)
+  for g in 2 4; do
+    (( g <= gpus )) || continue
+    echo "== bench --gpus $g $(date +%T)"
+    "$bin" bench --gpus $g --report "$out/bench-gpus$g.json" 2>&1
+  done
+fi
+if has verdicts; then
+  echo "== verdicts on every path (bench/verdict_matrix.py) $(date +%T)"
+  python3 bench/verdict_matrix.py --binary "$bin" ${VERDICT_LAYOUTS:---layout tp2 --layout tp4 --layout tp2-dp2} \
+    --out "$out/verdicts" 2>&1
+fi
+if has launch; then
+  echo "== launch: python3 -m lossverify.torch run --fn ...correct cases/smoothing-pytorch.json --tp 2 $(date +%T)"
+  export LOSSVERIFY_BIN=$PWD/$bin
+  repeats=${LAUNCH_REPEATS:-3}
+  for k in $(seq "$repeats"); do /usr/bin/time -f "python3 -c 'import torch': %e s" python3 -c "import torch"; done
+  for side in ${PYTHON_BEFORE:+before} after; do
+    pp=$PWD/python; [[ $side == before ]] && pp=$PYTHON_BEFORE
+    for dev in cpu cuda; do
+      for k in $(seq "$repeats"); do
+        PYTHONPATH=$pp /usr/bin/time -f "$side --device $dev: %e s" python3 -m lossverify.torch run \
+          --fn lossverify.torch.implementations:correct cases/smoothing-pytorch.json --tp 2 --device $dev -q
+      done
+    done
+  done
+  echo "-- phases of one run (LOSSVERIFY_TORCH_TRACE=1), cpu then cuda"
+  for dev in cpu cuda; do
+    LOSSVERIFY_TORCH_TRACE=1 PYTHONPATH=$PWD/python python3 -m lossverify.torch run \
+      --fn lossverify.torch.implementations:correct cases/smoothing-pytorch.json --tp 2 --device $dev -q 2>&1 | sort
+  done
+fi
+if has torchrun; then
+  echo "== torchrun: 4 processes, NCCL, tp 2 x dp 2; then two launches of 2 (two 'machines', own TMPDIR each)"
+  PYTHONPATH=$PWD/python /usr/bin/time -f "torchrun x4: %e s" python3 -m torch.distributed.run --nproc-per-node 4 \
+    -m lossverify.torch run --fn lossverify.torch.implementations:correct cases/full-4d-layout.json --tp 2 --cp 1 \
+    --dp 2 --ga 2 --device cuda --report "$out/torchrun-nccl.json" 2>&1 | grep -v "^\*\|OMP_NUM\|^W"
+  for n in 0 1; do
+    mkdir -p "$out/node$n"
+    TMPDIR=$out/node$n CUDA_VISIBLE_DEVICES=$((2 * n)),$((2 * n + 1)) PYTHONPATH=$PWD/python python3 -m torch.distributed.run \
+      --nnodes 2 --node-rank $n --nproc-per-node 2 --master-addr 127.0.0.1 --master-port 29561 -m lossverify.torch run \
+      --fn lossverify.torch.implementations:dp_local_mean cases/dp-unequal-tokens.json --tp 2 --cp 1 --dp 2 --ga 1 \
+      --device cuda --report "$out/torchrun-2nodes.json" > "$out/node$n.log" 2>&1 &
+  done
+  wait
+  grep -h "verdict\|FAIL\|pass " "$out/node0.log" | head -12
+  PYTHONPATH=$PWD/python python3 -m lossverify.torch run --fn lossverify.torch.implementations:dp_local_mean \
+    cases/dp-unequal-tokens.json --tp 2 --cp 1 --dp 2 --ga 1 --device cuda --report "$out/forked-nccl-dp.json" -q
+  python3 - "$out/torchrun-2nodes.json" "$out/forked-nccl-dp.json" <<'PY'
+import json, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:3])
+f = lambda r: sorted(c["name"] for c in r["runs"][0]["checks"] if c["verdict"] == "fail")
+m = lambda r: {c["name"]: c["margin"] for c in r["runs"][0]["checks"]}
+print(f"  torchrun over two launches: {a['verdict']} {f(a)}; forked NCCL: {b['verdict']} {f(b)}; "
+      f"{'MATCH (margins equal)' if f(a) == f(b) and m(a) == m(b) else 'DIFFER'}")
+PY
 fi
