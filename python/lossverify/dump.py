@@ -27,6 +27,7 @@ alpha, and a guess would check the wrong one.
 
 import json
 import math
+import operator
 import os
 import warnings
 
@@ -106,6 +107,17 @@ def _as_row_list(rows, where):
     except TypeError:
         raise DumpError(f"{where}: rows must be a list of global tokens (-1 = padding), a range or "
                         f"(begin, end), got {type(rows).__name__}") from None
+
+
+def _whole(value):
+    """A whole number: a Python, NumPy or torch integer, or a float such as 2.0; never 0.5 or True."""
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)
+        return True
+    except TypeError:
+        return isinstance(value, float) and value.is_integer()
 
 
 def _snapshot(tensor):
@@ -320,6 +332,8 @@ class DumpWriter:
                  name=None, description=None, tolerances=None, timeout_seconds=None, warn=True):
         if isinstance(shape, dict):
             shape = (shape["tokens"], shape["vocab"])
+        if len(shape) != 2 or not all(_whole(v) and v >= 1 for v in shape):
+            raise DumpError(f"shape must be two whole positive numbers (tokens, vocab), got {tuple(shape)!r}")
         self.tokens, self.vocab = int(shape[0]), int(shape[1])
         if dtype not in DTYPES:
             raise DumpError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -330,7 +344,10 @@ class DumpWriter:
         self.dtype = dtype
         self.torch_dtype = DTYPES[dtype]
         self.loss = dict(loss)
-        self.layout = parse_layout(layout)
+        try:
+            self.layout = parse_layout(layout)
+        except ValueError as e:
+            raise DumpError(str(e)) from None
         self.framework = dict(framework) if framework else None
         self.cu_seqlens = [int(c) for c in cu_seqlens] if cu_seqlens is not None else None
         self.implementation = implementation
@@ -348,9 +365,14 @@ class DumpWriter:
         """A rank this process writes, by its coordinates; vocab = its columns (begin, end)."""
         layout = self.layout
         for key, value, size in (("tp", tp, layout.tp), ("cp", cp, layout.cp), ("dp", dp, layout.dp)):
+            try:
+                value = operator.index(value)  # Python, NumPy and torch integers; never 0.5
+            except TypeError:
+                raise DumpError(f"{key} = {value!r}: a rank coordinate is an integer") from None
             if not 0 <= value < size:
                 raise DumpError(f"{key} = {value} outside [0, {size}) of the layout {layout.label}")
-        if vocab is None or len(vocab) != 2 or not 0 <= vocab[0] < vocab[1] <= self.vocab:
+        whole = vocab is not None and len(vocab) == 2 and all(_whole(v) for v in vocab)
+        if not whole or not 0 <= vocab[0] < vocab[1] <= self.vocab:
             raise DumpError(f"rank tp={tp} cp={cp} dp={dp}: vocab must be its columns (begin, end) inside "
                             f"[0, {self.vocab}), got {vocab!r}")
         world_rank = layout.world_rank(tp, cp, dp)

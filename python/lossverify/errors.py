@@ -6,6 +6,13 @@ The codes are lossverify's own, so a CI script reads `python3 -m lossverify.torc
 """
 
 
+def printable(text):
+    """Text for a terminal: control characters other than newline and tab escaped (\\x1b...), so that an error
+    message quoting a loss function's exception or a path cannot move the cursor or forge lines."""
+    return "".join(c if c in "\n\t" or (c.isprintable() and c != "\x7f") else f"\\x{ord(c):02x}"
+                   if ord(c) < 256 else f"\\u{ord(c):04x}" for c in str(text))
+
+
 class LossverifyError(Exception):
     """Base class; `exit_code` is what the command line exits with."""
 

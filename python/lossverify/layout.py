@@ -61,18 +61,27 @@ def framework_factor(layout, grad_reduce="avg", ga_reduce="sum"):
     return factor
 
 
+def _count(value, where):
+    """A whole, positive count: 2 or 2.0, never 0.5 or True."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise ValueError(f"layout {where!r}: counts must be whole numbers, got {value!r}")
+    return int(value)
+
+
 def parse_layout(value):
     """A Layout from a dict {"tp": 2, ...}, a tuple (tp, cp, dp, ga), a Layout, or "tp2-cp1-dp1-ga1" /
     "tp=2,cp=2"; missing counts are 1."""
     if isinstance(value, Layout):
-        return value
-    if isinstance(value, dict):
+        layout = Layout(*[_count(v, value) for v in value])
+    elif isinstance(value, dict):
         unknown = set(value) - set(Layout._fields)
         if unknown:
             raise ValueError(f"layout {value!r}: unknown keys {sorted(unknown)} (expected tp, cp, dp, ga)")
-        layout = Layout(**{k: int(v) for k, v in value.items()})
+        layout = Layout(**{k: _count(v, value) for k, v in value.items()})
     elif isinstance(value, (tuple, list)):
-        layout = Layout(*[int(v) for v in value])
+        if len(value) > 4:
+            raise ValueError(f"layout {value!r}: at most 4 counts (tp, cp, dp, ga)")
+        layout = Layout(*[_count(v, value) for v in value])
     elif isinstance(value, str):
         counts = {}
         for part in value.replace("-", ",").split(","):

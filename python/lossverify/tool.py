@@ -82,10 +82,19 @@ def _run(binary, args, timeout=None):
         raise ToolError(f"{' '.join(command)}: no answer within {timeout} s", command=command) from e
 
 
+_PREFIXES = ("lossverify: error: ", "lossverify: internal error: ", "lossverify: timeout: ")
+
+
 def _raise_for(result, command):
-    """Exit code 2 is the caller's mistake (bad case, malformed dump): UsageError with lossverify's message."""
+    """Exit code 2 is the caller's mistake (bad case, malformed dump): UsageError with lossverify's message
+    (without its own "lossverify: error:" prefix, which the caller's message adds again)."""
     output = (result.stderr or "") + (result.stdout or "")
-    message = output.strip() or f"exit code {result.returncode}"
+    lines = output.strip().splitlines()
+    for i, line in enumerate(lines):
+        for prefix in _PREFIXES:
+            if line.startswith(prefix):
+                lines[i] = line[len(prefix):]
+    message = "\n".join(lines) or f"exit code {result.returncode}"
     if result.returncode == 2:
         raise UsageError(message)
     raise ToolError(f"{' '.join(command)} failed (exit code {result.returncode}):\n{message}", command=command,

@@ -1,5 +1,10 @@
 """Loss functions the harness and command-line tests run on real ranks (importable by the rank processes)."""
 
+import ctypes
+import os
+import signal
+import subprocess
+import sys
 import time
 
 import torch
@@ -90,3 +95,77 @@ def mismatched_collectives(logits, labels, ctx):
     if ctx.rank == 0:
         dist.all_reduce(torch.zeros(1), group=ctx.tp_group)
     return vocab_parallel_cross_entropy(logits, labels, ctx)
+
+
+def corrupts_later_labels(logits, labels, ctx):
+    """During micro-batch 0, shifts the labels of every later micro-batch by one column (a data-loader bug the
+    loss function should never cause): the dump must hold the exported labels, and the change is reported."""
+    if ctx.micro_batch == 0:
+        for mb in ctx.micro_batches[1:]:
+            valid = mb.labels >= 0
+            mb.labels[valid] = (mb.labels[valid] + 1) % ctx.vocab_size
+    return vocab_parallel_cross_entropy(logits, labels, ctx)
+
+
+def nan_on_masked_rows(logits, labels, ctx):
+    """Right losses on valid rows, NaN on the masked ones (ignored tokens, CP padding)."""
+    losses = vocab_parallel_cross_entropy(logits, labels, ctx)
+    return torch.where(ctx.loss_mask, losses, torch.full_like(losses, float("nan")))
+
+
+def exits_on_rank_1(logits, labels, ctx):
+    """Rank 1's process ends at once with exit code 0 (os._exit): no result, no traceback."""
+    if ctx.rank == 1:
+        os._exit(0)
+    return vocab_parallel_cross_entropy(logits, labels, ctx)
+
+
+def sys_exit_on_rank_1(logits, labels, ctx):
+    """Rank 1 calls sys.exit(0) inside the loss function."""
+    if ctx.rank == 1:
+        sys.exit(0)
+    return vocab_parallel_cross_entropy(logits, labels, ctx)
+
+
+def killed_on_rank_1(logits, labels, ctx):
+    """Rank 1 is killed with SIGKILL, as the out-of-memory killer does."""
+    if ctx.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return vocab_parallel_cross_entropy(logits, labels, ctx)
+
+
+def segfaults_on_rank_1(logits, labels, ctx):
+    """Rank 1 crashes in native code (SIGSEGV)."""
+    if ctx.rank == 1:
+        ctypes.string_at(0)
+    return vocab_parallel_cross_entropy(logits, labels, ctx)
+
+
+def forks_a_sleeper(logits, labels, ctx):
+    """Starts a child process that would outlive the run and hold the command's stdout."""
+    if ctx.micro_batch == 0:
+        subprocess.Popen(["sleep", "120"])
+    return vocab_parallel_cross_entropy(logits, labels, ctx)
+
+
+def sleeps(logits, labels, ctx):
+    """Never returns (for stopping the harness from outside)."""
+    while True:
+        time.sleep(0.05)
+
+
+def reduced_with_negative_count(logits, labels, ctx):
+    """A reduced loss whose logged token count is negative."""
+    losses = vocab_parallel_cross_entropy(logits, labels, ctx)
+    return Reduced(losses.sum() / max(ctx.num_valid_tokens, 1), num_tokens=-3)
+
+
+def reduced_with_text_count(logits, labels, ctx):
+    """A reduced loss whose logged token count is not a number."""
+    losses = vocab_parallel_cross_entropy(logits, labels, ctx)
+    return Reduced(losses.sum() / max(ctx.num_valid_tokens, 1), num_tokens="many")
+
+
+def raises_with_escapes(logits, labels, ctx):
+    """An exception whose text holds a terminal escape sequence and a carriage return."""
+    raise ValueError("clear the screen \x1b[2J and rewrite the line\rFAKE: verdict: pass")

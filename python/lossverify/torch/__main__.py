@@ -12,10 +12,12 @@ function raised (its rank and traceback are printed) or an internal error, 4 a r
 import argparse
 import importlib
 import importlib.util
+import os
+import signal
 import sys
 import traceback
 
-from lossverify.errors import LossverifyError, UsageError, UserFunctionError
+from lossverify.errors import LossverifyError, UsageError, UserFunctionError, printable
 
 EXIT_USAGE = 2
 EXIT_ERROR = 3
@@ -105,11 +107,12 @@ def main(argv=None):
         try:
             fn = _load_function(args.fn)
         except LossverifyError as e:
-            print(f"lossverify.torch: error: {e}", file=sys.stderr)
+            print(f"lossverify.torch: error: {printable(e)}", file=sys.stderr)
             return e.exit_code
         return torchrun.main_under_torchrun(args, fn)
     from lossverify.torch import harness
     from lossverify.torch._launch import start_process_context
+    from lossverify.torch.harness import Terminated
 
     try:
         start_process_context()  # the server's torch import runs while this process exports the inputs
@@ -121,13 +124,17 @@ def main(argv=None):
         else:
             report = harness.sweep(fn, args.case, layouts=args.layout or None, **options)
     except UserFunctionError as e:
-        print(f"lossverify.torch: error: {e}", file=sys.stderr)
+        print(f"lossverify.torch: error: {printable(e)}", file=sys.stderr)
         return e.exit_code
     except LossverifyError as e:
-        print(f"lossverify.torch: error: {e}", file=sys.stderr)
+        print(f"lossverify.torch: error: {printable(e)}", file=sys.stderr)
         return e.exit_code
-    except Exception:  # importing the user's module raised, or an internal error
-        print("lossverify.torch: error:\n" + traceback.format_exc(), file=sys.stderr)
+    except Terminated:  # SIGTERM: the ranks and the temporary folders are gone; end as the signal would
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return 128 + signal.SIGTERM
+    except Exception:  # an internal error
+        print("lossverify.torch: error:\n" + printable(traceback.format_exc()), file=sys.stderr)
         return EXIT_ERROR
     if not args.quiet:
         print(report.table())

@@ -8,10 +8,12 @@ parent learns what happened even when a rank dies or hangs; on an error the rank
 """
 
 import datetime
+import faulthandler
 import importlib
 import inspect
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -21,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lossverify.dump import DumpWriter
+from lossverify.dump import DumpWriter, _describe_change
 from lossverify.inputs import load as load_inputs
 from lossverify.layout import framework_factor
 from lossverify.torch._launch import RETURNS, Job, Launch  # noqa: F401 - the records ranks receive
@@ -62,6 +64,11 @@ def resolve_function(fn):
 def rank_main(rank, launch):
     """Entry point of a rank process."""
     _trace(rank, "started after launch", launch.launched_at)
+    # A process group of its own: whatever the loss function starts is stopped with the rank.
+    os.setpgid(0, 0)
+    # SIGUSR1 writes where this rank is (its Python stack) for the parent's timeout message.
+    stack_file = open(os.path.join(launch.status_dir, f"rank{rank}.stack"), "w", encoding="utf-8")  # noqa: SIM115
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
     status_path = os.path.join(launch.status_dir, f"rank{rank}.json")
     # NCCL timeouts abort instead of hanging (the variable was renamed in torch 2.2)
     renamed = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 2)
@@ -223,7 +230,11 @@ def _manifest_loss(loss):
 
 
 def _run_job(job, fn, me):
-    """Run fn on every micro-batch of this rank, back-propagate, and write this rank's part of the dump."""
+    """Run fn on every micro-batch of this rank, back-propagate, and write this rank's part of the dump.
+
+    The dump holds the inputs as exported (never what fn may have left in them): fn sees copies, and through
+    ctx.micro_batches it can reach later micro-batches' copies too, so every copy is compared with the
+    exported values once the rank is done, and each change is reported."""
     inputs, rank_inputs = me.inputs, me.rank_inputs
     loss = LossConfig.from_case(inputs.case["loss"])
     framework = FrameworkConfig(**inputs.framework)
@@ -234,33 +245,68 @@ def _run_job(job, fn, me):
     step = _StepLog(loss, factor, me.num_valid)
     state = {}
     for k, mb in enumerate(micro_batches):
+        exported = rank_inputs.micro_batch(k)
         leaf = logits[k].clone().requires_grad_(True)
         labels = mb.labels.clone()
+        handed = labels.clone()
         dump_mb = rank_dump.begin_micro_batch(
-            mb.tokens, logits=leaf, labels=None if loss.kind == "kd" else labels, loss_mask=mb.loss_mask,
-            teacher_logits=mb.teacher_logits, grad_output=mb.upstream_weights if loss.reduction == "none" else None)
+            exported["tokens"], logits=leaf, labels=None if loss.kind == "kd" else exported["labels"],
+            loss_mask=exported["loss_mask"], teacher_logits=exported.get("teacher_logits"),
+            grad_output=exported["upstream_weights"] if loss.reduction == "none" else None)
         if mb.rows == 0:  # an empty micro-batch: nothing to call (its TP peers skip it too)
             dump_mb.finish(grad_logits=torch.zeros_like(leaf))
             continue
         ctx = _context(me, loss, framework, factor, micro_batches, k, state)
         try:
             result = fn(leaf, labels, ctx)
-        except Exception as e:
+        except BaseException as e:  # sys.exit() in the loss function too
             raise UserCodeError(_user_traceback(e), micro_batch=k, job=job.name) from None
         objective, token_loss = step.add(result, job.returns, ctx, k, job.name)
         try:
             objective.backward()
-        except Exception as e:
+        except BaseException as e:
             raise UserCodeError("backward through the returned loss failed:\n" + _user_traceback(e),
                                 micro_batch=k, job=job.name) from None
         if leaf.grad is None:
             raise UserCodeError("the returned loss does not depend on the logits (their .grad is None after "
                                 "backward)", micro_batch=k, job=job.name)
+        _report_changed_labels(writer, dump_mb, labels, handed, loss.kind)
         dump_mb.finish(grad_logits=leaf.grad, token_loss=token_loss)
+    _report_changed_micro_batches(writer, rank_dump, micro_batches, rank_inputs)
     logged, num_tokens = step.finish(me.groups["dp_cp"], me.device)
     rank_dump.stats(loss=logged, num_tokens=num_tokens)
     writer.close(group=me.control)
     return writer.modified_inputs
+
+
+_COMPARED = {"labels": "labels", "loss_mask": "loss_mask", "tokens": "tokens", "token_ids": "token_ids",
+             "sequences": "sequences", "positions": "positions", "upstream_weights": "upstream_weights",
+             "teacher_logits": "teacher_logits"}
+
+
+def _report_changed_labels(writer, dump_mb, labels, handed, kind):
+    """The labels argument, changed in place during fn's call (changes to the micro-batches themselves are
+    reported once the rank is done)."""
+    if kind == "kd":
+        return
+    change = _describe_change("labels", handed, labels)
+    if change:
+        writer._report_modified(f"{dump_mb.where}: {change}; the dump holds the exported values")
+
+
+def _report_changed_micro_batches(writer, rank_dump, micro_batches, rank_inputs):
+    """Every micro-batch's copies (ctx.micro_batches) against the exported values, once the rank is done: a
+    change made while another micro-batch ran is reported as well as one made during its own."""
+    for k, mb in enumerate(micro_batches):
+        exported = rank_inputs.micro_batch(k)
+        for field, name in _COMPARED.items():
+            live = getattr(mb, field, None)
+            if live is None or name not in exported:
+                continue
+            change = _describe_change(f"ctx.micro_batches[{k}].{field}", exported[name], live)
+            if change:
+                writer._report_modified(f"{rank_dump.where}, micro-batch {k}: {change}; the dump holds the "
+                                        "exported values")
 
 
 def _dump_writer(job, inputs):
@@ -281,6 +327,31 @@ def _context(me, loss, framework, factor, micro_batches, k, state):
                    vocab_start=r.vocab[0], vocab_end=r.vocab[1], vocab_size=me.inputs.vocab, loss=loss,
                    framework=framework, framework_factor=factor, num_valid_tokens=me.num_valid, micro_batch=k,
                    ga=layout.ga, micro_batches=micro_batches, state=state)
+
+
+def _one_number(value, what, fail):
+    """A real number (a Python number or a tensor of one element; NaN and infinities are values to judge)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
+            fail(f"{what} must be one real number, got a {value.dtype} tensor of shape {list(value.shape)}")
+        return value.detach().double()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        fail(f"{what} must be a number or a tensor of one element, got {type(value).__name__} {value!r:.80}")
+    return float(value)
+
+
+def _token_count(value, fail):
+    """Reduced(num_tokens=...): a non-negative integer (a Python int, or an integer tensor of one element)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            fail(f"Reduced(num_tokens=...) must be an integer, got a {value.dtype} tensor of shape "
+                 f"{list(value.shape)}")
+        value = int(value.item())
+    elif isinstance(value, bool) or not isinstance(value, int):
+        fail(f"Reduced(num_tokens=...) must be an integer, got {type(value).__name__} {value!r:.80}")
+    if not 0 <= value <= 2 ** 53:
+        fail(f"Reduced(num_tokens=...) must be a token count (0 to 2^53), got {value}")
+    return value
 
 
 class _StepLog:
@@ -319,15 +390,20 @@ class _StepLog:
         if not result.requires_grad:
             fail("the returned per-token losses do not require grad: they do not depend on the logits")
         self._set_mode("token_loss", fail)
-        token_loss = torch.where(ctx.loss_mask, result.reshape(rows), torch.zeros((), dtype=result.dtype,
-                                                                                   device=result.device))
+        raw = result.reshape(rows)
+        zero = torch.zeros((), dtype=result.dtype, device=result.device)
+        # The harness masks what the loss function returns on masked rows, as a framework's mask does; but a
+        # non-finite value there stays in the dump and fails `finite`, as it does in check-dump and through a
+        # plugin (a framework that multiplies by the mask turns it into a NaN loss).
+        token_loss = torch.where(ctx.loss_mask, raw, zero)
+        dumped = torch.where(ctx.loss_mask | ~torch.isfinite(raw.detach()), raw.detach(), zero)
         forward = self._forward_weights(ctx)  # float64: the token's weight in L
         backward = (forward / self.factor).to(torch.float32)
         objective = (token_loss.float() * backward).sum()
         if self.loss.reduction != "none":
             self.logged_parts.append((token_loss.detach().double() * forward).sum())
         self.loss_dtype = result.dtype
-        return objective, token_loss.detach()
+        return objective, dumped
 
     def _add_reduced(self, result, rows, fail):
         loss = result.loss
@@ -345,11 +421,10 @@ class _StepLog:
             token_loss = None
         if self.loss.reduction != "none":
             logged = result.logged if result.logged is not None else loss.detach().double() * self.factor
-            if isinstance(logged, torch.Tensor):
-                logged = logged.detach()
+            logged = _one_number(logged, "Reduced(logged=...)", fail)
             self.logged_parts.append(torch.as_tensor(logged, dtype=torch.float64, device=loss.device).reshape(()))
         if result.num_tokens is not None:
-            self.num_tokens = result.num_tokens
+            self.num_tokens = _token_count(result.num_tokens, fail)
         self.loss_dtype = loss.dtype
         return loss.reshape(()), token_loss
 

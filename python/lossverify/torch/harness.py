@@ -16,6 +16,7 @@ time raises HarnessTimeout.
 import contextlib
 import itertools
 import json
+import math
 import multiprocessing.connection
 import os
 import pickle
@@ -29,11 +30,13 @@ from lossverify import inputs as inputs_module
 from lossverify import tool
 from lossverify.errors import HarnessTimeout, ToolError, UsageError, UserFunctionError
 from lossverify.layout import parse_layout
+from lossverify.output import check_output_folder, check_output_path, write_output
 from lossverify.torch._launch import RETURNS, Job, Launch, process_context, rank_entry, start_process_context
 
 __all__ = ["check", "check_many", "sweep"]
 
 _STOP_GRACE_SECONDS = 1.0  # after a rank fails, how long the others get to write their own status
+MAX_SWEEP_LAYOUTS = 256  # as the C++ tool's sweeps
 _process_context = process_context  # the tests start their own ranks from the same server
 
 
@@ -50,6 +53,7 @@ def check(fn, case, tp=None, cp=None, dp=None, ga=None, device="cpu", set=None, 
     (report.assert_pass() for tests); raises UserFunctionError when fn raises.
     """
     name = name or _function_name(fn)
+    check_output_path("--report", report, inputs=[case])
     reports = check_many({name: fn}, case, tp=tp, cp=cp, dp=dp, ga=ga, device=device, set=set, returns=returns,
                          binary=binary, keep_dump=keep_dump, timeout=timeout, backend=backend)
     result = reports[name]
@@ -63,7 +67,9 @@ def check_many(fns, case, tp=None, cp=None, dp=None, ga=None, device="cpu", set=
     """Like `check` for several functions on the same inputs and process group, one dump and report each
     (cheaper than one launch per function). fns: {name: fn} or a list of functions. Returns {name: Report}."""
     jobs_in = _named_functions(fns)
-    backend = _check_arguments(device, returns, backend)
+    backend = _check_arguments(device, returns, backend, timeout)
+    _check_case_file(case)
+    check_output_folder("--keep-dump", keep_dump)
     binary = tool.find_binary(binary)
     start_process_context()  # the server imports torch while the inputs are exported
     with _work_directory(keep_dump) as work:
@@ -88,14 +94,15 @@ def sweep(fn, case, layouts=None, device="cpu", set=None, returns="auto", binary
     """Run fn at several layouts of the same case and check each run and their invariance (check-dump with
     one manifest per layout). layouts: a list of {"tp": 2, ...}, (tp, cp, dp, ga) tuples or
     "tp2-cp1-dp1-ga1" strings; default: the product of the case file's "sweep" section."""
-    backend = _check_arguments(device, returns, backend)
-    binary = tool.find_binary(binary)
-    start_process_context()
+    backend = _check_arguments(device, returns, backend, timeout)
+    _check_case_file(case)
+    check_output_path("--report", report, inputs=[case])
+    check_output_folder("--keep-dump", keep_dump)
     name = name or _function_name(fn)
     _named_functions({name: fn})
-    layouts = [parse_layout(x) for x in layouts] if layouts else _case_sweep(case)
-    if not layouts:
-        raise UsageError(f"{case}: no layouts to sweep (give layouts=... or a \"sweep\" section in the case)")
+    layouts = _sweep_layouts(case, layouts)
+    binary = tool.find_binary(binary)
+    start_process_context()
     with _work_directory(keep_dump) as work:
         manifests, warnings = [], []
         for layout in layouts:
@@ -115,8 +122,12 @@ def sweep(fn, case, layouts=None, device="cpu", set=None, returns="auto", binary
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _check_arguments(device, returns, backend):
+def _check_arguments(device, returns, backend, timeout=None):
     """Validates the options; returns the process group's backend."""
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or (
+                timeout <= 0):
+            raise UsageError(f"timeout must be a finite number of seconds above 0, got {timeout!r}")
     if device not in ("cpu", "cuda"):
         raise UsageError(f"device must be \"cpu\" or \"cuda\", got {device!r}")
     if returns not in RETURNS:
@@ -178,8 +189,7 @@ def _work_directory(keep):
     """The launch's folder: `keep` (new or empty, kept) or a temporary one."""
     if keep:
         keep = os.path.abspath(os.fspath(keep))
-        if os.path.exists(keep) and os.listdir(keep):
-            raise UsageError(f"keep_dump: {keep} exists and is not empty")
+        check_output_folder("--keep-dump", keep)
         os.makedirs(keep, exist_ok=True)
         yield keep
     else:
@@ -192,10 +202,38 @@ def _export(case, out_dir, tp, cp, dp, ga, overrides, binary):
     return inputs_module.export(case, out_dir, tp=tp, cp=cp, dp=dp, ga=ga, overrides=overrides, binary=binary)
 
 
+def _check_case_file(case):
+    """The case file exists and is a regular file (export-inputs judges its contents)."""
+    path = os.fspath(case)
+    if not os.path.isfile(path):
+        raise UsageError(f"{path}: no such case file" if not os.path.exists(path) else f"{path}: not a regular file")
+
+
+def _sweep_layouts(case, layouts):
+    """Every layout of the sweep, parsed and bounded before the first one runs."""
+    try:
+        parsed = [parse_layout(x) for x in layouts] if layouts else _case_sweep(case)
+    except (ValueError, TypeError, KeyError) as e:
+        raise UsageError(f"sweep layouts: {e}") from None
+    if not parsed:
+        raise UsageError(f"{case}: no layouts to sweep (give layouts=... or a \"sweep\" section in the case)")
+    if len(parsed) > MAX_SWEEP_LAYOUTS:
+        raise UsageError(f"{case}: the sweep has {len(parsed)} layouts; at most {MAX_SWEEP_LAYOUTS} run in one command "
+                         "(split it)")
+    for layout in parsed:
+        _check_world_size(layout.world_size, layout.label)
+    return parsed
+
+
 def _case_sweep(case):
     """Layouts of the case file's "sweep" section (tp fastest, then ga, cp, dp), the rest from its layout."""
-    with open(case, encoding="utf-8") as f:
-        data = json.load(f)
+    try:
+        with open(case, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{case}: cannot read the case: {e}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{case}: a case is a JSON object")
     section = data.get("sweep")
     if not section:
         return []
@@ -208,14 +246,30 @@ def _case_sweep(case):
 
 
 def _copy_report(result, path):
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(result.raw, f, indent=1)
-        f.write("\n")
+    write_output("--report", path, json.dumps(result.raw, indent=1) + "\n")
+
+
+def max_rank_processes():
+    """Rank processes one launch may start: 8 per core, at least 16 (LOSSVERIFY_TORCH_MAX_RANKS overrides).
+    Past that, their start-up alone (a process group and its groups over a shared file) outlasts timeouts."""
+    override = os.environ.get("LOSSVERIFY_TORCH_MAX_RANKS")
+    if override:
+        return max(1, int(override))
+    return max(16, 8 * (os.cpu_count() or 1))
+
+
+def _check_world_size(world, label):
+    limit = max_rank_processes()
+    if world > limit:
+        raise UsageError(f"layout {label}: {world} rank processes, but at most {limit} run in one launch on this "
+                         f"machine ({os.cpu_count()} cores): use `lossverify run` (thread ranks) for the same layout, "
+                         "or torchrun across machines")
 
 
 def _launch(inputs, jobs, device, backend, timeout, work):
     """Run the jobs on one world of rank processes; {job name: [warnings]}. Raises on any rank's failure."""
     world = inputs.layout.world_size
+    _check_world_size(world, inputs.layout.label)
     if device == "cuda":
         _require_gpus(world if backend == "nccl" else 1)
     timeout = float(timeout or inputs.case.get("timeout_seconds") or 120.0)
@@ -227,20 +281,50 @@ def _launch(inputs, jobs, device, backend, timeout, work):
     context = process_context()
     processes = [context.Process(target=rank_entry, args=(rank, launch), name=f"lossverify-rank{rank}")
                  for rank in range(world)]
+    ended = {}  # rank -> time.time() when the parent saw its process end
+    where = {}
+    stopped = set()
     try:
-        for p in processes:
-            p.start()
-        timed_out = not _wait(processes, timeout * max(1, len(jobs)))
+        with _terminated_cleanly():
+            for p in processes:
+                p.start()
+            timed_out = not _wait(processes, timeout * max(1, len(jobs)), status_dir, ended)
+            if timed_out:
+                where = _where_ranks_are(processes, status_dir)
     finally:
-        _stop(processes)
+        stopped = _stop(processes)
     statuses = _read_statuses(status_dir, world)
     shutil.rmtree(status_dir, ignore_errors=True)
-    _raise_for_failures(processes, statuses, timed_out, timeout, inputs)
+    _raise_for_failures(processes, statuses, ended, stopped, timed_out, where, timeout, inputs)
     warnings = {job.name: [] for job in jobs}
     for rank in range(world):
         for name, messages in statuses[rank].get("warnings", {}).items():
             warnings[name] += messages
     return warnings
+
+
+class Terminated(BaseException):
+    """SIGTERM reached the harness: the launch's ranks, their children and its folders go first."""
+
+
+@contextlib.contextmanager
+def _terminated_cleanly():
+    """While ranks run, SIGTERM unwinds the harness (stopping the ranks, removing its temporary folders) instead
+    of leaving them behind; the command line then ends as SIGTERM would have ended it."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_term(signum, frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _threads_per_rank():
@@ -263,32 +347,91 @@ def _require_gpus(world):
                          "device=\"cuda\": no GPU is visible")
 
 
-def _wait(processes, seconds):
-    """Wait until every process exits, or one fails; False when the time runs out first."""
+def _status_ok(status_dir, rank):
+    try:
+        with open(os.path.join(status_dir, f"rank{rank}.json"), encoding="utf-8") as f:
+            return bool(json.load(f).get("ok"))
+    except (OSError, ValueError):
+        return False
+
+
+def _wait(processes, seconds, status_dir, ended):
+    """Wait until every process exits, or one ends without its result (whatever its exit code: os._exit(0) in
+    the loss function too); False when the time runs out first. `ended` gets when each one was seen to end."""
     deadline = time.monotonic() + seconds
-    pending = {p.sentinel: p for p in processes}
+    pending = {p.sentinel: (rank, p) for rank, p in enumerate(processes)}
     while pending:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return False
         for sentinel in multiprocessing.connection.wait(list(pending), timeout=remaining):
-            process = pending.pop(sentinel)
+            rank, process = pending.pop(sentinel)
+            ended[rank] = time.time()
             process.join()
-            if process.exitcode != 0:  # give the others a moment to record their own state, then stop them
-                time.sleep(_STOP_GRACE_SECONDS)
+            if process.exitcode != 0 or not _status_ok(status_dir, rank):
+                time.sleep(_STOP_GRACE_SECONDS)  # the others record their own state, then they are stopped
                 return True
     return True
 
 
+def _where_ranks_are(processes, status_dir):
+    """{rank: (waiting in a collective?, "file:line in function")} of the ranks still running, from the Python
+    stack each dumps on SIGUSR1 (faulthandler, registered by the rank)."""
+    alive = [(r, p) for r, p in enumerate(processes) if p.is_alive()]
+    for _, p in alive:
+        try:
+            os.kill(p.pid, signal.SIGUSR1)
+        except OSError:
+            pass
+    time.sleep(0.3)
+    where = {}
+    for rank, _ in alive:
+        try:
+            with open(os.path.join(status_dir, f"rank{rank}.stack"), encoding="utf-8", errors="replace") as f:
+                frames = [line.strip() for line in f if line.strip().startswith("File ")]
+        except OSError:
+            frames = []
+        if not frames:
+            where[rank] = (False, "before its job began")
+            continue
+        innermost = frames[0]  # faulthandler writes the most recent call first
+        in_collective = "torch/distributed" in innermost
+        ours = [f for f in frames if "lossverify/torch/" not in f and "torch/" not in f]
+        where[rank] = (in_collective, _frame_text(ours[0] if ours else innermost))
+    return where
+
+
+def _frame_text(line):
+    """'File "a/b/x.py", line 12 in fn' -> 'x.py:12 in fn'."""
+    try:
+        path = line.split('"')[1]
+        rest = line.split('"')[2].strip().lstrip(",").strip()  # 'line 12 in fn'
+        number, _, function = rest.partition(" in ")
+        return f"{os.path.basename(path)}:{number.replace('line ', '')} in {function}"
+    except IndexError:
+        return line
+
+
 def _stop(processes):
-    for p in processes:
-        if p.is_alive():
-            p.terminate()
-    for p in processes:
-        p.join(timeout=5)
-        if p.is_alive():
-            p.kill()
-            p.join()
+    """Stop every rank still running at once (SIGTERM, 2 s in all, then SIGKILL) and everything each one started
+    (its process group); returns the ranks that were stopped here, not ended on their own."""
+    stopped = {r for r, p in enumerate(processes) if p.is_alive()}
+    for r in stopped:
+        processes[r].terminate()
+    deadline = time.monotonic() + 2.0
+    for r in stopped:
+        processes[r].join(timeout=max(0.0, deadline - time.monotonic()))
+    for r in stopped:
+        if processes[r].is_alive():
+            processes[r].kill()
+            processes[r].join()
+    for p in processes:  # children of the loss function (a rank leads its own process group)
+        if p.pid is not None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except OSError:
+                pass
+    return stopped
 
 
 def _read_statuses(status_dir, world):
@@ -303,33 +446,69 @@ def _read_statuses(status_dir, world):
     return statuses
 
 
-def _raise_for_failures(processes, statuses, timed_out, timeout, inputs):
+def _raise_for_failures(processes, statuses, ended, stopped, timed_out, where, timeout, inputs):
+    """The failure that came first: a rank that ended without a word (its death is never an echo of another's
+    failure: those write their own status), else the first status error, else the timeout naming where each
+    unfinished rank was."""
     layout = inputs.layout
-    # ranks that died without a word (an abort inside gloo or NCCL, a crash), not those _stop ended
-    stopped = (None, 0, -signal.SIGTERM, -signal.SIGKILL)
-    silent = [(r, p.exitcode) for r, p in enumerate(processes) if not statuses[r] and p.exitcode not in stopped]
-    note = "; ".join(f"rank {r} ended without a report ({_exit_text(code)})" for r, code in silent)
     usage = [s for s in statuses.values() if s.get("kind") == "usage"]
     if usage:  # every rank looks the function up alike: the first one's words
         raise UsageError(min(usage, key=lambda s: s["rank"])["message"])
+    silent = sorted((ended.get(r, float("inf")), r) for r, p in enumerate(processes)
+                    if not statuses[r] and r not in stopped and p.exitcode is not None)
+    if silent:
+        rank = silent[0][1]
+        code = processes[rank].exitcode
+        others = [r for _, r in silent[1:]]
+        raise UserFunctionError(rank, f"rank {rank} ended without a report ({_exit_text(code)}){_exit_hint(code)}",
+                                coordinates=layout.coordinates(rank)._asdict(),
+                                note=f"also ended without a report: ranks {others}" if others else "")
     user = [s for s in statuses.values() if s.get("kind") == "user"]
     if user:  # the checked code's first error: the later ones are usually its echo in a collective
         first = min(user, key=lambda s: (s["time"], s["rank"]))
         coordinates = layout.coordinates(first["rank"])._asdict()
         raise UserFunctionError(first["rank"], first["message"], coordinates=coordinates,
-                                micro_batch=first.get("micro_batch"), note=note)
+                                micro_batch=first.get("micro_batch"))
     harness = [s for s in statuses.values() if s.get("kind") == "harness"]
     if harness:
         first = min(harness, key=lambda s: (s["time"], s["rank"]))
-        raise ToolError(f"rank {first['rank']} failed:\n{first['message']}" + (f"\n{note}" if note else ""))
+        raise ToolError(f"rank {first['rank']} failed:\n{first['message']}")
     if timed_out:
         unfinished = [r for r in range(len(processes)) if not statuses[r].get("ok")]
-        raise HarnessTimeout(f"rank(s) {unfinished} did not finish within {timeout:g} s (a collective that not every "
-                             "rank reached? raise the case's timeout_seconds or pass timeout=)")
+        raise HarnessTimeout(f"rank(s) {unfinished} did not finish within {timeout:g} s" + _where_text(where) +
+                             " (a collective that not every rank reached? raise the case's timeout_seconds or pass "
+                             "timeout=)")
     dead = [(r, p.exitcode) for r, p in enumerate(processes) if p.exitcode != 0 or not statuses[r].get("ok")]
     if dead:
         described = ", ".join(f"rank {r} ({_exit_text(code)})" for r, code in dead)
         raise ToolError(f"rank process(es) ended without a result: {described}")
+
+
+def _where_text(where):
+    if not where:
+        return ""
+    hung = [f"rank {r} at {text}" for r, (waiting, text) in sorted(where.items()) if not waiting]
+    waiting = [r for r, (in_collective, _) in sorted(where.items()) if in_collective]
+    parts = []
+    if hung:
+        parts.append("; ".join(hung) + " (not in a collective)")
+    if waiting:
+        parts.append(f"rank(s) {waiting} waiting in a collective")
+    return ": " + "; ".join(parts)
+
+
+def _exit_hint(code):
+    if code is None:
+        return ""
+    if code == -signal.SIGKILL:
+        return ": SIGKILL, sent by the out-of-memory killer or from outside"
+    if code == -signal.SIGSEGV:
+        return ": SIGSEGV, a crash in native code"
+    if code == -signal.SIGABRT:
+        return ": SIGABRT, an abort (gloo and NCCL abort a rank on mismatched collectives)"
+    if code >= 0:
+        return ": the process exited while running (sys.exit or os._exit in the loss function?)"
+    return ""
 
 
 def _exit_text(code):
