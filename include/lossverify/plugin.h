@@ -33,10 +33,15 @@
  *
  * Versioning: abi_version must equal LV_PLUGIN_ABI_VERSION of the lossverify that loads the plugin, or the
  * load fails (exit code 2) naming both versions. Structures only grow at the end within one version.
+ * Where it runs: in a plugin host, a child process of lossverify (lossverify-plugin-host) that loads the library
+ * and serves the rank's calls; inputs and outputs are in memory shared with lossverify. lossverify takes a rank's
+ * outputs only when run_rank has returned: an exit(), _exit(), quick_exit() or a crash anywhere in the plugin
+ * (static constructors, lossverify_plugin, check_params, run_rank, a thread it started) ends the host, and the
+ * run fails with exit code 3 naming the plugin, the rank and when (docs/plugins.md, "Faults").
  * Errors: return nonzero from run_rank with a message in outputs->error (exit code 3, naming the plugin and
- * the rank). A crash (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT) inside run_rank ends lossverify with exit
- * code 3 and a message naming the plugin and the rank. Sizes written must match: grad_rows x grad_columns
- * and token_loss_count are checked, and writing past the end of an output buffer is detected.
+ * the rank). Sizes written must match: grad_rows x grad_columns and token_loss_count are checked, and a write
+ * before or past an output buffer is detected. After run_rank returns, the collectives table refuses every
+ * call (group_size and group_rank return -1, allreduce nonzero), and a late all-reduce fails the run.
  */
 #ifndef LOSSVERIFY_PLUGIN_H
 #define LOSSVERIFY_PLUGIN_H

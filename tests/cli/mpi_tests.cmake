@@ -60,3 +60,19 @@ add_test(NAME cli_mpi_plugin_crash
     --impl 'plugin:$<TARGET_FILE:lossverify_test_faulty_plugin>?fault=crash@2' --timeout 5 2>&1); code=$?; \
     echo \"$out\"; [ $code -eq 3 ] || [ $code -eq 9 ] || exit 1; \
     grep -q 'plugin plugin:.*faulty.* crashed in rank 2: SIGSEGV' <<<\"$out\"")
+# Under mpiexec too, a plugin that ends its process is never a pass, and one that hangs before any collective
+# ends the job with exit 4 within the timeout (issue 30: both hung or exited 0 before).
+add_test(NAME cli_mpi_plugin_exit_is_not_a_pass
+  COMMAND bash -c "out=$(timeout 60 ${MPIRUN} -n 2 ${LV} run ${CASES}/uneven-shards-v507-tp4.json --tp 2 \
+    --impl 'plugin:$<TARGET_FILE:lossverify_test_faulty_plugin>?fault=exit@0' --timeout 5 2>&1 </dev/null); code=$?; \
+    echo \"$out\"; [ $code -eq 3 ] && grep -q 'ended its process in rank 0 in run_rank' <<<\"$out\"")
+foreach(ranks 1 2)
+  math(EXPR hung "${ranks} - 1")
+  add_test(NAME cli_mpi_plugin_hang_${ranks}_ranks
+    COMMAND bash -c "start=$(date +%s); out=$(timeout 60 ${MPIRUN} -n ${ranks} ${LV} run ${CASES}/uneven-shards-v507-tp4.json \
+      --tp ${ranks} --impl 'plugin:$<TARGET_FILE:lossverify_test_faulty_plugin>?fault=hang@${hung}' --timeout 2 2>&1 </dev/null); \
+      code=$?; echo \"$out\"; [ $code -eq 4 ] && [ $(( $(date +%s) - start )) -lt 30 ] && \
+      grep -q 'in rank ${hung}: no collective call and no result for 2 s' <<<\"$out\"")
+endforeach()
+set_tests_properties(cli_mpi_plugin_exit_is_not_a_pass cli_mpi_plugin_hang_1_ranks cli_mpi_plugin_hang_2_ranks
+                     PROPERTIES PROCESSORS 2 TIMEOUT 120)

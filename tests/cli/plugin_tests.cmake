@@ -21,17 +21,53 @@ lossverify_plugin_fault(error 3 "rank 2: plugin plugin:.*faulty.*: run_rank retu
 lossverify_plugin_fault(crash 3 "plugin plugin:.*faulty.* crashed in rank 1: SIGSEGV" crash@1)
 lossverify_plugin_fault(abort 3 "plugin plugin:.*faulty.* crashed in rank 3: SIGABRT" abort@3)
 lossverify_plugin_fault(throw 3 "rank 0: plugin plugin:.*faulty.*: run_rank threw a C\\+\\+ exception through the C ABI: a C\\+\\+ exception escaping" throw@0)
-lossverify_plugin_fault(hang 4 "deadlock guard: .*rank\\(s\\) 2 never arrived" hang@2)
+lossverify_plugin_fault(hang 4 "deadlock guard: .*rank\\(s\\) 2 never arrived|in rank 2: no collective call and no result for 2 s" hang@2)
 lossverify_plugin_fault(rows 3 "rank 1: plugin plugin:.*: wrote a gradient of 257 x 127 .*, but the rank holds 256 rows x 127" rows@1)
 lossverify_plugin_fault(losses 3 "rank 0: plugin plugin:.*: wrote 255 per-row losses" losses@0)
 lossverify_plugin_fault(overrun 3 "rank 3: plugin plugin:.*: wrote past the end of its gradient buffer" overrun@3)
 lossverify_plugin_fault(unlogged 3 "rank 0: plugin plugin:.*: reduction mean logs a loss, but the plugin set has_logged_loss = 0" unlogged@0)
 lossverify_plugin_fault(misuse 3 "rank 1: plugin plugin:.*: allreduce called with group 9" misuse@1)
+# The plugin's code runs in a host process: however it ends that process, the run fails (never exit 0), naming
+# the plugin, the rank and when (issue 30: each of these exited 0 before).
+lossverify_plugin_fault(exit 3 "plugin plugin:.* ended its process in rank 1 in run_rank: the host exited with status 0" exit@1)
+lossverify_plugin_fault(exit_all 3 "ended its process in rank [0-3] in run_rank: the host exited with status 0" _exit@all)
+lossverify_plugin_fault(quick_exit 3 "ended its process in rank 0 in run_rank" quick_exit@0)
+lossverify_plugin_fault(stack_overflow 3 "crashed in rank 2: SIGSEGV" stack-overflow@2)
+lossverify_plugin_fault(thread_exit 3 "ended its process in rank 1" thread-exit@1)
+lossverify_plugin_fault(thread_crash 3 "crashed in rank 1: SIGSEGV" thread-crash@1)
+lossverify_plugin_fault(late_allreduce 3 "rank 1: the plugin called allreduce 1 time\\(s\\) after run_rank returned" late-allreduce@1)
+lossverify_plugin_fault(element_mismatch 3 "the ranks of its TP group made different all-reduce calls.*f64" element-mismatch@1)
+lossverify_plugin_fault(op_mismatch 3 "the ranks of its TP group made different all-reduce calls.*max" op-mismatch@2)
+lossverify_plugin_fault(huge_count 3 "count 1099511627776.*more than a loss all-reduces" huge-count@0)
+lossverify_plugin_fault(guard_value 3 "rank 3: plugin plugin:.*: wrote past the end of its gradient buffer" guard-value@3)
+lossverify_plugin_fault(underrun 3 "rank 1: plugin plugin:.*: wrote outside its output buffers: the bytes before its gradient buffer" underrun@1)
+lossverify_plugin_fault(overrun_far 3 "rank 2: plugin plugin:.*: wrote outside its output buffers, between its gradient" overrun-far@2)
+function(lossverify_plugin_load_fault name code regex)
+  lossverify_cli_test(plugin_load_${name} ${code} ${regex} --within 30 --absent ${OUT}/plugin_load_${name}.json
+    -- ${ARGN} --report ${OUT}/plugin_load_${name}.json)
+endfunction()
+lossverify_plugin_load_fault(params_exit 3 "ended its process while loading: the host exited with status 0"
+  ${LV} run ${PLUGIN_CASE} --impl "plugin:${FAULTY}?fault=params-exit")
+lossverify_plugin_load_fault(params_crash 3 "ended its process while loading: the host was killed by SIGSEGV"
+  ${LV} run ${PLUGIN_CASE} --impl "plugin:${FAULTY}?fault=params-crash")
+lossverify_plugin_load_fault(ctor_exit 3 "ended its process while loading: the host exited with status 0"
+  env LOSSVERIFY_TEST_LOAD_FAULT=ctor-exit ${LV} run ${PLUGIN_CASE} --impl plugin:${FAULTY})
+lossverify_plugin_load_fault(entry_crash 3 "ended its process while loading: the host was killed by SIGSEGV"
+  env LOSSVERIFY_TEST_LOAD_FAULT=entry-crash ${LV} run ${PLUGIN_CASE} --impl plugin:${FAULTY})
+lossverify_plugin_load_fault(gate_entry_exit 3 "ended its process while loading"
+  env LOSSVERIFY_TEST_LOAD_FAULT=entry-exit ${LV} gate --impl plugin:${FAULTY} --cases ${CASES} --golden ${PROJECT_SOURCE_DIR}/golden)
+lossverify_cli_test(plugin_shrink_exit 3 "ended its process in rank [0-9]+ in run_rank" --absent ${OUT}/plugin_shrunk_exit.json
+  -- ${LV} shrink ${CASES}/smoothing-pytorch.json --impl "plugin:${FAULTY}?fault=exit@all" --out ${OUT}/plugin_shrunk_exit.json)
+
 
 # The example plugins: the CPU one passes the gate as the correct implementation (every case and sweep,
 # against golden/) and, with its bug parameter, fails exactly where golden says that bug fails; it runs
 # under MPI and reproduces through a bundle. The CUDA one is compiled here and run where a GPU is.
 set(CPU_PLUGIN $<TARGET_FILE:lossverify_example_cpu_plugin>)
+# A '?' in the library's path is written %3F (the first bare '?' starts the parameters).
+add_test(NAME cli_plugin_question_mark_in_path
+  COMMAND bash -c "rm -rf '${OUT}/what?dir' && mkdir -p '${OUT}/what?dir' && cp ${CPU_PLUGIN} '${OUT}/what?dir/plugin.so' && \
+    bash ${EXPECT} 0 'verdict: pass' -- ${LV} run ${CASES}/underflow-gap-240.json --impl 'plugin:${OUT}/what%3Fdir/plugin.so'")
 lossverify_cli_test(plugin_cpu_gate 0 "gate: PASS" -- ${LV} gate --impl plugin:${CPU_PLUGIN}
   --cases ${CASES} --golden ${PROJECT_SOURCE_DIR}/golden --threads 2)
 lossverify_cli_test(plugin_cpu_bug_gate 0 "mutation score: 1/1 bugs caught"
@@ -50,11 +86,35 @@ add_test(NAME cli_plugin_bundle_replays
   COMMAND bash -c "rm -rf ${PLUGIN_REPRO} && mkdir -p ${PLUGIN_REPRO} && \
     bash ${EXPECT} 1 'rank_agreement +FAIL' -- ${LV} run ${CASES}/smoothing-pytorch.json \
       --impl 'plugin:${CPU_PLUGIN}?bug=smoothing-partition-vocab' --save-inputs failed --save-inputs-dir ${PLUGIN_REPRO} && \
-    bash ${EXPECT} 0 '^reproduced: FAIL as recorded' -- ${LV} replay ${PLUGIN_REPRO}/*.bundle.json && \
+    bash ${EXPECT} 0 '^reproduced: FAIL as recorded' -- ${LV} replay ${PLUGIN_REPRO}/*.bundle.json \
+      --impl 'plugin:${CPU_PLUGIN}?bug=smoothing-partition-vocab' && \
     bash ${EXPECT} 0 'with --impl correct: pass' -- ${LV} replay ${PLUGIN_REPRO}/*.bundle.json --impl correct")
+# A bundle is data: replay never loads the library it names unless the command line names it too (issue 30: an
+# edited bundle ran any library, even under --impl correct). The library here would crash if it were loaded.
+set(TAMPERED ${OUT}/plugin_tampered)
+add_test(NAME cli_replay_never_loads_the_bundles_library
+  COMMAND bash -c "rm -rf ${TAMPERED} && mkdir -p ${TAMPERED} && \
+    ${LV} run ${CASES}/smoothing-pytorch.json --impl smoothing-partition-vocab --save-inputs failed --save-inputs-dir ${TAMPERED} -q; \
+    bundle=$(ls ${TAMPERED}/*.bundle.json) && \
+    sed -i 's|\"implementation\": \"smoothing-partition-vocab\"|\"implementation\": \"plugin:${FAULTY}?fault=params-exit\"|' $bundle && \
+    grep -q params-exit $bundle && \
+    bash ${EXPECT} 2 'a bundle never loads a library by itself' -- ${LV} replay $bundle && \
+    env LOSSVERIFY_TEST_LOAD_FAULT=ctor-crash bash ${EXPECT} 0 'with --impl correct: pass' -- ${LV} replay $bundle --impl correct")
 add_test(NAME cli_plugin_cuda COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/cli/cuda_plugin.sh ${LV}
   $<$<TARGET_EXISTS:lossverify_example_cuda_plugin>:$<TARGET_FILE:lossverify_example_cuda_plugin>> ${CASES})
 set_tests_properties(cli_plugin_cuda PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 600)
+# Without a GPU, a plugin that computes in device memory is a usage error naming why, before any work (issue
+# 30: exit 3, "internal error"). Where a GPU is visible there is nothing to test (77).
+if(TARGET lossverify_example_cuda_plugin)
+  add_test(NAME cli_plugin_cuda_without_a_gpu
+    COMMAND bash -c "if ${LV} --version | grep -q 'CUDA GPUs visible now: [1-9]'; then echo 'a GPU is visible'; exit 77; fi; \
+      bash ${EXPECT} 2 'the plugin computes in CUDA device memory, and this machine cannot run it' \
+        -- ${LV} run ${PLUGIN_CASE} --impl plugin:$<TARGET_FILE:lossverify_example_cuda_plugin>")
+  set_tests_properties(cli_plugin_cuda_without_a_gpu PROPERTIES SKIP_RETURN_CODE 77)
+endif()
 lossverify_cli_test(plugin_shrink 0 "layout      tp=4 cp=1 dp=1 ga=1 -> tp=2" --present ${OUT}/plugin_shrunk.json
   -- ${LV} shrink ${CASES}/smoothing-pytorch.json --impl "plugin:${CPU_PLUGIN}?bug=smoothing-partition-vocab"
      --out ${OUT}/plugin_shrunk.json --threads 1)
+# gate --timeout, as run's (issue 30: the gate had none, so a hanging plugin held it for each case's 120 s).
+lossverify_cli_test(plugin_gate_timeout 4 "timeout: .*no collective call and no result for 1 s" --within 60
+  -- ${LV} gate --impl "plugin:${FAULTY}?fault=hang@0" --timeout 1 --cases ${CASES} --golden ${PROJECT_SOURCE_DIR}/golden)

@@ -1,7 +1,17 @@
 // A plugin that misbehaves on purpose, for the plugin backend's fault tests. Its parameter names the fault
-// and the world rank that commits it: `fault=KIND@RANK` with KIND one of error, crash, abort, throw, hang,
-// rows, losses, overrun, unlogged, misuse. The other ranks take part in one TP all-reduce (so they are
-// waiting for the faulty rank when it fails) and write zeros of the right sizes.
+// and the world rank that commits it: `fault=KIND@RANK` (RANK `all`: every rank). The other ranks take part in
+// one TP all-reduce (so they are waiting for the faulty rank when it fails) and write zeros of the right sizes.
+//   in run_rank: error, crash, abort, throw, hang, exit, _exit, quick_exit, stack-overflow, misuse (group 9),
+//                element-mismatch (f64 where the others all-reduce f32), op-mismatch (max where they sum),
+//                huge-count (2^40 elements)
+//   outputs:     rows, losses, unlogged, overrun (8 bytes past the gradient), guard-value (the old guard byte
+//                0xA5 past it), underrun (8 bytes before it), overrun-far (past the gradient's guard page)
+//   after return, on a thread it started: thread-exit, thread-crash, late-allreduce
+//   at load (no rank): params-exit, params-crash (check_params); and, from the environment variable
+//   LOSSVERIFY_TEST_LOAD_FAULT, ctor-exit, ctor-crash (a static constructor), entry-exit, entry-crash
+//   (lossverify_plugin()).
+#include <unistd.h>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -16,7 +26,7 @@ namespace {
 
 struct Fault {
   std::string kind;
-  int rank = -1;
+  int rank = -2;  // -1: every rank
 };
 
 Fault parse(const char* params) {
@@ -25,43 +35,97 @@ Fault parse(const char* params) {
   const auto at = text.find('@');
   if (text.rfind("fault=", 0) == 0 && at != std::string::npos) {
     f.kind = text.substr(6, at - 6);
-    f.rank = std::atoi(text.c_str() + at + 1);
+    const std::string rank = text.substr(at + 1);
+    f.rank = rank == "all" ? -1 : std::atoi(rank.c_str());
+  } else if (text.rfind("fault=", 0) == 0) {
+    f.kind = text.substr(6);
   }
   return f;
 }
 
+std::string load_fault() {
+  const char* value = std::getenv("LOSSVERIFY_TEST_LOAD_FAULT");
+  return value != nullptr ? value : "";
+}
+
+void crash_now() {
+  volatile int* nowhere = nullptr;
+  *nowhere = 1;
+}
+
+// A static constructor: runs when the library is loaded.
+struct AtLoad {
+  AtLoad() {
+    if (load_fault() == "ctor-exit") std::exit(0);
+    if (load_fault() == "ctor-crash") crash_now();
+  }
+} at_load;
+
 std::size_t element_bytes(lv_dtype d) { return d == LV_DTYPE_F32 ? 4 : 2; }
+
+int recurse(int depth) {
+  volatile char frame[4096];
+  frame[0] = static_cast<char>(depth);
+  return recurse(depth + 1) + frame[0];
+}
+
+std::atomic<bool> returned{false};
+
+// A thread that acts once run_rank has returned.
+void after_return(const std::string& kind, const lv_collectives* c) {
+  std::thread([kind, c] {
+    while (!returned.load()) std::this_thread::yield();
+    if (kind == "thread-exit") std::exit(0);
+    if (kind == "thread-crash") crash_now();
+    if (kind == "late-allreduce") {
+      while (c->group_size(c->context, LV_GROUP_TP) != -1) std::this_thread::yield();  // the call is closed
+      float x = 1.0f;
+      c->allreduce(c->context, LV_GROUP_TP, &x, 1, LV_ELEMENT_F32, LV_REDUCE_SUM);
+    }
+  }).detach();
+}
 
 int commit(const std::string& kind, const lv_rank_inputs* in, lv_rank_outputs* out, const lv_collectives* c) {
   if (kind == "error") {
     std::snprintf(out->error, sizeof(out->error), "injected error in rank %d", in->world_rank);
     return 7;
   }
-  if (kind == "crash") {
-    volatile int* nowhere = nullptr;
-    *nowhere = 1;
-  }
+  if (kind == "crash") crash_now();
   if (kind == "abort") std::abort();
   if (kind == "throw") throw std::runtime_error("a C++ exception escaping the plugin");
   if (kind == "hang") {
     for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
   }
+  if (kind == "exit") std::exit(0);
+  if (kind == "_exit") ::_exit(0);
+  if (kind == "quick_exit") std::quick_exit(0);
+  if (kind == "stack-overflow") return recurse(0);
   if (kind == "misuse") {
     float x = 0.0f;
     return c->allreduce(c->context, static_cast<lv_group>(9), &x, 1, LV_ELEMENT_F32, LV_REDUCE_SUM);
+  }
+  if (kind == "huge-count") {
+    float x = 0.0f;
+    return c->allreduce(c->context, LV_GROUP_TP, &x, int64_t{1} << 40, LV_ELEMENT_F32, LV_REDUCE_SUM);
   }
   return -1;  // not a fault that ends the call
 }
 
 int run_rank(const lv_rank_inputs* in, lv_rank_outputs* out, const lv_collectives* c) {
+  returned.store(false);
   const Fault fault = parse(in->params);
-  const bool mine = fault.rank == in->world_rank;
+  const bool mine = fault.rank == -1 || fault.rank == in->world_rank;
   if (mine) {
     const int status = commit(fault.kind, in, out, c);
     if (status >= 0) return status;
   }
+  double probe64 = 1.0;
   float probe = 1.0f;
-  if (c->allreduce(c->context, LV_GROUP_TP, &probe, 1, LV_ELEMENT_F32, LV_REDUCE_SUM) != 0) {
+  const bool wide = mine && fault.kind == "element-mismatch";
+  const lv_reduce_op op = mine && fault.kind == "op-mismatch" ? LV_REDUCE_MAX : LV_REDUCE_SUM;
+  const int status = wide ? c->allreduce(c->context, LV_GROUP_TP, &probe64, 1, LV_ELEMENT_F64, op)
+                          : c->allreduce(c->context, LV_GROUP_TP, &probe, 1, LV_ELEMENT_F32, op);
+  if (status != 0) {
     std::snprintf(out->error, sizeof(out->error), "a collective failed");
     return 1;
   }
@@ -73,10 +137,28 @@ int run_rank(const lv_rank_inputs* in, lv_rank_outputs* out, const lv_collective
   if (mine && fault.kind == "rows") out->grad_rows = in->rows + 1;
   if (mine && fault.kind == "losses") out->token_loss_count = in->rows - 1;
   if (mine && fault.kind == "unlogged") out->has_logged_loss = 0;
-  if (mine && fault.kind == "overrun") {
-    const std::size_t bytes = static_cast<std::size_t>(in->rows * columns) * element_bytes(in->dtype);
-    std::memset(static_cast<char*>(out->grad) + bytes, 0x11, 8);
+  const std::size_t bytes = static_cast<std::size_t>(in->rows * columns) * element_bytes(in->dtype);
+  char* grad = static_cast<char*>(out->grad);
+  if (mine && fault.kind == "overrun") std::memset(grad + bytes, 0x11, 8);
+  if (mine && fault.kind == "guard-value") std::memset(grad + bytes, 0xA5, 8);
+  if (mine && fault.kind == "underrun") std::memset(grad - 8, 0x11, 8);
+  if (mine && fault.kind == "overrun-far") {
+    const long page = ::sysconf(_SC_PAGESIZE);
+    std::memset(grad + bytes + page + 16, 0x11, 8);  // past the guard page after the gradient
   }
+  if (mine && (fault.kind == "thread-exit" || fault.kind == "thread-crash" || fault.kind == "late-allreduce")) {
+    after_return(fault.kind, c);
+  }
+  returned.store(true);
+  return 0;
+}
+
+int check_params(const char* params, char* error, size_t error_size) {
+  const Fault fault = parse(params);
+  if (fault.kind == "params-exit") std::exit(0);
+  if (fault.kind == "params-crash") crash_now();
+  (void)error;
+  (void)error_size;
   return 0;
 }
 
@@ -86,8 +168,12 @@ const lv_plugin plugin = {LV_PLUGIN_ABI_VERSION,
                           LV_MEMORY_HOST,
                           LV_SUPPORTS_CROSS_ENTROPY | LV_SUPPORTS_KD,
                           run_rank,
-                          nullptr};
+                          check_params};
 
 }  // namespace
 
-extern "C" const lv_plugin* lossverify_plugin(void) { return &plugin; }
+extern "C" const lv_plugin* lossverify_plugin(void) {
+  if (load_fault() == "entry-exit") std::exit(0);
+  if (load_fault() == "entry-crash") crash_now();
+  return &plugin;
+}

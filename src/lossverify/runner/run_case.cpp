@@ -231,9 +231,10 @@ RankJob run_rank(const Case& c, const InputSource& inputs, const Implementation&
   kernel_options.threads = threads;
   RankOutput out;
   std::shared_ptr<cuda::OracleShard> gpu_oracle;
+  PluginSession plugin_session;  // a plugin's host stays until the rank's checks are done
   if (impl.plugin != nullptr) {
     out = run_plugin_rank(*impl.plugin, c, inputs, assign_rank(c, inputs.batch(), rank), groups,
-                          PluginRankOptions{device, threads});
+                          PluginRankOptions{device, threads, c.timeout_seconds}, plugin_session);
   } else if (options.device == RunOptions::Device::cuda) {
     cuda::CudaRankOptions device_options;
     device_options.device = device;
@@ -261,6 +262,7 @@ RankJob run_rank(const Case& c, const InputSource& inputs, const Implementation&
       gpu_oracle ? cuda::make_device_oracle(c, inputs, std::move(gpu_oracle), out, judgement, groups.tp.size() == 1)
                  : std::make_unique<HostOracle>(c, inputs, out, judgement, threads);
   job.checks = verify_rank(c, out, *oracle, groups, world, snapshot, &job.error_map);
+  plugin_session.finish();  // a collective after run_rank returned, or a host that ended, fails the rank
   const auto end = Clock::now();
   double t[6] = {std::chrono::duration<double>(kernel_done - start).count(),
                  out.generate_seconds,
@@ -301,7 +303,15 @@ RunOptions check_run(const Case& c, const RunOptions& requested, const Launcher&
   check_fault_rank(options.fault, world_size);
   launcher.check_world(c);
   if (options.device == RunOptions::Device::cuda) {
-    cuda::require_device(0);
+    try {
+      cuda::require_device(0);
+    } catch (const InternalError& e) {
+      if (impl->plugin == nullptr) throw;
+      throw CaseError("--impl " + impl->name +
+                      ": the plugin computes in CUDA device memory, and this machine "
+                      "cannot run it: " +
+                      e.what());
+    }
   } else if (launcher.processes() == 1) {
     require_memory(c, keep_snapshot);
   }

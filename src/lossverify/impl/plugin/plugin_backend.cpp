@@ -1,77 +1,38 @@
 #include "lossverify/impl/plugin/plugin_backend.hpp"
 
+#include <signal.h>
+
+#include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <exception>
-#include <memory>
-#include <optional>
+#include <map>
+#include <mutex>
+#include <random>
 #include <vector>
 
 #include "lossverify/core/errors.hpp"
-#include "lossverify/impl/plugin/crash_guard.hpp"
-#include "lossverify/impl/plugin/plugin_memory.hpp"
+#include "lossverify/core/strings.hpp"
+#include "lossverify/impl/plugin/plugin_host.hpp"
+#include "lossverify/impl/plugin/plugin_region.hpp"
 #include "lossverify/impl/rank_inputs.hpp"
 
 namespace lossverify {
 
 namespace {
 
+namespace ph = plugin_host;
 using Clock = std::chrono::steady_clock;
-using plugin_memory::Buffer;
 
 double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
-// The collectives table's state: the rank's groups, and the first failure a collective raised (exceptions
-// must not cross the plugin's C frames; it is rethrown once the plugin returns).
-struct CollectiveContext {
-  Communicator* groups[4] = {};  // indexed by lv_group
-  lv_memory memory = LV_MEMORY_HOST;
-  std::exception_ptr failure;
-  std::string misuse;  // a call with impossible arguments
-  std::vector<std::byte> staging;
-};
-
-Communicator* group_of(CollectiveContext& ctx, lv_group group) {
-  const auto index = static_cast<int>(group);
-  return index >= 0 && index < 4 ? ctx.groups[index] : nullptr;
+template <std::size_t N>
+std::string text_of(const char (&chars)[N]) {
+  return std::string(chars, strnlen(chars, N));
 }
 
-int plugin_allreduce(void* context, lv_group group, void* data, int64_t count, lv_element element, lv_reduce_op op) {
-  auto& ctx = *static_cast<CollectiveContext*>(context);
-  if (ctx.failure || !ctx.misuse.empty()) return 1;
-  Communicator* comm = group_of(ctx, group);
-  if (comm == nullptr || count < 0 || (data == nullptr && count > 0) || element < LV_ELEMENT_F32 ||
-      element > LV_ELEMENT_I64 || (op != LV_REDUCE_SUM && op != LV_REDUCE_MAX)) {
-    ctx.misuse = "allreduce called with group " + std::to_string(static_cast<int>(group)) + ", count " +
-                 std::to_string(count) + ", element " + std::to_string(static_cast<int>(element)) + ", op " +
-                 std::to_string(static_cast<int>(op));
-    return 1;
-  }
-  const ElementType type = element == LV_ELEMENT_F32   ? ElementType::f32
-                           : element == LV_ELEMENT_F64 ? ElementType::f64
-                                                       : ElementType::i64;
-  try {
-    const auto n = static_cast<std::size_t>(count);
-    const std::size_t bytes = n * element_size(type);
-    ctx.staging.resize(bytes);
-    plugin_memory::to_host(ctx.memory, data, ctx.staging.data(), bytes);
-    comm->allreduce(ctx.staging.data(), n, type, op == LV_REDUCE_SUM ? ReduceOp::sum : ReduceOp::max);
-    plugin_memory::from_host(ctx.memory, ctx.staging.data(), data, bytes);
-    return 0;
-  } catch (...) {
-    ctx.failure = std::current_exception();
-    return 1;
-  }
-}
-
-int plugin_group_size(void* context, lv_group group) {
-  Communicator* comm = group_of(*static_cast<CollectiveContext*>(context), group);
-  return comm != nullptr ? comm->size() : -1;
-}
-
-int plugin_group_rank(void* context, lv_group group) {
-  Communicator* comm = group_of(*static_cast<CollectiveContext*>(context), group);
-  return comm != nullptr ? comm->rank() : -1;
+std::uint64_t random_word() {
+  thread_local std::mt19937_64 generator(std::random_device{}());
+  return generator();
 }
 
 lv_dtype abi_dtype(DType d) {
@@ -95,110 +56,125 @@ lv_loss_config abi_loss(const LossSpec& loss) {
   return config;
 }
 
-// The rank's inputs, copied into buffers the plugin may read (and scribble on: they are its own).
-struct InputBuffers {
-  std::unique_ptr<Buffer> logits, teacher, labels, loss_mask, upstream, tokens;
+const char* element_name(std::int64_t e) { return e == LV_ELEMENT_F32 ? "f32" : e == LV_ELEMENT_F64 ? "f64" : "i64"; }
+const char* op_name(std::int64_t op) { return op == LV_REDUCE_SUM ? "sum" : "max"; }
+const char* group_name(std::int32_t g) {
+  return g == LV_GROUP_TP ? "TP" : g == LV_GROUP_CP ? "CP" : g == LV_GROUP_DP ? "DP" : "DP x CP";
+}
+
+// Hosts that served a run cleanly wait for the next run of the same plugin: starting one and loading the
+// library again costs milliseconds for every rank of every run, and a gate makes hundreds. A host that failed
+// in any way is never kept.
+class HostPool {
+ public:
+  std::unique_ptr<PluginHostProcess> take(const std::string& spec) {
+    const std::lock_guard lock(mutex_);
+    auto& idle = idle_[spec];
+    if (idle.empty()) return nullptr;
+    std::unique_ptr<PluginHostProcess> host = std::move(idle.back());
+    idle.pop_back();
+    return host;
+  }
+  void keep(const std::string& spec, std::unique_ptr<PluginHostProcess> host) {
+    const std::lock_guard lock(mutex_);
+    idle_[spec].push_back(std::move(host));
+  }
+
+ private:
+  std::mutex mutex_;
+  std::map<std::string, std::vector<std::unique_ptr<PluginHostProcess>>> idle_;
 };
 
-template <class T>
-std::unique_ptr<Buffer> buffer_of(lv_memory memory, const std::vector<T>& host) {
-  auto b = std::make_unique<Buffer>(memory, host.size() * sizeof(T));
-  b->upload(host.data());
-  return b;
+HostPool& host_pool() {
+  static HostPool pool;  // destroyed at exit: its hosts are killed and reaped
+  return pool;
 }
+
+template <class T>
+void put(const SharedRegion& region, std::uint64_t offset, const std::vector<T>& values) {
+  if (!values.empty()) std::memcpy(region.at(offset), values.data(), values.size() * sizeof(T));
+}
+
+}  // namespace
 
 class PluginRank {
  public:
-  PluginRank(const PluginLibrary& plugin, const Case& c, RankGroups groups)
-      : plugin_(plugin), case_(c), groups_(groups), memory_(plugin.entry->memory) {}
+  PluginRank(const PluginLibrary& plugin, const Case& c, RankGroups groups, const PluginRankOptions& options)
+      : plugin_(plugin), case_(c), groups_(groups), options_(options) {}
 
-  RankOutput run(const InputSource& inputs, RankAssignment assignment, const PluginRankOptions& options) {
+  RankOutput run(const InputSource& inputs, RankAssignment assignment, PluginSession& session) {
     const auto start = Clock::now();
-    const RankInputs in = make_rank_inputs(case_, inputs, std::move(assignment), options.threads);
+    const RankInputs in = make_rank_inputs(case_, inputs, std::move(assignment), options_.threads);
     out_.assignment = in.assignment;
     out_.dtype = in.dtype;
     rank_ = in.assignment.world_rank;
-    plugin_memory::select_device(memory_, options.device);
-    const InputBuffers buffers = upload(in);
-    Buffer grad(memory_, in.logits.size());
-    Buffer token_loss(memory_, static_cast<std::size_t>(in.rows()) * sizeof(float));
     std::int64_t valid = 0;
     for (std::int64_t t = 0; t < case_.shape.tokens; ++t) valid += inputs.is_valid(t);
     // The CP group: the batch group's ranks with this rank's DP coordinate.
     const RankCoordinates& at = in.assignment.coordinates;
     const std::unique_ptr<Communicator> cp = groups_.batch.split(at.dp, at.cp);
+
+    RegionSizes sizes;
+    sizes.params_bytes = plugin_.params.size() + 1;
+    sizes.micro_batches = case_.layout.ga;
+    sizes.logits_bytes = in.logits.size();
+    sizes.teacher = case_.loss.kind == LossKind::kd;
+    sizes.rows = in.rows();
+    sizes.grad_bytes = in.logits.size();
+    layout_ = region_layout(sizes);
+    std::uint8_t canary[ph::kCanaryBytes];
+    for (std::size_t k = 0; k < ph::kCanaryBytes; k += 8) {
+      const std::uint64_t word = random_word();
+      std::memcpy(canary + k, &word, 8);
+    }
+    const SharedRegion region(layout_, canary);
+    fill(region, in);
+    std::unique_ptr<PluginHostProcess> host = host_pool().take(plugin_.spec);
+    if (!host) {
+      host = std::make_unique<PluginHostProcess>(plugin_.path, plugin_.params, PluginHostProcess::Mode::serve);
+      await_hello(*host, region);
+    }
+    const ph::Run run = describe(in, canary, valid, *cp);
+    host->send(run, region.fd());
     out_.generate_seconds = seconds_since(start);
 
     const auto compute_start = Clock::now();
     const double collectives_before = collective_seconds(*cp);
-    lv_rank_inputs abi_in = describe_inputs(in, buffers, valid, options.device);
-    lv_rank_outputs abi_out{};
-    abi_out.struct_size = sizeof(lv_rank_outputs);
-    abi_out.grad = grad.data();
-    abi_out.token_loss = static_cast<float*>(token_loss.data());
-    CollectiveContext context;
-    context.groups[LV_GROUP_TP] = &groups_.tp;
-    context.groups[LV_GROUP_CP] = cp.get();
-    context.groups[LV_GROUP_DP] = &groups_.dp;
-    context.groups[LV_GROUP_DP_CP] = &groups_.batch;
-    context.memory = memory_;
-    const lv_collectives table{&context, plugin_allreduce, plugin_group_size, plugin_group_rank};
-    // Native code cannot beat the rank's progress beacon: to the deadlock guard, the plugin's compute
-    // between its collectives (whose entries and exits do count) gets the timeout as its grace period.
-    // The split above is its last beat before the call.
-    const int status = call_plugin(abi_in, abi_out, table);
-    plugin_memory::wait_for_device(memory_);  // work a plugin left queued on its own streams
-    if (context.failure) std::rethrow_exception(context.failure);
-    if (!context.misuse.empty()) fail(context.misuse);
-    if (status != 0) {
-      abi_out.error[sizeof(abi_out.error) - 1] = '\0';
-      fail("run_rank returned " + std::to_string(status) +
-           (abi_out.error[0] != '\0' ? ": " + std::string(abi_out.error) : " (no message in outputs->error)"));
-    }
-    take_outputs(abi_out, in, grad, token_loss);
+    const ph::Done done = converse(*host, region, run.header.token, *cp);
+    take_outputs(done, in, region);
     out_.collective_seconds = collective_seconds(*cp) - collectives_before;
     out_.compute_seconds = seconds_since(compute_start) - out_.collective_seconds;
+    session.host_ = std::move(host);
+    session.spec_ = plugin_.spec;
+    session.rank_ = rank_;
+    session.token_ = run.header.token;
+    session.timeout_seconds_ = options_.timeout_seconds;
     return std::move(out_);
   }
 
  private:
   [[noreturn]] void fail(const std::string& what) const {
-    throw InternalError("plugin " + plugin_.spec + ": " + what);  // the rank's world names the rank
+    throw InternalError("plugin " + printable(plugin_.spec) + ": " + what);  // the rank's world names the rank
   }
 
-  // A C++ plugin whose exception unwinds through the C ABI (GCC and Clang on Linux carry it) is named too.
-  int call_plugin(const lv_rank_inputs& in, lv_rank_outputs& out, const lv_collectives& table) const {
-    const PluginCallScope scope(plugin_.spec.c_str(), rank_);
-    try {
-      return plugin_.entry->run_rank(&in, &out, &table);
-    } catch (const std::exception& e) {
-      fail(std::string("run_rank threw a C++ exception through the C ABI: ") + e.what());
-    } catch (...) {
-      fail("run_rank threw through the C ABI");
-    }
+  void fill(const SharedRegion& region, const RankInputs& in) const {
+    std::memcpy(region.at(layout_.params), plugin_.params.c_str(), plugin_.params.size() + 1);
+    put(region, layout_.micro_batch_begin, in.assignment.micro_batch_begin);
+    put(region, layout_.logits, in.logits);
+    if (case_.loss.kind == LossKind::kd) put(region, layout_.teacher, in.teacher_logits);
+    put(region, layout_.labels, in.labels);
+    put(region, layout_.loss_mask, in.loss_mask);
+    put(region, layout_.upstream, in.upstream_weights);
+    put(region, layout_.tokens, in.tokens);
   }
 
-  double collective_seconds(const Communicator& cp) const {
-    return groups_.tp.collective_seconds() + groups_.batch.collective_seconds() + groups_.dp.collective_seconds() +
-           cp.collective_seconds();
-  }
-
-  InputBuffers upload(const RankInputs& in) const {
-    InputBuffers b;
-    b.logits = buffer_of(memory_, in.logits);
-    if (case_.loss.kind == LossKind::kd) b.teacher = buffer_of(memory_, in.teacher_logits);
-    b.labels = buffer_of(memory_, in.labels);
-    b.loss_mask = buffer_of(memory_, in.loss_mask);
-    b.upstream = buffer_of(memory_, in.upstream_weights);
-    b.tokens = buffer_of(memory_, in.tokens);
-    return b;
-  }
-
-  lv_rank_inputs describe_inputs(const RankInputs& in, const InputBuffers& b, std::int64_t valid, int device) const {
+  ph::Run describe(const RankInputs& in, const std::uint8_t* canary, std::int64_t valid, Communicator& cp) const {
     const LayoutSpec& layout = case_.layout;
     const RankCoordinates& at = in.assignment.coordinates;
-    lv_rank_inputs r{};
-    r.struct_size = sizeof(lv_rank_inputs);
+    ph::Run r;
+    r.header.token = random_word() | 1;
+    r.layout = layout_;
+    std::memcpy(r.canary, canary, ph::kCanaryBytes);
     r.world_rank = in.assignment.world_rank;
     r.world_size = layout.world_size();
     r.tp = at.tp;
@@ -212,68 +188,219 @@ class PluginRank {
     r.vocab_begin = in.assignment.vocab.begin;
     r.vocab_end = in.assignment.vocab.end;
     r.rows = in.rows();
-    r.micro_batch_begin = in.assignment.micro_batch_begin.data();
     r.global_valid_tokens = valid;
     r.dtype = abi_dtype(in.dtype);
-    r.memory = memory_;
-    r.device = memory_ == LV_MEMORY_CUDA ? device : -1;
-    r.logits = b.logits->data();
-    r.teacher_logits = b.teacher ? b.teacher->data() : nullptr;
-    r.labels = static_cast<const int64_t*>(b.labels->data());
-    r.loss_mask = static_cast<const uint8_t*>(b.loss_mask->data());
-    r.upstream_weights = static_cast<const double*>(b.upstream->data());
-    r.tokens = static_cast<const int64_t*>(b.tokens->data());
+    r.device = plugin_.device_memory() ? options_.device : -1;
+    r.has_teacher = case_.loss.kind == LossKind::kd ? 1 : 0;
     r.loss = abi_loss(case_.loss);
     r.framework.grad_reduce_avg = case_.framework.grad_reduce == FrameworkSpec::GradReduce::avg ? 1 : 0;
     r.framework.ga_reduce_mean = case_.framework.ga_reduce == FrameworkSpec::GaReduce::mean ? 1 : 0;
-    r.params = plugin_.params.c_str();
+    Communicator* groups[4] = {&groups_.tp, &cp, &groups_.dp, &groups_.batch};
+    for (int g = 0; g < 4; ++g) {
+      r.group_size[g] = groups[g]->size();
+      r.group_rank[g] = groups[g]->rank();
+    }
+    // No loss all-reduces more than a few numbers per row; four times the rank's logits is a wide bound.
+    r.max_allreduce_bytes = std::max<std::uint64_t>(std::uint64_t{64} << 20, 4 * in.logits.size());
     return r;
   }
 
-  // Sizes and guards first: nothing the plugin wrote is read until it is known to fit.
-  void take_outputs(const lv_rank_outputs& o, const RankInputs& in, const Buffer& grad, const Buffer& token_loss) {
+  // The host loads the library (validated when it was probed) and says hello before its call.
+  void await_hello(PluginHostProcess& host, const SharedRegion& region) const {
+    const auto reply = host.next(std::max(options_.timeout_seconds, 300.0), abandon());
+    if (reply.is<ph::Hello>()) {
+      const ph::Hello hello = reply.as<ph::Hello>();
+      if (hello.ok != 1) fail("the plugin host could not load it: " + printable(text_of(hello.message)));
+      return;
+    }
+    on_silence_or_end(host, region, reply, "while loading the library");
+  }
+
+  std::function<bool()> abandon() const {
+    return [this] { return groups_.tp.aborted(); };
+  }
+
+  // A wait that got no message: the world failed, the host is silent past the timeout, or it ended.
+  [[noreturn]] void on_silence_or_end(PluginHostProcess& host, const SharedRegion& region,
+                                      const PluginHostProcess::Received& reply, const char* phase) const {
+    const std::string who = "plugin " + printable(plugin_.spec);
+    if (reply.kind == PluginHostProcess::Received::Kind::abandoned) {
+      throw InternalError(who + ": abandoned in rank " + std::to_string(rank_) + ": another rank failed");
+    }
+    if (reply.kind == PluginHostProcess::Received::Kind::timed_out) {
+      throw TimeoutError(who + " in rank " + std::to_string(rank_) + ": no collective call and no result for " +
+                         std::to_string(static_cast<int>(options_.timeout_seconds)) + " s " + phase +
+                         " (a hang in the plugin, or a rank that never reaches a collective?)");
+    }
+    if (reply.kind == PluginHostProcess::Received::Kind::message) {
+      fail("rank " + std::to_string(rank_) + ": the plugin host sent an unexpected message " + phase +
+           " (did the plugin write to its file descriptor 3?)");
+    }
+    const int sig = host.signal_number();
+    const std::string how = host.ended_how();
+    const auto* crash = reinterpret_cast<const ph::CrashRecord*>(region.at(layout_.crash));
+    if ((sig == SIGSEGV || sig == SIGBUS) && crash->signal == sig) {
+      const std::string guard = region.guard_hit(crash->offset);
+      if (!guard.empty()) fail("wrote " + guard + " (" + signal_description(sig) + " at its guard page)");
+    }
+    if (sig != 0)
+      throw InternalError(who + " crashed in rank " + std::to_string(rank_) + ": " + signal_description(sig) + " " +
+                          phase);
+    throw InternalError(who + " ended its process in rank " + std::to_string(rank_) + " " + phase + ": the host " +
+                        how + " without reporting a result (an exit in a plugin is never a result)");
+  }
+
+  ph::Done converse(PluginHostProcess& host, const SharedRegion& region, std::uint64_t token, Communicator& cp) {
+    std::string misuse;
+    for (;;) {
+      const auto reply = host.next(options_.timeout_seconds, abandon());
+      if (reply.kind != PluginHostProcess::Received::Kind::message) {
+        on_silence_or_end(host, region, reply, "in run_rank");
+      }
+      if (reply.is<ph::Allreduce>() && reply.as<ph::Allreduce>().header.token == token) {
+        serve_allreduce(host, region, reply.as<ph::Allreduce>(), cp);
+      } else if (reply.is<ph::Misuse>() && reply.as<ph::Misuse>().header.token == token) {
+        if (misuse.empty()) misuse = printable(text_of(reply.as<ph::Misuse>().message));
+      } else if (reply.is<ph::Done>() && reply.as<ph::Done>().header.token == token) {
+        if (!misuse.empty()) fail(misuse);
+        return reply.as<ph::Done>();
+      } else {
+        on_silence_or_end(host, region, reply, "in run_rank");
+      }
+    }
+  }
+
+  Communicator& group(std::int32_t g, Communicator& cp) const {
+    return g == LV_GROUP_TP ? groups_.tp : g == LV_GROUP_CP ? cp : g == LV_GROUP_DP ? groups_.dp : groups_.batch;
+  }
+
+  // One chunk of the plugin's all-reduce, over the rank's real group. The first chunk of a call first checks
+  // that every rank of the group makes the same call (number, count, element, op): a mismatch fails them all.
+  void serve_allreduce(PluginHostProcess& host, const SharedRegion& region, const ph::Allreduce& a,
+                       Communicator& cp) const {
+    Communicator& comm = group(a.group, cp);
+    if (a.chunk_begin == 0) agree(comm, a);
+    const ElementType type = a.element == LV_ELEMENT_F32   ? ElementType::f32
+                             : a.element == LV_ELEMENT_F64 ? ElementType::f64
+                                                           : ElementType::i64;
+    const auto n = static_cast<std::size_t>(a.chunk_count);
+    if (n * element_size(type) > layout_.staging_bytes) fail("an all-reduce chunk larger than the staging area");
+    comm.allreduce(region.at(layout_.staging), n, type, a.op == LV_REDUCE_SUM ? ReduceOp::sum : ReduceOp::max);
+    ph::AllreduceDone reply;
+    reply.header.token = a.header.token;
+    host.send(reply);
+  }
+
+  void agree(Communicator& comm, const ph::Allreduce& a) const {
+    const std::int64_t mine[4] = {a.call, a.count, a.element, a.op};
+    std::vector<std::int64_t> all(4 * static_cast<std::size_t>(comm.size()));
+    comm.all_gather(mine, all.data(), sizeof(mine));
+    bool same = true;
+    for (std::size_t k = 0; k < all.size(); ++k) same = same && all[k] == all[k % 4];
+    if (same) return;
+    std::string calls;
+    for (int r = 0; r < comm.size(); ++r) {
+      const std::int64_t* c = all.data() + 4 * r;
+      calls += (r == 0 ? "" : "; ") + std::string("group rank ") + std::to_string(r) + ": call " +
+               std::to_string(c[0]) + ", count " + std::to_string(c[1]) + ", " + element_name(c[2]) + ", " +
+               op_name(c[3]);
+    }
+    fail("the ranks of its " + std::string(group_name(a.group)) +
+         " group made different all-reduce calls (every rank must call with the same count, element and op): " + calls);
+  }
+
+  // Status and sizes first, then the guards: nothing the plugin wrote is read until it is known to fit.
+  void take_outputs(const ph::Done& done, const RankInputs& in, const SharedRegion& region) {
+    if (done.status == -1 || done.status == -2) fail(printable(text_of(done.error)));
+    if (done.status != 0) {
+      const std::string error = printable(text_of(done.error));
+      fail("run_rank returned " + std::to_string(done.status) +
+           (error.empty() ? " (no message in outputs->error)" : ": " + error));
+    }
     const std::int64_t rows = in.rows();
     const std::int64_t cols = in.columns();
-    if (o.grad_rows != rows || o.grad_columns != cols) {
-      fail("wrote a gradient of " + std::to_string(o.grad_rows) + " x " + std::to_string(o.grad_columns) +
+    if (done.grad_rows != rows || done.grad_columns != cols) {
+      fail("wrote a gradient of " + std::to_string(done.grad_rows) + " x " + std::to_string(done.grad_columns) +
            " (grad_rows x grad_columns), but the rank holds " + std::to_string(rows) + " rows x " +
            std::to_string(cols) + " vocabulary columns");
     }
-    if (o.token_loss_count != rows) {
-      fail("wrote " + std::to_string(o.token_loss_count) + " per-row losses (token_loss_count), but the rank holds " +
-           std::to_string(rows) + " rows");
+    if (done.token_loss_count != rows) {
+      fail("wrote " + std::to_string(done.token_loss_count) +
+           " per-row losses (token_loss_count), but the rank holds " + std::to_string(rows) + " rows");
     }
-    if (!grad.guard_intact()) fail("wrote past the end of its gradient buffer (outputs->grad)");
-    if (!token_loss.guard_intact()) fail("wrote past the end of its per-row loss buffer (outputs->token_loss)");
+    if (const std::string touched = region.touched_canary(); !touched.empty()) {
+      fail("wrote outside its output buffers: the bytes before its " + touched +
+           " changed (a write before that buffer, or far past the one before it)");
+    }
+    if (done.device_guards_intact == 0) fail("wrote outside its gradient or per-row loss buffer on the GPU");
     const bool logs_loss = case_.loss.reduction != Reduction::none;
-    if (logs_loss && o.has_logged_loss == 0) {
+    if (logs_loss && done.has_logged_loss == 0) {
       fail("reduction " + std::string(to_string(case_.loss.reduction)) +
            " logs a loss, but the plugin set has_logged_loss = 0");
     }
-    if (o.logged_num_tokens < 0) fail("logged a negative token count " + std::to_string(o.logged_num_tokens));
-    out_.grad.resize(grad.size());
-    grad.download(out_.grad.data());
+    if (done.logged_num_tokens < 0) fail("logged a negative token count " + std::to_string(done.logged_num_tokens));
+    out_.grad.assign(region.at(layout_.grad), region.at(layout_.grad) + layout_.grad_bytes);
     out_.token_loss.resize(static_cast<std::size_t>(rows));
-    token_loss.download(out_.token_loss.data());
+    std::memcpy(out_.token_loss.data(), region.at(layout_.token_loss), layout_.token_loss_bytes);
     out_.has_reduced_loss = logs_loss;
-    out_.reduced_loss = static_cast<float>(o.logged_loss);
-    out_.logged_valid_tokens = o.logged_num_tokens;
+    out_.reduced_loss = static_cast<float>(done.logged_loss);
+    out_.logged_valid_tokens = done.logged_num_tokens;
+  }
+
+  double collective_seconds(const Communicator& cp) const {
+    return groups_.tp.collective_seconds() + groups_.batch.collective_seconds() + groups_.dp.collective_seconds() +
+           cp.collective_seconds();
   }
 
   const PluginLibrary& plugin_;
   const Case& case_;
   RankGroups groups_;
-  lv_memory memory_;
+  PluginRankOptions options_;
+  ph::RegionLayout layout_{};
   int rank_ = 0;
   RankOutput out_;
 };
 
-}  // namespace
+PluginSession::PluginSession() = default;
+PluginSession::~PluginSession() = default;
+
+void PluginSession::finish() {
+  if (!host_) return;
+  std::unique_ptr<PluginHostProcess> host = std::move(host_);
+  const std::string who = "plugin " + printable(spec_);
+  ph::Quit quit;
+  quit.header.token = token_;
+  host->send(quit);
+  const auto reply = host->next(std::max(timeout_seconds_, 10.0));
+  if (reply.is<ph::Bye>() && reply.as<ph::Bye>().header.token == token_) {
+    const std::int64_t late = reply.as<ph::Bye>().late_calls;
+    if (late > 0) {
+      throw InternalError(who + ": rank " + std::to_string(rank_) + ": the plugin called allreduce " +
+                          std::to_string(late) +
+                          " time(s) after run_rank returned (a thread it started?); a collective belongs inside "
+                          "the call, and those calls were refused");
+    }
+    host_pool().keep(spec_, std::move(host));
+    return;
+  }
+  if (reply.kind == PluginHostProcess::Received::Kind::ended) {
+    const int sig = host->signal_number();
+    throw InternalError(
+        who +
+        (sig != 0 ? " crashed in rank " + std::to_string(rank_) + ": " + signal_description(sig)
+                  : " ended its process in rank " + std::to_string(rank_) + ": the host " + host->ended_how()) +
+        " after run_rank returned (a thread it started?)");
+  }
+  throw InternalError(who + ": rank " + std::to_string(rank_) +
+                      ": the plugin host did not answer after run_rank "
+                      "returned");
+}
 
 RankOutput run_plugin_rank(const PluginLibrary& plugin, const Case& c, const InputSource& inputs,
-                           RankAssignment assignment, RankGroups groups, const PluginRankOptions& options) {
-  PluginRank rank(plugin, c, groups);
-  return rank.run(inputs, std::move(assignment), options);
+                           RankAssignment assignment, RankGroups groups, const PluginRankOptions& options,
+                           PluginSession& session) {
+  PluginRank rank(plugin, c, groups, options);
+  return rank.run(inputs, std::move(assignment), session);
 }
 
 }  // namespace lossverify

@@ -1,18 +1,20 @@
 #include "lossverify/impl/plugin/plugin_library.hpp"
 
-#include <dlfcn.h>
-
 #include <filesystem>
 #include <map>
 #include <mutex>
 
 #include "lossverify/core/errors.hpp"
+#include "lossverify/core/strings.hpp"
 #include "lossverify/impl/catalogue.hpp"
-#include "lossverify/impl/plugin/crash_guard.hpp"
+#include "lossverify/impl/plugin/plugin_host.hpp"
 
 namespace lossverify {
 
 namespace {
+
+// Loading a library may initialise a GPU runtime: the probe gets minutes, not the deadlock guard's seconds.
+constexpr double kProbeSeconds = 300.0;
 
 struct LoadedPlugin {
   PluginLibrary library;
@@ -20,7 +22,30 @@ struct LoadedPlugin {
 };
 
 [[noreturn]] void refuse(const std::string& spec, const std::string& why) {
-  throw CaseError("--impl " + spec + ": " + why);
+  throw CaseError("--impl " + printable(spec) + ": " + why);
+}
+
+// %3F -> '?', %25 -> '%' (any other '%' stays as it is).
+std::string decode_path(const std::string& text) {
+  std::string out;
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    if (text.compare(i, 3, "%3F") == 0 || text.compare(i, 3, "%3f") == 0) {
+      out += '?';
+      i += 2;
+    } else if (text.compare(i, 3, "%25") == 0) {
+      out += '%';
+      i += 2;
+    } else {
+      out += text[i];
+    }
+  }
+  return out;
+}
+
+std::string encode_path(const std::string& path) {
+  std::string out;
+  for (const char c : path) out += c == '?' ? "%3F" : c == '%' ? "%25" : std::string(1, c);
+  return out;
 }
 
 // "plugin:PATH?PARAMS" -> absolute path and params; the library must be a regular file.
@@ -33,82 +58,68 @@ PluginLibrary parse_spec(std::string_view spec) {
     lib.params = rest.substr(question + 1);
     rest = rest.substr(0, question);
   }
+  rest = decode_path(rest);
   if (rest.empty()) refuse(text, "no library path (expected plugin:PATH.so[?PARAMS])");
   std::error_code error;
   const auto status = std::filesystem::status(rest, error);
-  if (!std::filesystem::exists(status)) refuse(text, "no such file: " + rest);
-  if (!std::filesystem::is_regular_file(status)) refuse(text, rest + " is not a regular file");
+  if (!std::filesystem::exists(status)) refuse(text, "no such file: " + printable(rest));
+  if (!std::filesystem::is_regular_file(status)) refuse(text, printable(rest) + " is not a regular file");
   lib.path = std::filesystem::canonical(rest, error).string();
-  if (error) refuse(text, rest + ": " + error.message());
-  lib.spec = std::string(kPluginPrefix) + lib.path + (lib.params.empty() ? "" : "?" + lib.params);
+  if (error) refuse(text, printable(rest) + ": " + error.message());
+  lib.spec = std::string(kPluginPrefix) + encode_path(lib.path) + (lib.params.empty() ? "" : "?" + lib.params);
   return lib;
 }
 
-void open_library(PluginLibrary& lib, const std::string& spec) {
-  lib.handle = ::dlopen(lib.path.c_str(), RTLD_NOW | RTLD_LOCAL);
-  if (lib.handle == nullptr) refuse(spec, std::string("cannot load the library: ") + ::dlerror());
-  ::dlerror();
-  void* symbol = ::dlsym(lib.handle, LV_PLUGIN_ENTRY_POINT);
-  if (symbol == nullptr) {
-    refuse(spec, std::string("the library has no entry point ") + LV_PLUGIN_ENTRY_POINT +
-                     " (see include/lossverify/plugin.h; was it declared extern \"C\"?)");
+// A host loads the library, validates it and says hello; it ends at once.
+void probe(PluginLibrary& lib) {
+  PluginHostProcess host(lib.path, lib.params, PluginHostProcess::Mode::probe);
+  const auto reply = host.next(kProbeSeconds);
+  if (reply.is<plugin_host::Hello>()) {
+    const plugin_host::Hello hello = reply.as<plugin_host::Hello>();
+    if (hello.ok != 1)
+      refuse(lib.spec, printable(std::string(hello.message, strnlen(hello.message, sizeof(hello.message)))));
+    lib.name = std::string(hello.name, strnlen(hello.name, sizeof(hello.name)));
+    if (lib.name.empty()) lib.name = lib.path;
+    lib.description = std::string(hello.description, strnlen(hello.description, sizeof(hello.description)));
+    lib.memory = static_cast<lv_memory>(hello.memory);
+    lib.losses = hello.losses;
+    return;
   }
-  const auto entry = reinterpret_cast<lv_plugin_entry>(symbol);
-  lib.entry = entry();
-  if (lib.entry == nullptr) refuse(spec, std::string(LV_PLUGIN_ENTRY_POINT) + "() returned NULL");
-}
-
-void validate_entry(const PluginLibrary& lib, const std::string& spec) {
-  const lv_plugin& p = *lib.entry;
-  if (p.abi_version != LV_PLUGIN_ABI_VERSION) {
-    refuse(spec, "plugin ABI version " + std::to_string(p.abi_version) + ", but this lossverify implements version " +
-                     std::to_string(LV_PLUGIN_ABI_VERSION) +
-                     " (rebuild the plugin against this include/lossverify/plugin.h)");
+  const std::string where = "plugin " + printable(lib.spec) + " ";
+  if (reply.kind == PluginHostProcess::Received::Kind::timed_out) {
+    throw TimeoutError(where + "did not finish loading within " + std::to_string(static_cast<int>(kProbeSeconds)) +
+                       " s (a static constructor, lossverify_plugin() or check_params that hangs)");
   }
-  if (p.run_rank == nullptr) refuse(spec, "the plugin's run_rank is NULL");
-  if (p.memory != LV_MEMORY_HOST && p.memory != LV_MEMORY_CUDA) {
-    refuse(spec, "the plugin declares memory " + std::to_string(static_cast<int>(p.memory)) + " (host 0 or CUDA 1)");
-  }
-  if ((p.losses & (LV_SUPPORTS_CROSS_ENTROPY | LV_SUPPORTS_KD)) == 0) {
-    refuse(spec, "the plugin supports no loss (set LV_SUPPORTS_CROSS_ENTROPY and/or LV_SUPPORTS_KD in losses)");
-  }
-  if (p.check_params != nullptr) {
-    char error[1024] = {};
-    if (p.check_params(lib.params.c_str(), error, sizeof(error)) != 0) {
-      error[sizeof(error) - 1] = '\0';
-      refuse(spec, "the plugin refuses its parameters \"" + lib.params + "\"" +
-                       (error[0] != '\0' ? ": " + std::string(error) : ""));
-    }
-  }
+  throw InternalError(where + "ended its process while loading: the host " + host.ended_how() +
+                      " before the plugin was validated (a static constructor, lossverify_plugin() or check_params "
+                      "that exits or crashes)");
 }
 
 Implementation implementation_of(const PluginLibrary& lib) {
-  const lv_plugin& p = *lib.entry;
   Implementation impl;
   impl.name = lib.spec;
-  impl.summary = std::string(p.description != nullptr ? p.description : "a native plugin") +
+  impl.summary = (lib.description.empty() ? std::string("a native plugin") : lib.description) +
                  (lib.params.empty() ? "" : " [" + lib.params + "]");
   impl.source = lib.path;
   impl.signal = "";
-  const bool ce = (p.losses & LV_SUPPORTS_CROSS_ENTROPY) != 0;
-  const bool kd = (p.losses & LV_SUPPORTS_KD) != 0;
+  const bool ce = (lib.losses & LV_SUPPORTS_CROSS_ENTROPY) != 0;
+  const bool kd = (lib.losses & LV_SUPPORTS_KD) != 0;
   impl.applies = ce && kd ? Applies::any : ce ? Applies::cross_entropy : Applies::kd;
   return impl;
 }
 
 }  // namespace
 
+std::string canonical_plugin_spec(std::string_view spec) { return parse_spec(spec).spec; }
+
 const Implementation* load_plugin_implementation(std::string_view spec) {
   static std::mutex mutex;
-  static std::map<std::string, std::unique_ptr<LoadedPlugin>> loaded;  // by canonical spec; never unloaded
+  static std::map<std::string, std::unique_ptr<LoadedPlugin>> loaded;  // by canonical spec; probed once
   PluginLibrary lib = parse_spec(spec);
   const std::lock_guard<std::mutex> lock(mutex);
   auto it = loaded.find(lib.spec);
   if (it == loaded.end()) {
-    open_library(lib, std::string(spec));
-    validate_entry(lib, std::string(spec));
-    lib.name = lib.entry->name != nullptr ? lib.entry->name : lib.path;
-    install_plugin_crash_handlers();
+    probe(lib);
     auto entry = std::make_unique<LoadedPlugin>();
     entry->library = std::move(lib);
     entry->implementation = implementation_of(entry->library);

@@ -14,8 +14,7 @@ namespace lossverify::plugin_memory {
 
 namespace {
 
-constexpr std::size_t kGuardBytes = 256;
-constexpr unsigned char kGuardByte = 0xA5;
+constexpr std::size_t kGuardBytes = 4096;  // a guard on each side of a device buffer
 
 #ifdef LOSSVERIFY_HAVE_CUDA
 void check(cudaError_t e, const char* what) {
@@ -99,29 +98,36 @@ void wait_for_device(lv_memory memory) {
 #endif
 }
 
-Buffer::Buffer(lv_memory memory, std::size_t bytes) : memory_(memory), bytes_(bytes) {
-  data_ = allocate(memory, bytes + kGuardBytes);
-  std::vector<unsigned char> fill(bytes + kGuardBytes, 0);
-  std::memset(fill.data() + bytes, kGuardByte, kGuardBytes);
+Buffer::Buffer(lv_memory memory, std::size_t bytes, const std::uint8_t* canary, std::size_t canary_bytes)
+    : memory_(memory), bytes_(bytes), canary_(canary), canary_bytes_(canary_bytes) {
+  base_ = allocate(memory, bytes + 2 * kGuardBytes);
+  data_ = static_cast<unsigned char*>(base_) + kGuardBytes;
+  std::vector<unsigned char> fill(bytes + 2 * kGuardBytes, 0);
+  for (std::size_t i = 0; i < kGuardBytes; ++i) {
+    fill[i] = canary[i % canary_bytes];
+    fill[kGuardBytes + bytes + i] = canary[i % canary_bytes];
+  }
   try {
-    from_host(memory, fill.data(), data_, fill.size());
+    from_host(memory, fill.data(), base_, fill.size());
   } catch (...) {
-    release(memory, data_);
+    release(memory, base_);
     throw;
   }
 }
 
-Buffer::~Buffer() { release(memory_, data_); }
+Buffer::~Buffer() { release(memory_, base_); }
 
 void Buffer::upload(const void* host) { from_host(memory_, host, data_, bytes_); }
 
 void Buffer::download(void* host) const { to_host(memory_, data_, host, bytes_); }
 
-bool Buffer::guard_intact() const {
-  unsigned char guard[kGuardBytes];
-  to_host(memory_, static_cast<const unsigned char*>(data_) + bytes_, guard, kGuardBytes);
-  for (unsigned char b : guard) {
-    if (b != kGuardByte) return false;
+bool Buffer::guards_intact() const {
+  std::vector<unsigned char> guard(kGuardBytes);
+  for (const std::size_t at : {std::size_t{0}, kGuardBytes + bytes_}) {
+    to_host(memory_, static_cast<const unsigned char*>(base_) + at, guard.data(), kGuardBytes);
+    for (std::size_t i = 0; i < kGuardBytes; ++i) {
+      if (guard[i] != canary_[i % canary_bytes_]) return false;
+    }
   }
   return true;
 }

@@ -1,8 +1,10 @@
 #pragma once
-// The memory a plugin reads and writes: host, or CUDA device memory when the plugin declares it. Every
-// buffer is zero-filled and followed by a guard of known bytes, so a plugin that writes past the end of an
-// output is caught. Without CUDA at build time, device memory raises InternalError saying so.
+// The memory a plugin reads and writes inside its host process (host_main.cpp): host memory is the shared
+// region itself; CUDA device memory is a copy of it, in buffers that this file allocates. A device buffer is
+// zero-filled and sits between two guards of the run's canary pattern (random per run), so a write before or
+// past it is caught. Without CUDA at build time, device memory raises InternalError saying so.
 #include <cstddef>
+#include <cstdint>
 
 #include "lossverify/plugin.h"
 
@@ -10,7 +12,8 @@ namespace lossverify::plugin_memory {
 
 class Buffer {
  public:
-  Buffer(lv_memory memory, std::size_t bytes);
+  // `canary`: `canary_bytes` bytes repeated over each guard.
+  Buffer(lv_memory memory, std::size_t bytes, const std::uint8_t* canary, std::size_t canary_bytes);
   ~Buffer();
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
@@ -19,12 +22,15 @@ class Buffer {
   std::size_t size() const { return bytes_; }
   void upload(const void* host);    // size() bytes from the host
   void download(void* host) const;  // size() bytes to the host
-  bool guard_intact() const;
+  bool guards_intact() const;
 
  private:
   lv_memory memory_;
   std::size_t bytes_;
+  void* base_ = nullptr;  // the front guard
   void* data_ = nullptr;
+  const std::uint8_t* canary_;
+  std::size_t canary_bytes_;
 };
 
 // Copies between the host and `memory` (plain copies for host memory; cudaMemcpy otherwise, complete on

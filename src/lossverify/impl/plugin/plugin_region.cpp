@@ -1,0 +1,118 @@
+#include "lossverify/impl/plugin/plugin_region.hpp"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "lossverify/core/errors.hpp"
+
+namespace lossverify {
+
+namespace {
+
+std::uint64_t aligned(std::uint64_t offset, std::uint64_t to) { return (offset + to - 1) / to * to; }
+
+// The bytes between the guard page before an output and the output's first byte.
+std::uint64_t slack_begin(std::uint64_t guard_before, std::uint64_t page) { return guard_before + page; }
+
+}  // namespace
+
+plugin_host::RegionLayout region_layout(const RegionSizes& s) {
+  plugin_host::RegionLayout l;
+  const auto page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+  const auto rows = static_cast<std::uint64_t>(s.rows);
+  l.page_bytes = page;
+  std::uint64_t at = 0;
+  const auto take = [&](std::uint64_t bytes) {
+    const std::uint64_t offset = aligned(at, 64);
+    at = offset + bytes;
+    return offset;
+  };
+  l.crash = take(sizeof(plugin_host::CrashRecord));
+  l.params_bytes = s.params_bytes;
+  l.params = take(s.params_bytes);
+  l.micro_batch_begin = take(static_cast<std::uint64_t>(s.micro_batches + 1) * 8);
+  l.logits_bytes = s.logits_bytes;
+  l.logits = take(s.logits_bytes);
+  l.teacher = take(s.teacher ? s.logits_bytes : 0);
+  l.labels = take(rows * 8);
+  l.loss_mask = take(rows);
+  l.upstream = take(rows * 8);
+  l.tokens = take(rows * 8);
+  l.staging_bytes = s.staging_bytes;
+  l.staging = take(s.staging_bytes);
+  // Each output ends at a page end, with a guard page before its first page and after its last.
+  const auto place = [&](std::uint64_t bytes, std::uint64_t& offset, std::uint64_t& before, std::uint64_t& after) {
+    before = aligned(at, page);
+    const std::uint64_t pages = aligned(bytes, page) / page;
+    after = before + page + pages * page;
+    offset = after - bytes;
+    at = after + page;
+  };
+  l.grad_bytes = s.grad_bytes;
+  place(s.grad_bytes, l.grad, l.guard_pages[0], l.guard_pages[1]);
+  l.token_loss_bytes = rows * 4;
+  place(rows * 4, l.token_loss, l.guard_pages[2], l.guard_pages[3]);
+  l.bytes = at;
+  return l;
+}
+
+SharedRegion::SharedRegion(const plugin_host::RegionLayout& layout, const std::uint8_t* canary) : layout_(layout) {
+  std::memcpy(canary_, canary, sizeof(canary_));
+  fd_ = ::memfd_create("lossverify-plugin-region", MFD_CLOEXEC);
+  if (fd_ < 0) throw InternalError(std::string("plugin region: memfd_create: ") + std::strerror(errno));
+  if (::ftruncate(fd_, static_cast<off_t>(layout.bytes)) != 0) {
+    const int error = errno;
+    ::close(fd_);
+    throw InternalError("plugin region of " + std::to_string(layout.bytes) + " bytes: " + std::strerror(error));
+  }
+  void* p = ::mmap(nullptr, layout.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
+  if (p == MAP_FAILED) {
+    const int error = errno;
+    ::close(fd_);
+    throw InternalError(std::string("plugin region: mmap: ") + std::strerror(error));
+  }
+  data_ = static_cast<std::byte*>(p);
+  for (const auto& [guard, output] :
+       {std::pair{layout.guard_pages[0], layout.grad}, std::pair{layout.guard_pages[2], layout.token_loss}}) {
+    for (std::uint64_t k = slack_begin(guard, layout.page_bytes); k < output; ++k) {
+      data_[k] = std::byte{canary_[k % plugin_host::kCanaryBytes]};
+    }
+  }
+}
+
+SharedRegion::~SharedRegion() {
+  if (data_ != nullptr) ::munmap(data_, layout_.bytes);
+  if (fd_ >= 0) ::close(fd_);
+}
+
+std::string SharedRegion::touched_canary() const {
+  const struct {
+    std::uint64_t guard, output;
+    const char* name;
+  } outputs[] = {{layout_.guard_pages[0], layout_.grad, "gradient buffer (outputs->grad)"},
+                 {layout_.guard_pages[2], layout_.token_loss, "per-row loss buffer (outputs->token_loss)"}};
+  for (const auto& o : outputs) {
+    for (std::uint64_t k = slack_begin(o.guard, layout_.page_bytes); k < o.output; ++k) {
+      if (data_[k] != std::byte{canary_[k % plugin_host::kCanaryBytes]}) return o.name;
+    }
+  }
+  return "";
+}
+
+std::string SharedRegion::guard_hit(std::uint64_t offset) const {
+  // The two middle pages touch: a hit on the second is a write far past the gradient or just before the losses.
+  const char* what[] = {"before the start of its gradient buffer (outputs->grad)",
+                        "past the end of its gradient buffer (outputs->grad)",
+                        "outside its output buffers, between its gradient (outputs->grad) and per-row loss "
+                        "(outputs->token_loss) buffers",
+                        "past the end of its per-row loss buffer (outputs->token_loss)"};
+  for (int k = 0; k < 4; ++k) {
+    if (offset >= layout_.guard_pages[k] && offset < layout_.guard_pages[k] + layout_.page_bytes) return what[k];
+  }
+  return "";
+}
+
+}  // namespace lossverify
