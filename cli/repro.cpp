@@ -14,6 +14,7 @@
 #include "lossverify/core/output_path.hpp"
 #include "lossverify/core/strings.hpp"
 #include "lossverify/impl/catalogue.hpp"
+#include "lossverify/impl/plugin/plugin_library.hpp"
 #include "lossverify/report/plot.hpp"
 #include "lossverify/report/report.hpp"
 #include "lossverify/repro/bundle.hpp"
@@ -84,11 +85,23 @@ void check_plot_path(const std::string& path, const std::vector<std::string>& in
 
 // --- replay -------------------------------------------------------------------------------------------
 
+// Whether --impl names the bundle's own implementation (a plugin by its canonical spec).
+bool same_implementation(const std::string& given, const std::string& recorded) {
+  if (given == recorded) return true;
+  return is_plugin_spec(given) && is_plugin_spec(recorded) && canonical_plugin_spec(given) == recorded;
+}
+
 int command_replay(const ReplayArguments& args) {
   check_plot_path(args.plot_path, {args.bundle});
   check_output_path("--report", args.report_path, {args.bundle});
   const Bundle bundle = read_bundle(args.bundle);
-  const bool other_impl = !args.implementation.empty() && args.implementation != bundle.implementation;
+  const bool other_impl =
+      !args.implementation.empty() && !same_implementation(args.implementation, bundle.implementation);
+  if (is_plugin_spec(bundle.implementation) && args.implementation.empty()) {
+    throw CaseError(printable(args.bundle) + " was recorded with " + printable(bundle.implementation) +
+                    ": a bundle never loads a library by itself; name it on the command line (--impl " +
+                    printable(bundle.implementation) + ") or replay with another implementation (--impl correct)");
+  }
   if (other_impl && find_implementation(args.implementation) == nullptr) {
     throw CaseError("--impl " + args.implementation + ": unknown implementation (see `lossverify list`)");
   }

@@ -13,6 +13,7 @@
 #include "lossverify/core/build_info.hpp"
 #include "lossverify/core/errors.hpp"
 #include "lossverify/impl/catalogue.hpp"
+#include "lossverify/impl/plugin/plugin_library.hpp"
 #include "lossverify/inputs/input_source.hpp"
 #include "lossverify/layout/rank_layout.hpp"
 #include "lossverify/report/report.hpp"
@@ -312,7 +313,8 @@ Bundle parse_bundle(const json& document, const std::string& source) {
     b.git_revision = tool.string("git_revision");
   }
   b.implementation = root.string("implementation");
-  if (find_implementation(b.implementation) == nullptr) {
+  // A plugin is only named here: a bundle is data, and never loads a library (replay needs --impl for that).
+  if (!is_plugin_spec(b.implementation) && find_implementation(b.implementation) == nullptr) {
     root.fail("implementation", "unknown implementation \"" + b.implementation + "\" (see `lossverify list`)");
   }
   {
