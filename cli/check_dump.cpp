@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <iostream>
 #include <optional>
+#include <sstream>
 
 #include "lossverify/core/errors.hpp"
 #include "lossverify/core/output_path.hpp"
@@ -72,6 +73,7 @@ int run_check_dump(const CheckDumpArguments& args) {
   limits.allow_outside_folder = args.allow_outside_dump;
   std::vector<dump::Manifest> manifests;
   for (const std::string& path : paths) manifests.push_back(dump::load_manifest(path, limits));
+  for (std::size_t k = 1; k < manifests.size(); ++k) dump::require_same_manifest_problem(manifests[0], manifests[k]);
   const bool sweep = manifests.size() > 1;
   dump::DumpCheckOptions options;
   options.threads = args.threads;
@@ -82,11 +84,13 @@ int run_check_dump(const CheckDumpArguments& args) {
   std::vector<std::string> layouts;
   std::unique_ptr<dump::DumpProblem> first;
   Verdict verdict = Verdict::pass;
+  // Printed once every dump is checked: a later dump that turns out to be another problem prints nothing.
+  std::ostringstream printed;
   for (dump::Manifest& manifest : manifests) {
     auto problem = dump::load_dump(std::move(manifest), sweep);
     if (first) dump::require_same_problem(*first, *problem);
     RunResult result = dump::check_dump(*problem, options);
-    if (!args.quiet) dump::print_dump_summary(std::cout, *problem, result);
+    if (!args.quiet) dump::print_dump_summary(printed, *problem, result);
     if (result.verdict == Verdict::fail) verdict = Verdict::fail;
     runs.push_back(dump::dump_run_to_json(*problem, result));
     if (!first) {
@@ -98,6 +102,7 @@ int run_check_dump(const CheckDumpArguments& args) {
       invariance_check->add(std::move(*result.snapshot), layouts.back());
     }
   }
+  std::cout << printed.str();
   nlohmann::json sweeps = nlohmann::json::array();
   if (sweep) {
     const Case& c = first->manifest.the_case;

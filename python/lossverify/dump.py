@@ -325,11 +325,13 @@ class DumpWriter:
     z_loss_weight, ignore_index, softcap, reduction, temperature, t2_scaling); layout: {"tp", "cp", "dp",
     "ga"}; framework: {"grad_reduce": "avg" | "sum", "ga_reduce": "sum" | "mean"}; cu_seqlens: packed
     sequence offsets [0, ..., N] (optional); warn: emit a ModifiedInputWarning for each input modified in
-    place (they are collected in `modified_inputs` either way).
+    place (they are collected in `modified_inputs` either way); logged_loss_precision: the precision the logged
+    losses carry when they are stored wider ("bf16" for a bf16 loss logged with .float() or .item()).
     """
 
     def __init__(self, directory, shape, dtype, loss, layout, framework=None, cu_seqlens=None, implementation=None,
-                 name=None, description=None, tolerances=None, timeout_seconds=None, warn=True):
+                 name=None, description=None, tolerances=None, timeout_seconds=None, warn=True,
+                 logged_loss_precision=None):
         if isinstance(shape, dict):
             shape = (shape["tokens"], shape["vocab"])
         if len(shape) != 2 or not all(_whole(v) and v >= 1 for v in shape):
@@ -355,6 +357,9 @@ class DumpWriter:
         self.description = description
         self.tolerances = tolerances
         self.timeout_seconds = timeout_seconds
+        if logged_loss_precision is not None and logged_loss_precision not in DTYPES:
+            raise DumpError(f"logged_loss_precision must be one of {', '.join(DTYPES)}, got {logged_loss_precision!r}")
+        self.logged_loss_precision = logged_loss_precision
         self.ranks = []
         self.modified_inputs = []
         self.warn = warn  # False: only collect modified_inputs (the harness reports them in its Report)
@@ -413,6 +418,8 @@ class DumpWriter:
             document["timeout_seconds"] = self.timeout_seconds
         if self.cu_seqlens is not None:
             document["cu_seqlens"] = self.cu_seqlens
+        if self.logged_loss_precision:
+            document["logged_loss_precision"] = self.logged_loss_precision
         document["ranks"] = [by_rank[r] for r in sorted(by_rank)]
         return document
 

@@ -2,6 +2,7 @@
 
 import datetime
 import json
+import math
 import os
 import tempfile
 import time
@@ -182,3 +183,49 @@ class DistributedDumpTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class LoggedPrecisionTest(unittest.TestCase):
+    """A bf16 loss logged with .float() or .item() (a correctly rounded bf16 value stored as a float) is judged by
+    bf16's rule, not float32's (issue 30: it failed `loss` at margin ~95); a wrong value still fails."""
+
+    FIXTURE = os.path.join(os.path.dirname(case_path("x")), "..", "tests", "data", "dumps",
+                           "torch-vocab-parallel-ce-tp2-dp2-bf16")
+
+    def check(self, tmp, logged, declared=None):
+        folder = os.path.join(tmp, f"dump-{len(os.listdir(tmp))}")
+        import shutil
+        shutil.copytree(self.FIXTURE, folder)
+        path = os.path.join(folder, "manifest.json")
+        with open(path) as f:
+            manifest = json.load(f)
+        for rank in manifest["ranks"]:
+            rank["stats"]["loss"] = logged
+        if declared:
+            manifest["logged_loss_precision"] = declared
+        with open(path, "w") as f:
+            json.dump(manifest, f)
+        report = tool.check_dump(path, os.path.join(folder, "report.json"))
+        reduced = report.check("loss").metrics["reduced"]
+        return report, reduced
+
+    def test_a_bf16_value_logged_wide_is_judged_as_bf16(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            _, reduced = self.check(tmp, 0.0)
+            expected = reduced["expected"]
+            as_bf16 = float(torch.tensor(expected, dtype=torch.float64).to(torch.bfloat16).float())
+            report, reduced = self.check(tmp, as_bf16)
+            self.assertEqual(report.check("loss").verdict, "pass")
+            self.assertIn("exactly a bf16 value", reduced["judged_as"])
+            ulp = 2.0 ** (math.floor(math.log2(abs(as_bf16))) - 7)  # bf16 keeps 8 significant bits
+            wrong = as_bf16 + 8 * ulp  # 8 bf16 ulps off: still a bf16 value, and wrong
+            self.assertEqual(float(torch.tensor(wrong).to(torch.bfloat16).float()), wrong)
+            report, reduced = self.check(tmp, wrong)
+            self.assertIn("exactly a bf16 value", reduced["judged_as"])
+            self.assertEqual(report.check("loss").verdict, "fail")
+            report, reduced = self.check(tmp, as_bf16, declared="fp32")  # declared float32: float32's rule
+            self.assertEqual(report.check("loss").verdict, "fail")
+            self.assertIn("declared", reduced["judged_as"])
+            report, reduced = self.check(tmp, expected)  # the float32 value: float32's rule, as stored
+            self.assertEqual(report.check("loss").verdict, "pass")
+            self.assertIn("as stored", reduced["judged_as"])

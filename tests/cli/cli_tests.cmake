@@ -142,6 +142,10 @@ lossverify_cli_test(export_inputs_one_rank 0 "exported rank 5 of 8 rank\\(s\\)"
 set_tests_properties(cli_export_inputs_one_rank PROPERTIES DEPENDS cli_export_inputs)
 lossverify_cli_test(export_inputs_rank_outside 2 "--rank 8: outside the layout's 8 ranks" --absent ${OUT}/export_rank8
   -- ${LV} export-inputs ${CASES}/cp-zigzag-packed.json --dp 2 --rank 8 --out ${OUT}/export_rank8)
+# export-inputs refuses a case whose largest rank cannot fit in memory before it writes anything (issue 30: it
+# ended in std::bad_alloc, exit 3).
+lossverify_cli_test(export_inputs_too_big 2 "needs about .* MiB for the largest rank's shard" --absent ${OUT}/export_big
+  -- ${LV} export-inputs ${CASES}/smoothing-pytorch.json --set shape.tokens=400000 --set shape.vocab=400000 --out ${OUT}/export_big)
 # run takes the whole layout on the command line, as export-inputs and the Python package do.
 lossverify_cli_test(run_layout_options 0 "tp=2 cp=1 dp=2 ga=2\\]  impl correct"
   -- ${LV} run ${CASES}/full-4d-layout.json --tp 2 --cp 1 --dp 2 --ga 2 --threads 2)

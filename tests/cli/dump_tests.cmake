@@ -80,7 +80,16 @@ lossverify_cli_test(check_dump_sweep_other_problem 2
   --absent ${DUMP_OUT}/sweep_other.json
   -- ${LV} check-dump --manifest ${FIXTURE_TP2} --manifest ${DUMPS}/torch-ce-cp2-zigzag/manifest.json
      --report ${DUMP_OUT}/sweep_other.json)
+# ... and prints no table and no verdict before saying so (issue 30: the first dump's table ended "verdict: pass").
+add_test(NAME cli_check_dump_other_problem_prints_no_verdict
+  COMMAND bash -c "out=$(${LV} check-dump --manifest ${FIXTURE_TP2} --manifest ${DUMPS}/torch-ce-cp2-zigzag/manifest.json 2>&1); \
+    code=$?; echo \"$out\"; [ $code -eq 2 ] && ! grep -q 'verdict' <<<\"$out\"")
 add_test(NAME dump_sweep_report_schema
   COMMAND ${LOSSVERIFY_SYSTEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/cli/validate_report.py
           ${PROJECT_SOURCE_DIR}/schema/report.schema.json ${DUMP_OUT}/sweep.json)
 set_tests_properties(dump_sweep_report_schema PROPERTIES DEPENDS cli_check_dump_sweep)
+# A dump may not widen its own tolerances until it judges nothing (issue 30: rtol 1e300 passed itself).
+add_test(NAME cli_check_dump_bounds_its_own_tolerances
+  COMMAND bash -c "rm -rf ${DUMP_OUT}/wide && cp -r $(dirname ${FIXTURE_TP2}) ${DUMP_OUT}/wide && \
+    ${LOSSVERIFY_SYSTEM_PYTHON} -c \"import json,sys; p=sys.argv[1]; m=json.load(open(p)); m['tolerances']={'loss': {'atol': 1e-6, 'rtol': 1e300}}; json.dump(m, open(p, 'w'))\" ${DUMP_OUT}/wide/manifest.json && \
+    bash ${EXPECT} 2 'loss.rtol = .* is wider than 1.000000, the most a dump may set' -- ${LV} check-dump ${DUMP_OUT}/wide/manifest.json")

@@ -275,6 +275,7 @@ def _run_job(job, fn, me):
     _report_changed_micro_batches(writer, rank_dump, micro_batches, rank_inputs)
     logged, num_tokens = step.finish(me.groups["dp_cp"], me.device)
     rank_dump.stats(loss=logged, num_tokens=num_tokens)
+    writer.logged_loss_precision = step.logged_precision
     writer.close(group=me.control)
     return writer.modified_inputs
 
@@ -365,6 +366,7 @@ class _StepLog:
         self.loss_dtype = torch.float32
         self.num_tokens = None
         self.mode = None
+        self.logged_precision = None
 
     def add(self, result, returns, ctx, k, job):
         """(objective to back-propagate, per-token losses to dump or None)."""
@@ -425,6 +427,10 @@ class _StepLog:
             self.logged_parts.append(torch.as_tensor(logged, dtype=torch.float64, device=loss.device).reshape(()))
         if result.num_tokens is not None:
             self.num_tokens = _token_count(result.num_tokens, fail)
+        if result.logged_precision is not None:
+            if result.logged_precision not in ("fp32", "bf16", "fp16"):
+                fail(f"Reduced(logged_precision=...) must be fp32, bf16 or fp16, got {result.logged_precision!r:.40}")
+            self.logged_precision = result.logged_precision
         self.loss_dtype = loss.dtype
         return loss.reshape(()), token_loss
 

@@ -152,14 +152,16 @@ class Reduced:
     num_tokens: the valid-token count this rank logs (the `stats` check; not checked when None);
     logged: this rank's and micro-batch's part of the logged loss; the harness sums the parts over the
     micro-batches and the DP x CP group. Default: loss x ctx.framework_factor, so that a correct
-    normalisation logs L.
+    normalisation logs L; logged_precision: the precision the logged value carries when it was computed in
+    16 bits and logged wider ("bf16", "fp16"): it is then judged by that dtype's rule.
     """
 
-    def __init__(self, loss, token_loss=None, num_tokens=None, logged=None):
+    def __init__(self, loss, token_loss=None, num_tokens=None, logged=None, logged_precision=None):
         self.loss = loss
         self.token_loss = token_loss
         self.num_tokens = num_tokens
         self.logged = logged
+        self.logged_precision = logged_precision
 
     def __repr__(self):
         return f"Reduced(loss={self.loss!r}, num_tokens={self.num_tokens!r})"

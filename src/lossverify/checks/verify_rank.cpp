@@ -71,6 +71,24 @@ double stored_loss_tolerance(double float32_tolerance, double expected, DType st
   return std::max(float32_tolerance, max_ulp * ulp_size(expected, stored));
 }
 
+// The precision the logged loss is judged at, and why: what the dump declares; else a value stored wider than
+// the problem's 16-bit dtype but exactly one of its values (a 16-bit loss logged with .float() or .item()) is
+// judged by that dtype's rule, so that no error larger than its precision passes; else its storage.
+std::pair<DType, std::string> logged_loss_rule(const Case& c, const RankOutput& out) {
+  if (out.reduced_loss_precision) {
+    return {*out.reduced_loss_precision,
+            std::string(to_string(*out.reduced_loss_precision)) + " (declared by the dump)"};
+  }
+  const DType problem = c.inputs.dtype;
+  if (out.reduced_loss_dtype == DType::fp32 && problem != DType::fp32 && std::isfinite(out.reduced_loss) &&
+      round_to_dtype(static_cast<double>(out.reduced_loss), problem) == static_cast<double>(out.reduced_loss)) {
+    const std::string name(to_string(problem));
+    return {problem, name + " (stored wider, but exactly a " + name + " value: a " + name +
+                         " loss logged with .float() or .item())"};
+  }
+  return {out.reduced_loss_dtype, std::string(to_string(out.reduced_loss_dtype)) + " (as stored)"};
+}
+
 // Every rank's statistics merged as ErrorStats::merge merges them in rank order, through reductions of a
 // fixed size, so that no rank holds the others' records: the counts summed, the extrema max-reduced, and
 // the worst element the one with the largest margin, ties going to the earliest (token, column, rank).
@@ -270,6 +288,7 @@ struct LossFindings {
   double reference_reduced = 0.0;
   Tolerance tolerance;
   Tolerance reduced_tolerance;
+  std::string reduced_rule;  // the precision this rank's logged loss was judged at, and why
 };
 
 LossFindings judge_losses(const RankContext& x, const RowReference& ref, std::vector<double>& token_margins) {
@@ -292,8 +311,10 @@ LossFindings judge_losses(const RankContext& x, const RowReference& ref, std::ve
         x.c.loss.reduction == Reduction::mean ? 1.0 : static_cast<double>(x.reference.valid_tokens());
     const double tolerance = f.reduced_tolerance.atol * x.loss_scale * std::max(weight_total, 1.0) +
                              f.reduced_tolerance.rtol * std::fabs(f.reference_reduced);
+    const auto [judged_as, rule] = logged_loss_rule(x.c, x.out);
+    f.reduced_rule = rule;
     f.reduced.add({-1, -1, x.world_rank, f.reference_reduced, x.out.reduced_loss,
-                   stored_loss_tolerance(tolerance, f.reference_reduced, x.out.reduced_loss_dtype)});
+                   stored_loss_tolerance(tolerance, f.reference_reduced, judged_as)});
   }
   f.count.add({-1, -1, x.world_rank, static_cast<double>(x.reference.valid_tokens()),
                static_cast<double>(x.out.logged_valid_tokens), 0.5});
@@ -484,6 +505,7 @@ CheckResult loss_result(const RankContext& x, const LossFindings& losses) {
     r.metrics["reduced"]["expected"] = losses.reference_reduced;
     r.metrics["reduced"]["tolerance"] = {{"atol", losses.reduced_tolerance.atol},
                                          {"rtol", losses.reduced_tolerance.rtol}};
+    r.metrics["reduced"]["judged_as"] = losses.reduced_rule;
   }
   return r;
 }

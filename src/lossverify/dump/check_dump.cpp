@@ -335,6 +335,7 @@ class Loader {
       out.has_reduced_loss = true;
       out.reduced_loss = static_cast<float>(scalar(rank.loss, false));
       if (rank.loss.kind == ScalarSpec::Kind::tensor) out.reduced_loss_dtype = stored_dtype(locate(rank.loss.ref));
+      out.reduced_loss_precision = m_.logged_loss_precision;
     }
     if (rank.num_tokens.kind != ScalarSpec::Kind::absent) {
       out.logged_valid_tokens = static_cast<std::int64_t>(scalar(rank.num_tokens, true));
@@ -509,10 +510,10 @@ std::unique_ptr<DumpProblem> load_dump(const std::string& manifest_path, bool fi
   return load_dump(load_manifest(manifest_path), fingerprint_inputs);
 }
 
-void require_same_problem(const DumpProblem& first, const DumpProblem& other) {
-  const Case& a = first.manifest.the_case;
-  const Case& b = other.manifest.the_case;
-  const std::string where = other.manifest.path + ": not the problem of " + first.manifest.path + ": ";
+void require_same_manifest_problem(const Manifest& first, const Manifest& other) {
+  const Case& a = first.the_case;
+  const Case& b = other.the_case;
+  const std::string where = other.path + ": not the problem of " + first.path + ": ";
   auto section = [](const Case& c, const char* key) { return c.resolved().value(key, json()); };
   for (const char* key : {"shape", "loss", "framework"}) {
     if (section(a, key) != section(b, key)) {
@@ -523,6 +524,11 @@ void require_same_problem(const DumpProblem& first, const DumpProblem& other) {
   if (a.inputs.dtype != b.inputs.dtype) throw DumpError(where + "its dtype differs");
   if (a.batch.sequence_lengths != b.batch.sequence_lengths)
     throw DumpError(where + "its sequences (cu_seqlens) differ");
+}
+
+void require_same_problem(const DumpProblem& first, const DumpProblem& other) {
+  require_same_manifest_problem(first.manifest, other.manifest);
+  const std::string where = other.manifest.path + ": not the problem of " + first.manifest.path + ": ";
   if (!first.inputs_fingerprint || !other.inputs_fingerprint) {
     throw InternalError("require_same_problem: load the dumps with fingerprint_inputs");
   }

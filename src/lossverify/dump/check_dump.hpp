@@ -53,6 +53,9 @@ struct DumpCheckOptions {
 // Several dumps of one global problem at different layouts (a sweep): DumpError naming `other`'s manifest
 // unless the two hold the same problem: shape, dtype, loss, framework, sequences and identical inputs.
 void require_same_problem(const DumpProblem& first, const DumpProblem& other);
+// The part of that known from the manifests alone (shape, loss, framework, dtype, sequences): before any tensor
+// is read.
+void require_same_manifest_problem(const Manifest& first, const Manifest& other);
 
 // Verifies the dump on thread ranks (one per dumped rank). Quantities the dump does not hold (per-token
 // losses, the logged loss, the logged count) are reported as not dumped, never as passing comparisons.

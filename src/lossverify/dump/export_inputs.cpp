@@ -1,5 +1,10 @@
 #include "lossverify/dump/export_inputs.hpp"
 
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <system_error>
 
@@ -8,6 +13,7 @@
 #include "lossverify/core/errors.hpp"
 #include "lossverify/dump/safetensors_writer.hpp"
 #include "lossverify/impl/rank_inputs.hpp"
+#include "lossverify/runner/memory_estimate.hpp"
 #include "lossverify/runner/run_case.hpp"
 
 namespace lossverify::dump {
@@ -23,6 +29,9 @@ void prepare_folder(const std::string& dir) {
     if (!fs::is_directory(status)) throw CaseError("--out " + dir + ": exists and is not a folder");
     if (!fs::is_empty(dir, error)) {
       throw CaseError("--out " + dir + ": the folder is not empty (give a new or empty folder; nothing was written)");
+    }
+    if (::access(dir.c_str(), W_OK | X_OK) != 0) {
+      throw CaseError("--out " + dir + ": the folder cannot be written: " + std::strerror(errno));
     }
     return;
   }
@@ -80,6 +89,25 @@ nlohmann::json rank_entry(const Case& c, const InputSource& inputs, int rank) {
           {"tensors", names}};
 }
 
+// One rank's tensors are held at a time, and written out: about twice its logit shards (and teacher shards).
+void require_export_memory(const Case& c, const InputSource& inputs, int only_rank) {
+  std::int64_t widest = 0;
+  for (int rank = 0; rank < c.layout.world_size(); ++rank) {
+    if (only_rank >= 0 && rank != only_rank) continue;
+    const RankAssignment a = assign_rank(c, inputs.batch(), rank);
+    widest = std::max(widest, static_cast<std::int64_t>(a.rows.size()) * a.vocab.size());
+  }
+  const std::int64_t copies = c.loss.kind == LossKind::kd ? 4 : 2;
+  const std::int64_t needed = widest * static_cast<std::int64_t>(dtype_size(c.inputs.dtype)) * copies;
+  const std::int64_t available = available_memory();
+  if (available >= 0 && needed > available) {
+    throw CaseError(c.source + ": exporting N=" + std::to_string(c.shape.tokens) +
+                    " V=" + std::to_string(c.shape.vocab) + " needs about " + std::to_string(needed >> 20) +
+                    " MiB for the largest rank's shard, but this machine has " + std::to_string(available >> 20) +
+                    " MiB available (nothing was written)");
+  }
+}
+
 }  // namespace
 
 nlohmann::json export_inputs(const Case& c, const ExportOptions& options) {
@@ -88,8 +116,9 @@ nlohmann::json export_inputs(const Case& c, const ExportOptions& options) {
     throw CaseError("--rank " + std::to_string(options.only_rank) + ": outside the layout's " +
                     std::to_string(c.layout.world_size()) + " ranks (tp * cp * dp)");
   }
-  prepare_folder(options.out_dir);
   const InputSource inputs(c);
+  require_export_memory(c, inputs, options.only_rank);
+  prepare_folder(options.out_dir);
   nlohmann::json ranks = nlohmann::json::array();
   for (int rank = 0; rank < c.layout.world_size(); ++rank) {
     if (options.only_rank < 0 || options.only_rank == rank)

@@ -68,6 +68,14 @@ class Parser {
     if (m_.implementation.empty()) root.fail("implementation", "must not be empty");
     parse_cu_seqlens(root);
     parse_ranks(root);
+    if (root.has("logged_loss_precision")) {
+      const std::string precision = root.string("logged_loss_precision");
+      const auto dtype = parse_dtype(precision);
+      if (!dtype) {
+        root.fail("logged_loss_precision", "expected one of fp32|bf16|fp16, got \"" + printable(precision) + "\"");
+      }
+      m_.logged_loss_precision = *dtype;
+    }
     root.reject_unknown_keys();
     validate_layout();
     validate_tensors();
@@ -99,9 +107,28 @@ class Parser {
     }
     c["timeout_seconds"] = root.number("timeout_seconds", 120.0);
     m_.the_case = parse_case(c, m_.path);
+    bound_tolerances(root);
     require_smoothing_convention(c);
     const std::int64_t n = m_.the_case.shape.tokens;
     if (n > limits_.max_rows) root.fail("shape", "tokens = " + std::to_string(n) + " is more than this reader takes");
+  }
+
+  // A dump judges the code that wrote it, so its own tolerances are bounded: wider than these judges nothing (a
+  // manifest that says rtol 1e300 would pass itself).
+  void bound_tolerances(ObjectReader& root) const {
+    for (const auto& [quantity, t] : m_.the_case.tolerance_overrides) {
+      const auto wide = [&](const char* field, double value, double bound) {
+        if (!(value <= bound)) {
+          root.fail("tolerances", quantity + "." + field + " = " + std::to_string(value) + " is wider than " +
+                                      std::to_string(bound) +
+                                      ", the most a dump may set (a tolerance that wide "
+                                      "judges nothing)");
+        }
+      };
+      wide("rtol", t.rtol, 1.0);
+      wide("atol", t.atol, 1.0);
+      wide("max_ulp", static_cast<double>(t.max_ulp), 1024.0);
+    }
   }
 
   // Cases may keep the default convention; a dump comes from foreign code, where a silent default turns

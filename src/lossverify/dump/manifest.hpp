@@ -78,6 +78,9 @@ struct Manifest {
   Case the_case;                        // loss, shape, dtype, layout, framework, tolerances; batch from cu_seqlens
   std::optional<TensorRef> cu_seqlens;  // a tensor to read; inline cu_seqlens are already in the case
   std::vector<RankSpec> ranks;          // in world-rank order
+  // The precision the logged loss carries, as the dump declares it ("logged_loss_precision"): a bf16 loss
+  // logged with .float() or .item() is stored wider than it was computed.
+  std::optional<DType> logged_loss_precision;
   Dumped dumped;
   // Per global token: the world rank of the first TP rank of the group holding it, its micro-batch and
   // its row inside that micro-batch's tensors.

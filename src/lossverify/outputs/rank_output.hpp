@@ -3,6 +3,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "lossverify/core/dtype.hpp"
@@ -37,6 +38,8 @@ struct RankOutput {
   // spacing, as 16-bit gradients are. fp32 stands for float32 and wider.
   DType token_loss_dtype = DType::fp32;
   DType reduced_loss_dtype = DType::fp32;
+  // The precision the logged loss carries when the dump declares one (a bf16 loss logged with .item()).
+  std::optional<DType> reduced_loss_precision;
   double generate_seconds = 0.0;
   double compute_seconds = 0.0;
   double collective_seconds = 0.0;
