@@ -40,6 +40,7 @@ int run_gate(const GateArguments& args) {
   options.expect = args.expect;
   options.device = args.backend == "cuda" ? RunOptions::Device::cuda : RunOptions::Device::cpu;
   options.gpus = args.gpus;
+  options.timeout_seconds = args.timeout;
   if (args.backend != "cuda" && args.gpus != 1) throw CaseError("--gpus needs --backend cuda");
   if (!args.expect.empty() && args.implementations.empty()) throw CaseError("--expect needs --impl");
   for (const auto& [option, dir] : {std::pair{"--cases", args.cases_dir}, std::pair{"--golden", args.golden_dir}}) {
@@ -84,6 +85,10 @@ void register_gate(CLI::App& app, GateCommand& command) {
       ->check(CLI::IsMember({"cpu", "cuda"}));
   command.app->add_option("--gpus", command.args.gpus, "cuda: GPUs to spread each case's ranks over (rank % gpus)")
       ->check(CLI::PositiveNumber);
+  command.app
+      ->add_option("--timeout", command.args.timeout,
+                   "deadlock guard in seconds for every case (overrides their timeout_seconds), as run's")
+      ->check(CLI::Range(0.01, 86400.0));
   command.app->add_option(
       "--expect", command.args.expect,
       "judge them against golden's outcomes of this implementation (default: their own; correct for a plugin)");

@@ -20,6 +20,7 @@ struct GateArguments {
   std::string expect;
   std::string backend = "cpu";
   int gpus = 1;
+  double timeout = 0.0;  // > 0: overrides every case's timeout_seconds
 };
 
 struct GateCommand {

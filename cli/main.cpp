@@ -132,8 +132,16 @@ int main(int argc, char** argv) {
     std::cout.flush();
     std::_Exit(static_cast<int>(ExitCode::timeout));  // hung rank threads cannot be joined
   } catch (const Error& e) {
-    std::cerr << "lossverify: " << (e.code() == ExitCode::usage_error ? "error: " : "internal error: ")
+    std::cerr << "lossverify: "
+              << (e.code() == ExitCode::usage_error ? "error: "
+                  : e.code() == ExitCode::timeout   ? "timeout: "
+                                                    : "internal error: ")
               << printable_message(e.what()) << "\n";
+    if (e.code() == ExitCode::timeout) {  // hung rank threads cannot be joined
+      std::cerr.flush();
+      std::cout.flush();
+      std::_Exit(static_cast<int>(ExitCode::timeout));
+    }
     return static_cast<int>(e.code());
   } catch (const std::exception& e) {
     std::cerr << "lossverify: internal error: " << printable_message(e.what()) << "\n";

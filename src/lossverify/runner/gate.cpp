@@ -53,7 +53,8 @@ std::string join(const std::vector<std::string>& items) {
 
 namespace {
 
-std::vector<Case> load_cases(const std::string& dir) {
+// `timeout_seconds` > 0 overrides every case's deadlock-guard timeout (gate --timeout).
+std::vector<Case> load_cases(const std::string& dir, double timeout_seconds) {
   if (!fs::is_directory(dir)) throw CaseError(dir + ": cases directory not found");
   std::vector<fs::path> files;
   for (const auto& entry : fs::directory_iterator(dir)) {
@@ -62,7 +63,9 @@ std::vector<Case> load_cases(const std::string& dir) {
   std::sort(files.begin(), files.end());
   if (files.empty()) throw CaseError(dir + ": no case files");
   std::vector<Case> cases;
-  for (const auto& f : files) cases.push_back(load_case_file(f.string()));  // all validated before any run
+  std::vector<std::string> overrides;
+  if (timeout_seconds > 0.0) overrides.push_back("timeout_seconds=" + std::to_string(timeout_seconds));
+  for (const auto& f : files) cases.push_back(load_case_file(f.string(), overrides));  // all validated before any run
   return cases;
 }
 
@@ -201,7 +204,7 @@ void score(GateResult& result, const std::vector<GateEntry>& entries) {
 GateResult run_gate(const GateOptions& options) {
   const auto start = Clock::now();
   GateResult result;
-  const std::vector<Case> cases = load_cases(options.cases_dir);
+  const std::vector<Case> cases = load_cases(options.cases_dir, options.timeout_seconds);
   const std::vector<GateEntry> entries = gate_entries(options);
   for (const GateEntry& entry : entries) result.implementations.push_back(entry.implementation->name);
 

@@ -28,6 +28,7 @@ struct GateOptions {
   // reference), against the same golden outcomes.
   RunOptions::Device device = RunOptions::Device::cpu;
   int gpus = 1;
+  double timeout_seconds = 0.0;  // > 0: every case's deadlock-guard timeout (their own otherwise)
 };
 
 // One (case, implementation) cell of the matrix.
