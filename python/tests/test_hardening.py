@@ -139,10 +139,11 @@ class UsageTest(unittest.TestCase):
                 self.assertNotIn("Traceback", result.stderr, args)
 
     def test_the_world_size_is_bounded_before_any_rank_starts(self):
+        dp = harness.max_rank_processes() // 4 + 1  # the case's tp 4 times dp: one past the bound
         started = time.monotonic()
         with self.assertRaises(UsageError) as caught:
-            lvt.check(fns.sleeps, case_path("smoothing-pytorch"), dp=64)  # 256 rank processes
-        self.assertIn("256 rank processes", str(caught.exception))
+            lvt.check(fns.sleeps, case_path("smoothing-pytorch"), dp=dp)
+        self.assertIn(f"{4 * dp} rank processes", str(caught.exception))
         self.assertLess(time.monotonic() - started, 20)
 
     def test_sweep_layouts_are_checked_before_the_first_runs(self):

@@ -250,12 +250,12 @@ def _copy_report(result, path):
 
 
 def max_rank_processes():
-    """Rank processes one launch may start: 8 per core, at least 16 (LOSSVERIFY_TORCH_MAX_RANKS overrides).
+    """Rank processes one launch may start: 16 per core, at least 32 (LOSSVERIFY_TORCH_MAX_RANKS overrides).
     Past that, their start-up alone (a process group and its groups over a shared file) outlasts timeouts."""
     override = os.environ.get("LOSSVERIFY_TORCH_MAX_RANKS")
     if override:
         return max(1, int(override))
-    return max(16, 8 * (os.cpu_count() or 1))
+    return max(32, 16 * (os.cpu_count() or 1))
 
 
 def _check_world_size(world, label):
