@@ -55,7 +55,7 @@ def failing(report_path):
     return run["verdict"], sorted(c["name"] for c in run["checks"] if c["verdict"] == "fail")
 
 
-def command_for(path, case, impl, layout, binary, report):
+def command_for(path, case, impl, layout, binary, report, gpus):
     counts = ["--tp", str(layout["tp"]), "--cp", str(layout["cp"]), "--dp", str(layout["dp"]), "--ga",
               str(layout["ga"])]
     ranks = layout["tp"] * layout["cp"] * layout["dp"]
@@ -73,7 +73,7 @@ def command_for(path, case, impl, layout, binary, report):
         "py-nccl": py + ["--device", "cuda"],
         "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
                      *TORCHRUN_WORKAROUND, "-m", "lossverify.torch", "run", "--fn", fn, case_file, *counts,
-                     "--report", report, "--quiet"] + (["--device", "cuda"] if gpu_count() >= ranks else []),
+                     "--report", report, "--quiet"] + (["--device", "cuda"] if gpus >= ranks else []),
     }[path]
 
 
@@ -119,7 +119,7 @@ def main():
                     continue
                 report = os.path.join(args.out, f"{case}.{impl}.{layout_text}.{path}.json")
                 start = time.monotonic()
-                result = subprocess.run(command_for(path, case, impl, layout, args.binary, report), env=env,
+                result = subprocess.run(command_for(path, case, impl, layout, args.binary, report, gpus), env=env,
                                         capture_output=True, text=True, check=False, cwd=REPO)
                 seconds = time.monotonic() - start
                 if not os.path.exists(report):

@@ -126,12 +126,7 @@ int main(int argc, char** argv) {
     if (check_dump.selected()) return lossverify::cli::run_check_dump(check_dump.args);
     if (export_inputs.selected()) return lossverify::cli::run_export_inputs(export_inputs.args);
     if (const auto code = lossverify::cli::run_repro_command(repro)) return *code;
-  } catch (const TimeoutError& e) {
-    std::cerr << "lossverify: timeout: " << printable_message(e.what()) << "\n";
-    std::cerr.flush();
-    std::cout.flush();
-    std::_Exit(static_cast<int>(ExitCode::timeout));  // hung rank threads cannot be joined
-  } catch (const Error& e) {
+  } catch (const Error& e) {  // a TimeoutError too, or an error a rank carries with its code
     std::cerr << "lossverify: "
               << (e.code() == ExitCode::usage_error ? "error: "
                   : e.code() == ExitCode::timeout   ? "timeout: "

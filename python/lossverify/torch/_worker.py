@@ -280,9 +280,8 @@ def _run_job(job, fn, me):
     return writer.modified_inputs
 
 
-_COMPARED = {"labels": "labels", "loss_mask": "loss_mask", "tokens": "tokens", "token_ids": "token_ids",
-             "sequences": "sequences", "positions": "positions", "upstream_weights": "upstream_weights",
-             "teacher_logits": "teacher_logits"}
+_COMPARED = ("labels", "loss_mask", "tokens", "token_ids", "sequences", "positions", "upstream_weights",
+             "teacher_logits")  # a MicroBatch's fields, named as the exported tensors
 
 
 def _report_changed_labels(writer, dump_mb, labels, handed, kind):
@@ -300,11 +299,11 @@ def _report_changed_micro_batches(writer, rank_dump, micro_batches, rank_inputs)
     change made while another micro-batch ran is reported as well as one made during its own."""
     for k, mb in enumerate(micro_batches):
         exported = rank_inputs.micro_batch(k)
-        for field, name in _COMPARED.items():
+        for field in _COMPARED:
             live = getattr(mb, field, None)
-            if live is None or name not in exported:
+            if live is None or field not in exported:
                 continue
-            change = _describe_change(f"ctx.micro_batches[{k}].{field}", exported[name], live)
+            change = _describe_change(f"ctx.micro_batches[{k}].{field}", exported[field], live)
             if change:
                 writer._report_modified(f"{rank_dump.where}, micro-batch {k}: {change}; the dump holds the "
                                         "exported values")

@@ -53,11 +53,6 @@ def _environment_rank():
     return values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"]
 
 
-def _say(rank, message, quiet=False):
-    if rank == 0 and not quiet:
-        print(message, flush=True)
-
-
 def run(fn, case, tp=None, cp=None, dp=None, ga=None, device="cpu", set=None, returns="auto", binary=None,
         keep_dump=None, timeout=None, report=None, backend=None, quiet=False):
     """This process's part of a distributed check; returns the exit code every process of the launch ends with.
@@ -95,9 +90,9 @@ def _run_in_group(fn, inputs, rank, world, local_rank, device, backend, returns,
     from lossverify.torch._worker import FunctionNotFound, UserCodeError, run_jobs
 
     if device == "cuda":
-        harness_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if local_rank >= harness_gpus and backend == "nccl":
-            raise UsageError(f"rank {rank}: LOCAL_RANK {local_rank} but {harness_gpus} GPU(s) visible on this machine "
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if local_rank >= visible and backend == "nccl":
+            raise UsageError(f"rank {rank}: LOCAL_RANK {local_rank} but {visible} GPU(s) visible on this machine "
                              "(NCCL runs one rank per GPU)")
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=2 * timeout + 10))

@@ -42,6 +42,9 @@ void prepare_folder(const std::string& dir) {
 
 std::string rank_file_name(int rank) { return "rank" + std::to_string(rank) + ".safetensors"; }
 
+// KD ranks carry the teacher's shard too (even a rank with no rows: the reader needs every tensor).
+bool has_teacher(const Case& c) { return c.loss.kind == LossKind::kd; }
+
 std::vector<TensorToWrite> rank_tensors(const Case& c, const RankInputs& in) {
   const std::vector<std::int64_t> shard_shape = {in.rows(), in.columns()};
   const std::vector<std::int64_t> rows_shape = {in.rows()};
@@ -54,7 +57,7 @@ std::vector<TensorToWrite> rank_tensors(const Case& c, const RankInputs& in) {
       tensor_to_write("sequences", TensorDType::i64, rows_shape, in.sequences),
       tensor_to_write("positions", TensorDType::i64, rows_shape, in.positions),
       tensor_to_write("upstream_weights", TensorDType::f64, rows_shape, in.upstream_weights)};
-  if (c.loss.kind == LossKind::kd) {  // even for a rank with no rows: the reader needs every tensor
+  if (has_teacher(c)) {
     tensors.push_back(
         {"teacher_logits", tensor_dtype_of(in.dtype), shard_shape, std::span<const std::byte>(in.teacher_logits)});
   }
@@ -62,21 +65,23 @@ std::vector<TensorToWrite> rank_tensors(const Case& c, const RankInputs& in) {
 }
 
 // Writes one rank's tensors.
-void write_rank(const Case& c, const InputSource& inputs, int rank, const std::string& dir, int threads) {
-  const RankInputs in = make_rank_inputs(c, inputs, assign_rank(c, inputs.batch(), rank), threads);
+void write_rank(const Case& c, const InputSource& inputs, RankAssignment assignment, const std::string& dir,
+                int threads) {
+  const int rank = assignment.world_rank;
+  const RankInputs in = make_rank_inputs(c, inputs, std::move(assignment), threads);
   write_safetensors((fs::path(dir) / rank_file_name(rank)).string(), rank_tensors(c, in),
                     {{"format", kInputsFormat}, {"rank", std::to_string(rank)}});
 }
 
 // A rank's entry of the index, from its assignment alone (whether or not its file is written here).
-nlohmann::json rank_entry(const Case& c, const InputSource& inputs, int rank) {
-  const RankAssignment assignment = assign_rank(c, inputs.batch(), rank);
+nlohmann::json rank_entry(const Case& c, const RankAssignment& assignment) {
+  const int rank = assignment.world_rank;
   nlohmann::json micro_batches = nlohmann::json::array();
   const auto& offsets = assignment.micro_batch_begin;
   for (std::size_t k = 0; k + 1 < offsets.size(); ++k) micro_batches.push_back({offsets[k], offsets[k + 1]});
   nlohmann::json names = nlohmann::json::array(
       {"logits", "labels", "loss_mask", "tokens", "token_ids", "sequences", "positions", "upstream_weights"});
-  if (c.loss.kind == LossKind::kd) names.push_back("teacher_logits");
+  if (has_teacher(c)) names.push_back("teacher_logits");
   const RankCoordinates& at = assignment.coordinates;
   return {{"rank", rank},
           {"tp", at.tp},
@@ -97,7 +102,7 @@ void require_export_memory(const Case& c, const InputSource& inputs, int only_ra
     const RankAssignment a = assign_rank(c, inputs.batch(), rank);
     widest = std::max(widest, static_cast<std::int64_t>(a.rows.size()) * a.vocab.size());
   }
-  const std::int64_t copies = c.loss.kind == LossKind::kd ? 4 : 2;
+  const std::int64_t copies = has_teacher(c) ? 4 : 2;
   const std::int64_t needed = widest * static_cast<std::int64_t>(dtype_size(c.inputs.dtype)) * copies;
   const std::int64_t available = available_memory();
   if (available >= 0 && needed > available) {
@@ -121,9 +126,11 @@ nlohmann::json export_inputs(const Case& c, const ExportOptions& options) {
   prepare_folder(options.out_dir);
   nlohmann::json ranks = nlohmann::json::array();
   for (int rank = 0; rank < c.layout.world_size(); ++rank) {
-    if (options.only_rank < 0 || options.only_rank == rank)
-      write_rank(c, inputs, rank, options.out_dir, options.threads);
-    ranks.push_back(rank_entry(c, inputs, rank));
+    RankAssignment assignment = assign_rank(c, inputs.batch(), rank);
+    ranks.push_back(rank_entry(c, assignment));
+    if (options.only_rank < 0 || options.only_rank == rank) {
+      write_rank(c, inputs, std::move(assignment), options.out_dir, options.threads);
+    }
   }
   std::int64_t valid_tokens = 0;
   for (std::int64_t t = 0; t < c.shape.tokens; ++t) valid_tokens += inputs.is_valid(t);

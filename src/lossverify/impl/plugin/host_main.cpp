@@ -182,8 +182,7 @@ Loaded load(const char* path, const char* params) {
 // after the call, and must find it refusing (the run's region is gone by then: `open` guards every use).
 struct Call {
   std::uint64_t token = 0;
-  Run run_copy;
-  const Run* run = &run_copy;
+  Run run;
   lv_collectives table{};
   std::byte* staging = nullptr;
   std::size_t staging_bytes = 0;
@@ -222,9 +221,9 @@ int host_allreduce(void* context, lv_group group, void* data, int64_t count, lv_
     return refuse(call, what);
   }
   const std::size_t size = element_bytes(element);
-  if (static_cast<std::uint64_t>(count) > call.run->max_allreduce_bytes / size) {
+  if (static_cast<std::uint64_t>(count) > call.run.max_allreduce_bytes / size) {
     return refuse(call, what + ": " + std::to_string(count) + " elements is more than a loss all-reduces (at most " +
-                            std::to_string(call.run->max_allreduce_bytes / size) + " here)");
+                            std::to_string(call.run.max_allreduce_bytes / size) + " here)");
   }
   const std::int64_t chunk = static_cast<std::int64_t>(call.staging_bytes / size);
   const std::int64_t index = call.calls++;
@@ -243,7 +242,6 @@ int host_allreduce(void* context, lv_group group, void* data, int64_t count, lv_
     a.chunk_begin = begin;
     a.chunk_count = n;
     a.call = index;
-    a.last_chunk = begin + n >= count ? 1 : 0;
     send_message(a);
     const AllreduceDone reply = receive<AllreduceDone>();
     if (reply.status != 0) {
@@ -261,13 +259,13 @@ int host_allreduce(void* context, lv_group group, void* data, int64_t count, lv_
 int host_group_size(void* context, lv_group group) {
   const Call& call = *static_cast<const Call*>(context);
   if (!call.open.load()) return -1;
-  return group >= LV_GROUP_TP && group <= LV_GROUP_DP_CP ? call.run->group_size[group] : -1;
+  return group >= LV_GROUP_TP && group <= LV_GROUP_DP_CP ? call.run.group_size[group] : -1;
 }
 
 int host_group_rank(void* context, lv_group group) {
   const Call& call = *static_cast<const Call*>(context);
   if (!call.open.load()) return -1;
-  return group >= LV_GROUP_TP && group <= LV_GROUP_DP_CP ? call.run->group_rank[group] : -1;
+  return group >= LV_GROUP_TP && group <= LV_GROUP_DP_CP ? call.run.group_rank[group] : -1;
 }
 
 // ---- one rank's call -------------------------------------------------------------------------------------
@@ -382,7 +380,7 @@ void serve_one(const lv_plugin& plugin) {
   done.header.token = run.header.token;
   Call& call = *new Call();
   call.token = run.header.token;
-  call.run_copy = run;
+  call.run = run;
   call.table = lv_collectives{&call, host_allreduce, host_group_size, host_group_rank};
   call.staging = region + run.layout.staging;
   call.staging_bytes = run.layout.staging_bytes;

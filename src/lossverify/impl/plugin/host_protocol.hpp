@@ -88,7 +88,7 @@ struct Run {
 
 struct Allreduce {
   Header header{Message::allreduce};
-  std::int32_t group = 0, element = 0, op = 0, last_chunk = 0;
+  std::int32_t group = 0, element = 0, op = 0;
   std::int64_t count = 0;        // of the whole call
   std::int64_t chunk_begin = 0;  // this chunk: elements [chunk_begin, chunk_begin + chunk_count)
   std::int64_t chunk_count = 0;
