@@ -8,21 +8,17 @@
 #include "lossverify/checks/checks.hpp"
 #include "lossverify/core/strings.hpp"
 #include "lossverify/impl/catalogue.hpp"
+#include "lossverify/kinds/registry.hpp"
 #include "options.hpp"
 
 namespace lossverify::cli {
 
 int run_list(bool as_json) {
   nlohmann::json doc;
-  doc["losses"] = nlohmann::json::array(
-      {{{"name", "cross_entropy"},
-        {"options",
-         "label_smoothing with smoothing_convention pytorch|megatron, z_loss_weight, softcap, ignore_index, "
-         "reduction mean|sum|none, upstream_weights"}},
-       {{"name", "kd"},
-        {"options",
-         "forward KL from teacher logits: temperature, t2_scaling, reduction mean|sum|none, "
-         "upstream_weights"}}});
+  doc["losses"] = nlohmann::json::array();
+  for (const LossKind* kind : loss_kinds()) {
+    doc["losses"].push_back({{"name", std::string(kind->name())}, {"options", std::string(kind->summary())}});
+  }
   nlohmann::json impls = nlohmann::json::array();
   for (const auto& i : implementations()) {
     impls.push_back({{"name", i.name},

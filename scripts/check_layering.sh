@@ -4,7 +4,10 @@
 #            CUDA plumbing (cuda/), no runner and no CUDA or NCCL header;
 #   oracle/  owns its inputs: it includes nothing of the backends (impl/);
 #   impl/    computes a rank's outputs: it includes no oracle, no checks and no reference (except the kernel
-#            benchmarks, which check their sampled rows against the reference).
+#            benchmarks, which check their sampled rows against the reference);
+#   kinds/   a loss kind's module holds both sides, kept apart by file: its reference (*_reference.cpp)
+#            includes no backend and none of its kind's kernel math or protocol, and its implementation
+#            (*_math.hpp, *_protocol.*, *_cpu.cpp, *_cuda.cpp) includes no reference, oracle or checks.
 # usage: scripts/check_layering.sh [SRC_DIR]   (default: src/lossverify); exit 1 on a violation.
 set -u
 src="${1:-$(cd "$(dirname "$0")/.." && pwd)/src/lossverify}"
@@ -27,5 +30,19 @@ forbid checks 'lossverify/(impl|oracle|cuda|runner)/|cuda|nccl' "must not includ
 forbid oracle 'lossverify/impl/' "must not include the backends"
 forbid impl 'lossverify/(oracle|checks|reference)/' "must not include oracles, checks or the reference" \
   'impl/cuda/cuda_bench.cpp|impl/cuda/multi_gpu_bench.cpp'
+forbid_in_files() {  # FILE_REGEX PATTERN WHY: FILE_REGEX (extended, relative to src) selects the files
+  local files="$1" pattern="$2" why="$3" hits
+  hits=$(grep -rnE "^[[:space:]]*#[[:space:]]*include[[:space:]]*[<\"]($pattern)" "$src/kinds" \
+           --include='*.hpp' --include='*.cpp' --include='*.cu' 2>/dev/null | grep -E "^$src/($files):")
+  if [ -n "$hits" ]; then
+    echo "check_layering: $why:"
+    echo "$hits" | sed "s#^$src/#  #"
+    status=1
+  fi
+}
+forbid_in_files 'kinds/.*_reference\.cpp' 'lossverify/impl/|lossverify/kinds/.*_(math|protocol)\.hpp' \
+  "a kind's reference must not include backends or its kernel math"
+forbid_in_files 'kinds/.*(_math\.hpp|_protocol\.(hpp|cpp)|_cpu\.cpp|_cuda\.cpp)' \
+  'lossverify/(reference|oracle|checks)/' "a kind's implementation must not include the reference, oracles or checks"
 [ "$status" -eq 0 ] && echo "check_layering: the seams hold"
 exit "$status"

@@ -12,6 +12,7 @@
 #include "dump_writer.hpp"
 #include "lossverify/dump/check_dump.hpp"
 #include "lossverify/inputs/input_source.hpp"
+#include "lossverify/kinds/loss_kind.hpp"
 #include "lossverify/runner/run_case.hpp"
 #include "test_support.hpp"
 
@@ -55,7 +56,7 @@ fs::path write_dump(const Case& c, const InputSource& inputs, const std::vector<
   const json resolved = c.resolved();
   json loss = resolved["loss"];
   loss.erase("upstream_weights");  // dumped as grad_output tensors instead
-  const bool kd = c.loss.kind == LossKind::kd;
+  const bool kd = kind_of(c.loss).inputs().teacher_logits;
   const bool none = c.loss.reduction == Reduction::none;
   std::vector<std::int64_t> cu = {0};
   for (auto l : c.batch.sequence_lengths) cu.push_back(cu.back() + l);

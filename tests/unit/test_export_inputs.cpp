@@ -12,6 +12,7 @@
 #include "lossverify/dump/export_inputs.hpp"
 #include "lossverify/dump/tensor_file.hpp"
 #include "lossverify/inputs/input_source.hpp"
+#include "lossverify/kinds/loss_kind.hpp"
 #include "test_support.hpp"
 
 using namespace lossverify;
@@ -36,7 +37,7 @@ void check_export_matches_inputs(const Case& c, const fs::path& dir) {
   std::int64_t valid = 0;
   for (std::int64_t t = 0; t < c.shape.tokens; ++t) valid += inputs.is_valid(t);
   CHECK(index["valid_tokens"] == valid);
-  const bool kd = c.loss.kind == LossKind::kd;
+  const bool kd = kind_of(c.loss).inputs().teacher_logits;
   std::multiset<std::int64_t> tokens_of_tp0;
   for (const json& r : index["ranks"]) {
     const int rank = r["rank"];

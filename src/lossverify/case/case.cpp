@@ -9,6 +9,7 @@
 #include "lossverify/case/json_reader.hpp"
 #include "lossverify/case/tolerances.hpp"
 #include "lossverify/core/errors.hpp"
+#include "lossverify/kinds/registry.hpp"
 
 namespace lossverify {
 
@@ -16,7 +17,7 @@ using detail::fail_at;
 using detail::ObjectReader;
 using nlohmann::json;
 
-std::string_view to_string(LossKind k) { return k == LossKind::kd ? "kd" : "cross_entropy"; }
+std::string_view to_string(const LossKind* k) { return k->name(); }
 std::string_view to_string(FrameworkSpec::GradReduce g) { return g == FrameworkSpec::GradReduce::avg ? "avg" : "sum"; }
 std::string_view to_string(FrameworkSpec::GaReduce g) { return g == FrameworkSpec::GaReduce::sum ? "sum" : "mean"; }
 std::string_view to_string(BatchSpec::Placement p) {
@@ -56,40 +57,38 @@ Enum parse_choice(ObjectReader& reader, const std::string& key, const std::array
   reader.fail(key, "expected one of " + allowed + ", got \"" + value + "\"");
 }
 
+// "kind" names a registered kind (kinds/registry.hpp), which reads its own keys; a key another kind owns is
+// refused by name.
+const LossKind& parse_kind(ObjectReader& r) {
+  if (!r.has("kind")) {
+    r.allow("kind");
+    return default_loss_kind();
+  }
+  const std::string name = r.string("kind");
+  if (const LossKind* kind = find_loss_kind(name)) return *kind;
+  std::string allowed;
+  for (const LossKind* k : loss_kinds()) append_to_list(allowed, k->name(), "|");
+  r.fail("kind", "expected one of " + allowed + ", got \"" + name + "\"");
+}
+
+void refuse_other_kinds_keys(ObjectReader& r, const LossKind& kind) {
+  const std::vector<std::string> own = kind.keys();
+  for (const LossKind* other : loss_kinds()) {
+    if (other == &kind) continue;
+    for (const std::string& key : other->keys()) {
+      if (r.has(key) && std::find(own.begin(), own.end(), key) == own.end()) {
+        r.fail(key, "applies to " + std::string(other->name()) + " only, not " + std::string(kind.name()));
+      }
+    }
+  }
+}
+
 void parse_loss(ObjectReader r, Case& c) {
   LossSpec& loss = c.loss;
-  loss.kind = parse_choice(r, "kind", std::array{LossKind::cross_entropy, LossKind::kd}, LossKind::cross_entropy);
-  const bool kd = loss.kind == LossKind::kd;
-  auto cross_entropy_only = [&](const char* key) {
-    if (kd && r.has(key)) r.fail(key, "applies to cross_entropy only, not kd");
-  };
-  for (const char* key : {"label_smoothing", "smoothing_convention", "z_loss_weight", "softcap", "ignore_index"}) {
-    cross_entropy_only(key);
-  }
-  for (const char* key : {"temperature", "t2_scaling"}) {
-    if (!kd && r.has(key)) r.fail(key, "applies to kd only, not cross_entropy");
-  }
-  loss.temperature = r.number("temperature", 1.0);
-  if (!(loss.temperature > 0.0 && loss.temperature <= kMaxTemperature)) {
-    r.fail("temperature", "must be in (0, 1e6], got " + json(loss.temperature).dump());
-  }
-  loss.t2_scaling = r.boolean("t2_scaling", true);
-  loss.softcap = r.number("softcap", 0.0);
-  if (loss.softcap != 0.0 && !(loss.softcap >= kMinSoftcap && loss.softcap <= kMaxSoftcap)) {
-    r.fail("softcap", "must be 0 (off) or in [1e-6, 1e6], got " + json(loss.softcap).dump());
-  }
-  loss.label_smoothing = r.number("label_smoothing", 0.0);
-  if (!(loss.label_smoothing >= 0.0 && loss.label_smoothing < 1.0)) {
-    r.fail("label_smoothing", "must be in [0, 1), got " + json(loss.label_smoothing).dump());
-  }
-  loss.convention =
-      parse_choice(r, "smoothing_convention", std::array{SmoothingConvention::pytorch, SmoothingConvention::megatron},
-                   SmoothingConvention::pytorch);
-  loss.z_loss_weight = r.number("z_loss_weight", 0.0);
-  if (!(loss.z_loss_weight >= 0.0 && loss.z_loss_weight <= kMaxZLossWeight)) {
-    r.fail("z_loss_weight", "must be in [0, 10], got " + json(loss.z_loss_weight).dump());
-  }
-  loss.ignore_index = r.integer("ignore_index", -100);
+  const LossKind& kind = parse_kind(r);
+  loss.kind = &kind;
+  refuse_other_kinds_keys(r, kind);
+  kind.parse(r, loss);
   loss.reduction =
       parse_choice(r, "reduction", std::array{Reduction::mean, Reduction::sum, Reduction::none}, Reduction::mean);
   if (r.has("upstream_weights")) {
@@ -150,7 +149,9 @@ void parse_inputs(ObjectReader r, Case& c) {
     r.fail("ignore_fraction", "must be in [0, 1], got " + json(in.ignore_fraction).dump());
   }
   if (r.has("teacher")) {
-    if (c.loss.kind != LossKind::kd) r.fail("teacher", "teacher logits apply to kd only");
+    if (!kind_of(c.loss).inputs().teacher_logits) {
+      r.fail("teacher", "teacher logits do not apply to " + std::string(kind_of(c.loss).name()));
+    }
     ObjectReader t = r.object("teacher");
     in.teacher.mean = t.number("mean", 0.0);
     in.teacher.scale = t.number("scale", 1.0);
@@ -339,15 +340,9 @@ void validate_value_ranges(const Case& c) {
       fail_at(src, path,
               "generated logits reach |mean| + 9 * scale = " + json(reach).dump() + ", beyond " + bound_text);
     }
-    if (c.loss.kind == LossKind::kd && reach / c.loss.temperature > kMaxScaledLogit) {
-      fail_at(src, path,
-              "generated logits / temperature reach " + json(reach / c.loss.temperature).dump() +
-                  ", beyond 200, where float32 rounding of logits / T decides the verdict (raise the "
-                  "temperature or lower the scale)");
-    }
   };
   check_generated(c.inputs.mean, c.inputs.scale, "$.inputs.scale");
-  if (c.loss.kind == LossKind::kd && !c.inputs.teacher.same_as_student) {
+  if (kind_of(c.loss).inputs().teacher_logits && !c.inputs.teacher.same_as_student) {
     check_generated(c.inputs.teacher.mean, c.inputs.teacher.scale, "$.inputs.teacher.scale");
   }
   for (std::size_t i = 0; i < c.inputs.overrides.size(); ++i) {
@@ -389,12 +384,13 @@ void validate_consistency(const Case& c) {
     if (tp > v)
       fail_at(src, "$.sweep.tp", "tp = " + std::to_string(tp) + " exceeds the vocabulary size " + std::to_string(v));
   }
-  if (c.loss.kind == LossKind::kd) {
+  const LossKind& kind = kind_of(c.loss);
+  if (!kind.inputs().labels) {
     for (const auto& row : c.inputs.overrides) {
-      if (row.label) fail_at(src, "$.inputs.overrides", "kd cases take no labels");
+      if (row.label) fail_at(src, "$.inputs.overrides", std::string(kind.name()) + " cases take no labels");
     }
   }
-  if (c.loss.ignore_index >= 0 && c.loss.ignore_index < v) {
+  if (kind.inputs().labels && c.loss.ignore_index >= 0 && c.loss.ignore_index < v) {
     fail_at(src, "$.loss.ignore_index", "must lie outside [0, vocab) so it cannot collide with a real label");
   }
   if (c.loss.upstream_weights.kind == UpstreamWeights::Kind::explicit_list &&
@@ -427,6 +423,7 @@ void validate_consistency(const Case& c) {
     }
   }
   validate_value_ranges(c);
+  kind.validate(c);
 }
 
 }  // namespace
@@ -607,16 +604,7 @@ json Case::resolved() const {
   j["description"] = description;
   j["shape"] = {{"tokens", shape.tokens}, {"vocab", shape.vocab}};
   json l = {{"kind", std::string(to_string(loss.kind))}, {"reduction", std::string(to_string(loss.reduction))}};
-  if (loss.kind == LossKind::kd) {
-    l["temperature"] = loss.temperature;
-    l["t2_scaling"] = loss.t2_scaling;
-  } else {
-    l["label_smoothing"] = loss.label_smoothing;
-    l["smoothing_convention"] = std::string(to_string(loss.convention));
-    l["z_loss_weight"] = loss.z_loss_weight;
-    l["softcap"] = loss.softcap;
-    l["ignore_index"] = loss.ignore_index;
-  }
+  kind_of(loss).resolve(loss, l);
   switch (loss.upstream_weights.kind) {
     case UpstreamWeights::Kind::ones:
       break;
@@ -645,7 +633,7 @@ json Case::resolved() const {
     }
     in["overrides"] = rows;
   }
-  if (loss.kind == LossKind::kd) {
+  if (kind_of(loss).inputs().teacher_logits) {
     in["teacher"] = {{"mean", inputs.teacher.mean},
                      {"scale", inputs.teacher.scale},
                      {"same_as_student", inputs.teacher.same_as_student}};

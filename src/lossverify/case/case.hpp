@@ -2,6 +2,7 @@
 // The case file: one scenario (loss, shape, inputs, rank layout, tolerances) as a validated value.
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -10,11 +11,16 @@
 
 #include "lossverify/core/dtype.hpp"
 #include "lossverify/inputs/philox_stream.hpp"
-#include "lossverify/math/cross_entropy_math.hpp"
+#include "lossverify/kinds/cross_entropy/smoothing_convention.hpp"
 
 namespace lossverify {
 
-std::string_view to_string(LossKind);
+class LossKind;  // kinds/loss_kind.hpp
+const LossKind& default_loss_kind();
+
+enum class Reduction { mean, sum, none };
+
+std::string_view to_string(const LossKind*);
 std::string_view to_string(SmoothingConvention);
 std::string_view to_string(Reduction);
 std::string_view to_string(LogitDistribution);
@@ -27,21 +33,33 @@ struct UpstreamWeights {
   double high = 1.0;
 };
 
+// Settings a kind keeps beyond the fields below (a kind added at run time keeps all of its own here): its
+// parse() stores them, and only that kind reads them.
+struct KindOptions {
+  virtual ~KindOptions() = default;
+};
+
 struct LossSpec {
-  LossKind kind = LossKind::cross_entropy;
-  // cross-entropy
+  const LossKind* kind = &default_loss_kind();  // kinds/registry.hpp; never null
+  // Labelled kinds: the label that masks a token.
+  std::int64_t ignore_index = -100;
+  // Every kind.
+  Reduction reduction = Reduction::mean;
+  UpstreamWeights upstream_weights;
+  // The built-in kinds' settings (parsed and checked by kinds/cross_entropy and kinds/kd; the backends'
+  // kernels and the plugin ABI read them).
+  // cross_entropy
   double label_smoothing = 0.0;
   SmoothingConvention convention = SmoothingConvention::pytorch;
   double z_loss_weight = 0.0;
   double softcap = 0.0;  // 0: off; else logits become c tanh(x / c)
-  std::int64_t ignore_index = -100;
-  // KD (forward KL of teacher P = softmax(y/T) to student Q = softmax(x/T))
+  // kd (forward KL of teacher P = softmax(y/T) to student Q = softmax(x/T))
   double temperature = 1.0;
   bool t2_scaling = true;
-  // both
-  Reduction reduction = Reduction::mean;
-  UpstreamWeights upstream_weights;
+  std::shared_ptr<const KindOptions> options;  // any other kind's
 };
+// The case's kind, for the registry's interface (kinds/loss_kind.hpp).
+inline const LossKind& kind_of(const LossSpec& loss) { return *loss.kind; }
 
 struct ShapeSpec {
   std::int64_t tokens = 0;
@@ -65,7 +83,7 @@ struct RowOverride {
   std::optional<std::int64_t> label;
 };
 
-// Teacher logits of a KD case: their own Philox stream, or exactly the student's (KL = 0).
+// Teacher logits of a kind that reads them (KD): their own Philox stream, or exactly the student's (KL = 0).
 struct TeacherSpec {
   double mean = 0.0;
   double scale = 1.0;

@@ -30,7 +30,7 @@ struct GradJudgement {
   DType dtype = DType::fp32;     // of the rank's gradient
   double framework_scale = 1.0;  // local gradient x this = the effective gradient
   double quantum = 0.0;          // smallest positive value of the dtype
-  double grad_scale = 1.0;       // KD: T^(s-1); 1 for cross-entropy
+  double grad_scale = 1.0;       // the kind's gradient factor (KD: T^(s-1))
   double smallest_normal = 0.0;  // of the dtype, for the finite census
 };
 
@@ -53,8 +53,9 @@ class Oracle {
   // Stage 1: every row's RowPartial over the rank's columns (RowPartial::kDoubles doubles per row, empty
   // partials for rows that are no valid token), and which rows are valid tokens.
   virtual void row_partials(std::vector<double>& partials, std::vector<char>& valid) = 0;
-  // KD: [value, error] per row of sum_v P_v (log P_v - log Q_v) over the rank's columns.
-  virtual std::vector<double> kl_partials(std::span<const RowStats> stats) = 0;
+  // Kinds with a value pass (KindReference::needs_value_pass, KD's sum_v P_v (log P_v - log Q_v)): its
+  // [value, error] per row over the rank's columns.
+  virtual std::vector<double> value_partials(std::span<const RowStats> stats) = 0;
   // Stage 3: starts judging every element of the rank's gradient against the reference, given each row's
   // combined statistics (it may run in the background); judged_rows waits for it.
   virtual void start_judging(std::span<const RowStats> stats) = 0;

@@ -16,19 +16,18 @@
 #include "lossverify/comm/rank_groups.hpp"
 #include "lossverify/core/errors.hpp"
 #include "lossverify/core/stage_trace.hpp"
+#include "lossverify/kinds/loss_kind.hpp"
 #include "lossverify/reference/compensated_sum.hpp"
 
 namespace lossverify {
 
 GradJudgement grad_judgement(const Case& c, DType output_dtype) {
-  const bool kd = c.loss.kind == LossKind::kd;
-  const double kd_power = c.loss.t2_scaling ? 2.0 : 0.0;
   GradJudgement j;
   j.tolerance = effective_tolerance(c, "grad");
   j.dtype = c.inputs.dtype;
   j.framework_scale = c.framework.gradient_scale(c.layout);
   j.quantum = output_quantum(c.inputs.dtype);
-  j.grad_scale = kd ? std::pow(c.loss.temperature, kd_power - 1.0) : 1.0;
+  j.grad_scale = kind_of(c.loss).grad_scale(c.loss);
   j.smallest_normal = smallest_normal(output_dtype);
   return j;
 }
@@ -163,9 +162,8 @@ struct RankContext {
   std::int64_t rows;
   int tp_size;
   bool tp_leader;
-  bool kd;
   int world_rank;
-  double loss_scale;  // KD: T^s; 1 for cross-entropy
+  double loss_scale;  // the kind's loss factor (KD: T^s)
 };
 
 // The TP group's columns tile [0, V); every token is held by exactly one TP group.
@@ -216,17 +214,23 @@ void sum_over_tp(const RankContext& x, std::vector<double>& values) {
   if (x.tp_size > 1) x.groups.tp.allreduce_sum(std::span<double>(values));
 }
 
-std::vector<double> kd_losses(const RankContext& x, const RowReference& ref) {
-  std::vector<double> kl = x.oracle.kl_partials(ref.stats);  // [value, error] per row
-  sum_over_tp(x, kl);
+// Each valid row's l_t from its statistics and, where the kind needs one, its value pass summed over TP.
+std::vector<double> token_losses(const RankContext& x, const RowReference& ref) {
+  std::vector<double> pass;  // [value, error] per row
+  if (x.reference.needs_value_pass()) {
+    pass = x.oracle.value_partials(ref.stats);
+    sum_over_tp(x, pass);
+  }
   std::vector<double> loss(static_cast<std::size_t>(x.rows), 0.0);
   for (std::int64_t i = 0; i < x.rows; ++i) {
     const auto k = static_cast<std::size_t>(i);
     if (!ref.valid[k]) continue;
     CompensatedSum total;
-    total.add(kl[2 * k]);
-    total.add(kl[2 * k + 1]);
-    loss[k] = x.reference.kd_loss(total.value());
+    if (!pass.empty()) {
+      total.add(pass[2 * k]);
+      total.add(pass[2 * k + 1]);
+    }
+    loss[k] = x.reference.token_loss(ref.stats[k], total.value());
   }
   return loss;
 }
@@ -247,7 +251,7 @@ std::vector<RowStats> row_statistics(const RankContext& x, const std::vector<dou
   if (x.tp_size > 1) x.groups.tp.allreduce_max(std::span<double>(maxima));
   std::vector<double> sums(rows * RowPartial::kDoubles, 0.0);
   for (std::size_t k = 0; k < rows; ++k) {
-    if (valid[k]) LossReference::rescaled(slice(k), maxima[k], maxima[rows + k]).store(&sums[k * RowPartial::kDoubles]);
+    if (valid[k]) RowPartial::rescaled(slice(k), maxima[k], maxima[rows + k]).store(&sums[k * RowPartial::kDoubles]);
   }
   sum_over_tp(x, sums);
   std::vector<RowStats> stats(rows);
@@ -268,15 +272,7 @@ RowReference reference_rows(const RankContext& x, StageTrace& trace) {
   trace.mark("2 combine");
   ref.stats = row_statistics(x, partials, ref.valid);
   trace.mark("2 combine: losses");
-  if (x.kd) {
-    ref.loss = kd_losses(x, ref);
-  } else {
-    ref.loss.assign(static_cast<std::size_t>(x.rows), 0.0);
-    for (std::int64_t i = 0; i < x.rows; ++i) {
-      const auto k = static_cast<std::size_t>(i);
-      if (ref.valid[k]) ref.loss[k] = x.reference.cross_entropy_loss(ref.stats[k]);
-    }
-  }
+  ref.loss = token_losses(x, ref);
   return ref;
 }
 
@@ -392,7 +388,6 @@ TpFindings judge_tp_group(const RankContext& x, const RowReference& ref, const G
   // The row-sum invariant: each row's sums over the TP group, judged by the TP leader.
   std::vector<double> sums = grad.row_sums;
   sum_over_tp(x, sums);
-  const bool row_sum_applies = x.c.loss.softcap == 0.0;
   for (std::int64_t i = 0; i < x.rows; ++i) {
     const auto k = static_cast<std::size_t>(i);
     const std::int64_t t = x.out.token_of(i);
@@ -402,14 +397,14 @@ TpFindings judge_tp_group(const RankContext& x, const RowReference& ref, const G
                        agree.atol * x.loss_scale + agree.rtol * std::fabs(static_cast<double>(first[k]))});
       continue;
     }
-    if (!row_sum_applies) continue;
+    // docs/spec.md §3 invariant: the kind's sum_v dl/dx_v per token, times the token's weight in L.
+    const double weight = ref.valid[k] ? x.reference.token_weight(t) : 0.0;
+    const std::optional<double> rule = x.reference.row().gradient_row_sum(ref.stats[k], weight);
+    if (!rule) continue;
     CompensatedSum total;
     total.add(sums[3 * k]);
     total.add(sums[3 * k + 1]);
-    // docs/spec.md §3 invariant: sum_v dl/dx_v = 2 w_z lse per token (0 for KD), times the token's weight in L.
-    const double weight = ref.valid[k] ? x.reference.token_weight(t) : 0.0;
-    const double expected_sum =
-        (ref.valid[k] && !x.kd) ? weight * 2.0 * x.c.loss.z_loss_weight * ref.stats[k].lse : 0.0;
+    const double expected_sum = ref.valid[k] ? *rule : 0.0;
     f.row_sum.add({t, -1, x.world_rank, expected_sum, total.value(),
                    row_tol.atol * std::fabs(weight) * judgement.grad_scale + row_tol.rtol * sums[3 * k + 2] +
                        judgement.quantum * judgement.framework_scale});
@@ -581,8 +576,6 @@ void fill_snapshot(const RankContext& x, double framework_scale, LayoutSnapshot&
 
 std::vector<CheckResult> verify_rank(const Case& c, const RankOutput& out, Oracle& oracle, RankGroups& groups,
                                      Communicator& world, LayoutSnapshot* snapshot, ErrorMap* error_map) {
-  const bool kd = c.loss.kind == LossKind::kd;
-  const double kd_power = c.loss.t2_scaling ? 2.0 : 0.0;
   const RankContext x{c,
                       out,
                       oracle,
@@ -593,9 +586,8 @@ std::vector<CheckResult> verify_rank(const Case& c, const RankOutput& out, Oracl
                       out.rows(),
                       groups.tp.size(),
                       groups.tp.rank() == 0,
-                      kd,
                       out.assignment.world_rank,
-                      kd ? std::pow(c.loss.temperature, kd_power) : 1.0};
+                      kind_of(c.loss).loss_scale(c.loss)};
   const GradJudgement judgement = grad_judgement(c, out.dtype);
   StageTrace trace("rank " + std::to_string(x.world_rank) + " verify");
   trace.mark("0 coverage");
@@ -629,9 +621,9 @@ std::vector<CheckResult> verify_rank(const Case& c, const RankOutput& out, Oracl
   }
   results.push_back(finite_result(world, census));
   {
-    CheckResult r = make_result("row_sum", merge_over(world, tp.row_sum), tp.row_sum_tolerance,
-                                "sum_v grad = w_t 2 w_z lse for every token");
-    if (c.loss.softcap != 0.0) r.summary = "softcap changes the invariant: not applicable";
+    const LossKind& kind = kind_of(c.loss);
+    CheckResult r = make_result("row_sum", merge_over(world, tp.row_sum), tp.row_sum_tolerance, kind.row_sum_rule());
+    if (const std::string why = kind.row_sum_exemption(c.loss); !why.empty()) r.summary = why;
     results.push_back(std::move(r));
   }
   {

@@ -1,4 +1,5 @@
 #include "lossverify/cuda/shard_inputs.hpp"
+#include "lossverify/kinds/loss_kind.hpp"
 
 #include <algorithm>
 #include <cstdint>
@@ -44,8 +45,8 @@ ShardInputs generate_shard_inputs(const Case& c, const InputSource& inputs, cons
                  c.inputs.scale};
   generate_logits(type, g, out.student.as<void>(), stream);
   LV_CUDA(cudaGetLastError());
-  const bool kd = c.loss.kind == LossKind::kd;
-  if (kd) {
+  const bool teacher = kind_of(c.loss).inputs().teacher_logits;
+  if (teacher) {
     out.teacher = DeviceBytes(static_cast<std::size_t>(rows * cols) * element);
     const TeacherSpec& t = c.inputs.teacher;
     GenerateArgs gt = g;
@@ -71,7 +72,7 @@ ShardInputs generate_shard_inputs(const Case& c, const InputSource& inputs, cons
       const std::size_t offset = static_cast<std::size_t>(i * cols) * element;
       LV_CUDA(cudaMemcpyAsync(out.student.as<std::byte>() + offset, row_bytes.data(), row_bytes.size(),
                               cudaMemcpyHostToDevice, stream));
-      if (kd && c.inputs.teacher.same_as_student) {
+      if (teacher && c.inputs.teacher.same_as_student) {
         LV_CUDA(cudaMemcpyAsync(out.teacher.as<std::byte>() + offset, row_bytes.data(), row_bytes.size(),
                                 cudaMemcpyHostToDevice, stream));
       }

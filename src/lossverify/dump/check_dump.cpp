@@ -1,4 +1,5 @@
 #include "lossverify/dump/check_dump.hpp"
+#include "lossverify/kinds/loss_kind.hpp"
 
 #include <omp.h>
 
@@ -80,7 +81,8 @@ class Loader {
     const auto start = Clock::now();
     const std::int64_t n = c_.shape.tokens;
     const std::int64_t v = c_.shape.vocab;
-    kd_ = c_.loss.kind == LossKind::kd;
+    teacher_ = kind_of(c_.loss).inputs().teacher_logits;
+    labelled_ = kind_of(c_.loss).inputs().labels;
     if (m_.cu_seqlens) {
       const Located t = locate(*m_.cu_seqlens);
       if (t.info->shape.size() != 1) t.fail("cu_seqlens must be one-dimensional, got shape " + t.info->shape_string());
@@ -92,8 +94,8 @@ class Loader {
     const std::size_t element = dtype_size(c_.inputs.dtype);
     const std::size_t row_bytes = static_cast<std::size_t>(v) * element;
     data_.student.assign(static_cast<std::size_t>(n) * row_bytes, std::byte{0});
-    if (kd_) data_.teacher.assign(data_.student.size(), std::byte{0});
-    if (!kd_) data_.labels.assign(static_cast<std::size_t>(n), c_.loss.ignore_index);
+    if (teacher_) data_.teacher.assign(data_.student.size(), std::byte{0});
+    if (labelled_) data_.labels.assign(static_cast<std::size_t>(n), c_.loss.ignore_index);
     data_.loss_mask.assign(static_cast<std::size_t>(n), 1);
     label_owner_.assign(static_cast<std::size_t>(n), Owner{});
     mask_owner_.assign(static_cast<std::size_t>(n), Owner{});
@@ -380,12 +382,12 @@ class Loader {
 #pragma omp parallel
       {
         std::vector<double> student(static_cast<std::size_t>(v));
-        std::vector<double> teacher(kd_ ? static_cast<std::size_t>(v) : 0);
+        std::vector<double> teacher(teacher_ ? static_cast<std::size_t>(v) : 0);
         std::vector<double> grad(static_cast<std::size_t>(v));
 #pragma omp for schedule(dynamic, 8)
         for (std::int64_t t = 0; t < n; ++t) {
           inputs.logits(t, 0, v, student.data());
-          if (kd_) inputs.teacher_logits(t, 0, v, teacher.data());
+          if (teacher_) inputs.teacher_logits(t, 0, v, teacher.data());
           losses[static_cast<std::size_t>(t)] = reference.evaluate(t, student, teacher, grad).loss;
         }
       }
@@ -409,7 +411,8 @@ class Loader {
   Manifest& m_;
   Case& c_;
   bool fingerprint_inputs_ = false;
-  bool kd_ = false;
+  bool teacher_ = false;
+  bool labelled_ = true;
   ExplicitInputs data_;
   std::vector<double> upstream_;
   std::vector<Owner> label_owner_, mask_owner_, upstream_owner_;

@@ -1,4 +1,5 @@
 #include "lossverify/dump/export_inputs.hpp"
+#include "lossverify/kinds/loss_kind.hpp"
 
 #include <unistd.h>
 
@@ -42,8 +43,9 @@ void prepare_folder(const std::string& dir) {
 
 std::string rank_file_name(int rank) { return "rank" + std::to_string(rank) + ".safetensors"; }
 
-// KD ranks carry the teacher's shard too (even a rank with no rows: the reader needs every tensor).
-bool has_teacher(const Case& c) { return c.loss.kind == LossKind::kd; }
+// Ranks of a kind that reads teacher logits (KD) carry the teacher's shard too (even a rank with no rows: the reader
+// needs every tensor).
+bool has_teacher(const Case& c) { return kind_of(c.loss).inputs().teacher_logits; }
 
 std::vector<TensorToWrite> rank_tensors(const Case& c, const RankInputs& in) {
   const std::vector<std::int64_t> shard_shape = {in.rows(), in.columns()};

@@ -1,4 +1,5 @@
 #include "lossverify/dump/manifest.hpp"
+#include "lossverify/kinds/loss_kind.hpp"
 
 #include <algorithm>
 #include <filesystem>
@@ -108,7 +109,7 @@ class Parser {
     c["timeout_seconds"] = root.number("timeout_seconds", 120.0);
     m_.the_case = parse_case(c, m_.path);
     bound_tolerances(root);
-    require_smoothing_convention(c);
+    kind_of(m_.the_case.loss).require_explicit(m_.the_case.loss, c.contains("loss") ? c["loss"] : json(), src());
     const std::int64_t n = m_.the_case.shape.tokens;
     if (n > limits_.max_rows) root.fail("shape", "tokens = " + std::to_string(n) + " is more than this reader takes");
   }
@@ -129,19 +130,6 @@ class Parser {
       wide("atol", t.atol, 1.0);
       wide("max_ulp", static_cast<double>(t.max_ulp), 1024.0);
     }
-  }
-
-  // Cases may keep the default convention; a dump comes from foreign code, where a silent default turns
-  // correct Megatron-style smoothing into a false alarm (or hides a convention bug).
-  void require_smoothing_convention(const json& c) const {
-    const LossSpec& loss = m_.the_case.loss;
-    if (loss.kind != LossKind::cross_entropy || loss.label_smoothing <= 0.0) return;
-    if (c.contains("loss") && c["loss"].is_object() && c["loss"].contains("smoothing_convention")) return;
-    fail_at(src(), "$.loss.smoothing_convention",
-            "label_smoothing > 0 needs an explicit convention: \"pytorch\" (q = (1-a)[v=l] + a/V, as "
-            "torch.nn.functional.cross_entropy and TransformerEngine) or \"megatron\" (q = (1-a)[v=l] + "
-            "a/(V-1)[v!=l], as Megatron-LM's vocab_parallel_cross_entropy); they differ by a constant on every "
-            "non-target gradient, so a wrong guess fails correct code");
   }
 
   void parse_cu_seqlens(ObjectReader& root) {
@@ -547,7 +535,10 @@ class Parser {
 
   // Which tensors every micro-batch needs, and which optional ones the dump has (all ranks alike).
   void validate_tensors() {
-    const bool kd = m_.the_case.loss.kind == LossKind::kd;
+    const LossKind& kind = kind_of(m_.the_case.loss);
+    const std::string kind_name(kind.name());
+    const bool teacher = kind.inputs().teacher_logits;
+    const bool labelled = kind.inputs().labels;
     const bool none = m_.the_case.loss.reduction == Reduction::none;
     bool first = true;
     std::string first_path;
@@ -567,10 +558,14 @@ class Parser {
         for (const char* key : {"logits", "grad_logits"}) {
           if (!has(key)) fail_at(src(), tp, std::string("\"") + key + "\" is required");
         }
-        if (kd && !has("teacher_logits")) fail_at(src(), tp, "\"teacher_logits\" is required for kd");
-        if (!kd && has("teacher_logits")) fail_at(src(), tp + ".teacher_logits", "teacher logits apply to kd only");
-        if (!kd && !has("labels")) fail_at(src(), tp, "\"labels\" is required for cross_entropy");
-        if (kd && has("labels")) fail_at(src(), tp + ".labels", "kd takes no labels (mask tokens with loss_mask)");
+        if (teacher && !has("teacher_logits")) fail_at(src(), tp, "\"teacher_logits\" is required for " + kind_name);
+        if (!teacher && has("teacher_logits")) {
+          fail_at(src(), tp + ".teacher_logits", "teacher logits do not apply to " + kind_name);
+        }
+        if (labelled && !has("labels")) fail_at(src(), tp, "\"labels\" is required for " + kind_name);
+        if (!labelled && has("labels")) {
+          fail_at(src(), tp + ".labels", kind_name + " takes no labels (mask tokens with loss_mask)");
+        }
         if (!none && has("grad_output")) {
           fail_at(src(), tp + ".grad_output",
                   "the upstream gradient of per-token losses applies to reduction \"none\" only");

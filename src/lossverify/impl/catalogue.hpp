@@ -1,11 +1,11 @@
 #pragma once
 // The one sharded implementation is a set of switches; the correct implementation has none on and each
 // catalogued bug (docs/spec.md §7) is a named set of them, so CPU and CUDA kernels carry the same bugs.
+#include <cstdint>
+#include <deque>
 #include <string>
 #include <string_view>
 #include <vector>
-
-#include "lossverify/math/cross_entropy_math.hpp"
 
 namespace lossverify {
 
@@ -43,9 +43,22 @@ struct BugSwitches {
   bool cp_stats_dp_only = false;       // token-count statistics reduced over DP only
   bool cp_roll_after_split = false;    // next-token labels made after the CP split
   bool cp_pad_to_cp = false;           // labels split with sequences padded to a multiple of CP, not 2 CP
+  // A loss kind's own switches beyond the fields above, bit by bit as that kind defines them (a kind added
+  // at run time keeps its catalogue here; kinds/loss_kind.hpp).
+  std::uint64_t kind_switches = 0;
 };
 
-enum class Applies { cross_entropy, kd, any };
+class LossKind;  // kinds/loss_kind.hpp
+
+// The loss kinds whose kernels carry an implementation's switches: every kind, every kind whose tokens
+// have labels (kinds/loss_kind.hpp's KindInputs), or the kinds named.
+struct Applies {
+  enum class Scope { any, labelled, kinds } scope = Scope::any;
+  std::vector<std::string> kinds;  // Scope::kinds
+  static Applies any() { return {}; }
+  static Applies labelled() { return {Scope::labelled, {}}; }
+  static Applies kind(std::string name) { return {Scope::kinds, {std::move(name)}}; }
+};
 
 struct PluginLibrary;  // impl/plugin/plugin_library.hpp
 
@@ -55,16 +68,29 @@ struct Implementation {
   std::string source;                  // the public issue or pull request it comes from
   std::string signal;                  // how the bug shows
   std::vector<std::string> caught_by;  // checks expected to fail on a case that exposes it
-  Applies applies = Applies::any;      // losses whose kernels carry the switch
+  Applies applies;                     // losses whose kernels carry the switch
   BugSwitches bugs;
   const PluginLibrary* plugin = nullptr;  // set for `plugin:PATH` implementations (loaded, never unloaded)
 };
 
-const std::vector<Implementation>& implementations();
+// The correct implementation and every catalogued bug: the layouts' (impl/catalogue.cpp), then each loss
+// kind's own (its catalogue()), in registration order. Elements stay where they are as it grows.
+const std::deque<Implementation>& implementations();
+// A catalogued bug, and its switches set by `set(BugSwitches&)`.
+Implementation catalogued_bug(std::string name, std::string summary, std::string source, std::string signal,
+                              std::vector<std::string> caught_by, Applies applies, BugSwitches switches);
+template <class F>
+BugSwitches switches_with(F set) {
+  BugSwitches b;
+  set(b);
+  return b;
+}
 // nullptr when no implementation has that name. A `plugin:PATH.so[?PARAMS]` name loads that native plugin
 // (once per process) and throws CaseError when it cannot be loaded.
 const Implementation* find_implementation(std::string_view name);
 // Whether the implementation's switches reach a loss kind's kernel at all.
-bool applies_to(const Implementation& impl, LossKind kind);
+bool applies_to(const Implementation& impl, const LossKind* kind);
+// The kinds an implementation applies to, in words ("cross_entropy", "kinds with labels", ...).
+std::string applies_in_words(const Applies& applies);
 
 }  // namespace lossverify

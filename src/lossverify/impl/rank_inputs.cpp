@@ -1,5 +1,7 @@
 #include "lossverify/impl/rank_inputs.hpp"
 
+#include "lossverify/kinds/loss_kind.hpp"
+
 #include "lossverify/comm/progress_beacon.hpp"
 
 namespace lossverify {
@@ -32,15 +34,15 @@ RankInputs make_rank_inputs(const Case& c, const InputSource& inputs, RankAssign
   RankInputs in;
   in.assignment = std::move(assignment);
   in.dtype = c.inputs.dtype;
-  const bool kd = c.loss.kind == LossKind::kd;
+  const bool teacher = kind_of(c.loss).inputs().teacher_logits;
   const auto rows = static_cast<std::size_t>(in.rows());
   const std::size_t bytes = rows * static_cast<std::size_t>(in.columns()) * dtype_size(in.dtype);
   in.logits.resize(bytes);
-  if (kd) in.teacher_logits.resize(bytes);
+  if (teacher) in.teacher_logits.resize(bytes);
   dispatch_dtype(in.dtype, [&](auto type) {
     using T = typename decltype(type)::type;
     fill_logits(inputs, in.assignment, false, reinterpret_cast<T*>(in.logits.data()), threads);
-    if (kd) fill_logits(inputs, in.assignment, true, reinterpret_cast<T*>(in.teacher_logits.data()), threads);
+    if (teacher) fill_logits(inputs, in.assignment, true, reinterpret_cast<T*>(in.teacher_logits.data()), threads);
   });
   const bool weighted = c.loss.reduction == Reduction::none;
   for (const LocalRow& row : in.assignment.rows) {

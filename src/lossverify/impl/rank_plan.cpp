@@ -1,6 +1,10 @@
 #include "lossverify/impl/rank_plan.hpp"
 
+#include "lossverify/kinds/loss_kind.hpp"
+
 namespace lossverify {
+
+bool RankPlan::labelled() const { return kind_of(case_.loss).inputs().labels; }
 
 namespace {
 
@@ -63,7 +67,7 @@ void RankPlan::plan_labels(const RankAssignment& assignment) {
       RowPlan& p = rows_[static_cast<std::size_t>(i)];
       p.label = ignore;
       if (row.token < 0) continue;  // CP padding: masked
-      if (kd()) {
+      if (!labelled()) {
         p.valid = inputs_.is_valid(row.token);
         continue;
       }
@@ -79,7 +83,7 @@ void RankPlan::plan_labels(const RankAssignment& assignment) {
     }
   }
   for (RowPlan& p : rows_) p.active = p.valid;
-  if (bugs_.zloss_on_ignored && !kd()) {
+  if (bugs_.zloss_on_ignored) {
     for (std::size_t i = 0; i < rows_.size(); ++i) rows_[i].active = rows_in[i].token >= 0;
   }
 }

@@ -38,7 +38,7 @@ class RankPlan {
   std::optional<float> logged_loss(const std::vector<float>& token_loss, Communicator& batch) const;
 
  private:
-  bool kd() const { return case_.loss.kind == LossKind::kd; }
+  bool labelled() const;  // the case's kind reads labels
   void plan_labels(const RankAssignment& assignment);
   std::int64_t label_with_cp_padding(const RankAssignment& assignment, const LocalRow& row,
                                      std::int64_t local_index) const;

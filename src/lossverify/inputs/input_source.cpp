@@ -1,5 +1,7 @@
 #include "lossverify/inputs/input_source.hpp"
 
+#include "lossverify/kinds/loss_kind.hpp"
+
 #include <algorithm>
 
 #include "lossverify/core/errors.hpp"
@@ -16,9 +18,10 @@ InputSource::InputSource(const Case& c) : case_(c), batch_(c.batch) {
 InputSource::InputSource(const Case& c, ExplicitInputs data) : case_(c), explicit_(true), batch_(c.batch) {
   const auto n = static_cast<std::size_t>(c.shape.tokens);
   const std::size_t row_bytes = static_cast<std::size_t>(c.shape.vocab) * dtype_size(c.inputs.dtype);
-  const bool kd = c.loss.kind == LossKind::kd;
-  if (data.student.size() != n * row_bytes || (kd && data.teacher.size() != n * row_bytes) ||
-      (!kd && !data.teacher.empty()) || (!kd && data.labels.size() != n) || data.loss_mask.size() != n) {
+  const KindInputs reads = kind_of(c.loss).inputs();
+  if (data.student.size() != n * row_bytes || (reads.teacher_logits && data.teacher.size() != n * row_bytes) ||
+      (!reads.teacher_logits && !data.teacher.empty()) || (reads.labels && data.labels.size() != n) ||
+      data.loss_mask.size() != n) {
     throw InternalError("explicit inputs do not match the case's shape and dtype");
   }
   cache_student_ = std::move(data.student);
@@ -108,11 +111,11 @@ bool InputSource::materialize(int threads, std::size_t max_bytes) {
   if (explicit_) return true;  // the data is all in memory already
   const std::int64_t vocab = case_.shape.vocab;
   const std::int64_t n = case_.shape.tokens;
-  const bool kd = case_.loss.kind == LossKind::kd && !case_.inputs.teacher.same_as_student;
-  const std::size_t bytes = static_cast<std::size_t>(n * vocab) * dtype_size(dtype()) * (kd ? 2 : 1);
+  const bool own_teacher = kind_of(case_.loss).inputs().teacher_logits && !case_.inputs.teacher.same_as_student;
+  const std::size_t bytes = static_cast<std::size_t>(n * vocab) * dtype_size(dtype()) * (own_teacher ? 2 : 1);
   if (bytes > max_bytes) return false;
   std::vector<std::byte> student(static_cast<std::size_t>(n * vocab) * dtype_size(dtype()));
-  std::vector<std::byte> teacher(kd ? student.size() : 0);
+  std::vector<std::byte> teacher(own_teacher ? student.size() : 0);
   dispatch_dtype(dtype(), [&](auto type) {
     using S = typename decltype(type)::type;
     S* s_rows = reinterpret_cast<S*>(student.data());
@@ -120,7 +123,7 @@ bool InputSource::materialize(int threads, std::size_t max_bytes) {
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 8)
     for (std::int64_t t = 0; t < n; ++t) {
       logits(t, 0, vocab, s_rows + t * vocab);
-      if (kd) teacher_logits(t, 0, vocab, t_rows + t * vocab);
+      if (own_teacher) teacher_logits(t, 0, vocab, t_rows + t * vocab);
     }
   });
   cache_student_ = std::move(student);
@@ -172,7 +175,7 @@ bool InputSource::masked(std::int64_t token) const {
 }
 
 bool InputSource::is_valid(std::int64_t token) const {
-  if (case_.loss.kind == LossKind::kd) return !masked(token);
+  if (!kind_of(case_.loss).inputs().labels) return !masked(token);
   return label(token) != case_.loss.ignore_index;
 }
 

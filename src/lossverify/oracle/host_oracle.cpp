@@ -41,14 +41,14 @@ HostOracle::HostOracle(const Case& c, const InputSource& inputs, const RankOutpu
       reference_(c, inputs),
       judgement_(judgement),
       threads_(threads),
-      kd_(c.loss.kind == LossKind::kd),
+      has_teacher_(reference_.needs_teacher()),
       beacon_(ProgressBeacon::current()),
       student_(c.inputs.dtype, out.rows(), out.columns(), beacon_),
-      teacher_(c.inputs.dtype, kd_ ? out.rows() : 0, out.columns(), beacon_) {}
+      teacher_(c.inputs.dtype, has_teacher_ ? out.rows() : 0, out.columns(), beacon_) {}
 
 void HostOracle::load_row(std::int64_t i, std::vector<double>& student, std::vector<double>& teacher) const {
   student_.widen(i, student.data());
-  if (kd_) teacher_.widen(i, teacher.data());
+  if (has_teacher_) teacher_.widen(i, teacher.data());
 }
 
 void HostOracle::row_partials(std::vector<double>& partials, std::vector<char>& valid) {
@@ -59,7 +59,7 @@ void HostOracle::row_partials(std::vector<double>& partials, std::vector<char>& 
 #pragma omp parallel num_threads(threads_)
   {
     std::vector<double> student(static_cast<std::size_t>(cols));
-    std::vector<double> teacher(kd_ ? static_cast<std::size_t>(cols) : 0);
+    std::vector<double> teacher(has_teacher_ ? static_cast<std::size_t>(cols) : 0);
 #pragma omp for schedule(dynamic, 4)
     for (std::int64_t i = 0; i < rows; ++i) {
       beat_row(beacon_, i);
@@ -67,7 +67,7 @@ void HostOracle::row_partials(std::vector<double>& partials, std::vector<char>& 
       if (t < 0 || !inputs_.is_valid(t)) continue;
       valid_[static_cast<std::size_t>(i)] = 1;
       student_.store(i, [&](auto* row) { inputs_.logits(t, range.begin, range.end, row); });
-      if (kd_) teacher_.store(i, [&](auto* row) { inputs_.teacher_logits(t, range.begin, range.end, row); });
+      if (has_teacher_) teacher_.store(i, [&](auto* row) { inputs_.teacher_logits(t, range.begin, range.end, row); });
       load_row(i, student, teacher);
       const RowPartial p = reference_.partial(t, range.begin, student, teacher);
       p.store(&partials[static_cast<std::size_t>(i * RowPartial::kDoubles)]);
@@ -76,7 +76,7 @@ void HostOracle::row_partials(std::vector<double>& partials, std::vector<char>& 
   valid = valid_;
 }
 
-std::vector<double> HostOracle::kl_partials(std::span<const RowStats> stats) {
+std::vector<double> HostOracle::value_partials(std::span<const RowStats> stats) {
   const std::int64_t rows = out_.rows();
   const std::int64_t cols = out_.columns();
   std::vector<double> kl(static_cast<std::size_t>(2 * rows), 0.0);
@@ -89,7 +89,7 @@ std::vector<double> HostOracle::kl_partials(std::span<const RowStats> stats) {
       beat_row(beacon_, i);
       if (!valid_[static_cast<std::size_t>(i)]) continue;
       load_row(i, student, teacher);
-      const auto [sum, error] = reference_.kl_partial(stats[static_cast<std::size_t>(i)], student, teacher);
+      const auto [sum, error] = reference_.value_partial(stats[static_cast<std::size_t>(i)], student, teacher);
       kl[static_cast<std::size_t>(2 * i)] = sum;
       kl[static_cast<std::size_t>(2 * i + 1)] = error;
     }
@@ -183,7 +183,7 @@ void HostOracle::start_judging(std::span<const RowStats> stats) {
 #pragma omp parallel num_threads(threads_)
   {
     std::vector<double> student(static_cast<std::size_t>(cols));
-    std::vector<double> teacher(kd_ ? static_cast<std::size_t>(cols) : 0);
+    std::vector<double> teacher(has_teacher_ ? static_cast<std::size_t>(cols) : 0);
     std::vector<double> expected(static_cast<std::size_t>(cols));
     std::vector<double> got(static_cast<std::size_t>(cols));
 #pragma omp for schedule(dynamic, 4)

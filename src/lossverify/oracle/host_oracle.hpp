@@ -25,7 +25,7 @@ class HostOracle final : public Oracle {
 
   const LossReference& reference() const override { return reference_; }
   void row_partials(std::vector<double>& partials, std::vector<char>& valid) override;
-  std::vector<double> kl_partials(std::span<const RowStats> stats) override;
+  std::vector<double> value_partials(std::span<const RowStats> stats) override;
   void start_judging(std::span<const RowStats> stats) override;
   std::span<const RowJudgement> judged_rows() override { return rows_; }
 
@@ -56,7 +56,7 @@ class HostOracle final : public Oracle {
   const LossReference reference_;
   const GradJudgement judgement_;
   const int threads_;
-  const bool kd_;
+  const bool has_teacher_;
   ProgressBeacon* const beacon_;
   ShardCache student_;
   ShardCache teacher_;

@@ -1,4 +1,5 @@
 #include "lossverify/repro/bundle.hpp"
+#include "lossverify/kinds/loss_kind.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -79,7 +80,9 @@ std::vector<double> teacher_row(const InputSource& inputs, std::int64_t token) {
   return row;
 }
 
-bool has_own_teacher(const Case& c) { return c.loss.kind == LossKind::kd && !c.inputs.teacher.same_as_student; }
+bool has_own_teacher(const Case& c) {
+  return kind_of(c.loss).inputs().teacher_logits && !c.inputs.teacher.same_as_student;
+}
 
 // Rewrites "SOURCE: $.x: ..." from the case reader into "SOURCE: $.case.x: ..." (the case sits in $.case).
 [[noreturn]] void rethrow_in_case(const CaseError& e, const std::string& source) {
@@ -166,7 +169,7 @@ std::vector<double> decode_row_bits(const std::string& text, DType dtype, std::i
 json make_bundle(const RunResult& run, const BundleContext& context, const BundleLimits& limits) {
   const Case& c = run.the_case;
   const std::int64_t vocab = c.shape.vocab;
-  const bool kd = c.loss.kind == LossKind::kd;
+  const bool labelled = kind_of(c.loss).inputs().labels;
   const InputSource inputs(c);
   const json run_json = run_to_json(run);
 
@@ -225,7 +228,7 @@ json make_bundle(const RunResult& run, const BundleContext& context, const Bundl
     row["loss_margin"] = static_cast<std::size_t>(t) < map.token_loss_margin.size()
                              ? map.token_loss_margin[static_cast<std::size_t>(t)]
                              : 0.0;
-    if (!kd) row["label"] = inputs.label(t);
+    if (labelled) row["label"] = inputs.label(t);
     row["valid"] = inputs.is_valid(t);
     // Pin the row: an override of its own, or the logits added to a label-only override of the case.
     json* existing = nullptr;
@@ -236,7 +239,7 @@ json make_bundle(const RunResult& run, const BundleContext& context, const Bundl
     bool pinned_label = false;
     if (existing == nullptr) {
       json o = {{"token", t}, {"logits", logits}};
-      if (!kd) {
+      if (labelled) {
         o["label"] = inputs.label(t);
         pinned_label = true;
       }
@@ -333,7 +336,7 @@ Bundle parse_bundle(const json& document, const std::string& source) {
     rethrow_in_case(e, source);
   }
   const Case& c = b.the_case;
-  const bool kd = c.loss.kind == LossKind::kd;
+  const bool labelled = kind_of(c.loss).inputs().labels;
 
   const json& rows = root.raw("failing_rows");
   if (!rows.is_array()) fail_at(source, "$.failing_rows", "expected array, got " + detail::json_type_name(rows));
@@ -359,7 +362,9 @@ Bundle parse_bundle(const json& document, const std::string& source) {
     row.logits =
         decode_row_bits(bits.get<std::string>(), c.inputs.dtype, c.shape.vocab, source, r.path_of("logits_bits"));
     if (r.has("teacher_bits")) {
-      if (!has_own_teacher(c)) r.fail("teacher_bits", "only a kd case with its own teacher records teacher rows");
+      if (!has_own_teacher(c))
+        r.fail("teacher_bits",
+               "only a case whose kind reads teacher logits, with its own teacher, records teacher rows");
       const json& t = r.raw("teacher_bits");
       if (!t.is_string()) r.fail("teacher_bits", "expected a string of hex words, got " + detail::json_type_name(t));
       row.teacher =
@@ -368,7 +373,7 @@ Bundle parse_bundle(const json& document, const std::string& source) {
       r.allow("teacher_bits");
     }
     if (r.has("label")) {
-      if (kd) r.fail("label", "kd rows take no labels");
+      if (!labelled) r.fail("label", std::string(kind_of(c.loss).name()) + " rows take no labels");
       row.label = r.integer("label");
     } else {
       r.allow("label");

@@ -1,4 +1,5 @@
 #include "lossverify/repro/shrink.hpp"
+#include "lossverify/kinds/loss_kind.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -398,7 +399,7 @@ class Shrinker {
         if (o["token"] != t) kept.push_back(o);
       }
       json o = {{"token", t}, {"logits", row}};
-      if (c.loss.kind == LossKind::cross_entropy) o["label"] = inputs.label(t);
+      if (kind_of(c.loss).inputs().labels) o["label"] = inputs.label(t);
       kept.push_back(o);
       overrides = kept;
       attempt(candidate, "pin the row of token " + std::to_string(t) + " inline");

@@ -1,4 +1,5 @@
 #include "lossverify/runner/memory_estimate.hpp"
+#include "lossverify/kinds/loss_kind.hpp"
 
 #include <algorithm>
 #include <fstream>
@@ -57,7 +58,7 @@ MemoryEstimate estimate_memory(const Case& c, bool keep_snapshot) {
   const std::int64_t n = c.shape.tokens;
   const std::int64_t logits = times(n, c.shape.vocab);
   const std::int64_t element = static_cast<std::int64_t>(dtype_size(c.inputs.dtype));
-  const std::int64_t inputs_per_logit = c.loss.kind == LossKind::kd ? 2 : 1;  // the teacher's shard too
+  const std::int64_t inputs_per_logit = kind_of(c.loss).inputs().teacher_logits ? 2 : 1;  // a teacher's shard too
   MemoryEstimate e;
   e.shards = times(logits, element * (inputs_per_logit + 1));  // + the gradient, in the same dtype
   const std::int64_t rows_per_rank = n / (std::int64_t{c.layout.cp} * c.layout.dp) + 2 * c.layout.cp;

@@ -13,6 +13,7 @@
 #include "lossverify/impl/cuda/cuda_backend.hpp"
 #include "lossverify/impl/plugin/plugin_backend.hpp"
 #include "lossverify/inputs/input_source.hpp"
+#include "lossverify/kinds/loss_kind.hpp"
 #include "lossverify/layout/rank_layout.hpp"
 #include "lossverify/oracle/cuda/device_oracle.hpp"
 #include "lossverify/oracle/cuda/gpu_reference.hpp"
@@ -116,9 +117,23 @@ void require_supported(const Implementation& impl, const Case& c) {
     throw CaseError(c.source + ": the plugin " + impl.name + " does not compute " +
                     std::string(to_string(c.loss.kind)) + " losses (its lv_plugin.losses)");
   }
-  throw CaseError(c.source + ": --impl " + impl.name + " is a bug of " +
-                  (c.loss.kind == LossKind::kd ? "cross_entropy" : "kd") + " losses, and this case is " +
-                  std::string(to_string(c.loss.kind)) + ": not applicable (the gate records such pairs as not run)");
+  throw CaseError(c.source + ": --impl " + impl.name + " is a bug of " + applies_in_words(impl.applies) +
+                  " losses, and this case is " + std::string(to_string(c.loss.kind)) +
+                  ": not applicable (the gate records such pairs as not run)");
+}
+
+// A kind without a CUDA implementation, or one the GPU oracle cannot evaluate, is refused before any work.
+void require_kind_support(const Case& c, const RunOptions& options) {
+  const LossKind& kind = kind_of(c.loss);
+  if (options.device != RunOptions::Device::cuda) return;
+  if (cuda::built_with_cuda() && !cuda::runs_kind(kind.name())) {
+    throw CaseError(c.source + ": --backend cuda: loss kind " + std::string(kind.name()) +
+                    " has no CUDA implementation (use the CPU backend)");
+  }
+  if (options.reference == RunOptions::Reference::gpu && !kind.device_row_model(c)) {
+    throw CaseError(c.source + ": --reference gpu: the GPU oracle cannot evaluate loss kind " +
+                    std::string(kind.name()) + " (use --reference cpu)");
+  }
 }
 
 RunOptions options_for(const Implementation& impl, const RunOptions& options) {
@@ -244,6 +259,7 @@ RankJob run_rank(const Case& c, const InputSource& inputs, const Implementation&
       }
       execution.reference = "cpu";
     }
+    if (!kind_of(c.loss).device_row_model(c)) execution.reference = "cpu";  // the GPU oracle cannot evaluate it
     device_options.keep_on_device = execution.reference == "gpu";
     RankAssignment assignment = assign_rank(c, inputs.batch(), rank);
     // The GPU oracle first: its own copy of the inputs is generated on its stream while the implementation
@@ -298,6 +314,7 @@ RunOptions check_run(const Case& c, const RunOptions& requested, const Launcher&
   }
   require_supported(*impl, c);
   const RunOptions options = options_for(*impl, requested);
+  require_kind_support(c, options);
   check_case(c);
   const int world_size = c.layout.world_size();
   check_fault_rank(options.fault, world_size);

@@ -5,6 +5,7 @@
 // per-row statistics, and the outputs land in a RankOutput that the same verification checks.
 // Without the CUDA toolkit at build time every entry point says so (exit code 3).
 #include <string>
+#include <string_view>
 
 #include <nlohmann/json.hpp>
 
@@ -20,6 +21,8 @@ bool built_with_cuda();
 // Throws InternalError naming why the device cannot be used (no driver, no GPU, not built with CUDA).
 void require_device(int device);
 int visible_devices();
+// Whether a loss kind has a CUDA implementation (kinds/cuda_kind.hpp).
+bool runs_kind(std::string_view kind_name);
 
 struct CudaRankOptions {
   int device = 0;

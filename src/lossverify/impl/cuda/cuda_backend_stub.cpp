@@ -13,6 +13,7 @@ namespace {
 bool built_with_cuda() { return false; }
 void require_device(int) { unavailable(); }
 int visible_devices() { return 0; }
+bool runs_kind(std::string_view) { return false; }
 RankOutput run_sharded_loss(const Case&, const InputSource&, RankAssignment, RankGroups, const BugSwitches&,
                             const CudaRankOptions&) {
   unavailable();

@@ -14,7 +14,7 @@
 #include "lossverify/cuda/cuda_check.hpp"
 #include "lossverify/cuda/device_types.cuh"
 #include "lossverify/impl/cuda/kernels.hpp"
-#include "lossverify/math/cross_entropy_math.hpp"
+#include "lossverify/kinds/cross_entropy/cross_entropy_math.hpp"
 
 namespace lossverify::cuda {
 

@@ -15,6 +15,7 @@
 #include "lossverify/impl/plugin/plugin_host.hpp"
 #include "lossverify/impl/plugin/plugin_region.hpp"
 #include "lossverify/impl/rank_inputs.hpp"
+#include "lossverify/kinds/loss_kind.hpp"
 
 namespace lossverify {
 
@@ -41,7 +42,7 @@ lv_dtype abi_dtype(DType d) {
 
 lv_loss_config abi_loss(const LossSpec& loss) {
   lv_loss_config config{};
-  config.kind = loss.kind == LossKind::kd ? LV_LOSS_KD : LV_LOSS_CROSS_ENTROPY;
+  config.kind = static_cast<lv_loss_kind>(kind_of(loss).plugin_kind().value_or(LV_LOSS_CROSS_ENTROPY));
   config.reduction = loss.reduction == Reduction::sum    ? LV_REDUCTION_SUM
                      : loss.reduction == Reduction::none ? LV_REDUCTION_NONE
                                                          : LV_REDUCTION_MEAN;
@@ -118,7 +119,7 @@ class PluginRank {
     sizes.params_bytes = plugin_.params.size() + 1;
     sizes.micro_batches = case_.layout.ga;
     sizes.logits_bytes = in.logits.size();
-    sizes.teacher = case_.loss.kind == LossKind::kd;
+    sizes.teacher = kind_of(case_.loss).inputs().teacher_logits;
     sizes.rows = in.rows();
     sizes.grad_bytes = in.logits.size();
     layout_ = region_layout(sizes);
@@ -161,7 +162,7 @@ class PluginRank {
     std::memcpy(region.at(layout_.params), plugin_.params.c_str(), plugin_.params.size() + 1);
     put(region, layout_.micro_batch_begin, in.assignment.micro_batch_begin);
     put(region, layout_.logits, in.logits);
-    if (case_.loss.kind == LossKind::kd) put(region, layout_.teacher, in.teacher_logits);
+    if (kind_of(case_.loss).inputs().teacher_logits) put(region, layout_.teacher, in.teacher_logits);
     put(region, layout_.labels, in.labels);
     put(region, layout_.loss_mask, in.loss_mask);
     put(region, layout_.upstream, in.upstream_weights);
@@ -191,7 +192,7 @@ class PluginRank {
     r.global_valid_tokens = valid;
     r.dtype = abi_dtype(in.dtype);
     r.device = plugin_.device_memory() ? options_.device : -1;
-    r.has_teacher = case_.loss.kind == LossKind::kd ? 1 : 0;
+    r.has_teacher = kind_of(case_.loss).inputs().teacher_logits ? 1 : 0;
     r.loss = abi_loss(case_.loss);
     r.framework.grad_reduce_avg = case_.framework.grad_reduce == FrameworkSpec::GradReduce::avg ? 1 : 0;
     r.framework.ga_reduce_mean = case_.framework.ga_reduce == FrameworkSpec::GaReduce::mean ? 1 : 0;

@@ -1,4 +1,5 @@
 #include "lossverify/impl/plugin/plugin_library.hpp"
+#include "lossverify/kinds/registry.hpp"
 
 #include <filesystem>
 #include <map>
@@ -102,9 +103,12 @@ Implementation implementation_of(const PluginLibrary& lib) {
                  (lib.params.empty() ? "" : " [" + lib.params + "]");
   impl.source = lib.path;
   impl.signal = "";
-  const bool ce = (lib.losses & LV_SUPPORTS_CROSS_ENTROPY) != 0;
-  const bool kd = (lib.losses & LV_SUPPORTS_KD) != 0;
-  impl.applies = ce && kd ? Applies::any : ce ? Applies::cross_entropy : Applies::kd;
+  // The kinds whose lv_loss_kind bit the plugin sets.
+  impl.applies.scope = Applies::Scope::kinds;
+  for (const LossKind* kind : loss_kinds()) {
+    const std::optional<int> code = kind->plugin_kind();
+    if (code && (lib.losses & (1u << *code)) != 0) impl.applies.kinds.emplace_back(kind->name());
+  }
   return impl;
 }
 

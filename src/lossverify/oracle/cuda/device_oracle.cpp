@@ -18,7 +18,7 @@ class DeviceOracle final : public Oracle {
         shard_(std::move(shard)),
         out_(out),
         reference_(c, inputs),
-        compare_early_(whole_rows && c.loss.kind != LossKind::kd) {
+        compare_early_(whole_rows && !kind_of(c.loss).device_row_model(c).value_or(DeviceRowModel{}).teacher) {
     if (!shard_ || !out_.device_shard)
       throw InternalError("the GPU oracle needs its inputs and the rank's gradient on the GPU");
     compare_.atol = judgement.tolerance.atol;
@@ -57,7 +57,7 @@ class DeviceOracle final : public Oracle {
     gpu_reference_partials_wait(*shard_, partials);
   }
 
-  std::vector<double> kl_partials(std::span<const RowStats> stats) override {
+  std::vector<double> value_partials(std::span<const RowStats> stats) override {
     std::vector<double> lse(stats.size()), teacher_lse(stats.size());
     for (std::size_t k = 0; k < stats.size(); ++k) {
       lse[k] = stats[k].lse;

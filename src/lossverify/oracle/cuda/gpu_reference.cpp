@@ -1,5 +1,7 @@
 #include "lossverify/oracle/cuda/gpu_reference.hpp"
 
+#include "lossverify/kinds/loss_kind.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -16,16 +18,11 @@ namespace {
 
 // Target weights of docs/spec.md §3, as the CPU reference writes them: q_v = (1 - a) [v = l] + a / n (pytorch) or
 // (1 - a) [v = l] + a / (n - 1) [v != l] (megatron).
-void target_weights(const Case& c, double& on, double& off) {
-  const double n = static_cast<double>(c.shape.vocab);
-  const double alpha = c.loss.label_smoothing;
-  if (c.loss.convention == SmoothingConvention::pytorch) {
-    on = (1.0 - alpha) * 1.0 + alpha / n;
-    off = (1.0 - alpha) * 0.0 + alpha / n;
-  } else {
-    on = (1.0 - alpha) * 1.0 + alpha / (n - 1.0) * (1.0 - 1.0);
-    off = (1.0 - alpha) * 0.0 + alpha / (n - 1.0) * (1.0 - 0.0);
-  }
+// The case's row model (its kind's); the runner uses this oracle only for kinds that have one.
+DeviceRowModel row_model(const Case& c) {
+  const std::optional<DeviceRowModel> m = kind_of(c.loss).device_row_model(c);
+  if (!m) throw InternalError("the GPU oracle cannot evaluate loss kind " + std::string(kind_of(c.loss).name()));
+  return *m;
 }
 
 template <class T>
@@ -126,8 +123,9 @@ std::shared_ptr<OracleShard> make_oracle_shard(const Case& c, const InputSource&
                                     static_cast<std::int64_t>(assignment.rows.size()), columns.size(), columns.begin);
   oracle->inputs = generate_shard_inputs(c, inputs, assignment, columns, oracle->workspace.stream.get());
   // The reference kernels' code, loaded while the inputs are generated (once per process and device).
-  preload_reference_kernels(oracle->type, c.loss.kind == LossKind::kd, c.loss.softcap,
-                            oracle->inputs.student.as<void>(), oracle->cols);
+  const DeviceRowModel model = row_model(c);
+  preload_reference_kernels(oracle->type, model.teacher, model.softcap, oracle->inputs.student.as<void>(),
+                            oracle->cols);
   return oracle;
 }
 
@@ -153,10 +151,12 @@ void launch_partials(OracleShard& oracle, const Case& c, std::span<const std::in
   a.begin = oracle.begin;
   a.valid = ws.d_partials_in.as<int>();
   a.label = reinterpret_cast<const std::int64_t*>(ws.d_partials_in.as<std::byte>() + labels_at);
-  a.kd = c.loss.kind == LossKind::kd;
-  a.inverse_temperature = 1.0 / c.loss.temperature;
-  a.softcap = c.loss.softcap;
-  target_weights(c, a.q_on, a.q_off);
+  const DeviceRowModel model = row_model(c);
+  a.kd = model.teacher;
+  a.inverse_temperature = 1.0 / model.temperature;
+  a.softcap = model.softcap;
+  a.q_on = model.q_on;
+  a.q_off = model.q_off;
   ws.partials_start.record(ws.stream.get());
   reference_partials(oracle.type, a, ws.d_partials.as<double>(), ws.stream.get());
   LV_CUDA(cudaGetLastError());
@@ -208,7 +208,7 @@ std::vector<double> gpu_reference_kl(OracleShard& oracle, const Case& c, const s
                     d_valid.as<int>(),
                     d_lse.as<double>(),
                     d_teacher_lse.as<double>(),
-                    1.0 / c.loss.temperature};
+                    1.0 / row_model(c).temperature};
   reference_kl(oracle.type, a, d_out.as<double>(), stream.get());
   LV_CUDA(cudaGetLastError());
   return download<double>(d_out, zeros.size(), stream.get());
@@ -252,13 +252,15 @@ void gpu_reference_compare_launch(OracleShard& oracle, const DeviceShard& output
   a.teacher_lse = ws.device_in<double>(ws.layout.teacher_lse);
   a.weight = ws.device_in<double>(ws.layout.weight);
   a.partials = lse_from_partials ? ws.d_partials.as<double>() : nullptr;
-  a.kd = c.loss.kind == LossKind::kd;
-  a.temperature = c.loss.temperature;
-  a.inverse_temperature = 1.0 / c.loss.temperature;
-  a.kd_grad_scale = std::pow(c.loss.temperature, (c.loss.t2_scaling ? 2.0 : 0.0) - 1.0);
-  a.softcap = c.loss.softcap;
-  a.z_loss_weight = c.loss.z_loss_weight;
-  target_weights(c, a.q_on, a.q_off);
+  const DeviceRowModel model = row_model(c);
+  a.kd = model.teacher;
+  a.temperature = model.temperature;
+  a.inverse_temperature = 1.0 / model.temperature;
+  a.kd_grad_scale = model.teacher_grad_scale;
+  a.softcap = model.softcap;
+  a.z_loss_weight = model.z_loss_weight;
+  a.q_on = model.q_on;
+  a.q_off = model.q_off;
   a.atol = in.atol;
   a.rtol = in.rtol;
   a.max_ulp = in.max_ulp;

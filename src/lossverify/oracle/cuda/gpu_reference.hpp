@@ -9,6 +9,7 @@
 
 #include "lossverify/case/case.hpp"
 #include "lossverify/inputs/input_source.hpp"
+#include "lossverify/kinds/loss_kind.hpp"
 #include "lossverify/oracle/cuda/reference_kernels.hpp"
 #include "lossverify/outputs/rank_output.hpp"
 
@@ -36,7 +37,7 @@ inline void reference_rows(const Case& c, const InputSource& inputs, const RankA
     const std::int64_t t = assignment.rows[i].token;
     if (t < 0 || !inputs.is_valid(t)) continue;
     valid[i] = 1;
-    if (c.loss.kind != LossKind::kd) labels[i] = inputs.label(t);
+    if (kind_of(c.loss).inputs().labels) labels[i] = inputs.label(t);
   }
 }
 
@@ -45,7 +46,7 @@ inline void reference_rows(const Case& c, const InputSource& inputs, const RankA
 void gpu_reference_partials_launch(OracleShard& oracle, const Case& c, std::span<const std::int64_t> labels,
                                    std::span<const int> valid);
 void gpu_reference_partials_wait(OracleShard& oracle, std::span<double> out);
-// KD: [value, error] per row of sum_v P_v (log P_v - log Q_v) over the shard.
+// A kind with a value pass (KD): [value, error] per row of sum_v P_v (log P_v - log Q_v) over the shard.
 std::vector<double> gpu_reference_kl(OracleShard& oracle, const Case& c, const std::vector<double>& lse,
                                      const std::vector<double>& teacher_lse, const std::vector<int>& valid);
 

@@ -1,9 +1,10 @@
 #pragma once
-// The sharded loss's collective protocol (docs/spec.md §5), written once for every backend. A backend
+// Cross-entropy's collective protocol (docs/spec.md §5), written once for every backend. A backend
 // supplies what only it can compute over its own columns of one micro-batch of rows (row maxima, shifted
 // sums, the gradient); the protocol does the collectives on per-row statistics over the TP group, applies
 // the catalogued forward switches and writes each row's loss. Rows the plan leaves inactive are skipped
 // by both sides. All spans hold one value per row of the micro-batch (or a packed multiple, as named).
+#include <cmath>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -12,6 +13,7 @@
 #include "lossverify/comm/rank_groups.hpp"
 #include "lossverify/impl/catalogue.hpp"
 #include "lossverify/impl/rank_plan.hpp"
+#include "lossverify/kinds/cross_entropy/cross_entropy_math.hpp"
 
 namespace lossverify {
 
@@ -39,27 +41,42 @@ class CrossEntropyShard {
   virtual void gradient(std::span<const float> max, std::span<const float> log_sum) = 0;
 };
 
-// KD: [M_a | M_b] in one allreduce_max; one packed allreduce_sum of [S_a | S_b | W (| U)]; KL without
-// log P; the gradient T^(s-1) (Q - P) from the two lse.
-class KdShard {
- public:
-  virtual ~KdShard() = default;
-  // [M_a | M_b]: the student's and the teacher's max over the shard (logits / T).
-  virtual void local_maxima(std::span<float> maxima) = 0;
-  // Given [M_a | M_b]: [S_a | S_b | W | U] with S = sum exp(z - M), W = sum exp(b - M_b)(b - a) and, for
-  // kd-cross-entropy-value only (`packed` then holds 4 per row), U = sum exp(b - M_b)(a - M_a).
-  virtual void shifted_sums(std::span<const float> maxima, std::span<float> packed) = 0;
-  // The gradient weight * (Q - P) of the shard's columns (kd-untracked-allreduce's variant included).
-  virtual void gradient(std::span<const float> lse_student, std::span<const float> lse_teacher,
-                        std::span<const float> weight) = 0;
+// Target distributions of the forward and the backward, as the switches make them.
+struct SmoothingPair {
+  SmoothingWeights<float> forward;
+  SmoothingWeights<float> backward;
 };
+inline SmoothingPair smoothing_for(const Case& c, const BugSwitches& bugs, float shard_width) {
+  const auto alpha = static_cast<float>(c.loss.label_smoothing);
+  const SmoothingConvention convention =
+      bugs.smoothing_convention_swap
+          ? (c.loss.convention == SmoothingConvention::pytorch ? SmoothingConvention::megatron
+                                                               : SmoothingConvention::pytorch)
+          : c.loss.convention;
+  const auto vocab = static_cast<float>(c.shape.vocab);
+  return {smoothing_weights(alpha, convention, bugs.smoothing_vocab_local_forward ? shard_width : vocab),
+          smoothing_weights(alpha, convention, bugs.smoothing_vocab_local_backward ? shard_width : vocab)};
+}
+
+// l for one row: log_sum = log S, target_shifted = x_l - M, smoothing_sum the sum(x - M) the forward uses,
+// local_sum_shifted this rank's own sum(x - M) (for smoothing-local-sum).
+inline float cross_entropy_row_loss(const RowPlan& p, float row_max, float log_sum, float target_shifted,
+                                    float smoothing_sum, float local_sum_shifted, float shard_width,
+                                    SmoothingWeights<float> q, float z_weight, const BugSwitches& bugs) {
+  const float lse = row_max + log_sum;
+  if (!p.valid) return z_weight * lse * lse;  // reached only under zloss-on-ignored
+  if (bugs.smoothing_raw_local_sum) {
+    const float local_raw_sum = local_sum_shifted + shard_width * row_max;
+    return lse - (q.off_target * local_raw_sum + (q.on_target - q.off_target) * (target_shifted + row_max)) +
+           z_weight * lse * lse;
+  }
+  return cross_entropy_from_sums(log_sum, target_shifted, smoothing_sum, q, z_weight, lse);
+}
 
 // One micro-batch, rows [begin, begin + n) of the rank: collective over groups.tp. `shard_width` is the
 // number of columns the shard's kernels see. Writes token_loss[begin + i] of every active row.
 void cross_entropy_protocol(const Case& c, const BugSwitches& bugs, const RankPlan& plan, RankGroups& groups,
                             std::int64_t begin, std::int64_t n, std::int64_t shard_width, CrossEntropyShard& shard,
                             std::vector<float>& token_loss);
-void kd_protocol(const Case& c, const BugSwitches& bugs, const RankPlan& plan, RankGroups& groups, std::int64_t begin,
-                 std::int64_t n, KdShard& shard, std::vector<float>& token_loss);
 
 }  // namespace lossverify

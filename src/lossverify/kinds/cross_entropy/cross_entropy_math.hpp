@@ -3,12 +3,9 @@
 // Real is float in the sharded implementations. The float64 reference does not use this file: it is
 // written from the definitions on its own (reference/), so a shared mistake cannot hide itself.
 #include "lossverify/core/host_device.hpp"
+#include "lossverify/kinds/cross_entropy/smoothing_convention.hpp"
 
 namespace lossverify {
-
-enum class LossKind { cross_entropy, kd };
-enum class SmoothingConvention { pytorch, megatron };
-enum class Reduction { mean, sum, none };
 
 // Target distribution q: q_v = on_target for v = label, off_target otherwise.
 //   pytorch:  q_v = (1 - a) [v = l] + a / V

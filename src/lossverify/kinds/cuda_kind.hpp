@@ -1,0 +1,63 @@
+#pragma once
+// A loss kind's part of the CUDA backend (impl/cuda/cuda_backend.cpp), in terms free of CUDA headers. The
+// backend generates a rank's inputs on its GPU, plans its rows and hands each micro-batch to the kind's
+// CudaKindRank; the kind launches its kernels and runs its collective protocol. Built-in kinds are listed
+// in kinds/cuda_kinds.cpp (CUDA builds only); a kind without an entry runs on the CPU backend only.
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string_view>
+#include <vector>
+
+#include "lossverify/cuda/storage.hpp"
+
+namespace lossverify {
+struct Case;
+struct BugSwitches;
+class RankPlan;
+struct RankGroups;
+}  // namespace lossverify
+
+namespace lossverify::cuda {
+
+// One rank's device buffers, as the backend made them.
+struct CudaRankSetup {
+  const Case& c;
+  const BugSwitches& bugs;
+  StorageType type;
+  std::size_t element = 0;          // bytes per logit
+  std::int64_t rows = 0, cols = 0;  // the kernel's rows and columns (kernel_columns)
+  std::int64_t owner_base = 0;      // global column of the kernel's first column, as its labels see it
+  std::byte* logits = nullptr;      // rows x cols (writable: a bug may overwrite them)
+  const std::byte* teacher = nullptr;
+  std::byte* grad = nullptr;  // rows x cols
+  bool whole_rows = false;    // a TP group of one
+  bool preload = true;        // load the kernels' code now rather than at their first launch
+  void* stream = nullptr;     // the rank's cudaStream_t
+};
+
+// Per-row arrays from the rank plan, on the host and the device (the micro-batch's slice is at row b).
+struct CudaRows {
+  const std::int64_t* target = nullptr;  // the label's column among the kernel's, -1 where not there
+  const int* active = nullptr;
+  const int* valid = nullptr;
+  const float* weight = nullptr;  // backward weight
+  const std::int64_t* host_target = nullptr;
+  const int* host_active = nullptr;
+};
+
+class CudaKindRank {
+ public:
+  virtual ~CudaKindRank() = default;
+  // Rows [b, b + n) of the rank: kernels, the protocol's collectives over groups.tp, token_loss[b + i].
+  virtual void micro_batch(const RankPlan& plan, RankGroups& groups, const CudaRows& rows, std::int64_t b,
+                           std::int64_t n, std::vector<float>& token_loss) = 0;
+};
+
+// Made while the rank's inputs are generated: it loads its kernels' code and allocates its buffers then.
+using CudaKindFactory = std::unique_ptr<CudaKindRank> (*)(const CudaRankSetup& setup);
+
+// nullptr when the kind has no CUDA implementation.
+CudaKindFactory cuda_kind_factory(std::string_view kind_name);
+
+}  // namespace lossverify::cuda

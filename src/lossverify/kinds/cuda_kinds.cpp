@@ -1,0 +1,17 @@
+// The loss kinds that run on the CUDA backend (CUDA builds only).
+#include <string_view>
+
+#include "lossverify/kinds/cuda_kind.hpp"
+
+namespace lossverify::cuda {
+
+std::unique_ptr<CudaKindRank> make_cross_entropy_cuda_rank(const CudaRankSetup& setup);
+std::unique_ptr<CudaKindRank> make_kd_cuda_rank(const CudaRankSetup& setup);
+
+CudaKindFactory cuda_kind_factory(std::string_view kind_name) {
+  if (kind_name == "cross_entropy") return &make_cross_entropy_cuda_rank;
+  if (kind_name == "kd") return &make_kd_cuda_rank;
+  return nullptr;
+}
+
+}  // namespace lossverify::cuda

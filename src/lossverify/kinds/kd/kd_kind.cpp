@@ -1,0 +1,89 @@
+// The KD kind (docs/spec.md §3): T^s KL(P || Q) of the teacher P = softmax(y / T) to the student
+// Q = softmax(x / T), with the T^2 factor optional (s = 2 or 0).
+#include "lossverify/kinds/kd/kd_parts.hpp"
+
+#include <cmath>
+
+#include "lossverify/case/case.hpp"
+#include "lossverify/case/json_reader.hpp"
+#include "lossverify/impl/catalogue.hpp"
+#include "lossverify/plugin.h"
+
+namespace lossverify {
+
+namespace {
+
+using nlohmann::json;
+
+double t2_power(const LossSpec& loss) { return loss.t2_scaling ? 2.0 : 0.0; }
+
+class KdKind final : public LossKind {
+ public:
+  std::string_view name() const override { return "kd"; }
+  std::string_view summary() const override {
+    return "forward KL from teacher logits: temperature, t2_scaling, reduction mean|sum|none, upstream_weights";
+  }
+
+  std::vector<std::string> keys() const override { return {"temperature", "t2_scaling"}; }
+
+  void parse(detail::ObjectReader& r, LossSpec& loss) const override {
+    loss.temperature = r.number("temperature", 1.0);
+    if (!(loss.temperature > 0.0 && loss.temperature <= kMaxTemperature)) {
+      r.fail("temperature", "must be in (0, 1e6], got " + json(loss.temperature).dump());
+    }
+    loss.t2_scaling = r.boolean("t2_scaling", true);
+  }
+
+  // Generated logits / T beyond 200: float32 rounding of the scaled logits, not a bug, decides the verdict.
+  void validate(const Case& c) const override {
+    auto check = [&](double mean, double scale, const std::string& path) {
+      const double reach = std::fabs(mean) + 9.0 * scale;  // no generated logit lies further out
+      if (reach / c.loss.temperature > kMaxScaledLogit) {
+        detail::fail_at(c.source, path,
+                        "generated logits / temperature reach " + json(reach / c.loss.temperature).dump() +
+                            ", beyond 200, where float32 rounding of logits / T decides the verdict (raise the "
+                            "temperature or lower the scale)");
+      }
+    };
+    check(c.inputs.mean, c.inputs.scale, "$.inputs.scale");
+    if (!c.inputs.teacher.same_as_student)
+      check(c.inputs.teacher.mean, c.inputs.teacher.scale, "$.inputs.teacher.scale");
+  }
+
+  void resolve(const LossSpec& loss, json& l) const override {
+    l["temperature"] = loss.temperature;
+    l["t2_scaling"] = loss.t2_scaling;
+  }
+
+  KindInputs inputs() const override { return {false, true}; }
+  double loss_scale(const LossSpec& loss) const override { return std::pow(loss.temperature, t2_power(loss)); }
+  double grad_scale(const LossSpec& loss) const override { return std::pow(loss.temperature, t2_power(loss) - 1.0); }
+
+  std::string row_sum_rule() const override { return "sum_v grad = w_t 2 w_z lse for every token"; }
+
+  std::vector<Implementation> catalogue() const override { return kd_catalogue(); }
+
+  std::unique_ptr<KindReference> reference(const Case& c, const InputSource& inputs) const override {
+    (void)inputs;
+    return make_kd_reference(c);
+  }
+
+  std::optional<DeviceRowModel> device_row_model(const Case& c) const override {
+    DeviceRowModel m;
+    m.teacher = true;
+    m.labels = false;
+    m.temperature = c.loss.temperature;
+    m.teacher_grad_scale = std::pow(c.loss.temperature, t2_power(c.loss) - 1.0);
+    return m;
+  }
+
+  void cpu_micro_batch(const CpuMicroBatch& batch) const override { kd_cpu_micro_batch(batch); }
+
+  std::optional<int> plugin_kind() const override { return LV_LOSS_KD; }
+};
+
+}  // namespace
+
+std::unique_ptr<LossKind> make_kd_kind() { return std::make_unique<KdKind>(); }
+
+}  // namespace lossverify

@@ -1,0 +1,162 @@
+#pragma once
+// A loss kind as one module (docs/development.md, "Adding a loss kind"). Everything lossverify knows of
+// one loss -- its case section, the inputs it reads, its catalogued bugs, its sharded implementation on
+// each backend, its float64 reference -- is reached through this interface; the runner, the checks, the
+// oracles, the dumps and the bundles ask the kind and never name it. The built-in kinds live in
+// kinds/cross_entropy/ and kinds/kd/, and kinds/registry.cpp lists them; a kind added at run time
+// (register_loss_kind) needs no edit elsewhere.
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "lossverify/core/dtype.hpp"
+#include "lossverify/layout/vocab_range.hpp"
+#include "lossverify/reference/row_partial.hpp"
+
+namespace lossverify {
+
+namespace detail {
+class ObjectReader;
+}
+struct Case;
+struct LossSpec;
+struct BugSwitches;
+struct Implementation;
+struct RankAssignment;
+class InputSource;
+class RankPlan;
+struct RankGroups;
+class ProgressBeacon;
+
+// What a kind's ranks and its reference read besides the logits.
+struct KindInputs {
+  bool labels = true;           // a target column per token (ignore_index masks; overrides may set it)
+  bool teacher_logits = false;  // a second [N, V] tensor of logits from its own Philox stream ("teacher")
+};
+
+// The float64 reference of one row, written from the kind's definitions (docs/spec.md §3) and nothing
+// else. A row is evaluated over column slices [begin, begin + size): partial() of each slice, the slices'
+// sums added up (rescaled to the row's maxima, see RowPartial), stats() of the total, then, when the
+// kind needs it, a second pass value_partial() summed over the slices, and token_loss(). `teacher` is
+// empty unless the kind reads teacher logits.
+class KindReference {
+ public:
+  virtual ~KindReference() = default;
+  virtual RowPartial partial(std::int64_t token, std::int64_t begin, std::span<const double> logits,
+                             std::span<const double> teacher) const = 0;
+  virtual RowStats stats(const RowPartial& total) const = 0;
+  // A second pass over the columns once the row's statistics are known (KD's sum P (log P - log Q)).
+  virtual bool needs_value_pass() const { return false; }
+  virtual std::pair<double, double> value_partial(const RowStats& stats, std::span<const double> logits,
+                                                  std::span<const double> teacher) const {
+    (void)stats, (void)logits, (void)teacher;
+    return {0.0, 0.0};
+  }
+  // l_t from the row's statistics and (with a value pass) the sum of value_partial over the slices.
+  virtual double token_loss(const RowStats& stats, double value_pass) const = 0;
+  // d L / d x of the slice's columns, for a token of weight `weight` in L.
+  virtual void gradient(std::int64_t token, const RowStats& stats, double weight, std::int64_t begin,
+                        std::span<const double> logits, std::span<const double> teacher,
+                        std::span<double> grad) const = 0;
+  // sum_v d L / d x_v of a token of weight `weight`: the row-sum invariant; none where it does not hold.
+  virtual std::optional<double> gradient_row_sum(const RowStats& stats, double weight) const = 0;
+};
+
+// The per-row model the GPU oracle's reference kernels evaluate: one softmax over x (softcapped) against
+// a target distribution q (on, off), with a z-loss term; or two softmaxes x / T and y / T (a teacher's).
+struct DeviceRowModel {
+  bool teacher = false;
+  double temperature = 1.0;
+  double teacher_grad_scale = 1.0;  // the teacher model's gradient factor (KD: T^(s-1))
+  double softcap = 0.0;
+  double z_loss_weight = 0.0;
+  double q_on = 1.0, q_off = 0.0;
+  bool labels = true;  // rows carry a label (the target column)
+};
+
+// One micro-batch of one rank on the CPU backend: rows [begin, begin + n) of the rank. The kind runs its
+// collective protocol over groups.tp and writes token_loss[begin + i] of every active row and the
+// micro-batch's gradient rows.
+struct CpuMicroBatch {
+  const Case& c;
+  const BugSwitches& bugs;
+  const RankPlan& plan;
+  RankGroups& groups;
+  const RankAssignment& assignment;
+  std::int64_t begin = 0, n = 0;
+  DType dtype = DType::fp32;
+  VocabRange work;           // the columns the kernel's rows hold (kernel_columns)
+  std::byte* logits;         // the rank's rows x work.size() logits (writable: a bug may overwrite them)
+  const std::byte* teacher;  // the same shape, or null
+  std::byte* grad;           // the rank's rows x assignment.vocab.size() gradient
+  int threads = 1;
+  ProgressBeacon* beacon = nullptr;
+  std::vector<float>& token_loss;
+};
+
+class LossKind {
+ public:
+  virtual ~LossKind() = default;
+  // loss.kind in a case file, and its settings in a line for `lossverify list`.
+  virtual std::string_view name() const = 0;
+  virtual std::string_view summary() const = 0;
+
+  // The case section: the keys of "loss" this kind reads (another kind's key is refused by name), their
+  // parsing and range checks, the checks that need the whole case, and the keys written back.
+  virtual std::vector<std::string> keys() const = 0;
+  virtual void parse(detail::ObjectReader& loss, LossSpec& spec) const = 0;
+  virtual void validate(const Case& c) const { (void)c; }
+  virtual void resolve(const LossSpec& spec, nlohmann::json& loss) const = 0;
+  // A case written by foreign code (a dump's manifest): the settings it must state because a default would
+  // decide the verdict. `loss` is the raw "loss" object (null when absent); throws CaseError.
+  virtual void require_explicit(const LossSpec& spec, const nlohmann::json& loss, const std::string& source) const {
+    (void)spec, (void)loss, (void)source;
+  }
+
+  virtual KindInputs inputs() const = 0;
+  // The token scale of tolerances (docs/spec.md §6): a loss's and a gradient's factor beyond the token's
+  // weight in L (KD: T^s and T^(s-1)).
+  virtual double loss_scale(const LossSpec& spec) const {
+    (void)spec;
+    return 1.0;
+  }
+  virtual double grad_scale(const LossSpec& spec) const {
+    (void)spec;
+    return 1.0;
+  }
+  // The row-sum invariant in words, and why it does not apply to a case (empty where it does).
+  virtual std::string row_sum_rule() const = 0;
+  virtual std::string row_sum_exemption(const LossSpec& spec) const {
+    (void)spec;
+    return {};
+  }
+
+  // The catalogued bugs of this kind's own arithmetic (docs/catalogue.md); their `applies` names the kind.
+  virtual std::vector<Implementation> catalogue() const;
+
+  virtual std::unique_ptr<KindReference> reference(const Case& c, const InputSource& inputs) const = 0;
+  // The GPU oracle's row model; none where its kernels cannot evaluate this kind (the host oracle judges).
+  virtual std::optional<DeviceRowModel> device_row_model(const Case& c) const {
+    (void)c;
+    return std::nullopt;
+  }
+
+  // The columns a rank's kernel rows hold: its own shard, unless a catalogued bug gathers more.
+  virtual VocabRange kernel_columns(const BugSwitches& bugs, VocabRange own, std::int64_t vocab) const {
+    (void)bugs, (void)vocab;
+    return own;
+  }
+  virtual void cpu_micro_batch(const CpuMicroBatch& batch) const = 0;
+
+  // The C ABI's lv_loss_kind of this kind (include/lossverify/plugin.h); none: plugins cannot compute it.
+  virtual std::optional<int> plugin_kind() const { return std::nullopt; }
+};
+
+}  // namespace lossverify

@@ -1,0 +1,61 @@
+#include "lossverify/kinds/registry.hpp"
+
+#include <mutex>
+
+#include "lossverify/core/errors.hpp"
+#include "lossverify/impl/catalogue.hpp"
+#include "lossverify/kinds/cross_entropy/cross_entropy_parts.hpp"
+#include "lossverify/kinds/kd/kd_parts.hpp"
+
+namespace lossverify {
+
+namespace {
+
+struct Registry {
+  std::mutex mutex;
+  std::vector<std::unique_ptr<LossKind>> kinds;
+  Registry() {
+    kinds.push_back(make_cross_entropy_kind());
+    kinds.push_back(make_kd_kind());
+  }
+};
+
+Registry& registry() {
+  static Registry r;
+  return r;
+}
+
+}  // namespace
+
+std::vector<Implementation> LossKind::catalogue() const { return {}; }
+
+const LossKind* find_loss_kind(std::string_view name) {
+  Registry& r = registry();
+  std::lock_guard lock(r.mutex);
+  for (const auto& kind : r.kinds) {
+    if (kind->name() == name) return kind.get();
+  }
+  return nullptr;
+}
+
+std::vector<const LossKind*> loss_kinds() {
+  Registry& r = registry();
+  std::lock_guard lock(r.mutex);
+  std::vector<const LossKind*> out;
+  for (const auto& kind : r.kinds) out.push_back(kind.get());
+  return out;
+}
+
+void register_loss_kind(std::unique_ptr<LossKind> kind) {
+  if (!kind) throw InternalError("register_loss_kind: no kind");
+  if (find_loss_kind(kind->name()) != nullptr) {
+    throw InternalError("register_loss_kind: a loss kind named \"" + std::string(kind->name()) + "\" exists");
+  }
+  Registry& r = registry();
+  std::lock_guard lock(r.mutex);
+  r.kinds.push_back(std::move(kind));
+}
+
+const LossKind& default_loss_kind() { return *registry().kinds.front(); }
+
+}  // namespace lossverify
