@@ -7,6 +7,7 @@ This package is the PyTorch side of it:
   dumps what it computed and returns lossverify's report (`python3 -m lossverify.torch run` from a shell);
 - `lossverify.dump.DumpWriter` writes a `lossverify.dump/1` dump from your own training code;
 - `lossverify.inputs` reads what `lossverify export-inputs` writes;
+- `lossverify.kinds` registers the loss kinds (cross_entropy, kd) and the inputs each one reads;
 - `lossverify.safetensors` reads and writes the tensor files, without the `safetensors` package.
 
 Importing `lossverify` itself needs no torch; `lossverify.dump` and `lossverify.safetensors` import it, and

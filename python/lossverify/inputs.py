@@ -18,6 +18,7 @@ import tempfile
 
 from lossverify import tool
 from lossverify.errors import InputsError
+from lossverify.kinds import kind_inputs
 from lossverify.layout import Layout, vocab_shard
 
 __all__ = ["Inputs", "RankInputs", "load", "export", "exported", "TORCH_DTYPES"]
@@ -100,7 +101,7 @@ class RankInputs:
             raise InputsError(str(e)) from None
         inputs = self._inputs
         expected = _row_tensors()
-        if inputs.kind == "kd":
+        if inputs.kind_inputs.teacher_logits:
             expected["teacher_logits"] = None
         width = self.vocab[1] - self.vocab[0]
         for name, dtype in expected.items():
@@ -163,6 +164,14 @@ class Inputs:
     @property
     def kind(self):
         return self.loss.get("kind", "cross_entropy")
+
+    @property
+    def kind_inputs(self):
+        """The KindInputs of the case's loss kind (lossverify.kinds): which inputs it reads besides logits."""
+        try:
+            return kind_inputs(self.kind)
+        except ValueError as e:
+            raise InputsError(f"{self.path}: $.case.loss.kind: {e}") from None
 
     @property
     def framework(self):

@@ -8,8 +8,9 @@ import unittest
 
 import torch
 
-from lossverify import inputs, safetensors
+from lossverify import inputs, kinds, safetensors
 from lossverify.errors import InputsError, UsageError
+from lossverify.torch import implementations
 from support import case_path
 
 
@@ -110,6 +111,9 @@ class InputsTest(unittest.TestCase):
         def wrong_vocab(d):
             d["ranks"][1]["vocab"] = [140, 300]
 
+        def unknown_kind(d):
+            d["case"]["loss"]["kind"] = "no_such_kind"
+
         def truncated_logits(folder):
             path = os.path.join(folder, "rank3.safetensors")
             tensors = safetensors.load_file(path)
@@ -117,7 +121,8 @@ class InputsTest(unittest.TestCase):
             safetensors.save_file(tensors, path)
 
         cases = {"$.format": (wrong_format, None, False), "micro_batches": (gap, None, False),
-                 "vocab": (wrong_vocab, None, False), "'logits'": (None, truncated_logits, True)}
+                 "vocab": (wrong_vocab, None, False), "'logits'": (None, truncated_logits, True),
+                 "$.case.loss.kind": (unknown_kind, None, True)}
         for expected, (edit_index, edit_files, lazy) in cases.items():
             with self.subTest(expected):
                 folder = corrupt(edit_index, edit_files)
@@ -128,6 +133,32 @@ class InputsTest(unittest.TestCase):
                 self.assertIn(expected, str(caught.exception))
         with self.assertRaises(InputsError):
             inputs.load(self.tmp.name)  # no inputs.json
+
+
+class KindsTest(unittest.TestCase):
+    """The loss kinds' registries: the inputs each kind reads, and its correct per-token loss."""
+
+    def test_built_in_kinds(self):
+        self.assertEqual(kinds.kind_inputs("cross_entropy"), kinds.KindInputs(labels=True, teacher_logits=False))
+        self.assertEqual(kinds.kind_inputs("kd"), kinds.KindInputs(labels=False, teacher_logits=True))
+        self.assertEqual(set(implementations.TOKEN_LOSS), set(kinds.known_kinds()))
+
+    def test_unknown_and_duplicate_kinds_are_refused(self):
+        with self.assertRaisesRegex(ValueError, "'mse'.*cross_entropy, kd"):
+            kinds.kind_inputs("mse")
+        with self.assertRaisesRegex(ValueError, "'mse'"):
+            implementations.token_loss_of("mse")
+        with self.assertRaisesRegex(ValueError, "already"):
+            kinds.register_kind("kd", kinds.KindInputs(labels=True, teacher_logits=False))
+        with self.assertRaisesRegex(ValueError, "already"):
+            implementations.register_token_loss("kd", implementations.correct)
+
+    def test_every_catalogue_name_has_a_kind(self):
+        self.assertEqual(set(implementations.KIND), set(implementations.CATALOGUE))
+        for name, kind in implementations.KIND.items():
+            with self.subTest(name):
+                self.assertIn(kind, ["any", *kinds.known_kinds()])
+                self.assertEqual(kind == "kd", name.startswith("kd_"))
 
 
 if __name__ == "__main__":

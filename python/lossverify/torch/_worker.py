@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from lossverify.dump import DumpWriter, _describe_change
 from lossverify.inputs import load as load_inputs
+from lossverify.kinds import kind_inputs
 from lossverify.layout import framework_factor
 from lossverify.torch._launch import RETURNS, Job, Launch  # noqa: F401 - the records ranks receive
 from lossverify.torch.context import Context, FrameworkConfig, LossConfig, MicroBatch, Reduced
@@ -200,13 +201,14 @@ def _build_groups(layout, rank):
 def _micro_batches(inputs, rank_inputs, device):
     """The rank's micro-batches as MicroBatch records on the device, and their logits (fresh copies: a job
     may overwrite what it is given)."""
-    kd = inputs.kind == "kd"
+    teacher = inputs.kind_inputs.teacher_logits
     out, logits = [], []
     for k in range(len(rank_inputs.micro_batches)):
         t = {name: v.to(device, copy=True) for name, v in rank_inputs.micro_batch(k).items()}
+        teacher_logits = t.get("teacher_logits") if teacher else None
         mb = MicroBatch(index=k, labels=t["labels"], loss_mask=t["loss_mask"], tokens=t["tokens"],
                         token_ids=t["token_ids"], sequences=t["sequences"], positions=t["positions"],
-                        upstream_weights=t["upstream_weights"], teacher_logits=t.get("teacher_logits") if kd else None)
+                        upstream_weights=t["upstream_weights"], teacher_logits=teacher_logits)
         out.append(mb)
         logits.append(t["logits"])
     return out, logits
@@ -250,7 +252,7 @@ def _run_job(job, fn, me):
         labels = mb.labels.clone()
         handed = labels.clone()
         dump_mb = rank_dump.begin_micro_batch(
-            exported["tokens"], logits=leaf, labels=None if loss.kind == "kd" else exported["labels"],
+            exported["tokens"], logits=leaf, labels=exported["labels"] if kind_inputs(loss.kind).labels else None,
             loss_mask=exported["loss_mask"], teacher_logits=exported.get("teacher_logits"),
             grad_output=exported["upstream_weights"] if loss.reduction == "none" else None)
         if mb.rows == 0:  # an empty micro-batch: nothing to call (its TP peers skip it too)
@@ -286,8 +288,8 @@ _COMPARED = ("labels", "loss_mask", "tokens", "token_ids", "sequences", "positio
 
 def _report_changed_labels(writer, dump_mb, labels, handed, kind):
     """The labels argument, changed in place during fn's call (changes to the micro-batches themselves are
-    reported once the rank is done)."""
-    if kind == "kd":
+    reported once the rank is done); a kind without labels has none to report."""
+    if not kind_inputs(kind).labels:
         return
     change = _describe_change("labels", handed, labels)
     if change:

@@ -24,7 +24,7 @@ __all__ = ["Context", "LossConfig", "FrameworkConfig", "MicroBatch", "Reduced"]
 class LossConfig:
     """The case's loss section, resolved: every field present whatever the case file spelled out."""
 
-    kind: str = "cross_entropy"  # cross_entropy | kd
+    kind: str = "cross_entropy"  # a registered kind (lossverify.kinds): cross_entropy | kd
     label_smoothing: float = 0.0
     smoothing_convention: str = "pytorch"  # pytorch: a/V on every column; megatron: a/(V-1) off the label
     z_loss_weight: float = 0.0

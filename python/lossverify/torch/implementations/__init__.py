@@ -6,6 +6,7 @@ all-reduce sum over the TP group, custom backward with no communication. Every o
 lossverify's catalogue (`lossverify list`, snake_case here), written the way the framework it comes from
 wrote it; lossverify must catch each one on the cases where its golden outcomes say it fails.
 `CATALOGUE` maps every name to its function, `KIND` to the loss it applies to (cross_entropy, kd, any).
+`TOKEN_LOSS` maps each loss kind to its correct per-token loss (`token_loss_of`, `register_token_loss`).
 """
 
 from lossverify.torch.implementations.catalogue import (
@@ -44,6 +45,8 @@ from lossverify.torch.implementations.cross_entropy import (
     vocab_parallel_cross_entropy,
 )
 from lossverify.torch.implementations.kd import KdBugs, kl_with_untracked_all_reduce, vocab_parallel_kl
+from lossverify.torch.implementations.kinds import TOKEN_LOSS, register_token_loss, token_loss_of
 
 __all__ = [*CATALOGUE, "CATALOGUE", "KIND", "NotApplicable", "CrossEntropyBugs", "KdBugs", "smoothing_weights",
-           "vocab_parallel_cross_entropy", "vocab_parallel_kl", "kl_with_untracked_all_reduce"]
+           "vocab_parallel_cross_entropy", "vocab_parallel_kl", "kl_with_untracked_all_reduce", "TOKEN_LOSS",
+           "register_token_loss", "token_loss_of"]

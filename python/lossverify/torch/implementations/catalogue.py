@@ -11,16 +11,16 @@ from lossverify.torch.context import Reduced
 from lossverify.torch.implementations._collectives import gather_columns
 from lossverify.torch.implementations.cross_entropy import CrossEntropyBugs, vocab_parallel_cross_entropy
 from lossverify.torch.implementations.kd import KdBugs, kl_with_untracked_all_reduce, vocab_parallel_kl
+from lossverify.torch.implementations.kinds import token_loss_of
 
 # ---------------------------------------------------------------------------------------------------------
 # the correct implementation
 
 
 def correct(logits, labels, ctx):
-    """The correct vocabulary-parallel loss of the case's kind: per-token losses [rows] (docs/spec.md §5)."""
-    if ctx.loss.kind == "kd":
-        return vocab_parallel_kl(logits, ctx.teacher_logits, ctx)
-    return vocab_parallel_cross_entropy(logits, labels, ctx)
+    """The correct vocabulary-parallel loss of the case's kind: per-token losses [rows] (docs/spec.md §5),
+    from the kind's entry of implementations.kinds.TOKEN_LOSS."""
+    return token_loss_of(ctx.loss.kind)(logits, labels, ctx)
 
 
 def _cross_entropy(logits, labels, ctx, **switches):
@@ -158,9 +158,8 @@ def _reduced(token_loss, ctx, include, count):
 
 
 def _token_loss(logits, labels, ctx, **kwargs):
-    if ctx.loss.kind == "kd":
-        return vocab_parallel_kl(logits, ctx.teacher_logits, ctx, **kwargs)
-    return vocab_parallel_cross_entropy(logits, labels, ctx, **kwargs)
+    """The correct per-token losses of the case's kind, for the bugs that apply to any kind."""
+    return token_loss_of(ctx.loss.kind)(logits, labels, ctx, **kwargs)
 
 
 def ignore_index_unmasked(logits, labels, ctx):
@@ -288,8 +287,11 @@ CATALOGUE = {
     "cp_stats_dp_only": cp_stats_dp_only,
     "cp_roll_after_split": cp_roll_after_split,
 }
-KIND = {name: ("kd" if name.startswith("kd_") else "cross_entropy") for name in CATALOGUE}
-for _name in ("correct", "mean_over_all_rows", "dp_local_mean", "ga_microbatch_mean", "cp_stats_dp_only"):
-    KIND[_name] = "any"
+# The loss kind each name applies to: the bugs of the KD loss, those of the normaliser or logged count that
+# reach every kind (and `correct`), and the cross-entropy bugs (all the others).
+_KD = ("kd_no_t2", "kd_double_t2", "kd_cross_entropy_value", "kd_local_softmax", "kd_untracked_allreduce",
+       "kd_tp_grad_sum")
+_ANY = ("correct", "mean_over_all_rows", "dp_local_mean", "ga_microbatch_mean", "cp_stats_dp_only")
+KIND = {name: "kd" if name in _KD else "any" if name in _ANY else "cross_entropy" for name in CATALOGUE}
 
 __all__ = [*CATALOGUE, "CATALOGUE", "KIND", "NotApplicable"]

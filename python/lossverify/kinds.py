@@ -1,0 +1,48 @@
+"""The loss kinds the package knows, and which inputs each one reads besides the logits.
+
+A kind is one entry of a registry, as on the C++ side: code that needs to know whether a kind has labels
+or teacher logits asks `kind_inputs(kind)` instead of testing the kind's name. The built-ins are
+cross_entropy (labels) and kd (teacher logits); `register_kind` adds another. No torch here: the package
+imports torch only when a rank's tensors are read.
+"""
+
+from dataclasses import dataclass
+
+__all__ = ["KindInputs", "register_kind", "kind_inputs", "known_kinds"]
+
+
+@dataclass(frozen=True)
+class KindInputs:
+    """The per-row inputs a loss kind reads besides the logits: labels, and the teacher's logits."""
+
+    labels: bool
+    teacher_logits: bool
+
+
+_KINDS = {}
+
+
+def register_kind(name, inputs):
+    """Register loss kind `name` with its KindInputs; a name already registered is a ValueError."""
+    if name in _KINDS:
+        raise ValueError(f"loss kind {name!r} is already registered")
+    if not isinstance(inputs, KindInputs):
+        raise TypeError(f"loss kind {name!r}: expected KindInputs, got {type(inputs).__name__}")
+    _KINDS[name] = inputs
+
+
+def kind_inputs(name):
+    """The KindInputs of loss kind `name`; an unknown kind is a ValueError naming the known ones."""
+    try:
+        return _KINDS[name]
+    except KeyError:
+        raise ValueError(f"unknown loss kind {name!r} (known: {', '.join(known_kinds())})") from None
+
+
+def known_kinds():
+    """The registered kinds' names, in registration order."""
+    return list(_KINDS)
+
+
+register_kind("cross_entropy", KindInputs(labels=True, teacher_logits=False))
+register_kind("kd", KindInputs(labels=False, teacher_logits=True))

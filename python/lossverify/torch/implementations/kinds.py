@@ -1,0 +1,46 @@
+"""The correct per-token loss of each loss kind, reached through a registry instead of a test of the name.
+
+`TOKEN_LOSS` maps a kind (one registered in lossverify.kinds) to `fn(logits, labels, ctx, **kwargs)`, the
+vocabulary-parallel kernel that computes its per-token losses [rows]; keyword arguments (bugs, active, ...)
+go to that kernel. `correct` and the framework-level bugs of the catalogue take their token loss from here.
+"""
+
+from lossverify.kinds import kind_inputs
+from lossverify.torch.implementations.cross_entropy import vocab_parallel_cross_entropy
+from lossverify.torch.implementations.kd import vocab_parallel_kl
+
+__all__ = ["TOKEN_LOSS", "register_token_loss", "token_loss_of"]
+
+
+def cross_entropy_token_loss(logits, labels, ctx, **kwargs):
+    """Cross-entropy of the logits against the labels (docs/spec.md §5)."""
+    return vocab_parallel_cross_entropy(logits, labels, ctx, **kwargs)
+
+
+def kd_token_loss(logits, labels, ctx, **kwargs):
+    """KL(teacher || student) against ctx.teacher_logits (docs/spec.md §5); the labels are not read."""
+    return vocab_parallel_kl(logits, ctx.teacher_logits, ctx, **kwargs)
+
+
+TOKEN_LOSS = {}
+
+
+def register_token_loss(kind, fn):
+    """Register fn(logits, labels, ctx, **kwargs) as the per-token loss of `kind`, which must already be a
+    kind of lossverify.kinds (register_kind); a kind that has its token loss already is a ValueError."""
+    kind_inputs(kind)  # an unknown kind raises, naming the known ones
+    if kind in TOKEN_LOSS:
+        raise ValueError(f"loss kind {kind!r} already has a token loss ({TOKEN_LOSS[kind].__name__})")
+    TOKEN_LOSS[kind] = fn
+
+
+def token_loss_of(kind):
+    """The per-token loss of `kind`; a kind without one is a ValueError naming the kinds that have one."""
+    try:
+        return TOKEN_LOSS[kind]
+    except KeyError:
+        raise ValueError(f"no token loss for loss kind {kind!r} (registered: {', '.join(TOKEN_LOSS)})") from None
+
+
+register_token_loss("cross_entropy", cross_entropy_token_loss)
+register_token_loss("kd", kd_token_loss)
