@@ -171,6 +171,14 @@ add_test(NAME layering_check_catches_a_violation
     cp -r ${PROJECT_SOURCE_DIR}/src/lossverify/checks ${CMAKE_CURRENT_BINARY_DIR}/layering/ && \
     echo '#include \"lossverify/impl/cpu/sharded_loss.hpp\"' >> ${CMAKE_CURRENT_BINARY_DIR}/layering/checks/checks.cpp && \
     ! bash ${PROJECT_SOURCE_DIR}/scripts/check_layering.sh ${CMAKE_CURRENT_BINARY_DIR}/layering")
+# ... and on a copy of kinds/ whose cross-entropy reference includes its kernel math.
+add_test(NAME layering_check_catches_a_kind_reference_on_its_kernels
+  COMMAND bash -c "rm -rf ${CMAKE_CURRENT_BINARY_DIR}/layering-kinds && mkdir -p ${CMAKE_CURRENT_BINARY_DIR}/layering-kinds && \
+    cp -r ${PROJECT_SOURCE_DIR}/src/lossverify/kinds ${CMAKE_CURRENT_BINARY_DIR}/layering-kinds/ && \
+    bash ${PROJECT_SOURCE_DIR}/scripts/check_layering.sh ${CMAKE_CURRENT_BINARY_DIR}/layering-kinds && \
+    echo '#include \"lossverify/kinds/cross_entropy/cross_entropy_math.hpp\"' >> \
+      ${CMAKE_CURRENT_BINARY_DIR}/layering-kinds/kinds/cross_entropy/cross_entropy_reference.cpp && \
+    ! bash ${PROJECT_SOURCE_DIR}/scripts/check_layering.sh ${CMAKE_CURRENT_BINARY_DIR}/layering-kinds")
 
 # The tree follows .clang-format (scripts/check_format.sh), and the check fails on a mis-formatted copy.
 add_test(NAME format_follows_clang_format COMMAND bash ${PROJECT_SOURCE_DIR}/scripts/check_format.sh

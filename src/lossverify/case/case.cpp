@@ -335,7 +335,7 @@ void validate_value_ranges(const Case& c) {
       json(bound).dump() + " (" +
       (bound < kMaxLogit ? dtype + "'s largest value" : "the range where the tool is exact") + ")";
   const auto check_generated = [&](double mean, double scale, const std::string& path) {
-    const double reach = std::fabs(mean) + 9.0 * scale;  // no generated logit lies further out
+    const double reach = generated_reach(mean, scale);
     if (reach > bound) {
       fail_at(src, path,
               "generated logits reach |mean| + 9 * scale = " + json(reach).dump() + ", beyond " + bound_text);

@@ -1,5 +1,6 @@
 #pragma once
 // The case file: one scenario (loss, shape, inputs, rank layout, tolerances) as a validated value.
+#include <cmath>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -75,6 +76,8 @@ inline constexpr double kMaxTemperature = 1e6;
 inline constexpr double kMinSoftcap = 1e-6, kMaxSoftcap = 1e6;
 inline constexpr double kMaxZLossWeight = 10.0;
 inline constexpr double kMaxUpstreamWeight = 1e6;  // and half the dtype's largest value
+// How far generated logits reach: no logit of a Philox stream with this mean and scale lies further out.
+inline double generated_reach(double mean, double scale) { return std::fabs(mean) + 9.0 * scale; }
 
 // A hand-written row: replaces the generated logits (and optionally the label) of one token.
 struct RowOverride {

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <vector>
 
@@ -42,7 +43,9 @@ lv_dtype abi_dtype(DType d) {
 
 lv_loss_config abi_loss(const LossSpec& loss) {
   lv_loss_config config{};
-  config.kind = static_cast<lv_loss_kind>(kind_of(loss).plugin_kind().value_or(LV_LOSS_CROSS_ENTROPY));
+  const std::optional<int> code = kind_of(loss).plugin_kind();  // require_supported refused kinds without one
+  if (!code) throw InternalError("loss kind " + std::string(kind_of(loss).name()) + " has no plugin ABI code");
+  config.kind = static_cast<lv_loss_kind>(*code);
   config.reduction = loss.reduction == Reduction::sum    ? LV_REDUCTION_SUM
                      : loss.reduction == Reduction::none ? LV_REDUCTION_NONE
                                                          : LV_REDUCTION_MEAN;

@@ -85,16 +85,9 @@ class CrossEntropyKind final : public LossKind {
     DeviceRowModel m;
     m.softcap = c.loss.softcap;
     m.z_loss_weight = c.loss.z_loss_weight;
-    // q_v from docs/spec.md §3, as the host reference writes it.
-    const double n = static_cast<double>(c.shape.vocab);
-    const double alpha = c.loss.label_smoothing;
-    if (c.loss.convention == SmoothingConvention::pytorch) {
-      m.q_on = (1.0 - alpha) * 1.0 + alpha / n;
-      m.q_off = (1.0 - alpha) * 0.0 + alpha / n;
-    } else {
-      m.q_on = (1.0 - alpha) * 1.0 + alpha / (n - 1.0) * (1.0 - 1.0);
-      m.q_off = (1.0 - alpha) * 0.0 + alpha / (n - 1.0) * (1.0 - 0.0);
-    }
+    const TargetWeights q = cross_entropy_target_weights(c);
+    m.q_on = q.on;
+    m.q_off = q.off;
     return m;
   }
 

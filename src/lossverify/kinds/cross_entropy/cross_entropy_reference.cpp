@@ -15,11 +15,23 @@
 
 namespace lossverify {
 
+// Target distribution q_v, straight from docs/spec.md §3.
+TargetWeights cross_entropy_target_weights(const Case& c) {
+  const double n = static_cast<double>(c.shape.vocab);
+  const double alpha = c.loss.label_smoothing;
+  auto q = [&](double hit) {
+    if (c.loss.convention == SmoothingConvention::pytorch) return (1.0 - alpha) * hit + alpha / n;
+    return (1.0 - alpha) * hit + alpha / (n - 1.0) * (1.0 - hit);
+  };
+  return {q(1.0), q(0.0)};
+}
+
 namespace {
 
 class CrossEntropyReference final : public KindReference {
  public:
-  CrossEntropyReference(const Case& c, const InputSource& inputs) : case_(c), inputs_(inputs) {}
+  CrossEntropyReference(const Case& c, const InputSource& inputs)
+      : case_(c), inputs_(inputs), q_(cross_entropy_target_weights(c)) {}
 
   RowPartial partial(std::int64_t token, std::int64_t begin, std::span<const double> logits,
                      std::span<const double> teacher) const override {
@@ -76,14 +88,7 @@ class CrossEntropyReference final : public KindReference {
   }
 
  private:
-  // Target distribution q_v, straight from docs/spec.md §3.
-  double target_weight(bool on_label) const {
-    const double n = static_cast<double>(case_.shape.vocab);
-    const double alpha = case_.loss.label_smoothing;
-    const double hit = on_label ? 1.0 : 0.0;
-    if (case_.loss.convention == SmoothingConvention::pytorch) return (1.0 - alpha) * hit + alpha / n;
-    return (1.0 - alpha) * hit + alpha / (n - 1.0) * (1.0 - hit);
-  }
+  double target_weight(bool on_label) const { return on_label ? q_.on : q_.off; }
 
   // The label's index in the slice [begin, begin + size), or -1 when the slice does not hold it.
   std::ptrdiff_t label_in_slice(std::int64_t token, std::int64_t begin, std::size_t size) const {
@@ -134,6 +139,7 @@ class CrossEntropyReference final : public KindReference {
 
   const Case& case_;
   const InputSource& inputs_;
+  const TargetWeights q_;
 };
 
 }  // namespace

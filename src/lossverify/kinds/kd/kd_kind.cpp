@@ -37,7 +37,7 @@ class KdKind final : public LossKind {
   // Generated logits / T beyond 200: float32 rounding of the scaled logits, not a bug, decides the verdict.
   void validate(const Case& c) const override {
     auto check = [&](double mean, double scale, const std::string& path) {
-      const double reach = std::fabs(mean) + 9.0 * scale;  // no generated logit lies further out
+      const double reach = generated_reach(mean, scale);
       if (reach / c.loss.temperature > kMaxScaledLogit) {
         detail::fail_at(c.source, path,
                         "generated logits / temperature reach " + json(reach / c.loss.temperature).dump() +
