@@ -280,8 +280,8 @@ unknown_command)
 list_losses)
   expect 0 "kd  .*temperature" "$LV" list
   expect 0 "softcap" "$LV" list
-  "$LV" list --json | python3 -c "import json,sys; d=json.load(sys.stdin); assert {l['name'] for l in d['losses']} == {'cross_entropy','kd'}" \
-    || fail "list --json does not name both losses" ;;
+  "$LV" list --json | python3 -c "import json,sys; d=json.load(sys.stdin); assert {l['name'] for l in d['losses']} == {'cross_entropy','kd','policy'}" \
+    || fail "list --json does not name every loss" ;;
 help_exit_codes)  # each subcommand's help lists its own exit codes
   expect 0 "exit codes: 0 reproduced, 1 did not reproduce" "$LV" replay --help
   expect 0 "exit codes: 0 the minimized case was written" "$LV" shrink --help

@@ -88,9 +88,9 @@ void parse_loss(ObjectReader r, Case& c) {
   const LossKind& kind = parse_kind(r);
   loss.kind = &kind;
   refuse_other_kinds_keys(r, kind);
-  kind.parse(r, loss);
   loss.reduction =
       parse_choice(r, "reduction", std::array{Reduction::mean, Reduction::sum, Reduction::none}, Reduction::mean);
+  kind.parse(r, loss);  // a kind that aggregates tokens itself sets the reduction
   if (r.has("upstream_weights")) {
     const json& u = r.raw("upstream_weights");
     const std::string path = r.path_of("upstream_weights");
@@ -655,6 +655,7 @@ json Case::resolved() const {
   }
   json tol = json::object();
   for (std::string_view q : kToleranceQuantities) {
+    if (!tolerance_applies(*this, q)) continue;
     const Tolerance t = effective_tolerance(*this, q);
     tol[std::string(q)] = {{"atol", t.atol}, {"rtol", t.rtol}, {"max_ulp", t.max_ulp}};
   }

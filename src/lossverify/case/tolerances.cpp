@@ -1,5 +1,7 @@
 #include "lossverify/case/tolerances.hpp"
 
+#include "lossverify/kinds/loss_kind.hpp"
+
 namespace lossverify {
 
 ToleranceEntry default_tolerance(std::string_view quantity, DType input_dtype) {
@@ -43,7 +45,19 @@ ToleranceEntry default_tolerance(std::string_view quantity, DType input_dtype) {
         return {{2e-6, 2e-5}, "twice the grad tolerance"};
     }
   }
+  if (quantity == "token_value") {
+    return {{1e-5, 1e-5}, "float32 compute: a few roundings of log S, x_y / T - M and the shifted entropy sum"};
+  }
+  if (quantity == "statistic") {
+    return {{1e-5, 2e-5}, "float32 compute plus a float32 sum over the step's tokens"};
+  }
   return {{0.0, 0.0}, "unknown quantity"};
+}
+
+bool tolerance_applies(const Case& c, std::string_view quantity) {
+  if (quantity == "token_value") return !kind_of(c.loss).token_quantities().empty();
+  if (quantity == "statistic") return !kind_of(c.loss).logged_statistics().empty();
+  return true;
 }
 
 Tolerance effective_tolerance(const Case& c, std::string_view quantity) {

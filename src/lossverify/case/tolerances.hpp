@@ -18,14 +18,18 @@
 namespace lossverify {
 
 // Quantities that carry a tolerance; the keys of a case file's "tolerances" object.
-inline constexpr std::array<std::string_view, 6> kToleranceQuantities = {
+inline constexpr std::array<std::string_view, 8> kToleranceQuantities = {
     "loss",            // per-token loss
     "reduced_loss",    // the logged (mean or sum) loss
     "grad",            // every effective gradient element
     "row_sum",         // sum over the vocabulary of one token's gradient (the docs/spec.md §3 invariant)
     "rank_agreement",  // per-token loss of one TP rank against the others
     "invariance",      // the same global answer at another rank layout
+    "token_value",     // a kind's per-token quantity (a policy loss's log-probability, entropy)
+    "statistic",       // a kind's logged statistic (a token-mean over the step)
 };
+// Whether a case's resolved tolerances name the quantity (a kind's quantities only where the kind has them).
+bool tolerance_applies(const Case& c, std::string_view quantity);
 
 struct ToleranceEntry {
   Tolerance tolerance;

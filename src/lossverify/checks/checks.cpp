@@ -6,6 +6,8 @@
 #include <tuple>
 
 #include "lossverify/checks/element_judge.hpp"
+#include "lossverify/kinds/loss_kind.hpp"
+#include "lossverify/kinds/registry.hpp"
 
 namespace lossverify {
 
@@ -31,11 +33,23 @@ const std::vector<CheckInfo>& check_catalogue() {
       {"finite", "census of NaN, +-Inf and subnormal values per tensor and rank; fails on any non-finite value"},
       {"row_sum",
        "invariant: sum over the vocabulary of a token's gradient = w_t 2 w_z lse (0 without z-loss; "
-       "0 for KD); not applicable with softcap"},
-      {"stats", "logged statistics (the valid-token count) of every rank vs the global count"},
+       "0 for KD and the policy loss); not applicable with softcap"},
+      {"stats",
+       "logged statistics of every rank: the valid-token count vs the global count, and a kind's own (the policy "
+       "loss's clip fractions, KL, entropy) vs the reference's token-means"},
       {"invariance", "the same case at several rank layouts gives the same losses and gradients (sweeps)"},
   };
-  return list;
+  static const std::vector<CheckInfo> with_kinds = [] {
+    std::vector<CheckInfo> all = list;
+    for (const LossKind* kind : loss_kinds()) {
+      for (const std::string& quantity : kind->token_quantities()) {
+        all.push_back({quantity, "per-token " + quantity + " of every rank vs the float64 reference (" +
+                                     std::string(kind->name()) + ")"});
+      }
+    }
+    return all;
+  }();
+  return with_kinds;
 }
 
 namespace {

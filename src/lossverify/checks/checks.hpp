@@ -115,6 +115,9 @@ inline constexpr std::int64_t kSnapshotElementLimit = std::int64_t{1} << 25;
 struct LayoutSnapshot {
   std::vector<float> token_loss;      // per global token, from the first TP holder
   std::vector<float> effective_grad;  // N x V, empty when the problem is too large to keep
+  // Per global token, |w_t| times the kind's gradient factor where the kind scales its gradient tolerance
+  // per token (KindReference::gradient_scale); 0 elsewhere.
+  std::vector<float> token_grad_scale;
   double logged_loss = 0.0;
   std::int64_t logged_valid_tokens = 0;
 };

@@ -30,6 +30,8 @@ ErrorStats compare_layouts(const Case& c, const Tolerance& tol, const LayoutSnap
     double row_scale = 0.0;
     for (std::size_t v = 0; v < vocab; ++v)
       row_scale = std::max(row_scale, std::fabs(double(base.effective_grad[t * vocab + v])));
+    // A kind that scales its gradient tolerance per token (the policy loss) is held to that scale here too.
+    if (t < base.token_grad_scale.size()) row_scale = std::max(row_scale, double(base.token_grad_scale[t]));
     for (std::size_t v = 0; v < vocab; ++v) {
       const double e = base.effective_grad[t * vocab + v];
       const double g = other.effective_grad[t * vocab + v];

@@ -214,23 +214,23 @@ void sum_over_tp(const RankContext& x, std::vector<double>& values) {
   if (x.tp_size > 1) x.groups.tp.allreduce_sum(std::span<double>(values));
 }
 
-// Each valid row's l_t from its statistics and, where the kind needs one, its value pass summed over TP.
-std::vector<double> token_losses(const RankContext& x, const RowReference& ref) {
-  std::vector<double> pass;  // [value, error] per row
+// Each valid row's value pass summed over TP (where the kind has one) into its statistics, then its l_t.
+std::vector<double> token_losses(const RankContext& x, RowReference& ref) {
   if (x.reference.needs_value_pass()) {
-    pass = x.oracle.value_partials(ref.stats);
+    std::vector<double> pass = x.oracle.value_partials(ref.stats);  // [value, error] per row
     sum_over_tp(x, pass);
+    for (std::size_t k = 0; k < ref.stats.size(); ++k) {
+      if (!ref.valid[k]) continue;
+      CompensatedSum total;
+      total.add(pass[2 * k]);
+      total.add(pass[2 * k + 1]);
+      ref.stats[k].value = total.value();
+    }
   }
   std::vector<double> loss(static_cast<std::size_t>(x.rows), 0.0);
   for (std::int64_t i = 0; i < x.rows; ++i) {
     const auto k = static_cast<std::size_t>(i);
-    if (!ref.valid[k]) continue;
-    CompensatedSum total;
-    if (!pass.empty()) {
-      total.add(pass[2 * k]);
-      total.add(pass[2 * k + 1]);
-    }
-    loss[k] = x.reference.token_loss(ref.stats[k], total.value());
+    if (ref.valid[k]) loss[k] = x.reference.token_loss(x.out.token_of(i), ref.stats[k]);
   }
   return loss;
 }
@@ -303,9 +303,7 @@ LossFindings judge_losses(const RankContext& x, const RowReference& ref, std::ve
   if (x.c.loss.reduction != Reduction::none) {
     f.reference_reduced = x.reference.reduced_loss(token_losses);
     // The absolute floor scales with sum_t |w_t|: 1 for mean, N_v for sum.
-    const double weight_total =
-        x.c.loss.reduction == Reduction::mean ? 1.0 : static_cast<double>(x.reference.valid_tokens());
-    const double tolerance = f.reduced_tolerance.atol * x.loss_scale * std::max(weight_total, 1.0) +
+    const double tolerance = f.reduced_tolerance.atol * x.loss_scale * std::max(x.reference.weight_total(), 1.0) +
                              f.reduced_tolerance.rtol * std::fabs(f.reference_reduced);
     const auto [judged_as, rule] = logged_loss_rule(x.c, x.out);
     f.reduced_rule = rule;
@@ -332,6 +330,86 @@ LossFindings judge_losses(const RankContext& x, const RowReference& ref, std::ve
       token_margins[static_cast<std::size_t>(x.tokens + t)] =
           margin_of(got == expected ? 0.0 : std::fabs(got - expected), tolerance);
     }
+  }
+  return f;
+}
+
+// The kind's per-token quantities (log-probabilities, entropies): every row of every rank against the
+// reference, 0 on masked rows and CP padding.
+struct TokenValueFindings {
+  std::vector<std::string> names;
+  std::vector<ErrorStats> stats;  // per quantity
+  Tolerance tolerance;
+};
+
+TokenValueFindings judge_token_values(const RankContext& x, const RowReference& ref) {
+  TokenValueFindings f;
+  f.names = kind_of(x.c.loss).token_quantities();
+  f.stats.resize(f.names.size());
+  f.tolerance = effective_tolerance(x.c, "token_value");
+  const std::size_t q = f.names.size();
+  if (q == 0) return f;
+  if (x.out.token_values.size() != static_cast<std::size_t>(x.rows) * q) {
+    throw InternalError("rank " + std::to_string(x.world_rank) + " reported " +
+                        std::to_string(x.out.token_values.size()) + " token values for " + std::to_string(x.rows) +
+                        " rows of " + std::to_string(q) + " quantities");
+  }
+  std::vector<double> expected(q);
+  for (std::int64_t i = 0; i < x.rows; ++i) {
+    const auto k = static_cast<std::size_t>(i);
+    const std::int64_t t = x.out.token_of(i);
+    std::fill(expected.begin(), expected.end(), 0.0);
+    if (t >= 0 && ref.valid[k]) x.reference.row().token_values(t, ref.stats[k], expected);
+    const LocalRow& row = x.out.assignment.rows[k];
+    for (std::size_t j = 0; j < q; ++j) {
+      const double got = x.out.token_values[k * q + j];
+      const double tolerance = t < 0 ? 0.0 : f.tolerance.atol + f.tolerance.rtol * std::fabs(expected[j]);
+      f.stats[j].add(
+          {t, -1, x.world_rank, expected[j], got, tolerance, t < 0 ? row.sequence : -1, t < 0 ? row.position : -1});
+    }
+  }
+  return f;
+}
+
+// The kind's logged statistics: each rank's logged value against the reference's mean of the per-token
+// values over the step's valid tokens (summed in token order on every rank).
+struct StatisticFindings {
+  std::vector<std::string> names;
+  std::vector<ErrorStats> stats;  // per statistic
+  std::vector<double> expected;
+  Tolerance tolerance;
+};
+
+StatisticFindings judge_statistics(const RankContext& x, const RowReference& ref) {
+  StatisticFindings f;
+  f.names = kind_of(x.c.loss).logged_statistics();
+  const std::size_t q = f.names.size();
+  f.stats.resize(q);
+  f.expected.assign(q, 0.0);
+  f.tolerance = effective_tolerance(x.c, "statistic");
+  if (q == 0) return f;
+  if (x.out.logged_stats.size() != q) {
+    throw InternalError("rank " + std::to_string(x.world_rank) + " logged " +
+                        std::to_string(x.out.logged_stats.size()) + " statistics, expected " + std::to_string(q));
+  }
+  std::vector<double> values(static_cast<std::size_t>(x.tokens) * q, 0.0);
+  if (x.tp_leader) {
+    std::vector<double> row(q);
+    for (std::int64_t i = 0; i < x.rows; ++i) {
+      const std::int64_t t = x.out.token_of(i);
+      if (t < 0 || !ref.valid[static_cast<std::size_t>(i)]) continue;
+      x.reference.row().token_statistics(t, ref.stats[static_cast<std::size_t>(i)], row);
+      std::copy(row.begin(), row.end(), values.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(t) * q));
+    }
+  }
+  x.world.allreduce_sum(std::span<double>(values));  // one nonzero term per entry: exact
+  const auto valid = static_cast<double>(std::max<std::int64_t>(x.reference.valid_tokens(), 1));
+  for (std::size_t j = 0; j < q; ++j) {
+    CompensatedSum total;
+    for (std::int64_t t = 0; t < x.tokens; ++t) total.add(values[static_cast<std::size_t>(t) * q + j]);
+    f.expected[j] = total.value() / valid;
+    f.stats[j].add({-1, -1, x.world_rank, f.expected[j], x.out.logged_stats[j],
+                    f.tolerance.atol + f.tolerance.rtol * std::fabs(f.expected[j])});
   }
   return f;
 }
@@ -374,6 +452,12 @@ struct TpFindings {
   Tolerance row_sum_tolerance;
 };
 
+// A row's stored elements each round by up to half the dtype's smallest spacing where they are subnormal
+// (fp16: 2^-25), however small the exact values: V of them bound the row sum's error from below.
+double row_sum_quantum_floor(const RankContext& x, const GradJudgement& judgement) {
+  return std::max(1.0, 0.5 * static_cast<double>(x.c.shape.vocab)) * judgement.quantum * judgement.framework_scale;
+}
+
 TpFindings judge_tp_group(const RankContext& x, const RowReference& ref, const GradFindings& grad,
                           const GradJudgement& judgement) {
   TpFindings f;
@@ -407,7 +491,7 @@ TpFindings judge_tp_group(const RankContext& x, const RowReference& ref, const G
     const double expected_sum = ref.valid[k] ? *rule : 0.0;
     f.row_sum.add({t, -1, x.world_rank, expected_sum, total.value(),
                    row_tol.atol * std::fabs(weight) * judgement.grad_scale + row_tol.rtol * sums[3 * k + 2] +
-                       judgement.quantum * judgement.framework_scale});
+                       row_sum_quantum_floor(x, judgement)});
   }
   return f;
 }
@@ -525,6 +609,26 @@ CheckResult grad_result(const RankContext& x, const GradFindings& grad, const Gr
   return r;
 }
 
+// The logged valid-token count and the kind's logged statistics, in one check.
+CheckResult stats_result(const RankContext& x, const LossFindings& losses, const StatisticFindings& statistics) {
+  ErrorStats all = merge_over(x.world, losses.count);
+  std::vector<ErrorStats> merged;
+  for (const ErrorStats& one : statistics.stats) {
+    merged.push_back(merge_over(x.world, one));
+    all.merge(merged.back());
+  }
+  std::string what = "logged valid-token count vs the global count";
+  if (!statistics.names.empty()) what = "logged valid-token count and statistics vs the global token-means";
+  CheckResult r =
+      make_result("stats", all, statistics.names.empty() ? Tolerance{0.5, 0.0, 0} : statistics.tolerance, what);
+  r.metrics["expected_valid_tokens"] = x.reference.valid_tokens();
+  for (std::size_t j = 0; j < statistics.names.size(); ++j) {
+    r.metrics[statistics.names[j]] = merged[j].to_json();
+    r.metrics[statistics.names[j]]["expected"] = statistics.expected[j];
+  }
+  return r;
+}
+
 void fill_error_map(const RankContext& x, const LossFindings& losses, const GradFindings& grad,
                     std::vector<double> token_margins, ErrorMap& map) {
   // (With one rank its margins are already the maxima.)
@@ -546,7 +650,7 @@ void fill_error_map(const RankContext& x, const LossFindings& losses, const Grad
 }
 
 // The layout's answers for the invariance check, from the rank's own outputs.
-void fill_snapshot(const RankContext& x, double framework_scale, LayoutSnapshot& snapshot) {
+void fill_snapshot(const RankContext& x, const RowReference& ref, double framework_scale, LayoutSnapshot& snapshot) {
   const std::int64_t vocab = x.c.shape.vocab;
   const std::int64_t cols = x.out.columns();
   const std::int64_t begin = x.out.assignment.vocab.begin;
@@ -559,6 +663,13 @@ void fill_snapshot(const RankContext& x, double framework_scale, LayoutSnapshot&
     const std::int64_t t = x.out.token_of(i);
     if (t < 0) continue;
     if (x.tp_leader) snapshot.token_loss[static_cast<std::size_t>(t)] = x.out.token_loss[static_cast<std::size_t>(i)];
+    const auto k = static_cast<std::size_t>(i);
+    if (x.tp_leader && ref.valid[k]) {
+      if (const std::optional<double> scale = x.reference.row().gradient_scale(t, ref.stats[k])) {
+        snapshot.token_grad_scale[static_cast<std::size_t>(t)] =
+            static_cast<float>(std::fabs(x.reference.token_weight(t)) * *scale);
+      }
+    }
     if (!keep_grads) continue;
     x.out.grad_row(i, got.data());
     for (std::int64_t v = 0; v < cols; ++v) {
@@ -600,6 +711,8 @@ std::vector<CheckResult> verify_rank(const Case& c, const RankOutput& out, Oracl
   std::vector<double> token_margins(error_map != nullptr ? static_cast<std::size_t>(2 * x.tokens) : 0, 0.0);
   trace.mark("5 losses");
   const LossFindings losses = judge_losses(x, ref, token_margins);
+  const TokenValueFindings values = judge_token_values(x, ref);
+  const StatisticFindings statistics = judge_statistics(x, ref);
   trace.mark("3 elements: wait");
   const std::span<const RowJudgement> judged = oracle.judged_rows();
   const GradFindings grad = collect_grad(x, judged, token_margins);
@@ -607,7 +720,7 @@ std::vector<CheckResult> verify_rank(const Case& c, const RankOutput& out, Oracl
   const TpFindings tp = judge_tp_group(x, ref, grad, judgement);
   trace.mark("6 census");
   const CensusRecord census = take_census(x, judged, grad.census);
-  if (snapshot != nullptr) fill_snapshot(x, judgement.framework_scale, *snapshot);
+  if (snapshot != nullptr) fill_snapshot(x, ref, judgement.framework_scale, *snapshot);
 
   trace.mark("7 merge");
   std::vector<CheckResult> results;
@@ -626,12 +739,11 @@ std::vector<CheckResult> verify_rank(const Case& c, const RankOutput& out, Oracl
     if (const std::string why = kind.row_sum_exemption(c.loss); !why.empty()) r.summary = why;
     results.push_back(std::move(r));
   }
-  {
-    CheckResult r = make_result("stats", merge_over(world, losses.count), Tolerance{0.5, 0.0, 0},
-                                "logged valid-token count vs the global count");
-    r.metrics["expected_valid_tokens"] = x.reference.valid_tokens();
-    results.push_back(std::move(r));
+  for (std::size_t j = 0; j < values.names.size(); ++j) {
+    results.push_back(make_result(values.names[j], merge_over(world, values.stats[j]), values.tolerance,
+                                  "per-token " + values.names[j] + " of every rank vs the float64 reference"));
   }
+  results.push_back(stats_result(x, losses, statistics));
   if (error_map != nullptr) fill_error_map(x, losses, grad, std::move(token_margins), *error_map);
   return results;
 }

@@ -141,6 +141,10 @@ void RankPlan::plan_weights(const RankAssignment& assignment, RankGroups& groups
     }
   }
   const std::vector<double> mtp_weights = mtp_local_count_weights(assignment, rows_, inputs_.batch(), valid_total);
+  std::vector<char> valid(rows_.size());
+  for (std::size_t i = 0; i < rows_.size(); ++i) valid[i] = rows_[i].valid;
+  kind_plan_ = kind_of(case_.loss).plan_rows(RowPlanRequest{case_, inputs_, assignment, valid, groups, bugs_});
+  const std::optional<std::vector<double>>& kind_weights = kind_plan_.weights;
   for (std::size_t k = 0; k < ga; ++k) {
     for (std::int64_t i = offsets[k]; i < offsets[k + 1]; ++i) {
       RowPlan& p = rows_[static_cast<std::size_t>(i)];
@@ -157,6 +161,7 @@ void RankPlan::plan_weights(const RankAssignment& assignment, RankGroups& groups
       } else if (reduction == Reduction::none) {
         forward = inputs_.upstream_weight(token);
       }
+      if (kind_weights) forward = (*kind_weights)[static_cast<std::size_t>(i)];
       backward = forward / scale;
       if (reduction == Reduction::mean && bugs_.dp_local_mean) {
         // the rank's own mean, then the framework's DP x CP average: 1/(R N_r) after averaging

@@ -12,6 +12,7 @@
 #include "lossverify/impl/catalogue.hpp"
 #include "lossverify/impl/cpu/sharded_loss.hpp"
 #include "lossverify/inputs/input_source.hpp"
+#include "lossverify/kinds/loss_kind.hpp"
 #include "lossverify/outputs/rank_output.hpp"
 
 namespace lossverify {
@@ -34,6 +35,8 @@ class RankPlan {
   const RowPlan& row(std::int64_t i) const { return rows_[static_cast<std::size_t>(i)]; }
   const std::vector<RowPlan>& rows() const { return rows_; }
   std::int64_t logged_valid_tokens() const { return logged_valid_tokens_; }
+  // What the case's kind planned for these rows (kinds/loss_kind.hpp).
+  const KindRowPlan& kind_plan() const { return kind_plan_; }
   // The logged loss sum_t forward_weight * l_t over the batch group (collective); none for reduction none.
   std::optional<float> logged_loss(const std::vector<float>& token_loss, Communicator& batch) const;
 
@@ -49,6 +52,7 @@ class RankPlan {
   const BugSwitches& bugs_;
   std::vector<RowPlan> rows_;
   std::int64_t logged_valid_tokens_ = 0;
+  KindRowPlan kind_plan_;
 };
 
 }  // namespace lossverify

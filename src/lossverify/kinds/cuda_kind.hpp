@@ -46,12 +46,19 @@ struct CudaRows {
   const int* host_active = nullptr;
 };
 
+// What a micro-batch writes for the rank's rows (RankOutput's fields of the same names).
+struct KindOutputs {
+  std::vector<float>& token_loss;
+  std::vector<float>& token_values;   // rows x the kind's token_quantities()
+  std::vector<double>& logged_stats;  // the kind's logged_statistics(): this rank's share
+};
+
 class CudaKindRank {
  public:
   virtual ~CudaKindRank() = default;
-  // Rows [b, b + n) of the rank: kernels, the protocol's collectives over groups.tp, token_loss[b + i].
+  // Rows [b, b + n) of the rank: kernels, the protocol's collectives over groups.tp, out.token_loss[b + i].
   virtual void micro_batch(const RankPlan& plan, RankGroups& groups, const CudaRows& rows, std::int64_t b,
-                           std::int64_t n, std::vector<float>& token_loss) = 0;
+                           std::int64_t n, KindOutputs& out) = 0;
 };
 
 // Made while the rank's inputs are generated: it loads its kernels' code and allocates its buffers then.

@@ -44,8 +44,8 @@ struct KindInputs {
 // The float64 reference of one row, written from the kind's definitions (docs/spec.md §3) and nothing
 // else. A row is evaluated over column slices [begin, begin + size): partial() of each slice, the slices'
 // sums added up (rescaled to the row's maxima, see RowPartial), stats() of the total, then, when the
-// kind needs it, a second pass value_partial() summed over the slices, and token_loss(). `teacher` is
-// empty unless the kind reads teacher logits.
+// kind needs it, a second pass value_partial() summed over the slices (into RowStats::value), and
+// token_loss(). `teacher` is empty unless the kind reads teacher logits.
 class KindReference {
  public:
   virtual ~KindReference() = default;
@@ -59,12 +59,33 @@ class KindReference {
     (void)stats, (void)logits, (void)teacher;
     return {0.0, 0.0};
   }
-  // l_t from the row's statistics and (with a value pass) the sum of value_partial over the slices.
-  virtual double token_loss(const RowStats& stats, double value_pass) const = 0;
+  // l_t from the row's statistics (with a value pass, stats.value is the sum of value_partial over the slices).
+  virtual double token_loss(std::int64_t token, const RowStats& stats) const = 0;
+  // The token's weight in L where the kind aggregates tokens itself (a policy loss's sequence means); none:
+  // the case's reduction decides (1/N_v for mean, 1 for sum, g_t for none).
+  virtual std::optional<double> token_weight(std::int64_t token) const {
+    (void)token;
+    return std::nullopt;
+  }
+  // The kind's per-token quantities (LossKind::token_quantities), in that order.
+  virtual void token_values(std::int64_t token, const RowStats& stats, std::span<double> out) const {
+    (void)token, (void)stats, (void)out;
+  }
+  // Each logged statistic's value at this token (LossKind::logged_statistics); the logged value is their
+  // mean over the step's valid tokens.
+  virtual void token_statistics(std::int64_t token, const RowStats& stats, std::span<double> out) const {
+    (void)token, (void)stats, (void)out;
+  }
   // d L / d x of the slice's columns, for a token of weight `weight` in L.
   virtual void gradient(std::int64_t token, const RowStats& stats, double weight, std::int64_t begin,
                         std::span<const double> logits, std::span<const double> teacher,
                         std::span<double> grad) const = 0;
+  // The token's gradient factor beyond its weight and the kind's grad_scale, for the gradient's absolute
+  // tolerance (docs/spec.md §6): a policy loss's (|g_lambda| + c_H + |g'| |lambda| / 2) / T; none: 1.
+  virtual std::optional<double> gradient_scale(std::int64_t token, const RowStats& stats) const {
+    (void)token, (void)stats;
+    return std::nullopt;
+  }
   // sum_v d L / d x_v of a token of weight `weight`: the row-sum invariant; none where it does not hold.
   virtual std::optional<double> gradient_row_sum(const RowStats& stats, double weight) const = 0;
 };
@@ -99,6 +120,28 @@ struct CpuMicroBatch {
   int threads = 1;
   ProgressBeacon* beacon = nullptr;
   std::vector<float>& token_loss;
+  std::vector<float>& token_values;   // rows x the kind's token_quantities(), row major
+  std::vector<double>& logged_stats;  // the kind's logged_statistics(): this rank's share, summed over the
+                                      // batch group after the last micro-batch
+};
+
+// What a kind plans for a rank's rows before its kernels run (LossKind::plan_rows): the rank's rows, which
+// of them count, and its groups for the counts that span ranks.
+struct RowPlanRequest {
+  const Case& c;
+  const InputSource& inputs;
+  const RankAssignment& assignment;
+  std::span<const char> valid;  // per local row: the token counts in the loss
+  RankGroups& groups;
+  const BugSwitches& bugs;
+};
+struct KindRowPlan {
+  // Each local row's weight in the logged objective where the kind aggregates tokens itself; none where
+  // the case's reduction decides (docs/spec.md §5).
+  std::optional<std::vector<double>> weights;
+  // Per local row, what the kind's kernels read besides the logits (a policy loss's old and reference
+  // log-probabilities and whitened advantage), row major; the kind defines the width.
+  std::vector<float> row_inputs;
 };
 
 class LossKind {
@@ -131,6 +174,16 @@ class LossKind {
     (void)spec;
     return 1.0;
   }
+  // The kind's plan of a rank's rows (collective over the request's groups; every rank calls it once).
+  virtual KindRowPlan plan_rows(const RowPlanRequest& request) const {
+    (void)request;
+    return {};
+  }
+  // Per-token quantities a rank reports beside its loss (judged token by token, each as its own check), and
+  // statistics it logs (judged in the "stats" check against the reference's mean over valid tokens).
+  virtual std::vector<std::string> token_quantities() const { return {}; }
+  virtual std::vector<std::string> logged_statistics() const { return {}; }
+
   // The row-sum invariant in words, and why it does not apply to a case (empty where it does).
   virtual std::string row_sum_rule() const = 0;
   virtual std::string row_sum_exemption(const LossSpec& spec) const {

@@ -150,7 +150,8 @@ RowJudgement HostOracle::judge_token_row(std::int64_t i, const RowStats& row_sta
   } else {
     std::fill(expected.begin(), expected.end(), 0.0);
   }
-  const double token_scale = std::fabs(weight) * judgement_.grad_scale;
+  const double token_scale = std::fabs(weight) * judgement_.grad_scale *
+                             (valid_[k] ? reference_.row().gradient_scale(t, row_stats).value_or(1.0) : 1.0);
   RowJudgement judged;
   ErrorStats stats;
   CompensatedSum sum;

@@ -29,10 +29,12 @@ struct DeviceShard;  // a rank's inputs and gradient left on its GPU (cuda/devic
 struct RankOutput {
   RankAssignment assignment;
   DType dtype = DType::fp32;
-  std::vector<std::byte> grad;    // rows x vocab.size() in dtype, row major: the local d loss / d x
-  std::vector<float> token_loss;  // per local row, unweighted; 0 on masked rows
-  bool has_reduced_loss = false;  // false for reduction "none"
-  float reduced_loss = 0.0f;      // the logged loss
+  std::vector<std::byte> grad;       // rows x vocab.size() in dtype, row major: the local d loss / d x
+  std::vector<float> token_loss;     // per local row, unweighted; 0 on masked rows
+  std::vector<float> token_values;   // per local row, the kind's token_quantities() (row major); 0 on masked rows
+  std::vector<double> logged_stats;  // the kind's logged_statistics(), as this rank logs them
+  bool has_reduced_loss = false;     // false for reduction "none"
+  float reduced_loss = 0.0f;         // the logged loss
   std::int64_t logged_valid_tokens = 0;
   // The dtype a framework stored its losses in (check-dump): 16-bit losses are judged in units of their
   // spacing, as 16-bit gradients are. fp32 stands for float32 and wider.

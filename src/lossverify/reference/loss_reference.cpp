@@ -1,6 +1,8 @@
 #include "lossverify/reference/loss_reference.hpp"
 
 #include <algorithm>
+#include <cmath>
+#include <optional>
 
 #include "lossverify/reference/compensated_sum.hpp"
 
@@ -16,10 +18,19 @@ LossReference::LossReference(const Case& c, const InputSource& inputs)
     valid_[static_cast<std::size_t>(t)] = v;
     valid_tokens_ += v;
   }
+  // The reductions' totals are exact; a kind's own aggregation is summed (compensated, in token order).
+  if (c.loss.reduction == Reduction::sum) weight_total_ = static_cast<double>(valid_tokens_);
+  if (c.loss.reduction == Reduction::mean) weight_total_ = 1.0;
+  if (row_->token_weight(0) || c.loss.reduction == Reduction::none) {
+    CompensatedSum total;
+    for (std::int64_t t = 0; t < c.shape.tokens; ++t) total.add(std::fabs(token_weight(t)));
+    weight_total_ = total.value();
+  }
 }
 
 double LossReference::token_weight(std::int64_t token) const {
   if (!valid_[static_cast<std::size_t>(token)]) return 0.0;
+  if (const std::optional<double> own = row_->token_weight(token)) return *own;
   switch (case_.loss.reduction) {
     case Reduction::mean:
       return 1.0 / static_cast<double>(valid_tokens_);
@@ -39,17 +50,17 @@ ReferenceToken LossReference::evaluate(std::int64_t token, std::span<const doubl
   }
   // The whole row as one slice.
   const RowPartial p = row_->partial(token, 0, student, teacher);
-  const RowStats s = row_->stats(RowPartial::rescaled(p, p.max, p.teacher_max));
-  ReferenceToken r;
-  r.valid = true;
-  r.lse = s.lse;
-  r.weight = token_weight(token);
-  double value_pass = 0.0;
+  RowStats s = row_->stats(RowPartial::rescaled(p, p.max, p.teacher_max));
   if (row_->needs_value_pass()) {
     const auto [sum, error] = row_->value_partial(s, student, teacher);
-    value_pass = sum + error;
+    s.value = sum + error;
   }
-  r.loss = row_->token_loss(s, value_pass);
+  ReferenceToken r;
+  r.valid = true;
+  r.stats = s;
+  r.lse = s.lse;
+  r.weight = token_weight(token);
+  r.loss = row_->token_loss(token, s);
   row_->gradient(token, s, r.weight, 0, student, teacher, grad);
   return r;
 }

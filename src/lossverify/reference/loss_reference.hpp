@@ -20,6 +20,7 @@ namespace lossverify {
 
 struct ReferenceToken {
   bool valid = false;
+  RowStats stats;       // the row's statistics (with the value pass, where the kind has one)
   double lse = 0.0;     // channel 0's log-sum-exp (log sum_v exp(x_v); of x / T for KD)
   double loss = 0.0;    // l_t (0 on masked tokens)
   double weight = 0.0;  // d L / d l_t: 1/N_v (mean), 1 (sum), g_t (none); 0 on masked tokens
@@ -58,7 +59,9 @@ class LossReference {
                                           std::span<const double> teacher) const {
     return row_->value_partial(stats, student, teacher);
   }
-  double token_loss(const RowStats& stats, double value_pass) const { return row_->token_loss(stats, value_pass); }
+  double token_loss(std::int64_t token, const RowStats& stats) const { return row_->token_loss(token, stats); }
+  // Sum over tokens of |w_t|: the scale of the logged loss's absolute tolerance (1 for mean, N_v for sum).
+  double weight_total() const { return weight_total_; }
   // d L / d x of the slice's columns.
   void gradient(std::int64_t token, const RowStats& stats, std::int64_t begin, std::span<const double> student,
                 std::span<const double> teacher, std::span<double> grad) const {
@@ -71,6 +74,7 @@ class LossReference {
   std::unique_ptr<KindReference> row_;
   std::int64_t valid_tokens_ = 0;
   std::vector<char> valid_;
+  double weight_total_ = 0.0;
 };
 
 }  // namespace lossverify

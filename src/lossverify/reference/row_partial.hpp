@@ -51,6 +51,7 @@ struct RowStats {
   double lse = 0.0;
   double teacher_lse = 0.0;
   double sum_qx = 0.0;
+  double value = 0.0;  // the second pass summed over the slices (KindReference::needs_value_pass), else 0
 };
 
 }  // namespace lossverify

@@ -351,6 +351,7 @@ RunResult run_case(const Case& c, const RunOptions& requested, Launcher& launche
   LayoutSnapshot snapshot;
   if (keep_snapshot) {
     snapshot.token_loss.assign(static_cast<std::size_t>(c.shape.tokens), 0.0f);
+    snapshot.token_grad_scale.assign(static_cast<std::size_t>(c.shape.tokens), 0.0f);
     if (c.shape.tokens * c.shape.vocab <= kSnapshotElementLimit) {
       snapshot.effective_grad.assign(static_cast<std::size_t>(c.shape.tokens * c.shape.vocab), 0.0f);
     }

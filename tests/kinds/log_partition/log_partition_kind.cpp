@@ -42,7 +42,7 @@ class LogPartitionReference final : public KindReference {
     s.add(total.sum_exp_error);
     return RowStats{total.max + std::log(s.value()), 0.0, 0.0};
   }
-  double token_loss(const RowStats& s, double) const override { return s.lse; }
+  double token_loss(std::int64_t, const RowStats& s) const override { return s.lse; }
   void gradient(std::int64_t, const RowStats& s, double weight, std::int64_t, std::span<const double> logits,
                 std::span<const double>, std::span<double> grad) const override {
     for (std::size_t v = 0; v < logits.size(); ++v) grad[v] = weight * std::exp(logits[v] - s.lse);

@@ -109,6 +109,9 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
   copy_to_device(d_valid, valid, stream.get());
   copy_to_device(d_weight, weight, stream.get());
   out.token_loss.assign(static_cast<std::size_t>(rows), 0.0f);
+  out.token_values.assign(static_cast<std::size_t>(rows) * kind.token_quantities().size(), 0.0f);
+  out.logged_stats.assign(kind.logged_statistics().size(), 0.0);
+  KindOutputs kind_outputs{out.token_loss, out.token_values, out.logged_stats};
   trace.mark("kernels");
 
   const CudaRows row_arrays{d_target.as<std::int64_t>(), d_active.as<int>(), d_valid.as<int>(),
@@ -118,8 +121,9 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
     const std::int64_t b = offsets[mb];
     const std::int64_t n = offsets[mb + 1] - b;
     if (n == 0) continue;
-    kind_rank->micro_batch(plan, groups, row_arrays, b, n, out.token_loss);
+    kind_rank->micro_batch(plan, groups, row_arrays, b, n, kind_outputs);
   }
+  if (!out.logged_stats.empty()) groups.batch.allreduce_sum(std::span<double>(out.logged_stats));
   trace.mark("hand over");
   if (full_vocab) {
     // Only the rank's own columns leave the kernel's rows.

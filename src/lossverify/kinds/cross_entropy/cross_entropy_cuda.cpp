@@ -156,7 +156,7 @@ class CrossEntropyCudaRank final : public CudaKindRank {
         h_stats_(static_cast<std::size_t>(s.rows) * 4 * sizeof(float)) {}
 
   void micro_batch(const RankPlan& plan, RankGroups& groups, const CudaRows& rows, std::int64_t b, std::int64_t n,
-                   std::vector<float>& token_loss) override {
+                   KindOutputs& out) override {
     const std::size_t offset = static_cast<std::size_t>(b * setup_.cols) * setup_.element;
     CudaCrossEntropyShard::Buffers at;
     at.grad = GradArgs{setup_.logits + offset,
@@ -176,7 +176,7 @@ class CrossEntropyCudaRank final : public CudaKindRank {
     at.active = rows.host_active + b;
     CudaCrossEntropyShard shard(setup_.type, constants_, setup_.bugs, setup_.whole_rows, at,
                                 static_cast<cudaStream_t>(setup_.stream));
-    cross_entropy_protocol(setup_.c, setup_.bugs, plan, groups, b, n, setup_.cols, shard, token_loss);
+    cross_entropy_protocol(setup_.c, setup_.bugs, plan, groups, b, n, setup_.cols, shard, out.token_loss);
   }
 
   CrossEntropyConstants constants() const { return constants_; }

@@ -65,8 +65,8 @@ class CrossEntropyReference final : public KindReference {
   }
 
   // l = lse - sum_v q_v x_v + w_z lse^2
-  double token_loss(const RowStats& s, double value_pass) const override {
-    (void)value_pass;
+  double token_loss(std::int64_t token, const RowStats& s) const override {
+    (void)token;
     return s.lse - s.sum_qx + case_.loss.z_loss_weight * s.lse * s.lse;
   }
 

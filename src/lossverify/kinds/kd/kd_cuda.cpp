@@ -103,7 +103,7 @@ class KdCudaRank final : public CudaKindRank {
   explicit KdCudaRank(const CudaRankSetup& s) : setup_(s) {}
 
   void micro_batch(const RankPlan& plan, RankGroups& groups, const CudaRows& rows, std::int64_t b, std::int64_t n,
-                   std::vector<float>& token_loss) override {
+                   KindOutputs& out) override {
     const std::size_t offset = static_cast<std::size_t>(b * setup_.cols) * setup_.element;
     const KdStatsArgs sa{setup_.logits + offset,
                          setup_.teacher + offset,
@@ -113,7 +113,7 @@ class KdCudaRank final : public CudaKindRank {
                          static_cast<float>(1.0 / setup_.c.loss.temperature)};
     CudaKdShard shard(setup_.type, sa, rows.host_active + b, setup_.grad + offset, setup_.bugs,
                       static_cast<cudaStream_t>(setup_.stream));
-    kd_protocol(setup_.c, setup_.bugs, plan, groups, b, n, shard, token_loss);
+    kd_protocol(setup_.c, setup_.bugs, plan, groups, b, n, shard, out.token_loss);
   }
 
  private:

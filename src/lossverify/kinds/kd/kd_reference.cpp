@@ -66,9 +66,9 @@ class KdReference final : public KindReference {
     return kl.result();
   }
 
-  double token_loss(const RowStats& s, double kl) const override {
-    (void)s;
-    return std::pow(case_.loss.temperature, case_.loss.t2_scaling ? 2.0 : 0.0) * kl;
+  double token_loss(std::int64_t token, const RowStats& s) const override {
+    (void)token;
+    return std::pow(case_.loss.temperature, case_.loss.t2_scaling ? 2.0 : 0.0) * s.value;  // s.value: the KL
   }
 
   // d L / d x_v = w T^(s-1) (Q_v - P_v)
