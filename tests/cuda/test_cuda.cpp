@@ -191,6 +191,26 @@ TEST_CASE("cuda_kernel_bugs_fail_with_the_checks_golden_records_for_the_cpu") {
   }
 }
 
+TEST_CASE("policy_kernels_give_the_golden_outcomes_of_every_rl_case_and_implementation") {
+  for (const char* name : {"rl-grpo-tp2-dp2-ga2", "rl-drgrpo-cp2-whiten", "rl-logprob-entropy-tp4"}) {
+    const Case c = load_case_file(std::string("cases/") + name + ".json");
+    std::ifstream golden_file(std::string("golden/") + name + ".json");
+    const nlohmann::json outcomes = nlohmann::json::parse(golden_file)["outcomes"];
+    int compared = 0;
+    for (const auto& [impl, golden] : outcomes.items()) {
+      if (golden["verdict"] == "not_applicable") continue;
+      const RunResult r = run_on_gpu(c, impl);
+      const std::string case_name = name;
+      CAPTURE(case_name);
+      CAPTURE(impl);
+      CHECK(std::string(to_string(r.verdict)) == golden["verdict"].get<std::string>());
+      CHECK(failing(r) == golden["failing_checks"].get<std::vector<std::string>>());
+      ++compared;
+    }
+    CHECK(compared > 12);
+  }
+}
+
 TEST_CASE("long_rows_take_the_row_resident_kernel_and_give_the_cpu_verdicts") {
   // Which kernel serves a row width is a host-side decision; aligned stand-in pointers suffice.
   void* aligned = reinterpret_cast<void*>(std::uintptr_t{1} << 20);

@@ -20,7 +20,10 @@ enum class InputStream : std::uint32_t {
   token_mask = 3,
   upstream_weights = 4,
   sequence_lengths = 5,
-  pad_logits = 6,  // logits of CP padding positions (masked; any value is right)
+  pad_logits = 6,        // logits of CP padding positions (masked; any value is right)
+  policy_ratio = 7,      // a policy loss's old log-probabilities: where each token's ratio is placed
+  policy_reference = 8,  // a policy loss's reference log-probabilities: the gap to the current one
+  policy_advantage = 9,  // a policy loss's advantages, one per sequence
 };
 
 enum class LogitDistribution : int { normal = 0, uniform = 1 };

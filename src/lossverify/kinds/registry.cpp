@@ -6,6 +6,7 @@
 #include "lossverify/impl/catalogue.hpp"
 #include "lossverify/kinds/cross_entropy/cross_entropy_parts.hpp"
 #include "lossverify/kinds/kd/kd_parts.hpp"
+#include "lossverify/kinds/policy/policy_parts.hpp"
 
 namespace lossverify {
 
@@ -17,6 +18,7 @@ struct Registry {
   Registry() {
     kinds.push_back(make_cross_entropy_kind());
     kinds.push_back(make_kd_kind());
+    kinds.push_back(make_policy_kind());
   }
 };
 

@@ -1,0 +1,79 @@
+// The policy kind's catalogued bugs (docs/catalogue.md), from the post-training frameworks' record: the
+// vocabulary-parallel log-prob and entropy backward, the temperature, the aggregation over micro-batches,
+// DP and CP ranks, whitening, vocabulary padding and the KL's gradient. Each sets one bit of
+// BugSwitches::kind_switches (policy_parts.hpp).
+#include "lossverify/impl/catalogue.hpp"
+#include "lossverify/kinds/policy/policy_parts.hpp"
+
+namespace lossverify {
+
+std::vector<Implementation> policy_catalogue() {
+  const Applies mine = Applies::kind("policy");
+  auto bit = [](std::uint64_t b) { return switches_with([b](BugSwitches& s) { s.kind_switches = b; }); };
+  std::vector<Implementation> v;
+  v.push_back(catalogued_bug(
+      "rl-logprob-untracked-allreduce",
+      "vocab-parallel log-prob: max, sum-exp and the gathered log-prob all-reduced in place outside autograd, "
+      "the local max not detached",
+      "the pattern of kd-untracked-allreduce (NVIDIA-NeMo/Automodel #1499) in a vocab-parallel log-prob kernel",
+      "non-owner shards get 0 instead of -g p_v; the owner shard g (delta - p_v) plus g (P_r - 1) at its local "
+      "argmax: grad fails at tp > 1, each shard's row sum stays 0, log-prob exact",
+      {"grad"}, mine, bit(policy_bug::logprob_untracked_allreduce)));
+  v.push_back(catalogued_bug(
+      "rl-entropy-untracked-allreduce",
+      "vocab-parallel entropy: the per-shard partials all-reduced outside autograd, each shard differentiating "
+      "its own partial sum",
+      "the kd-untracked-allreduce pattern in a vocab-parallel entropy kernel (docs/catalogue.md)",
+      "dH/dx_v = -p_v (log p_v + H_r) - p_v (1 - P_r) instead of -p_v (log p_v + H): grad fails at tp > 1 with "
+      "entropy_coef > 0; entropy exact",
+      {"grad"}, mine, bit(policy_bug::entropy_untracked_allreduce)));
+  v.push_back(catalogued_bug("rl-logprob-allgather-grad-sum",
+                             "log-probs from a vocabulary all-gather to a replicated tensor, whose backward "
+                             "all-reduces the replicated gradient",
+                             "pytorch/torchtitan components/loss.py compute_logprobs (#3827)",
+                             "the log-prob part of the gradient = TP x reference; loss exact", {"grad"}, mine,
+                             bit(policy_bug::logprob_allgather_grad_sum)));
+  v.push_back(catalogued_bug("rl-temperature-one-side",
+                             "the trainer's log-probs at T = 1 against rollout log-probs at the sampling temperature",
+                             "verl #3133, OpenRLHF #857, AReaL #581, ms-swift #8427, slime #557/#2085",
+                             "loss, grad, log-prob, entropy and clip fraction wrong; passes at T = 1",
+                             {"loss", "grad", "logprob", "entropy", "stats"}, mine,
+                             bit(policy_bug::temperature_one_side)));
+  v.push_back(catalogued_bug("rl-token-mean-sample-weighted",
+                             "token-mean as each micro-batch's token mean weighted by its share of sequences, "
+                             "then a DP mean, instead of sum l / N",
+                             "verl legacy actor (#5625/#5877), SkyRL #1296, OpenRLHF df78645e",
+                             "loss and grad wrong when micro-batches or ranks hold different token counts",
+                             {"loss", "grad"}, mine, bit(policy_bug::token_mean_sample_weighted)));
+  v.push_back(catalogued_bug("rl-microbatch-self-normalized",
+                             "each micro-batch normalised by its own token count, the engine summing micro-batches",
+                             "verl #7200 (#7225), #6957", "loss and grad about K x (K micro-batches per rank)",
+                             {"loss", "grad"}, mine, bit(policy_bug::microbatch_self_normalized)));
+  v.push_back(catalogued_bug(
+      "rl-drgrpo-batch-sum", "seq-mean-token-sum-norm multiplied by the micro-batch's sequence count b",
+      "verl #3741 (#5366/#5417)", "loss and grad x b", {"loss", "grad"}, mine, bit(policy_bug::drgrpo_batch_sum)));
+  v.push_back(catalogued_bug(
+      "rl-cp-extra-scale", "the KL and entropy terms scaled by CP, their statistics summed over CP copies",
+      "NovaSky-AI/SkyRL #1420, #1751", "KL and entropy gradient x CP, their statistics x CP; passes at cp = 1",
+      {"grad", "stats"}, mine, bit(policy_bug::cp_extra_scale)));
+  v.push_back(catalogued_bug("rl-schedule-double-divide",
+                             "a globally normalised loss divided by the micro-batch count again before backward",
+                             "inclusionAI/AReaL #1273; THUDM/slime #987/#990", "grad / K; passes at ga = 1", {"grad"},
+                             mine, bit(policy_bug::schedule_double_divide)));
+  v.push_back(catalogued_bug("rl-adv-whiten-dp-only", "advantage whitening statistics over DP only, not DP x CP",
+                             "THUDM/slime #2235", "per-CP-rank loss and grad wrong at cp > 1 with whitening",
+                             {"loss", "grad"}, mine, bit(policy_bug::adv_whiten_dp_only)));
+  v.push_back(catalogued_bug("rl-fused-vocab-pad",
+                             "a fused kernel's zero pad columns (each shard padded to a multiple of 1024) left in "
+                             "the softmax",
+                             "verl fused linear-CE kernel (#2656/#2899, #5349)",
+                             "lse' = log(sum_v e^(x_v/T) + n_pad): log-prob, loss and grad wrong when V/TP mod 1024 "
+                             "!= 0",
+                             {"loss", "grad", "logprob", "entropy"}, mine, bit(policy_bug::fused_vocab_pad)));
+  v.push_back(catalogued_bug("rl-kl-no-grad", "the KL penalty computed without gradient", "NovaSky-AI/SkyRL #1353",
+                             "grad fails whenever kl_coef > 0; loss exact", {"grad"}, mine,
+                             bit(policy_bug::kl_no_grad)));
+  return v;
+}
+
+}  // namespace lossverify

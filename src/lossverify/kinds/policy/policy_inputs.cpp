@@ -1,0 +1,87 @@
+#include "lossverify/kinds/policy/policy_inputs.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "lossverify/inputs/philox_stream.hpp"
+#include "lossverify/kinds/policy/policy_options.hpp"
+
+namespace lossverify {
+
+namespace {
+
+// The token's log-probability at temperature T, in float64 over the row as the inputs give it.
+double placement_logprob(const Case& c, const InputSource& inputs, std::int64_t token, std::int64_t label) {
+  const auto vocab = static_cast<std::size_t>(c.shape.vocab);
+  std::vector<double> row(vocab);
+  inputs.logits(token, 0, c.shape.vocab, row.data());
+  const double inverse_t = 1.0 / policy_options(c.loss).temperature;
+  double max = -INFINITY;
+  for (double x : row) max = std::max(max, x * inverse_t);
+  double sum = 0.0;
+  for (double x : row) sum += std::exp(x * inverse_t - max);
+  return row[static_cast<std::size_t>(label)] * inverse_t - max - std::log(sum);
+}
+
+struct Interval {
+  double low, high;
+};
+
+// The intervals between the clip edges that ratios are drawn from, each shrunk by the margin at both ends,
+// with the share of tokens each gets: below 1 - eps_low, unclipped, above 1 + eps_high, beyond c.
+struct Placement {
+  std::vector<Interval> intervals;
+  std::vector<double> shares;
+};
+
+Placement placement(const PolicyOptions& o) {
+  std::vector<double> edges = {1.0 - o.clip_low, 1.0 + o.clip_high};
+  if (o.dual_clip > 0.0) edges.push_back(o.dual_clip);
+  std::sort(edges.begin(), edges.end());
+  edges.erase(std::unique(edges.begin(), edges.end()), edges.end());
+  std::vector<Interval> raw = {{0.5 * edges.front(), edges.front()}};
+  for (std::size_t k = 0; k + 1 < edges.size(); ++k) raw.push_back({edges[k], edges[k + 1]});
+  raw.push_back({edges.back(), edges.back() + std::max(0.5, 0.5 * (edges.back() - edges.front()))});
+  Placement p;
+  for (const Interval& i : raw) {
+    const double margin = std::min(0.02, 0.1 * (i.high - i.low));
+    p.intervals.push_back({i.low + margin, i.high - margin});
+  }
+  // The unclipped interval (the second) gets the largest share; every other an equal part of the rest.
+  for (std::size_t k = 0; k < p.intervals.size(); ++k) {
+    p.shares.push_back(k == 1 ? 0.4 : 0.6 / static_cast<double>(p.intervals.size() - 1));
+  }
+  return p;
+}
+
+}  // namespace
+
+float policy_sequence_advantage(const Case& c, std::int64_t sequence) {
+  const double u = token_uniform(c.inputs.seed, InputStream::policy_advantage, static_cast<std::uint64_t>(sequence));
+  // |A| in [0.2, 2], either sign: away from 0, where the clip's side flips.
+  const double magnitude = 0.2 + 1.8 * std::fabs(2.0 * u - 1.0);
+  return static_cast<float>(u < 0.5 ? -magnitude : magnitude);
+}
+
+PolicyTokenInputs policy_token_inputs(const Case& c, const InputSource& inputs, std::int64_t token) {
+  PolicyTokenInputs in;
+  in.advantage = policy_sequence_advantage(c, inputs.batch().sequence_of(token));
+  if (!inputs.is_valid(token)) return in;
+  const double logprob = placement_logprob(c, inputs, token, inputs.label(token));
+  const PhiloxBlock r = philox_block(c.inputs.seed, InputStream::policy_ratio, static_cast<std::uint64_t>(token), 0);
+  const double pick = uniform_open01(r.word[0], r.word[1]);
+  const double where = uniform_open01(r.word[2], r.word[3]);
+  const Placement p = placement(policy_options(c.loss));
+  std::size_t k = 0;
+  for (double acc = p.shares[0]; k + 1 < p.shares.size() && pick > acc; acc += p.shares[++k]) {
+  }
+  const double ratio = p.intervals[k].low + where * (p.intervals[k].high - p.intervals[k].low);
+  in.old_logprob = static_cast<float>(logprob - std::log(ratio));
+  const double v = token_uniform(c.inputs.seed, InputStream::policy_reference, static_cast<std::uint64_t>(token));
+  const double gap = 0.05 + 0.45 * std::fabs(2.0 * v - 1.0);
+  in.ref_logprob = static_cast<float>(logprob - (v < 0.5 ? -gap : gap));
+  return in;
+}
+
+}  // namespace lossverify

@@ -1,0 +1,37 @@
+#pragma once
+// The policy kind's files, as the kind uses them (kinds/policy/).
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "lossverify/kinds/loss_kind.hpp"
+
+namespace lossverify {
+
+// The kind's own bug switches (BugSwitches::kind_switches), one bit each (policy_catalogue.cpp).
+namespace policy_bug {
+inline constexpr std::uint64_t logprob_untracked_allreduce = 1u << 0;
+inline constexpr std::uint64_t entropy_untracked_allreduce = 1u << 1;
+inline constexpr std::uint64_t logprob_allgather_grad_sum = 1u << 2;
+inline constexpr std::uint64_t temperature_one_side = 1u << 3;
+inline constexpr std::uint64_t token_mean_sample_weighted = 1u << 4;
+inline constexpr std::uint64_t microbatch_self_normalized = 1u << 5;
+inline constexpr std::uint64_t drgrpo_batch_sum = 1u << 6;
+inline constexpr std::uint64_t cp_extra_scale = 1u << 7;
+inline constexpr std::uint64_t schedule_double_divide = 1u << 8;
+inline constexpr std::uint64_t adv_whiten_dp_only = 1u << 9;
+inline constexpr std::uint64_t fused_vocab_pad = 1u << 10;
+inline constexpr std::uint64_t kl_no_grad = 1u << 11;
+}  // namespace policy_bug
+
+// Per local row, the kernels' inputs in KindRowPlan::row_inputs: old and reference log-probability and the
+// (whitened) advantage.
+inline constexpr std::size_t kPolicyRowInputs = 3;
+
+std::unique_ptr<LossKind> make_policy_kind();
+std::vector<Implementation> policy_catalogue();
+std::unique_ptr<KindReference> make_policy_reference(const Case& c, const InputSource& inputs);
+KindRowPlan plan_policy_rows(const RowPlanRequest& request);
+void policy_cpu_micro_batch(const CpuMicroBatch& batch);
+
+}  // namespace lossverify

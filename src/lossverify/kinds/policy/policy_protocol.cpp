@@ -1,0 +1,166 @@
+#include "lossverify/kinds/policy/policy_protocol.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+#include "lossverify/comm/rank_groups.hpp"
+#include "lossverify/impl/catalogue.hpp"
+#include "lossverify/impl/rank_plan.hpp"
+#include "lossverify/kinds/policy/policy_math.hpp"
+#include "lossverify/kinds/policy/policy_options.hpp"
+#include "lossverify/kinds/policy/policy_parts.hpp"
+
+namespace lossverify {
+
+namespace {
+
+PolicyCoefficients<float> coefficients(const PolicyOptions& o) {
+  PolicyCoefficients<float> k;
+  k.logprob_only = o.objective == PolicyOptions::Objective::logprob;
+  k.clip_low = static_cast<float>(o.clip_low);
+  k.clip_high = static_cast<float>(o.clip_high);
+  k.dual_clip = static_cast<float>(o.dual_clip);
+  k.kl = static_cast<int>(o.kl);
+  k.kl_coef = static_cast<float>(o.kl_coef);
+  k.entropy_coef = static_cast<float>(o.entropy_coef);
+  return k;
+}
+
+// Columns a shard pads its width to a multiple of 1024 with (rl-fused-vocab-pad).
+float pad_columns(std::int64_t width) { return static_cast<float>((1024 - width % 1024) % 1024); }
+
+class Protocol {
+ public:
+  Protocol(const PolicyBatch& mb, PolicyShard& shard)
+      : mb_(mb),
+        shard_(shard),
+        o_(policy_options(mb.c.loss)),
+        k_(coefficients(o_)),
+        bugs_(mb.bugs.kind_switches),
+        inverse_t_(has(policy_bug::temperature_one_side) ? 1.0f : static_cast<float>(1.0 / o_.temperature)),
+        n_(static_cast<std::size_t>(mb.n)),
+        local_(n_ * PolicyLocalStats::kFloats, 0.0f),
+        max_(n_, -INFINITY),
+        sums_(3 * n_, 0.0f),
+        own_(2 * n_, 0.0f) {}
+
+  void run() {
+    shard_.local_stats(inverse_t_, local_);
+    for (std::size_t i = 0; i < n_; ++i) {
+      if (active(i)) max_[i] = local(i).max;
+    }
+    if (mb_.groups.tp.size() > 1) mb_.groups.tp.allreduce_max(std::span<float>(max_));
+    rescale();
+    if (mb_.groups.tp.size() > 1) mb_.groups.tp.allreduce_sum(std::span<float>(sums_));
+    std::vector<float> grad_rows(n_ * PolicyGradRow::kFloats, 0.0f);
+    for (std::size_t i = 0; i < n_; ++i) {
+      if (!active(i)) continue;
+      const PolicyGradRow g = evaluate(i);
+      const float values[PolicyGradRow::kFloats] = {g.max,   g.log_sum, g.a,      g.bonus, g.c,
+                                                    g.shift, g.scale,   g.target, g.argmax};
+      std::copy(values, values + PolicyGradRow::kFloats, grad_rows.begin() + static_cast<std::ptrdiff_t>(i * 9));
+    }
+    shard_.gradient(inverse_t_, grad_rows);
+  }
+
+ private:
+  bool has(std::uint64_t bug) const { return (bugs_ & bug) != 0; }
+  const RowPlan& plan(std::size_t i) const { return mb_.plan.row(mb_.begin + static_cast<std::int64_t>(i)); }
+  bool active(std::size_t i) const { return plan(i).active; }
+  PolicyLocalStats local(std::size_t i) const {
+    const float* s = &local_[i * PolicyLocalStats::kFloats];
+    return {s[0], s[1], s[2], s[3], s[4]};
+  }
+  std::int64_t local_target(std::size_t i) const { return plan(i).label - mb_.work.begin; }
+  bool owner(std::size_t i) const { return local_target(i) >= 0 && local_target(i) < mb_.work.size(); }
+
+  // Each shard's sums relative to the group's maximum M, packed [S | E | x_y / T - M] for the all-reduce;
+  // under rl-fused-vocab-pad each shard's zero pad columns join the sums.
+  void rescale() {
+    const float pad = has(policy_bug::fused_vocab_pad) ? pad_columns(mb_.work.size()) : 0.0f;
+    for (std::size_t i = 0; i < n_; ++i) {
+      if (!active(i)) continue;
+      const PolicyLocalStats s = local(i);
+      const float shift = s.max - max_[i];  // <= 0
+      const float f = std::exp(shift);
+      float sum = s.sum_exp * f;
+      float sum_u = f * (s.sum_exp_u + shift * s.sum_exp);
+      if (pad > 0.0f) {
+        const float e = std::exp(-max_[i]);
+        sum += pad * e;
+        sum_u += pad * e * -max_[i];
+      }
+      sums_[i] = sum;
+      sums_[n_ + i] = sum_u;
+      own_[i] = sum;
+      own_[n_ + i] = sum_u;
+      if (owner(i)) sums_[2 * n_ + i] = s.target + shift;
+    }
+  }
+
+  // The token's objective, its loss, values and statistics, and its gradient row.
+  PolicyGradRow evaluate(std::size_t i) {
+    const RowPlan& p = plan(i);
+    const auto row = static_cast<std::size_t>(mb_.begin) + i;
+    const float s = sums_[i];
+    const float log_s = std::log(s);
+    const float logprob = sums_[2 * n_ + i] - log_s;
+    const float entropy = log_s - sums_[n_ + i] / s;
+    const std::vector<float>& inputs = mb_.plan.kind_plan().row_inputs;
+    const float* in = inputs.empty() ? nullptr : &inputs[row * kPolicyRowInputs];
+    const PolicyTerms<float> t =
+        in != nullptr ? policy_terms(logprob, in[0], in[1], in[2], k_) : policy_terms(logprob, 0.0f, 0.0f, 0.0f, k_);
+    const float cp_factor = has(policy_bug::cp_extra_scale) ? static_cast<float>(mb_.c.layout.cp) : 1.0f;
+    mb_.token_loss[row] = t.surrogate + k_.kl_coef * t.kl - k_.entropy_coef * entropy;
+    mb_.token_values[2 * row] = logprob;
+    mb_.token_values[2 * row + 1] = entropy;
+    if (p.valid) {
+      const double inverse_n = 1.0 / static_cast<double>(std::max<std::int64_t>(mb_.plan.logged_valid_tokens(), 1));
+      mb_.logged_stats[0] += (t.clipped ? 1.0 : 0.0) * inverse_n;
+      mb_.logged_stats[1] += (t.dual_clipped ? 1.0 : 0.0) * inverse_n;
+      mb_.logged_stats[2] += static_cast<double>(cp_factor * t.kl) * inverse_n;
+      mb_.logged_stats[3] += static_cast<double>(cp_factor * entropy) * inverse_n;
+    }
+    PolicyGradRow g;
+    g.max = max_[i];
+    g.log_sum = log_s;
+    const float kl_slope = has(policy_bug::kl_no_grad) ? 0.0f : cp_factor * k_.kl_coef * t.kl_slope;
+    g.a = t.surrogate_slope + kl_slope;
+    if (has(policy_bug::logprob_allgather_grad_sum)) g.a *= static_cast<float>(mb_.groups.tp.size());
+    g.c = cp_factor * k_.entropy_coef;
+    g.shift = entropy;
+    g.scale = p.backward_weight * inverse_t_;
+    if (has(policy_bug::schedule_double_divide)) g.scale /= static_cast<float>(mb_.c.layout.ga);
+    g.target = owner(i) ? static_cast<float>(local_target(i)) : -1.0f;
+    // This shard's mass and its part of H: what the untracked all-reduces' backward sees.
+    const float mass = own_[i] / s;
+    if (has(policy_bug::logprob_untracked_allreduce)) {
+      g.bonus = owner(i) ? g.a * (mass - 1.0f) : 0.0f;
+      g.argmax = owner(i) ? local(i).argmax : -1.0f;
+      if (!owner(i)) g.a = 0.0f;
+    }
+    if (has(policy_bug::entropy_untracked_allreduce)) {
+      const float shard_entropy = log_s * mass - own_[n_ + i] / s;
+      g.shift = shard_entropy + (1.0f - mass);
+    }
+    return g;
+  }
+
+  const PolicyBatch& mb_;
+  PolicyShard& shard_;
+  const PolicyOptions& o_;
+  const PolicyCoefficients<float> k_;
+  const std::uint64_t bugs_;
+  const float inverse_t_;
+  const std::size_t n_;
+  std::vector<float> local_;
+  std::vector<float> max_;
+  std::vector<float> sums_;  // [S | E | x_y / T - M], all-reduced over TP
+  std::vector<float> own_;   // [S | E] of this shard alone, relative to M
+};
+
+}  // namespace
+
+void policy_protocol(const PolicyBatch& batch, PolicyShard& shard) { Protocol(batch, shard).run(); }
+
+}  // namespace lossverify

@@ -1,0 +1,164 @@
+// The framework side of a policy loss on one rank, before its kernels run: each row's weight in the
+// step's objective under the case's aggregation (docs/spec.md §3.3), with the catalogued aggregation bugs,
+// and each row's old and reference log-probabilities and whitened advantage.
+#include <algorithm>
+#include <cmath>
+#include <set>
+#include <span>
+#include <vector>
+
+#include "lossverify/case/case.hpp"
+#include "lossverify/comm/rank_groups.hpp"
+#include "lossverify/impl/catalogue.hpp"
+#include "lossverify/kinds/policy/policy_inputs.hpp"
+#include "lossverify/kinds/policy/policy_options.hpp"
+#include "lossverify/kinds/policy/policy_parts.hpp"
+#include "lossverify/outputs/rank_output.hpp"
+
+namespace lossverify {
+
+namespace {
+
+using Aggregation = PolicyOptions::Aggregation;
+
+// Valid tokens of every sequence of the step, over the batch group (every rank gets every count).
+std::vector<std::int64_t> sequence_counts(const RowPlanRequest& q) {
+  std::vector<std::int64_t> counts(q.inputs.batch().sequences().size(), 0);
+  for (std::size_t i = 0; i < q.assignment.rows.size(); ++i) {
+    if (q.valid[i]) ++counts[static_cast<std::size_t>(q.assignment.rows[i].sequence)];
+  }
+  q.groups.batch.allreduce_sum(std::span<std::int64_t>(counts));
+  return counts;
+}
+
+// Per DP rank and micro-batch: its valid tokens (over its CP group) and its sequences that hold any.
+struct MicroBatchCounts {
+  std::vector<std::int64_t> tokens, sequences;  // [dp * GA + k]
+  std::int64_t at(const std::vector<std::int64_t>& v, int dp, std::size_t k, std::size_t ga) const {
+    return v[static_cast<std::size_t>(dp) * ga + k];
+  }
+};
+
+MicroBatchCounts micro_batch_counts(const RowPlanRequest& q, const std::vector<std::int64_t>& per_sequence) {
+  const auto& offsets = q.assignment.micro_batch_begin;
+  const std::size_t ga = offsets.size() - 1;
+  const int dp = q.assignment.coordinates.dp;
+  MicroBatchCounts m;
+  m.tokens.assign(static_cast<std::size_t>(q.c.layout.dp) * ga, 0);
+  m.sequences = m.tokens;
+  for (std::size_t k = 0; k < ga; ++k) {
+    std::set<std::int64_t> sequences;
+    for (std::int64_t i = offsets[k]; i < offsets[k + 1]; ++i) {
+      const auto row = static_cast<std::size_t>(i);
+      m.tokens[static_cast<std::size_t>(dp) * ga + k] += q.valid[row];
+      const std::int64_t s = q.assignment.rows[row].sequence;
+      if (per_sequence[static_cast<std::size_t>(s)] > 0) sequences.insert(s);
+    }
+    // Every CP rank holds a part of each of its sequences: the first counts them.
+    if (q.assignment.coordinates.cp == 0) {
+      m.sequences[static_cast<std::size_t>(dp) * ga + k] = static_cast<std::int64_t>(sequences.size());
+    }
+  }
+  q.groups.batch.allreduce_sum(std::span<std::int64_t>(m.tokens));
+  q.groups.batch.allreduce_sum(std::span<std::int64_t>(m.sequences));
+  return m;
+}
+
+// Each row's weight in L. Correct: token-mean 1/N, token-sum 1, seq-mean-token-sum 1/B,
+// seq-mean-token-mean 1/(B n_s), seq-mean-token-sum-norm 1/(B H_max).
+std::vector<double> row_weights(const RowPlanRequest& q, const PolicyOptions& o,
+                                const std::vector<std::int64_t>& per_sequence) {
+  std::int64_t tokens = 0, sequences = 0;
+  for (std::int64_t n : per_sequence) {
+    tokens += n;
+    sequences += n > 0;
+  }
+  const MicroBatchCounts m = micro_batch_counts(q, per_sequence);
+  const auto& offsets = q.assignment.micro_batch_begin;
+  const std::size_t ga = offsets.size() - 1;
+  const int dp = q.assignment.coordinates.dp;
+  const auto dp_size = static_cast<double>(q.c.layout.dp);
+  std::int64_t rank_sequences = 0;
+  for (std::size_t k = 0; k < ga; ++k) rank_sequences += m.at(m.sequences, dp, k, ga);
+  const std::uint64_t bugs = q.bugs.kind_switches;
+  std::vector<double> w(q.assignment.rows.size(), 0.0);
+  for (std::size_t k = 0; k < ga; ++k) {
+    const auto micro_tokens = static_cast<double>(std::max<std::int64_t>(m.at(m.tokens, dp, k, ga), 1));
+    const auto micro_sequences = static_cast<double>(m.at(m.sequences, dp, k, ga));
+    for (std::int64_t i = offsets[k]; i < offsets[k + 1]; ++i) {
+      const auto row = static_cast<std::size_t>(i);
+      if (!q.valid[row]) continue;
+      const auto n_s = static_cast<double>(per_sequence[static_cast<std::size_t>(q.assignment.rows[row].sequence)]);
+      double weight = 0.0;
+      switch (o.aggregation) {
+        case Aggregation::token_mean:
+          weight = 1.0 / static_cast<double>(tokens);
+          if (bugs & policy_bug::token_mean_sample_weighted) {
+            weight = (1.0 / micro_tokens) * (micro_sequences / static_cast<double>(rank_sequences)) / dp_size;
+          }
+          if (bugs & policy_bug::microbatch_self_normalized) weight = 1.0 / (dp_size * micro_tokens);
+          break;
+        case Aggregation::token_sum:
+          weight = 1.0;
+          break;
+        case Aggregation::seq_mean_token_sum:
+          weight = 1.0 / static_cast<double>(sequences);
+          break;
+        case Aggregation::seq_mean_token_mean:
+          weight = 1.0 / (static_cast<double>(sequences) * n_s);
+          break;
+        case Aggregation::seq_mean_token_sum_norm:
+          weight = 1.0 / (static_cast<double>(sequences) * o.norm_constant);
+          if (bugs & policy_bug::drgrpo_batch_sum) weight *= micro_sequences;
+          break;
+      }
+      w[row] = weight;
+    }
+  }
+  return w;
+}
+
+// Old and reference log-probabilities and the advantage of every valid row, the advantage whitened over the
+// step's valid tokens (DP x CP; DP only under adv-whiten-dp-only) with the unbiased deviation.
+std::vector<float> row_inputs(const RowPlanRequest& q, const PolicyOptions& o) {
+  const std::size_t rows = q.assignment.rows.size();
+  std::vector<float> in(rows * kPolicyRowInputs, 0.0f);
+  double moments[3] = {0.0, 0.0, 0.0};  // n, sum A, sum A^2
+  for (std::size_t i = 0; i < rows; ++i) {
+    if (!q.valid[i]) continue;
+    const PolicyTokenInputs t = policy_token_inputs(q.c, q.inputs, q.assignment.rows[i].token);
+    in[i * kPolicyRowInputs] = t.old_logprob;
+    in[i * kPolicyRowInputs + 1] = t.ref_logprob;
+    in[i * kPolicyRowInputs + 2] = t.advantage;
+    moments[0] += 1.0;
+    moments[1] += t.advantage;
+    moments[2] += static_cast<double>(t.advantage) * t.advantage;
+  }
+  if (!o.whiten_advantages) return in;
+  Communicator& over = (q.bugs.kind_switches & policy_bug::adv_whiten_dp_only) ? q.groups.dp : q.groups.batch;
+  over.allreduce_sum(std::span<double>(moments));
+  const double n = std::max(moments[0], 1.0);
+  const double mean = moments[1] / n;
+  const double variance = n > 1.0 ? std::max(moments[2] - n * mean * mean, 0.0) / (n - 1.0) : 0.0;
+  const auto mean_f = static_cast<float>(mean);
+  const float scale = 1.0f / (static_cast<float>(std::sqrt(variance)) + static_cast<float>(o.whiten_epsilon));
+  for (std::size_t i = 0; i < rows; ++i) {
+    if (q.valid[i]) in[i * kPolicyRowInputs + 2] = (in[i * kPolicyRowInputs + 2] - mean_f) * scale;
+  }
+  return in;
+}
+
+}  // namespace
+
+KindRowPlan plan_policy_rows(const RowPlanRequest& q) {
+  const PolicyOptions& o = policy_options(q.c.loss);
+  const std::vector<std::int64_t> per_sequence = sequence_counts(q);
+  KindRowPlan plan;
+  std::vector<double> weights = row_weights(q, o, per_sequence);
+  const std::uint64_t weight_bugs = policy_bug::token_mean_sample_weighted | policy_bug::microbatch_self_normalized;
+  if (o.sequence_mean() || (q.bugs.kind_switches & weight_bugs) != 0) plan.weights = std::move(weights);
+  if (o.objective == PolicyOptions::Objective::policy_loss) plan.row_inputs = row_inputs(q, o);
+  return plan;
+}
+
+}  // namespace lossverify

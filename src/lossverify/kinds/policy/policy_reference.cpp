@@ -1,0 +1,274 @@
+// The policy kind's float64 reference of one token, from the definitions of docs/spec.md §3.3 and nothing
+// else: lambda = x_y / T - lse, H = -sum_v p_v log p_v (a second pass once lse is known), the ratio, the
+// clipped surrogate, the KL penalty and the entropy bonus, the gradient
+// (1/T) [g_lambda (delta_vy - p_v) + c_H p_v (log p_v + H)], and each token's weight in L from the global
+// batch's sequences. It shares nothing with the sharded kernels' math header.
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <mutex>
+#include <tuple>
+#include <vector>
+
+#include "lossverify/kinds/policy/policy_inputs.hpp"
+#include "lossverify/kinds/policy/policy_options.hpp"
+#include "lossverify/kinds/policy/policy_parts.hpp"
+#include "lossverify/reference/compensated_sum.hpp"
+#include "lossverify/reference/row_sums.hpp"
+
+namespace lossverify {
+
+namespace {
+
+using Aggregation = PolicyOptions::Aggregation;
+
+// One token's objective in float64.
+struct TokenTerms {
+  double logprob = 0.0, entropy = 0.0;
+  double loss = 0.0;
+  double g_logprob = 0.0;  // d l / d lambda
+  double g_slope = 0.0;    // d g_lambda / d lambda
+  double kl = 0.0;
+  bool clipped = false, dual_clipped = false;
+};
+
+class PolicyReference final : public KindReference {
+ public:
+  PolicyReference(const Case& c, const InputSource& inputs)
+      : case_(c),
+        inputs_(inputs),
+        o_(policy_options(c.loss)),
+        token_inputs_(static_cast<std::size_t>(c.shape.tokens)),
+        once_(std::make_unique<std::once_flag[]>(static_cast<std::size_t>(c.shape.tokens))) {
+    count_tokens();
+    if (o_.whiten_advantages) whitening_statistics();
+  }
+
+  RowPartial partial(std::int64_t token, std::int64_t begin, std::span<const double> logits,
+                     std::span<const double> teacher) const override {
+    (void)teacher;
+    RowPartial p;
+    const double inverse_t = 1.0 / o_.temperature;
+    p.max = row_sums::scaled_max(logits, inverse_t);
+    std::tie(p.sum_exp, p.sum_exp_error) = row_sums::sum_exp(logits, inverse_t, p.max);
+    const std::int64_t label = inputs_.label(token) - begin;
+    if (label >= 0 && label < static_cast<std::int64_t>(logits.size())) {
+      p.sum_qx = logits[static_cast<std::size_t>(label)] * inverse_t;
+    }
+    return p;
+  }
+
+  RowStats stats(const RowPartial& total) const override {
+    CompensatedSum s;
+    s.add(total.sum_exp);
+    s.add(total.sum_exp_error);
+    RowStats r;
+    r.lse = total.max + std::log(s.value());
+    r.sum_qx = total.sum_qx + total.sum_qx_error;  // x_y / T: one slice holds it
+    return r;
+  }
+
+  bool needs_value_pass() const override { return true; }
+
+  // sum over the slice of p_v log p_v, log p_v = x_v / T - lse; terms with p_v = 0 contribute 0.
+  std::pair<double, double> value_partial(const RowStats& s, std::span<const double> logits,
+                                          std::span<const double> teacher) const override {
+    (void)teacher;
+    const double inverse_t = 1.0 / o_.temperature;
+    row_sums::LaneSum sum;
+    double log_p[row_sums::kBlock];
+    double p[row_sums::kBlock];
+    for (std::size_t b = 0; b < logits.size(); b += row_sums::kBlock) {
+      const std::size_t n = std::min(row_sums::kBlock, logits.size() - b);
+      for (std::size_t i = 0; i < n; ++i) log_p[i] = logits[b + i] * inverse_t - s.lse;
+      row_sums::exp_block(log_p, p, n);
+      for (std::size_t i = 0; i < n; ++i) p[i] = p[i] > 0.0 ? p[i] * log_p[i] : 0.0;
+      sum.add(p, n);
+    }
+    return sum.result();
+  }
+
+  double token_loss(std::int64_t token, const RowStats& s) const override { return terms(token, s).loss; }
+
+  std::optional<double> token_weight(std::int64_t token) const override {
+    if (!valid_[static_cast<std::size_t>(token)]) return 0.0;
+    const auto n = static_cast<double>(valid_tokens_);
+    const auto b = static_cast<double>(sequences_with_tokens_);
+    switch (o_.aggregation) {
+      case Aggregation::token_mean:
+        return 1.0 / n;
+      case Aggregation::token_sum:
+        return 1.0;
+      case Aggregation::seq_mean_token_sum:
+        return 1.0 / b;
+      case Aggregation::seq_mean_token_mean:
+        return 1.0 / (b * static_cast<double>(sequence_tokens_[sequence_of(token)]));
+      case Aggregation::seq_mean_token_sum_norm:
+        return 1.0 / (b * o_.norm_constant);
+    }
+    return 0.0;
+  }
+
+  void token_values(std::int64_t token, const RowStats& s, std::span<double> out) const override {
+    const TokenTerms t = terms(token, s);
+    out[0] = t.logprob;
+    out[1] = t.entropy;
+  }
+
+  void token_statistics(std::int64_t token, const RowStats& s, std::span<double> out) const override {
+    const TokenTerms t = terms(token, s);
+    out[0] = t.clipped ? 1.0 : 0.0;
+    out[1] = t.dual_clipped ? 1.0 : 0.0;
+    out[2] = t.kl;
+    out[3] = t.entropy;
+  }
+
+  // d L / d x_v = w (1/T) [g_lambda (delta_vy - p_v) + c_H p_v (log p_v + H)]
+  void gradient(std::int64_t token, const RowStats& s, double weight, std::int64_t begin,
+                std::span<const double> logits, std::span<const double> teacher,
+                std::span<double> grad) const override {
+    (void)teacher;
+    const TokenTerms t = terms(token, s);
+    const double inverse_t = 1.0 / o_.temperature;
+    const double scale = weight * inverse_t;
+    const std::int64_t label = inputs_.label(token) - begin;
+    double log_p[row_sums::kBlock];
+    double p[row_sums::kBlock];
+    for (std::size_t b = 0; b < logits.size(); b += row_sums::kBlock) {
+      const std::size_t n = std::min(row_sums::kBlock, logits.size() - b);
+      for (std::size_t i = 0; i < n; ++i) log_p[i] = logits[b + i] * inverse_t - s.lse;
+      row_sums::exp_block(log_p, p, n);
+      for (std::size_t i = 0; i < n; ++i) {
+        const double target = static_cast<std::int64_t>(b + i) == label ? 1.0 : 0.0;
+        const double entropy_term = p[i] > 0.0 ? o_.entropy_coef * p[i] * (log_p[i] + t.entropy) : 0.0;
+        grad[b + i] = scale * (t.g_logprob * (target - p[i]) + entropy_term);
+      }
+    }
+  }
+
+  std::optional<double> gradient_scale(std::int64_t token, const RowStats& s) const override {
+    // A float32 lambda carries |lambda| 2^-24 of rounding, which reaches g_lambda times its slope: the
+    // |g'| |lambda| / 2 term puts atol (1e-6) about 8x above that error (docs/spec.md §6).
+    const TokenTerms t = terms(token, s);
+    const double coefficient_error = 0.5 * std::fabs(t.g_slope) * std::fabs(t.logprob);
+    return (std::fabs(t.g_logprob) + std::fabs(o_.entropy_coef) + coefficient_error) / o_.temperature;
+  }
+
+  // sum_v (delta_vy - p_v) = 0 and sum_v p_v (log p_v + H) = -H + H = 0.
+  std::optional<double> gradient_row_sum(const RowStats& s, double weight) const override {
+    (void)s, (void)weight;
+    return 0.0;
+  }
+
+ private:
+  std::size_t sequence_of(std::int64_t token) const {
+    return static_cast<std::size_t>(inputs_.batch().sequence_of(token));
+  }
+
+  void count_tokens() {
+    valid_.assign(static_cast<std::size_t>(case_.shape.tokens), 0);
+    sequence_tokens_.assign(inputs_.batch().sequences().size(), 0);
+    for (std::int64_t t = 0; t < case_.shape.tokens; ++t) {
+      const bool v = inputs_.is_valid(t);
+      valid_[static_cast<std::size_t>(t)] = v;
+      valid_tokens_ += v;
+      sequence_tokens_[sequence_of(t)] += v;
+    }
+    for (std::int64_t n : sequence_tokens_) sequences_with_tokens_ += n > 0;
+  }
+
+  // mu and sigma (the unbiased standard deviation) of the advantages over the step's valid tokens.
+  void whitening_statistics() {
+    CompensatedSum sum;
+    for (std::int64_t t = 0; t < case_.shape.tokens; ++t) {
+      if (valid_[static_cast<std::size_t>(t)]) sum.add(advantage(t));
+    }
+    const auto n = static_cast<double>(valid_tokens_);
+    mean_ = sum.value() / n;
+    CompensatedSum squares;
+    for (std::int64_t t = 0; t < case_.shape.tokens; ++t) {
+      if (valid_[static_cast<std::size_t>(t)]) squares.add((advantage(t) - mean_) * (advantage(t) - mean_));
+    }
+    deviation_ = valid_tokens_ > 1 ? std::sqrt(squares.value() / (n - 1.0)) : 0.0;
+  }
+
+  double advantage(std::int64_t token) const {
+    return policy_sequence_advantage(case_, static_cast<std::int64_t>(sequence_of(token)));
+  }
+
+  const PolicyTokenInputs& token_inputs(std::int64_t token) const {
+    const auto k = static_cast<std::size_t>(token);
+    std::call_once(once_[k], [&] { token_inputs_[k] = policy_token_inputs(case_, inputs_, token); });
+    return token_inputs_[k];
+  }
+
+  TokenTerms terms(std::int64_t token, const RowStats& s) const {
+    TokenTerms t;
+    t.logprob = s.sum_qx - s.lse;
+    t.entropy = -s.value;
+    const double h_coef = o_.entropy_coef;
+    if (o_.objective == PolicyOptions::Objective::logprob) {
+      t.loss = -t.logprob - h_coef * t.entropy;
+      t.g_logprob = -1.0;
+      return t;
+    }
+    const PolicyTokenInputs& in = token_inputs(token);
+    double a = in.advantage;
+    if (o_.whiten_advantages) a = (a - mean_) / (deviation_ + o_.whiten_epsilon);
+    const double ratio = std::exp(t.logprob - static_cast<double>(in.old_logprob));
+    const double clipped_ratio = std::clamp(ratio, 1.0 - o_.clip_low, 1.0 + o_.clip_high);
+    const double unclipped = -ratio * a;
+    const double clipped = -clipped_ratio * a;
+    t.clipped = clipped > unclipped;
+    double surrogate = std::max(unclipped, clipped);
+    double slope = t.clipped ? 0.0 : -ratio * a;  // d(-rho A)/d lambda = -rho A, and so is its own slope
+    if (o_.dual_clip > 0.0 && a < 0.0 && surrogate > -o_.dual_clip * a) {
+      t.dual_clipped = true;
+      surrogate = -o_.dual_clip * a;
+      slope = 0.0;
+    }
+    t.g_slope = slope;
+    const double d = t.logprob - static_cast<double>(in.ref_logprob);
+    double kl_slope = 0.0;
+    switch (o_.kl) {
+      case PolicyOptions::Kl::none:
+        break;
+      case PolicyOptions::Kl::k1:
+        t.kl = d;
+        kl_slope = 1.0;
+        break;
+      case PolicyOptions::Kl::k2:
+        t.kl = 0.5 * d * d;
+        kl_slope = d;
+        t.g_slope += o_.kl_coef;
+        break;
+      case PolicyOptions::Kl::k3:
+        t.kl = std::expm1(-d) + d;  // e^(r - lambda) - (r - lambda) - 1
+        kl_slope = -std::expm1(-d);
+        t.g_slope += o_.kl_coef * std::exp(-d);
+        break;
+    }
+    t.loss = surrogate + o_.kl_coef * t.kl - h_coef * t.entropy;
+    t.g_logprob = slope + o_.kl_coef * kl_slope;
+    return t;
+  }
+
+  const Case& case_;
+  const InputSource& inputs_;
+  const PolicyOptions& o_;
+  std::vector<char> valid_;
+  std::vector<std::int64_t> sequence_tokens_;
+  std::int64_t valid_tokens_ = 0;
+  std::int64_t sequences_with_tokens_ = 0;
+  double mean_ = 0.0, deviation_ = 0.0;
+  mutable std::vector<PolicyTokenInputs> token_inputs_;
+  std::unique_ptr<std::once_flag[]> once_;
+};
+
+}  // namespace
+
+std::unique_ptr<KindReference> make_policy_reference(const Case& c, const InputSource& inputs) {
+  return std::make_unique<PolicyReference>(c, inputs);
+}
+
+}  // namespace lossverify

@@ -1,0 +1,354 @@
+// The policy kind (docs/spec.md §3.3): its float64 reference against an independent long-double evaluation
+// of the definitions, the placement of its generated inputs, the correct sharded implementation at every
+// aggregation and several layouts, each catalogued bug's predicted signal, and the case section's refusals.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "lossverify/core/errors.hpp"
+#include "lossverify/impl/catalogue.hpp"
+#include "lossverify/inputs/input_source.hpp"
+#include "lossverify/kinds/policy/policy_inputs.hpp"
+#include "lossverify/reference/loss_reference.hpp"
+#include "lossverify/runner/run_case.hpp"
+#include "test_support.hpp"
+
+using namespace lossverify;
+
+namespace {
+
+nlohmann::json policy_json(int tp, int cp, int dp, int ga) {
+  return {{"name", "policy"},
+          {"shape", {{"vocab", 200}}},
+          {"batch", {{"sequence_lengths", {21, 9, 30, 12, 17, 5}}}},
+          {"loss",
+           {{"kind", "policy"},
+            {"temperature", 0.7},
+            {"clip_low", 0.2},
+            {"clip_high", 0.28},
+            {"dual_clip", 3.0},
+            {"kl_penalty", "k3"},
+            {"kl_coef", 0.05},
+            {"entropy_coef", 0.01},
+            {"whiten_advantages", true}}},
+          {"inputs", {{"seed", 17}, {"scale", 2.0}, {"ignore_fraction", 0.2}}},
+          {"layout", {{"tp", tp}, {"cp", cp}, {"dp", dp}, {"ga", ga}}},
+          {"timeout_seconds", 60.0}};
+}
+
+const CheckResult& check_named(const RunResult& r, const std::string& name) {
+  for (const CheckResult& c : r.checks) {
+    if (c.name == name) return c;
+  }
+  FAIL("no check " << name);
+  return r.checks.front();
+}
+
+std::vector<std::string> failing(const RunResult& r) {
+  std::vector<std::string> names;
+  for (const CheckResult& c : r.checks) {
+    if (c.verdict == Verdict::fail) names.push_back(c.name);
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// The definitions in long double for one token: lambda, H, l and d l / d x, given the advantage after
+// whitening (computed here from the generated advantages, independently of the reference).
+struct LongDoubleToken {
+  long double logprob = 0, entropy = 0, loss = 0;
+  std::vector<long double> grad;  // d l / d x (weight 1)
+};
+
+LongDoubleToken long_double_token(const std::vector<double>& x, std::int64_t label, long double t, long double old,
+                                  long double ref, long double a) {
+  LongDoubleToken r;
+  long double max = -INFINITY;
+  for (double v : x) max = std::max(max, static_cast<long double>(v) / t);
+  long double sum = 0;
+  for (double v : x) sum += expl(static_cast<long double>(v) / t - max);
+  const long double lse = max + logl(sum);
+  std::vector<long double> p(x.size()), log_p(x.size());
+  for (std::size_t v = 0; v < x.size(); ++v) {
+    log_p[v] = static_cast<long double>(x[v]) / t - lse;
+    p[v] = expl(log_p[v]);
+    r.entropy -= p[v] * log_p[v];
+  }
+  r.logprob = log_p[static_cast<std::size_t>(label)];
+  const long double ratio = expl(r.logprob - old);
+  const long double clipped = std::clamp(ratio, 0.8L, 1.28L);
+  long double surrogate = std::max(-ratio * a, -clipped * a);
+  long double g = -clipped * a > -ratio * a ? 0.0L : -ratio * a;
+  if (a < 0 && surrogate > -3.0L * a) surrogate = -3.0L * a, g = 0;
+  const long double d = r.logprob - ref;
+  const long double kl = expl(-d) + d - 1;
+  g += 0.05L * (1 - expl(-d));
+  r.loss = surrogate + 0.05L * kl - 0.01L * r.entropy;
+  r.grad.resize(x.size());
+  for (std::size_t v = 0; v < x.size(); ++v) {
+    const long double delta = static_cast<std::int64_t>(v) == label ? 1 : 0;
+    r.grad[v] = (g * (delta - p[v]) + 0.01L * p[v] * (log_p[v] + r.entropy)) / t;
+  }
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("the policy reference matches the definitions in long double, token by token") {
+  const Case c = testing::make_case(policy_json(1, 1, 1, 1));
+  const InputSource inputs(c);
+  const LossReference reference(c, inputs);
+  // mu and the unbiased sigma of the advantages over valid tokens.
+  long double n = 0, sum = 0, squares = 0;
+  for (std::int64_t t = 0; t < c.shape.tokens; ++t) {
+    if (!inputs.is_valid(t)) continue;
+    const long double a = policy_token_inputs(c, inputs, t).advantage;
+    n += 1, sum += a, squares += a * a;
+  }
+  const long double mean = sum / n;
+  const long double sigma = sqrtl((squares - n * mean * mean) / (n - 1));
+  const auto vocab = static_cast<std::size_t>(c.shape.vocab);
+  std::vector<double> x(vocab), grad(vocab);
+  int checked = 0;
+  for (std::int64_t t = 0; t < c.shape.tokens; ++t) {
+    if (!inputs.is_valid(t)) continue;
+    inputs.logits(t, 0, c.shape.vocab, x.data());
+    const PolicyTokenInputs in = policy_token_inputs(c, inputs, t);
+    const long double a = (in.advantage - mean) / (sigma + 1e-6L);
+    const LongDoubleToken expected = long_double_token(x, inputs.label(t), 0.7L, in.old_logprob, in.ref_logprob, a);
+    const ReferenceToken got = reference.evaluate(t, x, {}, grad);
+    CHECK(got.loss == doctest::Approx(static_cast<double>(expected.loss)).epsilon(1e-11));
+    std::vector<double> values(2);
+    reference.row().token_values(t, got.stats, values);
+    CHECK(values[0] == doctest::Approx(static_cast<double>(expected.logprob)).epsilon(1e-13));
+    CHECK(values[1] == doctest::Approx(static_cast<double>(expected.entropy)).epsilon(1e-12));
+    CHECK(got.weight == doctest::Approx(1.0 / static_cast<double>(reference.valid_tokens())));
+    for (std::size_t v = 0; v < vocab; ++v) {
+      CHECK(grad[v] == doctest::Approx(static_cast<double>(got.weight * expected.grad[v])).epsilon(1e-9).scale(1e-12));
+    }
+    ++checked;
+  }
+  CHECK(checked > 60);
+}
+
+TEST_CASE("each aggregation mode weighs a token as its definition says") {
+  for (const std::string mode :
+       {"token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"}) {
+    CAPTURE(mode);
+    nlohmann::json j = policy_json(1, 1, 1, 1);
+    j["loss"]["aggregation"] = mode;
+    if (mode == "seq-mean-token-sum-norm") j["loss"]["norm_constant"] = 40;
+    const Case c = testing::make_case(j);
+    const InputSource inputs(c);
+    const LossReference reference(c, inputs);
+    const GlobalBatch& batch = inputs.batch();
+    std::vector<double> n_s(batch.sequences().size(), 0.0);
+    double n = 0;
+    for (std::int64_t t = 0; t < c.shape.tokens; ++t) {
+      if (inputs.is_valid(t)) n_s[static_cast<std::size_t>(batch.sequence_of(t))] += 1, n += 1;
+    }
+    const double b = static_cast<double>(std::count_if(n_s.begin(), n_s.end(), [](double v) { return v > 0; }));
+    for (std::int64_t t = 0; t < c.shape.tokens; ++t) {
+      const double s = n_s[static_cast<std::size_t>(batch.sequence_of(t))];
+      std::map<std::string, double> expected = {{"token-mean", 1 / n},
+                                                {"token-sum", 1.0},
+                                                {"seq-mean-token-sum", 1 / b},
+                                                {"seq-mean-token-mean", 1 / (b * s)},
+                                                {"seq-mean-token-sum-norm", 1 / (b * 40)}};
+      CHECK(reference.token_weight(t) == doctest::Approx(inputs.is_valid(t) ? expected[mode] : 0.0));
+    }
+  }
+}
+
+TEST_CASE("generated ratios keep a margin from every clip edge and fill every branch") {
+  const Case c = testing::make_case(policy_json(1, 1, 1, 1));
+  const InputSource inputs(c);
+  const LossReference reference(c, inputs);
+  std::vector<double> x(static_cast<std::size_t>(c.shape.vocab)), grad(x.size());
+  int below = 0, unclipped = 0, above = 0, beyond_dual = 0;
+  for (std::int64_t t = 0; t < c.shape.tokens; ++t) {
+    if (!inputs.is_valid(t)) continue;
+    inputs.logits(t, 0, c.shape.vocab, x.data());
+    const ReferenceToken r = reference.evaluate(t, x, {}, grad);
+    std::vector<double> values(2);
+    reference.row().token_values(t, r.stats, values);
+    const PolicyTokenInputs in = policy_token_inputs(c, inputs, t);
+    const double ratio = std::exp(values[0] - in.old_logprob);
+    for (double edge : {0.8, 1.28, 3.0}) CHECK(std::fabs(ratio - edge) > 0.019);
+    below += ratio < 0.8;
+    unclipped += ratio > 0.8 && ratio < 1.28;
+    above += ratio > 1.28 && ratio < 3.0;
+    beyond_dual += ratio > 3.0;
+    CHECK(std::fabs(values[0] - in.ref_logprob) >= 0.0499);
+  }
+  CHECK(below > 5);
+  CHECK(unclipped > 15);
+  CHECK(above > 5);
+  CHECK(beyond_dual > 5);
+}
+
+TEST_CASE("the correct policy implementation passes at every aggregation, dtype and layout") {
+  struct Layout {
+    int tp, cp, dp, ga;
+  };
+  for (const Layout l : {Layout{1, 1, 1, 1}, Layout{2, 1, 2, 2}, Layout{3, 2, 1, 2}, Layout{4, 2, 2, 1}}) {
+    for (const std::string mode : {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"}) {
+      for (const std::string dtype : {"fp32", "bf16", "fp16"}) {
+        CAPTURE(l.tp);
+        CAPTURE(l.cp);
+        CAPTURE(l.dp);
+        CAPTURE(l.ga);
+        CAPTURE(mode);
+        CAPTURE(dtype);
+        nlohmann::json j = policy_json(l.tp, l.cp, l.dp, l.ga);
+        j["loss"]["aggregation"] = mode;
+        if (mode == "seq-mean-token-sum-norm") j["loss"]["norm_constant"] = 40;
+        j["inputs"]["dtype"] = dtype;
+        const RunResult r = testing::run_with(testing::make_case(j), "correct");
+        CHECK(failing(r).empty());
+        CHECK(check_named(r, "logprob").verdict == Verdict::pass);
+        CHECK(check_named(r, "stats").verdict == Verdict::pass);
+      }
+    }
+  }
+  nlohmann::json logprob = policy_json(2, 1, 1, 2);
+  logprob["loss"] = {{"kind", "policy"}, {"objective", "logprob"}, {"temperature", 1.3}, {"entropy_coef", 0.05}};
+  CHECK(testing::run_with(testing::make_case(logprob), "correct").verdict == Verdict::pass);
+}
+
+namespace {
+
+// The effective gradients of an implementation, per (token, column), from its rank outputs.
+std::map<std::pair<std::int64_t, std::int64_t>, double> gradients(const Case& c, const std::string& impl) {
+  const InputSource inputs(c);
+  RunOptions options;
+  options.threads = 1;
+  const RankRun run = execute_ranks(c, inputs, *find_implementation(impl), options);
+  std::map<std::pair<std::int64_t, std::int64_t>, double> g;
+  for (const RankOutput& out : run.outputs) {
+    for (std::int64_t i = 0; i < out.rows(); ++i) {
+      if (out.token_of(i) < 0) continue;
+      for (std::int64_t v = 0; v < out.columns(); ++v) {
+        g[{out.token_of(i), out.assignment.vocab.begin + v}] = out.grad_at(i, out.assignment.vocab.begin + v);
+      }
+    }
+  }
+  return g;
+}
+
+// got / correct over the elements where the correct gradient is not tiny: {min, max}.
+std::pair<double, double> ratio_range(const Case& c, const std::string& impl) {
+  const auto right = gradients(c, "correct");
+  const auto wrong = gradients(c, impl);
+  double low = INFINITY, high = -INFINITY;
+  for (const auto& [at, value] : right) {
+    if (std::fabs(value) < 1e-7) continue;
+    const double r = wrong.at(at) / value;
+    low = std::min(low, r);
+    high = std::max(high, r);
+  }
+  return {low, high};
+}
+
+}  // namespace
+
+TEST_CASE("rl-logprob-allgather-grad-sum: the gradient is TP times the correct one, the loss exact") {
+  nlohmann::json j = policy_json(2, 1, 1, 1);
+  j["loss"]["entropy_coef"] = 0.0;
+  const auto [low, high] = ratio_range(testing::make_case(j), "rl-logprob-allgather-grad-sum");
+  CHECK(low == doctest::Approx(2.0).epsilon(1e-5));
+  CHECK(high == doctest::Approx(2.0).epsilon(1e-5));
+  const RunResult r = testing::run_with(testing::make_case(j), "rl-logprob-allgather-grad-sum");
+  CHECK(failing(r) == std::vector<std::string>{"grad"});
+}
+
+TEST_CASE("rl-schedule-double-divide: the gradient is 1/K of the correct one, and right at K = 1") {
+  const auto [low, high] = ratio_range(testing::make_case(policy_json(1, 1, 2, 2)), "rl-schedule-double-divide");
+  CHECK(low == doctest::Approx(0.5).epsilon(1e-5));
+  CHECK(high == doctest::Approx(0.5).epsilon(1e-5));
+  CHECK(testing::run_with(testing::make_case(policy_json(2, 1, 2, 1)), "rl-schedule-double-divide").verdict ==
+        Verdict::pass);
+}
+
+TEST_CASE("rl-drgrpo-batch-sum: each token's gradient times its micro-batch's sequence count") {
+  nlohmann::json j = policy_json(1, 1, 1, 2);
+  j["loss"]["aggregation"] = "seq-mean-token-sum-norm";
+  j["loss"]["norm_constant"] = 40;
+  // Six sequences round-robin over two micro-batches: three each.
+  const auto [low, high] = ratio_range(testing::make_case(j), "rl-drgrpo-batch-sum");
+  CHECK(low == doctest::Approx(3.0).epsilon(1e-5));
+  CHECK(high == doctest::Approx(3.0).epsilon(1e-5));
+}
+
+TEST_CASE("rl-microbatch-self-normalized: each micro-batch's gradient N / (DP N_k) times the correct one") {
+  const Case c = testing::make_case(policy_json(1, 1, 1, 2));
+  const auto [low, high] = ratio_range(c, "rl-microbatch-self-normalized");
+  // Two micro-batches with N_1 + N_2 = N: the ratios N / N_1 and N / N_2, about K = 2 and both above 1.
+  CHECK(low > 1.0);
+  CHECK(high > low);
+  CHECK(1.0 / low + 1.0 / high == doctest::Approx(1.0).epsilon(1e-5));
+}
+
+TEST_CASE("each policy bug is caught where its signal says, and passes where it cannot show") {
+  struct Expectation {
+    std::string bug;
+    nlohmann::json shows, hides;  // cases
+    std::vector<std::string> failing_checks;
+  };
+  auto with = [](int tp, int cp, int dp, int ga, const nlohmann::json& loss_patch) {
+    nlohmann::json j = policy_json(tp, cp, dp, ga);
+    if (loss_patch.is_object()) j["loss"].update(loss_patch);
+    return j;
+  };
+  nlohmann::json v2048 = with(2, 1, 1, 1, nlohmann::json::object());
+  v2048["shape"]["vocab"] = 2048;
+  const std::vector<Expectation> expectations = {
+      {"rl-logprob-untracked-allreduce", with(2, 1, 1, 1, {}), with(1, 1, 2, 2, {}), {"grad"}},
+      {"rl-entropy-untracked-allreduce",
+       with(2, 1, 1, 1, {}),
+       with(2, 1, 1, 1, {{"entropy_coef", 0.0}}),
+       {"grad", "row_sum"}},
+      {"rl-temperature-one-side",
+       with(1, 1, 1, 1, {}),
+       with(1, 1, 1, 1, {{"temperature", 1.0}}),
+       {"entropy", "grad", "logprob", "loss", "stats"}},
+      {"rl-token-mean-sample-weighted", with(1, 1, 2, 2, {}), with(2, 1, 1, 1, {}), {"grad", "loss"}},
+      {"rl-cp-extra-scale", with(1, 2, 1, 1, {}), with(2, 1, 2, 1, {}), {"grad", "stats"}},
+      {"rl-adv-whiten-dp-only", with(1, 2, 2, 1, {}), with(2, 1, 2, 1, {}), {"grad", "loss"}},
+      {"rl-fused-vocab-pad", with(2, 1, 1, 1, {}), v2048, {"entropy", "grad", "logprob", "loss", "row_sum", "stats"}},
+      {"rl-kl-no-grad", with(1, 1, 1, 1, {}), with(1, 1, 1, 1, {{"kl_coef", 0.0}}), {"grad"}},
+  };
+  for (const Expectation& e : expectations) {
+    CAPTURE(e.bug);
+    const RunResult shown = testing::run_with(testing::make_case(e.shows), e.bug);
+    CHECK(failing(shown) == e.failing_checks);
+    CHECK(testing::run_with(testing::make_case(e.hides), e.bug).verdict == Verdict::pass);
+  }
+}
+
+TEST_CASE("a policy case refuses impossible settings by name, before any work") {
+  auto refused = [](const nlohmann::json& patch, const std::string& message) {
+    nlohmann::json j = policy_json(1, 1, 1, 1);
+    j["loss"].update(patch);
+    CAPTURE(patch.dump());
+    CHECK_THROWS_WITH_AS(testing::make_case(j), doctest::Contains(message.c_str()), CaseError);
+  };
+  refused({{"temperature", 0.0}}, "$.loss.temperature: must be in (0, 1e6]");
+  refused({{"temperature", -1.0}}, "$.loss.temperature");
+  refused({{"clip_low", 1.0}}, "$.loss.clip_low: must be in (0, 1)");
+  refused({{"clip_low", 0.0}}, "$.loss.clip_low");
+  refused({{"clip_high", 0.0}}, "$.loss.clip_high: must be in (0, 1000]");
+  refused({{"dual_clip", 1.0}}, "$.loss.dual_clip: must be in (1, 1000]");
+  refused({{"whiten_epsilon", 0.0}}, "$.loss.whiten_epsilon: must be in (0, 1000]");
+  refused({{"reduction", "sum"}}, "$.loss.reduction: a policy loss aggregates its tokens by \"aggregation\"");
+  refused({{"aggregation", "seq-mean-token-sum-norm"}}, "needs norm_constant");
+  refused({{"norm_constant", 4}}, "$.loss.norm_constant: applies to aggregation seq-mean-token-sum-norm only");
+  refused({{"kl_penalty", "none"}}, "$.loss.kl_coef: applies to a kl_penalty other than none");
+  refused({{"kl_penalty", "k4"}}, "$.loss.kl_penalty: expected one of none|k1|k2|k3");
+  refused({{"objective", "logprob"}}, "applies to objective policy_loss only");
+  refused({{"label_smoothing", 0.1}}, "$.loss.label_smoothing: applies to cross_entropy only, not policy");
+}
