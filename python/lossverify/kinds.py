@@ -21,6 +21,9 @@ class KindInputs:
 
 _KINDS = {}
 
+# Kinds the C++ tool checks whose inputs the package cannot hand a user's function yet.
+_TOOL_ONLY = {"policy": "the policy loss's old and reference log-probabilities and advantages"}
+
 
 def register_kind(name, inputs):
     """Register loss kind `name` with its KindInputs; a name already registered is a ValueError."""
@@ -36,6 +39,9 @@ def kind_inputs(name):
     try:
         return _KINDS[name]
     except KeyError:
+        if name in _TOOL_ONLY:
+            raise ValueError(f"loss kind {name!r} is checked by the lossverify tool (lossverify run), not yet by "
+                             f"this package: it cannot hand a function {_TOOL_ONLY[name]}") from None
         raise ValueError(f"unknown loss kind {name!r} (known: {', '.join(known_kinds())})") from None
 
 

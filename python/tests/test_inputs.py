@@ -148,6 +148,8 @@ class KindsTest(unittest.TestCase):
             kinds.kind_inputs("mse")
         with self.assertRaisesRegex(ValueError, "'mse'"):
             implementations.token_loss_of("mse")
+        with self.assertRaisesRegex(ValueError, "'policy' is checked by the lossverify tool.*not yet by this package"):
+            kinds.kind_inputs("policy")
         with self.assertRaisesRegex(ValueError, "already"):
             kinds.register_kind("kd", kinds.KindInputs(labels=True, teacher_logits=False))
         with self.assertRaisesRegex(ValueError, "already"):
