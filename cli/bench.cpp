@@ -25,9 +25,12 @@ namespace {
 
 // Runs the PyTorch comparison script, when python3 is there; its JSON line, or why not.
 nlohmann::json torch_figures(const BenchArguments& a, std::int64_t tokens, std::int64_t vocab) {
-  const std::string command = "python3 " + a.torch_script + " " + std::to_string(tokens) + " " + std::to_string(vocab) +
-                              " " + a.dtype + " " + std::to_string(a.label_smoothing) + " " +
-                              std::to_string(a.repeats) + " 2>/dev/null";
+  const std::string script = !a.torch_script.empty() ? a.torch_script
+                             : a.loss == "policy"    ? "bench/torch_logprob_bench.py"
+                                                     : "bench/torch_ce_bench.py";
+  const std::string command = "python3 " + script + " " + std::to_string(tokens) + " " + std::to_string(vocab) + " " +
+                              a.dtype + " " + std::to_string(a.label_smoothing) + " " + std::to_string(a.repeats) +
+                              " 2>/dev/null";
   FILE* pipe = popen(command.c_str(), "r");
   if (pipe == nullptr) return {{"available", false}, {"reason", "cannot start python3"}};
   std::string output;
@@ -37,7 +40,7 @@ nlohmann::json torch_figures(const BenchArguments& a, std::int64_t tokens, std::
   try {
     return nlohmann::json::parse(output.substr(0, output.find('\n')));
   } catch (const std::exception&) {
-    return {{"available", false}, {"reason", "no JSON from " + a.torch_script}};
+    return {{"available", false}, {"reason", "no JSON from " + script}};
   }
 }
 
@@ -118,6 +121,7 @@ int run_bench(const BenchArguments& a) {
   if (!dtype) throw CaseError("--dtype " + a.dtype + ": expected fp32|bf16|fp16");
   if (tokens < 1 || vocab < 2 || a.tp < 1 || a.tp > vocab)
     throw CaseError("--shape/--tp: need N >= 1, V >= 2, 1 <= tp <= V");
+  if (a.loss == "policy" && a.gpus > 1) throw CaseError("--loss policy: --gpus is not measured for it yet");
   if (a.gpus > 1) {
     if (a.tp != 1)
       throw CaseError("--gpus " + std::to_string(a.gpus) +
@@ -134,14 +138,16 @@ int run_bench(const BenchArguments& a) {
   o.tp = a.tp;
   o.repeats = a.repeats;
   o.label_smoothing = a.label_smoothing;
-  nlohmann::json r = cuda::bench(o);
+  const bool policy = a.loss == "policy";
+  nlohmann::json r = policy ? cuda::bench_policy(o) : cuda::bench(o);
   r["global_vocab"] = vocab;
   if (a.tp == 1) r["torch"] = torch_figures(a, tokens, vocab);
   std::cout << std::fixed << std::setprecision(3);
   std::cout << "device " << r["device"].get<std::string>() << ", copy " << r["copy_tb_per_s"].get<double>()
             << " TB/s\n";
   std::cout << "shape N=" << tokens << " V=" << vocab << " (" << o.vocab << " per rank, tp=" << a.tp << "), " << a.dtype
-            << ", smoothing " << a.label_smoothing << ", mean\n";
+            << (policy ? ", policy loss: log-prob and entropy" : ", smoothing " + std::to_string(a.label_smoothing))
+            << ", mean\n";
   std::cout << "floor (" << r["floor_bytes_per_logit"].get<double>()
             << " B/logit at the copy bandwidth): " << r["floor_ms"].get<double>() << " ms\n";
   std::cout << "lossverify " << r["kernel"].get<std::string>() << ": " << r["kernel_ms"].get<double>()
@@ -185,6 +191,8 @@ void register_bench(CLI::App& app, BenchCommand& command) {
       ->check(CLI::PositiveNumber);
   command.app->add_option("--repeats", command.args.repeats, "timed repetitions (median)")->check(CLI::PositiveNumber);
   command.app->add_option("--label-smoothing", command.args.label_smoothing, "alpha");
+  command.app->add_option("--loss", command.args.loss, "cross_entropy, or policy (a log-prob and entropy pass)")
+      ->check(CLI::IsMember({"cross_entropy", "policy"}));
   command.app->add_option("--report", command.args.report_path, "write the figures as JSON");
   command.app->add_option("--torch-script", command.args.torch_script, "PyTorch comparison script");
 }

@@ -17,7 +17,8 @@ struct BenchArguments {
   int repeats = 20;
   double label_smoothing = 0.1;
   std::string report_path;
-  std::string torch_script = "bench/torch_ce_bench.py";
+  std::string torch_script;            // default: bench/torch_ce_bench.py, or bench/torch_logprob_bench.py for policy
+  std::string loss = "cross_entropy";  // cross_entropy | policy
 };
 
 struct BenchCommand {

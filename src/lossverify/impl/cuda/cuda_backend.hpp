@@ -45,6 +45,8 @@ struct BenchOptions {
   int device = 0;
 };
 nlohmann::json bench(const BenchOptions& options);
+// The same for the policy kind's kernels (kinds/policy/policy_bench.cpp): a log-prob and entropy pass.
+nlohmann::json bench_policy(const BenchOptions& options);
 
 // `lossverify bench --gpus N`: the TP-sharded step on N GPUs (one thread rank each) with the NCCL collectives
 // between them: the kernels against their floor, the collectives against a latency + size/bandwidth model

@@ -19,5 +19,6 @@ RankOutput run_sharded_loss(const Case&, const InputSource&, RankAssignment, Ran
   unavailable();
 }
 nlohmann::json bench(const BenchOptions&) { unavailable(); }
+nlohmann::json bench_policy(const BenchOptions&) { unavailable(); }
 nlohmann::json bench_multi_gpu(const MultiGpuBenchOptions&) { unavailable(); }
 }  // namespace lossverify::cuda

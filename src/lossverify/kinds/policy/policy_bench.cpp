@@ -1,0 +1,164 @@
+// `lossverify bench --loss policy`: the policy kind's CUDA kernels on a trainer's log-prob and entropy pass
+// (objective logprob, l = -lambda - 0.01 H, token-mean), forward and backward, against the memory floor of
+// the bytes they move: the statistics pass reads the logits, the gradient pass reads them again and writes
+// the gradient (3 x the element size per logit). Checked on sampled rows against the float64 reference.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "lossverify/case/case.hpp"
+#include "lossverify/cuda/cuda_check.hpp"
+#include "lossverify/impl/cuda/bench_timing.hpp"
+#include "lossverify/impl/cuda/cuda_backend.hpp"
+#include "lossverify/inputs/input_source.hpp"
+#include "lossverify/kinds/policy/policy_kernels.hpp"
+#include "lossverify/kinds/policy/policy_protocol.hpp"
+#include "lossverify/reference/loss_reference.hpp"
+
+namespace lossverify::cuda {
+
+using bench_timing::Buffer;
+using bench_timing::time_ms;
+
+nlohmann::json bench_policy(const BenchOptions& o) {
+  require_device(o.device);
+  LV_CUDA(cudaSetDevice(o.device));
+  cudaDeviceProp prop{};
+  LV_CUDA(cudaGetDeviceProperties(&prop, o.device));
+  cudaStream_t stream;
+  LV_CUDA(cudaStreamCreate(&stream));
+  const std::int64_t rows = o.tokens, cols = o.vocab;
+  const std::size_t element = dtype_size(o.dtype);
+  const std::size_t bytes = static_cast<std::size_t>(rows * cols) * element;
+  const StorageType type = o.dtype == DType::bf16   ? StorageType::bf16
+                           : o.dtype == DType::fp16 ? StorageType::fp16
+                                                    : StorageType::fp32;
+  const double copy_tb_s = bench_timing::copy_bandwidth_tb_per_s(o.repeats, stream);
+
+  constexpr double kEntropyCoef = 0.01;
+  const nlohmann::json case_json = {
+      {"name", "bench-policy"},
+      {"shape", {{"tokens", rows}, {"vocab", cols}}},
+      {"loss", {{"kind", "policy"}, {"objective", "logprob"}, {"entropy_coef", kEntropyCoef}}},
+      {"inputs", {{"seed", 7}, {"dtype", std::string(to_string(o.dtype))}, {"scale", 2.0}}}};
+  const Case c = parse_case(case_json, "<bench>");
+  const InputSource inputs(c);
+  // Two sets of logits from different seeds, so that L2 never holds the next launch's input.
+  std::vector<std::int64_t> counters(static_cast<std::size_t>(rows)), target(static_cast<std::size_t>(rows));
+  for (std::int64_t i = 0; i < rows; ++i) {
+    counters[static_cast<std::size_t>(i)] = i;
+    target[static_cast<std::size_t>(i)] = inputs.label(i);
+  }
+  const std::vector<int> zeros(static_cast<std::size_t>(rows), 0), ones(static_cast<std::size_t>(rows), 1);
+  Buffer d_counters(counters.size() * 8), d_zero(zeros.size() * 4), d_one(ones.size() * 4), d_target(target.size() * 8);
+  LV_CUDA(cudaMemcpy(d_counters.p, counters.data(), counters.size() * 8, cudaMemcpyHostToDevice));
+  LV_CUDA(cudaMemcpy(d_zero.p, zeros.data(), zeros.size() * 4, cudaMemcpyHostToDevice));
+  LV_CUDA(cudaMemcpy(d_one.p, ones.data(), ones.size() * 4, cudaMemcpyHostToDevice));
+  LV_CUDA(cudaMemcpy(d_target.p, target.data(), target.size() * 8, cudaMemcpyHostToDevice));
+  Buffer logits_a(bytes), logits_b(bytes), grad(bytes);
+  for (int set = 0; set < 2; ++set) {
+    const GenerateArgs g{static_cast<std::uint64_t>(7 + set),
+                         static_cast<int>(InputStream::student_logits),
+                         d_counters.as<std::int64_t>(),
+                         d_zero.as<int>(),
+                         rows,
+                         0,
+                         cols,
+                         static_cast<int>(LogitDistribution::normal),
+                         0.0,
+                         2.0,
+                         0.0,
+                         2.0};
+    generate_logits(type, g, set == 0 ? logits_a.p : logits_b.p, stream);
+  }
+  auto args_for = [&](int i) {
+    PolicyKernelArgs a;
+    a.logits = i % 2 == 0 ? logits_a.p : logits_b.p;
+    a.grad = grad.p;
+    a.rows = rows;
+    a.cols = cols;
+    a.active = d_one.as<int>();
+    a.target = d_target.as<std::int64_t>();
+    a.inverse_temperature = 1.0f;
+    return a;
+  };
+  // The gradient rows of set a, as the protocol makes them for objective logprob: a = -1, c = c_H, shift = H.
+  Buffer d_stats(static_cast<std::size_t>(rows) * PolicyLocalStats::kFloats * 4);
+  Buffer d_rows(static_cast<std::size_t>(rows) * PolicyGradRow::kFloats * 4);
+  policy_local_stats(type, args_for(0), d_stats.as<float>(), stream);
+  std::vector<float> stats(static_cast<std::size_t>(rows) * PolicyLocalStats::kFloats);
+  LV_CUDA(cudaMemcpy(stats.data(), d_stats.p, stats.size() * 4, cudaMemcpyDeviceToHost));
+  std::vector<float> grad_rows(static_cast<std::size_t>(rows) * PolicyGradRow::kFloats);
+  for (std::int64_t i = 0; i < rows; ++i) {
+    const float* s = &stats[static_cast<std::size_t>(i) * PolicyLocalStats::kFloats];
+    const float log_s = std::log(s[1]);
+    const float entropy = log_s - s[2] / s[1];
+    const float row[PolicyGradRow::kFloats] = {s[0],
+                                               log_s,
+                                               -1.0f,
+                                               0.0f,
+                                               static_cast<float>(kEntropyCoef),
+                                               entropy,
+                                               1.0f / static_cast<float>(rows),
+                                               static_cast<float>(target[static_cast<std::size_t>(i)]),
+                                               -1.0f};
+    std::copy(row, row + PolicyGradRow::kFloats, grad_rows.begin() + i * PolicyGradRow::kFloats);
+  }
+  LV_CUDA(cudaMemcpy(d_rows.p, grad_rows.data(), grad_rows.size() * 4, cudaMemcpyHostToDevice));
+
+  const double kernel_ms = time_ms(o.repeats, stream, [&](int i) {
+    const PolicyKernelArgs a = args_for(i);
+    policy_local_stats(type, a, d_stats.as<float>(), stream);
+    policy_gradient(type, a, d_rows.as<float>(), stream);
+  });
+  const double floor_bytes_per_logit = 3.0 * static_cast<double>(element);
+  const double floor_ms = floor_bytes_per_logit * static_cast<double>(rows * cols) / (copy_tb_s * 1e12) * 1e3;
+
+  // Correctness of set a's gradient on sampled rows against the float64 reference (token weight 1/rows).
+  policy_gradient(type, args_for(0), d_rows.as<float>(), stream);
+  LV_CUDA(cudaStreamSynchronize(stream));
+  const LossReference reference(c, inputs);
+  std::vector<std::byte> host_grad(static_cast<std::size_t>(cols) * element);
+  std::vector<double> x(static_cast<std::size_t>(cols)), expected(static_cast<std::size_t>(cols));
+  double worst_ulp = 0.0;
+  const int samples = 32;
+  for (int s = 0; s < samples; ++s) {
+    const std::int64_t row = (static_cast<std::int64_t>(s) * 7919) % rows;
+    LV_CUDA(cudaMemcpy(host_grad.data(),
+                       static_cast<std::byte*>(grad.p) + static_cast<std::size_t>(row * cols) * element,
+                       host_grad.size(), cudaMemcpyDeviceToHost));
+    inputs.logits(row, 0, cols, x.data());
+    const ReferenceToken r = reference.evaluate(row, x, {}, expected);
+    const double floor = 1e-6 * r.weight * reference.row().gradient_scale(row, r.stats).value_or(1.0);
+    dispatch_dtype(o.dtype, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      const T* g = reinterpret_cast<const T*>(host_grad.data());
+      for (std::int64_t col = 0; col < cols; ++col) {
+        const double got = static_cast<double>(static_cast<float>(g[col]));
+        const double e = expected[static_cast<std::size_t>(col)];
+        const double err = std::fabs(got - e);
+        if (err > floor) worst_ulp = std::max(worst_ulp, err / ulp_size(e, o.dtype));
+      }
+    });
+  }
+  const nlohmann::json result = {
+      {"device", prop.name},
+      {"multiprocessors", prop.multiProcessorCount},
+      {"loss", "policy (objective logprob: log-prob and entropy, forward and backward)"},
+      {"shape", {{"tokens", rows}, {"vocab_per_rank", cols}}},
+      {"dtype", std::string(to_string(o.dtype))},
+      {"tp", o.tp},
+      {"copy_tb_per_s", copy_tb_s},
+      {"floor_bytes_per_logit", floor_bytes_per_logit},
+      {"floor_ms", floor_ms},
+      {"kernel", "statistics (one online pass) + gradient"},
+      {"kernel_ms", kernel_ms},
+      {"percent_of_floor", 100.0 * floor_ms / kernel_ms},
+      {"check", {{"rows_sampled", samples}, {"worst_ulp_beyond_atol", worst_ulp}, {"pass", worst_ulp <= 1.0}}}};
+  cudaStreamDestroy(stream);
+  return result;
+}
+
+}  // namespace lossverify::cuda
