@@ -6,7 +6,9 @@
 #include <thread>
 
 #include "lossverify/core/strings.hpp"
+#include "lossverify/core/errors.hpp"
 #include "lossverify/dump/export_inputs.hpp"
+#include "lossverify/kinds/loss_kind.hpp"
 
 namespace lossverify::cli {
 
@@ -41,6 +43,10 @@ int run_export_inputs(const ExportInputsArguments& args) {
     if (value > 0) overrides.push_back("layout." + std::string(key) + "=" + std::to_string(value));
   }
   const Case c = load_case_file(args.case_file, overrides);
+  if (const std::string gap = kind_of(c.loss).dump_gap(); !gap.empty()) {
+    throw CaseError(args.case_file + ": loss kind " + std::string(kind_of(c.loss).name()) +
+                    " cannot be exported: " + gap + " (lossverify run checks it)");
+  }
   dump::ExportOptions options;
   options.out_dir = args.out_dir;
   options.case_file = args.case_file;

@@ -109,7 +109,11 @@ class Parser {
     c["timeout_seconds"] = root.number("timeout_seconds", 120.0);
     m_.the_case = parse_case(c, m_.path);
     bound_tolerances(root);
-    kind_of(m_.the_case.loss).require_explicit(m_.the_case.loss, c.contains("loss") ? c["loss"] : json(), src());
+    const LossKind& kind = kind_of(m_.the_case.loss);
+    if (const std::string gap = kind.dump_gap(); !gap.empty()) {
+      root.fail("case", "loss kind " + std::string(kind.name()) + " cannot be checked from a dump: " + gap);
+    }
+    kind.require_explicit(m_.the_case.loss, c.contains("loss") ? c["loss"] : json(), src());
     const std::int64_t n = m_.the_case.shape.tokens;
     if (n > limits_.max_rows) root.fail("shape", "tokens = " + std::to_string(n) + " is more than this reader takes");
   }

@@ -164,6 +164,9 @@ class LossKind {
   }
 
   virtual KindInputs inputs() const = 0;
+  // What the dump format (export-inputs, check-dump and the Python package over them) cannot carry of this
+  // kind yet, in words; empty when it carries everything. Those paths refuse such a kind (exit 2).
+  virtual std::string dump_gap() const { return {}; }
   // The token scale of tolerances (docs/spec.md §6): a loss's and a gradient's factor beyond the token's
   // weight in L (KD: T^s and T^(s-1)).
   virtual double loss_scale(const LossSpec& spec) const {

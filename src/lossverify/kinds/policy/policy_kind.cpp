@@ -127,6 +127,10 @@ class PolicyKind final : public LossKind {
   }
 
   KindInputs inputs() const override { return {true, false}; }
+  std::string dump_gap() const override {
+    return "its old and reference log-probabilities and advantages, and its per-token log-probabilities, entropies "
+           "and logged statistics, are not in the dump format yet";
+  }
 
   KindRowPlan plan_rows(const RowPlanRequest& request) const override { return plan_policy_rows(request); }
   std::vector<std::string> token_quantities() const override { return {"logprob", "entropy"}; }
