@@ -3,25 +3,21 @@ smoothing and mean reduction on bf16 logits, eager and torch.compile, timed with
 
 usage: torch_ce_bench.py TOKENS VOCAB DTYPE LABEL_SMOOTHING REPEATS   -> one JSON line on stdout
 """
-import json
 import sys
+
+from torch_timing import cuda_torch, logit_sets, report
 
 
 def main() -> int:
     tokens, vocab, dtype_name, smoothing, repeats = sys.argv[1:6]
     tokens, vocab, smoothing, repeats = int(tokens), int(vocab), float(smoothing), int(repeats)
-    try:
-        import torch
-        import torch.nn.functional as F
-    except Exception as e:  # no PyTorch: say so, do not fail the bench
-        print(json.dumps({"available": False, "reason": f"import torch: {e}"}))
+    torch = cuda_torch()
+    if torch is None:
         return 0
-    if not torch.cuda.is_available():
-        print(json.dumps({"available": False, "reason": "torch.cuda.is_available() is False"}))
-        return 0
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
+    import torch.nn.functional as F
+
     gen = torch.Generator(device="cuda").manual_seed(0)
-    sets = [torch.randn(tokens, vocab, device="cuda", dtype=dtype, generator=gen) * 2 for _ in range(2)]
+    sets = logit_sets(torch, tokens, vocab, dtype_name, gen)
     labels = torch.randint(0, vocab, (tokens,), device="cuda", generator=gen)
 
     def step(x):
@@ -30,27 +26,7 @@ def main() -> int:
         loss.backward()
         return x.grad
 
-    def timed(fn):
-        for i in range(3):
-            fn(sets[i % 2])
-        torch.cuda.synchronize()
-        times = []
-        for i in range(repeats):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn(sets[i % 2])
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        times.sort()
-        return times[len(times) // 2]
-
-    out = {"available": True, "torch": torch.__version__, "eager_ms": timed(step)}
-    try:
-        out["compile_ms"] = timed(torch.compile(step))
-    except Exception as e:
-        out["compile_error"] = str(e)[:200]
-    print(json.dumps(out))
+    report(torch, step, sets, repeats)
     return 0
 
 

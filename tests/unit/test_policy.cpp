@@ -40,14 +40,6 @@ nlohmann::json policy_json(int tp, int cp, int dp, int ga) {
           {"timeout_seconds", 60.0}};
 }
 
-const CheckResult& check_named(const RunResult& r, const std::string& name) {
-  for (const CheckResult& c : r.checks) {
-    if (c.name == name) return c;
-  }
-  FAIL("no check " << name);
-  return r.checks.front();
-}
-
 std::vector<std::string> failing(const RunResult& r) {
   std::vector<std::string> names;
   for (const CheckResult& c : r.checks) {
@@ -210,8 +202,8 @@ TEST_CASE("the correct policy implementation passes at every aggregation, dtype 
         j["inputs"]["dtype"] = dtype;
         const RunResult r = testing::run_with(testing::make_case(j), "correct");
         CHECK(failing(r).empty());
-        CHECK(check_named(r, "logprob").verdict == Verdict::pass);
-        CHECK(check_named(r, "stats").verdict == Verdict::pass);
+        CHECK(testing::check_named(r, "logprob").verdict == Verdict::pass);
+        CHECK(testing::check_named(r, "stats").verdict == Verdict::pass);
       }
     }
   }

@@ -2,6 +2,7 @@
 // Builds cases in code for the unit tests.
 #include <string>
 
+#include <doctest/doctest.h>
 #include <nlohmann/json.hpp>
 
 #include "lossverify/case/case.hpp"
@@ -26,6 +27,15 @@ inline RunResult run_with(const Case& c, const std::string& impl) {
   options.implementation = impl;
   options.threads = 2;
   return run_case(c, options);
+}
+
+// The named check of a run (a missing one fails the test).
+inline const CheckResult& check_named(const RunResult& r, const std::string& name) {
+  for (const CheckResult& c : r.checks) {
+    if (c.name == name) return c;
+  }
+  FAIL("no check " << name);
+  return r.checks.front();
 }
 
 }  // namespace lossverify::testing

@@ -42,30 +42,10 @@ nlohmann::json bench(const BenchOptions& o) {
                               {"loss", {{"label_smoothing", o.label_smoothing}}},
                               {"inputs", {{"seed", 7}, {"dtype", std::string(to_string(o.dtype))}, {"scale", 2.0}}}};
   const Case c = parse_case(case_json, "<bench>");
-  std::vector<std::int64_t> counters(static_cast<std::size_t>(rows));
-  for (std::int64_t i = 0; i < rows; ++i) counters[static_cast<std::size_t>(i)] = i;
-  std::vector<int> zeros(static_cast<std::size_t>(rows), 0);
-  std::vector<int> ones(static_cast<std::size_t>(rows), 1);
-  Buffer d_counters(counters.size() * 8), d_zero(zeros.size() * 4), d_one(ones.size() * 4);
-  LV_CUDA(cudaMemcpy(d_counters.p, counters.data(), counters.size() * 8, cudaMemcpyHostToDevice));
-  LV_CUDA(cudaMemcpy(d_zero.p, zeros.data(), zeros.size() * 4, cudaMemcpyHostToDevice));
+  const std::vector<int> ones(static_cast<std::size_t>(rows), 1);
+  Buffer d_one(ones.size() * 4), grad(bytes);
   LV_CUDA(cudaMemcpy(d_one.p, ones.data(), ones.size() * 4, cudaMemcpyHostToDevice));
-  Buffer logits_a(bytes), logits_b(bytes), grad(bytes);
-  for (int set = 0; set < 2; ++set) {
-    GenerateArgs g{static_cast<std::uint64_t>(7 + set),
-                   static_cast<int>(InputStream::student_logits),
-                   static_cast<std::int64_t*>(d_counters.p),
-                   static_cast<int*>(d_zero.p),
-                   rows,
-                   0,
-                   cols,
-                   static_cast<int>(LogitDistribution::normal),
-                   0.0,
-                   2.0,
-                   0.0,
-                   2.0};
-    generate_logits(type, g, set == 0 ? logits_a.p : logits_b.p, stream);
-  }
+  const bench_timing::BenchLogits logits(type, rows, cols, element, stream);
   const InputSource inputs(c);
   std::vector<std::int64_t> target(static_cast<std::size_t>(rows));
   for (std::int64_t i = 0; i < rows; ++i) target[static_cast<std::size_t>(i)] = inputs.label(i);
@@ -79,7 +59,7 @@ nlohmann::json bench(const BenchOptions& o) {
   CrossEntropyConstants k{
       1.0f - alpha + alpha / v, alpha / v, 1.0f - alpha + alpha / v, alpha / v, 0.0f, 0.0f, 0, 0, 0};
   auto args_for = [&](int i) {
-    return GradArgs{i % 2 == 0 ? logits_a.p : logits_b.p,
+    return GradArgs{logits.at(i),
                     grad.p,
                     rows,
                     cols,
@@ -97,7 +77,7 @@ nlohmann::json bench(const BenchOptions& o) {
   double floor_bytes_per_logit = 4.0 / 2.0 * static_cast<double>(element);  // read once, write once
   std::string kernel_name = "stats + grad (two kernels around the all-reduce)";
   if (o.tp == 1) {
-    const int cluster = fused_cluster_size(type, k, logits_a.p, grad.p, cols);
+    const int cluster = fused_cluster_size(type, k, logits.at(0), grad.p, cols);
     kernel_name = cluster > 0 ? "fused, row-resident (clusters of " + std::to_string(cluster) + " CTAs)"
                               : "fused, two passes (the row kept in L2)";
     kernel_ms = time_ms(o.repeats, stream, [&](int i) {

@@ -45,37 +45,16 @@ nlohmann::json bench_policy(const BenchOptions& o) {
       {"inputs", {{"seed", 7}, {"dtype", std::string(to_string(o.dtype))}, {"scale", 2.0}}}};
   const Case c = parse_case(case_json, "<bench>");
   const InputSource inputs(c);
-  // Two sets of logits from different seeds, so that L2 never holds the next launch's input.
-  std::vector<std::int64_t> counters(static_cast<std::size_t>(rows)), target(static_cast<std::size_t>(rows));
-  for (std::int64_t i = 0; i < rows; ++i) {
-    counters[static_cast<std::size_t>(i)] = i;
-    target[static_cast<std::size_t>(i)] = inputs.label(i);
-  }
-  const std::vector<int> zeros(static_cast<std::size_t>(rows), 0), ones(static_cast<std::size_t>(rows), 1);
-  Buffer d_counters(counters.size() * 8), d_zero(zeros.size() * 4), d_one(ones.size() * 4), d_target(target.size() * 8);
-  LV_CUDA(cudaMemcpy(d_counters.p, counters.data(), counters.size() * 8, cudaMemcpyHostToDevice));
-  LV_CUDA(cudaMemcpy(d_zero.p, zeros.data(), zeros.size() * 4, cudaMemcpyHostToDevice));
+  std::vector<std::int64_t> target(static_cast<std::size_t>(rows));
+  for (std::int64_t i = 0; i < rows; ++i) target[static_cast<std::size_t>(i)] = inputs.label(i);
+  const std::vector<int> ones(static_cast<std::size_t>(rows), 1);
+  Buffer d_one(ones.size() * 4), d_target(target.size() * 8), grad(bytes);
   LV_CUDA(cudaMemcpy(d_one.p, ones.data(), ones.size() * 4, cudaMemcpyHostToDevice));
   LV_CUDA(cudaMemcpy(d_target.p, target.data(), target.size() * 8, cudaMemcpyHostToDevice));
-  Buffer logits_a(bytes), logits_b(bytes), grad(bytes);
-  for (int set = 0; set < 2; ++set) {
-    const GenerateArgs g{static_cast<std::uint64_t>(7 + set),
-                         static_cast<int>(InputStream::student_logits),
-                         d_counters.as<std::int64_t>(),
-                         d_zero.as<int>(),
-                         rows,
-                         0,
-                         cols,
-                         static_cast<int>(LogitDistribution::normal),
-                         0.0,
-                         2.0,
-                         0.0,
-                         2.0};
-    generate_logits(type, g, set == 0 ? logits_a.p : logits_b.p, stream);
-  }
+  const bench_timing::BenchLogits logits(type, rows, cols, element, stream);
   auto args_for = [&](int i) {
     PolicyKernelArgs a;
-    a.logits = i % 2 == 0 ? logits_a.p : logits_b.p;
+    a.logits = logits.at(i);
     a.grad = grad.p;
     a.rows = rows;
     a.cols = cols;
