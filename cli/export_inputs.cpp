@@ -5,8 +5,8 @@
 #include <iostream>
 #include <thread>
 
-#include "lossverify/core/strings.hpp"
 #include "lossverify/core/errors.hpp"
+#include "lossverify/core/strings.hpp"
 #include "lossverify/dump/export_inputs.hpp"
 #include "lossverify/kinds/loss_kind.hpp"
 
