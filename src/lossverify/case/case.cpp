@@ -42,21 +42,6 @@ std::string_view to_string(LogitDistribution d) { return d == LogitDistribution:
 
 namespace {
 
-template <class Enum, std::size_t N>
-Enum parse_choice(ObjectReader& reader, const std::string& key, const std::array<Enum, N>& choices, Enum fallback) {
-  if (!reader.has(key)) {
-    reader.allow(key);
-    return fallback;
-  }
-  const std::string value = reader.string(key);
-  std::string allowed;
-  for (Enum e : choices) {
-    if (to_string(e) == value) return e;
-    append_to_list(allowed, to_string(e), "|");
-  }
-  reader.fail(key, "expected one of " + allowed + ", got \"" + value + "\"");
-}
-
 // "kind" names a registered kind (kinds/registry.hpp), which reads its own keys; a key another kind owns is
 // refused by name.
 const LossKind& parse_kind(ObjectReader& r) {

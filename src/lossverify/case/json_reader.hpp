@@ -1,6 +1,8 @@
 #pragma once
 // Strict reading of a JSON object: typed accessors that name the JSON path on error, and a final
 // check that rejects keys nobody asked for (a misspelt key must not silently become a default).
+#include <array>
+#include <cstddef>
 #include <cstdint>
 #include <set>
 #include <string>
@@ -9,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "lossverify/core/errors.hpp"
+#include "lossverify/core/strings.hpp"
 
 namespace lossverify::detail {
 
@@ -49,6 +52,23 @@ std::string json_type_name(const nlohmann::json& value);
 std::int64_t as_integer(const nlohmann::json& value, const std::string& path, const std::string& source);
 double as_number(const nlohmann::json& value, const std::string& path, const std::string& source);
 [[noreturn]] void fail_at(const std::string& source, const std::string& path, const std::string& message);
+
+// One of `choices` by its name (to_string(Enum)), or `fallback` when the key is absent; another name fails
+// listing the allowed ones.
+template <class Enum, std::size_t N>
+Enum parse_choice(ObjectReader& reader, const std::string& key, const std::array<Enum, N>& choices, Enum fallback) {
+  if (!reader.has(key)) {
+    reader.allow(key);
+    return fallback;
+  }
+  const std::string value = reader.string(key);
+  std::string allowed;
+  for (Enum e : choices) {
+    if (to_string(e) == value) return e;
+    append_to_list(allowed, to_string(e), "|");
+  }
+  reader.fail(key, "expected one of " + allowed + ", got \"" + value + "\"");
+}
 
 // JSON parsed strictly: a key repeated in one object, or a number outside the range of a double (1e400), is
 // an error, not a silent choice. Either `document` is set, or one of the two reasons.

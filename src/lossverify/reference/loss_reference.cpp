@@ -18,10 +18,13 @@ LossReference::LossReference(const Case& c, const InputSource& inputs)
     valid_[static_cast<std::size_t>(t)] = v;
     valid_tokens_ += v;
   }
-  // The reductions' totals are exact; a kind's own aggregation is summed (compensated, in token order).
-  if (c.loss.reduction == Reduction::sum) weight_total_ = static_cast<double>(valid_tokens_);
-  if (c.loss.reduction == Reduction::mean) weight_total_ = 1.0;
-  if (row_->token_weight(0) || c.loss.reduction == Reduction::none) {
+  // sum_t |w_t|: exact for the reductions mean (1) and sum (N_v); summed (compensated, in token order) where
+  // the weights vary, under reduction none or a kind's own aggregation (which weighs every token, so token 0
+  // tells whether it has one).
+  const bool kind_weights = row_->token_weight(0).has_value();
+  if (!kind_weights && c.loss.reduction == Reduction::sum) weight_total_ = static_cast<double>(valid_tokens_);
+  if (!kind_weights && c.loss.reduction == Reduction::mean) weight_total_ = 1.0;
+  if (kind_weights || c.loss.reduction == Reduction::none) {
     CompensatedSum total;
     for (std::int64_t t = 0; t < c.shape.tokens; ++t) total.add(std::fabs(token_weight(t)));
     weight_total_ = total.value();

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "lossverify/cuda/cuda_check.hpp"
+#include "lossverify/cuda/shard_inputs.hpp"
 #include "lossverify/cuda/storage.hpp"
 #include "lossverify/inputs/philox_stream.hpp"
 

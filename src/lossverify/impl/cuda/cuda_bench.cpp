@@ -8,6 +8,7 @@
 
 #include "lossverify/core/errors.hpp"
 #include "lossverify/cuda/cuda_check.hpp"
+#include "lossverify/impl/cuda/bench_check.hpp"
 #include "lossverify/impl/cuda/bench_timing.hpp"
 #include "lossverify/impl/cuda/cuda_backend.hpp"
 #include "lossverify/impl/cuda/kernels.hpp"
@@ -29,9 +30,7 @@ nlohmann::json bench(const BenchOptions& o) {
   const std::int64_t cols = o.vocab;  // the rank's shard width
   const std::size_t element = dtype_size(o.dtype);
   const std::size_t bytes = static_cast<std::size_t>(rows * cols) * element;
-  const StorageType type = o.dtype == DType::bf16   ? StorageType::bf16
-                           : o.dtype == DType::fp16 ? StorageType::fp16
-                                                    : StorageType::fp32;
+  const StorageType type = storage_of(o.dtype);
 
   // 1. The bandwidth ceiling: a device-to-device copy, bytes read plus bytes written.
   const double copy_tb_s = bench_timing::copy_bandwidth_tb_per_s(o.repeats, stream);
@@ -101,30 +100,10 @@ nlohmann::json bench(const BenchOptions& o) {
   cross_entropy_fused(type, args_for(0), k, static_cast<float*>(d_stats.p), stream);
   LV_CUDA(cudaStreamSynchronize(stream));
   const LossReference reference(c, inputs);
-  std::vector<std::byte> host_grad(static_cast<std::size_t>(cols) * element);
-  std::vector<double> x(static_cast<std::size_t>(cols)), expected(static_cast<std::size_t>(cols));
-  double worst_ulp = 0.0;
-  const int samples = 32;
-  for (int s = 0; s < samples; ++s) {
-    const std::int64_t row = (static_cast<std::int64_t>(s) * 7919) % rows;
-    LV_CUDA(cudaMemcpy(host_grad.data(),
-                       static_cast<std::byte*>(grad.p) + static_cast<std::size_t>(row * cols) * element,
-                       host_grad.size(), cudaMemcpyDeviceToHost));
-    inputs.logits(row, 0, cols, x.data());
-    reference.evaluate(row, x, {}, expected);
-    // The kernel's weight is 1/rows; the reference's 1/N_v with N_v = rows (no ignored tokens).
-    dispatch_dtype(o.dtype, [&](auto tag) {
-      using T = typename decltype(tag)::type;
-      const T* g = reinterpret_cast<const T*>(host_grad.data());
-      for (std::int64_t col = 0; col < cols; ++col) {
-        const double got = static_cast<double>(static_cast<float>(g[col]));
-        const double e = expected[static_cast<std::size_t>(col)];
-        const double err = std::fabs(got - e);
-        const double floor = 1e-6 / static_cast<double>(rows);  // the grad atol, in per-token units
-        if (err > floor) worst_ulp = std::max(worst_ulp, err / ulp_size(e, o.dtype));
-      }
-    });
-  }
+  // The kernel's weight is 1/rows; the reference's 1/N_v with N_v = rows (no ignored tokens).
+  const double worst_ulp = bench_check::worst_ulp_beyond_floor(
+      grad.p, rows, cols, o.dtype, inputs, reference,
+      [&](std::int64_t, const ReferenceToken&) { return 1e-6 / static_cast<double>(rows); });
 
   result = {{"device", prop.name},
             {"multiprocessors", prop.multiProcessorCount},
@@ -138,7 +117,10 @@ nlohmann::json bench(const BenchOptions& o) {
             {"kernel", kernel_name},
             {"kernel_ms", kernel_ms},
             {"percent_of_floor", 100.0 * floor_ms / kernel_ms},
-            {"check", {{"rows_sampled", samples}, {"worst_ulp_beyond_atol", worst_ulp}, {"pass", worst_ulp <= 1.0}}}};
+            {"check",
+             {{"rows_sampled", bench_check::kSampledRows},
+              {"worst_ulp_beyond_atol", worst_ulp},
+              {"pass", worst_ulp <= 1.0}}}};
   cudaStreamDestroy(stream);
   return result;
 }

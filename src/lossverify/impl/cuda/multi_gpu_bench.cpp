@@ -38,10 +38,6 @@ double ms_since(Clock::time_point start) {
   return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
 }
 
-StorageType storage_of(DType dtype) {
-  return dtype == DType::bf16 ? StorageType::bf16 : dtype == DType::fp16 ? StorageType::fp16 : StorageType::fp32;
-}
-
 // The message sizes of the sweep, bytes per rank: 4 B to 16 MiB by factors of 4.
 std::vector<std::size_t> sweep_sizes() {
   std::vector<std::size_t> sizes;

@@ -10,6 +10,7 @@
 
 #include "lossverify/case/case.hpp"
 #include "lossverify/cuda/cuda_check.hpp"
+#include "lossverify/impl/cuda/bench_check.hpp"
 #include "lossverify/impl/cuda/bench_timing.hpp"
 #include "lossverify/impl/cuda/cuda_backend.hpp"
 #include "lossverify/inputs/input_source.hpp"
@@ -32,9 +33,7 @@ nlohmann::json bench_policy(const BenchOptions& o) {
   const std::int64_t rows = o.tokens, cols = o.vocab;
   const std::size_t element = dtype_size(o.dtype);
   const std::size_t bytes = static_cast<std::size_t>(rows * cols) * element;
-  const StorageType type = o.dtype == DType::bf16   ? StorageType::bf16
-                           : o.dtype == DType::fp16 ? StorageType::fp16
-                                                    : StorageType::fp32;
+  const StorageType type = storage_of(o.dtype);
   const double copy_tb_s = bench_timing::copy_bandwidth_tb_per_s(o.repeats, stream);
 
   constexpr double kEntropyCoef = 0.01;
@@ -99,43 +98,26 @@ nlohmann::json bench_policy(const BenchOptions& o) {
   policy_gradient(type, args_for(0), d_rows.as<float>(), stream);
   LV_CUDA(cudaStreamSynchronize(stream));
   const LossReference reference(c, inputs);
-  std::vector<std::byte> host_grad(static_cast<std::size_t>(cols) * element);
-  std::vector<double> x(static_cast<std::size_t>(cols)), expected(static_cast<std::size_t>(cols));
-  double worst_ulp = 0.0;
-  const int samples = 32;
-  for (int s = 0; s < samples; ++s) {
-    const std::int64_t row = (static_cast<std::int64_t>(s) * 7919) % rows;
-    LV_CUDA(cudaMemcpy(host_grad.data(),
-                       static_cast<std::byte*>(grad.p) + static_cast<std::size_t>(row * cols) * element,
-                       host_grad.size(), cudaMemcpyDeviceToHost));
-    inputs.logits(row, 0, cols, x.data());
-    const ReferenceToken r = reference.evaluate(row, x, {}, expected);
-    const double floor = 1e-6 * r.weight * reference.row().gradient_scale(row, r.stats).value_or(1.0);
-    dispatch_dtype(o.dtype, [&](auto tag) {
-      using T = typename decltype(tag)::type;
-      const T* g = reinterpret_cast<const T*>(host_grad.data());
-      for (std::int64_t col = 0; col < cols; ++col) {
-        const double got = static_cast<double>(static_cast<float>(g[col]));
-        const double e = expected[static_cast<std::size_t>(col)];
-        const double err = std::fabs(got - e);
-        if (err > floor) worst_ulp = std::max(worst_ulp, err / ulp_size(e, o.dtype));
-      }
-    });
-  }
-  const nlohmann::json result = {
-      {"device", prop.name},
-      {"multiprocessors", prop.multiProcessorCount},
-      {"loss", "policy (objective logprob: log-prob and entropy, forward and backward)"},
-      {"shape", {{"tokens", rows}, {"vocab_per_rank", cols}}},
-      {"dtype", std::string(to_string(o.dtype))},
-      {"tp", o.tp},
-      {"copy_tb_per_s", copy_tb_s},
-      {"floor_bytes_per_logit", floor_bytes_per_logit},
-      {"floor_ms", floor_ms},
-      {"kernel", "statistics (one online pass) + gradient"},
-      {"kernel_ms", kernel_ms},
-      {"percent_of_floor", 100.0 * floor_ms / kernel_ms},
-      {"check", {{"rows_sampled", samples}, {"worst_ulp_beyond_atol", worst_ulp}, {"pass", worst_ulp <= 1.0}}}};
+  const double worst_ulp = bench_check::worst_ulp_beyond_floor(
+      grad.p, rows, cols, o.dtype, inputs, reference, [&](std::int64_t row, const ReferenceToken& token) {
+        return 1e-6 * token.weight * reference.row().gradient_scale(row, token.stats).value_or(1.0);
+      });
+  const nlohmann::json result = {{"device", prop.name},
+                                 {"multiprocessors", prop.multiProcessorCount},
+                                 {"loss", "policy (objective logprob: log-prob and entropy, forward and backward)"},
+                                 {"shape", {{"tokens", rows}, {"vocab_per_rank", cols}}},
+                                 {"dtype", std::string(to_string(o.dtype))},
+                                 {"tp", o.tp},
+                                 {"copy_tb_per_s", copy_tb_s},
+                                 {"floor_bytes_per_logit", floor_bytes_per_logit},
+                                 {"floor_ms", floor_ms},
+                                 {"kernel", "statistics (one online pass) + gradient"},
+                                 {"kernel_ms", kernel_ms},
+                                 {"percent_of_floor", 100.0 * floor_ms / kernel_ms},
+                                 {"check",
+                                  {{"rows_sampled", bench_check::kSampledRows},
+                                   {"worst_ulp_beyond_atol", worst_ulp},
+                                   {"pass", worst_ulp <= 1.0}}}};
   cudaStreamDestroy(stream);
   return result;
 }

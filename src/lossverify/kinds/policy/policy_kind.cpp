@@ -24,22 +24,6 @@ constexpr std::array kKls = {Kl::none, Kl::k1, Kl::k2, Kl::k3};
 constexpr std::array kAggregations = {Aggregation::token_mean, Aggregation::token_sum, Aggregation::seq_mean_token_sum,
                                       Aggregation::seq_mean_token_mean, Aggregation::seq_mean_token_sum_norm};
 
-template <class Enum, std::size_t N>
-Enum choice(detail::ObjectReader& r, const std::string& key, const std::array<Enum, N>& choices, Enum fallback) {
-  if (!r.has(key)) {
-    r.allow(key);
-    return fallback;
-  }
-  const std::string value = r.string(key);
-  std::string allowed;
-  for (Enum e : choices) {
-    if (to_string(e) == value) return e;
-    if (!allowed.empty()) allowed.push_back('|');
-    allowed.append(to_string(e));
-  }
-  r.fail(key, "expected one of " + allowed + ", got \"" + value + "\"");
-}
-
 // A finite number in a range, named in the error when it is not.
 double number_in(detail::ObjectReader& r, const std::string& key, double fallback, bool (*ok)(double),
                  const std::string& range) {
@@ -73,12 +57,12 @@ class PolicyKind final : public LossKind {
       r.fail("reduction", "a policy loss aggregates its tokens by \"aggregation\", not by reduction");
     }
     auto o = std::make_shared<PolicyOptions>();
-    o->objective = choice(r, "objective", kObjectives, Objective::policy_loss);
+    o->objective = detail::parse_choice(r, "objective", kObjectives, Objective::policy_loss);
     o->temperature = number_in(
         r, "temperature", 1.0, [](double v) { return v > 0.0 && v <= kMaxTemperature; }, "in (0, 1e6]");
     o->entropy_coef = number_in(
         r, "entropy_coef", 0.0, [](double v) { return v >= 0.0 && v <= 1e3; }, "in [0, 1000]");
-    o->aggregation = choice(r, "aggregation", kAggregations, Aggregation::token_mean);
+    o->aggregation = detail::parse_choice(r, "aggregation", kAggregations, Aggregation::token_mean);
     const bool norm = o->aggregation == Aggregation::seq_mean_token_sum_norm;
     refuse_unless(r, norm, "norm_constant", "aggregation seq-mean-token-sum-norm");
     if (norm) {
@@ -160,7 +144,7 @@ class PolicyKind final : public LossKind {
     } else {
       r.allow("dual_clip");
     }
-    o.kl = choice(r, "kl_penalty", kKls, Kl::none);
+    o.kl = detail::parse_choice(r, "kl_penalty", kKls, Kl::none);
     refuse_unless(r, o.kl != Kl::none, "kl_coef", "a kl_penalty other than none");
     if (o.kl != Kl::none) {
       o.kl_coef = number_in(

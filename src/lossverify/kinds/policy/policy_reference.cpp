@@ -74,17 +74,11 @@ class PolicyReference final : public KindReference {
   std::pair<double, double> value_partial(const RowStats& s, std::span<const double> logits,
                                           std::span<const double> teacher) const override {
     (void)teacher;
-    const double inverse_t = 1.0 / o_.temperature;
     row_sums::LaneSum sum;
-    double log_p[row_sums::kBlock];
-    double p[row_sums::kBlock];
-    for (std::size_t b = 0; b < logits.size(); b += row_sums::kBlock) {
-      const std::size_t n = std::min(row_sums::kBlock, logits.size() - b);
-      for (std::size_t i = 0; i < n; ++i) log_p[i] = logits[b + i] * inverse_t - s.lse;
-      row_sums::exp_block(log_p, p, n);
+    for_each_block(s, logits, [&](std::size_t, std::size_t n, const double* log_p, double* p) {
       for (std::size_t i = 0; i < n; ++i) p[i] = p[i] > 0.0 ? p[i] * log_p[i] : 0.0;
       sum.add(p, n);
-    }
+    });
     return sum.result();
   }
 
@@ -129,21 +123,15 @@ class PolicyReference final : public KindReference {
                 std::span<double> grad) const override {
     (void)teacher;
     const TokenTerms t = terms(token, s);
-    const double inverse_t = 1.0 / o_.temperature;
-    const double scale = weight * inverse_t;
+    const double scale = weight * (1.0 / o_.temperature);
     const std::int64_t label = inputs_.label(token) - begin;
-    double log_p[row_sums::kBlock];
-    double p[row_sums::kBlock];
-    for (std::size_t b = 0; b < logits.size(); b += row_sums::kBlock) {
-      const std::size_t n = std::min(row_sums::kBlock, logits.size() - b);
-      for (std::size_t i = 0; i < n; ++i) log_p[i] = logits[b + i] * inverse_t - s.lse;
-      row_sums::exp_block(log_p, p, n);
+    for_each_block(s, logits, [&](std::size_t b, std::size_t n, const double* log_p, const double* p) {
       for (std::size_t i = 0; i < n; ++i) {
         const double target = static_cast<std::int64_t>(b + i) == label ? 1.0 : 0.0;
         const double entropy_term = p[i] > 0.0 ? o_.entropy_coef * p[i] * (log_p[i] + t.entropy) : 0.0;
         grad[b + i] = scale * (t.g_logprob * (target - p[i]) + entropy_term);
       }
-    }
+    });
   }
 
   std::optional<double> gradient_scale(std::int64_t token, const RowStats& s) const override {
@@ -161,6 +149,20 @@ class PolicyReference final : public KindReference {
   }
 
  private:
+  // f(b, n, log_p, p) for each block of columns [b, b + n) of a slice: log p_v = x_v / T - lse and p_v.
+  template <class F>
+  void for_each_block(const RowStats& s, std::span<const double> logits, F f) const {
+    const double inverse_t = 1.0 / o_.temperature;
+    double log_p[row_sums::kBlock];
+    double p[row_sums::kBlock];
+    for (std::size_t b = 0; b < logits.size(); b += row_sums::kBlock) {
+      const std::size_t n = std::min(row_sums::kBlock, logits.size() - b);
+      for (std::size_t i = 0; i < n; ++i) log_p[i] = logits[b + i] * inverse_t - s.lse;
+      row_sums::exp_block(log_p, p, n);
+      f(b, n, log_p, p);
+    }
+  }
+
   std::size_t sequence_of(std::int64_t token) const {
     return static_cast<std::size_t>(inputs_.batch().sequence_of(token));
   }
