@@ -29,7 +29,7 @@ forbid() {  # DIR PATTERN WHY [EXCEPT_FILE]
 forbid checks 'lossverify/(impl|oracle|cuda|runner)/|cuda|nccl' "must not include backends, oracles, CUDA or the runner"
 forbid oracle 'lossverify/impl/' "must not include the backends"
 forbid impl 'lossverify/(oracle|checks|reference)/' "must not include oracles, checks or the reference" \
-  'impl/cuda/cuda_bench.cpp|impl/cuda/multi_gpu_bench.cpp'
+  'impl/cuda/cuda_bench.cpp|impl/cuda/multi_gpu_bench.cpp|impl/cuda/bench_check.hpp'
 forbid_in_files() {  # FILE_REGEX PATTERN WHY: FILE_REGEX (extended, relative to src) selects the files
   local files="$1" pattern="$2" why="$3" hits
   hits=$(grep -rnE "^[[:space:]]*#[[:space:]]*include[[:space:]]*[<\"]($pattern)" "$src/kinds" \
