@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "lossverify/comm/progress_beacon.hpp"
 #include "lossverify/core/errors.hpp"
 
 extern char** environ;
@@ -181,7 +182,12 @@ void PluginHostProcess::send_bytes(const void* data, std::size_t bytes, int pass
 PluginHostProcess::Received PluginHostProcess::next(double seconds, const std::function<bool()>& abandon) {
   Received r;
   const auto deadline = Clock::now() + std::chrono::duration<double>(seconds);
+  // This wait is bounded and diagnoses its own silence (the caller names the plugin that hung), so the
+  // rank beats while it waits: the thread world's deadlock guard, timed the same, must not race it and
+  // name only "a rank that never arrived".
+  ProgressBeacon* const beacon = ProgressBeacon::current();
   for (;;) {
+    beat(beacon);
     pollfd p{socket_, POLLIN, 0};
     const int ready = ::poll(&p, 1, 50);
     if (ready > 0) {
