@@ -50,8 +50,40 @@ RawTensor loss_tensor(std::vector<std::int64_t> shape, std::vector<float> values
   return raw_tensor("F32", std::move(shape), values);
 }
 
+// The kind's per-token inputs of rows [b, e) (as a framework holds them) and, with `outputs`, its per-token
+// quantities as the rank computed them.
+void write_kind_tensors(const Case& c, const InputSource& inputs, const RankOutput& out, std::int64_t b, std::int64_t e,
+                        const std::string& p, std::map<std::string, RawTensor>& tensors, json& t, bool outputs) {
+  const LossKind& kind = kind_of(c.loss);
+  const std::vector<std::string> names = kind.token_inputs(c.loss);
+  std::vector<std::vector<float>> columns(names.size());
+  std::vector<float> values(names.size());
+  for (std::int64_t i = b; i < e; ++i) {
+    const std::int64_t token = out.assignment.rows[static_cast<std::size_t>(i)].token;
+    std::fill(values.begin(), values.end(), 0.0f);
+    if (token >= 0) kind.token_input_values(c, inputs, token, values);
+    for (std::size_t k = 0; k < names.size(); ++k) columns[k].push_back(values[k]);
+  }
+  for (std::size_t k = 0; k < names.size(); ++k) {
+    tensors[p + names[k]] = raw_tensor("F32", {e - b}, columns[k]);
+    t[names[k]] = p + names[k];
+  }
+  const std::vector<std::string> quantities = kind.token_quantities();
+  if (!outputs) return;
+  for (std::size_t j = 0; j < quantities.size(); ++j) {
+    std::vector<float> column;
+    for (std::int64_t i = b; i < e; ++i) {
+      column.push_back(out.token_values[static_cast<std::size_t>(i) * quantities.size() + j]);
+    }
+    const std::string key = "token_" + quantities[j];
+    tensors[p + key] = raw_tensor("F32", {e - b}, column);
+    t[key] = p + key;
+  }
+}
+
 fs::path write_dump(const Case& c, const InputSource& inputs, const std::vector<RankOutput>& outputs,
-                    const std::string& name, bool token_loss = true, bool stats = true, LossStorage storage = {}) {
+                    const std::string& name, bool token_loss = true, bool stats = true, LossStorage storage = {},
+                    bool kind_outputs = true) {
   const fs::path dir = temp_folder("dump-" + name);
   const json resolved = c.resolved();
   json loss = resolved["loss"];
@@ -134,6 +166,7 @@ fs::path write_dump(const Case& c, const InputSource& inputs, const std::vector<
         tensors[p + "token_loss"] = loss_tensor({rows}, losses, storage);
         t["token_loss"] = p + "token_loss";
       }
+      write_kind_tensors(c, inputs, out, b, e, p, tensors, t, kind_outputs);
       if (none) {
         tensors[p + "grad_output"] = raw_tensor("F64", {rows}, upstream);
         t["grad_output"] = p + "grad_output";
@@ -155,6 +188,10 @@ fs::path write_dump(const Case& c, const InputSource& inputs, const std::vector<
         tensors["loss"] = loss_tensor({}, std::vector<float>{out.reduced_loss}, storage);
         rank["stats"]["loss"] = "loss";
       }
+      const std::vector<std::string> statistics = kind_of(c.loss).logged_statistics();
+      for (std::size_t k = 0; k < statistics.size() && kind_outputs; ++k) {
+        rank["stats"][statistics[k]] = out.logged_stats[k];
+      }
     }
     write_bytes(dir / ("rank" + std::to_string(a.world_rank) + ".safetensors"), safetensors_bytes(tensors));
     manifest["ranks"].push_back(rank);
@@ -168,13 +205,14 @@ struct Outcome {
   RunResult dumped;
 };
 
-Outcome run_both(const Case& c, const std::string& impl, bool token_loss = true, bool stats = true) {
+Outcome run_both(const Case& c, const std::string& impl, bool token_loss = true, bool stats = true,
+                 bool kind_outputs = true) {
   RunOptions options;
   options.implementation = impl;
   options.threads = 2;
   const InputSource inputs(c);
   const RankRun ranks = execute_ranks(c, inputs, *find_implementation(impl), options);
-  const fs::path dir = write_dump(c, inputs, ranks.outputs, c.name + "-" + impl, token_loss, stats);
+  const fs::path dir = write_dump(c, inputs, ranks.outputs, c.name + "-" + impl, token_loss, stats, {}, kind_outputs);
   const auto problem = dump::load_dump((dir / "manifest.json").string());
   Outcome o{run_case(c, options), dump::check_dump(*problem, {2})};
   // The report of a dump validates as JSON and locates the worst elements in the dump.
@@ -597,4 +635,70 @@ TEST_CASE("check_dump_sweep_compares_layouts_of_one_problem") {
   } catch (const dump::DumpError& e) {
     CHECK(std::string(e.what()).find("logits, teacher logits, labels or loss mask differ") != std::string::npos);
   }
+}
+
+// Small policy cases with the shapes of the shipped ones: TP x DP x GA with the clip, dual clip, k3 and
+// temperature; CP x DP with Dr. GRPO's aggregation and whitening; a TP log-prob and entropy pass.
+Case policy_case(const std::string& name, const json& loss, const json& layout) {
+  json j = {{"name", name},
+            {"shape", {{"vocab", 301}}},
+            {"batch", {{"sequence_lengths", {21, 9, 30, 12, 17, 5, 14, 8}}}},
+            {"loss", {{"kind", "policy"}}},
+            {"inputs", {{"seed", 23}, {"scale", 2.0}, {"ignore_fraction", 0.2}}},
+            {"layout", layout},
+            {"timeout_seconds", 60.0}};
+  j["loss"].merge_patch(loss);
+  return make_case(j);
+}
+
+TEST_CASE("check-dump reproduces run for the policy kind: its inputs, per-token log-probs, entropies, statistics") {
+  const Case grpo = policy_case("grpo",
+                                {{"temperature", 0.7},
+                                 {"clip_low", 0.2},
+                                 {"clip_high", 0.28},
+                                 {"dual_clip", 3.0},
+                                 {"kl_penalty", "k3"},
+                                 {"kl_coef", 0.05},
+                                 {"entropy_coef", 0.01}},
+                                {{"tp", 2}, {"dp", 2}, {"ga", 2}});
+  const Case drgrpo = policy_case("drgrpo",
+                                  {{"aggregation", "seq-mean-token-sum-norm"},
+                                   {"norm_constant", 64.0},
+                                   {"kl_penalty", "k1"},
+                                   {"kl_coef", 0.1},
+                                   {"whiten_advantages", true}},
+                                  {{"cp", 2}, {"dp", 2}});
+  const Case logprob =
+      policy_case("logprob", {{"objective", "logprob"}, {"entropy_coef", 0.02}, {"temperature", 1.3}}, {{"tp", 4}});
+  const std::pair<const Case*, std::vector<const char*>> runs[] = {
+      {&grpo,
+       {"correct", "rl-temperature-one-side", "rl-token-mean-sample-weighted", "rl-fused-vocab-pad", "rl-kl-no-grad"}},
+      {&drgrpo, {"correct", "rl-adv-whiten-dp-only", "rl-cp-extra-scale", "rl-drgrpo-batch-sum"}},
+      {&logprob, {"correct", "rl-entropy-untracked-allreduce", "rl-logprob-allgather-grad-sum"}}};
+  for (const auto& [c, impls] : runs) {
+    for (const char* impl : impls) expect_same(*c, impl);
+    CHECK(run_both(*c, "correct").dumped.verdict == Verdict::pass);
+    CHECK(run_both(*c, impls.back()).dumped.verdict == Verdict::fail);
+  }
+}
+
+TEST_CASE("a policy dump without per-token log-probs or statistics reports them as not dumped, never as passing") {
+  const Case c = policy_case("grpo-bare", {{"kl_penalty", "k2"}, {"kl_coef", 0.05}}, {{"tp", 2}});
+  const Outcome o = run_both(c, "correct", /*token_loss=*/true, /*stats=*/true, /*kind_outputs=*/false);
+  int not_dumped = 0;
+  for (const CheckResult& r : o.dumped.checks) {
+    CAPTURE(r.name);
+    if (r.name == "logprob" || r.name == "entropy") {
+      CHECK(r.verdict == Verdict::not_applicable);
+      CHECK(r.metrics.value("dumped", true) == false);
+      ++not_dumped;
+    }
+    if (r.name == "stats") {  // the token count was dumped and is judged; the statistics are marked
+      CHECK(r.verdict == Verdict::pass);
+      for (const char* name : {"clip_fraction", "dual_clip_fraction", "kl", "entropy"}) {
+        CHECK(r.metrics[name].value("dumped", true) == false);
+      }
+    }
+  }
+  CHECK(not_dumped == 2);
 }

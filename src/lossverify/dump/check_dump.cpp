@@ -20,6 +20,7 @@
 #include "lossverify/core/strings.hpp"
 #include "lossverify/layout/rank_layout.hpp"
 #include "lossverify/oracle/host_oracle.hpp"
+#include "lossverify/reference/compensated_sum.hpp"
 #include "lossverify/reference/loss_reference.hpp"
 #include "lossverify/report/report.hpp"
 
@@ -61,6 +62,7 @@ std::uint64_t fingerprint(const ExplicitInputs& data) {
   mix(data.teacher.data(), data.teacher.size());
   mix(data.labels.data(), data.labels.size() * sizeof(std::int64_t));
   mix(data.loss_mask.data(), data.loss_mask.size());
+  for (const std::vector<float>& values : data.token_inputs) mix(values.data(), values.size() * sizeof(float));
   return h;
 }
 
@@ -101,6 +103,9 @@ class Loader {
     mask_owner_.assign(static_cast<std::size_t>(n), Owner{});
     upstream_owner_.assign(static_cast<std::size_t>(n), Owner{});
     if (m_.dumped.grad_output) upstream_.assign(static_cast<std::size_t>(n), 1.0);
+    token_input_names_ = kind_of(c_.loss).token_inputs(c_.loss);
+    data_.token_inputs.assign(token_input_names_.size(), std::vector<float>(static_cast<std::size_t>(n), 0.0f));
+    token_input_owner_.assign(token_input_names_.size(), std::vector<Owner>(static_cast<std::size_t>(n)));
 
     p_.outputs.resize(m_.ranks.size());
     for (const RankSpec& rank : m_.ranks) load_rank(rank, p_.outputs[static_cast<std::size_t>(rank.world_rank)]);
@@ -109,6 +114,7 @@ class Loader {
       c_.loss.upstream_weights.kind = UpstreamWeights::Kind::explicit_list;
       c_.loss.upstream_weights.values = upstream_;
     }
+    require_finite_token_inputs();
     p_.logits_look_like_probabilities = rows_look_like_probabilities(data_.student, n, v, c_.inputs.dtype);
     if (fingerprint_inputs_) p_.inputs_fingerprint = fingerprint(data_);
     p_.inputs = std::make_unique<InputSource>(c_, std::move(data_));
@@ -323,6 +329,8 @@ class Loader {
           agree(upstream_owner_, upstream_, token, value, rank, i, t.label, "upstream gradients");
         }
       }
+      for (std::size_t input = 0; input < token_input_names_.size(); ++input) load_token_input(rank, mb, input);
+      load_token_quantities(mb, out);
       if (mb.tensors.count("token_loss")) {
         const Located t = locate(mb.tensors.at("token_loss"));
         expect_rows(t, rows);
@@ -341,6 +349,78 @@ class Loader {
     }
     if (rank.num_tokens.kind != ScalarSpec::Kind::absent) {
       out.logged_valid_tokens = static_cast<std::int64_t>(scalar(rank.num_tokens, true));
+    }
+    out.logged_stats.assign(rank.statistics.size(), 0.0);  // filled below where not dumped
+    for (std::size_t q = 0; q < rank.statistics.size(); ++q) {
+      if (rank.statistics[q].kind != ScalarSpec::Kind::absent) out.logged_stats[q] = scalar(rank.statistics[q], false);
+    }
+  }
+
+  // One of the kind's per-token inputs (a policy loss's old log-probabilities...): every TP rank holding a
+  // token must give it the same value (bit for bit; NaN as NaN).
+  void load_token_input(const RankSpec& rank, const MicroBatchSpec& mb, std::size_t k) {
+    const Located t = locate(mb.tensors.at(token_input_names_[k]));
+    const auto rows = static_cast<std::int64_t>(mb.rows.size());
+    expect_rows(t, rows);
+    const std::vector<double> values = doubles(t);
+    std::vector<float>& global = data_.token_inputs[k];
+    for (std::int64_t i = 0; i < rows; ++i) {
+      const std::int64_t token = mb.rows[static_cast<std::size_t>(i)];
+      if (token < 0) continue;
+      const auto value = static_cast<float>(values[static_cast<std::size_t>(i)]);
+      Owner& o = token_input_owner_[k][static_cast<std::size_t>(token)];
+      float& held = global[static_cast<std::size_t>(token)];
+      if (o.rank < 0) {
+        if (labels_.empty() || labels_.back() != t.label) labels_.push_back(t.label);
+        o = Owner{rank.world_rank, i, labels_.size() - 1};
+        held = value;
+      } else if (!(held == value || (std::isnan(held) && std::isnan(value)))) {
+        std::ostringstream a, b;
+        a << held;
+        b << value;
+        throw DumpError(token_input_names_[k] + " of token " + std::to_string(token) + " disagree between ranks " +
+                        std::to_string(o.rank) + " and " + std::to_string(rank.world_rank) +
+                        " of one TP group: " + a.str() + " at row " + std::to_string(o.row) + " of " +
+                        labels_[o.label] + ", " + b.str() + " at row " + std::to_string(i) + " of " + t.label);
+      }
+    }
+  }
+
+  // The reference reads the kind's per-token inputs of every token that counts: each must be finite.
+  void require_finite_token_inputs() const {
+    const LossSpec& loss = c_.loss;
+    for (std::size_t k = 0; k < token_input_names_.size(); ++k) {
+      for (std::size_t t = 0; t < data_.token_inputs[k].size(); ++t) {
+        const float value = data_.token_inputs[k][t];
+        const bool counts = data_.loss_mask[t] != 0 && (data_.labels.empty() || data_.labels[t] != loss.ignore_index);
+        if (!counts || std::isfinite(value)) continue;
+        const Owner& o = token_input_owner_[k][t];
+        throw DumpError(labels_[o.label] + ": non-finite " + token_input_names_[k] + " " +
+                        (std::isnan(value) ? "NaN"
+                         : value > 0       ? "Inf"
+                                           : "-Inf") +
+                        " at row " + std::to_string(o.row) + " (token " + std::to_string(t) +
+                        ", which counts in the loss): the reference needs finite inputs");
+      }
+    }
+  }
+
+  // The kind's per-token quantities ("token_" tensors) into the rank's token values, row major; zeros where
+  // not dumped (filled in by fill_not_dumped).
+  void load_token_quantities(const MicroBatchSpec& mb, RankOutput& out) {
+    const std::vector<std::string> quantities = kind_of(c_.loss).token_quantities();
+    const std::size_t q = quantities.size();
+    if (q == 0) return;
+    const std::size_t rows = mb.rows.size();
+    const std::size_t first = out.token_values.size();
+    out.token_values.resize(first + rows * q, 0.0f);
+    for (std::size_t j = 0; j < q; ++j) {
+      const auto it = mb.tensors.find(token_quantity_tensor(quantities[j]));
+      if (it == mb.tensors.end()) continue;
+      const Located t = locate(it->second);
+      expect_rows(t, static_cast<std::int64_t>(rows));
+      const std::vector<double> values = doubles(t);
+      for (std::size_t i = 0; i < rows; ++i) out.token_values[first + i * q + j] = static_cast<float>(values[i]);
     }
   }
 
@@ -372,13 +452,22 @@ class Loader {
   void fill_not_dumped() {
     const Dumped& d = m_.dumped;
     const bool need_reduced = !d.loss && c_.loss.reduction != Reduction::none;
-    if (d.token_loss && !need_reduced && d.num_tokens) return;
+    const auto missing = [](const std::vector<char>& dumped) {
+      return std::find(dumped.begin(), dumped.end(), 0) != dumped.end();
+    };
+    const bool need_values = missing(d.token_quantities);
+    const bool need_statistics = missing(d.statistics);
+    if (d.token_loss && !need_reduced && d.num_tokens && !need_values && !need_statistics) return;
     const InputSource& inputs = *p_.inputs;
     const LossReference reference(c_, inputs);
     const std::int64_t n = c_.shape.tokens;
     const std::int64_t v = c_.shape.vocab;
+    const std::size_t q = d.token_quantities.size();
+    const std::size_t s = d.statistics.size();
     std::vector<double> losses(static_cast<std::size_t>(n), 0.0);
-    if (!d.token_loss || need_reduced) {
+    std::vector<double> values(static_cast<std::size_t>(n) * q, 0.0);
+    std::vector<double> statistics(static_cast<std::size_t>(n) * s, 0.0);
+    if (!d.token_loss || need_reduced || need_values || need_statistics) {
 #pragma omp parallel
       {
         std::vector<double> student(static_cast<std::size_t>(v));
@@ -388,19 +477,37 @@ class Loader {
         for (std::int64_t t = 0; t < n; ++t) {
           inputs.logits(t, 0, v, student.data());
           if (teacher_) inputs.teacher_logits(t, 0, v, teacher.data());
-          losses[static_cast<std::size_t>(t)] = reference.evaluate(t, student, teacher, grad).loss;
+          const ReferenceToken r = reference.evaluate(t, student, teacher, grad);
+          const auto k = static_cast<std::size_t>(t);
+          losses[k] = r.loss;
+          if (!r.valid) continue;
+          reference.row().token_values(t, r.stats, std::span<double>(values).subspan(k * q, q));
+          reference.row().token_statistics(t, r.stats, std::span<double>(statistics).subspan(k * s, s));
         }
       }
     }
     const float reduced =
         c_.loss.reduction == Reduction::none ? 0.0f : static_cast<float>(reference.reduced_loss(losses));
+    std::vector<double> means(s, 0.0);
+    for (std::size_t j = 0; j < s; ++j) {
+      CompensatedSum total;
+      for (std::int64_t t = 0; t < n; ++t) total.add(statistics[static_cast<std::size_t>(t) * s + j]);
+      means[j] = total.value() / static_cast<double>(std::max<std::int64_t>(reference.valid_tokens(), 1));
+    }
     for (RankOutput& out : p_.outputs) {
-      if (!d.token_loss) {
-        for (std::int64_t i = 0; i < out.rows(); ++i) {
-          const std::int64_t t = out.token_of(i);
-          out.token_loss[static_cast<std::size_t>(i)] =
-              t >= 0 ? static_cast<float>(losses[static_cast<std::size_t>(t)]) : 0.0f;
+      for (std::int64_t i = 0; i < out.rows(); ++i) {
+        const std::int64_t t = out.token_of(i);
+        const auto row = static_cast<std::size_t>(i);
+        if (!d.token_loss)
+          out.token_loss[row] = t >= 0 ? static_cast<float>(losses[static_cast<std::size_t>(t)]) : 0.0f;
+        for (std::size_t j = 0; j < q; ++j) {
+          if (d.token_quantities[j]) continue;
+          out.token_values[row * q + j] =
+              t >= 0 ? static_cast<float>(values[static_cast<std::size_t>(t) * q + j]) : 0.0f;
         }
+      }
+      for (std::size_t j = 0; j < s; ++j) {
+        if (!d.statistics[j]) out.logged_stats[j] = means[j];
       }
       if (!d.loss) out.reduced_loss = reduced;
       if (!d.num_tokens) out.logged_valid_tokens = reference.valid_tokens();
@@ -416,6 +523,8 @@ class Loader {
   ExplicitInputs data_;
   std::vector<double> upstream_;
   std::vector<Owner> label_owner_, mask_owner_, upstream_owner_;
+  std::vector<std::string> token_input_names_;
+  std::vector<std::vector<Owner>> token_input_owner_;
   std::vector<std::string> labels_;
   std::map<std::string, std::unique_ptr<TensorFile>> files_;
 };
@@ -423,10 +532,53 @@ class Loader {
 // The reduced-loss record of the loss check (token, column and padding all absent).
 bool is_reduced_record(const ElementRecord& r) { return r.token < 0 && r.column < 0 && r.padding_sequence < 0; }
 
+// A check of one of the kind's per-token quantities that the dump lacks: not applicable.
+void mark_quantity_not_dumped(CheckResult& r) {
+  r.verdict = Verdict::not_applicable;
+  r.margin = 0.0;
+  r.worst.reset();
+  r.metrics = {{"dumped", false}};
+  r.summary = "no per-token " + r.name + " in the dump (tensors." + token_quantity_tensor(r.name) + ")";
+}
+
+// The kind's logged statistics that the dump lacks are marked so in the stats check's metrics; with neither
+// them nor the token count dumped, the check is not applicable.
+void mark_statistics_not_dumped(CheckResult& r, const Dumped& d, const std::vector<std::string>& names) {
+  bool any = d.num_tokens;
+  for (std::size_t j = 0; j < names.size(); ++j) {
+    if (d.statistics[j]) {
+      any = true;
+    } else {
+      r.metrics[names[j]] = {{"dumped", false}};
+    }
+  }
+  if (!d.num_tokens) r.metrics["num_tokens"] = {{"dumped", false}};
+  if (any) return;
+  r.verdict = Verdict::not_applicable;
+  r.margin = 0.0;
+  r.worst.reset();
+  const json expected = r.metrics.value("expected_valid_tokens", json());
+  r.metrics = {{"dumped", false}};
+  if (!expected.is_null()) r.metrics["expected_valid_tokens"] = expected;
+  r.summary = "no logged token count or statistics in the dump";
+}
+
 // Replaces the comparisons made through filled-in values by "not dumped".
-void mark_not_dumped(std::vector<CheckResult>& checks, const Dumped& d, Reduction reduction) {
+void mark_not_dumped(std::vector<CheckResult>& checks, const Dumped& d, const LossSpec& loss) {
+  const Reduction reduction = loss.reduction;
   const bool logged_loss_missing = !d.loss && reduction != Reduction::none;  // "none" logs no reduced loss
+  const LossKind& kind = kind_of(loss);
+  const std::vector<std::string> quantities = kind.token_quantities();
   for (CheckResult& r : checks) {
+    const auto quantity = std::find(quantities.begin(), quantities.end(), r.name);
+    if (quantity != quantities.end()) {
+      if (!d.token_quantities[static_cast<std::size_t>(quantity - quantities.begin())]) mark_quantity_not_dumped(r);
+      continue;
+    }
+    if (r.name == "stats") {
+      mark_statistics_not_dumped(r, d, kind.logged_statistics());
+      continue;
+    }
     if (r.name == "loss" && (!d.token_loss || logged_loss_missing)) {
       const bool keep_tokens = d.token_loss;
       const json kept = keep_tokens ? r.metrics["per_token"] : r.metrics.value("reduced", json::object());
@@ -439,21 +591,21 @@ void mark_not_dumped(std::vector<CheckResult>& checks, const Dumped& d, Reductio
       if (r.worst && is_reduced_record(*r.worst) == keep_tokens) r.worst.reset();  // a filled-in element
       r.summary = keep_tokens ? "per-token losses vs the float64 reference (no logged loss in the dump)"
                               : "logged loss vs the float64 reference (no per-token losses in the dump)";
-    } else if ((r.name == "rank_agreement" && !d.token_loss) || (r.name == "stats" && !d.num_tokens)) {
+    } else if (r.name == "rank_agreement" && !d.token_loss) {
       r.verdict = Verdict::not_applicable;
       r.margin = 0.0;
       r.worst.reset();
-      const json expected = r.metrics.value("expected_valid_tokens", json());
       r.metrics = {{"dumped", false}};
-      if (!expected.is_null()) r.metrics["expected_valid_tokens"] = expected;
-      r.summary = r.name == "stats" ? "no logged token count in the dump" : "no per-token losses in the dump";
+      r.summary = "no per-token losses in the dump";
     }
   }
 }
 
-std::string check_tensor_key(const std::string& check, const ElementRecord& w) {
+std::string check_tensor_key(const LossSpec& loss, const std::string& check, const ElementRecord& w) {
   if (check == "grad" || check == "row_sum" || (check == "finite" && w.column >= 0)) return "grad_logits";
   if (check == "loss" || check == "rank_agreement" || check == "finite") return "token_loss";
+  const std::vector<std::string> quantities = kind_of(loss).token_quantities();
+  if (std::find(quantities.begin(), quantities.end(), check) != quantities.end()) return token_quantity_tensor(check);
   return "";
 }
 
@@ -581,7 +733,7 @@ RunResult check_dump(const DumpProblem& p, const DumpCheckOptions& options) {
       verify_seconds = seconds[0];
     }
   });
-  mark_not_dumped(checks, p.manifest.dumped, c.loss.reduction);
+  mark_not_dumped(checks, p.manifest.dumped, c.loss);
   RunResult result;
   result.the_case = c;
   result.implementation = &p.implementation;
@@ -625,7 +777,7 @@ json dump_run_to_json(const DumpProblem& p, const RunResult& run) {
       worst["sequence"] = nullptr;
       worst["position"] = nullptr;
     }
-    const std::string key = check_tensor_key(check.name, *check.worst);
+    const std::string key = check_tensor_key(m.the_case.loss, check.name, *check.worst);
     const auto& tensors = place.spec->micro_batches[static_cast<std::size_t>(place.micro_batch)].tensors;
     if (!key.empty() && tensors.count(key)) worst["tensor"] = ref_text(tensors.at(key));
   }
@@ -650,6 +802,15 @@ json dump_run_to_json(const DumpProblem& p, const RunResult& run) {
                  {"loss_mask", m.dumped.loss_mask},
                  {"grad_output", m.dumped.grad_output}}},
                {"ranks", ranks}};
+  const LossKind& kind = kind_of(m.the_case.loss);
+  const std::vector<std::string> quantities = kind.token_quantities();
+  for (std::size_t q = 0; q < quantities.size(); ++q) {
+    j["dump"]["dumped"][token_quantity_tensor(quantities[q])] = m.dumped.token_quantities[q] != 0;
+  }
+  const std::vector<std::string> statistics = kind.logged_statistics();
+  for (std::size_t k = 0; k < statistics.size(); ++k) {
+    j["dump"]["dumped"]["stats." + statistics[k]] = m.dumped.statistics[k] != 0;
+  }
   j["case"]["description"] =
       "inputs from the dump " + m.path + (m.the_case.description.empty() ? "" : ": " + m.the_case.description);
   return j;
@@ -673,7 +834,7 @@ void print_dump_summary(std::ostream& out, const DumpProblem& p, const RunResult
       const DumpPlace place = place_of(p, w);
       if (place.spec != nullptr) {
         s << " mb " << place.micro_batch << " row " << place.row;
-        const std::string key = check_tensor_key(check.name, w);
+        const std::string key = check_tensor_key(c.loss, check.name, w);
         const auto& tensors = place.spec->micro_batches[static_cast<std::size_t>(place.micro_batch)].tensors;
         if (!key.empty() && tensors.count(key)) s << " of " << ref_text(tensors.at(key));
         if (w.token < 0) s << " (padding row)";

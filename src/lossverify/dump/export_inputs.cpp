@@ -47,7 +47,30 @@ std::string rank_file_name(int rank) { return "rank" + std::to_string(rank) + ".
 // needs every tensor).
 bool has_teacher(const Case& c) { return kind_of(c.loss).inputs().teacher_logits; }
 
-std::vector<TensorToWrite> rank_tensors(const Case& c, const RankInputs& in) {
+// The kind's per-token inputs of the rank's rows (LossKind::token_inputs; 0 on padding rows), one column each.
+std::vector<std::vector<float>> token_input_columns(const Case& c, const InputSource& inputs, const RankInputs& in,
+                                                    int threads) {
+  const LossKind& kind = kind_of(c.loss);
+  const std::size_t width = kind.token_inputs(c.loss).size();
+  const auto rows = static_cast<std::size_t>(in.rows());
+  std::vector<std::vector<float>> columns(width, std::vector<float>(rows, 0.0f));
+  if (width == 0) return columns;
+#pragma omp parallel num_threads(std::max(1, threads))
+  {
+    std::vector<float> values(width);
+#pragma omp for schedule(dynamic, 16)
+    for (std::int64_t i = 0; i < in.rows(); ++i) {
+      const std::int64_t token = in.tokens[static_cast<std::size_t>(i)];
+      if (token < 0) continue;
+      kind.token_input_values(c, inputs, token, values);
+      for (std::size_t k = 0; k < width; ++k) columns[k][static_cast<std::size_t>(i)] = values[k];
+    }
+  }
+  return columns;
+}
+
+std::vector<TensorToWrite> rank_tensors(const Case& c, const RankInputs& in,
+                                        const std::vector<std::vector<float>>& token_inputs) {
   const std::vector<std::int64_t> shard_shape = {in.rows(), in.columns()};
   const std::vector<std::int64_t> rows_shape = {in.rows()};
   std::vector<TensorToWrite> tensors = {
@@ -63,6 +86,10 @@ std::vector<TensorToWrite> rank_tensors(const Case& c, const RankInputs& in) {
     tensors.push_back(
         {"teacher_logits", tensor_dtype_of(in.dtype), shard_shape, std::span<const std::byte>(in.teacher_logits)});
   }
+  const std::vector<std::string> names = kind_of(c.loss).token_inputs(c.loss);
+  for (std::size_t k = 0; k < names.size(); ++k) {
+    tensors.push_back(tensor_to_write(names[k], TensorDType::f32, rows_shape, token_inputs[k]));
+  }
   return tensors;
 }
 
@@ -71,7 +98,8 @@ void write_rank(const Case& c, const InputSource& inputs, RankAssignment assignm
                 int threads) {
   const int rank = assignment.world_rank;
   const RankInputs in = make_rank_inputs(c, inputs, std::move(assignment), threads);
-  write_safetensors((fs::path(dir) / rank_file_name(rank)).string(), rank_tensors(c, in),
+  const std::vector<std::vector<float>> token_inputs = token_input_columns(c, inputs, in, threads);
+  write_safetensors((fs::path(dir) / rank_file_name(rank)).string(), rank_tensors(c, in, token_inputs),
                     {{"format", kInputsFormat}, {"rank", std::to_string(rank)}});
 }
 
@@ -84,6 +112,7 @@ nlohmann::json rank_entry(const Case& c, const RankAssignment& assignment) {
   nlohmann::json names = nlohmann::json::array(
       {"logits", "labels", "loss_mask", "tokens", "token_ids", "sequences", "positions", "upstream_weights"});
   if (has_teacher(c)) names.push_back("teacher_logits");
+  for (const std::string& name : kind_of(c.loss).token_inputs(c.loss)) names.push_back(name);
   const RankCoordinates& at = assignment.coordinates;
   return {{"rank", rank},
           {"tp", at.tp},

@@ -301,7 +301,11 @@ class Parser {
     mb.json_path = r.path();
     mb.rows = parse_rows(r.raw("rows"), r.path_of("rows"));
     ObjectReader t = r.object("tensors");
-    for (const char* key : kRowTensors) {
+    std::vector<std::string> keys(std::begin(kRowTensors), std::end(kRowTensors));
+    const LossKind& kind = kind_of(m_.the_case.loss);
+    for (const std::string& key : kind.token_inputs(m_.the_case.loss)) keys.push_back(key);
+    for (const std::string& quantity : kind.token_quantities()) keys.push_back(token_quantity_tensor(quantity));
+    for (const std::string& key : keys) {
       if (t.has(key)) {
         mb.tensors[key] = tensor_ref(t.raw(key), t.path_of(key), default_file);
       } else {
@@ -416,9 +420,13 @@ class Parser {
         ObjectReader s = r.object("stats");
         rank.loss = scalar(s, "loss", default_file, false);
         rank.num_tokens = scalar(s, "num_tokens", default_file, true);
+        for (const std::string& name : kind_of(m_.the_case.loss).logged_statistics()) {
+          rank.statistics.push_back(scalar(s, name, default_file, false));
+        }
         s.reject_unknown_keys();
       } else {
         r.allow("stats");
+        rank.statistics.resize(kind_of(m_.the_case.loss).logged_statistics().size());
       }
       r.reject_unknown_keys();
       ranks.push_back(std::move(rank));
@@ -544,6 +552,10 @@ class Parser {
     const bool teacher = kind.inputs().teacher_logits;
     const bool labelled = kind.inputs().labels;
     const bool none = m_.the_case.loss.reduction == Reduction::none;
+    const std::vector<std::string> quantities = kind.token_quantities();
+    const std::vector<std::string> statistics = kind.logged_statistics();
+    m_.dumped.token_quantities.assign(quantities.size(), 0);
+    m_.dumped.statistics.assign(statistics.size(), 0);
     bool first = true;
     std::string first_path;
     auto all_or_none = [&](bool& flag, bool here, const std::string& what, const std::string& path) {
@@ -570,6 +582,9 @@ class Parser {
         if (!labelled && has("labels")) {
           fail_at(src(), tp + ".labels", kind_name + " takes no labels (mask tokens with loss_mask)");
         }
+        for (const std::string& key : kind.token_inputs(m_.the_case.loss)) {
+          if (!has(key.c_str())) fail_at(src(), tp, "\"" + key + "\" is required for " + kind_name);
+        }
         if (!none && has("grad_output")) {
           fail_at(src(), tp + ".grad_output",
                   "the upstream gradient of per-token losses applies to reduction \"none\" only");
@@ -578,6 +593,12 @@ class Parser {
         all_or_none(m_.dumped.token_loss, has("token_loss"), "token_loss", tp);
         all_or_none(m_.dumped.loss_mask, has("loss_mask"), "loss_mask", tp);
         all_or_none(m_.dumped.grad_output, has("grad_output"), "grad_output", tp);
+        for (std::size_t q = 0; q < quantities.size(); ++q) {
+          const std::string key = token_quantity_tensor(quantities[q]);
+          bool flag = m_.dumped.token_quantities[q] != 0;
+          all_or_none(flag, has(key.c_str()), key, tp);
+          m_.dumped.token_quantities[q] = flag;
+        }
         if (first) first_path = tp;
         first = false;
       }
@@ -587,6 +608,11 @@ class Parser {
       const std::string sp = r.json_path + ".stats";
       all_or_none(m_.dumped.loss, r.loss.kind != ScalarSpec::Kind::absent, "stats.loss", sp);
       all_or_none(m_.dumped.num_tokens, r.num_tokens.kind != ScalarSpec::Kind::absent, "stats.num_tokens", sp);
+      for (std::size_t q = 0; q < statistics.size(); ++q) {
+        bool flag = m_.dumped.statistics[q] != 0;
+        all_or_none(flag, r.statistics[q].kind != ScalarSpec::Kind::absent, "stats." + statistics[q], sp);
+        m_.dumped.statistics[q] = flag;
+      }
       if (first) first_path = sp;
       first = false;
     }
@@ -643,6 +669,9 @@ class Parser {
       }
       for (const ScalarSpec* s : {&rank.loss, &rank.num_tokens}) {
         if (s->kind == ScalarSpec::Kind::tensor) check(s->ref);
+      }
+      for (const ScalarSpec& s : rank.statistics) {
+        if (s.kind == ScalarSpec::Kind::tensor) check(s.ref);
       }
     }
   }

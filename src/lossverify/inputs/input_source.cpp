@@ -24,6 +24,12 @@ InputSource::InputSource(const Case& c, ExplicitInputs data) : case_(c), explici
       data.loss_mask.size() != n) {
     throw InternalError("explicit inputs do not match the case's shape and dtype");
   }
+  const std::size_t token_inputs = kind_of(c.loss).token_inputs(c.loss).size();
+  if (data.token_inputs.size() != token_inputs ||
+      std::any_of(data.token_inputs.begin(), data.token_inputs.end(), [n](const auto& v) { return v.size() != n; })) {
+    throw InternalError("explicit inputs do not hold the kind's per-token inputs");
+  }
+  explicit_token_inputs_ = std::move(data.token_inputs);
   cache_student_ = std::move(data.student);
   cache_teacher_ = std::move(data.teacher);
   explicit_labels_ = std::move(data.labels);

@@ -4,6 +4,7 @@
 // A rank asks only for its own shard; the reference asks for whole rows; both get identical values.
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <unordered_map>
 #include <vector>
 
@@ -19,6 +20,8 @@ struct ExplicitInputs {
   std::vector<std::byte> teacher;    // N x V (KD only; empty otherwise)
   std::vector<std::int64_t> labels;  // N labels (cross-entropy; the ignore_index where ignored)
   std::vector<char> loss_mask;       // N: 1 = the token counts (before the label test), 0 = masked out
+  // The kind's per-token inputs (LossKind::token_inputs), in its order, N values each.
+  std::vector<std::vector<float>> token_inputs;
 };
 
 class InputSource {
@@ -29,6 +32,11 @@ class InputSource {
   // its loss, shape, dtype and batch are). Sizes must match the case: N x V x dtype size, N labels/masks.
   InputSource(const Case& c, ExplicitInputs data);
   bool is_explicit() const { return explicit_; }
+  // Explicit mode: the kind's per-token input `index` (LossKind::token_inputs), N values; empty otherwise.
+  std::span<const float> explicit_token_input(std::size_t index) const {
+    return index < explicit_token_inputs_.size() ? std::span<const float>(explicit_token_inputs_[index])
+                                                 : std::span<const float>();
+  }
 
   // Generates every student (and teacher) row once, in the input dtype, and serves later requests from
   // memory: the same values, for callers that read the same inputs many times (the gate, sweeps).
@@ -87,6 +95,7 @@ class InputSource {
   bool explicit_ = false;
   std::vector<std::int64_t> explicit_labels_;
   std::vector<char> explicit_mask_;
+  std::vector<std::vector<float>> explicit_token_inputs_;
   GlobalBatch batch_;
   std::vector<std::byte> cache_student_;
   std::vector<std::byte> cache_teacher_;

@@ -164,6 +164,17 @@ class LossKind {
   }
 
   virtual KindInputs inputs() const = 0;
+  // Per-token float inputs the kind reads besides the logits and labels (a policy loss's old and reference
+  // log-probabilities and advantages), by their names in exports and dumps; empty: none. A token's values in
+  // that order come from the inputs: generated, or a dump's own (ExplicitInputs::token_inputs); 0 on padding.
+  virtual std::vector<std::string> token_inputs(const LossSpec& spec) const {
+    (void)spec;
+    return {};
+  }
+  virtual void token_input_values(const Case& c, const InputSource& inputs, std::int64_t token,
+                                  std::span<float> out) const {
+    (void)c, (void)inputs, (void)token, (void)out;
+  }
   // What the dump format (export-inputs, check-dump and the Python package over them) cannot carry of this
   // kind yet, in words; empty when it carries everything. Those paths refuse such a kind (exit 2).
   virtual std::string dump_gap() const { return {}; }

@@ -84,9 +84,25 @@ def base():
     return manifest, files
 
 
+def as_policy(m, f, objective="policy_loss"):
+    """The base dump's manifest read as a policy loss: its old and reference log-probabilities and advantages
+    (values that only need to be well formed: these dumps test the reader, not the verdict)."""
+    m["loss"] = {"kind": "policy", "objective": objective}
+    if objective != "policy_loss":
+        return
+    for r, file in enumerate((f["rank0.safetensors"], f["rank1.safetensors"])):
+        file["old_logprob"] = tensor("F32", (N,), [-1.0 - 0.1 * t for t in range(N)])
+        file["ref_logprob"] = tensor("F32", (N,), [-1.2 - 0.1 * t for t in range(N)])
+        file["advantages"] = tensor("F32", (N,), [1.0 if t < 4 else -0.5 for t in range(N)])
+        for key in ("old_logprob", "ref_logprob", "advantages"):
+            m["ranks"][r]["tensors"][key] = key
+
+
 def case(name):
     """(manifest, files, raw): raw maps file names to bytes that replace the encoded files."""
     m, f = base()
+    if name.startswith("policy_"):
+        as_policy(m, f, "logprob" if name == "policy_inputs_for_logprob" else "policy_loss")
     raw = {}
     r0, r1 = f["rank0.safetensors"], f["rank1.safetensors"]
     full = safetensors_bytes(r1)
@@ -236,6 +252,19 @@ def case(name):
         m["ranks"][0]["tensors"]["labels"] = {"file": "labels0.npy"}
     elif name == "cu_seqlens_bad":
         m["cu_seqlens"] = [0, 5, 3, N]
+    elif name == "policy_nan_old_logprob":  # token 2 counts in the loss
+        r0["old_logprob"]["values"][2] = float("nan")
+        r1["old_logprob"]["values"][2] = float("nan")
+    elif name == "policy_inf_advantage":
+        r0["advantages"]["values"][6] = float("-inf")
+        r1["advantages"]["values"][6] = float("-inf")
+    elif name == "policy_missing_advantages":
+        del m["ranks"][1]["tensors"]["advantages"]
+    elif name == "policy_inputs_disagree":
+        r1["ref_logprob"]["values"][3] = 0.25
+    elif name == "policy_inputs_for_logprob":  # a log-prob pass reads no old log-probabilities
+        r0["old_logprob"] = tensor("F32", (N,), [0.0] * N)
+        m["ranks"][0]["tensors"]["old_logprob"] = "old_logprob"
     elif name == "rank_disagrees_with_coordinates":
         m["ranks"][1]["tp"] = 0
     else:

@@ -57,8 +57,10 @@ Placement placement(const PolicyOptions& o) {
 
 }  // namespace
 
-float policy_sequence_advantage(const Case& c, std::int64_t sequence) {
-  const double u = token_uniform(c.inputs.seed, InputStream::policy_advantage, static_cast<std::uint64_t>(sequence));
+float policy_token_advantage(const Case& c, const InputSource& inputs, std::int64_t token) {
+  if (inputs.is_explicit()) return inputs.explicit_token_input(2)[static_cast<std::size_t>(token)];
+  const auto sequence = static_cast<std::uint64_t>(inputs.batch().sequence_of(token));
+  const double u = token_uniform(c.inputs.seed, InputStream::policy_advantage, sequence);
   // |A| in [0.2, 2], either sign: away from 0, where the clip's side flips.
   const double magnitude = 0.2 + 1.8 * std::fabs(2.0 * u - 1.0);
   return static_cast<float>(u < 0.5 ? -magnitude : magnitude);
@@ -66,7 +68,13 @@ float policy_sequence_advantage(const Case& c, std::int64_t sequence) {
 
 PolicyTokenInputs policy_token_inputs(const Case& c, const InputSource& inputs, std::int64_t token) {
   PolicyTokenInputs in;
-  in.advantage = policy_sequence_advantage(c, inputs.batch().sequence_of(token));
+  in.advantage = policy_token_advantage(c, inputs, token);
+  if (inputs.is_explicit()) {
+    const auto t = static_cast<std::size_t>(token);
+    in.old_logprob = inputs.explicit_token_input(0)[t];
+    in.ref_logprob = inputs.explicit_token_input(1)[t];
+    return in;
+  }
   if (!inputs.is_valid(token)) return in;
   const double logprob = placement_logprob(c, inputs, token, inputs.label(token));
   const PhiloxBlock r = philox_block(c.inputs.seed, InputStream::policy_ratio, static_cast<std::uint64_t>(token), 0);

@@ -20,10 +20,14 @@ struct PolicyTokenInputs {
   float advantage = 0.0f;  // before whitening
 };
 
-// The token's inputs (a masked token keeps only its sequence's advantage).
+// Their names in exports and dumps (LossKind::token_inputs), in the order of explicit inputs.
+inline constexpr const char* kPolicyTokenInputNames[] = {"old_logprob", "ref_logprob", "advantages"};
+
+// The token's inputs (a masked token keeps only its sequence's advantage). Explicit inputs (a dump's) are
+// read as they are; generated ones are placed as above.
 PolicyTokenInputs policy_token_inputs(const Case& c, const InputSource& inputs, std::int64_t token);
 
-// The advantage of a sequence (every token of it carries this value).
-float policy_sequence_advantage(const Case& c, std::int64_t sequence);
+// The token's advantage alone, without the placement pass (whitening statistics read every token's).
+float policy_token_advantage(const Case& c, const InputSource& inputs, std::int64_t token);
 
 }  // namespace lossverify

@@ -1,12 +1,15 @@
 // The policy kind (docs/spec.md §3.3): the clipped policy-gradient objective of RL post-training over
 // vocabulary-parallel logits, or a trainer's log-probability and entropy pass alone.
+#include <algorithm>
 #include <array>
 #include <cmath>
+#include <span>
 #include <string>
 
 #include "lossverify/case/case.hpp"
 #include "lossverify/case/json_reader.hpp"
 #include "lossverify/impl/catalogue.hpp"
+#include "lossverify/kinds/policy/policy_inputs.hpp"
 #include "lossverify/kinds/policy/policy_options.hpp"
 #include "lossverify/kinds/policy/policy_parts.hpp"
 
@@ -111,9 +114,15 @@ class PolicyKind final : public LossKind {
   }
 
   KindInputs inputs() const override { return {true, false}; }
-  std::string dump_gap() const override {
-    return "its old and reference log-probabilities and advantages, and its per-token log-probabilities, entropies "
-           "and logged statistics, are not in the dump format yet";
+  std::vector<std::string> token_inputs(const LossSpec& spec) const override {
+    if (policy_options(spec).objective != Objective::policy_loss) return {};
+    return {std::begin(kPolicyTokenInputNames), std::end(kPolicyTokenInputNames)};
+  }
+  void token_input_values(const Case& c, const InputSource& inputs, std::int64_t token,
+                          std::span<float> out) const override {
+    const PolicyTokenInputs in = policy_token_inputs(c, inputs, token);
+    const float values[] = {in.old_logprob, in.ref_logprob, in.advantage};
+    std::copy_n(values, std::min(out.size(), std::size(values)), out.begin());
   }
 
   KindRowPlan plan_rows(const RowPlanRequest& request) const override { return plan_policy_rows(request); }

@@ -194,9 +194,7 @@ class PolicyReference final : public KindReference {
     deviation_ = valid_tokens_ > 1 ? std::sqrt(squares.value() / (n - 1.0)) : 0.0;
   }
 
-  double advantage(std::int64_t token) const {
-    return policy_sequence_advantage(case_, static_cast<std::int64_t>(sequence_of(token)));
-  }
+  double advantage(std::int64_t token) const { return policy_token_advantage(case_, inputs_, token); }
 
   const PolicyTokenInputs& token_inputs(std::int64_t token) const {
     const auto k = static_cast<std::size_t>(token);
