@@ -655,6 +655,10 @@ void fill_snapshot(const RankContext& x, const RowReference& ref, double framewo
   const std::int64_t cols = x.out.columns();
   const std::int64_t begin = x.out.assignment.vocab.begin;
   const bool keep_grads = x.tokens * vocab <= kSnapshotElementLimit;
+  if (snapshot.token_loss.size() != static_cast<std::size_t>(x.tokens) ||
+      snapshot.token_grad_scale.size() != static_cast<std::size_t>(x.tokens)) {
+    throw InternalError("the layout snapshot is not sized for the problem (LayoutSnapshot::sized_for)");
+  }
   if (keep_grads && x.out.grad.empty() && x.rows * cols > 0) {
     throw InternalError("the invariance check needs the rank's gradient on the host");
   }

@@ -702,12 +702,7 @@ RunResult check_dump(const DumpProblem& p, const DumpCheckOptions& options) {
   ErrorMap error_map;
   double verify_seconds = 0.0;
   LayoutSnapshot snapshot;
-  if (options.keep_snapshot) {
-    snapshot.token_loss.assign(static_cast<std::size_t>(c.shape.tokens), 0.0f);
-    if (c.shape.tokens * c.shape.vocab <= kSnapshotElementLimit) {
-      snapshot.effective_grad.assign(static_cast<std::size_t>(c.shape.tokens * c.shape.vocab), 0.0f);
-    }
-  }
+  if (options.keep_snapshot) snapshot = LayoutSnapshot::sized_for(c.shape.tokens, c.shape.vocab);
   ThreadWorldOptions world_options;
   world_options.ranks = world_size;
   world_options.timeout_seconds = c.timeout_seconds;

@@ -349,13 +349,7 @@ RunResult run_case(const Case& c, const RunOptions& requested, Launcher& launche
   if (options.shared_inputs == nullptr) own_inputs.emplace(c);
   const InputSource& inputs = options.shared_inputs != nullptr ? *options.shared_inputs : *own_inputs;
   LayoutSnapshot snapshot;
-  if (keep_snapshot) {
-    snapshot.token_loss.assign(static_cast<std::size_t>(c.shape.tokens), 0.0f);
-    snapshot.token_grad_scale.assign(static_cast<std::size_t>(c.shape.tokens), 0.0f);
-    if (c.shape.tokens * c.shape.vocab <= kSnapshotElementLimit) {
-      snapshot.effective_grad.assign(static_cast<std::size_t>(c.shape.tokens * c.shape.vocab), 0.0f);
-    }
-  }
+  if (keep_snapshot) snapshot = LayoutSnapshot::sized_for(c.shape.tokens, c.shape.vocab);
   const int threads = launcher.threads_per_rank(options.threads, world_size);
   const bool rank_per_process = launcher.processes() > 1;
   RankJob kept;
