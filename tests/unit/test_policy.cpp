@@ -344,3 +344,43 @@ TEST_CASE("a policy case refuses impossible settings by name, before any work") 
   refused({{"objective", "logprob"}}, "applies to objective policy_loss only");
   refused({{"label_smoothing", 0.1}}, "$.loss.label_smoothing: applies to cross_entropy only, not policy");
 }
+
+TEST_CASE("an override row sets a token's old and reference log-probabilities and advantage, checked by name") {
+  nlohmann::json j = policy_json(2, 1, 1, 1);
+  j["inputs"]["overrides"] = {{{"token", 3}, {"old_logprob", -2.5}, {"ref_logprob", -3.0}, {"advantages", 0.7}},
+                              {{"token", 40}, {"advantages", -1.25}}};
+  const Case c = testing::make_case(j);
+  const InputSource inputs(c);
+  REQUIRE(inputs.is_valid(3));
+  const PolicyTokenInputs three = policy_token_inputs(c, inputs, 3);
+  CHECK(three.old_logprob == -2.5f);
+  CHECK(three.ref_logprob == -3.0f);
+  CHECK(three.advantage == 0.7f);
+  const PolicyTokenInputs forty = policy_token_inputs(c, inputs, 40);
+  CHECK(forty.advantage == -1.25f);
+  const Case plain = testing::make_case(policy_json(2, 1, 1, 1));
+  const InputSource plain_inputs(plain);
+  const PolicyTokenInputs generated = policy_token_inputs(plain, plain_inputs, 40);
+  CHECK(forty.old_logprob == generated.old_logprob);  // what the row does not set stays generated
+  CHECK(forty.ref_logprob == generated.ref_logprob);
+  CHECK(generated.advantage != -1.25f);
+  CHECK(c.resolved()["inputs"]["overrides"][0]["old_logprob"] == -2.5);
+  // The overridden inputs reach the ranks and the reference alike: the correct implementation passes, a bug
+  // still fails.
+  CHECK(testing::run_with(c, "correct").verdict == Verdict::pass);
+  CHECK(testing::run_with(c, "rl-kl-no-grad").verdict == Verdict::fail);
+
+  auto refused = [](const nlohmann::json& row, const std::string& message) {
+    nlohmann::json bad = policy_json(1, 1, 1, 1);
+    bad["inputs"]["overrides"] = {row};
+    CAPTURE(row.dump());
+    CHECK_THROWS_WITH_AS(testing::make_case(bad), doctest::Contains(message.c_str()), CaseError);
+  };
+  refused({{"token", 1}, {"old_logprob", 0.5}}, "$.inputs.overrides[0].old_logprob: 0.5 is not a log-probability");
+  refused({{"token", 1}, {"advantages", 1e5}}, "$.inputs.overrides[0].advantages: 100000.0 is not a finite number");
+  refused({{"token", 1}, {"ref_logprob", "NaN"}}, "$.inputs.overrides[0].ref_logprob: expected number");
+  nlohmann::json ce = testing::case_json(8, 16, 1, "fp32");
+  ce["inputs"]["overrides"] = {{{"token", 1}, {"old_logprob", -1.0}}};
+  CHECK_THROWS_WITH_AS(testing::make_case(ce), doctest::Contains("$.inputs.overrides[0].old_logprob: unknown key"),
+                       CaseError);
+}

@@ -170,6 +170,17 @@ void parse_inputs(ObjectReader r, Case& c) {
       } else {
         o.allow("label");
       }
+      for (const std::string& name : kind_of(c.loss).token_inputs(c.loss)) {
+        if (!o.has(name)) {
+          o.allow(name);
+          continue;
+        }
+        const double value = o.number(name);
+        if (!(std::fabs(value) <= kMaxTokenInput)) {
+          o.fail(name, json(value).dump() + " is not a finite number within +-" + json(kMaxTokenInput).dump());
+        }
+        row.token_inputs[name] = value;
+      }
       o.reject_unknown_keys();
       in.overrides.push_back(std::move(row));
     }
@@ -614,6 +625,7 @@ json Case::resolved() const {
       json r = {{"token", row.token}};
       if (!row.logits.empty()) r["logits"] = row.logits;
       if (row.label) r["label"] = *row.label;
+      for (const auto& [input, value] : row.token_inputs) r[input] = value;
       rows.push_back(r);
     }
     in["overrides"] = rows;

@@ -76,6 +76,7 @@ inline constexpr double kMaxTemperature = 1e6;
 inline constexpr double kMinSoftcap = 1e-6, kMaxSoftcap = 1e6;
 inline constexpr double kMaxZLossWeight = 10.0;
 inline constexpr double kMaxUpstreamWeight = 1e6;  // and half the dtype's largest value
+inline constexpr double kMaxTokenInput = 1e4;      // |a kind's per-token input| in an override
 // How far generated logits reach: no logit of a Philox stream with this mean and scale lies further out.
 inline double generated_reach(double mean, double scale) { return std::fabs(mean) + 9.0 * scale; }
 
@@ -84,6 +85,8 @@ struct RowOverride {
   std::int64_t token = 0;
   std::vector<double> logits;  // empty: keep the generated row
   std::optional<std::int64_t> label;
+  // The kind's per-token inputs set by name (LossKind::token_inputs: a policy loss's old_logprob...).
+  std::map<std::string, double> token_inputs;
 };
 
 // Teacher logits of a kind that reads them (KD): their own Philox stream, or exactly the student's (KL = 0).

@@ -68,6 +68,11 @@ class InputSource {
   void padding_logits(std::int64_t sequence, std::int64_t position, std::int64_t begin, std::int64_t end,
                       Eigen::half* out) const;
 
+  // The case's override of a token's inputs (inputs.overrides), or null.
+  const RowOverride* override_of(std::int64_t token) const {
+    const auto it = overrides_.find(token);
+    return it == overrides_.end() ? nullptr : it->second;
+  }
   // Token id at a global position (what next-token labels are made of).
   std::int64_t token_id(std::int64_t token) const;
   // The loss mask drawn with ignore_fraction (true: the token is masked out).

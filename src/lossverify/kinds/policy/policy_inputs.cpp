@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <vector>
 
 #include "lossverify/inputs/philox_stream.hpp"
@@ -55,10 +56,20 @@ Placement placement(const PolicyOptions& o) {
   return p;
 }
 
+// A case's override of one of the token's inputs (kPolicyTokenInputNames[index]), if it has one.
+std::optional<float> overridden(const InputSource& inputs, std::int64_t token, std::size_t index) {
+  const RowOverride* row = inputs.override_of(token);
+  if (row == nullptr) return std::nullopt;
+  const auto it = row->token_inputs.find(kPolicyTokenInputNames[index]);
+  if (it == row->token_inputs.end()) return std::nullopt;
+  return static_cast<float>(it->second);
+}
+
 }  // namespace
 
 float policy_token_advantage(const Case& c, const InputSource& inputs, std::int64_t token) {
   if (inputs.is_explicit()) return inputs.explicit_token_input(2)[static_cast<std::size_t>(token)];
+  if (const std::optional<float> value = overridden(inputs, token, 2)) return *value;
   const auto sequence = static_cast<std::uint64_t>(inputs.batch().sequence_of(token));
   const double u = token_uniform(c.inputs.seed, InputStream::policy_advantage, sequence);
   // |A| in [0.2, 2], either sign: away from 0, where the clip's side flips.
@@ -89,6 +100,8 @@ PolicyTokenInputs policy_token_inputs(const Case& c, const InputSource& inputs, 
   const double v = token_uniform(c.inputs.seed, InputStream::policy_reference, static_cast<std::uint64_t>(token));
   const double gap = 0.05 + 0.45 * std::fabs(2.0 * v - 1.0);
   in.ref_logprob = static_cast<float>(logprob - (v < 0.5 ? -gap : gap));
+  if (const std::optional<float> old = overridden(inputs, token, 0)) in.old_logprob = *old;
+  if (const std::optional<float> ref = overridden(inputs, token, 1)) in.ref_logprob = *ref;
   return in;
 }
 

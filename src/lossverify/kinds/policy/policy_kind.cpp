@@ -93,6 +93,14 @@ class PolicyKind final : public LossKind {
                           ", beyond 200, where float32 rounding of logits / T decides the verdict (raise the "
                           "temperature or lower the scale)");
     }
+    for (std::size_t i = 0; i < c.inputs.overrides.size(); ++i) {
+      for (const auto& [name, value] : c.inputs.overrides[i].token_inputs) {
+        if (name != "advantages" && value > 0.0) {
+          detail::fail_at(c.source, "$.inputs.overrides[" + std::to_string(i) + "]." + name,
+                          json(value).dump() + " is not a log-probability (> 0)");
+        }
+      }
+    }
   }
 
   void resolve(const LossSpec& loss, json& l) const override {
