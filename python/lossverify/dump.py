@@ -42,8 +42,15 @@ __all__ = ["DumpWriter", "RankDump", "MicroBatchDump", "ModifiedInputWarning", "
 
 MANIFEST_FORMAT = "lossverify.dump/1"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_INPUT_TENSORS = ("logits", "labels", "loss_mask", "teacher_logits", "grad_output")
-_OUTPUT_TENSORS = ("grad_logits", "token_loss")
+_INPUT_TENSORS = ("logits", "labels", "loss_mask", "teacher_logits", "grad_output", "old_logprob", "ref_logprob",
+                  "advantages")
+_OUTPUT_TENSORS = ("grad_logits", "token_loss", "token_logprob", "token_entropy")
+# Per-row float tensors [rows]: the policy kind's inputs (old_logprob, ref_logprob, advantages before
+# whitening) and what a policy loss computed per token (log-probability and entropy, 0 on masked rows).
+_ROW_FLOATS = ("token_loss", "grad_output", "old_logprob", "ref_logprob", "advantages", "token_logprob",
+               "token_entropy")
+# The statistics a rank may log besides loss and num_tokens (policy; each a global token-mean).
+POLICY_STATS = ("clip_fraction", "dual_clip_fraction", "kl", "entropy")
 
 SMOOTHING_CONVENTIONS = (
     "pytorch: q = (1-a)[v=l] + a/V (torch.nn.functional.cross_entropy's label_smoothing), or "
@@ -156,8 +163,9 @@ class MicroBatchDump:
     def where(self):
         return f"{self.rank_dump.where}, micro-batch {self.index}"
 
-    def finish(self, grad_logits, token_loss=None):
-        """Record the outputs; report any input the implementation modified in place since `begin`."""
+    def finish(self, grad_logits, token_loss=None, token_logprob=None, token_entropy=None):
+        """Record the outputs; report any input the implementation modified in place since `begin`.
+        token_logprob, token_entropy: a policy loss's per-token log-probabilities and entropies [rows]."""
         if self.finished:
             raise DumpError(f"{self.where}: finish() called twice")
         if grad_logits is None:
@@ -170,8 +178,10 @@ class MicroBatchDump:
                                                        "before the call")
         self._live = {}
         self.tensors["grad_logits"] = _snapshot(grad_logits)
-        if token_loss is not None:
-            self.tensors["token_loss"] = _snapshot(token_loss)
+        for name, value in (("token_loss", token_loss), ("token_logprob", token_logprob),
+                            ("token_entropy", token_entropy)):
+            if value is not None:
+                self.tensors[name] = _snapshot(value)
         self.rank_dump._validate(self)
         self.finished = True
         return self
@@ -188,6 +198,7 @@ class RankDump:
         self.micro_batches = []
         self.loss = None
         self.num_tokens = None
+        self.policy_stats = {}
         self.file = f"rank{world_rank}.safetensors"
         self.written = False
 
@@ -196,9 +207,12 @@ class RankDump:
         c = self.coordinates
         return f"rank {self.world_rank} (tp={c.tp} cp={c.cp} dp={c.dp})"
 
-    def begin_micro_batch(self, rows, logits, labels=None, loss_mask=None, teacher_logits=None, grad_output=None):
+    def begin_micro_batch(self, rows, logits, labels=None, loss_mask=None, teacher_logits=None, grad_output=None,
+                          old_logprob=None, ref_logprob=None, advantages=None):
         """Start the next micro-batch: `rows` gives the global token of each row (-1: padding). The inputs
-        are copied now; call `finish(grad_logits=..., token_loss=...)` on the result after backward."""
+        are copied now; call `finish(grad_logits=..., token_loss=...)` on the result after backward.
+        old_logprob, ref_logprob, advantages: a policy case's per-row inputs (objective policy_loss; the
+        advantages before whitening)."""
         if self.written:
             raise DumpError(f"{self.where}: already written")
         if self.micro_batches and not self.micro_batches[-1].finished:
@@ -210,20 +224,39 @@ class RankDump:
         if logits is None:
             raise DumpError(f"{self.where}, micro-batch {index}: logits are required")
         mb = MicroBatchDump(self, index, row_list, {"logits": logits, "labels": labels, "loss_mask": loss_mask,
-                                                    "teacher_logits": teacher_logits, "grad_output": grad_output})
+                                                    "teacher_logits": teacher_logits, "grad_output": grad_output,
+                                                    "old_logprob": old_logprob, "ref_logprob": ref_logprob,
+                                                    "advantages": advantages})
         self.micro_batches.append(mb)
         return mb
 
     def add_micro_batch(self, rows, logits, grad_logits, labels=None, loss_mask=None, token_loss=None,
-                        teacher_logits=None, grad_output=None):
+                        teacher_logits=None, grad_output=None, old_logprob=None, ref_logprob=None, advantages=None,
+                        token_logprob=None, token_entropy=None):
         """A whole micro-batch at once (no in-place check: use begin_micro_batch/finish for that)."""
         mb = self.begin_micro_batch(rows, logits, labels=labels, loss_mask=loss_mask, teacher_logits=teacher_logits,
-                                    grad_output=grad_output)
-        return mb.finish(grad_logits=grad_logits, token_loss=token_loss)
+                                    grad_output=grad_output, old_logprob=old_logprob, ref_logprob=ref_logprob,
+                                    advantages=advantages)
+        return mb.finish(grad_logits=grad_logits, token_loss=token_loss, token_logprob=token_logprob,
+                         token_entropy=token_entropy)
 
-    def stats(self, loss=None, num_tokens=None):
+    def stats(self, loss=None, num_tokens=None, **policy_stats):
         """The values this rank logs: the reduced loss (tensor or number, may be NaN/inf) and the valid-token
-        count. A tensor is stored as it is, in its dtype (a bf16 loss is judged in bf16 ulps)."""
+        count. A tensor is stored as it is, in its dtype (a bf16 loss is judged in bf16 ulps). A policy loss
+        may also log clip_fraction, dual_clip_fraction, kl and entropy (numbers or one-element tensors, each
+        the global token-mean over the step's valid tokens)."""
+        for key, value in policy_stats.items():
+            if key not in POLICY_STATS:
+                raise DumpError(f"{self.where}: unknown statistic {key!r} (known: loss, num_tokens, "
+                                f"{', '.join(POLICY_STATS)})")
+            if value is None:
+                continue
+            if isinstance(value, torch.Tensor):
+                if value.numel() != 1:
+                    raise DumpError(f"{self.where}: statistic {key} must be one number, got shape {list(value.shape)}")
+                self.policy_stats[key] = _snapshot(value).reshape(())
+            else:
+                self.policy_stats[key] = float(value)
         if loss is not None:
             self.loss = _snapshot(loss).reshape(()) if isinstance(loss, torch.Tensor) else float(loss)
         if num_tokens is not None:
@@ -248,14 +281,14 @@ class RankDump:
             if t.dim() < 1 or t.shape[-1] != width or t.numel() != n * width:
                 raise DumpError(f"{mb.where}: {name} has shape {list(t.shape)}, expected [{n}, {width}] "
                                 f"({n} rows x vocabulary columns [{self.vocab[0]}, {self.vocab[1]}))")
-        for name in ("labels", "loss_mask", "token_loss", "grad_output"):
+        for name in ("labels", "loss_mask", *_ROW_FLOATS):
             t = mb.tensors.get(name)
             if t is not None and t.numel() != n:
                 raise DumpError(f"{mb.where}: {name} has {t.numel()} elements {list(t.shape)}, expected one per row ({n})")
         labels = mb.tensors.get("labels")
         if labels is not None and labels.is_floating_point():
             raise DumpError(f"{mb.where}: labels must be integers, got {labels.dtype}")
-        for name in ("token_loss", "grad_output"):
+        for name in _ROW_FLOATS:
             t = mb.tensors.get(name)
             if t is not None and not t.is_floating_point():
                 raise DumpError(f"{mb.where}: {name} must be floating point, got {t.dtype}")
@@ -280,12 +313,12 @@ class RankDump:
         entry = {"rank": self.world_rank, "tp": self.coordinates.tp, "cp": self.coordinates.cp,
                  "dp": self.coordinates.dp, "vocab": list(self.vocab), "file": self.file, "micro_batches": entry_mbs}
         stats = {}
-        for key, value in (("loss", self.loss), ("num_tokens", self.num_tokens)):
+        for key, value in (("loss", self.loss), ("num_tokens", self.num_tokens), *self.policy_stats.items()):
             if isinstance(value, torch.Tensor):
                 tensors[key] = value
                 stats[key] = key
             elif value is not None:
-                stats[key] = json_number(value) if key == "loss" else value
+                stats[key] = value if key == "num_tokens" else json_number(value)
         if stats:
             entry["stats"] = stats
         return tensors, entry
@@ -322,7 +355,9 @@ class DumpWriter:
 
     shape: (tokens, vocab) or {"tokens": N, "vocab": V}; dtype: "fp32" | "bf16" | "fp16" (logits and
     gradients); loss: the case file's loss section (kind, label_smoothing + smoothing_convention,
-    z_loss_weight, ignore_index, softcap, reduction, temperature, t2_scaling); layout: {"tp", "cp", "dp",
+    z_loss_weight, ignore_index, softcap, reduction, temperature, t2_scaling; policy: objective, clip_low,
+    clip_high, dual_clip, kl, kl_coef, entropy_coef, aggregation, norm_constant, whiten_advantages,
+    whiten_epsilon); layout: {"tp", "cp", "dp",
     "ga"}; framework: {"grad_reduce": "avg" | "sum", "ga_reduce": "sum" | "mean"}; cu_seqlens: packed
     sequence offsets [0, ..., N] (optional); warn: emit a ModifiedInputWarning for each input modified in
     place (they are collected in `modified_inputs` either way); logged_loss_precision: the precision the logged

@@ -4,7 +4,9 @@ A folder holds `inputs.json` (format `lossverify.inputs/1`: the resolved case, t
 valid-token count, cu_seqlens and per rank its coordinates, vocabulary columns, row count and micro-batch
 ranges) and one `rank<R>.safetensors` per world rank with the rank's rows, micro-batch after micro-batch
 (CP padding rows included): logits [rows, columns] in the case dtype, teacher_logits (KD), labels,
-loss_mask, tokens (-1 on padding), token_ids, sequences, positions and upstream_weights.
+loss_mask, tokens (-1 on padding), token_ids, sequences, positions and upstream_weights, and the kind's
+per-row inputs where the index's per-rank "tensors" list names them (policy: old_logprob, ref_logprob and
+advantages, float32 [rows]).
 
 The logits are bit-identical to what `lossverify run` feeds its own kernels, so a PyTorch loss run on
 them can be checked by `check-dump` against the same float64 reference. `load` validates the index and
@@ -44,6 +46,13 @@ def _row_tensors():
             "upstream_weights": torch.float64}
 
 
+def _row_input_dtype():
+    """A kind's per-row float inputs (policy: old_logprob, ref_logprob, advantages) are float32."""
+    import torch
+
+    return torch.float32
+
+
 def __getattr__(name):
     if name == "TORCH_DTYPES":
         return _torch_dtypes()
@@ -72,6 +81,10 @@ class RankInputs:
                 isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r) for r in ranges):
             raise InputsError(f"{where}.micro_batches: expected a list of [begin, end) row ranges")
         self.micro_batches = [tuple(r) for r in ranges]
+        names = entry.get("tensors", [])
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise InputsError(f"{where}.tensors: expected a list of tensor names, got {names!r}")
+        self.tensor_names = list(names)
         self._tensors = None
 
     @property
@@ -103,6 +116,9 @@ class RankInputs:
         expected = _row_tensors()
         if inputs.kind_inputs.teacher_logits:
             expected["teacher_logits"] = None
+        for name in inputs.kind_inputs.row_inputs:  # the kind's optional per-row inputs, where the index names them
+            if name in self.tensor_names:
+                expected[name] = _row_input_dtype()
         width = self.vocab[1] - self.vocab[0]
         for name, dtype in expected.items():
             if name not in tensors:

@@ -2,8 +2,9 @@
 
 A kind is one entry of a registry, as on the C++ side: code that needs to know whether a kind has labels
 or teacher logits asks `kind_inputs(kind)` instead of testing the kind's name. The built-ins are
-cross_entropy (labels) and kd (teacher logits); `register_kind` adds another. No torch here: the package
-imports torch only when a rank's tensors are read.
+cross_entropy (labels), kd (teacher logits) and policy (labels, and the rollout's old and reference
+log-probabilities and advantages per row); `register_kind` adds another. No torch here: the package imports
+torch only when a rank's tensors are read.
 """
 
 from dataclasses import dataclass
@@ -13,16 +14,19 @@ __all__ = ["KindInputs", "register_kind", "kind_inputs", "known_kinds"]
 
 @dataclass(frozen=True)
 class KindInputs:
-    """The per-row inputs a loss kind reads besides the logits: labels, and the teacher's logits."""
+    """The per-row inputs a loss kind reads besides the logits: labels, the teacher's logits, and `row_inputs`,
+    per-row float tensors [rows] that a case of the kind may carry (read when export-inputs' index names them
+    in the rank's "tensors" list; the policy kind's objective "logprob" has none)."""
 
     labels: bool
     teacher_logits: bool
+    row_inputs: tuple = ()
 
 
 _KINDS = {}
 
-# Kinds the C++ tool checks whose inputs the package cannot hand a user's function yet.
-_TOOL_ONLY = {"policy": "the policy loss's old and reference log-probabilities and advantages"}
+# Kinds the C++ tool checks whose inputs the package cannot hand a user's function yet (none today).
+_TOOL_ONLY = {}
 
 
 def register_kind(name, inputs):
@@ -52,3 +56,5 @@ def known_kinds():
 
 register_kind("cross_entropy", KindInputs(labels=True, teacher_logits=False))
 register_kind("kd", KindInputs(labels=False, teacher_logits=True))
+register_kind("policy", KindInputs(labels=True, teacher_logits=False,
+                                   row_inputs=("old_logprob", "ref_logprob", "advantages")))

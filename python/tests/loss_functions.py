@@ -10,8 +10,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from lossverify.torch import Reduced
-from lossverify.torch.implementations import vocab_parallel_cross_entropy
+from lossverify.torch import LogProbs, Reduced
+from lossverify.torch.implementations import (
+    policy_loss,
+    policy_token_loss,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_logprob_entropy,
+)
 
 
 def full_rows_cross_entropy(logits, labels, ctx):
@@ -169,3 +174,51 @@ def reduced_with_text_count(logits, labels, ctx):
 def raises_with_escapes(logits, labels, ctx):
     """An exception whose text holds a terminal escape sequence and a carriage return."""
     raise ValueError("clear the screen \x1b[2J and rewrite the line\rFAKE: verdict: pass")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# policy cases: the three ways a function may return a policy loss (docs/pytorch.md)
+
+
+def policy_logprobs(logits, labels, ctx):
+    """A trainer's log-prob pass: per-token log-probabilities and entropies, the harness builds the objective."""
+    logprob, entropy = vocab_parallel_logprob_entropy(logits, labels, ctx)
+    return LogProbs(logprob, entropy)
+
+
+def policy_logprobs_at_t1(logits, labels, ctx):
+    """The log-prob pass at T = 1 whatever the case's temperature (the rl-temperature-one-side mistake)."""
+    logprob, entropy = vocab_parallel_logprob_entropy(logits, labels, ctx, inverse_t=1.0)
+    return LogProbs(logprob, entropy)
+
+
+def policy_per_token(logits, labels, ctx):
+    """The policy objective's per-token losses (whitening included); the harness aggregates them."""
+    return policy_token_loss(logits, labels, ctx)
+
+
+def policy_nan_logprob(logits, labels, ctx):
+    """A log-prob pass that returns NaN for the micro-batch's first valid token."""
+    logprob, entropy = vocab_parallel_logprob_entropy(logits, labels, ctx)
+    first = int(ctx.loss_mask.nonzero()[0])
+    nan = torch.zeros_like(logprob)
+    nan[first] = float("nan")
+    return LogProbs(logprob + nan, entropy)
+
+
+def policy_wrong_entropy_shape(logits, labels, ctx):
+    """Entropies of shape [2, rows]."""
+    logprob, entropy = vocab_parallel_logprob_entropy(logits, labels, ctx)
+    return LogProbs(logprob, entropy.unsqueeze(0).expand(2, -1))
+
+
+def policy_unknown_statistic(logits, labels, ctx):
+    """The correct policy loss, logging a statistic the dump format does not have."""
+    result = policy_loss(logits, labels, ctx)
+    result.stats["grad_norm"] = 1.0
+    return result
+
+
+def cross_entropy_as_logprobs(logits, labels, ctx):
+    """LogProbs on a cross-entropy case."""
+    return LogProbs(-vocab_parallel_cross_entropy(logits, labels, ctx))

@@ -22,7 +22,7 @@ def case_path(name):
 
 
 def case_names():
-    """The shipped cases of the kinds this package checks (a policy case is the tool's alone for now)."""
+    """The shipped cases of the kinds this package checks (lossverify.kinds: cross_entropy, kd and policy)."""
     names = sorted(os.path.basename(p)[:-5] for p in glob.glob(os.path.join(CASES, "*.json")))
     return [n for n in names if read_case(n).get("loss", {}).get("kind", "cross_entropy") in known_kinds()]
 

@@ -2,8 +2,15 @@
 own layout, exactly the verdict and failing checks that golden/<case>.json records for lossverify's own
 kernel with that bug; `correct` passes. One process group per case runs all of them.
 
+The policy cases (rl-*) run correct, the 12 policy bugs (rl_*) and the framework-level bugs that reach every
+kind, one launch per case like the others.
+
 Cells not run, and why:
-- a bug of the other loss kind (KD bugs on cross-entropy cases and back): golden says not_applicable;
+- a bug of another loss kind (KD bugs on cross-entropy cases and back, rl_* bugs elsewhere): golden says
+  not_applicable;
+- ignore_index_unmasked and cp_roll_after_split on policy cases: the Python versions are switches of the
+  cross-entropy kernel (lossverify's own kernel applies them to every labelled kind); cp-duplicated-loss and
+  cp-pad-to-cp have no Python version;
 - cp_roll_after_split on cases with independent labels: it builds labels from token ids, which only
   next-token data have (lossverify's kernel leaves such labels alone, so golden says pass there);
 - realistic-bf16-n2048-v32000-tp8: only the bugs golden says fail there (3 s per implementation on 2 cores).

@@ -141,15 +141,16 @@ class KindsTest(unittest.TestCase):
     def test_built_in_kinds(self):
         self.assertEqual(kinds.kind_inputs("cross_entropy"), kinds.KindInputs(labels=True, teacher_logits=False))
         self.assertEqual(kinds.kind_inputs("kd"), kinds.KindInputs(labels=False, teacher_logits=True))
+        self.assertEqual(kinds.kind_inputs("policy"), kinds.KindInputs(
+            labels=True, teacher_logits=False, row_inputs=("old_logprob", "ref_logprob", "advantages")))
         self.assertEqual(set(implementations.TOKEN_LOSS), set(kinds.known_kinds()))
+        self.assertIs(implementations.correct_of("policy"), implementations.policy_loss)
 
     def test_unknown_and_duplicate_kinds_are_refused(self):
-        with self.assertRaisesRegex(ValueError, "'mse'.*cross_entropy, kd"):
+        with self.assertRaisesRegex(ValueError, "'mse'.*cross_entropy, kd, policy"):
             kinds.kind_inputs("mse")
         with self.assertRaisesRegex(ValueError, "'mse'"):
             implementations.token_loss_of("mse")
-        with self.assertRaisesRegex(ValueError, "'policy' is checked by the lossverify tool.*not yet by this package"):
-            kinds.kind_inputs("policy")
         with self.assertRaisesRegex(ValueError, "already"):
             kinds.register_kind("kd", kinds.KindInputs(labels=True, teacher_logits=False))
         with self.assertRaisesRegex(ValueError, "already"):
@@ -161,6 +162,7 @@ class KindsTest(unittest.TestCase):
             with self.subTest(name):
                 self.assertIn(kind, ["any", *kinds.known_kinds()])
                 self.assertEqual(kind == "kd", name.startswith("kd_"))
+                self.assertEqual(kind == "policy", name.startswith("rl_"))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ if(torch_missing)
     COMMAND bash -c "echo '${LOSSVERIFY_SYSTEM_PYTHON} cannot import torch: run scripts/install-deps.sh (Debian python3-torch)'; exit 1")
   return()
 endif()
-foreach(module test_safetensors test_report test_inputs test_dump test_harness test_hardening test_cli test_torchrun
+foreach(module test_safetensors test_report test_inputs test_dump test_harness test_hardening test_cli test_torchrun test_policy
                test_golden_correct test_golden_bugs)
   add_test(NAME python_${module}
     COMMAND ${LOSSVERIFY_SYSTEM_PYTHON} -m unittest discover -s tests -p ${module}.py -v

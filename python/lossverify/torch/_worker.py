@@ -28,7 +28,9 @@ from lossverify.inputs import load as load_inputs
 from lossverify.kinds import kind_inputs
 from lossverify.layout import framework_factor
 from lossverify.torch._launch import RETURNS, Job, Launch  # noqa: F401 - the records ranks receive
-from lossverify.torch.context import Context, FrameworkConfig, LossConfig, MicroBatch, Reduced
+from lossverify.torch.context import POLICY_STATS, Context, FrameworkConfig, LogProbs, LossConfig, MicroBatch, Reduced
+from lossverify.torch.policy import masked, policy_terms, statistics_parts
+from lossverify.torch.policy import token_loss as policy_token_loss
 
 
 class UserCodeError(Exception):
@@ -130,6 +132,7 @@ class _Rank:
     inputs: Any  # lossverify.inputs.Inputs
     rank_inputs: Any  # lossverify.inputs.RankInputs
     num_valid: int  # N_v over the world
+    policy: dict  # policy cases: the step's counts and advantage moments for the Context (else empty)
 
 
 def run_jobs(rank, launch):
@@ -158,7 +161,10 @@ def run_jobs(rank, launch):
     if num_valid != inputs.valid_tokens:
         raise RuntimeError(f"harness: all-reduced valid-token count {num_valid} differs from export-inputs' "
                            f"{inputs.valid_tokens}")
-    me = _Rank(rank, launch.world_size, device, groups, control, inputs, rank_inputs, num_valid)
+    policy = {}
+    if inputs.kind == "policy":
+        policy = _policy_step(inputs, _micro_batches(inputs, rank_inputs, device)[0], groups["dp_cp"], device)
+    me = _Rank(rank, launch.world_size, device, groups, control, inputs, rank_inputs, num_valid, policy)
     started = _trace(rank, "inputs", started)
     warnings = {}
     for job in launch.jobs:
@@ -208,7 +214,8 @@ def _micro_batches(inputs, rank_inputs, device):
         teacher_logits = t.get("teacher_logits") if teacher else None
         mb = MicroBatch(index=k, labels=t["labels"], loss_mask=t["loss_mask"], tokens=t["tokens"],
                         token_ids=t["token_ids"], sequences=t["sequences"], positions=t["positions"],
-                        upstream_weights=t["upstream_weights"], teacher_logits=teacher_logits)
+                        upstream_weights=t["upstream_weights"], teacher_logits=teacher_logits,
+                        **{name: t.get(name) for name in inputs.kind_inputs.row_inputs})
         out.append(mb)
         logits.append(t["logits"])
     return out, logits
@@ -221,6 +228,39 @@ def _global_valid_tokens(micro_batches, dp_cp_group, device):
         count += mb.loss_mask.sum()
     dist.all_reduce(count, group=dp_cp_group)
     return int(count.item())
+
+
+def _policy_step(inputs, micro_batches, dp_cp_group, device):
+    """A policy case's per-step values, as a framework computes them before micro-batch 0, over DP x CP: the
+    valid tokens n_s of every sequence, B (sequences with n_s > 0), and the advantages' mean and unbiased
+    deviation over the step's valid tokens (float64 moments of the float32 advantages)."""
+    if inputs.cu_seqlens:
+        sequences = len(inputs.cu_seqlens) - 1
+    else:
+        top = torch.tensor(max([int(mb.sequences.max()) for mb in micro_batches if mb.rows] or [-1]) + 1,
+                           dtype=torch.int64, device=device)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=dp_cp_group)
+        sequences = int(top.item())
+    counts = torch.zeros(max(sequences, 1), dtype=torch.int64, device=device)
+    moments = torch.zeros(3, dtype=torch.float64, device=device)
+    with_advantages = False
+    for mb in micro_batches:
+        valid = mb.loss_mask
+        counts.index_add_(0, mb.sequences[valid], torch.ones_like(mb.sequences[valid]))
+        if mb.advantages is not None:
+            with_advantages = True
+            a = mb.advantages[valid].double()
+            moments += torch.stack([torch.tensor(float(a.numel()), dtype=torch.float64, device=device), a.sum(),
+                                    (a * a).sum()])
+    dist.all_reduce(counts, group=dp_cp_group)
+    dist.all_reduce(moments, group=dp_cp_group)
+    step = {"num_sequences": int((counts > 0).sum()), "sequence_valid_tokens": counts[:sequences]}
+    if with_advantages:
+        n = max(float(moments[0]), 1.0)
+        mean = float(moments[1]) / n
+        variance = max(float(moments[2]) - n * mean * mean, 0.0) / (n - 1.0) if n > 1.0 else 0.0
+        step.update(advantage_mean=mean, advantage_std=variance ** 0.5)
+    return step
 
 
 def _manifest_loss(loss):
@@ -254,7 +294,8 @@ def _run_job(job, fn, me):
         dump_mb = rank_dump.begin_micro_batch(
             exported["tokens"], logits=leaf, labels=exported["labels"] if kind_inputs(loss.kind).labels else None,
             loss_mask=exported["loss_mask"], teacher_logits=exported.get("teacher_logits"),
-            grad_output=exported["upstream_weights"] if loss.reduction == "none" else None)
+            grad_output=exported["upstream_weights"] if loss.reduction == "none" and loss.kind != "policy" else None,
+            **{name: exported.get(name) for name in kind_inputs(loss.kind).row_inputs})
         if mb.rows == 0:  # an empty micro-batch: nothing to call (its TP peers skip it too)
             dump_mb.finish(grad_logits=torch.zeros_like(leaf))
             continue
@@ -263,7 +304,7 @@ def _run_job(job, fn, me):
             result = fn(leaf, labels, ctx)
         except BaseException as e:  # sys.exit() in the loss function too
             raise UserCodeError(_user_traceback(e), micro_batch=k, job=job.name) from None
-        objective, token_loss = step.add(result, job.returns, ctx, k, job.name)
+        objective, token_loss, per_token = step.add(result, job.returns, ctx, k, job.name)
         try:
             objective.backward()
         except BaseException as e:
@@ -273,17 +314,18 @@ def _run_job(job, fn, me):
             raise UserCodeError("the returned loss does not depend on the logits (their .grad is None after "
                                 "backward)", micro_batch=k, job=job.name)
         _report_changed_labels(writer, dump_mb, labels, handed, loss.kind)
-        dump_mb.finish(grad_logits=leaf.grad, token_loss=token_loss)
+        dump_mb.finish(grad_logits=leaf.grad, token_loss=token_loss, **per_token)
     _report_changed_micro_batches(writer, rank_dump, micro_batches, rank_inputs)
-    logged, num_tokens = step.finish(me.groups["dp_cp"], me.device)
-    rank_dump.stats(loss=logged, num_tokens=num_tokens)
+    logged, num_tokens, statistics = step.finish(me.groups["dp_cp"], me.device)
+    rank_dump.stats(loss=logged, num_tokens=num_tokens, **statistics)
     writer.logged_loss_precision = step.logged_precision
     writer.close(group=me.control)
     return writer.modified_inputs
 
 
+# a MicroBatch's fields, named as the exported tensors
 _COMPARED = ("labels", "loss_mask", "tokens", "token_ids", "sequences", "positions", "upstream_weights",
-             "teacher_logits")  # a MicroBatch's fields, named as the exported tensors
+             "teacher_logits", "old_logprob", "ref_logprob", "advantages")
 
 
 def _report_changed_labels(writer, dump_mb, labels, handed, kind):
@@ -328,7 +370,7 @@ def _context(me, loss, framework, factor, micro_batches, k, state):
                    dp_group=groups["dp"], dp_cp_group=groups["dp_cp"], device=me.device, dtype=me.inputs.torch_dtype,
                    vocab_start=r.vocab[0], vocab_end=r.vocab[1], vocab_size=me.inputs.vocab, loss=loss,
                    framework=framework, framework_factor=factor, num_valid_tokens=me.num_valid, micro_batch=k,
-                   ga=layout.ga, micro_batches=micro_batches, state=state)
+                   ga=layout.ga, micro_batches=micro_batches, state=state, **me.policy)
 
 
 def _one_number(value, what, fail):
@@ -357,32 +399,44 @@ def _token_count(value, fail):
 
 
 class _StepLog:
-    """Turns fn's results into what is back-propagated, dumped and logged (see Context and Reduced)."""
+    """Turns fn's results into what is back-propagated, dumped and logged (see Context, Reduced and LogProbs)."""
 
     def __init__(self, loss, factor, num_valid):
         self.loss = loss
         self.factor = factor
         self.num_valid = num_valid
+        self.policy = loss.kind == "policy"
+        self.logs_loss = self.policy or loss.reduction != "none"  # a policy loss is always aggregated to L
         self.logged_parts = []
+        self.stat_parts = {name: [] for name in POLICY_STATS}
         self.loss_dtype = torch.float32
         self.num_tokens = None
         self.mode = None
         self.logged_precision = None
 
     def add(self, result, returns, ctx, k, job):
-        """(objective to back-propagate, per-token losses to dump or None)."""
+        """(objective to back-propagate, per-token losses to dump or None, {token_logprob, token_entropy} to
+        dump)."""
         def fail(message):
             raise UserCodeError(message, micro_batch=k, job=job)
 
         rows = ctx.current.rows
+        if isinstance(result, LogProbs):
+            if not self.policy:
+                fail(f"returned LogProbs, but the case's loss is {self.loss.kind}: LogProbs are a policy case's "
+                     "per-token log-probabilities and entropies")
+            if returns == "reduced":
+                fail("returned LogProbs, but returns='reduced' asks for an already reduced loss")
+            return self._add_logprobs(result, rows, ctx, fail)
         if isinstance(result, Reduced) and returns == "token_loss":
             fail("returned a Reduced loss, but returns='token_loss' asks for per-token losses")
         if isinstance(result, Reduced) or returns == "reduced":
             if not isinstance(result, Reduced):
                 result = Reduced(result)
-            return self._add_reduced(result, rows, fail)
+            return self._add_reduced(result, rows, ctx, fail)
         if not isinstance(result, torch.Tensor):
-            fail(f"returned {type(result).__name__}; expected the per-token losses [{rows}] or "
+            expected = ", lossverify.torch.LogProbs(logprob, entropy)" if self.policy else ""
+            fail(f"returned {type(result).__name__}; expected the per-token losses [{rows}]{expected} or "
                  "lossverify.torch.Reduced(loss, ...)")
         if result.dim() == 0:
             fail("returned a scalar: the harness expects the per-token losses [rows]; wrap an already-reduced "
@@ -400,15 +454,70 @@ class _StepLog:
         # plugin (a framework that multiplies by the mask turns it into a NaN loss).
         token_loss = torch.where(ctx.loss_mask, raw, zero)
         dumped = torch.where(ctx.loss_mask | ~torch.isfinite(raw.detach()), raw.detach(), zero)
-        forward = self._forward_weights(ctx)  # float64: the token's weight in L
+        forward = ctx.aggregation_weights()  # float64: the token's weight in L (reduction or aggregation)
         backward = (forward / self.factor).to(torch.float32)
         objective = (token_loss.float() * backward).sum()
-        if self.loss.reduction != "none":
+        if self.logs_loss:
             self.logged_parts.append((token_loss.detach().double() * forward).sum())
         self.loss_dtype = result.dtype
-        return objective, dumped
+        return objective, dumped, {}
 
-    def _add_reduced(self, result, rows, fail):
+    def _per_token(self, value, what, rows, valid, fail, needs_grad):
+        """A returned per-token field: a floating-point tensor of one value per row, finite on valid rows."""
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.numel() != rows:
+            described = (f"a {value.dtype} tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor)
+                         else f"{type(value).__name__} {value!r:.80}")
+            fail(f"{what} must be a floating-point tensor with one value per row [{rows}], got {described}")
+        value = value.reshape(rows)
+        if needs_grad and not value.requires_grad:
+            fail(f"{what} does not require grad: it does not depend on the logits")
+        bad = (valid & ~torch.isfinite(value.detach())).nonzero()
+        if bad.numel():
+            row = int(bad[0])
+            fail(f"{what} is {value[row].item()} at row {row} (a valid token; {bad.numel()} such rows): "
+                 "log-probabilities and entropies must be finite where the loss counts")
+        return value
+
+    def _add_logprobs(self, result, rows, ctx, fail):
+        """LogProbs: the case's objective on the function's log-probabilities and entropies."""
+        loss, valid = self.loss, ctx.loss_mask
+        logprob = self._per_token(result.logprob, "LogProbs(logprob=...)", rows, valid, fail, True)
+        entropy = None
+        if result.entropy is not None:
+            entropy = self._per_token(result.entropy, "LogProbs(entropy=...)", rows, valid, fail,
+                                      loss.entropy_coef != 0)
+        elif loss.entropy_coef:
+            fail(f"LogProbs(entropy=None), but the case's entropy_coef is {loss.entropy_coef}: the objective "
+                 "needs each token's entropy")
+        self._set_mode("logprobs", fail)
+        lp = masked(logprob.float(), valid)
+        h = masked(entropy.float(), valid) if entropy is not None else None
+        if loss.objective == "logprob":
+            old = ref = advantages = None
+        else:
+            old, ref, advantages = ctx.old_logprob, ctx.ref_logprob, ctx.whitened_advantages()
+            if old is None or ref is None or advantages is None:
+                raise RuntimeError("harness: a policy_loss case without old_logprob, ref_logprob or advantages in "
+                                   "its exported inputs")
+            old, ref, advantages = old.float(), ref.float(), advantages.float()
+        terms = policy_terms(lp, old, ref, advantages, loss)
+        token_loss = masked(policy_token_loss(terms, h, loss), valid)
+        forward = ctx.aggregation_weights()
+        backward = (forward / self.factor).to(torch.float32)
+        objective = (token_loss * backward).sum()
+        self.logged_parts.append((token_loss.detach().double() * forward).sum())
+        self._add_statistics(statistics_parts(terms, h, valid, self.num_valid))
+        self.loss_dtype = torch.float32
+        per_token = {"token_logprob": masked(logprob.detach(), valid)}
+        if entropy is not None:
+            per_token["token_entropy"] = masked(entropy.detach(), valid)
+        return objective, token_loss.detach(), per_token
+
+    def _add_statistics(self, parts):
+        for name, value in parts.items():
+            self.stat_parts[name].append(torch.as_tensor(value, dtype=torch.float64).reshape(()))
+
+    def _add_reduced(self, result, rows, ctx, fail):
         loss = result.loss
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
             fail(f"Reduced(loss=...) must be a floating-point tensor of one element, got {loss!r:.200}")
@@ -422,7 +531,27 @@ class _StepLog:
             token_loss = tl.detach().reshape(rows)
         else:
             token_loss = None
-        if self.loss.reduction != "none":
+        per_token = {}
+        policy_fields = {"logprob": result.logprob, "entropy": result.entropy, "stats": result.stats}
+        given = [name for name, value in policy_fields.items() if value is not None]
+        if given and not self.policy:
+            fail(f"Reduced({given[0]}=...) is a policy case's, but the case's loss is {self.loss.kind}")
+        valid = ctx.loss_mask
+        for name in ("logprob", "entropy"):
+            if policy_fields[name] is not None:
+                value = self._per_token(policy_fields[name], f"Reduced({name}=...)", rows, valid, fail, False)
+                per_token[f"token_{name}"] = masked(value.detach(), valid)
+        if result.stats is not None:
+            if not isinstance(result.stats, dict):
+                fail(f"Reduced(stats=...) must be a dict of {', '.join(POLICY_STATS)}, got "
+                     f"{type(result.stats).__name__}")
+            parts = {}
+            for name, value in result.stats.items():
+                if name not in POLICY_STATS:
+                    fail(f"Reduced(stats=...) has {name!r:.40}; the statistics are {', '.join(POLICY_STATS)}")
+                parts[name] = _one_number(value, f"Reduced(stats={{{name!r}: ...}})", fail)
+            self._add_statistics(parts)
+        if self.logs_loss:
             logged = result.logged if result.logged is not None else loss.detach().double() * self.factor
             logged = _one_number(logged, "Reduced(logged=...)", fail)
             self.logged_parts.append(torch.as_tensor(logged, dtype=torch.float64, device=loss.device).reshape(()))
@@ -433,36 +562,41 @@ class _StepLog:
                 fail(f"Reduced(logged_precision=...) must be fp32, bf16 or fp16, got {result.logged_precision!r:.40}")
             self.logged_precision = result.logged_precision
         self.loss_dtype = loss.dtype
-        return loss.reshape(()), token_loss
+        return loss.reshape(()), token_loss, per_token
 
     def _set_mode(self, mode, fail):
         if self.mode is not None and self.mode != mode:
             fail(f"returned {mode} here but {self.mode} on an earlier micro-batch: return one kind throughout")
         self.mode = mode
 
-    def _forward_weights(self, ctx):
-        reduction = self.loss.reduction
-        mask = ctx.loss_mask
-        if reduction == "none":
-            return ctx.upstream_weights.double() * mask
-        if reduction == "sum":
-            return mask.double()
-        scale = 1.0 / self.num_valid if self.num_valid > 0 else 0.0  # an all-masked batch: L = 0, no NaN
-        return mask.double() * scale
-
     def finish(self, dp_cp_group, device):
-        """The logged loss (summed over micro-batches, all-reduced over DP x CP) and the logged count."""
+        """The logged loss (summed over micro-batches, all-reduced over DP x CP), the logged count, and a
+        policy case's logged statistics {name: value} (those the function's results gave)."""
         logged = None
-        if self.loss.reduction != "none":
+        if self.logs_loss:
             total = torch.zeros((), dtype=torch.float64, device=device)
             for part in self.logged_parts:
                 total += part.to(device)
             dist.all_reduce(total, group=dp_cp_group)
             logged = total.to(self.loss_dtype)
-        num_tokens = self.num_valid if self.mode == "token_loss" else self.num_tokens
+        num_tokens = self.num_valid if self.mode in ("token_loss", "logprobs") else self.num_tokens
         # A rank with no rows never called fn: it logs a count (the global one) when its peers log one.
         logs = torch.tensor([0.0 if num_tokens is None else 1.0], dtype=torch.float64, device=device)
         dist.all_reduce(logs, op=dist.ReduceOp.MAX, group=dp_cp_group)
         if self.mode is None and logs.item() > 0:
             num_tokens = self.num_valid
-        return logged, num_tokens
+        return logged, num_tokens, self._statistics(dp_cp_group, device)
+
+    def _statistics(self, dp_cp_group, device):
+        """Each statistic's parts summed over micro-batches and DP x CP: one all-reduce of [values | given]
+        on every rank of a policy case (a rank that never called fn adds zeros)."""
+        if not self.policy:
+            return {}
+        count = len(POLICY_STATS)
+        packed = torch.zeros(2 * count, dtype=torch.float64, device=device)
+        for i, name in enumerate(POLICY_STATS):
+            for part in self.stat_parts[name]:
+                packed[i] += part.to(device)
+            packed[count + i] = 1.0 if self.stat_parts[name] else 0.0
+        dist.all_reduce(packed, group=dp_cp_group)
+        return {name: float(packed[i]) for i, name in enumerate(POLICY_STATS) if packed[count + i] > 0}

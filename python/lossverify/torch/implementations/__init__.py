@@ -1,11 +1,13 @@
 """The project's own PyTorch implementations, usable as `--fn lossverify.torch.implementations:<name>`.
 
 `correct` is the vocabulary-parallel cross-entropy (both smoothing conventions, z-loss, ignore_index,
-softcap, every reduction) and KD (forward KL, temperature, T^2) of docs/spec.md §5: all-reduce max, then one packed
-all-reduce sum over the TP group, custom backward with no communication. Every other name is a bug of
+softcap, every reduction), KD (forward KL, temperature, T^2) and the RL policy loss (log-prob and entropy pass,
+clipped surrogate, dual clip, KL, entropy bonus, whitening, the five aggregations, logged statistics) of
+docs/spec.md §5: all-reduce max, then one packed all-reduce sum over the TP group, custom backward with no
+communication. Every other name is a bug of
 lossverify's catalogue (`lossverify list`, snake_case here), written the way the framework it comes from
 wrote it; lossverify must catch each one on the cases where its golden outcomes say it fails.
-`CATALOGUE` maps every name to its function, `KIND` to the loss it applies to (cross_entropy, kd, any).
+`CATALOGUE` maps every name to its function, `KIND` to the loss it applies to (cross_entropy, kd, policy, any).
 `TOKEN_LOSS` maps each loss kind to its correct per-token loss (`token_loss_of`, `register_token_loss`).
 """
 
@@ -31,6 +33,18 @@ from lossverify.torch.implementations.catalogue import (
     mean_over_all_rows,
     no_max_shift,
     none_divides_grad,
+    rl_adv_whiten_dp_only,
+    rl_cp_extra_scale,
+    rl_drgrpo_batch_sum,
+    rl_entropy_untracked_allreduce,
+    rl_fused_vocab_pad,
+    rl_kl_no_grad,
+    rl_logprob_allgather_grad_sum,
+    rl_logprob_untracked_allreduce,
+    rl_microbatch_self_normalized,
+    rl_schedule_double_divide,
+    rl_temperature_one_side,
+    rl_token_mean_sample_weighted,
     smoothing_backward_partition,
     smoothing_convention_swap,
     smoothing_local_sum,
@@ -45,8 +59,22 @@ from lossverify.torch.implementations.cross_entropy import (
     vocab_parallel_cross_entropy,
 )
 from lossverify.torch.implementations.kd import KdBugs, kl_with_untracked_all_reduce, vocab_parallel_kl
-from lossverify.torch.implementations.kinds import TOKEN_LOSS, register_token_loss, token_loss_of
+from lossverify.torch.implementations.kinds import (
+    CORRECT,
+    TOKEN_LOSS,
+    correct_of,
+    register_correct,
+    register_token_loss,
+    token_loss_of,
+)
+from lossverify.torch.implementations.policy import (
+    PolicyBugs,
+    policy_loss,
+    policy_token_loss,
+    vocab_parallel_logprob_entropy,
+)
 
-__all__ = [*CATALOGUE, "CATALOGUE", "KIND", "NotApplicable", "CrossEntropyBugs", "KdBugs", "smoothing_weights",
-           "vocab_parallel_cross_entropy", "vocab_parallel_kl", "kl_with_untracked_all_reduce", "TOKEN_LOSS",
-           "register_token_loss", "token_loss_of"]
+__all__ = [*CATALOGUE, "CATALOGUE", "KIND", "NotApplicable", "CrossEntropyBugs", "KdBugs", "PolicyBugs",
+           "smoothing_weights", "vocab_parallel_cross_entropy", "vocab_parallel_kl", "kl_with_untracked_all_reduce",
+           "vocab_parallel_logprob_entropy", "policy_loss", "policy_token_loss", "TOKEN_LOSS", "register_token_loss",
+           "token_loss_of", "CORRECT", "register_correct", "correct_of"]

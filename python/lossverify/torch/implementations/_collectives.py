@@ -35,12 +35,16 @@ def reduce_from_group(tensor, group):
 
 class _GatherColumns(torch.autograd.Function):
     """All-gather of the last dimension in forward; backward keeps this rank's own columns (Megatron's
-    gather-from-model-parallel region, as used by an output layer with gather_output=True)."""
+    gather-from-model-parallel region, as used by an output layer with gather_output=True), or, with
+    sum_backward, first sums the replicated gradient over the group (a DTensor redistributed from Shard to
+    Replicate, whose backward all-reduces)."""
 
     @staticmethod
-    def forward(ctx, tensor, group):
+    def forward(ctx, tensor, group, sum_backward=False):
         size = dist.get_world_size(group)
         ctx.rank = dist.get_rank(group)
+        ctx.group = group
+        ctx.sum_backward = sum_backward
         widths = [torch.zeros((), dtype=torch.int64, device=tensor.device) for _ in range(size)]
         dist.all_gather(widths, torch.tensor(tensor.shape[-1], device=tensor.device), group=group)
         widths = [int(w) for w in widths]
@@ -56,9 +60,13 @@ class _GatherColumns(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.sum_backward:  # summed in float32: gloo has no bf16 sum
+            summed = grad.float().contiguous()
+            dist.all_reduce(summed, group=ctx.group)
+            grad = summed.to(grad.dtype)
         begin = sum(ctx.widths[:ctx.rank])
-        return grad[..., begin:begin + ctx.widths[ctx.rank]].contiguous(), None
+        return grad[..., begin:begin + ctx.widths[ctx.rank]].contiguous(), None, None
 
 
-def gather_columns(tensor, group):
-    return _GatherColumns.apply(tensor, group)
+def gather_columns(tensor, group, sum_backward=False):
+    return _GatherColumns.apply(tensor, group, sum_backward)

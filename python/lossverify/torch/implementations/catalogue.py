@@ -11,16 +11,18 @@ from lossverify.torch.context import Reduced
 from lossverify.torch.implementations._collectives import gather_columns
 from lossverify.torch.implementations.cross_entropy import CrossEntropyBugs, vocab_parallel_cross_entropy
 from lossverify.torch.implementations.kd import KdBugs, kl_with_untracked_all_reduce, vocab_parallel_kl
-from lossverify.torch.implementations.kinds import token_loss_of
+from lossverify.torch.implementations.kinds import correct_of, token_loss_of
+from lossverify.torch.implementations.policy import PolicyBugs, policy_loss
 
 # ---------------------------------------------------------------------------------------------------------
 # the correct implementation
 
 
 def correct(logits, labels, ctx):
-    """The correct vocabulary-parallel loss of the case's kind: per-token losses [rows] (docs/spec.md §5),
-    from the kind's entry of implementations.kinds.TOKEN_LOSS."""
-    return token_loss_of(ctx.loss.kind)(logits, labels, ctx)
+    """The correct vocabulary-parallel loss of the case's kind (docs/spec.md §5): per-token losses [rows] from
+    the kind's entry of implementations.kinds.TOKEN_LOSS, or the kind's registered correct implementation
+    (policy: a Reduced loss with per-token log-probabilities, entropies and logged statistics)."""
+    return correct_of(ctx.loss.kind)(logits, labels, ctx)
 
 
 def _cross_entropy(logits, labels, ctx, **switches):
@@ -145,12 +147,21 @@ def _all_reduced_count(values, group, device):
     return counts.tolist()
 
 
+def _token_mean(ctx):
+    """Whether the loss is a mean over valid tokens, the normaliser these framework bugs get wrong (a policy
+    loss aggregated otherwise has its own weights, which they do not reach)."""
+    loss = ctx.loss
+    return loss.reduction == "mean" and (loss.kind != "policy" or loss.aggregation == "token-mean")
+
+
 def _reduced(token_loss, ctx, include, count):
     """The reduction a framework applies to per-token losses, with its own `include` mask and `count`,
     as the scalar this rank back-propagates (compensated for the framework factor, as a correct loop does)."""
     loss = ctx.loss
     weights = include.to(torch.float32)
-    if loss.reduction == "mean":
+    if loss.kind == "policy" and not _token_mean(ctx):
+        weights = ctx.aggregation_weights().to(torch.float32)
+    elif loss.reduction == "mean":
         weights = weights / count if count else weights * 0.0
     elif loss.reduction == "none":
         weights = weights * ctx.upstream_weights.to(torch.float32)
@@ -201,7 +212,7 @@ def dp_local_mean(logits, labels, ctx):
     ranks = ctx.dp_size * ctx.cp_size
     ga = ctx.ga if ctx.framework.ga_reduce == "mean" else 1
     token_sum = (token_loss.float() * ctx.loss_mask).sum()
-    if ctx.loss.reduction != "mean":
+    if not _token_mean(ctx):
         return token_loss
     loss = token_sum / own * ga if own else token_sum * 0.0
     logged = token_sum.detach().double() / own / ranks if own else 0.0
@@ -212,7 +223,7 @@ def ga_microbatch_mean(logits, labels, ctx):
     """Each micro-batch is a mean over its own valid tokens, divided by GA (pytorch/torchtitan issue #1842):
     token weight 1/(GA N_k) instead of 1/N_v."""
     token_loss = _token_loss(logits, labels, ctx)
-    if ctx.loss.reduction != "mean":
+    if not _token_mean(ctx):
         return token_loss
     counts = _once(ctx, "micro_batch_counts", lambda: _all_reduced_count(
         [int(mb.loss_mask.sum()) for mb in ctx.micro_batches], ctx.dp_cp_group, ctx.device))
@@ -260,6 +271,82 @@ def full_vocab_through_tp(logits, labels, ctx):
                                         vocab_size=gathered.shape[-1] * ctx.tp_size)
 
 
+# ---------------------------------------------------------------------------------------------------------
+# the policy loss's bugs: one switch each of implementations.policy (PolicyBugs names each one's source)
+
+
+def _policy(logits, labels, ctx, **switches):
+    _require(ctx, "policy")
+    return policy_loss(logits, labels, ctx, bugs=PolicyBugs(**switches))
+
+
+def rl_logprob_untracked_allreduce(logits, labels, ctx):
+    """Vocab-parallel log-prob with max, sum-exp and the gathered log-prob all-reduced in place outside autograd,
+    the local max not detached (the kd-untracked-allreduce pattern, NVIDIA-NeMo/Automodel #1499)."""
+    return _policy(logits, labels, ctx, logprob_untracked_allreduce=True)
+
+
+def rl_entropy_untracked_allreduce(logits, labels, ctx):
+    """Vocab-parallel entropy whose per-shard partials are all-reduced outside autograd: each shard
+    differentiates its own partial sum (the kd-untracked-allreduce pattern in an entropy kernel)."""
+    return _policy(logits, labels, ctx, entropy_untracked_allreduce=True)
+
+
+def rl_logprob_allgather_grad_sum(logits, labels, ctx):
+    """Log-probs from a vocabulary all-gather to a replicated tensor whose backward all-reduces the replicated
+    gradient (pytorch/torchtitan components/loss.py compute_logprobs, #3827)."""
+    return _policy(logits, labels, ctx, logprob_allgather_grad_sum=True)
+
+
+def rl_temperature_one_side(logits, labels, ctx):
+    """The trainer's log-probs at T = 1 against rollout log-probs at the sampling temperature (verl #3133,
+    OpenRLHF #857, AReaL #581, ms-swift #8427, slime #557/#2085)."""
+    return _policy(logits, labels, ctx, temperature_one_side=True)
+
+
+def rl_token_mean_sample_weighted(logits, labels, ctx):
+    """Token-mean as each micro-batch's token mean weighted by its share of sequences, then a DP mean (verl
+    legacy actor #5625/#5877, SkyRL #1296, OpenRLHF df78645e)."""
+    return _policy(logits, labels, ctx, token_mean_sample_weighted=True)
+
+
+def rl_microbatch_self_normalized(logits, labels, ctx):
+    """Each micro-batch normalised by its own token count, the engine summing micro-batches (verl #7200)."""
+    return _policy(logits, labels, ctx, microbatch_self_normalized=True)
+
+
+def rl_drgrpo_batch_sum(logits, labels, ctx):
+    """seq-mean-token-sum-norm multiplied by the micro-batch's sequence count b (verl #3741)."""
+    return _policy(logits, labels, ctx, drgrpo_batch_sum=True)
+
+
+def rl_cp_extra_scale(logits, labels, ctx):
+    """The KL and entropy terms scaled by CP, their statistics summed over CP copies (SkyRL #1420, #1751)."""
+    return _policy(logits, labels, ctx, cp_extra_scale=True)
+
+
+def rl_schedule_double_divide(logits, labels, ctx):
+    """A globally normalised loss divided by the micro-batch count again before backward (AReaL #1273;
+    slime #987/#990)."""
+    return _policy(logits, labels, ctx, schedule_double_divide=True)
+
+
+def rl_adv_whiten_dp_only(logits, labels, ctx):
+    """Advantage whitening statistics over DP only, not DP x CP (THUDM/slime #2235)."""
+    return _policy(logits, labels, ctx, adv_whiten_dp_only=True)
+
+
+def rl_fused_vocab_pad(logits, labels, ctx):
+    """A fused kernel's zero pad columns (each shard padded to a multiple of 1024) left in the softmax (verl
+    fused linear-CE kernel, #2656/#2899, #5349)."""
+    return _policy(logits, labels, ctx, fused_vocab_pad=True)
+
+
+def rl_kl_no_grad(logits, labels, ctx):
+    """The KL penalty computed without gradient (NovaSky-AI/SkyRL #1353)."""
+    return _policy(logits, labels, ctx, kl_no_grad=True)
+
+
 CATALOGUE = {
     "correct": correct,
     "smoothing_partition_vocab": smoothing_partition_vocab,
@@ -286,12 +373,25 @@ CATALOGUE = {
     "ga_microbatch_mean": ga_microbatch_mean,
     "cp_stats_dp_only": cp_stats_dp_only,
     "cp_roll_after_split": cp_roll_after_split,
+    "rl_logprob_untracked_allreduce": rl_logprob_untracked_allreduce,
+    "rl_entropy_untracked_allreduce": rl_entropy_untracked_allreduce,
+    "rl_logprob_allgather_grad_sum": rl_logprob_allgather_grad_sum,
+    "rl_temperature_one_side": rl_temperature_one_side,
+    "rl_token_mean_sample_weighted": rl_token_mean_sample_weighted,
+    "rl_microbatch_self_normalized": rl_microbatch_self_normalized,
+    "rl_drgrpo_batch_sum": rl_drgrpo_batch_sum,
+    "rl_cp_extra_scale": rl_cp_extra_scale,
+    "rl_schedule_double_divide": rl_schedule_double_divide,
+    "rl_adv_whiten_dp_only": rl_adv_whiten_dp_only,
+    "rl_fused_vocab_pad": rl_fused_vocab_pad,
+    "rl_kl_no_grad": rl_kl_no_grad,
 }
-# The loss kind each name applies to: the bugs of the KD loss, those of the normaliser or logged count that
-# reach every kind (and `correct`), and the cross-entropy bugs (all the others).
+# The loss kind each name applies to: the bugs of the KD loss, of the policy loss (rl_*), those of the
+# normaliser or logged count that reach every kind (and `correct`), and the cross-entropy bugs (the others).
 _KD = ("kd_no_t2", "kd_double_t2", "kd_cross_entropy_value", "kd_local_softmax", "kd_untracked_allreduce",
        "kd_tp_grad_sum")
 _ANY = ("correct", "mean_over_all_rows", "dp_local_mean", "ga_microbatch_mean", "cp_stats_dp_only")
-KIND = {name: "kd" if name in _KD else "any" if name in _ANY else "cross_entropy" for name in CATALOGUE}
+KIND = {name: "kd" if name in _KD else "policy" if name.startswith("rl_") else "any" if name in _ANY
+        else "cross_entropy" for name in CATALOGUE}
 
 __all__ = [*CATALOGUE, "CATALOGUE", "KIND", "NotApplicable"]

@@ -2,14 +2,17 @@
 
 `TOKEN_LOSS` maps a kind (one registered in lossverify.kinds) to `fn(logits, labels, ctx, **kwargs)`, the
 vocabulary-parallel kernel that computes its per-token losses [rows]; keyword arguments (bugs, active, ...)
-go to that kernel. `correct` and the framework-level bugs of the catalogue take their token loss from here.
+go to that kernel. The framework-level bugs of the catalogue take their token loss from here. `CORRECT` maps a
+kind whose correct implementation is more than its per-token loss (policy: the whole training-loop loss with
+its log-probabilities, entropies and statistics) to that function; `correct` takes it from `correct_of`.
 """
 
 from lossverify.kinds import kind_inputs
 from lossverify.torch.implementations.cross_entropy import vocab_parallel_cross_entropy
 from lossverify.torch.implementations.kd import vocab_parallel_kl
+from lossverify.torch.implementations.policy import policy_loss, policy_token_loss
 
-__all__ = ["TOKEN_LOSS", "register_token_loss", "token_loss_of"]
+__all__ = ["TOKEN_LOSS", "register_token_loss", "token_loss_of", "CORRECT", "register_correct", "correct_of"]
 
 
 def cross_entropy_token_loss(logits, labels, ctx, **kwargs):
@@ -42,5 +45,28 @@ def token_loss_of(kind):
         raise ValueError(f"no token loss for loss kind {kind!r} (registered: {', '.join(TOKEN_LOSS)})") from None
 
 
+CORRECT = {}
+
+
+def register_correct(kind, fn):
+    """Register fn(logits, labels, ctx) as the correct implementation of `kind` (default: its token loss)."""
+    kind_inputs(kind)
+    if kind in CORRECT:
+        raise ValueError(f"loss kind {kind!r} already has a correct implementation ({CORRECT[kind].__name__})")
+    CORRECT[kind] = fn
+
+
+def correct_of(kind):
+    """The correct implementation of `kind`: its registered one, else its per-token loss."""
+    return CORRECT.get(kind) or token_loss_of(kind)
+
+
+def policy_per_token_loss(logits, labels, ctx, **kwargs):
+    """The policy objective's per-token losses l (docs/spec.md §3.3), whitened advantages included."""
+    return policy_token_loss(logits, labels, ctx, **kwargs)
+
+
 register_token_loss("cross_entropy", cross_entropy_token_loss)
 register_token_loss("kd", kd_token_loss)
+register_token_loss("policy", policy_per_token_loss)
+register_correct("policy", policy_loss)

@@ -1,0 +1,281 @@
+"""The RL policy loss (docs/spec.md §3.3): a vocabulary-parallel log-prob and entropy pass, the clipped
+surrogate with dual clip, KL and entropy bonus on top of it, advantage whitening over the step and the five
+aggregation modes, with the catalogue's policy bugs as switches, each written the way its framework wrote it.
+
+The log-prob pass (`vocab_parallel_logprob_entropy`) is one torch.autograd.Function: with x = z/T, the max M
+all-reduced over TP, then one packed all-reduce sum of [S = sum e^u, E = sum e^u u, u_y] (u = x - M, u_y
+from the shard that owns the label): lambda = u_y - log S, H = log S - E/S (the shifted form). Its backward
+needs no communication: every TP rank holds the same lambda and H (the objective on them is replicated) and
+differentiates its own columns, (1/T)[g_lambda (delta_vy - p_v) - g_H p_v (log p_v + H)].
+"""
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from lossverify.torch.context import Reduced
+from lossverify.torch.implementations._collectives import all_reduce_, gather_columns
+from lossverify.torch.policy import masked, policy_terms, statistics_parts, token_loss
+
+__all__ = ["PolicyBugs", "vocab_parallel_logprob_entropy", "policy_loss", "policy_token_loss",
+           "logprob_with_untracked_all_reduce", "entropy_with_untracked_all_reduce", "logprob_from_all_gather",
+           "whitened_advantages"]
+
+
+@dataclass(frozen=True)
+class PolicyBugs:
+    """The policy kind's catalogued bugs (lossverify list; docs/catalogue.md names each one's source)."""
+
+    logprob_untracked_allreduce: bool = False  # max, sum-exp, gathered log-prob all-reduced outside autograd
+    entropy_untracked_allreduce: bool = False  # entropy partials all-reduced outside autograd
+    logprob_allgather_grad_sum: bool = False  # torchtitan compute_logprobs (#3827): Replicate's backward sums
+    temperature_one_side: bool = False  # the trainer's log-probs at T = 1 (verl #3133, OpenRLHF #857, ...)
+    token_mean_sample_weighted: bool = False  # micro-batch token means weighted by sequence share (verl legacy)
+    microbatch_self_normalized: bool = False  # each micro-batch over its own count, summed (verl #7200)
+    drgrpo_batch_sum: bool = False  # seq-mean-token-sum-norm x the micro-batch's sequence count (verl #3741)
+    cp_extra_scale: bool = False  # KL and entropy terms and their statistics x CP (SkyRL #1420, #1751)
+    schedule_double_divide: bool = False  # a globally normalised loss / micro-batches again (AReaL #1273)
+    adv_whiten_dp_only: bool = False  # whitening statistics over DP, not DP x CP (slime #2235)
+    fused_vocab_pad: bool = False  # each shard's zero pad columns to a multiple of 1024 in the softmax (verl)
+    kl_no_grad: bool = False  # the KL penalty without gradient (SkyRL #1353)
+
+
+def _inverse_temperature(ctx, bugs):
+    """float32(1/T), as the kernels multiply by it; 1 under temperature-one-side."""
+    if bugs.temperature_one_side:
+        return 1.0
+    return float(torch.tensor(1.0 / ctx.loss.temperature, dtype=torch.float32))
+
+
+def _owned(labels, vocab_start, width):
+    local = labels - vocab_start
+    return local, (local >= 0) & (local < width)
+
+
+class _VocabParallelLogProbEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx, logits, labels, active, group, inverse_t, vocab_start, width):
+        x = logits.float() * inverse_t
+        row_max = all_reduce_(x.max(dim=-1).values, group, dist.ReduceOp.MAX)
+        u = x - row_max.unsqueeze(-1)
+        e = torch.exp(u)
+        local, owned = _owned(labels, vocab_start, width)
+        target = u.gather(1, local.clamp(0, x.shape[1] - 1).unsqueeze(-1)).squeeze(-1)
+        packed = torch.stack([e.sum(dim=-1), (e * u).sum(dim=-1), torch.where(owned, target, torch.zeros_like(target))])
+        all_reduce_(packed, group)
+        log_sum = torch.log(packed[0])
+        logprob = packed[2] - log_sum
+        entropy = log_sum - packed[1] / packed[0]
+        zero = torch.zeros_like(logprob)
+        logprob = torch.where(active, logprob, zero)
+        entropy = torch.where(active, entropy, zero)
+        fctx.save_for_backward(u, log_sum, entropy, local, owned, active)
+        fctx.inverse_t = inverse_t
+        fctx.in_dtype = logits.dtype
+        return logprob, entropy
+
+    @staticmethod
+    def backward(fctx, grad_logprob, grad_entropy):
+        u, log_sum, entropy, local, owned, active = fctx.saved_tensors
+        rows, width = u.shape
+        log_p = u - log_sum.unsqueeze(-1)
+        p = torch.exp(log_p)
+        target = torch.zeros_like(u)
+        target[torch.arange(rows, device=u.device), local.clamp(0, width - 1)] = owned.to(u.dtype)
+        grad = grad_logprob.float().unsqueeze(-1) * (target - p)
+        grad = grad - grad_entropy.float().unsqueeze(-1) * p * (log_p + entropy.unsqueeze(-1))
+        grad = torch.where(active.unsqueeze(-1), grad * fctx.inverse_t, torch.zeros_like(grad))
+        return grad.to(fctx.in_dtype), None, None, None, None, None, None
+
+
+def vocab_parallel_logprob_entropy(logits, labels, ctx, inverse_t=None, active=None, width=None):
+    """(log-probabilities, entropies) [rows] float32 of this rank's logits shard [rows, columns] at the case's
+    temperature (or inverse_t = 1/T given), over the TP group; 0 on rows that are not active (default: the
+    loss mask). width: the shard's own columns (default: all of them; more columns are padding)."""
+    if active is None:
+        active = ctx.loss_mask
+    if inverse_t is None:
+        inverse_t = _inverse_temperature(ctx, PolicyBugs())
+    width = logits.shape[-1] if width is None else width
+    return _VocabParallelLogProbEntropy.apply(logits, labels, active, ctx.tp_group, inverse_t, ctx.vocab_start, width)
+
+
+def logprob_with_untracked_all_reduce(logits, labels, ctx, inverse_t):
+    """A vocabulary-parallel log-prob kernel with plain autograd whose collectives are dist.all_reduce in place:
+    the local max (not detached), the sum of exponentials and the owner's log-probability. The values are
+    right; the backward sees this shard alone: non-owners get no log-prob gradient, the owner
+    (delta - p_v) plus (P_r - 1) at its local argmax."""
+    x = logits.float() * inverse_t
+    row_max = x.max(dim=-1).values  # autograd routes its gradient to the local argmax
+    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=ctx.tp_group)
+    u = x - row_max.unsqueeze(-1)
+    total = torch.exp(u).sum(dim=-1)
+    dist.all_reduce(total, group=ctx.tp_group)
+    local, owned = _owned(labels, ctx.vocab_start, x.shape[1])
+    target = u.gather(1, local.clamp(0, x.shape[1] - 1).unsqueeze(-1)).squeeze(-1)
+    logprob = torch.where(owned, target - torch.log(total), torch.zeros_like(target))
+    dist.all_reduce(logprob, group=ctx.tp_group)  # the owner's value reaches every rank, its graph none
+    return masked(logprob, ctx.loss_mask)
+
+
+def entropy_with_untracked_all_reduce(logits, ctx, inverse_t):
+    """A vocabulary-parallel entropy kernel with plain autograd: the max detached and all-reduced, then the sum
+    of exponentials and each shard's partial entropy all-reduced in place. The value is H; each shard
+    differentiates its own partial: -p_v (log p_v + H_r + 1 - P_r) instead of -p_v (log p_v + H)."""
+    x = logits.float() * inverse_t
+    row_max = x.max(dim=-1).values.detach()
+    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=ctx.tp_group)
+    u = x - row_max.unsqueeze(-1)
+    total = torch.exp(u).sum(dim=-1)
+    dist.all_reduce(total, group=ctx.tp_group)
+    log_p = u - torch.log(total).unsqueeze(-1)
+    partial = -(torch.exp(log_p) * log_p).sum(dim=-1)
+    dist.all_reduce(partial, group=ctx.tp_group)
+    return masked(partial, ctx.loss_mask)
+
+
+def logprob_from_all_gather(logits, labels, ctx, inverse_t):
+    """torchtitan's compute_logprobs: the vocabulary shards gathered to a replicated full row (a DTensor
+    redistributed Shard -> Replicate, whose backward all-reduces the replicated gradient over TP), then
+    log_softmax and the label's column: the log-prob gradient comes back TP times."""
+    full = gather_columns(logits, ctx.tp_group, sum_backward=True)
+    log_p = torch.log_softmax(full.float() * inverse_t, dim=-1)
+    logprob = log_p.gather(1, labels.clamp(0, full.shape[1] - 1).unsqueeze(-1)).squeeze(-1)
+    return masked(logprob, ctx.loss_mask)
+
+
+def _fused_pad(logits):
+    """The shard padded with zero columns to a multiple of 1024, as a fused kernel's tiles hold it."""
+    pad = (1024 - logits.shape[-1] % 1024) % 1024
+    if pad == 0:
+        return logits
+    return torch.cat([logits, logits.new_zeros(logits.shape[:-1] + (pad,))], dim=-1)
+
+
+def _logprob_entropy(logits, labels, ctx, bugs):
+    """The log-prob pass as the switches make it: (logprob, entropy) [rows] float32."""
+    inverse_t = _inverse_temperature(ctx, bugs)
+    width = logits.shape[-1]
+    # float32 first, as trainers do: where the log-prob and the entropy come from two graphs, their gradients
+    # meet in float32 and reach 16-bit logits rounded once
+    logits = logits.float()
+    shard = _fused_pad(logits) if bugs.fused_vocab_pad else logits
+    logprob, entropy = vocab_parallel_logprob_entropy(shard, labels, ctx, inverse_t=inverse_t, width=width)
+    if bugs.logprob_untracked_allreduce:
+        logprob = logprob_with_untracked_all_reduce(logits, labels, ctx, inverse_t)
+    if bugs.entropy_untracked_allreduce:
+        entropy = entropy_with_untracked_all_reduce(logits, ctx, inverse_t)
+    if bugs.logprob_allgather_grad_sum:
+        logprob = logprob_from_all_gather(logits, labels, ctx, inverse_t)
+    return logprob, entropy
+
+
+def _once(ctx, key, compute):
+    if key not in ctx.state:
+        ctx.state[key] = compute()
+    return ctx.state[key]
+
+
+def _whitening(ctx, group):
+    """(mean, unbiased deviation) of the advantages over the valid tokens of this rank's step and `group`'s."""
+    moments = torch.zeros(3, dtype=torch.float64, device=ctx.device)
+    for mb in ctx.micro_batches:
+        a = mb.advantages[mb.loss_mask].double()
+        moments += torch.stack([torch.tensor(float(a.numel()), dtype=torch.float64, device=ctx.device), a.sum(),
+                                (a * a).sum()])
+    dist.all_reduce(moments, group=group)
+    n = max(float(moments[0]), 1.0)
+    mean = float(moments[1]) / n
+    variance = max(float(moments[2]) - n * mean * mean, 0.0) / (n - 1.0) if n > 1.0 else 0.0
+    return mean, variance ** 0.5
+
+
+def whitened_advantages(ctx, bugs=None):
+    """The current micro-batch's advantages, whitened over the step's valid tokens when the case asks for it
+    (statistics over DP x CP; over DP only under adv-whiten-dp-only), float32 [rows], 0 on masked rows."""
+    bugs = bugs or PolicyBugs()
+    advantages = ctx.advantages.float()
+    if not ctx.loss.whiten_advantages:
+        return advantages
+    group = ctx.dp_group if bugs.adv_whiten_dp_only else ctx.dp_cp_group
+    mean, std = _once(ctx, ("policy_whitening", bugs.adv_whiten_dp_only), lambda: _whitening(ctx, group))
+    f32 = torch.float32
+    scale = 1.0 / (torch.tensor(std, dtype=f32) + torch.tensor(ctx.loss.whiten_epsilon, dtype=f32))
+    whitened = (advantages - torch.tensor(mean, dtype=f32)) * scale.to(advantages.device)
+    return masked(whitened, ctx.loss_mask)
+
+
+def _micro_batch_counts(ctx):
+    """Per DP rank and micro-batch [dp, ga]: valid tokens over its CP group, and its sequences with n_s > 0
+    (counted once, by CP rank 0), all-reduced over DP x CP."""
+    n_s = ctx.sequence_valid_tokens
+    counts = torch.zeros((2, ctx.dp_size, ctx.ga), dtype=torch.int64, device=ctx.device)
+    for k, mb in enumerate(ctx.micro_batches):
+        counts[0, ctx.dp_rank, k] = mb.loss_mask.sum()
+        if ctx.cp_rank == 0 and mb.rows:
+            sequences = torch.unique(mb.sequences[mb.sequences >= 0])
+            counts[1, ctx.dp_rank, k] = int((n_s[sequences] > 0).sum())
+    dist.all_reduce(counts, group=ctx.dp_cp_group)
+    return counts
+
+
+def _weights(ctx, bugs):
+    """Each row's weight in L (float64 [rows]) under the case's aggregation, as the switches make it."""
+    loss, mask = ctx.loss, ctx.loss_mask.double()
+    aggregation = loss.aggregation
+    token_mean_bug = bugs.token_mean_sample_weighted or bugs.microbatch_self_normalized
+    needs_counts = ((aggregation == "token-mean" and token_mean_bug)
+                    or (aggregation == "seq-mean-token-sum-norm" and bugs.drgrpo_batch_sum))
+    if not needs_counts:
+        return ctx.aggregation_weights()
+    counts = _once(ctx, "policy_micro_batch_counts", lambda: _micro_batch_counts(ctx))
+    micro_tokens = float(max(int(counts[0, ctx.dp_rank, ctx.micro_batch]), 1))
+    micro_sequences = float(counts[1, ctx.dp_rank, ctx.micro_batch])
+    if aggregation == "seq-mean-token-sum-norm":  # verl #3741: the norm mode summed over the micro-batch's b
+        return ctx.aggregation_weights() * micro_sequences
+    if bugs.microbatch_self_normalized:  # each micro-batch over its own count; the engine sums them, DP averages
+        return mask / (ctx.dp_size * micro_tokens)
+    rank_sequences = float(counts[1, ctx.dp_rank].sum())  # token mean of the micro-batch x its sequence share
+    return mask * ((1.0 / micro_tokens) * (micro_sequences / rank_sequences) / ctx.dp_size)
+
+
+def _per_token(logits, labels, ctx, bugs):
+    """(terms, logprob, entropy, token loss l, the objective's l with the switches' scales)."""
+    loss, valid = ctx.loss, ctx.loss_mask
+    logprob, entropy = _logprob_entropy(logits, labels, ctx, bugs)
+    if loss.objective == "logprob":
+        terms = policy_terms(logprob, None, None, None, loss)
+    else:
+        terms = policy_terms(logprob, ctx.old_logprob.float(), ctx.ref_logprob.float(),
+                             whitened_advantages(ctx, bugs), loss)
+    if bugs.kl_no_grad:
+        terms = replace(terms, kl=terms.kl.detach())
+    value = masked(token_loss(terms, entropy, loss), valid)
+    scale = float(ctx.cp_size) if bugs.cp_extra_scale else 1.0
+    objective = value if scale == 1.0 else masked(token_loss(terms, entropy, loss, kl_scale=scale,
+                                                             entropy_scale=scale), valid)
+    return terms, logprob, entropy, value, objective
+
+
+def policy_token_loss(logits, labels, ctx, bugs=None):
+    """The per-token policy losses l [rows] (0 on masked rows), for code that aggregates them itself."""
+    return _per_token(logits, labels, ctx, bugs or PolicyBugs())[3]
+
+
+def policy_loss(logits, labels, ctx, bugs=None):
+    """The policy loss of one micro-batch as a training loop computes it: the log-prob pass, the objective on
+    whitened advantages, each token weighted by the aggregation, compensated for the framework factor; with
+    its per-token losses, log-probabilities, entropies and logged statistics (Reduced)."""
+    bugs = bugs or PolicyBugs()
+    terms, logprob, entropy, value, objective = _per_token(logits, labels, ctx, bugs)
+    weights = _weights(ctx, bugs)
+    loss = (objective * (weights / ctx.framework_factor).to(torch.float32)).sum()
+    if bugs.schedule_double_divide:  # the schedule divides by the micro-batch count once more
+        loss = loss / ctx.ga
+    logged = (value.detach().double() * weights).sum()
+    scale = float(ctx.cp_size) if bugs.cp_extra_scale else 1.0
+    stats = statistics_parts(terms, entropy, ctx.loss_mask, ctx.num_valid_tokens, kl_scale=scale,
+                             entropy_scale=scale)
+    return Reduced(loss, token_loss=value, num_tokens=ctx.num_valid_tokens, logged=logged, logprob=logprob,
+                   entropy=entropy, stats=stats)

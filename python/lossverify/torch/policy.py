@@ -1,0 +1,105 @@
+"""The policy objective of one token (docs/spec.md §3.3, ../shared RL.md §2), in float32 as a trainer computes
+it, from per-token log-probabilities and entropies: what the harness builds on a function's `LogProbs`, and
+what the project's own policy implementations build on their vocabulary-parallel log-prob pass.
+
+    lambda = z_y/T - lse(z/T), H = -sum p log p, ratio r = exp(lambda - old)
+    surrogate = max(-r A, -clip(r, 1 - clip_low, 1 + clip_high) A), capped at -c A where A < 0 (dual clip c)
+    KL: k1 lambda - ref, k2 (lambda - ref)^2 / 2, k3 exp(ref - lambda) - (ref - lambda) - 1
+    l = surrogate + kl_coef KL - entropy_coef H (objective policy_loss); l = -lambda - entropy_coef H (logprob)
+
+A token is clipped where the clipped term is strictly the larger, and dual-clipped where the cap applies
+(a dual-clipped token, A < 0 and r > c, is never clipped as well: there -r A is the larger); the logged
+statistics are token-means of those flags, of the KL and of the entropy over the step's valid tokens.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+__all__ = ["PolicyTerms", "policy_terms", "kl_penalty", "token_loss", "statistics_parts"]
+
+
+@dataclass
+class PolicyTerms:
+    """One micro-batch's per-token terms (float32 [rows]); surrogate and kl carry the gradient."""
+
+    surrogate: torch.Tensor
+    kl: torch.Tensor
+    clipped: torch.Tensor  # bool: the clipped term is strictly the larger
+    dual_clipped: torch.Tensor  # bool: capped at -c A
+
+
+def _f32(value):
+    return torch.tensor(value, dtype=torch.float32)
+
+
+def kl_penalty(logprob, ref_logprob, kind):
+    """The KL estimator of each token against the reference policy's log-probability."""
+    if kind in (None, "none"):
+        return torch.zeros_like(logprob)
+    d = logprob - ref_logprob
+    if kind == "k1":
+        return d
+    if kind == "k2":
+        return 0.5 * d * d
+    if kind == "k3":
+        return torch.exp(-d) + d - 1.0
+    raise ValueError(f"unknown KL penalty {kind!r} (none, k1, k2, k3)")
+
+
+def policy_terms(logprob, old_logprob, ref_logprob, advantages, loss):
+    """The surrogate and KL of each token (loss: a LossConfig of kind policy). Objective logprob: the
+    surrogate is -logprob and the KL 0. old_logprob, ref_logprob, advantages: float32 [rows] (advantages as
+    the objective uses them, i.e. whitened when the case whitens them)."""
+    if loss.objective == "logprob":
+        none = torch.zeros_like(logprob, dtype=torch.bool)
+        return PolicyTerms(-logprob, torch.zeros_like(logprob), none, none.clone())
+    device = logprob.device
+    ratio = torch.exp(logprob - old_logprob)
+    low = (_f32(1.0) - _f32(loss.clip_low)).to(device)
+    high = (_f32(1.0) + _f32(loss.clip_high)).to(device)
+    clipped_ratio = torch.minimum(torch.maximum(ratio, low), high)
+    unclipped_term = -ratio * advantages
+    clipped_term = -clipped_ratio * advantages
+    clipped = clipped_term.detach() > unclipped_term.detach()
+    surrogate = torch.where(clipped, clipped_term, unclipped_term)
+    dual = torch.zeros_like(clipped)
+    if loss.dual_clip > 0:
+        cap = -_f32(loss.dual_clip).to(device) * advantages
+        dual = (advantages < 0) & (surrogate.detach() > cap)
+        surrogate = torch.where(dual, cap.to(surrogate.dtype), surrogate)
+    return PolicyTerms(surrogate, kl_penalty(logprob, ref_logprob, loss.kl), clipped, dual)
+
+
+def token_loss(terms, entropy, loss, kl_scale=1.0, entropy_scale=1.0):
+    """l = surrogate + kl_coef KL - entropy_coef H (kl_scale, entropy_scale multiply the two coefficients);
+    entropy None counts as 0 (it must then have coefficient 0)."""
+    value = terms.surrogate
+    if loss.kl_coef and loss.objective != "logprob":
+        value = value + float(_f32(loss.kl_coef)) * kl_scale * terms.kl
+    if loss.entropy_coef:
+        if entropy is None:
+            raise ValueError(f"entropy_coef = {loss.entropy_coef}, but no entropy was computed")
+        value = value - float(_f32(loss.entropy_coef)) * entropy_scale * entropy
+    return value
+
+
+def statistics_parts(terms, entropy, valid, num_valid_tokens, kl_scale=1.0, entropy_scale=1.0):
+    """This micro-batch's part of each logged statistic: the sum over its valid tokens / N (float64), as
+    {"clip_fraction", "dual_clip_fraction", "kl", "entropy"} (entropy left out when None)."""
+    n = float(max(num_valid_tokens, 1))
+    mask = valid.double()
+    parts = {"clip_fraction": (terms.clipped.double() * mask).sum() / n,
+             "dual_clip_fraction": (terms.dual_clipped.double() * mask).sum() / n,
+             "kl": ((kl_scale * terms.kl.detach().float()).double() * mask).sum() / n}
+    if entropy is not None:
+        parts["entropy"] = ((entropy_scale * entropy.detach().float()).double() * mask).sum() / n
+    return parts
+
+
+def masked(values: Optional[torch.Tensor], valid):
+    """values with masked rows set to 0 (the gradient of masked rows is then 0 too)."""
+    if values is None:
+        return None
+    return torch.where(valid, values, torch.zeros_like(values))
