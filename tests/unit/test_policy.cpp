@@ -384,3 +384,71 @@ TEST_CASE("an override row sets a token's old and reference log-probabilities an
   CHECK_THROWS_WITH_AS(testing::make_case(ce), doctest::Contains("$.inputs.overrides[0].old_logprob: unknown key"),
                        CaseError);
 }
+
+namespace {
+
+// lambda of a token at the case's temperature, in float64 from its logits (the definition).
+double logprob_of(const Case& c, const InputSource& inputs, std::int64_t token) {
+  std::vector<double> row(static_cast<std::size_t>(c.shape.vocab));
+  inputs.logits(token, 0, c.shape.vocab, row.data());
+  const double inverse_t = 1.0 / 0.7;
+  double max = -INFINITY;
+  for (double x : row) max = std::max(max, x * inverse_t);
+  double sum = 0.0;
+  for (double x : row) sum += std::exp(x * inverse_t - max);
+  return row[static_cast<std::size_t>(inputs.label(token))] * inverse_t - max - std::log(sum);
+}
+
+}  // namespace
+
+TEST_CASE("a ratio within rounding of a clip edge is judged by either branch, and the count is reported") {
+  nlohmann::json j = policy_json(2, 1, 1, 1);
+  j["loss"]["whiten_advantages"] = false;
+  const Case plain = testing::make_case(j);
+  const InputSource plain_inputs(plain);
+  std::vector<std::int64_t> tokens;
+  for (std::int64_t t = 0; t < plain.shape.tokens && tokens.size() < 4; ++t) {
+    if (plain_inputs.is_valid(t)) tokens.push_back(t);
+  }
+  REQUIRE(tokens.size() == 4);
+  // rho = 1 + eps_high with A > 0; rho = 1 - eps_low and rho = c with A < 0: each exactly at its edge, up to
+  // the float32 rounding of old_logprob; the fourth 100 tolerances away from the upper edge.
+  const double edges[] = {1.28, 0.8, 3.0, 1.28 * std::exp(100 * 2e-5)};
+  const double advantages[] = {1.0, -1.0, -1.0, 1.0};
+  nlohmann::json overrides = nlohmann::json::array();
+  for (std::size_t k = 0; k < tokens.size(); ++k) {
+    const double old = logprob_of(plain, plain_inputs, tokens[k]) - std::log(edges[k]);
+    overrides.push_back({{"token", tokens[k]}, {"old_logprob", old}, {"advantages", advantages[k]}});
+  }
+  j["inputs"]["overrides"] = overrides;
+  const Case c = testing::make_case(j);
+  const InputSource inputs(c);
+  const LossReference reference(c, inputs);
+  std::vector<double> row(static_cast<std::size_t>(c.shape.vocab)), grad(row.size());
+  for (std::size_t k = 0; k < tokens.size(); ++k) {
+    CAPTURE(k);
+    inputs.logits(tokens[k], 0, c.shape.vocab, row.data());
+    const ReferenceToken r = reference.evaluate(tokens[k], row, {}, grad);
+    CHECK(reference.row().branches(tokens[k], r.stats) == (k < 3 ? 2 : 1));
+    if (k == 3) continue;
+    // The two readings differ where it matters: the clip (or dual clip) indicator and the gradient's slope.
+    RowStats other = r.stats;
+    other.branch = 1;
+    std::vector<double> a(4), b(4);
+    reference.row().token_statistics(tokens[k], r.stats, a);
+    reference.row().token_statistics(tokens[k], other, b);
+    CHECK(std::fabs(a[0] - b[0]) + std::fabs(a[1] - b[1]) == 1.0);
+    CHECK(*reference.row().gradient_scale(tokens[k], r.stats) !=
+          doctest::Approx(*reference.row().gradient_scale(tokens[k], other)));
+  }
+  const RunResult run = testing::run_with(c, "correct");
+  CHECK(run.verdict == Verdict::pass);
+  for (const CheckResult& check : run.checks) {
+    CAPTURE(check.name);
+    if (check.name == "loss" || check.name == "grad" || check.name == "stats") {
+      CHECK(check.metrics.value("either_branch_tokens", 0) == 3);
+    }
+  }
+  // Accepting either branch at three tokens does not accept a wrong gradient elsewhere.
+  CHECK(testing::run_with(c, "rl-kl-no-grad").verdict == Verdict::fail);
+}

@@ -20,6 +20,9 @@
 #include "lossverify/layout/vocab_range.hpp"
 #include "lossverify/reference/row_partial.hpp"
 
+struct lv_loss_config;  // include/lossverify/plugin.h
+struct lv_policy_config;
+
 namespace lossverify {
 
 namespace detail {
@@ -75,6 +78,14 @@ class KindReference {
   // mean over the step's valid tokens.
   virtual void token_statistics(std::int64_t token, const RowStats& stats, std::span<double> out) const {
     (void)token, (void)stats, (void)out;
+  }
+  // How many readings of the token the definitions admit: 1, or 2 where a branch of the objective (a policy
+  // ratio at a clip edge) lies within the rounding that a correct implementation's inputs to it carry, so that
+  // it may take either side. Reading b is the one evaluated with stats.branch = b (0: the reference's own);
+  // the checks accept a token that matches either and report how many tokens were so judged.
+  virtual int branches(std::int64_t token, const RowStats& stats) const {
+    (void)token, (void)stats;
+    return 1;
   }
   // d L / d x of the slice's columns, for a token of weight `weight` in L.
   virtual void gradient(std::int64_t token, const RowStats& stats, double weight, std::int64_t begin,
@@ -224,6 +235,10 @@ class LossKind {
 
   // The C ABI's lv_loss_kind of this kind (include/lossverify/plugin.h); none: plugins cannot compute it.
   virtual std::optional<int> plugin_kind() const { return std::nullopt; }
+  // The kind's own settings in the ABI's structures, beyond the shared fields the plugin backend fills.
+  virtual void plugin_settings(const LossSpec& spec, lv_loss_config& loss, lv_policy_config& policy) const {
+    (void)spec, (void)loss, (void)policy;
+  }
 };
 
 }  // namespace lossverify

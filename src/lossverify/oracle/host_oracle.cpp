@@ -177,6 +177,22 @@ RowJudgement HostOracle::judge_token_row(std::int64_t i, const RowStats& row_sta
   return judged;
 }
 
+// A token with two admissible readings (a ratio at a clip edge) is judged by the one its gradient is closer to.
+RowJudgement HostOracle::judge_admissible_readings(std::int64_t i, const RowStats& row_stats,
+                                                   std::span<const double> got, std::vector<double>& student,
+                                                   std::vector<double>& teacher, std::vector<double>& expected) const {
+  RowJudgement best = judge_token_row(i, row_stats, got, student, teacher, expected);
+  const std::int64_t t = out_.token_of(i);
+  const int readings = valid_[static_cast<std::size_t>(i)] ? reference_.row().branches(t, row_stats) : 1;
+  for (int b = 1; b < readings; ++b) {
+    RowStats other = row_stats;
+    other.branch = b;
+    const RowJudgement judged = judge_token_row(i, other, got, student, teacher, expected);
+    if (ErrorStats::unpack(judged.grad).margin() < ErrorStats::unpack(best.grad).margin()) best = judged;
+  }
+  return best;
+}
+
 void HostOracle::start_judging(std::span<const RowStats> stats) {
   const std::int64_t rows = out_.rows();
   const std::int64_t cols = out_.columns();
@@ -193,7 +209,7 @@ void HostOracle::start_judging(std::span<const RowStats> stats) {
       const auto k = static_cast<std::size_t>(i);
       out_.grad_row(i, got.data());
       rows_[k] = out_.token_of(i) < 0 ? judge_padding_row(i, got)
-                                      : judge_token_row(i, stats[k], got, student, teacher, expected);
+                                      : judge_admissible_readings(i, stats[k], got, student, teacher, expected);
     }
   }
 }

@@ -46,6 +46,9 @@ class HostOracle final : public Oracle {
 
   void load_row(std::int64_t i, std::vector<double>& student, std::vector<double>& teacher) const;
   RowJudgement judge_padding_row(std::int64_t i, std::span<const double> got) const;
+  RowJudgement judge_admissible_readings(std::int64_t i, const RowStats& stats, std::span<const double> got,
+                                         std::vector<double>& student, std::vector<double>& teacher,
+                                         std::vector<double>& expected) const;
   RowJudgement judge_token_row(std::int64_t i, const RowStats& stats, std::span<const double> got,
                                std::vector<double>& student, std::vector<double>& teacher,
                                std::vector<double>& expected) const;

@@ -52,6 +52,7 @@ struct RowStats {
   double teacher_lse = 0.0;
   double sum_qx = 0.0;
   double value = 0.0;  // the second pass summed over the slices (KindReference::needs_value_pass), else 0
+  int branch = 0;      // which admissible reading of the token to evaluate (KindReference::branches); 0: the own
 };
 
 }  // namespace lossverify

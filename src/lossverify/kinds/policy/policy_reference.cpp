@@ -10,6 +10,7 @@
 #include <tuple>
 #include <vector>
 
+#include "lossverify/case/tolerances.hpp"
 #include "lossverify/kinds/policy/policy_inputs.hpp"
 #include "lossverify/kinds/policy/policy_options.hpp"
 #include "lossverify/kinds/policy/policy_parts.hpp"
@@ -38,6 +39,7 @@ class PolicyReference final : public KindReference {
       : case_(c),
         inputs_(inputs),
         o_(policy_options(c.loss)),
+        logprob_tolerance_(effective_tolerance(c, "token_value")),
         token_inputs_(static_cast<std::size_t>(c.shape.tokens)),
         once_(std::make_unique<std::once_flag[]>(static_cast<std::size_t>(c.shape.tokens))) {
     count_tokens();
@@ -142,6 +144,14 @@ class PolicyReference final : public KindReference {
     return (std::fabs(t.g_logprob) + std::fabs(o_.entropy_coef) + coefficient_error) / o_.temperature;
   }
 
+  // Two readings where the ratio lies within the log-probability's tolerance of the edge that decides the
+  // token's branch: an implementation whose lambda passes the logprob check may be on either side of it.
+  int branches(std::int64_t token, const RowStats& s) const override {
+    if (o_.objective != PolicyOptions::Objective::policy_loss || !valid_[static_cast<std::size_t>(token)]) return 1;
+    const double logprob = s.sum_qx - s.lse;
+    return near_edge(token, logprob) ? 2 : 1;
+  }
+
   // sum_v (delta_vy - p_v) = 0 and sum_v p_v (log p_v + H) = -H + H = 0.
   std::optional<double> gradient_row_sum(const RowStats& s, double weight) const override {
     (void)s, (void)weight;
@@ -196,6 +206,23 @@ class PolicyReference final : public KindReference {
 
   double advantage(std::int64_t token) const { return policy_token_advantage(case_, inputs_, token); }
 
+  double whitened_advantage(std::int64_t token) const {
+    const double a = token_inputs(token).advantage;
+    return o_.whiten_advantages ? (a - mean_) / (deviation_ + o_.whiten_epsilon) : a;
+  }
+
+  // Whether log rho lies within the logprob check's tolerance of the edge that decides the token's branch: for
+  // A > 0 the clip at 1 + eps_high; for A < 0 the clip at 1 - eps_low and the dual clip at c.
+  bool near_edge(std::int64_t token, double logprob) const {
+    const double a = whitened_advantage(token);
+    if (a == 0.0) return false;  // every branch has g_lambda = 0 there
+    const double log_ratio = logprob - static_cast<double>(token_inputs(token).old_logprob);
+    const double tolerance = logprob_tolerance_.atol + logprob_tolerance_.rtol * std::fabs(logprob);
+    const auto near = [&](double edge) { return std::fabs(log_ratio - std::log(edge)) <= tolerance; };
+    if (a > 0.0) return near(1.0 + o_.clip_high);
+    return near(1.0 - o_.clip_low) || (o_.dual_clip > 0.0 && near(o_.dual_clip));
+  }
+
   const PolicyTokenInputs& token_inputs(std::int64_t token) const {
     const auto k = static_cast<std::size_t>(token);
     std::call_once(once_[k], [&] { token_inputs_[k] = policy_token_inputs(case_, inputs_, token); });
@@ -213,17 +240,23 @@ class PolicyReference final : public KindReference {
       return t;
     }
     const PolicyTokenInputs& in = token_inputs(token);
-    double a = in.advantage;
-    if (o_.whiten_advantages) a = (a - mean_) / (deviation_ + o_.whiten_epsilon);
+    const double a = whitened_advantage(token);
     const double ratio = std::exp(t.logprob - static_cast<double>(in.old_logprob));
     const double clipped_ratio = std::clamp(ratio, 1.0 - o_.clip_low, 1.0 + o_.clip_high);
     const double unclipped = -ratio * a;
     const double clipped = -clipped_ratio * a;
     t.clipped = clipped > unclipped;
-    double surrogate = std::max(unclipped, clipped);
+    t.dual_clipped = o_.dual_clip > 0.0 && a < 0.0 && std::max(unclipped, clipped) > -o_.dual_clip * a;
+    if (s.branch == 1) {  // the other side of the edge the token lies at (branches): the dual clip's, or the clip's
+      if (o_.dual_clip > 0.0 && a < 0.0 && ratio > 1.0) {
+        t.dual_clipped = !t.dual_clipped;
+      } else {
+        t.clipped = !t.clipped;
+      }
+    }
+    double surrogate = t.clipped ? clipped : unclipped;
     double slope = t.clipped ? 0.0 : -ratio * a;  // d(-rho A)/d lambda = -rho A, and so is its own slope
-    if (o_.dual_clip > 0.0 && a < 0.0 && surrogate > -o_.dual_clip * a) {
-      t.dual_clipped = true;
+    if (t.dual_clipped) {
       surrogate = -o_.dual_clip * a;
       slope = 0.0;
     }
@@ -261,6 +294,7 @@ class PolicyReference final : public KindReference {
   std::int64_t valid_tokens_ = 0;
   std::int64_t sequences_with_tokens_ = 0;
   double mean_ = 0.0, deviation_ = 0.0;
+  Tolerance logprob_tolerance_;  // the logprob check's: how far an implementation's lambda may lie from ours
   mutable std::vector<PolicyTokenInputs> token_inputs_;
   std::unique_ptr<std::once_flag[]> once_;
 };
