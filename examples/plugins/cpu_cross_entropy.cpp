@@ -1,8 +1,10 @@
 // Example lossverify plugin, host memory: one rank's vocabulary-parallel cross-entropy (and forward-KL
-// knowledge distillation) over all its micro-batches, written from docs/spec.md §3 and §5.
+// knowledge distillation) over all its micro-batches, written from docs/spec.md §3 and §5; the RL policy
+// loss of the same library is in cpu_policy.cpp.
 //
 //   lossverify run CASE.json --impl plugin:./libcpu_cross_entropy.so
 //   lossverify run CASE.json --impl plugin:./libcpu_cross_entropy.so?bug=smoothing-partition-vocab
+//   lossverify run CASE.json --impl plugin:./libcpu_cross_entropy.so?bug=rl-kl-no-grad  (or rl-temperature-one-side)
 //
 // Per micro-batch and row: M = all-reduce max of the local maxima, then one packed all-reduce sum of
 // S = sum exp(x - M), x_l - M (the label's owner contributes it) and Z = sum (x - M); the loss follows
@@ -11,10 +13,11 @@
 // backward pass) is computed here too, as a training loop would, through the provided collectives.
 #include <lossverify/plugin.h>
 
+#include "cpu_elements.hpp"
+#include "cpu_policy.hpp"
 #include "plugin_common.hpp"
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -27,116 +30,33 @@
 namespace {
 
 using namespace lossverify_example;
-
-// ---- Element types ------------------------------------------------------------------------------
-// Computation is float32 whatever the input dtype; gradients are written back in it, rounded to nearest even.
-
-struct Bf16 {
-  std::uint16_t bits;
-};
-struct Fp16 {
-  std::uint16_t bits;
-};
-
-float widen(float x) { return x; }
-// bf16 is the upper half of a float32.
-float widen(Bf16 x) { return std::bit_cast<float>(static_cast<std::uint32_t>(x.bits) << 16); }
-// fp16 by hand (not every compiler has _Float16): sign, 5 exponent bits biased by 15, 10 mantissa bits.
-// Both directions go through an exact integer multiple of the format's quantum, 2^(max(E,1) - 25).
-float widen(Fp16 x) {
-  const int exponent = (x.bits >> 10) & 0x1F;
-  const int mantissa = x.bits & 0x3FF;
-  float magnitude = std::numeric_limits<float>::infinity();
-  if (exponent == 0x1F && mantissa != 0) magnitude = std::numeric_limits<float>::quiet_NaN();
-  if (exponent < 0x1F) {
-    const int significand = exponent == 0 ? mantissa : mantissa | 0x400;  // subnormals lack the implicit 1
-    magnitude = std::ldexp(static_cast<float>(significand), std::max(exponent, 1) - 25);
-  }
-  return (x.bits & 0x8000) != 0 ? -magnitude : magnitude;
-}
-
-template <class T>
-T narrow(float x);
-template <>
-float narrow<float>(float x) {
-  return x;
-}
-template <>
-Bf16 narrow<Bf16>(float x) {
-  const auto bits = std::bit_cast<std::uint32_t>(x);
-  // Truncating a NaN could leave an infinity: keep it a (quiet) NaN.
-  if (std::isnan(x)) return Bf16{static_cast<std::uint16_t>((bits >> 16) | 0x0040u)};
-  // Round to nearest, ties to the even upper half; a carry into the exponent is right (to inf too).
-  const std::uint32_t bias = 0x7FFFu + ((bits >> 16) & 1u);
-  return Bf16{static_cast<std::uint16_t>((bits + bias) >> 16)};
-}
-template <>
-Fp16 narrow<Fp16>(float x) {
-  const auto sign = static_cast<std::uint16_t>((std::bit_cast<std::uint32_t>(x) >> 16) & 0x8000u);
-  const float magnitude = std::fabs(x);
-  if (std::isnan(x)) return Fp16{static_cast<std::uint16_t>(sign | 0x7E00u)};
-  // 65520 lies halfway between the largest half, 65504, and 2^16: ties to even round it up to infinity.
-  if (!(magnitude < 65520.0f)) return Fp16{static_cast<std::uint16_t>(sign | 0x7C00u)};
-  if (magnitude == 0.0f) return Fp16{sign};
-  int binary_exponent = 0;  // magnitude = f 2^binary_exponent, f in [0.5, 1)
-  std::frexp(magnitude, &binary_exponent);
-  const int biased = std::max(binary_exponent + 14, 1);  // subnormals share exponent 1's quantum
-  // nearbyint rounds to nearest even (the default mode); a carry to 2048 lands on the next exponent.
-  const auto units = static_cast<int>(std::nearbyint(std::ldexp(magnitude, 25 - biased)));
-  return Fp16{static_cast<std::uint16_t>(sign | ((biased - 1) * 1024 + units))};
-}
+using namespace lossverify_example::cpu;
 
 // ---- Parameters ---------------------------------------------------------------------------------
+
+constexpr std::string_view kSmoothingPartitionVocab = "bug=smoothing-partition-vocab";
+constexpr std::string_view kKlNoGrad = "bug=rl-kl-no-grad";
+constexpr std::string_view kTemperatureOneSide = "bug=rl-temperature-one-side";
+constexpr std::initializer_list<std::string_view> kParameters = {kSmoothingPartitionVocab, kKlNoGrad,
+                                                                 kTemperatureOneSide};
 
 struct Options {
   // Megatron-LM's vocab-parallel smoothing before PR #5522: the smoothing constants use the shard width V_p
   // and the mean log-probability is the shard's own, in the forward and the backward.
   bool smoothing_partition_vocab = false;
+  PolicyBugs policy;
 };
 
 Options parse_options(const char* params) {
-  return {parse_bug_parameter(params == nullptr ? "" : params, "bug=smoothing-partition-vocab")};
+  const std::vector<std::string_view> given = parse_bug_parameters(params == nullptr ? "" : params, kParameters);
+  Options options;
+  options.smoothing_partition_vocab = has_parameter(given, kSmoothingPartitionVocab);
+  options.policy.kl_no_grad = has_parameter(given, kKlNoGrad);
+  options.policy.temperature_one_side = has_parameter(given, kTemperatureOneSide);
+  return options;
 }
 
 // ---- Shared per-row helpers ---------------------------------------------------------------------
-
-// In host memory, the all-reduces work on vectors.
-template <class T>
-void allreduce(const Collectives& comm, lv_group group, std::vector<T>& data, lv_reduce_op op) {
-  comm.allreduce(group, data.data(), static_cast<std::int64_t>(data.size()), op);
-}
-
-// Kahan-compensated float32 sum: rows of tens of thousands of columns stay within a few roundings.
-class CompensatedSum {
- public:
-  void add(float x) {
-    const float y = x - carry_;
-    const float t = sum_ + y;
-    carry_ = (t - sum_) - y;
-    sum_ = t;
-  }
-  float value() const { return sum_; }
-
- private:
-  float sum_ = 0.0f;
-  float carry_ = 0.0f;
-};
-
-// A micro-batch: rows [begin, end) of the rank.
-struct RowRange {
-  std::int64_t begin, end;
-  std::int64_t size() const { return end - begin; }
-};
-
-// A row-major rows x width matrix in the input dtype.
-template <class T>
-struct Matrix {
-  const T* data;
-  std::int64_t width;
-  const T* row(std::int64_t i) const { return data + i * width; }
-};
-
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // ---- Cross-entropy ------------------------------------------------------------------------------
 
@@ -360,18 +280,6 @@ void kd_micro_batch(const lv_rank_inputs& in, lv_rank_outputs& out, RowRange ran
 
 // ---- The rank -----------------------------------------------------------------------------------
 
-// Masked, ignored and CP padding rows: loss 0 and an exactly zero gradient, written rather than assumed.
-template <class T>
-void zero_rows_that_do_not_count(const BatchPlan& plan, lv_rank_outputs& out, std::int64_t width) {
-  T* grad = static_cast<T*>(out.grad);
-  for (std::size_t row = 0; row < plan.rows.size(); ++row) {
-    if (plan.rows[row].valid) continue;
-    out.token_loss[row] = 0.0f;
-    std::fill(grad + static_cast<std::int64_t>(row) * width, grad + static_cast<std::int64_t>(row + 1) * width,
-              narrow<T>(0.0f));
-  }
-}
-
 template <class T>
 void run_typed(const lv_rank_inputs& in, lv_rank_outputs& out, const Options& options, const Collectives& comm) {
   auto sum_over_dp_cp = [&comm](auto value) {
@@ -405,6 +313,7 @@ void run(const lv_rank_inputs& in, lv_rank_outputs& out, const Collectives& comm
     throw std::invalid_argument("KD without teacher logits");
   }
   const Options options = parse_options(in.params);
+  if (in.loss.kind == LV_LOSS_POLICY) return run_policy(in, out, options.policy, comm);
   switch (in.dtype) {
     case LV_DTYPE_F32:
       return run_typed<float>(in, out, options, comm);
@@ -421,16 +330,16 @@ int run_rank(const lv_rank_inputs* inputs, lv_rank_outputs* outputs, const lv_co
 }
 
 int check_params(const char* params, char* error, size_t error_size) {
-  return check_bug_parameter(params, "bug=smoothing-partition-vocab", error, error_size);
+  return check_bug_parameters(params, kParameters, error, error_size);
 }
 
 const lv_plugin kPlugin = {
     LV_PLUGIN_ABI_VERSION,
     "example-cpu-cross-entropy",
-    "example plugin: vocabulary-parallel cross-entropy and KD on the host (bug=smoothing-partition-vocab "
-    "available)",
+    "example plugin: vocabulary-parallel cross-entropy, KD and the RL policy loss on the host "
+    "(bug=smoothing-partition-vocab, bug=rl-kl-no-grad, bug=rl-temperature-one-side available)",
     LV_MEMORY_HOST,
-    LV_SUPPORTS_CROSS_ENTROPY | LV_SUPPORTS_KD,
+    LV_SUPPORTS_CROSS_ENTROPY | LV_SUPPORTS_KD | LV_SUPPORTS_POLICY,
     run_rank,
     check_params,
 };

@@ -7,8 +7,10 @@
 
 #include <lossverify/plugin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -18,37 +20,55 @@ namespace lossverify_example {
 
 // ---- Parameters ---------------------------------------------------------------------------------
 
-// params is "" or '&'-separated items; the only item known is `known` (e.g. "bug=no-max-shift").
-// Returns whether it was given; every other item is named in the error.
-inline bool parse_bug_parameter(std::string_view params, std::string_view known) {
-  bool given = false;
+// params is "" or '&'-separated items, each one of `known` (e.g. "bug=no-max-shift"). Returns the items
+// given; every other item is named in the error.
+inline std::vector<std::string_view> parse_bug_parameters(std::string_view params,
+                                                          std::initializer_list<std::string_view> known) {
+  std::vector<std::string_view> given;
   std::string unknown;
   while (!params.empty()) {
     const std::size_t end = params.find('&');
     const std::string_view item = params.substr(0, end);
     params = end == std::string_view::npos ? std::string_view{} : params.substr(end + 1);
-    if (item == known) {
-      given = true;
+    if (std::find(known.begin(), known.end(), item) != known.end()) {
+      given.push_back(item);
     } else if (!item.empty()) {
       unknown += (unknown.empty() ? "'" : ", '") + std::string(item) + "'";
     }
   }
   if (!unknown.empty()) {
-    throw std::invalid_argument("unknown parameter(s) " + unknown + "; this plugin knows only " + std::string(known));
+    std::string names;
+    for (const std::string_view name : known) names += (names.empty() ? "" : ", ") + std::string(name);
+    throw std::invalid_argument("unknown parameter(s) " + unknown + "; this plugin knows only " + names);
   }
   return given;
 }
 
-// The body of lv_plugin.check_params for a plugin whose one parameter is `known`: lossverify calls it at load
+// Whether `item` is among the parameters given.
+inline bool has_parameter(const std::vector<std::string_view>& given, std::string_view item) {
+  return std::find(given.begin(), given.end(), item) != given.end();
+}
+
+// A plugin whose one parameter is `known`: whether it was given.
+inline bool parse_bug_parameter(std::string_view params, std::string_view known) {
+  return has_parameter(parse_bug_parameters(params, {known}), known);
+}
+
+// The body of lv_plugin.check_params for a plugin whose parameters are `known`: lossverify calls it at load
 // time, so a bad parameter is a usage error before any rank runs.
-inline int check_bug_parameter(const char* params, std::string_view known, char* error, std::size_t error_size) {
+inline int check_bug_parameters(const char* params, std::initializer_list<std::string_view> known, char* error,
+                                std::size_t error_size) {
   try {
-    parse_bug_parameter(params == nullptr ? "" : params, known);
+    parse_bug_parameters(params == nullptr ? "" : params, known);
     return 0;
   } catch (const std::exception& e) {
     std::snprintf(error, error_size, "%s", e.what());
     return 1;
   }
+}
+
+inline int check_bug_parameter(const char* params, std::string_view known, char* error, std::size_t error_size) {
+  return check_bug_parameters(params, {known}, error, error_size);
 }
 
 // No exception may cross the C ABI: every failure becomes run_rank's nonzero return and its message.
@@ -86,6 +106,10 @@ constexpr lv_element element_of();
 template <>
 constexpr lv_element element_of<float>() {
   return LV_ELEMENT_F32;
+}
+template <>
+constexpr lv_element element_of<double>() {
+  return LV_ELEMENT_F64;
 }
 template <>
 constexpr lv_element element_of<std::int64_t>() {

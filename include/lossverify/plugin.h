@@ -31,8 +31,20 @@
  * returning from run_rank, finish the work that produces the data (lossverify copies on the legacy default
  * stream, which does not wait for non-blocking streams).
  *
+ * The policy loss (LV_LOSS_POLICY, docs/spec.md §3.3): the same per-row loss, gradient, logged loss and count
+ * under the aggregation of inputs->policy (token_loss[i] = l_t, the objective's gradient with each token's
+ * aggregation weight), plus each row's log-probability and entropy (outputs->token_values) and the logged
+ * statistics (outputs->logged_statistics). Its settings and per-row inputs come at the end of lv_rank_inputs.
+ *
  * Versioning: abi_version must equal LV_PLUGIN_ABI_VERSION of the lossverify that loads the plugin, or the
- * load fails (exit code 2) naming both versions. Structures only grow at the end within one version.
+ * load fails (exit code 2) naming both versions. Structures only grow at the end within one version: the
+ * policy loss's fields were appended to lv_rank_inputs and lv_rank_outputs within version 1 (they are not in
+ * lv_loss_config, which sits in the middle of lv_rank_inputs: growing it would move the fields after it), so
+ * a plugin built before them loads and runs as it did, reading and writing only the prefix it knows.
+ * lossverify runs a loss kind only on a plugin whose `losses` has its bit: a plugin built before the policy
+ * loss cannot have set LV_SUPPORTS_POLICY, so it is never handed a policy case (run: exit code 2 naming it;
+ * gate: not run), and lossverify reads the policy outputs only of a plugin that declares it. struct_size is
+ * the size lossverify passes; a plugin that needs appended fields checks it (examples/plugins does).
  * Where it runs: in a plugin host, a child process of lossverify (lossverify-plugin-host) that loads the library
  * and serves the rank's calls; inputs and outputs are in memory shared with lossverify. lossverify takes a rank's
  * outputs only when run_rank has returned: an exit(), _exit(), quick_exit() or a crash anywhere in the plugin
@@ -63,10 +75,11 @@ typedef enum lv_dtype { LV_DTYPE_F32 = 0, LV_DTYPE_BF16 = 1, LV_DTYPE_F16 = 2 } 
  * (cudaSetDevice has been called on the calling thread). */
 typedef enum lv_memory { LV_MEMORY_HOST = 0, LV_MEMORY_CUDA = 1 } lv_memory;
 
-typedef enum lv_loss_kind { LV_LOSS_CROSS_ENTROPY = 0, LV_LOSS_KD = 1 } lv_loss_kind;
+typedef enum lv_loss_kind { LV_LOSS_CROSS_ENTROPY = 0, LV_LOSS_KD = 1, LV_LOSS_POLICY = 2 } lv_loss_kind;
 /* Bits of lv_plugin.losses. */
 #define LV_SUPPORTS_CROSS_ENTROPY (1u << LV_LOSS_CROSS_ENTROPY)
 #define LV_SUPPORTS_KD (1u << LV_LOSS_KD)
+#define LV_SUPPORTS_POLICY (1u << LV_LOSS_POLICY) /* reads lv_rank_inputs.policy, writes token values, statistics */
 
 typedef enum lv_reduction { LV_REDUCTION_MEAN = 0, LV_REDUCTION_SUM = 1, LV_REDUCTION_NONE = 2 } lv_reduction;
 
@@ -86,6 +99,56 @@ typedef struct lv_loss_config {
   double temperature;
   int32_t t2_scaling;
 } lv_loss_config;
+
+/* The policy loss (RL post-training; docs/spec.md §3.3), per token t with log-probability lambda = log
+ * softmax(x / T)_y, entropy H of softmax(x / T), ratio rho = exp(lambda - old_logprob) and advantage A (whitened
+ * when whiten_advantages):
+ *   l_t = max(-rho A, -clip(rho, 1 - clip_low, 1 + clip_high) A), capped at -dual_clip A where A < 0 (dual_clip
+ *         > 0), + kl_coef KL_t - entropy_coef H_t, KL_t with d = lambda - ref_logprob: k1 d, k2 d^2 / 2,
+ *         k3 e^-d + d - 1;
+ *   objective logprob (a trainer's log-prob pass): l_t = -lambda - entropy_coef H_t.
+ * L = sum_t w_t m_t l_t over the step (DP x CP x GA), with N = sum m_t, B the sequences with n_s > 0 and n_s a
+ * sequence's valid tokens (all its CP chunks): token-mean w = 1/N, token-sum 1, seq-mean-token-sum 1/B,
+ * seq-mean-token-mean 1/(B n_s), seq-mean-token-sum-norm 1/(B norm_constant). Whitening: A' = (A - mu) /
+ * (sigma + whiten_epsilon), mu and the unbiased sigma over the step's valid tokens (DP x CP). */
+typedef enum lv_policy_objective { LV_POLICY_OBJECTIVE_LOSS = 0, LV_POLICY_OBJECTIVE_LOGPROB = 1 } lv_policy_objective;
+typedef enum lv_kl_penalty { LV_KL_NONE = 0, LV_KL_K1 = 1, LV_KL_K2 = 2, LV_KL_K3 = 3 } lv_kl_penalty;
+typedef enum lv_aggregation {
+  LV_AGGREGATION_TOKEN_MEAN = 0,
+  LV_AGGREGATION_TOKEN_SUM = 1,
+  LV_AGGREGATION_SEQ_MEAN_TOKEN_SUM = 2,
+  LV_AGGREGATION_SEQ_MEAN_TOKEN_MEAN = 3,
+  LV_AGGREGATION_SEQ_MEAN_TOKEN_SUM_NORM = 4 /* Dr. GRPO */
+} lv_aggregation;
+
+typedef struct lv_policy_config {
+  lv_policy_objective objective;
+  double temperature; /* T > 0 (lv_loss_config.temperature carries the same value) */
+  double clip_low;    /* epsilon_low in (0, 1) */
+  double clip_high;   /* epsilon_high > 0 */
+  double dual_clip;   /* c > 1; 0: off */
+  lv_kl_penalty kl_penalty;
+  double kl_coef;      /* beta */
+  double entropy_coef; /* c_H */
+  lv_aggregation aggregation;
+  double norm_constant;      /* H_max of seq-mean-token-sum-norm; 0 otherwise */
+  int32_t whiten_advantages; /* 1: whiten over the step's valid tokens (DP x CP) */
+  double whiten_epsilon;     /* delta */
+} lv_policy_config;
+
+/* The policy loss's per-row values (lv_rank_outputs.token_values, its columns) and logged statistics
+ * (lv_rank_outputs.logged_statistics), each statistic the global token-mean over the step's valid tokens,
+ * sum_t m_t s_t / N, the same on every rank. [clipped] is 1 where the clipped term is strictly the larger,
+ * [dual_clipped] where the dual clip caps it; under objective logprob both are 0, as is KL without a penalty. */
+enum { LV_POLICY_VALUE_LOGPROB = 0, LV_POLICY_VALUE_ENTROPY = 1, LV_POLICY_VALUES = 2 };
+enum {
+  LV_POLICY_STAT_CLIP_FRACTION = 0,
+  LV_POLICY_STAT_DUAL_CLIP_FRACTION = 1,
+  LV_POLICY_STAT_KL = 2,
+  LV_POLICY_STAT_ENTROPY = 3,
+  LV_POLICY_STATS = 4
+};
+#define LV_MAX_LOGGED_STATISTICS 8
 
 /* How the framework combines rank gradients (the effective gradient is grad x this model's factor). */
 typedef struct lv_framework {
@@ -139,6 +202,16 @@ typedef struct lv_rank_inputs {
   lv_loss_config loss;
   lv_framework framework;
   const char* params; /* the text after '?' in --impl plugin:PATH?PARAMS; "" when none */
+  /* ---- Appended for the policy loss (within version 1: struct_size covers them; a plugin built before them
+   * never reads them). Set for every loss; the arrays live in the plugin's declared memory. */
+  int64_t num_sequences;    /* sequences in the global step */
+  const int64_t* sequences; /* rows: the row's sequence in the step, [0, num_sequences) (CP padding too) */
+  lv_policy_config policy;  /* LV_LOSS_POLICY: the settings; zero for other losses */
+  /* Per row, float32, as export-inputs writes them: 0 on CP padding rows, and all 0 under objective logprob or
+   * for other losses. A masked row keeps only its sequence's advantage. */
+  const float* old_logprob; /* the rollout policy's log-probability of the row's label */
+  const float* ref_logprob; /* the reference policy's, for the KL penalty */
+  const float* advantages;  /* the row's (sequence's) advantage BEFORE whitening */
 } lv_rank_inputs;
 
 typedef struct lv_rank_outputs {
@@ -153,6 +226,13 @@ typedef struct lv_rank_outputs {
   double logged_loss;
   int64_t logged_num_tokens;
   char error[1024]; /* a message when run_rank returns nonzero (NUL-terminated) */
+  /* ---- Appended for the policy loss (within version 1). lossverify reads them only for a loss whose kind has
+   * per-row values or statistics (the policy loss), which only a plugin declaring LV_SUPPORTS_POLICY is given. */
+  float* token_values; /* rows x LV_POLICY_VALUES float32, row major, zero-filled, in the declared memory: each
+                          row's log-probability and entropy at T (0 where loss_mask is 0); empty otherwise */
+  int64_t token_value_rows, token_value_columns;      /* set by the plugin: rows and LV_POLICY_VALUES */
+  double logged_statistics[LV_MAX_LOGGED_STATISTICS]; /* [LV_POLICY_STAT_*], as the rank logs them */
+  int32_t logged_statistics_count;                    /* set by the plugin: LV_POLICY_STATS */
 } lv_rank_outputs;
 
 typedef struct lv_plugin {
@@ -160,7 +240,7 @@ typedef struct lv_plugin {
   const char* name;        /* short name for reports */
   const char* description; /* one line: what it implements */
   lv_memory memory;        /* where run_rank wants its inputs and outputs */
-  uint32_t losses;         /* LV_SUPPORTS_* bits; other losses are not run (gate: not applicable) */
+  uint32_t losses;         /* LV_SUPPORTS_* bits; other losses are refused (run: exit 2; gate: not run) */
   /* Called once per rank, concurrently from several threads (thread ranks) or once per process (MPI).
    * Returns 0 on success. */
   int (*run_rank)(const lv_rank_inputs* inputs, lv_rank_outputs* outputs, const lv_collectives* collectives);

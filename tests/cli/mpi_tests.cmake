@@ -53,6 +53,14 @@ foreach(params "" "?bug=smoothing-partition-vocab")
             "plugin:$<TARGET_FILE:lossverify_example_cpu_plugin>${params}" ${OUT}/mpi)
   set_tests_properties(mpi_equals_threads_${plugin_test_name} PROPERTIES PROCESSORS 2 TIMEOUT 300)
 endforeach()
+# The policy loss through the example plugin: MPI processes give bitwise the thread ranks' checks (tp 2 x dp 2).
+foreach(params "" "?bug=rl-kl-no-grad")
+  string(MAKE_C_IDENTIFIER "plugin_policy${params}" plugin_test_name)
+  add_test(NAME mpi_equals_threads_${plugin_test_name}
+    COMMAND bash ${COMPARE} ${MPIRUN} ${LV} ${LOSSVERIFY_SYSTEM_PYTHON} 4 ${CASES}/rl-grpo-tp2-dp2-ga2.json
+            "plugin:$<TARGET_FILE:lossverify_example_cpu_plugin>${params}" ${OUT}/mpi)
+  set_tests_properties(mpi_equals_threads_${plugin_test_name} PROPERTIES PROCESSORS 2 TIMEOUT 300)
+endforeach()
 # A plugin that crashes in one process names itself and the rank; mpiexec ends the job with a nonzero code
 # (3, the crashed rank's, or 9, a rank it killed: whichever it reports first).
 add_test(NAME cli_mpi_plugin_crash

@@ -77,6 +77,39 @@ lossverify_cli_test(plugin_cpu_bug_is_not_correct 1 "MISMATCH smoothing-pytorch"
   -- ${LV} gate --impl "plugin:${CPU_PLUGIN}?bug=smoothing-partition-vocab" --expect correct
      --cases ${CASES} --golden ${PROJECT_SOURCE_DIR}/golden --threads 2)
 set_tests_properties(cli_plugin_cpu_gate cli_plugin_cpu_bug_gate cli_plugin_cpu_bug_is_not_correct PROPERTIES TIMEOUT 600)
+# The policy loss through the ABI (it grew within version 1): the example plugin passes each RL case (thread
+# ranks here; the gate above runs them with their sweeps) and, with each of its policy bugs, fails exactly where
+# golden says that bug fails, judged by the gate on the RL cases alone.
+set(RL_CASES ${OUT}/plugin_rl_cases)
+foreach(rl_case rl-grpo-tp2-dp2-ga2 rl-drgrpo-cp2-whiten rl-logprob-entropy-tp4)
+  string(MAKE_C_IDENTIFIER "${rl_case}" rl_test_name)
+  lossverify_cli_test(plugin_cpu_${rl_test_name} 0 "verdict: pass"
+    -- ${LV} run ${CASES}/${rl_case}.json --impl plugin:${CPU_PLUGIN} --threads 2)
+endforeach()
+foreach(rl_bug rl-kl-no-grad rl-temperature-one-side)
+  string(MAKE_C_IDENTIFIER "${rl_bug}" rl_test_name)
+  add_test(NAME cli_plugin_cpu_bug_gate_${rl_test_name}
+    COMMAND bash -c "rm -rf ${RL_CASES}_${rl_test_name} && mkdir -p ${RL_CASES}_${rl_test_name} && \
+      cp ${CASES}/rl-*.json ${RL_CASES}_${rl_test_name}/ && \
+      bash ${EXPECT} 0 'mutation score: 1/1 bugs caught' -- ${LV} gate --impl 'plugin:${CPU_PLUGIN}?bug=${rl_bug}' \
+        --expect ${rl_bug} --cases ${RL_CASES}_${rl_test_name} --golden ${PROJECT_SOURCE_DIR}/golden --threads 2")
+  set_tests_properties(cli_plugin_cpu_bug_gate_${rl_test_name} PROPERTIES TIMEOUT 600)
+endforeach()
+# A plugin built before the policy loss (against the frozen version 1 header in tests/plugins/v1/) still loads
+# and passes cross-entropy, on thread ranks, over a CP sweep and under both smoothing conventions; a policy case is
+# refused before any work, naming the plugin and the loss, as for any plugin that does not declare the kind.
+set(V1_PLUGIN $<TARGET_FILE:lossverify_test_v1_cross_entropy_plugin>)
+lossverify_cli_test(plugin_v1_cross_entropy 0 "verdict: pass"
+  -- ${LV} run ${CASES}/dp-unequal-tokens.json --impl plugin:${V1_PLUGIN} --threads 2)
+lossverify_cli_test(plugin_v1_cross_entropy_cp_sweep 0 "invariance: pass"
+  -- ${LV} run ${CASES}/cp-zigzag-packed.json --impl plugin:${V1_PLUGIN} --sweep cp=1,2 tp=1,2 --threads 2)
+lossverify_cli_test(plugin_v1_smoothing_pytorch 0 "verdict: pass"
+  -- ${LV} run ${CASES}/smoothing-pytorch.json --impl plugin:${V1_PLUGIN} --threads 2)
+lossverify_cli_test(plugin_v1_refuses_policy 2 "the plugin plugin:.*v1_cross_entropy.* does not compute policy losses"
+  --absent ${OUT}/plugin_v1_policy.json
+  -- ${LV} run ${CASES}/rl-grpo-tp2-dp2-ga2.json --impl plugin:${V1_PLUGIN} --report ${OUT}/plugin_v1_policy.json)
+lossverify_cli_test(plugin_faulty_refuses_policy 2 "the plugin plugin:.*faulty.* does not compute policy losses"
+  -- ${LV} run ${CASES}/rl-logprob-entropy-tp4.json --impl plugin:${FAULTY})
 lossverify_cli_test(plugin_bad_parameter 2 "the plugin refuses its parameters \"bug=nope\": unknown parameter"
   -- ${LV} run ${PLUGIN_CASE} --impl "plugin:${CPU_PLUGIN}?bug=nope")
 lossverify_cli_test(plugin_host_on_cuda 2 "--backend cuda: the plugin .* computes in host memory"

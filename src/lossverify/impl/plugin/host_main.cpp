@@ -153,9 +153,10 @@ Loaded load(const char* path, const char* params) {
               "the plugin declares memory " + std::to_string(static_cast<int>(p->memory)) + " (host 0 or CUDA 1)");
     return loaded;
   }
-  if ((p->losses & (LV_SUPPORTS_CROSS_ENTROPY | LV_SUPPORTS_KD)) == 0) {
+  if ((p->losses & (LV_SUPPORTS_CROSS_ENTROPY | LV_SUPPORTS_KD | LV_SUPPORTS_POLICY)) == 0) {
     copy_text(hello.message,
-              "the plugin supports no loss (set LV_SUPPORTS_CROSS_ENTROPY and/or LV_SUPPORTS_KD in losses)");
+              "the plugin supports no loss (set LV_SUPPORTS_CROSS_ENTROPY, LV_SUPPORTS_KD and/or LV_SUPPORTS_POLICY in "
+              "losses)");
     return loaded;
   }
   if (p->check_params != nullptr) {
@@ -278,14 +279,18 @@ struct Arrays {
   const void* loss_mask = nullptr;
   const void* upstream = nullptr;
   const void* tokens = nullptr;
+  const void* sequences = nullptr;
+  const void* token_inputs[kTokenInputs] = {};
   void* grad = nullptr;
   void* token_loss = nullptr;
-  std::vector<std::unique_ptr<memory::Buffer>> device;  // CUDA: inputs, then grad and token_loss
+  void* token_values = nullptr;
+  std::vector<std::unique_ptr<memory::Buffer>> device;  // CUDA: inputs, then the kOutputs outputs
 };
 
 Arrays place_arrays(const Run& r, std::byte* region, lv_memory where) {
   const RegionLayout& l = r.layout;
   Arrays a;
+  const auto rows = static_cast<std::size_t>(r.rows);
   if (where == LV_MEMORY_HOST) {
     a.logits = region + l.logits;
     a.teacher = r.has_teacher ? region + l.teacher : nullptr;
@@ -293,12 +298,15 @@ Arrays place_arrays(const Run& r, std::byte* region, lv_memory where) {
     a.loss_mask = region + l.loss_mask;
     a.upstream = region + l.upstream;
     a.tokens = region + l.tokens;
+    a.sequences = region + l.sequences;
+    for (int k = 0; k < kTokenInputs; ++k)
+      a.token_inputs[k] = region + l.token_inputs + static_cast<std::size_t>(k) * rows * 4;
     a.grad = region + l.grad;
     a.token_loss = region + l.token_loss;
+    a.token_values = region + l.token_values;
     return a;
   }
   memory::select_device(where, r.device);
-  const auto rows = static_cast<std::size_t>(r.rows);
   const auto copy = [&](std::uint64_t offset, std::size_t bytes) {
     a.device.push_back(std::make_unique<memory::Buffer>(where, bytes, r.canary, kCanaryBytes));
     a.device.back()->upload(region + offset);
@@ -310,10 +318,17 @@ Arrays place_arrays(const Run& r, std::byte* region, lv_memory where) {
   a.loss_mask = copy(l.loss_mask, rows);
   a.upstream = copy(l.upstream, rows * 8);
   a.tokens = copy(l.tokens, rows * 8);
-  a.device.push_back(std::make_unique<memory::Buffer>(where, l.grad_bytes, r.canary, kCanaryBytes));
-  a.grad = a.device.back()->data();
-  a.device.push_back(std::make_unique<memory::Buffer>(where, l.token_loss_bytes, r.canary, kCanaryBytes));
-  a.token_loss = a.device.back()->data();
+  a.sequences = copy(l.sequences, rows * 8);
+  for (int k = 0; k < kTokenInputs; ++k) {
+    a.token_inputs[k] = copy(l.token_inputs + static_cast<std::size_t>(k) * rows * 4, rows * 4);
+  }
+  const auto output = [&](std::uint64_t bytes) {
+    a.device.push_back(std::make_unique<memory::Buffer>(where, bytes, r.canary, kCanaryBytes));
+    return a.device.back()->data();
+  };
+  a.grad = output(l.grad_bytes);
+  a.token_loss = output(l.token_loss_bytes);
+  a.token_values = output(l.token_values_bytes);
   return a;
 }
 
@@ -347,6 +362,12 @@ lv_rank_inputs describe(const Run& r, std::byte* region, const Arrays& a, lv_mem
   in.loss = r.loss;
   in.framework = r.framework;
   in.params = reinterpret_cast<const char*>(region + r.layout.params);
+  in.num_sequences = r.num_sequences;
+  in.sequences = static_cast<const int64_t*>(a.sequences);
+  in.policy = r.policy;
+  in.old_logprob = static_cast<const float*>(a.token_inputs[0]);
+  in.ref_logprob = static_cast<const float*>(a.token_inputs[1]);
+  in.advantages = static_cast<const float*>(a.token_inputs[2]);
   return in;
 }
 
@@ -392,6 +413,7 @@ void serve_one(const lv_plugin& plugin) {
     out.struct_size = sizeof(lv_rank_outputs);
     out.grad = arrays.grad;
     out.token_loss = static_cast<float*>(arrays.token_loss);
+    out.token_values = static_cast<float*>(arrays.token_values);
     try {
       done.status = plugin.run_rank(&in, &out, &call.table);
       out.error[sizeof(out.error) - 1] = '\0';
@@ -413,14 +435,19 @@ void serve_one(const lv_plugin& plugin) {
     done.has_logged_loss = out.has_logged_loss;
     done.logged_loss = out.logged_loss;
     done.logged_num_tokens = out.logged_num_tokens;
+    done.token_value_rows = out.token_value_rows;
+    done.token_value_columns = out.token_value_columns;
+    std::copy(std::begin(out.logged_statistics), std::end(out.logged_statistics), done.logged_statistics);
+    done.logged_statistics_count = out.logged_statistics_count;
     if (where == LV_MEMORY_CUDA) {
       memory::wait_for_device(where);  // work the plugin left queued on its own streams
-      const std::size_t outputs = arrays.device.size() - 2;
+      const std::size_t outputs = arrays.device.size() - kOutputs;
       for (std::size_t k = outputs; k < arrays.device.size(); ++k) {
         if (!arrays.device[k]->guards_intact()) done.device_guards_intact = 0;
       }
       arrays.device[outputs]->download(region + run.layout.grad);
       arrays.device[outputs + 1]->download(region + run.layout.token_loss);
+      arrays.device[outputs + 2]->download(region + run.layout.token_values);
     }
   } catch (const std::exception& e) {  // the host's own CUDA copies failed
     call.open.store(false);

@@ -48,19 +48,24 @@ struct Hello {
   char message[2048] = {};
 };
 
-// Byte offsets into the shared region; every array is 64-byte aligned. The two outputs end exactly at a page
+// Byte offsets into the shared region; every array is 64-byte aligned. The three outputs end exactly at a page
 // end with a page the host makes inaccessible after each, and a page before each; the bytes between that
 // page and the output's first byte hold the canary, as do the canary arrays of the region's header.
+inline constexpr int kOutputs = 3;      // grad, token_loss, token_values
+inline constexpr int kTokenInputs = 3;  // old_logprob, ref_logprob, advantages (lv_rank_inputs, in that order)
+
 struct RegionLayout {
   std::uint64_t bytes = 0;
   std::uint64_t params = 0, params_bytes = 0;  // NUL-terminated
   std::uint64_t micro_batch_begin = 0;         // ga + 1 int64
   std::uint64_t logits = 0, logits_bytes = 0;
   std::uint64_t teacher = 0;  // logits_bytes, KD only
-  std::uint64_t labels = 0, loss_mask = 0, upstream = 0, tokens = 0;
+  std::uint64_t labels = 0, loss_mask = 0, upstream = 0, tokens = 0, sequences = 0;
+  std::uint64_t token_inputs = 0;          // kTokenInputs columns of rows float32, one after the other
   std::uint64_t grad = 0, grad_bytes = 0;  // ends at a page end
   std::uint64_t token_loss = 0, token_loss_bytes = 0;
-  std::uint64_t guard_pages[4] = {};  // before grad, after grad, before token_loss, after token_loss
+  std::uint64_t token_values = 0, token_values_bytes = 0;  // rows x the kind's per-row values, float32
+  std::uint64_t guard_pages[2 * kOutputs] = {};            // before and after each output, in the order above
   std::uint64_t staging = 0, staging_bytes = 0;
   std::uint64_t crash = 0;  // a CrashRecord the host's signal handler fills
   std::uint64_t page_bytes = 0;
@@ -79,8 +84,10 @@ struct Run {
   // The rank's description (lv_rank_inputs without its pointers).
   std::int32_t world_rank = 0, world_size = 0, tp = 0, cp = 0, dp = 0, tp_size = 0, cp_size = 0, dp_size = 0, ga = 0;
   std::int64_t vocab_size = 0, vocab_begin = 0, vocab_end = 0, rows = 0, global_valid_tokens = 0;
+  std::int64_t num_sequences = 0;
   std::int32_t dtype = 0, device = -1, has_teacher = 0;
   lv_loss_config loss{};
+  lv_policy_config policy{};
   lv_framework framework{};
   std::int32_t group_size[4] = {}, group_rank[4] = {};
   std::uint64_t max_allreduce_bytes = 0;  // a call past this is refused as misuse
@@ -107,6 +114,9 @@ struct Done {
   std::int64_t grad_rows = 0, grad_columns = 0, token_loss_count = 0;
   double logged_loss = 0.0;
   std::int64_t logged_num_tokens = 0;
+  std::int64_t token_value_rows = 0, token_value_columns = 0;
+  double logged_statistics[LV_MAX_LOGGED_STATISTICS] = {};
+  std::int32_t logged_statistics_count = 0;
   std::int32_t device_guards_intact = 1;  // CUDA outputs: the host checked their canaries on the device
   char error[1024] = {};
 };

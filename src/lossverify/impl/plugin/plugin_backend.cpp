@@ -9,6 +9,7 @@
 #include <mutex>
 #include <optional>
 #include <random>
+#include <string_view>
 #include <vector>
 
 #include "lossverify/core/errors.hpp"
@@ -58,6 +59,26 @@ lv_loss_config abi_loss(const LossSpec& loss) {
   config.temperature = loss.temperature;
   config.t2_scaling = loss.t2_scaling ? 1 : 0;
   return config;
+}
+
+// Where each of a kind's per-token inputs (LossKind::token_inputs, by their export names) goes in the ABI: the
+// columns of RegionLayout::token_inputs, lv_rank_inputs' old_logprob, ref_logprob and advantages.
+constexpr std::string_view kAbiTokenInputs[plugin_host::kTokenInputs] = {"old_logprob", "ref_logprob", "advantages"};
+
+std::vector<std::size_t> abi_token_input_columns(const LossSpec& loss) {
+  std::vector<std::size_t> columns;
+  for (const std::string& name : kind_of(loss).token_inputs(loss)) {
+    const auto* at = std::find(std::begin(kAbiTokenInputs), std::end(kAbiTokenInputs), name);
+    if (at == std::end(kAbiTokenInputs)) throw InternalError("the plugin ABI has no per-row input " + name);
+    columns.push_back(static_cast<std::size_t>(at - std::begin(kAbiTokenInputs)));
+  }
+  return columns;
+}
+
+std::string names_of(const std::vector<std::string>& names) {
+  std::string list;
+  for (const std::string& name : names) append_to_list(list, name);
+  return list;
 }
 
 const char* element_name(std::int64_t e) { return e == LV_ELEMENT_F32 ? "f32" : e == LV_ELEMENT_F64 ? "f64" : "i64"; }
@@ -125,6 +146,7 @@ class PluginRank {
     sizes.teacher = kind_of(case_.loss).inputs().teacher_logits;
     sizes.rows = in.rows();
     sizes.grad_bytes = in.logits.size();
+    sizes.token_values = kind_of(case_.loss).token_quantities().size();
     layout_ = region_layout(sizes);
     std::uint8_t canary[ph::kCanaryBytes];
     for (std::size_t k = 0; k < ph::kCanaryBytes; k += 8) {
@@ -132,13 +154,14 @@ class PluginRank {
       std::memcpy(canary + k, &word, 8);
     }
     const SharedRegion region(layout_, canary);
-    fill(region, in);
+    fill(region, in, inputs);
     std::unique_ptr<PluginHostProcess> host = host_pool().take(plugin_.spec);
     if (!host) {
       host = std::make_unique<PluginHostProcess>(plugin_.path, plugin_.params, PluginHostProcess::Mode::serve);
       await_hello(*host, region);
     }
-    const ph::Run run = describe(in, canary, valid, *cp);
+    const auto sequences = static_cast<std::int64_t>(inputs.batch().sequences().size());
+    const ph::Run run = describe(in, canary, valid, sequences, *cp);
     host->send(run, region.fd());
     out_.generate_seconds = seconds_since(start);
 
@@ -161,7 +184,7 @@ class PluginRank {
     throw InternalError("plugin " + printable(plugin_.spec) + ": " + what);  // the rank's world names the rank
   }
 
-  void fill(const SharedRegion& region, const RankInputs& in) const {
+  void fill(const SharedRegion& region, const RankInputs& in, const InputSource& inputs) const {
     std::memcpy(region.at(layout_.params), plugin_.params.c_str(), plugin_.params.size() + 1);
     put(region, layout_.micro_batch_begin, in.assignment.micro_batch_begin);
     put(region, layout_.logits, in.logits);
@@ -170,9 +193,34 @@ class PluginRank {
     put(region, layout_.loss_mask, in.loss_mask);
     put(region, layout_.upstream, in.upstream_weights);
     put(region, layout_.tokens, in.tokens);
+    put(region, layout_.sequences, in.sequences);
+    fill_token_inputs(region, in, inputs);
   }
 
-  ph::Run describe(const RankInputs& in, const std::uint8_t* canary, std::int64_t valid, Communicator& cp) const {
+  // The kind's per-token inputs of every row, as export-inputs writes them (0 on CP padding rows), one column
+  // per ABI array; the region is zero-filled, so columns the kind does not read stay 0.
+  void fill_token_inputs(const SharedRegion& region, const RankInputs& in, const InputSource& inputs) const {
+    const std::vector<std::size_t> columns = abi_token_input_columns(case_.loss);
+    if (columns.empty()) return;
+    const LossKind& kind = kind_of(case_.loss);
+    auto* base = reinterpret_cast<float*>(region.at(layout_.token_inputs));
+    const std::int64_t rows = in.rows();
+#pragma omp parallel num_threads(options_.threads) if (options_.threads > 1)
+    {
+      std::vector<float> values(columns.size());
+#pragma omp for schedule(dynamic, 16)
+      for (std::int64_t i = 0; i < rows; ++i) {
+        const std::int64_t token = in.tokens[static_cast<std::size_t>(i)];
+        if (token < 0) continue;
+        kind.token_input_values(case_, inputs, token, values);
+        for (std::size_t k = 0; k < columns.size(); ++k)
+          base[static_cast<std::int64_t>(columns[k]) * rows + i] = values[k];
+      }
+    }
+  }
+
+  ph::Run describe(const RankInputs& in, const std::uint8_t* canary, std::int64_t valid, std::int64_t sequences,
+                   Communicator& cp) const {
     const LayoutSpec& layout = case_.layout;
     const RankCoordinates& at = in.assignment.coordinates;
     ph::Run r;
@@ -193,10 +241,12 @@ class PluginRank {
     r.vocab_end = in.assignment.vocab.end;
     r.rows = in.rows();
     r.global_valid_tokens = valid;
+    r.num_sequences = sequences;
     r.dtype = abi_dtype(in.dtype);
     r.device = plugin_.device_memory() ? options_.device : -1;
     r.has_teacher = kind_of(case_.loss).inputs().teacher_logits ? 1 : 0;
     r.loss = abi_loss(case_.loss);
+    kind_of(case_.loss).plugin_settings(case_.loss, r.loss, r.policy);
     r.framework.grad_reduce_avg = case_.framework.grad_reduce == FrameworkSpec::GradReduce::avg ? 1 : 0;
     r.framework.ga_reduce_mean = case_.framework.ga_reduce == FrameworkSpec::GaReduce::mean ? 1 : 0;
     Communicator* groups[4] = {&groups_.tp, &cp, &groups_.dp, &groups_.batch};
@@ -336,19 +386,42 @@ class PluginRank {
       fail("wrote outside its output buffers: the bytes before its " + touched +
            " changed (a write before that buffer, or far past the one before it)");
     }
-    if (done.device_guards_intact == 0) fail("wrote outside its gradient or per-row loss buffer on the GPU");
+    if (done.device_guards_intact == 0)
+      fail("wrote outside its gradient, per-row loss or per-row value buffer on the GPU");
     const bool logs_loss = case_.loss.reduction != Reduction::none;
     if (logs_loss && done.has_logged_loss == 0) {
       fail("reduction " + std::string(to_string(case_.loss.reduction)) +
            " logs a loss, but the plugin set has_logged_loss = 0");
     }
     if (done.logged_num_tokens < 0) fail("logged a negative token count " + std::to_string(done.logged_num_tokens));
+    // The kind's per-row values and statistics: only a plugin that declares the kind (a plugin built with these
+    // outputs) is given a case of a kind that has them.
+    const LossKind& kind = kind_of(case_.loss);
+    const auto values = static_cast<std::int64_t>(kind.token_quantities().size());
+    if (values > 0 && (done.token_value_rows != rows || done.token_value_columns != values)) {
+      fail("wrote " + std::to_string(done.token_value_rows) + " x " + std::to_string(done.token_value_columns) +
+           " per-row values (token_value_rows x token_value_columns), but the rank holds " + std::to_string(rows) +
+           " rows of " + std::to_string(values) + " values (" + names_of(kind.token_quantities()) + ")");
+    }
+    const auto statistics = static_cast<std::int32_t>(kind.logged_statistics().size());
+    if (statistics > LV_MAX_LOGGED_STATISTICS) {
+      throw InternalError("loss kind " + std::string(kind.name()) +
+                          " logs more statistics than the plugin ABI carries");
+    }
+    if (statistics > 0 && done.logged_statistics_count != statistics) {
+      fail("wrote " + std::to_string(done.logged_statistics_count) +
+           " logged statistics (logged_statistics_count), but this loss logs " + std::to_string(statistics) + " (" +
+           names_of(kind.logged_statistics()) + ")");
+    }
     out_.grad.assign(region.at(layout_.grad), region.at(layout_.grad) + layout_.grad_bytes);
     out_.token_loss.resize(static_cast<std::size_t>(rows));
     std::memcpy(out_.token_loss.data(), region.at(layout_.token_loss), layout_.token_loss_bytes);
     out_.has_reduced_loss = logs_loss;
     out_.reduced_loss = static_cast<float>(done.logged_loss);
     out_.logged_valid_tokens = done.logged_num_tokens;
+    out_.token_values.resize(static_cast<std::size_t>(rows * values));
+    if (values > 0) std::memcpy(out_.token_values.data(), region.at(layout_.token_values), layout_.token_values_bytes);
+    out_.logged_stats.assign(done.logged_statistics, done.logged_statistics + statistics);
   }
 
   double collective_seconds(const Communicator& cp) const {

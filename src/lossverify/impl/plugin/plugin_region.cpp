@@ -41,6 +41,8 @@ plugin_host::RegionLayout region_layout(const RegionSizes& s) {
   l.loss_mask = take(rows);
   l.upstream = take(rows * 8);
   l.tokens = take(rows * 8);
+  l.sequences = take(rows * 8);
+  l.token_inputs = take(rows * 4 * plugin_host::kTokenInputs);
   l.staging_bytes = s.staging_bytes;
   l.staging = take(s.staging_bytes);
   // Each output ends at a page end, with a guard page before its first page and after its last.
@@ -55,6 +57,8 @@ plugin_host::RegionLayout region_layout(const RegionSizes& s) {
   place(s.grad_bytes, l.grad, l.guard_pages[0], l.guard_pages[1]);
   l.token_loss_bytes = rows * 4;
   place(rows * 4, l.token_loss, l.guard_pages[2], l.guard_pages[3]);
+  l.token_values_bytes = rows * 4 * s.token_values;
+  place(l.token_values_bytes, l.token_values, l.guard_pages[4], l.guard_pages[5]);
   l.bytes = at;
   return l;
 }
@@ -76,7 +80,8 @@ SharedRegion::SharedRegion(const plugin_host::RegionLayout& layout, const std::u
   }
   data_ = static_cast<std::byte*>(p);
   for (const auto& [guard, output] :
-       {std::pair{layout.guard_pages[0], layout.grad}, std::pair{layout.guard_pages[2], layout.token_loss}}) {
+       {std::pair{layout.guard_pages[0], layout.grad}, std::pair{layout.guard_pages[2], layout.token_loss},
+        std::pair{layout.guard_pages[4], layout.token_values}}) {
     for (std::uint64_t k = slack_begin(guard, layout.page_bytes); k < output; ++k) {
       data_[k] = std::byte{canary_[k % plugin_host::kCanaryBytes]};
     }
@@ -93,7 +98,8 @@ std::string SharedRegion::touched_canary() const {
     std::uint64_t guard, output;
     const char* name;
   } outputs[] = {{layout_.guard_pages[0], layout_.grad, "gradient buffer (outputs->grad)"},
-                 {layout_.guard_pages[2], layout_.token_loss, "per-row loss buffer (outputs->token_loss)"}};
+                 {layout_.guard_pages[2], layout_.token_loss, "per-row loss buffer (outputs->token_loss)"},
+                 {layout_.guard_pages[4], layout_.token_values, "per-row value buffer (outputs->token_values)"}};
   for (const auto& o : outputs) {
     for (std::uint64_t k = slack_begin(o.guard, layout_.page_bytes); k < o.output; ++k) {
       if (data_[k] != std::byte{canary_[k % plugin_host::kCanaryBytes]}) return o.name;
@@ -103,13 +109,17 @@ std::string SharedRegion::touched_canary() const {
 }
 
 std::string SharedRegion::guard_hit(std::uint64_t offset) const {
-  // The two middle pages touch: a hit on the second is a write far past the gradient or just before the losses.
+  // Neighbouring outputs' pages touch: a hit on the one between them is a write far past the first output or
+  // just before the second.
   const char* what[] = {"before the start of its gradient buffer (outputs->grad)",
                         "past the end of its gradient buffer (outputs->grad)",
                         "outside its output buffers, between its gradient (outputs->grad) and per-row loss "
                         "(outputs->token_loss) buffers",
-                        "past the end of its per-row loss buffer (outputs->token_loss)"};
-  for (int k = 0; k < 4; ++k) {
+                        "past the end of its per-row loss buffer (outputs->token_loss)",
+                        "outside its output buffers, between its per-row loss (outputs->token_loss) and per-row "
+                        "value (outputs->token_values) buffers",
+                        "past the end of its per-row value buffer (outputs->token_values)"};
+  for (int k = 0; k < 2 * plugin_host::kOutputs; ++k) {
     if (offset >= layout_.guard_pages[k] && offset < layout_.guard_pages[k] + layout_.page_bytes) return what[k];
   }
   return "";

@@ -1,6 +1,6 @@
 #pragma once
 // The memory lossverify shares with a plugin host for one rank's call (host_protocol.hpp, RegionLayout): the
-// rank's inputs, its two outputs between guard pages with the run's canary before each, and the staging area
+// rank's inputs, its three outputs between guard pages with the run's canary before each, and the staging area
 // of its all-reduces. An anonymous memory file: it travels to the host as a descriptor and dies with both.
 #include <cstddef>
 #include <cstdint>
@@ -17,6 +17,7 @@ struct RegionSizes {
   bool teacher = false;
   std::int64_t rows = 0;
   std::size_t grad_bytes = 0;
+  std::size_t token_values = 0;  // per row: the kind's per-row values (LossKind::token_quantities)
   std::size_t staging_bytes = std::size_t{4} << 20;
 };
 

@@ -12,6 +12,7 @@
 #include "lossverify/kinds/policy/policy_inputs.hpp"
 #include "lossverify/kinds/policy/policy_options.hpp"
 #include "lossverify/kinds/policy/policy_parts.hpp"
+#include "lossverify/plugin.h"
 
 namespace lossverify {
 
@@ -148,6 +149,27 @@ class PolicyKind final : public LossKind {
   }
 
   void cpu_micro_batch(const CpuMicroBatch& batch) const override { policy_cpu_micro_batch(batch); }
+  static_assert(static_cast<int>(PolicyOptions::Kl::k3) == LV_KL_K3 &&
+                    static_cast<int>(Aggregation::seq_mean_token_sum_norm) == LV_AGGREGATION_SEQ_MEAN_TOKEN_SUM_NORM &&
+                    static_cast<int>(Aggregation::seq_mean_token_mean) == LV_AGGREGATION_SEQ_MEAN_TOKEN_MEAN,
+                "the ABI's enumerations follow PolicyOptions' order");
+  std::optional<int> plugin_kind() const override { return LV_LOSS_POLICY; }
+  void plugin_settings(const LossSpec& spec, lv_loss_config& loss, lv_policy_config& policy) const override {
+    const PolicyOptions& o = policy_options(spec);
+    policy.objective = o.objective == Objective::logprob ? LV_POLICY_OBJECTIVE_LOGPROB : LV_POLICY_OBJECTIVE_LOSS;
+    policy.temperature = o.temperature;
+    loss.temperature = o.temperature;
+    policy.clip_low = o.clip_low;
+    policy.clip_high = o.clip_high;
+    policy.dual_clip = o.dual_clip;
+    policy.kl_penalty = static_cast<lv_kl_penalty>(static_cast<int>(o.kl));  // none, k1, k2, k3 in both
+    policy.kl_coef = o.kl_coef;
+    policy.entropy_coef = o.entropy_coef;
+    policy.aggregation = static_cast<lv_aggregation>(static_cast<int>(o.aggregation));  // the same order
+    policy.norm_constant = o.aggregation == Aggregation::seq_mean_token_sum_norm ? o.norm_constant : 0.0;
+    policy.whiten_advantages = o.whiten_advantages ? 1 : 0;
+    policy.whiten_epsilon = o.whiten_epsilon;
+  }
 
  private:
   static void parse_surrogate(detail::ObjectReader& r, PolicyOptions& o) {

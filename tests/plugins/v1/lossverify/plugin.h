@@ -1,0 +1,181 @@
+/* lossverify plugin ABI: a shared library that computes one rank's sharded loss, judged by lossverify.
+ *
+ *   lossverify run CASE.json --impl plugin:./libmy_loss.so[?PARAMS]
+ *
+ * lossverify loads the library, calls lossverify_plugin() once, and for every rank of the case's layout
+ * calls run_rank() with the rank's own copy of its inputs (the float64 reference never reads memory a plugin
+ * could write) and a table of collectives over the rank's TP, CP, DP and DP x CP groups (threads, MPI
+ * processes or NCCL underneath). The plugin returns the rank's per-row losses, its logged loss and token
+ * count, and the gradient of its logits shard; lossverify compares every element with the float64 reference
+ * exactly as it compares its own kernels (docs/spec.md: the layouts, the framework model, the checks).
+ *
+ * What a rank computes (the same contract as lossverify's built-in kernels and a dump's tensors):
+ *   - token_loss[i]: the loss of local row i as it enters the reduction, unweighted (0 on rows whose
+ *     loss_mask is 0, CP padding included);
+ *   - grad: d(local objective)/d(logits) of the rank's shard, as autograd would give it, where the local
+ *     objective is what the rank back-propagates. The effective gradient, grad x framework factor
+ *     (grad_reduce avg: 1/(DP*CP); ga_reduce mean: 1/GA), must equal dL/dx of the global objective L
+ *     (mean: sum over valid tokens / N_v; sum; none: sum of upstream_weights[t] * loss[t]);
+ *   - logged_loss: L as the rank would log it (every rank the same global value; none: not logged);
+ *   - logged_num_tokens: N_v, the global count of rows whose loss_mask is 1.
+ * Rows of micro-batch k are [micro_batch_begin[k], micro_batch_begin[k+1]); each micro-batch is one
+ * forward/backward of the rank, and its gradient rows are the rank's gradient for those rows.
+ *
+ * Parameters: PARAMS, the text after '?', is the plugin's own (the examples take '&'-separated key=value
+ * items, e.g. "bug=smoothing-partition-vocab"). check_params, when set, vets it once at load time, so a bad
+ * parameter is a usage error (exit code 2) before any rank runs.
+ *
+ * CUDA plugins: link the shared CUDA runtime (nvcc -cudart shared), as lossverify does: one runtime in the
+ * process. Inputs are in device memory when run_rank is called, and an all-reduce's result is in device
+ * memory when allreduce returns (lossverify synchronizes its copies). Before calling allreduce, and before
+ * returning from run_rank, finish the work that produces the data (lossverify copies on the legacy default
+ * stream, which does not wait for non-blocking streams).
+ *
+ * Versioning: abi_version must equal LV_PLUGIN_ABI_VERSION of the lossverify that loads the plugin, or the
+ * load fails (exit code 2) naming both versions. Structures only grow at the end within one version.
+ * Where it runs: in a plugin host, a child process of lossverify (lossverify-plugin-host) that loads the library
+ * and serves the rank's calls; inputs and outputs are in memory shared with lossverify. lossverify takes a rank's
+ * outputs only when run_rank has returned: an exit(), _exit(), quick_exit() or a crash anywhere in the plugin
+ * (static constructors, lossverify_plugin, check_params, run_rank, a thread it started) ends the host, and the
+ * run fails with exit code 3 naming the plugin, the rank and when (docs/plugins.md, "Faults").
+ * Errors: return nonzero from run_rank with a message in outputs->error (exit code 3, naming the plugin and
+ * the rank). Sizes written must match: grad_rows x grad_columns and token_loss_count are checked, and a write
+ * before or past an output buffer is detected. After run_rank returns, the collectives table refuses every
+ * call (group_size and group_rank return -1, allreduce nonzero), and a late all-reduce fails the run.
+ */
+#ifndef LOSSVERIFY_PLUGIN_H
+#define LOSSVERIFY_PLUGIN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define LV_PLUGIN_ABI_VERSION 1u
+
+/* Element types of logits and gradients (the case's input dtype; gradients are written in it too). */
+/* clang-format off: the field comments are aligned by hand */
+typedef enum lv_dtype { LV_DTYPE_F32 = 0, LV_DTYPE_BF16 = 1, LV_DTYPE_F16 = 2 } lv_dtype;
+
+/* Where a plugin wants its inputs and outputs. LV_MEMORY_CUDA: device memory of the GPU `device`
+ * (cudaSetDevice has been called on the calling thread). */
+typedef enum lv_memory { LV_MEMORY_HOST = 0, LV_MEMORY_CUDA = 1 } lv_memory;
+
+typedef enum lv_loss_kind { LV_LOSS_CROSS_ENTROPY = 0, LV_LOSS_KD = 1 } lv_loss_kind;
+/* Bits of lv_plugin.losses. */
+#define LV_SUPPORTS_CROSS_ENTROPY (1u << LV_LOSS_CROSS_ENTROPY)
+#define LV_SUPPORTS_KD (1u << LV_LOSS_KD)
+
+typedef enum lv_reduction { LV_REDUCTION_MEAN = 0, LV_REDUCTION_SUM = 1, LV_REDUCTION_NONE = 2 } lv_reduction;
+
+/* Label smoothing with alpha: pytorch q = (1-a)[v=l] + a/V; megatron q = (1-a)[v=l] + a/(V-1)[v!=l]. */
+typedef enum lv_smoothing_convention { LV_SMOOTHING_PYTORCH = 0, LV_SMOOTHING_MEGATRON = 1 } lv_smoothing_convention;
+
+typedef struct lv_loss_config {
+  lv_loss_kind kind;
+  lv_reduction reduction;
+  /* cross-entropy */
+  double label_smoothing;
+  lv_smoothing_convention smoothing_convention;
+  double z_loss_weight; /* loss += w_z lse^2 */
+  double softcap;       /* > 0: logits become c tanh(x / c) */
+  int64_t ignore_index; /* labels of rows that do not count */
+  /* KD: k = T^s KL(softmax(teacher / T) || softmax(student / T)), s = 2 when t2_scaling */
+  double temperature;
+  int32_t t2_scaling;
+} lv_loss_config;
+
+/* How the framework combines rank gradients (the effective gradient is grad x this model's factor). */
+typedef struct lv_framework {
+  int32_t grad_reduce_avg; /* 1: averaged over DP x CP (DDP/FSDP); 0: summed */
+  int32_t ga_reduce_mean;  /* 1: micro-batch gradients averaged; 0: summed */
+} lv_framework;
+
+/* The groups a rank communicates in. TP: same tokens, other vocabulary columns. CP: same DP rank, other
+ * sequence chunks. DP: same TP and CP coordinates. DP_CP: every rank holding other tokens (same TP rank). */
+typedef enum lv_group { LV_GROUP_TP = 0, LV_GROUP_CP = 1, LV_GROUP_DP = 2, LV_GROUP_DP_CP = 3 } lv_group;
+typedef enum lv_element { LV_ELEMENT_F32 = 0, LV_ELEMENT_F64 = 1, LV_ELEMENT_I64 = 2 } lv_element;
+typedef enum lv_reduce_op { LV_REDUCE_SUM = 0, LV_REDUCE_MAX = 1 } lv_reduce_op;
+
+typedef struct lv_collectives {
+  void* context; /* pass back unchanged */
+  /* In-place all-reduce of `count` elements at `data`, which lives in the plugin's declared memory. Every
+   * rank of the group must call it with the same count, element and op. Results are reduced in rank order,
+   * so they are the same on every rank and from run to run. Device memory is copied through the host with
+   * synchronous copies on the legacy default stream: finish the work that produces `data` first.
+   * Returns 0; nonzero when the run is failing (another rank failed, the deadlock guard fired): the plugin
+   * should then return nonzero from run_rank at once. */
+  int (*allreduce)(void* context, lv_group group, void* data, int64_t count, lv_element element, lv_reduce_op op);
+  int (*group_size)(void* context, lv_group group);
+  int (*group_rank)(void* context, lv_group group);
+} lv_collectives;
+
+typedef struct lv_rank_inputs {
+  size_t struct_size; /* sizeof(lv_rank_inputs) of the lossverify that calls */
+  /* coordinates */
+  int32_t world_rank, world_size;
+  int32_t tp, cp, dp;                /* this rank's coordinates */
+  int32_t tp_size, cp_size, dp_size; /* the layout */
+  int32_t ga;                        /* micro-batches */
+  /* the shard */
+  int64_t vocab_size;               /* V, the global vocabulary */
+  int64_t vocab_begin, vocab_end;   /* this rank's columns [begin, end) */
+  int64_t rows;                     /* local rows of all micro-batches, CP padding included */
+  const int64_t* micro_batch_begin; /* ga + 1 offsets into the rows; host memory */
+  int64_t global_valid_tokens;      /* N_v, as a framework's loader counts it before the step */
+  lv_dtype dtype;
+  lv_memory memory; /* where the arrays below live (the plugin's declared memory) */
+  int32_t device;   /* CUDA device ordinal when memory is LV_MEMORY_CUDA, else -1 */
+  /* Arrays are never NULL for the losses they belong to (a rank with no rows gets valid empty arrays). The
+   * plugin may scribble on them: they are its own copies, and the reference never reads them. */
+  const void* logits;             /* rows x (vocab_end - vocab_begin), row major, in dtype */
+  const void* teacher_logits;     /* KD: as logits; NULL for cross-entropy */
+  const int64_t* labels;          /* rows: the global label, or ignore_index (ignored, masked, padding) */
+  const uint8_t* loss_mask;       /* rows: 1 when the row counts in the loss */
+  const double* upstream_weights; /* rows: g_t of reduction none, 1 otherwise, 0 on padding rows */
+  const int64_t* tokens;          /* rows: the global token, -1 on CP padding rows */
+  lv_loss_config loss;
+  lv_framework framework;
+  const char* params; /* the text after '?' in --impl plugin:PATH?PARAMS; "" when none */
+} lv_rank_inputs;
+
+typedef struct lv_rank_outputs {
+  size_t struct_size; /* sizeof(lv_rank_outputs) of the lossverify that calls */
+  /* Both zero-filled. Rows whose loss_mask is 0 must end exactly zero (leave them or write zeros). */
+  void* grad;        /* rows x columns in dtype, in the declared memory */
+  float* token_loss; /* rows float32 values, in the declared memory */
+  /* Set by the plugin: */
+  int64_t grad_rows, grad_columns; /* what it wrote: must be rows and vocab_end - vocab_begin */
+  int64_t token_loss_count;        /* must be rows */
+  int32_t has_logged_loss;         /* 0 for reduction none */
+  double logged_loss;
+  int64_t logged_num_tokens;
+  char error[1024]; /* a message when run_rank returns nonzero (NUL-terminated) */
+} lv_rank_outputs;
+
+typedef struct lv_plugin {
+  uint32_t abi_version;    /* LV_PLUGIN_ABI_VERSION */
+  const char* name;        /* short name for reports */
+  const char* description; /* one line: what it implements */
+  lv_memory memory;        /* where run_rank wants its inputs and outputs */
+  uint32_t losses;         /* LV_SUPPORTS_* bits; other losses are not run (gate: not applicable) */
+  /* Called once per rank, concurrently from several threads (thread ranks) or once per process (MPI).
+   * Returns 0 on success. */
+  int (*run_rank)(const lv_rank_inputs* inputs, lv_rank_outputs* outputs, const lv_collectives* collectives);
+  /* Optional (NULL: any PARAMS is accepted): returns 0 when PARAMS is one the plugin understands, else
+   * nonzero with a message in error (error_size bytes, NUL-terminated). */
+  int (*check_params)(const char* params, char* error, size_t error_size);
+} lv_plugin;
+
+/* The symbol lossverify looks up. The returned object must live as long as the library is loaded. */
+#define LV_PLUGIN_ENTRY_POINT "lossverify_plugin"
+typedef const lv_plugin* (*lv_plugin_entry)(void);
+/* clang-format on */
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* LOSSVERIFY_PLUGIN_H */
