@@ -156,11 +156,13 @@ class PolicyReturnModesTest(unittest.TestCase):
         self.assertEqual(report.verdict, "pass", report.table())
         self.assertEqual(report.invariance.verdict, "pass")
 
-    def test_a_nan_log_probability_is_the_functions_error(self):
-        with self.assertRaises(UserFunctionError) as caught:
-            lvt.check(fns.policy_nan_logprob, case_path(GRPO))
-        self.assertIn("LogProbs(logprob=...) is nan at row", str(caught.exception))
-        self.assertEqual(caught.exception.exit_code, 3)
+    def test_a_nan_log_probability_fails_its_checks_as_in_a_dump(self):
+        # a value, not the function's error: the same verdict as check-dump gives the same numbers
+        report = lvt.check(fns.policy_nan_logprob, case_path(GRPO))
+        self.assertEqual(report.verdict, "fail")
+        for name in ("logprob", "finite", "loss", "grad"):
+            self.assertEqual(report.check(name).verdict, "fail", report.table())
+        self.assertEqual(report.check("entropy").verdict, "pass", report.table())
 
     def test_wrong_shape_and_unknown_statistic_are_named(self):
         for fn, text in ((fns.policy_wrong_entropy_shape, "LogProbs(entropy=...) must be a floating-point tensor "

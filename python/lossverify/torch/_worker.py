@@ -30,6 +30,14 @@ from lossverify.layout import framework_factor
 from lossverify.torch._launch import RETURNS, Job, Launch  # noqa: F401 - the records ranks receive
 from lossverify.torch.context import POLICY_STATS, Context, FrameworkConfig, LogProbs, LossConfig, MicroBatch, Reduced
 from lossverify.torch.policy import masked, policy_terms, statistics_parts
+
+
+def dumped_values(values, valid):
+    """Per-token values as the dump holds them: finite values on masked rows become 0, as a framework's mask
+    makes them; a NaN or an infinity stays wherever it is and fails the check of its quantity, as the same value
+    does in check-dump (a framework's masked mean turns it into a NaN loss)."""
+    values = values.detach()
+    return torch.where(valid | ~torch.isfinite(values), values, torch.zeros_like(values))
 from lossverify.torch.policy import token_loss as policy_token_loss
 
 
@@ -471,11 +479,6 @@ class _StepLog:
         value = value.reshape(rows)
         if needs_grad and not value.requires_grad:
             fail(f"{what} does not require grad: it does not depend on the logits")
-        bad = (valid & ~torch.isfinite(value.detach())).nonzero()
-        if bad.numel():
-            row = int(bad[0])
-            fail(f"{what} is {value[row].item()} at row {row} (a valid token; {bad.numel()} such rows): "
-                 "log-probabilities and entropies must be finite where the loss counts")
         return value
 
     def _add_logprobs(self, result, rows, ctx, fail):
@@ -508,9 +511,9 @@ class _StepLog:
         self.logged_parts.append((token_loss.detach().double() * forward).sum())
         self._add_statistics(statistics_parts(terms, h, valid, self.num_valid))
         self.loss_dtype = torch.float32
-        per_token = {"token_logprob": masked(logprob.detach(), valid)}
+        per_token = {"token_logprob": dumped_values(logprob, valid)}
         if entropy is not None:
-            per_token["token_entropy"] = masked(entropy.detach(), valid)
+            per_token["token_entropy"] = dumped_values(entropy, valid)
         return objective, token_loss.detach(), per_token
 
     def _add_statistics(self, parts):
@@ -540,7 +543,7 @@ class _StepLog:
         for name in ("logprob", "entropy"):
             if policy_fields[name] is not None:
                 value = self._per_token(policy_fields[name], f"Reduced({name}=...)", rows, valid, fail, False)
-                per_token[f"token_{name}"] = masked(value.detach(), valid)
+                per_token[f"token_{name}"] = dumped_values(value, valid)
         if result.stats is not None:
             if not isinstance(result.stats, dict):
                 fail(f"Reduced(stats=...) must be a dict of {', '.join(POLICY_STATS)}, got "
