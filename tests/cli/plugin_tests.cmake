@@ -108,8 +108,19 @@ lossverify_cli_test(plugin_v1_smoothing_pytorch 0 "verdict: pass"
 lossverify_cli_test(plugin_v1_refuses_policy 2 "the plugin plugin:.*v1_cross_entropy.* does not compute policy losses"
   --absent ${OUT}/plugin_v1_policy.json
   -- ${LV} run ${CASES}/rl-grpo-tp2-dp2-ga2.json --impl plugin:${V1_PLUGIN} --report ${OUT}/plugin_v1_policy.json)
-lossverify_cli_test(plugin_faulty_refuses_policy 2 "the plugin plugin:.*faulty.* does not compute policy losses"
-  -- ${LV} run ${CASES}/rl-logprob-entropy-tp4.json --impl plugin:${FAULTY})
+# The policy kind's outputs: per-row values and logged statistics of the wrong sizes, or written past their
+# buffer, are exit 3 naming the plugin and the rank.
+function(lossverify_plugin_policy_fault name regex fault)
+  lossverify_cli_test(plugin_policy_fault_${name} 3 ${regex} --within 30 --absent ${OUT}/plugin_policy_${name}.json
+    -- ${LV} run ${CASES}/rl-grpo-tp2-dp2-ga2.json --impl "plugin:${FAULTY}?fault=${fault}" --timeout 2
+       --report ${OUT}/plugin_policy_${name}.json)
+endfunction()
+lossverify_plugin_policy_fault(values "rank 1: plugin plugin:.*: wrote [0-9]+ x 2 per-row values" values@1)
+lossverify_plugin_policy_fault(statistics "rank 2: plugin plugin:.*: wrote 3 logged statistics" statistics@2)
+lossverify_plugin_policy_fault(values_overrun "rank 0: plugin plugin:.*: wrote past the end of its per-row value buffer"
+  values-overrun@0)
+lossverify_plugin_policy_fault(values_far "rank 3: plugin plugin:.*: wrote past the end of its per-row value buffer"
+  values-far@3)
 lossverify_cli_test(plugin_bad_parameter 2 "the plugin refuses its parameters \"bug=nope\": unknown parameter"
   -- ${LV} run ${PLUGIN_CASE} --impl "plugin:${CPU_PLUGIN}?bug=nope")
 lossverify_cli_test(plugin_host_on_cuda 2 "--backend cuda: the plugin .* computes in host memory"

@@ -5,7 +5,9 @@
 //                element-mismatch (f64 where the others all-reduce f32), op-mismatch (max where they sum),
 //                huge-count (2^40 elements)
 //   outputs:     rows, losses, unlogged, overrun (8 bytes past the gradient), guard-value (the old guard byte
-//                0xA5 past it), underrun (8 bytes before it), overrun-far (past the gradient's guard page)
+//                0xA5 past it), underrun (8 bytes before it), overrun-far (past the gradient's guard page);
+//                of a policy case: values (one row too many), statistics (a count of 3), values-overrun (8
+//                bytes past the per-row values), values-far (into the guard page after them)
 //   after return, on a thread it started: thread-exit, thread-crash, late-allreduce
 //   at load (no rank): params-exit, params-crash (check_params); and, from the environment variable
 //   LOSSVERIFY_TEST_LOAD_FAULT, ctor-exit, ctor-crash (a static constructor), entry-exit, entry-crash
@@ -146,6 +148,15 @@ int run_rank(const lv_rank_inputs* in, lv_rank_outputs* out, const lv_collective
     const long page = ::sysconf(_SC_PAGESIZE);
     std::memset(grad + bytes + page + 16, 0x11, 8);  // past the guard page after the gradient
   }
+  if (in->loss.kind == LV_LOSS_POLICY) {  // zeros of the right sizes, unless the fault says otherwise
+    out->token_value_rows = in->rows + (mine && fault.kind == "values" ? 1 : 0);
+    out->token_value_columns = LV_POLICY_VALUES;
+    out->logged_statistics_count = mine && fault.kind == "statistics" ? 3 : LV_POLICY_STATS;
+    char* values = reinterpret_cast<char*>(out->token_values);
+    const std::size_t value_bytes = static_cast<std::size_t>(in->rows) * LV_POLICY_VALUES * sizeof(float);
+    if (mine && fault.kind == "values-overrun") std::memset(values + value_bytes, 0x11, 8);
+    if (mine && fault.kind == "values-far") std::memset(values + value_bytes + ::sysconf(_SC_PAGESIZE) - 8, 0x11, 8);
+  }
   if (mine && (fault.kind == "thread-exit" || fault.kind == "thread-crash" || fault.kind == "late-allreduce")) {
     after_return(fault.kind, c);
   }
@@ -166,7 +177,7 @@ const lv_plugin plugin = {LV_PLUGIN_ABI_VERSION,
                           "faulty",
                           "misbehaves on purpose (tests)",
                           LV_MEMORY_HOST,
-                          LV_SUPPORTS_CROSS_ENTROPY | LV_SUPPORTS_KD,
+                          LV_SUPPORTS_CROSS_ENTROPY | LV_SUPPORTS_KD | LV_SUPPORTS_POLICY,
                           run_rank,
                           check_params};
 
