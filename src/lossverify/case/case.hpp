@@ -85,7 +85,7 @@ struct RowOverride {
   std::int64_t token = 0;
   std::vector<double> logits;  // empty: keep the generated row
   std::optional<std::int64_t> label;
-  // The kind's per-token inputs set by name (LossKind::token_inputs: a policy loss's old_logprob...).
+  // The kind's per-token inputs set by name (the kind's token_inputs(): a policy loss's old_logprob...).
   std::map<std::string, double> token_inputs;
 };
 

@@ -195,7 +195,7 @@ class Loader {
       values[t] = value;
       return;
     }
-    if (values[t] == value) return;
+    if (values[t] == value || (values[t] != values[t] && value != value)) return;  // NaN agrees with NaN
     std::ostringstream a, b;
     a << static_cast<double>(values[t]);
     b << static_cast<double>(value);
@@ -363,26 +363,11 @@ class Loader {
     const auto rows = static_cast<std::int64_t>(mb.rows.size());
     expect_rows(t, rows);
     const std::vector<double> values = doubles(t);
-    std::vector<float>& global = data_.token_inputs[k];
     for (std::int64_t i = 0; i < rows; ++i) {
       const std::int64_t token = mb.rows[static_cast<std::size_t>(i)];
       if (token < 0) continue;
-      const auto value = static_cast<float>(values[static_cast<std::size_t>(i)]);
-      Owner& o = token_input_owner_[k][static_cast<std::size_t>(token)];
-      float& held = global[static_cast<std::size_t>(token)];
-      if (o.rank < 0) {
-        if (labels_.empty() || labels_.back() != t.label) labels_.push_back(t.label);
-        o = Owner{rank.world_rank, i, labels_.size() - 1};
-        held = value;
-      } else if (!(held == value || (std::isnan(held) && std::isnan(value)))) {
-        std::ostringstream a, b;
-        a << held;
-        b << value;
-        throw DumpError(token_input_names_[k] + " of token " + std::to_string(token) + " disagree between ranks " +
-                        std::to_string(o.rank) + " and " + std::to_string(rank.world_rank) +
-                        " of one TP group: " + a.str() + " at row " + std::to_string(o.row) + " of " +
-                        labels_[o.label] + ", " + b.str() + " at row " + std::to_string(i) + " of " + t.label);
-      }
+      agree(token_input_owner_[k], data_.token_inputs[k], token,
+            static_cast<float>(values[static_cast<std::size_t>(i)]), rank, i, t.label, token_input_names_[k].c_str());
     }
   }
 

@@ -47,30 +47,7 @@ std::string rank_file_name(int rank) { return "rank" + std::to_string(rank) + ".
 // needs every tensor).
 bool has_teacher(const Case& c) { return kind_of(c.loss).inputs().teacher_logits; }
 
-// The kind's per-token inputs of the rank's rows (LossKind::token_inputs; 0 on padding rows), one column each.
-std::vector<std::vector<float>> token_input_columns(const Case& c, const InputSource& inputs, const RankInputs& in,
-                                                    int threads) {
-  const LossKind& kind = kind_of(c.loss);
-  const std::size_t width = kind.token_inputs(c.loss).size();
-  const auto rows = static_cast<std::size_t>(in.rows());
-  std::vector<std::vector<float>> columns(width, std::vector<float>(rows, 0.0f));
-  if (width == 0) return columns;
-#pragma omp parallel num_threads(std::max(1, threads))
-  {
-    std::vector<float> values(width);
-#pragma omp for schedule(dynamic, 16)
-    for (std::int64_t i = 0; i < in.rows(); ++i) {
-      const std::int64_t token = in.tokens[static_cast<std::size_t>(i)];
-      if (token < 0) continue;
-      kind.token_input_values(c, inputs, token, values);
-      for (std::size_t k = 0; k < width; ++k) columns[k][static_cast<std::size_t>(i)] = values[k];
-    }
-  }
-  return columns;
-}
-
-std::vector<TensorToWrite> rank_tensors(const Case& c, const RankInputs& in,
-                                        const std::vector<std::vector<float>>& token_inputs) {
+std::vector<TensorToWrite> rank_tensors(const Case& c, const RankInputs& in) {
   const std::vector<std::int64_t> shard_shape = {in.rows(), in.columns()};
   const std::vector<std::int64_t> rows_shape = {in.rows()};
   std::vector<TensorToWrite> tensors = {
@@ -88,7 +65,7 @@ std::vector<TensorToWrite> rank_tensors(const Case& c, const RankInputs& in,
   }
   const std::vector<std::string> names = kind_of(c.loss).token_inputs(c.loss);
   for (std::size_t k = 0; k < names.size(); ++k) {
-    tensors.push_back(tensor_to_write(names[k], TensorDType::f32, rows_shape, token_inputs[k]));
+    tensors.push_back(tensor_to_write(names[k], TensorDType::f32, rows_shape, in.token_inputs[k]));
   }
   return tensors;
 }
@@ -98,8 +75,7 @@ void write_rank(const Case& c, const InputSource& inputs, RankAssignment assignm
                 int threads) {
   const int rank = assignment.world_rank;
   const RankInputs in = make_rank_inputs(c, inputs, std::move(assignment), threads);
-  const std::vector<std::vector<float>> token_inputs = token_input_columns(c, inputs, in, threads);
-  write_safetensors((fs::path(dir) / rank_file_name(rank)).string(), rank_tensors(c, in, token_inputs),
+  write_safetensors((fs::path(dir) / rank_file_name(rank)).string(), rank_tensors(c, in),
                     {{"format", kInputsFormat}, {"rank", std::to_string(rank)}});
 }
 

@@ -40,7 +40,7 @@ struct ScalarSpec {
 };
 
 // The per-row tensors of one micro-batch (keys of a "tensors" object); a kind adds its per-token inputs
-// (LossKind::token_inputs) and "token_" + each of its per-token quantities (LossKind::token_quantities).
+// (the kind's token_inputs()) and "token_" + each of its per-token quantities (the kind's token_quantities()).
 inline constexpr const char* kRowTensors[] = {"logits",     "grad_logits",    "labels",     "loss_mask",
                                               "token_loss", "teacher_logits", "grad_output"};
 inline std::string token_quantity_tensor(const std::string& quantity) { return "token_" + quantity; }
@@ -59,7 +59,7 @@ struct RankSpec {
   std::vector<MicroBatchSpec> micro_batches;  // GA of them
   ScalarSpec loss;                            // the logged (reduced) loss
   ScalarSpec num_tokens;                      // the logged valid-token count
-  std::vector<ScalarSpec> statistics;         // the kind's logged statistics (LossKind::logged_statistics)
+  std::vector<ScalarSpec> statistics;         // the kind's logged statistics (the kind's logged_statistics())
   std::string json_path;
   std::int64_t row_count() const;
   std::string describe() const;  // "rank 3 (tp=1 cp=0 dp=1, $.ranks[3])"
@@ -72,8 +72,8 @@ struct Dumped {
   bool num_tokens = false;
   bool loss_mask = false;
   bool grad_output = false;
-  std::vector<char> token_quantities;  // per LossKind::token_quantities: its "token_" tensor
-  std::vector<char> statistics;        // per LossKind::logged_statistics: its value in "stats"
+  std::vector<char> token_quantities;  // per the kind's token_quantities(): its "token_" tensor
+  std::vector<char> statistics;        // per the kind's logged_statistics(): its value in "stats"
 };
 
 struct Manifest {

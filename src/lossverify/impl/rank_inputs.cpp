@@ -2,6 +2,8 @@
 
 #include "lossverify/kinds/loss_kind.hpp"
 
+#include <algorithm>
+
 #include "lossverify/comm/progress_beacon.hpp"
 
 namespace lossverify {
@@ -24,6 +26,27 @@ void fill_logits(const InputSource& inputs, const RankAssignment& a, bool teache
       inputs.teacher_logits(row.token, vocab.begin, vocab.end, dst);
     } else {
       inputs.logits(row.token, vocab.begin, vocab.end, dst);
+    }
+  }
+}
+
+// The kind's per-token inputs of every row (a policy loss's cost one float64 pass over the token's row).
+void fill_token_inputs(const Case& c, const InputSource& inputs, RankInputs& in, int threads) {
+  const LossKind& kind = kind_of(c.loss);
+  const std::size_t width = kind.token_inputs(c.loss).size();
+  in.token_inputs.assign(width, std::vector<float>(static_cast<std::size_t>(in.rows()), 0.0f));
+  if (width == 0) return;
+  ProgressBeacon* const beacon = ProgressBeacon::current();  // captured on the rank thread
+#pragma omp parallel num_threads(std::max(1, threads))
+  {
+    std::vector<float> values(width);
+#pragma omp for schedule(dynamic, 16)
+    for (std::int64_t i = 0; i < in.rows(); ++i) {
+      beat_row(beacon, i);
+      const std::int64_t token = in.tokens[static_cast<std::size_t>(i)];
+      if (token < 0) continue;
+      kind.token_input_values(c, inputs, token, values);
+      for (std::size_t k = 0; k < width; ++k) in.token_inputs[k][static_cast<std::size_t>(i)] = values[k];
     }
   }
 }
@@ -56,6 +79,7 @@ RankInputs make_rank_inputs(const Case& c, const InputSource& inputs, RankAssign
     in.positions.push_back(row.position);
     in.upstream_weights.push_back(!real ? 0.0 : weighted ? inputs.upstream_weight(row.token) : 1.0);
   }
+  fill_token_inputs(c, inputs, in, threads);
   return in;
 }
 

@@ -27,6 +27,8 @@ struct RankInputs {
   std::vector<std::int64_t> sequences;   // sequence index in the global batch
   std::vector<std::int64_t> positions;   // position in the (padded) sequence
   std::vector<double> upstream_weights;  // g_t of reduction none, 1 otherwise, 0 on padding
+  // The kind's per-token inputs (its token_inputs(), in that order), one column of rows values each, 0 on padding.
+  std::vector<std::vector<float>> token_inputs;
 
   std::int64_t rows() const { return static_cast<std::int64_t>(assignment.rows.size()); }
   std::int64_t columns() const { return assignment.vocab.size(); }

@@ -20,7 +20,7 @@ struct ExplicitInputs {
   std::vector<std::byte> teacher;    // N x V (KD only; empty otherwise)
   std::vector<std::int64_t> labels;  // N labels (cross-entropy; the ignore_index where ignored)
   std::vector<char> loss_mask;       // N: 1 = the token counts (before the label test), 0 = masked out
-  // The kind's per-token inputs (LossKind::token_inputs), in its order, N values each.
+  // The kind's per-token inputs (the kind's token_inputs()), in its order, N values each.
   std::vector<std::vector<float>> token_inputs;
 };
 
@@ -32,7 +32,7 @@ class InputSource {
   // its loss, shape, dtype and batch are). Sizes must match the case: N x V x dtype size, N labels/masks.
   InputSource(const Case& c, ExplicitInputs data);
   bool is_explicit() const { return explicit_; }
-  // Explicit mode: the kind's per-token input `index` (LossKind::token_inputs), N values; empty otherwise.
+  // Explicit mode: the kind's per-token input `index` (the kind's token_inputs()), N values; empty otherwise.
   std::span<const float> explicit_token_input(std::size_t index) const {
     return index < explicit_token_inputs_.size() ? std::span<const float>(explicit_token_inputs_[index])
                                                  : std::span<const float>();

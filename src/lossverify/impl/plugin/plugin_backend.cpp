@@ -61,7 +61,7 @@ lv_loss_config abi_loss(const LossSpec& loss) {
   return config;
 }
 
-// Where each of a kind's per-token inputs (LossKind::token_inputs, by their export names) goes in the ABI: the
+// Where each of a kind's per-token inputs (the kind's token_inputs(), by their export names) goes in the ABI: the
 // columns of RegionLayout::token_inputs, lv_rank_inputs' old_logprob, ref_logprob and advantages.
 constexpr std::string_view kAbiTokenInputs[plugin_host::kTokenInputs] = {"old_logprob", "ref_logprob", "advantages"};
 
@@ -154,7 +154,7 @@ class PluginRank {
       std::memcpy(canary + k, &word, 8);
     }
     const SharedRegion region(layout_, canary);
-    fill(region, in, inputs);
+    fill(region, in);
     std::unique_ptr<PluginHostProcess> host = host_pool().take(plugin_.spec);
     if (!host) {
       host = std::make_unique<PluginHostProcess>(plugin_.path, plugin_.params, PluginHostProcess::Mode::serve);
@@ -184,7 +184,7 @@ class PluginRank {
     throw InternalError("plugin " + printable(plugin_.spec) + ": " + what);  // the rank's world names the rank
   }
 
-  void fill(const SharedRegion& region, const RankInputs& in, const InputSource& inputs) const {
+  void fill(const SharedRegion& region, const RankInputs& in) const {
     std::memcpy(region.at(layout_.params), plugin_.params.c_str(), plugin_.params.size() + 1);
     put(region, layout_.micro_batch_begin, in.assignment.micro_batch_begin);
     put(region, layout_.logits, in.logits);
@@ -194,28 +194,16 @@ class PluginRank {
     put(region, layout_.upstream, in.upstream_weights);
     put(region, layout_.tokens, in.tokens);
     put(region, layout_.sequences, in.sequences);
-    fill_token_inputs(region, in, inputs);
+    fill_token_inputs(region, in);
   }
 
-  // The kind's per-token inputs of every row, as export-inputs writes them (0 on CP padding rows), one column
-  // per ABI array; the region is zero-filled, so columns the kind does not read stay 0.
-  void fill_token_inputs(const SharedRegion& region, const RankInputs& in, const InputSource& inputs) const {
+  // The kind's per-token inputs of every row (RankInputs::token_inputs, as export-inputs writes them), each
+  // into its ABI array; the region is zero-filled, so arrays the kind does not read stay 0.
+  void fill_token_inputs(const SharedRegion& region, const RankInputs& in) const {
     const std::vector<std::size_t> columns = abi_token_input_columns(case_.loss);
-    if (columns.empty()) return;
-    const LossKind& kind = kind_of(case_.loss);
-    auto* base = reinterpret_cast<float*>(region.at(layout_.token_inputs));
-    const std::int64_t rows = in.rows();
-#pragma omp parallel num_threads(options_.threads) if (options_.threads > 1)
-    {
-      std::vector<float> values(columns.size());
-#pragma omp for schedule(dynamic, 16)
-      for (std::int64_t i = 0; i < rows; ++i) {
-        const std::int64_t token = in.tokens[static_cast<std::size_t>(i)];
-        if (token < 0) continue;
-        kind.token_input_values(case_, inputs, token, values);
-        for (std::size_t k = 0; k < columns.size(); ++k)
-          base[static_cast<std::int64_t>(columns[k]) * rows + i] = values[k];
-      }
+    const std::uint64_t column_bytes = static_cast<std::uint64_t>(in.rows()) * sizeof(float);
+    for (std::size_t k = 0; k < columns.size(); ++k) {
+      put(region, layout_.token_inputs + columns[k] * column_bytes, in.token_inputs[k]);
     }
   }
 

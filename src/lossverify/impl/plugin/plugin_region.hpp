@@ -17,7 +17,7 @@ struct RegionSizes {
   bool teacher = false;
   std::int64_t rows = 0;
   std::size_t grad_bytes = 0;
-  std::size_t token_values = 0;  // per row: the kind's per-row values (LossKind::token_quantities)
+  std::size_t token_values = 0;  // per row: the kind's per-row values (the kind's token_quantities())
   std::size_t staging_bytes = std::size_t{4} << 20;
 };
 

@@ -20,7 +20,7 @@ struct PolicyTokenInputs {
   float advantage = 0.0f;  // before whitening
 };
 
-// Their names in exports and dumps (LossKind::token_inputs), in the order of explicit inputs.
+// Their names in exports and dumps (the kind's token_inputs()), in the order of explicit inputs.
 inline constexpr const char* kPolicyTokenInputNames[] = {"old_logprob", "ref_logprob", "advantages"};
 
 // The token's inputs (a masked token keeps only its sequence's advantage). Explicit inputs (a dump's) are
