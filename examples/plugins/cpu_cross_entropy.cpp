@@ -37,8 +37,9 @@ using namespace lossverify_example::cpu;
 constexpr std::string_view kSmoothingPartitionVocab = "bug=smoothing-partition-vocab";
 constexpr std::string_view kKlNoGrad = "bug=rl-kl-no-grad";
 constexpr std::string_view kTemperatureOneSide = "bug=rl-temperature-one-side";
+constexpr std::string_view kGspoCpLocalRatio = "bug=rl-gspo-cp-local-ratio";
 constexpr std::initializer_list<std::string_view> kParameters = {kSmoothingPartitionVocab, kKlNoGrad,
-                                                                 kTemperatureOneSide};
+                                                                 kTemperatureOneSide, kGspoCpLocalRatio};
 
 struct Options {
   // Megatron-LM's vocab-parallel smoothing before PR #5522: the smoothing constants use the shard width V_p
@@ -53,6 +54,7 @@ Options parse_options(const char* params) {
   options.smoothing_partition_vocab = has_parameter(given, kSmoothingPartitionVocab);
   options.policy.kl_no_grad = has_parameter(given, kKlNoGrad);
   options.policy.temperature_one_side = has_parameter(given, kTemperatureOneSide);
+  options.policy.gspo_cp_local_ratio = has_parameter(given, kGspoCpLocalRatio);
   return options;
 }
 
@@ -337,9 +339,10 @@ const lv_plugin kPlugin = {
     LV_PLUGIN_ABI_VERSION,
     "example-cpu-cross-entropy",
     "example plugin: vocabulary-parallel cross-entropy, KD and the RL policy loss on the host "
-    "(bug=smoothing-partition-vocab, bug=rl-kl-no-grad, bug=rl-temperature-one-side available)",
+    "(bug=smoothing-partition-vocab, bug=rl-kl-no-grad, bug=rl-temperature-one-side, bug=rl-gspo-cp-local-ratio "
+    "available)",
     LV_MEMORY_HOST,
-    LV_SUPPORTS_CROSS_ENTROPY | LV_SUPPORTS_KD | LV_SUPPORTS_POLICY,
+    LV_SUPPORTS_CROSS_ENTROPY | LV_SUPPORTS_KD | LV_SUPPORTS_POLICY | LV_SUPPORTS_POLICY_SEQUENCE_RATIO,
     run_rank,
     check_params,
 };

@@ -9,6 +9,9 @@
 // it): lambda = (u_y - M) - log S and H = log S - E / S, the entropy in its shifted form. The gradient of the
 // local columns needs no further communication: dl/du_v = g ([v = y] - p_v) + c_H p_v (log p_v + H), with g the
 // objective's slope in lambda, times 1/T and the row's weight in the back-propagated objective.
+// Under ratio sequence (GSPO), two more all-reduces over the CP group per micro-batch, one value per sequence of the
+// step: [sum (lambda - old) | n_s] for rho_s, then Q_s = sum w_t (-A_t) over tokens whose unclipped term is taken,
+// for the true derivative dL/dlambda_u = rho_s Q_s / n_s (a sequence's chunks lie in one micro-batch of its CP group).
 #include "cpu_policy.hpp"
 
 #include "cpu_elements.hpp"
@@ -36,9 +39,9 @@ struct PolicyTerms {
   bool dual_clipped = false;
 };
 
-// rho = exp(lambda - old); surrogate = max(-rho A, -clip(rho) A), capped at -c A for A < 0; the KL estimators
-// of d = lambda - ref. Under objective logprob: -lambda.
-PolicyTerms policy_terms(float logprob, float old_logprob, float ref_logprob, float advantage,
+// rho = exp(log_ratio) (the token's lambda - old, or its sequence's mean); surrogate = max(-rho A, -clip(rho) A),
+// capped at -c A for A < 0; the KL estimators of d = lambda - ref. Under objective logprob: -lambda.
+PolicyTerms policy_terms(float logprob, float log_ratio, float ref_logprob, float advantage,
                          const lv_policy_config& p) {
   PolicyTerms t;
   if (p.objective == LV_POLICY_OBJECTIVE_LOGPROB) {
@@ -46,7 +49,7 @@ PolicyTerms policy_terms(float logprob, float old_logprob, float ref_logprob, fl
     t.surrogate_slope = -1.0f;
     return t;
   }
-  const float ratio = std::exp(logprob - old_logprob);
+  const float ratio = std::exp(log_ratio);
   const float low = 1.0f - static_cast<float>(p.clip_low);
   const float high = 1.0f + static_cast<float>(p.clip_high);
   const float unclipped = -ratio * advantage;
@@ -215,6 +218,48 @@ std::vector<PolicyRow> policy_rows(const lv_rank_inputs& in, Matrix<T> logits, R
   return rows;
 }
 
+// GSPO's sequence-level ratio, per sequence of the step: log rho_s (the mean of lambda - old over its valid
+// tokens), n_s, and Q_s = sum over them of w_t (-A_t) where t's unclipped term is the one taken (its slope in
+// rho), each summed over the CP group, which holds the sequence's other chunks.
+struct SequenceRatios {
+  std::vector<float> log_ratio, tokens, slope_sum;
+};
+
+SequenceRatios sequence_ratios(const lv_rank_inputs& in, RowRange range, const PolicyPlan& plan,
+                               const std::vector<PolicyRow>& rows, const PolicyBugs& bugs, const Collectives& comm) {
+  const auto b = static_cast<std::size_t>(in.num_sequences);
+  // rl-gspo-cp-local-ratio: each CP rank's ratio from its own chunks only.
+  auto over_cp = [&](std::vector<float>& v) {
+    if (!bugs.gspo_cp_local_ratio) allreduce(comm, LV_GROUP_CP, v, LV_REDUCE_SUM);
+  };
+  auto valid = [&](std::int64_t row) { return plan.batch.rows[static_cast<std::size_t>(row)].valid; };
+  auto sequence = [&](std::int64_t row) { return static_cast<std::size_t>(in.sequences[row]); };
+  std::vector<float> sums(2 * b, 0.0f);  // [sum (lambda - old) | valid tokens]
+  for (std::int64_t row = range.begin; row < range.end; ++row) {
+    if (!valid(row)) continue;
+    sums[sequence(row)] += rows[static_cast<std::size_t>(row - range.begin)].logprob - in.old_logprob[row];
+    sums[b + sequence(row)] += 1.0f;
+  }
+  over_cp(sums);
+  SequenceRatios s{std::vector<float>(b, 0.0f),
+                   std::vector<float>(sums.begin() + static_cast<std::ptrdiff_t>(b), sums.end()),
+                   std::vector<float>(b, 0.0f)};
+  for (std::size_t k = 0; k < b; ++k) {
+    if (s.tokens[k] > 0.0f) s.log_ratio[k] = sums[k] / s.tokens[k];
+  }
+  for (std::int64_t row = range.begin; row < range.end; ++row) {
+    if (!valid(row)) continue;
+    const float advantage = plan.advantages[static_cast<std::size_t>(row)];
+    const PolicyTerms t = policy_terms(rows[static_cast<std::size_t>(row - range.begin)].logprob,
+                                       s.log_ratio[sequence(row)], in.ref_logprob[row], advantage, in.policy);
+    if (!t.clipped && !t.dual_clipped) {
+      s.slope_sum[sequence(row)] += plan.batch.rows[static_cast<std::size_t>(row)].backward_weight * -advantage;
+    }
+  }
+  over_cp(s.slope_sum);
+  return s;
+}
+
 // The rank's share of the logged statistics, sum over its valid rows of s_t / N (LV_POLICY_STAT_* order).
 using Statistics = std::vector<double>;
 
@@ -227,6 +272,8 @@ void policy_micro_batch(const lv_rank_inputs& in, lv_rank_outputs& out, RowRange
   // rl-temperature-one-side: the policy's log-probabilities at T = 1 while the rollout's were taken at T.
   const float inverse_t = bugs.temperature_one_side ? 1.0f : static_cast<float>(1.0 / p.temperature);
   const std::vector<PolicyRow> rows = policy_rows(in, logits, range, plan.batch, inverse_t, comm);
+  const bool by_sequence = in.policy_ratio == LV_POLICY_RATIO_SEQUENCE && p.objective == LV_POLICY_OBJECTIVE_LOSS;
+  const SequenceRatios sequences = by_sequence ? sequence_ratios(in, range, plan, rows, bugs, comm) : SequenceRatios{};
   const auto kl_coef = static_cast<float>(p.kl_coef);
   const auto entropy_coef = static_cast<float>(p.entropy_coef);
   const double inverse_n = 1.0 / static_cast<double>(std::max<std::int64_t>(plan.batch.valid_tokens, 1));
@@ -236,8 +283,14 @@ void policy_micro_batch(const lv_rank_inputs& in, lv_rank_outputs& out, RowRange
     const RowPlan& row_plan = plan.batch.rows[static_cast<std::size_t>(row)];
     if (!row_plan.valid) continue;
     const PolicyRow& r = rows[static_cast<std::size_t>(i)];
-    const PolicyTerms t = policy_terms(r.logprob, in.old_logprob[row], in.ref_logprob[row],
-                                       plan.advantages[static_cast<std::size_t>(row)], p);
+    const std::size_t k = static_cast<std::size_t>(in.sequences[row]);
+    const float log_ratio = by_sequence ? sequences.log_ratio[k] : r.logprob - in.old_logprob[row];
+    PolicyTerms t =
+        policy_terms(r.logprob, log_ratio, in.ref_logprob[row], plan.advantages[static_cast<std::size_t>(row)], p);
+    if (by_sequence) {  // d L / d lambda_u = rho_s Q_s / n_s, per unit of the row's backward weight
+      const float w = row_plan.backward_weight;
+      t.surrogate_slope = w != 0.0f ? std::exp(log_ratio) * sequences.slope_sum[k] / (sequences.tokens[k] * w) : 0.0f;
+    }
     out.token_loss[row] = t.surrogate + kl_coef * t.kl - entropy_coef * r.entropy;
     out.token_values[row * LV_POLICY_VALUES + LV_POLICY_VALUE_LOGPROB] = r.logprob;
     out.token_values[row * LV_POLICY_VALUES + LV_POLICY_VALUE_ENTROPY] = r.entropy;

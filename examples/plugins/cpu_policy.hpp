@@ -11,6 +11,7 @@ namespace lossverify_example {
 struct PolicyBugs {
   bool kl_no_grad = false;            // rl-kl-no-grad (SkyRL #1353): the KL term without gradient
   bool temperature_one_side = false;  // rl-temperature-one-side (verl #3133): the policy's side at T = 1
+  bool gspo_cp_local_ratio = false;   // rl-gspo-cp-local-ratio: GSPO's sequence ratio without the CP all-reduces
 };
 
 // One rank's policy loss over all its micro-batches, inputs and outputs in host memory.

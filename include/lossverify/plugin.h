@@ -43,7 +43,9 @@
  * a plugin built before them loads and runs as it did, reading and writing only the prefix it knows.
  * lossverify runs a loss kind only on a plugin whose `losses` has its bit: a plugin built before the policy
  * loss cannot have set LV_SUPPORTS_POLICY, so it is never handed a policy case (run: exit code 2 naming it;
- * gate: not run), and lossverify reads the policy outputs only of a plugin that declares it. struct_size is
+ * gate: not run), and lossverify reads the policy outputs only of a plugin that declares it. Likewise a setting
+ * added later (policy_ratio, appended after the policy fields) reaches only a plugin that sets its capability
+ * bit (LV_SUPPORTS_POLICY_SEQUENCE_RATIO): one built before it is never handed ratio sequence. struct_size is
  * the size lossverify passes; a plugin that needs appended fields checks it (examples/plugins does).
  * Where it runs: in a plugin host, a child process of lossverify (lossverify-plugin-host) that loads the library
  * and serves the rank's calls; inputs and outputs are in memory shared with lossverify. lossverify takes a rank's
@@ -80,6 +82,9 @@ typedef enum lv_loss_kind { LV_LOSS_CROSS_ENTROPY = 0, LV_LOSS_KD = 1, LV_LOSS_P
 #define LV_SUPPORTS_CROSS_ENTROPY (1u << LV_LOSS_CROSS_ENTROPY)
 #define LV_SUPPORTS_KD (1u << LV_LOSS_KD)
 #define LV_SUPPORTS_POLICY (1u << LV_LOSS_POLICY) /* reads lv_rank_inputs.policy, writes token values, statistics */
+/* Capabilities beyond a loss kind (bits from 16 up; the kinds' bits, 1 << lv_loss_kind, stay below): a case whose
+ * settings need one is given only to a plugin that sets it (run: exit 2 naming the setting; gate: not run). */
+#define LV_SUPPORTS_POLICY_SEQUENCE_RATIO (1u << 16) /* the policy loss's lv_rank_inputs.policy_ratio sequence */
 
 typedef enum lv_reduction { LV_REDUCTION_MEAN = 0, LV_REDUCTION_SUM = 1, LV_REDUCTION_NONE = 2 } lv_reduction;
 
@@ -120,6 +125,13 @@ typedef enum lv_aggregation {
   LV_AGGREGATION_SEQ_MEAN_TOKEN_MEAN = 3,
   LV_AGGREGATION_SEQ_MEAN_TOKEN_SUM_NORM = 4 /* Dr. GRPO */
 } lv_aggregation;
+
+/* The importance ratio of the clipped surrogate: each token's own, rho_t = exp(lambda_t - old_t), or GSPO's per
+ * sequence, rho_s = exp((1/n_s) sum over the sequence's valid tokens t, all its CP chunks, of (lambda_t - old_t)),
+ * which every valid token of s uses in place of its own (in the surrogate and the clip statistics). The gradient is
+ * L's true derivative: the surrogate's part of dL/dlambda_u is (rho_s / n_s) Q_s, Q_s = sum over the valid t of s
+ * (all its CP chunks) of w_t (-A_t) [t's unclipped term is the one taken]; the KL and entropy terms stay per token. */
+typedef enum lv_policy_ratio { LV_POLICY_RATIO_TOKEN = 0, LV_POLICY_RATIO_SEQUENCE = 1 } lv_policy_ratio;
 
 typedef struct lv_policy_config {
   lv_policy_objective objective;
@@ -212,6 +224,9 @@ typedef struct lv_rank_inputs {
   const float* old_logprob; /* the rollout policy's log-probability of the row's label */
   const float* ref_logprob; /* the reference policy's, for the KL penalty */
   const float* advantages;  /* the row's (sequence's) advantage BEFORE whitening */
+  /* ---- Appended for the policy loss's ratio (within version 1; lv_policy_config cannot grow in place). A plugin
+   * is given LV_POLICY_RATIO_SEQUENCE only when it sets LV_SUPPORTS_POLICY_SEQUENCE_RATIO. */
+  int32_t policy_ratio; /* lv_policy_ratio; LV_POLICY_RATIO_TOKEN for every other loss and objective */
 } lv_rank_inputs;
 
 typedef struct lv_rank_outputs {

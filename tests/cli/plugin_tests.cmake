@@ -81,12 +81,12 @@ set_tests_properties(cli_plugin_cpu_gate cli_plugin_cpu_bug_gate cli_plugin_cpu_
 # ranks here; the gate above runs them with their sweeps) and, with each of its policy bugs, fails exactly where
 # golden says that bug fails, judged by the gate on the RL cases alone.
 set(RL_CASES ${OUT}/plugin_rl_cases)
-foreach(rl_case rl-grpo-tp2-dp2-ga2 rl-drgrpo-cp2-whiten rl-logprob-entropy-tp4)
+foreach(rl_case rl-grpo-tp2-dp2-ga2 rl-drgrpo-cp2-whiten rl-logprob-entropy-tp4 rl-gspo-cp2-tp2)
   string(MAKE_C_IDENTIFIER "${rl_case}" rl_test_name)
   lossverify_cli_test(plugin_cpu_${rl_test_name} 0 "verdict: pass"
     -- ${LV} run ${CASES}/${rl_case}.json --impl plugin:${CPU_PLUGIN} --threads 2)
 endforeach()
-foreach(rl_bug rl-kl-no-grad rl-temperature-one-side)
+foreach(rl_bug rl-kl-no-grad rl-temperature-one-side rl-gspo-cp-local-ratio)
   string(MAKE_C_IDENTIFIER "${rl_bug}" rl_test_name)
   add_test(NAME cli_plugin_cpu_bug_gate_${rl_test_name}
     COMMAND bash -c "rm -rf ${RL_CASES}_${rl_test_name} && mkdir -p ${RL_CASES}_${rl_test_name} && \
@@ -95,6 +95,22 @@ foreach(rl_bug rl-kl-no-grad rl-temperature-one-side)
         --expect ${rl_bug} --cases ${RL_CASES}_${rl_test_name} --golden ${PROJECT_SOURCE_DIR}/golden --threads 2")
   set_tests_properties(cli_plugin_cpu_bug_gate_${rl_test_name} PROPERTIES TIMEOUT 600)
 endforeach()
+# GSPO's sequence ratio (LV_SUPPORTS_POLICY_SEQUENCE_RATIO, lv_rank_inputs.policy_ratio): the example plugin passes
+# the case's sweep (CP 1 and 2, where the ratio's CP all-reduces matter). A plugin that computes the policy loss but
+# does not declare the bit (the faulty plugin) is refused before any work, naming the setting; the gate records it
+# as not run.
+lossverify_cli_test(plugin_cpu_gspo_sweep 0 "invariance: pass"
+  -- ${LV} run ${CASES}/rl-gspo-cp2-tp2.json --impl plugin:${CPU_PLUGIN} --sweep --threads 2)
+set_tests_properties(cli_plugin_cpu_gspo_sweep PROPERTIES TIMEOUT 600)
+lossverify_cli_test(plugin_refuses_sequence_ratio 2
+  "the plugin plugin:.*faulty.* does not implement the policy setting ratio sequence .*LV_SUPPORTS_POLICY_SEQUENCE_RATIO"
+  --absent ${OUT}/plugin_no_sequence_ratio.json
+  -- ${LV} run ${CASES}/rl-gspo-cp2-tp2.json --impl plugin:${FAULTY} --report ${OUT}/plugin_no_sequence_ratio.json)
+set(GSPO_CASES ${OUT}/plugin_gspo_cases)
+add_test(NAME cli_plugin_gate_skips_sequence_ratio
+  COMMAND bash -c "rm -rf ${GSPO_CASES} && mkdir -p ${GSPO_CASES} && cp ${CASES}/rl-gspo-cp2-tp2.json ${GSPO_CASES}/ && \
+    bash ${EXPECT} 0 'faulty_plugin[.]so +-$' -- ${LV} gate --impl plugin:${FAULTY} --cases ${GSPO_CASES} \
+      --golden ${PROJECT_SOURCE_DIR}/golden")
 # A plugin built before the policy loss (against the frozen version 1 header in tests/plugins/v1/) still loads
 # and passes cross-entropy, on thread ranks, over a CP sweep and under both smoothing conventions; a policy case is
 # refused before any work, naming the plugin and the loss, as for any plugin that does not declare the kind.

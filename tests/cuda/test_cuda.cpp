@@ -22,6 +22,7 @@
 #include "lossverify/impl/cuda/kernels.hpp"
 #include "lossverify/inputs/input_source.hpp"
 #include "lossverify/oracle/cuda/reference_kernels.hpp"
+#include "lossverify/reference/loss_reference.hpp"
 #include "lossverify/runner/run_case.hpp"
 #include "test_support.hpp"
 
@@ -192,7 +193,8 @@ TEST_CASE("cuda_kernel_bugs_fail_with_the_checks_golden_records_for_the_cpu") {
 }
 
 TEST_CASE("policy_kernels_give_the_golden_outcomes_of_every_rl_case_and_implementation") {
-  for (const char* name : {"rl-grpo-tp2-dp2-ga2", "rl-drgrpo-cp2-whiten", "rl-logprob-entropy-tp4"}) {
+  for (const char* name :
+       {"rl-grpo-tp2-dp2-ga2", "rl-drgrpo-cp2-whiten", "rl-logprob-entropy-tp4", "rl-gspo-cp2-tp2"}) {
     const Case c = load_case_file(std::string("cases/") + name + ".json");
     std::ifstream golden_file(std::string("golden/") + name + ".json");
     const nlohmann::json outcomes = nlohmann::json::parse(golden_file)["outcomes"];
@@ -413,7 +415,14 @@ TEST_CASE("gpu_float64_reference_agrees_with_the_cpu_reference") {
                                                       {"cp-zigzag-packed", "cp-roll-after-split"},
                                                       {"kd-tp4-temperature2", "kd-untracked-allreduce"},
                                                       {"large-logits-no-max-shift", "no-max-shift"},
-                                                      {"uneven-shards-v507-tp4", "full-vocab-through-tp"}};
+                                                      {"uneven-shards-v507-tp4", "full-vocab-through-tp"},
+                                                      {"rl-grpo-tp2-dp2-ga2", "correct"},
+                                                      {"rl-drgrpo-cp2-whiten", "correct"},
+                                                      {"rl-logprob-entropy-tp4", "correct"},
+                                                      {"rl-gspo-cp2-tp2", "correct"},
+                                                      {"rl-grpo-tp2-dp2-ga2", "rl-kl-no-grad"},
+                                                      {"rl-logprob-entropy-tp4", "rl-entropy-untracked-allreduce"},
+                                                      {"rl-gspo-cp2-tp2", "rl-gspo-cp-local-ratio"}};
   // At TP = 1 (whole rows of cross-entropy) the comparison takes each row's lse from the partials on the
   // device instead of the host's combine: the same pairs, one shard per token.
   const std::pair<const char*, const char*> whole_rows[] = {{"smoothing-pytorch", "correct"},
@@ -421,7 +430,9 @@ TEST_CASE("gpu_float64_reference_agrees_with_the_cpu_reference") {
                                                             {"softcap-gemma", "correct"},
                                                             {"cp-zigzag-packed", "cp-roll-after-split"},
                                                             {"large-logits-no-max-shift", "no-max-shift"},
-                                                            {"reduction-none-upstream", "correct"}};
+                                                            {"reduction-none-upstream", "correct"},
+                                                            {"rl-grpo-tp2-dp2-ga2", "correct"},
+                                                            {"rl-drgrpo-cp2-whiten", "rl-cp-extra-scale"}};
   std::vector<std::tuple<const char*, const char*, std::vector<std::string>>> all;
   for (const auto& [name, impl] : runs) all.emplace_back(name, impl, std::vector<std::string>{});
   for (const auto& [name, impl] : whole_rows) all.emplace_back(name, impl, std::vector<std::string>{"layout.tp=1"});
@@ -454,6 +465,65 @@ TEST_CASE("gpu_float64_reference_agrees_with_the_cpu_reference") {
         }
       }
     });
+  }
+}
+
+TEST_CASE("the_gpu_oracle_judges_a_token_at_a_clip_edge_by_either_reading_as_the_host_does") {
+  // Three tokens placed exactly on the edges that decide their branch (1 + eps_high with A > 0, 1 - eps_low
+  // and the dual clip with A < 0), their lambda from the host reference: the GPU oracle compares their rows
+  // a second time with the other reading and keeps the closer one, as the host oracle does.
+  nlohmann::json j = {{"name", "edges"},
+                      {"shape", {{"vocab", 300}}},
+                      {"batch", {{"sequence_lengths", {21, 9, 30, 12}}}},
+                      {"loss",
+                       {{"kind", "policy"},
+                        {"temperature", 0.7},
+                        {"clip_low", 0.2},
+                        {"clip_high", 0.28},
+                        {"dual_clip", 3.0},
+                        {"kl_penalty", "k3"},
+                        {"kl_coef", 0.05},
+                        {"entropy_coef", 0.01}}},
+                      {"inputs", {{"seed", 17}, {"scale", 2.0}, {"ignore_fraction", 0.2}}},
+                      {"layout", {{"tp", 2}, {"cp", 1}, {"dp", 1}, {"ga", 1}}},
+                      {"timeout_seconds", 60.0}};
+  const Case plain = testing::make_case(j);
+  const InputSource plain_inputs(plain);
+  const LossReference plain_reference(plain, plain_inputs);
+  std::vector<double> row(static_cast<std::size_t>(plain.shape.vocab)), grad(row.size());
+  const double edges[] = {1.28, 0.8, 3.0};
+  const double advantages[] = {1.0, -1.0, -1.0};
+  nlohmann::json overrides = nlohmann::json::array();
+  for (std::int64_t t = 0, k = 0; t < plain.shape.tokens && k < 3; ++t) {
+    if (!plain_inputs.is_valid(t)) continue;
+    plain_inputs.logits(t, 0, plain.shape.vocab, row.data());
+    std::vector<double> values(2);
+    plain_reference.row().token_values(t, plain_reference.evaluate(t, row, {}, grad).stats, values);
+    overrides.push_back({{"token", t}, {"old_logprob", values[0] - std::log(edges[k])}, {"advantages", advantages[k]}});
+    ++k;
+  }
+  j["inputs"]["overrides"] = overrides;
+  const Case c = testing::make_case(j);
+  for (const char* impl : {"correct", "rl-kl-no-grad"}) {
+    const std::string impl_name = impl;
+    CAPTURE(impl_name);
+    RunOptions options;
+    options.implementation = impl;
+    options.threads = 2;
+    options.device = RunOptions::Device::cuda;
+    options.reference = RunOptions::Reference::cpu;
+    const RunResult host = run_case(c, options);
+    options.reference = RunOptions::Reference::gpu;
+    const RunResult gpu = run_case(c, options);
+    CHECK(gpu.execution.reference == "gpu");
+    CHECK(gpu.verdict == (impl_name == "correct" ? Verdict::pass : Verdict::fail));
+    check_same_verdicts(host, gpu, 1e-6, [](const CheckResult& a, const CheckResult& b) {
+      if (a.name == "grad")
+        CHECK(a.metrics.value("either_branch_tokens", 0) == b.metrics.value("either_branch_tokens", 0));
+    });
+    for (const CheckResult& check : gpu.checks) {
+      if (check.name == "grad" && impl_name == "correct") CHECK(check.metrics.value("either_branch_tokens", 0) == 3);
+    }
   }
 }
 

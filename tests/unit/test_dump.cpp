@@ -638,7 +638,8 @@ TEST_CASE("check_dump_sweep_compares_layouts_of_one_problem") {
 }
 
 // Small policy cases with the shapes of the shipped ones: TP x DP x GA with the clip, dual clip, k3 and
-// temperature; CP x DP with Dr. GRPO's aggregation and whitening; a TP log-prob and entropy pass.
+// temperature; CP x DP with Dr. GRPO's aggregation and whitening; a TP log-prob and entropy pass; GSPO's
+// sequence ratio over TP x CP.
 Case policy_case(const std::string& name, const json& loss, const json& layout) {
   json j = {{"name", name},
             {"shape", {{"vocab", 301}}},
@@ -670,7 +671,15 @@ TEST_CASE("check-dump reproduces run for the policy kind: its inputs, per-token 
                                   {{"cp", 2}, {"dp", 2}});
   const Case logprob =
       policy_case("logprob", {{"objective", "logprob"}, {"entropy_coef", 0.02}, {"temperature", 1.3}}, {{"tp", 4}});
+  const Case gspo = policy_case("gspo",
+                                {{"ratio", "sequence"},
+                                 {"aggregation", "seq-mean-token-mean"},
+                                 {"kl_penalty", "k2"},
+                                 {"kl_coef", 0.05},
+                                 {"entropy_coef", 0.01}},
+                                {{"tp", 2}, {"cp", 2}});
   const std::pair<const Case*, std::vector<const char*>> runs[] = {
+      {&gspo, {"correct", "rl-kl-no-grad", "rl-gspo-cp-local-ratio"}},
       {&grpo,
        {"correct", "rl-temperature-one-side", "rl-token-mean-sample-weighted", "rl-fused-vocab-pad", "rl-kl-no-grad"}},
       {&drgrpo, {"correct", "rl-adv-whiten-dp-only", "rl-cp-extra-scale", "rl-drgrpo-batch-sum"}},

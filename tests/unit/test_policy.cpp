@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <map>
 #include <string>
@@ -451,4 +452,151 @@ TEST_CASE("a ratio within rounding of a clip edge is judged by either branch, an
   }
   // Accepting either branch at three tokens does not accept a wrong gradient elsewhere.
   CHECK(testing::run_with(c, "rl-kl-no-grad").verdict == Verdict::fail);
+}
+
+namespace {
+
+// GSPO's objective L = sum_t w_t l_t in long double from the definitions, over the whole step: every valid
+// token's lambda, each sequence's rho_s = e^(mean of lambda - old), the clipped surrogate at rho_s, the k3 KL
+// and the entropy bonus, with seq-mean-token-mean weights 1 / (B n_s). `logits` holds every token's row.
+long double gspo_objective(const Case& c, const InputSource& inputs, const std::vector<std::vector<double>>& logits) {
+  const long double t = 0.7L;
+  std::map<std::int64_t, std::vector<std::int64_t>> sequences;
+  for (std::int64_t k = 0; k < c.shape.tokens; ++k) {
+    if (inputs.is_valid(k)) sequences[inputs.batch().sequence_of(k)].push_back(k);
+  }
+  std::vector<long double> logprob(static_cast<std::size_t>(c.shape.tokens)), entropy(logprob.size());
+  for (const auto& [s, tokens] : sequences) {
+    for (std::int64_t k : tokens) {
+      const std::vector<double>& x = logits[static_cast<std::size_t>(k)];
+      long double max = -INFINITY, sum = 0, h = 0;
+      for (double v : x) max = std::max(max, static_cast<long double>(v) / t);
+      for (double v : x) sum += expl(static_cast<long double>(v) / t - max);
+      const long double lse = max + logl(sum);
+      for (double v : x) h -= expl(static_cast<long double>(v) / t - lse) * (static_cast<long double>(v) / t - lse);
+      logprob[static_cast<std::size_t>(k)] =
+          static_cast<long double>(x[static_cast<std::size_t>(inputs.label(k))]) / t - lse;
+      entropy[static_cast<std::size_t>(k)] = h;
+    }
+  }
+  long double total = 0;
+  const auto b = static_cast<long double>(sequences.size());
+  for (const auto& [s, tokens] : sequences) {
+    long double mean = 0;
+    for (std::int64_t k : tokens)
+      mean += logprob[static_cast<std::size_t>(k)] - policy_token_inputs(c, inputs, k).old_logprob;
+    const auto n = static_cast<long double>(tokens.size());
+    const long double ratio = expl(mean / n);
+    for (std::int64_t k : tokens) {
+      const PolicyTokenInputs in = policy_token_inputs(c, inputs, k);
+      const long double a = in.advantage;
+      const long double surrogate = std::max(-ratio * a, -std::clamp(ratio, 0.8L, 1.28L) * a);
+      const long double d = logprob[static_cast<std::size_t>(k)] - in.ref_logprob;
+      const long double l = surrogate + 0.05L * (expl(-d) + d - 1) - 0.01L * entropy[static_cast<std::size_t>(k)];
+      total += l / (b * n);
+    }
+  }
+  return total;
+}
+
+nlohmann::json gspo_json(int tp, int cp, int dp, int ga) {
+  nlohmann::json j = policy_json(tp, cp, dp, ga);
+  j["shape"]["vocab"] = 64;
+  j["loss"].erase("dual_clip");
+  j["loss"].erase("whiten_advantages");
+  j["loss"]["ratio"] = "sequence";
+  j["loss"]["aggregation"] = "seq-mean-token-mean";
+  return j;
+}
+
+}  // namespace
+
+TEST_CASE("GSPO: the reference's gradient is the derivative of the whole step's objective, rho_s included") {
+  // Tokens of sequences 0 and 2 get their own advantages of both signs, so A varies inside a sequence and
+  // some of its tokens are clipped while others are not: there the sequence ratio's derivative (each token's
+  // gradient sums its sequence's unclipped terms) differs from a token's own -rho_s A_t [unclipped].
+  nlohmann::json j = gspo_json(1, 1, 1, 1);
+  j["inputs"]["overrides"] = {{{"token", 2}, {"advantages", -1.5}},
+                              {{"token", 3}, {"advantages", 1.2}},
+                              {{"token", 33}, {"advantages", -0.9}},
+                              {{"token", 34}, {"advantages", 1.6}}};
+  const Case c = testing::make_case(j);
+  const InputSource inputs(c);
+  const LossReference reference(c, inputs);
+  std::vector<std::vector<double>> logits(static_cast<std::size_t>(c.shape.tokens),
+                                          std::vector<double>(static_cast<std::size_t>(c.shape.vocab)));
+  for (std::int64_t k = 0; k < c.shape.tokens; ++k)
+    inputs.logits(k, 0, c.shape.vocab, logits[static_cast<std::size_t>(k)].data());
+  // The reference's loss: sum_t w_t l_t.
+  long double logged = 0;
+  std::vector<double> grad(static_cast<std::size_t>(c.shape.vocab));
+  for (std::int64_t k = 0; k < c.shape.tokens; ++k) {
+    if (!inputs.is_valid(k)) continue;
+    const ReferenceToken got = reference.evaluate(k, logits[static_cast<std::size_t>(k)], {}, grad);
+    logged += got.weight * got.loss;
+  }
+  CHECK(static_cast<double>(logged) ==
+        doctest::Approx(static_cast<double>(gspo_objective(c, inputs, logits))).epsilon(1e-12));
+  // Central differences of the long-double objective at a few (token, column) pairs of several sequences.
+  int checked = 0;
+  for (std::int64_t k : {0, 2, 3, 11, 23, 33, 40, 61, 80}) {
+    if (!inputs.is_valid(k)) continue;
+    reference.evaluate(k, logits[static_cast<std::size_t>(k)], {}, grad);
+    for (std::int64_t v : {std::int64_t{0}, inputs.label(k), std::int64_t{37}}) {
+      auto& x = logits[static_cast<std::size_t>(k)][static_cast<std::size_t>(v)];
+      const double saved = x, h = 1e-4;
+      x = saved + h;
+      const long double up = gspo_objective(c, inputs, logits);
+      x = saved - h;
+      const long double down = gspo_objective(c, inputs, logits);
+      x = saved;
+      const auto numeric = static_cast<double>((up - down) / (2.0L * h));
+      CHECK(grad[static_cast<std::size_t>(v)] == doctest::Approx(numeric).epsilon(1e-6).scale(1e-9));
+      ++checked;
+    }
+  }
+  CHECK(checked >= 15);
+}
+
+TEST_CASE("GSPO: generated sequence ratios keep their margin, each token's own ratio spread around them") {
+  const Case c = testing::make_case(gspo_json(1, 1, 1, 1));
+  const InputSource inputs(c);
+  const LossReference reference(c, inputs);
+  std::map<std::int64_t, std::vector<double>> log_ratios;  // per sequence, each valid token's lambda - old
+  std::vector<double> x(static_cast<std::size_t>(c.shape.vocab)), grad(x.size());
+  for (std::int64_t k = 0; k < c.shape.tokens; ++k) {
+    if (!inputs.is_valid(k)) continue;
+    inputs.logits(k, 0, c.shape.vocab, x.data());
+    const ReferenceToken got = reference.evaluate(k, x, {}, grad);
+    std::vector<double> values(2);
+    reference.row().token_values(k, got.stats, values);
+    log_ratios[inputs.batch().sequence_of(k)].push_back(values[0] - policy_token_inputs(c, inputs, k).old_logprob);
+  }
+  int spread = 0;
+  for (const auto& [s, r] : log_ratios) {
+    double mean = 0;
+    for (double v : r) mean += v;
+    mean /= static_cast<double>(r.size());
+    const double ratio = std::exp(mean);
+    for (double edge : {0.8, 1.28}) CHECK(std::fabs(ratio - edge) > 0.015);
+    for (double v : r) spread += std::fabs(v - mean) > 0.01;
+  }
+  CHECK(spread > 30);
+}
+
+TEST_CASE("GSPO: the correct implementation passes over TP x CP x DP x GA; a CP-local ratio fails only at cp > 1") {
+  for (const auto& [tp, cp, dp, ga] : {std::array{1, 1, 1, 1}, std::array{2, 2, 1, 2}, std::array{1, 2, 2, 1}}) {
+    CAPTURE(tp);
+    CAPTURE(cp);
+    CAPTURE(dp);
+    CAPTURE(ga);
+    const Case c = testing::make_case(gspo_json(tp, cp, dp, ga));
+    CHECK(testing::run_with(c, "correct").verdict == Verdict::pass);
+    const RunResult local = testing::run_with(c, "rl-gspo-cp-local-ratio");
+    if (cp == 1) {
+      CHECK(local.verdict == Verdict::pass);
+    } else {
+      CHECK(failing(local) == std::vector<std::string>{"grad", "loss"});
+    }
+  }
 }

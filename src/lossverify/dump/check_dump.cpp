@@ -694,12 +694,14 @@ RunResult check_dump(const DumpProblem& p, const DumpCheckOptions& options) {
   run_thread_ranks(world_options, [&](Communicator& world) {
     const auto rank_start = Clock::now();
     const int rank = world.rank();
-    // The rank groups of run_case: TP group = same (cp, dp), ordered by tp; batch = same tp; dp = same (tp, cp).
+    // The rank groups of run_case: TP group = same (cp, dp), ordered by tp; batch = same tp; dp = same (tp, cp);
+    // cp = same (tp, dp).
     const RankCoordinates at = coordinates_of(rank, c.layout);
     const auto tp = world.split(at.dp * c.layout.cp + at.cp, at.tp);
     const auto batch = world.split(at.tp, rank);
     const auto dp = world.split(at.cp * c.layout.tp + at.tp, at.dp);
-    RankGroups groups{*tp, *batch, *dp};
+    const auto cp = world.split(at.dp * c.layout.tp + at.tp, at.cp);
+    RankGroups groups{*tp, *batch, *dp, *cp};
     ErrorMap map;
     const RankOutput& out = p.outputs[static_cast<std::size_t>(rank)];
     HostOracle oracle(c, *p.inputs, out, grad_judgement(c, out.dtype), threads);

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <mutex>
 
+#include "lossverify/case/case.hpp"
 #include "lossverify/impl/plugin/plugin_library.hpp"
 #include "lossverify/kinds/registry.hpp"
 
@@ -103,6 +104,11 @@ bool applies_to(const Implementation& impl, const LossKind* kind) {
       return std::find(impl.applies.kinds.begin(), impl.applies.kinds.end(), kind->name()) != impl.applies.kinds.end();
   }
   return false;
+}
+
+bool applies_to(const Implementation& impl, const LossSpec& loss) {
+  if (!applies_to(impl, loss.kind)) return false;
+  return impl.plugin == nullptr || missing_plugin_capability(*impl.plugin, loss).empty();
 }
 
 std::string applies_in_words(const Applies& applies) {

@@ -61,6 +61,7 @@ struct Applies {
 };
 
 struct PluginLibrary;  // impl/plugin/plugin_library.hpp
+struct LossSpec;       // case/case.hpp
 
 struct Implementation {
   std::string name;
@@ -90,6 +91,8 @@ BugSwitches switches_with(F set) {
 const Implementation* find_implementation(std::string_view name);
 // Whether the implementation's switches reach a loss kind's kernel at all.
 bool applies_to(const Implementation& impl, const LossKind* kind);
+// Whether it runs a case's loss: its kind, and for a plugin every capability the case's settings need.
+bool applies_to(const Implementation& impl, const LossSpec& loss);
 // The kinds an implementation applies to, in words ("cross_entropy", "kinds with labels", ...).
 std::string applies_in_words(const Applies& applies);
 

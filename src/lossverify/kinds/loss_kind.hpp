@@ -20,8 +20,7 @@
 #include "lossverify/layout/vocab_range.hpp"
 #include "lossverify/reference/row_partial.hpp"
 
-struct lv_loss_config;  // include/lossverify/plugin.h
-struct lv_policy_config;
+struct lv_rank_inputs;  // include/lossverify/plugin.h
 
 namespace lossverify {
 
@@ -99,11 +98,25 @@ class KindReference {
   }
   // sum_v d L / d x_v of a token of weight `weight`: the row-sum invariant; none where it does not hold.
   virtual std::optional<double> gradient_row_sum(const RowStats& stats, double weight) const = 0;
+  // For a row model with per-row coefficients (DeviceRowModel::row_coefficients): the token's a and b in
+  // d L / d x_v = (w / T) [a (delta_vy - p_v) + c p_v (log p_v + b)], and its gradient_scale (stats.branch
+  // picks the reading).
+  struct RowCoefficients {
+    double a = 0.0, b = 0.0, scale = 1.0;
+  };
+  virtual RowCoefficients row_coefficients(std::int64_t token, const RowStats& stats) const {
+    (void)token, (void)stats;
+    return {};
+  }
 };
 
 // The per-row model the GPU oracle's reference kernels evaluate: one softmax over x (softcapped) against
-// a target distribution q (on, off), with a z-loss term; or two softmaxes x / T and y / T (a teacher's).
+// a target distribution q (on, off), with a z-loss term; or two softmaxes x / T and y / T (a teacher's); or
+// one softmax over x / T with per-row coefficients from the kind's reference (row_coefficients: the policy
+// loss's (w / T) [a (delta_vy - p_v) + c p_v (log p_v + b)], its value pass sum_v p_v log p_v).
 struct DeviceRowModel {
+  bool row_coefficients = false;
+  double entropy_coef = 0.0;  // c
   bool teacher = false;
   double temperature = 1.0;
   double teacher_grad_scale = 1.0;  // the teacher model's gradient factor (KD: T^(s-1))
@@ -153,6 +166,8 @@ struct KindRowPlan {
   // Per local row, what the kind's kernels read besides the logits (a policy loss's old and reference
   // log-probabilities and whitened advantage), row major; the kind defines the width.
   std::vector<float> row_inputs;
+  // The step's number of sequences, for a kind whose kernels reduce per sequence (sized alike on every rank).
+  std::int64_t sequences = 0;
 };
 
 class LossKind {
@@ -235,10 +250,9 @@ class LossKind {
 
   // The C ABI's lv_loss_kind of this kind (include/lossverify/plugin.h); none: plugins cannot compute it.
   virtual std::optional<int> plugin_kind() const { return std::nullopt; }
-  // The kind's own settings in the ABI's structures, beyond the shared fields the plugin backend fills.
-  virtual void plugin_settings(const LossSpec& spec, lv_loss_config& loss, lv_policy_config& policy) const {
-    (void)spec, (void)loss, (void)policy;
-  }
+  // The kind's own settings in the ABI's lv_rank_inputs (its loss, policy, policy_ratio), beyond the shared
+  // fields the plugin backend fills; the plugin backend also reads them to see which capability bits a case needs.
+  virtual void plugin_settings(const LossSpec& spec, lv_rank_inputs& settings) const { (void)spec, (void)settings; }
 };
 
 }  // namespace lossverify

@@ -108,7 +108,7 @@ GateCell run_cell(const Case& c, const GateEntry& entry, const std::optional<jso
   // Where golden says the expected behaviour cannot reach this loss, the cell is not run (a plugin carrying a
   // cross-entropy bug on a KD case computes KD correctly, as the built-in switch does).
   const bool inapplicable = cell.expected && cell.expected->value("verdict", "") == "not_applicable";
-  const bool runs = applies_to(impl, c.loss.kind) && !inapplicable;
+  const bool runs = applies_to(impl, c.loss) && !inapplicable;
   if (!runs) {
     cell.verdict = "not_applicable";
   } else {
@@ -240,7 +240,7 @@ GateResult run_gate(const GateOptions& options) {
     }
     if (!c.sweep.empty()) {
       for (const GateEntry& entry : entries) {
-        if (entry.expected_as != "correct" || !applies_to(*entry.implementation, c.loss.kind)) continue;
+        if (entry.expected_as != "correct" || !applies_to(*entry.implementation, c.loss)) continue;
         GateSweep sweep = run_gate_sweep(c, *entry.implementation, golden, run_options, options.update_golden);
         new_golden["sweep"] = {{"verdict", sweep.verdict}, {"layouts", sweep.layouts}};
         result.mismatches += !sweep.matches;

@@ -87,11 +87,11 @@ RankAssignment assign_rank(const Case& c, const GlobalBatch& batch, int world_ra
 
 namespace {
 
-// The three communicators of a rank. TP group: same (cp, dp). Batch group (different tokens): same tp.
-// DP group: same (tp, cp). Collective over the world.
+// The four communicators of a rank. TP group: same (cp, dp). Batch group (different tokens): same tp.
+// DP group: same (tp, cp). CP group: same (tp, dp). Collective over the world.
 struct OwnedGroups {
-  std::unique_ptr<Communicator> tp, batch, dp;
-  RankGroups view() { return RankGroups{*tp, *batch, *dp}; }
+  std::unique_ptr<Communicator> tp, batch, dp, cp;
+  RankGroups view() { return RankGroups{*tp, *batch, *dp, *cp}; }
 };
 OwnedGroups make_groups(Communicator& world, const LayoutSpec& layout) {
   const RankCoordinates at = coordinates_of(world.rank(), layout);
@@ -99,6 +99,7 @@ OwnedGroups make_groups(Communicator& world, const LayoutSpec& layout) {
   g.tp = world.split(at.dp * layout.cp + at.cp, at.tp);
   g.batch = world.split(at.tp, world.rank());
   g.dp = world.split(at.cp * layout.tp + at.tp, at.dp);
+  g.cp = world.split(at.dp * layout.tp + at.tp, at.cp);
   return g;
 }
 
@@ -112,7 +113,11 @@ void check_fault_rank(const FaultInjection& fault, int world_size) {
 }
 
 void require_supported(const Implementation& impl, const Case& c) {
-  if (applies_to(impl, c.loss.kind)) return;
+  if (applies_to(impl, c.loss)) return;
+  if (impl.plugin != nullptr && applies_to(impl, c.loss.kind)) {
+    throw CaseError(c.source + ": the plugin " + impl.name + " does not implement " +
+                    missing_plugin_capability(*impl.plugin, c.loss));
+  }
   if (impl.plugin != nullptr) {
     throw CaseError(c.source + ": the plugin " + impl.name + " does not compute " +
                     std::string(to_string(c.loss.kind)) + " losses (its lv_plugin.losses)");
@@ -239,8 +244,9 @@ RankJob run_rank(const Case& c, const InputSource& inputs, const Implementation&
     nccl_batch = over_nccl(*owned.batch, cuda::NcclRole::batch);
     nccl_dp = over_nccl(*owned.dp, cuda::NcclRole::dp);
   }
+  // The CP group carries only a policy loss's per-sequence sums (a few floats per micro-batch): host always.
   RankGroups groups{nccl_tp ? *nccl_tp : *owned.tp, nccl_batch ? *nccl_batch : *owned.batch,
-                    nccl_dp ? *nccl_dp : *owned.dp};
+                    nccl_dp ? *nccl_dp : *owned.dp, *owned.cp};
   inject(options.fault, rank, true);
   CpuKernelOptions kernel_options;
   kernel_options.threads = threads;

@@ -368,6 +368,7 @@ lv_rank_inputs describe(const Run& r, std::byte* region, const Arrays& a, lv_mem
   in.old_logprob = static_cast<const float*>(a.token_inputs[0]);
   in.ref_logprob = static_cast<const float*>(a.token_inputs[1]);
   in.advantages = static_cast<const float*>(a.token_inputs[2]);
+  in.policy_ratio = r.policy_ratio;
   return in;
 }
 

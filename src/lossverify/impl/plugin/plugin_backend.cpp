@@ -135,9 +135,7 @@ class PluginRank {
     rank_ = in.assignment.world_rank;
     std::int64_t valid = 0;
     for (std::int64_t t = 0; t < case_.shape.tokens; ++t) valid += inputs.is_valid(t);
-    // The CP group: the batch group's ranks with this rank's DP coordinate.
-    const RankCoordinates& at = in.assignment.coordinates;
-    const std::unique_ptr<Communicator> cp = groups_.batch.split(at.dp, at.cp);
+    Communicator& cp = groups_.cp;
 
     RegionSizes sizes;
     sizes.params_bytes = plugin_.params.size() + 1;
@@ -161,15 +159,15 @@ class PluginRank {
       await_hello(*host, region);
     }
     const auto sequences = static_cast<std::int64_t>(inputs.batch().sequences().size());
-    const ph::Run run = describe(in, canary, valid, sequences, *cp);
+    const ph::Run run = describe(in, canary, valid, sequences, cp);
     host->send(run, region.fd());
     out_.generate_seconds = seconds_since(start);
 
     const auto compute_start = Clock::now();
-    const double collectives_before = collective_seconds(*cp);
-    const ph::Done done = converse(*host, region, run.header.token, *cp);
+    const double collectives_before = collective_seconds(cp);
+    const ph::Done done = converse(*host, region, run.header.token, cp);
     take_outputs(done, in, region);
-    out_.collective_seconds = collective_seconds(*cp) - collectives_before;
+    out_.collective_seconds = collective_seconds(cp) - collectives_before;
     out_.compute_seconds = seconds_since(compute_start) - out_.collective_seconds;
     session.host_ = std::move(host);
     session.spec_ = plugin_.spec;
@@ -233,8 +231,12 @@ class PluginRank {
     r.dtype = abi_dtype(in.dtype);
     r.device = plugin_.device_memory() ? options_.device : -1;
     r.has_teacher = kind_of(case_.loss).inputs().teacher_logits ? 1 : 0;
-    r.loss = abi_loss(case_.loss);
-    kind_of(case_.loss).plugin_settings(case_.loss, r.loss, r.policy);
+    lv_rank_inputs settings{};
+    settings.loss = abi_loss(case_.loss);
+    kind_of(case_.loss).plugin_settings(case_.loss, settings);
+    r.loss = settings.loss;
+    r.policy = settings.policy;
+    r.policy_ratio = settings.policy_ratio;
     r.framework.grad_reduce_avg = case_.framework.grad_reduce == FrameworkSpec::GradReduce::avg ? 1 : 0;
     r.framework.ga_reduce_mean = case_.framework.ga_reduce == FrameworkSpec::GaReduce::mean ? 1 : 0;
     Communicator* groups[4] = {&groups_.tp, &cp, &groups_.dp, &groups_.batch};

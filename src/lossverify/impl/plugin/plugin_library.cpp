@@ -1,4 +1,5 @@
 #include "lossverify/impl/plugin/plugin_library.hpp"
+#include "lossverify/case/case.hpp"
 #include "lossverify/kinds/registry.hpp"
 
 #include <filesystem>
@@ -131,6 +132,16 @@ const Implementation* load_plugin_implementation(std::string_view spec) {
     it = loaded.emplace(entry->library.spec, std::move(entry)).first;
   }
   return &it->second->implementation;
+}
+
+// A setting added to the ABI after a plugin was built reaches it only through a bit it set knowing the setting:
+// the kind's ABI settings tell which bits the case needs.
+std::string missing_plugin_capability(const PluginLibrary& plugin, const LossSpec& loss) {
+  lv_rank_inputs settings{};
+  kind_of(loss).plugin_settings(loss, settings);
+  if (settings.policy_ratio == LV_POLICY_RATIO_SEQUENCE && (plugin.losses & LV_SUPPORTS_POLICY_SEQUENCE_RATIO) == 0)
+    return "the policy setting ratio sequence (its lv_plugin.losses lacks LV_SUPPORTS_POLICY_SEQUENCE_RATIO)";
+  return "";
 }
 
 }  // namespace lossverify

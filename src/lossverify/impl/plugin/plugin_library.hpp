@@ -15,6 +15,7 @@
 namespace lossverify {
 
 struct Implementation;
+struct LossSpec;
 
 struct PluginLibrary {
   std::string spec;    // "plugin:/absolute/path.so?params" (the path %-encoded as above)
@@ -39,5 +40,9 @@ std::string canonical_plugin_spec(std::string_view spec);
 // something impossible or refuses its parameters; InternalError (exit code 3) when its code ends the host
 // while it loads (an exit or a crash in a static constructor, lossverify_plugin() or check_params).
 const Implementation* load_plugin_implementation(std::string_view spec);
+
+// A setting of the case that needs a capability bit beyond its kind's (plugin.h) which the plugin does not set, in
+// words naming the setting and the bit; "" when the plugin declares all the case needs.
+std::string missing_plugin_capability(const PluginLibrary& plugin, const LossSpec& loss);
 
 }  // namespace lossverify

@@ -73,6 +73,15 @@ std::vector<Implementation> policy_catalogue() {
   v.push_back(catalogued_bug("rl-kl-no-grad", "the KL penalty computed without gradient", "NovaSky-AI/SkyRL #1353",
                              "grad fails whenever kl_coef > 0; loss exact", {"grad"}, mine,
                              bit(policy_bug::kl_no_grad)));
+  v.push_back(catalogued_bug(
+      "rl-gspo-cp-local-ratio",
+      "GSPO's sequence ratio and its gradient's sum taken over the CP rank's own chunks of each sequence",
+      "predicted: the per-sequence reduction over CP that GSPO needs (radixark/miles #3188 reduces it; slime "
+      "all-gathers the log-probs over CP for GSPO), left out",
+      "each CP rank's rho_s = e^(mean over its own chunks), the gradient's sum Q_s over them too: loss and "
+      "grad fail at cp > 1 with ratio sequence (the clip fraction only where a chunk's ratio crosses an edge); "
+      "passes at cp = 1",
+      {"loss", "grad"}, mine, bit(policy_bug::gspo_cp_local_ratio)));
   return v;
 }
 

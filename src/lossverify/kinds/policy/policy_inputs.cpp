@@ -7,6 +7,7 @@
 
 #include "lossverify/inputs/philox_stream.hpp"
 #include "lossverify/kinds/policy/policy_options.hpp"
+#include "lossverify/layout/global_batch.hpp"
 
 namespace lossverify {
 
@@ -77,6 +78,50 @@ float policy_token_advantage(const Case& c, const InputSource& inputs, std::int6
   return static_cast<float>(u < 0.5 ? -magnitude : magnitude);
 }
 
+namespace {
+
+// A ratio drawn from the placement's intervals by one Philox block (the token's, or the sequence's).
+double placed_ratio(const Placement& p, const PhiloxBlock& r) {
+  const double pick = uniform_open01(r.word[0], r.word[1]);
+  const double where = uniform_open01(r.word[2], r.word[3]);
+  std::size_t k = 0;
+  for (double acc = p.shares[0]; k + 1 < p.shares.size() && pick > acc; acc += p.shares[++k]) {
+  }
+  return p.intervals[k].low + where * (p.intervals[k].high - p.intervals[k].low);
+}
+
+// Under the sequence-level ratio, each token's spread j_t around its sequence's log-ratio, in [-0.15, 0.15].
+double sequence_spread(const Case& c, std::int64_t token) {
+  const PhiloxBlock r = philox_block(c.inputs.seed, InputStream::policy_ratio, static_cast<std::uint64_t>(token), 1);
+  return 0.15 * (2.0 * uniform_open01(r.word[0], r.word[1]) - 1.0);
+}
+
+// The token's log(lambda / old) as placed: log of its own ratio, or under the sequence-level ratio its
+// sequence's log rho_s plus the token's spread less the spreads' mean over the sequence's valid tokens, so
+// that the mean of lambda - old over the sequence is exactly log rho_s (a margin from every edge), while each
+// token's own ratio differs from rho_s (a token-level ratio does not pass for the sequence's).
+double placed_log_ratio(const Case& c, const InputSource& inputs, std::int64_t token) {
+  const PolicyOptions& o = policy_options(c.loss);
+  const Placement p = placement(o);
+  if (o.ratio == PolicyOptions::Ratio::token) {
+    return std::log(
+        placed_ratio(p, philox_block(c.inputs.seed, InputStream::policy_ratio, static_cast<std::uint64_t>(token), 0)));
+  }
+  const std::int64_t s = inputs.batch().sequence_of(token);
+  const Sequence& sequence = inputs.batch().sequences()[static_cast<std::size_t>(s)];
+  const PhiloxBlock r = philox_block(c.inputs.seed, InputStream::policy_ratio, static_cast<std::uint64_t>(s), 2);
+  double spread_sum = 0.0;
+  std::int64_t valid = 0;
+  for (std::int64_t t = sequence.begin; t < sequence.begin + sequence.length; ++t) {
+    if (!inputs.is_valid(t)) continue;
+    spread_sum += sequence_spread(c, t);
+    ++valid;
+  }
+  return std::log(placed_ratio(p, r)) + sequence_spread(c, token) - spread_sum / static_cast<double>(valid);
+}
+
+}  // namespace
+
 PolicyTokenInputs policy_token_inputs(const Case& c, const InputSource& inputs, std::int64_t token) {
   PolicyTokenInputs in;
   in.advantage = policy_token_advantage(c, inputs, token);
@@ -88,15 +133,7 @@ PolicyTokenInputs policy_token_inputs(const Case& c, const InputSource& inputs, 
   }
   if (!inputs.is_valid(token)) return in;
   const double logprob = placement_logprob(c, inputs, token, inputs.label(token));
-  const PhiloxBlock r = philox_block(c.inputs.seed, InputStream::policy_ratio, static_cast<std::uint64_t>(token), 0);
-  const double pick = uniform_open01(r.word[0], r.word[1]);
-  const double where = uniform_open01(r.word[2], r.word[3]);
-  const Placement p = placement(policy_options(c.loss));
-  std::size_t k = 0;
-  for (double acc = p.shares[0]; k + 1 < p.shares.size() && pick > acc; acc += p.shares[++k]) {
-  }
-  const double ratio = p.intervals[k].low + where * (p.intervals[k].high - p.intervals[k].low);
-  in.old_logprob = static_cast<float>(logprob - std::log(ratio));
+  in.old_logprob = static_cast<float>(logprob - placed_log_ratio(c, inputs, token));
   const double v = token_uniform(c.inputs.seed, InputStream::policy_reference, static_cast<std::uint64_t>(token));
   const double gap = 0.05 + 0.45 * std::fabs(2.0 * v - 1.0);
   in.ref_logprob = static_cast<float>(logprob - (v < 0.5 ? -gap : gap));

@@ -4,7 +4,8 @@
 // are a pure function of the case and the token, so every rank and the reference read the same values.
 //
 // Placement: a token's ratio rho = exp(lambda - old) is drawn inside one of the intervals that the clip
-// edges 1 - eps_low, 1 + eps_high (and the dual clip c) cut out, a clear margin from every edge, and its
+// edges 1 - eps_low, 1 + eps_high (and the dual clip c) cut out, a clear margin from every edge (under the
+// sequence-level ratio, the sequence's rho_s is placed so, and each token's own ratio spread around it), and its
 // reference log-probability a gap of 0.05 to 0.5 from lambda; both need lambda, the token's log-probability
 // at the case's temperature, so a token's inputs cost one float64 pass over its whole row.
 #include <cstdint>

@@ -22,11 +22,13 @@ using nlohmann::json;
 using Objective = PolicyOptions::Objective;
 using Kl = PolicyOptions::Kl;
 using Aggregation = PolicyOptions::Aggregation;
+using Ratio = PolicyOptions::Ratio;
 
 constexpr std::array kObjectives = {Objective::policy_loss, Objective::logprob};
 constexpr std::array kKls = {Kl::none, Kl::k1, Kl::k2, Kl::k3};
 constexpr std::array kAggregations = {Aggregation::token_mean, Aggregation::token_sum, Aggregation::seq_mean_token_sum,
                                       Aggregation::seq_mean_token_mean, Aggregation::seq_mean_token_sum_norm};
+constexpr std::array kRatios = {Ratio::token, Ratio::sequence};
 
 // A finite number in a range, named in the error when it is not.
 double number_in(detail::ObjectReader& r, const std::string& key, double fallback, bool (*ok)(double),
@@ -46,14 +48,16 @@ class PolicyKind final : public LossKind {
   std::string_view name() const override { return "policy"; }
   std::string_view summary() const override {
     return "RL policy loss over sampled tokens: objective policy_loss|logprob, temperature, clip_low, clip_high, "
-           "dual_clip, kl_penalty none|k1|k2|k3, kl_coef, entropy_coef, aggregation token-mean|token-sum|"
+           "dual_clip, ratio token|sequence, kl_penalty none|k1|k2|k3, kl_coef, entropy_coef, aggregation "
+           "token-mean|token-sum|"
            "seq-mean-token-sum|seq-mean-token-mean|seq-mean-token-sum-norm, norm_constant, whiten_advantages, "
            "whiten_epsilon";
   }
 
   std::vector<std::string> keys() const override {
-    return {"objective", "temperature",  "clip_low",    "clip_high",     "dual_clip",         "kl_penalty",
-            "kl_coef",   "entropy_coef", "aggregation", "norm_constant", "whiten_advantages", "whiten_epsilon"};
+    return {"objective",     "temperature",       "clip_low",      "clip_high",    "dual_clip",
+            "ratio",         "kl_penalty",        "kl_coef",       "entropy_coef", "aggregation",
+            "norm_constant", "whiten_advantages", "whiten_epsilon"};
   }
 
   void parse(detail::ObjectReader& r, LossSpec& loss) const override {
@@ -75,8 +79,8 @@ class PolicyKind final : public LossKind {
           r, "norm_constant", 0.0, [](double v) { return v > 0.0 && v <= 1e12; }, "in (0, 1e12]");
     }
     const bool surrogate = o->objective == Objective::policy_loss;
-    for (const char* key :
-         {"clip_low", "clip_high", "dual_clip", "kl_penalty", "kl_coef", "whiten_advantages", "whiten_epsilon"}) {
+    for (const char* key : {"clip_low", "clip_high", "dual_clip", "ratio", "kl_penalty", "kl_coef", "whiten_advantages",
+                            "whiten_epsilon"}) {
       refuse_unless(r, surrogate, key, "objective policy_loss");
     }
     if (surrogate) parse_surrogate(r, *o);
@@ -116,6 +120,7 @@ class PolicyKind final : public LossKind {
     l["clip_low"] = o.clip_low;
     l["clip_high"] = o.clip_high;
     if (o.dual_clip > 0.0) l["dual_clip"] = o.dual_clip;
+    l["ratio"] = to_string(o.ratio);
     l["kl_penalty"] = to_string(o.kl);
     l["kl_coef"] = o.kl_coef;
     l["whiten_advantages"] = o.whiten_advantages;
@@ -148,14 +153,26 @@ class PolicyKind final : public LossKind {
     return make_policy_reference(c, inputs);
   }
 
+  // The GPU oracle: softmax of x / T, the label's column, and each row's g_lambda and H from the reference.
+  std::optional<DeviceRowModel> device_row_model(const Case& c) const override {
+    const PolicyOptions& o = policy_options(c.loss);
+    DeviceRowModel m;
+    m.row_coefficients = true;
+    m.temperature = o.temperature;
+    m.entropy_coef = o.entropy_coef;
+    return m;
+  }
+
   void cpu_micro_batch(const CpuMicroBatch& batch) const override { policy_cpu_micro_batch(batch); }
   static_assert(static_cast<int>(PolicyOptions::Kl::k3) == LV_KL_K3 &&
                     static_cast<int>(Aggregation::seq_mean_token_sum_norm) == LV_AGGREGATION_SEQ_MEAN_TOKEN_SUM_NORM &&
                     static_cast<int>(Aggregation::seq_mean_token_mean) == LV_AGGREGATION_SEQ_MEAN_TOKEN_MEAN,
                 "the ABI's enumerations follow PolicyOptions' order");
   std::optional<int> plugin_kind() const override { return LV_LOSS_POLICY; }
-  void plugin_settings(const LossSpec& spec, lv_loss_config& loss, lv_policy_config& policy) const override {
+  void plugin_settings(const LossSpec& spec, lv_rank_inputs& settings) const override {
     const PolicyOptions& o = policy_options(spec);
+    lv_policy_config& policy = settings.policy;
+    lv_loss_config& loss = settings.loss;
     policy.objective = o.objective == Objective::logprob ? LV_POLICY_OBJECTIVE_LOGPROB : LV_POLICY_OBJECTIVE_LOSS;
     policy.temperature = o.temperature;
     loss.temperature = o.temperature;
@@ -169,6 +186,9 @@ class PolicyKind final : public LossKind {
     policy.norm_constant = o.aggregation == Aggregation::seq_mean_token_sum_norm ? o.norm_constant : 0.0;
     policy.whiten_advantages = o.whiten_advantages ? 1 : 0;
     policy.whiten_epsilon = o.whiten_epsilon;
+    // Only the surrogate has a ratio (parse refuses the key under objective logprob).
+    const bool by_sequence = o.ratio == Ratio::sequence && o.objective == Objective::policy_loss;
+    settings.policy_ratio = by_sequence ? LV_POLICY_RATIO_SEQUENCE : LV_POLICY_RATIO_TOKEN;
   }
 
  private:
@@ -183,6 +203,7 @@ class PolicyKind final : public LossKind {
     } else {
       r.allow("dual_clip");
     }
+    o.ratio = detail::parse_choice(r, "ratio", kRatios, Ratio::token);
     o.kl = detail::parse_choice(r, "kl_penalty", kKls, Kl::none);
     refuse_unless(r, o.kl != Kl::none, "kl_coef", "a kl_penalty other than none");
     if (o.kl != Kl::none) {
@@ -237,6 +258,8 @@ std::string_view to_string(PolicyOptions::Aggregation a) {
   }
   return "token-mean";
 }
+
+std::string_view to_string(PolicyOptions::Ratio r) { return r == Ratio::sequence ? "sequence" : "token"; }
 
 std::unique_ptr<LossKind> make_policy_kind() { return std::make_unique<PolicyKind>(); }
 

@@ -31,9 +31,11 @@ struct PolicyTerms {
   bool dual_clipped = false;
 };
 
-// rho = exp(lambda - old); surrogate = max(-rho A, -clip(rho) A), capped at -c A for A < 0 (dual clip).
+// rho = exp(log_ratio) (lambda - old for a token-level ratio, the sequence's mean of it for GSPO's);
+// surrogate = max(-rho A, -clip(rho) A), capped at -c A for A < 0 (dual clip). The slope is the token-level
+// ratio's (-rho A where the unclipped term is active); the sequence-level ratio's is the protocol's.
 template <class Real>
-LV_HOST_DEVICE PolicyTerms<Real> policy_terms(Real logprob, Real old_logprob, Real ref_logprob, Real advantage,
+LV_HOST_DEVICE PolicyTerms<Real> policy_terms(Real logprob, Real log_ratio, Real ref_logprob, Real advantage,
                                               const PolicyCoefficients<Real>& k) {
   using std::exp;
   PolicyTerms<Real> t;
@@ -42,7 +44,7 @@ LV_HOST_DEVICE PolicyTerms<Real> policy_terms(Real logprob, Real old_logprob, Re
     t.surrogate_slope = Real(-1);
     return t;
   }
-  const Real ratio = exp(logprob - old_logprob);
+  const Real ratio = exp(log_ratio);
   const Real low = Real(1) - k.clip_low;
   const Real high = Real(1) + k.clip_high;
   const Real clipped_ratio = ratio < low ? low : (ratio > high ? high : ratio);

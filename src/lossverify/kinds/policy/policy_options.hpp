@@ -11,12 +11,14 @@ struct PolicyOptions final : KindOptions {
   enum class Objective { policy_loss, logprob };
   enum class Kl { none, k1, k2, k3 };
   enum class Aggregation { token_mean, token_sum, seq_mean_token_sum, seq_mean_token_mean, seq_mean_token_sum_norm };
+  enum class Ratio { token, sequence };
 
   Objective objective = Objective::policy_loss;  // logprob: l = -lambda - c_H H (a trainer's log-prob pass)
   double temperature = 1.0;
-  double clip_low = 0.2;   // epsilon_low, in (0, 1)
-  double clip_high = 0.2;  // epsilon_high, > 0
-  double dual_clip = 0.0;  // c > 1; 0: off
+  double clip_low = 0.2;       // epsilon_low, in (0, 1)
+  double clip_high = 0.2;      // epsilon_high, > 0
+  double dual_clip = 0.0;      // c > 1; 0: off
+  Ratio ratio = Ratio::token;  // sequence: GSPO's rho_s = exp(mean over the sequence's valid tokens of lambda - old)
   Kl kl = Kl::none;
   double kl_coef = 0.0;       // beta
   double entropy_coef = 0.0;  // c_H
@@ -34,5 +36,6 @@ const PolicyOptions& policy_options(const LossSpec& loss);
 std::string_view to_string(PolicyOptions::Objective);
 std::string_view to_string(PolicyOptions::Kl);
 std::string_view to_string(PolicyOptions::Aggregation);
+std::string_view to_string(PolicyOptions::Ratio);
 
 }  // namespace lossverify

@@ -22,11 +22,12 @@ inline constexpr std::uint64_t schedule_double_divide = 1u << 8;
 inline constexpr std::uint64_t adv_whiten_dp_only = 1u << 9;
 inline constexpr std::uint64_t fused_vocab_pad = 1u << 10;
 inline constexpr std::uint64_t kl_no_grad = 1u << 11;
+inline constexpr std::uint64_t gspo_cp_local_ratio = 1u << 12;
 }  // namespace policy_bug
 
-// Per local row, the kernels' inputs in KindRowPlan::row_inputs: old and reference log-probability and the
-// (whitened) advantage.
-inline constexpr std::size_t kPolicyRowInputs = 3;
+// Per local row, the kernels' inputs in KindRowPlan::row_inputs: old and reference log-probability, the
+// (whitened) advantage and the row's sequence (an index of the step's sequences, exact in a float below 2^24).
+inline constexpr std::size_t kPolicyRowInputs = 4;
 
 std::unique_ptr<LossKind> make_policy_kind();
 std::vector<Implementation> policy_catalogue();

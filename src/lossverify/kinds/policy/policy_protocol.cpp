@@ -52,6 +52,7 @@ class Protocol {
     if (mb_.groups.tp.size() > 1) mb_.groups.tp.allreduce_max(std::span<float>(max_));
     rescale();
     if (mb_.groups.tp.size() > 1) mb_.groups.tp.allreduce_sum(std::span<float>(sums_));
+    if (sequence_ratio()) sequence_ratios();
     std::vector<float> grad_rows(n_ * PolicyGradRow::kFloats, 0.0f);
     for (std::size_t i = 0; i < n_; ++i) {
       if (!active(i)) continue;
@@ -98,18 +99,69 @@ class Protocol {
     }
   }
 
+  bool sequence_ratio() const {
+    return o_.ratio == PolicyOptions::Ratio::sequence && o_.objective == PolicyOptions::Objective::policy_loss;
+  }
+  float log_sum(std::size_t i) const { return std::log(sums_[i]); }
+  float logprob(std::size_t i) const { return sums_[2 * n_ + i] - log_sum(i); }
+  const float* inputs(std::size_t i) const {
+    const std::vector<float>& in = mb_.plan.kind_plan().row_inputs;
+    return in.empty() ? nullptr : &in[(static_cast<std::size_t>(mb_.begin) + i) * kPolicyRowInputs];
+  }
+  std::size_t sequence(std::size_t i) const { return static_cast<std::size_t>(inputs(i)[3]); }
+
+  // GSPO: each sequence's rho_s = e^(mean of lambda - old over its valid tokens), its chunks summed over the CP
+  // group, then Q_s = sum_t w_t (-A_t) [the unclipped term active at t], so that every token u of the sequence
+  // has d L / d lambda_u = rho_s Q_s / n_s, or g_lambda = rho_s Q_s / (n_s w_u) per unit of its weight.
+  void sequence_ratios() {
+    const auto b = static_cast<std::size_t>(mb_.plan.kind_plan().sequences);
+    std::vector<float> sums(2 * b, 0.0f);  // [sum (lambda - old) | valid tokens]
+    for (std::size_t i = 0; i < n_; ++i) {
+      if (!plan(i).valid) continue;
+      sums[sequence(i)] += logprob(i) - inputs(i)[0];
+      sums[b + sequence(i)] += 1.0f;
+    }
+    reduce_over_cp(sums);
+    log_ratio_.assign(b, 0.0f);
+    tokens_.assign(b, 0.0f);
+    for (std::size_t k = 0; k < b; ++k) {
+      if (sums[b + k] > 0.0f) log_ratio_[k] = sums[k] / sums[b + k];
+      tokens_[k] = sums[b + k];
+    }
+    slope_sum_.assign(b, 0.0f);
+    for (std::size_t i = 0; i < n_; ++i) {
+      if (!plan(i).valid) continue;
+      const float* in = inputs(i);
+      const PolicyTerms<float> t = policy_terms(logprob(i), log_ratio_[sequence(i)], in[1], in[2], k_);
+      if (!t.clipped && !t.dual_clipped) slope_sum_[sequence(i)] += plan(i).backward_weight * -in[2];
+    }
+    reduce_over_cp(slope_sum_);
+  }
+
+  // Over the CP group, unless rl-gspo-cp-local-ratio keeps each rank's own chunks.
+  void reduce_over_cp(std::vector<float>& v) {
+    if (mb_.groups.cp.size() > 1 && !has(policy_bug::gspo_cp_local_ratio))
+      mb_.groups.cp.allreduce_sum(std::span<float>(v));
+  }
+
   // The token's objective, its loss, values and statistics, and its gradient row.
   PolicyGradRow evaluate(std::size_t i) {
     const RowPlan& p = plan(i);
     const auto row = static_cast<std::size_t>(mb_.begin) + i;
     const float s = sums_[i];
-    const float log_s = std::log(s);
-    const float logprob = sums_[2 * n_ + i] - log_s;
+    const float log_s = log_sum(i);
+    const float logprob = this->logprob(i);
     const float entropy = log_s - sums_[n_ + i] / s;
-    const std::vector<float>& inputs = mb_.plan.kind_plan().row_inputs;
-    const float* in = inputs.empty() ? nullptr : &inputs[row * kPolicyRowInputs];
-    const PolicyTerms<float> t =
-        in != nullptr ? policy_terms(logprob, in[0], in[1], in[2], k_) : policy_terms(logprob, 0.0f, 0.0f, 0.0f, k_);
+    const float* in = inputs(i);
+    const bool by_sequence = sequence_ratio() && p.valid;
+    PolicyTerms<float> t = in == nullptr ? policy_terms(logprob, logprob, 0.0f, 0.0f, k_)
+                           : by_sequence ? policy_terms(logprob, log_ratio_[sequence(i)], in[1], in[2], k_)
+                                         : policy_terms(logprob, logprob - in[0], in[1], in[2], k_);
+    if (by_sequence) {
+      const std::size_t k = sequence(i);
+      const float w = p.backward_weight;
+      t.surrogate_slope = w != 0.0f ? std::exp(log_ratio_[k]) * slope_sum_[k] / (tokens_[k] * w) : 0.0f;
+    }
     const float cp_factor = has(policy_bug::cp_extra_scale) ? static_cast<float>(mb_.c.layout.cp) : 1.0f;
     mb_.token_loss[row] = t.surrogate + k_.kl_coef * t.kl - k_.entropy_coef * entropy;
     mb_.token_values[2 * row] = logprob;
@@ -157,6 +209,8 @@ class Protocol {
   std::vector<float> max_;
   std::vector<float> sums_;  // [S | E | x_y / T - M], all-reduced over TP
   std::vector<float> own_;   // [S | E] of this shard alone, relative to M
+  // Under the sequence-level ratio, per sequence of the step: log rho_s, n_s and Q_s (sequence_ratios).
+  std::vector<float> log_ratio_, tokens_, slope_sum_;
 };
 
 }  // namespace

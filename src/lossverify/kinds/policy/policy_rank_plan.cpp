@@ -130,6 +130,7 @@ std::vector<float> row_inputs(const RowPlanRequest& q, const PolicyOptions& o) {
     in[i * kPolicyRowInputs] = t.old_logprob;
     in[i * kPolicyRowInputs + 1] = t.ref_logprob;
     in[i * kPolicyRowInputs + 2] = t.advantage;
+    in[i * kPolicyRowInputs + 3] = static_cast<float>(q.assignment.rows[i].sequence);
     moments[0] += 1.0;
     moments[1] += t.advantage;
     moments[2] += static_cast<double>(t.advantage) * t.advantage;
@@ -158,6 +159,7 @@ KindRowPlan plan_policy_rows(const RowPlanRequest& q) {
   const std::uint64_t weight_bugs = policy_bug::token_mean_sample_weighted | policy_bug::microbatch_self_normalized;
   if (o.sequence_mean() || (q.bugs.kind_switches & weight_bugs) != 0) plan.weights = std::move(weights);
   if (o.objective == PolicyOptions::Objective::policy_loss) plan.row_inputs = row_inputs(q, o);
+  plan.sequences = static_cast<std::int64_t>(per_sequence.size());
   return plan;
 }
 

@@ -14,6 +14,7 @@
 #include "lossverify/kinds/policy/policy_inputs.hpp"
 #include "lossverify/kinds/policy/policy_options.hpp"
 #include "lossverify/kinds/policy/policy_parts.hpp"
+#include "lossverify/layout/global_batch.hpp"
 #include "lossverify/reference/compensated_sum.hpp"
 #include "lossverify/reference/row_sums.hpp"
 
@@ -33,6 +34,20 @@ struct TokenTerms {
   bool clipped = false, dual_clipped = false;
 };
 
+// Which clip is active for one token: the clip (the clipped term strictly the larger) and the dual clip.
+struct Branch {
+  bool clipped = false, dual_clipped = false;
+};
+
+// What the sequence-level ratio needs of a whole sequence: rho_s = e^(mean_t (lambda_t - old_t)) over its
+// valid tokens, and for each reading (branches) Q = sum_t w_t (-A_t) [the unclipped term active at t], so that
+// d L / d lambda_u through rho_s is rho_s Q / n_s.
+struct SequenceRatio {
+  double log_ratio = 0.0;
+  double tolerance = 0.0;  // the logprob check's tolerance at the sequence's mean |lambda|
+  double slope_sum[2] = {0.0, 0.0};
+};
+
 class PolicyReference final : public KindReference {
  public:
   PolicyReference(const Case& c, const InputSource& inputs)
@@ -41,7 +56,9 @@ class PolicyReference final : public KindReference {
         o_(policy_options(c.loss)),
         logprob_tolerance_(effective_tolerance(c, "token_value")),
         token_inputs_(static_cast<std::size_t>(c.shape.tokens)),
-        once_(std::make_unique<std::once_flag[]>(static_cast<std::size_t>(c.shape.tokens))) {
+        once_(std::make_unique<std::once_flag[]>(static_cast<std::size_t>(c.shape.tokens))),
+        sequence_ratios_(inputs.batch().sequences().size()),
+        sequence_once_(std::make_unique<std::once_flag[]>(inputs.batch().sequences().size())) {
     count_tokens();
     if (o_.whiten_advantages) whitening_statistics();
   }
@@ -146,10 +163,22 @@ class PolicyReference final : public KindReference {
 
   // Two readings where the ratio lies within the log-probability's tolerance of the edge that decides the
   // token's branch: an implementation whose lambda passes the logprob check may be on either side of it.
+  // Under the sequence-level ratio every token of a sequence with a token near its edge has two readings:
+  // its gradient sums the branches of all of them.
   int branches(std::int64_t token, const RowStats& s) const override {
     if (o_.objective != PolicyOptions::Objective::policy_loss || !valid_[static_cast<std::size_t>(token)]) return 1;
+    if (sequence_ratio()) {
+      const SequenceRatio& r = sequence_ratio_of(token);
+      return r.slope_sum[0] != r.slope_sum[1] || near_edge(token, r.log_ratio, r.tolerance) ? 2 : 1;
+    }
     const double logprob = s.sum_qx - s.lse;
-    return near_edge(token, logprob) ? 2 : 1;
+    const double log_ratio = logprob - static_cast<double>(token_inputs(token).old_logprob);
+    return near_edge(token, log_ratio, token_tolerance(logprob)) ? 2 : 1;
+  }
+
+  RowCoefficients row_coefficients(std::int64_t token, const RowStats& s) const override {
+    const TokenTerms t = terms(token, s);
+    return {t.g_logprob, t.entropy, *gradient_scale(token, s)};
   }
 
   // sum_v (delta_vy - p_v) = 0 and sum_v p_v (log p_v + H) = -H + H = 0.
@@ -211,16 +240,82 @@ class PolicyReference final : public KindReference {
     return o_.whiten_advantages ? (a - mean_) / (deviation_ + o_.whiten_epsilon) : a;
   }
 
-  // Whether log rho lies within the logprob check's tolerance of the edge that decides the token's branch: for
-  // A > 0 the clip at 1 + eps_high; for A < 0 the clip at 1 - eps_low and the dual clip at c.
-  bool near_edge(std::int64_t token, double logprob) const {
+  double token_tolerance(double logprob) const {
+    return logprob_tolerance_.atol + logprob_tolerance_.rtol * std::fabs(logprob);
+  }
+
+  // Whether log rho lies within `tolerance` (the logprob check's) of the edge that decides the token's branch:
+  // for A > 0 the clip at 1 + eps_high; for A < 0 the clip at 1 - eps_low and the dual clip at c.
+  bool near_edge(std::int64_t token, double log_ratio, double tolerance) const {
     const double a = whitened_advantage(token);
     if (a == 0.0) return false;  // every branch has g_lambda = 0 there
-    const double log_ratio = logprob - static_cast<double>(token_inputs(token).old_logprob);
-    const double tolerance = logprob_tolerance_.atol + logprob_tolerance_.rtol * std::fabs(logprob);
     const auto near = [&](double edge) { return std::fabs(log_ratio - std::log(edge)) <= tolerance; };
     if (a > 0.0) return near(1.0 + o_.clip_high);
     return near(1.0 - o_.clip_low) || (o_.dual_clip > 0.0 && near(o_.dual_clip));
+  }
+
+  // The active clips at `ratio` for advantage a; the other reading flips the edge the token lies at: the dual
+  // clip's, or the clip's.
+  Branch branch(double ratio, double a, bool other_reading) const {
+    const double unclipped = -ratio * a;
+    const double clipped = -std::clamp(ratio, 1.0 - o_.clip_low, 1.0 + o_.clip_high) * a;
+    Branch b;
+    b.clipped = clipped > unclipped;
+    b.dual_clipped = o_.dual_clip > 0.0 && a < 0.0 && std::max(unclipped, clipped) > -o_.dual_clip * a;
+    if (other_reading) {
+      if (o_.dual_clip > 0.0 && a < 0.0 && ratio > 1.0) {
+        b.dual_clipped = !b.dual_clipped;
+      } else {
+        b.clipped = !b.clipped;
+      }
+    }
+    return b;
+  }
+
+  bool sequence_ratio() const { return o_.ratio == PolicyOptions::Ratio::sequence; }
+
+  // lambda of a token by a pass of its own over the row (the sequence's ratio needs every token's).
+  double own_logprob(std::int64_t token) const {
+    std::vector<double> row(static_cast<std::size_t>(case_.shape.vocab));
+    inputs_.logits(token, 0, case_.shape.vocab, row.data());
+    const double inverse_t = 1.0 / o_.temperature;
+    const double max = row_sums::scaled_max(row, inverse_t);
+    const auto [sum, error] = row_sums::sum_exp(row, inverse_t, max);
+    return row[static_cast<std::size_t>(inputs_.label(token))] * inverse_t - max - std::log(sum + error);
+  }
+
+  const SequenceRatio& sequence_ratio_of(std::int64_t token) const {
+    const std::size_t k = sequence_of(token);
+    std::call_once(sequence_once_[k], [&] { sequence_ratios_[k] = compute_sequence_ratio(k); });
+    return sequence_ratios_[k];
+  }
+
+  SequenceRatio compute_sequence_ratio(std::size_t k) const {
+    const Sequence& sequence = inputs_.batch().sequences()[k];
+    CompensatedSum log_ratio, magnitude;
+    std::vector<std::int64_t> tokens;
+    for (std::int64_t t = sequence.begin; t < sequence.begin + sequence.length; ++t) {
+      if (!valid_[static_cast<std::size_t>(t)]) continue;
+      const double logprob = own_logprob(t);
+      log_ratio.add(logprob - static_cast<double>(token_inputs(t).old_logprob));
+      magnitude.add(std::fabs(logprob));
+      tokens.push_back(t);
+    }
+    SequenceRatio r;
+    const auto n = static_cast<double>(tokens.size());
+    r.log_ratio = log_ratio.value() / n;
+    r.tolerance = token_tolerance(magnitude.value() / n);
+    const double ratio = std::exp(r.log_ratio);
+    for (int reading = 0; reading < 2; ++reading) {
+      CompensatedSum q;
+      for (std::int64_t t : tokens) {
+        const double a = whitened_advantage(t);
+        const Branch b = branch(ratio, a, reading == 1 && near_edge(t, r.log_ratio, r.tolerance));
+        if (!b.clipped && !b.dual_clipped) q.add(*token_weight(t) * -a);
+      }
+      r.slope_sum[reading] = q.value();
+    }
+    return r;
   }
 
   const PolicyTokenInputs& token_inputs(std::int64_t token) const {
@@ -241,26 +336,27 @@ class PolicyReference final : public KindReference {
     }
     const PolicyTokenInputs& in = token_inputs(token);
     const double a = whitened_advantage(token);
-    const double ratio = std::exp(t.logprob - static_cast<double>(in.old_logprob));
-    const double clipped_ratio = std::clamp(ratio, 1.0 - o_.clip_low, 1.0 + o_.clip_high);
-    const double unclipped = -ratio * a;
-    const double clipped = -clipped_ratio * a;
-    t.clipped = clipped > unclipped;
-    t.dual_clipped = o_.dual_clip > 0.0 && a < 0.0 && std::max(unclipped, clipped) > -o_.dual_clip * a;
-    if (s.branch == 1) {  // the other side of the edge the token lies at (branches): the dual clip's, or the clip's
-      if (o_.dual_clip > 0.0 && a < 0.0 && ratio > 1.0) {
-        t.dual_clipped = !t.dual_clipped;
-      } else {
-        t.clipped = !t.clipped;
-      }
-    }
-    double surrogate = t.clipped ? clipped : unclipped;
+    const bool valid = valid_[static_cast<std::size_t>(token)] != 0;
+    const SequenceRatio* sequence = sequence_ratio() && valid ? &sequence_ratio_of(token) : nullptr;
+    const double log_ratio = sequence ? sequence->log_ratio : t.logprob - static_cast<double>(in.old_logprob);
+    const double ratio = std::exp(log_ratio);
+    const bool near = s.branch == 1 && (sequence == nullptr || near_edge(token, log_ratio, sequence->tolerance));
+    const Branch b = branch(ratio, a, near);
+    t.clipped = b.clipped;
+    t.dual_clipped = b.dual_clipped;
+    double surrogate = t.clipped ? -std::clamp(ratio, 1.0 - o_.clip_low, 1.0 + o_.clip_high) * a : -ratio * a;
     double slope = t.clipped ? 0.0 : -ratio * a;  // d(-rho A)/d lambda = -rho A, and so is its own slope
     if (t.dual_clipped) {
       surrogate = -o_.dual_clip * a;
       slope = 0.0;
     }
     t.g_slope = slope;
+    if (sequence != nullptr) {
+      // rho_s = e^(sum_t (lambda_t - old_t) / n_s): d L / d lambda_u = rho_s Q / n_s, per unit of u's weight.
+      const auto n = static_cast<double>(sequence_tokens_[sequence_of(token)]);
+      slope = ratio * sequence->slope_sum[s.branch == 1 ? 1 : 0] / (n * *token_weight(token));
+      t.g_slope = slope / n;
+    }
     const double d = t.logprob - static_cast<double>(in.ref_logprob);
     double kl_slope = 0.0;
     switch (o_.kl) {
@@ -297,6 +393,8 @@ class PolicyReference final : public KindReference {
   Tolerance logprob_tolerance_;  // the logprob check's: how far an implementation's lambda may lie from ours
   mutable std::vector<PolicyTokenInputs> token_inputs_;
   std::unique_ptr<std::once_flag[]> once_;
+  mutable std::vector<SequenceRatio> sequence_ratios_;  // under the sequence-level ratio, each computed once
+  std::unique_ptr<std::once_flag[]> sequence_once_;
 };
 
 }  // namespace

@@ -1,5 +1,6 @@
 #include "lossverify/oracle/cuda/device_oracle.hpp"
 
+#include <utility>
 #include <vector>
 
 #include "lossverify/core/errors.hpp"
@@ -18,7 +19,8 @@ class DeviceOracle final : public Oracle {
         shard_(std::move(shard)),
         out_(out),
         reference_(c, inputs),
-        compare_early_(whole_rows && !kind_of(c.loss).device_row_model(c).value_or(DeviceRowModel{}).teacher) {
+        model_(kind_of(c.loss).device_row_model(c).value_or(DeviceRowModel{})),
+        compare_early_(whole_rows && !model_.teacher && !model_.row_coefficients) {
     if (!shard_ || !out_.device_shard)
       throw InternalError("the GPU oracle needs its inputs and the rank's gradient on the GPU");
     compare_.atol = judgement.tolerance.atol;
@@ -68,6 +70,7 @@ class DeviceOracle final : public Oracle {
 
   void start_judging(std::span<const RowStats> stats) override {
     if (compare_early_) return;  // queued behind the partials
+    if (model_.row_coefficients) row_coefficients(stats);
     for (std::size_t k = 0; k < stats.size(); ++k) {
       if (compare_.kind[k] != 0) continue;
       compare_.lse[k] = stats[k].lse;
@@ -76,36 +79,22 @@ class DeviceOracle final : public Oracle {
     gpu_reference_compare_launch(*shard_, *out_.device_shard, case_, compare_, false);
   }
 
+  // A row with two admissible readings (KindReference::branches) is compared a second time with its other
+  // reading's coefficients, and judged by the one its gradient is closer to, as the host oracle does.
   std::span<const RowJudgement> judged_rows() override {
     const std::span<const RowComparison> compared = gpu_reference_compare_wait(*shard_);
-    const std::int64_t begin = out_.assignment.vocab.begin;
-    const int rank = out_.assignment.world_rank;
     rows_.assign(compared.size(), RowJudgement{});
-    for (std::size_t k = 0; k < compared.size(); ++k) {
-      const RowComparison& rc = compared[k];
-      const LocalRow& row = out_.assignment.rows[k];
-      const bool padding = row.token < 0;
-      RowJudgement& j = rows_[k];
-      j.grad =
-          PackedStats{rc.compared,
-                      rc.mismatches,
-                      rc.max_ulp,
-                      rc.compared > 0,
-                      rc.max_abs,
-                      rc.max_rel,
-                      rc.margin,
-                      PackedElement{row.token, begin + rc.worst_column, rank, padding ? row.sequence : -1,
-                                    padding ? row.position : -1, rc.worst_expected, rc.worst_got, rc.worst_tolerance}};
-      j.sum = rc.sum;
-      j.sum_error = rc.sum_error;
-      j.magnitude = rc.magnitude;
-      j.nan = rc.nan;
-      j.pos_inf = rc.pos_inf;
-      j.neg_inf = rc.neg_inf;
-      j.subnormal = rc.subnormal;
-      j.first_bad_column = rc.first_bad_column >= 0 ? begin + rc.first_bad_column : -1;
-      j.first_bad_value = rc.first_bad_value;
-      j.lookups = rc.lookups;
+    for (std::size_t k = 0; k < compared.size(); ++k) rows_[k] = judgement(k, compared[k]);
+    if (other_readings_.empty()) return rows_;
+    for (const auto& [k, c] : other_readings_) {
+      compare_.coef_a[k] = c.a;
+      compare_.coef_b[k] = c.b;
+      compare_.row_scale[k] = c.scale;
+    }
+    gpu_reference_compare_launch(*shard_, *out_.device_shard, case_, compare_, false);
+    const std::span<const RowComparison> other = gpu_reference_compare_wait(*shard_);
+    for (const auto& [k, c] : other_readings_) {
+      if (other[k].margin < compared_margin(k)) rows_[k] = judgement(k, other[k]);
     }
     return rows_;
   }
@@ -113,12 +102,68 @@ class DeviceOracle final : public Oracle {
   bool counts_lookups() const override { return true; }
 
  private:
+  // Each valid row's a, b and tolerance scale from the reference (its first reading), and the other reading
+  // of rows that have two.
+  void row_coefficients(std::span<const RowStats> stats) {
+    const std::size_t rows = stats.size();
+    compare_.coef_a.assign(rows, 0.0);
+    compare_.coef_b.assign(rows, 0.0);
+    compare_.row_scale.assign(rows, 1.0);
+    other_readings_.clear();
+    const KindReference& kind = reference_.row();
+    for (std::size_t k = 0; k < rows; ++k) {
+      if (compare_.kind[k] != 0) continue;
+      const std::int64_t t = out_.assignment.rows[k].token;
+      const KindReference::RowCoefficients c = kind.row_coefficients(t, stats[k]);
+      compare_.coef_a[k] = c.a;
+      compare_.coef_b[k] = c.b;
+      compare_.row_scale[k] = c.scale;
+      if (kind.branches(t, stats[k]) < 2) continue;
+      RowStats other = stats[k];
+      other.branch = 1;
+      other_readings_.emplace_back(k, kind.row_coefficients(t, other));
+    }
+  }
+
+  double compared_margin(std::size_t k) const { return rows_[k].grad.margin; }
+
+  RowJudgement judgement(std::size_t k, const RowComparison& rc) const {
+    const std::int64_t begin = out_.assignment.vocab.begin;
+    const int rank = out_.assignment.world_rank;
+    const LocalRow& row = out_.assignment.rows[k];
+    const bool padding = row.token < 0;
+    RowJudgement j;
+    j.grad =
+        PackedStats{rc.compared,
+                    rc.mismatches,
+                    rc.max_ulp,
+                    rc.compared > 0,
+                    rc.max_abs,
+                    rc.max_rel,
+                    rc.margin,
+                    PackedElement{row.token, begin + rc.worst_column, rank, padding ? row.sequence : -1,
+                                  padding ? row.position : -1, rc.worst_expected, rc.worst_got, rc.worst_tolerance}};
+    j.sum = rc.sum;
+    j.sum_error = rc.sum_error;
+    j.magnitude = rc.magnitude;
+    j.nan = rc.nan;
+    j.pos_inf = rc.pos_inf;
+    j.neg_inf = rc.neg_inf;
+    j.subnormal = rc.subnormal;
+    j.first_bad_column = rc.first_bad_column >= 0 ? begin + rc.first_bad_column : -1;
+    j.first_bad_value = rc.first_bad_value;
+    j.lookups = rc.lookups;
+    return j;
+  }
+
   const Case& case_;
   const InputSource& inputs_;
   std::shared_ptr<OracleShard> shard_;
   const RankOutput& out_;
   const LossReference reference_;
+  const DeviceRowModel model_;
   const bool compare_early_;
+  std::vector<std::pair<std::size_t, KindReference::RowCoefficients>> other_readings_;
   std::vector<int> valid_;
   GpuCompareInputs compare_;
   std::vector<RowJudgement> rows_;

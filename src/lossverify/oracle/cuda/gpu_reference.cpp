@@ -35,7 +35,8 @@ std::vector<T> download(const DeviceBytes& d, std::size_t count, cudaStream_t st
 
 // Where each per-row array sits in the workspace's input buffers (16-byte aligned).
 struct InputLayout {
-  std::size_t flags = 0, labels = 0, lse = 0, teacher_lse = 0, weight = 0, bytes = 0;
+  std::size_t flags = 0, labels = 0, lse = 0, teacher_lse = 0, weight = 0, coef_a = 0, coef_b = 0, row_scale = 0;
+  std::size_t bytes = 0;
   explicit InputLayout(std::int64_t rows) {
     const auto n = static_cast<std::size_t>(rows);
     auto next = [](std::size_t at, std::size_t size) { return (at + size + 15) / 16 * 16; };
@@ -43,7 +44,10 @@ struct InputLayout {
     lse = next(labels, n * sizeof(std::int64_t));
     teacher_lse = next(lse, n * sizeof(double));
     weight = next(teacher_lse, n * sizeof(double));
-    bytes = next(weight, n * sizeof(double));
+    coef_a = next(weight, n * sizeof(double));
+    coef_b = next(coef_a, n * sizeof(double));
+    row_scale = next(coef_b, n * sizeof(double));
+    bytes = next(row_scale, n * sizeof(double));
   }
 };
 // The partials' own inputs (valid flags, then labels) and outputs: the comparison may be queued before the
@@ -124,8 +128,8 @@ std::shared_ptr<OracleShard> make_oracle_shard(const Case& c, const InputSource&
   oracle->inputs = generate_shard_inputs(c, inputs, assignment, columns, oracle->workspace.stream.get());
   // The reference kernels' code, loaded while the inputs are generated (once per process and device).
   const DeviceRowModel model = row_model(c);
-  preload_reference_kernels(oracle->type, model.teacher, model.softcap, oracle->inputs.student.as<void>(),
-                            oracle->cols);
+  preload_reference_kernels(oracle->type, model.teacher || model.row_coefficients, model.softcap,
+                            oracle->inputs.student.as<void>(), oracle->cols);
   return oracle;
 }
 
@@ -153,6 +157,7 @@ void launch_partials(OracleShard& oracle, const Case& c, std::span<const std::in
   a.label = reinterpret_cast<const std::int64_t*>(ws.d_partials_in.as<std::byte>() + labels_at);
   const DeviceRowModel model = row_model(c);
   a.kd = model.teacher;
+  a.row_coefficients = model.row_coefficients;
   a.inverse_temperature = 1.0 / model.temperature;
   a.softcap = model.softcap;
   a.q_on = model.q_on;
@@ -208,7 +213,8 @@ std::vector<double> gpu_reference_kl(OracleShard& oracle, const Case& c, const s
                     d_valid.as<int>(),
                     d_lse.as<double>(),
                     d_teacher_lse.as<double>(),
-                    1.0 / row_model(c).temperature};
+                    1.0 / row_model(c).temperature,
+                    row_model(c).row_coefficients ? 1 : 0};
   reference_kl(oracle.type, a, d_out.as<double>(), stream.get());
   LV_CUDA(cudaGetLastError());
   return download<double>(d_out, zeros.size(), stream.get());
@@ -238,6 +244,15 @@ void gpu_reference_compare_launch(OracleShard& oracle, const DeviceShard& output
   std::memcpy(ws.host_in<double>(ws.layout.lse), in.lse.data(), rows * sizeof(double));
   std::memcpy(ws.host_in<double>(ws.layout.teacher_lse), in.teacher_lse.data(), rows * sizeof(double));
   std::memcpy(ws.host_in<double>(ws.layout.weight), in.weight.data(), rows * sizeof(double));
+  const DeviceRowModel model = row_model(c);
+  if (model.row_coefficients) {
+    if (in.coef_a.size() != rows || in.coef_b.size() != rows || in.row_scale.size() != rows) {
+      throw InternalError("gpu reference compare: per-row coefficients do not match the shard's rows");
+    }
+    std::memcpy(ws.host_in<double>(ws.layout.coef_a), in.coef_a.data(), rows * sizeof(double));
+    std::memcpy(ws.host_in<double>(ws.layout.coef_b), in.coef_b.data(), rows * sizeof(double));
+    std::memcpy(ws.host_in<double>(ws.layout.row_scale), in.row_scale.data(), rows * sizeof(double));
+  }
   ws.upload_inputs(ws.layout.bytes);
   ReferenceCompareArgs a{};
   a.student = oracle.inputs.student.as<void>();
@@ -252,8 +267,14 @@ void gpu_reference_compare_launch(OracleShard& oracle, const DeviceShard& output
   a.teacher_lse = ws.device_in<double>(ws.layout.teacher_lse);
   a.weight = ws.device_in<double>(ws.layout.weight);
   a.partials = lse_from_partials ? ws.d_partials.as<double>() : nullptr;
-  const DeviceRowModel model = row_model(c);
   a.kd = model.teacher;
+  a.row_coefficients = model.row_coefficients;
+  if (model.row_coefficients) {
+    a.coef_a = ws.device_in<double>(ws.layout.coef_a);
+    a.coef_b = ws.device_in<double>(ws.layout.coef_b);
+    a.row_scale = ws.device_in<double>(ws.layout.row_scale);
+    a.entropy_coef = model.entropy_coef;
+  }
   a.temperature = model.temperature;
   a.inverse_temperature = 1.0 / model.temperature;
   a.kd_grad_scale = model.teacher_grad_scale;

@@ -46,7 +46,8 @@ inline void reference_rows(const Case& c, const InputSource& inputs, const RankA
 void gpu_reference_partials_launch(OracleShard& oracle, const Case& c, std::span<const std::int64_t> labels,
                                    std::span<const int> valid);
 void gpu_reference_partials_wait(OracleShard& oracle, std::span<double> out);
-// A kind with a value pass (KD): [value, error] per row of sum_v P_v (log P_v - log Q_v) over the shard.
+// A kind with a value pass: [value, error] per row of sum_v P_v (log P_v - log Q_v) over the shard (KD), or of
+// sum_v p_v log p_v (the row-coefficient model; teacher_lse unused).
 std::vector<double> gpu_reference_kl(OracleShard& oracle, const Case& c, const std::vector<double>& lse,
                                      const std::vector<double>& teacher_lse, const std::vector<int>& valid);
 
@@ -54,6 +55,7 @@ struct GpuCompareInputs {
   std::vector<int> kind;  // 0 valid token, 1 masked token, 2 CP padding
   std::vector<std::int64_t> labels;
   std::vector<double> lse, teacher_lse, weight;
+  std::vector<double> coef_a, coef_b, row_scale;  // the row-coefficient model's (DeviceRowModel), else empty
   double atol = 0.0, rtol = 0.0;
   int max_ulp = 0;
   double framework_scale = 1.0, quantum = 0.0, grad_scale = 1.0, smallest_normal = 0.0;

@@ -359,9 +359,9 @@ __global__ void __launch_bounds__(kReferenceThreads)
       lse_t.s = rest.sum.s + rest.sum.c;
     } else {
       const std::int64_t label = a.label[r] - a.begin;  // local column of the label (may be outside)
-      const double cap = a.softcap, q_on = a.q_on, q_off = a.q_off;
+      const double cap = a.softcap, q_on = a.q_on, q_off = a.q_off, scale = a.inverse_temperature;
       for_each_column<false, false>(x, x, x, cols, vectorized, [&](int v, float xv, float, float) {
-        const double z = capped(static_cast<double>(xv), cap);
+        const double z = capped(static_cast<double>(xv) * scale, cap);  // scale 1 but for the row coefficients
         lse_t.add(z, table);
         qx_t += (v == label ? q_on : q_off) * z;
       });
@@ -401,9 +401,15 @@ __global__ void __launch_bounds__(kReferenceThreads) kl_kernel(ReferenceKlArgs a
     const T* y = teacher + r * a.cols;
     Neumaier kl;
     for (std::int64_t v = threadIdx.x; v < a.cols; v += blockDim.x) {
+      const double log_q = static_cast<double>(widen<T>(x[v])) * a.inverse_temperature - a.lse[r];
+      if (a.entropy) {  // sum p log p of the student alone
+        const double q = exp_reference(log_q, table);
+        if (q > 0.0) kl.add(q * log_q);
+        continue;
+      }
       const double log_p = static_cast<double>(widen<T>(y[v])) * a.inverse_temperature - a.teacher_lse[r];
       const double p = exp_reference(log_p, table);
-      if (p > 0.0) kl.add(p * (log_p - (static_cast<double>(widen<T>(x[v])) * a.inverse_temperature - a.lse[r])));
+      if (p > 0.0) kl.add(p * (log_p - log_q));
     }
     kl = block_merge(kl);
     if (threadIdx.x == 0) {
@@ -622,7 +628,8 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4)
     const T* y = a.kd ? teacher + r * a.cols : x;
     const T* g = grad + r * a.cols;
     const double weight = kind == 0 ? a.weight[r] : 0.0;
-    const double token_scale = fabs(weight) * a.grad_scale;
+    const double row_scale = kind == 0 && a.row_scale != nullptr ? a.row_scale[r] : 1.0;
+    const double token_scale = fabs(weight) * a.grad_scale * row_scale;
     const double floor = a.atol * token_scale + a.quantum * fs;
     const double lse = kind != 0               ? 0.0
                        : a.partials != nullptr ? a.partials[8 * r] + log(a.partials[8 * r + 1] + a.partials[8 * r + 2])
@@ -647,6 +654,12 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4)
     auto expected_at = [&](int v, float xf, float yf) -> double {
       if (kind != 0) return 0.0;
       const double xv = xf;
+      if (a.row_coefficients) {
+        const double log_p = xv * a.inverse_temperature - lse;
+        const double p = exp_reference(log_p, table);
+        const double entropy_term = p > 0.0 ? a.entropy_coef * p * (log_p + a.coef_b[r]) : 0.0;
+        return weight * a.inverse_temperature * (a.coef_a[r] * ((v == label ? 1.0 : 0.0) - p) + entropy_term);
+      }
       if (a.kd) {
         const double t = a.temperature;
         return kd_scale *
@@ -961,7 +974,8 @@ int reference_blocks(std::int64_t rows, Kernel kernel, int threads, std::size_t 
   return static_cast<int>(rows < blocks ? rows : blocks);
 }
 
-// The code tables serve bf16 rows of the cross-entropy family without softcap, read with 16-byte loads;
+// The code tables serve bf16 rows of the cross-entropy family without softcap, read with 16-byte loads (`kd`:
+// any other row model, KD's or the row coefficients');
 // LOSSVERIFY_REFERENCE_TABLES=off turns them off (read per call: tests compare both in one process).
 template <class T>
 bool use_code_tables(bool kd, double softcap, bool vectorized) {
@@ -1011,7 +1025,8 @@ void reference_partials(StorageType type, const ReferencePartialArgs& args, doub
   dispatch(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const bool vectorized = rows_vectorizable<T>(args.cols, {args.student, args.teacher});
-    const PartialsKernel kernel = partials_kernel_for<T>(use_code_tables<T>(args.kd != 0, args.softcap, vectorized));
+    const bool tables = use_code_tables<T>(args.kd != 0 || args.row_coefficients != 0, args.softcap, vectorized);
+    const PartialsKernel kernel = partials_kernel_for<T>(tables);
     kernel<<<reference_blocks(args.rows, kernel, kReferenceThreads, 0), kReferenceThreads, 0,
              static_cast<cudaStream_t>(stream)>>>(args, out, vectorized);
   });
@@ -1031,7 +1046,8 @@ void reference_compare(StorageType type, const ReferenceCompareArgs& args, RowCo
   dispatch(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const bool vectorized = rows_vectorizable<T>(args.cols, {args.student, args.teacher, args.grad});
-    const CompareLaunch l = compare_launch_for<T>(use_code_tables<T>(args.kd != 0, args.softcap, vectorized));
+    const bool tables = use_code_tables<T>(args.kd != 0 || args.row_coefficients != 0, args.softcap, vectorized);
+    const CompareLaunch l = compare_launch_for<T>(tables);
     if (l.shared_bytes > 0) {
       LV_CUDA(cudaFuncSetAttribute(l.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    static_cast<int>(l.shared_bytes)));

@@ -19,13 +19,15 @@ struct ReferencePartialArgs {
   const int* valid;           // rows to evaluate (others get the empty partial: -inf, 0, 0, 0, 0, -inf, 0, 0)
   const std::int64_t* label;  // global label per row (cross-entropy)
   int kd;
-  double inverse_temperature;  // KD
+  int row_coefficients;        // the policy loss's row model: no code tables
+  double inverse_temperature;  // KD and the row-coefficient model (x / T); 1 for cross-entropy
   double softcap;              // cross-entropy: 0 = off
   double q_on, q_off;          // cross-entropy target weights: q_v = v == label ? q_on : q_off
 };
 void reference_partials(StorageType type, const ReferencePartialArgs& args, double* out, void* stream);
 
-// KD, per row: sum_v P_v (log P_v - log Q_v) over the shard, compensated: [value, error].
+// KD, per row: sum_v P_v (log P_v - log Q_v) over the shard, compensated: [value, error]. With `entropy`
+// (the row-coefficient model) sum_v p_v log p_v of the student's x / T instead (the teacher unused).
 struct ReferenceKlArgs {
   const void* student;
   const void* teacher;
@@ -34,6 +36,7 @@ struct ReferenceKlArgs {
   const double* lse;          // student log-sum-exp of x/T, per row
   const double* teacher_lse;  // teacher log-sum-exp of y/T, per row
   double inverse_temperature;
+  int entropy;
 };
 void reference_kl(StorageType type, const ReferenceKlArgs& args, double* out, void* stream);
 
@@ -54,6 +57,11 @@ struct ReferenceCompareArgs {
   const double* weight;       // per row: d L / d l_t
   int kd;
   double inverse_temperature, temperature, kd_grad_scale;  // KD: T^(s-1)
+  // The row-coefficient model (the policy loss): expected = w (1/T) [a_r (delta_vy - p_v) + c p_v (log p_v + b_r)]
+  // with p of x / T, and each row's tolerance scaled by row_scale_r (KindReference::row_coefficients).
+  int row_coefficients;
+  const double *coef_a, *coef_b, *row_scale;
+  double entropy_coef;
   double softcap, z_loss_weight, q_on, q_off;
   // GradJudge
   double atol, rtol;
