@@ -1,6 +1,7 @@
 """Loss functions the harness and command-line tests run on real ranks (importable by the rank processes)."""
 
 import ctypes
+import dataclasses
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ from lossverify.torch.implementations import (
     vocab_parallel_cross_entropy,
     vocab_parallel_logprob_entropy,
 )
+from lossverify.torch.policy import masked, policy_terms, sequence_log_ratio, token_loss
 
 
 def full_rows_cross_entropy(logits, labels, ctx):
@@ -195,6 +197,24 @@ def policy_logprobs_at_t1(logits, labels, ctx):
 def policy_per_token(logits, labels, ctx):
     """The policy objective's per-token losses (whitening included); the harness aggregates them."""
     return policy_token_loss(logits, labels, ctx)
+
+
+def policy_token_ratio(logits, labels, ctx):
+    """The correct policy loss with each token's own ratio where the case asks for GSPO's sequence ratio."""
+    ctx.loss = dataclasses.replace(ctx.loss, ratio="token")
+    return policy_loss(logits, labels, ctx)
+
+
+def policy_gspo_token(logits, labels, ctx):
+    """GSPO-token's per-token losses: rho_s detached, times e^(lambda - sg(lambda)) (each token's gradient
+    rho_s w_t (-A_t), the true one only where the advantage is constant within the sequence)."""
+    logprob, entropy = vocab_parallel_logprob_entropy(logits, labels, ctx)
+    old = ctx.old_logprob.float()
+    rho = sequence_log_ratio(logprob.detach(), old, ctx.loss_mask, ctx.sequences, len(ctx.sequence_valid_tokens),
+                             ctx.cp_group)
+    terms = policy_terms(logprob, old, ctx.ref_logprob.float(), ctx.whitened_advantages().float(), ctx.loss,
+                         log_ratio=rho + logprob - logprob.detach())
+    return masked(token_loss(terms, entropy, ctx.loss), ctx.loss_mask)
 
 
 def policy_nan_logprob(logits, labels, ctx):

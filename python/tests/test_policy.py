@@ -5,6 +5,7 @@ entropies and statistics), and the function's errors that name the field."""
 
 import json
 import math
+import os
 import tempfile
 import unittest
 
@@ -16,12 +17,13 @@ from lossverify import inputs
 from lossverify.dump import DumpWriter
 from lossverify.errors import UserFunctionError
 from lossverify.torch import LossConfig
-from lossverify.torch.policy import policy_terms, statistics_parts, token_loss
-from support import case_path
+from lossverify.torch.policy import policy_terms, sequence_log_ratio, statistics_parts, token_loss
+from support import case_path, read_case
 
 GRPO = "rl-grpo-tp2-dp2-ga2"  # T 0.7, clip (0.2, 0.28), dual clip 3, k3 at 0.05, entropy 0.01, token-mean
 DRGRPO = "rl-drgrpo-cp2-whiten"  # whitened advantages, k2, seq-mean-token-sum-norm, cp 2, bf16
 LOGPROB = "rl-logprob-entropy-tp4"  # objective logprob, seq-mean-token-mean, tp 4 uneven shards
+GSPO = "rl-gspo-cp2-tp2"  # ratio sequence, seq-mean-token-mean, T 0.8, k3, entropy 0.01, tp 2 x cp 2 x dp 2
 
 
 class PolicyTermsTest(unittest.TestCase):
@@ -79,9 +81,34 @@ class PolicyTermsTest(unittest.TestCase):
         l = token_loss(policy_terms(logprob, None, None, None, logprob_only), entropy, logprob_only)
         self.assertTrue(torch.allclose(l, -logprob - 0.05 * entropy))
 
+    def test_sequence_ratio_and_its_true_derivative(self):
+        # two sequences and a padding row; the gradient of sum_t w_t surrogate_t through rho_s is
+        # (rho_s / n_s) sum_t w_t (-A_t) [t unclipped] on every valid token of s, the masked token's 0
+        loss = LossConfig(kind="policy", clip_low=0.2, clip_high=0.28, ratio="sequence")
+        sequences = torch.tensor([0, 0, 0, 1, 1, 1, -1])
+        valid = torch.tensor([True, True, True, True, False, True, False])
+        old = torch.tensor([-1.0, -2.0, -0.5, -1.5, 0.0, -0.7, 0.0], dtype=torch.float64)
+        shift = torch.tensor([0.3, -0.1, 0.1, -0.05, 0.0, 0.08, 0.0], dtype=torch.float64)
+        logprob = torch.where(valid, old + shift, torch.zeros_like(old)).requires_grad_(True)
+        advantage = torch.tensor([1.0, 1.0, -0.5, -2.0, 0.0, 1.5, 0.0], dtype=torch.float64)
+        weights = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.0, 0.5, 0.0], dtype=torch.float64)
+        log_ratio = sequence_log_ratio(logprob, old, valid, sequences, 2)
+        rho = torch.exp(torch.tensor([0.1, 0.015], dtype=torch.float64))  # the shifts' means: 0.3/3, 0.03/2
+        self.assertTrue(torch.allclose(log_ratio.detach()[valid], torch.log(rho)[sequences[valid]]))
+        terms = policy_terms(logprob, old, old, advantage, loss, log_ratio=log_ratio)
+        self.assertEqual(terms.clipped.tolist(), [False] * 7)  # rho in (0.8, 1.28): every token unclipped
+        self.assertTrue(torch.allclose(terms.surrogate.detach()[valid], (-rho[sequences] * advantage)[valid]))
+        (weights * terms.surrogate).sum().backward()
+        q = [float((weights * -advantage)[valid & (sequences == s)].sum()) for s in (0, 1)]
+        expected = [float(rho[s]) / n * q[s] if v else 0.0
+                    for s, n, v in zip(sequences.tolist(), [3, 3, 3, 2, 2, 2, 1], valid.tolist())]
+        self.assertTrue(torch.allclose(logprob.grad, torch.tensor(expected, dtype=torch.float64)))
+
     def test_case_spelling_of_the_kl(self):
         self.assertEqual(LossConfig.from_case({"kind": "policy", "kl_penalty": "k2"}).kl, "k2")
         self.assertEqual(LossConfig.from_case({"kind": "policy", "kl": "k3", "kl_penalty": "k2"}).kl, "k3")
+        self.assertEqual(LossConfig.from_case({"kind": "policy"}).ratio, "token")
+        self.assertEqual(LossConfig.from_case({"kind": "policy", "ratio": "sequence"}).ratio, "sequence")
 
 
 class PolicyInputsTest(unittest.TestCase):
@@ -147,6 +174,42 @@ class PolicyReturnModesTest(unittest.TestCase):
                                  case_path(DRGRPO))
         reports["logprobs"].assert_pass()
         reports["per_token"].assert_pass()
+
+    def test_the_sequence_ratio_on_the_gspo_case(self):
+        # GSPO at cp 2: correct, and the harness's objective on LogProbs and on per-token losses, all pass (the
+        # gradient through rho_s all-reduced over CP); each token's own ratio lies up to 15% from its
+        # sequence's, so the token-level ratio fails; the sequence ratio over one CP rank's chunks fails too
+        reports = lvt.check_many({"correct": "lossverify.torch.implementations:correct",
+                                  "logprobs": fns.policy_logprobs, "per_token": fns.policy_per_token,
+                                  "gspo_token": fns.policy_gspo_token, "token_ratio": fns.policy_token_ratio,
+                                  "cp_local": "lossverify.torch.implementations:rl_gspo_cp_local_ratio"},
+                                 case_path(GSPO))
+        for name in ("correct", "logprobs", "per_token", "gspo_token"):  # GSPO-token: A is constant per sequence
+            with self.subTest(name):
+                reports[name].assert_pass()
+        token_ratio = reports["token_ratio"]  # the clip fraction too: tokens cross the clip edges
+        self.assertEqual(token_ratio.failing_checks, ["grad", "loss", "stats"], token_ratio.table())
+        self.assertEqual(reports["cp_local"].failing_checks, ["grad", "loss"], reports["cp_local"].table())
+
+    def test_gspo_token_fails_where_the_advantage_varies_within_a_sequence(self):
+        # advantages of single tokens overridden: rho_s w_t (-A_t) per token is no longer the true derivative
+        case = read_case(GSPO)
+        case["inputs"]["overrides"] = [{"token": t, "advantages": 0.8} for t in range(0, 28, 3)]
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "gspo-token-advantages.json")
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(case, f)
+            reports = lvt.check_many({"correct": "lossverify.torch.implementations:correct",
+                                      "gspo_token": fns.policy_gspo_token}, path)
+        reports["correct"].assert_pass()
+        self.assertEqual(reports["gspo_token"].failing_checks, ["grad"], reports["gspo_token"].table())
+
+    def test_the_sequence_ratio_is_the_same_at_every_layout(self):
+        # rho_s over all of a sequence's CP chunks: the same losses and gradients at cp 1 and at cp 2 with GA 2
+        report = lvt.sweep("lossverify.torch.implementations:correct", case_path(GSPO),
+                           layouts=["tp1-cp1-dp2-ga1", "tp2-cp2-dp2-ga2"])
+        self.assertEqual(report.verdict, "pass", report.table())
+        self.assertEqual(report.invariance.verdict, "pass")
 
     def test_a_sweep_of_policy_dumps_checks_invariance(self):
         # two layouts' dumps through one check-dump (this once crashed: the layout snapshot lacked the policy

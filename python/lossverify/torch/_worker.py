@@ -29,7 +29,7 @@ from lossverify.kinds import kind_inputs
 from lossverify.layout import framework_factor
 from lossverify.torch._launch import RETURNS, Job, Launch  # noqa: F401 - the records ranks receive
 from lossverify.torch.context import POLICY_STATS, Context, FrameworkConfig, LogProbs, LossConfig, MicroBatch, Reduced
-from lossverify.torch.policy import masked, policy_terms, statistics_parts
+from lossverify.torch.policy import masked, policy_terms, sequence_log_ratio, statistics_parts
 
 
 def dumped_values(values, valid):
@@ -482,7 +482,8 @@ class _StepLog:
         return value
 
     def _add_logprobs(self, result, rows, ctx, fail):
-        """LogProbs: the case's objective on the function's log-probabilities and entropies."""
+        """LogProbs: the case's objective on the function's log-probabilities and entropies (under ratio
+        sequence, on each sequence's ratio, all-reduced over CP: this micro-batch's CP peers call it too)."""
         loss, valid = self.loss, ctx.loss_mask
         logprob = self._per_token(result.logprob, "LogProbs(logprob=...)", rows, valid, fail, True)
         entropy = None
@@ -495,6 +496,7 @@ class _StepLog:
         self._set_mode("logprobs", fail)
         lp = masked(logprob.float(), valid)
         h = masked(entropy.float(), valid) if entropy is not None else None
+        log_ratio = None
         if loss.objective == "logprob":
             old = ref = advantages = None
         else:
@@ -503,7 +505,10 @@ class _StepLog:
                 raise RuntimeError("harness: a policy_loss case without old_logprob, ref_logprob or advantages in "
                                    "its exported inputs")
             old, ref, advantages = old.float(), ref.float(), advantages.float()
-        terms = policy_terms(lp, old, ref, advantages, loss)
+            if loss.ratio == "sequence":  # GSPO: rho_s over each sequence's chunks on every CP rank
+                log_ratio = sequence_log_ratio(lp, old, valid, ctx.sequences, len(ctx.sequence_valid_tokens),
+                                               ctx.cp_group)
+        terms = policy_terms(lp, old, ref, advantages, loss, log_ratio=log_ratio)
         token_loss = masked(policy_token_loss(terms, h, loss), valid)
         forward = ctx.aggregation_weights()
         backward = (forward / self.factor).to(torch.float32)

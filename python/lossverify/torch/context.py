@@ -17,6 +17,7 @@ A policy case (kind "policy", ../docs/pytorch.md) also carries, per row, the rol
 `old_logprob`, the reference policy's `ref_logprob` and the advantage before whitening `advantages`
 (objective policy_loss), and per step the counts its aggregation needs: N (num_valid_tokens), B
 (num_sequences) and n_s (sequence_valid_tokens), all-reduced over DP x CP before the step as frameworks do.
+Under loss.ratio "sequence" (GSPO) each row's `sequences` names the sequence whose ratio it takes.
 """
 
 from dataclasses import dataclass, field
@@ -49,6 +50,9 @@ class LossConfig:
     clip_low: float = 0.2  # the ratio is clipped to [1 - clip_low, 1 + clip_high]
     clip_high: float = 0.2
     dual_clip: float = 0.0  # c > 1: the surrogate capped at -c A where A < 0; 0: off
+    # token: each token's own ratio e^(lambda - old); sequence: GSPO's rho_s = e^(mean over the valid tokens of
+    # its sequence, all its CP chunks, of lambda - old) for every token of s, differentiated through every lambda
+    ratio: str = "token"
     kl: str = "none"  # none | k1 | k2 | k3 (the case file's kl_penalty)
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
@@ -272,9 +276,10 @@ class LogProbs:
     the gradient) and be finite on valid rows; masked rows are ignored (dumped as 0).
 
     The harness judges both token by token (the `logprob` and `entropy` checks), builds the case's objective
-    on them (ratio to ctx.old_logprob, clip, dual clip, KL to ctx.ref_logprob, entropy bonus, the whitened
-    advantages; or -logprob - entropy_coef H), weighs each token by the case's aggregation, back-propagates
-    through the returned values and logs L, N and the statistics computed from them.
+    on them (ratio to ctx.old_logprob, each token's or, under loss.ratio "sequence", its sequence's over every
+    CP rank; clip, dual clip, KL to ctx.ref_logprob, entropy bonus, the whitened advantages; or -logprob -
+    entropy_coef H), weighs each token by the case's aggregation, back-propagates through the returned values
+    and logs L, N and the statistics computed from them.
     """
 
     def __init__(self, logprob, entropy=None):

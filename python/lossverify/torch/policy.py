@@ -3,6 +3,7 @@ it, from per-token log-probabilities and entropies: what the harness builds on a
 what the project's own policy implementations build on their vocabulary-parallel log-prob pass.
 
     lambda = z_y/T - lse(z/T), H = -sum p log p, ratio r = exp(lambda - old)
+    (ratio sequence, GSPO: r = rho_s = exp(mean of lambda - old over the valid tokens of the token's sequence))
     surrogate = max(-r A, -clip(r, 1 - clip_low, 1 + clip_high) A), capped at -c A where A < 0 (dual clip c)
     KL: k1 lambda - ref, k2 (lambda - ref)^2 / 2, k3 exp(ref - lambda) - (ref - lambda) - 1
     l = surrogate + kl_coef KL - entropy_coef H (objective policy_loss); l = -lambda - entropy_coef H (logprob)
@@ -10,14 +11,20 @@ what the project's own policy implementations build on their vocabulary-parallel
 A token is clipped where the clipped term is strictly the larger, and dual-clipped where the cap applies
 (a dual-clipped token, A < 0 and r > c, is never clipped as well: there -r A is the larger); the logged
 statistics are token-means of those flags, of the KL and of the entropy over the step's valid tokens.
+
+Under the sequence-level ratio rho_s depends on every lambda of its sequence, so the surrogate's gradient
+is the true derivative of L: dL/dlambda_u = (rho_s / n_s) sum_t w_t (-A_t) [t unclipped] (plus u's KL
+slope), which autograd gives through `sequence_log_ratio` (not detached; its per-sequence sums summed over
+the CP group by an all-reduce whose backward sums the gradient over the group too).
 """
 
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["PolicyTerms", "policy_terms", "kl_penalty", "token_loss", "statistics_parts"]
+__all__ = ["PolicyTerms", "policy_terms", "sequence_log_ratio", "kl_penalty", "token_loss", "statistics_parts"]
 
 
 @dataclass
@@ -48,15 +55,50 @@ def kl_penalty(logprob, ref_logprob, kind):
     raise ValueError(f"unknown KL penalty {kind!r} (none, k1, k2, k3)")
 
 
-def policy_terms(logprob, old_logprob, ref_logprob, advantages, loss):
+class _SumOverGroup(torch.autograd.Function):
+    """Sum over the group in forward, and in backward the gradient summed over the group too: every rank's
+    loss depends on every rank's summand (what torch.distributed.nn.functional.all_reduce does with SUM)."""
+
+    @staticmethod
+    def forward(fctx, tensor, group):
+        fctx.group = group
+        out = tensor.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(fctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=fctx.group)
+        return grad, None
+
+
+def sequence_log_ratio(logprob, old_logprob, valid, sequences, num_sequences, group=None):
+    """GSPO's log rho_s of each row's sequence s: the mean of lambda - old over the valid tokens of s (float32
+    [rows]; lambda - old on rows that are not valid), with the gradient through every lambda of s. sequences:
+    each row's sequence [rows] (ctx.sequences), an index below num_sequences (len(ctx.sequence_valid_tokens));
+    group: the CP group whose ranks hold the other chunks of the sequences, over which the per-sequence sums
+    and counts are summed (None: this rank's rows only)."""
+    index = torch.where(valid, sequences, torch.zeros_like(sequences))
+    own = logprob - old_logprob
+    summands = torch.stack([torch.where(valid, own, torch.zeros_like(own)), valid.to(own.dtype)])
+    sums = summands.new_zeros((2, max(num_sequences, 1))).index_add(1, index, summands)
+    if group is not None and dist.get_world_size(group) > 1:
+        sums = _SumOverGroup.apply(sums, group)
+    mean = sums[0] / sums[1].clamp(min=1.0)
+    return torch.where(valid, mean[index], own)
+
+
+def policy_terms(logprob, old_logprob, ref_logprob, advantages, loss, log_ratio=None):
     """The surrogate and KL of each token (loss: a LossConfig of kind policy). Objective logprob: the
     surrogate is -logprob and the KL 0. old_logprob, ref_logprob, advantages: float32 [rows] (advantages as
-    the objective uses them, i.e. whitened when the case whitens them)."""
+    the objective uses them, i.e. whitened when the case whitens them). log_ratio: the log of each token's
+    ratio, default its own lambda - old (ratio sequence: `sequence_log_ratio`)."""
     if loss.objective == "logprob":
         none = torch.zeros_like(logprob, dtype=torch.bool)
         return PolicyTerms(-logprob, torch.zeros_like(logprob), none, none.clone())
     device = logprob.device
-    ratio = torch.exp(logprob - old_logprob)
+    ratio = torch.exp(logprob - old_logprob if log_ratio is None else log_ratio)
     low = (_f32(1.0) - _f32(loss.clip_low)).to(device)
     high = (_f32(1.0) + _f32(loss.clip_high)).to(device)
     clipped_ratio = torch.minimum(torch.maximum(ratio, low), high)

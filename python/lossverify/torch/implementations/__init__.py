@@ -2,11 +2,11 @@
 
 `correct` is the vocabulary-parallel cross-entropy (both smoothing conventions, z-loss, ignore_index,
 softcap, every reduction), KD (forward KL, temperature, T^2) and the RL policy loss (log-prob and entropy pass,
-clipped surrogate, dual clip, KL, entropy bonus, whitening, the five aggregations, logged statistics) of
-docs/spec.md §5: all-reduce max, then one packed all-reduce sum over the TP group, custom backward with no
-communication. Every other name is a bug of
-lossverify's catalogue (`lossverify list`, snake_case here), written the way the framework it comes from
-wrote it; lossverify must catch each one on the cases where its golden outcomes say it fails.
+clipped surrogate on each token's ratio or GSPO's sequence ratio, dual clip, KL, entropy bonus, whitening, the
+five aggregations, logged statistics) of docs/spec.md §5: all-reduce max, then one packed all-reduce sum over
+the TP group, custom backward with no communication. Every other name is a bug of lossverify's catalogue
+(`lossverify list`, snake_case here), written the way the framework it comes from wrote it; lossverify must
+catch each one on the cases where its golden outcomes say it fails.
 `CATALOGUE` maps every name to its function, `KIND` to the loss it applies to (cross_entropy, kd, policy, any).
 `TOKEN_LOSS` maps each loss kind to its correct per-token loss (`token_loss_of`, `register_token_loss`).
 """
@@ -38,6 +38,7 @@ from lossverify.torch.implementations.catalogue import (
     rl_drgrpo_batch_sum,
     rl_entropy_untracked_allreduce,
     rl_fused_vocab_pad,
+    rl_gspo_cp_local_ratio,
     rl_kl_no_grad,
     rl_logprob_allgather_grad_sum,
     rl_logprob_untracked_allreduce,

@@ -347,6 +347,13 @@ def rl_kl_no_grad(logits, labels, ctx):
     return _policy(logits, labels, ctx, kl_no_grad=True)
 
 
+def rl_gspo_cp_local_ratio(logits, labels, ctx):
+    """GSPO's sequence ratio rho_s, and the sum its gradient takes over the sequence, from the CP rank's own
+    chunks of each sequence: the per-sequence sums of lambda - old and the valid counts never all-reduced over
+    CP (predicted: the reduction radixark/miles #3188 does; a no-op under ratio token and at cp = 1)."""
+    return _policy(logits, labels, ctx, gspo_cp_local_ratio=True)
+
+
 CATALOGUE = {
     "correct": correct,
     "smoothing_partition_vocab": smoothing_partition_vocab,
@@ -385,6 +392,7 @@ CATALOGUE = {
     "rl_adv_whiten_dp_only": rl_adv_whiten_dp_only,
     "rl_fused_vocab_pad": rl_fused_vocab_pad,
     "rl_kl_no_grad": rl_kl_no_grad,
+    "rl_gspo_cp_local_ratio": rl_gspo_cp_local_ratio,
 }
 # The loss kind each name applies to: the bugs of the KD loss, of the policy loss (rl_*), those of the
 # normaliser or logged count that reach every kind (and `correct`), and the cross-entropy bugs (the others).

@@ -1,6 +1,7 @@
 """The RL policy loss (docs/spec.md §3.3): a vocabulary-parallel log-prob and entropy pass, the clipped
-surrogate with dual clip, KL and entropy bonus on top of it, advantage whitening over the step and the five
-aggregation modes, with the catalogue's policy bugs as switches, each written the way its framework wrote it.
+surrogate with dual clip (on each token's ratio, or GSPO's sequence-level one), KL and entropy bonus on top of
+it, advantage whitening over the step and the five aggregation modes, with the catalogue's policy bugs as
+switches, each written the way its framework wrote it.
 
 The log-prob pass (`vocab_parallel_logprob_entropy`) is one torch.autograd.Function: with x = z/T, the max M
 all-reduced over TP, then one packed all-reduce sum of [S = sum e^u, E = sum e^u u, u_y] (u = x - M, u_y
@@ -16,7 +17,7 @@ import torch.distributed as dist
 
 from lossverify.torch.context import Reduced
 from lossverify.torch.implementations._collectives import all_reduce_, gather_columns
-from lossverify.torch.policy import masked, policy_terms, statistics_parts, token_loss
+from lossverify.torch.policy import masked, policy_terms, sequence_log_ratio, statistics_parts, token_loss
 
 __all__ = ["PolicyBugs", "vocab_parallel_logprob_entropy", "policy_loss", "policy_token_loss",
            "logprob_with_untracked_all_reduce", "entropy_with_untracked_all_reduce", "logprob_from_all_gather",
@@ -39,6 +40,7 @@ class PolicyBugs:
     adv_whiten_dp_only: bool = False  # whitening statistics over DP, not DP x CP (slime #2235)
     fused_vocab_pad: bool = False  # each shard's zero pad columns to a multiple of 1024 in the softmax (verl)
     kl_no_grad: bool = False  # the KL penalty without gradient (SkyRL #1353)
+    gspo_cp_local_ratio: bool = False  # GSPO's per-sequence sums over the CP rank's own chunks (predicted)
 
 
 def _inverse_temperature(ctx, bugs):
@@ -240,6 +242,18 @@ def _weights(ctx, bugs):
     return mask * ((1.0 / micro_tokens) * (micro_sequences / rank_sequences) / ctx.dp_size)
 
 
+def _log_ratio(logprob, old_logprob, ctx, bugs):
+    """The log of each token's ratio: None (its own lambda - old) under ratio token; under ratio sequence
+    GSPO's log rho_s, its per-sequence sums all-reduced over CP (differentiably: rho_s depends on every CP
+    rank's lambdas), or over this rank's own chunks alone under gspo-cp-local-ratio, the sum of the gradient
+    then this rank's own too."""
+    if ctx.loss.ratio != "sequence":
+        return None
+    group = None if bugs.gspo_cp_local_ratio else ctx.cp_group
+    return sequence_log_ratio(logprob, old_logprob, ctx.loss_mask, ctx.sequences, len(ctx.sequence_valid_tokens),
+                              group)
+
+
 def _per_token(logits, labels, ctx, bugs):
     """(terms, logprob, entropy, token loss l, the objective's l with the switches' scales)."""
     loss, valid = ctx.loss, ctx.loss_mask
@@ -247,8 +261,9 @@ def _per_token(logits, labels, ctx, bugs):
     if loss.objective == "logprob":
         terms = policy_terms(logprob, None, None, None, loss)
     else:
-        terms = policy_terms(logprob, ctx.old_logprob.float(), ctx.ref_logprob.float(),
-                             whitened_advantages(ctx, bugs), loss)
+        old = ctx.old_logprob.float()
+        terms = policy_terms(logprob, old, ctx.ref_logprob.float(), whitened_advantages(ctx, bugs), loss,
+                             log_ratio=_log_ratio(logprob, old, ctx, bugs))
     if bugs.kl_no_grad:
         terms = replace(terms, kl=terms.kl.detach())
     value = masked(token_loss(terms, entropy, loss), valid)
