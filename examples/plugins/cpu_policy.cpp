@@ -220,32 +220,34 @@ std::vector<PolicyRow> policy_rows(const lv_rank_inputs& in, Matrix<T> logits, R
 
 // GSPO's sequence-level ratio, per sequence of the step: log rho_s (the mean of lambda - old over its valid
 // tokens), n_s, and Q_s = sum over them of w_t (-A_t) where t's unclipped term is the one taken (its slope in
-// rho), each summed over the CP group, which holds the sequence's other chunks.
+// rho), each summed over the CP group, which holds the sequence's other chunks. The sums accumulate in double:
+// a float accumulator over thousands of equal summands (a sequence's advantage) drifts by 1e-5 and more.
 struct SequenceRatios {
-  std::vector<float> log_ratio, tokens, slope_sum;
+  std::vector<float> log_ratio;
+  std::vector<double> tokens, slope_sum;
 };
 
 SequenceRatios sequence_ratios(const lv_rank_inputs& in, RowRange range, const PolicyPlan& plan,
                                const std::vector<PolicyRow>& rows, const PolicyBugs& bugs, const Collectives& comm) {
   const auto b = static_cast<std::size_t>(in.num_sequences);
   // rl-gspo-cp-local-ratio: each CP rank's ratio from its own chunks only.
-  auto over_cp = [&](std::vector<float>& v) {
+  auto over_cp = [&](std::vector<double>& v) {
     if (!bugs.gspo_cp_local_ratio) allreduce(comm, LV_GROUP_CP, v, LV_REDUCE_SUM);
   };
   auto valid = [&](std::int64_t row) { return plan.batch.rows[static_cast<std::size_t>(row)].valid; };
   auto sequence = [&](std::int64_t row) { return static_cast<std::size_t>(in.sequences[row]); };
-  std::vector<float> sums(2 * b, 0.0f);  // [sum (lambda - old) | valid tokens]
+  std::vector<double> sums(2 * b, 0.0);  // [sum (lambda - old) | valid tokens]
   for (std::int64_t row = range.begin; row < range.end; ++row) {
     if (!valid(row)) continue;
     sums[sequence(row)] += rows[static_cast<std::size_t>(row - range.begin)].logprob - in.old_logprob[row];
-    sums[b + sequence(row)] += 1.0f;
+    sums[b + sequence(row)] += 1.0;
   }
   over_cp(sums);
   SequenceRatios s{std::vector<float>(b, 0.0f),
-                   std::vector<float>(sums.begin() + static_cast<std::ptrdiff_t>(b), sums.end()),
-                   std::vector<float>(b, 0.0f)};
+                   std::vector<double>(sums.begin() + static_cast<std::ptrdiff_t>(b), sums.end()),
+                   std::vector<double>(b, 0.0)};
   for (std::size_t k = 0; k < b; ++k) {
-    if (s.tokens[k] > 0.0f) s.log_ratio[k] = sums[k] / s.tokens[k];
+    if (s.tokens[k] > 0.0) s.log_ratio[k] = static_cast<float>(sums[k] / s.tokens[k]);
   }
   for (std::int64_t row = range.begin; row < range.end; ++row) {
     if (!valid(row)) continue;
@@ -289,7 +291,9 @@ void policy_micro_batch(const lv_rank_inputs& in, lv_rank_outputs& out, RowRange
         policy_terms(r.logprob, log_ratio, in.ref_logprob[row], plan.advantages[static_cast<std::size_t>(row)], p);
     if (by_sequence) {  // d L / d lambda_u = rho_s Q_s / n_s, per unit of the row's backward weight
       const float w = row_plan.backward_weight;
-      t.surrogate_slope = w != 0.0f ? std::exp(log_ratio) * sequences.slope_sum[k] / (sequences.tokens[k] * w) : 0.0f;
+      t.surrogate_slope =
+          w != 0.0f ? static_cast<float>(std::exp(log_ratio) * sequences.slope_sum[k] / (sequences.tokens[k] * w))
+                    : 0.0f;
     }
     out.token_loss[row] = t.surrogate + kl_coef * t.kl - entropy_coef * r.entropy;
     out.token_values[row * LV_POLICY_VALUES + LV_POLICY_VALUE_LOGPROB] = r.logprob;

@@ -78,15 +78,16 @@ def sequence_log_ratio(logprob, old_logprob, valid, sequences, num_sequences, gr
     [rows]; lambda - old on rows that are not valid), with the gradient through every lambda of s. sequences:
     each row's sequence [rows] (ctx.sequences), an index below num_sequences (len(ctx.sequence_valid_tokens));
     group: the CP group whose ranks hold the other chunks of the sequences, over which the per-sequence sums
-    and counts are summed (None: this rank's rows only)."""
+    and counts are summed (None: this rank's rows only). The sums, and in backward the gradient's per-sequence
+    sums, run in float64: a float32 accumulator over thousands of equal summands drifts by 1e-5 and more."""
     index = torch.where(valid, sequences, torch.zeros_like(sequences))
-    own = logprob - old_logprob
+    own = (logprob - old_logprob).double()
     summands = torch.stack([torch.where(valid, own, torch.zeros_like(own)), valid.to(own.dtype)])
     sums = summands.new_zeros((2, max(num_sequences, 1))).index_add(1, index, summands)
     if group is not None and dist.get_world_size(group) > 1:
         sums = _SumOverGroup.apply(sums, group)
     mean = sums[0] / sums[1].clamp(min=1.0)
-    return torch.where(valid, mean[index], own)
+    return torch.where(valid, mean[index], own).to(logprob.dtype)
 
 
 def policy_terms(logprob, old_logprob, ref_logprob, advantages, loss, log_ratio=None):

@@ -113,35 +113,39 @@ class Protocol {
   // GSPO: each sequence's rho_s = e^(mean of lambda - old over its valid tokens), its chunks summed over the CP
   // group, then Q_s = sum_t w_t (-A_t) [the unclipped term active at t], so that every token u of the sequence
   // has d L / d lambda_u = rho_s Q_s / n_s, or g_lambda = rho_s Q_s / (n_s w_u) per unit of its weight.
+  // The per-sequence sums accumulate in double, as a framework's pairwise sum would stay accurate: a float
+  // accumulator over thousands of equal summands (a sequence's advantage) drifts by 1e-5 and more.
   void sequence_ratios() {
     const auto b = static_cast<std::size_t>(mb_.plan.kind_plan().sequences);
-    std::vector<float> sums(2 * b, 0.0f);  // [sum (lambda - old) | valid tokens]
+    std::vector<double> sums(2 * b, 0.0);  // [sum (lambda - old) | valid tokens]
     for (std::size_t i = 0; i < n_; ++i) {
       if (!plan(i).valid) continue;
-      sums[sequence(i)] += logprob(i) - inputs(i)[0];
-      sums[b + sequence(i)] += 1.0f;
+      sums[sequence(i)] += static_cast<double>(logprob(i) - inputs(i)[0]);
+      sums[b + sequence(i)] += 1.0;
     }
     reduce_over_cp(sums);
     log_ratio_.assign(b, 0.0f);
     tokens_.assign(b, 0.0f);
     for (std::size_t k = 0; k < b; ++k) {
-      if (sums[b + k] > 0.0f) log_ratio_[k] = sums[k] / sums[b + k];
-      tokens_[k] = sums[b + k];
+      if (sums[b + k] > 0.0) log_ratio_[k] = static_cast<float>(sums[k] / sums[b + k]);
+      tokens_[k] = static_cast<float>(sums[b + k]);
     }
-    slope_sum_.assign(b, 0.0f);
+    std::vector<double> slope_sum(b, 0.0);
     for (std::size_t i = 0; i < n_; ++i) {
       if (!plan(i).valid) continue;
       const float* in = inputs(i);
       const PolicyTerms<float> t = policy_terms(logprob(i), log_ratio_[sequence(i)], in[1], in[2], k_);
-      if (!t.clipped && !t.dual_clipped) slope_sum_[sequence(i)] += plan(i).backward_weight * -in[2];
+      if (!t.clipped && !t.dual_clipped)
+        slope_sum[sequence(i)] += static_cast<double>(plan(i).backward_weight * -in[2]);
     }
-    reduce_over_cp(slope_sum_);
+    reduce_over_cp(slope_sum);
+    slope_sum_.assign(slope_sum.begin(), slope_sum.end());
   }
 
   // Over the CP group, unless rl-gspo-cp-local-ratio keeps each rank's own chunks.
-  void reduce_over_cp(std::vector<float>& v) {
+  void reduce_over_cp(std::vector<double>& v) {
     if (mb_.groups.cp.size() > 1 && !has(policy_bug::gspo_cp_local_ratio))
-      mb_.groups.cp.allreduce_sum(std::span<float>(v));
+      mb_.groups.cp.allreduce_sum(std::span<double>(v));
   }
 
   // The token's objective, its loss, values and statistics, and its gradient row.
