@@ -122,7 +122,7 @@ class PolicyKind final : public LossKind {
     if (o.dual_clip > 0.0) l["dual_clip"] = o.dual_clip;
     l["ratio"] = to_string(o.ratio);
     l["kl_penalty"] = to_string(o.kl);
-    l["kl_coef"] = o.kl_coef;
+    if (o.kl != Kl::none) l["kl_coef"] = o.kl_coef;
     l["whiten_advantages"] = o.whiten_advantages;
     if (o.whiten_advantages) l["whiten_epsilon"] = o.whiten_epsilon;
   }
