@@ -7,6 +7,9 @@ import lossverify.torch as lvt
 from support import case_names, case_path, keep_dir
 
 CORRECT = "lossverify.torch.implementations:correct"
+# 65M logits on one rank at tp 1: its dump and in-place check alone can pass the case's 120 s when the other
+# Python golden suite runs beside it on two cores (CI saw it once).
+SLOW_CASES = {"realistic-bf16-n2048-v32000-tp8": 900}
 
 
 class CorrectPassesEveryCase(unittest.TestCase):
@@ -14,7 +17,8 @@ class CorrectPassesEveryCase(unittest.TestCase):
         for name in case_names():
             for tp in (1, 2, 4):
                 with self.subTest(case=name, tp=tp):
-                    report = lvt.check(CORRECT, case_path(name), tp=tp, keep_dump=keep_dir("correct", f"{name}-tp{tp}"))
+                    report = lvt.check(CORRECT, case_path(name), tp=tp, keep_dump=keep_dir("correct", f"{name}-tp{tp}"),
+                                       timeout=SLOW_CASES.get(name))
                     report.assert_pass()
                     worst = max(m for m in report.margins.values() if m is not None)
                     self.assertLess(worst, 0.51, report.table())
