@@ -133,8 +133,8 @@ def _snapshot(tensor):
 
 
 def _describe_change(name, before, after):
-    """How a tensor changed: count and the first changed element."""
-    after = after.detach().to("cpu")
+    """How a tensor changed: count and the first changed element (either may live on a GPU)."""
+    before, after = before.detach().to("cpu"), after.detach().to("cpu")
     if after.shape != before.shape or after.dtype != before.dtype:
         return (f"{name} changed shape or dtype in place: {before.dtype} {list(before.shape)} -> "
                 f"{after.dtype} {list(after.shape)}")
