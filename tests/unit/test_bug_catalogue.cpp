@@ -295,6 +295,45 @@ TEST_CASE("mtp_local_count_ratio_weights_each_micro_batch_by_its_local_main_over
   CHECK(off);
 }
 
+TEST_CASE("mtp_local_count_ratio_at_cp_2_counts_each_cp_rank_s_own_main_loss_tokens") {
+  // At CP > 1 process_mtp_loss rolls the main mask across the chunk boundaries and counts this CP rank's part:
+  // the main mask at position p is the MTP (case) mask at p - 1 and position 0 is valid, over the padded
+  // sequence. The weight of a micro-batch is (its main count / its MTP count) / (the step's main count).
+  auto j = testing::case_json(0, 97, 2);
+  j["shape"].erase("tokens");
+  j["batch"] = {{"sequence_lengths", {23, 4, 6, 17, 3, 11}}, {"labels", "next_token"}};
+  j["inputs"]["ignore_fraction"] = 0.4;  // masked tokens at chunk boundaries move counts between CP ranks
+  j["layout"] = {{"tp", 1}, {"cp", 2}, {"dp", 1}, {"ga", 2}};
+  j["framework"] = {{"grad_reduce", "sum"}, {"ga_reduce", "sum"}};
+  const Case c = testing::make_case(j);
+  const InputSource inputs(c);
+  const RankRun right = ranks_of(c, inputs, "correct");
+  const RankRun buggy = ranks_of(c, inputs, "mtp-local-count-ratio");
+  const auto valid_total = static_cast<double>(global_valid_tokens(c, inputs));
+  auto main_valid = [&](const LocalRow& r) {
+    const Sequence& seq = inputs.batch().sequences()[static_cast<std::size_t>(r.sequence)];
+    return r.position == 0 || (r.position - 1 < seq.length && inputs.is_valid(seq.begin + r.position - 1));
+  };
+  double main_total = 0.0;
+  for (const RankOutput& out : buggy.outputs) {
+    for (const LocalRow& r : out.assignment.rows) main_total += main_valid(r);
+  }
+  auto ratio = [&](const RankOutput& out, std::int64_t row) {
+    const auto& begin = out.assignment.micro_batch_begin;
+    std::size_t k = 0;
+    while (begin[k + 1] <= row) ++k;
+    double valid = 0.0, main = 0.0;
+    for (std::int64_t i = begin[k]; i < begin[k + 1]; ++i) {
+      const LocalRow& r = out.assignment.rows[static_cast<std::size_t>(i)];
+      main += main_valid(r);
+      valid += r.token >= 0 && inputs.is_valid(r.token);
+    }
+    return main / (valid * main_total) * valid_total;
+  };
+  CHECK(main_total == doctest::Approx(valid_total + 6.0));  // one more main token per sequence, over the step
+  CHECK(check_grad_ratio(buggy, right, ratio) > 0);
+}
+
 TEST_CASE("kd_tp_grad_sum_multiplies_every_gradient_element_by_tp_and_leaves_the_loss_right") {
   // fp32, T = 3: the switch scales the gradient's float32 factor T^(s-1) by TP, exact for TP = 2 and 4.
   for (int tp : {2, 4}) {

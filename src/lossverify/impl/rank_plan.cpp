@@ -1,6 +1,7 @@
 #include "lossverify/impl/rank_plan.hpp"
 
 #include "lossverify/kinds/loss_kind.hpp"
+#include "lossverify/layout/rank_layout.hpp"
 
 namespace lossverify {
 
@@ -19,27 +20,38 @@ float pairwise_sum(const float* x, std::int64_t n) {
   return pairwise_sum(x, half) + pairwise_sum(x + half, n - half);
 }
 
+// The MTP layer's main loss, as Megatron-LM's process_mtp_loss sees it: a case's rows are the MTP layer's,
+// and the MTP labels and mask are the main loss's rolled one position left within each (padded) sequence.
+// So the main mask at position p is the case's at p - 1, and position 0 is a valid main-loss token.
+bool main_loss_valid(const InputSource& inputs, const Sequence& seq, std::int64_t position) {
+  if (position == 0) return true;
+  return position - 1 < seq.length && inputs.is_valid(seq.begin + position - 1);
+}
+
 // mtp-local-count-ratio, each micro-batch's token weight. Megatron-LM's process_mtp_loss in per-token mode
-// scales a micro-batch's summed MTP loss by its local main-loss count over its local MTP count, and
-// finalize_model_grads divides every gradient by the step's main-loss count. A case's rows are the MTP
-// layer's; the main loss has one valid token more per sequence, where the MTP roll ends the sequence.
+// scales a micro-batch's summed MTP loss by its local main-loss count over its local MTP count (this rank's
+// rows: at CP > 1 its two chunks of each sequence), and finalize_model_grads divides every gradient by the
+// step's main-loss count.
 std::vector<double> mtp_local_count_weights(const RankAssignment& assignment, const std::vector<RowPlan>& rows,
-                                            const GlobalBatch& batch, std::int64_t valid_total) {
+                                            const InputSource& inputs, std::int64_t cp) {
+  const GlobalBatch& batch = inputs.batch();
+  std::int64_t main_total = 0;
+  for (const Sequence& seq : batch.sequences()) {
+    const std::int64_t padded = padded_length(seq.length, 2 * cp);
+    for (std::int64_t p = 0; p < padded; ++p) main_total += main_loss_valid(inputs, seq, p);
+  }
   const auto& offsets = assignment.micro_batch_begin;
-  const auto main_total = static_cast<double>(valid_total + static_cast<std::int64_t>(batch.sequences().size()));
   std::vector<double> weights;
   for (std::size_t k = 0; k + 1 < offsets.size(); ++k) {
     std::int64_t valid = 0;
-    std::int64_t sequence_ends = 0;
+    std::int64_t main = 0;
     for (std::int64_t i = offsets[k]; i < offsets[k + 1]; ++i) {
       const LocalRow& row = assignment.rows[static_cast<std::size_t>(i)];
       valid += rows[static_cast<std::size_t>(i)].valid;
-      sequence_ends +=
-          row.token >= 0 && row.position == batch.sequences()[static_cast<std::size_t>(row.sequence)].length - 1;
+      main += main_loss_valid(inputs, batch.sequences()[static_cast<std::size_t>(row.sequence)], row.position);
     }
-    const double ratio =
-        static_cast<double>(valid + sequence_ends) / static_cast<double>(std::max<std::int64_t>(valid, 1));
-    weights.push_back(ratio / main_total);
+    const double ratio = static_cast<double>(main) / static_cast<double>(std::max<std::int64_t>(valid, 1));
+    weights.push_back(ratio / static_cast<double>(main_total));
   }
   return weights;
 }
@@ -140,7 +152,7 @@ void RankPlan::plan_weights(const RankAssignment& assignment, RankGroups& groups
       break;
     }
   }
-  const std::vector<double> mtp_weights = mtp_local_count_weights(assignment, rows_, inputs_.batch(), valid_total);
+  const std::vector<double> mtp_weights = mtp_local_count_weights(assignment, rows_, inputs_, case_.layout.cp);
   std::vector<char> valid(rows_.size());
   for (std::size_t i = 0; i < rows_.size(); ++i) valid[i] = rows_[i].valid;
   kind_plan_ = kind_of(case_.loss).plan_rows(RowPlanRequest{case_, inputs_, assignment, valid, groups, bugs_});
