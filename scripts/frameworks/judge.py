@@ -74,7 +74,11 @@ def _judge(run, device, keep, backend=None):
             report = lvt.check(run.function, case, device=device, set=run.overrides, keep_dump=dump, backend=backend,
                                **run.layout)
     except Exception as e:  # the function raised, or the harness refused: recorded, not fatal to the others
-        return {"verdict": "error", "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+        lines = [line for line in str(e).splitlines() if line.strip()]
+        what = lines[0] if lines else ""
+        if len(lines) > 1:  # a rank's failure: its traceback follows; its last line says what was raised
+            what += f" ... {lines[-1].strip()}"
+        return {"verdict": "error", "error": f"{type(e).__name__}: {what}", "detail": str(e)[-4000:],
                 "seconds": round(time.time() - start, 2)}
     return {"verdict": report.verdict, "failing_checks": report.failing_checks,
             "margins": {k: v for k, v in report.margins.items() if v is not None},

@@ -5,6 +5,7 @@ the package __init__ files of `megatron` and `megatron.core` (they import the wh
 modules it takes process-group helpers from, `megatron.core.parallel_state` (the default TP group; the
 runs pass theirs) and `megatron.core.utils` (a group's rank and size, and torch-version probes).
 """
+import inspect
 import os
 import sys
 import types
@@ -15,8 +16,10 @@ from lv_frameworks import Run, adapt, checkout, cross_entropy_cases, git_commit
 
 NAME = "Megatron-LM"
 # Catalogued bugs a failure is compared with (judge.py: same failing checks, same loss margin).
-EXPLANATIONS = ["smoothing-partition-vocab", "smoothing-log-after-exp", "full-vocab-through-tp", "mtp-local-count-ratio"]
+EXPLANATIONS = ["smoothing-partition-vocab", "smoothing-log-after-exp", "full-vocab-through-tp", "mtp-local-count-ratio",
+                "dp-local-mean"]
 _function = None
+_tp_group = {"group": None}  # the current run's TP group, for the stubbed parallel_state
 
 
 def _package(name, path):
@@ -55,8 +58,12 @@ def _load():
         _package("megatron", os.path.join(root, "megatron"))
         _package("megatron.core", core)
         _package("megatron.core.tensor_parallel", os.path.join(core, "tensor_parallel"))
+        # The default TP group, for a checkout whose function reads it (older ones take no tp_group): the run's.
         state = types.ModuleType("megatron.core.parallel_state")
-        state.get_tensor_model_parallel_group = lambda *args, **kwargs: None  # the runs pass tp_group
+        state.get_tensor_model_parallel_group = lambda *args, **kwargs: _tp_group["group"]
+        state.get_tensor_model_parallel_rank = lambda *args, **kwargs: torch.distributed.get_rank(_tp_group["group"])
+        state.get_tensor_model_parallel_world_size = (
+            lambda *args, **kwargs: torch.distributed.get_world_size(_tp_group["group"]))
         sys.modules["megatron.core.parallel_state"] = state
         _stub_utils()
         from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -64,9 +71,19 @@ def _load():
     return _function
 
 
+def cross_entropy(logits, labels, label_smoothing, tp_group):
+    """The checkout's vocab_parallel_cross_entropy on the run's TP group: passed as `tp_group` where the
+    function takes one, else answered by the stubbed parallel_state."""
+    function = _load()
+    _tp_group["group"] = tp_group
+    if "tp_group" in inspect.signature(function).parameters:
+        return function(logits, labels, label_smoothing, tp_group=tp_group)
+    return function(logits, labels, label_smoothing)
+
+
 def vocab_parallel_ce(logits, labels, ctx):
     """[rows, V/TP] logits, [rows] targets: Megatron's per-token losses."""
-    return _load()(logits, labels, ctx.loss.label_smoothing, tp_group=ctx.tp_group)
+    return cross_entropy(logits, labels, ctx.loss.label_smoothing, ctx.tp_group)
 
 
 class _GatherVocab(torch.autograd.Function):
@@ -137,10 +154,19 @@ def runs(cases):
 
 
 def _mtp_runs():
-    """Issue #7452's MTP item: process_mtp_loss in per-token mode (gradients summed over DP), on layouts
-    that give every rank rows, one DP rank and several."""
+    """process_mtp_loss: issue #7452's per-token mode (gradients summed over DP x CP) and, for issue #3943, the
+    default mode with the schedule's own scale (gradients averaged over DP x CP), on layouts that give every
+    rank rows, with CP > 1 on the MTP case."""
     per_token = {"framework.grad_reduce": "sum", "framework.ga_reduce": "sum"}
-    function = "lv_frameworks.megatron_mtp:mtp_per_token_loss"
-    layouts = {"dp-unequal-tokens": [{"tp": 1, "dp": 1}, {"tp": 1, "dp": 2}, {"tp": 1, "dp": 4}, {"tp": 2, "dp": 4}],
-               "mtp-per-token-dp-unequal": [{"tp": 1, "dp": 1, "ga": 1}, {"tp": 2, "dp": 2, "ga": 2}, {"tp": 4, "dp": 2, "ga": 2}]}
-    return [Run(function, case, layout, per_token, "per-token mode") for case, ls in layouts.items() for layout in ls]
+    default = {"framework.grad_reduce": "avg", "framework.ga_reduce": "sum"}
+    module = "lv_frameworks.megatron_mtp"
+    mtp_layouts = [{"tp": 1, "cp": 1, "dp": 1, "ga": 1}, {"tp": 2, "cp": 1, "dp": 2, "ga": 2},
+                   {"tp": 4, "cp": 1, "dp": 2, "ga": 2}, {"tp": 1, "cp": 2, "dp": 1, "ga": 1},
+                   {"tp": 1, "cp": 2, "dp": 1, "ga": 2}, {"tp": 2, "cp": 2, "dp": 2, "ga": 2}]
+    out = [Run(f"{module}:mtp_per_token_loss", "dp-unequal-tokens", layout, per_token, "per-token mode")
+           for layout in ({"tp": 1, "dp": 1}, {"tp": 1, "dp": 2}, {"tp": 1, "dp": 4}, {"tp": 2, "dp": 4})]
+    for function, overrides, note in (("mtp_per_token_loss", per_token, "per-token mode"),
+                                      ("mtp_loss", default, "default mode, the schedule's scale")):
+        out += [Run(f"{module}:{function}", "mtp-per-token-dp-unequal", layout, overrides, note)
+                for layout in mtp_layouts]
+    return out

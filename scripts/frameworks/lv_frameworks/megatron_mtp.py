@@ -1,21 +1,27 @@
-"""Megatron-LM's multi-token-prediction loss (`transformer.multi_token_prediction.process_mtp_loss`) in its
-per-token mode (`calculate_per_token_loss`), the second item of Megatron-LM issue #7452.
+"""Megatron-LM's multi-token-prediction loss (`transformer.multi_token_prediction.process_mtp_loss`), in its
+per-token mode (`calculate_per_token_loss`, the second item of Megatron-LM issue #7452) and in its default mode
+with the scale the pipeline schedule gives it (issue #3943: CP > 1).
 
-process_mtp_loss is loaded from the checkout unmodified. Its module imports most of Megatron Core (layers,
-checkpointing, inference) for the MTP layer classes it also defines; those imports resolve to inert
-placeholders, since the function uses none of them. The cross entropy it computes is Megatron's own
-`vocab_parallel_cross_entropy` (the megatron adapter's import), called as
-`LanguageModule.compute_language_model_loss` calls it.
+process_mtp_loss is loaded from the checkout unmodified, and so is the schedule's `forward_step_calc_loss`,
+which sets MTPLossAutoScaler's scale for a micro-batch. Their modules import most of Megatron Core (layers,
+checkpointing, inference, pipeline communication) for names these two functions never use; those imports
+resolve to inert placeholders. The cross entropy is Megatron's own `vocab_parallel_cross_entropy` (the megatron
+adapter's import), called as `LanguageModule.compute_language_model_loss` calls it.
 
-How a case maps onto an MTP layer: the case's rows and labels are the MTP layer's. process_mtp_loss gets the
-main loss's labels and mask and rolls them one position left, so each sequence is handed over with one
-position more in front (a valid main-loss token) and the MTP logits with one row more at the end (the
-position the roll leaves without a label). A sequence then has one main-loss token more than MTP tokens, as
-in training. The step's gradients are summed over DP (per-token mode) and finalize_model_grads divides them
-by the step's main-loss token count; the adapter applies that division through the loss scale of
-MTPLossAutoScaler, which Megatron's schedule sets to 1 in this mode.
+How a case maps onto an MTP layer: the case's rows, logits and labels are the MTP layer's. process_mtp_loss
+gets the main loss's labels and mask and rolls them one position left (across CP chunks at CP > 1, by its
+own exchange with the neighbouring CP ranks), so the main label at a position is the token there, and the main
+mask the case's mask one position earlier; the first position of a sequence is a valid main-loss token, as in
+training, where the roll leaves the MTP layer one label short. Megatron's packed CP layout is lossverify's
+(each sequence padded to a multiple of 2 CP, CP rank c holding chunks c and 2 CP - 1 - c), and cu_seqlens are
+the padded sequences' global offsets, as Megatron passes them.
+
+Gradients: in per-token mode they are summed over DP x CP and finalize_model_grads divides them by the step's
+main-loss token count (applied through MTPLossAutoScaler's scale, which the schedule sets to 1 in this mode);
+in the default mode DDP averages them over DP x CP and the schedule's scale is used as it is.
 """
 import importlib.abc
+import inspect
 import importlib.machinery
 import os
 import sys
@@ -30,6 +36,9 @@ from lv_frameworks import megatron
 
 _module = None
 TARGET = "megatron.core.transformer.multi_token_prediction"
+SCHEDULES = "megatron.core.pipeline_parallel.schedules"
+REAL = (TARGET, SCHEDULES)
+_schedules = None
 
 
 class _PlaceholderType(type):
@@ -64,11 +73,11 @@ class _PlaceholderModule(types.ModuleType):
 
 
 class _Placeholders(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Every megatron module but the MTP module is a placeholder (the adapter has loaded the real
-    cross-entropy and utils modules before)."""
+    """Every megatron module but the ones loaded from the checkout is a placeholder (the adapter has loaded
+    the real cross-entropy and utils modules before)."""
 
     def find_spec(self, name, path=None, target=None):
-        if name.startswith("megatron.") and name != TARGET and name not in sys.modules:
+        if name.startswith("megatron.") and name not in REAL and name not in sys.modules:
             return importlib.machinery.ModuleSpec(name, self, is_package=True)
         return None
 
@@ -85,10 +94,11 @@ def _load():
     global _module
     if _module is None:
         megatron._load()  # the real cross entropy and the stubbed utils
-        sys.modules["megatron.core.utils"].make_viewless_tensor = _Placeholder
-        sys.modules["megatron.core.utils"].make_tp_sharded_tensor_for_checkpoint = _Placeholder
-        transformer = os.path.join(checkout(), "megatron", "core", "transformer")
-        megatron._package("megatron.core.transformer", transformer)
+        utils = sys.modules["megatron.core.utils"]
+        utils.__getattr__ = _placeholder_attribute  # names the two modules import from utils and never call
+        core = os.path.join(checkout(), "megatron", "core")
+        megatron._package("megatron.core.transformer", os.path.join(core, "transformer"))
+        megatron._package("megatron.core.pipeline_parallel", os.path.join(core, "pipeline_parallel"))
         sys.meta_path.insert(0, _Placeholders())
         try:
             import megatron.core.transformer.multi_token_prediction as mtp
@@ -98,15 +108,55 @@ def _load():
     return _module
 
 
+def _schedule():
+    """The checkout's pipeline_parallel.schedules (its forward_step_calc_loss)."""
+    global _schedules
+    if _schedules is None:
+        _load()
+        sys.meta_path.insert(0, _Placeholders())
+        try:
+            import megatron.core.pipeline_parallel.schedules as schedules
+        finally:
+            sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _Placeholders)]
+        _schedules = schedules
+    return _schedules
+
+
+def _placeholder_attribute(name):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return _PlaceholderType(name, (_Placeholder,), {})
+
+
 def _main_loss_tokens(ctx):
     """The step's main-loss token count (finalize_model_grads' num_tokens): every micro-batch's main-loss
     mask, summed over DP x CP. Computed at this rank's first call; the runs give every rank rows."""
     if "mtp_main_tokens" not in ctx.state:
-        local = sum(int(_extended(mb, mb.labels)[1].sum()) for mb in ctx.micro_batches)
+        local = sum(float(_main_inputs(ctx, mb)[1].sum()) for mb in ctx.micro_batches)
         count = torch.tensor([local], dtype=torch.float64, device=ctx.device)
         dist.all_reduce(count, group=ctx.dp_cp_group)
         ctx.state["mtp_main_tokens"] = count.item()
     return ctx.state["mtp_main_tokens"]
+
+
+def _main_inputs(ctx, micro_batch):
+    """The main loss's labels and mask at the micro-batch's rows, and the packed sequences' global offsets.
+    The main mask at position p is the case's mask at p - 1, which at the first row of a CP chunk lives on
+    another CP rank: the micro-batch's (sequence, position, mask) are gathered over the CP group (every CP
+    rank holds the same sequences, with the same number of rows)."""
+    sequences, positions, mask = micro_batch.sequences, micro_batch.positions, micro_batch.loss_mask
+    rows = [torch.stack([sequences, positions, mask.long()])]
+    if ctx.cp_size > 1:
+        rows = [torch.empty_like(rows[0]) for _ in range(ctx.cp_size)]
+        dist.all_gather(rows, torch.stack([sequences, positions, mask.long()]), group=ctx.cp_group)
+    mask_at = {(s, p): m for part in rows for s, p, m in zip(*(t.tolist() for t in part))}
+    previous = [mask_at.get((s, p - 1), 0) if p > 0 else 1 for s, p in zip(sequences.tolist(), positions.tolist())]
+    main_mask = torch.tensor(previous, dtype=torch.float32, device=mask.device)
+    main_labels = micro_batch.token_ids.clamp(min=0)  # the token at each position (0 on padding rows)
+    offsets = [0]
+    for begin, end in _sequences(micro_batch):
+        offsets.append(offsets[-1] + (end - begin) * ctx.cp_size)
+    return main_labels, main_mask, offsets
 
 
 def _sequences(micro_batch):
@@ -120,53 +170,61 @@ def _sequences(micro_batch):
     return spans
 
 
-def _extended(micro_batch, labels, logits=None):
-    """The main loss's labels and mask (one position more in front of each sequence) and, given the logits,
-    the MTP logits (one row more at the end of each sequence), with the packed sequences' offsets."""
-    spans = _sequences(micro_batch)
-    mask = micro_batch.loss_mask.float()
-    one = torch.ones(1, dtype=mask.dtype, device=mask.device)
-    zero_label = torch.zeros(1, dtype=labels.dtype, device=labels.device)
-    main_labels = torch.cat([torch.cat([zero_label, labels[a:b]]) for a, b in spans])
-    main_mask = torch.cat([torch.cat([one, mask[a:b]]) for a, b in spans])
-    offsets = [0]
-    for a, b in spans:
-        offsets.append(offsets[-1] + b - a + 1)
-    mtp_logits = None
-    if logits is not None:
-        pad = torch.zeros(1, logits.shape[-1], dtype=logits.dtype, device=logits.device)
-        mtp_logits = torch.cat([torch.cat([logits[a:b], pad]) for a, b in spans])
-    return main_labels, main_mask, offsets, mtp_logits
+def _process_mtp_loss(logits, ctx, per_token):
+    """process_mtp_loss on one MTP layer over the micro-batch; returns (its output, the normalised loss it
+    hands MTPLossAutoScaler). The scaler's scale must be set before."""
+    mtp = _load()
+    main_labels, main_mask, offsets = _main_inputs(ctx, ctx.current)
+    rows = main_labels.shape[0]
+
+    def output_layer(hidden, weight=None, runtime_gather_output=None):
+        return logits.unsqueeze(1), None  # [s, b, v_local]
+
+    def compute_language_model_loss(layer_labels, layer_logits):  # LanguageModule's: labels [b, s]
+        loss = megatron.cross_entropy(layer_logits.float(), layer_labels.transpose(0, 1).contiguous(), 0.0,
+                                      ctx.tp_group)
+        return loss.transpose(0, 1).contiguous()
+
+    config = types.SimpleNamespace(mtp_num_layers=1, mtp_loss_scaling_factor=1.0, calculate_per_token_loss=per_token,
+                                   mtp_detach_heads=False)
+    packed = types.SimpleNamespace(cu_seqlens_q=torch.tensor(offsets, dtype=torch.int32))
+    hidden = torch.zeros(2 * rows, 1, 1, device=logits.device, requires_grad=True)
+    groups = {"cp_group": ctx.cp_group}
+    if "tp_group" in inspect.signature(mtp.process_mtp_loss).parameters:  # older checkouts take none
+        groups["tp_group"] = ctx.tp_group
+    out = mtp.process_mtp_loss(hidden, main_labels.unsqueeze(0), main_mask.unsqueeze(0), output_layer, None, None,
+                               False, compute_language_model_loss, config, packed_seq_params=packed, **groups)
+    return out, out.grad_fn.saved_tensors[0]
 
 
 def mtp_per_token_loss(logits, labels, ctx):
     """One MTP layer in per-token mode: process_mtp_loss(hidden, main labels, main mask, ...) with
     config.calculate_per_token_loss, its gradient back-propagated through MTPLossAutoScaler."""
-    mtp = _load()
-    ignore = ctx.loss.ignore_index
     main_tokens = _main_loss_tokens(ctx)
-    main_labels, main_mask, offsets, mtp_logits = _extended(ctx.current, torch.where(labels == ignore, 0, labels),
-                                                            logits)
-    rows = main_labels.shape[0]
-
-    def output_layer(hidden, weight=None, runtime_gather_output=None):
-        return mtp_logits.unsqueeze(1), None  # [s, b, v_local]
-
-    def compute_language_model_loss(layer_labels, layer_logits):  # LanguageModule's: labels [b, s]
-        loss = megatron._load()(layer_logits.float(), layer_labels.transpose(0, 1).contiguous(), 0.0,
-                                tp_group=ctx.tp_group)
-        return loss.transpose(0, 1).contiguous()
-
-    config = types.SimpleNamespace(mtp_num_layers=1, mtp_loss_scaling_factor=1.0, calculate_per_token_loss=True,
-                                   mtp_detach_heads=False)
-    packed = types.SimpleNamespace(cu_seqlens_q=torch.tensor(offsets, dtype=torch.int32))
-    hidden = torch.zeros(2 * rows, 1, 1, device=logits.device, requires_grad=True)
-    mtp.MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0 / main_tokens, device=logits.device))
-    out = mtp.process_mtp_loss(hidden, main_labels.unsqueeze(0), main_mask.unsqueeze(0), output_layer, None, None,
-                               False, compute_language_model_loss, config, tp_group=ctx.tp_group,
-                               packed_seq_params=packed)
+    _load().MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0 / main_tokens, device=logits.device))
+    out, normalised = _process_mtp_loss(logits, ctx, per_token=True)
     # What the gradient differentiates: the normalised MTP loss process_mtp_loss hands MTPLossAutoScaler (its
     # saved tensor), times the loss scale. The returned loss carries that value; its gradient is the scaler's.
-    normalised = out.grad_fn.saved_tensors[0]
     value = normalised.detach().sum() / main_tokens
+    return Reduced(out.sum() * 0.0 + value)
+
+
+def mtp_loss(logits, labels, ctx):
+    """One MTP layer in Megatron's default mode: the schedule's forward_step_calc_loss (the checkout's) runs
+    on the micro-batch's main-loss output, with the step's micro-batch count and the CP group's size, and sets
+    MTPLossAutoScaler's scale (loss_scale / num_microbatches, no grad_scale_func: loss_scale 1); then
+    process_mtp_loss normalises the micro-batch's MTP loss by its own token count. DDP averages the gradients
+    over DP x CP (the runs' grad_reduce avg)."""
+    device = logits.device
+    config = types.SimpleNamespace(mtp_num_layers=1, calculate_per_token_loss=False, grad_scale_func=None,
+                                   timers=None)
+
+    def main_loss(output):  # the main loss of pretrain_gpt's loss_func: (sum, count, report); not judged here
+        return output, torch.ones((), dtype=torch.int, device=device), {}
+
+    _schedule().forward_step_calc_loss(None, torch.zeros((), device=device), main_loss, config, None, False,
+                                       ctx.ga, [], cp_group_size=ctx.cp_size, is_last_stage=True)
+    scale = float(_load().MTPLossAutoScaler.main_loss_backward_scale)
+    out, normalised = _process_mtp_loss(logits, ctx, per_token=False)
+    value = normalised.detach().sum() * scale
     return Reduced(out.sum() * 0.0 + value)
