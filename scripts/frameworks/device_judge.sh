@@ -7,8 +7,12 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/lossverify-out}/frameworks
 mkdir -p "$out"
-BUILD_TARGETS=lossverify bash bench/device_run.sh none > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
-export LOSSVERIFY_BIN=$PWD/${BUILD_DIR:-build/dev}/cli/lossverify NCCL_NVLS_ENABLE=0
+# LOSSVERIFY_BIN set to a built binary: no build here.
+if [[ ! -x ${LOSSVERIFY_BIN:-} ]]; then
+  BUILD_TARGETS=lossverify bash bench/device_run.sh none > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
+  LOSSVERIFY_BIN=$PWD/${BUILD_DIR:-build/dev}/cli/lossverify
+fi
+export LOSSVERIFY_BIN NCCL_NVLS_ENABLE=0
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
 for job in "$@"; do
   read -r name adapter checkout options <<< "$job"
