@@ -601,6 +601,96 @@ TEST_CASE("cp_stats_dp_only_logs_the_valid_count_of_one_cp_rank_instead_of_the_g
   }
 }
 
+TEST_CASE("rl_schedule_double_divide_divides_every_cross_entropy_and_kd_gradient_by_ga_and_leaves_the_loss_right") {
+  // AReaL #1273 (the SFT loss of PR #1223 at 430a1f9c too): the loss is normalised over the whole step, and the
+  // schedule divides it by the micro-batch count once more before backward. Every gradient element is 1/GA of
+  // the correct one (exactly at GA = 2 and 4, whose powers of two float32 carries), the logged loss is right.
+  auto ce = testing::case_json(0, 64, 2);
+  ce["shape"] = {{"vocab", 64}};
+  ce["batch"] = {{"sequence_lengths", {9, 14, 6, 11, 7, 12}}};
+  ce["inputs"]["ignore_fraction"] = 0.1;
+  ce["loss"] = {{"label_smoothing", 0.1}};
+  auto kd = kd_json(0, 64, 2, 2.0);
+  kd["shape"] = ce["shape"];
+  kd["batch"] = ce["batch"];
+  for (const auto& [kind, document] : std::map<std::string, nlohmann::json>{{"cross_entropy", ce}, {"kd", kd}}) {
+    for (int ga : {2, 3}) {
+      CAPTURE(kind);
+      CAPTURE(ga);
+      nlohmann::json j = document;
+      j["layout"] = {{"tp", 2}, {"dp", 1}, {"ga", ga}};
+      const Case c = testing::make_case(j);
+      const InputSource inputs(c);
+      const RankRun right = ranks_of(c, inputs, "correct");
+      const RankRun buggy = ranks_of(c, inputs, "rl-schedule-double-divide");
+      CHECK(check_grad_ratio(
+                buggy, right, [&](const RankOutput&, std::int64_t) { return 1.0 / ga; }, ga == 2 ? 0.0 : kRatioRtol) >
+            0);
+      for (std::size_t k = 0; k < right.outputs.size(); ++k) {
+        CHECK(buggy.outputs[k].token_loss == right.outputs[k].token_loss);
+        CHECK(buggy.outputs[k].reduced_loss == right.outputs[k].reduced_loss);
+      }
+      const RunResult r = testing::run_with(c, "rl-schedule-double-divide");
+      CHECK(r.verdict == Verdict::fail);
+      CHECK(testing::check_named(r, "grad").verdict == Verdict::fail);
+      CHECK(testing::check_named(r, "loss").verdict == Verdict::pass);
+    }
+  }
+}
+
+TEST_CASE("cp_loss_stat_dp_only_logs_each_cp_rank_s_own_slice_mean_over_dp_and_leaves_gradients_right") {
+  // AReaL PR #1223 (430a1f9c): the stats tracker records the CP-split per-token losses and their mask and
+  // reduces them over DP only, so CP rank c logs sum_{t in slice c} l_t / N_c (the slice's tokens over every
+  // DP rank) instead of sum_t l_t / N_v; under reduction sum, its slice's sum.
+  for (const std::string reduction : {"mean", "sum"}) {
+    CAPTURE(reduction);
+    auto j = testing::case_json(0, 64, 1);
+    j["shape"] = {{"vocab", 64}};
+    j["batch"] = {{"sequence_lengths", {9, 14, 6, 11, 21, 5}}};
+    j["layout"] = {{"tp", 2}, {"cp", 2}, {"dp", 2}};
+    j["inputs"]["ignore_fraction"] = 0.2;
+    j["loss"] = {{"reduction", reduction}};
+    const Case c = testing::make_case(j);
+    const InputSource inputs(c);
+    const RankRun right = ranks_of(c, inputs, "correct");
+    const RankRun buggy = ranks_of(c, inputs, "cp-loss-stat-dp-only");
+    // Per CP coordinate, over its DP ranks (one TP rank: the TP ranks of a token log the same loss): the
+    // slice's valid tokens and the sum of their losses, in double.
+    std::map<int, double> count, sum;
+    for (const RankOutput& out : right.outputs) {
+      if (out.assignment.coordinates.tp != 0) continue;
+      for (std::int64_t i = 0; i < out.rows(); ++i) {
+        const std::int64_t t = out.token_of(i);
+        if (t < 0 || !inputs.is_valid(t)) continue;
+        count[out.assignment.coordinates.cp] += 1.0;
+        sum[out.assignment.coordinates.cp] += static_cast<double>(out.token_loss[static_cast<std::size_t>(i)]);
+      }
+    }
+    REQUIRE(count.size() == 2);
+    CHECK(count[0] + count[1] == static_cast<double>(global_valid_tokens(c, inputs)));
+    for (std::size_t k = 0; k < right.outputs.size(); ++k) {
+      const RankOutput& b = buggy.outputs[k];
+      const int cp = b.assignment.coordinates.cp;
+      const double expected = reduction == "mean" ? sum[cp] / count[cp] : sum[cp];
+      CAPTURE(cp);
+      // A float32 sum of about 60 positive terms: 1e-5 relative.
+      CHECK(static_cast<double>(b.reduced_loss) == doctest::Approx(expected).epsilon(1e-5));
+      CHECK(static_cast<double>(b.reduced_loss) !=
+            doctest::Approx(static_cast<double>(right.outputs[k].reduced_loss)).epsilon(1e-3));
+      // The gradients, the per-token losses and the logged count are right: only the logged loss is wrong.
+      CHECK(b.grad == right.outputs[k].grad);
+      CHECK(b.token_loss == right.outputs[k].token_loss);
+      CHECK(b.logged_valid_tokens == right.outputs[k].logged_valid_tokens);
+    }
+    const RunResult r = testing::run_with(c, "cp-loss-stat-dp-only");
+    CHECK(r.verdict == Verdict::fail);
+    for (const CheckResult& check : r.checks) {
+      CAPTURE(check.name);
+      CHECK((check.verdict == Verdict::fail) == (check.name == "loss"));
+    }
+  }
+}
+
 namespace {
 
 // Where a catalogued bug cannot show. Every catalogued implementation appears here except kd-cross-entropy-value
@@ -677,6 +767,10 @@ std::vector<Invisible> invisible_cases() {
        true},
       {"cp-duplicated-loss", "cp = 1", cp1_next_token, true},
       {"cp-stats-dp-only", "cp = 1: the DP group is the batch group", with(equal_dp, {{"layout", {{"tp", 2}}}}), true},
+      {"cp-loss-stat-dp-only", "cp = 1: the DP group is the batch group, the slice the whole step",
+       with(equal_dp, {{"layout", {{"tp", 2}}}}), true},
+      {"rl-schedule-double-divide", "ga = 1: dividing by the micro-batch count again divides by 1", ce, true},
+      {"rl-schedule-double-divide", "ga = 1 for KD", kd, true},
       {"cp-roll-after-split", "cp = 1: the local rows of a sequence are the whole sequence, in order", cp1_next_token,
        true},
       {"cp-roll-after-split", "independent labels: nothing to roll",

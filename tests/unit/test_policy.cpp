@@ -286,6 +286,102 @@ TEST_CASE("rl-microbatch-self-normalized: each micro-batch's gradient N / (DP N_
   CHECK(1.0 / low + 1.0 / high == doctest::Approx(1.0).epsilon(1e-5));
 }
 
+namespace {
+
+// A trainer's log-prob and entropy pass (l = -lambda - 0.05 H, token-mean) at T = 2, fp32, over TP ranks only:
+// x / 2 is exact in float32, so the kernels' local argmax is the argmax of x.
+nlohmann::json logprob_pass_json(int tp) {
+  nlohmann::json j = policy_json(tp, 1, 1, 1);
+  j["loss"] = {{"kind", "policy"}, {"objective", "logprob"}, {"temperature", 2.0}, {"entropy_coef", 0.05}};
+  j["inputs"]["dtype"] = "fp32";
+  return j;
+}
+
+}  // namespace
+
+TEST_CASE("rl-logsoftmax-untracked-allreduce: each element follows ms-swift's autograd graph, row sums stay 0") {
+  // ms-swift's compute_logps_and_entropy_from_logits (3602360a): log q_v = x_v/T - m_r - log S with the local
+  // max m_r in the graph and S, the gathered log-prob and the entropy's partials all-reduced outside it. On
+  // shard r, d log q_v / dz_u = delta_uv - D_u with D_u = p_u + [u = local argmax] (1 - P_r); so
+  // d lambda / dz = [r owns y] (delta_y - D), and d H_r / dz_u = -(1 + log p_u) p_u + D_u (P_r - H_r) with
+  // H_r = -sum_{v in r} p_v log p_v. Here g_lambda = -1 and g_H = -c_H.
+  const int tp = 4;
+  const double t = 2.0, c_h = 0.05;
+  const Case c = testing::make_case(logprob_pass_json(tp));
+  const InputSource inputs(c);
+  RunOptions options;
+  options.threads = 1;
+  const RankRun buggy = execute_ranks(c, inputs, *find_implementation("rl-logsoftmax-untracked-allreduce"), options);
+  const RankRun right = execute_ranks(c, inputs, *find_implementation("correct"), options);
+  double n = 0;
+  for (std::int64_t k = 0; k < c.shape.tokens; ++k) n += inputs.is_valid(k);
+  const double w = 1.0 / n;  // token-mean
+  const double unit = w / t;
+  const double tol = 1e-5 * unit;  // float32 values of size <= 1 in units of w / T
+  const auto vocab = static_cast<std::size_t>(c.shape.vocab);
+  std::vector<double> x(vocab), p(vocab), log_p(vocab);
+  int tokens = 0;
+  double max_error = 0.0;
+  for (std::size_t r = 0; r < buggy.outputs.size(); ++r) {
+    const RankOutput& b = buggy.outputs[r];
+    const RankOutput& g = right.outputs[r];
+    const VocabRange shard = b.assignment.vocab;
+    CHECK(b.token_values == g.token_values);  // log-prob and entropy exact: the values never saw the bug
+    for (std::int64_t i = 0; i < b.rows(); ++i) {
+      const std::int64_t k = b.token_of(i);
+      if (k < 0 || !inputs.is_valid(k)) continue;
+      inputs.logits(k, 0, c.shape.vocab, x.data());
+      double m = -INFINITY, sum = 0.0;
+      for (double v : x) m = std::max(m, v / t);
+      for (double v : x) sum += std::exp(v / t - m);
+      for (std::size_t v = 0; v < vocab; ++v) {
+        log_p[v] = x[v] / t - m - std::log(sum);
+        p[v] = std::exp(log_p[v]);
+      }
+      double mass = 0.0, shard_entropy = 0.0;
+      std::int64_t argmax = shard.begin;
+      for (std::int64_t v = shard.begin; v < shard.end; ++v) {
+        mass += p[static_cast<std::size_t>(v)];
+        shard_entropy -= p[static_cast<std::size_t>(v)] * log_p[static_cast<std::size_t>(v)];
+        if (x[static_cast<std::size_t>(v)] > x[static_cast<std::size_t>(argmax)]) argmax = v;
+      }
+      const std::int64_t y = inputs.label(k);
+      const bool owner = y >= shard.begin && y < shard.end;
+      double row_sum = 0.0, abs_sum = 0.0;
+      for (std::int64_t v = shard.begin; v < shard.end; ++v) {
+        const auto u = static_cast<std::size_t>(v);
+        const double d = p[u] + (v == argmax ? 1.0 - mass : 0.0);
+        const double d_lambda = owner ? (v == y ? 1.0 : 0.0) - d : 0.0;
+        const double d_entropy = -(1.0 + log_p[u]) * p[u] + d * (mass - shard_entropy);
+        const double expected = unit * (-1.0 * d_lambda + -c_h * d_entropy);
+        CAPTURE(k);
+        CAPTURE(v);
+        CHECK(std::fabs(b.grad_at(i, v) - expected) <= tol);
+        row_sum += b.grad_at(i, v);
+        abs_sum += std::fabs(b.grad_at(i, v));
+        max_error = std::max(max_error, std::fabs(b.grad_at(i, v) - g.grad_at(i, v)));
+      }
+      CHECK(std::fabs(row_sum) <= 1e-5 * abs_sum);  // each shard's row sum stays 0
+      ++tokens;
+    }
+  }
+  CHECK(tokens > 4 * 60);
+  CHECK(max_error > 100.0 * tol);  // far off the correct gradient
+}
+
+TEST_CASE("rl-logsoftmax-untracked-allreduce: without the entropy it is rl-logprob-untracked-allreduce exactly") {
+  // g_H = 0 leaves g_lambda [owner] (delta - D): the log-prob entry's gradient, element for element.
+  nlohmann::json j = logprob_pass_json(4);
+  j["loss"]["entropy_coef"] = 0.0;
+  const Case c = testing::make_case(j);
+  CHECK(gradients(c, "rl-logsoftmax-untracked-allreduce") == gradients(c, "rl-logprob-untracked-allreduce"));
+  // With the entropy, it is neither of the two single-quantity entries.
+  const Case both = testing::make_case(logprob_pass_json(4));
+  const auto g = gradients(both, "rl-logsoftmax-untracked-allreduce");
+  CHECK(g != gradients(both, "rl-logprob-untracked-allreduce"));
+  CHECK(g != gradients(both, "rl-entropy-untracked-allreduce"));
+}
+
 TEST_CASE("each policy bug is caught where its signal says, and passes where it cannot show") {
   struct Expectation {
     std::string bug;
@@ -301,6 +397,7 @@ TEST_CASE("each policy bug is caught where its signal says, and passes where it 
   v2048["shape"]["vocab"] = 2048;
   const std::vector<Expectation> expectations = {
       {"rl-logprob-untracked-allreduce", with(2, 1, 1, 1, {}), with(1, 1, 2, 2, {}), {"grad"}},
+      {"rl-logsoftmax-untracked-allreduce", with(2, 1, 1, 1, {}), with(1, 2, 2, 2, {}), {"grad"}},
       {"rl-entropy-untracked-allreduce",
        with(2, 1, 1, 1, {}),
        with(2, 1, 1, 1, {{"entropy_coef", 0.0}}),
@@ -314,6 +411,8 @@ TEST_CASE("each policy bug is caught where its signal says, and passes where it 
       {"rl-adv-whiten-dp-only", with(1, 2, 2, 1, {}), with(2, 1, 2, 1, {}), {"grad", "loss"}},
       {"rl-fused-vocab-pad", with(2, 1, 1, 1, {}), v2048, {"entropy", "grad", "logprob", "loss", "row_sum", "stats"}},
       {"rl-kl-no-grad", with(1, 1, 1, 1, {}), with(1, 1, 1, 1, {{"kl_coef", 0.0}}), {"grad"}},
+      // A layout bug of every kind: the policy loss's logged value, each CP rank its own slice's token mean.
+      {"cp-loss-stat-dp-only", with(1, 2, 2, 1, {}), with(2, 1, 2, 1, {}), {"loss"}},
   };
   for (const Expectation& e : expectations) {
     CAPTURE(e.bug);
@@ -340,6 +439,10 @@ TEST_CASE("a policy case refuses impossible settings by name, before any work") 
   refused({{"reduction", "sum"}}, "$.loss.reduction: a policy loss aggregates its tokens by \"aggregation\"");
   refused({{"aggregation", "seq-mean-token-sum-norm"}}, "needs norm_constant");
   refused({{"norm_constant", 4}}, "$.loss.norm_constant: applies to aggregation seq-mean-token-sum-norm only");
+  refused({{"aggregation", "seq-mean-token-mean"}, {"norm_constant", -2}},
+          "$.loss.norm_constant: applies to aggregation seq-mean-token-sum-norm only (0 leaves it unset)");
+  refused({{"aggregation", "seq-mean-token-sum-norm"}, {"norm_constant", 0}}, "$.loss.norm_constant: must be in (0");
+  refused({{"norm_constant", "0"}}, "$.loss.norm_constant: expected number");
   refused({{"kl_penalty", "none"}}, "$.loss.kl_coef: applies to a kl_penalty other than none");
   refused({{"kl_penalty", "k4"}}, "$.loss.kl_penalty: expected one of none|k1|k2|k3");
   refused({{"objective", "logprob"}}, "applies to objective policy_loss only");
@@ -625,11 +728,35 @@ TEST_CASE("a policy case's resolved form parses again, for each setting that lea
   for (const nlohmann::json& loss :
        {nlohmann::json{{"kind", "policy"}}, nlohmann::json{{"kind", "policy"}, {"objective", "logprob"}},
         nlohmann::json{{"kind", "policy"}, {"ratio", "sequence"}, {"kl_penalty", "k1"}, {"kl_coef", 0.1}},
-        nlohmann::json{{"kind", "policy"}, {"aggregation", "seq-mean-token-sum-norm"}, {"norm_constant", 8.0}}}) {
+        nlohmann::json{{"kind", "policy"}, {"aggregation", "seq-mean-token-sum-norm"}, {"norm_constant", 8.0}},
+        nlohmann::json{{"kind", "policy"}, {"aggregation", "token-sum"}, {"norm_constant", 0}}}) {
     CAPTURE(loss.dump());
     const Case c = testing::make_case(
         {{"name", "resolved"}, {"shape", {{"vocab", 16}}}, {"batch", {{"sequence_lengths", {5, 3}}}}, {"loss", loss}});
     const Case again = testing::make_case(c.resolved());
     CHECK(again.resolved() == c.resolved());
+  }
+}
+
+TEST_CASE("norm_constant 0 means unset under any aggregation: --set takes a Dr. GRPO case to another mode") {
+  // `--set loss.norm_constant=0 --set loss.aggregation=token-mean` on a seq-mean-token-sum-norm case: the
+  // token-mean case it becomes, with no norm_constant in its resolved form (which parses again).
+  nlohmann::json j = policy_json(1, 2, 2, 1);
+  j["loss"]["aggregation"] = "seq-mean-token-sum-norm";
+  j["loss"]["norm_constant"] = 64;
+  for (const char* set : {"loss.norm_constant=0", "loss.aggregation=token-mean"}) apply_set_override(j, set, "<test>");
+  const Case c = testing::make_case(j);
+  CHECK(c.loss.reduction == Reduction::mean);
+  CHECK(c.resolved()["loss"]["aggregation"] == "token-mean");
+  CHECK_FALSE(c.resolved()["loss"].contains("norm_constant"));
+  CHECK(testing::make_case(c.resolved()).resolved() == c.resolved());
+  for (const std::string mode : {"token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean"}) {
+    CAPTURE(mode);
+    nlohmann::json k = policy_json(1, 1, 1, 1);
+    k["loss"]["aggregation"] = mode;
+    k["loss"]["norm_constant"] = 0.0;
+    const Case zero = testing::make_case(k);
+    k["loss"].erase("norm_constant");
+    CHECK(zero.resolved() == testing::make_case(k).resolved());
   }
 }

@@ -51,6 +51,14 @@ std::vector<Implementation> layout_catalogue() {
   v.push_back(bug("ga-microbatch-mean", "each micro-batch divided by its own valid count and by GA",
                   "pytorch/torchtitan issue #1842", "token weight 1/(GA N_k) instead of 1/N_v", {"loss", "grad"}, any,
                   with([](BugSwitches& b) { b.ga_microbatch_mean = true; })));
+  // A layout bug under its policy-era name (golden/ keys on it): AReaL's loss_multiplier lacked the
+  // micro-batch count that Megatron's schedule divides by, for its SFT loss as for its policy loss.
+  v.push_back(bug("rl-schedule-double-divide",
+                  "a globally normalised loss divided by the micro-batch count again before backward",
+                  "inclusionAI/AReaL #1273, the SFT loss too (PR #1223's CP-local SFT path at 430a1f9c: "
+                  "gradients / 2 at ga 2); THUDM/slime #987/#990",
+                  "every gradient / K (K micro-batches per rank), any loss; logged loss exact; passes at ga = 1",
+                  {"grad"}, any, with([](BugSwitches& b) { b.schedule_double_divide = true; })));
   v.push_back(bug("cp-duplicated-loss", "every CP rank back-propagates the full loss",
                   "CP loss on all-gathered logits, what inclusionAI/AReaL PR #1223 (CP-local loss) replaces",
                   "gradient = CP x reference", {"grad"}, any,
@@ -58,6 +66,14 @@ std::vector<Implementation> layout_catalogue() {
   v.push_back(bug("cp-stats-dp-only", "token-count statistics reduced over DP only, not DP x CP",
                   "inclusionAI/AReaL issue #1242", "logged valid-token count = reference / CP (roughly)", {"stats"},
                   any, with([](BugSwitches& b) { b.cp_stats_dp_only = true; })));
+  v.push_back(bug("cp-loss-stat-dp-only",
+                  "the logged loss is the token mean of the rank's own CP slice, its sums and counts reduced over DP "
+                  "only, not DP x CP",
+                  "inclusionAI/AReaL PR #1223 (CP-local loss, head 430a1f9c: the stats tracker records the CP-split "
+                  "tensors and reduces over DP), fixed on main by AReaL #1249",
+                  "each CP rank logs its own slice's token mean (under a sum or a sequence aggregation, its slice's "
+                  "part of L): loss fails at cp > 1; gradients and the logged count right",
+                  {"loss"}, any, with([](BugSwitches& b) { b.cp_loss_stat_dp_only = true; })));
   v.push_back(bug("cp-roll-after-split", "next-token labels made by rolling the local CP shard",
                   "inclusionAI/AReaL PR #1223 (labels must be rolled before the split)", "wrong labels at chunk ends",
                   {"loss", "grad"}, labelled, with([](BugSwitches& b) { b.cp_roll_after_split = true; })));

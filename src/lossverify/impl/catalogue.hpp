@@ -36,13 +36,15 @@ struct BugSwitches {
   bool kd_untracked_allreduce = false;  // TP all-reduce invisible to autograd
   bool kd_tp_grad_sum = false;          // all-reduce backward sums the replicated loss's gradients over TP
   // Layouts: data parallel, gradient accumulation, context parallel.
-  bool dp_local_mean = false;          // each rank divides by its own valid count
-  bool mtp_local_count_ratio = false;  // MTP per-token weights from local main/MTP count ratios
-  bool ga_microbatch_mean = false;     // each micro-batch divided by its own count and by GA
-  bool cp_duplicated_loss = false;     // every CP rank back-propagates the full loss
-  bool cp_stats_dp_only = false;       // token-count statistics reduced over DP only
-  bool cp_roll_after_split = false;    // next-token labels made after the CP split
-  bool cp_pad_to_cp = false;           // labels split with sequences padded to a multiple of CP, not 2 CP
+  bool dp_local_mean = false;           // each rank divides by its own valid count
+  bool mtp_local_count_ratio = false;   // MTP per-token weights from local main/MTP count ratios
+  bool ga_microbatch_mean = false;      // each micro-batch divided by its own count and by GA
+  bool schedule_double_divide = false;  // the backward divided by GA once more (every gradient / GA)
+  bool cp_duplicated_loss = false;      // every CP rank back-propagates the full loss
+  bool cp_stats_dp_only = false;        // token-count statistics reduced over DP only
+  bool cp_loss_stat_dp_only = false;    // the logged loss: each CP rank's own slice, reduced over DP only
+  bool cp_roll_after_split = false;     // next-token labels made after the CP split
+  bool cp_pad_to_cp = false;            // labels split with sequences padded to a multiple of CP, not 2 CP
   // A loss kind's own switches beyond the fields above, bit by bit as that kind defines them (a kind added
   // at run time keeps its catalogue here; kinds/loss_kind.hpp).
   std::uint64_t kind_switches = 0;

@@ -1,5 +1,7 @@
 #include "lossverify/impl/rank_plan.hpp"
 
+#include <algorithm>
+
 #include "lossverify/kinds/loss_kind.hpp"
 #include "lossverify/layout/rank_layout.hpp"
 
@@ -135,10 +137,12 @@ void RankPlan::plan_weights(const RankAssignment& assignment, RankGroups& groups
     rows_total += counts[ga + k];
   }
   logged_valid_tokens_ = valid_total;
-  if (bugs_.cp_stats_dp_only) {
+  if (bugs_.cp_stats_dp_only || bugs_.cp_loss_stat_dp_only) {
+    // The valid tokens of this CP rank's slice, over the DP group only.
     std::int64_t dp_only[1] = {rank_valid};
     groups.dp.allreduce_sum(std::span<std::int64_t>(dp_only, 1));
-    logged_valid_tokens_ = dp_only[0];
+    if (bugs_.cp_stats_dp_only) logged_valid_tokens_ = dp_only[0];
+    slice_valid_tokens_ = dp_only[0];
   }
 
   const LayoutSpec& layout = case_.layout;
@@ -185,22 +189,30 @@ void RankPlan::plan_weights(const RankAssignment& assignment, RankGroups& groups
       }
       if (reduction == Reduction::none && bugs_.grad_output_first) backward = first_upstream / scale;
       if (bugs_.cp_duplicated_loss) backward *= layout.cp;
+      if (bugs_.schedule_double_divide) backward /= static_cast<double>(layout.ga);
       p.forward_weight = static_cast<float>(forward);
       p.backward_weight = static_cast<float>(backward);
     }
   }
 }
 
-std::optional<float> RankPlan::logged_loss(const std::vector<float>& token_loss, Communicator& batch) const {
+std::optional<float> RankPlan::logged_loss(const std::vector<float>& token_loss, RankGroups& groups) const {
   if (case_.loss.reduction == Reduction::none) return std::nullopt;
+  // cp-loss-stat-dp-only: the rank's own CP slice over the DP group, a mean by the slice's own count.
+  const bool slice = bugs_.cp_loss_stat_dp_only;
+  const auto slice_weight =
+      static_cast<float>(1.0 / static_cast<double>(std::max<std::int64_t>(slice_valid_tokens_, 1)));
+  const bool slice_mean = slice && case_.loss.reduction == Reduction::mean;
   const auto n = static_cast<std::int64_t>(rows_.size());
   std::vector<float> weighted(rows_.size(), 0.0f);
   for (std::int64_t i = 0; i < n; ++i) {
     const RowPlan& p = rows_[static_cast<std::size_t>(i)];
-    if (p.active) weighted[static_cast<std::size_t>(i)] = p.forward_weight * token_loss[static_cast<std::size_t>(i)];
+    if (!p.active) continue;
+    const float weight = slice_mean ? (p.valid ? slice_weight : 0.0f) : p.forward_weight;
+    weighted[static_cast<std::size_t>(i)] = weight * token_loss[static_cast<std::size_t>(i)];
   }
   float reduced[1] = {pairwise_sum(weighted.data(), n)};
-  batch.allreduce_sum(std::span<float>(reduced, 1));
+  (slice ? groups.dp : groups.batch).allreduce_sum(std::span<float>(reduced, 1));
   return reduced[0];
 }
 

@@ -9,6 +9,7 @@
 
 #include "lossverify/case/case.hpp"
 #include "lossverify/comm/communicator.hpp"
+#include "lossverify/comm/rank_groups.hpp"
 #include "lossverify/impl/catalogue.hpp"
 #include "lossverify/impl/cpu/sharded_loss.hpp"
 #include "lossverify/inputs/input_source.hpp"
@@ -37,8 +38,9 @@ class RankPlan {
   std::int64_t logged_valid_tokens() const { return logged_valid_tokens_; }
   // What the case's kind planned for these rows (kinds/loss_kind.hpp).
   const KindRowPlan& kind_plan() const { return kind_plan_; }
-  // The logged loss sum_t forward_weight * l_t over the batch group (collective); none for reduction none.
-  std::optional<float> logged_loss(const std::vector<float>& token_loss, Communicator& batch) const;
+  // The logged loss sum_t forward_weight * l_t over groups.batch (collective; over groups.dp under
+  // cp-loss-stat-dp-only); none for reduction none.
+  std::optional<float> logged_loss(const std::vector<float>& token_loss, RankGroups& groups) const;
 
  private:
   bool labelled() const;  // the case's kind reads labels
@@ -52,6 +54,7 @@ class RankPlan {
   const BugSwitches& bugs_;
   std::vector<RowPlan> rows_;
   std::int64_t logged_valid_tokens_ = 0;
+  std::int64_t slice_valid_tokens_ = 0;  // cp-loss-stat-dp-only: this CP rank's valid tokens over DP
   KindRowPlan kind_plan_;
 };
 

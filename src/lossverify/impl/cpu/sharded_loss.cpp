@@ -72,7 +72,7 @@ class RankKernel {
           out_.grad.data(), threads_, beacon_, out_.token_loss, out_.token_values, out_.logged_stats});
     }
     if (!out_.logged_stats.empty()) groups_.batch.allreduce_sum(std::span<double>(out_.logged_stats));
-    if (const auto logged = plan_->logged_loss(out_.token_loss, groups_.batch)) {
+    if (const auto logged = plan_->logged_loss(out_.token_loss, groups_)) {
       out_.has_reduced_loss = true;
       out_.reduced_loss = *logged;
     }

@@ -158,7 +158,7 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
     LV_CUDA(cudaMemcpyAsync(out.grad.data(), d_grad.as<void>(), out.grad.size(), cudaMemcpyDeviceToHost, stream.get()));
     stream.sync();
   }
-  if (const auto logged = plan.logged_loss(out.token_loss, groups.batch)) {
+  if (const auto logged = plan.logged_loss(out.token_loss, groups)) {
     out.has_reduced_loss = true;
     out.reduced_loss = *logged;
   }

@@ -27,6 +27,16 @@ std::vector<Implementation> policy_catalogue() {
       "dH/dx_v = -p_v (log p_v + H_r) - p_v (1 - P_r) instead of -p_v (log p_v + H): grad fails at tp > 1 with "
       "entropy_coef > 0; entropy exact",
       {"grad"}, mine, bit(policy_bug::entropy_untracked_allreduce)));
+  v.push_back(catalogued_bug(
+      "rl-logsoftmax-untracked-allreduce",
+      "one vocab-parallel log-softmax, its local max not detached, under both the log-prob and the entropy: max, "
+      "sum-exp, the gathered log-prob and the entropy's per-shard partials all-reduced in place outside autograd",
+      "modelscope/ms-swift swift/megatron/trainers/vocab_parallel_utils.py compute_logps_and_entropy_from_logits, "
+      "at 3602360a",
+      "g_lambda [owner shard] (delta - D_v) + g_H (-(1 + log p_v) p_v + D_v (P_r - H_r)), D_v = p_v + "
+      "[v = local argmax] (1 - P_r): grad fails at tp > 1, each shard's row sum stays 0, log-prob and entropy "
+      "exact",
+      {"grad"}, mine, bit(policy_bug::logsoftmax_untracked_allreduce)));
   v.push_back(catalogued_bug("rl-logprob-allgather-grad-sum",
                              "log-probs from a vocabulary all-gather to a replicated tensor, whose backward "
                              "all-reduces the replicated gradient",
@@ -56,10 +66,6 @@ std::vector<Implementation> policy_catalogue() {
       "rl-cp-extra-scale", "the KL and entropy terms scaled by CP, their statistics summed over CP copies",
       "NovaSky-AI/SkyRL #1420, #1751", "KL and entropy gradient x CP, their statistics x CP; passes at cp = 1",
       {"grad", "stats"}, mine, bit(policy_bug::cp_extra_scale)));
-  v.push_back(catalogued_bug("rl-schedule-double-divide",
-                             "a globally normalised loss divided by the micro-batch count again before backward",
-                             "inclusionAI/AReaL #1273; THUDM/slime #987/#990", "grad / K; passes at ga = 1", {"grad"},
-                             mine, bit(policy_bug::schedule_double_divide)));
   v.push_back(catalogued_bug("rl-adv-whiten-dp-only", "advantage whitening statistics over DP only, not DP x CP",
                              "THUDM/slime #2235", "per-CP-rank loss and grad wrong at cp > 1 with whitening",
                              {"loss", "grad"}, mine, bit(policy_bug::adv_whiten_dp_only)));

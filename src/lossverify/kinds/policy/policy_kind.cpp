@@ -72,7 +72,10 @@ class PolicyKind final : public LossKind {
         r, "entropy_coef", 0.0, [](double v) { return v >= 0.0 && v <= 1e3; }, "in [0, 1000]");
     o->aggregation = detail::parse_choice(r, "aggregation", kAggregations, Aggregation::token_mean);
     const bool norm = o->aggregation == Aggregation::seq_mean_token_sum_norm;
-    refuse_unless(r, norm, "norm_constant", "aggregation seq-mean-token-sum-norm");
+    if (!norm && r.has("norm_constant") && r.number("norm_constant") != 0.0) {
+      // 0 means unset under any aggregation (`--set loss.norm_constant=0` takes a Dr. GRPO case to another mode).
+      r.fail("norm_constant", "applies to aggregation seq-mean-token-sum-norm only (0 leaves it unset)");
+    }
     if (norm) {
       if (!r.has("norm_constant")) r.fail_here("aggregation seq-mean-token-sum-norm needs norm_constant (H_max)");
       o->norm_constant = number_in(

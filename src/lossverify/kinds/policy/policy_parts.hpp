@@ -18,11 +18,12 @@ inline constexpr std::uint64_t token_mean_sample_weighted = 1u << 4;
 inline constexpr std::uint64_t microbatch_self_normalized = 1u << 5;
 inline constexpr std::uint64_t drgrpo_batch_sum = 1u << 6;
 inline constexpr std::uint64_t cp_extra_scale = 1u << 7;
-inline constexpr std::uint64_t schedule_double_divide = 1u << 8;
+// 1u << 8 was rl-schedule-double-divide's, now a layout bug of every kind (BugSwitches::schedule_double_divide).
 inline constexpr std::uint64_t adv_whiten_dp_only = 1u << 9;
 inline constexpr std::uint64_t fused_vocab_pad = 1u << 10;
 inline constexpr std::uint64_t kl_no_grad = 1u << 11;
 inline constexpr std::uint64_t gspo_cp_local_ratio = 1u << 12;
+inline constexpr std::uint64_t logsoftmax_untracked_allreduce = 1u << 13;
 }  // namespace policy_bug
 
 // Per local row, the kernels' inputs in KindRowPlan::row_inputs: old and reference log-probability, the

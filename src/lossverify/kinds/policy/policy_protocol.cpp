@@ -186,18 +186,24 @@ class Protocol {
     g.c = cp_factor * k_.entropy_coef;
     g.shift = entropy;
     g.scale = p.backward_weight * inverse_t_;
-    if (has(policy_bug::schedule_double_divide)) g.scale /= static_cast<float>(mb_.c.layout.ga);
     g.target = owner(i) ? static_cast<float>(local_target(i)) : -1.0f;
-    // This shard's mass and its part of H: what the untracked all-reduces' backward sees.
+    // This shard's mass P_r and its part of H, H_r: what the untracked all-reduces' backward sees.
     const float mass = own_[i] / s;
-    if (has(policy_bug::logprob_untracked_allreduce)) {
+    const float shard_entropy = log_s * mass - own_[n_ + i] / s;
+    const bool logsoftmax = has(policy_bug::logsoftmax_untracked_allreduce);
+    if (has(policy_bug::logprob_untracked_allreduce) || logsoftmax) {
+      // d lambda / dx_v = [owner] (delta - D_v), D_v = p_v + [v = local argmax] (1 - P_r).
       g.bonus = owner(i) ? g.a * (mass - 1.0f) : 0.0f;
       g.argmax = owner(i) ? local(i).argmax : -1.0f;
       if (!owner(i)) g.a = 0.0f;
     }
-    if (has(policy_bug::entropy_untracked_allreduce)) {
-      const float shard_entropy = log_s * mass - own_[n_ + i] / s;
-      g.shift = shard_entropy + (1.0f - mass);
+    if (has(policy_bug::entropy_untracked_allreduce) || logsoftmax) g.shift = shard_entropy + (1.0f - mass);
+    if (logsoftmax) {
+      // One log-softmax, its local max not detached, under both: dH_r / dx_v = -(1 + log p_v) p_v +
+      // D_v (P_r - H_r), whose p_v part is the shift above and whose argmax part, with g_H = -c, is
+      // -c (1 - P_r) (P_r - H_r) on every shard.
+      g.bonus -= g.c * (1.0f - mass) * (mass - shard_entropy);
+      g.argmax = local(i).argmax;
     }
     return g;
   }
