@@ -442,7 +442,7 @@ TEST_CASE("a policy case refuses impossible settings by name, before any work") 
   refused({{"aggregation", "seq-mean-token-mean"}, {"norm_constant", -2}},
           "$.loss.norm_constant: applies to aggregation seq-mean-token-sum-norm only (0 leaves it unset)");
   refused({{"aggregation", "seq-mean-token-sum-norm"}, {"norm_constant", 0}}, "$.loss.norm_constant: must be in (0");
-  refused({{"norm_constant", "0"}}, "$.loss.norm_constant: expected number");
+  refused({{"norm_constant", "0"}}, "$.loss.norm_constant: applies to aggregation seq-mean-token-sum-norm only");
   refused({{"kl_penalty", "none"}}, "$.loss.kl_coef: applies to a kl_penalty other than none");
   refused({{"kl_penalty", "k4"}}, "$.loss.kl_penalty: expected one of none|k1|k2|k3");
   refused({{"objective", "logprob"}}, "applies to objective policy_loss only");
@@ -736,6 +736,43 @@ TEST_CASE("a policy case's resolved form parses again, for each setting that lea
     const Case again = testing::make_case(c.resolved());
     CHECK(again.resolved() == c.resolved());
   }
+}
+
+TEST_CASE("0 switches a setting off: kl_coef beside kl_penalty none, whiten_epsilon beside no whitening, dual_clip") {
+  // `--set` can only change keys, so a case that turned a feature on is turned off by setting its key to 0
+  // beside the switch: the case it becomes equals the one written without the key, and its resolved form
+  // parses again. A nonzero value beside the switch is still refused by name.
+  nlohmann::json on = policy_json(1, 2, 2, 1);
+  on["loss"]["kl_penalty"] = "k2";
+  on["loss"]["kl_coef"] = 0.1;
+  on["loss"]["whiten_advantages"] = true;
+  on["loss"]["whiten_epsilon"] = 1e-6;
+  on["loss"]["dual_clip"] = 3.0;
+  nlohmann::json off = on;
+  for (const char* set : {"loss.kl_penalty=none", "loss.kl_coef=0", "loss.whiten_advantages=false",
+                          "loss.whiten_epsilon=0", "loss.dual_clip=0"}) {
+    apply_set_override(off, set, "<test>");
+  }
+  nlohmann::json without = on;
+  for (const char* key : {"kl_coef", "whiten_epsilon", "dual_clip"}) without["loss"].erase(key);
+  without["loss"]["kl_penalty"] = "none";
+  without["loss"]["whiten_advantages"] = false;
+  const Case c = testing::make_case(off);
+  CHECK(c.resolved() == testing::make_case(without).resolved());
+  CHECK(testing::make_case(c.resolved()).resolved() == c.resolved());
+  for (const char* key : {"kl_coef", "whiten_epsilon", "dual_clip"}) CHECK_FALSE(c.resolved()["loss"].contains(key));
+  nlohmann::json still_on = off;
+  still_on["loss"]["kl_coef"] = 0.1;
+  CHECK_THROWS_WITH_AS(testing::make_case(still_on), doctest::Contains("$.loss.kl_coef: applies to a kl_penalty"),
+                       CaseError);
+  still_on = off;
+  still_on["loss"]["whiten_epsilon"] = 1e-6;
+  CHECK_THROWS_WITH_AS(testing::make_case(still_on),
+                       doctest::Contains("$.loss.whiten_epsilon: applies to whiten_advantages true"), CaseError);
+  still_on = off;
+  still_on["loss"]["dual_clip"] = 0.5;
+  CHECK_THROWS_WITH_AS(testing::make_case(still_on), doctest::Contains("$.loss.dual_clip: must be in (1, 1000]"),
+                       CaseError);
 }
 
 TEST_CASE("norm_constant 0 means unset under any aggregation: --set takes a Dr. GRPO case to another mode") {

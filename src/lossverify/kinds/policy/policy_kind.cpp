@@ -38,9 +38,13 @@ double number_in(detail::ObjectReader& r, const std::string& key, double fallbac
   return v;
 }
 
-// Keys that mean something only under a setting are refused without it, by name.
+// Keys that mean something only under a setting are refused without it, by name; 0 leaves such a key unset
+// (so `--set key=0` switches off what a case file turned on, beside the setting that needed it).
 void refuse_unless(detail::ObjectReader& r, bool applies, const std::string& key, const std::string& needs) {
-  if (!applies && r.has(key)) r.fail(key, "applies to " + needs + " only");
+  if (applies || !r.has(key)) return;
+  const json& value = r.raw(key);
+  if (!(value.is_number() && value.get<double>() == 0.0))
+    r.fail(key, "applies to " + needs + " only (0 leaves it unset)");
 }
 
 class PolicyKind final : public LossKind {
@@ -72,10 +76,7 @@ class PolicyKind final : public LossKind {
         r, "entropy_coef", 0.0, [](double v) { return v >= 0.0 && v <= 1e3; }, "in [0, 1000]");
     o->aggregation = detail::parse_choice(r, "aggregation", kAggregations, Aggregation::token_mean);
     const bool norm = o->aggregation == Aggregation::seq_mean_token_sum_norm;
-    if (!norm && r.has("norm_constant") && r.number("norm_constant") != 0.0) {
-      // 0 means unset under any aggregation (`--set loss.norm_constant=0` takes a Dr. GRPO case to another mode).
-      r.fail("norm_constant", "applies to aggregation seq-mean-token-sum-norm only (0 leaves it unset)");
-    }
+    refuse_unless(r, norm, "norm_constant", "aggregation seq-mean-token-sum-norm");
     if (norm) {
       if (!r.has("norm_constant")) r.fail_here("aggregation seq-mean-token-sum-norm needs norm_constant (H_max)");
       o->norm_constant = number_in(
@@ -202,7 +203,7 @@ class PolicyKind final : public LossKind {
         r, "clip_high", o.clip_low, [](double v) { return v > 0.0 && v <= 1e3; }, "in (0, 1000]");
     if (r.has("dual_clip")) {
       o.dual_clip = number_in(
-          r, "dual_clip", 0.0, [](double v) { return v > 1.0 && v <= 1e3; }, "in (1, 1000]");
+          r, "dual_clip", 0.0, [](double v) { return v == 0.0 || (v > 1.0 && v <= 1e3); }, "in (1, 1000], or 0 (off)");
     } else {
       r.allow("dual_clip");
     }
