@@ -44,7 +44,7 @@ from lv_frameworks.single_gpu import package_shell
 NAME = "AReaL"
 EXPLANATIONS = ["rl-schedule-double-divide", "rl-temperature-one-side", "rl-logprob-untracked-allreduce",
                 "rl-entropy-untracked-allreduce", "rl-token-mean-sample-weighted", "dp-local-mean",
-                "cp-stats-dp-only", "cp-roll-after-split", "cp-duplicated-loss"]
+                "cp-stats-dp-only", "cp-loss-stat-dp-only", "cp-roll-after-split", "cp-duplicated-loss"]
 _modules = {}
 
 

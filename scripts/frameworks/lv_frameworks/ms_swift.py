@@ -24,7 +24,8 @@ from lv_frameworks import Run, checkout, git_commit
 from lv_frameworks.single_gpu import package_shell
 
 NAME = "ms-swift"
-EXPLANATIONS = ["rl-logprob-untracked-allreduce", "rl-entropy-untracked-allreduce", "rl-temperature-one-side"]
+EXPLANATIONS = ["rl-logsoftmax-untracked-allreduce", "rl-logprob-untracked-allreduce", "rl-entropy-untracked-allreduce",
+                "rl-temperature-one-side"]
 _module = None
 _tp = {"group": None, "size": 1, "rank": 0}
 
