@@ -9,6 +9,8 @@ and the module-level loss functions that the runs name.
 """
 import os
 import subprocess
+import sys
+import types
 
 
 def checkout():
@@ -17,6 +19,15 @@ def checkout():
     if not path:
         raise RuntimeError("LV_FRAMEWORK_CHECKOUT is not set: run scripts/frameworks/judge.py")
     return path
+
+
+def stub_module(name, **attributes):
+    """A module standing in for an import the judged code needs but never runs (process-group plumbing, config
+    classes, loggers): its attributes are the ones given. Registered in sys.modules under `name`."""
+    module = types.ModuleType(name)
+    module.__dict__.update(attributes)
+    sys.modules[name] = module
+    return module
 
 
 def git_commit(path):

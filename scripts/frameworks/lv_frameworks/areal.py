@@ -38,7 +38,7 @@ import types
 import torch
 
 from lossverify.torch import LogProbs, Reduced
-from lv_frameworks import Run, checkout, git_commit
+from lv_frameworks import Run, checkout, git_commit, stub_module as _stub
 from lv_frameworks.single_gpu import package_shell
 
 NAME = "AReaL"
@@ -46,13 +46,6 @@ EXPLANATIONS = ["rl-schedule-double-divide", "rl-temperature-one-side", "rl-logp
                 "rl-entropy-untracked-allreduce", "rl-token-mean-sample-weighted", "dp-local-mean",
                 "cp-stats-dp-only", "cp-loss-stat-dp-only", "cp-roll-after-split", "cp-duplicated-loss"]
 _modules = {}
-
-
-def _stub(name, **attributes):
-    module = types.ModuleType(name)
-    module.__dict__.update(attributes)
-    sys.modules[name] = module
-    return module
 
 
 def _load():

@@ -28,7 +28,7 @@ import types
 import torch
 
 from lossverify.torch import LogProbs, Reduced
-from lv_frameworks import Run, checkout, git_commit
+from lv_frameworks import Run, checkout, git_commit, stub_module as _stub
 from lv_frameworks.single_gpu import package_shell
 
 NAME = "NeMo-RL"
@@ -37,13 +37,6 @@ EXPLANATIONS = ["rl-logprob-untracked-allreduce", "rl-entropy-untracked-allreduc
                 "rl-kl-no-grad", "dp-local-mean", "ga-microbatch-mean"]
 ENTROPY_CHUNK = 16  # ChunkedDistributedEntropy's sequence chunk (any value: the chunks are independent)
 _modules = {}
-
-
-def _stub(name, **attributes):
-    module = types.ModuleType(name)
-    module.__dict__.update(attributes)
-    sys.modules[name] = module
-    return module
 
 
 class _ConfigModel:

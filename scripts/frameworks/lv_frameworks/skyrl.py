@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from lossverify.torch import Reduced
-from lv_frameworks import Run, checkout, git_commit
+from lv_frameworks import Run, checkout, git_commit, stub_module as _stub
 from lv_frameworks.single_gpu import package_shell
 
 NAME = "SkyRL"
@@ -41,13 +41,6 @@ _modules = {}
 # lossverify's aggregation -> SkyRL's loss_reduction
 REDUCTIONS = {"token-mean": "token_mean", "seq-mean-token-mean": "sequence_mean",
               "seq-mean-token-sum-norm": "seq_mean_token_sum_norm"}
-
-
-def _stub(name, **attributes):
-    module = types.ModuleType(name)
-    module.__dict__.update(attributes)
-    sys.modules[name] = module
-    return module
 
 
 class _Annotation:

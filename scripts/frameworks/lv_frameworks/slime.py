@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from lossverify.torch import LogProbs, Reduced
-from lv_frameworks import Run, checkout, git_commit
+from lv_frameworks import Run, checkout, git_commit, stub_module as _stub
 from lv_frameworks.single_gpu import package_shell
 
 NAME = "slime"
@@ -45,13 +45,6 @@ EXPLANATIONS = ["rl-adv-whiten-dp-only", "rl-schedule-double-divide", "rl-temper
                 "rl-token-mean-sample-weighted"]
 _modules = {}
 _state = {"ctx": None}
-
-
-def _stub(name, **attributes):
-    module = types.ModuleType(name)
-    module.__dict__.update(attributes)
-    sys.modules[name] = module
-    return module
 
 
 def _mpu():

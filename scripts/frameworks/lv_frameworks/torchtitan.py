@@ -15,7 +15,7 @@ import sys
 import types
 
 from lossverify.torch import Reduced
-from lv_frameworks import Run, adapt, checkout, cross_entropy_cases, git_commit
+from lv_frameworks import Run, adapt, checkout, cross_entropy_cases, git_commit, stub_module as _stub
 from lv_frameworks.single_gpu import package_shell
 
 NAME = "torchtitan"
@@ -23,13 +23,6 @@ EXPLANATIONS = ["dp-local-mean", "ga-microbatch-mean", "cp-duplicated-loss"]
 IGNORE_INDEX = -100  # torchtitan's, fixed
 _module = None
 _tp = {"group": None, "size": 1}  # what the stubbed mesh helpers answer; set per call
-
-
-def _stub(name, **attributes):
-    module = types.ModuleType(name)
-    module.__dict__.update(attributes)
-    sys.modules[name] = module
-    return module
 
 
 def _stub_imports():

@@ -38,7 +38,7 @@ import types
 import torch
 
 from lossverify.torch import LogProbs, Reduced
-from lv_frameworks import Run, checkout, git_commit
+from lv_frameworks import Run, checkout, git_commit, stub_module as _stub
 from lv_frameworks.single_gpu import package_shell
 
 NAME = "verl"
@@ -48,13 +48,6 @@ EXPLANATIONS = ["rl-token-mean-sample-weighted", "rl-microbatch-self-normalized"
 MEGATRON = os.path.abspath(os.environ.get("LV_MEGATRON_CHECKOUT", ""))  # checked where it is first needed
 _mods = {}
 _tp = {"group": None}  # what the stubbed parallel_state answers; set per call
-
-
-def _stub(name, **attributes):
-    module = types.ModuleType(name)
-    module.__dict__.update(attributes)
-    sys.modules[name] = module
-    return module
 
 
 class ActorConfig(dict):
