@@ -7,6 +7,7 @@
 #include <array>
 #include <cmath>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -284,6 +285,84 @@ TEST_CASE("rl-microbatch-self-normalized: each micro-batch's gradient N / (DP N_
   CHECK(low > 1.0);
   CHECK(high > low);
   CHECK(1.0 / low + 1.0 / high == doctest::Approx(1.0).epsilon(1e-5));
+}
+
+// Where each valid token sits (world rank, micro-batch) and the counts the aggregation modes read, from the rank
+// assignments of a correct run.
+struct TokenWeights {
+  std::map<std::int64_t, std::int64_t> sequence_of;  // valid token -> its sequence
+  std::map<std::int64_t, std::int64_t> n_s;          // sequence -> its valid tokens over the step
+  // world rank and micro-batch of each valid token, and the counts of that micro-batch on that rank
+  std::map<std::int64_t, std::pair<int, std::size_t>> place;
+  std::map<std::pair<int, std::size_t>, std::map<std::int64_t, std::int64_t>> local;  // -> sequence -> n there
+};
+
+TokenWeights token_weights(const Case& c) {
+  const InputSource inputs(c);
+  RunOptions options;
+  options.threads = 1;
+  const RankRun run = execute_ranks(c, inputs, *find_implementation("correct"), options);
+  TokenWeights t;
+  for (const RankOutput& out : run.outputs) {
+    if (out.assignment.coordinates.tp != 0) continue;
+    const auto& begin = out.assignment.micro_batch_begin;
+    for (std::size_t k = 0; k + 1 < begin.size(); ++k) {
+      for (std::int64_t i = begin[k]; i < begin[k + 1]; ++i) {
+        const std::int64_t token = out.token_of(i);
+        if (token < 0 || !inputs.is_valid(token)) continue;
+        const std::int64_t s = out.assignment.rows[static_cast<std::size_t>(i)].sequence;
+        t.sequence_of[token] = s;
+        ++t.n_s[s];
+        t.place[token] = {out.assignment.world_rank, k};
+        ++t.local[{out.assignment.world_rank, k}][s];
+      }
+    }
+  }
+  return t;
+}
+
+TEST_CASE("microbatch-local-mean: each aggregation mode with the rank's micro-batch's own counts, / (DP CP GA)") {
+  // Weight ratios from the definitions: right 1/N, 1/B, 1/(B n_s), 1/(B H_max); wrong 1/(R GA n(r,k)),
+  // 1/(R GA B_k), 1/(R GA B_k n_s(r,k)), 1/(R GA B_k H_max), with R = DP CP and B_k, n_s(r,k) counted on the
+  // rank's rows of micro-batch k; token-sum keeps weight 1.
+  for (const char* mode :
+       {"token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"}) {
+    const std::string shown = mode;
+    CAPTURE(shown);
+    nlohmann::json j = policy_json(1, 2, 2, 2);
+    j["loss"]["aggregation"] = mode;
+    if (std::string(mode) == "seq-mean-token-sum-norm") j["loss"]["norm_constant"] = 40;
+    const Case c = testing::make_case(j);
+    const TokenWeights t = token_weights(c);
+    const double r_ga = 2.0 * 2.0 * 2.0;
+    const auto n = static_cast<double>(t.sequence_of.size());
+    const auto b = static_cast<double>(t.n_s.size());
+    const auto right = gradients(c, "correct");
+    const auto wrong = gradients(c, "microbatch-local-mean");
+    std::set<double> ratios;
+    std::int64_t compared = 0;
+    for (const auto& [at, value] : right) {
+      if (std::fabs(value) < 1e-7) continue;
+      const std::int64_t token = at.first;
+      const std::int64_t s = t.sequence_of.at(token);
+      const auto& mine = t.local.at(t.place.at(token));
+      std::int64_t n_k = 0;
+      for (const auto& [seq, count] : mine) n_k += count;
+      const auto b_k = static_cast<double>(mine.size());
+      const auto n_sk = static_cast<double>(mine.at(s));
+      const auto n_s = static_cast<double>(t.n_s.at(s));
+      double ratio = 1.0;  // wrong / right
+      const std::string m = mode;
+      if (m == "token-mean") ratio = n / (r_ga * static_cast<double>(n_k));
+      if (m == "seq-mean-token-sum" || m == "seq-mean-token-sum-norm") ratio = b / (r_ga * b_k);
+      if (m == "seq-mean-token-mean") ratio = (b * n_s) / (r_ga * b_k * n_sk);
+      CHECK(wrong.at(at) == doctest::Approx(ratio * value).epsilon(1e-5));
+      ratios.insert(std::round(ratio * 1e6) / 1e6);
+      ++compared;
+    }
+    CHECK(compared > 1000);
+    if (std::string(mode) != "token-sum") CHECK(ratios.size() > 1);  // not one scale: unequal counts
+  }
 }
 
 TEST_CASE("each policy bug is caught where its signal says, and passes where it cannot show") {
