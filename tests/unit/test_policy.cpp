@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "lossverify/core/dtype.hpp"
 #include "lossverify/core/errors.hpp"
 #include "lossverify/impl/catalogue.hpp"
 #include "lossverify/inputs/input_source.hpp"
@@ -362,6 +363,80 @@ TEST_CASE("microbatch-local-mean: each aggregation mode with the rank's micro-ba
     }
     CHECK(compared > 1000);
     if (std::string(mode) != "token-sum") CHECK(ratios.size() > 1);  // not one scale: unequal counts
+  }
+}
+
+TEST_CASE("rl-logprob-16bit: log-prob and entropy of x = bf16(z / T) with each op's output rounded to bf16") {
+  // The definition, in double on the case's bf16 logits: x_v = bf16(z_v (1/T)), lse = M + log sum e^(x - M),
+  // lambda = bf16(x_y - lse) (log_softmax: float inside, the output rounded), H = bf16(bf16(lse) -
+  // bf16(sum_v p_v x_v)) (entropy_from_logits: logsumexp, softmax, sum p x). The kernel's float32 sums may
+  // land on the other side of a rounding midpoint: every value within one bf16 step, nearly all equal.
+  for (int tp : {1, 2}) {
+    CAPTURE(tp);
+    nlohmann::json j = policy_json(tp, 1, 1, 1);
+    j["inputs"]["dtype"] = "bf16";
+    const Case c = testing::make_case(j);
+    const InputSource inputs(c);
+    RunOptions options;
+    options.threads = 1;
+    const RankRun wrong = execute_ranks(c, inputs, *find_implementation("rl-logprob-16bit"), options);
+    const RankRun right = execute_ranks(c, inputs, *find_implementation("correct"), options);
+    const float inverse_t = static_cast<float>(1.0 / 0.7);
+    const auto vocab = static_cast<std::size_t>(c.shape.vocab);
+    std::vector<Eigen::bfloat16> z(vocab);
+    std::vector<double> x(vocab);
+    auto bf16 = [](double v) { return round_to_dtype(v, DType::bf16); };
+    int tokens = 0, logprob_equal = 0, entropy_equal = 0, logprob_moved = 0;
+    const RankOutput& out = wrong.outputs[0];
+    for (std::int64_t i = 0; i < out.rows(); ++i) {
+      const std::int64_t t = out.token_of(i);
+      if (t < 0 || !inputs.is_valid(t)) continue;
+      inputs.logits(t, 0, c.shape.vocab, z.data());
+      double m = -INFINITY;
+      for (std::size_t v = 0; v < vocab; ++v) {
+        x[v] = static_cast<double>(static_cast<float>(Eigen::bfloat16(static_cast<float>(z[v]) * inverse_t)));
+        m = std::max(m, x[v]);
+      }
+      double sum = 0.0;
+      for (std::size_t v = 0; v < vocab; ++v) sum += std::exp(x[v] - m);
+      const double lse = m + std::log(sum);
+      double sum_px = 0.0;
+      for (std::size_t v = 0; v < vocab; ++v) sum_px += std::exp(x[v] - lse) * x[v];
+      const double logprob = bf16(x[static_cast<std::size_t>(inputs.label(t))] - lse);
+      const double entropy = bf16(bf16(lse) - bf16(sum_px));
+      const double got_logprob = out.token_values[2 * static_cast<std::size_t>(i)];
+      const double got_entropy = out.token_values[2 * static_cast<std::size_t>(i) + 1];
+      const double step_l = std::ldexp(1.0, std::ilogb(std::fabs(logprob)) - 7);  // one bf16 step
+      const double step_h = std::ldexp(1.0, std::ilogb(std::fabs(lse)) - 7);      // bf16(lse)'s step bounds H's error
+      CHECK(std::fabs(got_logprob - logprob) <= step_l);
+      CHECK(std::fabs(got_entropy - entropy) <= step_h + std::ldexp(1.0, std::ilogb(std::fabs(entropy)) - 7));
+      logprob_equal += got_logprob == logprob;
+      entropy_equal += got_entropy == entropy;
+      logprob_moved += got_logprob != right.outputs[0].token_values[2 * static_cast<std::size_t>(i)];
+      ++tokens;
+    }
+    CHECK(tokens > 60);
+    CHECK(logprob_equal >= tokens - tokens / 50);
+    CHECK(entropy_equal >= tokens - tokens / 50);
+    CHECK(logprob_moved > tokens / 2);  // the float32 log-prob is not on the bf16 grid
+    const RunResult r = testing::run_with(c, "rl-logprob-16bit");
+    const std::vector<std::string> names = failing(r);
+    for (const char* check : {"entropy", "grad", "logprob", "loss"}) {
+      CAPTURE(check);
+      CHECK(std::find(names.begin(), names.end(), check) != names.end());
+    }
+  }
+  // fp32 logits: rounding to the storage dtype is the identity, the pass is the correct one bit for bit.
+  const Case c = testing::make_case(policy_json(2, 1, 1, 1));
+  const InputSource inputs(c);
+  RunOptions options;
+  options.threads = 1;
+  const RankRun wrong = execute_ranks(c, inputs, *find_implementation("rl-logprob-16bit"), options);
+  const RankRun right = execute_ranks(c, inputs, *find_implementation("correct"), options);
+  for (std::size_t k = 0; k < right.outputs.size(); ++k) {
+    CHECK(wrong.outputs[k].token_values == right.outputs[k].token_values);
+    CHECK(wrong.outputs[k].token_loss == right.outputs[k].token_loss);
+    CHECK(wrong.outputs[k].grad == right.outputs[k].grad);
   }
 }
 
