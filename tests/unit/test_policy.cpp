@@ -366,6 +366,64 @@ TEST_CASE("microbatch-local-mean: each aggregation mode with the rank's micro-ba
   }
 }
 
+TEST_CASE("rl-stats-microbatch-mean: each statistic the mean over DP ranks and micro-batches of their token means") {
+  // From the definitions, on the correct run's per-token log-probabilities and entropies and the generated
+  // inputs (no whitening, so the advantages are the generated ones): clipped where -clip(rho) A > -rho A,
+  // dual-clipped where A < 0 and the surrogate exceeds -c A, k3 KL e^(r - lambda) - (r - lambda) - 1.
+  nlohmann::json j = policy_json(1, 1, 2, 2);
+  j["loss"].erase("whiten_advantages");
+  const Case c = testing::make_case(j);
+  const InputSource inputs(c);
+  RunOptions options;
+  options.threads = 1;
+  const RankRun right = execute_ranks(c, inputs, *find_implementation("correct"), options);
+  const RankRun wrong = execute_ranks(c, inputs, *find_implementation("rl-stats-microbatch-mean"), options);
+  std::array<double, 4> expected{}, global{};
+  std::int64_t n_total = 0;
+  for (const RankOutput& out : right.outputs) {
+    const auto& begin = out.assignment.micro_batch_begin;
+    for (std::size_t k = 0; k + 1 < begin.size(); ++k) {
+      std::array<double, 4> sums{};
+      std::int64_t n = 0;
+      for (std::int64_t i = begin[k]; i < begin[k + 1]; ++i) {
+        const std::int64_t token = out.token_of(i);
+        if (token < 0 || !inputs.is_valid(token)) continue;
+        const double logprob = out.token_values[2 * static_cast<std::size_t>(i)];
+        const double entropy = out.token_values[2 * static_cast<std::size_t>(i) + 1];
+        const PolicyTokenInputs in = policy_token_inputs(c, inputs, token);
+        const double a = in.advantage;
+        const double rho = std::exp(logprob - in.old_logprob);
+        const double clipped_rho = std::clamp(rho, 0.8, 1.28);
+        const bool clipped = -clipped_rho * a > -rho * a;
+        const double surrogate = std::max(-rho * a, -clipped_rho * a);
+        const bool dual = a < 0.0 && surrogate > -3.0 * a;
+        const double d = logprob - in.ref_logprob;
+        const std::array<double, 4> token_stats{clipped ? 1.0 : 0.0, dual ? 1.0 : 0.0, std::exp(-d) + d - 1.0, entropy};
+        for (std::size_t q = 0; q < 4; ++q) sums[q] += token_stats[q], global[q] += token_stats[q];
+        ++n;
+      }
+      REQUIRE(n > 0);
+      n_total += n;
+      for (std::size_t q = 0; q < 4; ++q) expected[q] += sums[q] / static_cast<double>(n) / 4.0;  // DP GA = 4
+    }
+  }
+  for (std::size_t q = 0; q < 4; ++q) {
+    CAPTURE(q);
+    global[q] /= static_cast<double>(n_total);
+    CHECK(right.outputs[0].logged_stats[q] == doctest::Approx(global[q]).epsilon(1e-5));
+    for (const RankOutput& out : wrong.outputs)
+      CHECK(out.logged_stats[q] == doctest::Approx(expected[q]).epsilon(1e-5));
+  }
+  CHECK(std::fabs(expected[2] - global[2]) > 1e-3 * std::fabs(global[2]));  // unequal micro-batches: the bug shows
+  CHECK(std::fabs(expected[3] - global[3]) > 1e-4 * std::fabs(global[3]));
+  // Loss and gradient untouched.
+  for (std::size_t k = 0; k < right.outputs.size(); ++k) {
+    CHECK(wrong.outputs[k].reduced_loss == right.outputs[k].reduced_loss);
+    CHECK(wrong.outputs[k].grad == right.outputs[k].grad);
+  }
+  CHECK(failing(testing::run_with(c, "rl-stats-microbatch-mean")) == std::vector<std::string>{"stats"});
+}
+
 TEST_CASE("rl-logprob-16bit: log-prob and entropy of x = bf16(z / T) with each op's output rounded to bf16") {
   // The definition, in double on the case's bf16 logits: x_v = bf16(z_v (1/T)), lse = M + log sum e^(x - M),
   // lambda = bf16(x_y - lse) (log_softmax: float inside, the output rounded), H = bf16(bf16(lse) -

@@ -171,6 +171,8 @@ struct KindRowPlan {
   // weights are each rank's own means (microbatch-local-mean): the backward weight is the rank's local
   // gradient, reduced by the framework, not forward / gradient scale.
   bool rank_local_weights = false;
+  // Per local row, its weight in the kind's logged token statistics where it is not 1 / N (empty: 1 / N).
+  std::vector<double> statistic_weights;
 };
 
 class LossKind {

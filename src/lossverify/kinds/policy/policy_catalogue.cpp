@@ -93,6 +93,15 @@ std::vector<Implementation> policy_catalogue() {
       "lambda = round16((x_y - M) - log S) of x = round16(z / T), H = round16(round16(lse) - round16(sum p x)): "
       "log-prob, entropy, loss and (through the ratio) grad fail on bf16/fp16 logits; passes on fp32",
       {"entropy", "grad", "logprob", "loss", "stats"}, mine, bit(policy_bug::logprob_16bit)));
+  v.push_back(catalogued_bug(
+      "rl-stats-microbatch-mean",
+      "the logged clip fraction, dual-clip fraction, KL and entropy each a micro-batch's token mean, averaged over the "
+      "micro-batches and the DP ranks",
+      "huggingface/trl GRPOTrainer._compute_loss at f2cd5771 (its metrics: per-micro-batch masked means, gathered "
+      "and averaged)",
+      "each token's statistic weighs 1/(DP GA n(dp,k)) instead of 1/N: stats fail when micro-batches hold unequal "
+      "token counts; loss and grad exact",
+      {"stats"}, mine, bit(policy_bug::stats_microbatch_mean)));
   return v;
 }
 

@@ -203,7 +203,12 @@ class Protocol {
     mb_.token_values[2 * row] = logprob;
     mb_.token_values[2 * row + 1] = entropy;
     if (p.valid) {
-      const double inverse_n = 1.0 / static_cast<double>(std::max<std::int64_t>(mb_.plan.logged_valid_tokens(), 1));
+      // rl-stats-microbatch-mean plans each row's own statistic weight
+      const std::vector<double>& statistic_weights = mb_.plan.kind_plan().statistic_weights;
+      const double inverse_n =
+          statistic_weights.empty()
+              ? 1.0 / static_cast<double>(std::max<std::int64_t>(mb_.plan.logged_valid_tokens(), 1))
+              : statistic_weights[row];
       mb_.logged_stats[0] += (t.clipped ? 1.0 : 0.0) * inverse_n;
       mb_.logged_stats[1] += (t.dual_clipped ? 1.0 : 0.0) * inverse_n;
       mb_.logged_stats[2] += static_cast<double>(cp_factor * t.kl) * inverse_n;

@@ -161,6 +161,25 @@ std::vector<double> rank_local_weights(const RowPlanRequest& q, const PolicyOpti
   return w;
 }
 
+// rl-stats-microbatch-mean: each logged token statistic a token mean over its DP rank's micro-batch (its
+// valid rows over the CP group), averaged over the micro-batches and the DP ranks.
+std::vector<double> microbatch_statistic_weights(const RowPlanRequest& q,
+                                                 const std::vector<std::int64_t>& per_sequence) {
+  const MicroBatchCounts m = micro_batch_counts(q, per_sequence);
+  const auto& offsets = q.assignment.micro_batch_begin;
+  const std::size_t ga = offsets.size() - 1;
+  const int dp = q.assignment.coordinates.dp;
+  const double divisor = static_cast<double>(q.c.layout.dp) * static_cast<double>(ga);
+  std::vector<double> w(q.assignment.rows.size(), 0.0);
+  for (std::size_t k = 0; k < ga; ++k) {
+    const auto tokens = static_cast<double>(std::max<std::int64_t>(m.at(m.tokens, dp, k, ga), 1));
+    for (std::int64_t i = offsets[k]; i < offsets[k + 1]; ++i) {
+      if (q.valid[static_cast<std::size_t>(i)]) w[static_cast<std::size_t>(i)] = 1.0 / (tokens * divisor);
+    }
+  }
+  return w;
+}
+
 // Old and reference log-probabilities and the advantage of every valid row, the advantage whitened over the
 // step's valid tokens (DP x CP; DP only under adv-whiten-dp-only) with the unbiased deviation.
 std::vector<float> row_inputs(const RowPlanRequest& q, const PolicyOptions& o) {
@@ -206,6 +225,9 @@ KindRowPlan plan_policy_rows(const RowPlanRequest& q) {
   const std::uint64_t weight_bugs = policy_bug::token_mean_sample_weighted | policy_bug::microbatch_self_normalized;
   if (o.sequence_mean() || q.bugs.microbatch_local_mean || (q.bugs.kind_switches & weight_bugs) != 0) {
     plan.weights = std::move(weights);
+  }
+  if ((q.bugs.kind_switches & policy_bug::stats_microbatch_mean) != 0) {
+    plan.statistic_weights = microbatch_statistic_weights(q, per_sequence);
   }
   if (o.objective == PolicyOptions::Objective::policy_loss) plan.row_inputs = row_inputs(q, o);
   plan.sequences = static_cast<std::int64_t>(per_sequence.size());
