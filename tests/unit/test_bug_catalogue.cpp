@@ -12,6 +12,7 @@
 #include <cmath>
 #include <functional>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -553,6 +554,106 @@ TEST_CASE("ga_microbatch_mean_gives_token_weight_1_over_ga_n_k") {
         }) > 0);
 }
 
+// The valid tokens of each micro-batch of a rank's rows, from the inputs (not from the implementation's plan).
+std::vector<std::int64_t> micro_batch_valid_tokens(const RankOutput& out, const InputSource& inputs) {
+  const auto& begin = out.assignment.micro_batch_begin;
+  std::vector<std::int64_t> n(begin.size() - 1, 0);
+  for (std::size_t k = 0; k + 1 < begin.size(); ++k) {
+    for (std::int64_t i = begin[k]; i < begin[k + 1]; ++i)
+      n[k] += out.token_of(i) >= 0 && inputs.is_valid(out.token_of(i));
+  }
+  return n;
+}
+
+std::size_t micro_batch_of(const RankOutput& out, std::int64_t row) {
+  const auto& begin = out.assignment.micro_batch_begin;
+  std::size_t k = 0;
+  while (row >= begin[k + 1]) ++k;
+  return k;
+}
+
+TEST_CASE("microbatch_local_mean_gives_token_weight_1_over_dp_cp_ga_n_rk") {
+  // Halving sequences 32/16/8/4 round robin over dp = 2 and ga = 2, each split over cp = 2: rank (dp, cp) holds
+  // in micro-batch k its two chunks of one sequence, so n(r, k) differs between every rank and micro-batch.
+  auto j = testing::case_json(0, 64, 2);
+  j["shape"] = {{"vocab", 64}};
+  j["batch"] = {{"generator", {{"kind", "halving"}, {"count", 4}, {"first", 32}}}};
+  j["layout"] = {{"tp", 2}, {"cp", 2}, {"dp", 2}, {"ga", 2}};
+  j["framework"] = {{"grad_reduce", "avg"}, {"ga_reduce", "sum"}};
+  const Case c = testing::make_case(j);
+  const InputSource inputs(c);
+  const RankRun right = ranks_of(c, inputs, "correct");
+  const RankRun buggy = ranks_of(c, inputs, "microbatch-local-mean");
+  const double scale = c.framework.gradient_scale(c.layout);  // 1/(DP CP)
+  const double divisor = static_cast<double>(c.layout.dp) * c.layout.cp * c.layout.ga;
+  const double n_valid = static_cast<double>(global_valid_tokens(c, inputs));
+  std::map<int, std::vector<std::int64_t>> counts;  // world rank -> n(r, k)
+  std::set<std::int64_t> distinct;
+  for (const RankOutput& out : right.outputs) {
+    counts[out.assignment.world_rank] = micro_batch_valid_tokens(out, inputs);
+    for (std::int64_t n : counts[out.assignment.world_rank]) distinct.insert(n);
+  }
+  REQUIRE(distinct.size() >= 4);  // unequal counts, or the bug would hide
+  // The correct effective gradient is (1/N_v) dl/dx; the buggy one must be dl/dx / (DP CP GA n(r, k)).
+  std::int64_t compared = 0;
+  for_each_element(buggy, right, [&](const RankOutput& b, const RankOutput& g, std::int64_t i, std::int64_t v) {
+    const double token_gradient = n_valid * scale * g.grad_at(i, v);
+    if (token_gradient == 0.0) return;
+    ++compared;
+    const double n_rk = static_cast<double>(counts[b.assignment.world_rank][micro_batch_of(b, i)]);
+    const double expected = token_gradient / (divisor * n_rk);
+    if (std::fabs(scale * b.grad_at(i, v) - expected) > kRatioRtol * std::fabs(expected)) {
+      CAPTURE(b.assignment.world_rank);
+      CHECK(scale * b.grad_at(i, v) == doctest::Approx(expected).epsilon(kRatioRtol));
+    }
+  });
+  CHECK(compared == static_cast<std::int64_t>(n_valid) * 64);
+  // The logged loss: sum_t l_t / (DP CP GA n(r(t), k(t))).
+  double expected_loss = 0.0;
+  for (const RankOutput& out : right.outputs) {
+    if (out.assignment.coordinates.tp != 0) continue;
+    for (std::int64_t i = 0; i < out.rows(); ++i) {
+      if (out.token_of(i) < 0 || !inputs.is_valid(out.token_of(i))) continue;
+      expected_loss += static_cast<double>(out.token_loss[static_cast<std::size_t>(i)]) /
+                       (divisor * static_cast<double>(counts[out.assignment.world_rank][micro_batch_of(out, i)]));
+    }
+  }
+  for (const RankOutput& out : buggy.outputs) {
+    CHECK(static_cast<double>(out.reduced_loss) == doctest::Approx(expected_loss).epsilon(1e-5));
+    CHECK(static_cast<double>(out.reduced_loss) !=
+          doctest::Approx(static_cast<double>(right.outputs[0].reduced_loss)).epsilon(1e-3));
+  }
+}
+
+TEST_CASE("microbatch_local_mean_equals_dp_local_mean_at_ga_1") {
+  auto j = testing::case_json(0, 64, 2);
+  j["shape"] = {{"vocab", 64}};
+  j["batch"] = {{"generator", {{"kind", "halving"}, {"count", 4}, {"first", 32}}}};
+  j["layout"] = {{"tp", 2}, {"cp", 2}, {"dp", 2}};
+  for (const char* ga_reduce : {"sum", "mean"}) {
+    for (const char* grad_reduce : {"avg", "sum"}) {
+      CAPTURE(ga_reduce);
+      CAPTURE(grad_reduce);
+      j["framework"] = {{"grad_reduce", grad_reduce}, {"ga_reduce", ga_reduce}};
+      const Case c = testing::make_case(j);
+      const InputSource inputs(c);
+      const RankRun dp_local = ranks_of(c, inputs, "dp-local-mean");
+      const RankRun mine = ranks_of(c, inputs, "microbatch-local-mean");
+      CHECK(check_grad_ratio(mine, dp_local, [](const RankOutput&, std::int64_t) { return 1.0; }) > 0);
+      for (std::size_t k = 0; k < mine.outputs.size(); ++k) {
+        CHECK(mine.outputs[k].reduced_loss == doctest::Approx(dp_local.outputs[k].reduced_loss).epsilon(1e-6));
+      }
+    }
+  }
+  // At ga = 2 they part: each micro-batch has its own count.
+  j["layout"]["ga"] = 2;
+  j["framework"] = {{"grad_reduce", "avg"}, {"ga_reduce", "sum"}};
+  const Case c = testing::make_case(j);
+  const InputSource inputs(c);
+  CHECK(ranks_of(c, inputs, "microbatch-local-mean").outputs[0].reduced_loss !=
+        doctest::Approx(ranks_of(c, inputs, "dp-local-mean").outputs[0].reduced_loss).epsilon(1e-3));
+}
+
 TEST_CASE("cp_duplicated_loss_multiplies_the_effective_gradient_by_cp") {
   for (int cp : {2, 3}) {
     CAPTURE(cp);
@@ -761,6 +862,9 @@ std::vector<Invisible> invisible_cases() {
       {"dp-local-mean", "dp = cp = 1: N_r = N_v", ce, true},
       {"dp-local-mean", "dp = 2 with equal valid counts: 1/(2 N_r) = 1/N_v", equal_dp, true},
       {"ga-microbatch-mean", "ga = 1: N_k = N_v", ce, true},
+      {"microbatch-local-mean", "dp = cp = ga = 1: n(r, k) = N_v", ce, true},
+      {"microbatch-local-mean", "ga = 2 on one rank with equal micro-batch counts",
+       with(equal_dp, {{"layout", {{"dp", 1}, {"ga", 2}}}}), true},
       {"mtp-local-count-ratio", "one micro-batch of one sequence: (N_v + 1) / (N_v (N_v + 1)) = 1/N_v", ce, true},
       {"mtp-local-count-ratio", "dp = 2 with equal counts, one sequence each", equal_dp, true},
       {"ga-microbatch-mean", "ga = 2 with equal valid counts", with(equal_dp, {{"layout", {{"dp", 1}, {"ga", 2}}}}),

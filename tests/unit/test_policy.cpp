@@ -7,9 +7,11 @@
 #include <array>
 #include <cmath>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
+#include "lossverify/core/dtype.hpp"
 #include "lossverify/core/errors.hpp"
 #include "lossverify/impl/catalogue.hpp"
 #include "lossverify/inputs/input_source.hpp"
@@ -380,6 +382,216 @@ TEST_CASE("rl-logsoftmax-untracked-allreduce: without the entropy it is rl-logpr
   const auto g = gradients(both, "rl-logsoftmax-untracked-allreduce");
   CHECK(g != gradients(both, "rl-logprob-untracked-allreduce"));
   CHECK(g != gradients(both, "rl-entropy-untracked-allreduce"));
+}
+
+// Where each valid token sits (world rank, micro-batch) and the counts the aggregation modes read, from the rank
+// assignments of a correct run.
+struct TokenWeights {
+  std::map<std::int64_t, std::int64_t> sequence_of;  // valid token -> its sequence
+  std::map<std::int64_t, std::int64_t> n_s;          // sequence -> its valid tokens over the step
+  // world rank and micro-batch of each valid token, and the counts of that micro-batch on that rank
+  std::map<std::int64_t, std::pair<int, std::size_t>> place;
+  std::map<std::pair<int, std::size_t>, std::map<std::int64_t, std::int64_t>> local;  // -> sequence -> n there
+};
+
+TokenWeights token_weights(const Case& c) {
+  const InputSource inputs(c);
+  RunOptions options;
+  options.threads = 1;
+  const RankRun run = execute_ranks(c, inputs, *find_implementation("correct"), options);
+  TokenWeights t;
+  for (const RankOutput& out : run.outputs) {
+    if (out.assignment.coordinates.tp != 0) continue;
+    const auto& begin = out.assignment.micro_batch_begin;
+    for (std::size_t k = 0; k + 1 < begin.size(); ++k) {
+      for (std::int64_t i = begin[k]; i < begin[k + 1]; ++i) {
+        const std::int64_t token = out.token_of(i);
+        if (token < 0 || !inputs.is_valid(token)) continue;
+        const std::int64_t s = out.assignment.rows[static_cast<std::size_t>(i)].sequence;
+        t.sequence_of[token] = s;
+        ++t.n_s[s];
+        t.place[token] = {out.assignment.world_rank, k};
+        ++t.local[{out.assignment.world_rank, k}][s];
+      }
+    }
+  }
+  return t;
+}
+
+TEST_CASE("microbatch-local-mean: each aggregation mode with the rank's micro-batch's own counts, / (DP CP GA)") {
+  // Weight ratios from the definitions: right 1/N, 1/B, 1/(B n_s), 1/(B H_max); wrong 1/(R GA n(r,k)),
+  // 1/(R GA B_k), 1/(R GA B_k n_s(r,k)), 1/(R GA B_k H_max), with R = DP CP and B_k, n_s(r,k) counted on the
+  // rank's rows of micro-batch k; token-sum keeps weight 1.
+  for (const char* mode :
+       {"token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"}) {
+    const std::string shown = mode;
+    CAPTURE(shown);
+    nlohmann::json j = policy_json(1, 2, 2, 2);
+    j["loss"]["aggregation"] = mode;
+    if (std::string(mode) == "seq-mean-token-sum-norm") j["loss"]["norm_constant"] = 40;
+    const Case c = testing::make_case(j);
+    const TokenWeights t = token_weights(c);
+    const double r_ga = 2.0 * 2.0 * 2.0;
+    const auto n = static_cast<double>(t.sequence_of.size());
+    const auto b = static_cast<double>(t.n_s.size());
+    const auto right = gradients(c, "correct");
+    const auto wrong = gradients(c, "microbatch-local-mean");
+    std::set<double> ratios;
+    std::int64_t compared = 0;
+    for (const auto& [at, value] : right) {
+      if (std::fabs(value) < 1e-7) continue;
+      const std::int64_t token = at.first;
+      const std::int64_t s = t.sequence_of.at(token);
+      const auto& mine = t.local.at(t.place.at(token));
+      std::int64_t n_k = 0;
+      for (const auto& [seq, count] : mine) n_k += count;
+      const auto b_k = static_cast<double>(mine.size());
+      const auto n_sk = static_cast<double>(mine.at(s));
+      const auto n_s = static_cast<double>(t.n_s.at(s));
+      double ratio = 1.0;  // wrong / right
+      const std::string m = mode;
+      if (m == "token-mean") ratio = n / (r_ga * static_cast<double>(n_k));
+      if (m == "seq-mean-token-sum" || m == "seq-mean-token-sum-norm") ratio = b / (r_ga * b_k);
+      if (m == "seq-mean-token-mean") ratio = (b * n_s) / (r_ga * b_k * n_sk);
+      CHECK(wrong.at(at) == doctest::Approx(ratio * value).epsilon(1e-5));
+      ratios.insert(std::round(ratio * 1e6) / 1e6);
+      ++compared;
+    }
+    CHECK(compared > 1000);
+    if (std::string(mode) != "token-sum") CHECK(ratios.size() > 1);  // not one scale: unequal counts
+  }
+}
+
+TEST_CASE("rl-stats-microbatch-mean: each statistic the mean over DP ranks and micro-batches of their token means") {
+  // From the definitions, on the correct run's per-token log-probabilities and entropies and the generated
+  // inputs (no whitening, so the advantages are the generated ones): clipped where -clip(rho) A > -rho A,
+  // dual-clipped where A < 0 and the surrogate exceeds -c A, k3 KL e^(r - lambda) - (r - lambda) - 1.
+  nlohmann::json j = policy_json(1, 1, 2, 2);
+  j["loss"].erase("whiten_advantages");
+  const Case c = testing::make_case(j);
+  const InputSource inputs(c);
+  RunOptions options;
+  options.threads = 1;
+  const RankRun right = execute_ranks(c, inputs, *find_implementation("correct"), options);
+  const RankRun wrong = execute_ranks(c, inputs, *find_implementation("rl-stats-microbatch-mean"), options);
+  std::array<double, 4> expected{}, global{};
+  std::int64_t n_total = 0;
+  for (const RankOutput& out : right.outputs) {
+    const auto& begin = out.assignment.micro_batch_begin;
+    for (std::size_t k = 0; k + 1 < begin.size(); ++k) {
+      std::array<double, 4> sums{};
+      std::int64_t n = 0;
+      for (std::int64_t i = begin[k]; i < begin[k + 1]; ++i) {
+        const std::int64_t token = out.token_of(i);
+        if (token < 0 || !inputs.is_valid(token)) continue;
+        const double logprob = out.token_values[2 * static_cast<std::size_t>(i)];
+        const double entropy = out.token_values[2 * static_cast<std::size_t>(i) + 1];
+        const PolicyTokenInputs in = policy_token_inputs(c, inputs, token);
+        const double a = in.advantage;
+        const double rho = std::exp(logprob - in.old_logprob);
+        const double clipped_rho = std::clamp(rho, 0.8, 1.28);
+        const bool clipped = -clipped_rho * a > -rho * a;
+        const double surrogate = std::max(-rho * a, -clipped_rho * a);
+        const bool dual = a < 0.0 && surrogate > -3.0 * a;
+        const double d = logprob - in.ref_logprob;
+        const std::array<double, 4> token_stats{clipped ? 1.0 : 0.0, dual ? 1.0 : 0.0, std::exp(-d) + d - 1.0, entropy};
+        for (std::size_t q = 0; q < 4; ++q) sums[q] += token_stats[q], global[q] += token_stats[q];
+        ++n;
+      }
+      REQUIRE(n > 0);
+      n_total += n;
+      for (std::size_t q = 0; q < 4; ++q) expected[q] += sums[q] / static_cast<double>(n) / 4.0;  // DP GA = 4
+    }
+  }
+  for (std::size_t q = 0; q < 4; ++q) {
+    CAPTURE(q);
+    global[q] /= static_cast<double>(n_total);
+    CHECK(right.outputs[0].logged_stats[q] == doctest::Approx(global[q]).epsilon(1e-5));
+    for (const RankOutput& out : wrong.outputs)
+      CHECK(out.logged_stats[q] == doctest::Approx(expected[q]).epsilon(1e-5));
+  }
+  CHECK(std::fabs(expected[2] - global[2]) > 1e-3 * std::fabs(global[2]));  // unequal micro-batches: the bug shows
+  CHECK(std::fabs(expected[3] - global[3]) > 1e-4 * std::fabs(global[3]));
+  // Loss and gradient untouched.
+  for (std::size_t k = 0; k < right.outputs.size(); ++k) {
+    CHECK(wrong.outputs[k].reduced_loss == right.outputs[k].reduced_loss);
+    CHECK(wrong.outputs[k].grad == right.outputs[k].grad);
+  }
+  CHECK(failing(testing::run_with(c, "rl-stats-microbatch-mean")) == std::vector<std::string>{"stats"});
+}
+
+TEST_CASE("rl-logprob-16bit: log-prob and entropy of x = bf16(z / T) with each op's output rounded to bf16") {
+  // The definition, in double on the case's bf16 logits: x_v = bf16(z_v (1/T)), lse = M + log sum e^(x - M),
+  // lambda = bf16(x_y - lse) (log_softmax: float inside, the output rounded), H = bf16(bf16(lse) -
+  // bf16(sum_v p_v x_v)) (entropy_from_logits: logsumexp, softmax, sum p x). The kernel's float32 sums may
+  // land on the other side of a rounding midpoint: every value within one bf16 step, nearly all equal.
+  for (int tp : {1, 2}) {
+    CAPTURE(tp);
+    nlohmann::json j = policy_json(tp, 1, 1, 1);
+    j["inputs"]["dtype"] = "bf16";
+    const Case c = testing::make_case(j);
+    const InputSource inputs(c);
+    RunOptions options;
+    options.threads = 1;
+    const RankRun wrong = execute_ranks(c, inputs, *find_implementation("rl-logprob-16bit"), options);
+    const RankRun right = execute_ranks(c, inputs, *find_implementation("correct"), options);
+    const float inverse_t = static_cast<float>(1.0 / 0.7);
+    const auto vocab = static_cast<std::size_t>(c.shape.vocab);
+    std::vector<Eigen::bfloat16> z(vocab);
+    std::vector<double> x(vocab);
+    auto bf16 = [](double v) { return round_to_dtype(v, DType::bf16); };
+    int tokens = 0, logprob_equal = 0, entropy_equal = 0, logprob_moved = 0;
+    const RankOutput& out = wrong.outputs[0];
+    for (std::int64_t i = 0; i < out.rows(); ++i) {
+      const std::int64_t t = out.token_of(i);
+      if (t < 0 || !inputs.is_valid(t)) continue;
+      inputs.logits(t, 0, c.shape.vocab, z.data());
+      double m = -INFINITY;
+      for (std::size_t v = 0; v < vocab; ++v) {
+        x[v] = static_cast<double>(static_cast<float>(Eigen::bfloat16(static_cast<float>(z[v]) * inverse_t)));
+        m = std::max(m, x[v]);
+      }
+      double sum = 0.0;
+      for (std::size_t v = 0; v < vocab; ++v) sum += std::exp(x[v] - m);
+      const double lse = m + std::log(sum);
+      double sum_px = 0.0;
+      for (std::size_t v = 0; v < vocab; ++v) sum_px += std::exp(x[v] - lse) * x[v];
+      const double logprob = bf16(x[static_cast<std::size_t>(inputs.label(t))] - lse);
+      const double entropy = bf16(bf16(lse) - bf16(sum_px));
+      const double got_logprob = out.token_values[2 * static_cast<std::size_t>(i)];
+      const double got_entropy = out.token_values[2 * static_cast<std::size_t>(i) + 1];
+      const double step_l = std::ldexp(1.0, std::ilogb(std::fabs(logprob)) - 7);  // one bf16 step
+      const double step_h = std::ldexp(1.0, std::ilogb(std::fabs(lse)) - 7);      // bf16(lse)'s step bounds H's error
+      CHECK(std::fabs(got_logprob - logprob) <= step_l);
+      CHECK(std::fabs(got_entropy - entropy) <= step_h + std::ldexp(1.0, std::ilogb(std::fabs(entropy)) - 7));
+      logprob_equal += got_logprob == logprob;
+      entropy_equal += got_entropy == entropy;
+      logprob_moved += got_logprob != right.outputs[0].token_values[2 * static_cast<std::size_t>(i)];
+      ++tokens;
+    }
+    CHECK(tokens > 60);
+    CHECK(logprob_equal >= tokens - tokens / 50);
+    CHECK(entropy_equal >= tokens - tokens / 50);
+    CHECK(logprob_moved > tokens / 2);  // the float32 log-prob is not on the bf16 grid
+    const RunResult r = testing::run_with(c, "rl-logprob-16bit");
+    const std::vector<std::string> names = failing(r);
+    for (const char* check : {"entropy", "grad", "logprob", "loss"}) {
+      CAPTURE(check);
+      CHECK(std::find(names.begin(), names.end(), check) != names.end());
+    }
+  }
+  // fp32 logits: rounding to the storage dtype is the identity, the pass is the correct one bit for bit.
+  const Case c = testing::make_case(policy_json(2, 1, 1, 1));
+  const InputSource inputs(c);
+  RunOptions options;
+  options.threads = 1;
+  const RankRun wrong = execute_ranks(c, inputs, *find_implementation("rl-logprob-16bit"), options);
+  const RankRun right = execute_ranks(c, inputs, *find_implementation("correct"), options);
+  for (std::size_t k = 0; k < right.outputs.size(); ++k) {
+    CHECK(wrong.outputs[k].token_values == right.outputs[k].token_values);
+    CHECK(wrong.outputs[k].token_loss == right.outputs[k].token_loss);
+    CHECK(wrong.outputs[k].grad == right.outputs[k].grad);
+  }
 }
 
 TEST_CASE("each policy bug is caught where its signal says, and passes where it cannot show") {

@@ -51,6 +51,16 @@ std::vector<Implementation> layout_catalogue() {
   v.push_back(bug("ga-microbatch-mean", "each micro-batch divided by its own valid count and by GA",
                   "pytorch/torchtitan issue #1842", "token weight 1/(GA N_k) instead of 1/N_v", {"loss", "grad"}, any,
                   with([](BugSwitches& b) { b.ga_microbatch_mean = true; })));
+  v.push_back(bug(
+      "microbatch-local-mean",
+      "each rank's micro-batch aggregated with its own counts (its valid tokens; a policy loss's sequences and their "
+      "tokens there), divided by GA; gradients then averaged over DP x CP",
+      "the PyTorch DDP loop (F.cross_entropy(reduction=\"mean\") / GA); NVIDIA/Megatron-LM's default, not per-token, "
+      "loss mode at d98e8a64 (pretrain_gpt.py loss_func, forward_step_calc_loss; its MTP loss too); volcengine/verl's "
+      "legacy Megatron actor at b178a3cd (agg_loss's local normalisation, the schedule dividing by K); TRL's bnpo",
+      "token weight 1/(DP CP GA n(r,k)) instead of 1/N_v: wrong when ranks or micro-batches hold unequal counts "
+      "(= dp-local-mean at GA = 1)",
+      {"loss", "grad"}, any, with([](BugSwitches& b) { b.microbatch_local_mean = true; })));
   // A layout bug under its policy-era name (golden/ keys on it): AReaL's loss_multiplier lacked the
   // micro-batch count that Megatron's schedule divides by, for its SFT loss as for its policy loss.
   v.push_back(bug("rl-schedule-double-divide",

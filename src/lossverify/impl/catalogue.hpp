@@ -39,6 +39,7 @@ struct BugSwitches {
   bool dp_local_mean = false;           // each rank divides by its own valid count
   bool mtp_local_count_ratio = false;   // MTP per-token weights from local main/MTP count ratios
   bool ga_microbatch_mean = false;      // each micro-batch divided by its own count and by GA
+  bool microbatch_local_mean = false;   // each rank's micro-batch divided by its own local count and by GA
   bool schedule_double_divide = false;  // the backward divided by GA once more (every gradient / GA)
   bool cp_duplicated_loss = false;      // every CP rank back-propagates the full loss
   bool cp_stats_dp_only = false;        // token-count statistics reduced over DP only

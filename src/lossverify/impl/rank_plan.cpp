@@ -129,6 +129,7 @@ void RankPlan::plan_weights(const RankAssignment& assignment, RankGroups& groups
   }
   std::int64_t rank_valid = 0;
   for (std::size_t k = 0; k < ga; ++k) rank_valid += counts[k];
+  const std::vector<std::int64_t> local_valid(counts.begin(), counts.begin() + static_cast<std::ptrdiff_t>(ga));
   groups.batch.allreduce_sum(std::span<std::int64_t>(counts));
   std::int64_t valid_total = 0;
   std::int64_t rows_total = 0;
@@ -173,6 +174,11 @@ void RankPlan::plan_weights(const RankAssignment& assignment, RankGroups& groups
         if (bugs_.mean_over_all_rows) forward = 1.0 / static_cast<double>(rows_total);
         if (bugs_.ga_microbatch_mean) forward = 1.0 / (static_cast<double>(layout.ga) * static_cast<double>(counts[k]));
         if (bugs_.dp_local_mean) forward = 1.0 / (data_ranks * static_cast<double>(rank_valid));
+        if (bugs_.microbatch_local_mean) {
+          // this rank's micro-batch over its own valid count, divided by GA; the ranks' losses averaged
+          forward = 1.0 / (data_ranks * static_cast<double>(layout.ga) *
+                           static_cast<double>(std::max<std::int64_t>(local_valid[k], 1)));
+        }
         if (bugs_.mtp_local_count_ratio) forward = mtp_weights[k];
       } else if (reduction == Reduction::none) {
         forward = inputs_.upstream_weight(token);
@@ -183,6 +189,13 @@ void RankPlan::plan_weights(const RankAssignment& assignment, RankGroups& groups
         // the rank's own mean, then the framework's DP x CP average: 1/(R N_r) after averaging
         backward = (1.0 / static_cast<double>(rank_valid)) *
                    (case_.framework.ga_reduce == FrameworkSpec::GaReduce::mean ? layout.ga : 1.0);
+      }
+      if (bugs_.microbatch_local_mean &&
+          (kind_weights ? kind_plan_.rank_local_weights : reduction == Reduction::mean)) {
+        // the rank's own gradient, 1/(GA n(r,k)) for a mean, whatever the framework then does with it (as
+        // dp-local-mean): DP x CP averaging makes it the forward weight
+        backward = forward * data_ranks *
+                   (case_.framework.ga_reduce == FrameworkSpec::GaReduce::mean ? static_cast<double>(layout.ga) : 1.0);
       }
       if (reduction == Reduction::none && bugs_.none_divides_grad) {
         backward = inputs_.upstream_weight(token) / static_cast<double>(rows_total) / scale;

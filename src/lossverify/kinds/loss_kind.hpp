@@ -168,6 +168,11 @@ struct KindRowPlan {
   std::vector<float> row_inputs;
   // The step's number of sequences, for a kind whose kernels reduce per sequence (sized alike on every rank).
   std::int64_t sequences = 0;
+  // weights are each rank's own means (microbatch-local-mean): the backward weight is the rank's local
+  // gradient, reduced by the framework, not forward / gradient scale.
+  bool rank_local_weights = false;
+  // Per local row, its weight in the kind's logged token statistics where it is not 1 / N (empty: 1 / N).
+  std::vector<double> statistic_weights;
 };
 
 class LossKind {

@@ -88,6 +88,26 @@ std::vector<Implementation> policy_catalogue() {
       "grad fail at cp > 1 with ratio sequence (the clip fraction only where a chunk's ratio crosses an edge); "
       "passes at cp = 1",
       {"loss", "grad"}, mine, bit(policy_bug::gspo_cp_local_ratio)));
+  v.push_back(catalogued_bug(
+      "rl-logprob-16bit",
+      "the trainer's log-prob pass in the logits' 16-bit dtype: x / T rounded, log_softmax, logsumexp, softmax and "
+      "sum p x each returning 16-bit values",
+      "volcengine/verl b178a3cd verl/utils/torch_functional.py (logprobs_from_logits_v2's non-float32 branch, "
+      "entropy_from_logits) from dp_actor.py; NovaSky-AI/SkyRL a9564572 utils/torch_utils.py:158-176 and "
+      "workers/model_wrapper.py:334 (logits.div_(temperature)); huggingface/trl f2cd5771 trl/trainer/utils.py "
+      "selective_log_softmax, entropy_from_logits (506-518)",
+      "lambda = round16((x_y - M) - log S) of x = round16(z / T), H = round16(round16(lse) - round16(sum p x)): "
+      "log-prob, entropy, loss and (through the ratio) grad fail on bf16/fp16 logits; passes on fp32",
+      {"entropy", "grad", "logprob", "loss", "stats"}, mine, bit(policy_bug::logprob_16bit)));
+  v.push_back(catalogued_bug(
+      "rl-stats-microbatch-mean",
+      "the logged clip fraction, dual-clip fraction, KL and entropy each a micro-batch's token mean, averaged over the "
+      "micro-batches and the DP ranks",
+      "huggingface/trl GRPOTrainer._compute_loss at f2cd5771 (its metrics: per-micro-batch masked means, gathered "
+      "and averaged)",
+      "each token's statistic weighs 1/(DP GA n(dp,k)) instead of 1/N: stats fail when micro-batches hold unequal "
+      "token counts; loss and grad exact",
+      {"stats"}, mine, bit(policy_bug::stats_microbatch_mean)));
   return v;
 }
 

@@ -21,26 +21,12 @@ class CpuPolicyShard final : public PolicyShard {
   explicit CpuPolicyShard(const CpuMicroBatch& mb) : mb_(mb), width_(mb.work.size()) {}
 
   // m = max_v x_v / T and its column, then S and E relative to m, and the target's u.
-  void local_stats(float inverse_t, std::span<float> stats) override {
-    for_active_rows([&](std::int64_t i) {
-      const T* x = logits(i);
-      float m = -std::numeric_limits<float>::infinity();
-      std::int64_t at = 0;
-      for (std::int64_t v = 0; v < width_; ++v) {
-        const float u = static_cast<float>(x[v]) * inverse_t;
-        if (u > m) m = u, at = v;
-      }
-      float* s = &stats[static_cast<std::size_t>(i) * PolicyLocalStats::kFloats];
-      s[0] = m;
-      s[1] = lane_sum(width_, [&](std::int64_t v) { return std::exp(static_cast<float>(x[v]) * inverse_t - m); });
-      s[2] = lane_sum(width_, [&](std::int64_t v) {
-        const float u = static_cast<float>(x[v]) * inverse_t - m;
-        return std::exp(u) * u;
-      });
-      const std::int64_t y = mb_.plan.row(mb_.begin + i).label - mb_.work.begin;
-      s[3] = y >= 0 && y < width_ ? static_cast<float>(x[y]) * inverse_t - m : 0.0f;
-      s[4] = static_cast<float>(at);
-    });
+  void local_stats(float inverse_t, bool round_scaled, std::span<float> stats) override {
+    if (round_scaled) {
+      stats_of(stats, [inverse_t](T x) { return static_cast<float>(T(static_cast<float>(x) * inverse_t)); });
+    } else {
+      stats_of(stats, [inverse_t](T x) { return static_cast<float>(x) * inverse_t; });
+    }
   }
 
   void gradient(float inverse_t, std::span<const float> rows) override {
@@ -69,6 +55,28 @@ class CpuPolicyShard final : public PolicyShard {
       beat_row(mb_.beacon, i);
       if (mb_.plan.row(mb_.begin + i).active) f(i);
     }
+  }
+  template <class Scaled>
+  void stats_of(std::span<float> stats, Scaled scaled) {
+    for_active_rows([&](std::int64_t i) {
+      const T* x = logits(i);
+      float m = -std::numeric_limits<float>::infinity();
+      std::int64_t at = 0;
+      for (std::int64_t v = 0; v < width_; ++v) {
+        const float u = scaled(x[v]);
+        if (u > m) m = u, at = v;
+      }
+      float* s = &stats[static_cast<std::size_t>(i) * PolicyLocalStats::kFloats];
+      s[0] = m;
+      s[1] = lane_sum(width_, [&](std::int64_t v) { return std::exp(scaled(x[v]) - m); });
+      s[2] = lane_sum(width_, [&](std::int64_t v) {
+        const float u = scaled(x[v]) - m;
+        return std::exp(u) * u;
+      });
+      const std::int64_t y = mb_.plan.row(mb_.begin + i).label - mb_.work.begin;
+      s[3] = y >= 0 && y < width_ ? scaled(x[y]) - m : 0.0f;
+      s[4] = static_cast<float>(at);
+    });
   }
   const T* logits(std::int64_t i) const { return reinterpret_cast<const T*>(mb_.logits) + (mb_.begin + i) * width_; }
 

@@ -20,8 +20,9 @@ class CudaPolicyShard final : public PolicyShard {
   CudaPolicyShard(StorageType type, const PolicyKernelArgs& args, cudaStream_t stream)
       : type_(type), args_(args), stream_(stream) {}
 
-  void local_stats(float inverse_t, std::span<float> stats) override {
+  void local_stats(float inverse_t, bool round_scaled, std::span<float> stats) override {
     args_.inverse_temperature = inverse_t;
+    args_.round_scaled = round_scaled ? 1 : 0;
     DeviceBytes d_stats(stats.size() * sizeof(float));
     policy_local_stats(type_, args_, d_stats.as<float>(), stream_);
     LV_CUDA(cudaGetLastError());

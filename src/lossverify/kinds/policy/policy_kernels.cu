@@ -127,6 +127,17 @@ __device__ Online block_merge(Online o) {
   return total;
 }
 
+// x / T, rounded to the storage type under rl-logprob-16bit (as logits.div_(T) on 16-bit logits).
+template <class T>
+__device__ __forceinline__ float scaled(float x, const PolicyKernelArgs& a) {
+  const float u = x * a.inverse_temperature;
+  if constexpr (std::is_same_v<T, float>) {
+    return u;
+  } else {
+    return a.round_scaled ? widen<T>(narrow<T>(u)) : u;
+  }
+}
+
 template <class T>
 __global__ void __launch_bounds__(kThreads) stats_kernel(PolicyKernelArgs a, float* out, bool vectorized) {
   const T* xs = static_cast<const T*>(a.logits);
@@ -149,7 +160,7 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(PolicyKernelArgs a, flo
         int at = 0;
 #pragma unroll
         for (int k = 0; k < kCount; ++k) {
-          u[k] *= a.inverse_temperature;
+          u[k] = scaled<T>(u[k], a);
           if (u[k] > vm) vm = u[k], at = k;
         }
         if (vm > mine.m) mine.raise(vm, static_cast<int>(j * kCount + at));
@@ -158,7 +169,7 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(PolicyKernelArgs a, flo
       }
     } else {
       for (std::int64_t c = threadIdx.x; c < a.cols; c += blockDim.x) {
-        const float u = widen<T>(x[c]) * a.inverse_temperature;
+        const float u = scaled<T>(widen<T>(x[c]), a);
         if (u > mine.m) mine.raise(u, static_cast<int>(c));
         mine.add(u);
       }
@@ -169,7 +180,7 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(PolicyKernelArgs a, flo
       o[0] = total.m;
       o[1] = total.s;
       o[2] = total.e;
-      o[3] = y >= 0 ? widen<T>(x[y]) * a.inverse_temperature - total.m : 0.0f;
+      o[3] = y >= 0 ? scaled<T>(widen<T>(x[y]), a) - total.m : 0.0f;
       o[4] = static_cast<float>(total.arg);
     }
   }

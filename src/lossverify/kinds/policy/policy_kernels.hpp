@@ -14,6 +14,7 @@ struct PolicyKernelArgs {
   const int* active = nullptr;           // per row
   const std::int64_t* target = nullptr;  // per row: the label's local column, -1 where the shard holds none
   float inverse_temperature = 1.0f;
+  int round_scaled = 0;  // statistics of x / T rounded to the storage type (rl-logprob-16bit)
 };
 
 // PolicyLocalStats::kFloats floats per row into `stats` (device memory); inactive rows get zeros.

@@ -24,6 +24,8 @@ inline constexpr std::uint64_t fused_vocab_pad = 1u << 10;
 inline constexpr std::uint64_t kl_no_grad = 1u << 11;
 inline constexpr std::uint64_t gspo_cp_local_ratio = 1u << 12;
 inline constexpr std::uint64_t logsoftmax_untracked_allreduce = 1u << 13;
+inline constexpr std::uint64_t stats_microbatch_mean = 1u << 14;
+inline constexpr std::uint64_t logprob_16bit = 1u << 15;
 }  // namespace policy_bug
 
 // Per local row, the kernels' inputs in KindRowPlan::row_inputs: old and reference log-probability, the

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "lossverify/comm/rank_groups.hpp"
+#include "lossverify/core/dtype.hpp"
 #include "lossverify/impl/catalogue.hpp"
 #include "lossverify/impl/rank_plan.hpp"
 #include "lossverify/kinds/policy/policy_math.hpp"
@@ -39,19 +40,25 @@ class Protocol {
         bugs_(mb.bugs.kind_switches),
         inverse_t_(has(policy_bug::temperature_one_side) ? 1.0f : static_cast<float>(1.0 / o_.temperature)),
         n_(static_cast<std::size_t>(mb.n)),
+        dtype_(mb.c.inputs.dtype),
+        rounded_(has(policy_bug::logprob_16bit) && dtype_ != DType::fp32),
         local_(n_ * PolicyLocalStats::kFloats, 0.0f),
         max_(n_, -INFINITY),
         sums_(3 * n_, 0.0f),
         own_(2 * n_, 0.0f) {}
 
   void run() {
-    shard_.local_stats(inverse_t_, local_);
-    for (std::size_t i = 0; i < n_; ++i) {
-      if (active(i)) max_[i] = local(i).max;
+    shard_.local_stats(inverse_t_, false, local_);
+    reduce_stats(local_, max_, sums_, &own_);
+    if (rounded_) {
+      // rl-logprob-16bit: the same statistics of x / T rounded to the logits' dtype, for the log-prob and the
+      // entropy; the gradient keeps the float32 ones.
+      local16_.assign(n_ * PolicyLocalStats::kFloats, 0.0f);
+      max16_.assign(n_, -INFINITY);
+      sums16_.assign(3 * n_, 0.0f);
+      shard_.local_stats(inverse_t_, true, local16_);
+      reduce_stats(local16_, max16_, sums16_, nullptr);
     }
-    if (mb_.groups.tp.size() > 1) mb_.groups.tp.allreduce_max(std::span<float>(max_));
-    rescale();
-    if (mb_.groups.tp.size() > 1) mb_.groups.tp.allreduce_sum(std::span<float>(sums_));
     if (sequence_ratio()) sequence_ratios();
     std::vector<float> grad_rows(n_ * PolicyGradRow::kFloats, 0.0f);
     for (std::size_t i = 0; i < n_; ++i) {
@@ -68,42 +75,66 @@ class Protocol {
   bool has(std::uint64_t bug) const { return (bugs_ & bug) != 0; }
   const RowPlan& plan(std::size_t i) const { return mb_.plan.row(mb_.begin + static_cast<std::int64_t>(i)); }
   bool active(std::size_t i) const { return plan(i).active; }
-  PolicyLocalStats local(std::size_t i) const {
-    const float* s = &local_[i * PolicyLocalStats::kFloats];
+  PolicyLocalStats local(std::size_t i) const { return local_of(local_, i); }
+  static PolicyLocalStats local_of(const std::vector<float>& stats, std::size_t i) {
+    const float* s = &stats[i * PolicyLocalStats::kFloats];
     return {s[0], s[1], s[2], s[3], s[4]};
   }
+  // To the case's 16-bit dtype (round to nearest even), back in float32.
+  float round16(float v) const { return static_cast<float>(round_to_dtype(static_cast<double>(v), dtype_)); }
   std::int64_t local_target(std::size_t i) const { return plan(i).label - mb_.work.begin; }
   bool owner(std::size_t i) const { return local_target(i) >= 0 && local_target(i) < mb_.work.size(); }
 
-  // Each shard's sums relative to the group's maximum M, packed [S | E | x_y / T - M] for the all-reduce;
-  // under rl-fused-vocab-pad each shard's zero pad columns join the sums.
-  void rescale() {
+  // The group's maximum M, then each shard's sums relative to it, packed [S | E | x_y / T - M] and
+  // all-reduced; under rl-fused-vocab-pad each shard's zero pad columns join the sums. own: this shard's
+  // [S | E] alone.
+  void reduce_stats(const std::vector<float>& local_stats, std::vector<float>& max, std::vector<float>& sums,
+                    std::vector<float>* own) {
+    for (std::size_t i = 0; i < n_; ++i) {
+      if (active(i)) max[i] = local_of(local_stats, i).max;
+    }
+    if (mb_.groups.tp.size() > 1) mb_.groups.tp.allreduce_max(std::span<float>(max));
     const float pad = has(policy_bug::fused_vocab_pad) ? pad_columns(mb_.work.size()) : 0.0f;
     for (std::size_t i = 0; i < n_; ++i) {
       if (!active(i)) continue;
-      const PolicyLocalStats s = local(i);
-      const float shift = s.max - max_[i];  // <= 0
+      const PolicyLocalStats s = local_of(local_stats, i);
+      const float shift = s.max - max[i];  // <= 0
       const float f = std::exp(shift);
       float sum = s.sum_exp * f;
       float sum_u = f * (s.sum_exp_u + shift * s.sum_exp);
       if (pad > 0.0f) {
-        const float e = std::exp(-max_[i]);
+        const float e = std::exp(-max[i]);
         sum += pad * e;
-        sum_u += pad * e * -max_[i];
+        sum_u += pad * e * -max[i];
       }
-      sums_[i] = sum;
-      sums_[n_ + i] = sum_u;
-      own_[i] = sum;
-      own_[n_ + i] = sum_u;
-      if (owner(i)) sums_[2 * n_ + i] = s.target + shift;
+      sums[i] = sum;
+      sums[n_ + i] = sum_u;
+      if (own != nullptr) {
+        (*own)[i] = sum;
+        (*own)[n_ + i] = sum_u;
+      }
+      if (owner(i)) sums[2 * n_ + i] = s.target + shift;
     }
+    if (mb_.groups.tp.size() > 1) mb_.groups.tp.allreduce_sum(std::span<float>(sums));
   }
 
   bool sequence_ratio() const {
     return o_.ratio == PolicyOptions::Ratio::sequence && o_.objective == PolicyOptions::Objective::policy_loss;
   }
   float log_sum(std::size_t i) const { return std::log(sums_[i]); }
-  float logprob(std::size_t i) const { return sums_[2 * n_ + i] - log_sum(i); }
+  // Under rl-logprob-16bit, log_softmax on 16-bit x / T: float32 inside, the output rounded,
+  // round16((x_y - M) - log S) as torch's CUDA kernel computes it.
+  float logprob(std::size_t i) const {
+    if (rounded_) return round16(sums16_[2 * n_ + i] - std::log(sums16_[i]));
+    return sums_[2 * n_ + i] - log_sum(i);
+  }
+  // verl's and TRL's entropy_from_logits on 16-bit x / T: logsumexp(x) - sum(softmax(x) * x), each op's result
+  // rounded (sum_v p_v x_v = M + E / S).
+  float entropy16(std::size_t i) const {
+    const float s = sums16_[i];
+    const float lse = max16_[i] + std::log(s);
+    return round16(round16(lse) - round16(max16_[i] + sums16_[n_ + i] / s));
+  }
   const float* inputs(std::size_t i) const {
     const std::vector<float>& in = mb_.plan.kind_plan().row_inputs;
     return in.empty() ? nullptr : &in[(static_cast<std::size_t>(mb_.begin) + i) * kPolicyRowInputs];
@@ -155,7 +186,8 @@ class Protocol {
     const float s = sums_[i];
     const float log_s = log_sum(i);
     const float logprob = this->logprob(i);
-    const float entropy = log_s - sums_[n_ + i] / s;
+    const float float32_entropy = log_s - sums_[n_ + i] / s;
+    const float entropy = rounded_ ? entropy16(i) : float32_entropy;  // the value; the gradient keeps float32's
     const float* in = inputs(i);
     const bool by_sequence = sequence_ratio() && p.valid;
     PolicyTerms<float> t = in == nullptr ? policy_terms(logprob, logprob, 0.0f, 0.0f, k_)
@@ -171,7 +203,12 @@ class Protocol {
     mb_.token_values[2 * row] = logprob;
     mb_.token_values[2 * row + 1] = entropy;
     if (p.valid) {
-      const double inverse_n = 1.0 / static_cast<double>(std::max<std::int64_t>(mb_.plan.logged_valid_tokens(), 1));
+      // rl-stats-microbatch-mean plans each row's own statistic weight
+      const std::vector<double>& statistic_weights = mb_.plan.kind_plan().statistic_weights;
+      const double inverse_n =
+          statistic_weights.empty()
+              ? 1.0 / static_cast<double>(std::max<std::int64_t>(mb_.plan.logged_valid_tokens(), 1))
+              : statistic_weights[row];
       mb_.logged_stats[0] += (t.clipped ? 1.0 : 0.0) * inverse_n;
       mb_.logged_stats[1] += (t.dual_clipped ? 1.0 : 0.0) * inverse_n;
       mb_.logged_stats[2] += static_cast<double>(cp_factor * t.kl) * inverse_n;
@@ -184,7 +221,7 @@ class Protocol {
     g.a = t.surrogate_slope + kl_slope;
     if (has(policy_bug::logprob_allgather_grad_sum)) g.a *= static_cast<float>(mb_.groups.tp.size());
     g.c = cp_factor * k_.entropy_coef;
-    g.shift = entropy;
+    g.shift = float32_entropy;
     g.scale = p.backward_weight * inverse_t_;
     g.target = owner(i) ? static_cast<float>(local_target(i)) : -1.0f;
     // This shard's mass P_r and its part of H, H_r: what the untracked all-reduces' backward sees.
@@ -215,7 +252,10 @@ class Protocol {
   const std::uint64_t bugs_;
   const float inverse_t_;
   const std::size_t n_;
-  std::vector<float> local_;
+  const DType dtype_;
+  const bool rounded_;  // rl-logprob-16bit on 16-bit logits
+  std::vector<float> local_, local16_;
+  std::vector<float> max16_, sums16_;  // rl-logprob-16bit: M and [S | E | x_y / T - M] of the rounded x / T
   std::vector<float> max_;
   std::vector<float> sums_;  // [S | E | x_y / T - M], all-reduced over TP
   std::vector<float> own_;   // [S | E] of this shard alone, relative to M

@@ -38,8 +38,9 @@ class PolicyShard {
  public:
   virtual ~PolicyShard() = default;
   // Each active row's local statistics (PolicyLocalStats::kFloats floats per row of the micro-batch). The
-  // shard reads x / T with inverse_temperature, which the protocol decides.
-  virtual void local_stats(float inverse_temperature, std::span<float> stats) = 0;
+  // shard reads x / T with inverse_temperature, which the protocol decides; with round_scaled each x / T is
+  // rounded to the logits' storage dtype first (rl-logprob-16bit: logits.div_(T) on 16-bit logits).
+  virtual void local_stats(float inverse_temperature, bool round_scaled, std::span<float> stats) = 0;
   // The gradient of every active row's local columns (PolicyGradRow::kFloats floats per row).
   virtual void gradient(float inverse_temperature, std::span<const float> rows) = 0;
 };

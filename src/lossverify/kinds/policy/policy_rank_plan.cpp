@@ -3,6 +3,7 @@
 // and each row's old and reference log-probabilities and whitened advantage.
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <set>
 #include <span>
 #include <vector>
@@ -118,6 +119,67 @@ std::vector<double> row_weights(const RowPlanRequest& q, const PolicyOptions& o,
   return w;
 }
 
+// microbatch-local-mean: each rank's micro-batch aggregated with its own counts (its valid rows, its
+// sequences B_k with valid rows there and each one's n_s within it), divided by GA, the ranks' results averaged
+// over DP x CP. token-sum has no count: it keeps its weight (as a reduction sum does).
+std::vector<double> rank_local_weights(const RowPlanRequest& q, const PolicyOptions& o, std::vector<double> w) {
+  const auto& offsets = q.assignment.micro_batch_begin;
+  const std::size_t ga = offsets.size() - 1;
+  const double divisor = static_cast<double>(q.c.layout.dp) * q.c.layout.cp * static_cast<double>(ga);
+  for (std::size_t k = 0; k < ga; ++k) {
+    std::map<std::int64_t, std::int64_t> own;  // sequence -> its valid rows in this micro-batch on this rank
+    std::int64_t tokens = 0;
+    for (std::int64_t i = offsets[k]; i < offsets[k + 1]; ++i) {
+      const auto row = static_cast<std::size_t>(i);
+      if (!q.valid[row]) continue;
+      ++own[q.assignment.rows[row].sequence];
+      ++tokens;
+    }
+    const auto b_k = static_cast<double>(own.size());
+    for (std::int64_t i = offsets[k]; i < offsets[k + 1]; ++i) {
+      const auto row = static_cast<std::size_t>(i);
+      if (!q.valid[row]) continue;
+      const auto n_s = static_cast<double>(own[q.assignment.rows[row].sequence]);
+      switch (o.aggregation) {
+        case Aggregation::token_mean:
+          w[row] = 1.0 / (static_cast<double>(tokens) * divisor);
+          break;
+        case Aggregation::token_sum:
+          break;
+        case Aggregation::seq_mean_token_sum:
+          w[row] = 1.0 / (b_k * divisor);
+          break;
+        case Aggregation::seq_mean_token_mean:
+          w[row] = 1.0 / (b_k * n_s * divisor);
+          break;
+        case Aggregation::seq_mean_token_sum_norm:
+          w[row] = 1.0 / (b_k * o.norm_constant * divisor);
+          break;
+      }
+    }
+  }
+  return w;
+}
+
+// rl-stats-microbatch-mean: each logged token statistic a token mean over its DP rank's micro-batch (its
+// valid rows over the CP group), averaged over the micro-batches and the DP ranks.
+std::vector<double> microbatch_statistic_weights(const RowPlanRequest& q,
+                                                 const std::vector<std::int64_t>& per_sequence) {
+  const MicroBatchCounts m = micro_batch_counts(q, per_sequence);
+  const auto& offsets = q.assignment.micro_batch_begin;
+  const std::size_t ga = offsets.size() - 1;
+  const int dp = q.assignment.coordinates.dp;
+  const double divisor = static_cast<double>(q.c.layout.dp) * static_cast<double>(ga);
+  std::vector<double> w(q.assignment.rows.size(), 0.0);
+  for (std::size_t k = 0; k < ga; ++k) {
+    const auto tokens = static_cast<double>(std::max<std::int64_t>(m.at(m.tokens, dp, k, ga), 1));
+    for (std::int64_t i = offsets[k]; i < offsets[k + 1]; ++i) {
+      if (q.valid[static_cast<std::size_t>(i)]) w[static_cast<std::size_t>(i)] = 1.0 / (tokens * divisor);
+    }
+  }
+  return w;
+}
+
 // Old and reference log-probabilities and the advantage of every valid row, the advantage whitened over the
 // step's valid tokens (DP x CP; DP only under adv-whiten-dp-only) with the unbiased deviation.
 std::vector<float> row_inputs(const RowPlanRequest& q, const PolicyOptions& o) {
@@ -156,8 +218,17 @@ KindRowPlan plan_policy_rows(const RowPlanRequest& q) {
   const std::vector<std::int64_t> per_sequence = sequence_counts(q);
   KindRowPlan plan;
   std::vector<double> weights = row_weights(q, o, per_sequence);
+  if (q.bugs.microbatch_local_mean) {
+    weights = rank_local_weights(q, o, std::move(weights));
+    plan.rank_local_weights = o.aggregation != Aggregation::token_sum;
+  }
   const std::uint64_t weight_bugs = policy_bug::token_mean_sample_weighted | policy_bug::microbatch_self_normalized;
-  if (o.sequence_mean() || (q.bugs.kind_switches & weight_bugs) != 0) plan.weights = std::move(weights);
+  if (o.sequence_mean() || q.bugs.microbatch_local_mean || (q.bugs.kind_switches & weight_bugs) != 0) {
+    plan.weights = std::move(weights);
+  }
+  if ((q.bugs.kind_switches & policy_bug::stats_microbatch_mean) != 0) {
+    plan.statistic_weights = microbatch_statistic_weights(q, per_sequence);
+  }
   if (o.objective == PolicyOptions::Objective::policy_loss) plan.row_inputs = row_inputs(q, o);
   plan.sequences = static_cast<std::int64_t>(per_sequence.size());
   return plan;
