@@ -17,7 +17,7 @@ from lv_frameworks import Run, adapt, checkout, cross_entropy_cases, git_commit
 NAME = "Megatron-LM"
 # Catalogued bugs a failure is compared with (judge.py: same failing checks, same loss margin).
 EXPLANATIONS = ["smoothing-partition-vocab", "smoothing-log-after-exp", "full-vocab-through-tp", "mtp-local-count-ratio",
-                "dp-local-mean"]
+                "dp-local-mean", "microbatch-local-mean"]
 _function = None
 _tp_group = {"group": None}  # the current run's TP group, for the stubbed parallel_state
 

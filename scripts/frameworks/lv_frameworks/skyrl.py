@@ -35,7 +35,7 @@ from lv_frameworks.single_gpu import package_shell
 
 NAME = "SkyRL"
 EXPLANATIONS = ["rl-token-mean-sample-weighted", "rl-kl-no-grad", "rl-cp-extra-scale", "rl-temperature-one-side",
-                "rl-microbatch-self-normalized", "dp-local-mean"]
+                "rl-microbatch-self-normalized", "dp-local-mean", "rl-logprob-16bit"]
 ROOT = "skyrl/backends/skyrl_train"
 _modules = {}
 # lossverify's aggregation -> SkyRL's loss_reduction

@@ -12,7 +12,7 @@ from lossverify.torch import Reduced
 from lv_frameworks import Run, adapt, cross_entropy_cases
 
 NAME = "PyTorch"
-EXPLANATIONS = ["dp-local-mean", "ga-microbatch-mean"]
+EXPLANATIONS = ["dp-local-mean", "ga-microbatch-mean", "microbatch-local-mean"]
 
 
 def _cross_entropy(logits, labels, ctx, reduction):

@@ -41,7 +41,8 @@ from lv_frameworks.single_gpu import package_shell
 
 NAME = "TRL"
 EXPLANATIONS = ["dp-local-mean", "rl-token-mean-sample-weighted", "rl-microbatch-self-normalized",
-                "rl-schedule-double-divide", "rl-temperature-one-side", "ga-microbatch-mean"]
+                "rl-schedule-double-divide", "rl-temperature-one-side", "ga-microbatch-mean",
+                "microbatch-local-mean", "rl-stats-microbatch-mean", "rl-logprob-16bit"]
 # third-party packages grpo_trainer.py and trl/trainer/utils.py import for anything but the loss: replaced by
 # placeholders only where they are not installed
 OPTIONAL = {"transformers", "accelerate", "datasets", "pandas", "huggingface_hub", "packaging", "peft", "rich",
