@@ -20,6 +20,7 @@ Gradients: in per-token mode they are summed over DP x CP and finalize_model_gra
 main-loss token count (applied through MTPLossAutoScaler's scale, which the schedule sets to 1 in this mode);
 in the default mode DDP averages them over DP x CP and the schedule's scale is used as it is.
 """
+import importlib
 import importlib.abc
 import inspect
 import importlib.machinery
@@ -99,12 +100,7 @@ def _load():
         core = os.path.join(checkout(), "megatron", "core")
         megatron._package("megatron.core.transformer", os.path.join(core, "transformer"))
         megatron._package("megatron.core.pipeline_parallel", os.path.join(core, "pipeline_parallel"))
-        sys.meta_path.insert(0, _Placeholders())
-        try:
-            import megatron.core.transformer.multi_token_prediction as mtp
-        finally:
-            sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _Placeholders)]
-        _module = mtp
+        _module = _import_with_placeholders(TARGET)
     return _module
 
 
@@ -113,13 +109,17 @@ def _schedule():
     global _schedules
     if _schedules is None:
         _load()
-        sys.meta_path.insert(0, _Placeholders())
-        try:
-            import megatron.core.pipeline_parallel.schedules as schedules
-        finally:
-            sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _Placeholders)]
-        _schedules = schedules
+        _schedules = _import_with_placeholders(SCHEDULES)
     return _schedules
+
+
+def _import_with_placeholders(name):
+    """The checkout's module `name`, every other megatron module it imports resolved to a placeholder."""
+    sys.meta_path.insert(0, _Placeholders())
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _Placeholders)]
 
 
 def _placeholder_attribute(name):
