@@ -462,7 +462,7 @@ TEST_CASE("microbatch-local-mean: each aggregation mode with the rank's micro-ba
   }
 }
 
-TEST_CASE("rl-stats-microbatch-mean: each statistic the mean over DP ranks and micro-batches of their token means") {
+TEST_CASE("rl-stats-microbatch-mean: each statistic the mean over micro-batches of their token means over DP") {
   // From the definitions, on the correct run's per-token log-probabilities and entropies and the generated
   // inputs (no whitening, so the advantages are the generated ones): clipped where -clip(rho) A > -rho A,
   // dual-clipped where A < 0 and the surrogate exceeds -c A, k3 KL e^(r - lambda) - (r - lambda) - 1.
@@ -475,12 +475,13 @@ TEST_CASE("rl-stats-microbatch-mean: each statistic the mean over DP ranks and m
   const RankRun right = execute_ranks(c, inputs, *find_implementation("correct"), options);
   const RankRun wrong = execute_ranks(c, inputs, *find_implementation("rl-stats-microbatch-mean"), options);
   std::array<double, 4> expected{}, global{};
+  std::array<std::array<double, 4>, 2> sums{};  // per micro-batch k, over the DP ranks
+  std::array<std::int64_t, 2> n{};
   std::int64_t n_total = 0;
   for (const RankOutput& out : right.outputs) {
     const auto& begin = out.assignment.micro_batch_begin;
+    REQUIRE(begin.size() == 3);
     for (std::size_t k = 0; k + 1 < begin.size(); ++k) {
-      std::array<double, 4> sums{};
-      std::int64_t n = 0;
       for (std::int64_t i = begin[k]; i < begin[k + 1]; ++i) {
         const std::int64_t token = out.token_of(i);
         if (token < 0 || !inputs.is_valid(token)) continue;
@@ -495,13 +496,15 @@ TEST_CASE("rl-stats-microbatch-mean: each statistic the mean over DP ranks and m
         const bool dual = a < 0.0 && surrogate > -3.0 * a;
         const double d = logprob - in.ref_logprob;
         const std::array<double, 4> token_stats{clipped ? 1.0 : 0.0, dual ? 1.0 : 0.0, std::exp(-d) + d - 1.0, entropy};
-        for (std::size_t q = 0; q < 4; ++q) sums[q] += token_stats[q], global[q] += token_stats[q];
-        ++n;
+        for (std::size_t q = 0; q < 4; ++q) sums[k][q] += token_stats[q], global[q] += token_stats[q];
+        ++n[k];
+        ++n_total;
       }
-      REQUIRE(n > 0);
-      n_total += n;
-      for (std::size_t q = 0; q < 4; ++q) expected[q] += sums[q] / static_cast<double>(n) / 4.0;  // DP GA = 4
     }
+  }
+  for (std::size_t k = 0; k < 2; ++k) {
+    REQUIRE(n[k] > 0);
+    for (std::size_t q = 0; q < 4; ++q) expected[q] += sums[k][q] / static_cast<double>(n[k]) / 2.0;  // GA = 2
   }
   for (std::size_t q = 0; q < 4; ++q) {
     CAPTURE(q);

@@ -101,12 +101,12 @@ std::vector<Implementation> policy_catalogue() {
       {"entropy", "grad", "logprob", "loss", "stats"}, mine, bit(policy_bug::logprob_16bit)));
   v.push_back(catalogued_bug(
       "rl-stats-microbatch-mean",
-      "the logged clip fraction, dual-clip fraction, KL and entropy each a micro-batch's token mean, averaged over the "
-      "micro-batches and the DP ranks",
-      "huggingface/trl GRPOTrainer._compute_loss at f2cd5771 (its metrics: per-micro-batch masked means, gathered "
-      "and averaged)",
-      "each token's statistic weighs 1/(DP GA n(dp,k)) instead of 1/N: stats fail when micro-batches hold unequal "
-      "token counts; loss and grad exact",
+      "the logged clip fraction, dual-clip fraction, KL and entropy each a token mean over one micro-batch of every "
+      "rank, averaged over the micro-batches",
+      "huggingface/trl GRPOTrainer._compute_loss at f2cd5771 (grpo_trainer.py:3229-3249, global_masked_mean: each "
+      "micro-batch's sums and counts reduced over the processes; the Trainer's log averages the appended values)",
+      "each token's statistic weighs 1/(GA N_k), N_k the valid tokens of micro-batch k over DP x CP, instead of "
+      "1/N: stats fail when micro-batches hold unequal token counts; loss and grad exact",
       {"stats"}, mine, bit(policy_bug::stats_microbatch_mean)));
   return v;
 }

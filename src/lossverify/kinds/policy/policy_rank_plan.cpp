@@ -161,20 +161,20 @@ std::vector<double> rank_local_weights(const RowPlanRequest& q, const PolicyOpti
   return w;
 }
 
-// rl-stats-microbatch-mean: each logged token statistic a token mean over its DP rank's micro-batch (its
-// valid rows over the CP group), averaged over the micro-batches and the DP ranks.
+// rl-stats-microbatch-mean: each logged token statistic a token mean over micro-batch k of every rank
+// (its valid rows over DP x CP, N_k), the K micro-batches' means then averaged: weight 1/(K N_k).
 std::vector<double> microbatch_statistic_weights(const RowPlanRequest& q,
                                                  const std::vector<std::int64_t>& per_sequence) {
   const MicroBatchCounts m = micro_batch_counts(q, per_sequence);
   const auto& offsets = q.assignment.micro_batch_begin;
   const std::size_t ga = offsets.size() - 1;
-  const int dp = q.assignment.coordinates.dp;
-  const double divisor = static_cast<double>(q.c.layout.dp) * static_cast<double>(ga);
   std::vector<double> w(q.assignment.rows.size(), 0.0);
   for (std::size_t k = 0; k < ga; ++k) {
-    const auto tokens = static_cast<double>(std::max<std::int64_t>(m.at(m.tokens, dp, k, ga), 1));
+    std::int64_t step_tokens = 0;  // N_k
+    for (int dp = 0; dp < q.c.layout.dp; ++dp) step_tokens += m.at(m.tokens, dp, k, ga);
+    const double weight = 1.0 / (static_cast<double>(std::max<std::int64_t>(step_tokens, 1)) * static_cast<double>(ga));
     for (std::int64_t i = offsets[k]; i < offsets[k + 1]; ++i) {
-      if (q.valid[static_cast<std::size_t>(i)]) w[static_cast<std::size_t>(i)] = 1.0 / (tokens * divisor);
+      if (q.valid[static_cast<std::size_t>(i)]) w[static_cast<std::size_t>(i)] = weight;
     }
   }
   return w;
