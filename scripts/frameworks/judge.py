@@ -106,17 +106,28 @@ def _lossverify_run(run, bug):
 def _explain(run, row, bugs):
     """The catalogued bugs that account for the failure: each failing check is attributed to a bug whose
     lossverify kernel, on the same inputs, fails that check with the same margin (within 1%, or both
-    infinite). Returns "bug" or "bug + other bug" when every failing check is attributed, else None."""
+    infinite). Returns "bug" when one bug accounts for every failing check, else "bug + other bug" when every
+    failing check is attributed, else None."""
     margins_of = {}
     for bug in bugs:
         theirs = _lossverify_run(run, bug)
         if theirs is not None:  # "Infinity" in the JSON
             margins_of[bug] = {c["name"]: float(c["margin"]) for c in theirs["checks"] if c["verdict"] == "fail"}
+    mine_of = {check: row["margins"].get(check) for check in row["failing_checks"]}
+
+    def matches(margins, check):
+        mine = mine_of[check]
+        return check in margins and mine is not None and (
+            mine == margins[check] or abs(mine - margins[check]) <= 0.01 * abs(margins[check]))
+
+    # One bug that accounts for every failing check is the explanation, before any combination.
+    whole = next((bug for bug, margins in margins_of.items() if row["failing_checks"] and
+                  all(matches(margins, check) for check in row["failing_checks"])), None)
+    if whole is not None:
+        return whole
     used = []
     for check in row["failing_checks"]:
-        mine = row["margins"].get(check)
-        match = next((bug for bug, margins in margins_of.items() if check in margins and mine is not None and
-                      (mine == margins[check] or abs(mine - margins[check]) <= 0.01 * abs(margins[check]))), None)
+        match = next((bug for bug, margins in margins_of.items() if matches(margins, check)), None)
         if match is None:
             return None
         if match not in used:

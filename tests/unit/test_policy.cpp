@@ -18,39 +18,18 @@
 #include "lossverify/kinds/policy/policy_inputs.hpp"
 #include "lossverify/reference/loss_reference.hpp"
 #include "lossverify/runner/run_case.hpp"
+#include "policy_support.hpp"
 #include "test_support.hpp"
 
 using namespace lossverify;
+using testing::failing;
+using testing::gradients;
+using testing::policy_json;
+using testing::ratio_range;
+using testing::token_weights;
+using testing::TokenWeights;
 
 namespace {
-
-nlohmann::json policy_json(int tp, int cp, int dp, int ga) {
-  return {{"name", "policy"},
-          {"shape", {{"vocab", 200}}},
-          {"batch", {{"sequence_lengths", {21, 9, 30, 12, 17, 5}}}},
-          {"loss",
-           {{"kind", "policy"},
-            {"temperature", 0.7},
-            {"clip_low", 0.2},
-            {"clip_high", 0.28},
-            {"dual_clip", 3.0},
-            {"kl_penalty", "k3"},
-            {"kl_coef", 0.05},
-            {"entropy_coef", 0.01},
-            {"whiten_advantages", true}}},
-          {"inputs", {{"seed", 17}, {"scale", 2.0}, {"ignore_fraction", 0.2}}},
-          {"layout", {{"tp", tp}, {"cp", cp}, {"dp", dp}, {"ga", ga}}},
-          {"timeout_seconds", 60.0}};
-}
-
-std::vector<std::string> failing(const RunResult& r) {
-  std::vector<std::string> names;
-  for (const CheckResult& c : r.checks) {
-    if (c.verdict == Verdict::fail) names.push_back(c.name);
-  }
-  std::sort(names.begin(), names.end());
-  return names;
-}
 
 // The definitions in long double for one token: lambda, H, l and d l / d x, given the advantage after
 // whitening (computed here from the generated advantages, independently of the reference).
@@ -215,42 +194,6 @@ TEST_CASE("the correct policy implementation passes at every aggregation, dtype 
   CHECK(testing::run_with(testing::make_case(logprob), "correct").verdict == Verdict::pass);
 }
 
-namespace {
-
-// The effective gradients of an implementation, per (token, column), from its rank outputs.
-std::map<std::pair<std::int64_t, std::int64_t>, double> gradients(const Case& c, const std::string& impl) {
-  const InputSource inputs(c);
-  RunOptions options;
-  options.threads = 1;
-  const RankRun run = execute_ranks(c, inputs, *find_implementation(impl), options);
-  std::map<std::pair<std::int64_t, std::int64_t>, double> g;
-  for (const RankOutput& out : run.outputs) {
-    for (std::int64_t i = 0; i < out.rows(); ++i) {
-      if (out.token_of(i) < 0) continue;
-      for (std::int64_t v = 0; v < out.columns(); ++v) {
-        g[{out.token_of(i), out.assignment.vocab.begin + v}] = out.grad_at(i, out.assignment.vocab.begin + v);
-      }
-    }
-  }
-  return g;
-}
-
-// got / correct over the elements where the correct gradient is not tiny: {min, max}.
-std::pair<double, double> ratio_range(const Case& c, const std::string& impl) {
-  const auto right = gradients(c, "correct");
-  const auto wrong = gradients(c, impl);
-  double low = INFINITY, high = -INFINITY;
-  for (const auto& [at, value] : right) {
-    if (std::fabs(value) < 1e-7) continue;
-    const double r = wrong.at(at) / value;
-    low = std::min(low, r);
-    high = std::max(high, r);
-  }
-  return {low, high};
-}
-
-}  // namespace
-
 TEST_CASE("rl-logprob-allgather-grad-sum: the gradient is TP times the correct one, the loss exact") {
   nlohmann::json j = policy_json(2, 1, 1, 1);
   j["loss"]["entropy_coef"] = 0.0;
@@ -382,40 +325,6 @@ TEST_CASE("rl-logsoftmax-untracked-allreduce: without the entropy it is rl-logpr
   const auto g = gradients(both, "rl-logsoftmax-untracked-allreduce");
   CHECK(g != gradients(both, "rl-logprob-untracked-allreduce"));
   CHECK(g != gradients(both, "rl-entropy-untracked-allreduce"));
-}
-
-// Where each valid token sits (world rank, micro-batch) and the counts the aggregation modes read, from the rank
-// assignments of a correct run.
-struct TokenWeights {
-  std::map<std::int64_t, std::int64_t> sequence_of;  // valid token -> its sequence
-  std::map<std::int64_t, std::int64_t> n_s;          // sequence -> its valid tokens over the step
-  // world rank and micro-batch of each valid token, and the counts of that micro-batch on that rank
-  std::map<std::int64_t, std::pair<int, std::size_t>> place;
-  std::map<std::pair<int, std::size_t>, std::map<std::int64_t, std::int64_t>> local;  // -> sequence -> n there
-};
-
-TokenWeights token_weights(const Case& c) {
-  const InputSource inputs(c);
-  RunOptions options;
-  options.threads = 1;
-  const RankRun run = execute_ranks(c, inputs, *find_implementation("correct"), options);
-  TokenWeights t;
-  for (const RankOutput& out : run.outputs) {
-    if (out.assignment.coordinates.tp != 0) continue;
-    const auto& begin = out.assignment.micro_batch_begin;
-    for (std::size_t k = 0; k + 1 < begin.size(); ++k) {
-      for (std::int64_t i = begin[k]; i < begin[k + 1]; ++i) {
-        const std::int64_t token = out.token_of(i);
-        if (token < 0 || !inputs.is_valid(token)) continue;
-        const std::int64_t s = out.assignment.rows[static_cast<std::size_t>(i)].sequence;
-        t.sequence_of[token] = s;
-        ++t.n_s[s];
-        t.place[token] = {out.assignment.world_rank, k};
-        ++t.local[{out.assignment.world_rank, k}][s];
-      }
-    }
-  }
-  return t;
 }
 
 TEST_CASE("microbatch-local-mean: each aggregation mode with the rank's micro-batch's own counts, / (DP CP GA)") {

@@ -34,7 +34,8 @@ from lv_frameworks.single_gpu import package_shell
 NAME = "NeMo-RL"
 EXPLANATIONS = ["rl-logprob-untracked-allreduce", "rl-entropy-untracked-allreduce", "rl-temperature-one-side",
                 "rl-token-mean-sample-weighted", "rl-microbatch-self-normalized", "rl-schedule-double-divide",
-                "rl-kl-no-grad", "dp-local-mean", "ga-microbatch-mean"]
+                "rl-kl-no-grad", "dp-local-mean", "ga-microbatch-mean", "rl-temperature-16bit",
+                "rl-kl-score-function"]
 ENTROPY_CHUNK = 16  # ChunkedDistributedEntropy's sequence chunk (any value: the chunks are independent)
 _modules = {}
 

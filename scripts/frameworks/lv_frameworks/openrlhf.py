@@ -37,7 +37,7 @@ from lv_frameworks.skyrl import _padded, _scatter
 
 NAME = "OpenRLHF"
 EXPLANATIONS = ["rl-token-mean-sample-weighted", "rl-temperature-one-side", "dp-local-mean",
-                "rl-microbatch-self-normalized", "rl-schedule-double-divide"]
+                "rl-microbatch-self-normalized", "rl-schedule-double-divide", "rl-aux-token-mean"]
 _modules = {}
 
 

@@ -35,7 +35,8 @@ from lv_frameworks.single_gpu import package_shell
 
 NAME = "SkyRL"
 EXPLANATIONS = ["rl-token-mean-sample-weighted", "rl-kl-no-grad", "rl-cp-extra-scale", "rl-temperature-one-side",
-                "rl-microbatch-self-normalized", "dp-local-mean", "rl-logprob-16bit"]
+                "rl-microbatch-self-normalized", "dp-local-mean", "rl-logprob-16bit", "rl-aux-sample-weighted",
+                "rl-aux-microbatch-mean"]
 ROOT = "skyrl/backends/skyrl_train"
 _modules = {}
 # lossverify's aggregation -> SkyRL's loss_reduction

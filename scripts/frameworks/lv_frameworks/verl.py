@@ -44,7 +44,8 @@ from lv_frameworks.single_gpu import package_shell
 NAME = "verl"
 EXPLANATIONS = ["rl-token-mean-sample-weighted", "rl-microbatch-self-normalized", "rl-drgrpo-batch-sum",
                 "rl-temperature-one-side", "rl-logprob-untracked-allreduce", "rl-entropy-untracked-allreduce",
-                "rl-fused-vocab-pad", "dp-local-mean", "microbatch-local-mean", "rl-logprob-16bit"]
+                "rl-fused-vocab-pad", "dp-local-mean", "microbatch-local-mean", "rl-logprob-16bit",
+                "rl-drgrpo-rank-batch-sum"]
 MEGATRON = os.path.abspath(os.environ.get("LV_MEGATRON_CHECKOUT", ""))  # checked where it is first needed
 _mods = {}
 _tp = {"group": None}  # what the stubbed parallel_state answers; set per call

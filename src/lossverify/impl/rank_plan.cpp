@@ -209,8 +209,9 @@ void RankPlan::plan_weights(const RankAssignment& assignment, RankGroups& groups
   }
 }
 
-std::optional<float> RankPlan::logged_loss(const std::vector<float>& token_loss, RankGroups& groups) const {
+std::optional<float> RankPlan::logged_loss(const RankOutput& out, RankGroups& groups) const {
   if (case_.loss.reduction == Reduction::none) return std::nullopt;
+  const std::vector<float>& token_loss = kind_plan_.separate_logged_loss ? out.logged_token_loss : out.token_loss;
   // cp-loss-stat-dp-only: the rank's own CP slice over the DP group, a mean by the slice's own count.
   const bool slice = bugs_.cp_loss_stat_dp_only;
   const auto slice_weight =

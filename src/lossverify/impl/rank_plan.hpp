@@ -40,7 +40,7 @@ class RankPlan {
   const KindRowPlan& kind_plan() const { return kind_plan_; }
   // The logged loss sum_t forward_weight * l_t over groups.batch (collective; over groups.dp under
   // cp-loss-stat-dp-only); none for reduction none.
-  std::optional<float> logged_loss(const std::vector<float>& token_loss, RankGroups& groups) const;
+  std::optional<float> logged_loss(const RankOutput& out, RankGroups& groups) const;
 
  private:
   bool labelled() const;  // the case's kind reads labels

@@ -49,8 +49,9 @@ struct CudaRows {
 // What a micro-batch writes for the rank's rows (RankOutput's fields of the same names).
 struct KindOutputs {
   std::vector<float>& token_loss;
-  std::vector<float>& token_values;   // rows x the kind's token_quantities()
-  std::vector<double>& logged_stats;  // the kind's logged_statistics(): this rank's share
+  std::vector<float>& logged_token_loss;  // where the plan separates it (KindRowPlan::separate_logged_loss)
+  std::vector<float>& token_values;       // rows x the kind's token_quantities()
+  std::vector<double>& logged_stats;      // the kind's logged_statistics(): this rank's share
 };
 
 class CudaKindRank {

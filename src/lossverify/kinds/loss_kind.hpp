@@ -144,9 +144,10 @@ struct CpuMicroBatch {
   int threads = 1;
   ProgressBeacon* beacon = nullptr;
   std::vector<float>& token_loss;
-  std::vector<float>& token_values;   // rows x the kind's token_quantities(), row major
-  std::vector<double>& logged_stats;  // the kind's logged_statistics(): this rank's share, summed over the
-                                      // batch group after the last micro-batch
+  std::vector<float>& logged_token_loss;  // where the plan separates it (KindRowPlan::separate_logged_loss)
+  std::vector<float>& token_values;       // rows x the kind's token_quantities(), row major
+  std::vector<double>& logged_stats;      // the kind's logged_statistics(): this rank's share, summed over the
+                                          // batch group after the last micro-batch
 };
 
 // What a kind plans for a rank's rows before its kernels run (LossKind::plan_rows): the rank's rows, which
@@ -173,6 +174,9 @@ struct KindRowPlan {
   bool rank_local_weights = false;
   // Per local row, its weight in the kind's logged token statistics where it is not 1 / N (empty: 1 / N).
   std::vector<double> statistic_weights;
+  // The logged loss sums the kernels' logged_token_loss, not token_loss: a catalogued bug weighs parts of a
+  // token's loss apart (the policy kind's aux-term bugs), while each token's own loss stays the objective's.
+  bool separate_logged_loss = false;
 };
 
 class LossKind {

@@ -29,8 +29,11 @@ struct DeviceShard;  // a rank's inputs and gradient left on its GPU (cuda/devic
 struct RankOutput {
   RankAssignment assignment;
   DType dtype = DType::fp32;
-  std::vector<std::byte> grad;       // rows x vocab.size() in dtype, row major: the local d loss / d x
-  std::vector<float> token_loss;     // per local row, unweighted; 0 on masked rows
+  std::vector<std::byte> grad;    // rows x vocab.size() in dtype, row major: the local d loss / d x
+  std::vector<float> token_loss;  // per local row, unweighted; 0 on masked rows
+  // Per local row, its term in the logged loss per unit of its weight where a catalogued bug weighs parts of a
+  // token's loss apart (KindRowPlan::separate_logged_loss); else unused.
+  std::vector<float> logged_token_loss;
   std::vector<float> token_values;   // per local row, the kind's token_quantities() (row major); 0 on masked rows
   std::vector<double> logged_stats;  // the kind's logged_statistics(), as this rank logs them
   bool has_reduced_loss = false;     // false for reduction "none"

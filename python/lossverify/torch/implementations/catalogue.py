@@ -240,6 +240,55 @@ def cp_stats_dp_only(logits, labels, ctx):
                    num_tokens=count)
 
 
+def microbatch_local_mean(logits, labels, ctx):
+    """Each rank's micro-batch aggregated with its own counts and divided by GA, the gradients then averaged over
+    DP x CP (the PyTorch DDP loop's F.cross_entropy(reduction="mean") / GA; Megatron-LM's default loss mode at
+    d98e8a64, its MTP loss too; verl's legacy Megatron actor at b178a3cd; TRL's bnpo): token weight
+    1/(DP CP GA n(r,k)) instead of 1/N_v. A policy loss takes its micro-batch's own sequences and their rows
+    there too (token-sum has no count); reduction sum and none are right."""
+    if ctx.loss.kind == "policy":
+        return policy_loss(logits, labels, ctx, bugs=PolicyBugs(microbatch_local_mean=True))
+    token_loss = _token_loss(logits, labels, ctx)
+    if not _token_mean(ctx):
+        return token_loss
+    own = max(int(ctx.loss_mask.sum()), 1)
+    ga = ctx.ga if ctx.framework.ga_reduce == "mean" else 1
+    token_sum = (token_loss.float() * ctx.loss_mask).sum()
+    loss = token_sum / (ctx.ga * own) * ga  # F.cross_entropy's mean / GA, whatever the framework does next
+    logged = token_sum.detach().double() / (ctx.dp_size * ctx.cp_size * ctx.ga * own)
+    return Reduced(loss, token_loss=token_loss, num_tokens=ctx.num_valid_tokens, logged=logged)
+
+
+def _cp_slice_logged(token_loss, ctx):
+    """cp-loss-stat-dp-only's logged loss: the rank's own CP slice, a token mean by the slice's valid tokens over
+    DP (else its part of L), its sum reduced over DP only. The harness logs one value per step, all-reduced over
+    DP x CP; CP rank 0's slice is what the step's logging rank (global rank 0) reports, so the other CP ranks
+    add nothing."""
+    if ctx.cp_rank != 0:
+        return 0.0
+    if _token_mean(ctx):
+        count = _once(ctx, "dp_count", lambda: _all_reduced_count([ctx.rank_valid_tokens], ctx.dp_group,
+                                                                  ctx.device)[0])
+        weights = ctx.loss_mask.double() / max(count, 1)
+    else:
+        weights = ctx.aggregation_weights()
+    return (token_loss.detach().double() * weights).sum()
+
+
+def cp_loss_stat_dp_only(logits, labels, ctx):
+    """Loss and gradient right, but the logged loss is the token mean of the rank's own CP slice, its sums and
+    counts reduced over DP only, not DP x CP (inclusionAI/AReaL PR #1223 at 430a1f9c: the stats tracker records
+    the CP-split tensors; fixed on main by AReaL #1249). The logged count is right."""
+    if ctx.loss.kind == "policy":
+        result = policy_loss(logits, labels, ctx)
+    else:
+        token_loss = _token_loss(logits, labels, ctx)
+        result = Reduced(_reduced(token_loss, ctx, ctx.loss_mask, ctx.num_valid_tokens), token_loss=token_loss,
+                         num_tokens=ctx.num_valid_tokens)
+    result.logged = _cp_slice_logged(result.token_loss, ctx)
+    return result
+
+
 def _rolled_labels(mb, ignore_index):
     """Next-token labels made from this rank's CP shard: torch.roll of the local token ids, so the last row
     of a chunk takes the first row of the next local chunk (or wraps), not the sequence's next token."""
@@ -354,6 +403,27 @@ def rl_gspo_cp_local_ratio(logits, labels, ctx):
     return _policy(logits, labels, ctx, gspo_cp_local_ratio=True)
 
 
+def rl_logsoftmax_untracked_allreduce(logits, labels, ctx):
+    """One vocab-parallel log-softmax under both the log-prob and the entropy, its local max not detached, with
+    max, sum-exp, the gathered log-prob and the entropy's per-shard partials all-reduced in place outside
+    autograd (modelscope/ms-swift vocab_parallel_utils.py compute_logps_and_entropy_from_logits, 3602360a)."""
+    return _policy(logits, labels, ctx, logsoftmax_untracked_allreduce=True)
+
+
+def rl_stats_microbatch_mean(logits, labels, ctx):
+    """The logged clip fraction, dual-clip fraction, KL and entropy each a token mean over one micro-batch of
+    every rank, averaged over the micro-batches (huggingface/trl GRPOTrainer._compute_loss at f2cd5771,
+    global_masked_mean): weight 1/(K N_k) instead of 1/N; loss and gradient exact."""
+    return _policy(logits, labels, ctx, stats_microbatch_mean=True)
+
+
+def rl_logprob_16bit(logits, labels, ctx):
+    """The trainer's log-prob pass in the logits' 16-bit dtype: x / T rounded, log_softmax, logsumexp, softmax
+    and sum p x each returning 16-bit values (verl b178a3cd logprobs_from_logits_v2, entropy_from_logits;
+    SkyRL a9564572 torch_utils.py; TRL f2cd5771 selective_log_softmax, entropy_from_logits)."""
+    return _policy(logits, labels, ctx, logprob_16bit=True)
+
+
 CATALOGUE = {
     "correct": correct,
     "smoothing_partition_vocab": smoothing_partition_vocab,
@@ -379,6 +449,8 @@ CATALOGUE = {
     "dp_local_mean": dp_local_mean,
     "ga_microbatch_mean": ga_microbatch_mean,
     "cp_stats_dp_only": cp_stats_dp_only,
+    "microbatch_local_mean": microbatch_local_mean,
+    "cp_loss_stat_dp_only": cp_loss_stat_dp_only,
     "cp_roll_after_split": cp_roll_after_split,
     "rl_logprob_untracked_allreduce": rl_logprob_untracked_allreduce,
     "rl_entropy_untracked_allreduce": rl_entropy_untracked_allreduce,
@@ -393,12 +465,16 @@ CATALOGUE = {
     "rl_fused_vocab_pad": rl_fused_vocab_pad,
     "rl_kl_no_grad": rl_kl_no_grad,
     "rl_gspo_cp_local_ratio": rl_gspo_cp_local_ratio,
+    "rl_logsoftmax_untracked_allreduce": rl_logsoftmax_untracked_allreduce,
+    "rl_stats_microbatch_mean": rl_stats_microbatch_mean,
+    "rl_logprob_16bit": rl_logprob_16bit,
 }
 # The loss kind each name applies to: the bugs of the KD loss, of the policy loss (rl_*), those of the
 # normaliser or logged count that reach every kind (and `correct`), and the cross-entropy bugs (the others).
 _KD = ("kd_no_t2", "kd_double_t2", "kd_cross_entropy_value", "kd_local_softmax", "kd_untracked_allreduce",
        "kd_tp_grad_sum")
-_ANY = ("correct", "mean_over_all_rows", "dp_local_mean", "ga_microbatch_mean", "cp_stats_dp_only")
+_ANY = ("correct", "mean_over_all_rows", "dp_local_mean", "ga_microbatch_mean", "cp_stats_dp_only",
+        "microbatch_local_mean", "cp_loss_stat_dp_only")
 KIND = {name: "kd" if name in _KD else "policy" if name.startswith("rl_") else "any" if name in _ANY
         else "cross_entropy" for name in CATALOGUE}
 

@@ -20,7 +20,8 @@ from lossverify.torch.implementations._collectives import all_reduce_, gather_co
 from lossverify.torch.policy import masked, policy_terms, sequence_log_ratio, statistics_parts, token_loss
 
 __all__ = ["PolicyBugs", "vocab_parallel_logprob_entropy", "policy_loss", "policy_token_loss",
-           "logprob_with_untracked_all_reduce", "entropy_with_untracked_all_reduce", "logprob_from_all_gather",
+           "logprob_with_untracked_all_reduce", "entropy_with_untracked_all_reduce",
+           "logsoftmax_with_untracked_all_reduce", "logprob_entropy_16bit", "logprob_from_all_gather",
            "whitened_advantages"]
 
 
@@ -41,6 +42,10 @@ class PolicyBugs:
     fused_vocab_pad: bool = False  # each shard's zero pad columns to a multiple of 1024 in the softmax (verl)
     kl_no_grad: bool = False  # the KL penalty without gradient (SkyRL #1353)
     gspo_cp_local_ratio: bool = False  # GSPO's per-sequence sums over the CP rank's own chunks (predicted)
+    logsoftmax_untracked_allreduce: bool = False  # one log-softmax under both, all-reduced outside autograd (ms-swift)
+    stats_microbatch_mean: bool = False  # logged statistics: micro-batch token means, averaged (TRL GRPOTrainer)
+    logprob_16bit: bool = False  # the log-prob pass on 16-bit x / T, each op's output rounded (verl, SkyRL, TRL)
+    microbatch_local_mean: bool = False  # each rank's micro-batch over its own counts / GA (the any-kind bug)
 
 
 def _inverse_temperature(ctx, bugs):
@@ -147,6 +152,78 @@ def logprob_from_all_gather(logits, labels, ctx, inverse_t):
     return masked(logprob, ctx.loss_mask)
 
 
+def logsoftmax_with_untracked_all_reduce(logits, labels, ctx, inverse_t):
+    """ms-swift's compute_logps_and_entropy_from_logits (swift/megatron/trainers/vocab_parallel_utils.py at
+    3602360a): one vocabulary-parallel log-softmax with plain autograd, its local max not detached, under both
+    the log-prob and the entropy; the max, the sum of exponentials, the owner's log-probability and each shard's
+    partial entropy all-reduced in place. The values are right; the backward sees this shard alone:
+    d log p_v / dx_w = delta_vw - D_w, D_w = p_w + [w = local argmax] (1 - P_r), so the log-prob's gradient
+    reaches the owner only and the entropy's is -(1 + log p_v) p_v + D_v (P_r - H_r)."""
+    x = logits.float() * inverse_t
+    row_max = x.max(dim=-1).values  # autograd routes its gradient to the local argmax
+    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=ctx.tp_group)
+    u = x - row_max.unsqueeze(-1)
+    total = torch.exp(u).sum(dim=-1)
+    dist.all_reduce(total, group=ctx.tp_group)  # backward sees only this shard's sum
+    log_p = u - torch.log(total).unsqueeze(-1)
+    local, owned = _owned(labels, ctx.vocab_start, x.shape[1])
+    target = log_p.gather(1, local.clamp(0, x.shape[1] - 1).unsqueeze(-1)).squeeze(-1)
+    logprob = torch.where(owned, target, torch.zeros_like(target))
+    dist.all_reduce(logprob, group=ctx.tp_group)  # the owner's value reaches every rank, its graph none
+    entropy = -(torch.exp(log_p) * log_p).sum(dim=-1)
+    dist.all_reduce(entropy, group=ctx.tp_group)  # each shard differentiates its own partial H_r
+    return masked(logprob, ctx.loss_mask), masked(entropy, ctx.loss_mask)
+
+
+class _ValueOf(torch.autograd.Function):
+    """`value` in forward, the gradient handed to `tracked` unchanged (a value computed without autograd whose
+    gradient is that of the float32 computation it stands for)."""
+
+    @staticmethod
+    def forward(fctx, tracked, value):
+        return value.clone()
+
+    @staticmethod
+    def backward(fctx, grad):
+        return grad, None
+
+
+def _round16(values, dtype):
+    return values.to(dtype).float()
+
+
+def _rounded_logprob_entropy(logits, labels, ctx, inverse_t, dtype):
+    """(log-probabilities, entropies) of x = round16(z / T) as 16-bit torch ops return them, float32 inside
+    and every op's output rounded: lambda = round16((x_y - M) - log S), H = round16(round16(lse) -
+    round16(sum_v p_v x_v)), with lse = M + log S and sum_v p_v x_v = M + E / S over the TP group."""
+    x = _round16(logits.float() * inverse_t, dtype)  # logits.div_(T) on 16-bit logits
+    row_max = all_reduce_(x.max(dim=-1).values, ctx.tp_group, dist.ReduceOp.MAX)
+    u = x - row_max.unsqueeze(-1)
+    e = torch.exp(u)
+    local, owned = _owned(labels, ctx.vocab_start, x.shape[1])
+    target = u.gather(1, local.clamp(0, x.shape[1] - 1).unsqueeze(-1)).squeeze(-1)
+    packed = torch.stack([e.sum(dim=-1), (e * u).sum(dim=-1), torch.where(owned, target, torch.zeros_like(target))])
+    all_reduce_(packed, ctx.tp_group)
+    log_sum = torch.log(packed[0])
+    logprob = _round16(packed[2] - log_sum, dtype)
+    entropy = _round16(_round16(row_max + log_sum, dtype) - _round16(row_max + packed[1] / packed[0], dtype), dtype)
+    return masked(logprob, ctx.loss_mask), masked(entropy, ctx.loss_mask)
+
+
+def logprob_entropy_16bit(logits, labels, ctx, inverse_t):
+    """The log-prob pass on the logits' 16-bit dtype (verl b178a3cd logprobs_from_logits_v2's non-float32
+    branch and entropy_from_logits; SkyRL a9564572 logits.div_(temperature); TRL f2cd5771
+    selective_log_softmax, entropy_from_logits): x / T rounded, then log_softmax, logsumexp, softmax and
+    sum p x each returning a 16-bit value. The gradient is the float32 pass's (the objective evaluated on the
+    rounded values); float32 logits are left alone."""
+    logprob, entropy = vocab_parallel_logprob_entropy(logits, labels, ctx, inverse_t=inverse_t)
+    if ctx.dtype not in (torch.bfloat16, torch.float16):
+        return logprob, entropy
+    with torch.no_grad():
+        rounded = _rounded_logprob_entropy(logits.detach(), labels, ctx, inverse_t, ctx.dtype)
+    return _ValueOf.apply(logprob, rounded[0]), _ValueOf.apply(entropy, rounded[1])
+
+
 def _fused_pad(logits):
     """The shard padded with zero columns to a multiple of 1024, as a fused kernel's tiles hold it."""
     pad = (1024 - logits.shape[-1] % 1024) % 1024
@@ -170,6 +247,10 @@ def _logprob_entropy(logits, labels, ctx, bugs):
         entropy = entropy_with_untracked_all_reduce(logits, ctx, inverse_t)
     if bugs.logprob_allgather_grad_sum:
         logprob = logprob_from_all_gather(logits, labels, ctx, inverse_t)
+    if bugs.logsoftmax_untracked_allreduce:
+        logprob, entropy = logsoftmax_with_untracked_all_reduce(logits, labels, ctx, inverse_t)
+    if bugs.logprob_16bit:
+        logprob, entropy = logprob_entropy_16bit(logits, labels, ctx, inverse_t)
     return logprob, entropy
 
 
@@ -222,10 +303,35 @@ def _micro_batch_counts(ctx):
     return counts
 
 
+def _rank_local_weights(ctx):
+    """microbatch-local-mean: this rank's micro-batch aggregated with its own counts (its valid rows n(r,k), its
+    sequences B_k with valid rows here and each one's rows n_s here), divided by GA, the ranks' results then
+    averaged over DP x CP (float64 [rows]); token-sum has no count and keeps its weight."""
+    aggregation, mask = ctx.loss.aggregation, ctx.loss_mask
+    if aggregation == "token-sum":
+        return ctx.aggregation_weights()
+    divisor = float(ctx.dp_size * ctx.cp_size * ctx.ga)
+    _, own, n_s = torch.unique(ctx.sequences[mask], return_inverse=True, return_counts=True)
+    rows = torch.zeros(mask.shape, dtype=torch.float64, device=mask.device)
+    rows[mask] = n_s[own].double()  # each valid row's sequence's valid rows in this micro-batch on this rank
+    b_k = float(max(n_s.numel(), 1))
+    if aggregation == "token-mean":
+        per_row = torch.full_like(rows, float(max(int(mask.sum()), 1)))
+    elif aggregation == "seq-mean-token-sum":
+        per_row = torch.full_like(rows, b_k)
+    elif aggregation == "seq-mean-token-mean":
+        per_row = b_k * rows.clamp(min=1.0)
+    else:  # seq-mean-token-sum-norm
+        per_row = torch.full_like(rows, b_k * ctx.loss.norm_constant)
+    return torch.where(mask, 1.0 / (per_row * divisor), torch.zeros_like(rows))
+
+
 def _weights(ctx, bugs):
     """Each row's weight in L (float64 [rows]) under the case's aggregation, as the switches make it."""
     loss, mask = ctx.loss, ctx.loss_mask.double()
     aggregation = loss.aggregation
+    if bugs.microbatch_local_mean:
+        return _rank_local_weights(ctx)
     token_mean_bug = bugs.token_mean_sample_weighted or bugs.microbatch_self_normalized
     needs_counts = ((aggregation == "token-mean" and token_mean_bug)
                     or (aggregation == "seq-mean-token-sum-norm" and bugs.drgrpo_batch_sum))
@@ -278,6 +384,26 @@ def policy_token_loss(logits, labels, ctx, bugs=None):
     return _per_token(logits, labels, ctx, bugs or PolicyBugs())[3]
 
 
+def _backward_weights(ctx, bugs, weights):
+    """Each row's weight in what this rank back-propagates: its weight in L over the framework factor, or, under
+    microbatch-local-mean (counts other than token-sum's), the rank's own local aggregation / GA, whatever the
+    framework then does with it (its DP x CP average makes that the weight in L)."""
+    if bugs.microbatch_local_mean and ctx.loss.aggregation != "token-sum":
+        ga = ctx.ga if ctx.framework.ga_reduce == "mean" else 1
+        return weights * float(ctx.dp_size * ctx.cp_size * ga)
+    return weights / ctx.framework_factor
+
+
+def _statistics_count(ctx, bugs):
+    """What each logged statistic's token sum is divided by: N, or under rl-stats-microbatch-mean (TRL's
+    global_masked_mean per micro-batch, the Trainer's log averaging the K appended values) K N_k, N_k the
+    valid tokens of micro-batch k over every DP x CP rank."""
+    if not bugs.stats_microbatch_mean:
+        return ctx.num_valid_tokens
+    counts = _once(ctx, "policy_micro_batch_counts", lambda: _micro_batch_counts(ctx))
+    return max(int(counts[0, :, ctx.micro_batch].sum()), 1) * ctx.ga
+
+
 def policy_loss(logits, labels, ctx, bugs=None):
     """The policy loss of one micro-batch as a training loop computes it: the log-prob pass, the objective on
     whitened advantages, each token weighted by the aggregation, compensated for the framework factor; with
@@ -285,12 +411,12 @@ def policy_loss(logits, labels, ctx, bugs=None):
     bugs = bugs or PolicyBugs()
     terms, logprob, entropy, value, objective = _per_token(logits, labels, ctx, bugs)
     weights = _weights(ctx, bugs)
-    loss = (objective * (weights / ctx.framework_factor).to(torch.float32)).sum()
+    loss = (objective * _backward_weights(ctx, bugs, weights).to(torch.float32)).sum()
     if bugs.schedule_double_divide:  # the schedule divides by the micro-batch count once more
         loss = loss / ctx.ga
     logged = (value.detach().double() * weights).sum()
     scale = float(ctx.cp_size) if bugs.cp_extra_scale else 1.0
-    stats = statistics_parts(terms, entropy, ctx.loss_mask, ctx.num_valid_tokens, kl_scale=scale,
+    stats = statistics_parts(terms, entropy, ctx.loss_mask, _statistics_count(ctx, bugs), kl_scale=scale,
                              entropy_scale=scale)
     return Reduced(loss, token_loss=value, num_tokens=ctx.num_valid_tokens, logged=logged, logprob=logprob,
                    entropy=entropy, stats=stats)

@@ -60,19 +60,21 @@ class RankKernel {
     plan_.emplace(case_, inputs_, out_.assignment, groups_, bugs_);
     out_.logged_valid_tokens = plan_->logged_valid_tokens();
     out_.token_loss.assign(static_cast<std::size_t>(rows()), 0.0f);
+    out_.logged_token_loss.assign(plan_->kind_plan().separate_logged_loss ? static_cast<std::size_t>(rows()) : 0, 0.0f);
     out_.token_values.assign(static_cast<std::size_t>(rows()) * kind_.token_quantities().size(), 0.0f);
     out_.logged_stats.assign(kind_.logged_statistics().size(), 0.0);
     assign_zeros_beating(out_.grad, static_cast<std::size_t>(rows() * vocab.size()) * sizeof(T), beacon_);
     const auto& offsets = out_.assignment.micro_batch_begin;
     for (std::size_t k = 0; k + 1 < offsets.size(); ++k) {
       if (offsets[k + 1] == offsets[k]) continue;  // an empty micro-batch: TP peers skip it too
-      kind_.cpu_micro_batch(CpuMicroBatch{
-          case_, bugs_, *plan_, groups_, out_.assignment, offsets[k], offsets[k + 1] - offsets[k], case_.inputs.dtype,
-          work_, reinterpret_cast<std::byte*>(student.data()), reinterpret_cast<const std::byte*>(teacher.data()),
-          out_.grad.data(), threads_, beacon_, out_.token_loss, out_.token_values, out_.logged_stats});
+      kind_.cpu_micro_batch(
+          CpuMicroBatch{case_, bugs_, *plan_, groups_, out_.assignment, offsets[k], offsets[k + 1] - offsets[k],
+                        case_.inputs.dtype, work_, reinterpret_cast<std::byte*>(student.data()),
+                        reinterpret_cast<const std::byte*>(teacher.data()), out_.grad.data(), threads_, beacon_,
+                        out_.token_loss, out_.logged_token_loss, out_.token_values, out_.logged_stats});
     }
     if (!out_.logged_stats.empty()) groups_.batch.allreduce_sum(std::span<double>(out_.logged_stats));
-    if (const auto logged = plan_->logged_loss(out_.token_loss, groups_)) {
+    if (const auto logged = plan_->logged_loss(out_, groups_)) {
       out_.has_reduced_loss = true;
       out_.reduced_loss = *logged;
     }

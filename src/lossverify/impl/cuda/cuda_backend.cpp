@@ -109,9 +109,10 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
   copy_to_device(d_valid, valid, stream.get());
   copy_to_device(d_weight, weight, stream.get());
   out.token_loss.assign(static_cast<std::size_t>(rows), 0.0f);
+  out.logged_token_loss.assign(plan.kind_plan().separate_logged_loss ? static_cast<std::size_t>(rows) : 0, 0.0f);
   out.token_values.assign(static_cast<std::size_t>(rows) * kind.token_quantities().size(), 0.0f);
   out.logged_stats.assign(kind.logged_statistics().size(), 0.0);
-  KindOutputs kind_outputs{out.token_loss, out.token_values, out.logged_stats};
+  KindOutputs kind_outputs{out.token_loss, out.logged_token_loss, out.token_values, out.logged_stats};
   trace.mark("kernels");
 
   const CudaRows row_arrays{d_target.as<std::int64_t>(), d_active.as<int>(), d_valid.as<int>(),
@@ -158,7 +159,7 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
     LV_CUDA(cudaMemcpyAsync(out.grad.data(), d_grad.as<void>(), out.grad.size(), cudaMemcpyDeviceToHost, stream.get()));
     stream.sync();
   }
-  if (const auto logged = plan.logged_loss(out.token_loss, groups)) {
+  if (const auto logged = plan.logged_loss(out, groups)) {
     out.has_reduced_loss = true;
     out.reduced_loss = *logged;
   }

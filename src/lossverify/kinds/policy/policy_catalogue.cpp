@@ -108,6 +108,62 @@ std::vector<Implementation> policy_catalogue() {
       "each token's statistic weighs 1/(GA N_k), N_k the valid tokens of micro-batch k over DP x CP, instead of "
       "1/N: stats fail when micro-batches hold unequal token counts; loss and grad exact",
       {"stats"}, mine, bit(policy_bug::stats_microbatch_mean)));
+  v.push_back(catalogued_bug(
+      "rl-drgrpo-rank-batch-sum",
+      "seq-mean-token-sum-norm never divided by the sequence count: each micro-batch's sum_s S_s / H_max summed "
+      "over the rank's micro-batches, then averaged over DP",
+      "volcengine/verl b178a3cd verl/workers/utils/losses.py ppo_loss (global_batch_info passes no batch size "
+      "to this mode) with verl/trainer/ppo/core_algos.py agg_loss (1072-1076: torch.sum(seq_losses) / "
+      "loss_scale_factor), the new engine summing micro-batches",
+      "each sequence weighs 1/(DP H_max) instead of 1/(B H_max): loss and grad x B/DP (= rl-drgrpo-batch-sum "
+      "at GA = 1 with equal ranks)",
+      {"loss", "grad"}, mine, bit(policy_bug::drgrpo_rank_batch_sum)));
+  v.push_back(catalogued_bug(
+      "rl-aux-token-mean",
+      "the KL and entropy terms aggregated token-mean (1/N) while the policy term follows the case's sequence "
+      "aggregation",
+      "OpenRLHF/OpenRLHF 3c3be623 openrlhf/trainer/ray/ppo_actor.py:330 and :346 (aggregate_loss in its default "
+      "token mode for the KL and the entropy; PolicyLoss forces per-sample for gspo)",
+      "a token's KL and entropy weight 1/N instead of 1/(B n_s): their gradient x B n_s / N; passes under "
+      "token-mean or without KL and entropy",
+      {"loss", "grad"}, mine, bit(policy_bug::aux_token_mean)));
+  v.push_back(catalogued_bug(
+      "rl-aux-sample-weighted",
+      "whatever the aggregation, the KL a mean over the micro-batch's sequences of each one's token mean and the "
+      "entropy the micro-batch's token mean, each weighted by the micro-batch's share of the rank's sequences, "
+      "then the DP mean",
+      "NovaSky-AI/SkyRL a9564572 skyrl/backends/skyrl_train/workers/worker.py:1056-1089 (FSDP worker: "
+      "masked_mean(kl, mask, dim=-1).mean() and masked_mean(entropy, mask), x len(microbatch) / len(data))",
+      "KL weight 1/(DP B_r n_s), entropy weight b_k/(DP B_r N_k) (the rl-token-mean-sample-weighted pattern on "
+      "the entropy): loss and grad fail with an entropy bonus on unequal micro-batches, or a KL under another "
+      "aggregation than seq-mean-token-mean",
+      {"loss", "grad"}, mine, bit(policy_bug::aux_sample_weighted)));
+  v.push_back(catalogued_bug(
+      "rl-aux-microbatch-mean",
+      "whatever the aggregation, the KL a mean over the micro-batch's sequences of each one's token mean and the "
+      "entropy the micro-batch's token mean, each micro-batch divided by K, then the DP mean",
+      "NovaSky-AI/SkyRL a9564572 skyrl/backends/skyrl_train/workers/megatron/megatron_model_wrapper.py:851-941 "
+      "(the Megatron loss_func's KL and entropy terms, Megatron's schedule dividing by K)",
+      "KL weight 1/(DP K b_k n_s), entropy weight 1/(DP K N_k) (microbatch-local-mean on these terms): loss and "
+      "grad fail with an entropy bonus on unequal micro-batches, or a KL under another aggregation than "
+      "seq-mean-token-mean",
+      {"loss", "grad"}, mine, bit(policy_bug::aux_microbatch_mean)));
+  v.push_back(catalogued_bug(
+      "rl-temperature-16bit", "the logits divided by T in place in their 16-bit dtype before a float32 log-prob pass",
+      "NVIDIA-NeMo/RL 7ea279ab nemo_rl/models/automodel/train.py:193 and models/megatron/train.py:216 "
+      "(logits.div_(temperature) before get_next_token_logprobs_from_logits casts to float32)",
+      "x = round16(z / T): log-prob off by up to |z / T| 2^-8, softmax and gradient of x; loss, grad and "
+      "log-prob (and the statistics through the ratio) fail on bf16/fp16 logits at T != 1; passes at T = 1 or on fp32",
+      {"entropy", "grad", "logprob", "loss", "stats"}, mine, bit(policy_bug::temperature_16bit)));
+  v.push_back(catalogued_bug(
+      "rl-kl-score-function",
+      "the KL penalty weighted by e^(lambda - sg lambda) (value 1), which adds a score-function term to its "
+      "gradient",
+      "NVIDIA-NeMo/RL 7ea279ab nemo_rl/algorithms/loss/loss_functions.py:480-502 (calculate_kl with "
+      "importance_sampling_weights; deliberate, after arXiv 2506.09477: a divergence from the objective's plain "
+      "penalty, not a defect of NeMo-RL's own objective)",
+      "d KL / d lambda = k'(lambda) + KL_t: grad fails whenever kl_coef > 0; loss and logged KL exact", {"grad"}, mine,
+      bit(policy_bug::kl_score_function)));
   return v;
 }
 

@@ -29,7 +29,7 @@ class CpuPolicyShard final : public PolicyShard {
     }
   }
 
-  void gradient(float inverse_t, std::span<const float> rows) override {
+  void gradient(float inverse_t, bool round_scaled, std::span<const float> rows) override {
     for_active_rows([&](std::int64_t i) {
       const float* r = &rows[static_cast<std::size_t>(i) * PolicyGradRow::kFloats];
       const PolicyGradRow g{r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8]};
@@ -38,11 +38,13 @@ class CpuPolicyShard final : public PolicyShard {
       const auto target = static_cast<std::int64_t>(g.target);
       const auto argmax = static_cast<std::int64_t>(g.argmax);
       for (std::int64_t v = 0; v < width_; ++v) {
-        const float log_p = (static_cast<float>(x[v]) * inverse_t - g.max) - g.log_sum;
+        const float u = round_scaled ? static_cast<float>(T(static_cast<float>(x[v]) * inverse_t))
+                                     : static_cast<float>(x[v]) * inverse_t;
+        const float log_p = (u - g.max) - g.log_sum;
         const float p = std::exp(log_p);
         float value = g.a * ((v == target ? 1.0f : 0.0f) - p) + g.c * p * (log_p + g.shift);
         if (v == argmax) value += g.bonus;
-        out[v] = T(g.scale * value);
+        out[v] = round_scaled ? T(static_cast<float>(T(g.scale * value)) * inverse_t) : T(g.scale * value);
       }
     });
   }
@@ -87,8 +89,17 @@ class CpuPolicyShard final : public PolicyShard {
 }  // namespace
 
 void policy_cpu_micro_batch(const CpuMicroBatch& mb) {
-  const PolicyBatch batch{mb.c, mb.bugs, mb.plan,       mb.groups,       mb.begin,
-                          mb.n, mb.work, mb.token_loss, mb.token_values, mb.logged_stats};
+  const PolicyBatch batch{mb.c,
+                          mb.bugs,
+                          mb.plan,
+                          mb.groups,
+                          mb.begin,
+                          mb.n,
+                          mb.work,
+                          mb.token_loss,
+                          mb.logged_token_loss,
+                          mb.token_values,
+                          mb.logged_stats};
   dispatch_dtype(mb.dtype, [&](auto type) {
     CpuPolicyShard<typename decltype(type)::type> shard(mb);
     policy_protocol(batch, shard);

@@ -31,8 +31,9 @@ class CudaPolicyShard final : public PolicyShard {
     LV_CUDA(cudaStreamSynchronize(stream_));
   }
 
-  void gradient(float inverse_t, std::span<const float> rows) override {
+  void gradient(float inverse_t, bool round_scaled, std::span<const float> rows) override {
     args_.inverse_temperature = inverse_t;
+    args_.round_scaled = round_scaled ? 1 : 0;
     DeviceBytes d_rows = upload(rows.data(), rows.size(), stream_);
     policy_gradient(type_, args_, d_rows.as<float>(), stream_);
     LV_CUDA(cudaGetLastError());
@@ -61,8 +62,9 @@ class PolicyCudaRank final : public CudaKindRank {
     args.target = rows.target + b;
     CudaPolicyShard shard(setup_.type, args, static_cast<cudaStream_t>(setup_.stream));
     const VocabRange work{setup_.owner_base, setup_.owner_base + setup_.cols};
-    const PolicyBatch batch{setup_.c, setup_.bugs, plan,           groups,           b,
-                            n,        work,        out.token_loss, out.token_values, out.logged_stats};
+    const PolicyBatch batch{
+        setup_.c,         setup_.bugs,     plan, groups, b, n, work, out.token_loss, out.logged_token_loss,
+        out.token_values, out.logged_stats};
     policy_protocol(batch, shard);
   }
 

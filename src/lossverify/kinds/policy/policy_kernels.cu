@@ -186,6 +186,17 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(PolicyKernelArgs a, flo
   }
 }
 
+// A gradient element: under rl-temperature-16bit the float32 pass's gradient rounded to the storage type,
+// then div_(T)'s backward (times 1 / T, rounded again when stored).
+template <class T>
+__device__ __forceinline__ float rounded_then_tempered(float g, const PolicyKernelArgs& a) {
+  if constexpr (std::is_same_v<T, float>) {
+    return g;
+  } else {
+    return a.round_scaled ? widen<T>(narrow<T>(g)) * a.inverse_temperature : g;
+  }
+}
+
 template <class T>
 __global__ void __launch_bounds__(kThreads) grad_kernel(PolicyKernelArgs a, const float* rows, bool vectorized) {
   const T* xs = static_cast<const T*>(a.logits);
@@ -200,11 +211,11 @@ __global__ void __launch_bounds__(kThreads) grad_kernel(PolicyKernelArgs a, cons
     const T* x = xs + r * a.cols;
     T* out = gs + r * a.cols;
     auto value = [&](float xv, std::int64_t c) {
-      const float log_p = (xv * a.inverse_temperature - max) - log_sum;
+      const float log_p = (scaled<T>(xv, a) - max) - log_sum;
       const float p = fast_exp(log_p);
       float v = coef_a * ((c == target ? 1.0f : 0.0f) - p) + coef_c * p * (log_p + shift);
       if (c == argmax) v += bonus;
-      return scale * v;
+      return rounded_then_tempered<T>(scale * v, a);
     };
     if (vectorized) {
       const int4* xv = reinterpret_cast<const int4*>(x);

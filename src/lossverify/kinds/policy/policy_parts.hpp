@@ -26,11 +26,18 @@ inline constexpr std::uint64_t gspo_cp_local_ratio = 1u << 12;
 inline constexpr std::uint64_t logsoftmax_untracked_allreduce = 1u << 13;
 inline constexpr std::uint64_t stats_microbatch_mean = 1u << 14;
 inline constexpr std::uint64_t logprob_16bit = 1u << 15;
+inline constexpr std::uint64_t drgrpo_rank_batch_sum = 1u << 16;
+inline constexpr std::uint64_t aux_token_mean = 1u << 17;
+inline constexpr std::uint64_t aux_sample_weighted = 1u << 18;
+inline constexpr std::uint64_t aux_microbatch_mean = 1u << 19;
+inline constexpr std::uint64_t temperature_16bit = 1u << 20;
+inline constexpr std::uint64_t kl_score_function = 1u << 21;
 }  // namespace policy_bug
 
 // Per local row, the kernels' inputs in KindRowPlan::row_inputs: old and reference log-probability, the
-// (whitened) advantage and the row's sequence (an index of the step's sequences, exact in a float below 2^24).
-inline constexpr std::size_t kPolicyRowInputs = 4;
+// (whitened) advantage, the row's sequence (an index of the step's sequences, exact in a float below 2^24), and
+// the KL's and the entropy's weight relative to the row's (1 unless a catalogued aux-term bug weighs them apart).
+inline constexpr std::size_t kPolicyRowInputs = 6;
 
 std::unique_ptr<LossKind> make_policy_kind();
 std::vector<Implementation> policy_catalogue();

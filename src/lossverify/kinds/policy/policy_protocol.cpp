@@ -42,13 +42,15 @@ class Protocol {
         n_(static_cast<std::size_t>(mb.n)),
         dtype_(mb.c.inputs.dtype),
         rounded_(has(policy_bug::logprob_16bit) && dtype_ != DType::fp32),
+        tempered16_(has(policy_bug::temperature_16bit) && dtype_ != DType::fp32 && inverse_t_ != 1.0f),
         local_(n_ * PolicyLocalStats::kFloats, 0.0f),
         max_(n_, -INFINITY),
         sums_(3 * n_, 0.0f),
         own_(2 * n_, 0.0f) {}
 
   void run() {
-    shard_.local_stats(inverse_t_, false, local_);
+    // rl-temperature-16bit: every statistic, and the gradient's softmax, of x / T rounded to the logits' dtype.
+    shard_.local_stats(inverse_t_, tempered16_, local_);
     reduce_stats(local_, max_, sums_, &own_);
     if (rounded_) {
       // rl-logprob-16bit: the same statistics of x / T rounded to the logits' dtype, for the log-prob and the
@@ -68,7 +70,7 @@ class Protocol {
                                                     g.shift, g.scale,   g.target, g.argmax};
       std::copy(values, values + PolicyGradRow::kFloats, grad_rows.begin() + static_cast<std::ptrdiff_t>(i * 9));
     }
-    shard_.gradient(inverse_t_, grad_rows);
+    shard_.gradient(inverse_t_, tempered16_, grad_rows);
   }
 
  private:
@@ -199,7 +201,14 @@ class Protocol {
       t.surrogate_slope = w != 0.0f ? std::exp(log_ratio_[k]) * slope_sum_[k] / (tokens_[k] * w) : 0.0f;
     }
     const float cp_factor = has(policy_bug::cp_extra_scale) ? static_cast<float>(mb_.c.layout.cp) : 1.0f;
+    // The KL's and the entropy's weight relative to the row's (the aux-term bugs; 1 otherwise).
+    const float kl_share = in == nullptr ? 1.0f : in[4];
+    const float entropy_share = in == nullptr ? 1.0f : in[5];
     mb_.token_loss[row] = t.surrogate + k_.kl_coef * t.kl - k_.entropy_coef * entropy;
+    if (!mb_.logged_token_loss.empty()) {
+      mb_.logged_token_loss[row] =
+          t.surrogate + kl_share * k_.kl_coef * t.kl - entropy_share * k_.entropy_coef * entropy;
+    }
     mb_.token_values[2 * row] = logprob;
     mb_.token_values[2 * row + 1] = entropy;
     if (p.valid) {
@@ -217,12 +226,15 @@ class Protocol {
     PolicyGradRow g;
     g.max = max_[i];
     g.log_sum = log_s;
-    const float kl_slope = has(policy_bug::kl_no_grad) ? 0.0f : cp_factor * k_.kl_coef * t.kl_slope;
+    // rl-kl-score-function: the KL weighted by e^(lambda - sg lambda), whose gradient adds KL_t to k'(lambda_t)
+    const float kl_derivative = has(policy_bug::kl_score_function) ? t.kl_slope + t.kl : t.kl_slope;
+    const float kl_slope = has(policy_bug::kl_no_grad) ? 0.0f : cp_factor * kl_share * k_.kl_coef * kl_derivative;
     g.a = t.surrogate_slope + kl_slope;
     if (has(policy_bug::logprob_allgather_grad_sum)) g.a *= static_cast<float>(mb_.groups.tp.size());
-    g.c = cp_factor * k_.entropy_coef;
+    g.c = cp_factor * entropy_share * k_.entropy_coef;
     g.shift = float32_entropy;
-    g.scale = p.backward_weight * inverse_t_;
+    // Under rl-temperature-16bit the shard applies 1 / T after rounding the float32 pass's gradient.
+    g.scale = tempered16_ ? p.backward_weight : p.backward_weight * inverse_t_;
     g.target = owner(i) ? static_cast<float>(local_target(i)) : -1.0f;
     // This shard's mass P_r and its part of H, H_r: what the untracked all-reduces' backward sees.
     const float mass = own_[i] / s;
@@ -253,7 +265,8 @@ class Protocol {
   const float inverse_t_;
   const std::size_t n_;
   const DType dtype_;
-  const bool rounded_;  // rl-logprob-16bit on 16-bit logits
+  const bool rounded_;     // rl-logprob-16bit on 16-bit logits
+  const bool tempered16_;  // rl-temperature-16bit on 16-bit logits at T != 1
   std::vector<float> local_, local16_;
   std::vector<float> max16_, sums16_;  // rl-logprob-16bit: M and [S | E | x_y / T - M] of the rounded x / T
   std::vector<float> max_;

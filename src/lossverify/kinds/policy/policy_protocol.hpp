@@ -41,8 +41,11 @@ class PolicyShard {
   // shard reads x / T with inverse_temperature, which the protocol decides; with round_scaled each x / T is
   // rounded to the logits' storage dtype first (rl-logprob-16bit: logits.div_(T) on 16-bit logits).
   virtual void local_stats(float inverse_temperature, bool round_scaled, std::span<float> stats) = 0;
-  // The gradient of every active row's local columns (PolicyGradRow::kFloats floats per row).
-  virtual void gradient(float inverse_temperature, std::span<const float> rows) = 0;
+  // The gradient of every active row's local columns (PolicyGradRow::kFloats floats per row). With
+  // round_scaled (rl-temperature-16bit), p_v is that of x / T rounded to the storage dtype, and each element is
+  // scale * value rounded to the storage dtype, then times 1 / T and rounded again (the float32 pass's gradient
+  // cast back, then logits.div_(T)'s backward in the logits' dtype).
+  virtual void gradient(float inverse_temperature, bool round_scaled, std::span<const float> rows) = 0;
 };
 
 // What the protocol reads and writes of one micro-batch, rows [begin, begin + n) of the rank, on any backend.
@@ -54,6 +57,7 @@ struct PolicyBatch {
   std::int64_t begin = 0, n = 0;
   VocabRange work;  // the kernel's columns
   std::vector<float>& token_loss;
+  std::vector<float>& logged_token_loss;  // sized where the plan separates it (the aux-term bugs)
   std::vector<float>& token_values;
   std::vector<double>& logged_stats;
 };

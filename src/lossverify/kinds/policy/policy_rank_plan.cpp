@@ -111,6 +111,7 @@ std::vector<double> row_weights(const RowPlanRequest& q, const PolicyOptions& o,
         case Aggregation::seq_mean_token_sum_norm:
           weight = 1.0 / (static_cast<double>(sequences) * o.norm_constant);
           if (bugs & policy_bug::drgrpo_batch_sum) weight *= micro_sequences;
+          if (bugs & policy_bug::drgrpo_rank_batch_sum) weight = 1.0 / (dp_size * o.norm_constant);
           break;
       }
       w[row] = weight;
@@ -180,6 +181,43 @@ std::vector<double> microbatch_statistic_weights(const RowPlanRequest& q,
   return w;
 }
 
+// The aux-term bugs: the KL's and the entropy's own weight per row, whatever the aggregation, divided by the
+// row's weight w. rl-aux-token-mean: both 1/N. rl-aux-sample-weighted: within micro-batch k of a DP rank, the KL
+// a mean over its b_k sequences of each one's token mean, the entropy its token mean over N_k, each weighted by
+// b_k / B_r, then the DP mean. rl-aux-microbatch-mean: the same means, each micro-batch / K.
+void aux_weight_ratios(const RowPlanRequest& q, const std::vector<std::int64_t>& per_sequence,
+                       const std::vector<double>& w, std::vector<float>& in) {
+  const std::uint64_t bugs = q.bugs.kind_switches;
+  const MicroBatchCounts m = micro_batch_counts(q, per_sequence);
+  const auto& offsets = q.assignment.micro_batch_begin;
+  const std::size_t ga = offsets.size() - 1;
+  const int dp = q.assignment.coordinates.dp;
+  const auto dp_size = static_cast<double>(q.c.layout.dp);
+  std::int64_t tokens = 0, rank_sequences = 0;
+  for (std::int64_t n : per_sequence) tokens += n;
+  for (std::size_t k = 0; k < ga; ++k) rank_sequences += m.at(m.sequences, dp, k, ga);
+  for (std::size_t k = 0; k < ga; ++k) {
+    const auto n_k = static_cast<double>(std::max<std::int64_t>(m.at(m.tokens, dp, k, ga), 1));
+    const auto b_k = static_cast<double>(std::max<std::int64_t>(m.at(m.sequences, dp, k, ga), 1));
+    // micro-batch k's weight in the rank's step: b_k / B_r, or 1 / K
+    const double share = (bugs & policy_bug::aux_sample_weighted)
+                             ? b_k / static_cast<double>(std::max<std::int64_t>(rank_sequences, 1))
+                             : 1.0 / static_cast<double>(ga);
+    for (std::int64_t i = offsets[k]; i < offsets[k + 1]; ++i) {
+      const auto row = static_cast<std::size_t>(i);
+      if (!q.valid[row] || w[row] == 0.0) continue;
+      double kl = 1.0 / static_cast<double>(tokens), entropy = kl;
+      if (bugs & (policy_bug::aux_sample_weighted | policy_bug::aux_microbatch_mean)) {
+        const auto n_s = static_cast<double>(per_sequence[static_cast<std::size_t>(q.assignment.rows[row].sequence)]);
+        kl = share / (b_k * n_s * dp_size);
+        entropy = share / (n_k * dp_size);
+      }
+      in[row * kPolicyRowInputs + 4] = static_cast<float>(kl / w[row]);
+      in[row * kPolicyRowInputs + 5] = static_cast<float>(entropy / w[row]);
+    }
+  }
+}
+
 // Old and reference log-probabilities and the advantage of every valid row, the advantage whitened over the
 // step's valid tokens (DP x CP; DP only under adv-whiten-dp-only) with the unbiased deviation.
 std::vector<float> row_inputs(const RowPlanRequest& q, const PolicyOptions& o) {
@@ -187,6 +225,8 @@ std::vector<float> row_inputs(const RowPlanRequest& q, const PolicyOptions& o) {
   std::vector<float> in(rows * kPolicyRowInputs, 0.0f);
   double moments[3] = {0.0, 0.0, 0.0};  // n, sum A, sum A^2
   for (std::size_t i = 0; i < rows; ++i) {
+    in[i * kPolicyRowInputs + 4] = 1.0f;
+    in[i * kPolicyRowInputs + 5] = 1.0f;
     if (!q.valid[i]) continue;
     const PolicyTokenInputs t = policy_token_inputs(q.c, q.inputs, q.assignment.rows[i].token);
     in[i * kPolicyRowInputs] = t.old_logprob;
@@ -218,6 +258,15 @@ KindRowPlan plan_policy_rows(const RowPlanRequest& q) {
   const std::vector<std::int64_t> per_sequence = sequence_counts(q);
   KindRowPlan plan;
   std::vector<double> weights = row_weights(q, o, per_sequence);
+  if (o.objective == PolicyOptions::Objective::policy_loss) {
+    plan.row_inputs = row_inputs(q, o);
+    const std::uint64_t aux_bugs =
+        policy_bug::aux_token_mean | policy_bug::aux_sample_weighted | policy_bug::aux_microbatch_mean;
+    if ((q.bugs.kind_switches & aux_bugs) != 0) {
+      aux_weight_ratios(q, per_sequence, weights, plan.row_inputs);
+      plan.separate_logged_loss = true;
+    }
+  }
   if (q.bugs.microbatch_local_mean) {
     weights = rank_local_weights(q, o, std::move(weights));
     plan.rank_local_weights = o.aggregation != Aggregation::token_sum;
@@ -229,7 +278,6 @@ KindRowPlan plan_policy_rows(const RowPlanRequest& q) {
   if ((q.bugs.kind_switches & policy_bug::stats_microbatch_mean) != 0) {
     plan.statistic_weights = microbatch_statistic_weights(q, per_sequence);
   }
-  if (o.objective == PolicyOptions::Objective::policy_loss) plan.row_inputs = row_inputs(q, o);
   plan.sequences = static_cast<std::int64_t>(per_sequence.size());
   return plan;
 }
