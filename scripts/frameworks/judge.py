@@ -13,6 +13,7 @@ import argparse
 import importlib
 import json
 import os
+import re
 import sys
 import time
 
@@ -103,22 +104,34 @@ def _lossverify_run(run, bug):
         return json.load(open(report))["runs"][0]
 
 
+def _check_margins(check):
+    """A failing check's margin and those of its parts (a loss's per-token and logged parts, each logged
+    statistic): a framework that reports only some parts (its logged loss, not per-token losses) is matched on
+    the part it reports."""
+    margins = [float(check["margin"])]
+    for part in check.get("metrics", {}).values():
+        if isinstance(part, dict) and part.get("margin") is not None and part.get("compared", 1):
+            margins.append(float(part["margin"]))
+    return margins
+
+
 def _explain(run, row, bugs):
     """The catalogued bugs that account for the failure: each failing check is attributed to a bug whose
     lossverify kernel, on the same inputs, fails that check with the same margin (within 1%, or both
-    infinite). Returns "bug" when one bug accounts for every failing check, else "bug + other bug" when every
+    infinite; or with the margin of one of the check's parts, _check_margins). Returns "bug" when one bug
+    accounts for every failing check, else "bug + other bug" when every
     failing check is attributed, else None."""
     margins_of = {}
     for bug in bugs:
         theirs = _lossverify_run(run, bug)
         if theirs is not None:  # "Infinity" in the JSON
-            margins_of[bug] = {c["name"]: float(c["margin"]) for c in theirs["checks"] if c["verdict"] == "fail"}
+            margins_of[bug] = {c["name"]: _check_margins(c) for c in theirs["checks"] if c["verdict"] == "fail"}
     mine_of = {check: row["margins"].get(check) for check in row["failing_checks"]}
 
     def matches(margins, check):
         mine = mine_of[check]
-        return check in margins and mine is not None and (
-            mine == margins[check] or abs(mine - margins[check]) <= 0.01 * abs(margins[check]))
+        return check in margins and mine is not None and any(
+            mine == m or abs(mine - m) <= 0.01 * abs(m) for m in margins[check])
 
     # One bug that accounts for every failing check is the explanation, before any combination.
     whole = next((bug for bug, margins in margins_of.items() if row["failing_checks"] and
@@ -155,6 +168,30 @@ def _markdown(framework, commit, rows):
     return "\n".join(lines) + "\n"
 
 
+def _saved_run(row):
+    """The Run a saved row describes (a single layout)."""
+    from lv_frameworks import Run
+    layout = {k: int(v) for k, v in re.findall(r"(tp|cp|dp|ga)(\d+)", row["layout"])}
+    case = os.path.join(ROOT, row["case"]) if row["case"].endswith(".json") else row["case"]
+    return Run(row["function"], case, layout, row["overrides"], row.get("note", ""))
+
+
+def _reexplain(args, adapter, described):
+    saved = json.load(open(args.explain))
+    for row in saved["runs"]:
+        if row["verdict"] == "fail" and not row["layout"].startswith("sweep"):
+            row["explained_by"] = _explain(_saved_run(row), row, getattr(adapter, "EXPLANATIONS", []))
+            print(f"  {row['case']:<34} {row['layout']:<22} fail {'= ' + row['explained_by'] if row['explained_by'] else ''}"
+                  f" {row.get('summary', '')[:120]}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(saved, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(_markdown(adapter.NAME, saved.get("commit", described["commit"]), saved["runs"]))
+    return 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("framework")
@@ -168,6 +205,9 @@ def main(argv=None):
     parser.add_argument("--markdown")
     parser.add_argument("--keep", help="keep every run's inputs, dump and report under this folder")
     parser.add_argument("--commit", help="the commit judged, when CHECKOUT is an exported copy rather than a git tree")
+    parser.add_argument("--explain", metavar="JSON",
+                        help="re-attribute the failing runs of a saved judgement (say, one made on the GPU machine) "
+                             "with this machine's lossverify and the adapter's catalogue entries; no run is repeated")
     parser.add_argument("--case", action="append", default=[],
                         help="run the --function functions on this case file, at its own layout (repeatable)")
     args = parser.parse_args(argv)
@@ -182,6 +222,8 @@ def main(argv=None):
     described = adapter.describe(args.checkout)
     if args.commit:
         described["commit"] = args.commit
+    if args.explain:
+        return _reexplain(args, adapter, described)
     runs = adapter.runs(_shipped_cases())
     if args.case:
         if not args.function:

@@ -205,3 +205,56 @@ TEST_CASE("rl-temperature-16bit: log-prob of x = bf16(z / T) in float32, its gra
   CHECK(testing::run_with(testing::make_case(t1), "rl-temperature-16bit").verdict == Verdict::pass);
   CHECK(testing::run_with(testing::make_case(plain_json(2, 1, 1, 1)), "rl-temperature-16bit").verdict == Verdict::pass);
 }
+
+TEST_CASE("the 16-bit gradients: each element from its definition on the log-prob pass (l = -lambda)") {
+  // One rank, token-mean over N valid tokens, T = 0.7, bf16: x = bf16(z / T), lse over x in double.
+  // rl-temperature-16bit: g_v = bf16(bf16((-1/N) (delta - p_v)) / T), the float32 pass's gradient cast back, then
+  // div_'s backward. rl-logprob-16bit: a 16-bit log_softmax's backward from its rounded output and upstream
+  // gradient, g_v = bf16(bf16(bf16(-1/N) (delta - e^(bf16(x_v - lse)))) / T). The kernel's float32 sums may put
+  // an element on the other side of a rounding midpoint: all within one bf16 step, nearly all equal.
+  nlohmann::json j = plain_json(1, 1, 1, 1);
+  j["loss"] = {{"kind", "policy"}, {"objective", "logprob"}, {"temperature", 0.7}};
+  j["inputs"]["dtype"] = "bf16";
+  const Case c = testing::make_case(j);
+  const InputSource inputs(c);
+  const auto vocab = static_cast<std::size_t>(c.shape.vocab);
+  const float inverse_t = static_cast<float>(1.0 / 0.7);
+  auto bf16 = [](double v) { return round_to_dtype(v, DType::bf16); };
+  for (const char* bug : {"rl-temperature-16bit", "rl-logprob-16bit"}) {
+    CAPTURE(std::string(bug));
+    const bool logsoftmax16 = std::string(bug) == "rl-logprob-16bit";
+    const RankOutput out = run_ranks(c, inputs, bug).outputs[0];
+    std::int64_t n = 0;
+    for (std::int64_t i = 0; i < out.rows(); ++i) n += out.token_of(i) >= 0 && inputs.is_valid(out.token_of(i));
+    const double w = 1.0 / static_cast<double>(n);
+    std::vector<Eigen::bfloat16> z(vocab);
+    std::int64_t elements = 0, equal = 0;
+    for (std::int64_t i = 0; i < out.rows(); ++i) {
+      const std::int64_t t = out.token_of(i);
+      if (t < 0 || !inputs.is_valid(t)) continue;
+      inputs.logits(t, 0, c.shape.vocab, z.data());
+      std::vector<double> x(vocab);
+      double m = -INFINITY;
+      for (std::size_t v = 0; v < vocab; ++v) {
+        x[v] = bf16(static_cast<double>(static_cast<float>(z[v]) * inverse_t));
+        m = std::max(m, x[v]);
+      }
+      double sum = 0.0;
+      for (double xv : x) sum += std::exp(xv - m);
+      const double lse = m + std::log(sum);
+      for (std::size_t v = 0; v < vocab; ++v) {
+        const double delta = static_cast<std::int64_t>(v) == inputs.label(t) ? 1.0 : 0.0;
+        const double inner = logsoftmax16 ? bf16(bf16(-w) * (delta - std::exp(bf16(x[v] - lse))))
+                                          : bf16(-w * (delta - std::exp(x[v] - lse)));
+        const double expected = bf16(inner * inverse_t);
+        const double got = out.grad_at(i, static_cast<std::int64_t>(v));
+        const double step = expected == 0.0 ? 0.0 : std::ldexp(1.0, std::ilogb(std::fabs(expected)) - 7);
+        CHECK(std::fabs(got - expected) <= step);
+        equal += got == expected;
+        ++elements;
+      }
+    }
+    CHECK(elements > 10000);
+    CHECK(equal >= elements - elements / 100);
+  }
+}

@@ -424,6 +424,57 @@ def rl_logprob_16bit(logits, labels, ctx):
     return _policy(logits, labels, ctx, logprob_16bit=True)
 
 
+def rl_drgrpo_rank_batch_sum(logits, labels, ctx):
+    """seq-mean-token-sum-norm never divided by the sequence count: each micro-batch's sum_s S_s / H_max summed
+    over the rank's micro-batches, then averaged over DP (volcengine/verl b178a3cd verl/workers/utils/losses.py
+    ppo_loss, whose global_batch_info passes no batch size to this mode, with verl/trainer/ppo/core_algos.py
+    agg_loss 1072-1076, torch.sum(seq_losses) / loss_scale_factor; the new engine summing micro-batches): each
+    sequence weighs 1/(DP H_max) instead of 1/(B H_max)."""
+    return _policy(logits, labels, ctx, drgrpo_rank_batch_sum=True)
+
+
+def rl_aux_token_mean(logits, labels, ctx):
+    """The KL and entropy terms aggregated token-mean (1/N) while the policy term follows the case's sequence
+    aggregation (OpenRLHF/OpenRLHF 3c3be623 openrlhf/trainer/ray/ppo_actor.py:330 and :346: aggregate_loss in its
+    default token mode for the KL and the entropy; PolicyLoss forces per-sample for gspo). The logged loss is
+    the sum with these weights."""
+    return _policy(logits, labels, ctx, aux_token_mean=True)
+
+
+def rl_aux_sample_weighted(logits, labels, ctx):
+    """Whatever the aggregation, the KL a mean over the micro-batch's sequences of each one's token mean and the
+    entropy the micro-batch's token mean, each weighted by the micro-batch's share of the rank's sequences, then
+    the DP mean (NovaSky-AI/SkyRL a9564572 skyrl/backends/skyrl_train/workers/worker.py:1056-1089, the FSDP
+    worker: masked_mean(kl, mask, dim=-1).mean() and masked_mean(entropy, mask), x len(microbatch) /
+    len(data)): KL weight 1/(DP B_r n_s), entropy weight b_k/(DP B_r N_k)."""
+    return _policy(logits, labels, ctx, aux_sample_weighted=True)
+
+
+def rl_aux_microbatch_mean(logits, labels, ctx):
+    """Whatever the aggregation, the KL a mean over the micro-batch's sequences of each one's token mean and the
+    entropy the micro-batch's token mean, each micro-batch divided by K, then the DP mean (NovaSky-AI/SkyRL
+    a9564572 skyrl/backends/skyrl_train/workers/megatron/megatron_model_wrapper.py:851-941, the Megatron
+    loss_func's KL and entropy terms, Megatron's schedule dividing by K): KL weight 1/(DP K b_k n_s), entropy
+    weight 1/(DP K N_k)."""
+    return _policy(logits, labels, ctx, aux_microbatch_mean=True)
+
+
+def rl_temperature_16bit(logits, labels, ctx):
+    """The logits divided by T in place in their 16-bit dtype before a float32 log-prob pass (NVIDIA-NeMo/RL
+    7ea279ab nemo_rl/models/automodel/train.py:193 and models/megatron/train.py:216: logits.div_(temperature)
+    before get_next_token_logprobs_from_logits casts to float32): x = round16(z / T); float32 logits and T = 1
+    are left alone."""
+    return _policy(logits, labels, ctx, temperature_16bit=True)
+
+
+def rl_kl_score_function(logits, labels, ctx):
+    """The KL penalty weighted by e^(lambda - sg lambda) (value 1), which adds a score-function term KL_t to its
+    gradient (NVIDIA-NeMo/RL 7ea279ab nemo_rl/algorithms/loss/loss_functions.py:480-502, calculate_kl with
+    importance_sampling_weights; deliberate, after arXiv 2506.09477: a divergence from the objective's plain
+    penalty, not a defect of NeMo-RL's own objective)."""
+    return _policy(logits, labels, ctx, kl_score_function=True)
+
+
 CATALOGUE = {
     "correct": correct,
     "smoothing_partition_vocab": smoothing_partition_vocab,
@@ -468,6 +519,12 @@ CATALOGUE = {
     "rl_logsoftmax_untracked_allreduce": rl_logsoftmax_untracked_allreduce,
     "rl_stats_microbatch_mean": rl_stats_microbatch_mean,
     "rl_logprob_16bit": rl_logprob_16bit,
+    "rl_drgrpo_rank_batch_sum": rl_drgrpo_rank_batch_sum,
+    "rl_aux_token_mean": rl_aux_token_mean,
+    "rl_aux_sample_weighted": rl_aux_sample_weighted,
+    "rl_aux_microbatch_mean": rl_aux_microbatch_mean,
+    "rl_temperature_16bit": rl_temperature_16bit,
+    "rl_kl_score_function": rl_kl_score_function,
 }
 # The loss kind each name applies to: the bugs of the KD loss, of the policy loss (rl_*), those of the
 # normaliser or logged count that reach every kind (and `correct`), and the cross-entropy bugs (the others).

@@ -20,7 +20,7 @@ from lossverify.torch.implementations._collectives import all_reduce_, gather_co
 from lossverify.torch.policy import masked, policy_terms, sequence_log_ratio, statistics_parts, token_loss
 
 __all__ = ["PolicyBugs", "vocab_parallel_logprob_entropy", "policy_loss", "policy_token_loss",
-           "logprob_with_untracked_all_reduce", "entropy_with_untracked_all_reduce",
+           "logprob_with_untracked_all_reduce", "tempered_16bit", "entropy_with_untracked_all_reduce",
            "logsoftmax_with_untracked_all_reduce", "logprob_entropy_16bit", "logprob_from_all_gather",
            "whitened_advantages"]
 
@@ -46,6 +46,12 @@ class PolicyBugs:
     stats_microbatch_mean: bool = False  # logged statistics: micro-batch token means, averaged (TRL GRPOTrainer)
     logprob_16bit: bool = False  # the log-prob pass on 16-bit x / T, each op's output rounded (verl, SkyRL, TRL)
     microbatch_local_mean: bool = False  # each rank's micro-batch over its own counts / GA (the any-kind bug)
+    drgrpo_rank_batch_sum: bool = False  # seq-mean-token-sum-norm never / B: 1/(DP H_max) (verl's new engine)
+    aux_token_mean: bool = False  # KL and entropy token-mean whatever the aggregation (OpenRLHF GSPO)
+    aux_sample_weighted: bool = False  # KL and entropy micro-batch means x sequence share (SkyRL FSDP worker)
+    aux_microbatch_mean: bool = False  # KL and entropy micro-batch means / K (SkyRL Megatron loss_func)
+    temperature_16bit: bool = False  # logits.div_(T) in their 16-bit dtype before a float32 pass (NeMo-RL)
+    kl_score_function: bool = False  # the KL x e^(lambda - sg lambda), a score-function gradient (NeMo-RL)
 
 
 def _inverse_temperature(ctx, bugs):
@@ -232,10 +238,20 @@ def _fused_pad(logits):
     return torch.cat([logits, logits.new_zeros(logits.shape[:-1] + (pad,))], dim=-1)
 
 
+def tempered_16bit(logits, ctx, inverse_t):
+    """NeMo-RL's logits.div_(temperature) on 16-bit logits (nemo_rl/models/automodel/train.py:193,
+    models/megatron/train.py:216 at 7ea279ab): x = round16(z / T), the float32 product z (1/T) rounded to the
+    logits' dtype, left for a float32 log-prob pass at T = 1. Backward through it autograd rounds that pass's
+    gradient to the dtype (x's grad), multiplies it by 1/T in float32 and rounds again (z's grad)."""
+    return (logits.float() * inverse_t).to(ctx.dtype)
+
+
 def _logprob_entropy(logits, labels, ctx, bugs):
     """The log-prob pass as the switches make it: (logprob, entropy) [rows] float32."""
     inverse_t = _inverse_temperature(ctx, bugs)
     width = logits.shape[-1]
+    if bugs.temperature_16bit and ctx.dtype in (torch.bfloat16, torch.float16) and inverse_t != 1.0:
+        logits, inverse_t = tempered_16bit(logits, ctx, inverse_t), 1.0  # the pass then reads x at T = 1
     # float32 first, as trainers do: where the log-prob and the entropy come from two graphs, their gradients
     # meet in float32 and reach 16-bit logits rounded once
     logits = logits.float()
@@ -332,6 +348,10 @@ def _weights(ctx, bugs):
     aggregation = loss.aggregation
     if bugs.microbatch_local_mean:
         return _rank_local_weights(ctx)
+    if aggregation == "seq-mean-token-sum-norm" and bugs.drgrpo_rank_batch_sum:
+        # verl's new engine: each micro-batch's sum_s S_s / H_max (no batch size for this mode), the rank's
+        # micro-batches summed, the DP ranks averaged
+        return mask / (ctx.dp_size * loss.norm_constant)
     token_mean_bug = bugs.token_mean_sample_weighted or bugs.microbatch_self_normalized
     needs_counts = ((aggregation == "token-mean" and token_mean_bug)
                     or (aggregation == "seq-mean-token-sum-norm" and bugs.drgrpo_batch_sum))
@@ -372,6 +392,10 @@ def _per_token(logits, labels, ctx, bugs):
                              log_ratio=_log_ratio(logprob, old, ctx, bugs))
     if bugs.kl_no_grad:
         terms = replace(terms, kl=terms.kl.detach())
+    if bugs.kl_score_function and loss.objective != "logprob":
+        # NeMo-RL's calculate_kl with importance weights: the KL x e^(lambda - sg lambda), value 1, whose
+        # gradient gains KL_t per token
+        terms = replace(terms, kl=terms.kl * torch.exp(logprob - logprob.detach()))
     value = masked(token_loss(terms, entropy, loss), valid)
     scale = float(ctx.cp_size) if bugs.cp_extra_scale else 1.0
     objective = value if scale == 1.0 else masked(token_loss(terms, entropy, loss, kl_scale=scale,
@@ -404,6 +428,49 @@ def _statistics_count(ctx, bugs):
     return max(int(counts[0, :, ctx.micro_batch].sum()), 1) * ctx.ga
 
 
+def _aux_bug(ctx, bugs):
+    return (ctx.loss.objective != "logprob"
+            and (bugs.aux_token_mean or bugs.aux_sample_weighted or bugs.aux_microbatch_mean))
+
+
+def _aux_weights(ctx, bugs):
+    """The KL's and the entropy's own weights in L (float64 [rows] each) under the aux-term bugs, whatever the
+    aggregation. rl-aux-token-mean: both 1/N. rl-aux-sample-weighted and rl-aux-microbatch-mean: within
+    micro-batch k of a DP rank (b_k sequences, N_k valid tokens over its CP group) the KL a mean over the
+    sequences of each one's token mean, 1/(b_k n_s), the entropy the token mean 1/N_k, each micro-batch weighted
+    by b_k / B_r (its share of the rank's B_r sequences) or by 1/K, then the DP mean."""
+    mask = ctx.loss_mask.double()
+    if bugs.aux_token_mean:
+        n = mask / max(ctx.num_valid_tokens, 1)
+        return n, n
+    counts = _once(ctx, "policy_micro_batch_counts", lambda: _micro_batch_counts(ctx))
+    n_k = float(max(int(counts[0, ctx.dp_rank, ctx.micro_batch]), 1))
+    b_k = float(max(int(counts[1, ctx.dp_rank, ctx.micro_batch]), 1))
+    if bugs.aux_sample_weighted:  # x len(microbatch) / len(data)
+        share = b_k / float(max(int(counts[1, ctx.dp_rank].sum()), 1))
+    else:  # Megatron's schedule divides each micro-batch by K
+        share = 1.0 / ctx.ga
+    n_s = ctx.sequence_valid_tokens[ctx.sequences.clamp(min=0)].double().clamp(min=1.0)
+    kl = mask * share / (b_k * ctx.dp_size) / n_s  # masked_mean(kl, mask, dim=-1).mean()
+    entropy = mask * (share / (n_k * ctx.dp_size))  # masked_mean(entropy, mask)
+    return kl, entropy
+
+
+def _aux_parts(terms, entropy, ctx, bugs, weights):
+    """The objective as the aux-term bugs' frameworks add it up: the policy term aggregated with the case's
+    weights, kl_coef x the KL and -entropy_coef x the entropy each with its own (_aux_weights). Returns
+    [(per-token part, its weights in L)]."""
+    loss, valid = ctx.loss, ctx.loss_mask
+    kl_weights, entropy_weights = _aux_weights(ctx, bugs)
+    parts = [(masked(terms.surrogate, valid), weights)]
+    if loss.kl_coef:
+        parts.append((masked(float(torch.tensor(loss.kl_coef, dtype=torch.float32)) * terms.kl, valid), kl_weights))
+    if loss.entropy_coef:
+        parts.append((masked(-float(torch.tensor(loss.entropy_coef, dtype=torch.float32)) * entropy, valid),
+                      entropy_weights))
+    return parts
+
+
 def policy_loss(logits, labels, ctx, bugs=None):
     """The policy loss of one micro-batch as a training loop computes it: the log-prob pass, the objective on
     whitened advantages, each token weighted by the aggregation, compensated for the framework factor; with
@@ -411,10 +478,15 @@ def policy_loss(logits, labels, ctx, bugs=None):
     bugs = bugs or PolicyBugs()
     terms, logprob, entropy, value, objective = _per_token(logits, labels, ctx, bugs)
     weights = _weights(ctx, bugs)
-    loss = (objective * _backward_weights(ctx, bugs, weights).to(torch.float32)).sum()
+    if _aux_bug(ctx, bugs):  # the policy term, the KL and the entropy each aggregated its own way
+        parts = _aux_parts(terms, entropy, ctx, bugs, weights)
+        loss = sum((part * _backward_weights(ctx, bugs, w).to(torch.float32)).sum() for part, w in parts)
+        logged = sum((part.detach().double() * w).sum() for part, w in parts)
+    else:
+        loss = (objective * _backward_weights(ctx, bugs, weights).to(torch.float32)).sum()
+        logged = (value.detach().double() * weights).sum()
     if bugs.schedule_double_divide:  # the schedule divides by the micro-batch count once more
         loss = loss / ctx.ga
-    logged = (value.detach().double() * weights).sum()
     scale = float(ctx.cp_size) if bugs.cp_extra_scale else 1.0
     stats = statistics_parts(terms, entropy, ctx.loss_mask, _statistics_count(ctx, bugs), kl_scale=scale,
                              entropy_scale=scale)

@@ -29,7 +29,9 @@ class CpuPolicyShard final : public PolicyShard {
     }
   }
 
-  void gradient(float inverse_t, bool round_scaled, std::span<const float> rows) override {
+  void gradient(float inverse_t, PolicyGradRounding rounding, std::span<const float> rows) override {
+    const bool round_scaled = rounding != PolicyGradRounding::none;
+    const bool logsoftmax16 = rounding == PolicyGradRounding::logsoftmax16;
     for_active_rows([&](std::int64_t i) {
       const float* r = &rows[static_cast<std::size_t>(i) * PolicyGradRow::kFloats];
       const PolicyGradRow g{r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8]};
@@ -37,14 +39,23 @@ class CpuPolicyShard final : public PolicyShard {
       T* out = reinterpret_cast<T*>(mb_.grad) + (mb_.begin + i) * width_;
       const auto target = static_cast<std::int64_t>(g.target);
       const auto argmax = static_cast<std::int64_t>(g.argmax);
+      const float scaled_a = static_cast<float>(T(g.scale * g.a));  // log_softmax's 16-bit upstream gradient
       for (std::int64_t v = 0; v < width_; ++v) {
         const float u = round_scaled ? static_cast<float>(T(static_cast<float>(x[v]) * inverse_t))
                                      : static_cast<float>(x[v]) * inverse_t;
         const float log_p = (u - g.max) - g.log_sum;
         const float p = std::exp(log_p);
-        float value = g.a * ((v == target ? 1.0f : 0.0f) - p) + g.c * p * (log_p + g.shift);
+        const float delta = v == target ? 1.0f : 0.0f;
+        float value = g.c * p * (log_p + g.shift);
         if (v == argmax) value += g.bonus;
-        out[v] = round_scaled ? T(static_cast<float>(T(g.scale * value)) * inverse_t) : T(g.scale * value);
+        float element = 0.0f;
+        if (logsoftmax16) {
+          const float p16 = std::exp(static_cast<float>(T(log_p)));
+          element = static_cast<float>(T(scaled_a * (delta - p16))) + g.scale * value;
+        } else {
+          element = g.scale * (g.a * (delta - p) + value);
+        }
+        out[v] = round_scaled ? T(static_cast<float>(T(element)) * inverse_t) : T(element);
       }
     });
   }

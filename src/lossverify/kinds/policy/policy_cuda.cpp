@@ -31,9 +31,10 @@ class CudaPolicyShard final : public PolicyShard {
     LV_CUDA(cudaStreamSynchronize(stream_));
   }
 
-  void gradient(float inverse_t, bool round_scaled, std::span<const float> rows) override {
+  void gradient(float inverse_t, PolicyGradRounding rounding, std::span<const float> rows) override {
     args_.inverse_temperature = inverse_t;
-    args_.round_scaled = round_scaled ? 1 : 0;
+    args_.round_scaled = rounding != PolicyGradRounding::none ? 1 : 0;
+    args_.grad_rounding = static_cast<int>(rounding);
     DeviceBytes d_rows = upload(rows.data(), rows.size(), stream_);
     policy_gradient(type_, args_, d_rows.as<float>(), stream_);
     LV_CUDA(cudaGetLastError());

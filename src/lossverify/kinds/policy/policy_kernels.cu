@@ -186,15 +186,26 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(PolicyKernelArgs a, flo
   }
 }
 
-// A gradient element: under rl-temperature-16bit the float32 pass's gradient rounded to the storage type,
-// then div_(T)'s backward (times 1 / T, rounded again when stored).
+// To the storage type and back (a no-op for float).
 template <class T>
-__device__ __forceinline__ float rounded_then_tempered(float g, const PolicyKernelArgs& a) {
+__device__ __forceinline__ float round_to(float v) {
   if constexpr (std::is_same_v<T, float>) {
-    return g;
+    return v;
   } else {
-    return a.round_scaled ? widen<T>(narrow<T>(g)) * a.inverse_temperature : g;
+    return widen<T>(narrow<T>(v));
   }
+}
+
+// One gradient element, rounded as PolicyGradRounding says (policy_protocol.hpp): with rounding, scale leaves
+// 1 / T out, the element is rounded, times 1 / T, and rounded again when stored.
+template <class T>
+__device__ __forceinline__ float grad_element(float log_p, float p, bool is_target, float coef_a, float scaled_a,
+                                              float rest, float scale, const PolicyKernelArgs& a) {
+  const float delta = is_target ? 1.0f : 0.0f;
+  if (a.grad_rounding == 0) return scale * (coef_a * (delta - p) + rest);
+  float element = scale * (coef_a * (delta - p) + rest);
+  if (a.grad_rounding == 2) element = round_to<T>(scaled_a * (delta - fast_exp(round_to<T>(log_p)))) + scale * rest;
+  return round_to<T>(element) * a.inverse_temperature;
 }
 
 template <class T>
@@ -210,12 +221,13 @@ __global__ void __launch_bounds__(kThreads) grad_kernel(PolicyKernelArgs a, cons
     const auto argmax = static_cast<std::int64_t>(g[8]);
     const T* x = xs + r * a.cols;
     T* out = gs + r * a.cols;
+    const float scaled_a = round_to<T>(scale * coef_a);  // a 16-bit log_softmax's upstream gradient
     auto value = [&](float xv, std::int64_t c) {
       const float log_p = (scaled<T>(xv, a) - max) - log_sum;
       const float p = fast_exp(log_p);
-      float v = coef_a * ((c == target ? 1.0f : 0.0f) - p) + coef_c * p * (log_p + shift);
-      if (c == argmax) v += bonus;
-      return rounded_then_tempered<T>(scale * v, a);
+      float rest = coef_c * p * (log_p + shift);
+      if (c == argmax) rest += bonus;
+      return grad_element<T>(log_p, p, c == target, coef_a, scaled_a, rest, scale, a);
     };
     if (vectorized) {
       const int4* xv = reinterpret_cast<const int4*>(x);

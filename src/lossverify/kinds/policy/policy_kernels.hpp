@@ -14,9 +14,8 @@ struct PolicyKernelArgs {
   const int* active = nullptr;           // per row
   const std::int64_t* target = nullptr;  // per row: the label's local column, -1 where the shard holds none
   float inverse_temperature = 1.0f;
-  // x / T rounded to the storage type: in the statistics (rl-logprob-16bit, rl-temperature-16bit) and in the
-  // gradient, whose elements are then rounded before 1 / T and again after (rl-temperature-16bit)
-  int round_scaled = 0;
+  int round_scaled = 0;   // x / T rounded to the storage type (rl-logprob-16bit, rl-temperature-16bit)
+  int grad_rounding = 0;  // the gradient's PolicyGradRounding (policy_protocol.hpp)
 };
 
 // PolicyLocalStats::kFloats floats per row into `stats` (device memory); inactive rows get zeros.

@@ -68,9 +68,13 @@ class Protocol {
       const PolicyGradRow g = evaluate(i);
       const float values[PolicyGradRow::kFloats] = {g.max,   g.log_sum, g.a,      g.bonus, g.c,
                                                     g.shift, g.scale,   g.target, g.argmax};
-      std::copy(values, values + PolicyGradRow::kFloats, grad_rows.begin() + static_cast<std::ptrdiff_t>(i * 9));
+      std::copy(values, values + PolicyGradRow::kFloats,
+                grad_rows.begin() + static_cast<std::ptrdiff_t>(i * PolicyGradRow::kFloats));
     }
-    shard_.gradient(inverse_t_, tempered16_, grad_rows);
+    const PolicyGradRounding rounding = rounded_      ? PolicyGradRounding::logsoftmax16
+                                        : tempered16_ ? PolicyGradRounding::tempered16
+                                                      : PolicyGradRounding::none;
+    shard_.gradient(inverse_t_, rounding, grad_rows);
   }
 
  private:
@@ -189,7 +193,7 @@ class Protocol {
     const float log_s = log_sum(i);
     const float logprob = this->logprob(i);
     const float float32_entropy = log_s - sums_[n_ + i] / s;
-    const float entropy = rounded_ ? entropy16(i) : float32_entropy;  // the value; the gradient keeps float32's
+    const float entropy = rounded_ ? entropy16(i) : float32_entropy;  // the value
     const float* in = inputs(i);
     const bool by_sequence = sequence_ratio() && p.valid;
     PolicyTerms<float> t = in == nullptr ? policy_terms(logprob, logprob, 0.0f, 0.0f, k_)
@@ -224,8 +228,9 @@ class Protocol {
       mb_.logged_stats[3] += static_cast<double>(cp_factor * entropy) * inverse_n;
     }
     PolicyGradRow g;
-    g.max = max_[i];
-    g.log_sum = log_s;
+    // Under rl-logprob-16bit the gradient is that of the 16-bit pass, on the rounded x / T.
+    g.max = rounded_ ? max16_[i] : max_[i];
+    g.log_sum = rounded_ ? std::log(sums16_[i]) : log_s;
     // rl-kl-score-function: the KL weighted by e^(lambda - sg lambda), whose gradient adds KL_t to k'(lambda_t)
     const float kl_derivative = has(policy_bug::kl_score_function) ? t.kl_slope + t.kl : t.kl_slope;
     const float kl_slope = has(policy_bug::kl_no_grad) ? 0.0f : cp_factor * kl_share * k_.kl_coef * kl_derivative;
@@ -234,7 +239,7 @@ class Protocol {
     g.c = cp_factor * entropy_share * k_.entropy_coef;
     g.shift = float32_entropy;
     // Under rl-temperature-16bit the shard applies 1 / T after rounding the float32 pass's gradient.
-    g.scale = tempered16_ ? p.backward_weight : p.backward_weight * inverse_t_;
+    g.scale = (tempered16_ || rounded_) ? p.backward_weight : p.backward_weight * inverse_t_;
     g.target = owner(i) ? static_cast<float>(local_target(i)) : -1.0f;
     // This shard's mass P_r and its part of H, H_r: what the untracked all-reduces' backward sees.
     const float mass = own_[i] / s;

@@ -34,6 +34,13 @@ struct PolicyGradRow {
   static constexpr int kFloats = 9;
 };
 
+// How the gradient kernel rounds to the logits' 16-bit storage dtype (a no-op on float32 logits):
+// tempered16: p_v of x / T rounded (rl-temperature-16bit), each element scale * value rounded, then times 1 / T
+// and rounded again (the float32 pass's gradient cast back, then logits.div_(T)'s backward in the logits' dtype);
+// logsoftmax16 (rl-logprob-16bit): as tempered16, and the log-prob's part is a 16-bit log_softmax's backward,
+// round16(round16(scale a) (delta - e^(round16(log p_v)))), from its 16-bit output and upstream gradient.
+enum class PolicyGradRounding { none = 0, tempered16 = 1, logsoftmax16 = 2 };
+
 class PolicyShard {
  public:
   virtual ~PolicyShard() = default;
@@ -41,11 +48,9 @@ class PolicyShard {
   // shard reads x / T with inverse_temperature, which the protocol decides; with round_scaled each x / T is
   // rounded to the logits' storage dtype first (rl-logprob-16bit: logits.div_(T) on 16-bit logits).
   virtual void local_stats(float inverse_temperature, bool round_scaled, std::span<float> stats) = 0;
-  // The gradient of every active row's local columns (PolicyGradRow::kFloats floats per row). With
-  // round_scaled (rl-temperature-16bit), p_v is that of x / T rounded to the storage dtype, and each element is
-  // scale * value rounded to the storage dtype, then times 1 / T and rounded again (the float32 pass's gradient
-  // cast back, then logits.div_(T)'s backward in the logits' dtype).
-  virtual void gradient(float inverse_temperature, bool round_scaled, std::span<const float> rows) = 0;
+  // The gradient of every active row's local columns (PolicyGradRow::kFloats floats per row), rounded as
+  // `rounding` says (where it is not none, scale leaves 1 / T out).
+  virtual void gradient(float inverse_temperature, PolicyGradRounding rounding, std::span<const float> rows) = 0;
 };
 
 // What the protocol reads and writes of one micro-batch, rows [begin, begin + n) of the rank, on any backend.
