@@ -30,6 +30,28 @@ def stub_module(name, **attributes):
     return module
 
 
+def stub_megatron_core_utils(fallback_group=lambda: None):
+    """megatron.core.utils, as much as Megatron's cross_entropy.py and tensor_parallel/utils.py import from it:
+    a group's rank and size, divide, the torch-version probe, and the TP group where a caller passes none
+    (fallback_group())."""
+    import torch
+
+    def divide(numerator, denominator):
+        assert numerator % denominator == 0, f"{numerator} is not divisible by {denominator}"
+        return numerator // denominator
+
+    def is_torch_min_version(version, check_equality=True):
+        have = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:3] if x.isdigit())
+        want = tuple(int(x) for x in version.split("."))
+        return have >= want if check_equality else have > want
+
+    return stub_module("megatron.core.utils", get_pg_rank=lambda group=None: torch.distributed.get_rank(group),
+                       get_pg_size=lambda group=None: torch.distributed.get_world_size(group),
+                       get_tensor_model_parallel_group_if_none=lambda group, **kwargs:
+                       group if group is not None else fallback_group(),
+                       divide=divide, is_torch_min_version=is_torch_min_version)
+
+
 def git_commit(path):
     """The checkout's commit (short), or "unknown" when it is not a git work tree."""
     try:

@@ -12,7 +12,7 @@ import types
 
 import torch
 
-from lv_frameworks import Run, adapt, checkout, cross_entropy_cases, git_commit
+from lv_frameworks import Run, adapt, checkout, cross_entropy_cases, git_commit, stub_megatron_core_utils
 
 NAME = "Megatron-LM"
 # Catalogued bugs a failure is compared with (judge.py: same failing checks, same loss margin).
@@ -30,26 +30,6 @@ def _package(name, path):
     return module
 
 
-def _stub_utils():
-    utils = types.ModuleType("megatron.core.utils")
-    utils.get_pg_rank = lambda group=None: torch.distributed.get_rank(group)
-    utils.get_pg_size = lambda group=None: torch.distributed.get_world_size(group)
-    utils.get_tensor_model_parallel_group_if_none = lambda group, **kwargs: group
-
-    def divide(numerator, denominator):
-        assert numerator % denominator == 0, f"{numerator} is not divisible by {denominator}"
-        return numerator // denominator
-
-    def is_torch_min_version(version, check_equality=True):
-        have = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:3] if x.isdigit())
-        want = tuple(int(x) for x in version.split("."))
-        return have >= want if check_equality else have > want
-
-    utils.divide = divide
-    utils.is_torch_min_version = is_torch_min_version
-    sys.modules["megatron.core.utils"] = utils
-
-
 def _load():
     global _function
     if _function is None:
@@ -65,7 +45,7 @@ def _load():
         state.get_tensor_model_parallel_world_size = (
             lambda *args, **kwargs: torch.distributed.get_world_size(_tp_group["group"]))
         sys.modules["megatron.core.parallel_state"] = state
-        _stub_utils()
+        stub_megatron_core_utils()
         from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
         _function = vocab_parallel_cross_entropy
     return _function

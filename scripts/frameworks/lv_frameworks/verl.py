@@ -38,7 +38,7 @@ import types
 import torch
 
 from lossverify.torch import LogProbs, Reduced
-from lv_frameworks import Run, checkout, git_commit, stub_module as _stub
+from lv_frameworks import Run, checkout, git_commit, stub_megatron_core_utils, stub_module as _stub
 from lv_frameworks.single_gpu import package_shell
 
 NAME = "verl"
@@ -63,24 +63,6 @@ class ActorConfig(dict):
 
 class AlgoConfig:
     pass
-
-
-def _stub_megatron_utils():
-    """megatron.core.utils: what cross_entropy.py and tensor_parallel/utils.py import from it (group rank and
-    size, divide, torch-version probes)."""
-    def divide(numerator, denominator):
-        assert numerator % denominator == 0, f"{numerator} is not divisible by {denominator}"
-        return numerator // denominator
-
-    def is_torch_min_version(version, check_equality=True):
-        have = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:3] if x.isdigit())
-        want = tuple(int(x) for x in version.split("."))
-        return have >= want if check_equality else have > want
-
-    _stub("megatron.core.utils", get_pg_rank=lambda group=None: torch.distributed.get_rank(group),
-          get_pg_size=lambda group=None: torch.distributed.get_world_size(group),
-          get_tensor_model_parallel_group_if_none=lambda group, **kwargs: group if group is not None else _tp["group"],
-          divide=divide, is_torch_min_version=is_torch_min_version)
 
 
 def _stub_imports():
@@ -113,7 +95,7 @@ def _stub_imports():
     megatron.core = mcore
     state = _stub("megatron.core.parallel_state", get_tensor_model_parallel_group=lambda *a, **k: _tp["group"])
     mcore.parallel_state = state
-    _stub_megatron_utils()
+    stub_megatron_core_utils(lambda: _tp["group"])
     tp = package_shell("megatron.core.tensor_parallel", os.path.join(core, "tensor_parallel"))
     mcore.tensor_parallel = tp
     from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy

@@ -181,53 +181,84 @@ def logsoftmax_with_untracked_all_reduce(logits, labels, ctx, inverse_t):
     return masked(logprob, ctx.loss_mask), masked(entropy, ctx.loss_mask)
 
 
-class _ValueOf(torch.autograd.Function):
-    """`value` in forward, the gradient handed to `tracked` unchanged (a value computed without autograd whose
-    gradient is that of the float32 computation it stands for)."""
-
-    @staticmethod
-    def forward(fctx, tracked, value):
-        return value.clone()
-
-    @staticmethod
-    def backward(fctx, grad):
-        return grad, None
-
-
 def _round16(values, dtype):
     return values.to(dtype).float()
 
 
-def _rounded_logprob_entropy(logits, labels, ctx, inverse_t, dtype):
-    """(log-probabilities, entropies) of x = round16(z / T) as 16-bit torch ops return them, float32 inside
-    and every op's output rounded: lambda = round16((x_y - M) - log S), H = round16(round16(lse) -
-    round16(sum_v p_v x_v)), with lse = M + log S and sum_v p_v x_v = M + E / S over the TP group."""
-    x = _round16(logits.float() * inverse_t, dtype)  # logits.div_(T) on 16-bit logits
-    row_max = all_reduce_(x.max(dim=-1).values, ctx.tp_group, dist.ReduceOp.MAX)
+def _row_stats(x, labels, group, vocab_start):
+    """(M, u = x - M, log S, E / S, u_y (0 where this shard does not own y), local, owned) of x [rows, columns]
+    over the TP group: M the row max, S = sum e^u, E = sum e^u u."""
+    row_max = all_reduce_(x.max(dim=-1).values, group, dist.ReduceOp.MAX)
     u = x - row_max.unsqueeze(-1)
     e = torch.exp(u)
-    local, owned = _owned(labels, ctx.vocab_start, x.shape[1])
+    local, owned = _owned(labels, vocab_start, x.shape[1])
     target = u.gather(1, local.clamp(0, x.shape[1] - 1).unsqueeze(-1)).squeeze(-1)
     packed = torch.stack([e.sum(dim=-1), (e * u).sum(dim=-1), torch.where(owned, target, torch.zeros_like(target))])
-    all_reduce_(packed, ctx.tp_group)
-    log_sum = torch.log(packed[0])
-    logprob = _round16(packed[2] - log_sum, dtype)
-    entropy = _round16(_round16(row_max + log_sum, dtype) - _round16(row_max + packed[1] / packed[0], dtype), dtype)
-    return masked(logprob, ctx.loss_mask), masked(entropy, ctx.loss_mask)
+    all_reduce_(packed, group)
+    return row_max, u, torch.log(packed[0]), packed[1] / packed[0], packed[2], local, owned
+
+
+class _LogProbEntropy16(torch.autograd.Function):
+    """The log-prob pass on 16-bit logits as the trainers run it, with x = round16(z / T) (the float32 product
+    z (1/T) rounded to the dtype, logits.div_(T)) and every op's output rounded: lambda = round16((x_y - M) -
+    log S), H = round16(round16(lse) - round16(sum_v p_v x_v)), with lse = M + log S and sum_v p_v x_v =
+    M + E / S over the TP group (M, S, E those of x).
+
+    Backward, per element v of this shard, with log p_v = (x_v - M) - log S and p_v = e^(log p_v):
+    a 16-bit log_softmax's backward from its rounded output and rounded upstream gradient,
+    round16(round16(g_lambda) (delta_vy - e^(round16(log p_v)))), plus the entropy's part in float32 on the
+    same p_v, -g_H p_v (log p_v + H) with H the float32 pass's entropy; that element rounded to the dtype,
+    then div_(T)'s backward in the dtype: round16(element (1/T))."""
+
+    @staticmethod
+    def forward(fctx, logits, labels, active, group, inverse_t, vocab_start, dtype):
+        z = logits.float()
+        # the float32 pass's entropy, the shift of the entropy's gradient
+        _, _, log_sum32, mean_u32, _, _, _ = _row_stats(z * inverse_t, labels, group, vocab_start)
+        entropy32 = log_sum32 - mean_u32
+        x = _round16(z * inverse_t, dtype)  # logits.div_(T) on 16-bit logits
+        row_max, u, log_sum, mean_u, target, local, owned = _row_stats(x, labels, group, vocab_start)
+        logprob = _round16(target - log_sum, dtype)
+        entropy = _round16(_round16(row_max + log_sum, dtype) - _round16(row_max + mean_u, dtype), dtype)
+        zero = torch.zeros_like(logprob)
+        logprob = torch.where(active, logprob, zero)
+        entropy = torch.where(active, entropy, zero)
+        fctx.save_for_backward(u, log_sum, entropy32, local, owned, active)
+        fctx.inverse_t = inverse_t
+        fctx.dtype = dtype
+        fctx.in_dtype = logits.dtype
+        return logprob, entropy
+
+    @staticmethod
+    def backward(fctx, grad_logprob, grad_entropy):
+        u, log_sum, entropy32, local, owned, active = fctx.saved_tensors
+        dtype = fctx.dtype
+        rows, width = u.shape
+        log_p = u - log_sum.unsqueeze(-1)
+        p = torch.exp(log_p)
+        target = torch.zeros_like(u)
+        target[torch.arange(rows, device=u.device), local.clamp(0, width - 1)] = owned.to(u.dtype)
+        # log_softmax's backward in the dtype: its upstream gradient and its output rounded, its result rounded
+        upstream = _round16(grad_logprob.float(), dtype).unsqueeze(-1)
+        element = _round16(upstream * (target - torch.exp(_round16(log_p, dtype))), dtype)
+        element = element - grad_entropy.float().unsqueeze(-1) * p * (log_p + entropy32.unsqueeze(-1))
+        # the element cast to the dtype, then div_(T)'s backward there
+        grad = _round16(_round16(element, dtype) * fctx.inverse_t, dtype)
+        grad = torch.where(active.unsqueeze(-1), grad, torch.zeros_like(grad))
+        return grad.to(fctx.in_dtype), None, None, None, None, None, None
 
 
 def logprob_entropy_16bit(logits, labels, ctx, inverse_t):
     """The log-prob pass on the logits' 16-bit dtype (verl b178a3cd logprobs_from_logits_v2's non-float32
     branch and entropy_from_logits; SkyRL a9564572 logits.div_(temperature); TRL f2cd5771
     selective_log_softmax, entropy_from_logits): x / T rounded, then log_softmax, logsumexp, softmax and
-    sum p x each returning a 16-bit value. The gradient is the float32 pass's (the objective evaluated on the
-    rounded values); float32 logits are left alone."""
-    logprob, entropy = vocab_parallel_logprob_entropy(logits, labels, ctx, inverse_t=inverse_t)
+    sum p x each returning a 16-bit value. The gradient is a 16-bit log_softmax's backward on the rounded x / T
+    (the entropy's part in float32), then div_(T)'s in the dtype (_LogProbEntropy16); float32 logits are left
+    alone."""
     if ctx.dtype not in (torch.bfloat16, torch.float16):
-        return logprob, entropy
-    with torch.no_grad():
-        rounded = _rounded_logprob_entropy(logits.detach(), labels, ctx, inverse_t, ctx.dtype)
-    return _ValueOf.apply(logprob, rounded[0]), _ValueOf.apply(entropy, rounded[1])
+        return vocab_parallel_logprob_entropy(logits, labels, ctx, inverse_t=inverse_t)
+    return _LogProbEntropy16.apply(logits, labels, ctx.loss_mask, ctx.tp_group, inverse_t, ctx.vocab_start,
+                                   ctx.dtype)
 
 
 def _fused_pad(logits):
