@@ -96,8 +96,9 @@ std::vector<Implementation> policy_catalogue() {
       "entropy_from_logits) from dp_actor.py; NovaSky-AI/SkyRL a9564572 utils/torch_utils.py:158-176 and "
       "workers/model_wrapper.py:334 (logits.div_(temperature)); huggingface/trl f2cd5771 trl/trainer/utils.py "
       "selective_log_softmax, entropy_from_logits (506-518)",
-      "lambda = round16((x_y - M) - log S) of x = round16(z / T), H = round16(round16(lse) - round16(sum p x)): "
-      "log-prob, entropy, loss and (through the ratio) grad fail on bf16/fp16 logits; passes on fp32",
+      "lambda = round16((x_y - M) - log S) of x = round16(z / T), H = round16(round16(lse) - round16(sum p x)); "
+      "the gradient a 16-bit log_softmax's backward, round16(round16(g) (delta - e^(round16(log p)))), then "
+      "div_(T)'s in the dtype: log-prob, entropy, loss and grad fail on bf16/fp16 logits; passes on fp32",
       {"entropy", "grad", "logprob", "loss", "stats"}, mine, bit(policy_bug::logprob_16bit)));
   v.push_back(catalogued_bug(
       "rl-stats-microbatch-mean",
