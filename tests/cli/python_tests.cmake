@@ -51,3 +51,24 @@ add_test(NAME python_framework_judge_reproducer
       ${CMAKE_CURRENT_BINARY_DIR}/framework_judge_repro.json")
 set_tests_properties(python_framework_judge_reproducer PROPERTIES TIMEOUT 300
   ENVIRONMENT "LOSSVERIFY_BIN=$<TARGET_FILE:lossverify>;PYTHONDONTWRITEBYTECODE=1")
+# judge.py --explain re-attributes a saved judgement without re-running it: the reproducer's saved rows get
+# dp-local-mean back, and a row whose margins were doubled (a framework the entry does not describe) gets none.
+add_test(NAME python_framework_judge_explain
+  COMMAND bash -c "torch_dir=$(${LOSSVERIFY_SYSTEM_PYTHON} -c 'import os, torch; print(os.path.dirname(torch.__file__))') && \
+    work=${CMAKE_CURRENT_BINARY_DIR}/framework_judge_explain && rm -rf $work && mkdir -p $work && \
+    ${LOSSVERIFY_SYSTEM_PYTHON} ${PROJECT_SOURCE_DIR}/scripts/frameworks/judge.py torch_native $torch_dir \
+      --function ddp_microbatch_mean --case ${PROJECT_SOURCE_DIR}/scripts/frameworks/repros/dp-local-mean.json \
+      --json $work/saved.json > /dev/null && \
+    ${LOSSVERIFY_SYSTEM_PYTHON} -c \"import json, sys; d = json.load(open(sys.argv[1])); r = d['runs'][0]; \
+      r.pop('explained_by'); json.dump(d, open(sys.argv[2], 'w')); \
+      r['margins'] = {k: 2 * v for k, v in r['margins'].items()}; json.dump(d, open(sys.argv[3], 'w'))\" \
+      $work/saved.json $work/plain.json $work/doubled.json && \
+    ${LOSSVERIFY_SYSTEM_PYTHON} ${PROJECT_SOURCE_DIR}/scripts/frameworks/judge.py torch_native $torch_dir \
+      --explain $work/plain.json --json $work/plain-explained.json && \
+    ${LOSSVERIFY_SYSTEM_PYTHON} ${PROJECT_SOURCE_DIR}/scripts/frameworks/judge.py torch_native $torch_dir \
+      --explain $work/doubled.json --json $work/doubled-explained.json && \
+    ${LOSSVERIFY_SYSTEM_PYTHON} -c \"import json, sys; got = [json.load(open(p))['runs'][0]['explained_by'] \
+      for p in sys.argv[1:]]; print(got); assert got == ['dp-local-mean', None]\" \
+      $work/plain-explained.json $work/doubled-explained.json")
+set_tests_properties(python_framework_judge_explain PROPERTIES TIMEOUT 300
+  ENVIRONMENT "LOSSVERIFY_BIN=$<TARGET_FILE:lossverify>;PYTHONDONTWRITEBYTECODE=1")
