@@ -4,10 +4,12 @@
 usage: python3 scripts/frameworks/judge.py FRAMEWORK CHECKOUT [--only CASE] [--function F] [--device cpu|cuda]
                                            [--backend gloo|nccl] [--json OUT.json] [--markdown OUT.md]
                                            [--keep DIR] [--commit C] [--case FILE --function F]
+                                           [--explain SAVED.json]
 FRAMEWORK names a module of lv_frameworks (megatron, ...); CHECKOUT is the framework's source tree, imported
 as its users import it. Each run prints one line; the JSON holds every run's verdict, failing checks, margins
-and warnings, and the Markdown the table rows of docs/frameworks.md. Exit 0 when every run finished (whatever
-the verdicts), 2 on a usage error.
+and warnings, and the Markdown the table rows of docs/frameworks.md. --explain re-attributes the failing runs of
+a saved judgement (one made on the GPU machine) with this machine's lossverify, running no framework code.
+Exit 0 when every run finished (whatever the verdicts), 2 on a usage error.
 """
 import argparse
 import importlib
