@@ -179,8 +179,14 @@ def _saved_run(row):
 
 
 def _reexplain(args, adapter, described):
-    saved = json.load(open(args.explain))
-    for row in saved["runs"]:
+    try:
+        with open(args.explain) as f:
+            saved = json.load(f)
+        rows = saved["runs"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"judge.py: --explain {args.explain}: not a saved judgement (its --json): {e!r}", file=sys.stderr)
+        return 2
+    for row in rows:
         if row["verdict"] == "fail" and not row["layout"].startswith("sweep"):
             row["explained_by"] = _explain(_saved_run(row), row, getattr(adapter, "EXPLANATIONS", []))
             print(f"  {row['case']:<34} {row['layout']:<22} fail {'= ' + row['explained_by'] if row['explained_by'] else ''}"

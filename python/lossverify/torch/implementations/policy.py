@@ -66,6 +66,16 @@ def _owned(labels, vocab_start, width):
     return local, (local >= 0) & (local < width)
 
 
+def _softmax_and_target(u, log_sum, local, owned):
+    """A backward's view of a shard's rows [rows, width] (u = x / T - M): log p, p, and the one-hot of each row's
+    label where this shard owns it."""
+    rows, width = u.shape
+    log_p = u - log_sum.unsqueeze(-1)
+    target = torch.zeros_like(u)
+    target[torch.arange(rows, device=u.device), local.clamp(0, width - 1)] = owned.to(u.dtype)
+    return log_p, torch.exp(log_p), target
+
+
 class _VocabParallelLogProbEntropy(torch.autograd.Function):
     @staticmethod
     def forward(fctx, logits, labels, active, group, inverse_t, vocab_start, width):
@@ -91,11 +101,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
     @staticmethod
     def backward(fctx, grad_logprob, grad_entropy):
         u, log_sum, entropy, local, owned, active = fctx.saved_tensors
-        rows, width = u.shape
-        log_p = u - log_sum.unsqueeze(-1)
-        p = torch.exp(log_p)
-        target = torch.zeros_like(u)
-        target[torch.arange(rows, device=u.device), local.clamp(0, width - 1)] = owned.to(u.dtype)
+        log_p, p, target = _softmax_and_target(u, log_sum, local, owned)
         grad = grad_logprob.float().unsqueeze(-1) * (target - p)
         grad = grad - grad_entropy.float().unsqueeze(-1) * p * (log_p + entropy.unsqueeze(-1))
         grad = torch.where(active.unsqueeze(-1), grad * fctx.inverse_t, torch.zeros_like(grad))
@@ -233,11 +239,7 @@ class _LogProbEntropy16(torch.autograd.Function):
     def backward(fctx, grad_logprob, grad_entropy):
         u, log_sum, entropy32, local, owned, active = fctx.saved_tensors
         dtype = fctx.dtype
-        rows, width = u.shape
-        log_p = u - log_sum.unsqueeze(-1)
-        p = torch.exp(log_p)
-        target = torch.zeros_like(u)
-        target[torch.arange(rows, device=u.device), local.clamp(0, width - 1)] = owned.to(u.dtype)
+        log_p, p, target = _softmax_and_target(u, log_sum, local, owned)
         # log_softmax's backward in the dtype: its upstream gradient and its output rounded, its result rounded
         upstream = _round16(grad_logprob.float(), dtype).unsqueeze(-1)
         element = _round16(upstream * (target - torch.exp(_round16(log_p, dtype))), dtype)

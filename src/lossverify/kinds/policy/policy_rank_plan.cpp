@@ -68,13 +68,12 @@ MicroBatchCounts micro_batch_counts(const RowPlanRequest& q, const std::vector<s
 // Each row's weight in L. Correct: token-mean 1/N, token-sum 1, seq-mean-token-sum 1/B,
 // seq-mean-token-mean 1/(B n_s), seq-mean-token-sum-norm 1/(B H_max).
 std::vector<double> row_weights(const RowPlanRequest& q, const PolicyOptions& o,
-                                const std::vector<std::int64_t>& per_sequence) {
+                                const std::vector<std::int64_t>& per_sequence, const MicroBatchCounts& m) {
   std::int64_t tokens = 0, sequences = 0;
   for (std::int64_t n : per_sequence) {
     tokens += n;
     sequences += n > 0;
   }
-  const MicroBatchCounts m = micro_batch_counts(q, per_sequence);
   const auto& offsets = q.assignment.micro_batch_begin;
   const std::size_t ga = offsets.size() - 1;
   const int dp = q.assignment.coordinates.dp;
@@ -164,9 +163,7 @@ std::vector<double> rank_local_weights(const RowPlanRequest& q, const PolicyOpti
 
 // rl-stats-microbatch-mean: each logged token statistic a token mean over micro-batch k of every rank
 // (its valid rows over DP x CP, N_k), the K micro-batches' means then averaged: weight 1/(K N_k).
-std::vector<double> microbatch_statistic_weights(const RowPlanRequest& q,
-                                                 const std::vector<std::int64_t>& per_sequence) {
-  const MicroBatchCounts m = micro_batch_counts(q, per_sequence);
+std::vector<double> microbatch_statistic_weights(const RowPlanRequest& q, const MicroBatchCounts& m) {
   const auto& offsets = q.assignment.micro_batch_begin;
   const std::size_t ga = offsets.size() - 1;
   std::vector<double> w(q.assignment.rows.size(), 0.0);
@@ -186,9 +183,8 @@ std::vector<double> microbatch_statistic_weights(const RowPlanRequest& q,
 // a mean over its b_k sequences of each one's token mean, the entropy its token mean over N_k, each weighted by
 // b_k / B_r, then the DP mean. rl-aux-microbatch-mean: the same means, each micro-batch / K.
 void aux_weight_ratios(const RowPlanRequest& q, const std::vector<std::int64_t>& per_sequence,
-                       const std::vector<double>& w, std::vector<float>& in) {
+                       const MicroBatchCounts& m, const std::vector<double>& w, std::vector<float>& in) {
   const std::uint64_t bugs = q.bugs.kind_switches;
-  const MicroBatchCounts m = micro_batch_counts(q, per_sequence);
   const auto& offsets = q.assignment.micro_batch_begin;
   const std::size_t ga = offsets.size() - 1;
   const int dp = q.assignment.coordinates.dp;
@@ -256,14 +252,16 @@ std::vector<float> row_inputs(const RowPlanRequest& q, const PolicyOptions& o) {
 KindRowPlan plan_policy_rows(const RowPlanRequest& q) {
   const PolicyOptions& o = policy_options(q.c.loss);
   const std::vector<std::int64_t> per_sequence = sequence_counts(q);
+  // Per DP rank and micro-batch, its tokens and sequences: one all-reduce, read by every weighting below.
+  const MicroBatchCounts counts = micro_batch_counts(q, per_sequence);
   KindRowPlan plan;
-  std::vector<double> weights = row_weights(q, o, per_sequence);
+  std::vector<double> weights = row_weights(q, o, per_sequence, counts);
   if (o.objective == PolicyOptions::Objective::policy_loss) {
     plan.row_inputs = row_inputs(q, o);
     const std::uint64_t aux_bugs =
         policy_bug::aux_token_mean | policy_bug::aux_sample_weighted | policy_bug::aux_microbatch_mean;
     if ((q.bugs.kind_switches & aux_bugs) != 0) {
-      aux_weight_ratios(q, per_sequence, weights, plan.row_inputs);
+      aux_weight_ratios(q, per_sequence, counts, weights, plan.row_inputs);
       plan.separate_logged_loss = true;
     }
   }
@@ -276,7 +274,7 @@ KindRowPlan plan_policy_rows(const RowPlanRequest& q) {
     plan.weights = std::move(weights);
   }
   if ((q.bugs.kind_switches & policy_bug::stats_microbatch_mean) != 0) {
-    plan.statistic_weights = microbatch_statistic_weights(q, per_sequence);
+    plan.statistic_weights = microbatch_statistic_weights(q, counts);
   }
   plan.sequences = static_cast<std::int64_t>(per_sequence.size());
   return plan;
