@@ -11,6 +11,7 @@
 #include "lossverify/core/output_path.hpp"
 #include "lossverify/core/strings.hpp"
 #include "lossverify/dump/check_dump.hpp"
+#include "lossverify/report/junit.hpp"
 #include "lossverify/report/report.hpp"
 
 namespace lossverify::cli {
@@ -30,7 +31,10 @@ void register_check_dump(CLI::App& app, CheckDumpCommand& command) {
                         "read tensor files outside the manifest's folder (absolute paths, ../, symlinks out of it); "
                         "by default every tensor file, symlinks resolved, must lie in that folder");
   command.app->add_option("--report", command.args.report_path, "write the JSON report here (atomically)");
+  command.app->add_option("--junit", command.args.junit_path,
+                          "write JUnit XML here: a testcase per check, its margin and control band as properties");
   command.app->add_flag("--quiet,-q", command.args.quiet, "print nothing; rely on the exit code and the report");
+  add_control_flag(*command.app, command.args.no_control);
   command.app->add_option("--threads", command.args.threads, "OpenMP threads for the reference (default: all)")
       ->check(thread_count());
   command.app->footer(
@@ -68,6 +72,8 @@ int run_check_dump(const CheckDumpArguments& args) {
         "--manifest MANIFEST.json");
   }
   check_output_path("--report", args.report_path, dump_inputs(paths));
+  check_output_path("--junit", args.junit_path, dump_inputs(paths));
+  check_distinct_outputs(args.report_path, args.junit_path);
   // Every manifest is parsed and validated (its tensor files confined to its folder) before any tensor is read.
   dump::ManifestLimits limits;
   limits.allow_outside_folder = args.allow_outside_dump;
@@ -90,6 +96,7 @@ int run_check_dump(const CheckDumpArguments& args) {
     auto problem = dump::load_dump(std::move(manifest), sweep);
     if (first) dump::require_same_problem(*first, *problem);
     RunResult result = dump::check_dump(*problem, options);
+    if (!args.no_control) result.controls = dump::dump_controls(*problem, options);
     if (!args.quiet) dump::print_dump_summary(printed, *problem, result);
     if (result.verdict == Verdict::fail) verdict = Verdict::fail;
     runs.push_back(dump::dump_run_to_json(*problem, result));
@@ -120,11 +127,17 @@ int run_check_dump(const CheckDumpArguments& args) {
                       {"invariance", check_to_json(invariance, c)}});
   }
   const ExitCode code = verdict == Verdict::fail ? ExitCode::check_failed : ExitCode::pass;
-  if (!args.report_path.empty()) {
+  if (!args.report_path.empty() || !args.junit_path.empty()) {
     nlohmann::json report = make_report(sweep ? "sweep" : "check-dump", runs, code);
     if (sweep) report["sweeps"] = encode_nonfinite(sweeps);
-    write_file_atomically(args.report_path, json_text(report, 2) + "\n");
-    if (!args.quiet) std::cout << "report written to " << printable(args.report_path) << "\n";
+    if (!args.report_path.empty()) {
+      write_file_atomically(args.report_path, json_text(report, 2) + "\n");
+      if (!args.quiet) std::cout << "report written to " << printable(args.report_path) << "\n";
+    }
+    if (!args.junit_path.empty()) {
+      write_file_atomically(args.junit_path, report_junit(report));
+      if (!args.quiet) std::cout << "JUnit written to " << printable(args.junit_path) << "\n";
+    }
   }
   return static_cast<int>(code);
 }

@@ -13,6 +13,8 @@ struct CheckDumpArguments {
   std::vector<std::string> named_manifests;  // after --manifest: checked after the positional ones
   std::string report_path;
   bool quiet = false;
+  bool no_control = false;  // --no-control: no control band
+  std::string junit_path;   // --junit FILE
   int threads = 0;
   bool allow_outside_dump = false;  // tensor files may lie outside their manifest's folder
 };

@@ -1,9 +1,12 @@
 #pragma once
 // What every subcommand validates the same way: thread counts, time limits, and the exit codes its help lists.
 #include <cmath>
+#include <filesystem>
 #include <string>
 
 #include <CLI/CLI.hpp>
+
+#include "lossverify/core/errors.hpp"
 
 namespace lossverify::cli {
 
@@ -32,5 +35,23 @@ inline CLI::Validator seconds() {
 
 // The help footer of a subcommand: its own exit codes.
 inline std::string exit_codes(const std::string& codes) { return "exit codes: " + codes; }
+
+// --report and --junit naming one file would have the second overwrite the first: refused before any work.
+inline void check_distinct_outputs(const std::string& report_path, const std::string& junit_path) {
+  if (report_path.empty() || junit_path.empty()) return;
+  std::error_code error;
+  const auto a = std::filesystem::weakly_canonical(report_path, error);
+  const auto b = std::filesystem::weakly_canonical(junit_path, error);
+  if (report_path == junit_path || (!error && a == b)) {
+    throw CaseError("--junit " + junit_path + ": the same file as --report; give each its own path");
+  }
+}
+
+// --no-control: skip the control band (docs/checks.md, "The control band"), on by default.
+inline void add_control_flag(CLI::App& app, bool& no_control) {
+  app.add_flag("--no-control", no_control,
+               "skip the control band: the margins lossverify's correct implementation reaches on the same inputs in "
+               "float32 and in the case's 16-bit dtype (on by default; each control is one more run)");
+}
 
 }  // namespace lossverify::cli

@@ -18,6 +18,7 @@
 #include "lossverify/core/output_path.hpp"
 #include "lossverify/core/strings.hpp"
 #include "lossverify/impl/catalogue.hpp"
+#include "lossverify/report/junit.hpp"
 #include "lossverify/report/report.hpp"
 #include "lossverify/runner/launcher.hpp"
 #include "lossverify/runner/run_case.hpp"
@@ -98,6 +99,8 @@ int run_cases(const RunArguments& args, Launcher& launcher) {
   const lossverify::cli::ArtifactContext artifacts = artifact_context(args, launcher.name(), launcher.processes());
   lossverify::cli::check_artifact_options(args.artifacts, artifacts);
   check_output_path("--report", args.report_path, args.case_files);
+  check_output_path("--junit", args.junit_path, args.case_files);
+  check_distinct_outputs(args.report_path, args.junit_path);
   std::vector<RunResult> results;  // kept for bundles and plots only
   const bool keep_results = lossverify::cli::artifacts_requested(args.artifacts);
   RunOptions options;
@@ -108,6 +111,7 @@ int run_cases(const RunArguments& args, Launcher& launcher) {
   options.gpus = launcher.gpus(args.gpus);
   options.collectives = collectives_of(args.collectives);
   options.reference = reference_of(args.reference);
+  options.control = !args.no_control;
 
   std::vector<nlohmann::json> runs;
   nlohmann::json sweeps = nlohmann::json::array();
@@ -173,15 +177,21 @@ int run_cases(const RunArguments& args, Launcher& launcher) {
   const ExitCode code = any_failed ? ExitCode::check_failed : ExitCode::pass;
   if (!launcher.reports()) return static_cast<int>(code);
   launcher.report_step([&] { lossverify::cli::write_artifacts(args.artifacts, results, artifacts); });
-  if (!args.report_path.empty()) {
+  if (!args.report_path.empty() || !args.junit_path.empty()) {
     nlohmann::json report =
         make_report(args.sweep_requested ? "sweep" : "run", runs, code, launcher.environment(), launcher.processes());
     if (args.sweep_requested) {
       report["sweeps"] = encode_nonfinite(sweeps);
       if (any_failed) report["verdict"] = "fail";
     }
-    launcher.report_step([&] { write_file_atomically(args.report_path, json_text(report, 2) + "\n"); });
-    if (!args.quiet) std::cout << "report written to " << printable(args.report_path) << "\n";
+    if (!args.report_path.empty()) {
+      launcher.report_step([&] { write_file_atomically(args.report_path, json_text(report, 2) + "\n"); });
+      if (!args.quiet) std::cout << "report written to " << printable(args.report_path) << "\n";
+    }
+    if (!args.junit_path.empty()) {
+      launcher.report_step([&] { write_file_atomically(args.junit_path, report_junit(report)); });
+      if (!args.quiet) std::cout << "JUnit written to " << printable(args.junit_path) << "\n";
+    }
   }
   if (cases.size() > 1 && !args.quiet && !args.sweep_requested) {
     int failed = 0;
@@ -280,7 +290,10 @@ void register_run(CLI::App& app, RunCommand& command) {
   command.app->add_option("--set", command.args.set, "override a case field, e.g. --set loss.label_smoothing=0.1")
       ->allow_extra_args(false);
   command.app->add_option("--report", command.args.report_path, "write the JSON report here (atomically)");
+  command.app->add_option("--junit", command.args.junit_path,
+                          "write JUnit XML here: a testcase per check, its margin and control band as properties");
   command.app->add_flag("--quiet,-q", command.args.quiet, "print nothing; rely on the exit code and the report");
+  lossverify::cli::add_control_flag(*command.app, command.args.no_control);
   command.app->add_option("--threads", command.args.threads, "OpenMP threads for the reference (default: all)")
       ->check(lossverify::cli::thread_count());
   command.app->add_option("--timeout", command.args.timeout, "deadlock guard in seconds (overrides timeout_seconds)")

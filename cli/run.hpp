@@ -18,6 +18,8 @@ struct RunArguments {
   std::vector<std::string> set;
   std::string report_path;
   bool quiet = false;
+  bool no_control = false;  // --no-control: no control band
+  std::string junit_path;   // --junit FILE
   int threads = 0;
   double timeout = 0.0;
   std::string fault;

@@ -23,6 +23,8 @@
 #include "lossverify/reference/compensated_sum.hpp"
 #include "lossverify/reference/loss_reference.hpp"
 #include "lossverify/report/report.hpp"
+#include "lossverify/runner/control_band.hpp"
+#include "lossverify/runner/launcher.hpp"
 
 namespace lossverify::dump {
 
@@ -740,6 +742,14 @@ RunResult check_dump(const DumpProblem& p, const DumpCheckOptions& options) {
   return result;
 }
 
+std::vector<ControlRun> dump_controls(const DumpProblem& p, const DumpCheckOptions& options) {
+  RunOptions control;
+  control.threads = options.threads;
+  control.shared_inputs = p.inputs.get();
+  RunResult dumped;  // the dump is never lossverify's own run: every control runs
+  return run_controls(p.manifest.the_case, control, *thread_launcher(), dumped);
+}
+
 json dump_run_to_json(const DumpProblem& p, const RunResult& run) {
   json j = run_to_json(run);
   const Manifest& m = p.manifest;
@@ -803,8 +813,11 @@ void print_dump_summary(std::ostream& out, const DumpProblem& p, const RunResult
   out << "dump " << c.name << "  [" << to_string(c.loss.kind) << ", N=" << c.shape.tokens << " V=" << c.shape.vocab
       << ", " << to_string(c.inputs.dtype) << ", tp=" << c.layout.tp << " cp=" << c.layout.cp << " dp=" << c.layout.dp
       << " ga=" << c.layout.ga << "]  impl " << run.implementation->name << "\n";
-  out << "  " << std::left << std::setw(16) << "check" << std::setw(16) << "verdict" << std::setw(11) << "margin"
-      << "worst (token, column, rank: expected -> got) where in the dump\n";
+  const std::string control_header = control_column_header(run);
+  const int control_width = static_cast<int>(control_column_width(run));
+  out << "  " << std::left << std::setw(16) << "check" << std::setw(16) << "verdict" << std::setw(11) << "margin";
+  if (!control_header.empty()) out << std::setw(control_width) << control_header;
+  out << "worst (token, column, rank: expected -> got) where in the dump\n";
   for (const CheckResult& check : run.checks) {
     std::string worst = "-";
     if (check.worst && check.margin > 0.0) {
@@ -827,9 +840,12 @@ void print_dump_summary(std::ostream& out, const DumpProblem& p, const RunResult
     margin << std::setprecision(3) << check.margin;
     const std::string verdict = check.verdict == Verdict::fail ? "FAIL" : std::string(to_string(check.verdict));
     const bool not_dumped = check.metrics.is_object() && check.metrics.value("dumped", true) == false;
-    out << "  " << std::left << std::setw(16) << check.name << std::setw(16) << verdict << std::setw(11) << margin.str()
-        << (not_dumped ? "not in the dump" : worst) << "\n";
+    out << "  " << std::left << std::setw(16) << check.name << std::setw(16) << verdict << std::setw(11)
+        << margin.str();
+    if (!control_header.empty()) out << std::setw(control_width) << (not_dumped ? "-" : control_cell(run, check));
+    out << (not_dumped ? "not in the dump" : worst) << "\n";
   }
+  for (const std::string& note : band_notes(run)) out << "  note: " << note << "\n";
   for (const std::string& hint : run.hints) out << "  hint: " << hint << "\n";
   out << "  verdict: " << (run.verdict == Verdict::fail ? "FAIL" : "pass") << "   (" << std::fixed
       << std::setprecision(2) << run.timings.total << " s, " << p.files.size() << " files, " << p.bytes_read

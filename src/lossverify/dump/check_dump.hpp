@@ -61,6 +61,10 @@ void require_same_manifest_problem(const Manifest& first, const Manifest& other)
 // losses, the logged loss, the logged count) are reported as not dumped, never as passing comparisons.
 RunResult check_dump(const DumpProblem& problem, const DumpCheckOptions& options = {});
 
+// The control band of the dump (runner/control_band.hpp): lossverify's correct implementations at the dump's
+// layout on the dump's own inputs, on thread ranks. Throws CaseError where lossverify cannot run that case.
+std::vector<ControlRun> dump_controls(const DumpProblem& problem, const DumpCheckOptions& options = {});
+
 // The report's run object: run_to_json plus the dump (manifest, files, what was dumped) and, for every
 // worst element, the rank, micro-batch, row and tensor of the dump that holds it.
 nlohmann::json dump_run_to_json(const DumpProblem& problem, const RunResult& run);

@@ -112,9 +112,25 @@ const std::deque<Implementation>& implementations() {
   return list;
 }
 
+const std::vector<Implementation>& control_implementations() {
+  static const std::vector<Implementation> list = {
+      {"correct-16bit",
+       "the correct algorithm computing in the logits' 16-bit dtype, each intermediate tensor stored in it as "
+       "PyTorch's eager ops store it (the control band's 16-bit control; on fp32 logits it is correct)",
+       "lossverify (docs/checks.md, \"The control band\")",
+       "none: the margins honest 16-bit rounding reaches",
+       {},
+       Applies::any(),
+       switches_with([](BugSwitches& b) { b.compute_in_input_dtype = true; })}};
+  return list;
+}
+
 const Implementation* find_implementation(std::string_view name) {
   if (is_plugin_spec(name)) return load_plugin_implementation(name);
   for (const auto& impl : implementations()) {
+    if (impl.name == name) return &impl;
+  }
+  for (const auto& impl : control_implementations()) {
     if (impl.name == name) return &impl;
   }
   return nullptr;

@@ -46,6 +46,9 @@ struct BugSwitches {
   bool cp_loss_stat_dp_only = false;    // the logged loss: each CP rank's own slice, reduced over DP only
   bool cp_roll_after_split = false;     // next-token labels made after the CP split
   bool cp_pad_to_cp = false;            // labels split with sequences padded to a multiple of CP, not 2 CP
+  // Not a bug: the 16-bit control of the control band (runner/control_band.hpp) computes in the logits'
+  // 16-bit dtype, storing each intermediate tensor in it as PyTorch's eager ops do (docs/checks.md).
+  bool compute_in_input_dtype = false;
   // A loss kind's own switches beyond the fields above, bit by bit as that kind defines them (a kind added
   // at run time keeps its catalogue here; kinds/loss_kind.hpp).
   std::uint64_t kind_switches = 0;
@@ -89,8 +92,11 @@ BugSwitches switches_with(F set) {
   set(b);
   return b;
 }
-// nullptr when no implementation has that name. A `plugin:PATH.so[?PARAMS]` name loads that native plugin
-// (once per process) and throws CaseError when it cannot be loaded.
+// Implementations that are neither the correct one nor bugs: the control band's (runner/control_band.hpp),
+// found by name and listed apart; the gate does not run them.
+const std::vector<Implementation>& control_implementations();
+// nullptr when no implementation has that name (the catalogue's, then the controls). A `plugin:PATH.so[?PARAMS]` name
+// loads that native plugin (once per process) and throws CaseError when it cannot be loaded.
 const Implementation* find_implementation(std::string_view name);
 // Whether the implementation's switches reach a loss kind's kernel at all.
 bool applies_to(const Implementation& impl, const LossKind* kind);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "lossverify/core/dtype.hpp"
 #include "lossverify/kinds/loss_kind.hpp"
 #include "lossverify/layout/rank_layout.hpp"
 
@@ -227,6 +228,9 @@ std::optional<float> RankPlan::logged_loss(const RankOutput& out, RankGroups& gr
   }
   float reduced[1] = {pairwise_sum(weighted.data(), n)};
   (slice ? groups.dp : groups.batch).allreduce_sum(std::span<float>(reduced, 1));
+  if (bugs_.compute_in_input_dtype && case_.loss.kind->logs_loss_in_input_dtype()) {
+    return static_cast<float>(round_to_dtype(reduced[0], case_.inputs.dtype));
+  }
   return reduced[0];
 }
 

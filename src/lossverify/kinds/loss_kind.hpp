@@ -223,6 +223,10 @@ class LossKind {
     (void)spec;
     return 1.0;
   }
+  // The 16-bit control (compute_in_input_dtype): whether a kernel computing in the logits' 16-bit dtype logs
+  // its loss in that dtype, as PyTorch's reductions of 16-bit tensors return it; false where the objective's
+  // float32 inputs promote it (a policy loss).
+  virtual bool logs_loss_in_input_dtype() const { return true; }
   // The kind's plan of a rank's rows (collective over the request's groups; every rank calls it once).
   virtual KindRowPlan plan_rows(const RowPlanRequest& request) const {
     (void)request;

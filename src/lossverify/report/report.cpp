@@ -4,6 +4,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -15,6 +16,7 @@
 #include "lossverify/core/atomic_file.hpp"
 #include "lossverify/core/build_info.hpp"
 #include "lossverify/layout/rank_layout.hpp"
+#include "lossverify/runner/control_band.hpp"
 
 namespace lossverify {
 
@@ -54,6 +56,32 @@ std::string format_number(double v, int precision = 3) {
 }
 
 }  // namespace
+
+// The control column: "control f32 / bf16" and each check's "0.0213 / 0.48 within".
+std::string control_column_header(const RunResult& run) {
+  if (run.controls.empty()) return {};
+  std::string header = "control";
+  for (std::size_t k = 0; k < run.controls.size(); ++k) {
+    header += (k == 0 ? " " : " / ") + (run.controls[k].name == "float32" ? std::string("f32") : run.controls[k].name);
+  }
+  return header;
+}
+
+std::string control_cell(const RunResult& run, const CheckResult& check) {
+  const std::optional<CheckBand> band = band_of(run, check);
+  if (!band) return "-";
+  std::string cell;
+  for (std::size_t k = 0; k < band->margins.size(); ++k)
+    cell += (k == 0 ? "" : " / ") + format_number(band->margins[k]);
+  if (band->reading != BandReading::within) cell += band->reading == BandReading::above ? " above" : " far above";
+  return cell;
+}
+
+std::size_t control_column_width(const RunResult& run) {
+  std::size_t width = control_column_header(run).size();
+  for (const CheckResult& check : run.checks) width = std::max(width, control_cell(run, check).size());
+  return width + 2;
+}
 
 std::int64_t peak_resident_bytes() {
   rusage usage{};
@@ -113,10 +141,34 @@ json resources_json(const RunResult& run) {
 }
 }  // namespace
 
+namespace {
+// A check's control band: each control's margin, the band's ends and how the check's margin reads.
+json band_json(const RunResult& run, const CheckResult& check) {
+  const std::optional<CheckBand> band = band_of(run, check);
+  if (!band) return nullptr;
+  json margins = json::object();
+  for (std::size_t k = 0; k < run.controls.size(); ++k) margins[run.controls[k].name] = band->margins[k];
+  return {{"margins", margins}, {"low", band->low}, {"high", band->high}, {"reading", to_string(band->reading)}};
+}
+
+// The run's controls: what each computed and how long it took, and the band's notes.
+json controls_json(const RunResult& run) {
+  json controls = json::array();
+  for (const ControlRun& control : run.controls) {
+    controls.push_back(
+        {{"name", control.name}, {"implementation", control.implementation}, {"seconds", control.seconds}});
+  }
+  return {{"controls", controls}, {"notes", band_notes(run)}};
+}
+}  // namespace
+
 json run_to_json(const RunResult& run) {
   const GlobalBatch batch(run.the_case.batch);
   json checks = json::array();
-  for (const CheckResult& c : run.checks) checks.push_back(check_json(c, run.the_case, batch));
+  for (const CheckResult& c : run.checks) {
+    checks.push_back(check_json(c, run.the_case, batch));
+    if (!run.controls.empty()) checks.back()["control"] = band_json(run, c);
+  }
   const Implementation& impl = *run.implementation;
   json run_json = {{"case", run.the_case.resolved()},
                    {"case_file", run.the_case.source},
@@ -147,6 +199,7 @@ json run_to_json(const RunResult& run) {
                      {"reference_and_checks", run.timings.reference_and_checks},
                      {"total", run.timings.total}}}};
   if (!run.hints.empty()) run_json["hints"] = run.hints;
+  if (!run.controls.empty()) run_json["control"] = controls_json(run);
   return run_json;
 }
 
@@ -192,8 +245,10 @@ void print_summary(std::ostream& out, const RunResult& run) {
   out << "case " << printable(c.name) << "  [" << to_string(c.loss.kind) << ", N=" << c.shape.tokens
       << " V=" << c.shape.vocab << ", " << to_string(c.inputs.dtype) << ", tp=" << c.layout.tp << " cp=" << c.layout.cp
       << " dp=" << c.layout.dp << " ga=" << c.layout.ga << "]  impl " << printable(run.implementation->name) << "\n";
-  out << "  " << std::left << std::setw(16) << "check" << std::setw(16) << "verdict" << std::setw(11) << "margin"
-      << std::setw(12) << "max abs err"
+  const std::string control_header = control_column_header(run);
+  out << "  " << std::left << std::setw(16) << "check" << std::setw(16) << "verdict" << std::setw(11) << "margin";
+  if (!control_header.empty()) out << std::setw(static_cast<int>(control_column_width(run))) << control_header;
+  out << std::setw(12) << "max abs err"
       << "worst (token, column, rank: expected -> got)\n";
   for (const CheckResult& check : run.checks) {
     std::string worst = "-";
@@ -219,8 +274,13 @@ void print_summary(std::ostream& out, const RunResult& run) {
     if (check.name == "finite") max_abs = std::to_string(check.metrics["nonfinite"].get<std::int64_t>()) + " bad";
     const std::string verdict = check.verdict == Verdict::fail ? "FAIL" : std::string(to_string(check.verdict));
     out << "  " << std::left << std::setw(16) << check.name << std::setw(16) << verdict << std::setw(11)
-        << format_number(check.margin) << std::setw(12) << max_abs << worst << "\n";
+        << format_number(check.margin);
+    if (!control_header.empty()) {
+      out << std::setw(static_cast<int>(control_column_width(run))) << control_cell(run, check);
+    }
+    out << std::setw(12) << max_abs << worst << "\n";
   }
+  for (const std::string& note : band_notes(run)) out << "  note: " << note << "\n";
   out << "  verdict: " << (run.verdict == Verdict::fail ? "FAIL" : "pass") << "   (" << std::fixed
       << std::setprecision(2) << run.timings.total << " s)\n"
       << std::defaultfloat;

@@ -41,4 +41,11 @@ std::int64_t peak_resident_bytes();
 
 void print_summary(std::ostream& out, const RunResult& run);
 
+// The terminal table's control column (runner/control_band.hpp): its header ("control f32 / bf16"; empty
+// without controls), a check's cell ("0.0213 / 0.48", then "above" or "far above" where it reads so), and
+// the width that holds them all.
+std::string control_column_header(const RunResult& run);
+std::string control_cell(const RunResult& run, const CheckResult& check);
+std::size_t control_column_width(const RunResult& run);
+
 }  // namespace lossverify

@@ -19,6 +19,7 @@
 #include "lossverify/oracle/cuda/gpu_reference.hpp"
 #include "lossverify/oracle/host_oracle.hpp"
 #include "lossverify/report/report.hpp"
+#include "lossverify/runner/control_band.hpp"
 #include "lossverify/runner/launcher.hpp"
 #include "lossverify/runner/memory_estimate.hpp"
 
@@ -320,6 +321,9 @@ RunOptions check_run(const Case& c, const RunOptions& requested, const Launcher&
   }
   require_supported(*impl, c);
   const RunOptions options = options_for(*impl, requested);
+  if (impl->bugs.compute_in_input_dtype && options.device == RunOptions::Device::cuda) {
+    throw CaseError("--impl " + impl->name + ": the 16-bit control runs on the CPU backend only (--backend cpu)");
+  }
   require_kind_support(c, options);
   check_case(c);
   const int world_size = c.layout.world_size();
@@ -374,6 +378,7 @@ RunResult run_case(const Case& c, const RunOptions& requested, Launcher& launche
   result.timings.total = std::chrono::duration<double>(Clock::now() - start).count();
   result.peak_rss_per_rank = std::move(rss_per_rank);
   if (keep_snapshot) result.snapshot = std::move(snapshot);
+  if (options.control) result.controls = run_controls(c, options, launcher, result);
   return result;
 }
 

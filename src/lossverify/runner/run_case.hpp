@@ -44,6 +44,8 @@ struct RunOptions {
   // Where the float64 reference runs: automatic = on the GPU for the CUDA backend (the shard never
   // leaves the GPU; sweeps keep the CPU reference, which records the gradients for invariance).
   enum class Reference { automatic, cpu, gpu } reference = Reference::automatic;
+  // Also run the control band's correct implementations on the same inputs (runner/control_band.hpp).
+  bool control = false;
 };
 
 // Where one run executed (the report's "execution").
@@ -71,6 +73,15 @@ struct RunTimings {
   double total = 0.0;
 };
 
+// A control of the control band (runner/control_band.hpp): lossverify's correct implementation on a run's
+// own inputs, dtype and layout, and the margin it reaches on each check.
+struct ControlRun {
+  std::string name;                                     // what it computes in: float32, bf16 or fp16
+  std::string implementation;                           // correct or correct-16bit
+  std::vector<std::pair<std::string, double>> margins;  // by check name, checks it judged only
+  double seconds = 0.0;
+};
+
 struct RunResult {
   Case the_case;
   const Implementation* implementation = nullptr;
@@ -83,6 +94,7 @@ struct RunResult {
   ExecutionInfo execution;
   std::vector<std::string> hints;               // what probably caused a failure, when the inputs tell (check-dump)
   std::vector<std::int64_t> peak_rss_per_rank;  // one process per rank (MPI): each one's high-water mark
+  std::vector<ControlRun> controls;             // the control band; empty when off
 };
 
 // The rows of one rank under the case's layout (global tokens and CP padding, micro-batch by micro-batch).

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 #include <span>
+#include <type_traits>
 
 #include "lossverify/comm/progress_beacon.hpp"
 #include "lossverify/core/dtype.hpp"
@@ -44,7 +45,8 @@ class CpuCrossEntropyShard final : public CrossEntropyShard {
         at_(at),
         threads_(threads),
         beacon_(beacon),
-        cap_(static_cast<float>(c.loss.softcap)) {}
+        cap_(static_cast<float>(c.loss.softcap)),
+        in_dtype_(bugs.compute_in_input_dtype && !std::is_same_v<T, float>) {}
 
   // f(i) for every active row of the micro-batch, over the shard's OpenMP threads.
   template <class F>
@@ -104,6 +106,10 @@ class CpuCrossEntropyShard final : public CrossEntropyShard {
       const float shift = max[k] + log_sum[k];  // lse
       const float z_factor = 1.0f + 2.0f * z_weight * shift;
       const std::int64_t target_column = p.label - at_.grad_label_offset;
+      if (in_dtype_) {
+        gradient_in_dtype(i, p, max[k], log_sum[k]);
+        continue;
+      }
       for (std::int64_t v = 0; v < at_.cols; ++v) {
         const float xv = load(x[v]);
         const float probability = std::exp((xv - max[k]) - log_sum[k]);
@@ -129,11 +135,42 @@ class CpuCrossEntropyShard final : public CrossEntropyShard {
   }
 
  private:
+  // The 16-bit control's gradient of one row (docs/checks.md, "The control band"): autograd's graph of
+  // log_softmax, the negative log-likelihood, the smoothing mean and the z-loss on 16-bit tensors, each
+  // node's output rounded to T and each reduction accumulated in float32. With u the token's weight:
+  //   lp_v = r(x_v - lse); upstream on lp: g_v = r(-u (q_on - q_off)) [v = y] + r(-u q_off), added in T;
+  //   log_softmax backward r(g_v - e^lp_v sum g); z-loss r(r(2 w_z u r(lse)) e^(x_v - r(lse))), added in T;
+  //   softcap's backward r(g (1 - tanh^2)).
+  void gradient_in_dtype(std::int64_t i, const RowPlan& p, float row_max, float log_sum) const {
+    const SmoothingWeights<float> q = smoothing_for(case_, bugs_, static_cast<float>(at_.width)).backward;
+    const auto z_weight = static_cast<float>(case_.loss.z_loss_weight);
+    const float u = p.backward_weight;
+    const float lse = row_max + log_sum;
+    const float lse16 = r(lse);
+    const float g_off = p.valid ? r(-u * q.off_target) : 0.0f;
+    const float g_on = p.valid ? r(r(-u * (q.on_target - q.off_target)) + g_off) : 0.0f;
+    const float g_sum = g_on + static_cast<float>(case_.shape.vocab - 1) * g_off;
+    const float g_lse = r(2.0f * z_weight * u * lse16);
+    const T* x = row(i) + at_.column_offset;
+    T* g = at_.grad + i * at_.cols;
+    const std::int64_t target_column = p.label - at_.grad_label_offset;
+    for (std::int64_t v = 0; v < at_.cols; ++v) {
+      const float xv = load(x[v]);
+      const float lp = r((xv - row_max) - log_sum);
+      float value = r((v == target_column ? g_on : g_off) - std::exp(lp) * g_sum);
+      if (z_weight != 0.0f) value = r(value + r(g_lse * std::exp(xv - lse16)));
+      if (cap_ > 0.0f) value = r(value * (1.0f - (xv / cap_) * (xv / cap_)));
+      g[v] = T(value);
+    }
+  }
   bool active(std::int64_t i) const { return plan_.row(begin_ + i).active; }
   T* row(std::int64_t i) const { return at_.logits + i * at_.width; }
+  float r(float v) const { return static_cast<float>(T(v)); }
+  // The logit the kernel computes with: softcapped (c tanh(x / c), each op's output in T for the 16-bit control).
   float load(T raw) const {
     const float x = static_cast<float>(raw);
-    return cap_ > 0.0f ? cap_ * std::tanh(x / cap_) : x;
+    if (cap_ <= 0.0f) return x;
+    return in_dtype_ ? r(cap_ * r(std::tanh(x / cap_))) : cap_ * std::tanh(x / cap_);
   }
 
   const Case& case_;
@@ -145,6 +182,7 @@ class CpuCrossEntropyShard final : public CrossEntropyShard {
   const int threads_;
   ProgressBeacon* const beacon_;
   const float cap_;
+  const bool in_dtype_;  // the 16-bit control on 16-bit logits
 };
 
 template <class T>

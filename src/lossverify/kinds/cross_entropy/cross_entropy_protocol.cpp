@@ -3,6 +3,8 @@
 #include <cmath>
 #include <limits>
 
+#include "lossverify/core/dtype.hpp"
+
 namespace lossverify {
 
 namespace {
@@ -27,6 +29,21 @@ std::vector<float> forward_smoothing_sums(const Case& c, const BugSwitches& bugs
   const auto terms = static_cast<float>(bugs.smoothing_sum_local_forward ? shard_width : c.shape.vocab);
   for (std::size_t i = 0; i < n; ++i) smoothing_sum[i] = sum_log_p[i] + terms * log_sum[i];
   return smoothing_sum;
+}
+
+// The 16-bit control's token loss (docs/checks.md, "The control band"): -lp_y = r(lse - x_y), the smoothing
+// term -sum_v lp_v rounded, each product with its weight and their sum rounded, plus r(w_z r(lse)^2).
+float row_loss_in_dtype(DType dtype, float log_sum, float target_shifted, float smoothing_sum, float vocab,
+                        SmoothingWeights<float> q, float z_weight, float lse) {
+  const auto r = [dtype](float v) { return static_cast<float>(round_to_dtype(v, dtype)); };
+  const float nll = r(log_sum - target_shifted);
+  float loss = nll;
+  if (q.off_target != 0.0f) {
+    const float smooth = r(vocab * log_sum - smoothing_sum);
+    loss = r(r((q.on_target - q.off_target) * nll) + r(q.off_target * smooth));
+  }
+  if (z_weight != 0.0f) loss = r(loss + r(z_weight * r(lse) * r(lse)));
+  return loss;
 }
 
 }  // namespace
@@ -68,9 +85,16 @@ void cross_entropy_protocol(const Case& c, const BugSwitches& bugs, const RankPl
   const auto width = static_cast<float>(shard_width);
   const SmoothingPair q = smoothing_for(c, bugs, width);
   const auto z_weight = static_cast<float>(c.loss.z_loss_weight);
+  const bool in_dtype = bugs.compute_in_input_dtype && c.inputs.dtype != DType::fp32;
   for (std::size_t i = 0; i < rows; ++i) {
     const RowPlan& p = plan.row(begin + static_cast<std::int64_t>(i));
     if (!p.active) continue;
+    if (in_dtype && p.valid) {
+      token_loss[static_cast<std::size_t>(begin) + i] =
+          row_loss_in_dtype(c.inputs.dtype, log_sum[i], target_shifted[i], smoothing ? smoothing_sum[i] : 0.0f,
+                            static_cast<float>(c.shape.vocab), q.forward, z_weight, row_max[i] + log_sum[i]);
+      continue;
+    }
     token_loss[static_cast<std::size_t>(begin) + i] = cross_entropy_row_loss(
         p, row_max[i], log_sum[i], target_shifted[i], smoothing ? smoothing_sum[i] : 0.0f,
         local_sum_shifted.empty() ? 0.0f : local_sum_shifted[i], width, q.forward, z_weight, bugs);

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 #include <span>
+#include <type_traits>
 
 #include "lossverify/comm/progress_beacon.hpp"
 #include "lossverify/core/dtype.hpp"
@@ -32,6 +33,7 @@ class CpuKdShard final : public KdShard {
         grad_(grad),
         beacon_(beacon),
         inverse_t_(static_cast<float>(1.0 / c.loss.temperature)),
+        in_dtype_(bugs.compute_in_input_dtype && !std::is_same_v<T, float>),
         local_argmax_(static_cast<std::size_t>(n), 0) {}
 
   void local_maxima(std::span<float> maxima) override {
@@ -81,6 +83,10 @@ class CpuKdShard final : public KdShard {
         shard_student_mass = lane_sum(cols_, [&](std::int64_t v) { return std::exp(a_of(i, v) - lse_a[k]); });
         shard_teacher_mass = lane_sum(cols_, [&](std::int64_t v) { return std::exp(b_of(i, v) - lse_b[k]); });
       }
+      if (in_dtype_) {
+        gradient_in_dtype(i, lse_a[k], lse_b[k], weight[k]);
+        continue;
+      }
       for (std::int64_t v = 0; v < cols_; ++v) {
         const float q = std::exp(a_of(i, v) - lse_a[k]);
         const float t = std::exp(b_of(i, v) - lse_b[k]);
@@ -95,9 +101,28 @@ class CpuKdShard final : public KdShard {
   }
 
  private:
+  // The 16-bit control's gradient of one row (docs/checks.md, "The control band"): autograd's graph of
+  // kl_div(log_softmax(x / T), softmax(y / T)) T^s on 16-bit tensors, each node's output rounded to T. With
+  // u = w T^s the upstream on the student's log-probabilities ls_v = r(a_v - lse_a) and P_v = r(e^(b_v - lse_b)):
+  // g_v = r(-u P_v), log_softmax backward r(g_v + u e^ls_v) (the teacher's P summing to 1), then / T's r(. / T).
+  void gradient_in_dtype(std::int64_t i, float lse_a, float lse_b, float weight) const {
+    const float u = weight / inverse_t_;
+    T* g = grad_ + i * cols_;
+    for (std::int64_t v = 0; v < cols_; ++v) {
+      const float ls = r(a_of(i, v) - lse_a);
+      const float p = r(std::exp(b_of(i, v) - lse_b));
+      g[v] = T(r(r(r(-u * p) + u * std::exp(ls)) * inverse_t_));
+    }
+  }
   bool active(std::int64_t i) const { return plan_.row(begin_ + i).active; }
-  float a_of(std::int64_t i, std::int64_t v) const { return static_cast<float>(student_[i * cols_ + v]) * inverse_t_; }
-  float b_of(std::int64_t i, std::int64_t v) const { return static_cast<float>(teacher_[i * cols_ + v]) * inverse_t_; }
+  float r(float v) const { return static_cast<float>(T(v)); }
+  // x / T and y / T (the division's output in T for the 16-bit control).
+  float a_of(std::int64_t i, std::int64_t v) const { return scaled(student_[i * cols_ + v]); }
+  float b_of(std::int64_t i, std::int64_t v) const { return scaled(teacher_[i * cols_ + v]); }
+  float scaled(T raw) const {
+    const float value = static_cast<float>(raw) * inverse_t_;
+    return in_dtype_ ? r(value) : value;
+  }
 
   const BugSwitches& bugs_;
   const RankPlan& plan_;
@@ -109,6 +134,7 @@ class CpuKdShard final : public KdShard {
   T* grad_;
   ProgressBeacon* const beacon_;
   const float inverse_t_;
+  const bool in_dtype_;  // the 16-bit control on 16-bit logits
   std::vector<std::int64_t> local_argmax_;
 };
 

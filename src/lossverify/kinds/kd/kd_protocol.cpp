@@ -3,6 +3,8 @@
 #include <cmath>
 #include <limits>
 
+#include "lossverify/core/dtype.hpp"
+
 namespace lossverify {
 
 namespace {
@@ -35,6 +37,7 @@ void kd_protocol(const Case& c, const BugSwitches& bugs, const RankPlan& plan, R
     groups.tp.allreduce_sum(packed);
   }
   // 3. Per-token loss, and the two lse and the weight the gradient needs.
+  const bool in_dtype = bugs.compute_in_input_dtype && c.inputs.dtype != DType::fp32;
   std::vector<float> lse_a(rows, 0.0f);
   std::vector<float> lse_b(rows, 0.0f);
   std::vector<float> weight(rows, 0.0f);
@@ -47,6 +50,11 @@ void kd_protocol(const Case& c, const BugSwitches& bugs, const RankPlan& plan, R
                                      cross_entropy_value ? packed[3 * rows + i] : 0.0f, maxima[i], maxima[rows + i],
                                      divergence[i], bugs);
     token_loss[static_cast<std::size_t>(begin) + i] = scales.loss * value;
+    if (in_dtype) {  // the 16-bit control: the per-token KL and its product with T^s, each rounded
+      const float kl = static_cast<float>(round_to_dtype(value, c.inputs.dtype));
+      token_loss[static_cast<std::size_t>(begin) + i] =
+          static_cast<float>(round_to_dtype(scales.loss * kl, c.inputs.dtype));
+    }
     weight[i] = p.backward_weight * scales.grad;
   }
   // 4. Gradient T^(s-1) (Q - P) of the shard's columns.

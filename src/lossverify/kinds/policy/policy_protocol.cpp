@@ -37,7 +37,9 @@ class Protocol {
         shard_(shard),
         o_(policy_options(mb.c.loss)),
         k_(coefficients(o_)),
-        bugs_(mb.bugs.kind_switches),
+        // The 16-bit control computes the log-prob pass in the logits' dtype, as rl-logprob-16bit does; the
+        // objective after it stays float32 (its other inputs are float32 and promote it).
+        bugs_(mb.bugs.kind_switches | (mb.bugs.compute_in_input_dtype ? policy_bug::logprob_16bit : 0)),
         inverse_t_(has(policy_bug::temperature_one_side) ? 1.0f : static_cast<float>(1.0 / o_.temperature)),
         n_(static_cast<std::size_t>(mb.n)),
         dtype_(mb.c.inputs.dtype),

@@ -1,0 +1,124 @@
+#include "lossverify/runner/control_band.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <iomanip>
+#include <sstream>
+
+#include "lossverify/core/dtype.hpp"
+#include "lossverify/core/strings.hpp"
+#include "lossverify/runner/launcher.hpp"
+
+namespace lossverify {
+
+namespace {
+
+std::vector<std::pair<std::string, double>> judged_margins(const RunResult& run) {
+  std::vector<std::pair<std::string, double>> margins;
+  for (const CheckResult& check : run.checks) {
+    if (check.verdict != Verdict::not_applicable) margins.emplace_back(check.name, check.margin);
+  }
+  return margins;
+}
+
+// The user's own run stands for the float32 control when it is that very computation.
+bool is_float32_control(const RunOptions& options, const RunResult& run) {
+  return run.implementation != nullptr && run.implementation == find_implementation("correct") &&
+         options.device == RunOptions::Device::cpu && options.fault.kind == FaultInjection::Kind::none;
+}
+
+ControlRun run_control(const Case& c, const RunOptions& options, Launcher& launcher, std::string name,
+                       const std::string& implementation) {
+  RunOptions control;
+  control.implementation = implementation;
+  control.threads = options.threads;
+  control.shared_inputs = options.shared_inputs;
+  const auto start = std::chrono::steady_clock::now();
+  const RunResult result = run_case(c, control, launcher);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return {std::move(name), implementation, judged_margins(result), seconds};
+}
+
+std::string format_margin(double v) {
+  std::ostringstream s;
+  s << std::setprecision(3) << v;
+  return s.str();
+}
+
+}  // namespace
+
+std::vector<ControlRun> run_controls(const Case& c, const RunOptions& options, Launcher& launcher,
+                                     const RunResult& run) {
+  std::vector<ControlRun> controls;
+  if (is_float32_control(options, run)) {
+    controls.push_back({"float32", "correct", judged_margins(run), 0.0});
+  } else {
+    controls.push_back(run_control(c, options, launcher, "float32", "correct"));
+  }
+  if (c.inputs.dtype != DType::fp32) {
+    controls.push_back(run_control(c, options, launcher, std::string(to_string(c.inputs.dtype)), "correct-16bit"));
+  }
+  return controls;
+}
+
+std::optional<CheckBand> band_of(const RunResult& run, const CheckResult& check) {
+  if (run.controls.empty() || check.verdict == Verdict::not_applicable) return std::nullopt;
+  CheckBand band;
+  for (const ControlRun& control : run.controls) {
+    const auto it = std::find_if(control.margins.begin(), control.margins.end(),
+                                 [&](const auto& m) { return m.first == check.name; });
+    if (it == control.margins.end()) return std::nullopt;
+    band.margins.push_back(it->second);
+  }
+  band.low = *std::min_element(band.margins.begin(), band.margins.end());
+  band.high = *std::max_element(band.margins.begin(), band.margins.end());
+  const double m = check.margin;
+  if (m <= kBandWithinFactor * band.high) {
+    band.reading = BandReading::within;
+  } else if (check.verdict == Verdict::pass && m > kBandFarFactor * band.high && m >= kBandFarFloor) {
+    band.reading = BandReading::far_above;
+  } else {
+    band.reading = BandReading::above;
+  }
+  return band;
+}
+
+std::string_view to_string(BandReading reading) {
+  switch (reading) {
+    case BandReading::within:
+      return "within";
+    case BandReading::above:
+      return "above";
+    case BandReading::far_above:
+      return "far_above";
+  }
+  return "?";
+}
+
+std::vector<std::string> band_notes(const RunResult& run) {
+  std::vector<std::string> notes;
+  for (const CheckResult& check : run.checks) {
+    const std::optional<CheckBand> band = band_of(run, check);
+    if (!band) continue;
+    const auto top_index = std::max_element(band->margins.begin(), band->margins.end()) - band->margins.begin();
+    const std::string& top = run.controls[static_cast<std::size_t>(top_index)].name;
+    if (check.verdict == Verdict::fail && band->reading == BandReading::within) {
+      std::string note = check.name + " fails within the control band: computing in " + top + ", the correct " +
+                         "implementation reaches " + format_margin(band->high) +
+                         " on these inputs, so rounding explains this margin if the kernel computes in " + top;
+      if (band->margins.front() < band->high) {
+        note += "; computing in " + run.controls.front().name + " it reaches " + format_margin(band->margins.front()) +
+                ", so a kernel that computes in " + run.controls.front().name + " is wrong here";
+      }
+      notes.push_back(note);
+    } else if (band->reading == BandReading::far_above) {
+      notes.push_back(check.name + " passes " + format_margin(check.margin / std::max(band->high, 1e-300)) +
+                      "x above the control band: correct implementations reach at most " + format_margin(band->high) +
+                      " on these inputs; a bug may hide under the tolerance");
+    }
+  }
+  return notes;
+}
+
+}  // namespace lossverify
