@@ -13,7 +13,7 @@ __all__ = ["Check", "Run", "Report", "load_report"]
 
 _NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 _NUMERIC_KEYS = {"margin", "expected", "got", "tolerance", "max_abs_error", "max_rel_error", "atol", "rtol",
-                 "max_ulp", "value", "expected_valid_tokens"}
+                 "max_ulp", "value", "expected_valid_tokens", "low", "high", "float32", "bf16", "fp16"}
 
 
 def _decode(value, key=None):
@@ -40,8 +40,9 @@ def _short(x, digits=6):
 
 class Check:
     """One named check of one run: verdict (pass | fail | not_applicable), margin (error / tolerance of the
-    worst element: < 1 passes) and the worst element (token, column, rank, expected, got, and for dumps
-    the tensor and row)."""
+    worst element: < 1 passes), the worst element (token, column, rank, expected, got, and for dumps
+    the tensor and row) and the control band: `control` is None, or {"margins": {"float32": m, "bf16": m},
+    "low", "high", "reading": "within" | "above" | "far_above"} (docs/checks.md)."""
 
     def __init__(self, data, run_label=""):
         self.data = data
@@ -53,7 +54,23 @@ class Check:
         self.tolerance = data.get("tolerance")
         self.metrics = data.get("metrics", {})
         self.summary = data.get("summary", "")
+        self.control = data.get("control")
         self.run_label = run_label
+
+    @property
+    def control_margins(self):
+        """{control name: margin} of the control band ({} without one)."""
+        return dict(self.control["margins"]) if self.control else {}
+
+    def control_text(self, order=("float32", "bf16", "fp16")):
+        """The table's control cell, the controls in `order`: "0.0213 / 0.48", then "above" or "far above"
+        where the margin reads so."""
+        if not self.control:
+            return "-"
+        margins = self.control["margins"]
+        text = " / ".join(_short(margins[name], 3) for name in order if name in margins)
+        reading = self.control.get("reading")
+        return text if reading == "within" else f"{text} {reading.replace('_', ' ')}"
 
     @property
     def passed(self):
@@ -88,6 +105,9 @@ class Run:
         self.implementation = data.get("implementation", {}).get("name", "?")
         self.verdict = data.get("verdict", "?")
         self.checks = {c["name"]: Check(c, self.label) for c in data.get("checks", [])}
+        control = data.get("control") or {}
+        self.controls = [c["name"] for c in control.get("controls", [])]
+        self.notes = list(control.get("notes", []))
 
     @property
     def failing_checks(self):
@@ -160,7 +180,8 @@ class Report:
         if len(self.runs) == 1:
             run = self.runs[0]
             lines.append(f"{run.case_name}  [{run.label}]  impl {run.implementation}")
-            lines += self._check_lines(run.checks.values(), short)
+            lines += self._check_lines(run.checks.values(), short, run.controls)
+            lines += [f"  note: {note}" for note in run.notes]
         elif self.runs:
             run = self.runs[0]
             lines.append(f"{run.case_name}: {len(self.runs)} layouts, impl {run.implementation}")
@@ -169,7 +190,8 @@ class Report:
                 lines.append(f"  {run.label:<20} {run.verdict:<5} worst margin {_short(worst, 3)}")
                 if run.verdict == "fail":
                     failing = [c for c in run.checks.values() if c.verdict == "fail"]
-                    lines += ["  " + line for line in self._check_lines(failing, short)[1:]]
+                    lines += ["  " + line for line in self._check_lines(failing, short, run.controls)[1:]]
+                    lines += [f"    note: {note}" for note in run.notes]
         if self.invariance is not None:
             c = self.invariance
             lines.append(f"  invariance: {c.verdict}, margin {_short(c.margin, 3)} ({c.summary})")
@@ -181,12 +203,18 @@ class Report:
         return "\n".join(lines)
 
     @staticmethod
-    def _check_lines(checks, short_paths=False):
-        lines = [f"  {'check':<15} {'verdict':<15} {'margin':<10} "
+    def _check_lines(checks, short_paths=False, controls=()):
+        """The table's header and one line per check; with controls, the control column after the margin."""
+        checks = list(checks)
+        header = ("control " + " / ".join("f32" if name == "float32" else name for name in controls)) if controls else ""
+        width = max([len(header)] + [len(c.control_text(controls)) for c in checks]) + 1 if controls else 0
+        control_header = f"{header:<{width}}" if controls else ""
+        lines = [f"  {'check':<15} {'verdict':<15} {'margin':<10} {control_header}"
                  "worst (token, column, rank: expected -> got) where in the dump"]
         for c in checks:
             verdict = c.verdict.upper() if c.verdict == "fail" else c.verdict
-            lines.append(f"  {c.name:<15} {verdict:<15} {_short(c.margin, 3):<10} {c.worst_text(short_paths)}")
+            cell = f"{c.control_text(controls):<{width}}" if controls else ""
+            lines.append(f"  {c.name:<15} {verdict:<15} {_short(c.margin, 3):<10} {cell}{c.worst_text(short_paths)}")
         return lines
 
     def summary(self):

@@ -116,8 +116,10 @@ def export_inputs(case, out_dir, tp=None, cp=None, dp=None, ga=None, overrides=N
     return os.fspath(out_dir)
 
 
-def check_dump(manifests, report_path, binary=None, timeout=None, warnings=(), dump_dir=None, dump_kept=True):
+def check_dump(manifests, report_path, binary=None, timeout=None, warnings=(), dump_dir=None, dump_kept=True,
+               control=True):
     """Run `lossverify check-dump --manifest M [--manifest M2 ...] --report R` and return the Report.
+    control=False passes --no-control (no control band: lossverify's correct implementations are not run).
 
     Exit codes 0 and 1 both give a report (pass or fail); 2 (a malformed dump) raises UsageError and 3
     raises ToolError, each with lossverify's message.
@@ -129,6 +131,8 @@ def check_dump(manifests, report_path, binary=None, timeout=None, warnings=(), d
     for manifest in manifests:
         args += ["--manifest", os.fspath(manifest)]
     args += ["--report", os.fspath(report_path), "--quiet"]
+    if not control:
+        args.append("--no-control")
     result = _run(binary, args, timeout)
     if result.returncode not in (0, 1) or not os.path.exists(report_path):
         _raise_for(result, [binary] + args)

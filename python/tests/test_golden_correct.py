@@ -1,5 +1,6 @@
 """The correct PyTorch implementation passes every shipped case at tp = 1, 2 and 4 (each case's own cp, dp
-and ga), with the margins lossverify's own kernels have: at most half an ulp for 16-bit gradients."""
+and ga), with the margins lossverify's own kernels have: at most half an ulp for 16-bit gradients; and every
+check reads within its control band (the slow case runs without the band)."""
 
 import unittest
 
@@ -18,10 +19,14 @@ class CorrectPassesEveryCase(unittest.TestCase):
             for tp in (1, 2, 4):
                 with self.subTest(case=name, tp=tp):
                     report = lvt.check(CORRECT, case_path(name), tp=tp, keep_dump=keep_dir("correct", f"{name}-tp{tp}"),
-                                       timeout=SLOW_CASES.get(name))
+                                       timeout=SLOW_CASES.get(name), control=name not in SLOW_CASES)
                     report.assert_pass()
                     worst = max(m for m in report.margins.values() if m is not None)
                     self.assertLess(worst, 0.51, report.table())
+                    if name not in SLOW_CASES:
+                        readings = {c.name: c.control["reading"] for c in report.checks.values() if c.control}
+                        self.assertTrue(readings, report.table())
+                        self.assertEqual(set(readings.values()), {"within"}, report.table())
 
 
 if __name__ == "__main__":

@@ -49,6 +49,9 @@ def _parser():
         p.add_argument("--timeout", type=float, metavar="SECONDS", help="per launch (default: the case's)")
         p.add_argument("--binary", help="the lossverify executable (default: $LOSSVERIFY_BIN, PATH, build tree)")
         p.add_argument("-q", "--quiet", action="store_true", help="print nothing; rely on the exit code")
+        p.add_argument("--no-control", action="store_true",
+                       help="skip the control band (lossverify's correct implementation on the same inputs in "
+                            "float32 and in the case's 16-bit dtype)")
 
     run = commands.add_parser("run", help="run fn at one layout and check it")
     common(run)
@@ -118,7 +121,8 @@ def main(argv=None):
         start_process_context()  # the server's torch import runs while this process exports the inputs
         fn = _load_function(args.fn)
         options = dict(device=args.device, set=args.set, returns=args.returns, binary=args.binary,
-                       keep_dump=args.keep_dump, timeout=args.timeout, report=args.report, backend=args.backend)
+                       keep_dump=args.keep_dump, timeout=args.timeout, report=args.report, backend=args.backend,
+                       control=not args.no_control)
         if args.command == "run":
             report = harness.check(fn, args.case, tp=args.tp, cp=args.cp, dp=args.dp, ga=args.ga, **options)
         else:

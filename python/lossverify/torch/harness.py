@@ -41,7 +41,7 @@ _process_context = process_context  # the tests start their own ranks from the s
 
 
 def check(fn, case, tp=None, cp=None, dp=None, ga=None, device="cpu", set=None, returns="auto", binary=None,
-          keep_dump=None, timeout=None, name=None, report=None, backend=None):
+          keep_dump=None, timeout=None, name=None, report=None, backend=None, control=True):
     """Run `fn(logits, labels, ctx)` on every rank of `case` (a case file) at the layout and check it.
 
     tp, cp, dp, ga override the case's layout; set: --set overrides ({"loss.label_smoothing": 0.1} or
@@ -49,13 +49,15 @@ def check(fn, case, tp=None, cp=None, dp=None, ga=None, device="cpu", set=None, 
     an already-reduced loss); keep_dump: a new or empty folder to keep the inputs, dump and report in;
     timeout: seconds per launch (default: the case's timeout_seconds); report: also write the report JSON
     there; backend: the process group's, "gloo" (the default on the CPU; on "cuda" the ranks then share the
-    GPUs, rank % GPUs) or "nccl" (the default on "cuda": one GPU per rank). Returns the Report
+    GPUs, rank % GPUs) or "nccl" (the default on "cuda": one GPU per rank); control: the control band (the
+    margins lossverify's correct implementation reaches on the same inputs in float32 and in the case's 16-bit
+    dtype, docs/checks.md), on by default. Returns the Report
     (report.assert_pass() for tests); raises UserFunctionError when fn raises.
     """
     name = name or _function_name(fn)
     check_output_path("--report", report, inputs=[case])
     reports = check_many({name: fn}, case, tp=tp, cp=cp, dp=dp, ga=ga, device=device, set=set, returns=returns,
-                         binary=binary, keep_dump=keep_dump, timeout=timeout, backend=backend)
+                         binary=binary, keep_dump=keep_dump, timeout=timeout, backend=backend, control=control)
     result = reports[name]
     if report:
         _copy_report(result, report)
@@ -63,7 +65,7 @@ def check(fn, case, tp=None, cp=None, dp=None, ga=None, device="cpu", set=None, 
 
 
 def check_many(fns, case, tp=None, cp=None, dp=None, ga=None, device="cpu", set=None, returns="auto", binary=None,
-               keep_dump=None, timeout=None, backend=None):
+               keep_dump=None, timeout=None, backend=None, control=True):
     """Like `check` for several functions on the same inputs and process group, one dump and report each
     (cheaper than one launch per function). fns: {name: fn} or a list of functions. Returns {name: Report}."""
     jobs_in = _named_functions(fns)
@@ -85,12 +87,12 @@ def check_many(fns, case, tp=None, cp=None, dp=None, ga=None, device="cpu", set=
             reports[job.name] = tool.check_dump(os.path.join(job.dump_dir, "manifest.json"),
                                                 os.path.join(job.dump_dir, "report.json"), binary=binary,
                                                 warnings=warnings.get(job.name, []), dump_dir=kept,
-                                                dump_kept=bool(keep_dump))
+                                                dump_kept=bool(keep_dump), control=control)
         return reports
 
 
 def sweep(fn, case, layouts=None, device="cpu", set=None, returns="auto", binary=None, keep_dump=None, timeout=None,
-          name=None, report=None, backend=None):
+          name=None, report=None, backend=None, control=True):
     """Run fn at several layouts of the same case and check each run and their invariance (check-dump with
     one manifest per layout). layouts: a list of {"tp": 2, ...}, (tp, cp, dp, ga) tuples or
     "tp2-cp1-dp1-ga1" strings; default: the product of the case file's "sweep" section."""
@@ -113,7 +115,8 @@ def sweep(fn, case, layouts=None, device="cpu", set=None, returns="auto", binary
             warnings += _launch(inputs, [job], device, backend, timeout, folder).get(name, [])
             manifests.append(os.path.join(job.dump_dir, "manifest.json"))
         result = tool.check_dump(manifests, os.path.join(work, "report.json"), binary=binary, warnings=warnings,
-                                 dump_dir=work if keep_dump else None, dump_kept=bool(keep_dump))
+                                 dump_dir=work if keep_dump else None, dump_kept=bool(keep_dump),
+                                 control=control)
     if report:
         _copy_report(result, report)
     return result

@@ -54,7 +54,7 @@ def _environment_rank():
 
 
 def run(fn, case, tp=None, cp=None, dp=None, ga=None, device="cpu", set=None, returns="auto", binary=None,
-        keep_dump=None, timeout=None, report=None, backend=None, quiet=False):
+        keep_dump=None, timeout=None, report=None, backend=None, quiet=False, control=True):
     """This process's part of a distributed check; returns the exit code every process of the launch ends with.
     Errors before the process group forms are raised (every process meets them alike)."""
     from lossverify.torch import harness
@@ -75,13 +75,13 @@ def run(fn, case, tp=None, cp=None, dp=None, ga=None, device="cpu", set=None, re
                              f"x dp), but torchrun started WORLD_SIZE={world} processes")
         timeout = float(timeout or inputs.case.get("timeout_seconds") or 120.0)
         return _run_in_group(fn, inputs, rank, world, local_rank, device, backend, returns, binary, timeout, work,
-                             keep_dump if rank == 0 else None, report if rank == 0 else None, quiet)
+                             keep_dump if rank == 0 else None, report if rank == 0 else None, quiet, control)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
 def _run_in_group(fn, inputs, rank, world, local_rank, device, backend, returns, binary, timeout, work, keep_dump,
-                  report, quiet):
+                  report, quiet, control=True):
     import torch
     import torch.distributed as dist
 
@@ -117,7 +117,7 @@ def _run_in_group(fn, inputs, rank, world, local_rank, device, backend, returns,
     code = torch.zeros(1, dtype=torch.int64)
     if rank == 0:
         code[0] = _judge(inputs, dump_dir, name, binary, [w for part in gathered for w in part], keep_dump, report,
-                         work, quiet)
+                         work, quiet, control=control)
     dist.broadcast(code, src=0, group=files)
     dist.destroy_process_group()
     return int(code.item())
@@ -147,7 +147,7 @@ def _gather_dump(rank, world, dump_dir, group):
                     f.write(payload.numpy().tobytes())
 
 
-def _judge(inputs, dump_dir, name, binary, warnings, keep_dump, report, work, quiet):
+def _judge(inputs, dump_dir, name, binary, warnings, keep_dump, report, work, quiet, control=True):
     """Rank 0: check-dump on the gathered dump; prints the table, writes --report and --keep-dump."""
     kept = None
     if keep_dump:
@@ -155,7 +155,8 @@ def _judge(inputs, dump_dir, name, binary, warnings, keep_dump, report, work, qu
         kept = os.path.join(keep_dump, "dump")
     try:
         result = tool.check_dump(os.path.join(dump_dir, "manifest.json"), os.path.join(work, "report.json"),
-                                 binary=binary, warnings=warnings, dump_dir=kept, dump_kept=bool(keep_dump))
+                                 binary=binary, warnings=warnings, dump_dir=kept, dump_kept=bool(keep_dump),
+                                 control=control)
     except LossverifyError as e:
         print(f"lossverify.torch: error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
@@ -175,7 +176,7 @@ def main_under_torchrun(args, fn):
     try:
         return run(fn, args.case, tp=args.tp, cp=args.cp, dp=args.dp, ga=args.ga, device=args.device, set=args.set,
                    returns=args.returns, binary=args.binary, keep_dump=args.keep_dump, timeout=args.timeout,
-                   report=args.report, backend=args.backend, quiet=args.quiet)
+                   report=args.report, backend=args.backend, quiet=args.quiet, control=not args.no_control)
     except LossverifyError as e:
         print(f"lossverify.torch: rank {os.environ.get('RANK', '?')}: error: {e}", file=sys.stderr, flush=True)
         return e.exit_code

@@ -74,9 +74,9 @@ std::optional<CheckBand> band_of(const RunResult& run, const CheckResult& check)
   band.low = *std::min_element(band.margins.begin(), band.margins.end());
   band.high = *std::max_element(band.margins.begin(), band.margins.end());
   const double m = check.margin;
-  if (m <= kBandWithinFactor * band.high) {
+  if (m <= std::max(kBandWithinFactor * band.high, kBandFloor)) {
     band.reading = BandReading::within;
-  } else if (check.verdict == Verdict::pass && m > kBandFarFactor * band.high && m >= kBandFarFloor) {
+  } else if (check.verdict == Verdict::pass && m > kBandFarFactor * band.high) {
     band.reading = BandReading::far_above;
   } else {
     band.reading = BandReading::above;

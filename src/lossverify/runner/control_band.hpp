@@ -20,8 +20,9 @@ std::vector<ControlRun> run_controls(const Case& c, const RunOptions& options, L
                                      const RunResult& run);
 
 // How a check's margin reads against its band [low, high] (the controls' smallest and largest margins):
-// within at most twice the band's top; far above when it passes yet exceeds four times the top and a quarter
-// of the tolerance (a bug may hide under it); above otherwise.
+// within at most twice the band's top, or below a quarter of the tolerance (rounding that small is not the
+// band's to judge: correct kernels with another order of operations reach it); far above when it passes yet
+// exceeds four times the top (a bug may hide under the tolerance); above otherwise.
 enum class BandReading { within, above, far_above };
 struct CheckBand {
   double low = 0.0, high = 0.0;
@@ -30,7 +31,7 @@ struct CheckBand {
 };
 inline constexpr double kBandWithinFactor = 2.0;
 inline constexpr double kBandFarFactor = 4.0;
-inline constexpr double kBandFarFloor = 0.25;
+inline constexpr double kBandFloor = 0.25;
 // None when the run has no controls, the check was not judged, or no control reports it.
 std::optional<CheckBand> band_of(const RunResult& run, const CheckResult& check);
 std::string_view to_string(BandReading reading);
