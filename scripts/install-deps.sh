@@ -11,7 +11,8 @@ packages=(
 )
 case "${1:-}" in
   --gate) ;;
-  "") packages+=(doctest-dev clang-format libmpfr-dev python3 python3-jsonschema python3-torch python3-pip python3-setuptools) ;;
+  "") packages+=(doctest-dev clang-format libmpfr-dev python3 python3-jsonschema python3-torch python3-pip python3-setuptools
+             python3-venv python3-wheel python3-pytest) ;;
   *) echo "install-deps: unknown option $1 (expected --gate or nothing)" >&2; exit 2 ;;
 esac
 missing=()

@@ -1,8 +1,13 @@
 """Finding and running the lossverify executable: `export-inputs` and `check-dump`.
 
-The executable is looked up, in order: an explicit `binary=` argument, the environment variable
-LOSSVERIFY_BIN, `lossverify` on PATH, and the build tree next to this package
-(python/../build/release/cli/lossverify), so a checkout works without installing anything.
+The executable is looked up, in order:
+1. an explicit `binary=` argument (`--binary`);
+2. the environment variable LOSSVERIFY_BIN;
+3. the executable packaged with this module, lossverify/_bin/lossverify (`pip install ./python` builds it);
+4. `lossverify` on PATH;
+5. the checkout's build tree next to this package (python/../build/release/cli/lossverify), so a checkout
+   works with PYTHONPATH=python and nothing installed.
+The first two are taken as given: a wrong path there is an error, not a reason to look further.
 """
 
 import os
@@ -14,30 +19,28 @@ from lossverify.report import load_report
 
 __all__ = ["find_binary", "export_inputs", "check_dump", "layout_arguments", "set_arguments"]
 
-_BUILD_TREE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "build", "release", "cli",
-                           "lossverify")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_PACKAGED = os.path.join(_HERE, "_bin", "lossverify")
+_BUILD_TREE = os.path.join(_HERE, "..", "..", "build", "release", "cli", "lossverify")
 
 
 def find_binary(binary=None):
     """The path of the lossverify executable; BinaryNotFoundError saying where it looked."""
-    looked = []
-    candidates = []
     if binary:
-        candidates.append(("binary=", binary))
+        candidates = [("binary=", binary)]
     elif os.environ.get("LOSSVERIFY_BIN"):
-        candidates.append(("LOSSVERIFY_BIN", os.environ["LOSSVERIFY_BIN"]))
+        candidates = [("LOSSVERIFY_BIN", os.environ["LOSSVERIFY_BIN"])]
     else:
-        on_path = shutil.which("lossverify")
-        if on_path:
-            candidates.append(("PATH", on_path))
-        looked.append("lossverify on PATH")
-        candidates.append(("the build tree", os.path.normpath(_BUILD_TREE)))
+        candidates = [("packaged", _PACKAGED), ("PATH", shutil.which("lossverify")),
+                      ("the build tree", os.path.normpath(_BUILD_TREE))]
+    looked = []
     for origin, path in candidates:
-        if os.path.isfile(path) and os.access(path, os.X_OK):
+        if path and os.path.isfile(path) and os.access(path, os.X_OK):
             return os.path.abspath(path)
-        looked.append(f"{path} ({origin})")
+        looked.append(f"{path} ({origin})" if path else "lossverify on PATH")
     raise BinaryNotFoundError("cannot find the lossverify executable; looked at " + ", ".join(looked) +
-                              ". Pass binary=..., set LOSSVERIFY_BIN or put lossverify on PATH.")
+                              ". Install the package with pip (it builds the executable), pass binary=..., set "
+                              "LOSSVERIFY_BIN or put lossverify on PATH.")
 
 
 def layout_arguments(tp=None, cp=None, dp=None, ga=None):

@@ -47,7 +47,8 @@ def _parser():
         p.add_argument("--report", metavar="R.json", help="write lossverify's JSON report here")
         p.add_argument("--keep-dump", metavar="DIR", help="keep the inputs, dumps and reports in DIR (new or empty)")
         p.add_argument("--timeout", type=float, metavar="SECONDS", help="per launch (default: the case's)")
-        p.add_argument("--binary", help="the lossverify executable (default: $LOSSVERIFY_BIN, PATH, build tree)")
+        p.add_argument("--binary", help="the lossverify executable (default: $LOSSVERIFY_BIN, the packaged one, PATH, "
+                                        "build tree)")
         p.add_argument("-q", "--quiet", action="store_true", help="print nothing; rely on the exit code")
         p.add_argument("--no-control", action="store_true",
                        help="skip the control band (lossverify's correct implementation on the same inputs in "
