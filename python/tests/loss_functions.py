@@ -28,6 +28,14 @@ def full_rows_cross_entropy(logits, labels, ctx):
                                              ignore_index=ctx.loss.ignore_index)
 
 
+def full_rows_cross_entropy_16bit(logits, labels, ctx):
+    """tp = 1 only: torch's own cross-entropy on whole rows computed in the logits' 16-bit dtype (PyTorch's eager
+    bf16 arithmetic: log_softmax's output, the loss and its backward stored in bf16), per token."""
+    alpha = ctx.loss.label_smoothing
+    return torch.nn.functional.cross_entropy(logits, labels, label_smoothing=alpha, reduction="none",
+                                             ignore_index=ctx.loss.ignore_index)
+
+
 def reduced_mean(logits, labels, ctx):
     """An already reduced loss, normalised the way a correct training loop does it."""
     token_loss = vocab_parallel_cross_entropy(logits, labels, ctx)

@@ -10,7 +10,7 @@ if(torch_missing)
   return()
 endif()
 foreach(module test_safetensors test_report test_inputs test_dump test_harness test_hardening test_cli test_torchrun test_policy
-               test_pytest_plugin test_golden_correct test_golden_bugs)
+               test_pytest_plugin test_control test_golden_correct test_golden_bugs)
   add_test(NAME python_${module}
     COMMAND ${LOSSVERIFY_SYSTEM_PYTHON} -m unittest discover -s tests -p ${module}.py -v
     WORKING_DIRECTORY ${PYTHON_DIR})
