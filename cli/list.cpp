@@ -28,6 +28,9 @@ int run_list(bool as_json) {
                      {"caught_by", i.caught_by}});
   }
   doc["implementations"] = impls;
+  nlohmann::json controls = nlohmann::json::array();
+  for (const auto& i : control_implementations()) controls.push_back({{"name", i.name}, {"summary", i.summary}});
+  doc["controls"] = controls;
   nlohmann::json checks = nlohmann::json::array();
   for (const auto& c : check_catalogue()) checks.push_back({{"name", c.name}, {"description", c.description}});
   doc["checks"] = checks;
@@ -49,6 +52,8 @@ int run_list(bool as_json) {
                 << "\n";
     }
   }
+  std::cout << "\ncontrols (--impl; the control band's, not bugs: docs/checks.md):\n";
+  for (const auto& i : control_implementations()) std::cout << "  " << i.name << "\n      " << i.summary << "\n";
   std::cout << "\nchecks:\n";
   for (const auto& c : check_catalogue()) std::cout << "  " << c.name << "  " << c.description << "\n";
   return 0;
