@@ -53,6 +53,16 @@ class CommandLineTest(unittest.TestCase):
                 self.assertEqual(result.returncode, 2, result.stdout + result.stderr)
                 self.assertIn(message, result.stderr)
 
+    def test_exit_2_when_this_python_cannot_import_torch(self):
+        # -S: no site-packages, so no torch; the package itself comes from PYTHONPATH.
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([PYTHON_DIR, TESTS_DIR]))
+        result = subprocess.run([sys.executable, "-S", "-m", "lossverify.torch", "run", "--fn",
+                                 "lossverify.torch.implementations:correct", case_path("smoothing-pytorch")],
+                                capture_output=True, text=True, env=env, timeout=120, check=False)
+        self.assertEqual(result.returncode, 2, result.stdout + result.stderr)
+        self.assertIn("cannot import torch", result.stderr)
+        self.assertNotIn("Traceback", result.stderr)
+
     def test_exit_3_when_the_function_raises_with_rank_and_traceback(self):
         result = run_cli("run", "--fn", "loss_functions:raises_on_rank_1", case_path("underflow-gap-240"))
         self.assertEqual(result.returncode, 3, result.stdout + result.stderr)

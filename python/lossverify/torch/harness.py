@@ -14,6 +14,7 @@ time raises HarnessTimeout.
 """
 
 import contextlib
+import importlib.util
 import itertools
 import json
 import math
@@ -22,6 +23,7 @@ import os
 import pickle
 import shutil
 import signal
+import sys
 import tempfile
 import time
 import uuid
@@ -125,8 +127,18 @@ def sweep(fn, case, layouts=None, device="cpu", set=None, returns="auto", binary
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _require_torch():
+    """This Python must be able to import torch (the ranks do): a usage error naming the interpreter otherwise,
+    found without importing it (a virtual environment without --system-site-packages does not see the system's)."""
+    if importlib.util.find_spec("torch") is None:
+        raise UsageError(f"lossverify.torch needs PyTorch >= 1.13, and {sys.executable} cannot import torch: install "
+                         "it there (Debian: python3-torch; a venv must see it: --system-site-packages), or run the "
+                         "Python that has it")
+
+
 def _check_arguments(device, returns, backend, timeout=None):
     """Validates the options; returns the process group's backend."""
+    _require_torch()
     if timeout is not None:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or (
                 timeout <= 0):
