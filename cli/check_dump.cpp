@@ -13,6 +13,8 @@
 #include "lossverify/dump/check_dump.hpp"
 #include "lossverify/report/junit.hpp"
 #include "lossverify/report/report.hpp"
+#include "lossverify/runner/control_band.hpp"
+#include "lossverify/runner/launcher.hpp"
 
 namespace lossverify::cli {
 
@@ -80,6 +82,11 @@ int run_check_dump(const CheckDumpArguments& args) {
   std::vector<dump::Manifest> manifests;
   for (const std::string& path : paths) manifests.push_back(dump::load_manifest(path, limits));
   for (std::size_t k = 1; k < manifests.size(); ++k) dump::require_same_manifest_problem(manifests[0], manifests[k]);
+  if (!args.no_control) {
+    RunOptions control;
+    control.threads = args.threads;
+    for (const dump::Manifest& manifest : manifests) check_controls(manifest.the_case, control, *thread_launcher());
+  }
   const bool sweep = manifests.size() > 1;
   dump::DumpCheckOptions options;
   options.threads = args.threads;

@@ -12,6 +12,7 @@
 #include "lossverify/impl/catalogue.hpp"
 #include "lossverify/inputs/input_source.hpp"
 #include "lossverify/runner/control_band.hpp"
+#include "lossverify/runner/launcher.hpp"
 #include "lossverify/runner/run_case.hpp"
 #include "test_support.hpp"
 
@@ -189,4 +190,27 @@ TEST_CASE("the 16-bit control runs on the CPU backend only") {
   CHECK_THROWS_AS(check_run(c, options), CaseError);
   CHECK(std::none_of(implementations().begin(), implementations().end(),
                      [](const Implementation& impl) { return impl.bugs.compute_in_input_dtype; }));  // not in the gate
+}
+
+TEST_CASE("a control the machine cannot run is refused before any work, naming the band and --no-control") {
+  const Case huge = make_case(case_json(1 << 20, 1 << 20, 1));  // 4 TiB of float32 logits on one rank
+  RunOptions options;
+  options.control = true;
+  try {
+    check_run(huge, options);
+    FAIL("a 4 TiB case passed check_run");
+  } catch (const CaseError& e) {
+    const std::string message = e.what();
+    CAPTURE(message);
+    CHECK(message.find("this machine has") != std::string::npos);  // the main run itself is refused first
+  }
+  try {
+    check_controls(huge, RunOptions{}, *thread_launcher());
+    FAIL("a 4 TiB control passed check_controls");
+  } catch (const CaseError& e) {
+    const std::string message = e.what();
+    CAPTURE(message);
+    CHECK(message.find("the control band (correct on the CPU)") != std::string::npos);
+    CHECK(message.find("--no-control") != std::string::npos);
+  }
 }

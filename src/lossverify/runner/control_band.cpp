@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "lossverify/core/dtype.hpp"
+#include "lossverify/core/errors.hpp"
 #include "lossverify/core/strings.hpp"
 #include "lossverify/runner/launcher.hpp"
 
@@ -28,12 +29,23 @@ bool is_float32_control(const RunOptions& options, const RunResult& run) {
          options.device == RunOptions::Device::cpu && options.fault.kind == FaultInjection::Kind::none;
 }
 
-ControlRun run_control(const Case& c, const RunOptions& options, Launcher& launcher, std::string name,
-                       const std::string& implementation) {
+// The options a control runs under: the CPU, the run's threads and inputs, no control of its own.
+RunOptions control_options(const RunOptions& options, const std::string& implementation) {
   RunOptions control;
   control.implementation = implementation;
   control.threads = options.threads;
   control.shared_inputs = options.shared_inputs;
+  return control;
+}
+
+std::vector<std::string> control_implementations_for(const Case& c) {
+  if (c.inputs.dtype == DType::fp32) return {"correct"};
+  return {"correct", "correct-16bit"};
+}
+
+ControlRun run_control(const Case& c, const RunOptions& options, Launcher& launcher, std::string name,
+                       const std::string& implementation) {
+  const RunOptions control = control_options(options, implementation);
   const auto start = std::chrono::steady_clock::now();
   const RunResult result = run_case(c, control, launcher);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -60,6 +72,17 @@ std::vector<ControlRun> run_controls(const Case& c, const RunOptions& options, L
     controls.push_back(run_control(c, options, launcher, std::string(to_string(c.inputs.dtype)), "correct-16bit"));
   }
   return controls;
+}
+
+void check_controls(const Case& c, const RunOptions& options, const Launcher& launcher) {
+  for (const std::string& implementation : control_implementations_for(c)) {
+    try {
+      check_run(c, control_options(options, implementation), launcher);
+    } catch (const CaseError& e) {
+      throw CaseError(std::string("the control band (") + implementation + " on the CPU): " + e.what() +
+                      "; --no-control runs without it");
+    }
+  }
 }
 
 std::optional<CheckBand> band_of(const RunResult& run, const CheckResult& check) {

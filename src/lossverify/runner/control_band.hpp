@@ -19,6 +19,9 @@ class Launcher;
 std::vector<ControlRun> run_controls(const Case& c, const RunOptions& options, Launcher& launcher,
                                      const RunResult& run);
 
+// What run_controls would refuse, found before any work: CaseError naming the control band and --no-control.
+void check_controls(const Case& c, const RunOptions& options, const Launcher& launcher);
+
 // How a check's margin reads against its band [low, high] (the controls' smallest and largest margins):
 // within at most twice the band's top, or below a quarter of the tolerance (rounding that small is not the
 // band's to judge: correct kernels with another order of operations reach it); far above when it passes yet

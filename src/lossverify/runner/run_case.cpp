@@ -343,6 +343,7 @@ RunOptions check_run(const Case& c, const RunOptions& requested, const Launcher&
     require_memory(c, keep_snapshot);
   }
   resolve_execution(options, world_size);
+  if (requested.control) check_controls(c, requested, launcher);
   return options;
 }
 
