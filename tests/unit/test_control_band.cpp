@@ -105,6 +105,12 @@ TEST_CASE("a check without a judged control margin has no band, and the notes sa
   REQUIRE(fail_notes.size() == 1);
   CHECK(fail_notes[0].find("grad fails within the control band: computing in bf16") != std::string::npos);
   CHECK(fail_notes[0].find("computing in float32 it reaches 0.5") != std::string::npos);
+  CHECK(fail_notes[0].find("a kernel that computes in float32 is wrong here") != std::string::npos);
+  // A failure within the float32 control's own band does not call a float32 kernel wrong.
+  const std::vector<std::string> close = band_notes(synthetic(Verdict::fail, 1.2, 0.9, 8.0));
+  REQUIRE(close.size() == 1);
+  CHECK(close[0].find("computing in float32 it reaches 0.9") != std::string::npos);
+  CHECK(close[0].find("is wrong here") == std::string::npos);
   const std::vector<std::string> pass_notes = band_notes(synthetic(Verdict::pass, 0.9, 0.05, 0.1));
   REQUIRE(pass_notes.size() == 1);
   CHECK(pass_notes[0].find("grad passes 9x above the control band") != std::string::npos);
