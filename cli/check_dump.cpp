@@ -33,8 +33,7 @@ void register_check_dump(CLI::App& app, CheckDumpCommand& command) {
                         "read tensor files outside the manifest's folder (absolute paths, ../, symlinks out of it); "
                         "by default every tensor file, symlinks resolved, must lie in that folder");
   command.app->add_option("--report", command.args.report_path, "write the JSON report here (atomically)");
-  command.app->add_option("--junit", command.args.junit_path,
-                          "write JUnit XML here: a testcase per check, its margin and control band as properties");
+  add_junit_option(*command.app, command.args.junit_path);
   command.app->add_flag("--quiet,-q", command.args.quiet, "print nothing; rely on the exit code and the report");
   add_control_flag(*command.app, command.args.no_control);
   command.app->add_option("--threads", command.args.threads, "OpenMP threads for the reference (default: all)")

@@ -47,6 +47,12 @@ inline void check_distinct_outputs(const std::string& report_path, const std::st
   }
 }
 
+// --junit FILE (run, check-dump): a testcase per check, its margin and control band as properties.
+inline void add_junit_option(CLI::App& app, std::string& junit_path) {
+  app.add_option("--junit", junit_path,
+                 "write JUnit XML here: a testcase per check, its margin and control band as properties");
+}
+
 // --no-control: skip the control band (docs/checks.md, "The control band"), on by default.
 inline void add_control_flag(CLI::App& app, bool& no_control) {
   app.add_flag("--no-control", no_control,

@@ -290,8 +290,7 @@ void register_run(CLI::App& app, RunCommand& command) {
   command.app->add_option("--set", command.args.set, "override a case field, e.g. --set loss.label_smoothing=0.1")
       ->allow_extra_args(false);
   command.app->add_option("--report", command.args.report_path, "write the JSON report here (atomically)");
-  command.app->add_option("--junit", command.args.junit_path,
-                          "write JUnit XML here: a testcase per check, its margin and control band as properties");
+  lossverify::cli::add_junit_option(*command.app, command.args.junit_path);
   command.app->add_flag("--quiet,-q", command.args.quiet, "print nothing; rely on the exit code and the report");
   lossverify::cli::add_control_flag(*command.app, command.args.no_control);
   command.app->add_option("--threads", command.args.threads, "OpenMP threads for the reference (default: all)")

@@ -57,7 +57,7 @@ std::string format_number(double v, int precision = 3) {
 
 }  // namespace
 
-// The control column: "control f32 / bf16" and each check's "0.0213 / 0.48 within".
+// The control column: "control f32 / bf16" and each check's "0.0213 / 0.48" ("... above" where it reads so).
 std::string control_column_header(const RunResult& run) {
   if (run.controls.empty()) return {};
   std::string header = "control";
@@ -246,8 +246,9 @@ void print_summary(std::ostream& out, const RunResult& run) {
       << " V=" << c.shape.vocab << ", " << to_string(c.inputs.dtype) << ", tp=" << c.layout.tp << " cp=" << c.layout.cp
       << " dp=" << c.layout.dp << " ga=" << c.layout.ga << "]  impl " << printable(run.implementation->name) << "\n";
   const std::string control_header = control_column_header(run);
+  const int control_width = static_cast<int>(control_column_width(run));
   out << "  " << std::left << std::setw(16) << "check" << std::setw(16) << "verdict" << std::setw(11) << "margin";
-  if (!control_header.empty()) out << std::setw(static_cast<int>(control_column_width(run))) << control_header;
+  if (!control_header.empty()) out << std::setw(control_width) << control_header;
   out << std::setw(12) << "max abs err"
       << "worst (token, column, rank: expected -> got)\n";
   for (const CheckResult& check : run.checks) {
@@ -275,9 +276,7 @@ void print_summary(std::ostream& out, const RunResult& run) {
     const std::string verdict = check.verdict == Verdict::fail ? "FAIL" : std::string(to_string(check.verdict));
     out << "  " << std::left << std::setw(16) << check.name << std::setw(16) << verdict << std::setw(11)
         << format_number(check.margin);
-    if (!control_header.empty()) {
-      out << std::setw(static_cast<int>(control_column_width(run))) << control_cell(run, check);
-    }
+    if (!control_header.empty()) out << std::setw(control_width) << control_cell(run, check);
     out << std::setw(12) << max_abs << worst << "\n";
   }
   for (const std::string& note : band_notes(run)) out << "  note: " << note << "\n";

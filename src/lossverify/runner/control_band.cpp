@@ -38,18 +38,22 @@ RunOptions control_options(const RunOptions& options, const std::string& impleme
   return control;
 }
 
-std::vector<std::string> control_implementations_for(const Case& c) {
-  if (c.inputs.dtype == DType::fp32) return {"correct"};
-  return {"correct", "correct-16bit"};
+// The controls of a case, what each computes in and its implementation: float32 always, the logits' dtype
+// for 16-bit logits.
+struct Control {
+  std::string name, implementation;
+};
+std::vector<Control> controls_of(const Case& c) {
+  std::vector<Control> controls = {{"float32", "correct"}};
+  if (c.inputs.dtype != DType::fp32) controls.push_back({std::string(to_string(c.inputs.dtype)), "correct-16bit"});
+  return controls;
 }
 
-ControlRun run_control(const Case& c, const RunOptions& options, Launcher& launcher, std::string name,
-                       const std::string& implementation) {
-  const RunOptions control = control_options(options, implementation);
+ControlRun run_control(const Case& c, const RunOptions& options, Launcher& launcher, const Control& control) {
   const auto start = std::chrono::steady_clock::now();
-  const RunResult result = run_case(c, control, launcher);
+  const RunResult result = run_case(c, control_options(options, control.implementation), launcher);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  return {std::move(name), implementation, judged_margins(result), seconds};
+  return {control.name, control.implementation, judged_margins(result), seconds};
 }
 
 std::string format_margin(double v) {
@@ -63,23 +67,22 @@ std::string format_margin(double v) {
 std::vector<ControlRun> run_controls(const Case& c, const RunOptions& options, Launcher& launcher,
                                      const RunResult& run) {
   std::vector<ControlRun> controls;
-  if (is_float32_control(options, run)) {
-    controls.push_back({"float32", "correct", judged_margins(run), 0.0});
-  } else {
-    controls.push_back(run_control(c, options, launcher, "float32", "correct"));
-  }
-  if (c.inputs.dtype != DType::fp32) {
-    controls.push_back(run_control(c, options, launcher, std::string(to_string(c.inputs.dtype)), "correct-16bit"));
+  for (const Control& control : controls_of(c)) {
+    if (control.implementation == "correct" && is_float32_control(options, run)) {
+      controls.push_back({control.name, control.implementation, judged_margins(run), 0.0});
+    } else {
+      controls.push_back(run_control(c, options, launcher, control));
+    }
   }
   return controls;
 }
 
 void check_controls(const Case& c, const RunOptions& options, const Launcher& launcher) {
-  for (const std::string& implementation : control_implementations_for(c)) {
+  for (const Control& control : controls_of(c)) {
     try {
-      check_run(c, control_options(options, implementation), launcher);
+      check_run(c, control_options(options, control.implementation), launcher);
     } catch (const CaseError& e) {
-      throw CaseError(std::string("the control band (") + implementation + " on the CPU): " + e.what() +
+      throw CaseError("the control band (" + control.implementation + " on the CPU): " + e.what() +
                       "; --no-control runs without it");
     }
   }

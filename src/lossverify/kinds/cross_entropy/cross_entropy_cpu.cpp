@@ -107,7 +107,7 @@ class CpuCrossEntropyShard final : public CrossEntropyShard {
       const float z_factor = 1.0f + 2.0f * z_weight * shift;
       const std::int64_t target_column = p.label - at_.grad_label_offset;
       if (in_dtype_) {
-        gradient_in_dtype(i, p, max[k], log_sum[k]);
+        gradient_in_dtype(i, p, max[k], log_sum[k], q, z_weight);
         continue;
       }
       for (std::int64_t v = 0; v < at_.cols; ++v) {
@@ -141,9 +141,8 @@ class CpuCrossEntropyShard final : public CrossEntropyShard {
   //   lp_v = r(x_v - lse); upstream on lp: g_v = r(-u (q_on - q_off)) [v = y] + r(-u q_off), added in T;
   //   log_softmax backward r(g_v - e^lp_v sum g); z-loss r(r(2 w_z u r(lse)) e^(x_v - r(lse))), added in T;
   //   softcap's backward r(g (1 - tanh^2)).
-  void gradient_in_dtype(std::int64_t i, const RowPlan& p, float row_max, float log_sum) const {
-    const SmoothingWeights<float> q = smoothing_for(case_, bugs_, static_cast<float>(at_.width)).backward;
-    const auto z_weight = static_cast<float>(case_.loss.z_loss_weight);
+  void gradient_in_dtype(std::int64_t i, const RowPlan& p, float row_max, float log_sum, SmoothingWeights<float> q,
+                         float z_weight) const {
     const float u = p.backward_weight;
     const float lse = row_max + log_sum;
     const float lse16 = r(lse);
