@@ -62,7 +62,11 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
   ShardInputs generated = generate_shard_inputs(c, inputs, out.assignment, work, stream.get());
   DeviceBytes d_logits = std::move(generated.student);
   DeviceBytes d_teacher = std::move(generated.teacher);
+  // Zero-filled, as every backend hands a kind its gradient (the CPU backend's vectors, the plugin ABI's buffers):
+  // a kernel may leave a masked row alone, and memory a freed allocation of an earlier run returns to the pool
+  // must never reach a report.
   DeviceBytes d_grad(static_cast<std::size_t>(rows * cols) * element);
+  if (d_grad.size() > 0) LV_CUDA(cudaMemsetAsync(d_grad.as<void>(), 0, d_grad.size(), stream.get()));
   // The kind's part: it loads its kernels' code and makes its buffers while the inputs are generated (once
   // per process and device; otherwise the first launch of each pays for it inside the timed stages).
   // LOSSVERIFY_PRELOAD=off leaves the loading to the first launches (a benchmark knob).

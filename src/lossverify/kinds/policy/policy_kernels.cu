@@ -1,8 +1,8 @@
 // The policy kind's CUDA kernels: one block per row (a grid-stride loop over rows), 16-byte vector loads
 // where the rows allow them. Statistics in one pass over the row: the online maximum m of x / T (and its
 // first column) with S = sum e^u and E = sum e^u u rescaled as m grows (u = x / T - m); gradient in a second
-// pass: scale [a ([v = target] - p_v) + [v = argmax] bonus + c p_v (log p_v + shift)]. Six bytes per bf16
-// logit in all: read, read, write.
+// pass: scale [a ([v = target] - p_v) + [v = argmax] bonus + c p_v (log p_v + shift)], and zeros on a masked
+// row (the gradient buffer may hold an earlier run's data). Six bytes per bf16 logit in all: read, read, write.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -214,13 +214,16 @@ __global__ void __launch_bounds__(kThreads) grad_kernel(PolicyKernelArgs a, cons
   T* gs = static_cast<T*>(a.grad);
   constexpr int kCount = 16 / sizeof(T);
   for (std::int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
-    if (!a.active[r]) continue;
+    T* out = gs + r * a.cols;
+    if (!a.active[r]) {  // a masked row's gradient is zero: written, never left to the buffer's old contents
+      for (std::int64_t c = threadIdx.x; c < a.cols; c += blockDim.x) out[c] = narrow<T>(0.0f);
+      continue;
+    }
     const float* g = rows + 9 * r;
     const float max = g[0], log_sum = g[1], coef_a = g[2], bonus = g[3], coef_c = g[4], shift = g[5], scale = g[6];
     const auto target = static_cast<std::int64_t>(g[7]);
     const auto argmax = static_cast<std::int64_t>(g[8]);
     const T* x = xs + r * a.cols;
-    T* out = gs + r * a.cols;
     const float scaled_a = round_to<T>(scale * coef_a);  // a 16-bit log_softmax's upstream gradient
     auto value = [&](float xv, std::int64_t c) {
       const float log_p = (scaled<T>(xv, a) - max) - log_sum;

@@ -21,7 +21,7 @@ struct PolicyKernelArgs {
 // PolicyLocalStats::kFloats floats per row into `stats` (device memory); inactive rows get zeros.
 void policy_local_stats(StorageType type, const PolicyKernelArgs& args, float* stats, void* stream);
 // The gradient of every active row from PolicyGradRow::kFloats floats per row (device memory); inactive
-// rows are left alone.
+// rows get zeros.
 void policy_gradient(StorageType type, const PolicyKernelArgs& args, const float* rows, void* stream);
 
 }  // namespace lossverify::cuda
