@@ -54,6 +54,8 @@ int run_gate(const GateArguments& args) {
   const std::vector<std::string> inputs = gate_input_files(args.cases_dir, args.golden_dir);
   check_output_path("--report", args.report_path, inputs);
   check_output_path("--junit", args.junit_path, inputs);
+  if (!args.run_reports_dir.empty()) prepare_new_folder("--run-reports", args.run_reports_dir);
+  options.run_reports_dir = args.run_reports_dir;
   const GateResult result = lossverify::run_gate(options);
   if (!args.quiet) print_gate_matrix(std::cout, result);
   if (!args.report_path.empty()) write_file_atomically(args.report_path, json_text(gate_report(result), 2) + "\n");
@@ -89,6 +91,9 @@ void register_gate(CLI::App& app, GateCommand& command) {
       ->add_option("--timeout", command.args.timeout,
                    "deadlock guard in seconds for every case (overrides their timeout_seconds), as run's")
       ->check(CLI::Range(0.01, 86400.0));
+  command.app->add_option("--run-reports", command.args.run_reports_dir,
+                          "also write every run's report into this new or empty folder (CASE__IMPL.json, "
+                          "CASE__sweep.json), as run --report writes it");
   command.app->add_option(
       "--expect", command.args.expect,
       "judge them against golden's outcomes of this implementation (default: their own; correct for a plugin)");

@@ -21,6 +21,7 @@ struct GateArguments {
   std::string backend = "cpu";
   int gpus = 1;
   double timeout = 0.0;  // > 0: overrides every case's timeout_seconds
+  std::string run_reports_dir;
 };
 
 struct GateCommand {

@@ -100,4 +100,24 @@ void check_output_folder(std::string_view option, const std::string& folder) {
     refuse(option, folder, std::string("cannot be written: ") + std::strerror(errno));
 }
 
+void prepare_new_folder(std::string_view option, const std::string& folder) {
+  namespace fs = std::filesystem;
+  const std::string what = std::string(option) + " " + printable(folder);
+  std::error_code error;
+  const fs::file_status status = fs::status(folder, error);
+  if (fs::exists(status)) {
+    if (!fs::is_directory(status)) throw CaseError(what + ": exists and is not a folder");
+    if (!fs::is_empty(folder, error)) {
+      throw CaseError(what + ": the folder is not empty (give a new or empty folder; nothing was written)");
+    }
+    if (::access(folder.c_str(), W_OK | X_OK) != 0) {
+      throw CaseError(what + ": the folder cannot be written: " + std::strerror(errno));
+    }
+    return;
+  }
+  if (!fs::create_directories(folder, error) && error) {
+    throw CaseError(what + ": cannot create the folder: " + error.message());
+  }
+}
+
 }  // namespace lossverify

@@ -30,4 +30,9 @@ void check_output_path(std::string_view option, const std::string& path, const s
 // A folder files will be written into (bundles): it exists and can be written. Throws CaseError (exit 2).
 void check_output_folder(std::string_view option, const std::string& folder);
 
+// A folder a command fills with files of its own (export-inputs --out, gate --run-reports): created when missing,
+// refused when it exists and is not an empty, writable folder, so nothing there is written over. Throws CaseError
+// (exit 2) naming the option.
+void prepare_new_folder(std::string_view option, const std::string& folder);
+
 }  // namespace lossverify

@@ -12,6 +12,7 @@
 #include "lossverify/core/atomic_file.hpp"
 #include "lossverify/core/build_info.hpp"
 #include "lossverify/core/errors.hpp"
+#include "lossverify/core/output_path.hpp"
 #include "lossverify/dump/safetensors_writer.hpp"
 #include "lossverify/impl/rank_inputs.hpp"
 #include "lossverify/runner/memory_estimate.hpp"
@@ -22,24 +23,6 @@ namespace lossverify::dump {
 namespace {
 
 namespace fs = std::filesystem;
-
-void prepare_folder(const std::string& dir) {
-  std::error_code error;
-  const fs::file_status status = fs::status(dir, error);
-  if (fs::exists(status)) {
-    if (!fs::is_directory(status)) throw CaseError("--out " + dir + ": exists and is not a folder");
-    if (!fs::is_empty(dir, error)) {
-      throw CaseError("--out " + dir + ": the folder is not empty (give a new or empty folder; nothing was written)");
-    }
-    if (::access(dir.c_str(), W_OK | X_OK) != 0) {
-      throw CaseError("--out " + dir + ": the folder cannot be written: " + std::strerror(errno));
-    }
-    return;
-  }
-  if (!fs::create_directories(dir, error) && error) {
-    throw CaseError("--out " + dir + ": cannot create the folder: " + error.message());
-  }
-}
 
 std::string rank_file_name(int rank) { return "rank" + std::to_string(rank) + ".safetensors"; }
 
@@ -130,7 +113,7 @@ nlohmann::json export_inputs(const Case& c, const ExportOptions& options) {
   }
   const InputSource inputs(c);
   require_export_memory(c, inputs, options.only_rank);
-  prepare_folder(options.out_dir);
+  prepare_new_folder("--out", options.out_dir);
   nlohmann::json ranks = nlohmann::json::array();
   for (int rank = 0; rank < c.layout.world_size(); ++rank) {
     RankAssignment assignment = assign_rank(c, inputs.batch(), rank);

@@ -1,6 +1,7 @@
 #include "lossverify/runner/gate.hpp"
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -23,6 +24,26 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+
+// A run's report in the gate's --run-reports folder, named after its case and implementation (any character
+// a file name should not hold becomes '_': a plugin's path).
+void write_run_report(const std::string& dir, const std::string& case_name, const std::string& what,
+                      const std::vector<RunResult>& runs, const std::string& command) {
+  if (dir.empty()) return;
+  std::string name = case_name + "__" + what;
+  for (char& ch : name) {
+    const bool plain = std::isalnum(static_cast<unsigned char>(ch)) != 0 || ch == '-' || ch == '_' || ch == '.';
+    if (!plain) ch = '_';
+  }
+  std::vector<json> reports;
+  bool failed = false;
+  for (const RunResult& run : runs) {
+    reports.push_back(run_to_json(run));
+    failed = failed || run.verdict == Verdict::fail;
+  }
+  const json report = make_report(command, reports, failed ? ExitCode::check_failed : ExitCode::pass);
+  write_file_atomically((fs::path(dir) / (name + ".json")).string(), json_text(report, 2) + "\n");
+}
 
 json outcome_json(const GateCell& cell) {
   if (cell.verdict == "not_applicable") return {{"verdict", "not_applicable"}};
@@ -96,7 +117,7 @@ std::vector<GateEntry> gate_entries(const GateOptions& options) {
 }
 
 GateCell run_cell(const Case& c, const GateEntry& entry, const std::optional<json>& golden, const fs::path& golden_path,
-                  RunOptions run_options, bool update_golden) {
+                  RunOptions run_options, bool update_golden, const std::string& reports_dir) {
   const Implementation& impl = *entry.implementation;
   GateCell cell;
   cell.case_name = c.name;
@@ -114,6 +135,7 @@ GateCell run_cell(const Case& c, const GateEntry& entry, const std::optional<jso
   } else {
     run_options.implementation = impl.name;
     const RunResult run = run_case(c, run_options);
+    write_run_report(reports_dir, c.name, impl.name, {run}, "run");
     cell.verdict = std::string(to_string(run.verdict));
     for (const CheckResult& check : run.checks) {
       if (check.verdict == Verdict::fail) cell.failing_checks.push_back(check.name);
@@ -137,7 +159,7 @@ GateCell run_cell(const Case& c, const GateEntry& entry, const std::optional<jso
 }
 
 GateSweep run_gate_sweep(const Case& c, const Implementation& impl, const std::optional<json>& golden,
-                         RunOptions run_options, bool update_golden) {
+                         RunOptions run_options, bool update_golden, const std::string& reports_dir) {
   GateSweep sweep;
   sweep.case_name = c.name;
   sweep.implementation = impl.name;
@@ -145,6 +167,7 @@ GateSweep run_gate_sweep(const Case& c, const Implementation& impl, const std::o
   run_options.implementation = impl.name;
   const std::vector<LayoutSpec> layouts = sweep_layouts(c);
   const SweepResult s = run_sweep(c, layouts, run_options);
+  write_run_report(reports_dir, c.name, "sweep", s.runs, "sweep");
   for (const auto& l : layouts) sweep.layouts.push_back(layout_name(l));
   sweep.verdict = std::string(to_string(s.verdict));
   std::vector<std::string> failing;
@@ -232,7 +255,8 @@ GateResult run_gate(const GateOptions& options) {
                        kMaterializeLimitBytes);
     run_options.shared_inputs = &inputs;
     for (const GateEntry& entry : entries) {
-      GateCell cell = run_cell(c, entry, golden, golden_path, run_options, options.update_golden);
+      GateCell cell =
+          run_cell(c, entry, golden, golden_path, run_options, options.update_golden, options.run_reports_dir);
       new_golden["outcomes"][cell.implementation] = outcome_json(cell);
       result.mismatches += !cell.matches;
       result.cells.push_back(std::move(cell));
@@ -241,7 +265,8 @@ GateResult run_gate(const GateOptions& options) {
     if (!c.sweep.empty()) {
       for (const GateEntry& entry : entries) {
         if (entry.expected_as != "correct" || !applies_to(*entry.implementation, c.loss)) continue;
-        GateSweep sweep = run_gate_sweep(c, *entry.implementation, golden, run_options, options.update_golden);
+        GateSweep sweep = run_gate_sweep(c, *entry.implementation, golden, run_options, options.update_golden,
+                                         options.run_reports_dir);
         new_golden["sweep"] = {{"verdict", sweep.verdict}, {"layouts", sweep.layouts}};
         result.mismatches += !sweep.matches;
         result.sweeps.push_back(std::move(sweep));

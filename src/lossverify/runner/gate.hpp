@@ -29,6 +29,9 @@ struct GateOptions {
   RunOptions::Device device = RunOptions::Device::cpu;
   int gpus = 1;
   double timeout_seconds = 0.0;  // > 0: every case's deadlock-guard timeout (their own otherwise)
+  // Non-empty: every run's report, as `run --report` writes it, into this folder (CASE__IMPL.json for a
+  // cell, CASE__sweep.json for a sweep's layouts), so that one process's runs can be compared with fresh ones.
+  std::string run_reports_dir;
 };
 
 // One (case, implementation) cell of the matrix.
