@@ -99,6 +99,22 @@ lossverify_cli_test(gate_gpus_without_cuda 2 "--gpus needs --backend cuda"
 lossverify_cli_test(gate_cuda_update_golden 2 "golden outcomes are written from the CPU backend"
   -- bash -c "rm -rf ${OUT}/golden_cuda && cp -r ${PROJECT_SOURCE_DIR}/golden ${OUT}/golden_cuda && \
                ${LV} gate --backend cuda --update-golden --cases ${CASES} --golden ${OUT}/golden_cuda")
+# Replay parity: every run of the gate's order in one process gives the report it gives alone in a fresh one
+# (the correct cells and every sweep layout), on the CPU and, where two GPUs are, over them (skipped elsewhere).
+add_test(NAME cli_replay_parity_cpu
+  COMMAND ${LOSSVERIFY_SYSTEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/cli/replay_parity.py ${LV} ${OUT}/replay_cpu
+          --backend cpu --jobs 2 --cases ${CASES} --golden ${PROJECT_SOURCE_DIR}/golden)
+add_test(NAME cli_replay_parity_cuda_2gpus
+  COMMAND ${LOSSVERIFY_SYSTEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/cli/replay_parity.py ${LV} ${OUT}/replay_cuda
+          --backend cuda --gpus 2 --jobs 4 --cases ${CASES} --golden ${PROJECT_SOURCE_DIR}/golden)
+set_tests_properties(cli_replay_parity_cpu cli_replay_parity_cuda_2gpus PROPERTIES TIMEOUT 900)
+set_tests_properties(cli_replay_parity_cuda_2gpus PROPERTIES SKIP_RETURN_CODE 77)
+lossverify_cli_test(gate_run_reports 0 "gate: PASS" --present ${OUT}/gate_runs/rl-grpo-tp2-dp2-ga2__correct.json
+  --present ${OUT}/gate_runs/rl-grpo-tp2-dp2-ga2__sweep.json
+  -- bash -c "rm -rf ${OUT}/gate_runs && ${LV} gate --impl correct --cases ${CASES} --golden ${PROJECT_SOURCE_DIR}/golden \
+              --run-reports ${OUT}/gate_runs")
+lossverify_cli_test(gate_run_reports_not_empty 2 "--run-reports .*: the folder is not empty"
+  -- ${LV} gate --cases ${CASES} --golden ${PROJECT_SOURCE_DIR}/golden --run-reports ${CASES})
 # A golden outcome that disagrees makes the gate fail, naming the cell; nothing is rewritten silently.
 add_test(NAME cli_gate_detects_golden_drift
   COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/cli/gate_drift.sh ${LV} ${PROJECT_SOURCE_DIR}/cases

@@ -19,8 +19,10 @@
 #include "lossverify/comm/nccl_communicator.hpp"
 #include "lossverify/core/build_info.hpp"
 #include "lossverify/core/errors.hpp"
+#include "lossverify/cuda/device_buffer.hpp"
 #include "lossverify/impl/cuda/kernels.hpp"
 #include "lossverify/inputs/input_source.hpp"
+#include "lossverify/kinds/policy/policy_kernels.hpp"
 #include "lossverify/oracle/cuda/reference_kernels.hpp"
 #include "lossverify/reference/loss_reference.hpp"
 #include "lossverify/runner/run_case.hpp"
@@ -210,6 +212,85 @@ TEST_CASE("policy_kernels_give_the_golden_outcomes_of_every_rl_case_and_implemen
       ++compared;
     }
     CHECK(compared > 12);
+  }
+}
+
+// A GPU buffer holds whatever a freed allocation of an earlier run left in the pool: the policy kernel writes a
+// masked row's zeros itself (before, it skipped the row, and a second run in one process read stale bytes).
+TEST_CASE("policy_gradient_kernel_writes_zeros_on_masked_rows_of_a_dirty_buffer") {
+  for (const cuda::StorageType type : {cuda::StorageType::fp32, cuda::StorageType::bf16, cuda::StorageType::fp16}) {
+    CAPTURE(static_cast<int>(type));
+    const std::int64_t rows = 4, cols = 256;
+    const std::size_t element = type == cuda::StorageType::fp32 ? 4 : 2;
+    const std::size_t bytes = static_cast<std::size_t>(rows * cols) * element;
+    cuda::Stream stream;
+    cuda::DeviceBytes logits(bytes), grad(bytes);
+    LV_CUDA(cudaMemsetAsync(logits.as<void>(), 0, bytes, stream.get()));
+    LV_CUDA(cudaMemsetAsync(grad.as<void>(), 0xFF, bytes, stream.get()));  // NaN in every storage type
+    const std::vector<int> active = {1, 0, 1, 0};
+    const std::vector<std::int64_t> target = {3, -1, 7, -1};
+    // Per row: max, log_sum, a, bonus, c, shift, scale, target, argmax (PolicyGradRow).
+    std::vector<float> grad_rows;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const float row[9] = {0.0f, std::log(256.0f), 1.0f, 0.0f, 0.0f, 0.0f, 1.0f, static_cast<float>(target[r]), 0.0f};
+      grad_rows.insert(grad_rows.end(), row, row + 9);
+    }
+    const cuda::DeviceBytes d_active = cuda::upload(active, stream.get());
+    const cuda::DeviceBytes d_target = cuda::upload(target, stream.get());
+    const cuda::DeviceBytes d_rows = cuda::upload(grad_rows, stream.get());
+    cuda::PolicyKernelArgs args;
+    args.logits = logits.as<void>();
+    args.grad = grad.as<void>();
+    args.rows = rows;
+    args.cols = cols;
+    args.active = d_active.as<int>();
+    args.target = d_target.as<std::int64_t>();
+    cuda::policy_gradient(type, args, d_rows.as<float>(), stream.get());
+    std::vector<unsigned char> host(bytes);
+    LV_CUDA(cudaMemcpyAsync(host.data(), grad.as<void>(), bytes, cudaMemcpyDeviceToHost, stream.get()));
+    stream.sync();
+    const std::size_t row_bytes = static_cast<std::size_t>(cols) * element;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      CAPTURE(r);
+      const auto begin = host.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(r) * row_bytes);
+      const auto zero_bytes = std::count(begin, begin + static_cast<std::ptrdiff_t>(row_bytes), 0);
+      if (active[static_cast<std::size_t>(r)] == 0) {
+        CHECK(static_cast<std::size_t>(zero_bytes) == row_bytes);  // every element +0
+      } else {
+        CHECK(static_cast<std::size_t>(std::count(begin, begin + static_cast<std::ptrdiff_t>(row_bytes), 0xFF)) <
+              row_bytes / 2);  // written: no NaN pattern left
+      }
+    }
+  }
+}
+
+// The backend hands every kind a zero-filled gradient, as the CPU backend and the plugin ABI do: a run after
+// device memory was left full of NaN bytes by freed allocations gives the checks of a run before it.
+TEST_CASE("a_run_after_freed_device_memory_was_left_dirty_gives_the_same_checks") {
+  const auto dirty_the_pool = [] {
+    std::vector<cuda::DeviceBytes> held;
+    for (std::size_t bytes = 4096; bytes <= (std::size_t{64} << 20); bytes *= 2) {
+      for (int k = 0; k < 8; ++k) {
+        held.emplace_back(bytes);
+        LV_CUDA(cudaMemset(held.back().as<void>(), 0xFF, bytes));
+      }
+    }
+    LV_CUDA(cudaDeviceSynchronize());
+  };  // freed here, their bytes left behind
+  for (const char* name : {"rl-grpo-tp2-dp2-ga2", "rl-drgrpo-cp2-whiten", "rl-logprob-entropy-tp4", "rl-gspo-cp2-tp2",
+                           "cp-zigzag-packed", "kd-tp2-dp2-unequal"}) {
+    const std::string case_name = name;
+    CAPTURE(case_name);
+    const Case c = load_case_file(std::string("cases/") + name + ".json");
+    const RunResult clean = run_on_gpu(c, "correct");
+    dirty_the_pool();
+    const RunResult dirty = run_on_gpu(c, "correct");
+    CHECK(failing(dirty).empty());
+    REQUIRE(clean.checks.size() == dirty.checks.size());
+    for (std::size_t k = 0; k < clean.checks.size(); ++k) {
+      CAPTURE(clean.checks[k].name);
+      CHECK(clean.checks[k].metrics.dump() == dirty.checks[k].metrics.dump());
+    }
   }
 }
 
