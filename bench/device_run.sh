@@ -8,7 +8,8 @@ mode=${1:-all}
 # A comma-separated list of parts: build (always), cudatests, gate (the gate on the GPU and the CUDA CTests),
 # parity (every case x implementation on CUDA, reports of the tree in out/before vs this one), tests, faults,
 # sweep, bench, ncu (the reference kernels under Nsight Compute), e2e (stage times of
-# the end-to-end run, and an Nsight Systems summary where nsys exists), gates (the gate on 1, 2 and 4 GPUs),
+# the end-to-end run, and an Nsight Systems summary where nsys exists), gates (the gate on 1, 2 and 4 GPUs, per
+# kind, and replay parity; fails the script on any mismatch), reverted (REVERT_PATCH taken out: the regression tests),
 # benchgpus (bench --gpus 2 and 4), verdicts (bench/verdict_matrix.py: CPU, one GPU, NCCL, MPI + NCCL, the
 # Python package over gloo and NCCL, torchrun), launch (python3 -m lossverify.torch run timed, the package of
 # PYTHON_BEFORE beside this one), torchrun (4 processes over NCCL, and two launches of 2 as two machines);
@@ -30,6 +31,19 @@ extra=()
 [[ ! -f /usr/local/cuda/include/nccl.h && -n "$nccl_root" ]] && extra+=("-DLOSSVERIFY_NCCL_ROOT=$nccl_root")
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release "${extra[@]}" > "$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
 grep "lossverify:" "$out/configure.log"
+# REVERT_PATCH=FILE with the part "reverted": the tree with that patch reversed (a fix taken out) is built beside
+# this one, in the background from here; its CUDA tests and replay parity must fail, where the regression tests
+# were written to catch it.
+if has reverted; then
+  reverted=/tmp/lossverify-reverted
+  rm -rf "$reverted"; mkdir -p "$reverted"
+  tar --exclude=./build --exclude=./out -cf - . | tar -xf - -C "$reverted"
+  patch -d "$reverted" -R -p1 < "${REVERT_PATCH:?REVERT_PATCH names the fix to take out}" | tail -3
+  { cmake -S "$reverted" -B "$reverted/build" -G Ninja -DCMAKE_BUILD_TYPE=Release "${extra[@]}" &&
+      cmake --build "$reverted/build" -j"$(nproc)" --target lossverify lossverify_cuda_tests; } \
+    > "$out/build-reverted.log" 2>&1 &
+  reverted_build=$!
+fi
 # BUILD_TARGETS="lossverify lossverify_cuda_tests" builds only those (a shorter first call on a bare machine).
 echo "build started $(date +%T)"
 cmake --build "$build" -j"$(nproc)" ${BUILD_TARGETS:+--target $BUILD_TARGETS} > "$out/build.log" 2>&1 ||
@@ -159,16 +173,64 @@ if has bench; then
   done
   summarize_e2e "$out"/e2e-[0-9].json
 fi
+# The gate on every GPU count the machine has, summarised per loss kind; any golden mismatch fails the script
+# (its exit status, and a GATES FAILED line). Then replay parity over 2 GPUs (tests/cli/replay_parity.py).
+gate_by_kind() {
+  python3 - "$@" <<'PY'
+import glob, json, os, sys
+kinds = {}
+for f in glob.glob("cases/*.json"):
+    kinds[os.path.basename(f)[:-5]] = json.load(open(f)).get("loss", {}).get("kind", "cross_entropy")
+for path in sys.argv[1:]:
+    g = json.load(open(path))["gate"]
+    rows = {}
+    for cell in g["cells"]:
+        if cell["verdict"] == "not_applicable":
+            continue
+        r = rows.setdefault(kinds[cell["case"]], [0, 0, 0])
+        r[0] += 1
+        r[1] += not cell["matches"]
+    for sweep in g["sweeps"]:
+        r = rows.setdefault(kinds[sweep["case"]], [0, 0, 0])
+        r[2] += 1
+        r[1] += not sweep["matches"]
+    for kind, (cells, mismatches, sweeps) in sorted(rows.items()):
+        print(f"  {g['gpus']} GPU(s) {kind:14s} {cells:4d} cells {sweeps:2d} sweeps: {mismatches} golden mismatches")
+PY
+}
+gates_failed=0
 if has gates; then
   echo "== the gate on 1, 2 and 4 GPUs (NCCL endpoints set up once per process) $(date +%T)"
   gpus=$(nvidia-smi -L | wc -l)
   for g in 1 2 4; do
     (( g <= gpus )) || continue
     /usr/bin/time -f "gate --backend cuda --gpus $g: wall %e s" "$bin" gate --backend cuda --gpus $g \
-      --report "$out/gate-cuda-gpus$g.json" 2>&1 | tail -3
+      --report "$out/gate-cuda-gpus$g.json" > "$out/gate-cuda-gpus$g.log" 2>&1
+    rc=$?
+    tail -3 "$out/gate-cuda-gpus$g.log"; grep "^MISMATCH" "$out/gate-cuda-gpus$g.log" | head -10
+    gate_by_kind "$out/gate-cuda-gpus$g.json"
+    if (( rc != 0 )); then echo "GATES FAILED: gate --backend cuda --gpus $g exited $rc"; gates_failed=1; fi
   done
+  if (( gpus >= 2 )); then
+    echo "== replay parity over 2 GPUs: the gate's order in one process vs each run alone $(date +%T)"
+    python3 tests/cli/replay_parity.py "$bin" "$out/replay" --backend cuda --gpus 2 --jobs 8 2>&1 | tail -15
+    (( PIPESTATUS[0] == 0 )) || { echo "GATES FAILED: replay parity"; gates_failed=1; }
+  fi
   if [[ -z "${BUILD_TARGETS:-}" ]]; then
     echo "== CUDA CLI CTests"; (cd "$build" && ctest -R "cli_.*cuda" --output-on-failure 2>&1 | tail -6)
+  fi
+fi
+# REVERT_PATCH=FILE: the tree with that patch reversed (a fix taken out), built beside this one; its CUDA tests and
+# replay parity must fail there, where the regression tests were written to catch it.
+if has reverted; then
+  echo "== the tree with $REVERT_PATCH reversed (built beside this one since the start) $(date +%T)"
+  wait "$reverted_build" || { grep -B2 -A8 "error" "$out/build-reverted.log" | head -30; }
+  echo "-- CUDA tests of the reverted tree (the regression tests must fail)"
+  timeout 300 "$reverted/build/tests/lossverify_cuda_tests" -d 2>&1 | grep -E "ERROR|test cases|FAILED|Status" | head -20
+  if (( $(nvidia-smi -L | wc -l) >= 2 )); then
+    echo "-- replay parity of the reverted tree over 2 GPUs"
+    python3 tests/cli/replay_parity.py "$reverted/build/cli/lossverify" "$out/replay-reverted" --backend cuda --gpus 2 \
+      --jobs 8 2>&1 | tail -8
   fi
 fi
 if has benchgpus; then
@@ -206,6 +268,7 @@ if has launch; then
 fi
 if has torchrun; then
   echo "== torchrun: 4 processes, NCCL, tp 2 x dp 2; then two launches of 2 (two 'machines', own TMPDIR each)"
+  export LOSSVERIFY_BIN=$PWD/$bin  # the device build's binary (the package finds no installed one)
   PYTHONPATH=$PWD/python /usr/bin/time -f "torchrun x4: %e s" python3 -m torch.distributed.run --nproc-per-node 4 \
     -m lossverify.torch run --fn lossverify.torch.implementations:correct cases/full-4d-layout.json --tp 2 --cp 1 \
     --dp 2 --ga 2 --device cuda --report "$out/torchrun-nccl.json" 2>&1 | grep -v "^\*\|OMP_NUM\|^W"
@@ -229,3 +292,4 @@ print(f"  torchrun over two launches: {a['verdict']} {f(a)}; forked NCCL: {b['ve
       f"{'MATCH (margins equal)' if f(a) == f(b) and m(a) == m(b) else 'DIFFER'}")
 PY
 fi
+if (( gates_failed )); then echo "GATES FAILED (see above)"; exit 1; fi
