@@ -264,36 +264,6 @@ TEST_CASE("policy_gradient_kernel_writes_zeros_on_masked_rows_of_a_dirty_buffer"
   }
 }
 
-// The backend hands every kind a zero-filled gradient, as the CPU backend and the plugin ABI do: a run after
-// device memory was left full of NaN bytes by freed allocations gives the checks of a run before it.
-TEST_CASE("a_run_after_freed_device_memory_was_left_dirty_gives_the_same_checks") {
-  const auto dirty_the_pool = [] {
-    std::vector<cuda::DeviceBytes> held;
-    for (std::size_t bytes = 4096; bytes <= (std::size_t{64} << 20); bytes *= 2) {
-      for (int k = 0; k < 8; ++k) {
-        held.emplace_back(bytes);
-        LV_CUDA(cudaMemset(held.back().as<void>(), 0xFF, bytes));
-      }
-    }
-    LV_CUDA(cudaDeviceSynchronize());
-  };  // freed here, their bytes left behind
-  for (const char* name : {"rl-grpo-tp2-dp2-ga2", "rl-drgrpo-cp2-whiten", "rl-logprob-entropy-tp4", "rl-gspo-cp2-tp2",
-                           "cp-zigzag-packed", "kd-tp2-dp2-unequal"}) {
-    const std::string case_name = name;
-    CAPTURE(case_name);
-    const Case c = load_case_file(std::string("cases/") + name + ".json");
-    const RunResult clean = run_on_gpu(c, "correct");
-    dirty_the_pool();
-    const RunResult dirty = run_on_gpu(c, "correct");
-    CHECK(failing(dirty).empty());
-    REQUIRE(clean.checks.size() == dirty.checks.size());
-    for (std::size_t k = 0; k < clean.checks.size(); ++k) {
-      CAPTURE(clean.checks[k].name);
-      CHECK(clean.checks[k].metrics.dump() == dirty.checks[k].metrics.dump());
-    }
-  }
-}
-
 TEST_CASE("long_rows_take_the_row_resident_kernel_and_give_the_cpu_verdicts") {
   // Which kernel serves a row width is a host-side decision; aligned stand-in pointers suffice.
   void* aligned = reinterpret_cast<void*>(std::uintptr_t{1} << 20);
