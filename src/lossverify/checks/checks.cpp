@@ -63,7 +63,7 @@ bool earlier(const ElementRecord& a, const ElementRecord& b) {
 void ErrorStats::add(const ElementRecord& r) {
   // Equal values (both +inf included) agree; inf against a finite value is an infinite error.
   const double error = r.got == r.expected ? 0.0 : std::fabs(r.got - r.expected);
-  add_with_margin(r, margin_of(error, r.tolerance), !(error <= r.tolerance));  // NaN counts as a mismatch
+  add_with_margin(r, margin_of(error, r.tolerance), mismatch_of(error, r.tolerance));  // NaN counts as a mismatch
 }
 
 void ErrorStats::add_with_margin(const ElementRecord& r, double m, bool mismatch) {

@@ -10,13 +10,19 @@
 
 namespace lossverify {
 
-// error / tolerance: 0 for an exact value, +inf for NaN or a zero tolerance that is exceeded.
+// error / tolerance: 0 for an exact value (equal infinities included: two TP ranks that agree), +inf for NaN, for a
+// zero tolerance that is exceeded, and for any other error against a tolerance that is not finite (an infinite or
+// NaN reference: nothing to judge against, so never a pass). Never NaN.
 inline double margin_of(double error, double tolerance) {
   if (std::isnan(error)) return std::numeric_limits<double>::infinity();
   if (error == 0.0) return 0.0;
-  if (tolerance <= 0.0) return std::numeric_limits<double>::infinity();
+  if (!(tolerance > 0.0) || std::isinf(tolerance)) return std::numeric_limits<double>::infinity();
   return error / tolerance;
 }
+
+// Whether an element with this error fails against this tolerance, as margin_of() > 1 (a comparison with NaN is
+// false, so `!(error <= tolerance)` alone would pass inf <= inf).
+inline bool mismatch_of(double error, double tolerance) { return !(margin_of(error, tolerance) <= 1.0); }
 
 // Smallest positive value of the output dtype: no output can be closer to the exact value than this.
 inline double output_quantum(DType dtype) {
@@ -49,12 +55,14 @@ struct GradJudge {
       // A stored value closer than half a spacing is round(expected): distance 0, no need to count.
       ulp = local_error < 0.5 * spacing ? 0 : ulp_distance(got_local, local_expected, j.dtype);
       const double by_ulp = local_error / (j.tolerance.max_ulp * spacing);
-      const double m = std::min(by_ulp, margin_of(error, floor));
+      const double by_rule = std::min(by_ulp, margin_of(error, floor));
+      // Not finite expected (or NaN from it): only an exact value passes, as margin_of() says.
+      const double m = std::isfinite(expected) && !std::isnan(by_rule) ? by_rule : margin_of(error, expected);
       mismatch = !(m <= 1.0);
-      return std::isnan(error) ? std::numeric_limits<double>::infinity() : m;
+      return m;
     }
     const double tol = floor + j.tolerance.rtol * std::fabs(expected);
-    mismatch = !(error <= tol);
+    mismatch = mismatch_of(error, tol);
     return margin_of(error, tol);
   }
   double tolerance_at(double expected, double token_scale) const {

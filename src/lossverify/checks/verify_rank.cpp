@@ -305,6 +305,47 @@ RowReference reference_rows(const RankContext& x, StageTrace& trace) {
   return ref;
 }
 
+// The float64 reference must be finite on every token that counts: an input that overflows it (a policy's
+// old log-probability far below the model's, a GSPO sequence ratio past e^709) leaves nothing to judge against, so
+// the run is refused, exit 2, naming the first such token and quantity, before any comparison or report. Collective
+// over the world, so that every rank refuses together.
+void require_finite_reference(const RankContext& x, const RowReference& ref) {
+  const std::size_t q = kind_of(x.c.loss).token_quantities().size();
+  std::vector<double> values(q), statistics(kind_of(x.c.loss).logged_statistics().size());
+  // [token, which]: the first non-finite token on this rank (tokens + 1 where none).
+  double first[2] = {static_cast<double>(x.tokens + 1), 0.0};
+  for (std::int64_t i = 0; i < x.rows; ++i) {
+    const auto k = static_cast<std::size_t>(i);
+    const std::int64_t t = x.out.token_of(i);
+    if (t < 0 || !ref.valid[k] || static_cast<double>(t) >= first[0]) continue;
+    int which = 0;
+    if (!std::isfinite(ref.loss[k])) which = 1;
+    const std::optional<double> scale = x.reference.row().gradient_scale(t, ref.stats[k]);
+    if (which == 0 && scale && !std::isfinite(*scale)) which = 2;
+    if (which == 0 && q > 0) {
+      x.reference.row().token_values(t, ref.stats[k], values);
+      for (const double v : values) which = which == 0 && !std::isfinite(v) ? 3 : which;
+    }
+    if (which == 0 && !statistics.empty()) {
+      x.reference.row().token_statistics(t, ref.stats[k], statistics);
+      for (const double v : statistics) which = which == 0 && !std::isfinite(v) ? 4 : which;
+    }
+    if (which != 0) first[0] = static_cast<double>(t), first[1] = which;
+  }
+  double lowest = -first[0];  // the world's first such token, by a maximum of negated indices
+  x.world.allreduce_max(std::span<double>(&lowest, 1));
+  const double token = -lowest;
+  if (token > static_cast<double>(x.tokens)) return;
+  double which = token == first[0] ? first[1] : 0.0;
+  x.world.allreduce_max(std::span<double>(&which, 1));
+  static const char* const quantity[] = {"", "loss", "gradient", "per-token value", "logged statistic"};
+  throw CaseError(x.c.source + ": token " + std::to_string(static_cast<std::int64_t>(token)) +
+                  ": the float64 reference's " + quantity[static_cast<int>(which)] +
+                  " is not finite: the case's inputs overflow it there (an old or reference log-probability far "
+                  "below the model's, an extreme logit, or a ratio past the double range); nothing can be judged "
+                  "against it, so the run is refused");
+}
+
 // The losses: every row's against the reference, the logged (reduced) loss and the logged count.
 struct LossFindings {
   ErrorStats per_token;  // this rank's rows
@@ -763,6 +804,7 @@ std::vector<CheckResult> verify_rank(const Case& c, const RankOutput& out, Oracl
   check_coverage(x);
   trace.mark("1 partials");
   const RowReference ref = reference_rows(x, trace);
+  require_finite_reference(x, ref);
   trace.mark("3 elements: start");
   oracle.start_judging(ref.stats);  // the GPU oracle judges while the host goes on with the losses
   // per global token: this rank's largest gradient margin, then its loss margin (max-reduced below)

@@ -423,7 +423,7 @@ __global__ void __launch_bounds__(kReferenceThreads) kl_kernel(ReferenceKlArgs a
 __device__ double margin_of(double error, double tolerance) {
   if (isnan(error)) return INFINITY;
   if (error == 0.0) return 0.0;
-  if (tolerance <= 0.0) return INFINITY;
+  if (!(tolerance > 0.0) || isinf(tolerance)) return INFINITY;
   return error / tolerance;
 }
 // The binary exponent of the dtype's spacing at value (core/dtype.cpp's ulp_size, on the device).
@@ -709,14 +709,14 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4)
         if (s.worst_column < 0 || !(by_ulp <= 1.0 && by_ulp < s.margin)) {
           const double by_floor = margin_of(error, floor);
           double m = by_floor < by_ulp ? by_floor : by_ulp;  // std::min
+          if (!isfinite(expected) || isnan(m)) m = margin_of(error, expected);  // element_judge.hpp
           const bool mismatch = !(m <= 1.0);
-          if (isnan(error)) m = INFINITY;
           s.mismatches += mismatch;
           s.worst(v, m, expected, got, floor + a.rtol * fabs(expected));
         }
       } else {
         const double tol = floor + a.rtol * fabs(expected);
-        const bool mismatch = !(error <= tol);
+        const bool mismatch = !(margin_of(error, tol) <= 1.0);
         s.mismatches += mismatch;
         if (s.worst_column < 0 || mismatch || !(error <= s.margin * tol * (1.0 - 1e-12))) {
           s.worst(v, margin_of(error, tol), expected, got, tol);
