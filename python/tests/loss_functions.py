@@ -90,6 +90,13 @@ def raises_on_rank_1(logits, labels, ctx):
     return vocab_parallel_cross_entropy(logits, labels, ctx)
 
 
+def late_on_rank_1(logits, labels, ctx):
+    """Rank 1 reaches its first collective 40 s after the others (a straggler past a short --timeout)."""
+    if ctx.rank == 1:
+        time.sleep(40)
+    return vocab_parallel_cross_entropy(logits, labels, ctx)
+
+
 def hangs_on_rank_0(logits, labels, ctx):
     """Rank 0 never returns (no collective involved)."""
     if ctx.rank == 0:

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import unittest
 
 import lossverify.torch as lvt
@@ -118,6 +119,19 @@ class TorchrunTest(unittest.TestCase):
             self.assertIn("rank 1 (micro-batch 0): the loss function failed", errors)
             self.assertIn("deliberate failure on rank 1", errors)
             self.assertIn("exitcode  : 3", out)
+
+    def test_a_late_rank_ends_the_launch_at_the_deadline_of_its_tp_group(self):
+        # --timeout 2: every group, the TP group included, gives up after 2 x 2 + 10 = 14 s; before, the TP group
+        # had gloo's 30 minutes and the straggler, 40 s late, passed.
+        with tempfile.TemporaryDirectory() as tmp:
+            started = time.monotonic()
+            [(code, out, errors)] = torchrun(["--fn", "loss_functions:late_on_rank_1", case_path("underflow-gap-240"),
+                                              "--tp", "2", "--timeout", "2"], per_node=2, tmp=tmp)
+            elapsed = time.monotonic() - started
+            self.assertNotEqual(code, 0, out)
+            self.assertIn("exitcode  : 4", out)
+            self.assertIn("timeout: a collective waited past the launch's deadline (14 s", errors)
+            self.assertLess(elapsed, 38, "the launch outlived the straggler's 40 s: the TP group had no deadline")
 
 
 if __name__ == "__main__":

@@ -158,11 +158,13 @@ def run_jobs(rank, launch):
         # Collectives time out well after the parent's deadline: a hang is reported by the parent as such
         # (HarnessTimeout naming the ranks), not as a peer's receive timeout; this is the backstop.
         dist.init_process_group(backend, init_method="file://" + launch.init_file, rank=rank,
-                                world_size=launch.world_size,
-                                timeout=datetime.timedelta(seconds=2 * launch.timeout_seconds + 10))
+                                world_size=launch.world_size, timeout=group_timeout(launch.timeout_seconds))
         started = _trace(rank, "init_process_group", started)
-    groups = _build_groups(inputs.layout, rank)
-    control = dist.new_group(backend="gloo") if backend != "gloo" else None
+    # Every group gets the launch's deadline: without one, new_group takes gloo's 30 minutes, and under torchrun (no
+    # parent watching) a rank that never arrives at a TP, CP or DP collective would hold the job that long.
+    timeout = group_timeout(launch.timeout_seconds)
+    groups = _build_groups(inputs.layout, rank, timeout)
+    control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
     started = _trace(rank, "groups", started)
     rank_inputs = inputs.rank(rank)
     num_valid = _global_valid_tokens(_micro_batches(inputs, rank_inputs, device)[0], groups["dp_cp"], device)
@@ -188,7 +190,12 @@ def run_jobs(rank, launch):
     return warnings
 
 
-def _build_groups(layout, rank):
+def group_timeout(timeout_seconds):
+    """The deadline of every process group of a launch: past the harness's own (which names the ranks), a backstop."""
+    return datetime.timedelta(seconds=2 * timeout_seconds + 10)
+
+
+def _build_groups(layout, rank, timeout):
     """The TP, CP, DP and DP x CP groups holding `rank`. new_group synchronises the whole world on torch
     1.13, so every rank creates every group in the same order (a group with the same members as an earlier
     one is reused); torch >= 2.1 lets each rank create only its own groups."""
@@ -205,8 +212,8 @@ def _build_groups(layout, rank):
         for members in members_list:
             key = tuple(sorted(members))
             if key not in created and (rank in members or not local):
-                created[key] = dist.new_group(members, use_local_synchronization=True) if local else (
-                    dist.new_group(members))
+                created[key] = dist.new_group(members, timeout=timeout, use_local_synchronization=True) if local else (
+                    dist.new_group(members, timeout=timeout))
             if rank in members:
                 mine[name] = created[key]
     return mine

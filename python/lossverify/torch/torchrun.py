@@ -18,7 +18,6 @@ A rank whose loss function raises prints the error with its rank and exits 3; to
 others. A process group that never forms or a collective that never completes ends at the timeout.
 """
 
-import datetime
 import os
 import shutil
 import sys
@@ -87,15 +86,14 @@ def _run_in_group(fn, inputs, rank, world, local_rank, device, backend, returns,
 
     from lossverify.torch import harness
     from lossverify.torch._launch import Job, Launch
-    from lossverify.torch._worker import FunctionNotFound, UserCodeError, run_jobs
+    from lossverify.torch._worker import FunctionNotFound, UserCodeError, group_timeout, run_jobs
 
     if device == "cuda":
         visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if local_rank >= visible and backend == "nccl":
             raise UsageError(f"rank {rank}: LOCAL_RANK {local_rank} but {visible} GPU(s) visible on this machine "
                              "(NCCL runs one rank per GPU)")
-    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=2 * timeout + 10))
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=group_timeout(timeout))
     name = fn if isinstance(fn, str) else harness._function_name(fn)
     dump_dir = os.path.join(work, "dump")
     launch = Launch(inputs_dir=inputs.directory, jobs=[Job(fn=fn, name=name, dump_dir=dump_dir, returns=returns)],
@@ -107,10 +105,15 @@ def _run_in_group(fn, inputs, rank, world, local_rank, device, backend, returns,
         print(f"lossverify.torch: rank {rank}: error: {e}", file=sys.stderr, flush=True)
         return UsageError.exit_code
     except UserCodeError as e:
+        if _collective_timed_out(str(e)):  # a peer that never arrived, not a fault of this rank's code: exit 4
+            print(f"lossverify.torch: rank {rank} (micro-batch {e.micro_batch}): timeout: a collective waited past "
+                  f"the launch's deadline ({group_timeout(timeout).total_seconds():g} s = 2 x --timeout + 10): a rank "
+                  f"never arrived, or arrived too late:\n{e}", file=sys.stderr, flush=True)
+            os._exit(4)
         print(f"lossverify.torch: rank {rank} (micro-batch {e.micro_batch}): the loss function failed:\n{e}",
               file=sys.stderr, flush=True)
         os._exit(3)  # its peers may be waiting in a collective: torchrun stops them
-    files = dist.new_group(backend="gloo") if backend != "gloo" else None
+    files = dist.new_group(backend="gloo", timeout=group_timeout(timeout)) if backend != "gloo" else None
     _gather_dump(rank, world, dump_dir, files)
     gathered = [None] * world if rank == 0 else None
     dist.gather_object(warnings.get(name, []), gathered, dst=0, group=files)
@@ -121,6 +124,13 @@ def _run_in_group(fn, inputs, rank, world, local_rank, device, backend, returns,
     dist.broadcast(code, src=0, group=files)
     dist.destroy_process_group()
     return int(code.item())
+
+
+def _collective_timed_out(traceback_text):
+    """Whether a rank's failure is a process group's deadline (gloo's "Timed out waiting ... for recv", NCCL's
+    watchdog, torch's DistTimeoutError)."""
+    return any(mark in traceback_text for mark in ("Timed out", "timed out", "DistTimeoutError",
+                                                   "Watchdog caught collective operation timeout"))
 
 
 def _gather_dump(rank, world, dump_dir, group):
