@@ -203,6 +203,24 @@ def policy_logprobs(logits, labels, ctx):
     return LogProbs(logprob, entropy)
 
 
+def policy_entropy_from_logits(logits, labels, ctx):
+    """The log-prob pass with the entropy's value as verl's and TRL's entropy_from_logits compute it, in float32 over
+    the TP group: logsumexp(x) - sum_v softmax(x)_v x_v (x = logits / T), two operands of about |lse| subtracted.
+    Its gradient is the vocabulary-parallel kernel's (the value is what this function tests)."""
+    logprob, entropy = vocab_parallel_logprob_entropy(logits, labels, ctx)
+    x = logits.float() / ctx.loss.temperature
+    row_max = x.max(dim=-1).values.detach()
+    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=ctx.tp_group)
+    e = torch.exp(x - row_max.unsqueeze(-1))
+    total = e.sum(dim=-1)
+    dist.all_reduce(total, group=ctx.tp_group)
+    lse = row_max + torch.log(total)
+    weighted = (e / total.unsqueeze(-1) * x).sum(dim=-1)
+    dist.all_reduce(weighted, group=ctx.tp_group)
+    value = masked((lse - weighted).detach(), ctx.loss_mask)
+    return LogProbs(logprob, entropy + (value - entropy).detach())
+
+
 def policy_logprobs_at_t1(logits, labels, ctx):
     """The log-prob pass at T = 1 whatever the case's temperature (the rl-temperature-one-side mistake)."""
     logprob, entropy = vocab_parallel_logprob_entropy(logits, labels, ctx, inverse_t=1.0)

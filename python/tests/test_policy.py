@@ -169,6 +169,14 @@ class PolicyReturnModesTest(unittest.TestCase):
         # T = 1 on a T = 0.7 case: wrong log-probabilities, entropies, objective, gradient and clip fraction
         self.assertEqual(reports["logprobs_t1"].failing_checks, ["entropy", "grad", "logprob", "loss", "stats"])
 
+    def test_the_entropy_as_lse_minus_sum_p_x_passes_at_large_logits(self):
+        # verl's and TRL's float32 formula cancels two operands of about |lse| (38 at scale 12): its error, about
+        # 1.5e-5, failed the entropy check (margins 1.18 and 1.5) before the tolerance covered that cancellation.
+        for scale in (8, 12):
+            report = lvt.check(fns.policy_entropy_from_logits, case_path(GRPO), set={"inputs.scale": scale})
+            self.assertEqual(report.check("entropy").verdict, "pass", report.table())
+            self.assertLess(report.check("entropy").margin, 0.7, report.table())
+
     def test_whitening_and_sequence_aggregation_built_by_the_harness(self):
         reports = lvt.check_many({"logprobs": fns.policy_logprobs, "per_token": fns.policy_per_token},
                                  case_path(DRGRPO))

@@ -418,6 +418,13 @@ struct TokenValueFindings {
   Tolerance tolerance;
 };
 
+// The float32 cancellation a correct implementation's per-token value or statistic may carry, per unit of the
+// magnitude of the operands it subtracts (KindReference::token_value_operands): a few roundings of each operand
+// and a pairwise sum over the row's V columns, (4 + log2 V) units of float32 roundoff (docs/checks.md).
+double float32_cancellation(const Case& c) {
+  return (4.0 + std::ceil(std::log2(static_cast<double>(std::max<std::int64_t>(c.shape.vocab, 2))))) * 0x1p-24;
+}
+
 TokenValueFindings judge_token_values(const RankContext& x, const RowReference& ref) {
   TokenValueFindings f;
   f.names = kind_of(x.c.loss).token_quantities();
@@ -430,16 +437,23 @@ TokenValueFindings judge_token_values(const RankContext& x, const RowReference& 
                         std::to_string(x.out.token_values.size()) + " token values for " + std::to_string(x.rows) +
                         " rows of " + std::to_string(q) + " quantities");
   }
-  std::vector<double> expected(q);
+  std::vector<double> expected(q), operands(q);
+  const double cancellation = float32_cancellation(x.c);
   for (std::int64_t i = 0; i < x.rows; ++i) {
     const auto k = static_cast<std::size_t>(i);
     const std::int64_t t = x.out.token_of(i);
     std::fill(expected.begin(), expected.end(), 0.0);
-    if (t >= 0 && ref.valid[k]) x.reference.row().token_values(t, ref.stats[k], expected);
+    std::fill(operands.begin(), operands.end(), 0.0);
+    if (t >= 0 && ref.valid[k]) {
+      x.reference.row().token_values(t, ref.stats[k], expected);
+      x.reference.row().token_value_operands(t, ref.stats[k], operands);
+    }
     const LocalRow& row = x.out.assignment.rows[k];
     for (std::size_t j = 0; j < q; ++j) {
       const double got = x.out.token_values[k * q + j];
-      const double tolerance = t < 0 ? 0.0 : f.tolerance.atol + f.tolerance.rtol * std::fabs(expected[j]);
+      const double tolerance = t < 0 ? 0.0
+                                     : f.tolerance.atol + f.tolerance.rtol * std::fabs(expected[j]) +
+                                           cancellation * operands[j];
       f.stats[j].add(
           {t, -1, x.world_rank, expected[j], got, tolerance, t < 0 ? row.sequence : -1, t < 0 ? row.position : -1});
     }
@@ -470,12 +484,15 @@ StatisticFindings judge_statistics(const RankContext& x, const RowReference& ref
   }
   std::vector<double> values(static_cast<std::size_t>(x.tokens) * q, 0.0);
   std::vector<double> spread(q, 0.0);  // per statistic: sum of |s_t - s_t'| over tokens with two readings
+  std::vector<double> operands(q, 0.0);  // per statistic: sum over tokens of its float32 operands' magnitude
   if (x.tp_leader) {
     std::vector<double> row(q), other(q);
     for (std::int64_t i = 0; i < x.rows; ++i) {
       const auto k = static_cast<std::size_t>(i);
       const std::int64_t t = x.out.token_of(i);
       if (t < 0 || !ref.valid[k]) continue;
+      x.reference.row().token_statistic_operands(t, ref.stats[k], row);
+      for (std::size_t j = 0; j < q; ++j) operands[j] += row[j];
       x.reference.row().token_statistics(t, ref.stats[k], row);
       std::copy(row.begin(), row.end(), values.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(t) * q));
       if (!ref.either[k]) continue;
@@ -485,6 +502,7 @@ StatisticFindings judge_statistics(const RankContext& x, const RowReference& ref
   }
   x.world.allreduce_sum(std::span<double>(values));  // one nonzero term per entry: exact
   x.world.allreduce_sum(std::span<double>(spread));
+  x.world.allreduce_sum(std::span<double>(operands));
   const auto valid = static_cast<double>(std::max<std::int64_t>(x.reference.valid_tokens(), 1));
   for (std::size_t j = 0; j < q; ++j) {
     CompensatedSum total;
@@ -492,7 +510,8 @@ StatisticFindings judge_statistics(const RankContext& x, const RowReference& ref
     f.expected[j] = total.value() / valid;
     // A token read either way moves the mean by up to its spread / N: either is right.
     f.stats[j].add({-1, -1, x.world_rank, f.expected[j], x.out.logged_stats[j],
-                    f.tolerance.atol + f.tolerance.rtol * std::fabs(f.expected[j]) + spread[j] / valid});
+                    f.tolerance.atol + f.tolerance.rtol * std::fabs(f.expected[j]) + spread[j] / valid +
+                        float32_cancellation(x.c) * operands[j] / valid});
   }
   return f;
 }

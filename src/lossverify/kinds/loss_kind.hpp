@@ -5,6 +5,7 @@
 // oracles, the dumps and the bundles ask the kind and never name it. The built-in kinds live in
 // kinds/cross_entropy/ and kinds/kd/, and kinds/registry.cpp lists them; a kind added at run time
 // (register_loss_kind) needs no edit elsewhere.
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -77,6 +78,17 @@ class KindReference {
   // mean over the step's valid tokens.
   virtual void token_statistics(std::int64_t token, const RowStats& stats, std::span<double> out) const {
     (void)token, (void)stats, (void)out;
+  }
+  // For each per-token value and each statistic: the magnitude of the operands a correct float32 implementation
+  // may subtract to get it (a policy's log-prob x_y / T - lse, its entropy lse - sum p x / T), whose cancellation
+  // the tolerance covers (docs/checks.md); 0 where nothing cancels.
+  virtual void token_value_operands(std::int64_t token, const RowStats& stats, std::span<double> out) const {
+    (void)token, (void)stats;
+    std::fill(out.begin(), out.end(), 0.0);
+  }
+  virtual void token_statistic_operands(std::int64_t token, const RowStats& stats, std::span<double> out) const {
+    (void)token, (void)stats;
+    std::fill(out.begin(), out.end(), 0.0);
   }
   // How many readings of the token the definitions admit: 1, or 2 where a branch of the objective (a policy
   // ratio at a clip edge) lies within the rounding that a correct implementation's inputs to it carry, so that

@@ -136,6 +136,21 @@ class PolicyReference final : public KindReference {
     out[3] = t.entropy;
   }
 
+  // A float32 log-prob x_y / T - lse and entropy lse - sum_v p_v x_v / T (verl's and TRL's entropy_from_logits)
+  // subtract operands of about |lse| (x_y / T = lambda + lse): the log-prob |lambda| + 2 |lse|, the entropy 2 |lse|.
+  void token_value_operands(std::int64_t token, const RowStats& s, std::span<double> out) const override {
+    const double lse = std::fabs(s.lse);
+    out[0] = std::fabs(s.sum_qx - s.lse) + 2.0 * lse;
+    out[1] = 2.0 * lse;
+    (void)token;
+  }
+  // The logged entropy is the mean of the per-token ones, with their cancellation; the fractions and the KL are not.
+  void token_statistic_operands(std::int64_t token, const RowStats& s, std::span<double> out) const override {
+    std::fill(out.begin(), out.end(), 0.0);
+    out[3] = 2.0 * std::fabs(s.lse);
+    (void)token;
+  }
+
   // d L / d x_v = w (1/T) [g_lambda (delta_vy - p_v) + c_H p_v (log p_v + H)]
   void gradient(std::int64_t token, const RowStats& s, double weight, std::int64_t begin,
                 std::span<const double> logits, std::span<const double> teacher,
