@@ -6,6 +6,7 @@
 
 #include "lossverify/case/case.hpp"
 #include "lossverify/case/json_reader.hpp"
+#include "lossverify/case/tolerances.hpp"
 #include "lossverify/impl/catalogue.hpp"
 #include "lossverify/plugin.h"
 
@@ -46,8 +47,32 @@ class KdKind final : public LossKind {
       }
     };
     check(c.inputs.mean, c.inputs.scale, "$.inputs.scale");
-    if (!c.inputs.teacher.same_as_student)
+    if (!c.inputs.teacher.same_as_student) {
       check(c.inputs.teacher.mean, c.inputs.teacher.scale, "$.inputs.teacher.scale");
+      check_temperature_reach(c);
+    }
+  }
+
+  // At a large temperature T^s KL(P || Q) tends to T^(s-2) Var_v(y_v - x_v) / 2, while the loss's absolute floor
+  // (atol T^s: a correct float32 kernel's cancellation of two log-softmaxes of about log V each) grows as T^s:
+  // past the temperature where that floor exceeds a tenth of the loss, a missing T^2 or a local softmax passes the
+  // loss check, and a few times further every check (kd-no-t2 at T = 1e5). So T is bounded by
+  // sqrt(0.05 Var / atol) for the generated inputs (docs/cases.md, "Value ranges").
+  static void check_temperature_reach(const Case& c) {
+    const auto variance = [&](double scale) {
+      return c.inputs.distribution == LogitDistribution::uniform ? scale * scale / 3.0 : scale * scale;
+    };
+    const double spread = variance(c.inputs.scale) + variance(c.inputs.teacher.scale);
+    const double atol = effective_tolerance(c, "loss").atol;
+    const double limit = std::sqrt(0.05 * spread / atol);
+    if (c.loss.temperature > limit) {
+      detail::fail_at(c.source, "$.loss.temperature",
+                      json(c.loss.temperature).dump() + " is beyond " + json(std::floor(limit)).dump() +
+                          ", where the loss's float32 floor (atol T^2) exceeds a tenth of T^2 KL (about " +
+                          json(spread / 2.0).dump() +
+                          " for these inputs) and a missing T^2 would pass: lower the temperature or raise the "
+                          "logits' scale");
+    }
   }
 
   void resolve(const LossSpec& loss, json& l) const override {
