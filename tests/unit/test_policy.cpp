@@ -565,7 +565,8 @@ TEST_CASE("a policy case refuses impossible settings by name, before any work") 
   refused({{"norm_constant", 4}}, "$.loss.norm_constant: applies to aggregation seq-mean-token-sum-norm only");
   refused({{"aggregation", "seq-mean-token-mean"}, {"norm_constant", -2}},
           "$.loss.norm_constant: applies to aggregation seq-mean-token-sum-norm only (0 leaves it unset)");
-  refused({{"aggregation", "seq-mean-token-sum-norm"}, {"norm_constant", 0}}, "$.loss.norm_constant: must be in (0");
+  refused({{"aggregation", "seq-mean-token-sum-norm"}, {"norm_constant", 0}},
+          "$.loss.norm_constant: must be in [1e-6, 1e12]");
   refused({{"norm_constant", "0"}}, "$.loss.norm_constant: applies to aggregation seq-mean-token-sum-norm only");
   refused({{"kl_penalty", "none"}}, "$.loss.kl_coef: applies to a kl_penalty other than none");
   refused({{"kl_penalty", "k4"}}, "$.loss.kl_penalty: expected one of none|k1|k2|k3");

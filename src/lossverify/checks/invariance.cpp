@@ -40,8 +40,9 @@ ErrorStats compare_layouts(const Case& c, const Tolerance& tol, const LayoutSnap
       const double g = other.effective_grad[t * vocab + v];
       const double error = e == g ? 0.0 : std::fabs(g - e);
       const double floor = tol.atol * row_scale + quantum;
-      const double by_rule = tol.max_ulp > 0 ? std::min(error / (tol.max_ulp * ulp_size(e, dtype)), margin_of(error, floor))
-                                       : margin_of(error, floor + tol.rtol * std::fabs(e));
+      const double by_rule = tol.max_ulp > 0
+                                 ? std::min(error / (tol.max_ulp * ulp_size(e, dtype)), margin_of(error, floor))
+                                 : margin_of(error, floor + tol.rtol * std::fabs(e));
       const double m = std::isnan(by_rule) || !std::isfinite(e) ? margin_of(error, e) : by_rule;
       stats.add_with_margin({static_cast<std::int64_t>(t), static_cast<std::int64_t>(v), k, e, g, floor}, m,
                             !(m <= 1.0));

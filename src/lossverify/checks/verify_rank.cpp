@@ -305,30 +305,37 @@ RowReference reference_rows(const RankContext& x, StageTrace& trace) {
   return ref;
 }
 
-// The float64 reference must be finite on every token that counts: an input that overflows it (a policy's
-// old log-probability far below the model's, a GSPO sequence ratio past e^709) leaves nothing to judge against, so
-// the run is refused, exit 2, naming the first such token and quantity, before any comparison or report. Collective
-// over the world, so that every rank refuses together.
-void require_finite_reference(const RankContext& x, const RowReference& ref) {
+// Beyond this magnitude a quantity leaves float32's reach with room for the sums over tokens and columns that
+// follow (float32's largest value is 3.4e38): no float32 implementation, the correct one included, could be judged.
+constexpr double kFloat32Reach = 1e30;
+
+// The float64 reference must be finite, and within float32's reach, on every token that counts: an input that
+// overflows it (a policy's old log-probability far below the model's, a GSPO sequence ratio past e^69, a norm
+// constant that makes the weights 1e300) leaves nothing to judge, so the run is refused, exit 2, naming the first
+// such token and quantity, before any comparison or report. Collective over the world, so that every rank refuses
+// together.
+void require_representable_reference(const RankContext& x, const RowReference& ref) {
   const std::size_t q = kind_of(x.c.loss).token_quantities().size();
   std::vector<double> values(q), statistics(kind_of(x.c.loss).logged_statistics().size());
-  // [token, which]: the first non-finite token on this rank (tokens + 1 where none).
+  const auto out_of_reach = [](double v) { return !(std::fabs(v) <= kFloat32Reach); };
+  // [token, which]: the first such token on this rank (tokens + 1 where none).
   double first[2] = {static_cast<double>(x.tokens + 1), 0.0};
   for (std::int64_t i = 0; i < x.rows; ++i) {
     const auto k = static_cast<std::size_t>(i);
     const std::int64_t t = x.out.token_of(i);
     if (t < 0 || !ref.valid[k] || static_cast<double>(t) >= first[0]) continue;
+    const double weight = x.reference.token_weight(t);
     int which = 0;
-    if (!std::isfinite(ref.loss[k])) which = 1;
-    const std::optional<double> scale = x.reference.row().gradient_scale(t, ref.stats[k]);
-    if (which == 0 && scale && !std::isfinite(*scale)) which = 2;
+    if (out_of_reach(ref.loss[k]) || out_of_reach(weight * ref.loss[k])) which = 1;
+    const double scale = x.reference.row().gradient_scale(t, ref.stats[k]).value_or(1.0);
+    if (which == 0 && (out_of_reach(scale) || out_of_reach(weight * scale) || out_of_reach(weight))) which = 2;
     if (which == 0 && q > 0) {
       x.reference.row().token_values(t, ref.stats[k], values);
-      for (const double v : values) which = which == 0 && !std::isfinite(v) ? 3 : which;
+      for (const double v : values) which = which == 0 && out_of_reach(v) ? 3 : which;
     }
     if (which == 0 && !statistics.empty()) {
       x.reference.row().token_statistics(t, ref.stats[k], statistics);
-      for (const double v : statistics) which = which == 0 && !std::isfinite(v) ? 4 : which;
+      for (const double v : statistics) which = which == 0 && out_of_reach(v) ? 4 : which;
     }
     if (which != 0) first[0] = static_cast<double>(t), first[1] = which;
   }
@@ -341,9 +348,9 @@ void require_finite_reference(const RankContext& x, const RowReference& ref) {
   static const char* const quantity[] = {"", "loss", "gradient", "per-token value", "logged statistic"};
   throw CaseError(x.c.source + ": token " + std::to_string(static_cast<std::int64_t>(token)) +
                   ": the float64 reference's " + quantity[static_cast<int>(which)] +
-                  " is not finite: the case's inputs overflow it there (an old or reference log-probability far "
-                  "below the model's, an extreme logit, or a ratio past the double range); nothing can be judged "
-                  "against it, so the run is refused");
+                  " (or its weight in L) is not finite or beyond 1e30, where no float32 implementation can be judged: "
+                  "the inputs overflow it there (an old or reference log-probability far below the model's, a ratio "
+                  "or a weight past float32's range); the run is refused");
 }
 
 // The losses: every row's against the reference, the logged (reduced) loss and the logged count.
@@ -363,7 +370,22 @@ LossFindings judge_losses(const RankContext& x, const RowReference& ref, std::ve
   f.reduced_tolerance = effective_tolerance(x.c, "reduced_loss");
   // The reference's logged loss: every token's reference loss, summed in token order on every rank.
   std::vector<double> token_losses(static_cast<std::size_t>(x.tokens), 0.0);
-  double spread[1] = {0.0};  // sum of |w_t| |l_t - l_t'| over tokens with two readings
+  // [sum of |w_t| |l_t - l_t'| over tokens with two readings, sum of |w_t| times the magnitude of l_t's terms]
+  double spread[2] = {0.0, 0.0};
+  // Per row: rtol of the magnitude of l_t's terms before they cancel, and its inputs' float32 rounding
+  // (KindReference::token_loss_terms and token_loss_rounding). The logged loss takes rtol of its tokens' terms
+  // (beta KL summed over tokens cancels the surrogates as it does per token) but not the inputs' rounding: a
+  // weighted mean of roundings of either sign stays within its floor, and bounds added up over N_v tokens would
+  // hide a mis-weighted term.
+  std::vector<double> rounding(static_cast<std::size_t>(x.rows), 0.0);
+  for (std::int64_t i = 0; i < x.rows; ++i) {
+    const auto k = static_cast<std::size_t>(i);
+    const std::int64_t t = x.out.token_of(i);
+    if (t < 0 || !ref.valid[k]) continue;
+    const double terms = x.reference.row().token_loss_terms(t, ref.stats[k]).value_or(std::fabs(ref.loss[k]));
+    rounding[k] = f.tolerance.rtol * terms + x.reference.row().token_loss_rounding(t, ref.stats[k]);
+    if (x.tp_leader) spread[1] += std::fabs(x.reference.token_weight(t)) * terms;
+  }
   if (x.tp_leader) {
     for (std::int64_t i = 0; i < x.rows; ++i) {
       const auto k = static_cast<std::size_t>(i);
@@ -379,7 +401,7 @@ LossFindings judge_losses(const RankContext& x, const RowReference& ref, std::ve
     f.reference_reduced = x.reference.reduced_loss(token_losses);
     // The absolute floor scales with sum_t |w_t|: 1 for mean, N_v for sum; either reading of a token is right.
     const double tolerance = f.reduced_tolerance.atol * x.loss_scale * std::max(x.reference.weight_total(), 1.0) +
-                             f.reduced_tolerance.rtol * std::fabs(f.reference_reduced) + spread[0];
+                             f.reduced_tolerance.rtol * std::max(std::fabs(f.reference_reduced), spread[1]) + spread[0];
     const auto [judged_as, rule] = logged_loss_rule(x.c, x.out);
     f.reduced_rule = rule;
     f.reduced.add({-1, -1, x.world_rank, f.reference_reduced, x.out.reduced_loss,
@@ -399,8 +421,9 @@ LossFindings judge_losses(const RankContext& x, const RowReference& ref, std::ve
     }
     double expected = ref.loss[k];
     if (ref.either[k] && std::fabs(got - ref.other_loss[k]) < std::fabs(got - expected)) expected = ref.other_loss[k];
-    const double tolerance = stored_loss_tolerance(
-        f.tolerance.atol * x.loss_scale + f.tolerance.rtol * std::fabs(expected), expected, x.out.token_loss_dtype);
+    const double tolerance =
+        stored_loss_tolerance(f.tolerance.atol * x.loss_scale + f.tolerance.rtol * std::fabs(expected) + rounding[k],
+                              expected, x.out.token_loss_dtype);
     f.per_token.add({t, -1, x.world_rank, expected, got, tolerance});
     if (!token_margins.empty()) {
       token_margins[static_cast<std::size_t>(x.tokens + t)] =
@@ -418,13 +441,6 @@ struct TokenValueFindings {
   Tolerance tolerance;
 };
 
-// The float32 cancellation a correct implementation's per-token value or statistic may carry, per unit of the
-// magnitude of the operands it subtracts (KindReference::token_value_operands): a few roundings of each operand
-// and a pairwise sum over the row's V columns, (4 + log2 V) units of float32 roundoff (docs/checks.md).
-double float32_cancellation(const Case& c) {
-  return (4.0 + std::ceil(std::log2(static_cast<double>(std::max<std::int64_t>(c.shape.vocab, 2))))) * 0x1p-24;
-}
-
 TokenValueFindings judge_token_values(const RankContext& x, const RowReference& ref) {
   TokenValueFindings f;
   f.names = kind_of(x.c.loss).token_quantities();
@@ -437,23 +453,20 @@ TokenValueFindings judge_token_values(const RankContext& x, const RowReference& 
                         std::to_string(x.out.token_values.size()) + " token values for " + std::to_string(x.rows) +
                         " rows of " + std::to_string(q) + " quantities");
   }
-  std::vector<double> expected(q), operands(q);
-  const double cancellation = float32_cancellation(x.c);
+  std::vector<double> expected(q), rounding(q);
   for (std::int64_t i = 0; i < x.rows; ++i) {
     const auto k = static_cast<std::size_t>(i);
     const std::int64_t t = x.out.token_of(i);
     std::fill(expected.begin(), expected.end(), 0.0);
-    std::fill(operands.begin(), operands.end(), 0.0);
+    std::fill(rounding.begin(), rounding.end(), 0.0);
     if (t >= 0 && ref.valid[k]) {
       x.reference.row().token_values(t, ref.stats[k], expected);
-      x.reference.row().token_value_operands(t, ref.stats[k], operands);
+      x.reference.row().token_value_rounding(t, ref.stats[k], rounding);
     }
     const LocalRow& row = x.out.assignment.rows[k];
     for (std::size_t j = 0; j < q; ++j) {
       const double got = x.out.token_values[k * q + j];
-      const double tolerance = t < 0 ? 0.0
-                                     : f.tolerance.atol + f.tolerance.rtol * std::fabs(expected[j]) +
-                                           cancellation * operands[j];
+      const double tolerance = t < 0 ? 0.0 : f.tolerance.atol + f.tolerance.rtol * std::fabs(expected[j]) + rounding[j];
       f.stats[j].add(
           {t, -1, x.world_rank, expected[j], got, tolerance, t < 0 ? row.sequence : -1, t < 0 ? row.position : -1});
     }
@@ -483,16 +496,16 @@ StatisticFindings judge_statistics(const RankContext& x, const RowReference& ref
                         std::to_string(x.out.logged_stats.size()) + " statistics, expected " + std::to_string(q));
   }
   std::vector<double> values(static_cast<std::size_t>(x.tokens) * q, 0.0);
-  std::vector<double> spread(q, 0.0);  // per statistic: sum of |s_t - s_t'| over tokens with two readings
-  std::vector<double> operands(q, 0.0);  // per statistic: sum over tokens of its float32 operands' magnitude
+  std::vector<double> spread(q, 0.0);    // per statistic: sum of |s_t - s_t'| over tokens with two readings
+  std::vector<double> rounding(q, 0.0);  // per statistic: sum over tokens of its float32 rounding
   if (x.tp_leader) {
     std::vector<double> row(q), other(q);
     for (std::int64_t i = 0; i < x.rows; ++i) {
       const auto k = static_cast<std::size_t>(i);
       const std::int64_t t = x.out.token_of(i);
       if (t < 0 || !ref.valid[k]) continue;
-      x.reference.row().token_statistic_operands(t, ref.stats[k], row);
-      for (std::size_t j = 0; j < q; ++j) operands[j] += row[j];
+      x.reference.row().token_statistic_rounding(t, ref.stats[k], row);
+      for (std::size_t j = 0; j < q; ++j) rounding[j] += row[j];
       x.reference.row().token_statistics(t, ref.stats[k], row);
       std::copy(row.begin(), row.end(), values.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(t) * q));
       if (!ref.either[k]) continue;
@@ -502,16 +515,16 @@ StatisticFindings judge_statistics(const RankContext& x, const RowReference& ref
   }
   x.world.allreduce_sum(std::span<double>(values));  // one nonzero term per entry: exact
   x.world.allreduce_sum(std::span<double>(spread));
-  x.world.allreduce_sum(std::span<double>(operands));
+  x.world.allreduce_sum(std::span<double>(rounding));
   const auto valid = static_cast<double>(std::max<std::int64_t>(x.reference.valid_tokens(), 1));
   for (std::size_t j = 0; j < q; ++j) {
     CompensatedSum total;
     for (std::int64_t t = 0; t < x.tokens; ++t) total.add(values[static_cast<std::size_t>(t) * q + j]);
     f.expected[j] = total.value() / valid;
     // A token read either way moves the mean by up to its spread / N: either is right.
-    f.stats[j].add({-1, -1, x.world_rank, f.expected[j], x.out.logged_stats[j],
-                    f.tolerance.atol + f.tolerance.rtol * std::fabs(f.expected[j]) + spread[j] / valid +
-                        float32_cancellation(x.c) * operands[j] / valid});
+    f.stats[j].add(
+        {-1, -1, x.world_rank, f.expected[j], x.out.logged_stats[j],
+         f.tolerance.atol + f.tolerance.rtol * std::fabs(f.expected[j]) + spread[j] / valid + rounding[j] / valid});
   }
   return f;
 }
@@ -823,7 +836,7 @@ std::vector<CheckResult> verify_rank(const Case& c, const RankOutput& out, Oracl
   check_coverage(x);
   trace.mark("1 partials");
   const RowReference ref = reference_rows(x, trace);
-  require_finite_reference(x, ref);
+  require_representable_reference(x, ref);
   trace.mark("3 elements: start");
   oracle.start_judging(ref.stats);  // the GPU oracle judges while the host goes on with the losses
   // per global token: this rank's largest gradient margin, then its loss margin (max-reduced below)

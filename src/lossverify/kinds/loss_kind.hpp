@@ -79,14 +79,24 @@ class KindReference {
   virtual void token_statistics(std::int64_t token, const RowStats& stats, std::span<double> out) const {
     (void)token, (void)stats, (void)out;
   }
-  // For each per-token value and each statistic: the magnitude of the operands a correct float32 implementation
-  // may subtract to get it (a policy's log-prob x_y / T - lse, its entropy lse - sum p x / T), whose cancellation
-  // the tolerance covers (docs/checks.md); 0 where nothing cancels.
-  virtual void token_value_operands(std::int64_t token, const RowStats& stats, std::span<double> out) const {
+  // The rounding a correct float32 implementation may carry beyond the tolerance's rtol of the value (docs/checks.md,
+  // "Cancellation"): where it subtracts large operands (a policy's log-prob x_y / T - lse, its entropy lse - sum p x
+  // / T) or where terms of l_t cancel one another (beta KL against the surrogate). Absolute bounds; 0 for a kind
+  // without such arithmetic. For l_t: the magnitude of its terms before they cancel (rtol applies to it; none:
+  // |l_t|), and its inputs' rounding times their slopes in l_t.
+  virtual std::optional<double> token_loss_terms(std::int64_t token, const RowStats& stats) const {
+    (void)token, (void)stats;
+    return std::nullopt;
+  }
+  virtual double token_loss_rounding(std::int64_t token, const RowStats& stats) const {
+    (void)token, (void)stats;
+    return 0.0;
+  }
+  virtual void token_value_rounding(std::int64_t token, const RowStats& stats, std::span<double> out) const {
     (void)token, (void)stats;
     std::fill(out.begin(), out.end(), 0.0);
   }
-  virtual void token_statistic_operands(std::int64_t token, const RowStats& stats, std::span<double> out) const {
+  virtual void token_statistic_rounding(std::int64_t token, const RowStats& stats, std::span<double> out) const {
     (void)token, (void)stats;
     std::fill(out.begin(), out.end(), 0.0);
   }

@@ -79,8 +79,9 @@ class PolicyKind final : public LossKind {
     refuse_unless(r, norm, "norm_constant", "aggregation seq-mean-token-sum-norm");
     if (norm) {
       if (!r.has("norm_constant")) r.fail_here("aggregation seq-mean-token-sum-norm needs norm_constant (H_max)");
+      // H_max, a generation length: its weights 1 / (B H_max) stay at most 1e6, far inside float32's reach.
       o->norm_constant = number_in(
-          r, "norm_constant", 0.0, [](double v) { return v > 0.0 && v <= 1e12; }, "in (0, 1e12]");
+          r, "norm_constant", 0.0, [](double v) { return v >= 1e-6 && v <= 1e12; }, "in [1e-6, 1e12]");
     }
     const bool surrogate = o->objective == Objective::policy_loss;
     for (const char* key : {"clip_low", "clip_high", "dual_clip", "ratio", "kl_penalty", "kl_coef", "whiten_advantages",

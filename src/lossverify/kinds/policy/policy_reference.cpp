@@ -28,8 +28,9 @@ using Aggregation = PolicyOptions::Aggregation;
 struct TokenTerms {
   double logprob = 0.0, entropy = 0.0;
   double loss = 0.0;
-  double g_logprob = 0.0;  // d l / d lambda
-  double g_slope = 0.0;    // d g_lambda / d lambda
+  double loss_terms = 0.0;  // |surrogate| + |beta KL| + |c_H H|: what the loss's terms weigh before they cancel
+  double g_logprob = 0.0;   // d l / d lambda
+  double g_slope = 0.0;     // d g_lambda / d lambda
   double kl = 0.0;
   bool clipped = false, dual_clipped = false;
 };
@@ -55,6 +56,7 @@ class PolicyReference final : public KindReference {
         inputs_(inputs),
         o_(policy_options(c.loss)),
         logprob_tolerance_(effective_tolerance(c, "token_value")),
+        log2_vocab_(std::ceil(std::log2(static_cast<double>(std::max<std::int64_t>(c.shape.vocab, 2))))),
         token_inputs_(static_cast<std::size_t>(c.shape.tokens)),
         once_(std::make_unique<std::once_flag[]>(static_cast<std::size_t>(c.shape.tokens))),
         sequence_ratios_(inputs.batch().sequences().size()),
@@ -136,18 +138,33 @@ class PolicyReference final : public KindReference {
     out[3] = t.entropy;
   }
 
-  // A float32 log-prob x_y / T - lse and entropy lse - sum_v p_v x_v / T (verl's and TRL's entropy_from_logits)
-  // subtract operands of about |lse| (x_y / T = lambda + lse): the log-prob |lambda| + 2 |lse|, the entropy 2 |lse|.
-  void token_value_operands(std::int64_t token, const RowStats& s, std::span<double> out) const override {
-    const double lse = std::fabs(s.lse);
-    out[0] = std::fabs(s.sum_qx - s.lse) + 2.0 * lse;
-    out[1] = 2.0 * lse;
-    (void)token;
+  // Float32 arithmetic a correct implementation may use (docs/checks.md, "Cancellation"), u = 2^-24:
+  // - lambda = x_y / T - lse: a few roundings of operands of about |lambda| + 2 |lse|, and log S of a pairwise sum
+  //   of V terms, u (4 (|lambda| + 2 |lse|) + 2 log2 V);
+  // - H = lse - sum_v p_v x_v / T (verl's and TRL's entropy_from_logits): operands of about |lse| each, the sum's
+  //   pairwise rounding over V columns, u (4 + log2 V) 2 |lse|;
+  // - l_t = surrogate + beta KL - c_H H: rtol of each term's magnitude (beta KL may cancel the surrogate: at beta 10
+  //   with k1 the sum is small while each term is not), and lambda's and H's rounding times their slopes in l_t.
+  double logprob_rounding(const TokenTerms& t, const RowStats& s) const {
+    return 0x1p-24 * (4.0 * (std::fabs(t.logprob) + 2.0 * std::fabs(s.lse)) + 2.0 * log2_vocab_);
   }
-  // The logged entropy is the mean of the per-token ones, with their cancellation; the fractions and the KL are not.
-  void token_statistic_operands(std::int64_t token, const RowStats& s, std::span<double> out) const override {
+  double entropy_rounding(const RowStats& s) const { return 0x1p-24 * (4.0 + log2_vocab_) * 2.0 * std::fabs(s.lse); }
+  std::optional<double> token_loss_terms(std::int64_t token, const RowStats& s) const override {
+    return terms(token, s).loss_terms;
+  }
+  double token_loss_rounding(std::int64_t token, const RowStats& s) const override {
+    const TokenTerms t = terms(token, s);
+    return std::fabs(t.g_logprob) * logprob_rounding(t, s) + std::fabs(o_.entropy_coef) * entropy_rounding(s);
+  }
+  void token_value_rounding(std::int64_t token, const RowStats& s, std::span<double> out) const override {
+    const TokenTerms t = terms(token, s);
+    out[0] = logprob_rounding(t, s);
+    out[1] = entropy_rounding(s);
+  }
+  // The logged entropy is the mean of the per-token ones, with their rounding; the fractions and the KL are not.
+  void token_statistic_rounding(std::int64_t token, const RowStats& s, std::span<double> out) const override {
     std::fill(out.begin(), out.end(), 0.0);
-    out[3] = 2.0 * std::fabs(s.lse);
+    out[3] = entropy_rounding(s);
     (void)token;
   }
 
@@ -346,6 +363,7 @@ class PolicyReference final : public KindReference {
     const double h_coef = o_.entropy_coef;
     if (o_.objective == PolicyOptions::Objective::logprob) {
       t.loss = -t.logprob - h_coef * t.entropy;
+      t.loss_terms = std::fabs(t.logprob) + std::fabs(h_coef * t.entropy);
       t.g_logprob = -1.0;
       return t;
     }
@@ -393,6 +411,7 @@ class PolicyReference final : public KindReference {
         break;
     }
     t.loss = surrogate + o_.kl_coef * t.kl - h_coef * t.entropy;
+    t.loss_terms = std::fabs(surrogate) + std::fabs(o_.kl_coef * t.kl) + std::fabs(h_coef * t.entropy);
     t.g_logprob = slope + o_.kl_coef * kl_slope;
     return t;
   }
@@ -406,6 +425,7 @@ class PolicyReference final : public KindReference {
   std::int64_t sequences_with_tokens_ = 0;
   double mean_ = 0.0, deviation_ = 0.0;
   Tolerance logprob_tolerance_;  // the logprob check's: how far an implementation's lambda may lie from ours
+  double log2_vocab_;            // ceil(log2 V): the depth of a pairwise sum over the row
   mutable std::vector<PolicyTokenInputs> token_inputs_;
   std::unique_ptr<std::once_flag[]> once_;
   mutable std::vector<SequenceRatio> sequence_ratios_;  // under the sequence-level ratio, each computed once
