@@ -74,7 +74,7 @@ int run_check_dump(const CheckDumpArguments& args) {
   }
   check_output_path("--report", args.report_path, dump_inputs(paths));
   check_output_path("--junit", args.junit_path, dump_inputs(paths));
-  check_distinct_outputs(args.report_path, args.junit_path);
+  check_distinct_outputs({{"--report", args.report_path}, {"--junit", args.junit_path}});
   // Every manifest is parsed and validated (its tensor files confined to its folder) before any tensor is read.
   dump::ManifestLimits limits;
   limits.allow_outside_folder = args.allow_outside_dump;

@@ -54,6 +54,7 @@ int run_gate(const GateArguments& args) {
   const std::vector<std::string> inputs = gate_input_files(args.cases_dir, args.golden_dir);
   check_output_path("--report", args.report_path, inputs);
   check_output_path("--junit", args.junit_path, inputs);
+  check_distinct_outputs({{"--report", args.report_path}, {"--junit", args.junit_path}});
   if (!args.run_reports_dir.empty()) prepare_new_folder("--run-reports", args.run_reports_dir);
   options.run_reports_dir = args.run_reports_dir;
   const GateResult result = lossverify::run_gate(options);

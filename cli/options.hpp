@@ -36,17 +36,6 @@ inline CLI::Validator seconds() {
 // The help footer of a subcommand: its own exit codes.
 inline std::string exit_codes(const std::string& codes) { return "exit codes: " + codes; }
 
-// --report and --junit naming one file would have the second overwrite the first: refused before any work.
-inline void check_distinct_outputs(const std::string& report_path, const std::string& junit_path) {
-  if (report_path.empty() || junit_path.empty()) return;
-  std::error_code error;
-  const auto a = std::filesystem::weakly_canonical(report_path, error);
-  const auto b = std::filesystem::weakly_canonical(junit_path, error);
-  if (report_path == junit_path || (!error && a == b)) {
-    throw CaseError("--junit " + junit_path + ": the same file as --report; give each its own path");
-  }
-}
-
 // --junit FILE (run, check-dump): a testcase per check, its margin and control band as properties.
 inline void add_junit_option(CLI::App& app, std::string& junit_path) {
   app.add_option("--junit", junit_path,

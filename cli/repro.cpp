@@ -9,6 +9,7 @@
 #include <iomanip>
 #include <iostream>
 #include <map>
+#include <set>
 
 #include "lossverify/core/errors.hpp"
 #include "lossverify/core/output_path.hpp"
@@ -269,6 +270,10 @@ void write_artifacts(const ArtifactOptions& options, const std::vector<RunResult
     std::map<std::string, int> cases_named;
     for (const RunResult& run : runs) ++cases_named[run.the_case.name];
     std::map<std::string, int> used;
+    std::set<std::string> taken;  // the command's own outputs, by the file each lands in
+    for (const std::string& output : context.outputs) {
+      if (!output.empty()) taken.insert(output_identity(output));
+    }
     BundleContext bundle_context;
     bundle_context.set_overrides = context.set_overrides;
     bundle_context.command_line = command_line();
@@ -282,6 +287,15 @@ void write_artifacts(const ArtifactOptions& options, const std::vector<RunResult
       std::string name = sanitise(run.the_case.name) + "." + sanitise(run.implementation->name);
       if (cases_named[run.the_case.name] > 1) name += "." + layout_name(run.the_case.layout);
       if (const int n = ++used[name]; n > 1) name += "." + std::to_string(n);
+      // A --report (or --junit, --plot) named like this bundle keeps its name; the bundle takes the next number.
+      const auto is_taken = [&](const std::string& n) {
+        return taken.count(output_identity((folder / (n + ".bundle.json")).string())) > 0;
+      };
+      if (is_taken(name)) {
+        int n = ++used[name];
+        while (is_taken(name + "." + std::to_string(n))) n = ++used[name];
+        name += "." + std::to_string(n);
+      }
       std::size_t values = 0;
       for (const auto& row : bundle.at("failing_rows")) values += row.at("logits_bits").get<std::string>().size() / 5;
       // Pretty-printed unless the rows are large (every number would take a line of its own).

@@ -34,6 +34,8 @@ struct ArtifactContext {
   int gpus = 0;
   bool quiet = false;
   std::vector<std::string> inputs;  // the files the command reads: never written over
+  // The command's own outputs (--report, --junit, --plot): a bundle never takes one of their names.
+  std::vector<std::string> outputs;
 };
 
 // Checks the options before anything runs: throws CaseError (exit 2) for a --plot path that is neither

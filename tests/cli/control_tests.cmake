@@ -17,8 +17,12 @@ lossverify_cli_test(control_check_dump 1 "grad +FAIL +[0-9.e+]+ +0\\.5 / [0-9.]+
   -- ${LV} check-dump ${CONTROL_DUMPS}/torch-vocab-parallel-ce-tp2-dp2-bf16-smoothing-partition-vocab/manifest.json)
 lossverify_cli_test(control_impl_refused_on_cuda 2 "correct-16bit: the 16-bit control runs on the CPU backend only"
   -- ${LV} run ${CASES}/smoothing-megatron.json --impl correct-16bit --backend cuda)
-lossverify_cli_test(junit_same_as_report 2 "--junit .*: the same file as --report"
+lossverify_cli_test(junit_same_as_report 2 "--junit .*: is the same file as --report"
   --absent ${OUT}/same.json -- ${LV} run ${CASES}/smoothing-pytorch.json --report ${OUT}/same.json --junit ${OUT}/same.json)
+# The same file by another spelling: ./, sub/.., a symbolic link, a --plot; check-dump and gate as run.
+add_test(NAME cli_outputs_compared_by_the_file_they_land_in
+  COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/cli/distinct_outputs.sh ${LV} ${CASES} ${PROJECT_SOURCE_DIR}/golden
+          ${OUT}/distinct_outputs)
 lossverify_cli_test(control_junit_run 1 "JUnit written to"
   -- ${LV} run ${CASES}/smoothing-megatron.json --impl smoothing-partition-vocab --threads 2
      --report ${OUT}/control.json --junit ${OUT}/control.xml)

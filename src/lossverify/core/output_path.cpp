@@ -93,6 +93,32 @@ void check_output_path(std::string_view option, const std::string& path, const s
   }
 }
 
+std::string output_identity(const std::string& path) {
+  const OutputTarget target = resolve_output("output", path);
+  if (target.kind == OutputTarget::Kind::stream) return target.path;
+  std::error_code error;
+  const fs::path absolute = fs::absolute(fs::path(target.path), error);
+  if (error) return target.path;
+  const fs::path canonical = fs::weakly_canonical(absolute, error);
+  return (error ? absolute.lexically_normal() : canonical).string();
+}
+
+void check_distinct_outputs(const std::vector<std::pair<std::string, std::string>>& option_paths) {
+  std::vector<std::pair<std::string, std::string>> seen;  // (identity, option)
+  for (const auto& [option, path] : option_paths) {
+    if (path.empty()) continue;
+    if (resolve_output(option, path).kind == OutputTarget::Kind::stream) continue;
+    const std::string identity = output_identity(path);
+    for (const auto& [other_identity, other_option] : seen) {
+      if (other_identity == identity) {
+        refuse(option, path, "is the same file as " + other_option + " (" + printable(identity) +
+                                 "): one would overwrite the other; give each its own path");
+      }
+    }
+    seen.emplace_back(identity, option);
+  }
+}
+
 void check_output_folder(std::string_view option, const std::string& folder) {
   std::error_code error;
   if (!fs::is_directory(folder, error)) refuse(option, folder, "not an existing folder");

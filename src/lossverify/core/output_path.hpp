@@ -8,6 +8,7 @@
 //   - a folder, a block device or a socket is refused.
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace lossverify {
@@ -26,6 +27,15 @@ OutputTarget resolve_output(std::string_view option, const std::string& path);
 // written, a name the file system accepts, and not one of `inputs` (files the command reads: a case file, a
 // manifest, a bundle). Throws CaseError (exit 2) naming the option, the path and the problem.
 void check_output_path(std::string_view option, const std::string& path, const std::vector<std::string>& inputs = {});
+
+// Where a file output lands, as one comparable name: absolute, its symbolic links followed, `.` and `..` resolved.
+// A stream (a character device, a FIFO) is itself. For a path check_output_path accepted.
+std::string output_identity(const std::string& path);
+
+// The outputs one command writes, by option: two that land in one file (`./r.json` and `r.json`, a path through
+// `sub/..`, a symbolic link to the other) are refused, CaseError (exit 2) naming both options; empty paths are
+// ignored, and so are streams (two `/dev/stdout` are the user's choice).
+void check_distinct_outputs(const std::vector<std::pair<std::string, std::string>>& option_paths);
 
 // A folder files will be written into (bundles): it exists and can be written. Throws CaseError (exit 2).
 void check_output_folder(std::string_view option, const std::string& folder);
