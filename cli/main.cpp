@@ -18,6 +18,7 @@
 #include "list.hpp"
 #include "lossverify/comm/nccl_communicator.hpp"
 #include "lossverify/core/build_info.hpp"
+#include "lossverify/core/descendants.hpp"
 #include "lossverify/core/errors.hpp"
 #include "lossverify/core/strings.hpp"
 #include "lossverify/impl/cuda/cuda_backend.hpp"
@@ -113,6 +114,11 @@ int main(int argc, char** argv) {
   if (run.selected()) {
     if (const auto code = lossverify::cli::prepare_run(run, use_mpi)) return *code;
   }
+  // Whatever a plugin starts, in a session of its own too, ends with the command (core/descendants.hpp).
+  adopt_orphaned_descendants();
+  struct EndDescendants {
+    ~EndDescendants() { end_descendants(); }
+  } end_children;
   if (use_mpi) return lossverify::cli::run_run_mpi(run.args, &argc, &argv);
   // NCCL endpoints kept between the runs of this command go when it returns (not on a timeout's _Exit).
   struct ReleaseNccl {
@@ -133,6 +139,7 @@ int main(int argc, char** argv) {
                                                     : "internal error: ")
               << printable_message(e.what()) << "\n";
     if (e.code() == ExitCode::timeout) {  // hung rank threads cannot be joined
+      end_descendants();
       std::cerr.flush();
       std::cout.flush();
       std::_Exit(static_cast<int>(ExitCode::timeout));

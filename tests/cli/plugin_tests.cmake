@@ -20,6 +20,14 @@ endfunction()
 lossverify_plugin_fault(error 3 "rank 2: plugin plugin:.*faulty.*: run_rank returned 7: injected error in rank 2" error@2)
 lossverify_plugin_fault(crash 3 "plugin plugin:.*faulty.* crashed in rank 1: SIGSEGV" crash@1)
 lossverify_plugin_fault(abort 3 "plugin plugin:.*faulty.* crashed in rank 3: SIGABRT" abort@3)
+# A crash while a child the plugin forked still holds the host's socket: reported as the crash at once (the host's
+# end is watched, not only its socket's EOF), never as a hang after the whole timeout.
+lossverify_cli_test(plugin_fault_fork_crash 3 "plugin plugin:.*faulty.* crashed in rank 1: SIGSEGV" --within 20
+  -- ${LV} run ${PLUGIN_CASE} --impl "plugin:${FAULTY}?fault=fork-crash@1" --timeout 60)
+# A process a plugin starts in a session of its own ends with the command: a caller reading lossverify's output
+# through a pipe is not held until it exits.
+add_test(NAME cli_plugin_session_child_ends_with_the_command
+  COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/cli/plugin_session_child.sh ${LV} ${FAULTY} ${PLUGIN_CASE})
 lossverify_plugin_fault(throw 3 "rank 0: plugin plugin:.*faulty.*: run_rank threw a C\\+\\+ exception through the C ABI: a C\\+\\+ exception escaping" throw@0)
 lossverify_plugin_fault(hang 4 "deadlock guard: .*rank\\(s\\) 2 never arrived|in rank 2: no collective call and no result for 2 s" hang@2)
 lossverify_plugin_fault(rows 3 "rank 1: plugin plugin:.*: wrote a gradient of 257 x 127 .*, but the rank holds 256 rows x 127" rows@1)

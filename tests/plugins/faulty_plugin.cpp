@@ -2,6 +2,8 @@
 // and the world rank that commits it: `fault=KIND@RANK` (RANK `all`: every rank). The other ranks take part in
 // one TP all-reduce (so they are waiting for the faulty rank when it fails) and write zeros of the right sizes.
 //   in run_rank: error, crash, abort, throw, hang, exit, _exit, quick_exit, stack-overflow, misuse (group 9),
+//                fork-crash (a forked child holds the host's socket, then the crash), setsid-sleeper (starts
+//                `setsid sleep 123.25`, then computes as the others),
 //                element-mismatch (f64 where the others all-reduce f32), op-mismatch (max where they sum),
 //                huge-count (2^40 elements)
 //   outputs:     rows, losses, unlogged, overrun (8 bytes past the gradient), guard-value (the old guard byte
@@ -95,6 +97,17 @@ int commit(const std::string& kind, const lv_rank_inputs* in, lv_rank_outputs* o
   if (kind == "crash") crash_now();
   if (kind == "abort") std::abort();
   if (kind == "throw") throw std::runtime_error("a C++ exception escaping the plugin");
+  if (kind == "fork-crash") {  // a child that keeps the host's socket open (fork, no exec), then the crash
+    if (::fork() == 0) {
+      ::sleep(120);
+      ::_exit(0);
+    }
+    crash_now();
+  }
+  if (kind == "setsid-sleeper") {  // a process in a session of its own holding the host's stdout; the run goes on
+    if (std::system("setsid sleep 123.25 &") != 0) return 9;
+    return -1;
+  }
   if (kind == "hang") {
     for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
   }

@@ -7,6 +7,7 @@
 #include <dlfcn.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <fcntl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -484,6 +485,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "lossverify-plugin-host: started by lossverify only (PATH PARAMS probe|serve)\n");
     return 64;
   }
+  // A program the plugin runs (system(), posix_spawn) must not inherit the socket: lossverify would not see its
+  // EOF when this host ends. (A forked child still holds it; lossverify also watches this process itself.)
+  ::fcntl(kSocketFd, F_SETFD, FD_CLOEXEC);
   watch_parent();
   install_crash_handlers();
   const bool serving = std::strcmp(argv[3], "serve") == 0;

@@ -204,6 +204,13 @@ PluginHostProcess::Received PluginHostProcess::next(double seconds, const std::f
       r.type = header.type;
       return r;
     }
+    // A host that ended is noticed by itself, not only by its socket's EOF: a process the plugin started (fork,
+    // system(), a daemon) may still hold the host's end, and the EOF would then never come.
+    if (!reaped_ && ::waitpid(pid_, &status_, WNOHANG) == pid_) {
+      reaped_ = true;
+      r.kind = Received::Kind::ended;
+      return r;
+    }
     if (abandon && abandon()) {
       r.kind = Received::Kind::abandoned;
       return r;
