@@ -170,6 +170,13 @@ def forks_a_sleeper(logits, labels, ctx):
     return vocab_parallel_cross_entropy(logits, labels, ctx)
 
 
+def forks_a_session_sleeper(logits, labels, ctx):
+    """Starts a child in a session of its own (start_new_session), out of the rank's process group."""
+    if ctx.micro_batch == 0:
+        subprocess.Popen(["sleep", "120"], start_new_session=True)
+    return vocab_parallel_cross_entropy(logits, labels, ctx)
+
+
 def sleeps(logits, labels, ctx):
     """Never returns (for stopping the harness from outside)."""
     while True:

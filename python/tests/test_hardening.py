@@ -219,6 +219,19 @@ class ProcessesTest(unittest.TestCase):
         time.sleep(0.5)
         self.assertEqual(processes_with(marker), [])
 
+    def test_a_child_in_a_session_of_its_own_does_not_outlive_the_run(self):
+        # start_new_session leaves the rank's process group, which the harness used to end: it held the captured
+        # stdout for its 120 s. The harness is now its reaper, and ends it with the launch.
+        marker = f"LOSSVERIFY_TEST_MARKER={uuid.uuid4().hex}"
+        env = dict(os.environ, LOSSVERIFY_TEST_MARKER=marker.split("=", 1)[1])
+        started = time.monotonic()
+        result = run_cli("run", "--fn", "loss_functions:forks_a_session_sleeper", case_path("underflow-gap-240"),
+                         env=env, timeout=90)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertLess(time.monotonic() - started, 60)
+        time.sleep(0.5)
+        self.assertEqual(processes_with(marker), [])
+
     def test_sigterm_stops_the_ranks_and_removes_the_temporary_folders(self):
         marker = f"LOSSVERIFY_TEST_MARKER={uuid.uuid4().hex}"
         with tempfile.TemporaryDirectory() as tmp:

@@ -34,6 +34,7 @@ from lossverify.errors import HarnessTimeout, ToolError, UsageError, UserFunctio
 from lossverify.layout import parse_layout
 from lossverify.output import check_output_folder, check_output_path, write_output
 from lossverify.torch._launch import RETURNS, Job, Launch, process_context, rank_entry, start_process_context
+from lossverify.torch._orphans import orphans_end_with_the_launch
 
 __all__ = ["check", "check_many", "sweep"]
 
@@ -299,15 +300,16 @@ def _launch(inputs, jobs, device, backend, timeout, work):
     ended = {}  # rank -> time.time() when the parent saw its process end
     where = {}
     stopped = set()
-    try:
-        with _terminated_cleanly():
-            for p in processes:
-                p.start()
-            timed_out = not _wait(processes, timeout * max(1, len(jobs)), status_dir, ended)
-            if timed_out:
-                where = _where_ranks_are(processes, status_dir)
-    finally:
-        stopped = _stop(processes)
+    with orphans_end_with_the_launch(keep=_fork_server_pids):
+        try:
+            with _terminated_cleanly():
+                for p in processes:
+                    p.start()
+                timed_out = not _wait(processes, timeout * max(1, len(jobs)), status_dir, ended)
+                if timed_out:
+                    where = _where_ranks_are(processes, status_dir)
+        finally:
+            stopped = _stop(processes)
     statuses = _read_statuses(status_dir, world)
     shutil.rmtree(status_dir, ignore_errors=True)
     _raise_for_failures(processes, statuses, ended, stopped, timed_out, where, timeout, inputs)
@@ -316,6 +318,17 @@ def _launch(inputs, jobs, device, backend, timeout, work):
         for name, messages in statuses[rank].get("warnings", {}).items():
             warnings[name] += messages
     return warnings
+
+
+def _fork_server_pids():
+    """The fork server ranks start from: a child of this process that lives on for the next launch."""
+    try:
+        from multiprocessing import forkserver
+
+        pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+        return {pid} if pid else set()
+    except ImportError:
+        return set()
 
 
 class Terminated(BaseException):

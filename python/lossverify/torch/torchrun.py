@@ -86,6 +86,7 @@ def _run_in_group(fn, inputs, rank, world, local_rank, device, backend, returns,
 
     from lossverify.torch import harness
     from lossverify.torch._launch import Job, Launch
+    from lossverify.torch._orphans import orphans_end_with_the_launch
     from lossverify.torch._worker import FunctionNotFound, UserCodeError, group_timeout, run_jobs
 
     if device == "cuda":
@@ -100,7 +101,8 @@ def _run_in_group(fn, inputs, rank, world, local_rank, device, backend, returns,
                     world_size=world, device=device, init_file=None, status_dir=None, timeout_seconds=timeout,
                     threads=harness._threads_per_rank(), backend=backend, local_rank=local_rank)
     try:
-        warnings = run_jobs(rank, launch)
+        with orphans_end_with_the_launch():  # what the loss function starts ends with this rank's part
+            warnings = run_jobs(rank, launch)
     except FunctionNotFound as e:  # every rank looks it up alike, so none is left waiting
         print(f"lossverify.torch: rank {rank}: error: {e}", file=sys.stderr, flush=True)
         return UsageError.exit_code
