@@ -17,6 +17,7 @@ without installing, `PYTHONPATH=python pytest -p lossverify.pytest_plugin`. It a
 Importing it needs no torch: pytest loads it in every session of an environment where lossverify is installed.
 """
 
+import hashlib
 import os
 import re
 import shutil
@@ -119,9 +120,15 @@ def lossverify_check(request):
 
 
 def _file_name(node_id):
-    """A test id as one folder name: test_x.py::test_loss[smoothing-megatron@tp4-cp1-dp1-ga1] ->
-    test_x.py_test_loss_smoothing-megatron@tp4-cp1-dp1-ga1."""
-    return re.sub(r"[^A-Za-z0-9._@=+-]+", "_", node_id).strip("_.")[:200] or "test"
+    """A test id as one folder name of its own: test_x.py::test_loss[smoothing-megatron@tp4-cp1-dp1-ga1] ->
+    test_x.py_test_loss_smoothing-megatron@tp4-cp1-dp1-ga1. Where the id had to be changed beyond that (other
+    characters, more than 180 of them), a hash of the whole id follows, so that two tests never share a folder
+    (and one never removes the other's report and dump)."""
+    plain = re.sub(r"::|\[|\]", "_", node_id).rstrip("_")
+    name = re.sub(r"[^A-Za-z0-9._@=+-]+", "_", node_id).strip("_.") or "test"
+    if name == plain and len(name) <= 180:
+        return name
+    return name[:180] + "-" + hashlib.sha1(node_id.encode("utf-8")).hexdigest()[:12]
 
 
 def _new_folder(parent, name, used):

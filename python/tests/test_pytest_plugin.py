@@ -43,6 +43,15 @@ KNOWN_BUG = """\
         lossverify_check(smoothing_partition_vocab, "smoothing-megatron", tp=2)
 """
 
+COLLIDING = """\
+    import pytest
+    from lossverify.torch.implementations import smoothing_partition_vocab
+
+    @pytest.mark.parametrize("tag", ["a b", "a/b", "LONG1", "LONG2"])
+    def test_bug(lossverify_check, tag):
+        lossverify_check(smoothing_partition_vocab, "smoothing-megatron", tp=2)
+"""
+
 PARAMETRIZED = """\
     from lossverify.pytest_plugin import cases
     from lossverify.torch.implementations import correct
@@ -106,6 +115,19 @@ class PytestPluginTest(unittest.TestCase):
         with open(os.path.join(kept, "report.json"), encoding="utf-8") as f:
             self.assertEqual(json.load(f)["verdict"], "pass")
         self.assertTrue(os.path.isfile(os.path.join(kept, "dump", "dumps", "correct", "manifest.json")), kept)
+
+    def test_ids_that_sanitise_alike_keep_a_folder_each(self):
+        # "a b" and "a/b" both become "a_b", and ids past 200 characters were cut to one name: a later test removed
+        # an earlier failing test's report and dump while its message still pointed there.
+        reports = os.path.join(self.folder, "reports")
+        long = "x" * 230
+        result = run_pytest(self.folder, COLLIDING.replace("LONG", long), "--lossverify-report", reports)
+        self.assertEqual(result.returncode, 1, result.stdout + result.stderr)
+        folders = sorted(os.listdir(reports))
+        self.assertEqual(len(folders), 4, folders)
+        for folder in folders:
+            self.assertTrue(os.path.isfile(os.path.join(reports, folder, "smoothing-megatron", "report.json")), folder)
+            self.assertIn(os.path.join(reports, folder), result.stdout)  # each failure names its own folder
 
     def test_a_report_folder_that_cannot_be_one_is_a_usage_error(self):
         a_file = os.path.join(self.folder, "a-file")
