@@ -27,3 +27,18 @@ TEST_CASE("is_valid_utf8 follows RFC 3629") {
 TEST_CASE("printable_message keeps line breaks and backslashes but not other control characters") {
   CHECK(lossverify::printable_message("line one\nline two \\ \x1b[2J") == "line one\nline two \\ \\x1B[2J");
 }
+
+TEST_CASE("xml_escape_leaves_no_control_character_that_xml_forbids") {
+  CHECK(lossverify::xml_escape("a<b>&\"'") == "a&lt;b&gt;&amp;&quot;&#39;");
+  CHECK(lossverify::xml_escape("a\tb\nc\rd") == "a&#9;b&#10;c&#13;d");
+  CHECK(lossverify::xml_escape(std::string("x\x01y\x1b\x7f", 5)) == "x\\x01y\\x1b\\x7f");
+  const std::string all_bytes = [] {
+    std::string s;
+    for (int c = 1; c < 128; ++c) s += static_cast<char>(c);
+    return s;
+  }();
+  for (const char ch : lossverify::xml_escape(all_bytes)) {
+    const auto c = static_cast<unsigned char>(ch);
+    CHECK((c >= 0x20 && c != 0x7f));
+  }
+}

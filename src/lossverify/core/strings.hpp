@@ -20,7 +20,8 @@ std::string printable(std::string_view text);
 // A message for the terminal: as printable(), but its line breaks and backslashes are kept.
 std::string printable_message(std::string_view text);
 
-// Text for XML attributes and character data: & < > " ' escaped.
+// Text for XML attributes and character data: & < > " ' escaped, tab and line breaks as references, every other
+// control character as \\xNN text (XML 1.0 admits none of them).
 inline std::string xml_escape(std::string_view text) {
   std::string out;
   out.reserve(text.size());
@@ -41,8 +42,26 @@ inline std::string xml_escape(std::string_view text) {
       case '\'':
         out += "&#39;";
         break;
+      case '\t':
+        out += "&#9;";
+        break;
+      case '\n':
+        out += "&#10;";
+        break;
+      case '\r':
+        out += "&#13;";
+        break;
       default:
-        out += ch;
+        // XML 1.0 admits no other control character, not even as a reference: shown as \xNN text instead.
+        if ((static_cast<unsigned char>(ch) < 0x20) || ch == 0x7f) {
+          static const char* const hex = "0123456789abcdef";
+          const auto c = static_cast<unsigned char>(ch);
+          out += "\\x";
+          out += hex[c >> 4];
+          out += hex[c & 15];
+        } else {
+          out += ch;
+        }
     }
   }
   return out;
