@@ -328,6 +328,7 @@ void print_gate_matrix(std::ostream& out, const GateResult& r) {
   out << "largest margin of the correct implementation: " << r.largest_correct_margin << " (must stay < 1)\n";
   out << "golden: " << (r.golden_updated ? "rewritten" : std::to_string(r.mismatches) + " mismatches") << "\n";
   out << std::setprecision(1) << std::fixed << "wall time: " << r.wall_seconds << " s\n" << std::defaultfloat;
+  if (r.ran() == 0) out << "NOTHING RAN: every cell was skipped (no case of a loss the implementations compute)\n";
   out << "gate: " << (r.passed() ? "PASS" : "FAIL") << "\n";
 }
 

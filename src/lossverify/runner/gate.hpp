@@ -77,7 +77,13 @@ struct GateResult {
   std::string backend = "cpu";
   int gpus = 0;
   bool golden_updated = false;
-  bool passed() const { return mismatches == 0 && false_alarms == 0 && uncaught_bugs.empty(); }
+  // Cells that ran (not not_applicable) and sweeps: a gate that ran nothing checked nothing, and does not pass.
+  int ran() const {
+    int n = static_cast<int>(sweeps.size());
+    for (const GateCell& cell : cells) n += cell.verdict != "not_applicable";
+    return n;
+  }
+  bool passed() const { return ran() > 0 && mismatches == 0 && false_alarms == 0 && uncaught_bugs.empty(); }
 };
 
 GateResult run_gate(const GateOptions& options);
