@@ -114,7 +114,7 @@ lossverify_cli_test(gate_run_reports 0 "gate: PASS" --present ${OUT}/gate_runs/r
   -- bash -c "rm -rf ${OUT}/gate_runs && ${LV} gate --impl correct --cases ${CASES} --golden ${PROJECT_SOURCE_DIR}/golden \
               --run-reports ${OUT}/gate_runs")
 # A gate whose every cell is skipped (a cross-entropy bug over a KD case alone) ran nothing: it does not pass.
-lossverify_cli_test(gate_nothing_ran 1 "NOTHING RAN: every cell was skipped.*gate: FAIL"
+lossverify_cli_test(gate_nothing_ran 1 "NOTHING RAN: every cell was skipped"
   -- bash -c "rm -rf ${OUT}/kd_only && mkdir -p ${OUT}/kd_only && cp ${CASES}/kd-tp4-temperature2.json ${OUT}/kd_only/ && \
               ${LV} gate --impl smoothing-partition-vocab --cases ${OUT}/kd_only --golden ${PROJECT_SOURCE_DIR}/golden")
 lossverify_cli_test(gate_run_reports_not_empty 2 "--run-reports .*: the folder is not empty"
