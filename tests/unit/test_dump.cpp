@@ -633,9 +633,10 @@ TEST_CASE("check_dump_sweep_compares_layouts_of_one_problem") {
     dump::require_same_problem(*tp1, *other_inputs);
     FAIL("a dump of other inputs was accepted");
   } catch (const dump::DumpError& e) {
-    CHECK(std::string(e.what()).find("logits, teacher logits, labels or loss mask differ") != std::string::npos);
+    CHECK(std::string(e.what()).find("its logits differ from the first dump's") != std::string::npos);
   }
 }
+
 
 // Small policy cases with the shapes of the shipped ones: TP x DP x GA with the clip, dual clip, k3 and
 // temperature; CP x DP with Dr. GRPO's aggregation and whitening; a TP log-prob and entropy pass; GSPO's
@@ -710,4 +711,28 @@ TEST_CASE("a policy dump without per-token log-probs or statistics reports them 
     }
   }
   CHECK(not_dumped == 2);
+}
+
+TEST_CASE("two policy dumps that differ in one per-token input name it, not the logits") {
+  const Case c = policy_case("grpo-inputs", {{"kl_penalty", "k1"}, {"kl_coef", 0.1}}, {{"tp", 2}});
+  Case other = c;
+  other.inputs.overrides.push_back(RowOverride{});
+  other.inputs.overrides.back().token = 3;
+  other.inputs.overrides.back().token_inputs = {{"advantages", 0.75}};
+  RunOptions options;
+  options.threads = 2;
+  auto dumped = [&](const Case& inputs_of, const std::string& name) {
+    const InputSource inputs(inputs_of);
+    const RankRun ranks = execute_ranks(c, InputSource(c), *find_implementation("correct"), options);
+    const fs::path dir = write_dump(c, inputs, ranks.outputs, name);
+    return dump::load_dump((dir / "manifest.json").string(), /*fingerprint_inputs=*/true);
+  };
+  const auto a = dumped(c, "policy-a");
+  const auto b = dumped(other, "policy-b");
+  try {
+    dump::require_same_problem(*a, *b);
+    FAIL("dumps of other advantages were accepted as one problem");
+  } catch (const dump::DumpError& e) {
+    CHECK(std::string(e.what()).find("its advantages differ from the first dump's") != std::string::npos);
+  }
 }

@@ -53,19 +53,25 @@ bool rows_look_like_probabilities(const std::vector<std::byte>& rows, std::int64
   });
 }
 
-// FNV-1a over the global inputs: two dumps of one problem at different layouts must hold the same ones.
-std::uint64_t fingerprint(const ExplicitInputs& data) {
-  std::uint64_t h = 14695981039346656037ull;
-  auto mix = [&h](const void* bytes, std::size_t size) {
+// FNV-1a over each global input: two dumps of one problem at different layouts must hold the same ones.
+std::vector<std::pair<std::string, std::uint64_t>> fingerprint(const ExplicitInputs& data,
+                                                               const std::vector<std::string>& token_input_names) {
+  auto hash = [](const void* bytes, std::size_t size) {
+    std::uint64_t h = 14695981039346656037ull;
     const auto* p = static_cast<const unsigned char*>(bytes);
     for (std::size_t i = 0; i < size; ++i) h = (h ^ p[i]) * 1099511628211ull;
+    return h;
   };
-  mix(data.student.data(), data.student.size());
-  mix(data.teacher.data(), data.teacher.size());
-  mix(data.labels.data(), data.labels.size() * sizeof(std::int64_t));
-  mix(data.loss_mask.data(), data.loss_mask.size());
-  for (const std::vector<float>& values : data.token_inputs) mix(values.data(), values.size() * sizeof(float));
-  return h;
+  std::vector<std::pair<std::string, std::uint64_t>> out = {
+      {"logits", hash(data.student.data(), data.student.size())},
+      {"teacher logits", hash(data.teacher.data(), data.teacher.size())},
+      {"labels", hash(data.labels.data(), data.labels.size() * sizeof(std::int64_t))},
+      {"loss mask", hash(data.loss_mask.data(), data.loss_mask.size())}};
+  for (std::size_t k = 0; k < data.token_inputs.size(); ++k) {
+    const std::string name = k < token_input_names.size() ? token_input_names[k] : "token input " + std::to_string(k);
+    out.emplace_back(name, hash(data.token_inputs[k].data(), data.token_inputs[k].size() * sizeof(float)));
+  }
+  return out;
 }
 
 // One tensor of the dump, opened and located.
@@ -118,7 +124,7 @@ class Loader {
     }
     require_finite_token_inputs();
     p_.logits_look_like_probabilities = rows_look_like_probabilities(data_.student, n, v, c_.inputs.dtype);
-    if (fingerprint_inputs_) p_.inputs_fingerprint = fingerprint(data_);
+    if (fingerprint_inputs_) p_.inputs_fingerprint = fingerprint(data_, kind_of(c_.loss).token_inputs(c_.loss));
     p_.inputs = std::make_unique<InputSource>(c_, std::move(data_));
     fill_not_dumped();
     p_.load_seconds = std::chrono::duration<double>(Clock::now() - start).count();
@@ -674,8 +680,15 @@ void require_same_problem(const DumpProblem& first, const DumpProblem& other) {
   if (!first.inputs_fingerprint || !other.inputs_fingerprint) {
     throw InternalError("require_same_problem: load the dumps with fingerprint_inputs");
   }
-  if (*first.inputs_fingerprint != *other.inputs_fingerprint) {
-    throw DumpError(where + "its logits, teacher logits, labels or loss mask differ from the first dump's");
+  std::string differing;
+  for (std::size_t k = 0; k < first.inputs_fingerprint->size() && k < other.inputs_fingerprint->size(); ++k) {
+    if ((*first.inputs_fingerprint)[k] != (*other.inputs_fingerprint)[k]) {
+      differing += (differing.empty() ? "" : ", ") + (*first.inputs_fingerprint)[k].first;
+    }
+  }
+  if (!differing.empty() || first.inputs_fingerprint->size() != other.inputs_fingerprint->size()) {
+    throw DumpError(where + "its " + (differing.empty() ? std::string("inputs") : differing) +
+                    " differ from the first dump's");
   }
 }
 

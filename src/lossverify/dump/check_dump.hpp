@@ -8,6 +8,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -31,8 +32,9 @@ struct DumpProblem {
   std::uint64_t bytes_read = 0;
   double load_seconds = 0.0;
   bool logits_look_like_probabilities = false;  // every row in [0, 1], summing to 1
-  // Of the global logits, teacher logits, labels and mask; taken only when asked for (sweeps compare them).
-  std::optional<std::uint64_t> inputs_fingerprint;
+  // Of each global input (logits, teacher logits, labels, mask, the kind's per-token inputs), by name; taken only
+  // when asked for (sweeps compare them).
+  std::optional<std::vector<std::pair<std::string, std::uint64_t>>> inputs_fingerprint;
 
   DumpProblem() = default;
   DumpProblem(const DumpProblem&) = delete;
