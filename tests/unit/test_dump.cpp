@@ -81,9 +81,12 @@ void write_kind_tensors(const Case& c, const InputSource& inputs, const RankOutp
   }
 }
 
+// `edit`, where given, changes each rank's tensors before they are written (a dump with one thing wrong).
+using TensorEdit = std::function<void(std::map<std::string, RawTensor>&)>;
+
 fs::path write_dump(const Case& c, const InputSource& inputs, const std::vector<RankOutput>& outputs,
                     const std::string& name, bool token_loss = true, bool stats = true, LossStorage storage = {},
-                    bool kind_outputs = true) {
+                    bool kind_outputs = true, const TensorEdit& edit = {}) {
   const fs::path dir = temp_folder("dump-" + name);
   const json resolved = c.resolved();
   json loss = resolved["loss"];
@@ -193,6 +196,7 @@ fs::path write_dump(const Case& c, const InputSource& inputs, const std::vector<
         rank["stats"][statistics[k]] = out.logged_stats[k];
       }
     }
+    if (edit) edit(tensors);
     write_bytes(dir / ("rank" + std::to_string(a.world_rank) + ".safetensors"), safetensors_bytes(tensors));
     manifest["ranks"].push_back(rank);
   }
@@ -735,4 +739,49 @@ TEST_CASE("two policy dumps that differ in one per-token input name it, not the 
   } catch (const dump::DumpError& e) {
     CHECK(std::string(e.what()).find("its advantages differ from the first dump's") != std::string::npos);
   }
+}
+
+TEST_CASE("a policy dump's advantages must be floating point and its log-probabilities <= 0") {
+  const Case c = policy_case("grpo-types", {{"kl_penalty", "k1"}, {"kl_coef", 0.1}}, {{"tp", 2}});
+  RunOptions options;
+  options.threads = 2;
+  const InputSource inputs(c);
+  const RankRun ranks = execute_ranks(c, inputs, *find_implementation("correct"), options);
+  auto refused = [&](const std::string& name, const TensorEdit& edit, const std::string& message) {
+    CAPTURE(name);
+    const fs::path dir = write_dump(c, inputs, ranks.outputs, name, true, true, {}, true, edit);
+    try {
+      (void)dump::load_dump((dir / "manifest.json").string());
+      FAIL("accepted");
+    } catch (const dump::DumpError& e) {
+      CHECK(std::string(e.what()).find(message) != std::string::npos);
+    }
+    fs::remove_all(dir);
+  };
+  refused(
+      "int-advantages",
+      [](std::map<std::string, RawTensor>& tensors) {
+        RawTensor& t = tensors.at("mb0.advantages");
+        const std::vector<std::int64_t> whole(t.data.size() / sizeof(float), 1);
+        t = raw_tensor("I64", t.shape, whole);
+      },
+      "advantages must be a floating-point tensor");
+  refused(
+      "bool-advantages",
+      [](std::map<std::string, RawTensor>& tensors) {
+        RawTensor& t = tensors.at("mb0.advantages");
+        const std::vector<std::uint8_t> flags(t.data.size() / sizeof(float), 1);
+        t = raw_tensor("BOOL", t.shape, flags);
+      },
+      "advantages must be a floating-point tensor");
+  refused(
+      "positive-logprob",
+      [](std::map<std::string, RawTensor>& tensors) {
+        RawTensor& t = tensors.at("mb0.old_logprob");
+        std::vector<float> values(t.data.size() / sizeof(float));
+        std::memcpy(values.data(), t.data.data(), t.data.size());
+        values[0] = 0.5f;
+        t = raw_tensor("F32", t.shape, values);
+      },
+      "old_logprob 0.5 at row 0");
 }

@@ -370,10 +370,23 @@ class Loader {
     const Located t = locate(mb.tensors.at(token_input_names_[k]));
     const auto rows = static_cast<std::int64_t>(mb.rows.size());
     expect_rows(t, rows);
+    // Log-probabilities and advantages are real numbers: an integer or boolean tensor is a dump of something else.
+    if (!is_floating(t.info->dtype)) {
+      t.fail("dtype " + std::string(to_string(t.info->dtype)) + ": " + token_input_names_[k] +
+             " must be a floating-point tensor (F16, BF16, F32 or F64)");
+    }
+    const bool log_probability = token_input_names_[k].find("logprob") != std::string::npos;
     const std::vector<double> values = doubles(t);
     for (std::int64_t i = 0; i < rows; ++i) {
       const std::int64_t token = mb.rows[static_cast<std::size_t>(i)];
       if (token < 0) continue;
+      const double value = values[static_cast<std::size_t>(i)];
+      if (log_probability && value > 0.0) {
+        std::ostringstream text;
+        text << value;
+        t.fail(token_input_names_[k] + " " + text.str() + " at row " + std::to_string(i) + " (token " +
+               std::to_string(token) + ") is not a log-probability (> 0)");
+      }
       agree(token_input_owner_[k], data_.token_inputs[k], token,
             static_cast<float>(values[static_cast<std::size_t>(i)]), rank, i, t.label, token_input_names_[k].c_str());
     }
