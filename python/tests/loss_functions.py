@@ -266,6 +266,12 @@ def policy_nan_logprob(logits, labels, ctx):
     return LogProbs(logprob + nan, entropy)
 
 
+def policy_column_logprobs(logits, labels, ctx):
+    """Log-probabilities of shape [rows, 1] (keepdim=True): one value per row, but not a [rows] vector."""
+    logprob, entropy = vocab_parallel_logprob_entropy(logits, labels, ctx)
+    return LogProbs(logprob.unsqueeze(-1), entropy)
+
+
 def policy_wrong_entropy_shape(logits, labels, ctx):
     """Entropies of shape [2, rows]."""
     logprob, entropy = vocab_parallel_logprob_entropy(logits, labels, ctx)

@@ -478,12 +478,13 @@ class _StepLog:
         return objective, dumped, {}
 
     def _per_token(self, value, what, rows, valid, fail, needs_grad):
-        """A returned per-token field: a floating-point tensor of one value per row, finite on valid rows."""
-        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.numel() != rows:
+        """A returned per-token field: a floating-point tensor of shape [rows] (not [rows, 1], which broadcasts
+        against [rows] into [rows, rows] in the objective), finite on valid rows."""
+        if (not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.dim() != 1
+                or value.numel() != rows):
             described = (f"a {value.dtype} tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor)
                          else f"{type(value).__name__} {value!r:.80}")
             fail(f"{what} must be a floating-point tensor with one value per row [{rows}], got {described}")
-        value = value.reshape(rows)
         if needs_grad and not value.requires_grad:
             fail(f"{what} does not require grad: it does not depend on the logits")
         return value
