@@ -61,7 +61,11 @@ def cases(kind="cross_entropy", layouts=None, names=None):
         own = {"tp": 1, "cp": 1, "dp": 1, "ga": 1, **shipped.read_case(name).get("layout", {})}
         for layout in layouts or [{}]:
             whole = {**own, **layout} if isinstance(layout, dict) else parse_layout(layout).as_dict()
-            parameters.append(Case(name, shipped.case_file(name), parse_layout(whole).as_dict()))
+            case = Case(name, shipped.case_file(name), parse_layout(whole).as_dict())
+            if any(p.id == case.id for p in parameters):  # pytest would name the two ...ga10 and ...ga11
+                raise UsageError(f"cases(): {case.id} twice (layouts {layouts!r} give {name} the same layout "
+                                 "more than once)")
+            parameters.append(case)
     return pytest.mark.parametrize("lossverify_case", parameters, ids=[c.id for c in parameters])
 
 

@@ -129,6 +129,14 @@ class PytestPluginTest(unittest.TestCase):
             self.assertTrue(os.path.isfile(os.path.join(reports, folder, "smoothing-megatron", "report.json")), folder)
             self.assertIn(os.path.join(reports, folder), result.stdout)  # each failure names its own folder
 
+    def test_a_layout_given_twice_is_refused_not_renamed(self):
+        from lossverify.errors import UsageError
+        from lossverify.pytest_plugin import cases
+
+        with self.assertRaisesRegex(UsageError, "smoothing-pytorch@tp2-cp1-dp1-ga1 twice"):
+            cases(layouts=[dict(tp=2), "tp2-cp1-dp1-ga1"], names=["smoothing-pytorch"])
+        self.assertEqual(len(cases(layouts=[dict(tp=2), "tp1-cp1-dp1-ga1"], names=["smoothing-pytorch"]).args[1]), 2)
+
     def test_a_report_folder_that_cannot_be_one_is_a_usage_error(self):
         a_file = os.path.join(self.folder, "a-file")
         open(a_file, "w").close()
