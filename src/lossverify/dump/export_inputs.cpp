@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <system_error>
@@ -105,12 +106,30 @@ void require_export_memory(const Case& c, const InputSource& inputs, int only_ra
 
 }  // namespace
 
+// Before the inputs are even set up (their per-token arrays alone take seconds for a huge N): the widest rank holds
+// at least the average share of rows, N / (CP DP), of V / TP columns; a case whose average share cannot fit is
+// refused at once.
+void require_export_memory_bound(const Case& c) {
+  const double rows = static_cast<double>(c.shape.tokens) / static_cast<double>(c.layout.cp * c.layout.dp);
+  const double cols = std::ceil(static_cast<double>(c.shape.vocab) / static_cast<double>(c.layout.tp));
+  const double needed = rows * cols * static_cast<double>(dtype_size(c.inputs.dtype)) * (has_teacher(c) ? 4.0 : 2.0);
+  const std::int64_t available = available_memory();
+  if (available >= 0 && needed > static_cast<double>(available)) {
+    throw CaseError(c.source + ": exporting N=" + std::to_string(c.shape.tokens) + " V=" +
+                    std::to_string(c.shape.vocab) + " needs at least " +
+                    std::to_string(static_cast<std::int64_t>(needed / 1048576.0)) +
+                    " MiB for a rank's shard, but this machine has " + std::to_string(available >> 20) +
+                    " MiB available (nothing was written)");
+  }
+}
+
 nlohmann::json export_inputs(const Case& c, const ExportOptions& options) {
   check_case(c);
   if (options.only_rank >= c.layout.world_size()) {
     throw CaseError("--rank " + std::to_string(options.only_rank) + ": outside the layout's " +
                     std::to_string(c.layout.world_size()) + " ranks (tp * cp * dp)");
   }
+  require_export_memory_bound(c);
   const InputSource inputs(c);
   require_export_memory(c, inputs, options.only_rank);
   prepare_new_folder("--out", options.out_dir);
