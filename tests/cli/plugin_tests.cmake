@@ -24,6 +24,10 @@ lossverify_plugin_fault(abort 3 "plugin plugin:.*faulty.* crashed in rank 3: SIG
 # end is watched, not only its socket's EOF), never as a hang after the whole timeout.
 lossverify_cli_test(plugin_fault_fork_crash 3 "plugin plugin:.*faulty.* crashed in rank 1: SIGSEGV" --within 20
   -- ${LV} run ${PLUGIN_CASE} --impl "plugin:${FAULTY}?fault=fork-crash@1" --timeout 60)
+# A plugin that truncates the shared region (through /proc) cannot: the region is sealed at its size, and the run
+# ends with the plugin's verdict (it wrote zeros) instead of SIGBUS in lossverify.
+lossverify_cli_test(plugin_truncates_the_region 1 "verdict: FAIL" --within 30
+  -- ${LV} run ${PLUGIN_CASE} --impl "plugin:${FAULTY}?fault=truncate-region@0" --no-control)
 # A process a plugin starts in a session of its own ends with the command: a caller reading lossverify's output
 # through a pipe is not held until it exits.
 add_test(NAME cli_plugin_session_child_ends_with_the_command

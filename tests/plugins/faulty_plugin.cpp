@@ -3,7 +3,8 @@
 // one TP all-reduce (so they are waiting for the faulty rank when it fails) and write zeros of the right sizes.
 //   in run_rank: error, crash, abort, throw, hang, exit, _exit, quick_exit, stack-overflow, misuse (group 9),
 //                fork-crash (a forked child holds the host's socket, then the crash), setsid-sleeper (starts
-//                `setsid sleep 123.25`, then computes as the others),
+//                `setsid sleep 123.25`, then computes as the others), truncate-region (shrinks the shared
+//                region through /proc/self/map_files, then computes),
 //                element-mismatch (f64 where the others all-reduce f32), op-mismatch (max where they sum),
 //                huge-count (2^40 elements)
 //   outputs:     rows, losses, unlogged, overrun (8 bytes past the gradient), guard-value (the old guard byte
@@ -14,6 +15,7 @@
 //   at load (no rank): params-exit, params-crash (check_params); and, from the environment variable
 //   LOSSVERIFY_TEST_LOAD_FAULT, ctor-exit, ctor-crash (a static constructor), entry-exit, entry-crash
 //   (lossverify_plugin()).
+#include <fcntl.h>
 #include <unistd.h>
 #include <atomic>
 #include <chrono>
@@ -107,6 +109,21 @@ int commit(const std::string& kind, const lv_rank_inputs* in, lv_rank_outputs* o
   if (kind == "setsid-sleeper") {  // a process in a session of its own holding the host's stdout; the run goes on
     if (std::system("setsid sleep 123.25 &") != 0) return 9;
     return -1;
+  }
+  if (kind == "truncate-region") {  // shrink the shared region lossverify reads back (through /proc: root)
+    std::FILE* maps = std::fopen("/proc/self/maps", "r");
+    char line[512];
+    while (maps != nullptr && std::fgets(line, sizeof(line), maps) != nullptr) {
+      if (std::strstr(line, "lossverify-plugin-region") == nullptr) continue;
+      *std::strchr(line, ' ') = '\0';
+      const int fd = ::open((std::string("/proc/self/map_files/") + line).c_str(), O_RDWR);
+      if (fd >= 0) {
+        if (::ftruncate(fd, 0) == 0) std::fprintf(stderr, "faulty plugin: the region was truncated\n");
+        ::close(fd);
+      }
+    }
+    if (maps != nullptr) std::fclose(maps);
+    return -1;  // then compute as the others, into what is left
   }
   if (kind == "hang") {
     for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));

@@ -1,5 +1,7 @@
 #include "lossverify/impl/plugin/plugin_region.hpp"
 
+#include <fcntl.h>
+
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -65,9 +67,12 @@ plugin_host::RegionLayout region_layout(const RegionSizes& s) {
 
 SharedRegion::SharedRegion(const plugin_host::RegionLayout& layout, const std::uint8_t* canary) : layout_(layout) {
   std::memcpy(canary_, canary, sizeof(canary_));
-  fd_ = ::memfd_create("lossverify-plugin-region", MFD_CLOEXEC);
+  fd_ = ::memfd_create("lossverify-plugin-region", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd_ < 0) throw InternalError(std::string("plugin region: memfd_create: ") + std::strerror(errno));
-  if (::ftruncate(fd_, static_cast<off_t>(layout.bytes)) != 0) {
+  // Sealed at its size: a plugin that truncates the region (through /proc, say) would otherwise turn lossverify's
+  // next read of it into SIGBUS.
+  if (::ftruncate(fd_, static_cast<off_t>(layout.bytes)) != 0 ||
+      ::fcntl(fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
     const int error = errno;
     ::close(fd_);
     throw InternalError("plugin region of " + std::to_string(layout.bytes) + " bytes: " + std::strerror(error));
