@@ -117,6 +117,8 @@ class UsageTest(unittest.TestCase):
             os.mkfifo(fifo)
             fn = ["--fn", "lossverify.torch.implementations:correct"]
             case = case_path("smoothing-pytorch")
+            empty = os.path.join(tmp, "empty-keep")
+            os.makedirs(empty)
             bad_case = os.path.join(tmp, "bad.json")
             with open(bad_case, "w") as f:
                 f.write("{ not json")
@@ -129,6 +131,11 @@ class UsageTest(unittest.TestCase):
                     (["run", *fn, case, "--keep-dump", fifo], "exists and is not a folder"),
                     (["run", *fn, case, "--keep-dump", "/dev/null"], "exists and is not a folder"),
                     (["run", *fn, case, "--report", tmp], "is a folder"),
+                    # a report on what the launch writes into an empty --keep-dump folder: refused before the run
+                    (["run", *fn, case, "--keep-dump", empty, "--report", os.path.join(empty, "inputs")],
+                     "inside --keep-dump"),
+                    (["sweep", *fn, case, "--layout", "tp2", "--keep-dump", empty, "--report",
+                      os.path.join(empty, "tp2-cp1-dp1-ga1")], "inside --keep-dump"),
                     (["run", "--fn", ":x", case], "expected MODULE:FUNCTION"),
                     (["sweep", *fn, case, "--layout", "tp2-zz3"], "cannot read 'zz3'"),
                     (["sweep", *fn, bad_case, "--layout", "tp2"], "bad.json"),

@@ -21,6 +21,7 @@ import math
 import multiprocessing.connection
 import os
 import pickle
+import re
 import shutil
 import signal
 import sys
@@ -59,12 +60,34 @@ def check(fn, case, tp=None, cp=None, dp=None, ga=None, device="cpu", set=None, 
     """
     name = name or _function_name(fn)
     check_output_path("--report", report, inputs=[case])
+    _check_report_beside_dump(report, keep_dump)
     reports = check_many({name: fn}, case, tp=tp, cp=cp, dp=dp, ga=ga, device=device, set=set, returns=returns,
                          binary=binary, keep_dump=keep_dump, timeout=timeout, backend=backend, control=control)
     result = reports[name]
     if report:
         _copy_report(result, report)
     return result
+
+
+_LAYOUT_LABEL = re.compile(r"tp\d+-cp\d+-dp\d+-ga\d+")
+
+
+def _check_report_beside_dump(report, keep_dump):
+    """A --report inside the --keep-dump folder may sit beside what the launch writes there, never on it: its
+    inputs/ and dumps/ (a sweep's layout folders and report.json), or its hidden status folders. Refused before
+    the run, which would otherwise fail writing it at the end."""
+    if not report or not keep_dump:
+        return
+    folder = os.path.abspath(os.fspath(keep_dump))
+    path = os.path.abspath(os.fspath(report))
+    relative = os.path.relpath(path, folder)
+    if relative == os.pardir or relative.startswith(os.pardir + os.sep):
+        return  # elsewhere
+    first = relative.split(os.sep)[0]
+    if os.sep in relative or first in ("inputs", "dumps", "report.json") or first.startswith(".") or (
+            _LAYOUT_LABEL.fullmatch(first)):
+        raise UsageError(f"--report {path!r}: inside --keep-dump {folder!r}, where the launch writes {first!r}: "
+                         "give a file name of its own at the folder's top, or write it elsewhere")
 
 
 def check_many(fns, case, tp=None, cp=None, dp=None, ga=None, device="cpu", set=None, returns="auto", binary=None,
@@ -103,6 +126,7 @@ def sweep(fn, case, layouts=None, device="cpu", set=None, returns="auto", binary
     _check_case_file(case)
     check_output_path("--report", report, inputs=[case])
     check_output_folder("--keep-dump", keep_dump)
+    _check_report_beside_dump(report, keep_dump)
     name = name or _function_name(fn)
     _named_functions({name: fn})
     layouts = _sweep_layouts(case, layouts)
