@@ -101,7 +101,8 @@ int run_cases(const RunArguments& args, Launcher& launcher) {
   lossverify::cli::check_artifact_options(args.artifacts, artifacts);
   check_output_path("--report", args.report_path, args.case_files);
   check_output_path("--junit", args.junit_path, args.case_files);
-  check_distinct_outputs({{"--report", args.report_path}, {"--junit", args.junit_path}, {"--plot", args.artifacts.plot_path}});
+  check_distinct_outputs(
+      {{"--report", args.report_path}, {"--junit", args.junit_path}, {"--plot", args.artifacts.plot_path}});
   std::vector<RunResult> results;  // kept for bundles and plots only
   const bool keep_results = lossverify::cli::artifacts_requested(args.artifacts);
   RunOptions options;

@@ -641,7 +641,6 @@ TEST_CASE("check_dump_sweep_compares_layouts_of_one_problem") {
   }
 }
 
-
 // Small policy cases with the shapes of the shipped ones: TP x DP x GA with the clip, dual clip, k3 and
 // temperature; CP x DP with Dr. GRPO's aggregation and whitening; a TP log-prob and entropy pass; GSPO's
 // sequence ratio over TP x CP.

@@ -111,8 +111,9 @@ void check_distinct_outputs(const std::vector<std::pair<std::string, std::string
     const std::string identity = output_identity(path);
     for (const auto& [other_identity, other_option] : seen) {
       if (other_identity == identity) {
-        refuse(option, path, "is the same file as " + other_option + " (" + printable(identity) +
-                                 "): one would overwrite the other; give each its own path");
+        refuse(option, path,
+               "is the same file as " + other_option + " (" + printable(identity) +
+                   "): one would overwrite the other; give each its own path");
       }
     }
     seen.emplace_back(identity, option);

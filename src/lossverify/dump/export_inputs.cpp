@@ -115,8 +115,8 @@ void require_export_memory_bound(const Case& c) {
   const double needed = rows * cols * static_cast<double>(dtype_size(c.inputs.dtype)) * (has_teacher(c) ? 4.0 : 2.0);
   const std::int64_t available = available_memory();
   if (available >= 0 && needed > static_cast<double>(available)) {
-    throw CaseError(c.source + ": exporting N=" + std::to_string(c.shape.tokens) + " V=" +
-                    std::to_string(c.shape.vocab) + " needs at least " +
+    throw CaseError(c.source + ": exporting N=" + std::to_string(c.shape.tokens) +
+                    " V=" + std::to_string(c.shape.vocab) + " needs at least " +
                     std::to_string(static_cast<std::int64_t>(needed / 1048576.0)) +
                     " MiB for a rank's shard, but this machine has " + std::to_string(available >> 20) +
                     " MiB available (nothing was written)");

@@ -5,9 +5,9 @@
 // Started by lossverify with its end of a socket pair as file descriptor 3 and the read end of its alive pipe as
 // descriptor 4; it ends with lossverify.
 #include <dlfcn.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
-#include <fcntl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
