@@ -240,7 +240,7 @@ class PolicyReturnModesTest(unittest.TestCase):
                           "with one value per row"),
                          (fns.policy_unknown_statistic, "Reduced(stats=...) has 'grad_norm'"),
                          (fns.policy_column_logprobs, "LogProbs(logprob=...) must be a floating-point tensor with one "
-                          "value per row [72], got a torch.float32 tensor of shape [72, 1]"),
+                          "value per row"),
                          (fns.cross_entropy_as_logprobs, "returned LogProbs, but the case's loss is cross_entropy")):
             with self.subTest(fn.__name__):
                 case = "underflow-gap-240" if fn is fns.cross_entropy_as_logprobs else GRPO

@@ -110,7 +110,7 @@ endforeach()
 # GSPO's sequence ratio (LV_SUPPORTS_POLICY_SEQUENCE_RATIO, lv_rank_inputs.policy_ratio): the example plugin passes
 # the case's sweep (CP 1 and 2, where the ratio's CP all-reduces matter). A plugin that computes the policy loss but
 # does not declare the bit (the faulty plugin) is refused before any work, naming the setting; the gate records it
-# as not run.
+# as not run, and a gate that ran nothing else fails (it checked nothing).
 lossverify_cli_test(plugin_cpu_gspo_sweep 0 "invariance: pass"
   -- ${LV} run ${CASES}/rl-gspo-cp2-tp2.json --impl plugin:${CPU_PLUGIN} --sweep --threads 2)
 set_tests_properties(cli_plugin_cpu_gspo_sweep PROPERTIES TIMEOUT 600)
@@ -121,7 +121,7 @@ lossverify_cli_test(plugin_refuses_sequence_ratio 2
 set(GSPO_CASES ${OUT}/plugin_gspo_cases)
 add_test(NAME cli_plugin_gate_skips_sequence_ratio
   COMMAND bash -c "rm -rf ${GSPO_CASES} && mkdir -p ${GSPO_CASES} && cp ${CASES}/rl-gspo-cp2-tp2.json ${GSPO_CASES}/ && \
-    bash ${EXPECT} 0 'faulty_plugin[.]so +-$' -- ${LV} gate --impl plugin:${FAULTY} --cases ${GSPO_CASES} \
+    bash ${EXPECT} 1 'NOTHING RAN' -- ${LV} gate --impl plugin:${FAULTY} --cases ${GSPO_CASES} \
       --golden ${PROJECT_SOURCE_DIR}/golden")
 # A plugin built before the policy loss (against the frozen version 1 header in tests/plugins/v1/) still loads
 # and passes cross-entropy, on thread ranks, over a CP sweep and under both smoothing conventions; a policy case is

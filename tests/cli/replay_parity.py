@@ -21,6 +21,7 @@ import concurrent.futures
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -96,6 +97,8 @@ def main():
             return 77
     os.makedirs(a.outdir, exist_ok=True)
     one = os.path.join(a.outdir, "one")
+    for own in (one, os.path.join(a.outdir, "alone")):  # this script's own folders, from an earlier pass
+        shutil.rmtree(own, ignore_errors=True)
     device = ["--backend", a.backend] + (["--gpus", str(a.gpus)] if a.backend == "cuda" else [])
     gate = subprocess.run([a.binary, "gate", "--cases", a.cases, "--golden", a.golden, "--threads", "2", "-q",
                            "--run-reports", one] + device, capture_output=True, text=True)

@@ -17,9 +17,12 @@ using namespace lossverify::testing;
 
 namespace {
 
+// A file of the source tree (the shipped cases, golden/), wherever the test runs.
+std::string in_tree(const std::string& relative) { return std::string(LOSSVERIFY_SOURCE_DIR) + "/" + relative; }
+
 // The bugs golden records as caught on a shipped case (at its own settings).
 std::vector<std::string> caught_on(const std::string& case_name) {
-  std::ifstream file("golden/" + case_name + ".json");
+  std::ifstream file(in_tree("golden/" + case_name + ".json"));
   const nlohmann::json outcomes = nlohmann::json::parse(file)["outcomes"];
   std::vector<std::string> names;
   for (const auto& [impl, outcome] : outcomes.items()) {
@@ -44,7 +47,7 @@ void expect_every_bug_caught(const Case& c, const std::string& case_name) {
 TEST_CASE("kd_temperature_is_bounded_where_the_loss_floor_would_hide_a_missing_t2") {
   // kd-tp4-temperature2's inputs: student and teacher at scale 3, Var(y - x) = 18, so the bound is
   // sqrt(0.05 * 18 / 1e-5) = 300; the low end is where the logits / T reach 200 (27.5 / 200).
-  const std::string file = "cases/kd-tp4-temperature2.json";
+  const std::string file = in_tree("cases/kd-tp4-temperature2.json");
   for (const char* temperature : {"0.1375", "300"}) {
     CAPTURE(temperature);
     expect_every_bug_caught(load_case_file(file, {std::string("loss.temperature=") + temperature}),
@@ -60,7 +63,7 @@ TEST_CASE("kd_temperature_is_bounded_where_the_loss_floor_would_hide_a_missing_t
     }
   }
   // A teacher equal to the student has KL = 0 at every temperature: nothing for the floor to hide.
-  CHECK_NOTHROW(load_case_file("cases/kd-student-equals-teacher.json", {"loss.temperature=1e6"}));
+  CHECK_NOTHROW(load_case_file(in_tree("cases/kd-student-equals-teacher.json"), {"loss.temperature=1e6"}));
 }
 
 namespace {
@@ -69,7 +72,7 @@ namespace {
 // verdict there; each that passes is named.
 std::vector<std::string> uncaught_at(const std::string& case_name, const std::vector<std::string>& settings,
                                      Verdict& correct) {
-  const Case c = load_case_file("cases/" + case_name + ".json", settings);
+  const Case c = load_case_file(in_tree("cases/" + case_name + ".json"), settings);
   correct = run_with(c, "correct").verdict;
   std::vector<std::string> missed;
   for (const std::string& bug : caught_on(case_name)) {

@@ -261,7 +261,7 @@ def case(name):
     elif name == "policy_missing_advantages":
         del m["ranks"][1]["tensors"]["advantages"]
     elif name == "policy_inputs_disagree":
-        r1["ref_logprob"]["values"][3] = 0.25
+        r1["ref_logprob"]["values"][3] = -3.25  # a log-probability, not rank 0's
     elif name == "policy_inputs_for_logprob":  # a log-prob pass reads no old log-probabilities
         r0["old_logprob"] = tensor("F32", (N,), [0.0] * N)
         m["ranks"][0]["tensors"]["old_logprob"] = "old_logprob"
