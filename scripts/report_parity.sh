@@ -9,7 +9,7 @@
 #       OUTDIR/CASE__IMPL.exit ("exit=RC", plus "stderr=FIRST LINE" when the run wrote to stderr,
 #       e.g. exit 2 for an implementation that does not apply to the case; then no report exists).
 #       Each report is then normalised in place (fields that vary from run to run are removed,
-#       see normalise() below), and the script prints the number of runs, the wall time and a
+#       see scripts/report_normalise.py), and the script prints the number of runs, the wall time and a
 #       sha256 over every normalised .json and .exit file in sorted (C locale) order, each file
 #       preceded by a "== NAME" line.
 #       OUTDIR is created; it must be empty if it exists.
@@ -45,71 +45,7 @@ usage() {
 # Numbers keep their exact text (no float re-formatting), key order and 2-space indentation are
 # fixed, so two normalised reports are byte-identical exactly when their kept contents are.
 normalise() {
-    python3 - "$@" <<'PY'
-import json, os, re, sys
-
-# Keys removed wherever they appear (any depth).
-DROP_ANYWHERE = {
-    # timings and durations
-    "timings", "timings_seconds", "wall", "wall_seconds", "seconds", "load_seconds",
-    "duration", "duration_seconds", "elapsed", "elapsed_seconds",
-    # resources
-    "resources", "peak_rss_bytes", "peak_rss_bytes_per_rank",
-    # dates / timestamps
-    "timestamp", "date", "time", "started", "started_at", "finished", "finished_at", "created",
-    # host names
-    "host", "hostname", "host_name", "node",
-}
-# Keys removed only inside a given top-level object.
-DROP_IN = {
-    # identity of the binary: its version, git revision and how it was built
-    "tool": {"version", "git_revision", "commit", "build_id"},
-    # the build and the host the binary ran on
-    "environment": {"compiler", "build_type", "hardware_threads", "hostname", "host"},
-}
-# Keys whose value is a filesystem path: reduced to the file's base name.
-BASENAME = {"case_file", "manifest"}
-KEEP = {"timeout_seconds"}  # a case input, not a measurement
-
-def is_time_key(k):
-    if k in KEEP:
-        return False
-    return k in DROP_ANYWHERE or k.endswith("_seconds") or k.endswith("_ms") or k.endswith("_ns")
-
-def scrub(o):
-    if isinstance(o, dict):
-        out = {}
-        for k, v in o.items():
-            if is_time_key(k):
-                continue
-            if k in BASENAME and isinstance(v, str):
-                v = os.path.basename(v)
-            out[k] = scrub(v)
-        return out
-    if isinstance(o, list):
-        return [scrub(x) for x in o]
-    return o
-
-MARK = "\u0001F"
-raw_float = re.compile(r'"\\u0001F([^"\\]*)\\u0001"')
-
-for path in sys.argv[1:]:
-    with open(path, encoding="utf-8") as f:
-        # keep every float's exact text: carried through as a marked string, put back raw below
-        doc = json.load(f, parse_float=lambda s: MARK + s + "\u0001")
-    if isinstance(doc, dict):
-        for top, keys in DROP_IN.items():
-            if isinstance(doc.get(top), dict):
-                for k in keys:
-                    doc[top].pop(k, None)
-    doc = scrub(doc)
-    text = json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=True)
-    text = raw_float.sub(lambda m: m.group(1), text) + "\n"
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
-PY
+    python3 "$repo_root/scripts/report_normalise.py" "$@"
 }
 
 # ---------------------------------------------------------------------------------------------

@@ -25,25 +25,8 @@ import shutil
 import subprocess
 import sys
 
-DROP_ANYWHERE = {"timings", "timings_seconds", "wall", "wall_seconds", "seconds", "resources", "peak_rss_bytes",
-                 "peak_rss_bytes_per_rank", "timestamp", "date", "time", "started", "finished"}
-DROP_IN = {"tool": {"version", "git_revision", "commit", "build_id"},
-           "environment": {"compiler", "build_type", "hardware_threads", "hostname", "host"}}
-
-
-def scrub(o):
-    if isinstance(o, dict):
-        out = {}
-        for k, v in o.items():
-            if k in DROP_ANYWHERE or (k != "timeout_seconds" and k.endswith("_seconds")):
-                continue
-            if k == "case_file" and isinstance(v, str):
-                v = os.path.basename(v)
-            out[k] = scrub(v)
-        return out
-    if isinstance(o, list):
-        return [scrub(x) for x in o]
-    return o
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
+from report_normalise import scrub  # noqa: E402  (scripts/report_parity.sh's rules)
 
 
 def normalised_run(run):

@@ -757,22 +757,15 @@ TEST_CASE("a policy dump's advantages must be floating point and its log-probabi
     }
     fs::remove_all(dir);
   };
-  refused(
-      "int-advantages",
-      [](std::map<std::string, RawTensor>& tensors) {
-        RawTensor& t = tensors.at("mb0.advantages");
-        const std::vector<std::int64_t> whole(t.data.size() / sizeof(float), 1);
-        t = raw_tensor("I64", t.shape, whole);
-      },
-      "advantages must be a floating-point tensor");
-  refused(
-      "bool-advantages",
-      [](std::map<std::string, RawTensor>& tensors) {
-        RawTensor& t = tensors.at("mb0.advantages");
-        const std::vector<std::uint8_t> flags(t.data.size() / sizeof(float), 1);
-        t = raw_tensor("BOOL", t.shape, flags);
-      },
-      "advantages must be a floating-point tensor");
+  // The advantages as a tensor of ones of another dtype.
+  const auto advantages_as = [](const char* dtype, auto one) -> TensorEdit {
+    return [dtype, one](std::map<std::string, RawTensor>& tensors) {
+      RawTensor& t = tensors.at("mb0.advantages");
+      t = raw_tensor(dtype, t.shape, std::vector<decltype(one)>(t.data.size() / sizeof(float), one));
+    };
+  };
+  refused("int-advantages", advantages_as("I64", std::int64_t{1}), "advantages must be a floating-point tensor");
+  refused("bool-advantages", advantages_as("BOOL", std::uint8_t{1}), "advantages must be a floating-point tensor");
   refused(
       "positive-logprob",
       [](std::map<std::string, RawTensor>& tensors) {

@@ -34,12 +34,13 @@ def _set_subreaper(on):
 
 
 def _end(pid):
-    for kill in (lambda: os.killpg(pid, signal.SIGKILL) if os.getpgid(pid) == pid else None,
-                 lambda: os.kill(pid, signal.SIGKILL)):
-        try:
-            kill()
-        except OSError:
-            pass
+    """SIGKILL to the process and, where it leads one, its process group; then reap it."""
+    try:
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
     try:
         os.waitpid(pid, 0)
     except OSError:

@@ -20,6 +20,10 @@ inline double margin_of(double error, double tolerance) {
   return error / tolerance;
 }
 
+// The margin against a reference that is not finite: nothing to judge against, so 0 for an exact value (equal
+// infinities) and +inf for anything else.
+inline double exact_or_infinite(double error) { return error == 0.0 ? 0.0 : std::numeric_limits<double>::infinity(); }
+
 // Whether an element with this error fails against this tolerance, as margin_of() > 1 (a comparison with NaN is
 // false, so `!(error <= tolerance)` alone would pass inf <= inf).
 inline bool mismatch_of(double error, double tolerance) { return !(margin_of(error, tolerance) <= 1.0); }
@@ -56,8 +60,8 @@ struct GradJudge {
       ulp = local_error < 0.5 * spacing ? 0 : ulp_distance(got_local, local_expected, j.dtype);
       const double by_ulp = local_error / (j.tolerance.max_ulp * spacing);
       const double by_rule = std::min(by_ulp, margin_of(error, floor));
-      // Not finite expected (or NaN from it): only an exact value passes, as margin_of() says.
-      const double m = std::isfinite(expected) && !std::isnan(by_rule) ? by_rule : margin_of(error, expected);
+      // A NaN here comes from a NaN error or a reference that is not finite: only an exact value passes.
+      const double m = std::isfinite(expected) && !std::isnan(by_rule) ? by_rule : exact_or_infinite(error);
       mismatch = !(m <= 1.0);
       return m;
     }

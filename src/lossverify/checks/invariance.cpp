@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 
 #include "lossverify/case/tolerances.hpp"
 #include "lossverify/checks/element_judge.hpp"
@@ -43,7 +42,7 @@ ErrorStats compare_layouts(const Case& c, const Tolerance& tol, const LayoutSnap
       const double by_rule = tol.max_ulp > 0
                                  ? std::min(error / (tol.max_ulp * ulp_size(e, dtype)), margin_of(error, floor))
                                  : margin_of(error, floor + tol.rtol * std::fabs(e));
-      const double m = std::isnan(by_rule) || !std::isfinite(e) ? margin_of(error, e) : by_rule;
+      const double m = std::isnan(by_rule) || !std::isfinite(e) ? exact_or_infinite(error) : by_rule;
       stats.add_with_margin({static_cast<std::int64_t>(t), static_cast<std::int64_t>(v), k, e, g, floor}, m,
                             !(m <= 1.0));
     }

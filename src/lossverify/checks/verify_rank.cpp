@@ -373,27 +373,23 @@ LossFindings judge_losses(const RankContext& x, const RowReference& ref, std::ve
   // [sum of |w_t| |l_t - l_t'| over tokens with two readings, sum of |w_t| times the magnitude of l_t's terms]
   double spread[2] = {0.0, 0.0};
   // Per row: rtol of the magnitude of l_t's terms before they cancel, and its inputs' float32 rounding
-  // (KindReference::token_loss_terms and token_loss_rounding). The logged loss takes rtol of its tokens' terms
-  // (beta KL summed over tokens cancels the surrogates as it does per token) but not the inputs' rounding: a
-  // weighted mean of roundings of either sign stays within its floor, and bounds added up over N_v tokens would
-  // hide a mis-weighted term.
+  // (KindReference::token_loss_arithmetic). The logged loss takes rtol of its tokens' terms (beta KL summed over
+  // tokens cancels the surrogates as it does per token) but not the inputs' rounding: a weighted mean of roundings
+  // of either sign stays within its floor, and bounds added up over N_v tokens would hide a mis-weighted term.
   std::vector<double> rounding(static_cast<std::size_t>(x.rows), 0.0);
   for (std::int64_t i = 0; i < x.rows; ++i) {
     const auto k = static_cast<std::size_t>(i);
     const std::int64_t t = x.out.token_of(i);
-    if (t < 0 || !ref.valid[k]) continue;
-    const double terms = x.reference.row().token_loss_terms(t, ref.stats[k]).value_or(std::fabs(ref.loss[k]));
-    rounding[k] = f.tolerance.rtol * terms + x.reference.row().token_loss_rounding(t, ref.stats[k]);
-    if (x.tp_leader) spread[1] += std::fabs(x.reference.token_weight(t)) * terms;
-  }
-  if (x.tp_leader) {
-    for (std::int64_t i = 0; i < x.rows; ++i) {
-      const auto k = static_cast<std::size_t>(i);
-      const std::int64_t t = x.out.token_of(i);
-      if (t < 0) continue;
-      token_losses[static_cast<std::size_t>(t)] = ref.loss[k];
-      if (ref.either[k]) spread[0] += std::fabs(x.reference.token_weight(t) * (ref.other_loss[k] - ref.loss[k]));
+    if (t < 0) continue;
+    if (ref.valid[k]) {
+      const KindReference::LossArithmetic a = x.reference.row().token_loss_arithmetic(t, ref.stats[k]);
+      const double terms = a.terms.value_or(std::fabs(ref.loss[k]));
+      rounding[k] = f.tolerance.rtol * terms + a.inputs_rounding;
+      if (x.tp_leader) spread[1] += std::fabs(x.reference.token_weight(t)) * terms;
     }
+    if (!x.tp_leader) continue;
+    token_losses[static_cast<std::size_t>(t)] = ref.loss[k];
+    if (ref.either[k]) spread[0] += std::fabs(x.reference.token_weight(t) * (ref.other_loss[k] - ref.loss[k]));
   }
   x.world.allreduce_sum(std::span<double>(token_losses));  // one nonzero term per token: exact
   x.world.allreduce_sum(std::span<double>(spread));

@@ -128,7 +128,6 @@ void check_output_folder(std::string_view option, const std::string& folder) {
 }
 
 void prepare_new_folder(std::string_view option, const std::string& folder) {
-  namespace fs = std::filesystem;
   const std::string what = std::string(option) + " " + printable(folder);
   std::error_code error;
   const fs::file_status status = fs::status(folder, error);

@@ -84,13 +84,13 @@ class KindReference {
   // / T) or where terms of l_t cancel one another (beta KL against the surrogate). Absolute bounds; 0 for a kind
   // without such arithmetic. For l_t: the magnitude of its terms before they cancel (rtol applies to it; none:
   // |l_t|), and its inputs' rounding times their slopes in l_t.
-  virtual std::optional<double> token_loss_terms(std::int64_t token, const RowStats& stats) const {
+  struct LossArithmetic {
+    std::optional<double> terms;
+    double inputs_rounding = 0.0;
+  };
+  virtual LossArithmetic token_loss_arithmetic(std::int64_t token, const RowStats& stats) const {
     (void)token, (void)stats;
-    return std::nullopt;
-  }
-  virtual double token_loss_rounding(std::int64_t token, const RowStats& stats) const {
-    (void)token, (void)stats;
-    return 0.0;
+    return {};
   }
   virtual void token_value_rounding(std::int64_t token, const RowStats& stats, std::span<double> out) const {
     (void)token, (void)stats;

@@ -149,12 +149,10 @@ class PolicyReference final : public KindReference {
     return 0x1p-24 * (4.0 * (std::fabs(t.logprob) + 2.0 * std::fabs(s.lse)) + 2.0 * log2_vocab_);
   }
   double entropy_rounding(const RowStats& s) const { return 0x1p-24 * (4.0 + log2_vocab_) * 2.0 * std::fabs(s.lse); }
-  std::optional<double> token_loss_terms(std::int64_t token, const RowStats& s) const override {
-    return terms(token, s).loss_terms;
-  }
-  double token_loss_rounding(std::int64_t token, const RowStats& s) const override {
+  LossArithmetic token_loss_arithmetic(std::int64_t token, const RowStats& s) const override {
     const TokenTerms t = terms(token, s);
-    return std::fabs(t.g_logprob) * logprob_rounding(t, s) + std::fabs(o_.entropy_coef) * entropy_rounding(s);
+    return {t.loss_terms,
+            std::fabs(t.g_logprob) * logprob_rounding(t, s) + std::fabs(o_.entropy_coef) * entropy_rounding(s)};
   }
   void token_value_rounding(std::int64_t token, const RowStats& s, std::span<double> out) const override {
     const TokenTerms t = terms(token, s);

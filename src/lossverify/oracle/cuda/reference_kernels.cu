@@ -708,8 +708,8 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4)
         // element neither mismatches nor becomes the worst, and by_floor is not needed.
         if (s.worst_column < 0 || !(by_ulp <= 1.0 && by_ulp < s.margin)) {
           const double by_floor = margin_of(error, floor);
-          double m = by_floor < by_ulp ? by_floor : by_ulp;                     // std::min
-          if (!isfinite(expected) || isnan(m)) m = margin_of(error, expected);  // element_judge.hpp
+          double m = by_floor < by_ulp ? by_floor : by_ulp;                        // std::min
+          if (!isfinite(expected) || isnan(m)) m = error == 0.0 ? 0.0 : INFINITY;  // exact_or_infinite()
           const bool mismatch = !(m <= 1.0);
           s.mismatches += mismatch;
           s.worst(v, m, expected, got, floor + a.rtol * fabs(expected));
