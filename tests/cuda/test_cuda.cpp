@@ -706,7 +706,10 @@ TEST_CASE("gpu_reference_code_tables_judge_as_the_full_judgement") {
     const RunResult full = run_case(c, options);
     ::unsetenv("LOSSVERIFY_REFERENCE_TABLES");
     const RunResult tables = run_case(c, options);
-    check_same_verdicts(full, tables, 1e-9, [&](const CheckResult& a, const CheckResult& b) {
+    // The two runs' partials kernels sum a row in different orders (512 threads with the tables), so their float64
+    // lse may differ by a few ulps; at |lse| = 650 (the inputs.mean=650 run) an ulp is 1.1e-13, 4e-10 of that
+    // case's loss tolerance (2.7e-4). 1e-8 allows 25 such ulps and still pins every margin to eight digits.
+    check_same_verdicts(full, tables, 1e-8, [&](const CheckResult& a, const CheckResult& b) {
       if (a.name != "grad") return;
       CHECK(a.metrics["judged_by_lookup"] == 0);
       const std::int64_t lookups = b.metrics["judged_by_lookup"].get<std::int64_t>();
