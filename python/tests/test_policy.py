@@ -200,9 +200,11 @@ class PolicyReturnModesTest(unittest.TestCase):
         self.assertEqual(reports["cp_local"].failing_checks, ["grad", "loss"], reports["cp_local"].table())
 
     def test_gspo_token_fails_where_the_advantage_varies_within_a_sequence(self):
-        # advantages of single tokens overridden: rho_s w_t (-A_t) per token is no longer the true derivative
+        # advantages of single tokens overridden: rho_s w_t (-A_t) per token is no longer the true derivative.
+        # Sequence 5 (tokens 124-145) is in the unclipped middle (rho_s 0.93, A > 0), where the surrogate has a
+        # gradient; the case's own overrides (the prompt-only sequence) stay.
         case = read_case(GSPO)
-        case["inputs"]["overrides"] = [{"token": t, "advantages": 0.8} for t in range(0, 28, 3)]
+        case["inputs"]["overrides"] += [{"token": t, "advantages": 0.8} for t in range(124, 146, 3)]
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "gspo-token-advantages.json")
             with open(path, "w", encoding="utf-8") as f:

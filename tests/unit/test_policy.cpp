@@ -222,6 +222,31 @@ TEST_CASE("rl-drgrpo-batch-sum: each token's gradient times its micro-batch's se
   CHECK(high == doctest::Approx(3.0).epsilon(1e-5));
 }
 
+TEST_CASE("rl-seq-mean-counts-empty: gradient and loss B / B_all under each sequence aggregation, exact without one") {
+  // A seventh sequence of 4 tokens, every label ignored: B = 6 of B_all = 7.
+  nlohmann::json j = policy_json(2, 1, 2, 2);
+  j["batch"]["sequence_lengths"].push_back(4);
+  j["inputs"]["overrides"] = nlohmann::json::array();
+  for (int t = 94; t < 97; ++t) j["inputs"]["overrides"].push_back({{"token", t}, {"label", -100}});
+  for (const char* aggregation : {"seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"}) {
+    CAPTURE(aggregation);
+    j["loss"]["aggregation"] = aggregation;
+    j["loss"]["norm_constant"] = std::string(aggregation) == "seq-mean-token-sum-norm" ? 40.0 : 0.0;
+    const auto [low, high] = ratio_range(testing::make_case(j), "rl-seq-mean-counts-empty");
+    CHECK(low == doctest::Approx(6.0 / 7.0).epsilon(1e-5));
+    CHECK(high == doctest::Approx(6.0 / 7.0).epsilon(1e-5));
+    CHECK(failing(testing::run_with(testing::make_case(j), "rl-seq-mean-counts-empty")) ==
+          std::vector<std::string>{"grad", "loss"});
+  }
+  // Without the empty sequence, or under token-mean, the count is right.
+  j["loss"]["aggregation"] = "token-mean";
+  j["loss"]["norm_constant"] = 0.0;
+  CHECK(testing::run_with(testing::make_case(j), "rl-seq-mean-counts-empty").verdict == Verdict::pass);
+  nlohmann::json full = policy_json(2, 1, 2, 2);
+  full["loss"]["aggregation"] = "seq-mean-token-mean";
+  CHECK(testing::run_with(testing::make_case(full), "rl-seq-mean-counts-empty").verdict == Verdict::pass);
+}
+
 TEST_CASE("rl-microbatch-self-normalized: each micro-batch's gradient N / (DP N_k) times the correct one") {
   const Case c = testing::make_case(policy_json(1, 1, 1, 2));
   const auto [low, high] = ratio_range(c, "rl-microbatch-self-normalized");

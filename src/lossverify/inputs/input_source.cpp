@@ -6,6 +6,7 @@
 
 #include "lossverify/core/errors.hpp"
 #include "lossverify/inputs/philox_stream.hpp"
+#include "lossverify/layout/vocab_range.hpp"
 
 namespace lossverify {
 
@@ -13,6 +14,69 @@ InputSource::InputSource(const Case& c) : case_(c), batch_(c.batch) {
   for (const RowOverride& row : c.inputs.overrides) overrides_[row.token] = &row;
   labels_.resize(static_cast<std::size_t>(std::max<std::int64_t>(c.shape.tokens, 0)));
   for (std::size_t t = 0; t < labels_.size(); ++t) labels_[t] = generated_label_of(static_cast<std::int64_t>(t));
+  if (kind_of(c.loss).inputs().labels) place_labels_on_shard_edges();
+  find_sequences_with_valid_tokens();
+}
+
+void InputSource::find_sequences_with_valid_tokens() {
+  for (const Sequence& s : batch_.sequences()) {
+    bool any = false;
+    for (std::int64_t t = s.begin; t < s.begin + s.length && !any; ++t) any = is_valid(t);
+    sequence_has_valid_.push_back(any ? 1 : 0);
+  }
+}
+
+namespace {
+
+// The first and last column of every vocabulary shard at the case's swept TP degrees, then at TP 2, 4, 8 and 3
+// (the shipped cases' own degrees are among these), with the vocabulary's own first and last first, without
+// repeats (docs/cases.md, "Labels on shard edges"). The case's layout is not read: a run at another TP sees the
+// same problem.
+std::vector<std::int64_t> shard_edges(const Case& c) {
+  const std::int64_t v = c.shape.vocab;
+  std::vector<int> degrees = c.sweep.tp;
+  std::sort(degrees.begin(), degrees.end());
+  degrees.insert(degrees.end(), {2, 4, 8, 3});
+  std::vector<std::int64_t> edges = {0, v - 1};
+  for (const int tp : degrees) {
+    if (tp < 2 || tp > v) continue;
+    for (std::int64_t r = 1; r < tp; ++r) {
+      const std::int64_t begin = vocab_shard_begin(v, tp, static_cast<int>(r));
+      for (const std::int64_t e : {begin - 1, begin}) {
+        if (std::find(edges.begin(), edges.end(), e) == edges.end()) edges.push_back(e);
+      }
+    }
+  }
+  return edges;
+}
+
+}  // namespace
+
+// Whether a label falls on a shard's first or last column is otherwise left to chance (0.1 to 0.4 such labels
+// expected per case and layout), so an off-by-one in a shard's ownership test could pass every case. Evenly spaced
+// valid tokens (at most half of them; about 30 columns at most) take the shard edges' columns as labels instead. The
+// choice reads the vocabulary, the case's sweep and the generated mask only, never the layout a run uses or the
+// overrides: every layout sees one problem, and pinning rows (a bundle) changes no other label.
+void InputSource::place_labels_on_shard_edges() {
+  // The tokens the generator makes valid, overrides left out of the choice: a bundle that pins rows as overrides
+  // replays the same labels everywhere else.
+  const bool next = case_.batch.labels != BatchSpec::Labels::independent;
+  std::vector<std::size_t> valid;
+  for (std::size_t t = 0; t < labels_.size(); ++t) {
+    const auto token = static_cast<std::int64_t>(t);
+    if (!masked(token) && !(next && batch_.is_last_of_sequence(token))) valid.push_back(t);
+  }
+  const std::vector<std::int64_t> edges = shard_edges(case_);
+  const std::size_t count = std::min(edges.size(), valid.size() / 2);
+  if (count == 0) return;
+  const std::size_t stride = valid.size() / count;
+  // The token whose id is the label: the next one (next_token labels), or the token itself (independent). A token
+  // whose label is overridden keeps the override (generated_label_of reads it first).
+  for (std::size_t k = 0; k < count; ++k) {
+    const auto t = static_cast<std::int64_t>(valid[k * stride + stride / 2]);
+    placed_ids_[next ? t + 1 : t] = edges[k];
+    labels_[static_cast<std::size_t>(t)] = generated_label_of(t);
+  }
 }
 
 InputSource::InputSource(const Case& c, ExplicitInputs data) : case_(c), explicit_(true), batch_(c.batch) {
@@ -34,6 +98,7 @@ InputSource::InputSource(const Case& c, ExplicitInputs data) : case_(c), explici
   cache_teacher_ = std::move(data.teacher);
   explicit_labels_ = std::move(data.labels);
   explicit_mask_ = std::move(data.loss_mask);
+  find_sequences_with_valid_tokens();
 }
 
 namespace {
@@ -170,6 +235,7 @@ LOSSVERIFY_PADDING(Eigen::half)
 
 std::int64_t InputSource::token_id(std::int64_t token) const {
   if (explicit_) return explicit_labels_.empty() ? 0 : explicit_labels_[static_cast<std::size_t>(token)];
+  if (const auto placed = placed_ids_.find(token); placed != placed_ids_.end()) return placed->second;
   return generated_label(case_.inputs.seed, static_cast<std::uint64_t>(token), case_.shape.vocab);
 }
 

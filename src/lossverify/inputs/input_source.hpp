@@ -83,6 +83,8 @@ class InputSource {
   // Whether the token counts in the loss: cross-entropy needs a label, KD only the mask.
   bool is_valid(std::int64_t token) const;
   const GlobalBatch& batch() const { return batch_; }
+  // Whether any token of the batch's sequence s is valid (counted once at construction).
+  bool sequence_has_valid_token(std::int64_t s) const { return sequence_has_valid_[static_cast<std::size_t>(s)] != 0; }
   // g_t of reduction "none" (1 otherwise).
   double upstream_weight(std::int64_t token) const;
 
@@ -95,6 +97,7 @@ class InputSource {
   bool read_cache(const std::vector<std::byte>& cache, std::int64_t token, std::int64_t begin, std::int64_t end,
                   T* out) const;
   std::int64_t generated_label_of(std::int64_t token) const;
+  void find_sequences_with_valid_tokens();
 
   const Case& case_;
   bool explicit_ = false;
@@ -108,6 +111,10 @@ class InputSource {
   // Generated inputs: every token's label, drawn once at construction (the rank plans and the
   // reference ask for each label several times, a Philox draw each).
   std::vector<std::int64_t> labels_;
+  // Token ids moved onto the shard edges (place_labels_on_shard_edges), by token.
+  std::unordered_map<std::int64_t, std::int64_t> placed_ids_;
+  std::vector<char> sequence_has_valid_;
+  void place_labels_on_shard_edges();
 };
 
 }  // namespace lossverify

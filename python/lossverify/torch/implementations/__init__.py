@@ -53,6 +53,7 @@ from lossverify.torch.implementations.catalogue import (
     rl_logsoftmax_untracked_allreduce,
     rl_microbatch_self_normalized,
     rl_schedule_double_divide,
+    rl_seq_mean_counts_empty,
     rl_stats_microbatch_mean,
     rl_temperature_16bit,
     rl_temperature_one_side,

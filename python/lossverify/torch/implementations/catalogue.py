@@ -475,6 +475,13 @@ def rl_kl_score_function(logits, labels, ctx):
     return _policy(logits, labels, ctx, kl_score_function=True)
 
 
+def rl_seq_mean_counts_empty(logits, labels, ctx):
+    """The sequence aggregations' B counting every sequence of the step, those with no valid token included
+    (volcengine/verl verl/trainer/ppo/core_algos.py agg_loss before its seq_mask, "exclude fully masked
+    sequences": seq-mean-token-sum as torch.mean(seq_losses) over every row): each sequence weighs 1/B_all."""
+    return _policy(logits, labels, ctx, seq_mean_counts_empty=True)
+
+
 CATALOGUE = {
     "correct": correct,
     "smoothing_partition_vocab": smoothing_partition_vocab,
@@ -525,6 +532,7 @@ CATALOGUE = {
     "rl_aux_microbatch_mean": rl_aux_microbatch_mean,
     "rl_temperature_16bit": rl_temperature_16bit,
     "rl_kl_score_function": rl_kl_score_function,
+    "rl_seq_mean_counts_empty": rl_seq_mean_counts_empty,
 }
 # The loss kind each name applies to: the bugs of the KD loss, of the policy loss (rl_*), those of the
 # normaliser or logged count that reach every kind (and `correct`), and the cross-entropy bugs (the others).

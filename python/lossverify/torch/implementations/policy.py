@@ -52,6 +52,7 @@ class PolicyBugs:
     aux_microbatch_mean: bool = False  # KL and entropy micro-batch means / K (SkyRL Megatron loss_func)
     temperature_16bit: bool = False  # logits.div_(T) in their 16-bit dtype before a float32 pass (NeMo-RL)
     kl_score_function: bool = False  # the KL x e^(lambda - sg lambda), a score-function gradient (NeMo-RL)
+    seq_mean_counts_empty: bool = False  # B counts the step's sequences with no valid token too (verl agg_loss)
 
 
 def _inverse_temperature(ctx, bugs):
@@ -385,6 +386,9 @@ def _weights(ctx, bugs):
         # verl's new engine: each micro-batch's sum_s S_s / H_max (no batch size for this mode), the rank's
         # micro-batches summed, the DP ranks averaged
         return mask / (ctx.dp_size * loss.norm_constant)
+    if aggregation.startswith("seq-mean") and bugs.seq_mean_counts_empty:
+        # torch.mean over every sequence row: B_all = all the step's sequences instead of those with n_s > 0
+        return ctx.aggregation_weights() * (ctx.num_sequences / len(ctx.sequence_valid_tokens))
     token_mean_bug = bugs.token_mean_sample_weighted or bugs.microbatch_self_normalized
     needs_counts = ((aggregation == "token-mean" and token_mean_bug)
                     or (aggregation == "seq-mean-token-sum-norm" and bugs.drgrpo_batch_sum))

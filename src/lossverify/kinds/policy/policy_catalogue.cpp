@@ -165,6 +165,14 @@ std::vector<Implementation> policy_catalogue() {
       "penalty, not a defect of NeMo-RL's own objective)",
       "d KL / d lambda = k'(lambda) + KL_t: grad fails whenever kl_coef > 0; loss and logged KL exact", {"grad"}, mine,
       bit(policy_bug::kl_score_function)));
+  v.push_back(catalogued_bug(
+      "rl-seq-mean-counts-empty",
+      "the sequence aggregations' B counting every sequence of the step, those with no valid token included",
+      "volcengine/verl verl/trainer/ppo/core_algos.py agg_loss before its seq_mask ('exclude fully masked "
+      "sequences'): seq-mean-token-sum as torch.mean(seq_losses) over every row of the batch",
+      "each sequence weighs 1/B_all instead of 1/B: loss and grad x B/B_all under seq-mean-token-sum, "
+      "seq-mean-token-mean and seq-mean-token-sum-norm when a sequence is fully masked; passes under token-mean",
+      {"loss", "grad"}, mine, bit(policy_bug::seq_mean_counts_empty)));
   return v;
 }
 

@@ -68,14 +68,39 @@ std::optional<float> overridden(const InputSource& inputs, std::int64_t token, s
 
 }  // namespace
 
+namespace {
+
+double advantage_draw(const Case& c, std::int64_t sequence) {
+  return token_uniform(c.inputs.seed, InputStream::policy_advantage, static_cast<std::uint64_t>(sequence));
+}
+
+}  // namespace
+
+// GRPO's group-normalised advantages take both signs in every group, and a case of a few sequences drawn
+// independently could have one sign only (a clip region then goes unreached). Within each window of eight
+// consecutive sequences, the larger half of the draws of those holding a valid token are positive (ties have
+// probability 0); a sequence without one takes its draw's sign (it weighs nothing).
+bool generated_advantage_positive(const Case& c, const InputSource& inputs, std::int64_t sequence) {
+  const double u = advantage_draw(c, sequence);
+  if (!inputs.sequence_has_valid_token(sequence)) return u >= 0.5;
+  const auto count = static_cast<std::int64_t>(inputs.batch().sequences().size());
+  const std::int64_t first = sequence - sequence % 8;
+  std::int64_t valid = 0, above = 0;
+  for (std::int64_t s = first; s < std::min(first + 8, count); ++s) {
+    if (!inputs.sequence_has_valid_token(s)) continue;
+    ++valid;
+    above += advantage_draw(c, s) > u;
+  }
+  return above < (valid + 1) / 2;
+}
+
 float policy_token_advantage(const Case& c, const InputSource& inputs, std::int64_t token) {
   if (inputs.is_explicit()) return inputs.explicit_token_input(2)[static_cast<std::size_t>(token)];
   if (const std::optional<float> value = overridden(inputs, token, 2)) return *value;
-  const auto sequence = static_cast<std::uint64_t>(inputs.batch().sequence_of(token));
-  const double u = token_uniform(c.inputs.seed, InputStream::policy_advantage, sequence);
-  // |A| in [0.2, 2], either sign: away from 0, where the clip's side flips.
-  const double magnitude = 0.2 + 1.8 * std::fabs(2.0 * u - 1.0);
-  return static_cast<float>(u < 0.5 ? -magnitude : magnitude);
+  const std::int64_t sequence = inputs.batch().sequence_of(token);
+  // |A| in [0.2, 2]: away from 0, where the clip's side flips.
+  const double magnitude = 0.2 + 1.8 * std::fabs(2.0 * advantage_draw(c, sequence) - 1.0);
+  return static_cast<float>(generated_advantage_positive(c, inputs, sequence) ? magnitude : -magnitude);
 }
 
 namespace {
@@ -88,6 +113,51 @@ double placed_ratio(const Placement& p, const PhiloxBlock& r) {
   for (double acc = p.shares[0]; k + 1 < p.shares.size() && pick > acc; acc += p.shares[++k]) {
   }
   return p.intervals[k].low + where * (p.intervals[k].high - p.intervals[k].low);
+}
+
+// The clip outcome a ratio gets under an advantage of the given sign: 0 unclipped, 1 the upper clip (A > 0),
+// 2 the lower clip (A < 0), 3 the dual clip (A < 0, rho > c).
+int clip_outcome(const PolicyOptions& o, double rho, bool positive) {
+  if (positive) return rho > 1.0 + o.clip_high ? 1 : 0;
+  if (o.dual_clip > 0.0 && rho > o.dual_clip) return 3;
+  return rho < 1.0 - o.clip_low ? 2 : 0;
+}
+
+// The placement's intervals in the order the sequences of one advantage sign take them: one interval of each clip
+// outcome that sign can reach, then the unclipped interval around 1 (always the second), then the rest.
+std::vector<std::size_t> interval_order(const PolicyOptions& o, const Placement& p, bool positive) {
+  std::vector<std::size_t> order;
+  std::vector<std::size_t> rest = {1};
+  std::vector<int> outcomes;
+  for (std::size_t k = 0; k < p.intervals.size(); ++k) {
+    const int outcome = clip_outcome(o, 0.5 * (p.intervals[k].low + p.intervals[k].high), positive);
+    if (outcome != 0 && std::find(outcomes.begin(), outcomes.end(), outcome) == outcomes.end()) {
+      outcomes.push_back(outcome);
+      order.push_back(k);
+    } else if (k != 1) {
+      rest.push_back(k);
+    }
+  }
+  order.insert(order.end(), rest.begin(), rest.end());
+  return order;
+}
+
+// A sequence's ratio rho_s. A case has a few sequences, so drawing each one's interval would leave a clip region
+// to chance (eight sequences miss the upper clip about one time in six). Instead, within every window of eight
+// consecutive sequences, those of one advantage sign (generated_advantage_positive) that hold a valid token take
+// interval_order's intervals in turn: two sequences of each sign reach every clip region the settings allow.
+// Where in the interval stays drawn.
+double placed_sequence_ratio(const Case& c, const InputSource& inputs, const Placement& p, std::int64_t s,
+                             const PhiloxBlock& r) {
+  const PolicyOptions& o = policy_options(c.loss);
+  const bool positive = generated_advantage_positive(c, inputs, s);
+  std::size_t turn = 0;
+  for (std::int64_t before = s - s % 8; before < s; ++before) {
+    turn += inputs.sequence_has_valid_token(before) && generated_advantage_positive(c, inputs, before) == positive;
+  }
+  const std::vector<std::size_t> order = interval_order(o, p, positive);
+  const Interval& i = p.intervals[order[turn % order.size()]];
+  return i.low + uniform_open01(r.word[2], r.word[3]) * (i.high - i.low);
 }
 
 // Under the sequence-level ratio, each token's spread j_t around its sequence's log-ratio, in [-0.15, 0.15].
@@ -117,7 +187,8 @@ double placed_log_ratio(const Case& c, const InputSource& inputs, std::int64_t t
     spread_sum += sequence_spread(c, t);
     ++valid;
   }
-  return std::log(placed_ratio(p, r)) + sequence_spread(c, token) - spread_sum / static_cast<double>(valid);
+  return std::log(placed_sequence_ratio(c, inputs, p, s, r)) + sequence_spread(c, token) -
+         spread_sum / static_cast<double>(valid);
 }
 
 }  // namespace

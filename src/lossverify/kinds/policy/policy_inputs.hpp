@@ -31,4 +31,8 @@ PolicyTokenInputs policy_token_inputs(const Case& c, const InputSource& inputs, 
 // The token's advantage alone, without the placement pass (whitening statistics read every token's).
 float policy_token_advantage(const Case& c, const InputSource& inputs, std::int64_t token);
 
+// The sign of a sequence's generated advantage: within each window of eight consecutive sequences, the half of
+// those holding a valid token with the larger Philox draws are positive (as a GRPO group's are).
+bool generated_advantage_positive(const Case& c, const InputSource& inputs, std::int64_t sequence);
+
 }  // namespace lossverify

@@ -66,13 +66,15 @@ MicroBatchCounts micro_batch_counts(const RowPlanRequest& q, const std::vector<s
 }
 
 // Each row's weight in L. Correct: token-mean 1/N, token-sum 1, seq-mean-token-sum 1/B,
-// seq-mean-token-mean 1/(B n_s), seq-mean-token-sum-norm 1/(B H_max).
+// seq-mean-token-mean 1/(B n_s), seq-mean-token-sum-norm 1/(B H_max), B the sequences that hold a valid token.
 std::vector<double> row_weights(const RowPlanRequest& q, const PolicyOptions& o,
                                 const std::vector<std::int64_t>& per_sequence, const MicroBatchCounts& m) {
+  const std::uint64_t bugs = q.bugs.kind_switches;
+  const bool count_empty = (bugs & policy_bug::seq_mean_counts_empty) != 0;
   std::int64_t tokens = 0, sequences = 0;
   for (std::int64_t n : per_sequence) {
     tokens += n;
-    sequences += n > 0;
+    sequences += n > 0 || count_empty;
   }
   const auto& offsets = q.assignment.micro_batch_begin;
   const std::size_t ga = offsets.size() - 1;
@@ -80,7 +82,6 @@ std::vector<double> row_weights(const RowPlanRequest& q, const PolicyOptions& o,
   const auto dp_size = static_cast<double>(q.c.layout.dp);
   std::int64_t rank_sequences = 0;
   for (std::size_t k = 0; k < ga; ++k) rank_sequences += m.at(m.sequences, dp, k, ga);
-  const std::uint64_t bugs = q.bugs.kind_switches;
   std::vector<double> w(q.assignment.rows.size(), 0.0);
   for (std::size_t k = 0; k < ga; ++k) {
     const auto micro_tokens = static_cast<double>(std::max<std::int64_t>(m.at(m.tokens, dp, k, ga), 1));
