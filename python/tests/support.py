@@ -21,10 +21,24 @@ def case_path(name):
     return os.path.join(CASES, name + ".json")
 
 
-def case_names():
+def all_case_names():
     """The shipped cases of the kinds this package checks (lossverify.kinds: cross_entropy, kd and policy)."""
     names = sorted(os.path.basename(p)[:-5] for p in glob.glob(os.path.join(CASES, "*.json")))
-    return [n for n in names if read_case(n).get("loss", {}).get("kind", "cross_entropy") in known_kinds()]
+    return [n for n in names if loss_kind(n) in known_kinds()]
+
+
+def case_names():
+    """The cases a golden suite runs: every one of all_case_names(), or the one LOSSVERIFY_GOLDEN_CASE names (CTest
+    runs each case as an entry of its own, so they spread over the cores and rerun alone). A name that is not a
+    shipped case of a kind this package checks is an error, never an empty run."""
+    only = os.environ.get("LOSSVERIFY_GOLDEN_CASE")
+    if not only:
+        return all_case_names()
+    if not os.path.isfile(case_path(only)):
+        raise ValueError(f"LOSSVERIFY_GOLDEN_CASE={only}: no such case in {CASES}")
+    if loss_kind(only) not in known_kinds():
+        raise ValueError(f"LOSSVERIFY_GOLDEN_CASE={only}: its kind {loss_kind(only)!r} is not one the package checks")
+    return [only]
 
 
 def read_case(name):

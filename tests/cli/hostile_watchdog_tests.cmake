@@ -6,17 +6,20 @@ function(lossverify_hostile_watchdog_test name code regex)
   add_test(NAME hostile_watchdog_${name} COMMAND bash ${EXPECT} ${code} ${regex} ${ARGN})
 endfunction()
 
-# Rank 0 of dp = 2 computes 1500 rows of 32000 columns for seconds while rank 1, with 8 rows, waits for it.
+# The two tests below compute three to four times longer than their timeout of 2 s. With 0.5 s they failed when the
+# 2-core machine ran other work beside the suite (a rank's thread descheduled past the timeout between beats);
+# 2 s keeps the point, a rank computing longer than the timeout is not hung, with room for a busy machine.
+# Rank 0 of dp = 2 computes 4000 rows of 32000 columns (about 6 s) while rank 1, with 8 rows, waits for it.
 lossverify_hostile_watchdog_test(computing_is_not_hanging 0 "verdict: pass" --within 120
   -- ${LV} run ${CASES}/cp-zigzag-packed.json --set layout.tp=1 --set layout.cp=1 --set layout.dp=2
-     --set shape.vocab=32000 --set "batch.sequence_lengths=[1500,8]" --threads 2 --timeout 0.5)
+     --set shape.vocab=32000 --set "batch.sequence_lengths=[4000,8]" --threads 2 --timeout 2)
 # The audit's case: eight TP ranks whose kernels and checks run longer than the timeout between collectives.
 lossverify_hostile_watchdog_test(realistic_tp8_timeout_1 0 "verdict: pass" --within 120
   -- ${LV} run ${CASES}/realistic-bf16-n2048-v32000-tp8.json --timeout 1)
 # One rank never waits, and it beats while it computes, so it is not accused however long it computes (the
-# audit's 32768 x 32000 case at the default timeout, made small).
+# audit's 32768 x 32000 case at the default timeout, made small: about 8 s).
 lossverify_hostile_watchdog_test(one_rank_computing 0 "verdict: pass" --within 120
-  -- ${LV} run ${CASES}/realistic-bf16-n2048-v32000-tp8.json --tp 1 --threads 1 --timeout 0.5)
+  -- ${LV} run ${CASES}/realistic-bf16-n2048-v32000-tp8.json --tp 1 --threads 1 --timeout 2)
 
 # A hung rank: every one of `runs` runs exits 4 naming exactly that rank (the old guard named a rank
 # waiting behind it in a third to half of the runs). The script has no semicolons: CMake would split

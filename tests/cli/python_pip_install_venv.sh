@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# CTest python_pip_install_venv: `pip install ./python` in a fresh venv builds the lossverify executable into
+# CTests python_pip_install_prebuilt and python_pip_install_from_source: `pip install ./python` in a fresh venv puts the lossverify executable into
 # the package, and the installed lossverify.torch uses it with no build tree, no LOSSVERIFY_BIN and no
 # lossverify on PATH; `pip wheel` gives a platform wheel that carries it and installs elsewhere.
-#   python_pip_install_venv.sh WORK PROJECT_ROOT PYTHON      (PYTHON: one that sees setuptools, wheel and torch)
+#   python_pip_install_venv.sh WORK PROJECT_ROOT PYTHON [PREBUILT]
+# PYTHON: one that sees setuptools, wheel and torch. PREBUILT: an executable the build tree already has, which the
+# package takes instead of compiling one (LOSSVERIFY_PIP_BINARY); without it the install compiles from source.
 set -euo pipefail
-work=$1 root=$2 python=$3
+work=$1 root=$2 python=$3 prebuilt=${4:-}
 case_file=$root/cases/smoothing-pytorch.json  # cross-entropy, 512 x 1000: a second or two at tp 2
 rm -rf "$work" && mkdir -p "$work/src"
 # A copy of python/: setuptools writes build/ and *.egg-info beside setup.py, so they land here, not in the
@@ -13,6 +15,7 @@ cp -r "$root/python/pyproject.toml" "$root/python/setup.py" "$root/python/README
   "$work/src/"
 export LOSSVERIFY_SOURCE_DIR=$root
 unset LOSSVERIFY_BIN LOSSVERIFY_PIP_BINARY PYTHONPATH
+[ -z "$prebuilt" ] || export LOSSVERIFY_PIP_BINARY=$prebuilt
 
 "$python" -m venv --system-site-packages "$work/venv"
 "$work/venv/bin/python" -m pip install --no-build-isolation --no-deps --no-index --quiet "$work/src"

@@ -9,22 +9,48 @@ if(torch_missing)
     COMMAND bash -c "echo '${LOSSVERIFY_SYSTEM_PYTHON} cannot import torch: run scripts/install-deps.sh (Debian python3-torch)'; exit 1")
   return()
 endif()
+set(python_env "LOSSVERIFY_BIN=$<TARGET_FILE:lossverify>;PYTHONPATH=${PYTHON_DIR};PYTHONDONTWRITEBYTECODE=1")
 foreach(module test_safetensors test_report test_inputs test_dump test_harness test_hardening test_cli test_torchrun test_policy
-               test_pytest_plugin test_control test_golden_correct test_golden_bugs)
+               test_pytest_plugin test_control)
   add_test(NAME python_${module}
     COMMAND ${LOSSVERIFY_SYSTEM_PYTHON} -m unittest discover -s tests -p ${module}.py -v
     WORKING_DIRECTORY ${PYTHON_DIR})
-  set_tests_properties(python_${module} PROPERTIES TIMEOUT 900
-    ENVIRONMENT "LOSSVERIFY_BIN=$<TARGET_FILE:lossverify>;PYTHONPATH=${PYTHON_DIR};PYTHONDONTWRITEBYTECODE=1")
+  set_tests_properties(python_${module} PROPERTIES TIMEOUT 900 ENVIRONMENT "${python_env}")
 endforeach()
-# `pip install ./python` in a venv that sees the system's setuptools, wheel and torch builds the executable into
-# the package (CMake on this checkout, in the test's own folder); the installed harness then runs with no build
-# tree, no LOSSVERIFY_BIN and no lossverify on PATH, and `pip wheel` gives a platform wheel that carries it.
-# It compiles the tool once more (6.8 minutes in a 2-core CI run, beside other tests), and never uses LOSSVERIFY_PIP_BINARY.
-add_test(NAME python_pip_install_venv
+# The golden suites, one CTest entry per shipped case (LOSSVERIFY_GOLDEN_CASE), so they spread over the cores and
+# one case reruns alone: `ctest -R python_golden_bugs_cp-zigzag-packed`. A case added to cases/ gets its entries
+# at the next configure.
+file(GLOB shipped_cases CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/cases/*.json)
+foreach(case_file ${shipped_cases})
+  get_filename_component(case_name ${case_file} NAME_WE)
+  foreach(suite correct bugs)
+    add_test(NAME python_golden_${suite}_${case_name}
+      COMMAND ${LOSSVERIFY_SYSTEM_PYTHON} -m unittest discover -s tests -p test_golden_${suite}.py -v
+      WORKING_DIRECTORY ${PYTHON_DIR})
+    set_tests_properties(python_golden_${suite}_${case_name} PROPERTIES TIMEOUT 900 LABELS golden
+      ENVIRONMENT "${python_env};LOSSVERIFY_GOLDEN_CASE=${case_name}")
+    # The fast tier keeps the bug suites (every catalogued bug's PyTorch version caught as golden says) but that of
+    # the 65M-logit case (48 s; the gate holds its cells).
+    if(suite STREQUAL correct OR case_name MATCHES "^realistic-")
+      set_property(TEST python_golden_${suite}_${case_name} APPEND PROPERTY LABELS slow)
+    endif()
+  endforeach()
+endforeach()
+# `pip install ./python` in a venv that sees the system's setuptools, wheel and torch puts the executable into the
+# package; the installed harness then runs with no build tree, no LOSSVERIFY_BIN and no lossverify on PATH, and
+# `pip wheel` gives a platform wheel that carries it. python_pip_install_prebuilt packages this build's executable
+# (LOSSVERIFY_PIP_BINARY: seconds); python_pip_install_from_source compiles the tool once more with CMake on this
+# checkout, in the test's own folder (about 4 minutes on 2 cores), as a user's install does: the slow tier.
+add_test(NAME python_pip_install_prebuilt
+  COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/cli/python_pip_install_venv.sh ${CMAKE_CURRENT_BINARY_DIR}/pip_install_prebuilt
+    ${PROJECT_SOURCE_DIR} ${LOSSVERIFY_SYSTEM_PYTHON} $<TARGET_FILE:lossverify>)
+set_tests_properties(python_pip_install_prebuilt PROPERTIES TIMEOUT 600
+  ENVIRONMENT "PYTHONDONTWRITEBYTECODE=1")
+add_test(NAME python_pip_install_from_source
   COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/cli/python_pip_install_venv.sh ${CMAKE_CURRENT_BINARY_DIR}/pip_install_venv
     ${PROJECT_SOURCE_DIR} ${LOSSVERIFY_SYSTEM_PYTHON})
-set_tests_properties(python_pip_install_venv PROPERTIES TIMEOUT 1800 ENVIRONMENT "PYTHONDONTWRITEBYTECODE=1")
+set_tests_properties(python_pip_install_from_source PROPERTIES TIMEOUT 1800 LABELS slow
+  ENVIRONMENT "PYTHONDONTWRITEBYTECODE=1")
 # The framework judge (scripts/frameworks) on the one framework every machine has, PyTorch: the per-token
 # kernel passes, and the DDP loop's failure on unequal ranks is attributed to dp-local-mean.
 add_test(NAME python_framework_judge
