@@ -8,7 +8,7 @@
 #include "lossverify/core/errors.hpp"
 #include "lossverify/core/strings.hpp"
 #include "lossverify/dump/export_inputs.hpp"
-#include "lossverify/kinds/loss_kind.hpp"
+#include "lossverify/kind_api/loss_kind.hpp"
 
 namespace lossverify::cli {
 

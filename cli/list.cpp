@@ -8,7 +8,7 @@
 #include "lossverify/checks/checks.hpp"
 #include "lossverify/core/strings.hpp"
 #include "lossverify/impl/catalogue.hpp"
-#include "lossverify/kinds/registry.hpp"
+#include "lossverify/kind_api/registry.hpp"
 #include "options.hpp"
 
 namespace lossverify::cli {

@@ -206,6 +206,14 @@ add_test(NAME layering_check_catches_a_kind_reference_on_its_kernels
       ${CMAKE_CURRENT_BINARY_DIR}/layering-kinds/kinds/cross_entropy/cross_entropy_reference.cpp && \
     ! bash ${PROJECT_SOURCE_DIR}/scripts/check_layering.sh ${CMAKE_CURRENT_BINARY_DIR}/layering-kinds")
 
+# ... and on a copy of runner/ that includes a kind's own header instead of reaching it through kind_api/.
+add_test(NAME layering_check_catches_an_include_into_the_kinds
+  COMMAND bash -c "rm -rf ${CMAKE_CURRENT_BINARY_DIR}/layering-up && mkdir -p ${CMAKE_CURRENT_BINARY_DIR}/layering-up && \
+    cp -r ${PROJECT_SOURCE_DIR}/src/lossverify/runner ${CMAKE_CURRENT_BINARY_DIR}/layering-up/ && \
+    bash ${PROJECT_SOURCE_DIR}/scripts/check_layering.sh ${CMAKE_CURRENT_BINARY_DIR}/layering-up && \
+    echo '#include \"lossverify/kinds/policy/policy_parts.hpp\"' >> ${CMAKE_CURRENT_BINARY_DIR}/layering-up/runner/run_case.cpp && \
+    ! bash ${PROJECT_SOURCE_DIR}/scripts/check_layering.sh ${CMAKE_CURRENT_BINARY_DIR}/layering-up")
+
 # The tree follows .clang-format (scripts/check_format.sh), and the check fails on a mis-formatted copy.
 add_test(NAME format_follows_clang_format COMMAND bash ${PROJECT_SOURCE_DIR}/scripts/check_format.sh
   WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})

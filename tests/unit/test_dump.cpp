@@ -12,7 +12,7 @@
 #include "dump_writer.hpp"
 #include "lossverify/dump/check_dump.hpp"
 #include "lossverify/inputs/input_source.hpp"
-#include "lossverify/kinds/loss_kind.hpp"
+#include "lossverify/kind_api/loss_kind.hpp"
 #include "lossverify/runner/run_case.hpp"
 #include "test_support.hpp"
 

@@ -12,7 +12,7 @@
 #include "lossverify/dump/export_inputs.hpp"
 #include "lossverify/dump/tensor_file.hpp"
 #include "lossverify/inputs/input_source.hpp"
-#include "lossverify/kinds/loss_kind.hpp"
+#include "lossverify/kind_api/loss_kind.hpp"
 #include "test_support.hpp"
 
 using namespace lossverify;

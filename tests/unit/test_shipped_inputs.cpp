@@ -13,7 +13,7 @@
 
 #include "lossverify/case/case.hpp"
 #include "lossverify/inputs/input_source.hpp"
-#include "lossverify/kinds/loss_kind.hpp"
+#include "lossverify/kind_api/loss_kind.hpp"
 #include "lossverify/kinds/policy/policy_inputs.hpp"
 #include "lossverify/kinds/policy/policy_options.hpp"
 #include "lossverify/layout/global_batch.hpp"

@@ -9,7 +9,7 @@
 #include "lossverify/case/json_reader.hpp"
 #include "lossverify/case/tolerances.hpp"
 #include "lossverify/core/errors.hpp"
-#include "lossverify/kinds/registry.hpp"
+#include "lossverify/kind_api/registry.hpp"
 
 namespace lossverify {
 

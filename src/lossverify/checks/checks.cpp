@@ -6,8 +6,8 @@
 #include <tuple>
 
 #include "lossverify/checks/element_judge.hpp"
-#include "lossverify/kinds/loss_kind.hpp"
-#include "lossverify/kinds/registry.hpp"
+#include "lossverify/kind_api/loss_kind.hpp"
+#include "lossverify/kind_api/registry.hpp"
 
 namespace lossverify {
 

@@ -16,7 +16,7 @@
 #include "lossverify/comm/rank_groups.hpp"
 #include "lossverify/core/errors.hpp"
 #include "lossverify/core/stage_trace.hpp"
-#include "lossverify/kinds/loss_kind.hpp"
+#include "lossverify/kind_api/loss_kind.hpp"
 #include "lossverify/reference/compensated_sum.hpp"
 
 namespace lossverify {

@@ -1,5 +1,5 @@
 #include "lossverify/dump/check_dump.hpp"
-#include "lossverify/kinds/loss_kind.hpp"
+#include "lossverify/kind_api/loss_kind.hpp"
 
 #include <omp.h>
 

@@ -1,5 +1,5 @@
 #include "lossverify/dump/export_inputs.hpp"
-#include "lossverify/kinds/loss_kind.hpp"
+#include "lossverify/kind_api/loss_kind.hpp"
 
 #include <unistd.h>
 

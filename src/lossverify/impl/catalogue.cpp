@@ -5,7 +5,7 @@
 
 #include "lossverify/case/case.hpp"
 #include "lossverify/impl/plugin/plugin_library.hpp"
-#include "lossverify/kinds/registry.hpp"
+#include "lossverify/kind_api/registry.hpp"
 
 namespace lossverify {
 

@@ -3,7 +3,7 @@
 #include <algorithm>
 
 #include "lossverify/core/dtype.hpp"
-#include "lossverify/kinds/loss_kind.hpp"
+#include "lossverify/kind_api/loss_kind.hpp"
 #include "lossverify/layout/rank_layout.hpp"
 
 namespace lossverify {

@@ -13,7 +13,7 @@
 #include "lossverify/impl/catalogue.hpp"
 #include "lossverify/impl/cpu/sharded_loss.hpp"
 #include "lossverify/inputs/input_source.hpp"
-#include "lossverify/kinds/loss_kind.hpp"
+#include "lossverify/kind_api/loss_kind.hpp"
 #include "lossverify/outputs/rank_output.hpp"
 
 namespace lossverify {

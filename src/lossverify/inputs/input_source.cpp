@@ -1,6 +1,6 @@
 #include "lossverify/inputs/input_source.hpp"
 
-#include "lossverify/kinds/loss_kind.hpp"
+#include "lossverify/kind_api/loss_kind.hpp"
 
 #include <algorithm>
 

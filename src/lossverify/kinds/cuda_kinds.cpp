@@ -1,7 +1,7 @@
 // The loss kinds that run on the CUDA backend (CUDA builds only).
 #include <string_view>
 
-#include "lossverify/kinds/cuda_kind.hpp"
+#include "lossverify/kind_api/cuda_kind.hpp"
 
 namespace lossverify::cuda {
 

@@ -1,4 +1,4 @@
-#include "lossverify/kinds/registry.hpp"
+#include "lossverify/kind_api/registry.hpp"
 
 #include <mutex>
 

@@ -13,7 +13,7 @@
 
 #include "lossverify/case/case.hpp"
 #include "lossverify/inputs/input_source.hpp"
-#include "lossverify/kinds/loss_kind.hpp"
+#include "lossverify/kind_api/loss_kind.hpp"
 #include "lossverify/reference/row_partial.hpp"
 
 namespace lossverify {

@@ -1,5 +1,5 @@
 #include "lossverify/runner/memory_estimate.hpp"
-#include "lossverify/kinds/loss_kind.hpp"
+#include "lossverify/kind_api/loss_kind.hpp"
 
 #include <algorithm>
 #include <fstream>

@@ -13,7 +13,7 @@
 #include "lossverify/impl/cuda/cuda_backend.hpp"
 #include "lossverify/impl/plugin/plugin_backend.hpp"
 #include "lossverify/inputs/input_source.hpp"
-#include "lossverify/kinds/loss_kind.hpp"
+#include "lossverify/kind_api/loss_kind.hpp"
 #include "lossverify/layout/rank_layout.hpp"
 #include "lossverify/oracle/cuda/device_oracle.hpp"
 #include "lossverify/oracle/cuda/gpu_reference.hpp"

@@ -15,7 +15,7 @@
 #include "lossverify/core/dtype.hpp"
 #include "lossverify/impl/catalogue.hpp"
 #include "lossverify/impl/rank_plan.hpp"
-#include "lossverify/kinds/registry.hpp"
+#include "lossverify/kind_api/registry.hpp"
 #include "lossverify/layout/rank_layout.hpp"
 #include "lossverify/reference/compensated_sum.hpp"
 #include "lossverify/reference/row_sums.hpp"

@@ -10,7 +10,7 @@
 
 #include "lossverify/comm/progress_beacon.hpp"
 #include "lossverify/impl/rank_plan.hpp"
-#include "lossverify/kinds/loss_kind.hpp"
+#include "lossverify/kind_api/loss_kind.hpp"
 
 namespace lossverify {
 

@@ -18,8 +18,8 @@
 #include "lossverify/cuda/shard_inputs.hpp"
 #include "lossverify/impl/cuda/kernels.hpp"
 #include "lossverify/impl/rank_plan.hpp"
-#include "lossverify/kinds/cuda_kind.hpp"
-#include "lossverify/kinds/loss_kind.hpp"
+#include "lossverify/kind_api/cuda_kind.hpp"
+#include "lossverify/kind_api/loss_kind.hpp"
 
 namespace lossverify::cuda {
 

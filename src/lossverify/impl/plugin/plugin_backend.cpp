@@ -17,7 +17,7 @@
 #include "lossverify/impl/plugin/plugin_host.hpp"
 #include "lossverify/impl/plugin/plugin_region.hpp"
 #include "lossverify/impl/rank_inputs.hpp"
-#include "lossverify/kinds/loss_kind.hpp"
+#include "lossverify/kind_api/loss_kind.hpp"
 
 namespace lossverify {
 

@@ -1,6 +1,6 @@
 #include "lossverify/impl/plugin/plugin_library.hpp"
 #include "lossverify/case/case.hpp"
-#include "lossverify/kinds/registry.hpp"
+#include "lossverify/kind_api/registry.hpp"
 
 #include <filesystem>
 #include <map>

@@ -8,8 +8,8 @@
 #include "lossverify/cuda/cuda_check.hpp"
 #include "lossverify/cuda/device_buffer.hpp"
 #include "lossverify/impl/cuda/kernels.hpp"
+#include "lossverify/kind_api/cuda_kind.hpp"
 #include "lossverify/kinds/cross_entropy/cross_entropy_protocol.hpp"
-#include "lossverify/kinds/cuda_kind.hpp"
 
 namespace lossverify::cuda {
 

@@ -8,7 +8,7 @@
 #include "lossverify/cuda/cuda_check.hpp"
 #include "lossverify/cuda/device_buffer.hpp"
 #include "lossverify/impl/cuda/kernels.hpp"
-#include "lossverify/kinds/cuda_kind.hpp"
+#include "lossverify/kind_api/cuda_kind.hpp"
 #include "lossverify/kinds/kd/kd_protocol.hpp"
 
 namespace lossverify::cuda {

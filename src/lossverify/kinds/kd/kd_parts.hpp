@@ -3,7 +3,7 @@
 #include <memory>
 #include <vector>
 
-#include "lossverify/kinds/loss_kind.hpp"
+#include "lossverify/kind_api/loss_kind.hpp"
 
 namespace lossverify {
 

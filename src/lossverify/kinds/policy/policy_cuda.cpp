@@ -7,7 +7,7 @@
 
 #include "lossverify/cuda/cuda_check.hpp"
 #include "lossverify/cuda/device_buffer.hpp"
-#include "lossverify/kinds/cuda_kind.hpp"
+#include "lossverify/kind_api/cuda_kind.hpp"
 #include "lossverify/kinds/policy/policy_kernels.hpp"
 #include "lossverify/kinds/policy/policy_protocol.hpp"
 

@@ -4,7 +4,7 @@
 #include <memory>
 #include <vector>
 
-#include "lossverify/kinds/loss_kind.hpp"
+#include "lossverify/kind_api/loss_kind.hpp"
 
 namespace lossverify {
 

@@ -8,7 +8,7 @@
 #include <span>
 #include <vector>
 
-#include "lossverify/kinds/loss_kind.hpp"
+#include "lossverify/kind_api/loss_kind.hpp"
 
 namespace lossverify {
 

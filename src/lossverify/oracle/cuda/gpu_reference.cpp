@@ -1,6 +1,6 @@
 #include "lossverify/oracle/cuda/gpu_reference.hpp"
 
-#include "lossverify/kinds/loss_kind.hpp"
+#include "lossverify/kind_api/loss_kind.hpp"
 
 #include <algorithm>
 #include <cmath>

@@ -9,7 +9,7 @@
 
 #include "lossverify/case/case.hpp"
 #include "lossverify/inputs/input_source.hpp"
-#include "lossverify/kinds/loss_kind.hpp"
+#include "lossverify/kind_api/loss_kind.hpp"
 #include "lossverify/oracle/cuda/reference_kernels.hpp"
 #include "lossverify/outputs/rank_output.hpp"
 

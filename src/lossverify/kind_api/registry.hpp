@@ -5,7 +5,7 @@
 #include <string_view>
 #include <vector>
 
-#include "lossverify/kinds/loss_kind.hpp"
+#include "lossverify/kind_api/loss_kind.hpp"
 
 namespace lossverify {
 
