@@ -3,8 +3,8 @@
 #   checks/  judges outputs through the Oracle interface: it includes no backend (impl/), no oracle, no
 #            CUDA plumbing (cuda/), no runner and no CUDA or NCCL header;
 #   oracle/  owns its inputs: it includes nothing of the backends (impl/);
-#   impl/    computes a rank's outputs: it includes no oracle, no checks and no reference (except the kernel
-#            benchmarks, which check their sampled rows against the reference);
+#   impl/    computes a rank's outputs: it includes no oracle, no checks and no reference (except
+#            bench_check.hpp, with which the kinds' kernel benchmarks check sampled rows against the reference);
 #   kinds/   above every other folder, reached through kind_api/ (which includes only plain types); a loss
 #            kind's module holds both sides, kept apart by file: its reference (*_reference.cpp)
 #            includes no backend and none of its kind's kernel math or protocol, and its implementation
@@ -28,17 +28,17 @@ forbid() {  # DIR PATTERN WHY [EXCEPT_FILE]
   fi
 }
 forbid checks 'lossverify/(impl|oracle|cuda|runner)/|cuda|nccl' "must not include backends, oracles, CUDA or the runner"
-# The kinds sit above everything else and are reached through kind_api/: no other folder includes kinds/ (two
-# exceptions by file until cross-entropy's settings leave LossSpec and its kernels the backend's shared file).
+# The kinds sit above everything else and are reached through kind_api/: no other folder includes kinds/ (one
+# exception by file until cross-entropy's settings leave LossSpec).
 for dir in $(cd "$src" && ls -d */ | tr -d / | grep -vx kinds); do
   forbid "$dir" 'lossverify/kinds/' "must not include a kind (reach it through kind_api/)" \
-    'case/case\.hpp|impl/cuda/loss_kernels\.cu'
+    'case/case\.hpp'
 done
 forbid kind_api 'lossverify/(case|inputs|impl|oracle|checks|runner|dump|repro|report|outputs|comm)/' \
   "is the seam below the kinds: it includes only plain types (core, layout, reference, cuda storage)"
 forbid oracle 'lossverify/impl/' "must not include the backends"
 forbid impl 'lossverify/(oracle|checks|reference)/' "must not include oracles, checks or the reference" \
-  'impl/cuda/cuda_bench.cpp|impl/cuda/multi_gpu_bench.cpp|impl/cuda/bench_check.hpp'
+  'impl/cuda/bench_check.hpp'
 forbid_in_files() {  # FILE_REGEX PATTERN WHY: FILE_REGEX (extended, relative to src) selects the files
   local files="$1" pattern="$2" why="$3" hits
   hits=$(grep -rnE "^[[:space:]]*#[[:space:]]*include[[:space:]]*[<\"]($pattern)" "$src/kinds" \

@@ -16,7 +16,7 @@
 #include "lossverify/cuda/cuda_check.hpp"
 #include "lossverify/cuda/device_buffer.hpp"
 #include "lossverify/cuda/shard_inputs.hpp"
-#include "lossverify/impl/cuda/kernels.hpp"
+#include "lossverify/impl/cuda/devices.hpp"
 #include "lossverify/impl/rank_plan.hpp"
 #include "lossverify/kind_api/cuda_kind.hpp"
 #include "lossverify/kind_api/loss_kind.hpp"

@@ -7,8 +7,8 @@
 
 #include "lossverify/cuda/cuda_check.hpp"
 #include "lossverify/cuda/device_buffer.hpp"
-#include "lossverify/impl/cuda/kernels.hpp"
 #include "lossverify/kind_api/cuda_kind.hpp"
+#include "lossverify/kinds/cross_entropy/cross_entropy_kernels.hpp"
 #include "lossverify/kinds/cross_entropy/cross_entropy_protocol.hpp"
 
 namespace lossverify::cuda {
@@ -192,12 +192,9 @@ class CrossEntropyCudaRank final : public CudaKindRank {
 
 std::unique_ptr<CudaKindRank> make_cross_entropy_cuda_rank(const CudaRankSetup& setup) {
   auto rank = std::make_unique<CrossEntropyCudaRank>(setup);
-  KernelChoice choice;
-  choice.whole_rows = setup.whole_rows;
-  choice.constants = rank->constants();
-  choice.logits = setup.logits;
-  choice.cols = setup.cols;
-  if (setup.preload) preload_kernels(setup.type, choice);
+  if (setup.preload) {
+    preload_cross_entropy_kernels(setup.type, rank->constants(), setup.whole_rows, setup.logits, setup.cols);
+  }
   return rank;
 }
 

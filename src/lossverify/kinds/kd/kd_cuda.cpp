@@ -7,8 +7,8 @@
 
 #include "lossverify/cuda/cuda_check.hpp"
 #include "lossverify/cuda/device_buffer.hpp"
-#include "lossverify/impl/cuda/kernels.hpp"
 #include "lossverify/kind_api/cuda_kind.hpp"
+#include "lossverify/kinds/kd/kd_kernels.hpp"
 #include "lossverify/kinds/kd/kd_protocol.hpp"
 
 namespace lossverify::cuda {
@@ -123,12 +123,7 @@ class KdCudaRank final : public CudaKindRank {
 }  // namespace
 
 std::unique_ptr<CudaKindRank> make_kd_cuda_rank(const CudaRankSetup& setup) {
-  KernelChoice choice;
-  choice.kd = true;
-  choice.whole_rows = setup.whole_rows;
-  choice.logits = setup.logits;
-  choice.cols = setup.cols;
-  if (setup.preload) preload_kernels(setup.type, choice);
+  if (setup.preload) preload_kd_kernels(setup.type);
   return std::make_unique<KdCudaRank>(setup);
 }
 

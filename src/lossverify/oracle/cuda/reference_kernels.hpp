@@ -87,7 +87,7 @@ void reference_compare(StorageType type, const ReferenceCompareArgs& args, RowCo
 bool reference_code_tables_apply(StorageType type, bool kd, double softcap);
 
 // Loads the reference kernels a shard of this type will take on the current device now (see
-// preload_kernels).
+// preload_cross_entropy_kernels).
 void preload_reference_kernels(StorageType type, bool kd, double softcap, const void* logits, std::int64_t cols);
 
 // The kernels' float64 exp on the device, one value per input (host arrays; for the accuracy test).

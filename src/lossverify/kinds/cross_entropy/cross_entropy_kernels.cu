@@ -13,14 +13,13 @@
 
 #include "lossverify/cuda/cuda_check.hpp"
 #include "lossverify/cuda/device_types.cuh"
-#include "lossverify/impl/cuda/kernels.hpp"
+#include "lossverify/cuda/row_launch.cuh"
+#include "lossverify/kinds/cross_entropy/cross_entropy_kernels.hpp"
 #include "lossverify/kinds/cross_entropy/cross_entropy_math.hpp"
 
 namespace lossverify::cuda {
 
 namespace {
-
-constexpr int kThreads = 1024;
 
 // Values of one 16-byte vector.
 template <class T>
@@ -285,11 +284,6 @@ __device__ void row_grad(const T* row, T* grad, std::int64_t cols, std::int64_t 
   } else {
     for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) grad[c] = value(widen<T>(row[c]), c);
   }
-}
-
-template <class T>
-__device__ void zero_row(T* grad, std::int64_t cols) {
-  for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) grad[c] = narrow<T>(0.0f);
 }
 
 template <class T>
@@ -701,7 +695,7 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
   cluster.sync();  // no CTA leaves while a peer may still read its slots
 }
 
-// KD pass 1: two online softmaxes (student and teacher) and the cross terms, one row per block.
+// smoothing-log-after-exp's third pass: sum_v log(exp(x_v - M) / S) over the row's local columns.
 template <class T>
 __global__ void __launch_bounds__(kThreads) sum_log_p_kernel(SumLogProbArgs a, CrossEntropyConstants k, float* out) {
   const T* logits = static_cast<const T*>(a.logits);
@@ -727,189 +721,6 @@ __global__ void __launch_bounds__(kThreads) sum_log_p_kernel(SumLogProbArgs a, C
     }
     __syncthreads();
   }
-}
-
-template <class T>
-__global__ void __launch_bounds__(kThreads) kd_stats_kernel(KdStatsArgs a, float* out) {
-  const T* xs = static_cast<const T*>(a.student);
-  const T* ys = static_cast<const T*>(a.teacher);
-  __shared__ float shared[8][32];
-  __shared__ int shared_arg[32];
-  for (std::int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
-    float* o = out + 8 * r;
-    if (!a.active[r]) {
-      if (threadIdx.x == 0) {
-        for (int j = 0; j < 8; ++j) o[j] = 0.0f;
-      }
-      continue;
-    }
-    const T* x = xs + r * a.cols;
-    const T* y = ys + r * a.cols;
-    // Pass over the row: maxima first (exact, order-free), then the sums relative to them.
-    float ma = -INFINITY, mb = -INFINITY;
-    int arg = 0;
-    for (std::int64_t c = threadIdx.x; c < a.cols; c += blockDim.x) {
-      const float av = widen<T>(x[c]) * a.inverse_temperature;
-      if (av > ma) {
-        ma = av;
-        arg = static_cast<int>(c);
-      }
-      mb = fmaxf(mb, widen<T>(y[c]) * a.inverse_temperature);
-    }
-    // block max (and the first column reaching the student max)
-    for (int offset = 16; offset > 0; offset >>= 1) {
-      const float ma2 = __shfl_xor_sync(0xffffffffu, ma, offset);
-      const int arg2 = __shfl_xor_sync(0xffffffffu, arg, offset);
-      if (ma2 > ma || (ma2 == ma && arg2 < arg)) {
-        ma = ma2;
-        arg = arg2;
-      }
-      mb = fmaxf(mb, __shfl_xor_sync(0xffffffffu, mb, offset));
-    }
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    if (lane == 0) {
-      shared[0][warp] = ma;
-      shared[1][warp] = mb;
-      shared_arg[warp] = arg;
-    }
-    __syncthreads();
-    ma = -INFINITY;
-    mb = -INFINITY;
-    arg = 0;
-    for (int w = 0; w < warps; ++w) {
-      if (shared[0][w] > ma || (shared[0][w] == ma && shared_arg[w] < arg)) {
-        ma = shared[0][w];
-        arg = shared_arg[w];
-      }
-      mb = fmaxf(mb, shared[1][w]);
-    }
-    __syncthreads();
-    float sa = 0.0f, sb = 0.0f, w_gap = 0.0f, u = 0.0f;
-    for (std::int64_t c = threadIdx.x; c < a.cols; c += blockDim.x) {
-      const float av = widen<T>(x[c]) * a.inverse_temperature;
-      const float bv = widen<T>(y[c]) * a.inverse_temperature;
-      const float eb = expf(bv - mb);
-      sa += expf(av - ma);
-      sb += eb;
-      w_gap += eb * (bv - av);
-      u += eb * (av - ma);
-    }
-    float vals[4] = {sa, sb, w_gap, u};
-    for (int j = 0; j < 4; ++j) {
-      for (int offset = 16; offset > 0; offset >>= 1) vals[j] += __shfl_xor_sync(0xffffffffu, vals[j], offset);
-      if (lane == 0) shared[2 + j][warp] = vals[j];
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      float total[4] = {0, 0, 0, 0};
-      for (int w = 0; w < warps; ++w) {
-        for (int j = 0; j < 4; ++j) total[j] += shared[2 + j][w];
-      }
-      o[0] = ma;
-      o[1] = total[0];
-      o[2] = mb;
-      o[3] = total[1];
-      o[4] = total[2];
-      o[5] = total[3];
-      o[6] = static_cast<float>(arg);
-      o[7] = 0.0f;
-    }
-    __syncthreads();
-  }
-}
-
-template <class T>
-__global__ void __launch_bounds__(kThreads) kd_grad_kernel(KdGradArgs a) {
-  const T* xs = static_cast<const T*>(a.student);
-  const T* ys = static_cast<const T*>(a.teacher);
-  T* gs = static_cast<T*>(a.grad);
-  __shared__ float shared[2][32];
-  for (std::int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
-    T* g = gs + r * a.cols;
-    if (!a.active[r]) {
-      zero_row(g, a.cols);
-      continue;
-    }
-    const T* x = xs + r * a.cols;
-    const T* y = ys + r * a.cols;
-    const float lse_a = a.lse_student[r], lse_b = a.lse_teacher[r];
-    float shard_p = 0.0f, shard_q = 0.0f;
-    if (a.untracked_allreduce) {
-      float p = 0.0f, q = 0.0f;
-      for (std::int64_t c = threadIdx.x; c < a.cols; c += blockDim.x) {
-        q += expf(widen<T>(x[c]) * a.inverse_temperature - lse_a);
-        p += expf(widen<T>(y[c]) * a.inverse_temperature - lse_b);
-      }
-      for (int offset = 16; offset > 0; offset >>= 1) {
-        p += __shfl_xor_sync(0xffffffffu, p, offset);
-        q += __shfl_xor_sync(0xffffffffu, q, offset);
-      }
-      if ((threadIdx.x & 31) == 0) {
-        shared[0][threadIdx.x >> 5] = p;
-        shared[1][threadIdx.x >> 5] = q;
-      }
-      __syncthreads();
-      for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) {
-        shard_p += shared[0][w];
-        shard_q += shared[1][w];
-      }
-      __syncthreads();
-    }
-    const float w = a.weight[r];
-    const auto argmax = static_cast<std::int64_t>(a.argmax[r]);
-    for (std::int64_t c = threadIdx.x; c < a.cols; c += blockDim.x) {
-      const float q = expf(widen<T>(x[c]) * a.inverse_temperature - lse_a);
-      const float p = expf(widen<T>(y[c]) * a.inverse_temperature - lse_b);
-      float v = q - p;
-      if (a.untracked_allreduce) {
-        v = shard_p * q - p;
-        if (c == argmax) v += shard_p * (1.0f - shard_q);
-      }
-      g[c] = narrow<T>(w * v);
-    }
-  }
-}
-
-int persistent_blocks() {
-  int device = 0;
-  cudaGetDevice(&device);
-  int sms = 0;
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  return sms > 0 ? sms : 132;
-}
-
-// Launch shape: rows of up to 64 KB get 128-thread blocks, sixteen per SM, so many rows are in flight on
-// each SM (measured on the H100 for a TP = 8 shard: 256 x 4 gave 79% of the floor, 256 x 8 81%, 128 x 8
-// 85%, 128 x 16 87%, 512 x 2 71%); longer rows get one 1024-thread block per SM (the row stays in L2
-// between the passes).
-struct LaunchShape {
-  int blocks;
-  int threads;
-};
-// Tuning aid: LOSSVERIFY_SMALL_ROW_LAUNCH / LOSSVERIFY_LARGE_ROW_LAUNCH="threads,blocks_per_sm" override
-// the two shapes (bench/NOTES.md records the measured alternatives).
-struct RowShape {
-  int threads, blocks_per_sm;
-  RowShape(const char* variable, int default_threads, int default_blocks)
-      : threads(default_threads), blocks_per_sm(default_blocks) {
-    if (const char* e = std::getenv(variable)) {
-      int t = 0, b = 0;
-      if (std::sscanf(e, "%d,%d", &t, &b) == 2 && t >= 32 && t <= kThreads && t % 32 == 0 && b >= 1 && b <= 32) {
-        threads = t;
-        blocks_per_sm = b;
-      }
-    }
-  }
-};
-template <class T>
-LaunchShape launch_shape(std::int64_t rows, std::int64_t cols) {
-  static const RowShape small_shape("LOSSVERIFY_SMALL_ROW_LAUNCH", 128, 16);
-  static const RowShape large_shape("LOSSVERIFY_LARGE_ROW_LAUNCH", kThreads, 1);
-  const bool small = cols * static_cast<std::int64_t>(sizeof(T)) <= 64 * 1024;
-  const RowShape& shape = small ? small_shape : large_shape;
-  const int threads = shape.threads;
-  const std::int64_t blocks = static_cast<std::int64_t>(persistent_blocks()) * shape.blocks_per_sm;
-  return {static_cast<int>(std::min<std::int64_t>(rows, blocks)), threads};
 }
 
 }  // namespace
@@ -1114,24 +925,6 @@ void cross_entropy_sum_log_p(StorageType type, const SumLogProbArgs& args, const
   });
 }
 
-void kd_stats(StorageType type, const KdStatsArgs& args, float* out, void* stream) {
-  if (args.rows == 0) return;
-  dispatch(type, [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    const LaunchShape shape = launch_shape<T>(args.rows, args.cols);
-    kd_stats_kernel<T><<<shape.blocks, shape.threads, 0, static_cast<cudaStream_t>(stream)>>>(args, out);
-  });
-}
-
-void kd_grad(StorageType type, const KdGradArgs& args, void* stream) {
-  if (args.rows == 0) return;
-  dispatch(type, [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    const LaunchShape shape = launch_shape<T>(args.rows, args.cols);
-    kd_grad_kernel<T><<<shape.blocks, shape.threads, 0, static_cast<cudaStream_t>(stream)>>>(args);
-  });
-}
-
 namespace {
 template <class... Kernels>
 void load_functions(Kernels... kernels) {
@@ -1139,45 +932,22 @@ void load_functions(Kernels... kernels) {
 }
 }  // namespace
 
-void preload_kernels(StorageType type, const KernelChoice& choice) {
+void preload_cross_entropy_kernels(StorageType type, const CrossEntropyConstants& constants, bool whole_rows,
+                                   const void* logits, std::int64_t cols) {
   dispatch(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    if (choice.kd) {
-      load_functions(kd_stats_kernel<T>, kd_grad_kernel<T>);
-    } else if (!choice.whole_rows) {
+    if (!whole_rows) {
       load_functions(stats_kernel<T>, grad_kernel<T>);
     } else {
       // cross_entropy_fused's choice (launch_resident): the row-resident instantiation, else the fused kernel.
-      const int block = resident_shape_for(choice.constants).block;
-      if (resident_cluster<T>(choice.logits, choice.logits, choice.cols, block) == 0) {
+      const int block = resident_shape_for(constants).block;
+      if (resident_cluster<T>(logits, logits, cols, block) == 0) {
         load_functions(fused_kernel<T>);
       } else {
-        load_functions(resident_variant<T>(choice.constants).kernel);
+        load_functions(resident_variant<T>(constants).kernel);
       }
     }
   });
-}
-
-int device_count() {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) return 0;
-  return count;
-}
-
-bool device_available(int device, char* reason, int reason_size) {
-  int count = 0;
-  const cudaError_t e = cudaGetDeviceCount(&count);
-  if (e != cudaSuccess) {
-    const bool absent = e == cudaErrorInsufficientDriver || e == cudaErrorNoDevice;
-    std::snprintf(reason, static_cast<std::size_t>(reason_size), "%s(cudaGetDeviceCount: %s)",
-                  absent ? "no NVIDIA driver or GPU on this machine " : "", cudaGetErrorString(e));
-    return false;
-  }
-  if (device >= count) {
-    std::snprintf(reason, static_cast<std::size_t>(reason_size), "device %d requested, %d present", device, count);
-    return false;
-  }
-  return true;
 }
 
 }  // namespace lossverify::cuda

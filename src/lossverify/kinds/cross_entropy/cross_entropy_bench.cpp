@@ -11,7 +11,7 @@
 #include "lossverify/impl/cuda/bench_check.hpp"
 #include "lossverify/impl/cuda/bench_timing.hpp"
 #include "lossverify/impl/cuda/cuda_backend.hpp"
-#include "lossverify/impl/cuda/kernels.hpp"
+#include "lossverify/kinds/cross_entropy/cross_entropy_kernels.hpp"
 #include "lossverify/reference/loss_reference.hpp"
 
 namespace lossverify::cuda {

@@ -22,7 +22,7 @@
 #include "lossverify/cuda/cuda_check.hpp"
 #include "lossverify/impl/cuda/bench_timing.hpp"
 #include "lossverify/impl/cuda/cuda_backend.hpp"
-#include "lossverify/impl/cuda/kernels.hpp"
+#include "lossverify/kinds/cross_entropy/cross_entropy_kernels.hpp"
 #include "lossverify/layout/vocab_range.hpp"
 #include "lossverify/reference/loss_reference.hpp"
 

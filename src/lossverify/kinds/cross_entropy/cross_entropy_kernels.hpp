@@ -1,6 +1,6 @@
 #pragma once
-// Plain-data interface between the host side of the CUDA backend (compiled by the C++ compiler) and the
-// kernels (compiled by nvcc). Nothing here includes CUDA or Eigen headers.
+// Plain-data interface between cross-entropy's CUDA rank (cross_entropy_cuda.cpp, the benchmarks) and its kernels
+// (cross_entropy_kernels.cu, compiled by nvcc). Nothing here includes CUDA or Eigen headers.
 #include <cstdint>
 
 #include "lossverify/cuda/storage.hpp"
@@ -78,50 +78,11 @@ struct SumLogProbArgs {
 void cross_entropy_sum_log_p(StorageType type, const SumLogProbArgs& args, const CrossEntropyConstants& k, float* out,
                              void* stream);
 
-// KD pass 1, per row over the local columns with a = x/T, b = y/T: out rows x 8 floats
-// [M_a, S_a = sum exp(a - M_a), M_b, S_b, W = sum exp(b - M_b)(b - a), U = sum exp(b - M_b)(a - M_a),
-//  local argmax of a (as a float), 0].
-struct KdStatsArgs {
-  const void* student;
-  const void* teacher;
-  std::int64_t rows, cols;
-  const int* active;
-  float inverse_temperature;
-};
-void kd_stats(StorageType type, const KdStatsArgs& args, float* out, void* stream);
-
-// KD pass 2: grad = weight * scale * (Q - P), Q = exp(a - lse_a), P = exp(b - lse_b); under the
-// kd-untracked-allreduce bug g_j = P_r Q_j - P_j + [j = local argmax] P_r (1 - Q_r) with the shard's masses.
-struct KdGradArgs {
-  const void* student;
-  const void* teacher;
-  void* grad;
-  std::int64_t rows, cols;
-  const int* active;
-  const float* lse_student;
-  const float* lse_teacher;
-  const float* weight;  // backward weight times T^(s-1)
-  const float* argmax;  // local argmax of a (untracked bug)
-  float inverse_temperature;
-  int untracked_allreduce;
-};
-void kd_grad(StorageType type, const KdGradArgs& args, void* stream);
-
-// Loads the loss kernels a rank will launch on the current device now, instead of at their first
-// launch (CUDA's lazy loading, about 1 ms per kernel): a rank calls it while its inputs are generated,
-// so the compute stage times the kernels, not the loading of their code. Kernels of catalogued bugs'
-// extra passes still load at their first launch.
-struct KernelChoice {
-  bool kd = false;
-  bool whole_rows = false;  // TP = 1: cross_entropy_fused
-  CrossEntropyConstants constants{};
-  const void* logits = nullptr;  // the rank's logits (their alignment decides the row-resident kernel)
-  std::int64_t cols = 0;
-};
-void preload_kernels(StorageType type, const KernelChoice& choice);
-
-// Device properties the host needs; false (with a reason) when no usable device exists.
-bool device_available(int device, char* reason, int reason_size);
-int device_count();
+// Loads the kernels a rank will launch on the current device now, instead of at their first launch (CUDA's lazy
+// loading, about 1 ms per kernel): a rank calls it while its inputs are generated, so the compute stage times the
+// kernels, not the loading of their code. Kernels of catalogued bugs' extra passes still load at their first
+// launch. whole_rows (TP = 1): cross_entropy_fused's choice, which the logits' alignment and cols decide.
+void preload_cross_entropy_kernels(StorageType type, const CrossEntropyConstants& constants, bool whole_rows,
+                                   const void* logits, std::int64_t cols);
 
 }  // namespace lossverify::cuda
