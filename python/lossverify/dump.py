@@ -35,6 +35,7 @@ import torch
 
 from lossverify import safetensors
 from lossverify.errors import DumpError
+from lossverify.kinds import kind_inputs
 from lossverify.layout import parse_layout
 
 __all__ = ["DumpWriter", "RankDump", "MicroBatchDump", "ModifiedInputWarning", "rows_json", "require_convention",
@@ -50,7 +51,7 @@ _OUTPUT_TENSORS = ("grad_logits", "token_loss", "token_logprob", "token_entropy"
 _ROW_FLOATS = ("token_loss", "grad_output", "old_logprob", "ref_logprob", "advantages", "token_logprob",
                "token_entropy")
 # The statistics a rank may log besides loss and num_tokens (policy; each a global token-mean).
-POLICY_STATS = ("clip_fraction", "dual_clip_fraction", "kl", "entropy")
+POLICY_STATS = kind_inputs("policy").logged_statistics
 
 SMOOTHING_CONVENTIONS = (
     "pytorch: q = (1-a)[v=l] + a/V (torch.nn.functional.cross_entropy's label_smoothing), or "

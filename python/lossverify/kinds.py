@@ -21,6 +21,9 @@ class KindInputs:
     labels: bool
     teacher_logits: bool
     row_inputs: tuple = ()
+    # The statistics a framework logs beside the loss and the valid-token count, each a token mean over the step
+    # (a dump's stats, a Reduced's stats), in the order the tool reports them.
+    logged_statistics: tuple = ()
 
 
 _KINDS = {}
@@ -57,4 +60,5 @@ def known_kinds():
 register_kind("cross_entropy", KindInputs(labels=True, teacher_logits=False))
 register_kind("kd", KindInputs(labels=False, teacher_logits=True))
 register_kind("policy", KindInputs(labels=True, teacher_logits=False,
-                                   row_inputs=("old_logprob", "ref_logprob", "advantages")))
+                                   row_inputs=("old_logprob", "ref_logprob", "advantages"),
+                                   logged_statistics=("clip_fraction", "dual_clip_fraction", "kl", "entropy")))

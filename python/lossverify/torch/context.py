@@ -25,11 +25,13 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from lossverify.kinds import kind_inputs
+
 __all__ = ["Context", "LossConfig", "FrameworkConfig", "MicroBatch", "Reduced", "LogProbs", "POLICY_STATS"]
 
 # The statistics a policy loss logs besides the loss and the token count: each the global token-mean over the
 # step's valid tokens (clipped tokens, dual-clipped tokens, the KL penalty, the entropy).
-POLICY_STATS = ("clip_fraction", "dual_clip_fraction", "kl", "entropy")
+POLICY_STATS = kind_inputs("policy").logged_statistics
 
 
 @dataclass(frozen=True)
