@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "lossverify/inputs/input_source.hpp"
+#include "lossverify/kinds/cross_entropy/cross_entropy_options.hpp"
 #include "lossverify/reference/compensated_sum.hpp"
 #include "lossverify/reference/loss_reference.hpp"
 
@@ -36,7 +37,7 @@ struct Figures {
 double naive_cross_entropy(const Case& c, std::int64_t label, double weight, const std::vector<double>& x,
                            std::vector<double>& grad) {
   const double n = static_cast<double>(x.size());
-  const double alpha = c.loss.label_smoothing;
+  const double alpha = cross_entropy_options(c.loss).label_smoothing;
   auto q = [&](std::size_t v) {
     return (1.0 - alpha) * (static_cast<std::int64_t>(v) == label ? 1.0 : 0.0) + alpha / n;
   };
@@ -49,9 +50,9 @@ double naive_cross_entropy(const Case& c, std::int64_t label, double weight, con
     sum_qx.add(q(v) * x[v]);
   }
   const double lse = max + std::log(sum_exp.value());
-  const double z_factor = 1.0 + 2.0 * c.loss.z_loss_weight * lse;
+  const double z_factor = 1.0 + 2.0 * cross_entropy_options(c.loss).z_loss_weight * lse;
   for (std::size_t v = 0; v < x.size(); ++v) grad[v] = weight * (std::exp(x[v] - lse) * z_factor - q(v));
-  return lse - sum_qx.value() + c.loss.z_loss_weight * lse * lse;
+  return lse - sum_qx.value() + cross_entropy_options(c.loss).z_loss_weight * lse * lse;
 }
 
 Figures measure(const Case& c, int threads) {

@@ -13,11 +13,35 @@
 
 namespace lossverify::cli {
 
+namespace {
+
+// One setting of a kind's table as `list --json` gives it (the Python package reads the fallbacks from here).
+nlohmann::json describe_setting(const Setting& s) {
+  static const char* const kTypes[] = {"number", "integer", "boolean", "choice"};
+  nlohmann::json d = {{"key", s.key},
+                      {"type", kTypes[static_cast<int>(s.type)]},
+                      {"default", s.fallback},
+                      {"allowed", s.allowed()},
+                      {"meaning", s.meaning}};
+  if (!s.fallback_from.empty()) d["default_from"] = s.fallback_from;
+  if (s.type == Setting::Type::choice) d["choices"] = s.choices;
+  if (s.applies) {
+    d["applies_to"] = s.applies->words;
+    d["applies_when"] = {{"key", s.applies->key}, {"values", s.applies->values}};
+  }
+  return d;
+}
+
+}  // namespace
+
 int run_list(bool as_json) {
   nlohmann::json doc;
   doc["losses"] = nlohmann::json::array();
   for (const LossKind* kind : loss_kinds()) {
-    doc["losses"].push_back({{"name", std::string(kind->name())}, {"options", std::string(kind->summary())}});
+    nlohmann::json settings = nlohmann::json::array();
+    for (const Setting& s : kind->settings()) settings.push_back(describe_setting(s));
+    doc["losses"].push_back(
+        {{"name", std::string(kind->name())}, {"summary", std::string(kind->summary())}, {"settings", settings}});
   }
   nlohmann::json impls = nlohmann::json::array();
   for (const auto& i : implementations()) {
@@ -38,9 +62,15 @@ int run_list(bool as_json) {
     std::cout << doc.dump(2) << "\n";
     return 0;
   }
-  std::cout << "losses:\n";
+  std::cout << "losses (loss.kind) and their settings (loss.KEY):\n";
   for (const auto& l : doc["losses"]) {
-    std::cout << "  " << l["name"].get<std::string>() << "  " << l["options"].get<std::string>() << "\n";
+    std::cout << "  " << l["name"].get<std::string>() << "  " << l["summary"].get<std::string>() << "\n";
+    for (const auto& s : l["settings"]) {
+      std::cout << "      " << s["key"].get<std::string>() << ": " << s["allowed"].get<std::string>() << ", default "
+                << s["default"].dump()
+                << (s.contains("applies_to") ? ", under " + s["applies_to"].get<std::string>() : "")
+                << (s["meaning"].get<std::string>().empty() ? "" : " -- " + s["meaning"].get<std::string>()) << "\n";
+    }
   }
   std::cout << "\nimplementations (--impl):\n";
   for (const auto& i : implementations()) {

@@ -28,11 +28,9 @@ forbid() {  # DIR PATTERN WHY [EXCEPT_FILE]
   fi
 }
 forbid checks 'lossverify/(impl|oracle|cuda|runner)/|cuda|nccl' "must not include backends, oracles, CUDA or the runner"
-# The kinds sit above everything else and are reached through kind_api/: no other folder includes kinds/ (one
-# exception by file until cross-entropy's settings leave LossSpec).
+# The kinds sit above everything else and are reached through kind_api/: no other folder includes kinds/.
 for dir in $(cd "$src" && ls -d */ | tr -d / | grep -vx kinds); do
-  forbid "$dir" 'lossverify/kinds/' "must not include a kind (reach it through kind_api/)" \
-    'case/case\.hpp'
+  forbid "$dir" 'lossverify/kinds/' "must not include a kind (reach it through kind_api/)"
 done
 forbid kind_api 'lossverify/(case|inputs|impl|oracle|checks|runner|dump|repro|report|outputs|comm)/' \
   "is the seam below the kinds: it includes only plain types (core, layout, reference, cuda storage)"

@@ -45,7 +45,9 @@
  * loss cannot have set LV_SUPPORTS_POLICY, so it is never handed a policy case (run: exit code 2 naming it;
  * gate: not run), and lossverify reads the policy outputs only of a plugin that declares it. Likewise a setting
  * added later (policy_ratio, appended after the policy fields) reaches only a plugin that sets its capability
- * bit (LV_SUPPORTS_POLICY_SEQUENCE_RATIO): one built before it is never handed ratio sequence. struct_size is
+ * bit (LV_SUPPORTS_POLICY_SEQUENCE_RATIO): one built before it is never handed ratio sequence. Then the kind's name
+ * and all its settings as one self-describing block (loss_kind, settings), appended within v1 with the optional
+ * lossverify_plugin_names() symbol: every later setting travels there only (lv_find_setting). struct_size is
  * the size lossverify passes; a plugin that needs appended fields checks it (examples/plugins does).
  * Where it runs: in a plugin host, a child process of lossverify (lossverify-plugin-host) that loads the library
  * and serves the rank's calls; inputs and outputs are in memory shared with lossverify. lossverify takes a rank's
@@ -77,7 +79,13 @@ typedef enum lv_dtype { LV_DTYPE_F32 = 0, LV_DTYPE_BF16 = 1, LV_DTYPE_F16 = 2 } 
  * (cudaSetDevice has been called on the calling thread). */
 typedef enum lv_memory { LV_MEMORY_HOST = 0, LV_MEMORY_CUDA = 1 } lv_memory;
 
-typedef enum lv_loss_kind { LV_LOSS_CROSS_ENTROPY = 0, LV_LOSS_KD = 1, LV_LOSS_POLICY = 2 } lv_loss_kind;
+/* LV_LOSS_BY_NAME: a kind with no code of its own here; lv_rank_inputs.loss_kind names it. */
+typedef enum lv_loss_kind {
+  LV_LOSS_CROSS_ENTROPY = 0,
+  LV_LOSS_KD = 1,
+  LV_LOSS_POLICY = 2,
+  LV_LOSS_BY_NAME = 15
+} lv_loss_kind;
 /* Bits of lv_plugin.losses. */
 #define LV_SUPPORTS_CROSS_ENTROPY (1u << LV_LOSS_CROSS_ENTROPY)
 #define LV_SUPPORTS_KD (1u << LV_LOSS_KD)
@@ -162,6 +170,22 @@ enum {
 };
 #define LV_MAX_LOGGED_STATISTICS 8
 
+/* One setting of the case's kind (lv_rank_inputs.settings): its key in the case's "loss" section and its value
+ * as the case resolves it (a setting that does not apply to the case holds its fallback). */
+typedef enum lv_setting_type {
+  LV_SETTING_NUMBER = 0,  /* number */
+  LV_SETTING_INTEGER = 1, /* integer (number holds it too) */
+  LV_SETTING_BOOLEAN = 2, /* integer 0 or 1 (number too) */
+  LV_SETTING_CHOICE = 3   /* choice: the value's name, e.g. "megatron" */
+} lv_setting_type;
+typedef struct lv_setting {
+  const char* name;
+  lv_setting_type type;
+  double number;
+  int64_t integer;
+  const char* choice; /* "" unless LV_SETTING_CHOICE */
+} lv_setting;
+
 /* How the framework combines rank gradients (the effective gradient is grad x this model's factor). */
 typedef struct lv_framework {
   int32_t grad_reduce_avg; /* 1: averaged over DP x CP (DDP/FSDP); 0: summed */
@@ -227,6 +251,13 @@ typedef struct lv_rank_inputs {
   /* ---- Appended for the policy loss's ratio (within version 1; lv_policy_config cannot grow in place). A plugin
    * is given LV_POLICY_RATIO_SEQUENCE only when it sets LV_SUPPORTS_POLICY_SEQUENCE_RATIO. */
   int32_t policy_ratio; /* lv_policy_ratio; LV_POLICY_RATIO_TOKEN for every other loss and objective */
+  /* ---- Appended for kinds named by string and settings carried whole (within version 1). Set for every loss;
+   * host memory, read-only, valid during run_rank. Every setting of the kind is here, those of the structures above
+   * too; a setting added to a kind later reaches plugins only here (lv_find_setting), and at a value other than its
+   * fallback only a plugin that names it (LV_PLUGIN_NAMES_ENTRY_POINT). */
+  const char* loss_kind;      /* loss.kind: "cross_entropy", "kd", "policy" or a kind without an lv_loss_kind */
+  const lv_setting* settings; /* the kind's settings in the order of its table (docs/cases.md) */
+  int64_t settings_count;
 } lv_rank_inputs;
 
 typedef struct lv_rank_outputs {
@@ -267,6 +298,29 @@ typedef struct lv_plugin {
 /* The symbol lossverify looks up. The returned object must live as long as the library is loaded. */
 #define LV_PLUGIN_ENTRY_POINT "lossverify_plugin"
 typedef const lv_plugin* (*lv_plugin_entry)(void);
+
+/* Optional, beside lossverify_plugin: what the plugin computes beyond the bits of lv_plugin.losses, as a
+ * NULL-terminated array of names (living as long as the library): a kind by its name ("log_partition"), or a setting
+ * as "kind.key" ("policy.ratio"). A kind is handed to a plugin that sets its bit or names it; a setting that is not
+ * in the v1 structures reaches a plugin at a value other than its fallback only when the plugin names it (or sets
+ * the setting's capability bit), else run refuses the case (exit 2, naming the setting) and the gate skips it. */
+#define LV_PLUGIN_NAMES_ENTRY_POINT "lossverify_plugin_names"
+typedef const char* const* (*lv_plugin_names_entry)(void);
+
+/* The setting named `name` of the rank's kind, or NULL (a lossverify older than the settings block, or no such
+ * setting). */
+static inline const lv_setting* lv_find_setting(const lv_rank_inputs* inputs, const char* name) {
+  const size_t end = offsetof(lv_rank_inputs, settings_count) + sizeof(inputs->settings_count);
+  int64_t i;
+  if (inputs->struct_size < end || inputs->settings == NULL) return NULL;
+  for (i = 0; i < inputs->settings_count; ++i) {
+    const char* a = inputs->settings[i].name;
+    const char* b = name;
+    while (*a != '\0' && *a == *b) ++a, ++b;
+    if (*a == *b) return &inputs->settings[i];
+  }
+  return NULL;
+}
 /* clang-format on */
 
 #ifdef __cplusplus

@@ -18,6 +18,7 @@
 
 #include "lossverify/impl/catalogue.hpp"
 #include "lossverify/inputs/input_source.hpp"
+#include "lossverify/kinds/kd/kd_options.hpp"
 #include "lossverify/runner/run_case.hpp"
 #include "test_support.hpp"
 
@@ -146,7 +147,7 @@ TEST_CASE("kd_no_t2_and_kd_double_t2_scale_kd_loss_and_gradient_by_inverse_t2_an
   for (double temperature : {2.0, 0.7}) {
     CAPTURE(temperature);
     const Case c = testing::make_case(kd_json(24, 101, 2, temperature));
-    REQUIRE(c.loss.t2_scaling);
+    REQUIRE(kd_options(c.loss).t2_scaling);
     const InputSource inputs(c);
     const RankRun right = ranks_of(c, inputs, "correct");
     const double t2 = temperature * temperature;

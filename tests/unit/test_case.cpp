@@ -2,6 +2,7 @@
 
 #include "lossverify/case/case.hpp"
 #include "lossverify/core/errors.hpp"
+#include "lossverify/kinds/cross_entropy/cross_entropy_options.hpp"
 #include "lossverify/runner/run_case.hpp"
 #include "test_support.hpp"
 
@@ -22,7 +23,7 @@ std::string error_of(const nlohmann::json& j) {
 
 TEST_CASE("a_minimal_case_gets_every_default") {
   const Case c = parse_case({{"name", "m"}, {"shape", {{"tokens", 3}, {"vocab", 5}}}}, "m.json");
-  CHECK(c.loss.label_smoothing == 0.0);
+  CHECK(cross_entropy_options(c.loss).label_smoothing == 0.0);
   CHECK(c.loss.ignore_index == -100);
   CHECK(c.loss.reduction == Reduction::mean);
   CHECK(c.inputs.dtype == DType::fp32);
@@ -60,7 +61,7 @@ TEST_CASE("set_overrides_create_nested_keys_and_parse_json_values") {
   apply_set_override(doc, "inputs.dtype=bf16", "x.json");
   apply_set_override(doc, "layout.tp=5", "x.json");
   const Case c = testing::make_case(doc);
-  CHECK(c.loss.label_smoothing == 0.25);
+  CHECK(cross_entropy_options(c.loss).label_smoothing == 0.25);
   CHECK(c.inputs.dtype == DType::bf16);
   CHECK(c.layout.tp == 5);
   CHECK_THROWS_AS(apply_set_override(doc, "novalue", "x.json"), CaseError);

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "lossverify/inputs/input_source.hpp"
+#include "lossverify/kinds/kd/kd_options.hpp"
 #include "lossverify/reference/loss_reference.hpp"
 #include "lossverify/runner/run_case.hpp"
 #include "test_support.hpp"
@@ -61,10 +62,10 @@ std::int64_t compare_with_long_double(const nlohmann::json& j) {
   const LossReference reference(c, inputs);
   REQUIRE(reference.needs_teacher());
   const auto vocab = c.shape.vocab;
-  const long double temperature = static_cast<long double>(c.loss.temperature);
-  const long double s = c.loss.t2_scaling ? 2.0L : 0.0L;
+  const long double temperature = static_cast<long double>(kd_options(c.loss).temperature);
+  const long double s = kd_options(c.loss).t2_scaling ? 2.0L : 0.0L;
   // The natural scale of one token's gradient: |Q_v - P_v| <= 1, times T^(s-1).
-  const double grad_scale = std::pow(c.loss.temperature, static_cast<double>(s) - 1.0);
+  const double grad_scale = std::pow(kd_options(c.loss).temperature, static_cast<double>(s) - 1.0);
   std::vector<double> x(static_cast<std::size_t>(vocab));
   std::vector<double> y(static_cast<std::size_t>(vocab));
   std::vector<double> grad(static_cast<std::size_t>(vocab));
@@ -89,7 +90,7 @@ std::int64_t compare_with_long_double(const nlohmann::json& j) {
     CHECK(exact > 0);  // teacher != student
     // The terms P_v |log P_v - log Q_v| sum to a few tens at most here; the reference rounds each in double
     // (~1e-16) and sums them compensated, so 1e-13 T^s leaves a wide margin.
-    const double loss_scale = std::pow(c.loss.temperature, static_cast<double>(s));
+    const double loss_scale = std::pow(kd_options(c.loss).temperature, static_cast<double>(s));
     CHECK(std::fabs(r.loss - static_cast<double>(exact)) <=
           1e-13 * loss_scale + 1e-13 * std::fabs(static_cast<double>(exact)));
     // Central differences: truncation h^2/6 |k'''| ~ 1e-11 T^(s-3), rounding ~1e-19 |k| / h ~ 1e-14.

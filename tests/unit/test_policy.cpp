@@ -583,7 +583,7 @@ TEST_CASE("a policy case refuses impossible settings by name, before any work") 
   refused({{"clip_low", 1.0}}, "$.loss.clip_low: must be in (0, 1)");
   refused({{"clip_low", 0.0}}, "$.loss.clip_low");
   refused({{"clip_high", 0.0}}, "$.loss.clip_high: must be in (0, 1000]");
-  refused({{"dual_clip", 1.0}}, "$.loss.dual_clip: must be in (1, 1000]");
+  refused({{"dual_clip", 1.0}}, "$.loss.dual_clip: must be 0 (off) or in (1, 1000]");
   refused({{"whiten_epsilon", 0.0}}, "$.loss.whiten_epsilon: must be in (0, 1000]");
   refused({{"reduction", "sum"}}, "$.loss.reduction: a policy loss aggregates its tokens by \"aggregation\"");
   refused({{"aggregation", "seq-mean-token-sum-norm"}}, "needs norm_constant");
@@ -921,8 +921,8 @@ TEST_CASE("0 switches a setting off: kl_coef beside kl_penalty none, whiten_epsi
                        doctest::Contains("$.loss.whiten_epsilon: applies to whiten_advantages true"), CaseError);
   still_on = off;
   still_on["loss"]["dual_clip"] = 0.5;
-  CHECK_THROWS_WITH_AS(testing::make_case(still_on), doctest::Contains("$.loss.dual_clip: must be in (1, 1000]"),
-                       CaseError);
+  CHECK_THROWS_WITH_AS(testing::make_case(still_on),
+                       doctest::Contains("$.loss.dual_clip: must be 0 (off) or in (1, 1000]"), CaseError);
 }
 
 TEST_CASE("norm_constant 0 means unset under any aggregation: --set takes a Dr. GRPO case to another mode") {

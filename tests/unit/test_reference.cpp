@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "lossverify/inputs/input_source.hpp"
+#include "lossverify/kinds/cross_entropy/cross_entropy_options.hpp"
 #include "lossverify/reference/compensated_sum.hpp"
 #include "lossverify/reference/loss_reference.hpp"
 #include "test_support.hpp"
@@ -50,9 +51,9 @@ void compare_with_long_double(const nlohmann::json& j) {
       for (double g : grad) CHECK(g == 0.0);
       continue;
     }
-    const LongDoubleLoss f{static_cast<long double>(c.loss.label_smoothing),
-                           c.loss.convention == SmoothingConvention::megatron,
-                           static_cast<long double>(c.loss.z_loss_weight), inputs.label(t)};
+    const LongDoubleLoss f{static_cast<long double>(cross_entropy_options(c.loss).label_smoothing),
+                           cross_entropy_options(c.loss).convention == SmoothingConvention::megatron,
+                           static_cast<long double>(cross_entropy_options(c.loss).z_loss_weight), inputs.label(t)};
     std::vector<long double> xl(x.begin(), x.end());
     const long double exact = f(xl);
     CHECK(std::fabs(r.loss - static_cast<double>(exact)) <= 1e-13 * std::fabs(static_cast<double>(exact)) + 1e-13);

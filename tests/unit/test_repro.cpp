@@ -8,6 +8,7 @@
 
 #include "lossverify/core/errors.hpp"
 #include "lossverify/inputs/input_source.hpp"
+#include "lossverify/kinds/cross_entropy/cross_entropy_options.hpp"
 #include "lossverify/repro/bundle.hpp"
 #include "lossverify/repro/shrink.hpp"
 #include "lossverify/runner/run_case.hpp"
@@ -224,8 +225,8 @@ TEST_CASE("shrink_reduces_a_failing_case_and_it_still_fails_the_same_check") {
   CHECK(result.after.tokens <= 2);
   // The bug needs two shards and label smoothing: those stay; z-loss and ignored tokens go.
   CHECK(result.after.layout.tp >= 2);
-  CHECK(result.minimized_case.loss.label_smoothing > 0.0);
-  CHECK(result.minimized_case.loss.z_loss_weight == 0.0);
+  CHECK(cross_entropy_options(result.minimized_case.loss).label_smoothing > 0.0);
+  CHECK(cross_entropy_options(result.minimized_case.loss).z_loss_weight == 0.0);
   CHECK(result.minimized_case.inputs.ignore_fraction == 0.0);
   CHECK(progress_lines == static_cast<int>(result.steps.size()) + 1);
   CHECK(result.trials <= 200);

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "lossverify/case/json_reader.hpp"
+#include "lossverify/case/kind_settings.hpp"
 #include "lossverify/case/tolerances.hpp"
 #include "lossverify/core/errors.hpp"
 #include "lossverify/kind_api/registry.hpp"
@@ -26,7 +27,6 @@ std::string_view to_string(BatchSpec::Placement p) {
 std::string_view to_string(BatchSpec::Labels l) {
   return l == BatchSpec::Labels::independent ? "independent" : "next_token";
 }
-std::string_view to_string(SmoothingConvention c) { return c == SmoothingConvention::pytorch ? "pytorch" : "megatron"; }
 std::string_view to_string(Reduction r) {
   switch (r) {
     case Reduction::mean:
@@ -75,7 +75,8 @@ void parse_loss(ObjectReader r, Case& c) {
   refuse_other_kinds_keys(r, kind);
   loss.reduction =
       parse_choice(r, "reduction", std::array{Reduction::mean, Reduction::sum, Reduction::none}, Reduction::mean);
-  kind.parse(r, loss);  // a kind that aggregates tokens itself sets the reduction
+  parse_settings(kind.settings(), r, loss);
+  kind.parse_extra(r, loss);  // a kind that aggregates tokens itself sets the reduction
   if (r.has("upstream_weights")) {
     const json& u = r.raw("upstream_weights");
     const std::string path = r.path_of("upstream_weights");
@@ -600,7 +601,8 @@ json Case::resolved() const {
   j["description"] = description;
   j["shape"] = {{"tokens", shape.tokens}, {"vocab", shape.vocab}};
   json l = {{"kind", std::string(to_string(loss.kind))}, {"reduction", std::string(to_string(loss.reduction))}};
-  kind_of(loss).resolve(loss, l);
+  resolve_settings(kind_of(loss).settings(), loss, l);
+  kind_of(loss).resolve_extra(loss, l);
   switch (loss.upstream_weights.kind) {
     case UpstreamWeights::Kind::ones:
       break;

@@ -12,7 +12,7 @@
 
 #include "lossverify/core/dtype.hpp"
 #include "lossverify/inputs/philox_stream.hpp"
-#include "lossverify/kinds/cross_entropy/smoothing_convention.hpp"
+#include "lossverify/kind_api/settings.hpp"
 
 namespace lossverify {
 
@@ -22,7 +22,6 @@ const LossKind& default_loss_kind();
 enum class Reduction { mean, sum, none };
 
 std::string_view to_string(const LossKind*);
-std::string_view to_string(SmoothingConvention);
 std::string_view to_string(Reduction);
 std::string_view to_string(LogitDistribution);
 
@@ -34,12 +33,6 @@ struct UpstreamWeights {
   double high = 1.0;
 };
 
-// Settings a kind keeps beyond the fields below (a kind added at run time keeps all of its own here): its
-// parse() stores them, and only that kind reads them.
-struct KindOptions {
-  virtual ~KindOptions() = default;
-};
-
 struct LossSpec {
   const LossKind* kind = &default_loss_kind();  // kinds/registry.hpp; never null
   // Labelled kinds: the label that masks a token.
@@ -47,17 +40,9 @@ struct LossSpec {
   // Every kind.
   Reduction reduction = Reduction::mean;
   UpstreamWeights upstream_weights;
-  // The built-in kinds' settings (parsed and checked by kinds/cross_entropy and kinds/kd; the backends'
-  // kernels and the plugin ABI read them).
-  // cross_entropy
-  double label_smoothing = 0.0;
-  SmoothingConvention convention = SmoothingConvention::pytorch;
-  double z_loss_weight = 0.0;
-  double softcap = 0.0;  // 0: off; else logits become c tanh(x / c)
-  // kd (forward KL of teacher P = softmax(y/T) to student Q = softmax(x/T))
-  double temperature = 1.0;
-  bool t2_scaling = true;
-  std::shared_ptr<const KindOptions> options;  // any other kind's
+  // The kind's own settings, as its table (LossKind::settings) reads them; only that kind reads them
+  // (case/kind_settings.hpp: options_of).
+  std::shared_ptr<const KindOptions> options;
 };
 // The case's kind, for the registry's interface (kinds/loss_kind.hpp).
 inline const LossKind& kind_of(const LossSpec& loss) { return *loss.kind; }

@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "lossverify/core/dtype.hpp"
+#include "lossverify/kind_api/settings.hpp"
 #include "lossverify/layout/vocab_range.hpp"
 #include "lossverify/reference/row_partial.hpp"
 
@@ -208,12 +209,22 @@ class LossKind {
   virtual std::string_view name() const = 0;
   virtual std::string_view summary() const = 0;
 
-  // The case section: the keys of "loss" this kind reads (another kind's key is refused by name), their
-  // parsing and range checks, the checks that need the whole case, and the keys written back.
-  virtual std::vector<std::string> keys() const = 0;
-  virtual void parse(detail::ObjectReader& loss, LossSpec& spec) const = 0;
+  // The case section: the kind's settings table (kind_api/settings.hpp), from which lossverify reads, checks,
+  // writes back, shrinks, lists and carries to plugins every key of "loss" the kind owns (another kind's key is
+  // refused by name); what a table cannot say goes in parse_extra and resolve_extra (a kind that aggregates its
+  // tokens itself refuses "reduction"); checks that need the whole case go in validate.
+  virtual const SettingTable& settings() const {
+    static const SettingTable none;
+    return none;
+  }
+  std::vector<std::string> keys() const {
+    std::vector<std::string> out;
+    for (const Setting& s : settings()) out.push_back(s.key);
+    return out;
+  }
+  virtual void parse_extra(detail::ObjectReader& loss, LossSpec& spec) const { (void)loss, (void)spec; }
+  virtual void resolve_extra(const LossSpec& spec, nlohmann::json& loss) const { (void)spec, (void)loss; }
   virtual void validate(const Case& c) const { (void)c; }
-  virtual void resolve(const LossSpec& spec, nlohmann::json& loss) const = 0;
   // A case written by foreign code (a dump's manifest): the settings it must state because a default would
   // decide the verdict. `loss` is the raw "loss" object (null when absent); throws CaseError.
   virtual void require_explicit(const LossSpec& spec, const nlohmann::json& loss, const std::string& source) const {

@@ -1,5 +1,5 @@
 #include "lossverify/repro/shrink.hpp"
-#include "lossverify/kind_api/loss_kind.hpp"
+#include "lossverify/kind_api/registry.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -102,6 +102,14 @@ std::vector<Segment> segments_of(const json& doc) {
     begin += l.get<std::int64_t>();
   }
   return out;
+}
+
+// The kind a case document names (cross_entropy when it names none).
+const LossKind& kind_in(const json& doc) {
+  if (doc.contains("loss") && doc["loss"].contains("kind") && doc["loss"]["kind"].is_string()) {
+    if (const LossKind* kind = find_loss_kind(doc["loss"]["kind"].get<std::string>())) return *kind;
+  }
+  return default_loss_kind();
 }
 
 class Shrinker {
@@ -302,11 +310,20 @@ class Shrinker {
         return true;
       };
     };
-    const std::vector<Feature> features = {
-        {"no label smoothing", set_default("loss", "label_smoothing", 0.0)},
-        {"pytorch smoothing convention", set_default("loss", "smoothing_convention", "pytorch")},
-        {"no z-loss", set_default("loss", "z_loss_weight", 0.0)},
-        {"no softcap", set_default("loss", "softcap", 0.0)},
+    std::vector<Feature> features;
+    // The kind's settings that its table offers to shrink, at their fallbacks.
+    for (const Setting& s : kind_in(doc_).settings()) {
+      if (s.simplify.empty()) continue;
+      const std::string key = s.key;
+      const json value = s.fallback;
+      features.push_back({s.simplify.c_str(), [key, value](json& d) {
+                            if (!d.contains("loss") || !d["loss"].contains(key) || d["loss"][key] == value)
+                              return false;
+                            d["loss"][key] = value;
+                            return true;
+                          }});
+    }
+    const std::vector<Feature> shared = {
         {"no ignored tokens", set_default("inputs", "ignore_fraction", 0.0)},
         {"reduction mean",
          [](json& d) {
@@ -329,8 +346,8 @@ class Shrinker {
         {"normal logits", set_default("inputs", "distribution", "normal")},
         {"logit mean 0", set_default("inputs", "mean", 0.0)},
         {"logit scale 1", set_default("inputs", "scale", 1.0)},
-        {"temperature 1", set_default("loss", "temperature", 1.0)},
     };
+    features.insert(features.end(), shared.begin(), shared.end());
     for (const Feature& f : features) {
       if (exhausted_) break;
       json candidate = doc_;
@@ -486,13 +503,9 @@ json compact_case_json(const Case& c) {
   json& loss = doc["loss"];
   drop_default(loss, "kind", "cross_entropy");
   drop_default(loss, "reduction", "mean");
-  drop_default(loss, "label_smoothing", 0.0);
-  drop_default(loss, "smoothing_convention", "pytorch");
-  drop_default(loss, "z_loss_weight", 0.0);
-  drop_default(loss, "softcap", 0.0);
-  drop_default(loss, "ignore_index", -100);
-  drop_default(loss, "temperature", 1.0);
-  drop_default(loss, "t2_scaling", true);
+  for (const Setting& s : kind_of(c.loss).settings()) {
+    if (s.fallback_from.empty()) drop_default(loss, s.key.c_str(), s.fallback);
+  }
   drop_if_empty(doc, "loss");
   json& inputs = doc["inputs"];
   drop_default(inputs, "dtype", "fp32");

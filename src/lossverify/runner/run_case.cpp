@@ -121,7 +121,8 @@ void require_supported(const Implementation& impl, const Case& c) {
   }
   if (impl.plugin != nullptr) {
     throw CaseError(c.source + ": the plugin " + impl.name + " does not compute " +
-                    std::string(to_string(c.loss.kind)) + " losses (its lv_plugin.losses)");
+                    std::string(to_string(c.loss.kind)) +
+                    " losses (its lv_plugin.losses, or the kinds its " LV_PLUGIN_NAMES_ENTRY_POINT "() names)");
   }
   throw CaseError(c.source + ": --impl " + impl.name + " is a bug of " + applies_in_words(impl.applies) +
                   " losses, and this case is " + std::string(to_string(c.loss.kind)) +

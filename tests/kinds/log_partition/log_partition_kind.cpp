@@ -89,9 +89,6 @@ class LogPartitionKind final : public LossKind {
  public:
   std::string_view name() const override { return kLogPartition; }
   std::string_view summary() const override { return "log sum_v exp(x_v) (a test kind): reduction, upstream_weights"; }
-  std::vector<std::string> keys() const override { return {}; }
-  void parse(detail::ObjectReader&, LossSpec&) const override {}
-  void resolve(const LossSpec&, nlohmann::json&) const override {}
   KindInputs inputs() const override { return {false, false}; }
   std::string row_sum_rule() const override { return "sum_v grad = w_t for every token"; }
   std::vector<Implementation> catalogue() const override {

@@ -153,4 +153,22 @@ TEST_CASE("a kind without a CUDA implementation is refused on the CUDA backend b
   CHECK_THROWS_AS(run_case(testing::make_case(log_partition_case(1, 1, 1, 1)), options), Error);
 }
 
+TEST_CASE("a native plugin computes the kind, named by string, and is judged like the kind's own ranks") {
+  testing::register_log_partition();
+  const std::string plugin = std::string("plugin:") + LOSSVERIFY_PLUGIN_LOG_PARTITION_PLUGIN;
+  for (const auto& [tp, cp, dp, ga] : std::vector<std::array<int, 4>>{{1, 1, 1, 1}, {2, 2, 1, 2}, {3, 1, 2, 1}}) {
+    CAPTURE(tp);
+    CAPTURE(cp);
+    CAPTURE(dp);
+    CAPTURE(ga);
+    const RunResult r = testing::run_with(testing::make_case(log_partition_case(tp, cp, dp, ga)), plugin);
+    CHECK(r.verdict == Verdict::pass);
+    CHECK(check_named(r, "grad").verdict == Verdict::pass);
+    CHECK(check_named(r, "loss").verdict == Verdict::pass);
+  }
+  // The plugin names only its kind: a cross-entropy case is not its to compute.
+  CHECK_THROWS_WITH_AS(testing::run_with(testing::make_case(testing::case_json(8, 32, 2)), plugin),
+                       doctest::Contains("does not compute cross_entropy losses"), CaseError);
+}
+
 }  // namespace lossverify

@@ -20,12 +20,15 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
 #include "lossverify/impl/plugin/host_protocol.hpp"
 #include "lossverify/impl/plugin/plugin_memory.hpp"
+#include "lossverify/impl/plugin/settings_block.hpp"
 #include "lossverify/plugin.h"
 
 namespace {
@@ -118,6 +121,30 @@ struct Loaded {
   Hello hello;
 };
 
+// The optional list of kinds and settings the plugin names (plugin.h, LV_PLUGIN_NAMES_ENTRY_POINT), one per line.
+bool read_names(void* handle, Hello& hello) {
+  void* symbol = ::dlsym(handle, LV_PLUGIN_NAMES_ENTRY_POINT);
+  if (symbol == nullptr) return true;
+  const char* const* names = reinterpret_cast<lv_plugin_names_entry>(symbol)();
+  std::string joined;
+  for (std::size_t i = 0; names != nullptr && names[i] != nullptr; ++i) {
+    const std::string name = names[i];
+    if (name.empty() || name.find_first_of("\n\t") != std::string::npos) {
+      copy_text(hello.message, std::string(LV_PLUGIN_NAMES_ENTRY_POINT) + "() entry " + std::to_string(i) +
+                                   " is empty or holds a tab or newline");
+      return false;
+    }
+    joined += name + "\n";
+  }
+  if (joined.size() >= sizeof(hello.names)) {
+    copy_text(hello.message, std::string(LV_PLUGIN_NAMES_ENTRY_POINT) + "() names more than " +
+                                 std::to_string(sizeof(hello.names) - 1) + " bytes");
+    return false;
+  }
+  copy_text(hello.names, joined);
+  return true;
+}
+
 Loaded load(const char* path, const char* params) {
   Loaded loaded;
   Hello& hello = loaded.hello;
@@ -154,10 +181,11 @@ Loaded load(const char* path, const char* params) {
               "the plugin declares memory " + std::to_string(static_cast<int>(p->memory)) + " (host 0 or CUDA 1)");
     return loaded;
   }
-  if ((p->losses & (LV_SUPPORTS_CROSS_ENTROPY | LV_SUPPORTS_KD | LV_SUPPORTS_POLICY)) == 0) {
+  if (!read_names(handle, hello)) return loaded;
+  if ((p->losses & (LV_SUPPORTS_CROSS_ENTROPY | LV_SUPPORTS_KD | LV_SUPPORTS_POLICY)) == 0 && hello.names[0] == '\0') {
     copy_text(hello.message,
               "the plugin supports no loss (set LV_SUPPORTS_CROSS_ENTROPY, LV_SUPPORTS_KD and/or LV_SUPPORTS_POLICY in "
-              "losses)");
+              "losses, or name a kind in " LV_PLUGIN_NAMES_ENTRY_POINT "())");
     return loaded;
   }
   if (p->check_params != nullptr) {
@@ -333,7 +361,8 @@ Arrays place_arrays(const Run& r, std::byte* region, lv_memory where) {
   return a;
 }
 
-lv_rank_inputs describe(const Run& r, std::byte* region, const Arrays& a, lv_memory where) {
+lv_rank_inputs describe(const Run& r, std::byte* region, const Arrays& a, lv_memory where,
+                        const SettingsBlock& settings) {
   lv_rank_inputs in{};
   in.struct_size = sizeof(lv_rank_inputs);
   in.world_rank = r.world_rank;
@@ -370,6 +399,9 @@ lv_rank_inputs describe(const Run& r, std::byte* region, const Arrays& a, lv_mem
   in.ref_logprob = static_cast<const float*>(a.token_inputs[1]);
   in.advantages = static_cast<const float*>(a.token_inputs[2]);
   in.policy_ratio = r.policy_ratio;
+  in.loss_kind = settings.kind();
+  in.settings = settings.data();
+  in.settings_count = settings.size();
   return in;
 }
 
@@ -410,7 +442,10 @@ void serve_one(const lv_plugin& plugin) {
   call.memory = where;
   try {
     Arrays arrays = place_arrays(run, region, where);
-    const lv_rank_inputs in = describe(run, region, arrays, where);
+    const auto* block = reinterpret_cast<const char*>(region + run.layout.settings);
+    const SettingsBlock settings(std::string_view(block, strnlen(block, run.layout.settings_bytes)));
+    if (!settings.ok()) throw std::runtime_error("the settings block in the shared region is ill-formed");
+    const lv_rank_inputs in = describe(run, region, arrays, where, settings);
     lv_rank_outputs out{};
     out.struct_size = sizeof(lv_rank_outputs);
     out.grad = arrays.grad;

@@ -46,6 +46,7 @@ struct Hello {
   char name[256] = {};
   char description[1024] = {};
   char message[2048] = {};
+  char names[4096] = {};  // lossverify_plugin_names(), one per line (plugin.h: LV_PLUGIN_NAMES_ENTRY_POINT)
 };
 
 // Byte offsets into the shared region; every array is 64-byte aligned. The three outputs end exactly at a page
@@ -56,8 +57,9 @@ inline constexpr int kTokenInputs = 3;  // old_logprob, ref_logprob, advantages 
 
 struct RegionLayout {
   std::uint64_t bytes = 0;
-  std::uint64_t params = 0, params_bytes = 0;  // NUL-terminated
-  std::uint64_t micro_batch_begin = 0;         // ga + 1 int64
+  std::uint64_t params = 0, params_bytes = 0;      // NUL-terminated
+  std::uint64_t settings = 0, settings_bytes = 0;  // the kind's settings block (settings_block.hpp), NUL-terminated
+  std::uint64_t micro_batch_begin = 0;             // ga + 1 int64
   std::uint64_t logits = 0, logits_bytes = 0;
   std::uint64_t teacher = 0;  // logits_bytes, KD only
   std::uint64_t labels = 0, loss_mask = 0, upstream = 0, tokens = 0, sequences = 0;
@@ -86,6 +88,7 @@ struct Run {
   std::int64_t vocab_size = 0, vocab_begin = 0, vocab_end = 0, rows = 0, global_valid_tokens = 0;
   std::int64_t num_sequences = 0;
   std::int32_t dtype = 0, device = -1, has_teacher = 0;
+  // The v1 structures, whole (frozen: a setting added later travels in the region's settings block only).
   lv_loss_config loss{};
   lv_policy_config policy{};
   std::int32_t policy_ratio = LV_POLICY_RATIO_TOKEN;

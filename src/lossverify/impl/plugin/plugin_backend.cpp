@@ -16,6 +16,7 @@
 #include "lossverify/core/strings.hpp"
 #include "lossverify/impl/plugin/plugin_host.hpp"
 #include "lossverify/impl/plugin/plugin_region.hpp"
+#include "lossverify/impl/plugin/settings_block.hpp"
 #include "lossverify/impl/rank_inputs.hpp"
 #include "lossverify/kind_api/loss_kind.hpp"
 
@@ -42,23 +43,47 @@ lv_dtype abi_dtype(DType d) {
   return d == DType::bf16 ? LV_DTYPE_BF16 : d == DType::fp16 ? LV_DTYPE_F16 : LV_DTYPE_F32;
 }
 
+// The v1 structures' shared fields; the kind fills its own (LossKind::plugin_settings).
 lv_loss_config abi_loss(const LossSpec& loss) {
   lv_loss_config config{};
-  const std::optional<int> code = kind_of(loss).plugin_kind();  // require_supported refused kinds without one
-  if (!code) throw InternalError("loss kind " + std::string(kind_of(loss).name()) + " has no plugin ABI code");
-  config.kind = static_cast<lv_loss_kind>(*code);
+  const std::optional<int> code = kind_of(loss).plugin_kind();
+  config.kind = code ? static_cast<lv_loss_kind>(*code) : LV_LOSS_BY_NAME;
   config.reduction = loss.reduction == Reduction::sum    ? LV_REDUCTION_SUM
                      : loss.reduction == Reduction::none ? LV_REDUCTION_NONE
                                                          : LV_REDUCTION_MEAN;
-  config.label_smoothing = loss.label_smoothing;
-  config.smoothing_convention =
-      loss.convention == SmoothingConvention::megatron ? LV_SMOOTHING_MEGATRON : LV_SMOOTHING_PYTORCH;
-  config.z_loss_weight = loss.z_loss_weight;
-  config.softcap = loss.softcap;
   config.ignore_index = loss.ignore_index;
-  config.temperature = loss.temperature;
-  config.t2_scaling = loss.t2_scaling ? 1 : 0;
   return config;
+}
+
+// Every setting of the case's kind, whole, from its table (settings_block.hpp).
+std::string abi_settings_block(const LossSpec& loss) {
+  const LossKind& kind = kind_of(loss);
+  std::vector<ph::EncodedSetting> encoded;
+  for (const Setting& s : kind.settings()) {
+    const nlohmann::json value = s.get(loss);
+    ph::EncodedSetting e;
+    e.name = s.key;
+    switch (s.type) {
+      case Setting::Type::number:
+        e.type = LV_SETTING_NUMBER;
+        e.number = value.get<double>();
+        break;
+      case Setting::Type::integer:
+        e.type = LV_SETTING_INTEGER;
+        e.integer = value.get<std::int64_t>();
+        break;
+      case Setting::Type::boolean:
+        e.type = LV_SETTING_BOOLEAN;
+        e.integer = value.get<bool>() ? 1 : 0;
+        break;
+      case Setting::Type::choice:
+        e.type = LV_SETTING_CHOICE;
+        e.choice = value.get<std::string>();
+        break;
+    }
+    encoded.push_back(std::move(e));
+  }
+  return ph::encode_settings(kind.name(), encoded);
 }
 
 // Where each of a kind's per-token inputs (the kind's token_inputs(), by their export names) goes in the ABI: the
@@ -139,6 +164,8 @@ class PluginRank {
 
     RegionSizes sizes;
     sizes.params_bytes = plugin_.params.size() + 1;
+    const std::string settings_block = abi_settings_block(case_.loss);
+    sizes.settings_bytes = settings_block.size() + 1;
     sizes.micro_batches = case_.layout.ga;
     sizes.logits_bytes = in.logits.size();
     sizes.teacher = kind_of(case_.loss).inputs().teacher_logits;
@@ -153,6 +180,7 @@ class PluginRank {
     }
     const SharedRegion region(layout_, canary);
     fill(region, in);
+    std::memcpy(region.at(layout_.settings), settings_block.c_str(), settings_block.size() + 1);
     std::unique_ptr<PluginHostProcess> host = host_pool().take(plugin_.spec);
     if (!host) {
       host = std::make_unique<PluginHostProcess>(plugin_.path, plugin_.params, PluginHostProcess::Mode::serve);

@@ -1,7 +1,10 @@
 #include "lossverify/impl/plugin/plugin_library.hpp"
 #include "lossverify/case/case.hpp"
+#include "lossverify/case/kind_settings.hpp"
 #include "lossverify/kind_api/registry.hpp"
 
+#include <algorithm>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <mutex>
@@ -85,6 +88,10 @@ void probe(PluginLibrary& lib) {
     lib.description = std::string(hello.description, strnlen(hello.description, sizeof(hello.description)));
     lib.memory = static_cast<lv_memory>(hello.memory);
     lib.losses = hello.losses;
+    const std::string names(hello.names, strnlen(hello.names, sizeof(hello.names)));
+    for (std::size_t at = 0, end; (end = names.find('\n', at)) != std::string::npos; at = end + 1) {
+      lib.names.push_back(names.substr(at, end - at));
+    }
     return;
   }
   const std::string where = "plugin " + printable(lib.spec) + " ";
@@ -104,11 +111,10 @@ Implementation implementation_of(const PluginLibrary& lib) {
                  (lib.params.empty() ? "" : " [" + lib.params + "]");
   impl.source = lib.path;
   impl.signal = "";
-  // The kinds whose lv_loss_kind bit the plugin sets.
+  // The kinds whose lv_loss_kind bit the plugin sets, or that it names.
   impl.applies.scope = Applies::Scope::kinds;
   for (const LossKind* kind : loss_kinds()) {
-    const std::optional<int> code = kind->plugin_kind();
-    if (code && (lib.losses & (1u << *code)) != 0) impl.applies.kinds.emplace_back(kind->name());
+    if (plugin_computes_kind(lib, *kind)) impl.applies.kinds.emplace_back(kind->name());
   }
   return impl;
 }
@@ -134,13 +140,32 @@ const Implementation* load_plugin_implementation(std::string_view spec) {
   return &it->second->implementation;
 }
 
-// A setting added to the ABI after a plugin was built reaches it only through a bit it set knowing the setting:
-// the kind's ABI settings tell which bits the case needs.
+bool PluginLibrary::names_entry(std::string_view entry) const {
+  return std::find(names.begin(), names.end(), entry) != names.end();
+}
+
+bool plugin_computes_kind(const PluginLibrary& plugin, const LossKind& kind) {
+  const std::optional<int> code = kind.plugin_kind();
+  return (code && (plugin.losses & (1u << *code)) != 0) || plugin.names_entry(kind.name());
+}
+
+// A setting added to a kind after a plugin was built reaches it at a value other than its fallback only when the
+// plugin says it knows the setting, by its capability bit or by name: the kind's table tells which.
 std::string missing_plugin_capability(const PluginLibrary& plugin, const LossSpec& loss) {
-  lv_rank_inputs settings{};
-  kind_of(loss).plugin_settings(loss, settings);
-  if (settings.policy_ratio == LV_POLICY_RATIO_SEQUENCE && (plugin.losses & LV_SUPPORTS_POLICY_SEQUENCE_RATIO) == 0)
-    return "the policy setting ratio sequence (its lv_plugin.losses lacks LV_SUPPORTS_POLICY_SEQUENCE_RATIO)";
+  const LossKind& kind = kind_of(loss);
+  const SettingTable& table = kind.settings();
+  for (const Setting& s : table) {
+    if (s.in_v1_structs || !setting_applies(table, s, loss)) continue;
+    const nlohmann::json value = s.get(loss);
+    if (value == s.fallback) continue;
+    if (s.plugin_capability != 0 && (plugin.losses & s.plugin_capability) != 0) continue;
+    const std::string qualified = std::string(kind.name()) + "." + s.key;
+    if (plugin.names_entry(qualified)) continue;
+    const std::string shown = value.is_string() ? value.get<std::string>() : value.dump();
+    return "the " + std::string(kind.name()) + " setting " + s.key + " " + shown + " (" +
+           (s.capability_name.empty() ? "" : "its lv_plugin.losses lacks " + s.capability_name + ", and ") +
+           "its " LV_PLUGIN_NAMES_ENTRY_POINT "() does not name \"" + qualified + "\")";
+  }
   return "";
 }
 

@@ -9,6 +9,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "lossverify/plugin.h"
 
@@ -16,6 +17,7 @@ namespace lossverify {
 
 struct Implementation;
 struct LossSpec;
+class LossKind;
 
 struct PluginLibrary {
   std::string spec;    // "plugin:/absolute/path.so?params" (the path %-encoded as above)
@@ -24,7 +26,9 @@ struct PluginLibrary {
   std::string name;    // the plugin's own short name
   std::string description;
   lv_memory memory = LV_MEMORY_HOST;
-  std::uint32_t losses = 0;  // LV_SUPPORTS_* bits
+  std::uint32_t losses = 0;        // LV_SUPPORTS_* bits
+  std::vector<std::string> names;  // lossverify_plugin_names(): kinds and "kind.setting"s it computes beyond them
+  bool names_entry(std::string_view entry) const;
   bool device_memory() const { return memory == LV_MEMORY_CUDA; }
 };
 
@@ -41,8 +45,12 @@ std::string canonical_plugin_spec(std::string_view spec);
 // while it loads (an exit or a crash in a static constructor, lossverify_plugin() or check_params).
 const Implementation* load_plugin_implementation(std::string_view spec);
 
-// A setting of the case that needs a capability bit beyond its kind's (plugin.h) which the plugin does not set, in
-// words naming the setting and the bit; "" when the plugin declares all the case needs.
+// Whether the plugin computes the kind: it sets the kind's lv_loss_kind bit, or names the kind.
+bool plugin_computes_kind(const PluginLibrary& plugin, const LossKind& kind);
+
+// A setting of the case the plugin has not said it knows, in words naming the setting and how a plugin says it; ""
+// when the plugin declares all the case needs. A setting in the v1 structures is known to every plugin of its kind;
+// another, at a value other than its fallback, needs its capability bit or the name "kind.key" (plugin.h).
 std::string missing_plugin_capability(const PluginLibrary& plugin, const LossSpec& loss);
 
 }  // namespace lossverify

@@ -35,6 +35,8 @@ plugin_host::RegionLayout region_layout(const RegionSizes& s) {
   l.crash = take(sizeof(plugin_host::CrashRecord));
   l.params_bytes = s.params_bytes;
   l.params = take(s.params_bytes);
+  l.settings_bytes = s.settings_bytes;
+  l.settings = take(s.settings_bytes);
   l.micro_batch_begin = take(static_cast<std::uint64_t>(s.micro_batches + 1) * 8);
   l.logits_bytes = s.logits_bytes;
   l.logits = take(s.logits_bytes);

@@ -11,7 +11,8 @@
 namespace lossverify {
 
 struct RegionSizes {
-  std::size_t params_bytes = 1;  // with its NUL
+  std::size_t params_bytes = 1;    // with its NUL
+  std::size_t settings_bytes = 1;  // the settings block (settings_block.hpp), with its NUL
   std::int64_t micro_batches = 1;
   std::size_t logits_bytes = 0;
   bool teacher = false;

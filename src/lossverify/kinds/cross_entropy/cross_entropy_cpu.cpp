@@ -11,6 +11,7 @@
 #include "lossverify/comm/progress_beacon.hpp"
 #include "lossverify/core/dtype.hpp"
 #include "lossverify/impl/cpu/lane_sum.hpp"
+#include "lossverify/kinds/cross_entropy/cross_entropy_options.hpp"
 #include "lossverify/kinds/cross_entropy/cross_entropy_protocol.hpp"
 #include "lossverify/layout/rank_layout.hpp"
 
@@ -45,7 +46,7 @@ class CpuCrossEntropyShard final : public CrossEntropyShard {
         at_(at),
         threads_(threads),
         beacon_(beacon),
-        cap_(static_cast<float>(c.loss.softcap)),
+        cap_(static_cast<float>(cross_entropy_options(c.loss).softcap)),
         in_dtype_(bugs.compute_in_input_dtype && !std::is_same_v<T, float>) {}
 
   // f(i) for every active row of the micro-batch, over the shard's OpenMP threads.
@@ -70,7 +71,7 @@ class CpuCrossEntropyShard final : public CrossEntropyShard {
 
   void shifted_sums(std::span<const float> max, std::span<float> sum_exp, std::span<float> target_shifted,
                     std::span<float> sum_shifted) override {
-    const bool smoothing = case_.loss.label_smoothing > 0.0;
+    const bool smoothing = cross_entropy_options(case_.loss).label_smoothing > 0.0;
     for_active_rows([&](std::int64_t i) {
       const auto k = static_cast<std::size_t>(i);
       const T* x = row(i);
@@ -93,7 +94,7 @@ class CpuCrossEntropyShard final : public CrossEntropyShard {
   }
 
   void gradient(std::span<const float> max, std::span<const float> log_sum) override {
-    const auto z_weight = static_cast<float>(case_.loss.z_loss_weight);
+    const auto z_weight = static_cast<float>(cross_entropy_options(case_.loss).z_loss_weight);
     const SmoothingWeights<float> q = smoothing_for(case_, bugs_, static_cast<float>(at_.width)).backward;
 #pragma omp parallel for num_threads(threads_) schedule(static) if (threads_ > 1)
     for (std::int64_t i = 0; i < n_; ++i) {

@@ -9,6 +9,7 @@
 #include "lossverify/cuda/device_buffer.hpp"
 #include "lossverify/kind_api/cuda_kind.hpp"
 #include "lossverify/kinds/cross_entropy/cross_entropy_kernels.hpp"
+#include "lossverify/kinds/cross_entropy/cross_entropy_options.hpp"
 #include "lossverify/kinds/cross_entropy/cross_entropy_protocol.hpp"
 
 namespace lossverify::cuda {
@@ -22,8 +23,8 @@ CrossEntropyConstants constants_for(const Case& c, const BugSwitches& bugs, floa
   k.q_off_forward = q.forward.off_target;
   k.q_on_backward = q.backward.on_target;
   k.q_off_backward = q.backward.off_target;
-  k.z_loss_weight = static_cast<float>(c.loss.z_loss_weight);
-  k.softcap = static_cast<float>(c.loss.softcap);
+  k.z_loss_weight = static_cast<float>(cross_entropy_options(c.loss).z_loss_weight);
+  k.softcap = static_cast<float>(cross_entropy_options(c.loss).softcap);
   k.no_max_shift = bugs.no_max_shift;
   k.zloss_grad_after_smoothing = bugs.zloss_grad_after_smoothing;
   k.grad_rounded_early = bugs.grad_rounded_early;

@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "lossverify/core/dtype.hpp"
+#include "lossverify/kinds/cross_entropy/cross_entropy_options.hpp"
 
 namespace lossverify {
 
@@ -52,7 +53,7 @@ void cross_entropy_protocol(const Case& c, const BugSwitches& bugs, const RankPl
                             std::int64_t begin, std::int64_t n, std::int64_t shard_width, CrossEntropyShard& shard,
                             std::vector<float>& token_loss) {
   const auto rows = static_cast<std::size_t>(n);
-  const bool smoothing = c.loss.label_smoothing > 0.0;
+  const bool smoothing = cross_entropy_options(c.loss).label_smoothing > 0.0;
   std::vector<float> row_max(rows, bugs.no_max_shift ? 0.0f : kNegInf);
   std::vector<float> log_sum(rows, 0.0f);
   // [S | x_l - M | sum(x - M)]: the last part travels only with label smoothing.
@@ -84,7 +85,7 @@ void cross_entropy_protocol(const Case& c, const BugSwitches& bugs, const RankPl
   }
   const auto width = static_cast<float>(shard_width);
   const SmoothingPair q = smoothing_for(c, bugs, width);
-  const auto z_weight = static_cast<float>(c.loss.z_loss_weight);
+  const auto z_weight = static_cast<float>(cross_entropy_options(c.loss).z_loss_weight);
   const bool in_dtype = bugs.compute_in_input_dtype && c.inputs.dtype != DType::fp32;
   for (std::size_t i = 0; i < rows; ++i) {
     const RowPlan& p = plan.row(begin + static_cast<std::int64_t>(i));

@@ -14,6 +14,7 @@
 #include "lossverify/impl/catalogue.hpp"
 #include "lossverify/impl/rank_plan.hpp"
 #include "lossverify/kinds/cross_entropy/cross_entropy_math.hpp"
+#include "lossverify/kinds/cross_entropy/cross_entropy_options.hpp"
 
 namespace lossverify {
 
@@ -47,12 +48,12 @@ struct SmoothingPair {
   SmoothingWeights<float> backward;
 };
 inline SmoothingPair smoothing_for(const Case& c, const BugSwitches& bugs, float shard_width) {
-  const auto alpha = static_cast<float>(c.loss.label_smoothing);
+  const auto alpha = static_cast<float>(cross_entropy_options(c.loss).label_smoothing);
   const SmoothingConvention convention =
       bugs.smoothing_convention_swap
-          ? (c.loss.convention == SmoothingConvention::pytorch ? SmoothingConvention::megatron
-                                                               : SmoothingConvention::pytorch)
-          : c.loss.convention;
+          ? (cross_entropy_options(c.loss).convention == SmoothingConvention::pytorch ? SmoothingConvention::megatron
+                                                                                      : SmoothingConvention::pytorch)
+          : cross_entropy_options(c.loss).convention;
   const auto vocab = static_cast<float>(c.shape.vocab);
   return {smoothing_weights(alpha, convention, bugs.smoothing_vocab_local_forward ? shard_width : vocab),
           smoothing_weights(alpha, convention, bugs.smoothing_vocab_local_backward ? shard_width : vocab)};

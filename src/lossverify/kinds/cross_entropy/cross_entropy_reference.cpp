@@ -10,6 +10,7 @@
 
 #include "lossverify/case/case.hpp"
 #include "lossverify/inputs/input_source.hpp"
+#include "lossverify/kinds/cross_entropy/cross_entropy_options.hpp"
 #include "lossverify/reference/compensated_sum.hpp"
 #include "lossverify/reference/row_sums.hpp"
 
@@ -18,9 +19,10 @@ namespace lossverify {
 // Target distribution q_v, straight from docs/spec.md §3.
 TargetWeights cross_entropy_target_weights(const Case& c) {
   const double n = static_cast<double>(c.shape.vocab);
-  const double alpha = c.loss.label_smoothing;
+  const double alpha = cross_entropy_options(c.loss).label_smoothing;
   auto q = [&](double hit) {
-    if (c.loss.convention == SmoothingConvention::pytorch) return (1.0 - alpha) * hit + alpha / n;
+    if (cross_entropy_options(c.loss).convention == SmoothingConvention::pytorch)
+      return (1.0 - alpha) * hit + alpha / n;
     return (1.0 - alpha) * hit + alpha / (n - 1.0) * (1.0 - hit);
   };
   return {q(1.0), q(0.0)};
@@ -39,7 +41,7 @@ class CrossEntropyReference final : public KindReference {
     RowPartial p;
     std::vector<double> capped_logits;
     std::span<const double> x = logits;
-    if (case_.loss.softcap > 0.0) {
+    if (cross_entropy_options(case_.loss).softcap > 0.0) {
       capped_logits.resize(logits.size());
       for (std::size_t v = 0; v < x.size(); ++v) capped_logits[v] = capped(logits[v]);
       x = capped_logits;
@@ -67,14 +69,14 @@ class CrossEntropyReference final : public KindReference {
   // l = lse - sum_v q_v x_v + w_z lse^2
   double token_loss(std::int64_t token, const RowStats& s) const override {
     (void)token;
-    return s.lse - s.sum_qx + case_.loss.z_loss_weight * s.lse * s.lse;
+    return s.lse - s.sum_qx + cross_entropy_options(case_.loss).z_loss_weight * s.lse * s.lse;
   }
 
   void gradient(std::int64_t token, const RowStats& s, double weight, std::int64_t begin,
                 std::span<const double> logits, std::span<const double> teacher,
                 std::span<double> grad) const override {
     (void)teacher;
-    if (case_.loss.softcap > 0.0) {
+    if (cross_entropy_options(case_.loss).softcap > 0.0) {
       capped_gradient(token, s, weight, begin, logits, grad);
     } else {
       plain_gradient(token, s, weight, begin, logits, grad);
@@ -83,8 +85,8 @@ class CrossEntropyReference final : public KindReference {
 
   // sum_v d l / d x_v = sum_v p_v (1 + 2 w_z lse) - sum_v q_v = 2 w_z lse; the softcap's factor breaks it.
   std::optional<double> gradient_row_sum(const RowStats& s, double weight) const override {
-    if (case_.loss.softcap != 0.0) return std::nullopt;
-    return weight * 2.0 * case_.loss.z_loss_weight * s.lse;
+    if (cross_entropy_options(case_.loss).softcap != 0.0) return std::nullopt;
+    return weight * 2.0 * cross_entropy_options(case_.loss).z_loss_weight * s.lse;
   }
 
  private:
@@ -98,14 +100,14 @@ class CrossEntropyReference final : public KindReference {
   }
 
   double capped(double x) const {
-    const double cap = case_.loss.softcap;
+    const double cap = cross_entropy_options(case_.loss).softcap;
     return cap > 0.0 ? cap * std::tanh(x / cap) : x;
   }
 
   // d L / d x_v = w (p_v (1 + 2 w_z lse) - q_v)
   void plain_gradient(std::int64_t token, const RowStats& s, double weight, std::int64_t begin,
                       std::span<const double> logits, std::span<double> grad) const {
-    const double z_factor = 1.0 + 2.0 * case_.loss.z_loss_weight * s.lse;
+    const double z_factor = 1.0 + 2.0 * cross_entropy_options(case_.loss).z_loss_weight * s.lse;
     const double off = target_weight(false);
     const std::ptrdiff_t label = label_in_slice(token, begin, logits.size());
     double shifted[row_sums::kBlock];
@@ -126,8 +128,8 @@ class CrossEntropyReference final : public KindReference {
   // in that form because 1 - tanh^2 cancels to 0 once tanh rounds to 1 (|x / c| > 19). Scalar: rare.
   void capped_gradient(std::int64_t token, const RowStats& s, double weight, std::int64_t begin,
                        std::span<const double> logits, std::span<double> grad) const {
-    const double cap = case_.loss.softcap;
-    const double z_factor = 1.0 + 2.0 * case_.loss.z_loss_weight * s.lse;
+    const double cap = cross_entropy_options(case_.loss).softcap;
+    const double z_factor = 1.0 + 2.0 * cross_entropy_options(case_.loss).z_loss_weight * s.lse;
     const std::ptrdiff_t label = label_in_slice(token, begin, logits.size());
     for (std::size_t v = 0; v < logits.size(); ++v) {
       const double p = std::exp(capped(logits[v]) - s.lse);

@@ -10,6 +10,7 @@
 #include "lossverify/comm/progress_beacon.hpp"
 #include "lossverify/core/dtype.hpp"
 #include "lossverify/impl/cpu/lane_sum.hpp"
+#include "lossverify/kinds/kd/kd_options.hpp"
 #include "lossverify/kinds/kd/kd_protocol.hpp"
 #include "lossverify/layout/rank_layout.hpp"
 
@@ -32,7 +33,7 @@ class CpuKdShard final : public KdShard {
         teacher_(teacher),
         grad_(grad),
         beacon_(beacon),
-        inverse_t_(static_cast<float>(1.0 / c.loss.temperature)),
+        inverse_t_(static_cast<float>(1.0 / kd_options(c.loss).temperature)),
         in_dtype_(bugs.compute_in_input_dtype && !std::is_same_v<T, float>),
         local_argmax_(static_cast<std::size_t>(n), 0) {}
 

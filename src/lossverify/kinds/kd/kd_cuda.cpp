@@ -9,6 +9,7 @@
 #include "lossverify/cuda/device_buffer.hpp"
 #include "lossverify/kind_api/cuda_kind.hpp"
 #include "lossverify/kinds/kd/kd_kernels.hpp"
+#include "lossverify/kinds/kd/kd_options.hpp"
 #include "lossverify/kinds/kd/kd_protocol.hpp"
 
 namespace lossverify::cuda {
@@ -110,7 +111,7 @@ class KdCudaRank final : public CudaKindRank {
                          n,
                          setup_.cols,
                          rows.active + b,
-                         static_cast<float>(1.0 / setup_.c.loss.temperature)};
+                         static_cast<float>(1.0 / kd_options(setup_.c.loss).temperature)};
     CudaKdShard shard(setup_.type, sa, rows.host_active + b, setup_.grad + offset, setup_.bugs,
                       static_cast<cudaStream_t>(setup_.stream));
     kd_protocol(setup_.c, setup_.bugs, plan, groups, b, n, shard, out.token_loss);

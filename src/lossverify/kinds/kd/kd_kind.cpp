@@ -6,8 +6,10 @@
 
 #include "lossverify/case/case.hpp"
 #include "lossverify/case/json_reader.hpp"
+#include "lossverify/case/kind_settings.hpp"
 #include "lossverify/case/tolerances.hpp"
 #include "lossverify/impl/catalogue.hpp"
+#include "lossverify/kinds/kd/kd_options.hpp"
 #include "lossverify/plugin.h"
 
 namespace lossverify {
@@ -16,32 +18,36 @@ namespace {
 
 using nlohmann::json;
 
-double t2_power(const LossSpec& loss) { return loss.t2_scaling ? 2.0 : 0.0; }
+double t2_power(const LossSpec& loss) { return kd_options(loss).t2_scaling ? 2.0 : 0.0; }
 
 class KdKind final : public LossKind {
  public:
   std::string_view name() const override { return "kd"; }
   std::string_view summary() const override {
-    return "forward KL from teacher logits: temperature, t2_scaling, reduction mean|sum|none, upstream_weights";
+    return "forward KL from teacher logits at a temperature; reduction mean|sum|none, upstream_weights";
   }
 
-  std::vector<std::string> keys() const override { return {"temperature", "t2_scaling"}; }
-
-  void parse(detail::ObjectReader& r, LossSpec& loss) const override {
-    loss.temperature = r.number("temperature", 1.0);
-    if (!(loss.temperature > 0.0 && loss.temperature <= kMaxTemperature)) {
-      r.fail("temperature", "must be in (0, 1e6], got " + json(loss.temperature).dump());
-    }
-    loss.t2_scaling = r.boolean("t2_scaling", true);
+  const SettingTable& settings() const override {
+    static const SettingTable table = {
+        number_setting("temperature", &KdOptions::temperature, 1.0)
+            .range(0.0, kMaxTemperature, true, false)
+            .described("T: both softmaxes of logits / T")
+            .shrinks_as("temperature 1")
+            .v1_struct(),
+        boolean_setting("t2_scaling", &KdOptions::t2_scaling, true)
+            .described("scale the loss by T^2 (its gradient by T)")
+            .v1_struct(),
+    };
+    return table;
   }
 
   // Generated logits / T beyond 200: float32 rounding of the scaled logits, not a bug, decides the verdict.
   void validate(const Case& c) const override {
     auto check = [&](double mean, double scale, const std::string& path) {
       const double reach = generated_reach(mean, scale);
-      if (reach / c.loss.temperature > kMaxScaledLogit) {
+      if (reach / kd_options(c.loss).temperature > kMaxScaledLogit) {
         detail::fail_at(c.source, path,
-                        "generated logits / temperature reach " + json(reach / c.loss.temperature).dump() +
+                        "generated logits / temperature reach " + json(reach / kd_options(c.loss).temperature).dump() +
                             ", beyond 200, where float32 rounding of logits / T decides the verdict (raise the "
                             "temperature or lower the scale)");
       }
@@ -65,9 +71,9 @@ class KdKind final : public LossKind {
     const double spread = variance(c.inputs.scale) + variance(c.inputs.teacher.scale);
     const double atol = effective_tolerance(c, "loss").atol;
     const double limit = std::sqrt(0.05 * spread / atol);
-    if (c.loss.temperature > limit) {
+    if (kd_options(c.loss).temperature > limit) {
       detail::fail_at(c.source, "$.loss.temperature",
-                      json(c.loss.temperature).dump() + " is beyond " + json(std::floor(limit)).dump() +
+                      json(kd_options(c.loss).temperature).dump() + " is beyond " + json(std::floor(limit)).dump() +
                           ", where the loss's float32 floor (atol T^2) exceeds a tenth of T^2 KL (about " +
                           json(spread / 2.0).dump() +
                           " for these inputs) and a missing T^2 would pass: lower the temperature or raise the "
@@ -75,14 +81,13 @@ class KdKind final : public LossKind {
     }
   }
 
-  void resolve(const LossSpec& loss, json& l) const override {
-    l["temperature"] = loss.temperature;
-    l["t2_scaling"] = loss.t2_scaling;
-  }
-
   KindInputs inputs() const override { return {false, true}; }
-  double loss_scale(const LossSpec& loss) const override { return std::pow(loss.temperature, t2_power(loss)); }
-  double grad_scale(const LossSpec& loss) const override { return std::pow(loss.temperature, t2_power(loss) - 1.0); }
+  double loss_scale(const LossSpec& loss) const override {
+    return std::pow(kd_options(loss).temperature, t2_power(loss));
+  }
+  double grad_scale(const LossSpec& loss) const override {
+    return std::pow(kd_options(loss).temperature, t2_power(loss) - 1.0);
+  }
 
   std::string row_sum_rule() const override { return "sum_v grad = w_t 2 w_z lse for every token"; }
 
@@ -97,17 +102,25 @@ class KdKind final : public LossKind {
     DeviceRowModel m;
     m.teacher = true;
     m.labels = false;
-    m.temperature = c.loss.temperature;
-    m.teacher_grad_scale = std::pow(c.loss.temperature, t2_power(c.loss) - 1.0);
+    m.temperature = kd_options(c.loss).temperature;
+    m.teacher_grad_scale = std::pow(kd_options(c.loss).temperature, t2_power(c.loss) - 1.0);
     return m;
   }
 
   void cpu_micro_batch(const CpuMicroBatch& batch) const override { kd_cpu_micro_batch(batch); }
 
   std::optional<int> plugin_kind() const override { return LV_LOSS_KD; }
+  // The v1 structure's fields, for plugins built before lv_rank_inputs.settings.
+  void plugin_settings(const LossSpec& spec, lv_rank_inputs& settings) const override {
+    settings.loss.temperature = kd_options(spec).temperature;
+    settings.loss.t2_scaling = kd_options(spec).t2_scaling ? 1 : 0;
+  }
 };
 
 }  // namespace
+
+const KdOptions& kd_options(const LossSpec& loss) { return options_of<KdOptions>(loss); }
+KdOptions& edit_kd_options(LossSpec& loss) { return edit_options<KdOptions>(loss); }
 
 std::unique_ptr<LossKind> make_kd_kind() { return std::make_unique<KdKind>(); }
 

@@ -12,6 +12,7 @@
 #include "lossverify/impl/catalogue.hpp"
 #include "lossverify/impl/rank_plan.hpp"
 #include "lossverify/kinds/kd/kd_math.hpp"
+#include "lossverify/kinds/kd/kd_options.hpp"
 
 namespace lossverify {
 
@@ -37,12 +38,12 @@ struct KdScales {
   float grad;
 };
 inline KdScales kd_scales(const LossSpec& loss, const BugSwitches& bugs, int tp) {
-  int power = loss.t2_scaling ? 2 : 0;
-  if (loss.t2_scaling && bugs.kd_no_t2) power = 0;
-  if (loss.t2_scaling && bugs.kd_double_t2) power = 4;
+  int power = kd_options(loss).t2_scaling ? 2 : 0;
+  if (kd_options(loss).t2_scaling && bugs.kd_no_t2) power = 0;
+  if (kd_options(loss).t2_scaling && bugs.kd_double_t2) power = 4;
   const double grad_factor = bugs.kd_tp_grad_sum ? tp : 1;
-  return {static_cast<float>(std::pow(loss.temperature, power)),
-          static_cast<float>(grad_factor * std::pow(loss.temperature, power - 1))};
+  return {static_cast<float>(std::pow(kd_options(loss).temperature, power)),
+          static_cast<float>(grad_factor * std::pow(kd_options(loss).temperature, power - 1))};
 }
 
 // KD's per-row value from the all-reduced sums [S_a, S_b, W (, U)] and maxima: KL(P || Q), or the shard's

@@ -8,6 +8,7 @@
 #include <tuple>
 
 #include "lossverify/case/case.hpp"
+#include "lossverify/kinds/kd/kd_options.hpp"
 #include "lossverify/reference/compensated_sum.hpp"
 #include "lossverify/reference/row_sums.hpp"
 
@@ -30,7 +31,7 @@ class KdReference final : public KindReference {
                      std::span<const double> teacher) const override {
     (void)token, (void)begin;
     RowPartial p;
-    const double inverse_t = 1.0 / case_.loss.temperature;
+    const double inverse_t = 1.0 / kd_options(case_.loss).temperature;
     p.max = row_sums::scaled_max(student, inverse_t);
     std::tie(p.sum_exp, p.sum_exp_error) = row_sums::sum_exp(student, inverse_t, p.max);
     p.teacher_max = row_sums::scaled_max(teacher, inverse_t);
@@ -50,7 +51,7 @@ class KdReference final : public KindReference {
   // sum over the slice of P_v (log P_v - log Q_v), compensated; terms with P_v = 0 contribute 0.
   std::pair<double, double> value_partial(const RowStats& s, std::span<const double> student,
                                           std::span<const double> teacher) const override {
-    const double inverse_t = 1.0 / case_.loss.temperature;
+    const double inverse_t = 1.0 / kd_options(case_.loss).temperature;
     row_sums::LaneSum kl;
     double log_p[row_sums::kBlock];
     double p[row_sums::kBlock];
@@ -68,7 +69,8 @@ class KdReference final : public KindReference {
 
   double token_loss(std::int64_t token, const RowStats& s) const override {
     (void)token;
-    return std::pow(case_.loss.temperature, case_.loss.t2_scaling ? 2.0 : 0.0) * s.value;  // s.value: the KL
+    return std::pow(kd_options(case_.loss).temperature, kd_options(case_.loss).t2_scaling ? 2.0 : 0.0) *
+           s.value;  // s.value: the KL
   }
 
   // d L / d x_v = w T^(s-1) (Q_v - P_v)
@@ -76,8 +78,8 @@ class KdReference final : public KindReference {
                 std::span<const double> student, std::span<const double> teacher,
                 std::span<double> grad) const override {
     (void)token, (void)begin;
-    const double t = case_.loss.temperature;
-    const double scale = weight * std::pow(t, (case_.loss.t2_scaling ? 2.0 : 0.0) - 1.0);
+    const double t = kd_options(case_.loss).temperature;
+    const double scale = weight * std::pow(t, (kd_options(case_.loss).t2_scaling ? 2.0 : 0.0) - 1.0);
     double shifted[row_sums::kBlock];
     double q[row_sums::kBlock];
     double p[row_sums::kBlock];

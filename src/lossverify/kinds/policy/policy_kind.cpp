@@ -8,6 +8,7 @@
 
 #include "lossverify/case/case.hpp"
 #include "lossverify/case/json_reader.hpp"
+#include "lossverify/case/kind_settings.hpp"
 #include "lossverify/impl/catalogue.hpp"
 #include "lossverify/kinds/policy/policy_inputs.hpp"
 #include "lossverify/kinds/policy/policy_options.hpp"
@@ -30,67 +31,102 @@ constexpr std::array kAggregations = {Aggregation::token_mean, Aggregation::toke
                                       Aggregation::seq_mean_token_mean, Aggregation::seq_mean_token_sum_norm};
 constexpr std::array kRatios = {Ratio::token, Ratio::sequence};
 
-// A finite number in a range, named in the error when it is not.
-double number_in(detail::ObjectReader& r, const std::string& key, double fallback, bool (*ok)(double),
-                 const std::string& range) {
-  const double v = r.number(key, fallback);
-  if (!(std::isfinite(v) && ok(v))) r.fail(key, "must be " + range + ", got " + json(v).dump());
-  return v;
-}
-
-// Keys that mean something only under a setting are refused without it, by name; 0 leaves such a key unset
-// (so `--set key=0` switches off what a case file turned on, beside the setting that needed it).
-void refuse_unless(detail::ObjectReader& r, bool applies, const std::string& key, const std::string& needs) {
-  if (applies || !r.has(key)) return;
-  const json& value = r.raw(key);
-  if (!(value.is_number() && value.get<double>() == 0.0))
-    r.fail(key, "applies to " + needs + " only (0 leaves it unset)");
-}
-
 class PolicyKind final : public LossKind {
  public:
   std::string_view name() const override { return "policy"; }
   std::string_view summary() const override {
-    return "RL policy loss over sampled tokens: objective policy_loss|logprob, temperature, clip_low, clip_high, "
-           "dual_clip, ratio token|sequence, kl_penalty none|k1|k2|k3, kl_coef, entropy_coef, aggregation "
-           "token-mean|token-sum|"
-           "seq-mean-token-sum|seq-mean-token-mean|seq-mean-token-sum-norm, norm_constant, whiten_advantages, "
-           "whiten_epsilon";
+    return "RL policy loss over sampled tokens: the clipped surrogate (or a log-prob pass), KL penalty, entropy bonus, "
+           "five aggregations, GSPO's sequence ratio";
   }
 
-  std::vector<std::string> keys() const override {
-    return {"objective",     "temperature",       "clip_low",      "clip_high",    "dual_clip",
-            "ratio",         "kl_penalty",        "kl_coef",       "entropy_coef", "aggregation",
-            "norm_constant", "whiten_advantages", "whiten_epsilon"};
+  const SettingTable& settings() const override {
+    using O = PolicyOptions;
+    static const SettingTable table = [] {
+      const std::vector<json> surrogate = {"policy_loss"};
+      const std::string surrogate_words = "objective policy_loss";
+      return SettingTable{
+          choice_setting("objective", &O::objective, kObjectives, Objective::policy_loss)
+              .described("policy_loss: the clipped surrogate; logprob: l = -lambda - c_H H (a trainer's log-prob pass)")
+              .v1_struct(),
+          number_setting("temperature", &O::temperature, 1.0)
+              .range(0.0, kMaxTemperature, true, false)
+              .described("T: the log-probabilities and entropy of softmax(x / T)")
+              .shrinks_as("temperature 1")
+              .v1_struct(),
+          number_setting("entropy_coef", &O::entropy_coef, 0.0)
+              .range(0.0, 1e3)
+              .described("c_H: the entropy bonus")
+              .shrinks_as("no entropy bonus")
+              .v1_struct(),
+          choice_setting("aggregation", &O::aggregation, kAggregations, Aggregation::token_mean)
+              .described("how tokens are weighted over the step (docs/spec.md §3.3)")
+              .v1_struct(),
+          // H_max, a generation length: its weights 1 / (B H_max) stay at most 1e6, far inside float32's reach.
+          number_setting("norm_constant", &O::norm_constant, 0.0)
+              .range(1e-6, 1e12)
+              .when("aggregation", {"seq-mean-token-sum-norm"}, "aggregation seq-mean-token-sum-norm")
+              .needed("aggregation seq-mean-token-sum-norm needs norm_constant (H_max)")
+              .described("H_max of seq-mean-token-sum-norm (Dr. GRPO)")
+              .v1_struct(),
+          number_setting("clip_low", &O::clip_low, 0.2)
+              .range(0.0, 1.0, true, true)
+              .when("objective", surrogate, surrogate_words)
+              .described("epsilon_low")
+              .v1_struct(),
+          number_setting("clip_high", &O::clip_high, 0.2)
+              .range(0.0, 1e3, true, false)
+              .default_from("clip_low")
+              .when("objective", surrogate, surrogate_words)
+              .described("epsilon_high (clip_low when absent)")
+              .v1_struct(),
+          number_setting("dual_clip", &O::dual_clip, 0.0)
+              .range(1.0, 1e3, true, false)
+              .or_zero_for_off(false)
+              .when("objective", surrogate, surrogate_words)
+              .described("c: caps -rho A at -c A where A < 0")
+              .shrinks_as("no dual clip")
+              .v1_struct(),
+          choice_setting("ratio", &O::ratio, kRatios, Ratio::token)
+              .when("objective", surrogate, surrogate_words)
+              .described("token: each token's own ratio; sequence: GSPO's per-sequence ratio")
+              .shrinks_as("token ratio")
+              .capability(LV_SUPPORTS_POLICY_SEQUENCE_RATIO, "LV_SUPPORTS_POLICY_SEQUENCE_RATIO"),
+          choice_setting("kl_penalty", &O::kl, kKls, Kl::none)
+              .when("objective", surrogate, surrogate_words)
+              .described("the KL estimator against the reference policy")
+              .shrinks_as("no KL penalty")
+              .v1_struct(),
+          number_setting("kl_coef", &O::kl_coef, 0.0)
+              .range(0.0, 1e3)
+              .when("kl_penalty", {"k1", "k2", "k3"}, "a kl_penalty other than none")
+              .described("beta")
+              .v1_struct(),
+          boolean_setting("whiten_advantages", &O::whiten_advantages, false)
+              .when("objective", surrogate, surrogate_words)
+              .described("whiten advantages over the step's valid tokens (DP x CP)")
+              .shrinks_as("no whitening")
+              .v1_struct(),
+          number_setting("whiten_epsilon", &O::whiten_epsilon, 1e-6)
+              .range(0.0, 1e3, true, false)
+              .when("whiten_advantages", {true}, "whiten_advantages true")
+              .described("delta in (A - mu) / (sigma + delta)")
+              .v1_struct(),
+      };
+    }();
+    return table;
   }
 
-  void parse(detail::ObjectReader& r, LossSpec& loss) const override {
+  // A policy loss weighs its tokens by its aggregation, which decides the reduction.
+  void parse_extra(detail::ObjectReader& r, LossSpec& loss) const override {
     if (r.has("reduction")) {
       r.fail("reduction", "a policy loss aggregates its tokens by \"aggregation\", not by reduction");
     }
-    auto o = std::make_shared<PolicyOptions>();
-    o->objective = detail::parse_choice(r, "objective", kObjectives, Objective::policy_loss);
-    o->temperature = number_in(
-        r, "temperature", 1.0, [](double v) { return v > 0.0 && v <= kMaxTemperature; }, "in (0, 1e6]");
-    o->entropy_coef = number_in(
-        r, "entropy_coef", 0.0, [](double v) { return v >= 0.0 && v <= 1e3; }, "in [0, 1000]");
-    o->aggregation = detail::parse_choice(r, "aggregation", kAggregations, Aggregation::token_mean);
-    const bool norm = o->aggregation == Aggregation::seq_mean_token_sum_norm;
-    refuse_unless(r, norm, "norm_constant", "aggregation seq-mean-token-sum-norm");
-    if (norm) {
-      if (!r.has("norm_constant")) r.fail_here("aggregation seq-mean-token-sum-norm needs norm_constant (H_max)");
-      // H_max, a generation length: its weights 1 / (B H_max) stay at most 1e6, far inside float32's reach.
-      o->norm_constant = number_in(
-          r, "norm_constant", 0.0, [](double v) { return v >= 1e-6 && v <= 1e12; }, "in [1e-6, 1e12]");
-    }
-    const bool surrogate = o->objective == Objective::policy_loss;
-    for (const char* key : {"clip_low", "clip_high", "dual_clip", "ratio", "kl_penalty", "kl_coef", "whiten_advantages",
-                            "whiten_epsilon"}) {
-      refuse_unless(r, surrogate, key, "objective policy_loss");
-    }
-    if (surrogate) parse_surrogate(r, *o);
-    loss.reduction = o->aggregation == Aggregation::token_mean ? Reduction::mean : Reduction::sum;
-    loss.options = std::move(o);
+    const bool token_mean = policy_options(loss).aggregation == Aggregation::token_mean;
+    loss.reduction = token_mean ? Reduction::mean : Reduction::sum;
+  }
+  void resolve_extra(const LossSpec& loss, json& l) const override {
+    (void)loss;
+    l.erase("reduction");
   }
 
   // Generated logits / T beyond 200: float32 rounding of the scaled logits, not a bug, decides the verdict.
@@ -111,25 +147,6 @@ class PolicyKind final : public LossKind {
         }
       }
     }
-  }
-
-  void resolve(const LossSpec& loss, json& l) const override {
-    const PolicyOptions& o = policy_options(loss);
-    l.erase("reduction");
-    l["objective"] = to_string(o.objective);
-    l["temperature"] = o.temperature;
-    l["entropy_coef"] = o.entropy_coef;
-    l["aggregation"] = to_string(o.aggregation);
-    if (o.aggregation == Aggregation::seq_mean_token_sum_norm) l["norm_constant"] = o.norm_constant;
-    if (o.objective != Objective::policy_loss) return;
-    l["clip_low"] = o.clip_low;
-    l["clip_high"] = o.clip_high;
-    if (o.dual_clip > 0.0) l["dual_clip"] = o.dual_clip;
-    l["ratio"] = to_string(o.ratio);
-    l["kl_penalty"] = to_string(o.kl);
-    if (o.kl != Kl::none) l["kl_coef"] = o.kl_coef;
-    l["whiten_advantages"] = o.whiten_advantages;
-    if (o.whiten_advantages) l["whiten_epsilon"] = o.whiten_epsilon;
   }
 
   KindInputs inputs() const override { return {true, false}; }
@@ -196,42 +213,12 @@ class PolicyKind final : public LossKind {
     const bool by_sequence = o.ratio == Ratio::sequence && o.objective == Objective::policy_loss;
     settings.policy_ratio = by_sequence ? LV_POLICY_RATIO_SEQUENCE : LV_POLICY_RATIO_TOKEN;
   }
-
- private:
-  static void parse_surrogate(detail::ObjectReader& r, PolicyOptions& o) {
-    o.clip_low = number_in(
-        r, "clip_low", 0.2, [](double v) { return v > 0.0 && v < 1.0; }, "in (0, 1)");
-    o.clip_high = number_in(
-        r, "clip_high", o.clip_low, [](double v) { return v > 0.0 && v <= 1e3; }, "in (0, 1000]");
-    if (r.has("dual_clip")) {
-      o.dual_clip = number_in(
-          r, "dual_clip", 0.0, [](double v) { return v == 0.0 || (v > 1.0 && v <= 1e3); }, "in (1, 1000], or 0 (off)");
-    } else {
-      r.allow("dual_clip");
-    }
-    o.ratio = detail::parse_choice(r, "ratio", kRatios, Ratio::token);
-    o.kl = detail::parse_choice(r, "kl_penalty", kKls, Kl::none);
-    refuse_unless(r, o.kl != Kl::none, "kl_coef", "a kl_penalty other than none");
-    if (o.kl != Kl::none) {
-      o.kl_coef = number_in(
-          r, "kl_coef", 0.0, [](double v) { return v >= 0.0 && v <= 1e3; }, "in [0, 1000]");
-    }
-    o.whiten_advantages = r.boolean("whiten_advantages", false);
-    refuse_unless(r, o.whiten_advantages, "whiten_epsilon", "whiten_advantages true");
-    if (o.whiten_advantages) {
-      o.whiten_epsilon = number_in(
-          r, "whiten_epsilon", 1e-6, [](double v) { return v > 0.0 && v <= 1e3; }, "in (0, 1000]");
-    }
-  }
 };
 
 }  // namespace
 
-const PolicyOptions& policy_options(const LossSpec& loss) {
-  static const PolicyOptions defaults;
-  const auto* o = dynamic_cast<const PolicyOptions*>(loss.options.get());
-  return o != nullptr ? *o : defaults;
-}
+const PolicyOptions& policy_options(const LossSpec& loss) { return options_of<PolicyOptions>(loss); }
+PolicyOptions& edit_policy_options(LossSpec& loss) { return edit_options<PolicyOptions>(loss); }
 
 std::string_view to_string(PolicyOptions::Objective o) { return o == Objective::logprob ? "logprob" : "policy_loss"; }
 

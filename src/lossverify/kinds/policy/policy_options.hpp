@@ -32,6 +32,7 @@ struct PolicyOptions final : KindOptions {
 
 // The case's policy settings (the case's kind is policy).
 const PolicyOptions& policy_options(const LossSpec& loss);
+PolicyOptions& edit_policy_options(LossSpec& loss);
 
 std::string_view to_string(PolicyOptions::Objective);
 std::string_view to_string(PolicyOptions::Kl);
