@@ -20,10 +20,10 @@ namespace lossverify {
 
 namespace {
 
-nlohmann::json log_partition_case(int tp, int cp, int dp, int ga) {
+nlohmann::json log_partition_case(int tp, int cp, int dp, int ga, double sharpness = 1.0) {
   return {{"name", "log-partition"},
           {"shape", {{"vocab", 96}}},
-          {"loss", {{"kind", testing::kLogPartition}}},
+          {"loss", {{"kind", testing::kLogPartition}, {"sharpness", sharpness}}},
           {"inputs", {{"seed", 7}, {"scale", 3.0}, {"ignore_fraction", 0.25}}},
           {"batch", {{"sequence_lengths", {9, 4, 7, 12}}}},
           {"layout", {{"tp", tp}, {"cp", cp}, {"dp", dp}, {"ga", ga}}},
@@ -55,9 +55,22 @@ TEST_CASE("a kind registered at run time is read from a case, and other kinds' k
   CHECK_THROWS_WITH_AS(testing::make_case(unknown), doctest::Contains("log_partition"), CaseError);
 }
 
-TEST_CASE("the oracle evaluates the kind's definition: l = log sum exp x, gradient softmax") {
+TEST_CASE("the kind's setting is read, checked and written back from its table") {
   testing::register_log_partition();
-  const Case c = testing::make_case(log_partition_case(1, 1, 1, 1));
+  CHECK(testing::make_case(log_partition_case(2, 1, 1, 1, 2.5)).resolved()["loss"]["sharpness"] == 2.5);
+  CHECK(testing::make_case(log_partition_case(2, 1, 1, 1)).resolved()["loss"]["sharpness"] == 1.0);
+  CHECK_THROWS_WITH_AS(testing::make_case(log_partition_case(1, 1, 1, 1, 0.0)),
+                       doctest::Contains("$.loss.sharpness: must be in (0, 100], got 0.0"), CaseError);
+  nlohmann::json ce = testing::case_json(8, 32, 1);
+  ce["loss"]["sharpness"] = 2.0;
+  CHECK_THROWS_WITH_AS(testing::make_case(ce), doctest::Contains("sharpness: applies to log_partition only"),
+                       CaseError);
+}
+
+TEST_CASE("the oracle evaluates the kind's definition: l = lse(beta x) / beta, gradient softmax(beta x)") {
+  testing::register_log_partition();
+  const double beta = 2.5;
+  const Case c = testing::make_case(log_partition_case(1, 1, 1, 1, beta));
   const InputSource inputs(c);
   const LossReference reference(c, inputs);
   const auto vocab = static_cast<std::size_t>(c.shape.vocab);
@@ -70,12 +83,12 @@ TEST_CASE("the oracle evaluates the kind's definition: l = log sum exp x, gradie
     for (std::size_t v = 0; v < vocab; ++v) logits[v] = row[v];
     const ReferenceToken r = reference.evaluate(t, logits, {}, grad);
     long double sum = 0.0L;  // independently, in long double
-    for (double x : logits) sum += std::exp(static_cast<long double>(x));
+    for (double x : logits) sum += std::exp(static_cast<long double>(beta) * x);
     const auto lse = static_cast<double>(std::log(sum));
-    CHECK(r.loss == doctest::Approx(lse).epsilon(1e-14));
+    CHECK(r.loss == doctest::Approx(lse / beta).epsilon(1e-14));
     double grad_sum = 0.0;
     for (std::size_t v = 0; v < vocab; ++v) {
-      CHECK(grad[v] == doctest::Approx(r.weight * std::exp(logits[v] - lse)).epsilon(1e-12));
+      CHECK(grad[v] == doctest::Approx(r.weight * std::exp(beta * logits[v] - lse)).epsilon(1e-12));
       grad_sum += grad[v];
     }
     CHECK(grad_sum == doctest::Approx(r.weight).epsilon(1e-12));
@@ -91,7 +104,7 @@ TEST_CASE("the correct sharded implementation passes on thread ranks at every la
     CAPTURE(cp);
     CAPTURE(dp);
     CAPTURE(ga);
-    const RunResult r = testing::run_with(testing::make_case(log_partition_case(tp, cp, dp, ga)), "correct");
+    const RunResult r = testing::run_with(testing::make_case(log_partition_case(tp, cp, dp, ga, 2.5)), "correct");
     CHECK(r.verdict == Verdict::pass);
     CHECK(check_named(r, "loss").verdict == Verdict::pass);
     CHECK(check_named(r, "grad").verdict == Verdict::pass);
@@ -112,13 +125,25 @@ TEST_CASE("the kind's catalogued bug is caught where it shows, at TP > 1, and on
   CHECK_THROWS_AS(testing::run_with(testing::make_case(testing::case_json(8, 32, 2)), bug->name), CaseError);
 }
 
+TEST_CASE("the bug that needs the setting: the loss off by beta where beta != 1, the gradient right") {
+  testing::register_log_partition();
+  const Implementation* bug = find_implementation(testing::kLogPartitionNoInverseSharpness);
+  REQUIRE(bug != nullptr);
+  const RunResult sharp = testing::run_with(testing::make_case(log_partition_case(2, 1, 2, 1, 2.5)), bug->name);
+  CHECK(sharp.verdict == Verdict::fail);
+  CHECK(check_named(sharp, "loss").verdict == Verdict::fail);
+  CHECK(check_named(sharp, "grad").verdict == Verdict::pass);
+  const RunResult plain = testing::run_with(testing::make_case(log_partition_case(2, 1, 2, 1, 1.0)), bug->name);
+  CHECK(plain.verdict == Verdict::pass);
+}
+
 TEST_CASE("the gate runs the kind's case, records golden outcomes and then holds them") {
   testing::register_log_partition();
   const std::filesystem::path dir = std::filesystem::temp_directory_path() / "lossverify-kind-log-partition";
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir / "cases");
   std::filesystem::create_directories(dir / "golden");
-  nlohmann::json doc = log_partition_case(2, 1, 2, 1);
+  nlohmann::json doc = log_partition_case(2, 1, 2, 1, 2.5);
   doc["sweep"] = {{"tp", {1, 2, 4}}, {"ga", {1, 2}}};
   std::ofstream(dir / "cases" / "log-partition.json") << doc.dump(2);
   GateOptions options;
@@ -136,12 +161,12 @@ TEST_CASE("the gate runs the kind's case, records golden outcomes and then holds
   }
   CHECK(layout_bug_ran);  // unequal valid-token counts over DP: caught on this kind as on any other
   options.update_golden = false;
-  options.implementations = {"correct", testing::kLogPartitionLocalSum};
+  options.implementations = {"correct", testing::kLogPartitionLocalSum, testing::kLogPartitionNoInverseSharpness};
   const GateResult again = run_gate(options);
   CHECK(again.passed());
   CHECK(again.mismatches == 0);
   CHECK(again.false_alarms == 0);
-  CHECK(again.bugs_caught == 1);
+  CHECK(again.bugs_caught == 2);
   CHECK(again.sweeps.size() == 1);
   std::filesystem::remove_all(dir);
 }
@@ -161,7 +186,7 @@ TEST_CASE("a native plugin computes the kind, named by string, and is judged lik
     CAPTURE(cp);
     CAPTURE(dp);
     CAPTURE(ga);
-    const RunResult r = testing::run_with(testing::make_case(log_partition_case(tp, cp, dp, ga)), plugin);
+    const RunResult r = testing::run_with(testing::make_case(log_partition_case(tp, cp, dp, ga, 2.5)), plugin);
     CHECK(r.verdict == Verdict::pass);
     CHECK(check_named(r, "grad").verdict == Verdict::pass);
     CHECK(check_named(r, "loss").verdict == Verdict::pass);
@@ -169,6 +194,20 @@ TEST_CASE("a native plugin computes the kind, named by string, and is judged lik
   // The plugin names only its kind: a cross-entropy case is not its to compute.
   CHECK_THROWS_WITH_AS(testing::run_with(testing::make_case(testing::case_json(8, 32, 2)), plugin),
                        doctest::Contains("does not compute cross_entropy losses"), CaseError);
+}
+
+TEST_CASE("the plugin ABI carries the setting: a plugin that does not name it gets it only at its fallback") {
+  testing::register_log_partition();
+  const std::string old_plugin = std::string("plugin:") + LOSSVERIFY_PLUGIN_KIND_ONLY_PLUGIN;
+  CHECK(testing::run_with(testing::make_case(log_partition_case(2, 1, 1, 1, 1.0)), old_plugin).verdict ==
+        Verdict::pass);
+  CHECK_THROWS_WITH_AS(
+      testing::run_with(testing::make_case(log_partition_case(2, 1, 1, 1, 2.5)), old_plugin),
+      doctest::Contains("does not implement the log_partition setting sharpness 2.5 (its lossverify_plugin_names() "
+                        "does not name \"log_partition.sharpness\")"),
+      CaseError);
+  // The plugin that names it reads it from the block: at beta = 2.5 its loss is judged right (above), and the
+  // unscaled loss of the catalogued bug would not be.
 }
 
 }  // namespace lossverify
