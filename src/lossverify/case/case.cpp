@@ -204,6 +204,11 @@ void parse_layout(ObjectReader r, Case& c) {
   c.layout.dp = parse_dimension(r, "dp");
   c.layout.ga = parse_dimension(r, "ga");
   if (std::int64_t{c.layout.tp} * c.layout.cp * c.layout.dp > 65536) r.fail_here("tp * cp * dp must be <= 65536 ranks");
+  c.layout.sp = r.boolean("sp", false);
+  if (c.layout.sp && kind_of(c.loss).columns_split_by_tp()) {
+    r.fail("sp", "applies to a kind whose rows are whole on every rank; TP splits the columns of " +
+                     std::string(kind_of(c.loss).name()) + "'s rows");
+  }
   r.reject_unknown_keys();
 }
 
@@ -372,13 +377,13 @@ void validate_consistency(const Case& c) {
   const std::string& src = c.source;
   const std::int64_t n = c.shape.tokens;
   const std::int64_t v = c.shape.vocab;
-  if (c.layout.tp > v) {
+  if (tp_splits_columns(c) && c.layout.tp > v) {
     fail_at(src, "$.layout.tp",
             "tp = " + std::to_string(c.layout.tp) + " exceeds the vocabulary size " + std::to_string(v) +
                 ": every TP rank needs at least one column");
   }
   for (int tp : c.sweep.tp) {
-    if (tp > v)
+    if (tp_splits_columns(c) && tp > v)
       fail_at(src, "$.sweep.tp", "tp = " + std::to_string(tp) + " exceeds the vocabulary size " + std::to_string(v));
   }
   const LossKind& kind = kind_of(c.loss);
@@ -550,13 +555,17 @@ Case load_case_file(const std::string& path, const std::vector<std::string>& set
   return parse_case(document, path);
 }
 
+bool tp_splits_columns(const Case& c) { return kind_of(c.loss).columns_split_by_tp(); }
+
+int token_replicas(const Case& c) { return tp_splits_columns(c) || c.layout.sp ? 1 : c.layout.tp; }
+
 std::vector<LayoutSpec> sweep_layouts(const Case& c) {
   auto values = [](const std::vector<int>& list, int own) { return list.empty() ? std::vector<int>{own} : list; };
   std::vector<LayoutSpec> out;
   for (int dp : values(c.sweep.dp, c.layout.dp)) {
     for (int cp : values(c.sweep.cp, c.layout.cp)) {
       for (int ga : values(c.sweep.ga, c.layout.ga)) {
-        for (int tp : values(c.sweep.tp, c.layout.tp)) out.push_back(LayoutSpec{tp, cp, dp, ga});
+        for (int tp : values(c.sweep.tp, c.layout.tp)) out.push_back(LayoutSpec{tp, cp, dp, ga, c.layout.sp});
       }
     }
   }
@@ -642,6 +651,7 @@ json Case::resolved() const {
                 {"placement", std::string(to_string(batch.placement))},
                 {"labels", std::string(to_string(batch.labels))}};
   j["layout"] = {{"tp", layout.tp}, {"cp", layout.cp}, {"dp", layout.dp}, {"ga", layout.ga}};
+  if (!tp_splits_columns(*this)) j["layout"]["sp"] = layout.sp;
   j["framework"] = {{"grad_reduce", std::string(to_string(framework.grad_reduce))},
                     {"ga_reduce", std::string(to_string(framework.ga_reduce))}};
   if (!sweep.empty()) {

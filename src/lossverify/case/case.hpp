@@ -103,10 +103,13 @@ struct BatchSpec {
 };
 
 struct LayoutSpec {
-  int tp = 1;  // vocabulary (tensor) parallel
+  int tp = 1;  // tensor parallel: splits the vocabulary, or, for a kind whose rows are whole, replicates tokens
   int cp = 1;  // context parallel: zigzag chunks of every sequence
   int dp = 1;  // data parallel: disjoint sequences
   int ga = 1;  // gradient-accumulation micro-batches per DP rank
+  // Sequence parallelism: TP splits each micro-batch's rows of a kind whose rows are whole on every rank
+  // (LossKind::columns_split_by_tp false) into TP contiguous parts, instead of replicating them.
+  bool sp = false;
   int world_size() const { return tp * cp * dp; }
 };
 
@@ -170,6 +173,12 @@ Case load_case_file(const std::string& path, const std::vector<std::string>& set
 // shape that no longer matches the parsed batch, an override outside it, a TP wider than the vocabulary.
 // Throws CaseError naming the JSON path.
 void check_case(const Case& c);
+
+// How TP treats a case's rows (docs/spec.md §4): it splits their columns (the vocabulary) unless the case's kind keeps
+// rows whole on every rank; then it replicates the tokens over TP, or splits them under layout.sp.
+bool tp_splits_columns(const Case& c);
+// How many TP ranks hold each token: TP for whole rows without SP, else 1.
+int token_replicas(const Case& c);
 
 // All layouts of a sweep (the case's own when the sweep is empty), in a fixed order.
 std::vector<LayoutSpec> sweep_layouts(const Case& c);

@@ -160,20 +160,21 @@ struct RankContext {
   Communicator& world;
   std::int64_t tokens;
   std::int64_t rows;
-  int tp_size;
-  bool tp_leader;
+  int column_ranks;    // the rank's columns group: the ranks holding slices of its rows
+  bool column_leader;  // rank 0 of that group
+  bool token_owner;    // counts its rows' tokens once over the world (the column leader of the first replica)
   int world_rank;
   double loss_scale;  // the kind's loss factor (KD: T^s)
 };
 
-// The TP group's columns tile [0, V); every token is held by exactly one TP group.
+// The columns groups' slices tile [0, V); every token is held by exactly one columns group (one per replica).
 void check_coverage(const RankContext& x) {
   const VocabRange range = x.out.assignment.vocab;
   const std::int64_t mine[2] = {range.begin, range.end};
-  std::vector<std::int64_t> all(static_cast<std::size_t>(2 * x.tp_size));
-  x.groups.tp.all_gather(mine, all.data(), sizeof(mine));
+  std::vector<std::int64_t> all(static_cast<std::size_t>(2 * x.column_ranks));
+  x.groups.columns.all_gather(mine, all.data(), sizeof(mine));
   std::vector<std::pair<std::int64_t, std::int64_t>> ranges;
-  for (int r = 0; r < x.tp_size; ++r) {
+  for (int r = 0; r < x.column_ranks; ++r) {
     ranges.push_back({all[static_cast<std::size_t>(2 * r)], all[static_cast<std::size_t>(2 * r + 1)]});
   }
   std::sort(ranges.begin(), ranges.end());
@@ -186,17 +187,18 @@ void check_coverage(const RankContext& x) {
   }
   if (next != x.c.shape.vocab) throw InternalError(who + ": TP shards do not cover the vocabulary");
   std::vector<std::int64_t> holders(static_cast<std::size_t>(x.tokens), 0);
-  if (x.tp_leader) {
+  if (x.column_leader) {
     for (std::int64_t i = 0; i < x.rows; ++i) {
       if (x.out.token_of(i) >= 0) ++holders[static_cast<std::size_t>(x.out.token_of(i))];
     }
   }
   x.world.allreduce_sum(std::span<std::int64_t>(holders));
+  const int replicas = token_replicas(x.c);
   for (std::int64_t t = 0; t < x.tokens; ++t) {
     const std::int64_t held = holders[static_cast<std::size_t>(t)];
-    if (held != 1) {
+    if (held != replicas) {
       throw InternalError("token " + std::to_string(t) + " is held by " + std::to_string(held) +
-                          " TP groups, expected exactly one");
+                          " columns groups, expected " + std::to_string(replicas));
     }
   }
 }
@@ -221,7 +223,7 @@ struct RowReference {
 
 // Sums over the TP group, in rank order (in place; a group of one has nothing to add).
 void sum_over_tp(const RankContext& x, std::vector<double>& values) {
-  if (x.tp_size > 1) x.groups.tp.allreduce_sum(std::span<double>(values));
+  if (x.column_ranks > 1) x.groups.columns.allreduce_sum(std::span<double>(values));
 }
 
 // Each valid row's value pass summed over TP (where the kind has one) into its statistics, then its l_t.
@@ -258,7 +260,7 @@ std::vector<RowStats> row_statistics(const RankContext& x, const std::vector<dou
     maxima[k] = slice(k).max;
     maxima[rows + k] = slice(k).teacher_max;
   }
-  if (x.tp_size > 1) x.groups.tp.allreduce_max(std::span<double>(maxima));
+  if (x.column_ranks > 1) x.groups.columns.allreduce_max(std::span<double>(maxima));
   std::vector<double> sums(rows * RowPartial::kDoubles, 0.0);
   for (std::size_t k = 0; k < rows; ++k) {
     if (valid[k]) RowPartial::rescaled(slice(k), maxima[k], maxima[rows + k]).store(&sums[k * RowPartial::kDoubles]);
@@ -287,7 +289,7 @@ void admissible_readings(const RankContext& x, RowReference& ref) {
     if (!ref.valid[k] || x.reference.row().branches(t, ref.stats[k]) < 2) continue;
     ref.either[k] = 1;
     ref.other_loss[k] = x.reference.token_loss(t, ref.other_stats(k));
-    count[0] += x.tp_leader;
+    count[0] += x.token_owner;
   }
   x.world.allreduce_sum(std::span<std::int64_t>(count));
   ref.either_tokens = count[0];
@@ -385,9 +387,9 @@ LossFindings judge_losses(const RankContext& x, const RowReference& ref, std::ve
       const KindReference::LossArithmetic a = x.reference.row().token_loss_arithmetic(t, ref.stats[k]);
       const double terms = a.terms.value_or(std::fabs(ref.loss[k]));
       rounding[k] = f.tolerance.rtol * terms + a.inputs_rounding;
-      if (x.tp_leader) spread[1] += std::fabs(x.reference.token_weight(t)) * terms;
+      if (x.token_owner) spread[1] += std::fabs(x.reference.token_weight(t)) * terms;
     }
-    if (!x.tp_leader) continue;
+    if (!x.token_owner) continue;
     token_losses[static_cast<std::size_t>(t)] = ref.loss[k];
     if (ref.either[k]) spread[0] += std::fabs(x.reference.token_weight(t) * (ref.other_loss[k] - ref.loss[k]));
   }
@@ -494,7 +496,7 @@ StatisticFindings judge_statistics(const RankContext& x, const RowReference& ref
   std::vector<double> values(static_cast<std::size_t>(x.tokens) * q, 0.0);
   std::vector<double> spread(q, 0.0);    // per statistic: sum of |s_t - s_t'| over tokens with two readings
   std::vector<double> rounding(q, 0.0);  // per statistic: sum over tokens of its float32 rounding
-  if (x.tp_leader) {
+  if (x.token_owner) {
     std::vector<double> row(q), other(q);
     for (std::int64_t i = 0; i < x.rows; ++i) {
       const auto k = static_cast<std::size_t>(i);
@@ -578,8 +580,8 @@ TpFindings judge_tp_group(const RankContext& x, const RowReference& ref, const G
   const Tolerance& row_tol = f.row_sum_tolerance;
   // Rank agreement: the TP leader's losses reach every rank (x + 0 is x), which judges its own against them.
   std::vector<float> first(x.out.token_loss.size(), 0.0f);
-  if (x.tp_leader) first = x.out.token_loss;
-  if (x.tp_size > 1) x.groups.tp.allreduce_sum(std::span<float>(first));
+  if (x.column_leader) first = x.out.token_loss;
+  if (x.column_ranks > 1) x.groups.columns.allreduce_sum(std::span<float>(first));
   // The row-sum invariant: each row's sums over the TP group, judged by the TP leader.
   std::vector<double> sums = grad.row_sums;
   sum_over_tp(x, sums);
@@ -587,7 +589,7 @@ TpFindings judge_tp_group(const RankContext& x, const RowReference& ref, const G
     const auto k = static_cast<std::size_t>(i);
     const std::int64_t t = x.out.token_of(i);
     if (t < 0) continue;
-    if (!x.tp_leader) {
+    if (!x.column_leader) {
       f.agreement.add({t, -1, x.world_rank, first[k], x.out.token_loss[k],
                        agree.atol * x.loss_scale + agree.rtol * std::fabs(static_cast<double>(first[k]))});
       continue;
@@ -787,11 +789,11 @@ void fill_snapshot(const RankContext& x, const RowReference& ref, double framewo
   for (std::int64_t i = 0; i < x.rows; ++i) {
     const std::int64_t t = x.out.token_of(i);
     if (t < 0) continue;
-    if (x.tp_leader) snapshot.token_loss[static_cast<std::size_t>(t)] = x.out.token_loss[static_cast<std::size_t>(i)];
+    if (x.token_owner) snapshot.token_loss[static_cast<std::size_t>(t)] = x.out.token_loss[static_cast<std::size_t>(i)];
     const auto k = static_cast<std::size_t>(i);
-    if (x.tp_leader && ref.either[k]) {  // two layouts may read it either way: not compared between them
+    if (x.token_owner && ref.either[k]) {  // two layouts may read it either way: not compared between them
       snapshot.token_grad_scale[static_cast<std::size_t>(t)] = std::numeric_limits<float>::infinity();
-    } else if (x.tp_leader && ref.valid[k]) {
+    } else if (x.token_owner && ref.valid[k]) {
       if (const std::optional<double> scale = x.reference.row().gradient_scale(t, ref.stats[k])) {
         snapshot.token_grad_scale[static_cast<std::size_t>(t)] =
             static_cast<float>(std::fabs(x.reference.token_weight(t)) * *scale);
@@ -822,8 +824,9 @@ std::vector<CheckResult> verify_rank(const Case& c, const RankOutput& out, Oracl
                       world,
                       c.shape.tokens,
                       out.rows(),
-                      groups.tp.size(),
-                      groups.tp.rank() == 0,
+                      groups.columns.size(),
+                      groups.columns.rank() == 0,
+                      groups.columns.rank() == 0 && (token_replicas(c) == 1 || out.assignment.coordinates.tp == 0),
                       out.assignment.world_rank,
                       kind_of(c.loss).loss_scale(c.loss)};
   const GradJudgement judgement = grad_judgement(c, out.dtype);

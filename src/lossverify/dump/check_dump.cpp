@@ -729,7 +729,7 @@ RunResult check_dump(const DumpProblem& p, const DumpCheckOptions& options) {
     const auto batch = world.split(at.tp, rank);
     const auto dp = world.split(at.cp * c.layout.tp + at.tp, at.dp);
     const auto cp = world.split(at.dp * c.layout.tp + at.tp, at.cp);
-    RankGroups groups{*tp, *batch, *dp, *cp};
+    RankGroups groups{*tp, *batch, *dp, *cp, *tp};  // dumps carry vocabulary-split kinds only
     ErrorMap map;
     const RankOutput& out = p.outputs[static_cast<std::size_t>(rank)];
     HostOracle oracle(c, *p.inputs, out, grad_judgement(c, out.dtype), threads);

@@ -58,9 +58,10 @@ class KindReference {
   virtual RowStats stats(const RowPartial& total) const = 0;
   // A second pass over the columns once the row's statistics are known (KD's sum P (log P - log Q)).
   virtual bool needs_value_pass() const { return false; }
-  virtual std::pair<double, double> value_partial(const RowStats& stats, std::span<const double> logits,
+  virtual std::pair<double, double> value_partial(std::int64_t token, const RowStats& stats,
+                                                  std::span<const double> logits,
                                                   std::span<const double> teacher) const {
-    (void)stats, (void)logits, (void)teacher;
+    (void)token, (void)stats, (void)logits, (void)teacher;
     return {0.0, 0.0};
   }
   // l_t from the row's statistics (with a value pass, stats.value is the sum of value_partial over the slices).
@@ -232,6 +233,10 @@ class LossKind {
   }
 
   virtual KindInputs inputs() const = 0;
+  // Whether TP splits a row's columns (the vocabulary), as for every softmax over a vocabulary; false for a kind
+  // whose rows are whole on every rank (a router's experts), where TP replicates tokens or, under layout.sp,
+  // splits them (case.hpp: tp_splits_columns).
+  virtual bool columns_split_by_tp() const { return true; }
   // Per-token float inputs the kind reads besides the logits and labels (a policy loss's old and reference
   // log-probabilities and advantages), by their names in exports and dumps; empty: none. A token's values in
   // that order come from the inputs: generated, or a dump's own (ExplicitInputs::token_inputs); 0 on padding.

@@ -90,4 +90,19 @@ TokenPlace locate_token(const GlobalBatch& batch, const BatchSpec& spec, const L
   return p;
 }
 
+std::vector<LocalRow> sequence_parallel_part(const std::vector<LocalRow>& rows, int tp, int tp_rank) {
+  std::vector<LocalRow> padded = rows;
+  while (padded.size() % static_cast<std::size_t>(tp) != 0) {
+    LocalRow pad;
+    if (!rows.empty()) {
+      pad.sequence = rows.back().sequence;
+      pad.position = padded.back().position + 1;
+    }
+    padded.push_back(pad);
+  }
+  const std::size_t part = padded.size() / static_cast<std::size_t>(tp);
+  const auto begin = padded.begin() + static_cast<std::ptrdiff_t>(part * static_cast<std::size_t>(tp_rank));
+  return {begin, begin + static_cast<std::ptrdiff_t>(part)};
+}
+
 }  // namespace lossverify

@@ -35,6 +35,10 @@ struct LocalRow {
 std::vector<LocalRow> zigzag_rows(const GlobalBatch& batch, const std::vector<std::int64_t>& sequences, int cp,
                                   int cp_rank, std::int64_t pad_multiple);
 
+// Sequence parallelism's part of TP rank `tp_rank` of one micro-batch's rows: padded to a multiple of `tp` with
+// masked rows, then cut into `tp` contiguous parts of equal length.
+std::vector<LocalRow> sequence_parallel_part(const std::vector<LocalRow>& rows, int tp, int tp_rank);
+
 // Padded length of a sequence of `length` tokens.
 std::int64_t padded_length(std::int64_t length, std::int64_t pad_multiple);
 

@@ -89,7 +89,8 @@ std::vector<double> HostOracle::value_partials(std::span<const RowStats> stats) 
       beat_row(beacon_, i);
       if (!valid_[static_cast<std::size_t>(i)]) continue;
       load_row(i, student, teacher);
-      const auto [sum, error] = reference_.value_partial(stats[static_cast<std::size_t>(i)], student, teacher);
+      const auto [sum, error] =
+          reference_.value_partial(out_.token_of(i), stats[static_cast<std::size_t>(i)], student, teacher);
       kl[static_cast<std::size_t>(2 * i)] = sum;
       kl[static_cast<std::size_t>(2 * i + 1)] = error;
     }

@@ -55,7 +55,7 @@ ReferenceToken LossReference::evaluate(std::int64_t token, std::span<const doubl
   const RowPartial p = row_->partial(token, 0, student, teacher);
   RowStats s = row_->stats(RowPartial::rescaled(p, p.max, p.teacher_max));
   if (row_->needs_value_pass()) {
-    const auto [sum, error] = row_->value_partial(s, student, teacher);
+    const auto [sum, error] = row_->value_partial(token, s, student, teacher);
     s.value = sum + error;
   }
   ReferenceToken r;

@@ -55,9 +55,9 @@ class LossReference {
   }
   RowStats stats_from_sums(const RowPartial& total) const { return row_->stats(total); }
   bool needs_value_pass() const { return row_->needs_value_pass(); }
-  std::pair<double, double> value_partial(const RowStats& stats, std::span<const double> student,
+  std::pair<double, double> value_partial(std::int64_t token, const RowStats& stats, std::span<const double> student,
                                           std::span<const double> teacher) const {
-    return row_->value_partial(stats, student, teacher);
+    return row_->value_partial(token, stats, student, teacher);
   }
   double token_loss(std::int64_t token, const RowStats& stats) const { return row_->token_loss(token, stats); }
   // Sum over tokens of |w_t|: the scale of the logged loss's absolute tolerance (1 for mean, N_v for sum).

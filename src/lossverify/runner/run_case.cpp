@@ -74,12 +74,14 @@ RankAssignment assign_rank(const Case& c, const GlobalBatch& batch, int world_ra
   RankAssignment a;
   a.world_rank = world_rank;
   a.coordinates = coordinates_of(world_rank, c.layout);
-  a.vocab = vocab_range(c.shape.vocab, c.layout.tp, a.coordinates.tp);
+  const bool split_columns = tp_splits_columns(c);
+  a.vocab = split_columns ? vocab_range(c.shape.vocab, c.layout.tp, a.coordinates.tp) : VocabRange{0, c.shape.vocab};
   const std::int64_t pad_multiple = 2 * static_cast<std::int64_t>(c.layout.cp);
   for (int k = 0; k < c.layout.ga; ++k) {
     a.micro_batch_begin.push_back(static_cast<std::int64_t>(a.rows.size()));
     const auto sequences = sequences_of_slot(batch, c.batch, c.layout, a.coordinates.dp, k);
-    const auto rows = zigzag_rows(batch, sequences, c.layout.cp, a.coordinates.cp, pad_multiple);
+    auto rows = zigzag_rows(batch, sequences, c.layout.cp, a.coordinates.cp, pad_multiple);
+    if (!split_columns && c.layout.sp) rows = sequence_parallel_part(rows, c.layout.tp, a.coordinates.tp);
     a.rows.insert(a.rows.end(), rows.begin(), rows.end());
   }
   a.micro_batch_begin.push_back(static_cast<std::int64_t>(a.rows.size()));
@@ -88,19 +90,24 @@ RankAssignment assign_rank(const Case& c, const GlobalBatch& batch, int world_ra
 
 namespace {
 
-// The four communicators of a rank. TP group: same (cp, dp). Batch group (different tokens): same tp.
-// DP group: same (tp, cp). CP group: same (tp, dp). Collective over the world.
+// The communicators of a rank. TP group: same (cp, dp). Batch group (different tokens): same tp, or every rank
+// where TP splits the tokens (layout.sp). DP group: same (tp, cp). CP group: same (tp, dp). Columns group (the ranks
+// holding slices of the same rows): the TP group where TP splits columns, else the rank alone. Collective over the
+// world.
 struct OwnedGroups {
-  std::unique_ptr<Communicator> tp, batch, dp, cp;
-  RankGroups view() { return RankGroups{*tp, *batch, *dp, *cp}; }
+  std::unique_ptr<Communicator> tp, batch, dp, cp, columns;
+  RankGroups view() { return RankGroups{*tp, *batch, *dp, *cp, columns ? *columns : *tp}; }
 };
-OwnedGroups make_groups(Communicator& world, const LayoutSpec& layout) {
+OwnedGroups make_groups(Communicator& world, const Case& c) {
+  const LayoutSpec& layout = c.layout;
   const RankCoordinates at = coordinates_of(world.rank(), layout);
   OwnedGroups g;
   g.tp = world.split(at.dp * layout.cp + at.cp, at.tp);
-  g.batch = world.split(at.tp, world.rank());
+  const bool tokens_split_by_tp = !tp_splits_columns(c) && layout.sp;
+  g.batch = world.split(tokens_split_by_tp ? 0 : at.tp, world.rank());
   g.dp = world.split(at.cp * layout.tp + at.tp, at.dp);
   g.cp = world.split(at.dp * layout.tp + at.tp, at.cp);
+  if (!tp_splits_columns(c)) g.columns = world.split(world.rank(), 0);
   return g;
 }
 
@@ -214,7 +221,7 @@ RankRun execute_ranks(const Case& c, const InputSource& inputs, const Implementa
   world_options.timeout_seconds = c.timeout_seconds;
   run_thread_ranks(world_options, [&](Communicator& world) {
     const int rank = world.rank();
-    OwnedGroups groups = make_groups(world, c.layout);
+    OwnedGroups groups = make_groups(world, c);
     inject(options.fault, rank, false);
     inject(options.fault, rank, true);
     run.outputs[static_cast<std::size_t>(rank)] =
@@ -229,7 +236,7 @@ RankJob run_rank(const Case& c, const InputSource& inputs, const Implementation&
   const auto start = Clock::now();
   const RunOptions options = options_for(impl, requested);
   const int rank = world.rank();
-  OwnedGroups owned = make_groups(world, c.layout);
+  OwnedGroups owned = make_groups(world, c);
   inject(options.fault, rank, false);
   ExecutionInfo execution = resolve_execution(options, world.size());
   const int device = execution.gpus > 1 ? rank % execution.gpus : 0;
@@ -247,8 +254,9 @@ RankJob run_rank(const Case& c, const InputSource& inputs, const Implementation&
     nccl_dp = over_nccl(*owned.dp, cuda::NcclRole::dp);
   }
   // The CP group carries only a policy loss's per-sequence sums (a few floats per micro-batch): host always.
-  RankGroups groups{nccl_tp ? *nccl_tp : *owned.tp, nccl_batch ? *nccl_batch : *owned.batch,
-                    nccl_dp ? *nccl_dp : *owned.dp, *owned.cp};
+  Communicator& tp = nccl_tp ? *nccl_tp : *owned.tp;
+  RankGroups groups{tp, nccl_batch ? *nccl_batch : *owned.batch, nccl_dp ? *nccl_dp : *owned.dp, *owned.cp,
+                    owned.columns ? *owned.columns : tp};
   inject(options.fault, rank, true);
   CpuKernelOptions kernel_options;
   kernel_options.threads = threads;
@@ -391,8 +399,8 @@ RunResult run_case(const Case& c, const RunOptions& options, bool keep_snapshot)
 const std::size_t kMaterializeLimitBytes = std::size_t{1} << 30;
 
 std::string layout_name(const LayoutSpec& l) {
-  return "tp" + std::to_string(l.tp) + "-cp" + std::to_string(l.cp) + "-dp" + std::to_string(l.dp) + "-ga" +
-         std::to_string(l.ga);
+  return "tp" + std::to_string(l.tp) + (l.sp ? "-sp" : "") + "-cp" + std::to_string(l.cp) + "-dp" +
+         std::to_string(l.dp) + "-ga" + std::to_string(l.ga);
 }
 
 // Every layout is checked before the first one runs: a sweep fails at once or not for its layouts.

@@ -49,7 +49,7 @@ class KdReference final : public KindReference {
   bool needs_value_pass() const override { return true; }
 
   // sum over the slice of P_v (log P_v - log Q_v), compensated; terms with P_v = 0 contribute 0.
-  std::pair<double, double> value_partial(const RowStats& s, std::span<const double> student,
+  std::pair<double, double> value_partial(std::int64_t, const RowStats& s, std::span<const double> student,
                                           std::span<const double> teacher) const override {
     const double inverse_t = 1.0 / kd_options(case_.loss).temperature;
     row_sums::LaneSum kl;

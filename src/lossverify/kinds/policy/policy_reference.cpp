@@ -92,7 +92,7 @@ class PolicyReference final : public KindReference {
   bool needs_value_pass() const override { return true; }
 
   // sum over the slice of p_v log p_v, log p_v = x_v / T - lse; terms with p_v = 0 contribute 0.
-  std::pair<double, double> value_partial(const RowStats& s, std::span<const double> logits,
+  std::pair<double, double> value_partial(std::int64_t, const RowStats& s, std::span<const double> logits,
                                           std::span<const double> teacher) const override {
     (void)teacher;
     row_sums::LaneSum sum;
