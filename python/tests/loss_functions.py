@@ -1,7 +1,6 @@
 """Loss functions the harness and command-line tests run on real ranks (importable by the rank processes)."""
 
 import ctypes
-import dataclasses
 import os
 import signal
 import subprocess
@@ -241,7 +240,7 @@ def policy_per_token(logits, labels, ctx):
 
 def policy_token_ratio(logits, labels, ctx):
     """The correct policy loss with each token's own ratio where the case asks for GSPO's sequence ratio."""
-    ctx.loss = dataclasses.replace(ctx.loss, ratio="token")
+    ctx.loss = ctx.loss.replace(ratio="token")
     return policy_loss(logits, labels, ctx)
 
 

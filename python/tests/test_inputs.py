@@ -143,7 +143,8 @@ class KindsTest(unittest.TestCase):
         self.assertEqual(kinds.kind_inputs("kd"), kinds.KindInputs(labels=False, teacher_logits=True))
         self.assertEqual(kinds.kind_inputs("policy"), kinds.KindInputs(
             labels=True, teacher_logits=False, row_inputs=("old_logprob", "ref_logprob", "advantages"),
-            logged_statistics=("clip_fraction", "dual_clip_fraction", "kl", "entropy")))
+            logged_statistics=("clip_fraction", "dual_clip_fraction", "kl", "entropy"),
+            token_quantities=("logprob", "entropy")))
         self.assertEqual(set(implementations.TOKEN_LOSS), set(kinds.known_kinds()))
         self.assertIs(implementations.correct_of("policy"), implementations.policy_loss)
 

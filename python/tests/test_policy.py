@@ -29,7 +29,7 @@ GSPO = "rl-gspo-cp2-tp2"  # ratio sequence, seq-mean-token-mean, T 0.8, k3, entr
 class PolicyTermsTest(unittest.TestCase):
     """lossverify.torch.policy against the definitions (docs/spec.md §3.3), token by token in float64."""
 
-    loss = LossConfig(kind="policy", clip_low=0.2, clip_high=0.28, dual_clip=3.0, kl="k3", kl_coef=0.05,
+    loss = LossConfig(kind="policy", clip_low=0.2, clip_high=0.28, dual_clip=3.0, kl_penalty="k3", kl_coef=0.05,
                       entropy_coef=0.01)
 
     def test_each_branch_of_the_clipped_surrogate(self):
@@ -59,7 +59,7 @@ class PolicyTermsTest(unittest.TestCase):
         for kind, value, slope in (("k1", d, torch.ones_like(d)), ("k2", 0.5 * d * d, d),
                                    ("k3", torch.exp(-d) + d - 1, 1 - torch.exp(-d))):
             with self.subTest(kind):
-                loss = LossConfig(kind="policy", kl=kind, kl_coef=1.0)
+                loss = LossConfig(kind="policy", kl_penalty=kind, kl_coef=1.0)
                 kl = policy_terms(logprob, logprob.detach(), ref, torch.ones_like(d), loss).kl
                 self.assertTrue(torch.allclose(kl.detach(), value))
                 (grad,) = torch.autograd.grad(kl.sum(), logprob)
@@ -104,11 +104,18 @@ class PolicyTermsTest(unittest.TestCase):
                     for s, n, v in zip(sequences.tolist(), [3, 3, 3, 2, 2, 2, 1], valid.tolist())]
         self.assertTrue(torch.allclose(logprob.grad, torch.tensor(expected, dtype=torch.float64)))
 
-    def test_case_spelling_of_the_kl(self):
-        self.assertEqual(LossConfig.from_case({"kind": "policy", "kl_penalty": "k2"}).kl, "k2")
-        self.assertEqual(LossConfig.from_case({"kind": "policy", "kl": "k3", "kl_penalty": "k2"}).kl, "k3")
+    def test_the_config_holds_the_kinds_table(self):
+        """Attributes by the case's keys; a setting the case leaves out at the C++ table's fallback (clip_high:
+        clip_low's value); a key the kind does not have refused by name."""
+        self.assertEqual(LossConfig.from_case({"kind": "policy", "kl_penalty": "k2"}).kl_penalty, "k2")
         self.assertEqual(LossConfig.from_case({"kind": "policy"}).ratio, "token")
         self.assertEqual(LossConfig.from_case({"kind": "policy", "ratio": "sequence"}).ratio, "sequence")
+        self.assertEqual(LossConfig(kind="policy", clip_low=0.1).clip_high, 0.1)
+        self.assertEqual(LossConfig(kind="cross_entropy").smoothing_convention, "pytorch")
+        with self.assertRaisesRegex(TypeError, "kl is not a setting of loss kind 'policy'"):
+            LossConfig(kind="policy", kl="k3")
+        with self.assertRaises(AttributeError):
+            LossConfig(kind="cross_entropy").temperature
 
 
 class PolicyInputsTest(unittest.TestCase):

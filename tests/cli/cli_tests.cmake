@@ -189,6 +189,17 @@ add_test(NAME docs_catalogue_check_catches_drift
     ! ${LOSSVERIFY_SYSTEM_PYTHON} ${PROJECT_SOURCE_DIR}/scripts/catalogue_table.py $<TARGET_FILE:lossverify> \
       --check ${CMAKE_CURRENT_BINARY_DIR}/catalogue-drifted.md")
 
+# The Python package's copy of the kinds' settings tables is `lossverify list --json` (scripts/kind_settings.py);
+# the check fails on a copy with one fallback changed.
+add_test(NAME python_kind_settings_match_list
+  COMMAND ${LOSSVERIFY_SYSTEM_PYTHON} ${PROJECT_SOURCE_DIR}/scripts/kind_settings.py $<TARGET_FILE:lossverify> --check)
+add_test(NAME python_kind_settings_check_catches_drift
+  COMMAND bash -c "sed 's/\"default\": 0.2,/\"default\": 0.3,/' \
+    ${PROJECT_SOURCE_DIR}/python/lossverify/kind_settings.json > ${CMAKE_CURRENT_BINARY_DIR}/kind-settings-drifted.json && \
+    ! cmp -s ${PROJECT_SOURCE_DIR}/python/lossverify/kind_settings.json ${CMAKE_CURRENT_BINARY_DIR}/kind-settings-drifted.json && \
+    ! ${LOSSVERIFY_SYSTEM_PYTHON} ${PROJECT_SOURCE_DIR}/scripts/kind_settings.py $<TARGET_FILE:lossverify> \
+      --check ${CMAKE_CURRENT_BINARY_DIR}/kind-settings-drifted.json")
+
 # The seams of src/lossverify hold (scripts/check_layering.sh), and the check fails on a copy of checks/
 # that includes a backend header.
 add_test(NAME layering_seams_hold COMMAND bash ${PROJECT_SOURCE_DIR}/scripts/check_layering.sh)

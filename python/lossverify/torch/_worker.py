@@ -28,8 +28,8 @@ from lossverify.inputs import load as load_inputs
 from lossverify.kinds import kind_inputs
 from lossverify.layout import framework_factor
 from lossverify.torch._launch import RETURNS, Job, Launch  # noqa: F401 - the records ranks receive
-from lossverify.torch.context import POLICY_STATS, Context, FrameworkConfig, LogProbs, LossConfig, MicroBatch, Reduced
-from lossverify.torch.policy import masked, policy_terms, sequence_log_ratio, statistics_parts
+from lossverify.torch.context import Context, FrameworkConfig, LossConfig, MicroBatch, Reduced
+from lossverify.torch.kinds import harness_kind, kind_of_result
 
 
 def dumped_values(values, valid):
@@ -38,7 +38,6 @@ def dumped_values(values, valid):
     does in check-dump (a framework's masked mean turns it into a NaN loss)."""
     values = values.detach()
     return torch.where(valid | ~torch.isfinite(values), values, torch.zeros_like(values))
-from lossverify.torch.policy import token_loss as policy_token_loss
 
 
 class UserCodeError(Exception):
@@ -140,7 +139,7 @@ class _Rank:
     inputs: Any  # lossverify.inputs.Inputs
     rank_inputs: Any  # lossverify.inputs.RankInputs
     num_valid: int  # N_v over the world
-    policy: dict  # policy cases: the step's counts and advantage moments for the Context (else empty)
+    step: dict  # the kind's values of the whole step, for the Context (lossverify.torch.kinds)
 
 
 def run_jobs(rank, launch):
@@ -171,10 +170,9 @@ def run_jobs(rank, launch):
     if num_valid != inputs.valid_tokens:
         raise RuntimeError(f"harness: all-reduced valid-token count {num_valid} differs from export-inputs' "
                            f"{inputs.valid_tokens}")
-    policy = {}
-    if inputs.kind == "policy":
-        policy = _policy_step(inputs, _micro_batches(inputs, rank_inputs, device)[0], groups["dp_cp"], device)
-    me = _Rank(rank, launch.world_size, device, groups, control, inputs, rank_inputs, num_valid, policy)
+    step = harness_kind(inputs.kind).step_values(inputs, _micro_batches(inputs, rank_inputs, device)[0],
+                                                 groups["dp_cp"], device)
+    me = _Rank(rank, launch.world_size, device, groups, control, inputs, rank_inputs, num_valid, step)
     started = _trace(rank, "inputs", started)
     warnings = {}
     for job in launch.jobs:
@@ -230,7 +228,7 @@ def _micro_batches(inputs, rank_inputs, device):
         mb = MicroBatch(index=k, labels=t["labels"], loss_mask=t["loss_mask"], tokens=t["tokens"],
                         token_ids=t["token_ids"], sequences=t["sequences"], positions=t["positions"],
                         upstream_weights=t["upstream_weights"], teacher_logits=teacher_logits,
-                        **{name: t.get(name) for name in inputs.kind_inputs.row_inputs})
+                        row_inputs={name: t.get(name) for name in inputs.kind_inputs.row_inputs})
         out.append(mb)
         logits.append(t["logits"])
     return out, logits
@@ -243,39 +241,6 @@ def _global_valid_tokens(micro_batches, dp_cp_group, device):
         count += mb.loss_mask.sum()
     dist.all_reduce(count, group=dp_cp_group)
     return int(count.item())
-
-
-def _policy_step(inputs, micro_batches, dp_cp_group, device):
-    """A policy case's per-step values, as a framework computes them before micro-batch 0, over DP x CP: the
-    valid tokens n_s of every sequence, B (sequences with n_s > 0), and the advantages' mean and unbiased
-    deviation over the step's valid tokens (float64 moments of the float32 advantages)."""
-    if inputs.cu_seqlens:
-        sequences = len(inputs.cu_seqlens) - 1
-    else:
-        top = torch.tensor(max([int(mb.sequences.max()) for mb in micro_batches if mb.rows] or [-1]) + 1,
-                           dtype=torch.int64, device=device)
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=dp_cp_group)
-        sequences = int(top.item())
-    counts = torch.zeros(max(sequences, 1), dtype=torch.int64, device=device)
-    moments = torch.zeros(3, dtype=torch.float64, device=device)
-    with_advantages = False
-    for mb in micro_batches:
-        valid = mb.loss_mask
-        counts.index_add_(0, mb.sequences[valid], torch.ones_like(mb.sequences[valid]))
-        if mb.advantages is not None:
-            with_advantages = True
-            a = mb.advantages[valid].double()
-            moments += torch.stack([torch.tensor(float(a.numel()), dtype=torch.float64, device=device), a.sum(),
-                                    (a * a).sum()])
-    dist.all_reduce(counts, group=dp_cp_group)
-    dist.all_reduce(moments, group=dp_cp_group)
-    step = {"num_sequences": int((counts > 0).sum()), "sequence_valid_tokens": counts[:sequences]}
-    if with_advantages:
-        n = max(float(moments[0]), 1.0)
-        mean = float(moments[1]) / n
-        variance = max(float(moments[2]) - n * mean * mean, 0.0) / (n - 1.0) if n > 1.0 else 0.0
-        step.update(advantage_mean=mean, advantage_std=variance ** 0.5)
-    return step
 
 
 def _manifest_loss(loss):
@@ -309,7 +274,7 @@ def _run_job(job, fn, me):
         dump_mb = rank_dump.begin_micro_batch(
             exported["tokens"], logits=leaf, labels=exported["labels"] if kind_inputs(loss.kind).labels else None,
             loss_mask=exported["loss_mask"], teacher_logits=exported.get("teacher_logits"),
-            grad_output=exported["upstream_weights"] if loss.reduction == "none" and loss.kind != "policy" else None,
+            grad_output=exported["upstream_weights"] if harness_kind(loss.kind).dumps_grad_output(loss) else None,
             **{name: exported.get(name) for name in kind_inputs(loss.kind).row_inputs})
         if mb.rows == 0:  # an empty micro-batch: nothing to call (its TP peers skip it too)
             dump_mb.finish(grad_logits=torch.zeros_like(leaf))
@@ -338,9 +303,9 @@ def _run_job(job, fn, me):
     return writer.modified_inputs
 
 
-# a MicroBatch's fields, named as the exported tensors
+# a MicroBatch's fields, named as the exported tensors (and its row inputs, by their names)
 _COMPARED = ("labels", "loss_mask", "tokens", "token_ids", "sequences", "positions", "upstream_weights",
-             "teacher_logits", "old_logprob", "ref_logprob", "advantages")
+             "teacher_logits")
 
 
 def _report_changed_labels(writer, dump_mb, labels, handed, kind):
@@ -358,7 +323,7 @@ def _report_changed_micro_batches(writer, rank_dump, micro_batches, rank_inputs)
     change made while another micro-batch ran is reported as well as one made during its own."""
     for k, mb in enumerate(micro_batches):
         exported = rank_inputs.micro_batch(k)
-        for field in _COMPARED:
+        for field in _COMPARED + tuple(mb.row_inputs):
             live = getattr(mb, field, None)
             if live is None or field not in exported:
                 continue
@@ -385,7 +350,7 @@ def _context(me, loss, framework, factor, micro_batches, k, state):
                    dp_group=groups["dp"], dp_cp_group=groups["dp_cp"], device=me.device, dtype=me.inputs.torch_dtype,
                    vocab_start=r.vocab[0], vocab_end=r.vocab[1], vocab_size=me.inputs.vocab, loss=loss,
                    framework=framework, framework_factor=factor, num_valid_tokens=me.num_valid, micro_batch=k,
-                   ga=layout.ga, micro_batches=micro_batches, state=state, **me.policy)
+                   ga=layout.ga, micro_batches=micro_batches, state=state, step=me.step)
 
 
 def _one_number(value, what, fail):
@@ -414,35 +379,38 @@ def _token_count(value, fail):
 
 
 class _StepLog:
-    """Turns fn's results into what is back-propagated, dumped and logged (see Context, Reduced and LogProbs)."""
+    """Turns fn's results into what is back-propagated, dumped and logged (see Context, Reduced and the kinds'
+    own result types, lossverify.torch.kinds)."""
 
     def __init__(self, loss, factor, num_valid):
         self.loss = loss
         self.factor = factor
         self.num_valid = num_valid
-        self.policy = loss.kind == "policy"
-        self.logs_loss = self.policy or loss.reduction != "none"  # a policy loss is always aggregated to L
+        self.kind = harness_kind(loss.kind)
+        self.logs_loss = self.kind.logs_loss(loss)
+        self.statistics = kind_inputs(loss.kind).logged_statistics
+        self.token_quantities = kind_inputs(loss.kind).token_quantities
         self.logged_parts = []
-        self.stat_parts = {name: [] for name in POLICY_STATS}
+        self.stat_parts = {name: [] for name in self.statistics}
         self.loss_dtype = torch.float32
         self.num_tokens = None
         self.mode = None
         self.logged_precision = None
 
     def add(self, result, returns, ctx, k, job):
-        """(objective to back-propagate, per-token losses to dump or None, {token_logprob, token_entropy} to
-        dump)."""
+        """(objective to back-propagate, per-token losses to dump or None, {token_<quantity>} to dump)."""
         def fail(message):
             raise UserCodeError(message, micro_batch=k, job=job)
 
         rows = ctx.current.rows
-        if isinstance(result, LogProbs):
-            if not self.policy:
-                fail(f"returned LogProbs, but the case's loss is {self.loss.kind}: LogProbs are a policy case's "
-                     "per-token log-probabilities and entropies")
+        owner = kind_of_result(result)
+        if owner is not None:
+            name = type(result).__name__
+            if not isinstance(result, self.kind.result_types):
+                fail(f"returned {name}, but the case's loss is {self.loss.kind}: {name} is a {owner} case's result")
             if returns == "reduced":
-                fail("returned LogProbs, but returns='reduced' asks for an already reduced loss")
-            return self._add_logprobs(result, rows, ctx, fail)
+                fail(f"returned {name}, but returns='reduced' asks for an already reduced loss")
+            return self.kind.add_result(self, result, rows, ctx, fail)
         if isinstance(result, Reduced) and returns == "token_loss":
             fail("returned a Reduced loss, but returns='token_loss' asks for per-token losses")
         if isinstance(result, Reduced) or returns == "reduced":
@@ -450,7 +418,7 @@ class _StepLog:
                 result = Reduced(result)
             return self._add_reduced(result, rows, ctx, fail)
         if not isinstance(result, torch.Tensor):
-            expected = ", lossverify.torch.LogProbs(logprob, entropy)" if self.policy else ""
+            expected = "".join(f", lossverify.torch.{t.__name__}(...)" for t in self.kind.result_types)
             fail(f"returned {type(result).__name__}; expected the per-token losses [{rows}]{expected} or "
                  "lossverify.torch.Reduced(loss, ...)")
         if result.dim() == 0:
@@ -461,7 +429,7 @@ class _StepLog:
                  f"floating point, one per row [{rows}]")
         if not result.requires_grad:
             fail("the returned per-token losses do not require grad: they do not depend on the logits")
-        self._set_mode("token_loss", fail)
+        self.set_mode("token_loss", fail)
         raw = result.reshape(rows)
         zero = torch.zeros((), dtype=result.dtype, device=result.device)
         # The harness masks what the loss function returns on masked rows, as a framework's mask does; but a
@@ -469,17 +437,26 @@ class _StepLog:
         # plugin (a framework that multiplies by the mask turns it into a NaN loss).
         token_loss = torch.where(ctx.loss_mask, raw, zero)
         dumped = torch.where(ctx.loss_mask | ~torch.isfinite(raw.detach()), raw.detach(), zero)
-        forward = ctx.aggregation_weights()  # float64: the token's weight in L (reduction or aggregation)
-        backward = (forward / self.factor).to(torch.float32)
-        objective = (token_loss.float() * backward).sum()
-        if self.logs_loss:
-            self.logged_parts.append((token_loss.detach().double() * forward).sum())
+        objective = self.weigh(token_loss, ctx)
         self.loss_dtype = result.dtype
         return objective, dumped, {}
 
-    def _per_token(self, value, what, rows, valid, fail, needs_grad):
+    def weigh(self, token_loss, ctx):
+        """The objective to back-propagate: each token's loss times its weight in L (the reduction's or the kind's
+        aggregation, float64) over the framework factor; L's part is kept for the logged loss."""
+        forward = ctx.aggregation_weights()
+        backward = (forward / self.factor).to(torch.float32)
+        if self.logs_loss:
+            self.logged_parts.append((token_loss.detach().double() * forward).sum())
+        return (token_loss.float() * backward).sum()
+
+    @staticmethod
+    def dumped(values, valid):
+        return dumped_values(values, valid)
+
+    def per_token(self, value, what, rows, fail, needs_grad):
         """A returned per-token field: a floating-point tensor of shape [rows] (not [rows, 1], which broadcasts
-        against [rows] into [rows, rows] in the objective), finite on valid rows."""
+        against [rows] into [rows, rows] in the objective)."""
         if (not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.dim() != 1
                 or value.numel() != rows):
             described = (f"a {value.dtype} tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor)
@@ -489,47 +466,7 @@ class _StepLog:
             fail(f"{what} does not require grad: it does not depend on the logits")
         return value
 
-    def _add_logprobs(self, result, rows, ctx, fail):
-        """LogProbs: the case's objective on the function's log-probabilities and entropies (under ratio
-        sequence, on each sequence's ratio, all-reduced over CP: this micro-batch's CP peers call it too)."""
-        loss, valid = self.loss, ctx.loss_mask
-        logprob = self._per_token(result.logprob, "LogProbs(logprob=...)", rows, valid, fail, True)
-        entropy = None
-        if result.entropy is not None:
-            entropy = self._per_token(result.entropy, "LogProbs(entropy=...)", rows, valid, fail,
-                                      loss.entropy_coef != 0)
-        elif loss.entropy_coef:
-            fail(f"LogProbs(entropy=None), but the case's entropy_coef is {loss.entropy_coef}: the objective "
-                 "needs each token's entropy")
-        self._set_mode("logprobs", fail)
-        lp = masked(logprob.float(), valid)
-        h = masked(entropy.float(), valid) if entropy is not None else None
-        log_ratio = None
-        if loss.objective == "logprob":
-            old = ref = advantages = None
-        else:
-            old, ref, advantages = ctx.old_logprob, ctx.ref_logprob, ctx.whitened_advantages()
-            if old is None or ref is None or advantages is None:
-                raise RuntimeError("harness: a policy_loss case without old_logprob, ref_logprob or advantages in "
-                                   "its exported inputs")
-            old, ref, advantages = old.float(), ref.float(), advantages.float()
-            if loss.ratio == "sequence":  # GSPO: rho_s over each sequence's chunks on every CP rank
-                log_ratio = sequence_log_ratio(lp, old, valid, ctx.sequences, len(ctx.sequence_valid_tokens),
-                                               ctx.cp_group)
-        terms = policy_terms(lp, old, ref, advantages, loss, log_ratio=log_ratio)
-        token_loss = masked(policy_token_loss(terms, h, loss), valid)
-        forward = ctx.aggregation_weights()
-        backward = (forward / self.factor).to(torch.float32)
-        objective = (token_loss * backward).sum()
-        self.logged_parts.append((token_loss.detach().double() * forward).sum())
-        self._add_statistics(statistics_parts(terms, h, valid, self.num_valid))
-        self.loss_dtype = torch.float32
-        per_token = {"token_logprob": dumped_values(logprob, valid)}
-        if entropy is not None:
-            per_token["token_entropy"] = dumped_values(entropy, valid)
-        return objective, token_loss.detach(), per_token
-
-    def _add_statistics(self, parts):
+    def add_statistics(self, parts):
         for name, value in parts.items():
             self.stat_parts[name].append(torch.as_tensor(value, dtype=torch.float64).reshape(()))
 
@@ -539,7 +476,7 @@ class _StepLog:
             fail(f"Reduced(loss=...) must be a floating-point tensor of one element, got {loss!r:.200}")
         if not loss.requires_grad:
             fail("Reduced(loss=...) does not require grad: it does not depend on the logits")
-        self._set_mode("reduced", fail)
+        self.set_mode("reduced", fail)
         if result.token_loss is not None:
             tl = result.token_loss
             if not isinstance(tl, torch.Tensor) or tl.numel() != rows or not tl.is_floating_point():
@@ -548,25 +485,27 @@ class _StepLog:
         else:
             token_loss = None
         per_token = {}
-        policy_fields = {"logprob": result.logprob, "entropy": result.entropy, "stats": result.stats}
-        given = [name for name, value in policy_fields.items() if value is not None]
-        if given and not self.policy:
-            fail(f"Reduced({given[0]}=...) is a policy case's, but the case's loss is {self.loss.kind}")
         valid = ctx.loss_mask
-        for name in ("logprob", "entropy"):
-            if policy_fields[name] is not None:
-                value = self._per_token(policy_fields[name], f"Reduced({name}=...)", rows, valid, fail, False)
-                per_token[f"token_{name}"] = dumped_values(value, valid)
+        for name, value in result.token_values.items():
+            if value is None:
+                continue
+            if name not in self.token_quantities:
+                fail(f"Reduced({name}=...) is not a per-token quantity of the case's loss {self.loss.kind} (its: "
+                     f"{', '.join(self.token_quantities) or 'none'})")
+            value = self.per_token(value, f"Reduced({name}=...)", rows, fail, False)
+            per_token[f"token_{name}"] = dumped_values(value, valid)
         if result.stats is not None:
+            if not self.statistics:
+                fail(f"Reduced(stats=...), but the case's loss {self.loss.kind} logs no statistics")
             if not isinstance(result.stats, dict):
-                fail(f"Reduced(stats=...) must be a dict of {', '.join(POLICY_STATS)}, got "
+                fail(f"Reduced(stats=...) must be a dict of {', '.join(self.statistics)}, got "
                      f"{type(result.stats).__name__}")
             parts = {}
             for name, value in result.stats.items():
-                if name not in POLICY_STATS:
-                    fail(f"Reduced(stats=...) has {name!r:.40}; the statistics are {', '.join(POLICY_STATS)}")
+                if name not in self.statistics:
+                    fail(f"Reduced(stats=...) has {name!r:.40}; the statistics are {', '.join(self.statistics)}")
                 parts[name] = _one_number(value, f"Reduced(stats={{{name!r}: ...}})", fail)
-            self._add_statistics(parts)
+            self.add_statistics(parts)
         if self.logs_loss:
             logged = result.logged if result.logged is not None else loss.detach().double() * self.factor
             logged = _one_number(logged, "Reduced(logged=...)", fail)
@@ -580,14 +519,14 @@ class _StepLog:
         self.loss_dtype = loss.dtype
         return loss.reshape(()), token_loss, per_token
 
-    def _set_mode(self, mode, fail):
+    def set_mode(self, mode, fail):
         if self.mode is not None and self.mode != mode:
             fail(f"returned {mode} here but {self.mode} on an earlier micro-batch: return one kind throughout")
         self.mode = mode
 
     def finish(self, dp_cp_group, device):
         """The logged loss (summed over micro-batches, all-reduced over DP x CP), the logged count, and a
-        policy case's logged statistics {name: value} (those the function's results gave)."""
+        kind's logged statistics {name: value} (those the function's results gave)."""
         logged = None
         if self.logs_loss:
             total = torch.zeros((), dtype=torch.float64, device=device)
@@ -595,7 +534,7 @@ class _StepLog:
                 total += part.to(device)
             dist.all_reduce(total, group=dp_cp_group)
             logged = total.to(self.loss_dtype)
-        num_tokens = self.num_valid if self.mode in ("token_loss", "logprobs") else self.num_tokens
+        num_tokens = self.num_tokens if self.mode in (None, "reduced") else self.num_valid
         # A rank with no rows never called fn: it logs a count (the global one) when its peers log one.
         logs = torch.tensor([0.0 if num_tokens is None else 1.0], dtype=torch.float64, device=device)
         dist.all_reduce(logs, op=dist.ReduceOp.MAX, group=dp_cp_group)
@@ -605,14 +544,14 @@ class _StepLog:
 
     def _statistics(self, dp_cp_group, device):
         """Each statistic's parts summed over micro-batches and DP x CP: one all-reduce of [values | given]
-        on every rank of a policy case (a rank that never called fn adds zeros)."""
-        if not self.policy:
+        on every rank of a case whose kind logs statistics (a rank that never called fn adds zeros)."""
+        if not self.statistics:
             return {}
-        count = len(POLICY_STATS)
+        count = len(self.statistics)
         packed = torch.zeros(2 * count, dtype=torch.float64, device=device)
-        for i, name in enumerate(POLICY_STATS):
+        for i, name in enumerate(self.statistics):
             for part in self.stat_parts[name]:
                 packed[i] += part.to(device)
             packed[count + i] = 1.0 if self.stat_parts[name] else 0.0
         dist.all_reduce(packed, group=dp_cp_group)
-        return {name: float(packed[i]) for i, name in enumerate(POLICY_STATS) if packed[count + i] > 0}
+        return {name: float(packed[i]) for i, name in enumerate(self.statistics) if packed[count + i] > 0}

@@ -25,51 +25,76 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from lossverify.kinds import kind_inputs
+from lossverify.kinds import kind_inputs, kind_settings
 
-__all__ = ["Context", "LossConfig", "FrameworkConfig", "MicroBatch", "Reduced", "LogProbs", "POLICY_STATS"]
-
-# The statistics a policy loss logs besides the loss and the token count: each the global token-mean over the
-# step's valid tokens (clipped tokens, dual-clipped tokens, the KL penalty, the entropy).
-POLICY_STATS = kind_inputs("policy").logged_statistics
+__all__ = ["Context", "LossConfig", "FrameworkConfig", "MicroBatch", "Reduced", "LogProbs"]
 
 
-@dataclass(frozen=True)
 class LossConfig:
-    """The case's loss section, resolved: every field present whatever the case file spelled out."""
+    """The case's loss section, resolved: `kind`, `reduction`, and every setting of the kind's table as an
+    attribute by its key in the case (`lossverify list` lists them: cross-entropy's label_smoothing,
+    smoothing_convention, z_loss_weight, softcap, ignore_index; KD's temperature and t2_scaling; the policy kind's
+    objective, temperature, clip_low, clip_high, dual_clip, ratio, kl_penalty, kl_coef, entropy_coef, aggregation,
+    norm_constant, whiten_advantages, whiten_epsilon). A setting the case does not state, or that does not apply
+    to it, holds its fallback. Immutable."""
 
-    kind: str = "cross_entropy"  # a registered kind (lossverify.kinds): cross_entropy | kd | policy
-    label_smoothing: float = 0.0
-    smoothing_convention: str = "pytorch"  # pytorch: a/V on every column; megatron: a/(V-1) off the label
-    z_loss_weight: float = 0.0
-    ignore_index: int = -100
-    softcap: float = 0.0  # c > 0: the logits become c tanh(x / c)
-    reduction: str = "mean"  # mean | sum | none
-    temperature: float = 1.0  # KD and policy: logits / T
-    t2_scaling: bool = True  # KD: multiply the KL by T^2
-    # policy (docs/spec.md §3.3): l = surrogate + kl_coef KL - entropy_coef H, or -lambda - entropy_coef H
-    objective: str = "policy_loss"  # policy_loss | logprob (a trainer's log-prob pass)
-    clip_low: float = 0.2  # the ratio is clipped to [1 - clip_low, 1 + clip_high]
-    clip_high: float = 0.2
-    dual_clip: float = 0.0  # c > 1: the surrogate capped at -c A where A < 0; 0: off
-    # token: each token's own ratio e^(lambda - old); sequence: GSPO's rho_s = e^(mean over the valid tokens of
-    # its sequence, all its CP chunks, of lambda - old) for every token of s, differentiated through every lambda
-    ratio: str = "token"
-    kl: str = "none"  # none | k1 | k2 | k3 (the case file's kl_penalty)
-    kl_coef: float = 0.0
-    entropy_coef: float = 0.0
-    # token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
-    aggregation: str = "token-mean"
-    norm_constant: float = 0.0  # H_max of seq-mean-token-sum-norm
-    whiten_advantages: bool = False  # A' = (A - mu) / (sigma + whiten_epsilon) over the step's valid tokens
-    whiten_epsilon: float = 1e-6
+    __slots__ = ("kind", "reduction", "_settings")
+
+    def __init__(self, kind="cross_entropy", reduction="mean", **settings):
+        table = kind_settings(kind)
+        known = {entry["key"] for entry in table}
+        unknown = sorted(set(settings) - known) if table else []
+        if unknown:
+            raise TypeError(f"LossConfig: {', '.join(unknown)} is not a setting of loss kind {kind!r} "
+                            f"(its settings: {', '.join(entry['key'] for entry in table)})")
+        values = dict(settings)
+        for entry in table:
+            if entry["key"] not in values:
+                source = entry.get("default_from")
+                values[entry["key"]] = values[source] if source in values else entry["default"]
+        object.__setattr__(self, "kind", kind)
+        object.__setattr__(self, "reduction", reduction)
+        object.__setattr__(self, "_settings", values)
 
     @classmethod
     def from_case(cls, loss):
-        known = {k: loss[k] for k in cls.__dataclass_fields__ if k in loss}
-        if "kl" not in known and "kl_penalty" in loss:  # the case file's spelling
-            known["kl"] = loss["kl_penalty"]
-        return cls(**known)
+        """The resolved case's "loss" object (export-inputs' case.json)."""
+        kind = loss.get("kind", "cross_entropy")
+        known = {entry["key"] for entry in kind_settings(kind)}
+        settings = {k: v for k, v in loss.items() if k in known or (not known and k not in _SHARED_KEYS)}
+        return cls(kind=kind, reduction=loss.get("reduction", "mean"), **settings)
+
+    def replace(self, **changes):
+        """A copy with some settings (or the kind or reduction) changed."""
+        settings = dict(self._settings)
+        kind = changes.pop("kind", self.kind)
+        reduction = changes.pop("reduction", self.reduction)
+        settings.update(changes)
+        return LossConfig(kind=kind, reduction=reduction, **settings)
+
+    def __getattr__(self, name):
+        try:
+            return object.__getattribute__(self, "_settings")[name]
+        except KeyError:
+            raise AttributeError(f"loss kind {object.__getattribute__(self, 'kind')!r} has no setting {name!r}") from None
+
+    def __setattr__(self, name, value):
+        raise AttributeError("LossConfig is immutable")
+
+    def __eq__(self, other):
+        return isinstance(other, LossConfig) and (self.kind, self.reduction, self._settings) == (
+            other.kind, other.reduction, other._settings)
+
+    def __hash__(self):
+        return hash((self.kind, self.reduction, tuple(sorted(self._settings.items()))))
+
+    def __repr__(self):
+        settings = ", ".join(f"{k}={v!r}" for k, v in self._settings.items())
+        return f"LossConfig(kind={self.kind!r}, reduction={self.reduction!r}, {settings})"
+
+
+# Keys of a resolved "loss" object that every kind shares (not a kind's settings).
+_SHARED_KEYS = ("kind", "reduction", "upstream_weights")
 
 
 @dataclass(frozen=True)
@@ -94,14 +119,21 @@ class MicroBatch:
     positions: torch.Tensor  # int64 [rows]: position inside its (padded) sequence
     upstream_weights: torch.Tensor  # float64 [rows]: g_t for reduction none (1 otherwise, 0 on padding)
     teacher_logits: Optional[torch.Tensor] = None  # KD: [rows, columns] in the case dtype
-    # policy (objective policy_loss), float32 [rows], 0 on masked and padding rows:
-    old_logprob: Optional[torch.Tensor] = None  # the rollout policy's log-probability of the label
-    ref_logprob: Optional[torch.Tensor] = None  # the reference policy's
-    advantages: Optional[torch.Tensor] = None  # the token's advantage before whitening (its sequence's)
+    # The kind's per-row inputs by name (lossverify.kinds: KindInputs.row_inputs), float32 [rows], 0 on masked and
+    # padding rows, None where the case has none; read as attributes: the policy kind's mb.old_logprob (the
+    # rollout policy's log-probability of the label), mb.ref_logprob (the reference policy's) and mb.advantages
+    # (the token's advantage before whitening, its sequence's).
+    row_inputs: Dict[str, Optional[torch.Tensor]] = field(default_factory=dict)
 
     @property
     def rows(self):
         return self.labels.shape[0]
+
+    def __getattr__(self, name):
+        row_inputs = self.__dict__.get("row_inputs", {})
+        if name in row_inputs:
+            return row_inputs[name]
+        raise AttributeError(f"MicroBatch has no field or row input {name!r}")
 
 
 @dataclass
@@ -137,11 +169,31 @@ class Context:
     ga: int  # micro-batches per step
     micro_batches: List[MicroBatch]  # this rank's whole step (normalisers computed before micro-batch 0)
     state: Dict[str, Any] = field(default_factory=dict)  # shared by this rank's calls of one step
-    # policy: the step's counts, all-reduced over DP x CP before micro-batch 0
-    num_sequences: int = 0  # B: sequences of the step with at least one valid token
-    sequence_valid_tokens: Optional[torch.Tensor] = None  # int64 [sequences]: n_s, by the rows' `sequences`
-    advantage_mean: Optional[float] = None  # mean and unbiased deviation of the advantages over the step's
-    advantage_std: Optional[float] = None  # valid tokens (every DP x CP rank and micro-batch); None: no advantages
+    # The kind's values of the whole step, all-reduced over DP x CP before micro-batch 0 (lossverify.torch.kinds),
+    # read as attributes: the policy kind's ctx.num_sequences (B: sequences with a valid token),
+    # ctx.sequence_valid_tokens (int64 [sequences]: n_s, by the rows' `sequences`), ctx.advantage_mean and
+    # ctx.advantage_std (the advantages' mean and unbiased deviation over the step's valid tokens; None: none).
+    step: Dict[str, Any] = field(default_factory=dict)
+
+    def __getattr__(self, name):
+        """The kind's step values, the current micro-batch's row inputs (ctx.old_logprob), and the kind's context
+        methods (ctx.whitened_advantages())."""
+        step = self.__dict__.get("step", {})
+        if name in step:
+            return step[name]
+        micro_batches = self.__dict__.get("micro_batches")
+        if micro_batches:
+            row_inputs = micro_batches[self.__dict__["micro_batch"]].__dict__.get("row_inputs", {})
+            if name in row_inputs:
+                return row_inputs[name]
+        loss = self.__dict__.get("loss")
+        if loss is not None:
+            from lossverify.torch.kinds import harness_kind
+
+            method = harness_kind(loss.kind).context_methods.get(name)
+            if method is not None:
+                return lambda *args, **kwargs: method(self, *args, **kwargs)
+        raise AttributeError(f"Context has no field {name!r} (nor a step value, row input or method of its kind)")
 
     # the current micro-batch's rows
     @property
@@ -180,59 +232,15 @@ class Context:
     def teacher_logits(self):
         return self.current.teacher_logits
 
-    @property
-    def old_logprob(self):
-        return self.current.old_logprob
-
-    @property
-    def ref_logprob(self):
-        return self.current.ref_logprob
-
-    @property
-    def advantages(self):
-        return self.current.advantages
-
     def aggregation_weights(self):
         """Each row's weight w_t in the step's loss L = sum_t w_t l_t (float64 [rows], 0 on masked rows), as
-        lossverify's reference weighs it. Policy: token-mean 1/N, token-sum 1, seq-mean-token-sum 1/B,
-        seq-mean-token-mean 1/(B n_s), seq-mean-token-sum-norm 1/(B norm_constant); cross-entropy and KD: the
-        reduction's (mean 1/N_v, sum 1, none the upstream weight g_t). A framework's own normalisation is what
-        a check judges: this is the answer to compare with, not a part of the objective to hand back."""
-        mask = self.loss_mask.double()
-        loss = self.loss
-        if loss.kind == "policy":
-            aggregation = loss.aggregation
-            if aggregation == "token-sum":
-                return mask
-            if aggregation == "token-mean":
-                return mask / self.num_valid_tokens if self.num_valid_tokens else mask * 0.0
-            sequences = max(self.num_sequences, 1)
-            if aggregation == "seq-mean-token-sum":
-                return mask / sequences
-            if aggregation == "seq-mean-token-sum-norm":
-                return mask / (sequences * loss.norm_constant)
-            if aggregation == "seq-mean-token-mean":
-                n_s = self.sequence_valid_tokens[self.sequences.clamp(min=0)].double().clamp(min=1.0)
-                return mask / (sequences * n_s)
-            raise ValueError(f"unknown policy aggregation {aggregation!r}")
-        if loss.reduction == "none":
-            return self.upstream_weights.double() * mask
-        if loss.reduction == "sum":
-            return mask
-        return mask / self.num_valid_tokens if self.num_valid_tokens else mask * 0.0
+        lossverify's reference weighs it: the case's reduction's (mean 1/N_v, sum 1, none the upstream weight g_t),
+        or the kind's own aggregation (policy: token-mean 1/N, token-sum 1, seq-mean-token-sum 1/B,
+        seq-mean-token-mean 1/(B n_s), seq-mean-token-sum-norm 1/(B norm_constant)). A framework's own normalisation
+        is what a check judges: this is the answer to compare with, not a part of the objective to hand back."""
+        from lossverify.torch.kinds import harness_kind
 
-    def whitened_advantages(self):
-        """The current micro-batch's advantages as the policy objective uses them (float32 [rows]): whitened
-        with the step's mean and deviation, (A - mu) / (sigma + whiten_epsilon), when the case whitens them
-        (0 on masked rows), as given otherwise; None where the case has none (objective logprob)."""
-        advantages = self.advantages
-        if advantages is None or not self.loss.whiten_advantages:
-            return advantages
-        mean = torch.tensor(self.advantage_mean, dtype=torch.float32)
-        scale = 1.0 / (torch.tensor(self.advantage_std, dtype=torch.float32) +
-                       torch.tensor(self.loss.whiten_epsilon, dtype=torch.float32))
-        whitened = (advantages.float() - mean.to(advantages.device)) * scale.to(advantages.device)
-        return torch.where(self.loss_mask, whitened, torch.zeros_like(whitened))
+        return harness_kind(self.loss.kind).aggregation_weights(self)
 
     @property
     def rank_valid_tokens(self):
@@ -249,44 +257,33 @@ class Reduced:
     micro-batches and the DP x CP group. Default: loss x ctx.framework_factor, so that a correct
     normalisation logs L; logged_precision: the precision the logged value carries when it was computed in
     16 bits and logged wider ("bf16", "fp16"): it is then judged by that dtype's rule.
-    Policy cases only: logprob, entropy: the per-token log-probabilities and entropies [rows] (judged token
-    by token by the `logprob` and `entropy` checks; masked rows are dumped as 0); stats: this rank's and
-    micro-batch's part of each logged statistic, {"clip_fraction", "dual_clip_fraction", "kl", "entropy"}
-    (any subset), summed like `logged` over the micro-batches and DP x CP: a correct part is the sum over
-    the micro-batch's valid tokens / N (ctx.num_valid_tokens).
+    A kind's own quantities (lossverify.kinds: KindInputs), where its case has them: per-token ones by name
+    (the policy kind's logprob=, entropy=: the per-token log-probabilities and entropies [rows], judged token
+    by token by the `logprob` and `entropy` checks; masked rows are dumped as 0), and stats: this rank's and
+    micro-batch's part of each logged statistic (the policy kind's {"clip_fraction", "dual_clip_fraction", "kl",
+    "entropy"}, any subset), summed like `logged` over the micro-batches and DP x CP: a correct part is the sum
+    over the micro-batch's valid tokens / N (ctx.num_valid_tokens).
     """
 
-    def __init__(self, loss, token_loss=None, num_tokens=None, logged=None, logged_precision=None, logprob=None,
-                 entropy=None, stats=None):
+    def __init__(self, loss, token_loss=None, num_tokens=None, logged=None, logged_precision=None, stats=None,
+                 **token_values):
         self.loss = loss
         self.token_loss = token_loss
         self.num_tokens = num_tokens
         self.logged = logged
         self.logged_precision = logged_precision
-        self.logprob = logprob
-        self.entropy = entropy
         self.stats = stats
+        self.token_values = token_values
+
+    def __getattr__(self, name):
+        token_values = self.__dict__.get("token_values", {})
+        if name in token_values:
+            return token_values[name]
+        raise AttributeError(f"Reduced has no field {name!r}")
 
     def __repr__(self):
         return f"Reduced(loss={self.loss!r}, num_tokens={self.num_tokens!r})"
 
 
-class LogProbs:
-    """What a trainer's log-prob pass returns for a policy case: the per-token log-probabilities of the labels
-    at the case's temperature, logprob [rows], and the entropies of the tempered softmax, entropy [rows]
-    (None: not computed; then the case's entropy_coef must be 0). Both must depend on the logits (they carry
-    the gradient) and be finite on valid rows; masked rows are ignored (dumped as 0).
-
-    The harness judges both token by token (the `logprob` and `entropy` checks), builds the case's objective
-    on them (ratio to ctx.old_logprob, each token's or, under loss.ratio "sequence", its sequence's over every
-    CP rank; clip, dual clip, KL to ctx.ref_logprob, entropy bonus, the whitened advantages; or -logprob -
-    entropy_coef H), weighs each token by the case's aggregation, back-propagates through the returned values
-    and logs L, N and the statistics computed from them.
-    """
-
-    def __init__(self, logprob, entropy=None):
-        self.logprob = logprob
-        self.entropy = entropy
-
-    def __repr__(self):
-        return f"LogProbs(logprob={self.logprob!r}, entropy={self.entropy!r})"
+# A policy case's result type lives with its kind (lossverify.torch.kinds.policy); named here for users.
+from lossverify.torch.kinds.policy import LogProbs  # noqa: E402 - the kinds' modules import this one's records

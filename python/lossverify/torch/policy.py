@@ -112,7 +112,7 @@ def policy_terms(logprob, old_logprob, ref_logprob, advantages, loss, log_ratio=
         cap = -_f32(loss.dual_clip).to(device) * advantages
         dual = (advantages < 0) & (surrogate.detach() > cap)
         surrogate = torch.where(dual, cap.to(surrogate.dtype), surrogate)
-    return PolicyTerms(surrogate, kl_penalty(logprob, ref_logprob, loss.kl), clipped, dual)
+    return PolicyTerms(surrogate, kl_penalty(logprob, ref_logprob, loss.kl_penalty), clipped, dual)
 
 
 def token_loss(terms, entropy, loss, kl_scale=1.0, entropy_scale=1.0):

@@ -188,11 +188,11 @@ def logprob_pass(logits, labels, ctx):
 def _config(ctx):
     loss, _ = _load()
     lc = ctx.loss
-    kl = lc.kl if lc.kl not in (None, "none") else "k3"
+    kl = lc.kl_penalty if lc.kl_penalty not in (None, "none") else "k3"
     return loss.ClippedPGLossConfig(
         ratio_clip_min=lc.clip_low, ratio_clip_max=lc.clip_high,
         ratio_clip_c=lc.dual_clip if lc.dual_clip > 0 else None,
-        reference_policy_kl_penalty=lc.kl_coef if lc.kl not in (None, "none") else 0.0,
+        reference_policy_kl_penalty=lc.kl_coef if lc.kl_penalty not in (None, "none") else 0.0,
         reference_policy_kl_type=kl,
         token_level_loss=lc.aggregation == "token-mean",
         sequence_level_importance_ratios=lc.ratio == "sequence")

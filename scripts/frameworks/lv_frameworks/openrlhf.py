@@ -89,8 +89,8 @@ def _step(logits, labels, ctx, loss_type):
                                           _scatter(ctx.whitened_advantages().float(), slots), action_mask=mask,
                                           rollout_log_probs=None, **info)
     loss = actor_loss
-    if cfg.kl not in ("none", None) and cfg.kl_coef > 0:
-        kl = utils.compute_approx_kl(log_probs, _scatter(ctx.ref_logprob.float(), slots), kl_estimator=cfg.kl)
+    if cfg.kl_penalty not in ("none", None) and cfg.kl_coef > 0:
+        kl = utils.compute_approx_kl(log_probs, _scatter(ctx.ref_logprob.float(), slots), kl_estimator=cfg.kl_penalty)
         loss = actor_loss + loss_mod.aggregate_loss(kl, mask, **info) * cfg.kl_coef
     entropy = None
     if entropy_rows is not None:

@@ -74,8 +74,8 @@ def _config(ctx, loss_type):
     return types.SimpleNamespace(
         policy_loss_type=loss_type, eps_clip_low=loss.clip_low, eps_clip_high=loss.clip_high,
         clip_ratio_c=loss.dual_clip if loss.dual_clip > 0 else 3.0, loss_reduction=REDUCTIONS[loss.aggregation],
-        off_policy_correction=None, temperature=loss.temperature, use_kl_loss=loss.kl not in ("none", None),
-        kl_estimator_type=loss.kl if loss.kl not in ("none", None) else "k3", kl_loss_coef=loss.kl_coef,
+        off_policy_correction=None, temperature=loss.temperature, use_kl_loss=loss.kl_penalty not in ("none", None),
+        kl_estimator_type=loss.kl_penalty if loss.kl_penalty not in ("none", None) else "k3", kl_loss_coef=loss.kl_coef,
         use_entropy_loss=loss.entropy_coef != 0, entropy_loss_coef=loss.entropy_coef,
         max_seq_len=loss.norm_constant)
 

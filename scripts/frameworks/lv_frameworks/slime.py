@@ -185,14 +185,14 @@ def _batch(logits, labels, ctx, modules):
 
 def _args(ctx, per_token, estimator):
     loss = ctx.loss
-    kl = loss.kl not in ("none", None) and loss.kl_coef > 0
+    kl = loss.kl_penalty not in ("none", None) and loss.kl_coef > 0
     return Namespace(
         loss_type="policy_loss", calculate_per_token_loss=per_token, recompute_loss_function=False,
         allgather_cp=False, rollout_temperature=loss.temperature, rollout_top_p=1.0, log_probs_chunk_size=-1,
         advantage_estimator=estimator, use_rollout_logprobs=False, use_opsm=False, eps_clip=loss.clip_low,
         eps_clip_high=loss.clip_high, eps_clip_c=loss.dual_clip if loss.dual_clip > 0 else None,
         get_mismatch_metrics=False, use_tis=False, custom_pg_loss_reducer_function_path=None,
-        entropy_coef=loss.entropy_coef, use_kl_loss=kl, kl_loss_type=loss.kl if kl else "k3",
+        entropy_coef=loss.entropy_coef, use_kl_loss=kl, kl_loss_type=loss.kl_penalty if kl else "k3",
         kl_loss_coef=loss.kl_coef if kl else 0.0, use_unbiased_kl=False)
 
 

@@ -239,7 +239,7 @@ def _trainer(module, loss_type, ctx, model):
     lc = ctx.loss
     trainer = object.__new__(module.GRPOTrainer)
     trainer.__dict__.update(
-        loss_type=loss_type, beta=lc.kl_coef if lc.kl == "k3" else 0.0, epsilon_low=lc.clip_low,
+        loss_type=loss_type, beta=lc.kl_coef if lc.kl_penalty == "k3" else 0.0, epsilon_low=lc.clip_low,
         epsilon_high=lc.clip_high, temperature=lc.temperature,
         importance_sampling_level="sequence" if lc.ratio == "sequence" else "token",
         max_completion_length=int(lc.norm_constant) if lc.norm_constant else 512,

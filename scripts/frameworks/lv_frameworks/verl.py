@@ -250,9 +250,9 @@ def _policy_loss(logprob, entropy, ctx, global_batch_info):
         ent = _to_matrix(entropy, index)
         entropy_agg = core.agg_loss(loss_mat=ent, loss_mask=mask, loss_agg_mode=loss.aggregation, **global_batch_info)
         policy_loss = policy_loss - entropy_agg * loss.entropy_coef
-    if loss.kl != "none" and loss.kl_coef:
+    if loss.kl_penalty != "none" and loss.kl_coef:
         ref = _to_matrix(ctx.ref_logprob.float(), index)
-        kld = core.kl_penalty(logprob=lp, ref_logprob=ref, kl_penalty=KL_TYPES[loss.kl])
+        kld = core.kl_penalty(logprob=lp, ref_logprob=ref, kl_penalty=KL_TYPES[loss.kl_penalty])
         kl_loss = core.agg_loss(loss_mat=kld, loss_mask=mask, loss_agg_mode=loss.aggregation, **global_batch_info)
         policy_loss = policy_loss + kl_loss * loss.kl_coef
     return policy_loss, index[3]

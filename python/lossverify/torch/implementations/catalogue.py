@@ -11,7 +11,8 @@ from lossverify.torch.context import Reduced
 from lossverify.torch.implementations._collectives import gather_columns
 from lossverify.torch.implementations.cross_entropy import CrossEntropyBugs, vocab_parallel_cross_entropy
 from lossverify.torch.implementations.kd import KdBugs, kl_with_untracked_all_reduce, vocab_parallel_kl
-from lossverify.torch.implementations.kinds import correct_of, token_loss_of
+from lossverify.torch.implementations.kinds import correct_of, own_bug_of, token_loss_of
+from lossverify.torch.kinds import harness_kind
 from lossverify.torch.implementations.policy import PolicyBugs, policy_loss
 
 # ---------------------------------------------------------------------------------------------------------
@@ -148,10 +149,9 @@ def _all_reduced_count(values, group, device):
 
 
 def _token_mean(ctx):
-    """Whether the loss is a mean over valid tokens, the normaliser these framework bugs get wrong (a policy
-    loss aggregated otherwise has its own weights, which they do not reach)."""
-    loss = ctx.loss
-    return loss.reduction == "mean" and (loss.kind != "policy" or loss.aggregation == "token-mean")
+    """Whether the loss is a mean over valid tokens, the normaliser these framework bugs get wrong (a kind that
+    aggregates its tokens otherwise has its own weights, which they do not reach)."""
+    return harness_kind(ctx.loss.kind).token_mean(ctx.loss)
 
 
 def _reduced(token_loss, ctx, include, count):
@@ -159,7 +159,7 @@ def _reduced(token_loss, ctx, include, count):
     as the scalar this rank back-propagates (compensated for the framework factor, as a correct loop does)."""
     loss = ctx.loss
     weights = include.to(torch.float32)
-    if loss.kind == "policy" and not _token_mean(ctx):
+    if not harness_kind(loss.kind).weighs_by_reduction and not _token_mean(ctx):
         weights = ctx.aggregation_weights().to(torch.float32)
     elif loss.reduction == "mean":
         weights = weights / count if count else weights * 0.0
@@ -246,8 +246,9 @@ def microbatch_local_mean(logits, labels, ctx):
     d98e8a64, its MTP loss too; verl's legacy Megatron actor at b178a3cd; TRL's bnpo): token weight
     1/(DP CP GA n(r,k)) instead of 1/N_v. A policy loss takes its micro-batch's own sequences and their rows
     there too (token-sum has no count); reduction sum and none are right."""
-    if ctx.loss.kind == "policy":
-        return policy_loss(logits, labels, ctx, bugs=PolicyBugs(microbatch_local_mean=True))
+    own = own_bug_of(ctx.loss.kind, "microbatch-local-mean")
+    if own is not None:
+        return own(logits, labels, ctx)
     token_loss = _token_loss(logits, labels, ctx)
     if not _token_mean(ctx):
         return token_loss
@@ -279,8 +280,9 @@ def cp_loss_stat_dp_only(logits, labels, ctx):
     """Loss and gradient right, but the logged loss is the token mean of the rank's own CP slice, its sums and
     counts reduced over DP only, not DP x CP (inclusionAI/AReaL PR #1223 at 430a1f9c: the stats tracker records
     the CP-split tensors; fixed on main by AReaL #1249). The logged count is right."""
-    if ctx.loss.kind == "policy":
-        result = policy_loss(logits, labels, ctx)
+    own = own_bug_of(ctx.loss.kind, "cp-loss-stat-dp-only")
+    if own is not None:
+        result = own(logits, labels, ctx)
     else:
         token_loss = _token_loss(logits, labels, ctx)
         result = Reduced(_reduced(token_loss, ctx, ctx.loss_mask, ctx.num_valid_tokens), token_loss=token_loss,

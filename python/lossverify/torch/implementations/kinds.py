@@ -10,9 +10,10 @@ its log-probabilities, entropies and statistics) to that function; `correct` tak
 from lossverify.kinds import kind_inputs
 from lossverify.torch.implementations.cross_entropy import vocab_parallel_cross_entropy
 from lossverify.torch.implementations.kd import vocab_parallel_kl
-from lossverify.torch.implementations.policy import policy_loss, policy_token_loss
+from lossverify.torch.implementations.policy import PolicyBugs, policy_loss, policy_token_loss
 
-__all__ = ["TOKEN_LOSS", "register_token_loss", "token_loss_of", "CORRECT", "register_correct", "correct_of"]
+__all__ = ["TOKEN_LOSS", "register_token_loss", "token_loss_of", "CORRECT", "register_correct", "correct_of",
+           "register_own_bug", "own_bug_of"]
 
 
 def cross_entropy_token_loss(logits, labels, ctx, **kwargs):
@@ -61,6 +62,22 @@ def correct_of(kind):
     return CORRECT.get(kind) or token_loss_of(kind)
 
 
+# A catalogued framework bug that reaches a kind in a way of its own (the policy loss's own counts), by kind and
+# bug name: fn(logits, labels, ctx). The catalogue's generic version serves every other kind.
+OWN_BUG = {}
+
+
+def register_own_bug(kind, bug, fn):
+    """Register fn as `bug`'s implementation for loss kind `kind`."""
+    kind_inputs(kind)
+    OWN_BUG[(kind, bug)] = fn
+
+
+def own_bug_of(kind, bug):
+    """`bug`'s own implementation for `kind`, or None (the generic one applies)."""
+    return OWN_BUG.get((kind, bug))
+
+
 def policy_per_token_loss(logits, labels, ctx, **kwargs):
     """The policy objective's per-token losses l (docs/spec.md §3.3), whitened advantages included."""
     return policy_token_loss(logits, labels, ctx, **kwargs)
@@ -70,3 +87,8 @@ register_token_loss("cross_entropy", cross_entropy_token_loss)
 register_token_loss("kd", kd_token_loss)
 register_token_loss("policy", policy_per_token_loss)
 register_correct("policy", policy_loss)
+# microbatch-local-mean: the micro-batch's own sequences and their rows (token-sum has no count); the CP-slice
+# logging bug: the correct policy loss, whose logged value the catalogue replaces.
+register_own_bug("policy", "microbatch-local-mean",
+                 lambda logits, labels, ctx: policy_loss(logits, labels, ctx, bugs=PolicyBugs(microbatch_local_mean=True)))
+register_own_bug("policy", "cp-loss-stat-dp-only", policy_loss)
