@@ -105,6 +105,19 @@ void parse_loss(ObjectReader r, Case& c) {
   r.reject_unknown_keys();
 }
 
+// "stage": {"kind": NAME}, a registered stage in front of the loss kind (kind_api/stage.hpp).
+void parse_stage(ObjectReader r, Case& c) {
+  const std::string name = r.string("kind");
+  c.loss.stage = find_stage(name);
+  if (c.loss.stage == nullptr) {
+    std::string allowed;
+    for (const Stage* s : stages()) append_to_list(allowed, s->name(), "|");
+    r.fail("kind", "expected a registered stage" +
+                       (allowed.empty() ? std::string(" (none is)") : " (" + allowed + ")") + ", got \"" + name + "\"");
+  }
+  r.reject_unknown_keys();
+}
+
 void parse_shape(ObjectReader r, Case& c, bool has_batch) {
   c.shape.tokens = has_batch ? r.integer("tokens", 0) : r.integer("tokens");
   if (has_batch && c.shape.tokens == 0) c.shape.tokens = 1;  // checked against the sequences later
@@ -465,6 +478,11 @@ Case parse_case(const json& document, const std::string& source) {
   } else {
     root.allow("loss");
   }
+  if (root.has("stage")) {
+    parse_stage(root.object("stage"), c);
+  } else {
+    root.allow("stage");
+  }
   if (root.has("inputs")) {
     parse_inputs(root.object("inputs"), c);
   } else {
@@ -624,6 +642,7 @@ json Case::resolved() const {
       break;
   }
   j["loss"] = l;
+  if (loss.stage != nullptr) j["stage"] = {{"kind", std::string(loss.stage->name())}};
   json in = {{"seed", inputs.seed},
              {"dtype", std::string(to_string(inputs.dtype))},
              {"distribution", std::string(to_string(inputs.distribution))},

@@ -17,6 +17,7 @@
 namespace lossverify {
 
 class LossKind;  // kinds/loss_kind.hpp
+class Stage;     // kind_api/stage.hpp
 const LossKind& default_loss_kind();
 
 enum class Reduction { mean, sum, none };
@@ -43,6 +44,9 @@ struct LossSpec {
   // The kind's own settings, as its table (LossKind::settings) reads them; only that kind reads them
   // (case/kind_settings.hpp: options_of).
   std::shared_ptr<const KindOptions> options;
+  // A stage in front of the kind that makes its logits (the case's "stage" section); null: the logits are the
+  // inputs.
+  const Stage* stage = nullptr;
 };
 // The case's kind, for the registry's interface (kinds/loss_kind.hpp).
 inline const LossKind& kind_of(const LossSpec& loss) { return *loss.kind; }

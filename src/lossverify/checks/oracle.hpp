@@ -42,7 +42,8 @@ struct RowJudgement {
   std::int64_t nan = 0, pos_inf = 0, neg_inf = 0, subnormal = 0;  // of the stored values
   std::int64_t first_bad_column = -1;  // global column of the first non-finite value, -1 if none
   double first_bad_value = 0.0;
-  std::int64_t lookups = 0;  // elements judged by a code-table lookup (GPU oracle)
+  std::int64_t lookups = 0;        // elements judged by a code-table lookup (GPU oracle)
+  std::vector<PackedStats> stage;  // each of a stage's gradients over the row (kind_api/stage.hpp); host oracle
 };
 
 class Oracle {

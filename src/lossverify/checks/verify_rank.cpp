@@ -17,6 +17,7 @@
 #include "lossverify/core/errors.hpp"
 #include "lossverify/core/stage_trace.hpp"
 #include "lossverify/kind_api/loss_kind.hpp"
+#include "lossverify/kind_api/stage.hpp"
 #include "lossverify/reference/compensated_sum.hpp"
 
 namespace lossverify {
@@ -869,6 +870,19 @@ std::vector<CheckResult> verify_rank(const Case& c, const RankOutput& out, Oracl
     CheckResult r = make_result("row_sum", merge_over(world, tp.row_sum), tp.row_sum_tolerance, kind.row_sum_rule());
     if (const std::string why = kind.row_sum_exemption(c.loss); !why.empty()) r.summary = why;
     results.push_back(std::move(r));
+  }
+  if (const Stage* stage = c.loss.stage) {
+    const std::vector<std::string> names = stage->gradients();
+    for (std::size_t w = 0; w < names.size(); ++w) {
+      ErrorStats mine;
+      for (const RowJudgement& row : judged) {
+        if (w < row.stage.size()) mine.merge(ErrorStats::unpack(row.stage[w]));
+      }
+      CheckResult r = make_result(
+          names[w], merge_over(world, mine), judgement.tolerance,
+          "the stage's gradient " + names[w] + " vs the float64 reference (stage " + std::string(stage->name()) + ")");
+      results.push_back(std::move(r));
+    }
   }
   for (std::size_t j = 0; j < values.names.size(); ++j) {
     results.push_back(make_result(values.names[j], merge_over(world, values.stats[j]), values.tolerance,

@@ -100,7 +100,7 @@ const std::deque<Implementation>& implementations() {
   // Built on first use, and extended by the catalogue of each kind registered since (kinds/registry.hpp).
   static std::mutex mutex;
   static std::deque<Implementation> list;
-  static std::size_t kinds_seen = 0;
+  static std::size_t kinds_seen = 0, stages_seen = 0;
   const std::lock_guard lock(mutex);
   if (list.empty()) {
     for (Implementation& impl : layout_catalogue()) list.push_back(std::move(impl));
@@ -108,6 +108,10 @@ const std::deque<Implementation>& implementations() {
   const std::vector<const LossKind*> kinds = loss_kinds();
   for (; kinds_seen < kinds.size(); ++kinds_seen) {
     for (Implementation& impl : kinds[kinds_seen]->catalogue()) list.push_back(std::move(impl));
+  }
+  const std::vector<const Stage*> registered = stages();
+  for (; stages_seen < registered.size(); ++stages_seen) {
+    for (Implementation& impl : registered[stages_seen]->catalogue()) list.push_back(std::move(impl));
   }
   return list;
 }
@@ -144,16 +148,23 @@ bool applies_to(const Implementation& impl, const LossKind* kind) {
       return kind->inputs().labels;
     case Applies::Scope::kinds:
       return std::find(impl.applies.kinds.begin(), impl.applies.kinds.end(), kind->name()) != impl.applies.kinds.end();
+    case Applies::Scope::stage:
+      return true;  // whatever kind is behind the stage (applies_to(impl, loss) asks for the stage)
   }
   return false;
 }
 
 bool applies_to(const Implementation& impl, const LossSpec& loss) {
   if (!applies_to(impl, loss.kind)) return false;
+  if (impl.applies.scope == Applies::Scope::stage &&
+      (loss.stage == nullptr || loss.stage->name() != impl.applies.kinds.front())) {
+    return false;
+  }
   return impl.plugin == nullptr || missing_plugin_capability(*impl.plugin, loss).empty();
 }
 
 std::string applies_in_words(const Applies& applies) {
+  if (applies.scope == Applies::Scope::stage) return "cases with the stage " + applies.kinds.front();
   std::vector<std::string> names = applies.kinds;
   if (applies.scope != Applies::Scope::kinds) {
     for (const LossKind* kind : loss_kinds()) {

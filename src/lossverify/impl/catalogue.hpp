@@ -52,6 +52,8 @@ struct BugSwitches {
   // A loss kind's own switches beyond the fields above, bit by bit as that kind defines them (a kind added
   // at run time keeps its catalogue here; kinds/loss_kind.hpp).
   std::uint64_t kind_switches = 0;
+  // A stage's own switches (kind_api/stage.hpp), bit by bit as that stage defines them.
+  std::uint64_t stage_switches = 0;
 };
 
 class LossKind;  // kinds/loss_kind.hpp
@@ -59,11 +61,12 @@ class LossKind;  // kinds/loss_kind.hpp
 // The loss kinds whose kernels carry an implementation's switches: every kind, every kind whose tokens
 // have labels (kinds/loss_kind.hpp's KindInputs), or the kinds named.
 struct Applies {
-  enum class Scope { any, labelled, kinds } scope = Scope::any;
-  std::vector<std::string> kinds;  // Scope::kinds
+  enum class Scope { any, labelled, kinds, stage } scope = Scope::any;
+  std::vector<std::string> kinds;  // Scope::kinds; Scope::stage: the stage's name (any kind behind it)
   static Applies any() { return {}; }
   static Applies labelled() { return {Scope::labelled, {}}; }
   static Applies kind(std::string name) { return {Scope::kinds, {std::move(name)}}; }
+  static Applies stage(std::string name) { return {Scope::stage, {std::move(name)}}; }
 };
 
 struct PluginLibrary;  // impl/plugin/plugin_library.hpp

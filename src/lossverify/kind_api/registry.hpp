@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "lossverify/kind_api/loss_kind.hpp"
+#include "lossverify/kind_api/stage.hpp"
 
 namespace lossverify {
 
@@ -18,5 +19,10 @@ std::vector<const LossKind*> loss_kinds();
 void register_loss_kind(std::unique_ptr<LossKind> kind);
 
 const LossKind& default_loss_kind();  // cross_entropy, a case's kind when "loss.kind" is absent
+
+// The stages (kind_api/stage.hpp): none is built in yet; a program or a test registers one.
+const Stage* find_stage(std::string_view name);
+std::vector<const Stage*> stages();
+void register_stage(std::unique_ptr<Stage> stage);
 
 }  // namespace lossverify

@@ -15,6 +15,7 @@ namespace {
 struct Registry {
   std::mutex mutex;
   std::vector<std::unique_ptr<LossKind>> kinds;
+  std::vector<std::unique_ptr<Stage>> stages;
   Registry() {
     kinds.push_back(make_cross_entropy_kind());
     kinds.push_back(make_kd_kind());
@@ -30,6 +31,7 @@ Registry& registry() {
 }  // namespace
 
 std::vector<Implementation> LossKind::catalogue() const { return {}; }
+std::vector<Implementation> Stage::catalogue() const { return {}; }
 
 const LossKind* find_loss_kind(std::string_view name) {
   Registry& r = registry();
@@ -59,5 +61,32 @@ void register_loss_kind(std::unique_ptr<LossKind> kind) {
 }
 
 const LossKind& default_loss_kind() { return *registry().kinds.front(); }
+
+const Stage* find_stage(std::string_view name) {
+  Registry& r = registry();
+  std::lock_guard lock(r.mutex);
+  for (const auto& stage : r.stages) {
+    if (stage->name() == name) return stage.get();
+  }
+  return nullptr;
+}
+
+std::vector<const Stage*> stages() {
+  Registry& r = registry();
+  std::lock_guard lock(r.mutex);
+  std::vector<const Stage*> out;
+  for (const auto& stage : r.stages) out.push_back(stage.get());
+  return out;
+}
+
+void register_stage(std::unique_ptr<Stage> stage) {
+  if (!stage) throw InternalError("register_stage: no stage");
+  if (find_stage(stage->name()) != nullptr) {
+    throw InternalError("register_stage: a stage named \"" + std::string(stage->name()) + "\" exists");
+  }
+  Registry& r = registry();
+  std::lock_guard lock(r.mutex);
+  r.stages.push_back(std::move(stage));
+}
 
 }  // namespace lossverify

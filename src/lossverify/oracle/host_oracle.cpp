@@ -39,6 +39,7 @@ HostOracle::HostOracle(const Case& c, const InputSource& inputs, const RankOutpu
       inputs_(inputs),
       out_(out),
       reference_(c, inputs),
+      stage_reference_(c.loss.stage != nullptr ? c.loss.stage->reference(c, inputs) : nullptr),
       judgement_(judgement),
       threads_(threads),
       has_teacher_(reference_.needs_teacher()),
@@ -178,6 +179,51 @@ RowJudgement HostOracle::judge_token_row(std::int64_t i, const RowStats& row_sta
   return judged;
 }
 
+// Each of the stage's gradients of row i against the stage's reference applied to the kind's reference gradient of
+// the rank's columns (zero where the row is no valid token), by the gradient's rule.
+std::vector<PackedStats> HostOracle::judge_stage_row(std::int64_t i, const RowStats& row_stats,
+                                                     std::vector<double>& student, std::vector<double>& teacher,
+                                                     std::vector<double>& expected) const {
+  const std::int64_t t = out_.token_of(i);
+  const bool valid = t >= 0 && valid_[static_cast<std::size_t>(i)];
+  const std::int64_t begin = out_.assignment.vocab.begin;
+  const GradJudge judge{judgement_};
+  double token_scale = judgement_.grad_scale;
+  if (valid) {
+    load_row(i, student, teacher);
+    reference_.gradient(t, row_stats, begin, student, teacher, expected);
+    token_scale *= std::fabs(reference_.token_weight(t)) * reference_.row().gradient_scale(t, row_stats).value_or(1.0);
+  } else {
+    std::fill(expected.begin(), expected.end(), 0.0);
+  }
+  std::vector<PackedStats> judged;
+  for (std::size_t w = 0; w < out_.stage_grads.size(); ++w) {
+    const std::int64_t cols = out_.stage_columns[w];
+    std::vector<double> want(static_cast<std::size_t>(cols), 0.0), got(static_cast<std::size_t>(cols));
+    if (valid) stage_reference_->input_gradient(w, t, begin, expected, want);
+    dispatch_dtype(out_.dtype, [&](auto type) {
+      using T = typename decltype(type)::type;
+      const T* g = reinterpret_cast<const T*>(out_.stage_grads[w].data()) + i * cols;
+      for (std::int64_t c = 0; c < cols; ++c) got[static_cast<std::size_t>(c)] = static_cast<float>(g[c]);
+    });
+    ErrorStats stats;
+    for (std::int64_t c = 0; c < cols; ++c) {
+      const auto k = static_cast<std::size_t>(c);
+      bool mismatch = false;
+      std::int64_t ulp = 0;
+      const double m = judge.judge(got[k], want[k], token_scale, mismatch, ulp);
+      const double effective = got[k] * judgement_.framework_scale;
+      stats.add_in_order(effective, want[k], m, mismatch, [&] {
+        return ElementRecord{t,       c,         out_.assignment.world_rank,
+                             want[k], effective, judge.tolerance_at(want[k], token_scale)};
+      });
+      stats.add_ulp(ulp);
+    }
+    judged.push_back(stats.pack());
+  }
+  return judged;
+}
+
 // A token with two admissible readings (a ratio at a clip edge) is judged by the one its gradient is closer to.
 RowJudgement HostOracle::judge_admissible_readings(std::int64_t i, const RowStats& row_stats,
                                                    std::span<const double> got, std::vector<double>& student,
@@ -211,6 +257,7 @@ void HostOracle::start_judging(std::span<const RowStats> stats) {
       out_.grad_row(i, got.data());
       rows_[k] = out_.token_of(i) < 0 ? judge_padding_row(i, got)
                                       : judge_admissible_readings(i, stats[k], got, student, teacher, expected);
+      if (stage_reference_ != nullptr) rows_[k].stage = judge_stage_row(i, stats[k], student, teacher, expected);
     }
   }
 }

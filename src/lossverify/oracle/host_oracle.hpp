@@ -4,6 +4,7 @@
 // dtype, exact, between the stages) and reads nothing of the rank but its gradient, through RankOutput.
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
@@ -11,6 +12,7 @@
 #include "lossverify/checks/oracle.hpp"
 #include "lossverify/comm/progress_beacon.hpp"
 #include "lossverify/inputs/input_source.hpp"
+#include "lossverify/kind_api/stage.hpp"
 #include "lossverify/outputs/rank_output.hpp"
 #include "lossverify/reference/loss_reference.hpp"
 
@@ -49,6 +51,8 @@ class HostOracle final : public Oracle {
   RowJudgement judge_admissible_readings(std::int64_t i, const RowStats& stats, std::span<const double> got,
                                          std::vector<double>& student, std::vector<double>& teacher,
                                          std::vector<double>& expected) const;
+  std::vector<PackedStats> judge_stage_row(std::int64_t i, const RowStats& stats, std::vector<double>& student,
+                                           std::vector<double>& teacher, std::vector<double>& expected) const;
   RowJudgement judge_token_row(std::int64_t i, const RowStats& stats, std::span<const double> got,
                                std::vector<double>& student, std::vector<double>& teacher,
                                std::vector<double>& expected) const;
@@ -57,6 +61,7 @@ class HostOracle final : public Oracle {
   const InputSource& inputs_;
   const RankOutput& out_;
   const LossReference reference_;
+  std::unique_ptr<StageReference> stage_reference_;  // the case's stage's, or null
   const GradJudgement judgement_;
   const int threads_;
   const bool has_teacher_;

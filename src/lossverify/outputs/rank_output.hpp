@@ -36,8 +36,12 @@ struct RankOutput {
   std::vector<float> logged_token_loss;
   std::vector<float> token_values;   // per local row, the kind's token_quantities() (row major); 0 on masked rows
   std::vector<double> logged_stats;  // the kind's logged_statistics(), as this rank logs them
-  bool has_reduced_loss = false;     // false for reduction "none"
-  float reduced_loss = 0.0f;         // the logged loss
+  // A stage's gradients (kind_api/stage.hpp, its gradients()), each rows x stage_columns[w] in dtype, row major;
+  // empty without a stage.
+  std::vector<std::vector<std::byte>> stage_grads;
+  std::vector<std::int64_t> stage_columns;
+  bool has_reduced_loss = false;  // false for reduction "none"
+  float reduced_loss = 0.0f;      // the logged loss
   std::int64_t logged_valid_tokens = 0;
   // The dtype a framework stored its losses in (check-dump): 16-bit losses are judged in units of their
   // spacing, as 16-bit gradients are. fp32 stands for float32 and wider.

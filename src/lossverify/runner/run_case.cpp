@@ -12,8 +12,10 @@
 #include "lossverify/impl/cpu/sharded_loss.hpp"
 #include "lossverify/impl/cuda/cuda_backend.hpp"
 #include "lossverify/impl/plugin/plugin_backend.hpp"
+#include "lossverify/impl/plugin/plugin_library.hpp"
 #include "lossverify/inputs/input_source.hpp"
 #include "lossverify/kind_api/loss_kind.hpp"
+#include "lossverify/kind_api/stage.hpp"
 #include "lossverify/layout/rank_layout.hpp"
 #include "lossverify/oracle/cuda/device_oracle.hpp"
 #include "lossverify/oracle/cuda/gpu_reference.hpp"
@@ -139,6 +141,11 @@ void require_supported(const Implementation& impl, const Case& c) {
 // A kind without a CUDA implementation, or one the GPU oracle cannot evaluate, is refused before any work.
 void require_kind_support(const Case& c, const RunOptions& options) {
   const LossKind& kind = kind_of(c.loss);
+  if (c.loss.stage != nullptr &&
+      (options.device == RunOptions::Device::cuda || is_plugin_spec(options.implementation))) {
+    throw CaseError(c.source + ": the stage " + std::string(c.loss.stage->name()) +
+                    " runs on the CPU backend and its own implementation only (no CUDA, no plugin)");
+  }
   if (options.device != RunOptions::Device::cuda) return;
   if (cuda::built_with_cuda() && !cuda::runs_kind(kind.name())) {
     throw CaseError(c.source + ": --backend cuda: loss kind " + std::string(kind.name()) +

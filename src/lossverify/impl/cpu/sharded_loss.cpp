@@ -11,6 +11,7 @@
 #include "lossverify/comm/progress_beacon.hpp"
 #include "lossverify/impl/rank_plan.hpp"
 #include "lossverify/kind_api/loss_kind.hpp"
+#include "lossverify/kind_api/stage.hpp"
 
 namespace lossverify {
 
@@ -56,6 +57,14 @@ class RankKernel {
     }
     out_.generate_seconds = seconds_since(start);
     const auto compute_start = Clock::now();
+    const Stage* stage = case_.loss.stage;
+    if (stage != nullptr) {
+      for (std::size_t w = 0; w < stage->gradients().size(); ++w) {
+        out_.stage_columns.push_back(stage->gradient_columns(w, case_, out_.assignment));
+        out_.stage_grads.emplace_back(static_cast<std::size_t>(rows() * out_.stage_columns.back()) * sizeof(T));
+      }
+      stage->cpu_forward(stage_rank(student));
+    }
 
     plan_.emplace(case_, inputs_, out_.assignment, groups_, bugs_);
     out_.logged_valid_tokens = plan_->logged_valid_tokens();
@@ -73,6 +82,7 @@ class RankKernel {
                         reinterpret_cast<const std::byte*>(teacher.data()), out_.grad.data(), threads_, beacon_,
                         out_.token_loss, out_.logged_token_loss, out_.token_values, out_.logged_stats});
     }
+    if (stage != nullptr) stage->cpu_backward(stage_rank(student));
     if (!out_.logged_stats.empty()) groups_.batch.allreduce_sum(std::span<double>(out_.logged_stats));
     if (const auto logged = plan_->logged_loss(out_, groups_)) {
       out_.has_reduced_loss = true;
@@ -84,6 +94,17 @@ class RankKernel {
   }
 
  private:
+  template <class T>
+  StageRank stage_rank(std::vector<T>& logits) {
+    return StageRank{case_,
+                     bugs_,
+                     out_.assignment,
+                     case_.inputs.dtype,
+                     work_,
+                     reinterpret_cast<std::byte*>(logits.data()),
+                     out_.grad.data(),
+                     out_.stage_grads};
+  }
   bool teacher_logits() const { return kind_.inputs().teacher_logits; }
   std::int64_t rows() const { return out_.rows(); }
   double collective_seconds() const {
