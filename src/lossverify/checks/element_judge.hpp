@@ -7,18 +7,14 @@
 
 #include "lossverify/checks/oracle.hpp"
 #include "lossverify/core/dtype.hpp"
+#include "lossverify/core/element_rule.hpp"
 
 namespace lossverify {
 
 // error / tolerance: 0 for an exact value (equal infinities included: two TP ranks that agree), +inf for NaN, for a
 // zero tolerance that is exceeded, and for any other error against a tolerance that is not finite (an infinite or
 // NaN reference: nothing to judge against, so never a pass). Never NaN.
-inline double margin_of(double error, double tolerance) {
-  if (std::isnan(error)) return std::numeric_limits<double>::infinity();
-  if (error == 0.0) return 0.0;
-  if (!(tolerance > 0.0) || std::isinf(tolerance)) return std::numeric_limits<double>::infinity();
-  return error / tolerance;
-}
+inline double margin_of(double error, double tolerance) { return element_rule::margin(error, tolerance); }
 
 // The margin against a reference that is not finite: nothing to judge against, so 0 for an exact value (equal
 // infinities) and +inf for anything else.
@@ -58,16 +54,14 @@ struct GradJudge {
       const double spacing = ulp_size(local_expected, j.dtype);
       // A stored value closer than half a spacing is round(expected): distance 0, no need to count.
       ulp = local_error < 0.5 * spacing ? 0 : ulp_distance(got_local, local_expected, j.dtype);
-      const double by_ulp = local_error / (j.tolerance.max_ulp * spacing);
-      const double by_rule = std::min(by_ulp, margin_of(error, floor));
-      // A NaN here comes from a NaN error or a reference that is not finite: only an exact value passes.
-      const double m = std::isfinite(expected) && !std::isnan(by_rule) ? by_rule : exact_or_infinite(error);
+      const double m = element_rule::ulp_margin(element_rule::by_ulp(local_error, spacing, j.tolerance.max_ulp),
+                                                element_rule::margin(error, floor), error, expected);
       mismatch = !(m <= 1.0);
       return m;
     }
-    const double tol = floor + j.tolerance.rtol * std::fabs(expected);
-    mismatch = mismatch_of(error, tol);
-    return margin_of(error, tol);
+    const double m = element_rule::tolerance_margin(error, floor, j.tolerance.rtol, expected);
+    mismatch = !(m <= 1.0);
+    return m;
   }
   double tolerance_at(double expected, double token_scale) const {
     return j.tolerance.atol * token_scale + j.quantum * j.framework_scale + j.tolerance.rtol * std::fabs(expected);

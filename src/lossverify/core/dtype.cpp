@@ -1,4 +1,5 @@
 #include "lossverify/core/dtype.hpp"
+#include "lossverify/core/element_rule.hpp"
 
 #include <bit>
 #include <cmath>
@@ -86,19 +87,10 @@ std::int64_t ulp_distance(double a, double b, DType dtype) {
 }
 
 double ulp_size(double value, DType dtype) {
-  int mantissa_bits = 23;
-  int min_exponent = -126;
-  if (dtype == DType::bf16) mantissa_bits = 7;
-  if (dtype == DType::fp16) {
-    mantissa_bits = 10;
-    min_exponent = -14;
-  }
-  // Binary exponent straight from the float64 bits (subnormal float64 values fall below every dtype's
-  // normal range anyway).
-  const auto bits = std::bit_cast<std::uint64_t>(value);
-  const int exponent = static_cast<int>((bits >> 52) & 0x7ff) - 1023;
-  const int binade = std::max(exponent, min_exponent) - mantissa_bits;
-  return std::bit_cast<double>(static_cast<std::uint64_t>(binade + 1023) << 52);
+  const element_rule::Format format = dtype == DType::bf16   ? element_rule::bf16_format()
+                                      : dtype == DType::fp16 ? element_rule::fp16_format()
+                                                             : element_rule::fp32_format();
+  return element_rule::spacing(value, format);
 }
 
 double smallest_normal(DType dtype) { return dtype == DType::fp16 ? 0x1p-14 : 0x1p-126; }

@@ -12,6 +12,7 @@
 #include <string_view>
 #include <type_traits>
 
+#include "lossverify/core/element_rule.hpp"
 #include "lossverify/cuda/device_buffer.hpp"
 #include "lossverify/cuda/device_types.cuh"
 #include "lossverify/oracle/cuda/reference_kernels.hpp"
@@ -419,31 +420,20 @@ __global__ void __launch_bounds__(kReferenceThreads) kl_kernel(ReferenceKlArgs a
   }
 }
 
-// checks.cpp's GradJudge, element by element.
-__device__ double margin_of(double error, double tolerance) {
-  if (isnan(error)) return INFINITY;
-  if (error == 0.0) return 0.0;
-  if (!(tolerance > 0.0) || isinf(tolerance)) return INFINITY;
-  return error / tolerance;
+// checks/element_judge.hpp's GradJudge, element by element, on core/element_rule.hpp's arithmetic.
+__device__ __forceinline__ double margin_of(double error, double tolerance) {
+  return element_rule::margin(error, tolerance);
 }
-// The binary exponent of the dtype's spacing at value (core/dtype.cpp's ulp_size, on the device).
-__device__ int spacing_exponent(double value, int dtype) {
-  int mantissa_bits = 23, min_exponent = -126;
-  if (dtype == static_cast<int>(StorageType::bf16)) mantissa_bits = 7;
-  if (dtype == static_cast<int>(StorageType::fp16)) {
-    mantissa_bits = 10;
-    min_exponent = -14;
-  }
-  const auto bits = static_cast<unsigned long long>(__double_as_longlong(value));
-  const int exponent = static_cast<int>((bits >> 52) & 0x7ff) - 1023;
-  return max(exponent, min_exponent) - mantissa_bits;
+__device__ __forceinline__ element_rule::Format format_of(int dtype) {
+  if (dtype == static_cast<int>(StorageType::bf16)) return element_rule::bf16_format();
+  if (dtype == static_cast<int>(StorageType::fp16)) return element_rule::fp16_format();
+  return element_rule::fp32_format();
 }
-__device__ double ulp_size(double value, int dtype) {
-  return __longlong_as_double(static_cast<long long>(spacing_exponent(value, dtype) + 1023) << 52);
+__device__ __forceinline__ double ulp_size(double value, int dtype) {
+  return element_rule::spacing(value, format_of(dtype));
 }
-// 1 / ulp_size(value): a power of two, so multiplying by it is the exact division.
-__device__ double ulp_size_inverse(double value, int dtype) {
-  return __longlong_as_double(static_cast<long long>(1023 - spacing_exponent(value, dtype)) << 52);
+__device__ __forceinline__ double ulp_size_inverse(double value, int dtype) {
+  return element_rule::inverse_spacing(value, format_of(dtype));
 }
 __device__ std::int64_t ordered_bits(double value, int dtype, double& rounded) {
   const float f = __double2float_rn(value);
@@ -702,25 +692,24 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4)
         if (!(in_spacings < 0.5)) {
           s.max_ulp = max(s.max_ulp, ulp_distance(got_local, local_expected, a.dtype));
         }
-        const double by_ulp =
-            a.max_ulp == 1 ? in_spacings : local_error / (a.max_ulp * ulp_size(local_expected, a.dtype));
+        const double by_ulp = a.max_ulp == 1
+                                  ? in_spacings
+                                  : element_rule::by_ulp(local_error, ulp_size(local_expected, a.dtype), a.max_ulp);
         // m = min(by_ulp, by_floor) <= by_ulp: when by_ulp is within 1 and below the worst so far, the
         // element neither mismatches nor becomes the worst, and by_floor is not needed.
         if (s.worst_column < 0 || !(by_ulp <= 1.0 && by_ulp < s.margin)) {
-          const double by_floor = margin_of(error, floor);
-          double m = by_floor < by_ulp ? by_floor : by_ulp;                        // std::min
-          if (!isfinite(expected) || isnan(m)) m = error == 0.0 ? 0.0 : INFINITY;  // exact_or_infinite()
+          const double m = element_rule::ulp_margin(by_ulp, margin_of(error, floor), error, expected);
           const bool mismatch = !(m <= 1.0);
           s.mismatches += mismatch;
           s.worst(v, m, expected, got, floor + a.rtol * fabs(expected));
         }
       } else {
         const double tol = floor + a.rtol * fabs(expected);
-        const bool mismatch = !(margin_of(error, tol) <= 1.0);
+        const double m = element_rule::tolerance_margin(error, floor, a.rtol, expected);
+        const bool mismatch = !(m <= 1.0);
         s.mismatches += mismatch;
-        if (s.worst_column < 0 || mismatch || !(error <= s.margin * tol * (1.0 - 1e-12))) {
-          s.worst(v, margin_of(error, tol), expected, got, tol);
-        }
+        if (s.worst_column < 0 || mismatch || !(error <= s.margin * tol * (1.0 - 1e-12)))
+          s.worst(v, m, expected, got, tol);
       }
     };
     auto visit = [&](int v, float xf, float yf, float gf) { visit_into(st, v, xf, yf, gf, row_sum, row_magnitude); };
