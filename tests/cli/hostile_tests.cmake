@@ -8,7 +8,7 @@ set(hostile_tests
   sweep_rank_overflow sweep_checked_first sweep_cap sweep_progress sweep_case_after_layouts sweep_alone sweep_memory
   threads_bound timeout_values bench_shape memory_estimate value_ranges
   utf8_case_path control_characters
-  kd_bug_on_cross_entropy unknown_command list_losses policy_export_inputs help_exit_codes gate_outside_root launcher_without_mpiexec)
+  kd_bug_on_cross_entropy seam_refusals unknown_command list_losses policy_export_inputs help_exit_codes gate_outside_root launcher_without_mpiexec)
 if(LOSSVERIFY_HAVE_MPI)
   list(APPEND hostile_tests launcher_threads_under_mpiexec mpi_fault_values utf8_case_path_mpi)
 endif()
