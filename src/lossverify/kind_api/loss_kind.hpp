@@ -206,7 +206,7 @@ struct KindRowPlan {
 class LossKind {
  public:
   virtual ~LossKind() = default;
-  // loss.kind in a case file, and its settings in a line for `lossverify list`.
+  // loss.kind in a case file, and what the kind is in a line for `lossverify list` (its settings come from settings()).
   virtual std::string_view name() const = 0;
   virtual std::string_view summary() const = 0;
 
