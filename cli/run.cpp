@@ -125,8 +125,7 @@ int run_cases(const RunArguments& args, Launcher& launcher) {
     for (const Case& c : cases) {  // every layout of every case is checked before the first runs
       Case swept = c;
       if (spec) swept.sweep = *spec;
-      if (!spec && swept.sweep.tp.empty() && swept.sweep.cp.empty() && swept.sweep.dp.empty() &&
-          swept.sweep.ga.empty()) {
+      if (!spec && swept.sweep.empty()) {
         throw CaseError(printable(c.source) +
                         ": --sweep without layouts uses the case's \"sweep\", and it has none "
                         "(give them: --sweep tp=1,2 cp=1,2)");

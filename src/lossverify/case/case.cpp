@@ -121,7 +121,8 @@ void parse_stage(ObjectReader r, Case& c) {
 void parse_shape(ObjectReader r, Case& c, bool has_batch) {
   c.shape.tokens = has_batch ? r.integer("tokens", 0) : r.integer("tokens");
   if (has_batch && c.shape.tokens == 0) c.shape.tokens = 1;  // checked against the sequences later
-  c.shape.vocab = r.integer("vocab");
+  const std::string axis(kind_of(c.loss).column_axis());
+  c.shape.vocab = r.integer(axis);
   if (c.shape.tokens < 1) r.fail("tokens", "must be >= 1, got " + std::to_string(c.shape.tokens));
   if (c.shape.vocab < 2) r.fail("vocab", "must be >= 2, got " + std::to_string(c.shape.vocab));
   if (c.shape.vocab > (std::int64_t{1} << 32)) r.fail("vocab", "must be <= 2^32");
@@ -256,6 +257,20 @@ void parse_sweep(ObjectReader r, Case& c) {
   c.sweep.cp = parse_int_list(r, "cp");
   c.sweep.dp = parse_int_list(r, "dp");
   c.sweep.ga = parse_int_list(r, "ga");
+  if (r.has("sp")) {
+    const json& list = r.raw("sp");
+    if (!list.is_array() || list.empty()) r.fail("sp", "expected a non-empty array of true/false");
+    for (const json& v : list) {
+      if (!v.is_boolean()) r.fail("sp", "expected a non-empty array of true/false");
+      c.sweep.sp.push_back(v.get<bool>() ? 1 : 0);
+    }
+    if (kind_of(c.loss).columns_split_by_tp() && std::count(c.sweep.sp.begin(), c.sweep.sp.end(), 1) > 0) {
+      r.fail("sp", "applies to a kind whose rows are whole on every rank; TP splits the columns of " +
+                       std::string(kind_of(c.loss).name()) + "'s rows");
+    }
+  } else {
+    r.allow("sp");
+  }
   r.reject_unknown_keys();
 }
 
@@ -472,12 +487,12 @@ Case parse_case(const json& document, const std::string& source) {
   }
   const bool has_batch = root.has("batch");
   const bool tokens_given = root.has("shape") && root.raw("shape").is_object() && root.raw("shape").contains("tokens");
-  parse_shape(root.object("shape"), c, has_batch);
   if (root.has("loss")) {
     parse_loss(root.object("loss"), c);
   } else {
     root.allow("loss");
   }
+  parse_shape(root.object("shape"), c, has_batch);  // after the loss: the kind names the columns
   if (root.has("stage")) {
     parse_stage(root.object("stage"), c);
   } else {
@@ -583,7 +598,9 @@ std::vector<LayoutSpec> sweep_layouts(const Case& c) {
   for (int dp : values(c.sweep.dp, c.layout.dp)) {
     for (int cp : values(c.sweep.cp, c.layout.cp)) {
       for (int ga : values(c.sweep.ga, c.layout.ga)) {
-        for (int tp : values(c.sweep.tp, c.layout.tp)) out.push_back(LayoutSpec{tp, cp, dp, ga, c.layout.sp});
+        for (int sp : values(c.sweep.sp, c.layout.sp ? 1 : 0)) {
+          for (int tp : values(c.sweep.tp, c.layout.tp)) out.push_back(LayoutSpec{tp, cp, dp, ga, sp == 1});
+        }
       }
     }
   }
@@ -599,10 +616,11 @@ SweepSpec parse_sweep_arguments(const std::vector<std::string>& arguments) {
                                : key == "cp" ? &sweep.cp
                                : key == "dp" ? &sweep.dp
                                : key == "ga" ? &sweep.ga
+                               : key == "sp" ? &sweep.sp
                                              : nullptr;
     if (eq == std::string::npos || target == nullptr) {
       throw CaseError("--sweep " + argument +
-                      ": expected tp=..., cp=..., dp=... or ga=... with comma-separated counts");
+                      ": expected tp=..., cp=..., dp=..., ga=... with comma-separated counts, or sp=0,1");
     }
     std::stringstream list(argument.substr(eq + 1));
     std::string item;
@@ -610,10 +628,12 @@ SweepSpec parse_sweep_arguments(const std::vector<std::string>& arguments) {
       try {
         std::size_t used = 0;
         const int v = std::stoi(item, &used);
-        if (used != item.size() || v < 1 || v > 4096) throw std::invalid_argument(item);
+        const int low = target == &sweep.sp ? 0 : 1, high = target == &sweep.sp ? 1 : 4096;
+        if (used != item.size() || v < low || v > high) throw std::invalid_argument(item);
         target->push_back(v);
       } catch (const std::exception&) {
-        throw CaseError("--sweep " + argument + ": \"" + item + "\" is not a count in [1, 4096]");
+        throw CaseError("--sweep " + argument + ": \"" + item + "\" is not " +
+                        (target == &sweep.sp ? "0 or 1" : "a count in [1, 4096]"));
       }
     }
     if (target->empty()) throw CaseError("--sweep " + argument + ": no values");
@@ -626,7 +646,7 @@ json Case::resolved() const {
   j["format"] = "lossverify.case/1";
   j["name"] = name;
   j["description"] = description;
-  j["shape"] = {{"tokens", shape.tokens}, {"vocab", shape.vocab}};
+  j["shape"] = {{"tokens", shape.tokens}, {std::string(kind_of(loss).column_axis()), shape.vocab}};
   json l = {{"kind", std::string(to_string(loss.kind))}, {"reduction", std::string(to_string(loss.reduction))}};
   resolve_settings(kind_of(loss).settings(), loss, l);
   kind_of(loss).resolve_extra(loss, l);
@@ -679,6 +699,10 @@ json Case::resolved() const {
     if (!sweep.cp.empty()) sw["cp"] = sweep.cp;
     if (!sweep.dp.empty()) sw["dp"] = sweep.dp;
     if (!sweep.ga.empty()) sw["ga"] = sweep.ga;
+    if (!sweep.sp.empty()) {
+      sw["sp"] = json::array();
+      for (int on : sweep.sp) sw["sp"].push_back(on == 1);
+    }
     j["sweep"] = sw;
   }
   json tol = json::object();

@@ -53,7 +53,7 @@ inline const LossKind& kind_of(const LossSpec& loss) { return *loss.kind; }
 
 struct ShapeSpec {
   std::int64_t tokens = 0;
-  std::int64_t vocab = 0;
+  std::int64_t vocab = 0;  // a row's columns; the case names them after the kind's axis (LossKind::column_axis)
 };
 inline constexpr std::int64_t kMaxTokens = std::int64_t{1} << 40;
 
@@ -134,7 +134,8 @@ struct FrameworkSpec {
 // Layouts the gate (and `run --sweep`) runs this case at, besides its own: the cartesian product.
 struct SweepSpec {
   std::vector<int> tp, cp, dp, ga;
-  bool empty() const { return tp.empty() && cp.empty() && dp.empty() && ga.empty(); }
+  std::vector<int> sp;  // 0 and/or 1: layout.sp off and on (a kind whose rows are whole only)
+  bool empty() const { return tp.empty() && cp.empty() && dp.empty() && ga.empty() && sp.empty(); }
 };
 
 // One tolerance: an element passes when |got - expected| <= atol * |token scale| + rtol * |expected|, or,

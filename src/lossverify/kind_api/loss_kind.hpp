@@ -237,6 +237,8 @@ class LossKind {
   // whose rows are whole on every rank (a router's experts), where TP replicates tokens or, under layout.sp,
   // splits them (case.hpp: tp_splits_columns).
   virtual bool columns_split_by_tp() const { return true; }
+  // The name of a row's columns in the case's "shape" ("vocab"; a router's "experts").
+  virtual std::string_view column_axis() const { return "vocab"; }
   // Per-token float inputs the kind reads besides the logits and labels (a policy loss's old and reference
   // log-probabilities and advantages), by their names in exports and dumps; empty: none. A token's values in
   // that order come from the inputs: generated, or a dump's own (ExplicitInputs::token_inputs); 0 on padding.

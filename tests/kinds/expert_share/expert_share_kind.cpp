@@ -186,6 +186,7 @@ class ExpertShareKind final : public LossKind {
   }
   KindInputs inputs() const override { return {false, false}; }
   bool columns_split_by_tp() const override { return false; }
+  std::string_view column_axis() const override { return "experts"; }
   void validate(const Case& c) const override {
     if (c.inputs.dtype != DType::fp32) detail::fail_at(c.source, "$.inputs.dtype", "this sketch reads fp32 only");
   }

@@ -1,7 +1,7 @@
 #pragma once
 // A sketch of a kind whose rows are whole on every rank and whose loss needs a collective over a scope before any
 // gradient, as a router's load-balancing loss does (../shared/MOE.md), kept to the least that exercises the seam:
-// rows of E columns ("experts", the case's shape.vocab), p_t = softmax(x_t), and per scope s (one DP rank's
+// rows of E columns (the case's shape.experts), p_t = softmax(x_t), and per scope s (one DP rank's
 // micro-batch: its tokens over CP, and over TP under layout.sp) the mean P_s = (1 / n_s) sum_t p_t; the loss
 // L = (1 / S) sum_s E sum_e P_s,e^2 over the S scopes holding a valid token, each token's l_t = E <p_t, P_s> with
 // weight 1 / (S n_s). TP splits no columns here: it replicates tokens, or splits them under layout.sp. Everything it

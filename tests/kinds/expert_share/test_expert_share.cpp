@@ -28,7 +28,7 @@ struct Layout {
 
 nlohmann::json expert_share_case(const Layout& l) {
   return {{"name", "expert-share"},
-          {"shape", {{"vocab", 6}}},  // E = 6 experts, fewer than some TP degrees below
+          {"shape", {{"experts", 6}}},  // E = 6, fewer than some TP degrees below
           {"loss", {{"kind", testing::kExpertShare}}},
           {"inputs", {{"seed", 11}, {"scale", 2.0}, {"ignore_fraction", 0.2}}},
           {"batch", {{"sequence_lengths", {9, 5, 7, 12, 3, 8}}}},
@@ -84,6 +84,10 @@ TEST_CASE("layout.sp is defined once: read for a kind with whole rows, refused f
   const Case c = testing::make_case(expert_share_case({8, 1, 1, 1, true}));  // tp 8 > E 6: no column to split
   CHECK(c.layout.sp);
   CHECK(c.resolved()["layout"]["sp"] == true);
+  CHECK(c.resolved()["shape"]["experts"] == 6);  // the kind names its columns
+  nlohmann::json vocab = expert_share_case({1, 1, 1, 1, false});
+  vocab["shape"] = {{"vocab", 6}};
+  CHECK_THROWS_WITH_AS(testing::make_case(vocab), doctest::Contains("experts"), CaseError);
   CHECK_FALSE(tp_splits_columns(c));
   CHECK(token_replicas(c) == 1);
   CHECK(token_replicas(testing::make_case(expert_share_case({4, 1, 1, 1, false}))) == 4);
@@ -167,7 +171,7 @@ TEST_CASE("the gate runs the sketch over a sweep with sequence parallelism and h
   std::filesystem::create_directories(dir / "cases");
   std::filesystem::create_directories(dir / "golden");
   nlohmann::json doc = expert_share_case({2, 1, 1, 1, true});
-  doc["sweep"] = {{"tp", {1, 2, 4}}, {"cp", {1, 2}}};
+  doc["sweep"] = {{"tp", {1, 2, 4}}, {"cp", {1, 2}}, {"sp", {false, true}}};
   std::ofstream(dir / "cases" / "expert-share.json") << doc.dump(2);
   GateOptions options;
   options.cases_dir = (dir / "cases").string();
@@ -185,6 +189,8 @@ TEST_CASE("the gate runs the sketch over a sweep with sequence parallelism and h
   CHECK(again.mismatches == 0);
   CHECK(again.false_alarms == 0);
   CHECK(again.bugs_caught == 1);
+  REQUIRE(again.sweeps.size() == 1);
+  CHECK(sweep_layouts(testing::make_case(doc)).size() == 12);  // tp x cp x sp
   std::filesystem::remove_all(dir);
 }
 
