@@ -1,0 +1,117 @@
+// The router kind on the CPU backend, one micro-batch (one scope's share) of one rank, in float32 as a trainer
+// computes it: scores, the top-k map, the scope's counts and valid tokens all-reduced over the sequence partition
+// (CP, and TP under sequence parallelism) before any gradient, then each token's
+//   l_t = alpha E / (k T^2) <c, s_t> + alpha_z / T lse(z_t)^2
+// and its gradient, scaled by the row's backward weight. The catalogued bugs are switches of router_bug.
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <span>
+#include <vector>
+
+#include "lossverify/case/case.hpp"
+#include "lossverify/comm/progress_beacon.hpp"
+#include "lossverify/comm/rank_groups.hpp"
+#include "lossverify/core/dtype.hpp"
+#include "lossverify/impl/catalogue.hpp"
+#include "lossverify/impl/rank_plan.hpp"
+#include "lossverify/kinds/router/router_options.hpp"
+#include "lossverify/kinds/router/router_parts.hpp"
+
+namespace lossverify {
+
+namespace {
+
+struct Row {
+  std::vector<float> z, s;  // logits and scores
+  float lse = 0.0f;
+};
+
+// Scores in float32: softmax, or sigmoid normalised over the experts.
+void score_row(RouterOptions::Score score, Row& r) {
+  const float max = *std::max_element(r.z.begin(), r.z.end());
+  float sum = 0.0f;
+  for (float v : r.z) sum += std::exp(v - max);
+  r.lse = max + std::log(sum);
+  if (score == RouterOptions::Score::softmax) {
+    for (std::size_t e = 0; e < r.z.size(); ++e) r.s[e] = std::exp(r.z[e] - r.lse);
+    return;
+  }
+  float total = 0.0f;
+  for (std::size_t e = 0; e < r.z.size(); ++e) total += (r.s[e] = 1.0f / (1.0f + std::exp(-r.z[e])));
+  for (float& v : r.s) v /= total;
+}
+
+template <class T>
+void run(const CpuMicroBatch& mb) {
+  const RouterOptions& o = router_options(mb.c.loss);
+  const std::uint64_t bugs = mb.bugs.kind_switches;
+  const std::int64_t experts = mb.work.size();
+  const auto width = static_cast<std::size_t>(experts);
+  const T* x = reinterpret_cast<const T*>(mb.logits) + mb.begin * experts;
+  T* g = reinterpret_cast<T*>(mb.grad) + mb.begin * experts;
+  const auto n = static_cast<std::size_t>(mb.n);
+  auto plan = [&](std::size_t i) -> const RowPlan& { return mb.plan.row(mb.begin + static_cast<std::int64_t>(i)); };
+  // moe-aux-padding-counted: every row of the rank counts in T and in the scores, padding included.
+  auto counted = [&](std::size_t i) { return (bugs & router_bug::padding_counted) != 0 || plan(i).active; };
+  std::vector<Row> rows(n);
+  std::vector<float> scope(width + 1, 0.0f);  // counts c_e, then T
+  for (std::size_t i = 0; i < n; ++i) {
+    beat_row(mb.beacon, static_cast<std::int64_t>(i));
+    if (!counted(i)) continue;
+    Row& r = rows[i];
+    r.z.resize(width);
+    r.s.resize(width);
+    for (std::size_t e = 0; e < width; ++e) r.z[e] = static_cast<float>(x[i * width + e]);
+    score_row(o.score, r);
+    std::vector<int> order(width);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int a, int b) { return r.s[static_cast<std::size_t>(a)] > r.s[static_cast<std::size_t>(b)]; });
+    for (int j = 0; j < o.top_k; ++j) scope[static_cast<std::size_t>(order[static_cast<std::size_t>(j)])] += 1.0f;
+    scope[width] += 1.0f;
+  }
+  if ((bugs & router_bug::local_counts) == 0) {  // the scope spans the sequence partition
+    mb.groups.cp.allreduce_sum(std::span<float>(scope));
+    if (mb.c.layout.sp) mb.groups.tp.allreduce_sum(std::span<float>(scope));
+  }
+  const float tokens = std::fmax(scope[width], 1.0f);
+  const float k_div =
+      (bugs & router_bug::topk_squared) != 0 ? static_cast<float>(o.top_k * o.top_k) : static_cast<float>(o.top_k);
+  const float aux_scale = static_cast<float>(o.aux_coef) * static_cast<float>(experts) / (k_div * tokens * tokens);
+  const float z_weight = static_cast<float>(o.z_loss_coef) / tokens;
+  float aux_factor = 1.0f, factor = 1.0f;
+  if ((bugs & router_bug::tp_sum) != 0 && mb.c.layout.sp) aux_factor = static_cast<float>(mb.c.layout.tp);
+  if ((bugs & router_bug::cp_missing) != 0) factor = 1.0f / static_cast<float>(mb.c.layout.cp);
+  for (std::size_t i = 0; i < n; ++i) {
+    if (!plan(i).active) continue;
+    const Row& r = rows[i];
+    float dot = 0.0f;
+    for (std::size_t e = 0; e < width; ++e) dot += scope[e] * r.s[e];
+    mb.token_loss[static_cast<std::size_t>(mb.begin) + i] = aux_scale * dot + z_weight * r.lse * r.lse;
+    const float w = plan(i).backward_weight * factor;
+    for (std::size_t e = 0; e < width; ++e) {
+      const float slope = o.score == RouterOptions::Score::softmax ? 1.0f : 1.0f - 1.0f / (1.0f + std::exp(-r.z[e]));
+      const float aux = aux_scale * r.s[e] * slope * (scope[e] - dot);
+      const float z = 2.0f * z_weight * r.lse * std::exp(r.z[e] - r.lse);
+      g[i * width + e] = T(w * (aux_factor * aux + z));
+    }
+  }
+}
+
+}  // namespace
+
+void router_cpu_micro_batch(const CpuMicroBatch& batch) {
+  dispatch_dtype(batch.dtype, [&](auto type) { run<typename decltype(type)::type>(batch); });
+}
+
+// Each valid row's weight in L: the step's mean over its DP x GA micro-batches of their scopes' losses.
+KindRowPlan plan_router_rows(const RowPlanRequest& r) {
+  KindRowPlan plan;
+  const double weight = 1.0 / (static_cast<double>(r.c.layout.dp) * static_cast<double>(r.c.layout.ga));
+  plan.weights = std::vector<double>(r.valid.size(), 0.0);
+  for (std::size_t i = 0; i < r.valid.size(); ++i) (*plan.weights)[i] = r.valid[i] ? weight : 0.0;
+  return plan;
+}
+
+}  // namespace lossverify

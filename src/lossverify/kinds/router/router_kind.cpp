@@ -1,0 +1,109 @@
+// The router kind (../shared/MOE.md): a mixture-of-experts router's load-balancing loss (the Switch form over a
+// micro-batch's scope) and z-loss, on router logits whose E columns are whole on every rank. Not in the registry
+// yet (router_parts.hpp): its sequence and global aux losses, layers, the per-token scaling mode, the tie bound,
+// CUDA, plugins, dumps and the Python package come with it.
+#include <array>
+
+#include "lossverify/case/case.hpp"
+#include "lossverify/case/json_reader.hpp"
+#include "lossverify/case/kind_settings.hpp"
+#include "lossverify/impl/catalogue.hpp"
+#include "lossverify/kinds/router/router_options.hpp"
+#include "lossverify/kinds/router/router_parts.hpp"
+
+namespace lossverify {
+
+namespace {
+
+using nlohmann::json;
+using Score = RouterOptions::Score;
+
+Implementation router_bug_entry(const char* name, const char* summary, const char* source, const char* signal,
+                                std::vector<std::string> caught_by, std::uint64_t bit) {
+  return catalogued_bug(name, summary, source, signal, std::move(caught_by), Applies::kind("router"),
+                        switches_with([bit](BugSwitches& b) { b.kind_switches = bit; }));
+}
+
+class RouterKind final : public LossKind {
+ public:
+  std::string_view name() const override { return "router"; }
+  std::string_view summary() const override {
+    return "a mixture-of-experts router's load-balancing loss (Switch form, per micro-batch) and z-loss";
+  }
+  const SettingTable& settings() const override {
+    using O = RouterOptions;
+    static const SettingTable table = [] {
+      Setting top_k;
+      top_k.key = "top_k";
+      top_k.type = Setting::Type::integer;
+      top_k.fallback = 2;
+      top_k.get = [](const LossSpec& l) { return json(router_options(l).top_k); };
+      top_k.set = [](LossSpec& l, const json& v) {
+        edit_options<O>(l).top_k = static_cast<int>(v.get<std::int64_t>());
+      };
+      return SettingTable{
+          top_k.range(1, 1024).described("k: the experts each token is routed to"),
+          choice_setting("score", &O::score, std::array{Score::softmax, Score::sigmoid}, Score::softmax)
+              .described("softmax p_t, or sigmoid normalised over the experts q_t, for the aux loss"),
+          number_setting("aux_coef", &O::aux_coef, 0.01).range(0.0, 10.0).described("alpha of the aux loss"),
+          number_setting("z_loss_coef", &O::z_loss_coef, 0.0)
+              .range(0.0, 10.0)
+              .described("alpha_z of the router z-loss")
+              .shrinks_as("no z-loss"),
+      };
+    }();
+    return table;
+  }
+  void validate(const Case& c) const override {
+    if (router_options(c.loss).top_k > c.shape.vocab) {
+      detail::fail_at(
+          c.source, "$.loss.top_k",
+          std::to_string(router_options(c.loss).top_k) + " exceeds the experts, " + std::to_string(c.shape.vocab));
+    }
+  }
+  KindInputs inputs() const override { return {false, false}; }
+  bool columns_split_by_tp() const override { return false; }
+  std::string_view column_axis() const override { return "experts"; }
+  std::string dump_gap() const override { return "the router kind's scopes (not yet)"; }
+  bool logs_loss_in_input_dtype() const override { return false; }
+  KindRowPlan plan_rows(const RowPlanRequest& request) const override { return plan_router_rows(request); }
+  std::string row_sum_rule() const override { return "none: the router's row sums depend on its scope"; }
+  std::string row_sum_exemption(const LossSpec&) const override {
+    return "the router's row sums depend on its scope's counts: not checked";
+  }
+  std::vector<Implementation> catalogue() const override {
+    return {
+        router_bug_entry("moe-aux-local-counts",
+                         "counts and T from the rank's own tokens, not all-reduced over the "
+                         "sequence partition",
+                         "Megatron-LM dc41f8908a", "loss and grad depend on SP and CP", {"loss", "grad"},
+                         router_bug::local_counts),
+        router_bug_entry("moe-aux-topk-squared", "the aux loss divided by k^2 instead of k",
+                         "Megatron-LM dc41f8908a, fixed in 5c8eb08f66", "loss and grad = reference / k",
+                         {"loss", "grad"}, router_bug::topk_squared),
+        router_bug_entry("moe-aux-tp-sum",
+                         "under SP the aux loss on logits all-gathered over TP: the gather's "
+                         "backward sums TP identical aux gradients",
+                         "Megatron-LM cac8d1a3f0", "router grad x TP at tp > 1 with sp", {"grad"}, router_bug::tp_sum),
+        router_bug_entry("moe-aux-cp-missing", "the injected aux gradient lacks the CP factor the main loss has",
+                         "Megatron-LM f6e0d425a5 (#2237)", "grad / CP at cp > 1", {"grad"}, router_bug::cp_missing),
+        router_bug_entry("moe-aux-padding-counted", "padding tokens counted in T and in the scores' sums",
+                         "Megatron-LM #2142, #3096; transformers #28517, #29363",
+                         "loss and grad wherever a scope holds padding", {"loss", "grad"}, router_bug::padding_counted),
+    };
+  }
+  std::unique_ptr<KindReference> reference(const Case& c, const InputSource& inputs) const override {
+    return make_router_reference(c, inputs);
+  }
+  void cpu_micro_batch(const CpuMicroBatch& batch) const override { router_cpu_micro_batch(batch); }
+};
+
+}  // namespace
+
+const RouterOptions& router_options(const LossSpec& loss) { return options_of<RouterOptions>(loss); }
+
+std::string_view to_string(RouterOptions::Score s) { return s == Score::sigmoid ? "sigmoid" : "softmax"; }
+
+std::unique_ptr<LossKind> make_router_kind() { return std::make_unique<RouterKind>(); }
+
+}  // namespace lossverify

@@ -1,0 +1,22 @@
+#pragma once
+// The router kind's settings (../shared/MOE.md §1): E experts (the case's shape.experts), top-k routing on softmax or
+// normalised-sigmoid scores, the Switch-form load-balancing loss over a micro-batch's scope, and the router z-loss.
+// Declared once, in the kind's table (router_kind.cpp).
+#include <string_view>
+
+#include "lossverify/case/case.hpp"
+
+namespace lossverify {
+
+struct RouterOptions final : KindOptions {
+  enum class Score { softmax, sigmoid };
+  int top_k = 2;
+  Score score = Score::softmax;
+  double aux_coef = 0.01;    // alpha
+  double z_loss_coef = 0.0;  // alpha_z
+};
+
+const RouterOptions& router_options(const LossSpec& loss);
+std::string_view to_string(RouterOptions::Score);
+
+}  // namespace lossverify

@@ -1,0 +1,119 @@
+// The router kind's float64 reference (../shared/MOE.md §1), from the definitions and the layout alone: every scope
+// (one DP rank's micro-batch: its tokens over CP, and over TP under sequence parallelism) routed from its own copy of
+// the logits, its counts c_e and valid tokens T; each token's l_t = alpha E / (k T^2) <c, s_t> + alpha_z / T lse(z_t)^2
+// with weight 1 / (DP GA), so that L = sum_t w_t l_t is the step's mean over micro-batches of the scopes' losses.
+#include <cmath>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "lossverify/case/case.hpp"
+#include "lossverify/core/errors.hpp"
+#include "lossverify/inputs/input_source.hpp"
+#include "lossverify/kinds/router/router_definitions.hpp"
+#include "lossverify/kinds/router/router_options.hpp"
+#include "lossverify/kinds/router/router_parts.hpp"
+#include "lossverify/layout/rank_layout.hpp"
+#include "lossverify/reference/compensated_sum.hpp"
+#include "lossverify/reference/row_sums.hpp"
+
+namespace lossverify {
+
+namespace {
+
+router::Score score_of(const RouterOptions& o) {
+  return o.score == RouterOptions::Score::softmax ? router::Score::softmax : router::Score::sigmoid;
+}
+
+class RouterReference final : public KindReference {
+ public:
+  RouterReference(const Case& c, const InputSource& inputs)
+      : options_(router_options(c.loss)),
+        experts_(c.shape.vocab),
+        weight_(1.0 / (static_cast<double>(c.layout.dp) * static_cast<double>(c.layout.ga))) {
+    std::vector<double> z(static_cast<std::size_t>(experts_)), s(z.size());
+    std::vector<float> raw(z.size());
+    for (int dp = 0; dp < c.layout.dp; ++dp) {
+      for (int k = 0; k < c.layout.ga; ++k) {
+        router::ScopeSums sums(z.size());
+        for (const std::int64_t q : sequences_of_slot(inputs.batch(), c.batch, c.layout, dp, k)) {
+          const Sequence& seq = inputs.batch().sequences()[static_cast<std::size_t>(q)];
+          for (std::int64_t t = seq.begin; t < seq.begin + seq.length; ++t) {
+            if (!inputs.is_valid(t)) continue;
+            inputs.logits(t, 0, experts_, raw.data());
+            for (std::size_t e = 0; e < z.size(); ++e) z[e] = raw[e];
+            router::scores(score_of(options_), z, s);
+            const router::TopK routed = router::top_k(s, options_.top_k);
+            // A float32 router may route a token whose k-th and (k+1)-th scores lie within its rounding either way
+            // (MOE.md §3); the bound that admits both is not written yet, so such inputs are refused.
+            if (routed.margin <= 1e-6 * s[static_cast<std::size_t>(routed.experts.back())]) {
+              throw CaseError(c.source + ": token " + std::to_string(t) + "'s " + std::to_string(options_.top_k) +
+                              "-th and next router scores tie within float32 rounding (MOE.md §3)");
+            }
+            sums.add(s, routed);
+            scope_of_[t] = scopes_.size();
+          }
+        }
+        scopes_.push_back(std::move(sums));
+      }
+    }
+  }
+
+  RowPartial partial(std::int64_t, std::int64_t, std::span<const double> logits,
+                     std::span<const double>) const override {
+    RowPartial p;
+    p.max = row_sums::scaled_max(logits, 1.0);
+    std::tie(p.sum_exp, p.sum_exp_error) = row_sums::sum_exp(logits, 1.0, p.max);
+    return p;
+  }
+  RowStats stats(const RowPartial& total) const override {
+    CompensatedSum s;
+    s.add(total.sum_exp);
+    s.add(total.sum_exp_error);
+    return RowStats{total.max + std::log(s.value()), 0.0, 0.0};
+  }
+  // <c, s_t> over the whole row (rows are whole on every rank: one slice).
+  bool needs_value_pass() const override { return true; }
+  std::pair<double, double> value_partial(std::int64_t token, const RowStats&, std::span<const double> logits,
+                                          std::span<const double>) const override {
+    const router::ScopeSums& scope = scope_of(token);
+    std::vector<double> s(logits.size());
+    router::scores(score_of(options_), logits, s);
+    CompensatedSum dot;
+    for (std::size_t e = 0; e < s.size(); ++e) dot.add(scope.counts[e] * s[e]);
+    return {dot.value(), 0.0};
+  }
+  double token_loss(std::int64_t token, const RowStats& st) const override {
+    const router::ScopeSums& scope = scope_of(token);
+    return router::aux_scale(scope, options_.aux_coef, options_.top_k) * st.value +
+           options_.z_loss_coef / scope.tokens * st.lse * st.lse;
+  }
+  std::optional<double> token_weight(std::int64_t) const override { return weight_; }
+  void gradient(std::int64_t token, const RowStats&, double weight, std::int64_t, std::span<const double> logits,
+                std::span<const double>, std::span<double> grad) const override {
+    const router::ScopeSums& scope = scope_of(token);
+    std::vector<double> aux(logits.size()), z(logits.size());
+    router::aux_gradient(score_of(options_), logits, scope.counts,
+                         router::aux_scale(scope, options_.aux_coef, options_.top_k), aux);
+    router::z_loss_gradient(logits, options_.z_loss_coef / scope.tokens, z);
+    for (std::size_t e = 0; e < grad.size(); ++e) grad[e] = weight * (aux[e] + z[e]);
+  }
+  std::optional<double> gradient_row_sum(const RowStats&, double) const override { return std::nullopt; }
+
+ private:
+  const router::ScopeSums& scope_of(std::int64_t token) const { return scopes_[scope_of_.at(token)]; }
+
+  const RouterOptions options_;
+  std::int64_t experts_;
+  double weight_;
+  std::vector<router::ScopeSums> scopes_;
+  std::map<std::int64_t, std::size_t> scope_of_;
+};
+
+}  // namespace
+
+std::unique_ptr<KindReference> make_router_reference(const Case& c, const InputSource& inputs) {
+  return std::make_unique<RouterReference>(c, inputs);
+}
+
+}  // namespace lossverify
