@@ -60,47 +60,67 @@ const CheckResult& check_named(const RunResult& r, const std::string& name) {
 
 using LD = long double;
 
-// The step's loss from the definition in long double: the mean over DP x GA micro-batches of each scope's
-// alpha E / (k T^2) sum_e c_e sum_t p_te + alpha_z / T sum_t lse_t^2, every count computed here (top-k of the
-// softmax) and held constant; token `bumped`'s logit `e` moved by h.
-LD step_loss(const Case& c, const InputSource& inputs, double coef, double z_coef, int k, std::int64_t bumped,
+// The step's loss from the definition in long double: the mean over DP x GA micro-batches of each micro-batch's
+// alpha E / (k T^2) sum_e c_e sum_t p_te + alpha_z / T sum_t lse_t^2, plus the mean over its sequences holding a
+// valid token of alpha_s E / (k T_s^2) sum_e c_se sum_{t in s} p_te, every count computed here (top-k of the
+// softmax) at the unmoved logits and held constant; token `bumped`'s logit `e` moved by h.
+struct Coefficients {
+  LD aux, seq_aux, z;
+};
+LD step_loss(const Case& c, const InputSource& inputs, const Coefficients& a, int k, std::int64_t bumped,
              std::int64_t e_bumped, LD h) {
   const auto experts = static_cast<std::size_t>(c.shape.vocab);
+  struct Sums {
+    std::vector<LD> counts, p;
+    LD tokens = 0.0L;
+  };
+  auto fresh = [&] { return Sums{std::vector<LD>(experts, 0.0L), std::vector<LD>(experts, 0.0L), 0.0L}; };
+  auto aux = [&](const Sums& x, LD coef) {
+    LD dot = 0.0L;
+    for (std::size_t e = 0; e < experts; ++e) dot += x.counts[e] * x.p[e];
+    return coef * static_cast<LD>(experts) / (k * x.tokens * x.tokens) * dot;
+  };
   LD total = 0.0L;
   for (int dp = 0; dp < c.layout.dp; ++dp) {
     for (int m = 0; m < c.layout.ga; ++m) {
-      std::vector<LD> counts(experts, 0.0L), sums(experts, 0.0L);
-      LD tokens = 0.0L, z_sum = 0.0L;
-      for (int pass = 0; pass < 2; ++pass) {  // pass 0: the counts at the unmoved logits; pass 1: the sums
-        for (const std::int64_t q : sequences_of_slot(inputs.batch(), c.batch, c.layout, dp, m)) {
-          const Sequence& seq = inputs.batch().sequences()[static_cast<std::size_t>(q)];
-          for (std::int64_t t = seq.begin; t < seq.begin + seq.length; ++t) {
-            if (!inputs.is_valid(t)) continue;
-            std::vector<float> raw(experts);
-            inputs.logits(t, 0, c.shape.vocab, raw.data());
-            std::vector<LD> z(raw.begin(), raw.end());
-            if (pass == 1 && t == bumped) z[static_cast<std::size_t>(e_bumped)] += h;
+      Sums batch = fresh();
+      std::vector<Sums> sequences;
+      LD z_sum = 0.0L;
+      for (const std::int64_t q : sequences_of_slot(inputs.batch(), c.batch, c.layout, dp, m)) {
+        const Sequence& seq = inputs.batch().sequences()[static_cast<std::size_t>(q)];
+        Sums own = fresh();
+        for (std::int64_t t = seq.begin; t < seq.begin + seq.length; ++t) {
+          if (!inputs.is_valid(t)) continue;
+          std::vector<float> raw(experts);
+          inputs.logits(t, 0, c.shape.vocab, raw.data());
+          std::vector<LD> z(raw.begin(), raw.end());
+          auto softmax = [&](const std::vector<LD>& x) {
             LD s = 0.0L;
-            for (LD v : z) s += std::exp(v);
+            for (LD v : x) s += std::exp(v);
             std::vector<LD> p(experts);
-            for (std::size_t e = 0; e < experts; ++e) p[e] = std::exp(z[e]) / s;
-            if (pass == 0) {
-              std::vector<std::size_t> order(experts);
-              std::iota(order.begin(), order.end(), 0);
-              std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return p[a] > p[b]; });
-              for (int j = 0; j < k; ++j) counts[order[static_cast<std::size_t>(j)]] += 1.0L;
-              tokens += 1.0L;
-            } else {
-              for (std::size_t e = 0; e < experts; ++e) sums[e] += p[e];
-              z_sum += std::log(s) * std::log(s);
-            }
+            for (std::size_t e = 0; e < experts; ++e) p[e] = std::exp(x[e]) / s;
+            return std::make_pair(p, std::log(s));
+          };
+          const std::vector<LD> routed = softmax(z).first;  // the counts: at the unmoved logits
+          std::vector<std::size_t> order(experts);
+          std::iota(order.begin(), order.end(), 0);
+          std::stable_sort(order.begin(), order.end(),
+                           [&](std::size_t x, std::size_t y) { return routed[x] > routed[y]; });
+          if (t == bumped) z[static_cast<std::size_t>(e_bumped)] += h;
+          const auto [p, lse] = softmax(z);
+          for (Sums* x : {&batch, &own}) {
+            for (int j = 0; j < k; ++j) x->counts[order[static_cast<std::size_t>(j)]] += 1.0L;
+            for (std::size_t e = 0; e < experts; ++e) x->p[e] += p[e];
+            x->tokens += 1.0L;
           }
+          z_sum += lse * lse;
         }
+        if (own.tokens > 0.0L) sequences.push_back(own);
       }
-      if (tokens == 0.0L) continue;
-      LD dot = 0.0L;
-      for (std::size_t e = 0; e < experts; ++e) dot += counts[e] * sums[e];
-      total += coef * static_cast<LD>(experts) / (k * tokens * tokens) * dot + z_coef / tokens * z_sum;
+      if (batch.tokens == 0.0L) continue;
+      LD sequence_mean = 0.0L;
+      for (const Sums& x : sequences) sequence_mean += aux(x, a.seq_aux) / static_cast<LD>(sequences.size());
+      total += aux(batch, a.aux) + sequence_mean + a.z / batch.tokens * z_sum;
     }
   }
   return total / (c.layout.dp * c.layout.ga);
@@ -120,7 +140,9 @@ TEST_CASE("router: the case names experts, reads its settings from the table and
 
 TEST_CASE("router: the reference is the step's loss from the definition, and its gradient the finite differences") {
   register_router();
-  const Case c = testing::make_case(router_case({1, 1, 2, 2, false}, {{"z_loss_coef", 0.002}}));
+  const Case c =
+      testing::make_case(router_case({1, 1, 2, 2, false}, {{"z_loss_coef", 0.002}, {"seq_aux_coef", 0.003}}));
+  const Coefficients a{0.01L, 0.003L, 0.002L};
   const InputSource inputs(c);
   const LossReference reference(c, inputs);
   const auto experts = static_cast<std::size_t>(c.shape.vocab);
@@ -137,15 +159,15 @@ TEST_CASE("router: the reference is the step's loss from the definition, and its
     if (t % 7 != 0) continue;
     for (std::size_t e = 0; e < experts; ++e) {
       const LD h = 1e-6L;
-      const LD slope = (step_loss(c, inputs, 0.01, 0.002, 2, t, static_cast<std::int64_t>(e), h) -
-                        step_loss(c, inputs, 0.01, 0.002, 2, t, static_cast<std::int64_t>(e), -h)) /
+      const LD slope = (step_loss(c, inputs, a, 2, t, static_cast<std::int64_t>(e), h) -
+                        step_loss(c, inputs, a, 2, t, static_cast<std::int64_t>(e), -h)) /
                        (2 * h);
       CHECK(grad[e] == doctest::Approx(static_cast<double>(slope)).epsilon(1e-6));
     }
     ++checked;
   }
   CHECK(static_cast<double>(logged) ==
-        doctest::Approx(static_cast<double>(step_loss(c, inputs, 0.01, 0.002, 2, -1, 0, 0.0L))).epsilon(1e-13));
+        doctest::Approx(static_cast<double>(step_loss(c, inputs, a, 2, -1, 0, 0.0L))).epsilon(1e-13));
   CHECK(checked >= 4);
 }
 
@@ -164,8 +186,9 @@ TEST_CASE("router: the correct implementation passes with TP replicating tokens,
       CAPTURE(l.ga);
       CAPTURE(l.sp);
       CAPTURE(score);
-      const RunResult r =
-          testing::run_with(testing::make_case(router_case(l, {{"score", score}, {"z_loss_coef", 0.001}})), "correct");
+      const RunResult r = testing::run_with(
+          testing::make_case(router_case(l, {{"score", score}, {"z_loss_coef", 0.001}, {"seq_aux_coef", 0.004}})),
+          "correct");
       CHECK(r.verdict == Verdict::pass);
       CHECK(check_named(r, "loss").verdict == Verdict::pass);
       CHECK(check_named(r, "grad").verdict == Verdict::pass);

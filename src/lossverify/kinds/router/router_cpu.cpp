@@ -17,6 +17,8 @@
 #include "lossverify/impl/rank_plan.hpp"
 #include "lossverify/kinds/router/router_options.hpp"
 #include "lossverify/kinds/router/router_parts.hpp"
+#include "lossverify/layout/global_batch.hpp"
+#include "lossverify/layout/rank_layout.hpp"
 
 namespace lossverify {
 
@@ -56,6 +58,16 @@ void run(const CpuMicroBatch& mb) {
   auto counted = [&](std::size_t i) { return (bugs & router_bug::padding_counted) != 0 || plan(i).active; };
   std::vector<Row> rows(n);
   std::vector<float> scope(width + 1, 0.0f);  // counts c_e, then T
+  // The sequence aux loss's scopes: the micro-batch's sequences, in the layout's order, each [c_e..., T_s].
+  const auto& begins = mb.assignment.micro_batch_begin;
+  const auto k = static_cast<int>(std::find(begins.begin(), begins.end(), mb.begin) - begins.begin());
+  const std::vector<std::int64_t> sequences =
+      sequences_of_slot(GlobalBatch(mb.c.batch), mb.c.batch, mb.c.layout, mb.assignment.coordinates.dp, k);
+  std::vector<float> per_sequence(sequences.size() * (width + 1), 0.0f);
+  auto sequence_slot = [&](std::size_t i) {
+    const std::int64_t q = mb.assignment.rows[static_cast<std::size_t>(mb.begin) + i].sequence;
+    return static_cast<std::size_t>(std::find(sequences.begin(), sequences.end(), q) - sequences.begin());
+  };
   for (std::size_t i = 0; i < n; ++i) {
     beat_row(mb.beacon, static_cast<std::int64_t>(i));
     if (!counted(i)) continue;
@@ -68,13 +80,23 @@ void run(const CpuMicroBatch& mb) {
     std::iota(order.begin(), order.end(), 0);
     std::stable_sort(order.begin(), order.end(),
                      [&](int a, int b) { return r.s[static_cast<std::size_t>(a)] > r.s[static_cast<std::size_t>(b)]; });
-    for (int j = 0; j < o.top_k; ++j) scope[static_cast<std::size_t>(order[static_cast<std::size_t>(j)])] += 1.0f;
+    float* own = &per_sequence[sequence_slot(i) * (width + 1)];
+    for (int j = 0; j < o.top_k; ++j) {
+      const auto e = static_cast<std::size_t>(order[static_cast<std::size_t>(j)]);
+      scope[e] += 1.0f;
+      own[e] += 1.0f;
+    }
     scope[width] += 1.0f;
+    own[width] += 1.0f;
   }
-  if ((bugs & router_bug::local_counts) == 0) {  // the scope spans the sequence partition
-    mb.groups.cp.allreduce_sum(std::span<float>(scope));
-    if (mb.c.layout.sp) mb.groups.tp.allreduce_sum(std::span<float>(scope));
+  if ((bugs & router_bug::local_counts) == 0) {  // the scopes span the sequence partition
+    for (std::vector<float>* sums : {&scope, &per_sequence}) {
+      mb.groups.cp.allreduce_sum(std::span<float>(*sums));
+      if (mb.c.layout.sp) mb.groups.tp.allreduce_sum(std::span<float>(*sums));
+    }
   }
+  float held = 0.0f;  // the micro-batch's sequences that hold a valid token
+  for (std::size_t j = 0; j < sequences.size(); ++j) held += per_sequence[j * (width + 1) + width] > 0.0f ? 1.0f : 0.0f;
   const float tokens = std::fmax(scope[width], 1.0f);
   const float k_div =
       (bugs & router_bug::topk_squared) != 0 ? static_cast<float>(o.top_k * o.top_k) : static_cast<float>(o.top_k);
@@ -83,16 +105,24 @@ void run(const CpuMicroBatch& mb) {
   float aux_factor = 1.0f, factor = 1.0f;
   if ((bugs & router_bug::tp_sum) != 0 && mb.c.layout.sp) aux_factor = static_cast<float>(mb.c.layout.tp);
   if ((bugs & router_bug::cp_missing) != 0) factor = 1.0f / static_cast<float>(mb.c.layout.cp);
+  std::vector<float> weights(width);  // a c_e + a_s c_s,e / S: the aux terms' weights of the row's experts
   for (std::size_t i = 0; i < n; ++i) {
     if (!plan(i).active) continue;
     const Row& r = rows[i];
+    const float* own = &per_sequence[sequence_slot(i) * (width + 1)];
+    const float sequence_tokens = std::fmax(own[width], 1.0f);
+    const float sequence_scale = static_cast<float>(o.seq_aux_coef) * static_cast<float>(experts) /
+                                 (k_div * sequence_tokens * sequence_tokens * std::fmax(held, 1.0f));
     float dot = 0.0f;
-    for (std::size_t e = 0; e < width; ++e) dot += scope[e] * r.s[e];
-    mb.token_loss[static_cast<std::size_t>(mb.begin) + i] = aux_scale * dot + z_weight * r.lse * r.lse;
+    for (std::size_t e = 0; e < width; ++e) {
+      weights[e] = aux_scale * scope[e] + sequence_scale * own[e];
+      dot += weights[e] * r.s[e];
+    }
+    mb.token_loss[static_cast<std::size_t>(mb.begin) + i] = dot + z_weight * r.lse * r.lse;
     const float w = plan(i).backward_weight * factor;
     for (std::size_t e = 0; e < width; ++e) {
       const float slope = o.score == RouterOptions::Score::softmax ? 1.0f : 1.0f - 1.0f / (1.0f + std::exp(-r.z[e]));
-      const float aux = aux_scale * r.s[e] * slope * (scope[e] - dot);
+      const float aux = r.s[e] * slope * (weights[e] - dot);
       const float z = 2.0f * z_weight * r.lse * std::exp(r.z[e] - r.lse);
       g[i * width + e] = T(w * (aux_factor * aux + z));
     }

@@ -45,7 +45,13 @@ class RouterKind final : public LossKind {
           top_k.range(1, 1024).described("k: the experts each token is routed to"),
           choice_setting("score", &O::score, std::array{Score::softmax, Score::sigmoid}, Score::softmax)
               .described("softmax p_t, or sigmoid normalised over the experts q_t, for the aux loss"),
-          number_setting("aux_coef", &O::aux_coef, 0.01).range(0.0, 10.0).described("alpha of the aux loss"),
+          number_setting("aux_coef", &O::aux_coef, 0.01)
+              .range(0.0, 10.0)
+              .described("alpha of the aux loss over a micro-batch (0: off)"),
+          number_setting("seq_aux_coef", &O::seq_aux_coef, 0.0)
+              .range(0.0, 10.0)
+              .described("alpha of the sequence aux loss, one scope per sequence, averaged over the micro-batch's")
+              .shrinks_as("no sequence aux loss"),
           number_setting("z_loss_coef", &O::z_loss_coef, 0.0)
               .range(0.0, 10.0)
               .described("alpha_z of the router z-loss")

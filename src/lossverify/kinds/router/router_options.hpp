@@ -12,8 +12,10 @@ struct RouterOptions final : KindOptions {
   enum class Score { softmax, sigmoid };
   int top_k = 2;
   Score score = Score::softmax;
-  double aux_coef = 0.01;    // alpha
-  double z_loss_coef = 0.0;  // alpha_z
+  double aux_coef = 0.01;     // alpha of the aux loss over a micro-batch's scope
+  double seq_aux_coef = 0.0;  // alpha of the sequence aux loss: one scope per sequence, averaged over the
+                              // micro-batch's sequences that hold a valid token (DeepSeek-V2/V3)
+  double z_loss_coef = 0.0;   // alpha_z
 };
 
 const RouterOptions& router_options(const LossSpec& loss);

@@ -36,8 +36,10 @@ class RouterReference final : public KindReference {
     for (int dp = 0; dp < c.layout.dp; ++dp) {
       for (int k = 0; k < c.layout.ga; ++k) {
         router::ScopeSums sums(z.size());
+        const std::size_t first_sequence = sequence_scopes_.size();
         for (const std::int64_t q : sequences_of_slot(inputs.batch(), c.batch, c.layout, dp, k)) {
           const Sequence& seq = inputs.batch().sequences()[static_cast<std::size_t>(q)];
+          router::ScopeSums sequence_sums(z.size());
           for (std::int64_t t = seq.begin; t < seq.begin + seq.length; ++t) {
             if (!inputs.is_valid(t)) continue;
             inputs.logits(t, 0, experts_, raw.data());
@@ -51,9 +53,15 @@ class RouterReference final : public KindReference {
                               "-th and next router scores tie within float32 rounding (MOE.md §3)");
             }
             sums.add(s, routed);
+            sequence_sums.add(s, routed);
             scope_of_[t] = scopes_.size();
+            sequence_of_[t] = sequence_scopes_.size();
           }
+          if (sequence_sums.tokens > 0.0) sequence_scopes_.push_back(std::move(sequence_sums));
         }
+        // The micro-batch's sequences that hold a valid token: its sequence aux loss is their mean.
+        const auto held = static_cast<double>(sequence_scopes_.size() - first_sequence);
+        for (std::size_t j = first_sequence; j < sequence_scopes_.size(); ++j) sequences_in_batch_.push_back(held);
         scopes_.push_back(std::move(sums));
       }
     }
@@ -72,29 +80,27 @@ class RouterReference final : public KindReference {
     s.add(total.sum_exp_error);
     return RowStats{total.max + std::log(s.value()), 0.0, 0.0};
   }
-  // <c, s_t> over the whole row (rows are whole on every rank: one slice).
+  // The aux terms over the whole row (rows are whole on every rank: one slice): a <c, s_t> of the micro-batch's scope
+  // plus a_s <c_s, s_t> / S of the token's sequence's, each with its own scale a.
   bool needs_value_pass() const override { return true; }
   std::pair<double, double> value_partial(std::int64_t token, const RowStats&, std::span<const double> logits,
                                           std::span<const double>) const override {
-    const router::ScopeSums& scope = scope_of(token);
     std::vector<double> s(logits.size());
     router::scores(score_of(options_), logits, s);
+    const std::vector<double> w = aux_weights(token);
     CompensatedSum dot;
-    for (std::size_t e = 0; e < s.size(); ++e) dot.add(scope.counts[e] * s[e]);
+    for (std::size_t e = 0; e < s.size(); ++e) dot.add(w[e] * s[e]);
     return {dot.value(), 0.0};
   }
   double token_loss(std::int64_t token, const RowStats& st) const override {
-    const router::ScopeSums& scope = scope_of(token);
-    return router::aux_scale(scope, options_.aux_coef, options_.top_k) * st.value +
-           options_.z_loss_coef / scope.tokens * st.lse * st.lse;
+    return st.value + options_.z_loss_coef / scope_of(token).tokens * st.lse * st.lse;
   }
   std::optional<double> token_weight(std::int64_t) const override { return weight_; }
   void gradient(std::int64_t token, const RowStats&, double weight, std::int64_t, std::span<const double> logits,
                 std::span<const double>, std::span<double> grad) const override {
     const router::ScopeSums& scope = scope_of(token);
     std::vector<double> aux(logits.size()), z(logits.size());
-    router::aux_gradient(score_of(options_), logits, scope.counts,
-                         router::aux_scale(scope, options_.aux_coef, options_.top_k), aux);
+    router::aux_gradient(score_of(options_), logits, aux_weights(token), 1.0, aux);
     router::z_loss_gradient(logits, options_.z_loss_coef / scope.tokens, z);
     for (std::size_t e = 0; e < grad.size(); ++e) grad[e] = weight * (aux[e] + z[e]);
   }
@@ -102,12 +108,27 @@ class RouterReference final : public KindReference {
 
  private:
   const router::ScopeSums& scope_of(std::int64_t token) const { return scopes_[scope_of_.at(token)]; }
+  // Every aux term is linear in s_t with constant counts: their weights per expert, summed, are the one vector
+  // a c + a_s c_s / S that both the loss and the gradient read.
+  std::vector<double> aux_weights(std::int64_t token) const {
+    const router::ScopeSums& scope = scope_of(token);
+    const std::size_t j = sequence_of_.at(token);
+    const router::ScopeSums& sequence = sequence_scopes_[j];
+    const double a = router::aux_scale(scope, options_.aux_coef, options_.top_k);
+    const double a_s = router::aux_scale(sequence, options_.seq_aux_coef, options_.top_k) / sequences_in_batch_[j];
+    std::vector<double> w(scope.counts.size());
+    for (std::size_t e = 0; e < w.size(); ++e) w[e] = a * scope.counts[e] + a_s * sequence.counts[e];
+    return w;
+  }
 
   const RouterOptions options_;
   std::int64_t experts_;
   double weight_;
   std::vector<router::ScopeSums> scopes_;
   std::map<std::int64_t, std::size_t> scope_of_;
+  std::vector<router::ScopeSums> sequence_scopes_;  // each sequence holding a valid token
+  std::vector<double> sequences_in_batch_;          // per sequence scope: its micro-batch's such sequences
+  std::map<std::int64_t, std::size_t> sequence_of_;
 };
 
 }  // namespace
