@@ -65,7 +65,8 @@ using LD = long double;
 // valid token of alpha_s E / (k T_s^2) sum_e c_se sum_{t in s} p_te, every count computed here (top-k of the
 // softmax) at the unmoved logits and held constant; token `bumped`'s logit `e` moved by h.
 struct Coefficients {
-  LD aux, seq_aux, z;
+  LD aux, seq_aux, z, global = 0.0L;
+  bool running = false;
 };
 LD step_loss(const Case& c, const InputSource& inputs, const Coefficients& a, int k, std::int64_t bumped,
              std::int64_t e_bumped, LD h) {
@@ -75,17 +76,20 @@ LD step_loss(const Case& c, const InputSource& inputs, const Coefficients& a, in
     LD tokens = 0.0L;
   };
   auto fresh = [&] { return Sums{std::vector<LD>(experts, 0.0L), std::vector<LD>(experts, 0.0L), 0.0L}; };
-  auto aux = [&](const Sums& x, LD coef) {
-    LD dot = 0.0L;
-    for (std::size_t e = 0; e < experts; ++e) dot += x.counts[e] * x.p[e];
-    return coef * static_cast<LD>(experts) / (k * x.tokens * x.tokens) * dot;
+  auto dot = [&](const std::vector<LD>& counts, const std::vector<LD>& p) {
+    LD d = 0.0L;
+    for (std::size_t e = 0; e < experts; ++e) d += counts[e] * p[e];
+    return d;
   };
-  LD total = 0.0L;
+  struct Slot {
+    Sums batch;
+    std::vector<Sums> sequences;
+    LD z_sum = 0.0L;
+  };
+  std::vector<Slot> slots;  // dp-major
   for (int dp = 0; dp < c.layout.dp; ++dp) {
     for (int m = 0; m < c.layout.ga; ++m) {
-      Sums batch = fresh();
-      std::vector<Sums> sequences;
-      LD z_sum = 0.0L;
+      Slot slot{fresh(), {}, 0.0L};
       for (const std::int64_t q : sequences_of_slot(inputs.batch(), c.batch, c.layout, dp, m)) {
         const Sequence& seq = inputs.batch().sequences()[static_cast<std::size_t>(q)];
         Sums own = fresh();
@@ -108,20 +112,38 @@ LD step_loss(const Case& c, const InputSource& inputs, const Coefficients& a, in
                            [&](std::size_t x, std::size_t y) { return routed[x] > routed[y]; });
           if (t == bumped) z[static_cast<std::size_t>(e_bumped)] += h;
           const auto [p, lse] = softmax(z);
-          for (Sums* x : {&batch, &own}) {
+          for (Sums* x : {&slot.batch, &own}) {
             for (int j = 0; j < k; ++j) x->counts[order[static_cast<std::size_t>(j)]] += 1.0L;
             for (std::size_t e = 0; e < experts; ++e) x->p[e] += p[e];
             x->tokens += 1.0L;
           }
-          z_sum += lse * lse;
+          slot.z_sum += lse * lse;
         }
-        if (own.tokens > 0.0L) sequences.push_back(own);
+        if (own.tokens > 0.0L) slot.sequences.push_back(own);
       }
-      if (batch.tokens == 0.0L) continue;
-      LD sequence_mean = 0.0L;
-      for (const Sums& x : sequences) sequence_mean += aux(x, a.seq_aux) / static_cast<LD>(sequences.size());
-      total += aux(batch, a.aux) + sequence_mean + a.z / batch.tokens * z_sum;
+      slots.push_back(slot);
     }
+  }
+  const auto ga = static_cast<std::size_t>(c.layout.ga);
+  LD total = 0.0L;
+  for (std::size_t b = 0; b < slots.size(); ++b) {
+    const Slot& slot = slots[b];
+    if (slot.batch.tokens == 0.0L) continue;
+    // the global counts: every slot of the step, or (running) every DP rank's micro-batches 0..m
+    Sums global = fresh();
+    for (std::size_t other = 0; other < slots.size(); ++other) {
+      if (a.running && other % ga > b % ga) continue;
+      for (std::size_t e = 0; e < experts; ++e) global.counts[e] += slots[other].batch.counts[e];
+      global.tokens += slots[other].batch.tokens;
+    }
+    const LD e_count = static_cast<LD>(experts);
+    LD loss = a.aux * e_count / (k * slot.batch.tokens * slot.batch.tokens) * dot(slot.batch.counts, slot.batch.p);
+    for (const Sums& x : slot.sequences) {
+      loss +=
+          a.seq_aux * e_count / (k * x.tokens * x.tokens) * dot(x.counts, x.p) / static_cast<LD>(slot.sequences.size());
+    }
+    loss += a.global * e_count / (k * global.tokens * slot.batch.tokens) * dot(global.counts, slot.batch.p);
+    total += loss + a.z / slot.batch.tokens * slot.z_sum;
   }
   return total / (c.layout.dp * c.layout.ga);
 }
@@ -136,39 +158,46 @@ TEST_CASE("router: the case names experts, reads its settings from the table and
   CHECK(c.resolved()["loss"]["aux_coef"] == 0.01);
   CHECK_THROWS_WITH_AS(testing::make_case(router_case({1, 1, 1, 1, false}, {{"top_k", 9}})),
                        doctest::Contains("$.loss.top_k: 9 exceeds the experts, 8"), CaseError);
+  // Six sequences over 4 DP ranks x 2 micro-batches leave slots empty: the global counts' all-reduce could not meet.
+  CHECK_THROWS_WITH_AS(testing::make_case(router_case({1, 1, 4, 2, false}, {{"global_aux_coef", 0.01}})),
+                       doctest::Contains("the global aux loss needs every micro-batch of every DP rank"), CaseError);
 }
 
 TEST_CASE("router: the reference is the step's loss from the definition, and its gradient the finite differences") {
   register_router();
-  const Case c =
-      testing::make_case(router_case({1, 1, 2, 2, false}, {{"z_loss_coef", 0.002}, {"seq_aux_coef", 0.003}}));
-  const Coefficients a{0.01L, 0.003L, 0.002L};
-  const InputSource inputs(c);
-  const LossReference reference(c, inputs);
-  const auto experts = static_cast<std::size_t>(c.shape.vocab);
-  LD logged = 0.0L;
-  std::vector<double> logits(experts), grad(experts);
-  int checked = 0;
-  for (std::int64_t t = 0; t < c.shape.tokens; ++t) {
-    if (!inputs.is_valid(t)) continue;
-    std::vector<float> row(experts);
-    inputs.logits(t, 0, c.shape.vocab, row.data());
-    for (std::size_t e = 0; e < experts; ++e) logits[e] = row[e];
-    const ReferenceToken r = reference.evaluate(t, logits, {}, grad);
-    logged += static_cast<LD>(r.weight) * r.loss;
-    if (t % 7 != 0) continue;
-    for (std::size_t e = 0; e < experts; ++e) {
-      const LD h = 1e-6L;
-      const LD slope = (step_loss(c, inputs, a, 2, t, static_cast<std::int64_t>(e), h) -
-                        step_loss(c, inputs, a, 2, t, static_cast<std::int64_t>(e), -h)) /
-                       (2 * h);
-      CHECK(grad[e] == doctest::Approx(static_cast<double>(slope)).epsilon(1e-6));
+  for (const std::string counts : {"step", "running"}) {
+    CAPTURE(counts);
+    const Case c = testing::make_case(router_case(
+        {1, 1, 2, 2, false},
+        {{"z_loss_coef", 0.002}, {"seq_aux_coef", 0.003}, {"global_aux_coef", 0.005}, {"global_counts", counts}}));
+    const Coefficients a{0.01L, 0.003L, 0.002L, 0.005L, counts == "running"};
+    const InputSource inputs(c);
+    const LossReference reference(c, inputs);
+    const auto experts = static_cast<std::size_t>(c.shape.vocab);
+    LD logged = 0.0L;
+    std::vector<double> logits(experts), grad(experts);
+    int checked = 0;
+    for (std::int64_t t = 0; t < c.shape.tokens; ++t) {
+      if (!inputs.is_valid(t)) continue;
+      std::vector<float> row(experts);
+      inputs.logits(t, 0, c.shape.vocab, row.data());
+      for (std::size_t e = 0; e < experts; ++e) logits[e] = row[e];
+      const ReferenceToken r = reference.evaluate(t, logits, {}, grad);
+      logged += static_cast<LD>(r.weight) * r.loss;
+      if (t % 7 != 0) continue;
+      for (std::size_t e = 0; e < experts; ++e) {
+        const LD h = 1e-6L;
+        const LD slope = (step_loss(c, inputs, a, 2, t, static_cast<std::int64_t>(e), h) -
+                          step_loss(c, inputs, a, 2, t, static_cast<std::int64_t>(e), -h)) /
+                         (2 * h);
+        CHECK(grad[e] == doctest::Approx(static_cast<double>(slope)).epsilon(1e-6));
+      }
+      ++checked;
     }
-    ++checked;
+    CHECK(static_cast<double>(logged) ==
+          doctest::Approx(static_cast<double>(step_loss(c, inputs, a, 2, -1, 0, 0.0L))).epsilon(1e-13));
+    CHECK(checked >= 4);
   }
-  CHECK(static_cast<double>(logged) ==
-        doctest::Approx(static_cast<double>(step_loss(c, inputs, a, 2, -1, 0, 0.0L))).epsilon(1e-13));
-  CHECK(checked >= 4);
 }
 
 TEST_CASE("router: the correct implementation passes with TP replicating tokens, splitting them, and over CP DP GA") {
@@ -216,6 +245,9 @@ TEST_CASE("router: each catalogued bug is caught where MOE.md predicts it, and p
       {"moe-aux-cp-missing", {2, 1, 2, 1, true}, 0.15, false, false},
       {"moe-aux-padding-counted", {1, 1, 1, 1, false}, 0.15, true, true},   // padded positions in the batch
       {"moe-aux-padding-counted", {1, 1, 2, 1, false}, 0.0, false, false},  // none (even lengths: no CP padding)
+      {"moe-aux-no-grad", {2, 1, 1, 2, true}, 0.15, true, false},
+      {"moe-aux-ga-overweight", {1, 2, 1, 2, false}, 0.15, true, false},
+      {"moe-aux-ga-overweight", {1, 2, 2, 1, false}, 0.15, false, false},  // one micro-batch: x 1
   };
   for (const Expect& x : expectations) {
     const std::string bug_name = x.bug;
@@ -252,13 +284,14 @@ TEST_CASE("router: the gate sweeps tp x cp x sp and holds its golden outcomes") 
   CHECK(recorded.golden_updated);
   CHECK(recorded.false_alarms == 0);
   options.update_golden = false;
-  options.implementations = {"correct",        "moe-aux-local-counts", "moe-aux-topk-squared",
-                             "moe-aux-tp-sum", "moe-aux-cp-missing",   "moe-aux-padding-counted"};
+  options.implementations = {"correct",         "moe-aux-local-counts", "moe-aux-topk-squared",
+                             "moe-aux-tp-sum",  "moe-aux-cp-missing",   "moe-aux-padding-counted",
+                             "moe-aux-no-grad", "moe-aux-ga-overweight"};
   const GateResult again = run_gate(options);
   CHECK(again.passed());
   CHECK(again.mismatches == 0);
   CHECK(again.false_alarms == 0);
-  CHECK(again.bugs_caught == 5);
+  CHECK(again.bugs_caught == 7);
   std::filesystem::remove_all(dir);
 }
 

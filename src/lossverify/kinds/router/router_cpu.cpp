@@ -44,6 +44,40 @@ void score_row(RouterOptions::Score score, Row& r) {
   for (float& v : r.s) v /= total;
 }
 
+// The top-k experts of a row's scores (ties to the lower index), into counts.
+void count_routed(const Row& r, int k, float* counts) {
+  std::vector<int> order(r.s.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int a, int b) { return r.s[static_cast<std::size_t>(a)] > r.s[static_cast<std::size_t>(b)]; });
+  for (int j = 0; j < k; ++j) counts[static_cast<std::size_t>(order[static_cast<std::size_t>(j)])] += 1.0f;
+}
+
+// The global aux loss's counts and tokens [c_e..., T]: the rank's rows of every micro-batch (step) or of micro-batches
+// 0..k (running), all-reduced over every rank holding other tokens.
+template <class T>
+std::vector<float> global_counts(const CpuMicroBatch& mb, const RouterOptions& o, int k) {
+  const std::int64_t experts = mb.work.size();
+  const auto width = static_cast<std::size_t>(experts);
+  const auto& begins = mb.assignment.micro_batch_begin;
+  const std::int64_t end =
+      o.global_counts == RouterOptions::GlobalCounts::step ? begins.back() : begins[static_cast<std::size_t>(k) + 1];
+  std::vector<float> sums(width + 1, 0.0f);
+  Row r;
+  r.z.resize(width);
+  r.s.resize(width);
+  const T* x = reinterpret_cast<const T*>(mb.logits);
+  for (std::int64_t i = 0; i < end; ++i) {
+    if (!mb.plan.row(i).active) continue;
+    for (std::size_t e = 0; e < width; ++e) r.z[e] = static_cast<float>(x[i * experts + static_cast<std::int64_t>(e)]);
+    score_row(o.score, r);
+    count_routed(r, o.top_k, sums.data());
+    sums[width] += 1.0f;
+  }
+  mb.groups.batch.allreduce_sum(std::span<float>(sums));
+  return sums;
+}
+
 template <class T>
 void run(const CpuMicroBatch& mb) {
   const RouterOptions& o = router_options(mb.c.loss);
@@ -95,6 +129,8 @@ void run(const CpuMicroBatch& mb) {
       if (mb.c.layout.sp) mb.groups.tp.allreduce_sum(std::span<float>(*sums));
     }
   }
+  const std::vector<float> global =
+      o.global_aux_coef > 0.0 ? global_counts<T>(mb, o, k) : std::vector<float>(width + 1, 0.0f);
   float held = 0.0f;  // the micro-batch's sequences that hold a valid token
   for (std::size_t j = 0; j < sequences.size(); ++j) held += per_sequence[j * (width + 1) + width] > 0.0f ? 1.0f : 0.0f;
   const float tokens = std::fmax(scope[width], 1.0f);
@@ -105,6 +141,8 @@ void run(const CpuMicroBatch& mb) {
   float aux_factor = 1.0f, factor = 1.0f;
   if ((bugs & router_bug::tp_sum) != 0 && mb.c.layout.sp) aux_factor = static_cast<float>(mb.c.layout.tp);
   if ((bugs & router_bug::cp_missing) != 0) factor = 1.0f / static_cast<float>(mb.c.layout.cp);
+  if ((bugs & router_bug::no_grad) != 0) aux_factor = 0.0f;  // the scaler's return discarded
+  if ((bugs & router_bug::ga_overweight) != 0) aux_factor *= static_cast<float>(mb.c.layout.ga);
   std::vector<float> weights(width);  // a c_e + a_s c_s,e / S: the aux terms' weights of the row's experts
   for (std::size_t i = 0; i < n; ++i) {
     if (!plan(i).active) continue;
@@ -113,9 +151,13 @@ void run(const CpuMicroBatch& mb) {
     const float sequence_tokens = std::fmax(own[width], 1.0f);
     const float sequence_scale = static_cast<float>(o.seq_aux_coef) * static_cast<float>(experts) /
                                  (k_div * sequence_tokens * sequence_tokens * std::fmax(held, 1.0f));
+    const float global_scale = global[width] > 0.0f
+                                   ? static_cast<float>(o.global_aux_coef) * static_cast<float>(experts) /
+                                         (static_cast<float>(o.top_k) * global[width] * tokens)
+                                   : 0.0f;
     float dot = 0.0f;
     for (std::size_t e = 0; e < width; ++e) {
-      weights[e] = aux_scale * scope[e] + sequence_scale * own[e];
+      weights[e] = aux_scale * scope[e] + sequence_scale * own[e] + global_scale * global[e];
       dot += weights[e] * r.s[e];
     }
     mb.token_loss[static_cast<std::size_t>(mb.begin) + i] = dot + z_weight * r.lse * r.lse;

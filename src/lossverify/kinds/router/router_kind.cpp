@@ -10,6 +10,8 @@
 #include "lossverify/impl/catalogue.hpp"
 #include "lossverify/kinds/router/router_options.hpp"
 #include "lossverify/kinds/router/router_parts.hpp"
+#include "lossverify/layout/global_batch.hpp"
+#include "lossverify/layout/rank_layout.hpp"
 
 namespace lossverify {
 
@@ -52,6 +54,13 @@ class RouterKind final : public LossKind {
               .range(0.0, 10.0)
               .described("alpha of the sequence aux loss, one scope per sequence, averaged over the micro-batch's")
               .shrinks_as("no sequence aux loss"),
+          number_setting("global_aux_coef", &O::global_aux_coef, 0.0)
+              .range(0.0, 10.0)
+              .described("alpha of the global aux loss: f_e from the step's counts, P_e the micro-batch's")
+              .shrinks_as("no global aux loss"),
+          choice_setting("global_counts", &O::global_counts,
+                         std::array{O::GlobalCounts::step, O::GlobalCounts::running}, O::GlobalCounts::step)
+              .described("step: the whole step's counts; running: those of micro-batches 0..m"),
           number_setting("z_loss_coef", &O::z_loss_coef, 0.0)
               .range(0.0, 10.0)
               .described("alpha_z of the router z-loss")
@@ -61,6 +70,20 @@ class RouterKind final : public LossKind {
     return table;
   }
   void validate(const Case& c) const override {
+    // The global aux loss's counts are all-reduced over every rank each micro-batch: a rank with an empty
+    // micro-batch would not arrive (its kernel is not called), so every DP rank's micro-batches must hold tokens.
+    if (router_options(c.loss).global_aux_coef > 0.0) {
+      const GlobalBatch batch(c.batch);
+      for (int dp = 0; dp < c.layout.dp; ++dp) {
+        for (int k = 0; k < c.layout.ga; ++k) {
+          if (sequences_of_slot(batch, c.batch, c.layout, dp, k).empty()) {
+            detail::fail_at(c.source, "$.loss.global_aux_coef",
+                            "DP rank " + std::to_string(dp) + "'s micro-batch " + std::to_string(k) +
+                                " holds no sequence; the global aux loss needs every micro-batch of every DP rank");
+          }
+        }
+      }
+    }
     if (router_options(c.loss).top_k > c.shape.vocab) {
       detail::fail_at(
           c.source, "$.loss.top_k",
@@ -96,6 +119,12 @@ class RouterKind final : public LossKind {
         router_bug_entry("moe-aux-padding-counted", "padding tokens counted in T and in the scores' sums",
                          "Megatron-LM #2142, #3096; transformers #28517, #29363",
                          "loss and grad wherever a scope holds padding", {"loss", "grad"}, router_bug::padding_counted),
+        router_bug_entry("moe-aux-no-grad", "the aux loss scaler's return discarded: no aux gradient",
+                         "NeMo Automodel #1408, fixed in #1412", "the aux terms' gradient 0; the loss right", {"grad"},
+                         router_bug::no_grad),
+        router_bug_entry("moe-aux-ga-overweight", "the aux gradient not divided by the micro-batch count",
+                         "NeMo Automodel #3359", "the aux terms' gradient x GA at ga > 1", {"grad"},
+                         router_bug::ga_overweight),
     };
   }
   std::unique_ptr<KindReference> reference(const Case& c, const InputSource& inputs) const override {
@@ -109,6 +138,9 @@ class RouterKind final : public LossKind {
 const RouterOptions& router_options(const LossSpec& loss) { return options_of<RouterOptions>(loss); }
 
 std::string_view to_string(RouterOptions::Score s) { return s == Score::sigmoid ? "sigmoid" : "softmax"; }
+std::string_view to_string(RouterOptions::GlobalCounts g) {
+  return g == RouterOptions::GlobalCounts::running ? "running" : "step";
+}
 
 std::unique_ptr<LossKind> make_router_kind() { return std::make_unique<RouterKind>(); }
 

@@ -65,6 +65,7 @@ class RouterReference final : public KindReference {
         scopes_.push_back(std::move(sums));
       }
     }
+    global_counts(c);
   }
 
   RowPartial partial(std::int64_t, std::int64_t, std::span<const double> logits,
@@ -109,16 +110,43 @@ class RouterReference final : public KindReference {
  private:
   const router::ScopeSums& scope_of(std::int64_t token) const { return scopes_[scope_of_.at(token)]; }
   // Every aux term is linear in s_t with constant counts: their weights per expert, summed, are the one vector
-  // a c + a_s c_s / S that both the loss and the gradient read.
+  // a c + a_s c_s / S + a_g c^G that both the loss and the gradient read.
   std::vector<double> aux_weights(std::int64_t token) const {
-    const router::ScopeSums& scope = scope_of(token);
+    const std::size_t b = scope_of_.at(token);
+    const router::ScopeSums& scope = scopes_[b];
     const std::size_t j = sequence_of_.at(token);
     const router::ScopeSums& sequence = sequence_scopes_[j];
+    const router::ScopeSums& global = global_[b];
     const double a = router::aux_scale(scope, options_.aux_coef, options_.top_k);
     const double a_s = router::aux_scale(sequence, options_.seq_aux_coef, options_.top_k) / sequences_in_batch_[j];
+    // alpha E sum_e f_e P_e with f_e = c^G_e / (k T^G) and P_e = sum_{t in B} p_te / T_B
+    const double a_g = global.tokens > 0.0 ? options_.global_aux_coef * static_cast<double>(global.counts.size()) /
+                                                 (options_.top_k * global.tokens * scope.tokens)
+                                           : 0.0;
     std::vector<double> w(scope.counts.size());
-    for (std::size_t e = 0; e < w.size(); ++e) w[e] = a * scope.counts[e] + a_s * sequence.counts[e];
+    for (std::size_t e = 0; e < w.size(); ++e) {
+      w[e] = a * scope.counts[e] + a_s * sequence.counts[e] + a_g * global.counts[e];
+    }
     return w;
+  }
+
+  // The global aux loss's counts for each micro-batch scope (in scopes_' order, dp-major): the whole step's, or
+  // (running) those of micro-batches 0..m of every DP rank.
+  void global_counts(const Case& c) {
+    const std::size_t width = scopes_.empty() ? 0 : scopes_.front().counts.size();
+    const auto ga = static_cast<std::size_t>(c.layout.ga);
+    std::vector<router::ScopeSums> upto;  // per micro-batch index m: micro-batches 0..m over every DP rank
+    for (std::size_t m = 0; m < ga; ++m) {
+      router::ScopeSums sums = m == 0 ? router::ScopeSums(width) : upto.back();
+      for (std::size_t dp = 0; dp < static_cast<std::size_t>(c.layout.dp); ++dp) {
+        const router::ScopeSums& s = scopes_[dp * ga + m];
+        for (std::size_t e = 0; e < width; ++e) sums.counts[e] += s.counts[e];
+        sums.tokens += s.tokens;
+      }
+      upto.push_back(std::move(sums));
+    }
+    const bool running = options_.global_counts == RouterOptions::GlobalCounts::running;
+    for (std::size_t b = 0; b < scopes_.size(); ++b) global_.push_back(upto[running ? b % ga : ga - 1]);
   }
 
   const RouterOptions options_;
@@ -129,6 +157,7 @@ class RouterReference final : public KindReference {
   std::vector<router::ScopeSums> sequence_scopes_;  // each sequence holding a valid token
   std::vector<double> sequences_in_batch_;          // per sequence scope: its micro-batch's such sequences
   std::map<std::int64_t, std::size_t> sequence_of_;
+  std::vector<router::ScopeSums> global_;  // per micro-batch scope: the global aux loss's counts and tokens
 };
 
 }  // namespace
