@@ -246,6 +246,7 @@ TEST_CASE("router: each catalogued bug is caught where MOE.md predicts it, and p
       {"moe-aux-padding-counted", {1, 1, 1, 1, false}, 0.15, true, true},   // padded positions in the batch
       {"moe-aux-padding-counted", {1, 1, 2, 1, false}, 0.0, false, false},  // none (even lengths: no CP padding)
       {"moe-aux-no-grad", {2, 1, 1, 2, true}, 0.15, true, false},
+      {"moe-aux-log-doubled", {2, 2, 1, 1, true}, 0.15, true, false},
       {"moe-aux-ga-overweight", {1, 2, 1, 2, false}, 0.15, true, false},
       {"moe-aux-ga-overweight", {1, 2, 2, 1, false}, 0.15, false, false},  // one micro-batch: x 1
   };
@@ -284,14 +285,14 @@ TEST_CASE("router: the gate sweeps tp x cp x sp and holds its golden outcomes") 
   CHECK(recorded.golden_updated);
   CHECK(recorded.false_alarms == 0);
   options.update_golden = false;
-  options.implementations = {"correct",         "moe-aux-local-counts", "moe-aux-topk-squared",
-                             "moe-aux-tp-sum",  "moe-aux-cp-missing",   "moe-aux-padding-counted",
-                             "moe-aux-no-grad", "moe-aux-ga-overweight"};
+  options.implementations = {"correct",         "moe-aux-local-counts",  "moe-aux-topk-squared",
+                             "moe-aux-tp-sum",  "moe-aux-cp-missing",    "moe-aux-padding-counted",
+                             "moe-aux-no-grad", "moe-aux-ga-overweight", "moe-aux-log-doubled"};
   const GateResult again = run_gate(options);
   CHECK(again.passed());
   CHECK(again.mismatches == 0);
   CHECK(again.false_alarms == 0);
-  CHECK(again.bugs_caught == 7);
+  CHECK(again.bugs_caught == 8);
   std::filesystem::remove_all(dir);
 }
 

@@ -161,6 +161,10 @@ void run(const CpuMicroBatch& mb) {
       dot += weights[e] * r.s[e];
     }
     mb.token_loss[static_cast<std::size_t>(mb.begin) + i] = dot + z_weight * r.lse * r.lse;
+    // The logged aux and z values: this rank's share (summed over the ranks holding other tokens afterwards).
+    const double logged_aux = (bugs & router_bug::log_doubled) != 0 ? 2.0 * dot : dot;
+    mb.logged_stats[0] += plan(i).forward_weight * logged_aux;
+    mb.logged_stats[1] += plan(i).forward_weight * static_cast<double>(z_weight * r.lse * r.lse);
     const float w = plan(i).backward_weight * factor;
     for (std::size_t e = 0; e < width; ++e) {
       const float slope = o.score == RouterOptions::Score::softmax ? 1.0f : 1.0f - 1.0f / (1.0f + std::exp(-r.z[e]));

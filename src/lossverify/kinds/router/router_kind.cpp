@@ -96,6 +96,7 @@ class RouterKind final : public LossKind {
   std::string dump_gap() const override { return "the router kind's scopes (not yet)"; }
   bool logs_loss_in_input_dtype() const override { return false; }
   KindRowPlan plan_rows(const RowPlanRequest& request) const override { return plan_router_rows(request); }
+  std::vector<std::string> logged_statistics() const override { return {"aux_loss", "z_loss"}; }
   std::string row_sum_rule() const override { return "none: the router's row sums depend on its scope"; }
   std::string row_sum_exemption(const LossSpec&) const override {
     return "the router's row sums depend on its scope's counts: not checked";
@@ -122,6 +123,11 @@ class RouterKind final : public LossKind {
         router_bug_entry("moe-aux-no-grad", "the aux loss scaler's return discarded: no aux gradient",
                          "NeMo Automodel #1408, fixed in #1412", "the aux terms' gradient 0; the loss right", {"grad"},
                          router_bug::no_grad),
+        router_bug_entry("moe-aux-log-doubled",
+                         "the logged aux loss doubled (activation checkpointing runs the "
+                         "router's forward twice)",
+                         "Megatron-LM e6d56d6828, 4abeecce74 (#3199)",
+                         "the logged aux loss x 2; loss and gradients right", {"stats"}, router_bug::log_doubled),
         router_bug_entry("moe-aux-ga-overweight", "the aux gradient not divided by the micro-batch count",
                          "NeMo Automodel #3359", "the aux terms' gradient x GA at ga > 1", {"grad"},
                          router_bug::ga_overweight),

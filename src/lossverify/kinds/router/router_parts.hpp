@@ -16,6 +16,7 @@ inline constexpr std::uint64_t tp_sum = 1u << 2;           // moe-aux-tp-sum
 inline constexpr std::uint64_t cp_missing = 1u << 3;       // moe-aux-cp-missing
 inline constexpr std::uint64_t padding_counted = 1u << 4;  // moe-aux-padding-counted
 inline constexpr std::uint64_t no_grad = 1u << 5;          // moe-aux-no-grad
+inline constexpr std::uint64_t log_doubled = 1u << 7;      // moe-aux-log-doubled
 inline constexpr std::uint64_t ga_overweight = 1u << 6;    // moe-aux-ga-overweight
 }  // namespace router_bug
 

@@ -42,6 +42,7 @@ class RouterReference final : public KindReference {
           router::ScopeSums sequence_sums(z.size());
           for (std::int64_t t = seq.begin; t < seq.begin + seq.length; ++t) {
             if (!inputs.is_valid(t)) continue;
+            ++valid_tokens_;
             inputs.logits(t, 0, experts_, raw.data());
             for (std::size_t e = 0; e < z.size(); ++e) z[e] = raw[e];
             router::scores(score_of(options_), z, s);
@@ -97,6 +98,13 @@ class RouterReference final : public KindReference {
     return st.value + options_.z_loss_coef / scope_of(token).tokens * st.lse * st.lse;
   }
   std::optional<double> token_weight(std::int64_t) const override { return weight_; }
+  // The logged aux loss (every aux term) and z-loss of the step: each the sum over tokens of w_t times the token's
+  // term, given as per-token values whose mean over the step's valid tokens is that sum.
+  void token_statistics(std::int64_t token, const RowStats& st, std::span<double> out) const override {
+    const double share = static_cast<double>(valid_tokens_) * weight_;
+    out[0] = share * st.value;
+    out[1] = share * options_.z_loss_coef / scope_of(token).tokens * st.lse * st.lse;
+  }
   void gradient(std::int64_t token, const RowStats&, double weight, std::int64_t, std::span<const double> logits,
                 std::span<const double>, std::span<double> grad) const override {
     const router::ScopeSums& scope = scope_of(token);
@@ -158,6 +166,7 @@ class RouterReference final : public KindReference {
   std::vector<double> sequences_in_batch_;          // per sequence scope: its micro-batch's such sequences
   std::map<std::int64_t, std::size_t> sequence_of_;
   std::vector<router::ScopeSums> global_;  // per micro-batch scope: the global aux loss's counts and tokens
+  std::int64_t valid_tokens_ = 0;          // of the step
 };
 
 }  // namespace
