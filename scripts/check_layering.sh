@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The seams of src/lossverify, checked on its #include lines (docs/architecture.md):
+# The seams of src/lossverify, checked on its #include lines (docs/development.md, "The seams"):
 #   checks/  judges outputs through the Oracle interface: it includes no backend (impl/), no oracle, no
 #            CUDA plumbing (cuda/), no runner and no CUDA or NCCL header;
 #   oracle/  owns its inputs: it includes nothing of the backends (impl/);
