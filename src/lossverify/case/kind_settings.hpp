@@ -35,27 +35,26 @@ Options& edit_options(LossSpec& loss) {
   return edited;
 }
 
-// Table entries bound to a field of the kind's options.
-template <class Options>
-Setting number_setting(std::string key, double Options::*field, double fallback) {
+// Table entries bound to a field of the kind's options (a number or a boolean, read and written as JSON).
+template <class Options, class Value>
+Setting field_setting(std::string key, Value Options::*field, Value fallback, Setting::Type type) {
   Setting s;
   s.key = std::move(key);
-  s.type = Setting::Type::number;
+  s.type = type;
   s.fallback = fallback;
   s.get = [field](const LossSpec& l) { return nlohmann::json(options_of<Options>(l).*field); };
-  s.set = [field](LossSpec& l, const nlohmann::json& v) { edit_options<Options>(l).*field = v.get<double>(); };
+  s.set = [field](LossSpec& l, const nlohmann::json& v) { edit_options<Options>(l).*field = v.get<Value>(); };
   return s;
 }
 
 template <class Options>
+Setting number_setting(std::string key, double Options::*field, double fallback) {
+  return field_setting(std::move(key), field, fallback, Setting::Type::number);
+}
+
+template <class Options>
 Setting boolean_setting(std::string key, bool Options::*field, bool fallback) {
-  Setting s;
-  s.key = std::move(key);
-  s.type = Setting::Type::boolean;
-  s.fallback = fallback;
-  s.get = [field](const LossSpec& l) { return nlohmann::json(options_of<Options>(l).*field); };
-  s.set = [field](LossSpec& l, const nlohmann::json& v) { edit_options<Options>(l).*field = v.get<bool>(); };
-  return s;
+  return field_setting(std::move(key), field, fallback, Setting::Type::boolean);
 }
 
 // An enumeration named by to_string(Enum); `values` in the enumeration's order.

@@ -36,14 +36,6 @@ nlohmann::json expert_share_case(const Layout& l) {
           {"timeout_seconds", 60.0}};
 }
 
-const CheckResult& check_named(const RunResult& r, const std::string& name) {
-  for (const CheckResult& c : r.checks) {
-    if (c.name == name) return c;
-  }
-  FAIL("no check " << name);
-  return r.checks.front();
-}
-
 // L of the whole step in long double, from the definition, with token `bumped`'s expert `e` moved by `h`.
 long double step_loss(const Case& c, const InputSource& inputs, std::int64_t bumped, std::int64_t e, double h) {
   const auto experts = static_cast<std::size_t>(c.shape.vocab);
@@ -144,9 +136,9 @@ TEST_CASE("the correct sharded implementation passes with TP replicating tokens 
     CAPTURE(l.sp);
     const RunResult r = testing::run_with(testing::make_case(expert_share_case(l)), "correct");
     CHECK(r.verdict == Verdict::pass);
-    CHECK(check_named(r, "loss").verdict == Verdict::pass);
-    CHECK(check_named(r, "grad").verdict == Verdict::pass);
-    CHECK(check_named(r, "row_sum").verdict == Verdict::pass);
+    CHECK(testing::check_named(r, "loss").verdict == Verdict::pass);
+    CHECK(testing::check_named(r, "grad").verdict == Verdict::pass);
+    CHECK(testing::check_named(r, "row_sum").verdict == Verdict::pass);
   }
 }
 
@@ -157,8 +149,8 @@ TEST_CASE("the scope's collective matters: its bug is caught wherever a scope sp
   for (const Layout& l : std::vector<Layout>{{2, 1, 1, 1, true}, {1, 2, 1, 1, false}}) {
     const RunResult r = testing::run_with(testing::make_case(expert_share_case(l)), bug);
     CHECK(r.verdict == Verdict::fail);
-    CHECK(check_named(r, "loss").verdict == Verdict::fail);
-    CHECK(check_named(r, "grad").verdict == Verdict::fail);
+    CHECK(testing::check_named(r, "loss").verdict == Verdict::fail);
+    CHECK(testing::check_named(r, "grad").verdict == Verdict::fail);
   }
   // TP replicating tokens: each rank holds its whole scope, and the bug computes the same numbers.
   CHECK(testing::run_with(testing::make_case(expert_share_case({2, 1, 2, 1, false})), bug).verdict == Verdict::pass);
@@ -166,32 +158,18 @@ TEST_CASE("the scope's collective matters: its bug is caught wherever a scope sp
 
 TEST_CASE("the gate runs the sketch over a sweep with sequence parallelism and holds its golden outcomes") {
   testing::register_expert_share();
-  const std::filesystem::path dir = std::filesystem::temp_directory_path() / "lossverify-kind-expert-share";
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir / "cases");
-  std::filesystem::create_directories(dir / "golden");
   nlohmann::json doc = expert_share_case({2, 1, 1, 1, true});
   doc["sweep"] = {{"tp", {1, 2, 4}}, {"cp", {1, 2}}, {"sp", {false, true}}};
-  std::ofstream(dir / "cases" / "expert-share.json") << doc.dump(2);
-  GateOptions options;
-  options.cases_dir = (dir / "cases").string();
-  options.golden_dir = (dir / "golden").string();
-  options.quiet = true;
-  options.threads = 2;
-  options.update_golden = true;
-  const GateResult recorded = run_gate(options);
+  const auto [recorded, again] =
+      testing::gate_record_and_hold(doc, "lossverify-kind-expert-share", {"correct", testing::kExpertShareLocalScope});
   CHECK(recorded.golden_updated);
   CHECK(recorded.false_alarms == 0);
-  options.update_golden = false;
-  options.implementations = {"correct", testing::kExpertShareLocalScope};
-  const GateResult again = run_gate(options);
   CHECK(again.passed());
   CHECK(again.mismatches == 0);
   CHECK(again.false_alarms == 0);
   CHECK(again.bugs_caught == 1);
   REQUIRE(again.sweeps.size() == 1);
   CHECK(sweep_layouts(testing::make_case(doc)).size() == 12);  // tp x cp x sp
-  std::filesystem::remove_all(dir);
 }
 
 }  // namespace lossverify

@@ -30,14 +30,6 @@ nlohmann::json log_partition_case(int tp, int cp, int dp, int ga, double sharpne
           {"timeout_seconds", 60.0}};
 }
 
-const CheckResult& check_named(const RunResult& r, const std::string& name) {
-  for (const CheckResult& c : r.checks) {
-    if (c.name == name) return c;
-  }
-  FAIL("no check " << name);
-  return r.checks.front();
-}
-
 }  // namespace
 
 TEST_CASE("a kind registered at run time is read from a case, and other kinds' keys are refused by name") {
@@ -106,9 +98,9 @@ TEST_CASE("the correct sharded implementation passes on thread ranks at every la
     CAPTURE(ga);
     const RunResult r = testing::run_with(testing::make_case(log_partition_case(tp, cp, dp, ga, 2.5)), "correct");
     CHECK(r.verdict == Verdict::pass);
-    CHECK(check_named(r, "loss").verdict == Verdict::pass);
-    CHECK(check_named(r, "grad").verdict == Verdict::pass);
-    CHECK(check_named(r, "row_sum").verdict == Verdict::pass);
+    CHECK(testing::check_named(r, "loss").verdict == Verdict::pass);
+    CHECK(testing::check_named(r, "grad").verdict == Verdict::pass);
+    CHECK(testing::check_named(r, "row_sum").verdict == Verdict::pass);
   }
 }
 
@@ -118,8 +110,8 @@ TEST_CASE("the kind's catalogued bug is caught where it shows, at TP > 1, and on
   REQUIRE(bug != nullptr);
   const RunResult tp2 = testing::run_with(testing::make_case(log_partition_case(2, 1, 1, 1)), bug->name);
   CHECK(tp2.verdict == Verdict::fail);
-  CHECK(check_named(tp2, "loss").verdict == Verdict::fail);
-  CHECK(check_named(tp2, "grad").verdict == Verdict::fail);
+  CHECK(testing::check_named(tp2, "loss").verdict == Verdict::fail);
+  CHECK(testing::check_named(tp2, "grad").verdict == Verdict::fail);
   const RunResult tp1 = testing::run_with(testing::make_case(log_partition_case(1, 1, 2, 1)), bug->name);
   CHECK(tp1.verdict == Verdict::pass);
   CHECK_THROWS_AS(testing::run_with(testing::make_case(testing::case_json(8, 32, 2)), bug->name), CaseError);
@@ -131,28 +123,19 @@ TEST_CASE("the bug that needs the setting: the loss off by beta where beta != 1,
   REQUIRE(bug != nullptr);
   const RunResult sharp = testing::run_with(testing::make_case(log_partition_case(2, 1, 2, 1, 2.5)), bug->name);
   CHECK(sharp.verdict == Verdict::fail);
-  CHECK(check_named(sharp, "loss").verdict == Verdict::fail);
-  CHECK(check_named(sharp, "grad").verdict == Verdict::pass);
+  CHECK(testing::check_named(sharp, "loss").verdict == Verdict::fail);
+  CHECK(testing::check_named(sharp, "grad").verdict == Verdict::pass);
   const RunResult plain = testing::run_with(testing::make_case(log_partition_case(2, 1, 2, 1, 1.0)), bug->name);
   CHECK(plain.verdict == Verdict::pass);
 }
 
 TEST_CASE("the gate runs the kind's case, records golden outcomes and then holds them") {
   testing::register_log_partition();
-  const std::filesystem::path dir = std::filesystem::temp_directory_path() / "lossverify-kind-log-partition";
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir / "cases");
-  std::filesystem::create_directories(dir / "golden");
   nlohmann::json doc = log_partition_case(2, 1, 2, 1, 2.5);
   doc["sweep"] = {{"tp", {1, 2, 4}}, {"ga", {1, 2}}};
-  std::ofstream(dir / "cases" / "log-partition.json") << doc.dump(2);
-  GateOptions options;
-  options.cases_dir = (dir / "cases").string();
-  options.golden_dir = (dir / "golden").string();
-  options.quiet = true;
-  options.threads = 2;
-  options.update_golden = true;  // every implementation that applies: the layouts' bugs and the kind's own
-  const GateResult recorded = run_gate(options);
+  const auto [recorded, again] = testing::gate_record_and_hold(
+      doc, "lossverify-kind-log-partition",
+      {"correct", testing::kLogPartitionLocalSum, testing::kLogPartitionNoInverseSharpness});
   CHECK(recorded.golden_updated);
   CHECK(recorded.false_alarms == 0);
   bool layout_bug_ran = false;
@@ -160,15 +143,11 @@ TEST_CASE("the gate runs the kind's case, records golden outcomes and then holds
     if (cell.implementation == "dp-local-mean") layout_bug_ran = cell.verdict == "fail";
   }
   CHECK(layout_bug_ran);  // unequal valid-token counts over DP: caught on this kind as on any other
-  options.update_golden = false;
-  options.implementations = {"correct", testing::kLogPartitionLocalSum, testing::kLogPartitionNoInverseSharpness};
-  const GateResult again = run_gate(options);
   CHECK(again.passed());
   CHECK(again.mismatches == 0);
   CHECK(again.false_alarms == 0);
   CHECK(again.bugs_caught == 2);
   CHECK(again.sweeps.size() == 1);
-  std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("a kind without a CUDA implementation is refused on the CUDA backend before any work") {
@@ -188,8 +167,8 @@ TEST_CASE("a native plugin computes the kind, named by string, and is judged lik
     CAPTURE(ga);
     const RunResult r = testing::run_with(testing::make_case(log_partition_case(tp, cp, dp, ga, 2.5)), plugin);
     CHECK(r.verdict == Verdict::pass);
-    CHECK(check_named(r, "grad").verdict == Verdict::pass);
-    CHECK(check_named(r, "loss").verdict == Verdict::pass);
+    CHECK(testing::check_named(r, "grad").verdict == Verdict::pass);
+    CHECK(testing::check_named(r, "loss").verdict == Verdict::pass);
   }
   // The plugin names only its kind: a cross-entropy case is not its to compute.
   CHECK_THROWS_WITH_AS(testing::run_with(testing::make_case(testing::case_json(8, 32, 2)), plugin),

@@ -30,13 +30,6 @@ nlohmann::json staged_case(const std::string& kind, int tp, int cp, int dp, int 
   return doc;
 }
 
-const CheckResult* check_named(const RunResult& r, const std::string& name) {
-  for (const CheckResult& c : r.checks) {
-    if (c.name == name) return &c;
-  }
-  return nullptr;
-}
-
 }  // namespace
 
 TEST_CASE("a case names its stage, and an unknown stage is refused naming the registered ones") {
@@ -60,9 +53,7 @@ TEST_CASE("the correct implementation passes in front of every kind, its stage g
       CAPTURE(cp);
       const RunResult r = testing::run_with(testing::make_case(staged_case(kind, tp, cp, dp, ga)), "correct");
       CHECK(r.verdict == Verdict::pass);
-      const CheckResult* dh = check_named(r, "dh");
-      REQUIRE(dh != nullptr);
-      CHECK(dh->verdict == Verdict::pass);
+      CHECK(testing::check_named(r, "dh").verdict == Verdict::pass);
     }
   }
 }
@@ -73,10 +64,10 @@ TEST_CASE("the stage's bug fails dh and nothing else, and applies only to cases 
   REQUIRE(bug != nullptr);
   const RunResult r = testing::run_with(testing::make_case(staged_case("cross_entropy", 2, 1, 2, 1)), bug->name);
   CHECK(r.verdict == Verdict::fail);
-  CHECK(check_named(r, "dh")->verdict == Verdict::fail);
-  CHECK(check_named(r, "dh")->margin > 1e3);  // 2 g against g: the whole gradient off
-  CHECK(check_named(r, "grad")->verdict == Verdict::pass);
-  CHECK(check_named(r, "loss")->verdict == Verdict::pass);
+  CHECK(testing::check_named(r, "dh").verdict == Verdict::fail);
+  CHECK(testing::check_named(r, "dh").margin > 1e3);  // 2 g against g: the whole gradient off
+  CHECK(testing::check_named(r, "grad").verdict == Verdict::pass);
+  CHECK(testing::check_named(r, "loss").verdict == Verdict::pass);
   CHECK_THROWS_AS(testing::run_with(testing::make_case(testing::case_json(8, 32, 2)), bug->name), CaseError);
 }
 
@@ -90,30 +81,16 @@ TEST_CASE("a stage runs on the CPU backend only: CUDA refuses the case before an
 
 TEST_CASE("the gate runs a staged case, records golden outcomes with the stage's check and holds them") {
   testing::register_pass_through();
-  const std::filesystem::path dir = std::filesystem::temp_directory_path() / "lossverify-stage-pass-through";
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir / "cases");
-  std::filesystem::create_directories(dir / "golden");
   nlohmann::json doc = staged_case("cross_entropy", 2, 1, 2, 1);
   doc["sweep"] = {{"tp", {1, 2}}, {"ga", {1, 2}}};
-  std::ofstream(dir / "cases" / "pass-through.json") << doc.dump(2);
-  GateOptions options;
-  options.cases_dir = (dir / "cases").string();
-  options.golden_dir = (dir / "golden").string();
-  options.quiet = true;
-  options.threads = 2;
-  options.update_golden = true;
-  const GateResult recorded = run_gate(options);
+  const auto [recorded, again] = testing::gate_record_and_hold(
+      doc, "lossverify-stage-pass-through", {"correct", testing::kPassThroughTwice, "dp-local-mean"});
   CHECK(recorded.golden_updated);
   CHECK(recorded.false_alarms == 0);
-  options.update_golden = false;
-  options.implementations = {"correct", testing::kPassThroughTwice, "dp-local-mean"};
-  const GateResult again = run_gate(options);
   CHECK(again.passed());
   CHECK(again.mismatches == 0);
   CHECK(again.false_alarms == 0);
   CHECK(again.bugs_caught == 2);
-  std::filesystem::remove_all(dir);
 }
 
 }  // namespace lossverify

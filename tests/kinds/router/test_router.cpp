@@ -50,14 +50,6 @@ nlohmann::json router_case(const Layout& l, nlohmann::json loss = nlohmann::json
           {"timeout_seconds", 60.0}};
 }
 
-const CheckResult& check_named(const RunResult& r, const std::string& name) {
-  for (const CheckResult& c : r.checks) {
-    if (c.name == name) return c;
-  }
-  FAIL("no check " << name);
-  return r.checks.front();
-}
-
 using LD = long double;
 
 // The step's loss from the definition in long double: the mean over DP x GA micro-batches of each micro-batch's
@@ -219,8 +211,8 @@ TEST_CASE("router: the correct implementation passes with TP replicating tokens,
           testing::make_case(router_case(l, {{"score", score}, {"z_loss_coef", 0.001}, {"seq_aux_coef", 0.004}})),
           "correct");
       CHECK(r.verdict == Verdict::pass);
-      CHECK(check_named(r, "loss").verdict == Verdict::pass);
-      CHECK(check_named(r, "grad").verdict == Verdict::pass);
+      CHECK(testing::check_named(r, "loss").verdict == Verdict::pass);
+      CHECK(testing::check_named(r, "grad").verdict == Verdict::pass);
     }
   }
 }
@@ -262,38 +254,24 @@ TEST_CASE("router: each catalogued bug is caught where MOE.md predicts it, and p
         x.ignore == 0.0 ? std::vector<std::int64_t>{10, 6, 8, 14, 4, 8} : std::vector<std::int64_t>{11, 6, 9, 14, 5, 7};
     const RunResult r = testing::run_with(testing::make_case(router_case(x.layout, {}, x.ignore, lengths)), x.bug);
     CHECK((r.verdict == Verdict::fail) == x.fails);
-    CHECK((check_named(r, "loss").verdict == Verdict::fail) == x.loss_fails);
+    CHECK((testing::check_named(r, "loss").verdict == Verdict::fail) == x.loss_fails);
   }
 }
 
 TEST_CASE("router: the gate sweeps tp x cp x sp and holds its golden outcomes") {
   register_router();
-  const std::filesystem::path dir = std::filesystem::temp_directory_path() / "lossverify-kind-router";
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir / "cases");
-  std::filesystem::create_directories(dir / "golden");
   nlohmann::json doc = router_case({2, 2, 1, 2, true}, {{"z_loss_coef", 0.001}});
   doc["sweep"] = {{"tp", {1, 2}}, {"cp", {1, 2}}, {"sp", {false, true}}};
-  std::ofstream(dir / "cases" / "router.json") << doc.dump(2);
-  GateOptions options;
-  options.cases_dir = (dir / "cases").string();
-  options.golden_dir = (dir / "golden").string();
-  options.quiet = true;
-  options.threads = 2;
-  options.update_golden = true;
-  const GateResult recorded = run_gate(options);
+  const auto [recorded, again] = testing::gate_record_and_hold(
+      doc, "lossverify-kind-router",
+      {"correct", "moe-aux-local-counts", "moe-aux-topk-squared", "moe-aux-tp-sum", "moe-aux-cp-missing",
+       "moe-aux-padding-counted", "moe-aux-no-grad", "moe-aux-ga-overweight", "moe-aux-log-doubled"});
   CHECK(recorded.golden_updated);
   CHECK(recorded.false_alarms == 0);
-  options.update_golden = false;
-  options.implementations = {"correct",         "moe-aux-local-counts",  "moe-aux-topk-squared",
-                             "moe-aux-tp-sum",  "moe-aux-cp-missing",    "moe-aux-padding-counted",
-                             "moe-aux-no-grad", "moe-aux-ga-overweight", "moe-aux-log-doubled"};
-  const GateResult again = run_gate(options);
   CHECK(again.passed());
   CHECK(again.mismatches == 0);
   CHECK(again.false_alarms == 0);
   CHECK(again.bugs_caught == 8);
-  std::filesystem::remove_all(dir);
 }
 
 }  // namespace lossverify

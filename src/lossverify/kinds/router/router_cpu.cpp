@@ -44,13 +44,14 @@ void score_row(RouterOptions::Score score, Row& r) {
   for (float& v : r.s) v /= total;
 }
 
-// The top-k experts of a row's scores (ties to the lower index), into counts.
-void count_routed(const Row& r, int k, float* counts) {
+// The top-k experts of a row's scores (ties to the lower index).
+std::vector<int> routed(const Row& r, int k) {
   std::vector<int> order(r.s.size());
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(),
                    [&](int a, int b) { return r.s[static_cast<std::size_t>(a)] > r.s[static_cast<std::size_t>(b)]; });
-  for (int j = 0; j < k; ++j) counts[static_cast<std::size_t>(order[static_cast<std::size_t>(j)])] += 1.0f;
+  order.resize(static_cast<std::size_t>(k));
+  return order;
 }
 
 // The global aux loss's counts and tokens [c_e..., T]: the rank's rows of every micro-batch (step) or of micro-batches
@@ -71,7 +72,7 @@ std::vector<float> global_counts(const CpuMicroBatch& mb, const RouterOptions& o
     if (!mb.plan.row(i).active) continue;
     for (std::size_t e = 0; e < width; ++e) r.z[e] = static_cast<float>(x[i * experts + static_cast<std::int64_t>(e)]);
     score_row(o.score, r);
-    count_routed(r, o.top_k, sums.data());
+    for (const int e : routed(r, o.top_k)) sums[static_cast<std::size_t>(e)] += 1.0f;
     sums[width] += 1.0f;
   }
   mb.groups.batch.allreduce_sum(std::span<float>(sums));
@@ -110,15 +111,10 @@ void run(const CpuMicroBatch& mb) {
     r.s.resize(width);
     for (std::size_t e = 0; e < width; ++e) r.z[e] = static_cast<float>(x[i * width + e]);
     score_row(o.score, r);
-    std::vector<int> order(width);
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(),
-                     [&](int a, int b) { return r.s[static_cast<std::size_t>(a)] > r.s[static_cast<std::size_t>(b)]; });
     float* own = &per_sequence[sequence_slot(i) * (width + 1)];
-    for (int j = 0; j < o.top_k; ++j) {
-      const auto e = static_cast<std::size_t>(order[static_cast<std::size_t>(j)]);
-      scope[e] += 1.0f;
-      own[e] += 1.0f;
+    for (const int e : routed(r, o.top_k)) {
+      scope[static_cast<std::size_t>(e)] += 1.0f;
+      own[static_cast<std::size_t>(e)] += 1.0f;
     }
     scope[width] += 1.0f;
     own[width] += 1.0f;
