@@ -289,7 +289,7 @@ unknown_command)
 list_losses)
   expect 0 "kd  .*temperature" "$LV" list
   expect 0 "softcap" "$LV" list
-  "$LV" list --json | python3 -c "import json,sys; d=json.load(sys.stdin); assert {l['name'] for l in d['losses']} == {'cross_entropy','kd','policy'}" \
+  "$LV" list --json | python3 -c "import json,sys; d=json.load(sys.stdin); assert {l['name'] for l in d['losses']} == {'cross_entropy','kd','policy','router'}" \
     || fail "list --json does not name every loss" ;;
 policy_export_inputs)  # a policy case's export carries the inputs its objective reads, and nothing it does not
   expect 0 "exported 4 rank" "$LV" export-inputs "$CASES/rl-grpo-tp2-dp2-ga2.json" --out grpo

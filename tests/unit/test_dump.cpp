@@ -191,7 +191,7 @@ fs::path write_dump(const Case& c, const InputSource& inputs, const std::vector<
         tensors["loss"] = loss_tensor({}, std::vector<float>{out.reduced_loss}, storage);
         rank["stats"]["loss"] = "loss";
       }
-      const std::vector<std::string> statistics = kind_of(c.loss).logged_statistics();
+      const std::vector<std::string> statistics = kind_of(c.loss).logged_statistics(c.loss);
       for (std::size_t k = 0; k < statistics.size() && kind_outputs; ++k) {
         rank["stats"][statistics[k]] = out.logged_stats[k];
       }

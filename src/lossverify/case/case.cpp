@@ -122,10 +122,15 @@ void parse_shape(ObjectReader r, Case& c, bool has_batch) {
   c.shape.tokens = has_batch ? r.integer("tokens", 0) : r.integer("tokens");
   if (has_batch && c.shape.tokens == 0) c.shape.tokens = 1;  // checked against the sequences later
   const std::string axis(kind_of(c.loss).column_axis());
-  c.shape.vocab = r.integer(axis);
+  const std::int64_t width = r.integer(axis);
   if (c.shape.tokens < 1) r.fail("tokens", "must be >= 1, got " + std::to_string(c.shape.tokens));
-  if (c.shape.vocab < 2) r.fail("vocab", "must be >= 2, got " + std::to_string(c.shape.vocab));
-  if (c.shape.vocab > (std::int64_t{1} << 32)) r.fail("vocab", "must be <= 2^32");
+  if (width < 2) r.fail(axis, "must be >= 2, got " + std::to_string(width));
+  const std::int64_t blocks = kind_of(c.loss).row_blocks(c.loss);  // a router's layers, side by side in a row
+  if (width > (std::int64_t{1} << 32) / blocks) {
+    r.fail(axis,
+           blocks == 1 ? "must be <= 2^32" : "times the row's " + std::to_string(blocks) + " blocks must be <= 2^32");
+  }
+  c.shape.vocab = width * blocks;
   if (c.shape.tokens > kMaxTokens) r.fail("tokens", "must be <= 2^40");
   r.reject_unknown_keys();
 }
@@ -223,6 +228,7 @@ void parse_layout(ObjectReader r, Case& c) {
     r.fail("sp", "applies to a kind whose rows are whole on every rank; TP splits the columns of " +
                      std::string(kind_of(c.loss).name()) + "'s rows");
   }
+  if (c.layout.sp && c.layout.tp == 1) r.fail("sp", "splits a micro-batch's tokens over TP ranks: needs tp > 1");
   r.reject_unknown_keys();
 }
 
@@ -599,7 +605,15 @@ std::vector<LayoutSpec> sweep_layouts(const Case& c) {
     for (int cp : values(c.sweep.cp, c.layout.cp)) {
       for (int ga : values(c.sweep.ga, c.layout.ga)) {
         for (int sp : values(c.sweep.sp, c.layout.sp ? 1 : 0)) {
-          for (int tp : values(c.sweep.tp, c.layout.tp)) out.push_back(LayoutSpec{tp, cp, dp, ga, sp == 1});
+          for (int tp : values(c.sweep.tp, c.layout.tp)) {
+            // sp at tp 1 splits nothing: that layout is the one without it, listed once
+            const LayoutSpec layout{tp, cp, dp, ga, sp == 1 && tp > 1};
+            const bool listed = std::any_of(out.begin(), out.end(), [&](const LayoutSpec& l) {
+              return l.tp == layout.tp && l.cp == layout.cp && l.dp == layout.dp && l.ga == layout.ga &&
+                     l.sp == layout.sp;
+            });
+            if (!listed) out.push_back(layout);
+          }
         }
       }
     }
@@ -646,7 +660,8 @@ json Case::resolved() const {
   j["format"] = "lossverify.case/1";
   j["name"] = name;
   j["description"] = description;
-  j["shape"] = {{"tokens", shape.tokens}, {std::string(kind_of(loss).column_axis()), shape.vocab}};
+  j["shape"] = {{"tokens", shape.tokens},
+                {std::string(kind_of(loss).column_axis()), shape.vocab / kind_of(loss).row_blocks(loss)}};
   json l = {{"kind", std::string(to_string(loss.kind))}, {"reduction", std::string(to_string(loss.reduction))}};
   resolve_settings(kind_of(loss).settings(), loss, l);
   kind_of(loss).resolve_extra(loss, l);

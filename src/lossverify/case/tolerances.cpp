@@ -56,7 +56,7 @@ ToleranceEntry default_tolerance(std::string_view quantity, DType input_dtype) {
 
 bool tolerance_applies(const Case& c, std::string_view quantity) {
   if (quantity == "token_value") return !kind_of(c.loss).token_quantities().empty();
-  if (quantity == "statistic") return !kind_of(c.loss).logged_statistics().empty();
+  if (quantity == "statistic") return !kind_of(c.loss).logged_statistics(c.loss).empty();
   return true;
 }
 

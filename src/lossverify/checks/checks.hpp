@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -151,7 +152,8 @@ struct RankGroups;
 class Communicator;
 
 // How the case's gradient elements are judged, for a rank whose gradient is stored in `output_dtype`.
-GradJudgement grad_judgement(const Case& c, DType output_dtype);
+// The step's valid tokens matter where the kind's framework divides by them (effective_gradient_scale).
+GradJudgement grad_judgement(const Case& c, std::int64_t step_valid_tokens, DType output_dtype);
 
 // Distributed verification, run by every rank after its kernel (collective over `world`): the rank's
 // oracle computes the float64 reference of its own rows x columns (row statistics combined over its TP
@@ -169,15 +171,19 @@ std::vector<CheckResult> verify_rank(const Case& c, const RankOutput& out, Oracl
 class InvarianceCheck {
  public:
   explicit InvarianceCheck(const Case& c);
-  void add(LayoutSnapshot snapshot, const std::string& layout_name);
+  // A layout is compared with the first one of its class (LossKind::invariance_class; one class for most kinds).
+  void add(LayoutSnapshot snapshot, const std::string& layout_name, const std::string& layout_class = {});
   CheckResult result() const;
 
  private:
+  struct Base {
+    LayoutSnapshot snapshot;
+    std::string name;
+  };
   const Case& case_;
   Tolerance tolerance_;
-  std::optional<LayoutSnapshot> base_;
-  std::string base_name_;
-  int layouts_ = 0;  // compared so far
+  std::map<std::string, Base> bases_;  // per layout class
+  int layouts_ = 0;                    // compared so far
   ErrorStats stats_;
   nlohmann::json per_layout_ = nlohmann::json::array();
   bool gradients_compared_ = false;

@@ -5,6 +5,7 @@
 
 #include "lossverify/case/tolerances.hpp"
 #include "lossverify/checks/element_judge.hpp"
+#include "lossverify/kind_api/registry.hpp"
 
 namespace lossverify {
 
@@ -54,30 +55,34 @@ ErrorStats compare_layouts(const Case& c, const Tolerance& tol, const LayoutSnap
 
 InvarianceCheck::InvarianceCheck(const Case& c) : case_(c), tolerance_(effective_tolerance(c, "invariance")) {}
 
-void InvarianceCheck::add(LayoutSnapshot snapshot, const std::string& layout_name) {
-  if (!base_) {
-    base_ = std::move(snapshot);
-    base_name_ = layout_name;
-    gradients_compared_ = !base_->effective_grad.empty();
+void InvarianceCheck::add(LayoutSnapshot snapshot, const std::string& layout_name, const std::string& layout_class) {
+  const auto base = bases_.find(layout_class);
+  if (base == bases_.end()) {
+    gradients_compared_ = (bases_.empty() || gradients_compared_) && !snapshot.effective_grad.empty();
+    bases_.emplace(layout_class, Base{std::move(snapshot), layout_name});
     return;
   }
   ++layouts_;
-  const ErrorStats stats = compare_layouts(case_, tolerance_, *base_, snapshot, layouts_);
+  const ErrorStats stats = compare_layouts(case_, tolerance_, base->second.snapshot, snapshot, layouts_);
   gradients_compared_ = gradients_compared_ && !snapshot.effective_grad.empty();
   per_layout_.push_back({{"layout", layout_name},
-                         {"against", base_name_},
+                         {"against", base->second.name},
                          {"margin", stats.margin()},
                          {"mismatches", stats.mismatches()}});
   stats_.merge(stats);
 }
 
 CheckResult InvarianceCheck::result() const {
-  if (!base_) return make_result("invariance", stats_, tolerance_, "no layouts");
+  if (bases_.empty()) return make_result("invariance", stats_, tolerance_, "no layouts");
   CheckResult r = make_result("invariance", stats_, tolerance_,
                               "every layout reproduces the first layout's losses, logged values and gradients");
   r.metrics["layouts"] = per_layout_;
   r.metrics["gradients_compared"] = gradients_compared_;
   if (r.verdict == Verdict::not_applicable) r.summary = "a single layout: nothing to compare";
+  if (bases_.size() > 1) {
+    r.metrics["layout_classes"] = bases_.size();
+    r.summary = "each layout reproduces the first of its class: " + std::string(kind_of(case_.loss).invariance_rule());
+  }
   return r;
 }
 

@@ -22,11 +22,11 @@
 
 namespace lossverify {
 
-GradJudgement grad_judgement(const Case& c, DType output_dtype) {
+GradJudgement grad_judgement(const Case& c, std::int64_t step_valid_tokens, DType output_dtype) {
   GradJudgement j;
   j.tolerance = effective_tolerance(c, "grad");
   j.dtype = c.inputs.dtype;
-  j.framework_scale = c.framework.gradient_scale(c.layout);
+  j.framework_scale = effective_gradient_scale(c, step_valid_tokens);
   j.quantum = output_quantum(c.inputs.dtype);
   j.grad_scale = kind_of(c.loss).grad_scale(c.loss);
   j.smallest_normal = smallest_normal(output_dtype);
@@ -319,7 +319,7 @@ constexpr double kFloat32Reach = 1e30;
 // together.
 void require_representable_reference(const RankContext& x, const RowReference& ref) {
   const std::size_t q = kind_of(x.c.loss).token_quantities().size();
-  std::vector<double> values(q), statistics(kind_of(x.c.loss).logged_statistics().size());
+  std::vector<double> values(q), statistics(kind_of(x.c.loss).logged_statistics(x.c.loss).size());
   const auto out_of_reach = [](double v) { return !(std::fabs(v) <= kFloat32Reach); };
   // [token, which]: the first such token on this rank (tokens + 1 where none).
   double first[2] = {static_cast<double>(x.tokens + 1), 0.0};
@@ -484,7 +484,7 @@ struct StatisticFindings {
 
 StatisticFindings judge_statistics(const RankContext& x, const RowReference& ref) {
   StatisticFindings f;
-  f.names = kind_of(x.c.loss).logged_statistics();
+  f.names = kind_of(x.c.loss).logged_statistics(x.c.loss);
   const std::size_t q = f.names.size();
   f.stats.resize(q);
   f.expected.assign(q, 0.0);
@@ -830,7 +830,7 @@ std::vector<CheckResult> verify_rank(const Case& c, const RankOutput& out, Oracl
                       groups.columns.rank() == 0 && (token_replicas(c) == 1 || out.assignment.coordinates.tp == 0),
                       out.assignment.world_rank,
                       kind_of(c.loss).loss_scale(c.loss)};
-  const GradJudgement judgement = grad_judgement(c, out.dtype);
+  const GradJudgement judgement = grad_judgement(c, oracle.reference().valid_tokens(), out.dtype);
   StageTrace trace("rank " + std::to_string(x.world_rank) + " verify");
   trace.mark("0 coverage");
   check_coverage(x);

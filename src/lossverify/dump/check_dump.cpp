@@ -582,7 +582,7 @@ void mark_not_dumped(std::vector<CheckResult>& checks, const Dumped& d, const Lo
       continue;
     }
     if (r.name == "stats") {
-      mark_statistics_not_dumped(r, d, kind.logged_statistics());
+      mark_statistics_not_dumped(r, d, kind.logged_statistics(loss));
       continue;
     }
     if (r.name == "loss" && (!d.token_loss || logged_loss_missing)) {
@@ -732,7 +732,7 @@ RunResult check_dump(const DumpProblem& p, const DumpCheckOptions& options) {
     RankGroups groups{*tp, *batch, *dp, *cp, *tp};  // dumps carry vocabulary-split kinds only
     ErrorMap map;
     const RankOutput& out = p.outputs[static_cast<std::size_t>(rank)];
-    HostOracle oracle(c, *p.inputs, out, grad_judgement(c, out.dtype), threads);
+    HostOracle oracle(c, *p.inputs, out, grad_judgement(c, p.inputs->valid_tokens(), out.dtype), threads);
     std::vector<CheckResult> results =
         verify_rank(c, out, oracle, groups, world, options.keep_snapshot ? &snapshot : nullptr, &map);
     double seconds[1] = {std::chrono::duration<double>(Clock::now() - rank_start).count()};
@@ -825,7 +825,7 @@ json dump_run_to_json(const DumpProblem& p, const RunResult& run) {
   for (std::size_t q = 0; q < quantities.size(); ++q) {
     j["dump"]["dumped"][token_quantity_tensor(quantities[q])] = m.dumped.token_quantities[q] != 0;
   }
-  const std::vector<std::string> statistics = kind.logged_statistics();
+  const std::vector<std::string> statistics = kind.logged_statistics(m.the_case.loss);
   for (std::size_t k = 0; k < statistics.size(); ++k) {
     j["dump"]["dumped"]["stats." + statistics[k]] = m.dumped.statistics[k] != 0;
   }

@@ -420,13 +420,13 @@ class Parser {
         ObjectReader s = r.object("stats");
         rank.loss = scalar(s, "loss", default_file, false);
         rank.num_tokens = scalar(s, "num_tokens", default_file, true);
-        for (const std::string& name : kind_of(m_.the_case.loss).logged_statistics()) {
+        for (const std::string& name : kind_of(m_.the_case.loss).logged_statistics(m_.the_case.loss)) {
           rank.statistics.push_back(scalar(s, name, default_file, false));
         }
         s.reject_unknown_keys();
       } else {
         r.allow("stats");
-        rank.statistics.resize(kind_of(m_.the_case.loss).logged_statistics().size());
+        rank.statistics.resize(kind_of(m_.the_case.loss).logged_statistics(m_.the_case.loss).size());
       }
       r.reject_unknown_keys();
       ranks.push_back(std::move(rank));
@@ -553,7 +553,7 @@ class Parser {
     const bool labelled = kind.inputs().labels;
     const bool none = m_.the_case.loss.reduction == Reduction::none;
     const std::vector<std::string> quantities = kind.token_quantities();
-    const std::vector<std::string> statistics = kind.logged_statistics();
+    const std::vector<std::string> statistics = kind.logged_statistics(m_.the_case.loss);
     m_.dumped.token_quantities.assign(quantities.size(), 0);
     m_.dumped.statistics.assign(statistics.size(), 0);
     bool first = true;

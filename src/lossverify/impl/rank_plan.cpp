@@ -148,7 +148,7 @@ void RankPlan::plan_weights(const RankAssignment& assignment, RankGroups& groups
   }
 
   const LayoutSpec& layout = case_.layout;
-  const double scale = case_.framework.gradient_scale(layout);
+  const double scale = effective_gradient_scale(case_, inputs_.valid_tokens());
   const double data_ranks = static_cast<double>(layout.dp) * layout.cp;
   const Reduction reduction = case_.loss.reduction;
   double first_upstream = 1.0;

@@ -20,11 +20,14 @@ InputSource::InputSource(const Case& c) : case_(c), batch_(c.batch) {
 
 void InputSource::find_sequences_with_valid_tokens() {
   for (const Sequence& s : batch_.sequences()) {
-    bool any = false;
-    for (std::int64_t t = s.begin; t < s.begin + s.length && !any; ++t) any = is_valid(t);
-    sequence_has_valid_.push_back(any ? 1 : 0);
+    std::int64_t valid = 0;
+    for (std::int64_t t = s.begin; t < s.begin + s.length; ++t) valid += is_valid(t) ? 1 : 0;
+    sequence_has_valid_.push_back(valid > 0 ? 1 : 0);
+    valid_tokens_ += valid;
   }
 }
+
+std::int64_t InputSource::valid_tokens() const { return valid_tokens_; }
 
 namespace {
 

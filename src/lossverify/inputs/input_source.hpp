@@ -82,6 +82,8 @@ class InputSource {
   std::int64_t label(std::int64_t token) const;
   // Whether the token counts in the loss: cross-entropy needs a label, KD only the mask.
   bool is_valid(std::int64_t token) const;
+  // The step's valid tokens (counted at construction).
+  std::int64_t valid_tokens() const;
   const GlobalBatch& batch() const { return batch_; }
   // Whether any token of the batch's sequence s is valid (counted once at construction).
   bool sequence_has_valid_token(std::int64_t s) const { return sequence_has_valid_[static_cast<std::size_t>(s)] != 0; }
@@ -114,6 +116,7 @@ class InputSource {
   // Token ids moved onto the shard edges (place_labels_on_shard_edges), by token.
   std::unordered_map<std::int64_t, std::int64_t> placed_ids_;
   std::vector<char> sequence_has_valid_;
+  std::int64_t valid_tokens_ = 0;
   void place_labels_on_shard_edges();
 };
 

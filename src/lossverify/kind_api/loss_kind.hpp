@@ -31,6 +31,7 @@ class ObjectReader;
 }
 struct Case;
 struct LossSpec;
+struct LayoutSpec;
 struct BugSwitches;
 struct Implementation;
 struct RankAssignment;
@@ -239,6 +240,26 @@ class LossKind {
   virtual bool columns_split_by_tp() const { return true; }
   // The name of a row's columns in the case's "shape" ("vocab"; a router's "experts").
   virtual std::string_view column_axis() const { return "vocab"; }
+  // How many blocks of the axis's width a row holds side by side (a router's layers: its rows are [layers x
+  // experts]); the case's shape.vocab is the row's width, shape.<column_axis> times this.
+  virtual std::int64_t row_blocks(const LossSpec& spec) const {
+    (void)spec;
+    return 1;
+  }
+  // The layouts a sweep's invariance check compares with one another: those of one class (a router's losses are
+  // over its micro-batches' scopes, so only layouts that split the batch alike agree); one class by default.
+  virtual std::string invariance_class(const LayoutSpec& layout) const {
+    (void)layout;
+    return {};
+  }
+  virtual std::string_view invariance_rule() const { return "every layout"; }
+  // Whether the framework divides every gradient by the step's valid tokens after its reduction (Megatron's
+  // per-token loss mode): the effective gradient is then the local one times gradient_scale / N
+  // (effective_gradient_scale below).
+  virtual bool divides_by_step_tokens(const LossSpec& spec) const {
+    (void)spec;
+    return false;
+  }
   // Per-token float inputs the kind reads besides the logits and labels (a policy loss's old and reference
   // log-probabilities and advantages), by their names in exports and dumps; empty: none. A token's values in
   // that order come from the inputs: generated, or a dump's own (ExplicitInputs::token_inputs); 0 on padding.
@@ -275,7 +296,10 @@ class LossKind {
   // Per-token quantities a rank reports beside its loss (judged token by token, each as its own check), and
   // statistics it logs (judged in the "stats" check against the reference's mean over valid tokens).
   virtual std::vector<std::string> token_quantities() const { return {}; }
-  virtual std::vector<std::string> logged_statistics() const { return {}; }
+  virtual std::vector<std::string> logged_statistics(const LossSpec& spec) const {
+    (void)spec;
+    return {};
+  }
 
   // The row-sum invariant in words, and why it does not apply to a case (empty where it does).
   virtual std::string row_sum_rule() const = 0;
@@ -307,5 +331,9 @@ class LossKind {
   // fields the plugin backend fills; the plugin backend also reads them to see which capability bits a case needs.
   virtual void plugin_settings(const LossSpec& spec, lv_rank_inputs& settings) const { (void)spec, (void)settings; }
 };
+
+// The factor that turns a rank's local gradient into the effective one (docs/spec.md §5): the framework's reduction,
+// and the division by the step's valid tokens where the kind's case says the framework makes it.
+double effective_gradient_scale(const Case& c, std::int64_t step_valid_tokens);
 
 }  // namespace lossverify

@@ -2,11 +2,13 @@
 
 #include <mutex>
 
+#include "lossverify/case/case.hpp"
 #include "lossverify/core/errors.hpp"
 #include "lossverify/impl/catalogue.hpp"
 #include "lossverify/kinds/cross_entropy/cross_entropy_parts.hpp"
 #include "lossverify/kinds/kd/kd_parts.hpp"
 #include "lossverify/kinds/policy/policy_parts.hpp"
+#include "lossverify/kinds/router/router_parts.hpp"
 
 namespace lossverify {
 
@@ -20,6 +22,7 @@ struct Registry {
     kinds.push_back(make_cross_entropy_kind());
     kinds.push_back(make_kd_kind());
     kinds.push_back(make_policy_kind());
+    kinds.push_back(make_router_kind());
   }
 };
 
@@ -31,6 +34,12 @@ Registry& registry() {
 }  // namespace
 
 std::vector<Implementation> LossKind::catalogue() const { return {}; }
+
+double effective_gradient_scale(const Case& c, std::int64_t step_valid_tokens) {
+  const double scale = c.framework.gradient_scale(c.layout);
+  if (!c.loss.kind->divides_by_step_tokens(c.loss)) return scale;
+  return scale / static_cast<double>(std::max<std::int64_t>(step_valid_tokens, 1));
+}
 std::vector<Implementation> Stage::catalogue() const { return {}; }
 
 const LossKind* find_loss_kind(std::string_view name) {

@@ -272,14 +272,19 @@ class Shrinker {
     bool progress = true;
     while (progress && !exhausted_) {
       progress = false;
-      const std::int64_t v = doc_["shape"]["vocab"].get<std::int64_t>();
-      const std::int64_t lowest = std::max<std::int64_t>(2, doc_["layout"]["tp"].get<std::int64_t>());
+      const Case c = parse_case(doc_, "<shrink>");
+      const std::string axis(kind_of(c.loss).column_axis());  // "vocab", a router's "experts"
+      const std::int64_t blocks = kind_of(c.loss).row_blocks(c.loss);
+      const std::int64_t v = c.shape.vocab / blocks;
+      const bool split = tp_splits_columns(c);
+      const std::int64_t lowest = std::max<std::int64_t>(2, split ? c.layout.tp : 2);
       std::vector<std::int64_t> options = {v / 2};
       if (v <= 32) options.push_back(v - 1);
       for (std::int64_t next : options) {
         if (next < lowest || next >= v) continue;
         json candidate = doc_;
-        candidate["shape"]["vocab"] = next;
+        candidate["shape"][axis] = next;
+        if (blocks > 1 && candidate["inputs"].contains("overrides")) continue;  // rows of blocks: not cut here
         if (candidate["inputs"].contains("overrides")) {
           for (json& o : candidate["inputs"]["overrides"]) {
             if (!o.contains("logits")) continue;
@@ -288,7 +293,7 @@ class Shrinker {
             o["logits"] = row;
           }
         }
-        if (attempt(candidate, "vocab " + std::to_string(v) + " -> " + std::to_string(next))) {
+        if (attempt(candidate, axis + " " + std::to_string(v) + " -> " + std::to_string(next))) {
           progress = changed = true;
           break;
         }

@@ -296,7 +296,7 @@ RankJob run_rank(const Case& c, const InputSource& inputs, const Implementation&
   RankJob job;
   job.execution = execution;
   // The oracle judges the rank's outputs read-only; the GPU oracle where the gradient stayed on the GPU.
-  const GradJudgement judgement = grad_judgement(c, out.dtype);
+  const GradJudgement judgement = grad_judgement(c, inputs.valid_tokens(), out.dtype);
   std::unique_ptr<Oracle> oracle =
       gpu_oracle ? cuda::make_device_oracle(c, inputs, std::move(gpu_oracle), out, judgement, groups.tp.size() == 1)
                  : std::make_unique<HostOracle>(c, inputs, out, judgement, threads);
@@ -452,7 +452,7 @@ SweepResult run_sweep(const Case& c, const std::vector<LayoutSpec>& layouts, con
     Case at = c;
     at.layout = layout;
     RunResult r = run_case(at, shared, true);
-    invariance.add(std::move(*r.snapshot), layout_name(layout));
+    invariance.add(std::move(*r.snapshot), layout_name(layout), kind_of(c.loss).invariance_class(layout));
     r.snapshot.reset();
     if (r.verdict == Verdict::fail) sweep.verdict = Verdict::fail;
     if (progress) progress(sweep.runs.size() + 1, layouts.size(), r);

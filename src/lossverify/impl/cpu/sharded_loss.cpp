@@ -71,7 +71,7 @@ class RankKernel {
     out_.token_loss.assign(static_cast<std::size_t>(rows()), 0.0f);
     out_.logged_token_loss.assign(plan_->kind_plan().separate_logged_loss ? static_cast<std::size_t>(rows()) : 0, 0.0f);
     out_.token_values.assign(static_cast<std::size_t>(rows()) * kind_.token_quantities().size(), 0.0f);
-    out_.logged_stats.assign(kind_.logged_statistics().size(), 0.0);
+    out_.logged_stats.assign(kind_.logged_statistics(case_.loss).size(), 0.0);
     assign_zeros_beating(out_.grad, static_cast<std::size_t>(rows() * vocab.size()) * sizeof(T), beacon_);
     const auto& offsets = out_.assignment.micro_batch_begin;
     for (std::size_t k = 0; k + 1 < offsets.size(); ++k) {

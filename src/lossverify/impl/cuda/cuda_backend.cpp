@@ -115,7 +115,7 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
   out.token_loss.assign(static_cast<std::size_t>(rows), 0.0f);
   out.logged_token_loss.assign(plan.kind_plan().separate_logged_loss ? static_cast<std::size_t>(rows) : 0, 0.0f);
   out.token_values.assign(static_cast<std::size_t>(rows) * kind.token_quantities().size(), 0.0f);
-  out.logged_stats.assign(kind.logged_statistics().size(), 0.0);
+  out.logged_stats.assign(kind.logged_statistics(c.loss).size(), 0.0);
   KindOutputs kind_outputs{out.token_loss, out.logged_token_loss, out.token_values, out.logged_stats};
   trace.mark("kernels");
 

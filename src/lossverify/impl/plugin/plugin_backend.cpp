@@ -421,7 +421,7 @@ class PluginRank {
            " per-row values (token_value_rows x token_value_columns), but the rank holds " + std::to_string(rows) +
            " rows of " + std::to_string(values) + " values (" + names_of(kind.token_quantities()) + ")");
     }
-    const auto statistics = static_cast<std::int32_t>(kind.logged_statistics().size());
+    const auto statistics = static_cast<std::int32_t>(kind.logged_statistics(case_.loss).size());
     if (statistics > LV_MAX_LOGGED_STATISTICS) {
       throw InternalError("loss kind " + std::string(kind.name()) +
                           " logs more statistics than the plugin ABI carries");
@@ -429,7 +429,7 @@ class PluginRank {
     if (statistics > 0 && done.logged_statistics_count != statistics) {
       fail("wrote " + std::to_string(done.logged_statistics_count) +
            " logged statistics (logged_statistics_count), but this loss logs " + std::to_string(statistics) + " (" +
-           names_of(kind.logged_statistics()) + ")");
+           names_of(kind.logged_statistics(case_.loss)) + ")");
     }
     out_.grad.assign(region.at(layout_.grad), region.at(layout_.grad) + layout_.grad_bytes);
     out_.token_loss.resize(static_cast<std::size_t>(rows));

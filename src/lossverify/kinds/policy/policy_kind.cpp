@@ -164,7 +164,7 @@ class PolicyKind final : public LossKind {
   bool logs_loss_in_input_dtype() const override { return false; }
   KindRowPlan plan_rows(const RowPlanRequest& request) const override { return plan_policy_rows(request); }
   std::vector<std::string> token_quantities() const override { return {"logprob", "entropy"}; }
-  std::vector<std::string> logged_statistics() const override {
+  std::vector<std::string> logged_statistics(const LossSpec&) const override {
     return {"clip_fraction", "dual_clip_fraction", "kl", "entropy"};
   }
 

@@ -1,7 +1,7 @@
 // The router kind on the CPU backend, one micro-batch (one scope's share) of one rank, in float32 as a trainer
-// computes it: scores, the top-k map, the scope's counts and valid tokens all-reduced over the sequence partition
-// (CP, and TP under sequence parallelism) before any gradient, then each token's
-//   l_t = alpha E / (k T^2) <c, s_t> + alpha_z / T lse(z_t)^2
+// computes it: per layer, the scores, the top-k map, the scope's counts and valid tokens all-reduced over the
+// sequence partition (CP, and TP under sequence parallelism) before any gradient, then each token's
+//   l_t = sum over layers of a <c, s_t> + a_s <c_s, s_t> / S + a_g <c^G, s_t> + alpha_z / T lse(z_t)^2
 // and its gradient, scaled by the row's backward weight. The catalogued bugs are switches of router_bug.
 #include <algorithm>
 #include <cmath>
@@ -24,13 +24,14 @@ namespace lossverify {
 
 namespace {
 
-struct Row {
-  std::vector<float> z, s;  // logits and scores
+// One layer's router logits of a row and their scores.
+struct Block {
+  std::vector<float> z, s;
   float lse = 0.0f;
 };
 
 // Scores in float32: softmax, or sigmoid normalised over the experts.
-void score_row(RouterOptions::Score score, Row& r) {
+void score_block(RouterOptions::Score score, Block& r) {
   const float max = *std::max_element(r.z.begin(), r.z.end());
   float sum = 0.0f;
   for (float v : r.z) sum += std::exp(v - max);
@@ -44,8 +45,8 @@ void score_row(RouterOptions::Score score, Row& r) {
   for (float& v : r.s) v /= total;
 }
 
-// The top-k experts of a row's scores (ties to the lower index).
-std::vector<int> routed(const Row& r, int k) {
+// The top-k experts of a block's scores (ties to the lower index).
+std::vector<int> routed(const Block& r, int k) {
   std::vector<int> order(r.s.size());
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(),
@@ -54,51 +55,100 @@ std::vector<int> routed(const Row& r, int k) {
   return order;
 }
 
-// The global aux loss's counts and tokens [c_e..., T]: the rank's rows of every micro-batch (step) or of micro-batches
+// Per layer [c_e..., T]: a scope's counts and tokens, layer after layer.
+struct Sums {
+  std::size_t experts;
+  std::vector<float> values;
+  Sums(std::size_t layers, std::size_t width) : experts(width), values(layers * (width + 1), 0.0f) {}
+  float* layer(std::size_t l) { return &values[l * (experts + 1)]; }
+  const float* layer(std::size_t l) const { return &values[l * (experts + 1)]; }
+  void add(std::size_t l, std::span<const int> experts_routed) {
+    float* c = layer(l);
+    for (const int e : experts_routed) c[static_cast<std::size_t>(e)] += 1.0f;
+    c[experts] += 1.0f;
+  }
+};
+
+template <class T>
+void load_block(const T* row, std::size_t l, Block& b) {
+  const std::size_t width = b.z.size();
+  for (std::size_t e = 0; e < width; ++e) b.z[e] = static_cast<float>(row[l * width + e]);
+}
+
+// The global aux loss's counts and tokens per layer: the rank's rows of every micro-batch (step) or of micro-batches
 // 0..k (running), all-reduced over every rank holding other tokens.
 template <class T>
-std::vector<float> global_counts(const CpuMicroBatch& mb, const RouterOptions& o, int k) {
-  const std::int64_t experts = mb.work.size();
-  const auto width = static_cast<std::size_t>(experts);
+Sums global_counts(const CpuMicroBatch& mb, const RouterOptions& o, std::size_t experts, int k, int top_k) {
+  const auto layers = static_cast<std::size_t>(o.layers);
   const auto& begins = mb.assignment.micro_batch_begin;
   const std::int64_t end =
       o.global_counts == RouterOptions::GlobalCounts::step ? begins.back() : begins[static_cast<std::size_t>(k) + 1];
-  std::vector<float> sums(width + 1, 0.0f);
-  Row r;
-  r.z.resize(width);
-  r.s.resize(width);
+  Sums sums(layers, experts);
+  Block b{std::vector<float>(experts), std::vector<float>(experts)};
   const T* x = reinterpret_cast<const T*>(mb.logits);
   for (std::int64_t i = 0; i < end; ++i) {
     if (!mb.plan.row(i).active) continue;
-    for (std::size_t e = 0; e < width; ++e) r.z[e] = static_cast<float>(x[i * experts + static_cast<std::int64_t>(e)]);
-    score_row(o.score, r);
-    for (const int e : routed(r, o.top_k)) sums[static_cast<std::size_t>(e)] += 1.0f;
-    sums[width] += 1.0f;
+    for (std::size_t l = 0; l < layers; ++l) {
+      load_block(x + i * static_cast<std::int64_t>(layers * experts), l, b);
+      score_block(o.score, b);
+      sums.add(l, routed(b, top_k));
+    }
   }
-  mb.groups.batch.allreduce_sum(std::span<float>(sums));
+  mb.groups.batch.allreduce_sum(std::span<float>(sums.values));
   return sums;
+}
+
+// The factors a trainer applies to the aux terms' and to every router gradient (the catalogued bugs move them).
+struct Factors {
+  float aux = 1.0f, sequence_aux = 1.0f, all = 1.0f;
+};
+Factors factors(const CpuMicroBatch& mb, const RouterOptions& o, std::span<const float> row_inputs,
+                std::size_t sequences) {
+  const std::uint64_t bugs = mb.bugs.kind_switches;
+  const LayoutSpec& layout = mb.c.layout;
+  const bool per_token = o.scaling == RouterOptions::Scaling::per_token;
+  const float scope_tokens = row_inputs[0], own_tokens = row_inputs[1], step_tokens = row_inputs[2];
+  Factors f;
+  if ((bugs & router_bug::tp_sum) != 0 && layout.sp) f.aux = static_cast<float>(layout.tp);
+  if ((bugs & router_bug::cp_missing) != 0) f.all = 1.0f / static_cast<float>(layout.cp);
+  if ((bugs & router_bug::no_grad) != 0) f.aux = 0.0f;  // the scaler's return discarded
+  if ((bugs & router_bug::ga_overweight) != 0) f.aux *= static_cast<float>(layout.ga);
+  if (per_token) {
+    if ((bugs & router_bug::per_token_divided) != 0) f.aux /= step_tokens;
+    if ((bugs & router_bug::per_token_tp_cp) != 0) f.all /= static_cast<float>(layout.tp * layout.cp);
+    if ((bugs & router_bug::seq_aux_mbs) != 0)
+      f.sequence_aux = 1.0f / static_cast<float>(std::max<std::size_t>(sequences, 1));
+    if ((bugs & router_bug::count_not_returned) != 0 && layout.cp > 1) f.all *= step_tokens;
+    if ((bugs & router_bug::per_token_rank_count) != 0) {
+      const int sharing = layout.cp * (layout.sp ? layout.tp : 1);
+      f.all *= own_tokens * static_cast<float>(sharing) / scope_tokens;
+    }
+  }
+  return f;
 }
 
 template <class T>
 void run(const CpuMicroBatch& mb) {
   const RouterOptions& o = router_options(mb.c.loss);
   const std::uint64_t bugs = mb.bugs.kind_switches;
-  const std::int64_t experts = mb.work.size();
-  const auto width = static_cast<std::size_t>(experts);
-  const T* x = reinterpret_cast<const T*>(mb.logits) + mb.begin * experts;
-  T* g = reinterpret_cast<T*>(mb.grad) + mb.begin * experts;
+  const auto layers = static_cast<std::size_t>(o.layers);
+  const auto row_width = static_cast<std::size_t>(mb.work.size());
+  const std::size_t experts = row_width / layers;
+  const int top_k = (bugs & router_bug::global_topk) != 0 ? router_bug::global_top_k : o.top_k;
+  const T* x = reinterpret_cast<const T*>(mb.logits) + mb.begin * static_cast<std::int64_t>(row_width);
+  T* g = reinterpret_cast<T*>(mb.grad) + mb.begin * static_cast<std::int64_t>(row_width);
   const auto n = static_cast<std::size_t>(mb.n);
   auto plan = [&](std::size_t i) -> const RowPlan& { return mb.plan.row(mb.begin + static_cast<std::int64_t>(i)); };
   // moe-aux-padding-counted: every row of the rank counts in T and in the scores, padding included.
   auto counted = [&](std::size_t i) { return (bugs & router_bug::padding_counted) != 0 || plan(i).active; };
-  std::vector<Row> rows(n);
-  std::vector<float> scope(width + 1, 0.0f);  // counts c_e, then T
-  // The sequence aux loss's scopes: the micro-batch's sequences, in the layout's order, each [c_e..., T_s].
+  std::vector<Block> blocks(n * layers, Block{std::vector<float>(experts), std::vector<float>(experts)});
+  Sums scope(layers, experts);
+  // The sequence aux loss's scopes: the micro-batch's sequences, in the layout's order.
   const auto& begins = mb.assignment.micro_batch_begin;
   const auto k = static_cast<int>(std::find(begins.begin(), begins.end(), mb.begin) - begins.begin());
   const std::vector<std::int64_t> sequences =
       sequences_of_slot(GlobalBatch(mb.c.batch), mb.c.batch, mb.c.layout, mb.assignment.coordinates.dp, k);
-  std::vector<float> per_sequence(sequences.size() * (width + 1), 0.0f);
+  Sums per_sequence(sequences.size() * layers, experts);  // sequence j's layer l at j * layers + l
   auto sequence_slot = [&](std::size_t i) {
     const std::int64_t q = mb.assignment.rows[static_cast<std::size_t>(mb.begin) + i].sequence;
     return static_cast<std::size_t>(std::find(sequences.begin(), sequences.end(), q) - sequences.begin());
@@ -106,68 +156,78 @@ void run(const CpuMicroBatch& mb) {
   for (std::size_t i = 0; i < n; ++i) {
     beat_row(mb.beacon, static_cast<std::int64_t>(i));
     if (!counted(i)) continue;
-    Row& r = rows[i];
-    r.z.resize(width);
-    r.s.resize(width);
-    for (std::size_t e = 0; e < width; ++e) r.z[e] = static_cast<float>(x[i * width + e]);
-    score_row(o.score, r);
-    float* own = &per_sequence[sequence_slot(i) * (width + 1)];
-    for (const int e : routed(r, o.top_k)) {
-      scope[static_cast<std::size_t>(e)] += 1.0f;
-      own[static_cast<std::size_t>(e)] += 1.0f;
+    for (std::size_t l = 0; l < layers; ++l) {
+      Block& b = blocks[i * layers + l];
+      load_block(x + i * row_width, l, b);
+      score_block(o.score, b);
+      const std::vector<int> map = routed(b, top_k);
+      scope.add(l, map);
+      per_sequence.add(sequence_slot(i) * layers + l, map);
     }
-    scope[width] += 1.0f;
-    own[width] += 1.0f;
   }
   if ((bugs & router_bug::local_counts) == 0) {  // the scopes span the sequence partition
-    for (std::vector<float>* sums : {&scope, &per_sequence}) {
-      mb.groups.cp.allreduce_sum(std::span<float>(*sums));
-      if (mb.c.layout.sp) mb.groups.tp.allreduce_sum(std::span<float>(*sums));
+    for (Sums* sums : {&scope, &per_sequence}) {
+      mb.groups.cp.allreduce_sum(std::span<float>(sums->values));
+      if (mb.c.layout.sp) mb.groups.tp.allreduce_sum(std::span<float>(sums->values));
     }
   }
-  const std::vector<float> global =
-      o.global_aux_coef > 0.0 ? global_counts<T>(mb, o, k) : std::vector<float>(width + 1, 0.0f);
+  const Sums global = o.global_aux_coef > 0.0 ? global_counts<T>(mb, o, experts, k, top_k) : Sums(layers, experts);
   float held = 0.0f;  // the micro-batch's sequences that hold a valid token
-  for (std::size_t j = 0; j < sequences.size(); ++j) held += per_sequence[j * (width + 1) + width] > 0.0f ? 1.0f : 0.0f;
-  const float tokens = std::fmax(scope[width], 1.0f);
+  for (std::size_t j = 0; j < sequences.size(); ++j)
+    held += per_sequence.layer(j * layers)[experts] > 0.0f ? 1.0f : 0.0f;
+  const float tokens = std::fmax(scope.layer(0)[experts], 1.0f);
   const float k_div =
-      (bugs & router_bug::topk_squared) != 0 ? static_cast<float>(o.top_k * o.top_k) : static_cast<float>(o.top_k);
-  const float aux_scale = static_cast<float>(o.aux_coef) * static_cast<float>(experts) / (k_div * tokens * tokens);
+      (bugs & router_bug::topk_squared) != 0 ? static_cast<float>(top_k * top_k) : static_cast<float>(top_k);
+  const auto e_count = static_cast<float>(experts);
+  const float aux_scale = static_cast<float>(o.aux_coef) * e_count / (k_div * tokens * tokens);
   const float z_weight = static_cast<float>(o.z_loss_coef) / tokens;
-  float aux_factor = 1.0f, factor = 1.0f;
-  if ((bugs & router_bug::tp_sum) != 0 && mb.c.layout.sp) aux_factor = static_cast<float>(mb.c.layout.tp);
-  if ((bugs & router_bug::cp_missing) != 0) factor = 1.0f / static_cast<float>(mb.c.layout.cp);
-  if ((bugs & router_bug::no_grad) != 0) aux_factor = 0.0f;  // the scaler's return discarded
-  if ((bugs & router_bug::ga_overweight) != 0) aux_factor *= static_cast<float>(mb.c.layout.ga);
-  std::vector<float> weights(width);  // a c_e + a_s c_s,e / S: the aux terms' weights of the row's experts
+  const std::vector<float>& row_inputs = mb.plan.kind_plan().row_inputs;
+  std::vector<float> weights(experts);  // a c_e + a_s c_s,e / S + a_g c^G_e: the aux terms' weights
   for (std::size_t i = 0; i < n; ++i) {
     if (!plan(i).active) continue;
-    const Row& r = rows[i];
-    const float* own = &per_sequence[sequence_slot(i) * (width + 1)];
-    const float sequence_tokens = std::fmax(own[width], 1.0f);
-    const float sequence_scale = static_cast<float>(o.seq_aux_coef) * static_cast<float>(experts) /
-                                 (k_div * sequence_tokens * sequence_tokens * std::fmax(held, 1.0f));
-    const float global_scale = global[width] > 0.0f
-                                   ? static_cast<float>(o.global_aux_coef) * static_cast<float>(experts) /
-                                         (static_cast<float>(o.top_k) * global[width] * tokens)
-                                   : 0.0f;
-    float dot = 0.0f;
-    for (std::size_t e = 0; e < width; ++e) {
-      weights[e] = aux_scale * scope[e] + sequence_scale * own[e] + global_scale * global[e];
-      dot += weights[e] * r.s[e];
+    const std::size_t row = static_cast<std::size_t>(mb.begin) + i;
+    const Factors f = factors(
+        mb, o, std::span<const float>(row_inputs).subspan(row * kRouterRowInputs, kRouterRowInputs), sequences.size());
+    const float w = plan(i).backward_weight * f.all;
+    float loss = 0.0f;
+    for (std::size_t l = 0; l < layers; ++l) {
+      const Block& b = blocks[i * layers + l];
+      const float* c = scope.layer(l);
+      const float* own = per_sequence.layer(sequence_slot(i) * layers + l);
+      const float* c_global = global.layer(l);
+      const float sequence_tokens = std::fmax(own[experts], 1.0f);
+      const float sequence_scale = static_cast<float>(o.seq_aux_coef) * e_count /
+                                   (k_div * sequence_tokens * sequence_tokens * std::fmax(held, 1.0f));
+      const float global_scale = c_global[experts] > 0.0f ? static_cast<float>(o.global_aux_coef) * e_count /
+                                                                (static_cast<float>(top_k) * c_global[experts] * tokens)
+                                                          : 0.0f;
+      float dot = 0.0f, sequence_dot = 0.0f;  // <weights, s> and its sequence aux part
+      for (std::size_t e = 0; e < experts; ++e) {
+        weights[e] = aux_scale * c[e] + sequence_scale * own[e] + global_scale * c_global[e];
+        dot += weights[e] * b.s[e];
+        sequence_dot += sequence_scale * own[e] * b.s[e];
+      }
+      const float z_term = z_weight * b.lse * b.lse;
+      loss += dot + z_term;
+      // The logged aux and z values: this rank's share (summed over the ranks holding other tokens afterwards).
+      const double logged_aux = (bugs & router_bug::log_doubled) != 0 ? 2.0 * dot : dot;
+      const double forward = plan(i).forward_weight;
+      mb.logged_stats[0] += forward * logged_aux / static_cast<double>(layers);
+      mb.logged_stats[1] += forward * static_cast<double>(z_term) / static_cast<double>(layers);
+      if (layers > 1) {
+        mb.logged_stats[2 + 2 * l] += forward * logged_aux;
+        mb.logged_stats[3 + 2 * l] += forward * static_cast<double>(z_term);
+      }
+      for (std::size_t e = 0; e < experts; ++e) {
+        const float slope = o.score == RouterOptions::Score::softmax ? 1.0f : 1.0f - 1.0f / (1.0f + std::exp(-b.z[e]));
+        const float sequence_weight = sequence_scale * own[e];
+        const float aux = b.s[e] * slope * (weights[e] - sequence_weight - (dot - sequence_dot));
+        const float sequence_aux = b.s[e] * slope * (sequence_weight - sequence_dot);
+        const float z = 2.0f * z_weight * b.lse * std::exp(b.z[e] - b.lse);
+        g[i * row_width + l * experts + e] = T(w * (f.aux * (aux + f.sequence_aux * sequence_aux) + z));
+      }
     }
-    mb.token_loss[static_cast<std::size_t>(mb.begin) + i] = dot + z_weight * r.lse * r.lse;
-    // The logged aux and z values: this rank's share (summed over the ranks holding other tokens afterwards).
-    const double logged_aux = (bugs & router_bug::log_doubled) != 0 ? 2.0 * dot : dot;
-    mb.logged_stats[0] += plan(i).forward_weight * logged_aux;
-    mb.logged_stats[1] += plan(i).forward_weight * static_cast<double>(z_weight * r.lse * r.lse);
-    const float w = plan(i).backward_weight * factor;
-    for (std::size_t e = 0; e < width; ++e) {
-      const float slope = o.score == RouterOptions::Score::softmax ? 1.0f : 1.0f - 1.0f / (1.0f + std::exp(-r.z[e]));
-      const float aux = r.s[e] * slope * (weights[e] - dot);
-      const float z = 2.0f * z_weight * r.lse * std::exp(r.z[e] - r.lse);
-      g[i * width + e] = T(w * (aux_factor * aux + z));
-    }
+    mb.token_loss[row] = loss;
   }
 }
 
@@ -177,12 +237,33 @@ void router_cpu_micro_batch(const CpuMicroBatch& batch) {
   dispatch_dtype(batch.dtype, [&](auto type) { run<typename decltype(type)::type>(batch); });
 }
 
-// Each valid row's weight in L: the step's mean over its DP x GA micro-batches of their scopes' losses.
+// Each valid row's weight in L: the mean over the step's DP x GA micro-batches of their scopes' losses, or (per-token
+// mode) its micro-batch scope's share T_S / N of the step's valid tokens; and the counts the kernels' scaling reads.
 KindRowPlan plan_router_rows(const RowPlanRequest& r) {
+  const RouterOptions& o = router_options(r.c.loss);
+  const auto& begins = r.assignment.micro_batch_begin;
+  const std::size_t ga = begins.size() - 1;
+  std::vector<double> own(ga, 0.0);  // the rank's valid tokens per micro-batch
+  for (std::size_t k = 0; k < ga; ++k) {
+    for (std::int64_t i = begins[k]; i < begins[k + 1]; ++i) own[k] += r.valid[static_cast<std::size_t>(i)] ? 1.0 : 0.0;
+  }
+  std::vector<double> scope = own;  // over the sequence partition: CP, and TP under sequence parallelism
+  r.groups.cp.allreduce_sum(std::span<double>(scope));
+  if (r.c.layout.sp) r.groups.tp.allreduce_sum(std::span<double>(scope));
+  const auto step = static_cast<double>(r.inputs.valid_tokens());
   KindRowPlan plan;
-  const double weight = 1.0 / (static_cast<double>(r.c.layout.dp) * static_cast<double>(r.c.layout.ga));
   plan.weights = std::vector<double>(r.valid.size(), 0.0);
-  for (std::size_t i = 0; i < r.valid.size(); ++i) (*plan.weights)[i] = r.valid[i] ? weight : 0.0;
+  plan.row_inputs.assign(r.valid.size() * kRouterRowInputs, 0.0f);
+  const double mean = 1.0 / (static_cast<double>(r.c.layout.dp) * static_cast<double>(r.c.layout.ga));
+  for (std::size_t k = 0; k < ga; ++k) {
+    for (auto i = static_cast<std::size_t>(begins[k]); i < static_cast<std::size_t>(begins[k + 1]); ++i) {
+      if (r.valid[i]) (*plan.weights)[i] = o.scaling == RouterOptions::Scaling::per_token ? scope[k] / step : mean;
+      float* in = &plan.row_inputs[i * kRouterRowInputs];
+      in[0] = static_cast<float>(scope[k]);
+      in[1] = static_cast<float>(own[k]);
+      in[2] = static_cast<float>(step);
+    }
+  }
   return plan;
 }
 

@@ -1,7 +1,6 @@
-// The router kind (../shared/MOE.md): a mixture-of-experts router's load-balancing loss (the Switch form over a
-// micro-batch's scope) and z-loss, on router logits whose E columns are whole on every rank. Not in the registry
-// yet (router_parts.hpp): its sequence and global aux losses, layers, the per-token scaling mode, the tie bound,
-// CUDA, plugins, dumps and the Python package come with it.
+// The router kind (../shared/MOE.md, docs/spec.md §10): a mixture-of-experts router's load-balancing losses (the
+// Switch form over a micro-batch's scope, per sequence, and with the global batch's counts) and z-loss, on router
+// logits whose layers x E columns are whole on every rank, under the trainer's scaling contract (MOE.md §2).
 #include <array>
 
 #include "lossverify/case/case.hpp"
@@ -30,7 +29,7 @@ class RouterKind final : public LossKind {
  public:
   std::string_view name() const override { return "router"; }
   std::string_view summary() const override {
-    return "a mixture-of-experts router's load-balancing loss (Switch form, per micro-batch) and z-loss";
+    return "a mixture-of-experts router's load-balancing losses (micro-batch, sequence, global batch) and z-loss";
   }
   const SettingTable& settings() const override {
     using O = RouterOptions;
@@ -43,8 +42,17 @@ class RouterKind final : public LossKind {
       top_k.set = [](LossSpec& l, const json& v) {
         edit_options<O>(l).top_k = static_cast<int>(v.get<std::int64_t>());
       };
+      Setting layers;
+      layers.key = "layers";
+      layers.type = Setting::Type::integer;
+      layers.fallback = 1;
+      layers.get = [](const LossSpec& l) { return json(router_options(l).layers); };
+      layers.set = [](LossSpec& l, const json& v) {
+        edit_options<O>(l).layers = static_cast<int>(v.get<std::int64_t>());
+      };
       return SettingTable{
-          top_k.range(1, 1024).described("k: the experts each token is routed to"),
+          top_k.range(1, 1024).described("k: the experts each token is routed to (1 <= k < experts)"),
+          layers.range(1, 64).described("MoE layers, each with its own router logits: rows are [layers x experts]"),
           choice_setting("score", &O::score, std::array{Score::softmax, Score::sigmoid}, Score::softmax)
               .described("softmax p_t, or sigmoid normalised over the experts q_t, for the aux loss"),
           number_setting("aux_coef", &O::aux_coef, 0.01)
@@ -65,6 +73,10 @@ class RouterKind final : public LossKind {
               .range(0.0, 10.0)
               .described("alpha_z of the router z-loss")
               .shrinks_as("no z-loss"),
+          choice_setting("scaling", &O::scaling, std::array{O::Scaling::standard, O::Scaling::per_token},
+                         O::Scaling::standard)
+              .described("default: the mean of the micro-batches' losses; per_token: each weighs T_S / N and the "
+                         "framework divides every gradient by N"),
       };
     }();
     return table;
@@ -84,19 +96,46 @@ class RouterKind final : public LossKind {
         }
       }
     }
-    if (router_options(c.loss).top_k > c.shape.vocab) {
-      detail::fail_at(
-          c.source, "$.loss.top_k",
-          std::to_string(router_options(c.loss).top_k) + " exceeds the experts, " + std::to_string(c.shape.vocab));
+    const std::int64_t experts = c.shape.vocab / router_options(c.loss).layers;
+    if (router_options(c.loss).top_k >= experts) {
+      detail::fail_at(c.source, "$.loss.top_k",
+                      "must be below the experts (" + std::to_string(experts) + "), got " +
+                          std::to_string(router_options(c.loss).top_k));
+    }
+    // 16-bit router logits tie at the k-th score (MOE.md §3) far more often than the bound for ties is worth
+    // without one: routers compute in float32 (Megatron's moe_router_dtype), and so does this kind.
+    if (c.inputs.dtype != DType::fp32) {
+      detail::fail_at(c.source, "$.inputs.dtype",
+                      "the router kind reads float32 router logits, got " + std::string(to_string(c.inputs.dtype)));
     }
   }
   KindInputs inputs() const override { return {false, false}; }
   bool columns_split_by_tp() const override { return false; }
   std::string_view column_axis() const override { return "experts"; }
+  std::int64_t row_blocks(const LossSpec& spec) const override { return router_options(spec).layers; }
+  std::string invariance_class(const LayoutSpec& layout) const override {
+    return "dp" + std::to_string(layout.dp) + "-ga" + std::to_string(layout.ga);
+  }
+  std::string_view invariance_rule() const override {
+    return "one dp and ga (a router's scopes are its micro-batches), over tp, sp and cp";
+  }
+  bool divides_by_step_tokens(const LossSpec& spec) const override {
+    return router_options(spec).scaling == RouterOptions::Scaling::per_token;
+  }
   std::string dump_gap() const override { return "the router kind's scopes (not yet)"; }
   bool logs_loss_in_input_dtype() const override { return false; }
   KindRowPlan plan_rows(const RowPlanRequest& request) const override { return plan_router_rows(request); }
-  std::vector<std::string> logged_statistics() const override { return {"aux_loss", "z_loss"}; }
+  // The logged aux loss (every aux term) and z-loss, each the mean over layers of a layer's as it enters the step's
+  // loss; with several layers, each layer's too.
+  std::vector<std::string> logged_statistics(const LossSpec& spec) const override {
+    std::vector<std::string> names = {"aux_loss", "z_loss"};
+    const int layers = router_options(spec).layers;
+    for (int l = 0; layers > 1 && l < layers; ++l) {
+      names.push_back("aux_loss.layer" + std::to_string(l));
+      names.push_back("z_loss.layer" + std::to_string(l));
+    }
+    return names;
+  }
   std::string row_sum_rule() const override { return "none: the router's row sums depend on its scope"; }
   std::string row_sum_exemption(const LossSpec&) const override {
     return "the router's row sums depend on its scope's counts: not checked";
@@ -131,6 +170,30 @@ class RouterKind final : public LossKind {
         router_bug_entry("moe-aux-ga-overweight", "the aux gradient not divided by the micro-batch count",
                          "NeMo Automodel #3359", "the aux terms' gradient x GA at ga > 1", {"grad"},
                          router_bug::ga_overweight),
+        router_bug_entry("moe-aux-per-token-divided",
+                         "per-token mode: the aux gradient already divided by the step's tokens, and finalize "
+                         "divides it again",
+                         "Megatron-LM 87d9d2506a", "the aux terms' gradient / N in per-token mode", {"grad"},
+                         router_bug::per_token_divided),
+        router_bug_entry("moe-aux-per-token-tp-cp", "per-token mode scales the aux and z gradients by 1/(TP CP)",
+                         "Megatron-LM 9ef8a2a420 (#5047)", "the router gradient / (TP CP) in per-token mode", {"grad"},
+                         router_bug::per_token_tp_cp),
+        router_bug_entry("moe-seq-aux-mbs", "per-token mode: the sequence aux gradient divided by the micro-batch size",
+                         "Megatron-LM e3fe5508c9 (#5798)",
+                         "the sequence aux term's gradient / the micro-batch's sequences in per-token mode", {"grad"},
+                         router_bug::seq_aux_mbs),
+        router_bug_entry("moe-aux-count-not-returned",
+                         "per-token mode at CP > 1: the token count never handed to finalize, so nothing divides by it",
+                         "verl #6609, fixed in #6836", "the router gradient x N in per-token mode at cp > 1", {"grad"},
+                         router_bug::count_not_returned),
+        router_bug_entry("moe-aux-global-topk", "a global top_k (2) used instead of the router's own",
+                         "OpenRLHF 152c72ba", "loss and grad wherever the router's top_k is not 2", {"loss", "grad"},
+                         router_bug::global_topk),
+        router_bug_entry("moe-aux-per-token-rank-count",
+                         "per-token mode: a scope's tokens taken as the rank's own count x the ranks of the scope",
+                         "Megatron-LM router.py, MOE.md section 2",
+                         "the router gradient wherever the ranks of a scope hold unequal valid tokens", {"grad"},
+                         router_bug::per_token_rank_count),
     };
   }
   std::unique_ptr<KindReference> reference(const Case& c, const InputSource& inputs) const override {
@@ -146,6 +209,9 @@ const RouterOptions& router_options(const LossSpec& loss) { return options_of<Ro
 std::string_view to_string(RouterOptions::Score s) { return s == Score::sigmoid ? "sigmoid" : "softmax"; }
 std::string_view to_string(RouterOptions::GlobalCounts g) {
   return g == RouterOptions::GlobalCounts::running ? "running" : "step";
+}
+std::string_view to_string(RouterOptions::Scaling s) {
+  return s == RouterOptions::Scaling::per_token ? "per_token" : "default";
 }
 
 std::unique_ptr<LossKind> make_router_kind() { return std::make_unique<RouterKind>(); }

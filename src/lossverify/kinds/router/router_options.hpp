@@ -1,7 +1,8 @@
 #pragma once
-// The router kind's settings (../shared/MOE.md §1): E experts (the case's shape.experts), top-k routing on softmax or
-// normalised-sigmoid scores, the Switch-form load-balancing loss over a micro-batch's scope, and the router z-loss.
-// Declared once, in the kind's table (router_kind.cpp).
+// The router kind's settings (../shared/MOE.md §1, docs/spec.md §10): E experts (the case's shape.experts) in each of
+// `layers` MoE layers, top-k routing on softmax or normalised-sigmoid scores, the Switch-form load-balancing loss
+// over a micro-batch's scope, the sequence and global-batch aux losses, the router z-loss, and the trainer's scaling
+// contract. Declared once, in the kind's table (router_kind.cpp).
 #include <string_view>
 
 #include "lossverify/case/case.hpp"
@@ -11,6 +12,7 @@ namespace lossverify {
 struct RouterOptions final : KindOptions {
   enum class Score { softmax, sigmoid };
   int top_k = 2;
+  int layers = 1;  // MoE layers: a token's row holds each layer's E router logits side by side
   Score score = Score::softmax;
   double aux_coef = 0.01;        // alpha of the aux loss over a micro-batch's scope
   double seq_aux_coef = 0.0;     // alpha of the sequence aux loss: one scope per sequence, averaged over the
@@ -19,10 +21,16 @@ struct RouterOptions final : KindOptions {
   enum class GlobalCounts { step, running };
   GlobalCounts global_counts = GlobalCounts::step;  // running: the counts of micro-batches 0..m over every rank
   double z_loss_coef = 0.0;                         // alpha_z
+  // default: the step averages its DP x GA micro-batches' losses, the framework's grad_reduce / ga_reduce apply;
+  // per_token: each micro-batch's loss weighs its share T_S / N of the step's valid tokens, and the framework divides
+  // every gradient by N after its reduction (Megatron's calculate_per_token_loss).
+  enum class Scaling { standard, per_token };
+  Scaling scaling = Scaling::standard;
 };
 
 const RouterOptions& router_options(const LossSpec& loss);
 std::string_view to_string(RouterOptions::Score);
 std::string_view to_string(RouterOptions::GlobalCounts);
+std::string_view to_string(RouterOptions::Scaling);
 
 }  // namespace lossverify

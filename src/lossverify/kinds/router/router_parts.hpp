@@ -1,6 +1,5 @@
 #pragma once
-// The router kind's files, as the kind uses them (kinds/router/). Not in the registry yet: a program registers it
-// with register_loss_kind(make_router_kind()) (tests/kinds/router/).
+// The router kind's files, as the kind uses them (kinds/router/).
 #include <cstdint>
 #include <memory>
 
@@ -10,15 +9,27 @@ namespace lossverify {
 
 // The kind's own bug switches (BugSwitches::kind_switches), one bit each (router_kind.cpp's catalogue).
 namespace router_bug {
-inline constexpr std::uint64_t local_counts = 1u << 0;     // moe-aux-local-counts
-inline constexpr std::uint64_t topk_squared = 1u << 1;     // moe-aux-topk-squared
-inline constexpr std::uint64_t tp_sum = 1u << 2;           // moe-aux-tp-sum
-inline constexpr std::uint64_t cp_missing = 1u << 3;       // moe-aux-cp-missing
-inline constexpr std::uint64_t padding_counted = 1u << 4;  // moe-aux-padding-counted
-inline constexpr std::uint64_t no_grad = 1u << 5;          // moe-aux-no-grad
-inline constexpr std::uint64_t log_doubled = 1u << 7;      // moe-aux-log-doubled
-inline constexpr std::uint64_t ga_overweight = 1u << 6;    // moe-aux-ga-overweight
+inline constexpr std::uint64_t local_counts = 1u << 0;           // moe-aux-local-counts
+inline constexpr std::uint64_t topk_squared = 1u << 1;           // moe-aux-topk-squared
+inline constexpr std::uint64_t tp_sum = 1u << 2;                 // moe-aux-tp-sum
+inline constexpr std::uint64_t cp_missing = 1u << 3;             // moe-aux-cp-missing
+inline constexpr std::uint64_t padding_counted = 1u << 4;        // moe-aux-padding-counted
+inline constexpr std::uint64_t no_grad = 1u << 5;                // moe-aux-no-grad
+inline constexpr std::uint64_t log_doubled = 1u << 7;            // moe-aux-log-doubled
+inline constexpr std::uint64_t ga_overweight = 1u << 6;          // moe-aux-ga-overweight
+inline constexpr std::uint64_t per_token_divided = 1u << 8;      // moe-aux-per-token-divided
+inline constexpr std::uint64_t per_token_tp_cp = 1u << 9;        // moe-aux-per-token-tp-cp
+inline constexpr std::uint64_t seq_aux_mbs = 1u << 10;           // moe-seq-aux-mbs
+inline constexpr std::uint64_t count_not_returned = 1u << 11;    // moe-aux-count-not-returned
+inline constexpr std::uint64_t global_topk = 1u << 12;           // moe-aux-global-topk
+inline constexpr std::uint64_t per_token_rank_count = 1u << 13;  // moe-aux-per-token-rank-count
+// moe-aux-global-topk's global setting: the common default, read where the router's own k should be.
+inline constexpr int global_top_k = 2;
 }  // namespace router_bug
+
+// What the plan hands each local row's kernel (KindRowPlan::row_inputs), row major: the micro-batch scope's valid
+// tokens T_S (over the sequence partition), the rank's own valid tokens of that micro-batch, the step's valid tokens.
+inline constexpr std::size_t kRouterRowInputs = 3;
 
 std::unique_ptr<LossKind> make_router_kind();
 std::unique_ptr<KindReference> make_router_reference(const Case& c, const InputSource& inputs);

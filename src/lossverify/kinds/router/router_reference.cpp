@@ -1,10 +1,13 @@
-// The router kind's float64 reference (../shared/MOE.md §1), from the definitions and the layout alone: every scope
-// (one DP rank's micro-batch: its tokens over CP, and over TP under sequence parallelism) routed from its own copy of
-// the logits, its counts c_e and valid tokens T; each token's l_t = alpha E / (k T^2) <c, s_t> + alpha_z / T lse(z_t)^2
-// with weight 1 / (DP GA), so that L = sum_t w_t l_t is the step's mean over micro-batches of the scopes' losses.
+// The router kind's float64 reference (../shared/MOE.md §1, docs/spec.md §10), from the definitions and the layout
+// alone. Every scope (one DP rank's micro-batch: its tokens over CP, and over TP under sequence parallelism; each of
+// its sequences; the global batch's counts) is routed, layer by layer, from the reference's own reading of the
+// logits; a token's loss is the sum over layers of
+//   l_t = a <c, s_t> + a_s <c_s, s_t> / S + a_g <c^G, s_t> + alpha_z / T lse(z_t)^2
+// with constant counts, and its weight in L is 1 / (DP GA) (the mean of the micro-batches' losses) or, in per-token
+// mode, T_S / N (each micro-batch's share of the step's valid tokens).
 #include <cmath>
-#include <map>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "lossverify/case/case.hpp"
@@ -15,7 +18,6 @@
 #include "lossverify/kinds/router/router_parts.hpp"
 #include "lossverify/layout/rank_layout.hpp"
 #include "lossverify/reference/compensated_sum.hpp"
-#include "lossverify/reference/row_sums.hpp"
 
 namespace lossverify {
 
@@ -25,148 +27,206 @@ router::Score score_of(const RouterOptions& o) {
   return o.score == RouterOptions::Score::softmax ? router::Score::softmax : router::Score::sigmoid;
 }
 
+// One layer's scopes, indexed like the reference's token maps.
+struct LayerScopes {
+  std::vector<router::ScopeSums> batch;      // per micro-batch scope (dp-major)
+  std::vector<router::ScopeSums> sequences;  // per sequence holding a valid token
+  std::vector<router::ScopeSums> global;     // per micro-batch scope: the global aux loss's counts and tokens
+};
+
 class RouterReference final : public KindReference {
  public:
   RouterReference(const Case& c, const InputSource& inputs)
       : options_(router_options(c.loss)),
-        experts_(c.shape.vocab),
-        weight_(1.0 / (static_cast<double>(c.layout.dp) * static_cast<double>(c.layout.ga))) {
-    std::vector<double> z(static_cast<std::size_t>(experts_)), s(z.size());
-    std::vector<float> raw(z.size());
-    for (int dp = 0; dp < c.layout.dp; ++dp) {
-      for (int k = 0; k < c.layout.ga; ++k) {
-        router::ScopeSums sums(z.size());
-        const std::size_t first_sequence = sequence_scopes_.size();
-        for (const std::int64_t q : sequences_of_slot(inputs.batch(), c.batch, c.layout, dp, k)) {
-          const Sequence& seq = inputs.batch().sequences()[static_cast<std::size_t>(q)];
-          router::ScopeSums sequence_sums(z.size());
-          for (std::int64_t t = seq.begin; t < seq.begin + seq.length; ++t) {
-            if (!inputs.is_valid(t)) continue;
-            ++valid_tokens_;
-            inputs.logits(t, 0, experts_, raw.data());
-            for (std::size_t e = 0; e < z.size(); ++e) z[e] = raw[e];
-            router::scores(score_of(options_), z, s);
-            const router::TopK routed = router::top_k(s, options_.top_k);
-            // A float32 router may route a token whose k-th and (k+1)-th scores lie within its rounding either way
-            // (MOE.md §3); the bound that admits both is not written yet, so such inputs are refused.
-            if (routed.margin <= 1e-6 * s[static_cast<std::size_t>(routed.experts.back())]) {
-              throw CaseError(c.source + ": token " + std::to_string(t) + "'s " + std::to_string(options_.top_k) +
-                              "-th and next router scores tie within float32 rounding (MOE.md §3)");
-            }
-            sums.add(s, routed);
-            sequence_sums.add(s, routed);
-            scope_of_[t] = scopes_.size();
-            sequence_of_[t] = sequence_scopes_.size();
-          }
-          if (sequence_sums.tokens > 0.0) sequence_scopes_.push_back(std::move(sequence_sums));
-        }
-        // The micro-batch's sequences that hold a valid token: its sequence aux loss is their mean.
-        const auto held = static_cast<double>(sequence_scopes_.size() - first_sequence);
-        for (std::size_t j = first_sequence; j < sequence_scopes_.size(); ++j) sequences_in_batch_.push_back(held);
-        scopes_.push_back(std::move(sums));
-      }
+        layers_(static_cast<std::size_t>(options_.layers)),
+        experts_(static_cast<std::size_t>(c.shape.vocab) / layers_),
+        scopes_(layers_) {
+    route(c, inputs);
+    for (LayerScopes& layer : scopes_) layer.global = global_counts(c, layer.batch);
+    const double n = static_cast<double>(valid_tokens_);
+    for (const router::ScopeSums& scope : scopes_.front().batch) {
+      scope_weight_.push_back(options_.scaling == RouterOptions::Scaling::per_token
+                                  ? scope.tokens / n
+                                  : 1.0 / (static_cast<double>(c.layout.dp) * static_cast<double>(c.layout.ga)));
     }
-    global_counts(c);
+    evaluate_terms(inputs);
   }
 
-  RowPartial partial(std::int64_t, std::int64_t, std::span<const double> logits,
-                     std::span<const double>) const override {
-    RowPartial p;
-    p.max = row_sums::scaled_max(logits, 1.0);
-    std::tie(p.sum_exp, p.sum_exp_error) = row_sums::sum_exp(logits, 1.0, p.max);
-    return p;
+  RowPartial partial(std::int64_t, std::int64_t, std::span<const double>, std::span<const double>) const override {
+    return {};
   }
-  RowStats stats(const RowPartial& total) const override {
-    CompensatedSum s;
-    s.add(total.sum_exp);
-    s.add(total.sum_exp_error);
-    return RowStats{total.max + std::log(s.value()), 0.0, 0.0};
-  }
-  // The aux terms over the whole row (rows are whole on every rank: one slice): a <c, s_t> of the micro-batch's scope
-  // plus a_s <c_s, s_t> / S of the token's sequence's, each with its own scale a.
+  RowStats stats(const RowPartial&) const override { return {}; }
+  // l_t over the whole row (rows are whole on every rank: one slice), from the logits the oracle read.
   bool needs_value_pass() const override { return true; }
   std::pair<double, double> value_partial(std::int64_t token, const RowStats&, std::span<const double> logits,
                                           std::span<const double>) const override {
-    std::vector<double> s(logits.size());
-    router::scores(score_of(options_), logits, s);
-    const std::vector<double> w = aux_weights(token);
-    CompensatedSum dot;
-    for (std::size_t e = 0; e < s.size(); ++e) dot.add(w[e] * s[e]);
-    return {dot.value(), 0.0};
+    std::vector<double> s(experts_);
+    CompensatedSum loss;
+    for (std::size_t l = 0; l < layers_; ++l) {
+      const std::span<const double> z = logits.subspan(l * experts_, experts_);
+      router::scores(score_of(options_), z, s);
+      const std::vector<double> w = aux_weights(l, token);
+      for (std::size_t e = 0; e < experts_; ++e) loss.add(w[e] * s[e]);
+      loss.add(router::z_loss(z, z_weight(token)));
+    }
+    return {loss.value(), 0.0};
   }
-  double token_loss(std::int64_t token, const RowStats& st) const override {
-    return st.value + options_.z_loss_coef / scope_of(token).tokens * st.lse * st.lse;
-  }
-  std::optional<double> token_weight(std::int64_t) const override { return weight_; }
-  // The logged aux loss (every aux term) and z-loss of the step: each the sum over tokens of w_t times the token's
-  // term, given as per-token values whose mean over the step's valid tokens is that sum.
-  void token_statistics(std::int64_t token, const RowStats& st, std::span<double> out) const override {
-    const double share = static_cast<double>(valid_tokens_) * weight_;
-    out[0] = share * st.value;
-    out[1] = share * options_.z_loss_coef / scope_of(token).tokens * st.lse * st.lse;
+  double token_loss(std::int64_t, const RowStats& st) const override { return st.value; }
+  std::optional<double> token_weight(std::int64_t token) const override { return scope_weight_[scope_of_.at(token)]; }
+  // The logged aux loss and z-loss, means over layers, then each layer's: the sum over tokens of w_t times the
+  // token's term, given as per-token values whose mean over the step's valid tokens is that sum.
+  void token_statistics(std::int64_t token, const RowStats&, std::span<double> out) const override {
+    const double share = static_cast<double>(valid_tokens_) * scope_weight_[scope_of_.at(token)];
+    const double* terms = &terms_[term_of_.at(token) * 2 * layers_];
+    double aux = 0.0, z = 0.0;
+    for (std::size_t l = 0; l < layers_; ++l) {
+      aux += terms[2 * l];
+      z += terms[2 * l + 1];
+      if (layers_ > 1) {
+        out[2 + 2 * l] = share * terms[2 * l];
+        out[3 + 2 * l] = share * terms[2 * l + 1];
+      }
+    }
+    out[0] = share * aux / static_cast<double>(layers_);
+    out[1] = share * z / static_cast<double>(layers_);
   }
   void gradient(std::int64_t token, const RowStats&, double weight, std::int64_t, std::span<const double> logits,
                 std::span<const double>, std::span<double> grad) const override {
-    const router::ScopeSums& scope = scope_of(token);
-    std::vector<double> aux(logits.size()), z(logits.size());
-    router::aux_gradient(score_of(options_), logits, aux_weights(token), 1.0, aux);
-    router::z_loss_gradient(logits, options_.z_loss_coef / scope.tokens, z);
-    for (std::size_t e = 0; e < grad.size(); ++e) grad[e] = weight * (aux[e] + z[e]);
+    std::vector<double> aux(experts_), z(experts_);
+    for (std::size_t l = 0; l < layers_; ++l) {
+      const std::span<const double> x = logits.subspan(l * experts_, experts_);
+      router::aux_gradient(score_of(options_), x, aux_weights(l, token), 1.0, aux);
+      router::z_loss_gradient(x, z_weight(token), z);
+      for (std::size_t e = 0; e < experts_; ++e) grad[l * experts_ + e] = weight * (aux[e] + z[e]);
+    }
   }
   std::optional<double> gradient_row_sum(const RowStats&, double) const override { return std::nullopt; }
 
  private:
-  const router::ScopeSums& scope_of(std::int64_t token) const { return scopes_[scope_of_.at(token)]; }
+  // Pass 1: every valid token routed in every layer, into its micro-batch's and its sequence's scope.
+  void route(const Case& c, const InputSource& inputs) {
+    std::vector<double> z(experts_ * layers_), s(experts_);
+    std::vector<float> raw(z.size());
+    for (int dp = 0; dp < c.layout.dp; ++dp) {
+      for (int k = 0; k < c.layout.ga; ++k) {
+        const std::size_t first_sequence = sequence_weight_.size();
+        std::vector<router::ScopeSums> batch(layers_, router::ScopeSums(experts_));
+        for (const std::int64_t q : sequences_of_slot(inputs.batch(), c.batch, c.layout, dp, k)) {
+          const Sequence& seq = inputs.batch().sequences()[static_cast<std::size_t>(q)];
+          std::vector<router::ScopeSums> own(layers_, router::ScopeSums(experts_));
+          for (std::int64_t t = seq.begin; t < seq.begin + seq.length; ++t) {
+            if (!inputs.is_valid(t)) continue;
+            ++valid_tokens_;
+            inputs.logits(t, 0, static_cast<std::int64_t>(z.size()), raw.data());
+            for (std::size_t e = 0; e < z.size(); ++e) z[e] = raw[e];
+            for (std::size_t l = 0; l < layers_; ++l) {
+              router::scores(score_of(options_), std::span<const double>(z).subspan(l * experts_, experts_), s);
+              const router::TopK routed = router::top_k(s, options_.top_k);
+              refuse_tie(c, t, l, routed, s);
+              batch[l].add(s, routed);
+              own[l].add(s, routed);
+            }
+            scope_of_[t] = scopes_.front().batch.size();
+            sequence_of_[t] = scopes_.front().sequences.size();
+          }
+          if (own.front().tokens == 0.0) continue;
+          for (std::size_t l = 0; l < layers_; ++l) scopes_[l].sequences.push_back(std::move(own[l]));
+          sequence_weight_.push_back(0.0);
+        }
+        // The micro-batch's sequence aux loss is the mean over its sequences that hold a valid token.
+        const auto held = static_cast<double>(sequence_weight_.size() - first_sequence);
+        for (std::size_t j = first_sequence; j < sequence_weight_.size(); ++j) sequence_weight_[j] = 1.0 / held;
+        for (std::size_t l = 0; l < layers_; ++l) scopes_[l].batch.push_back(std::move(batch[l]));
+      }
+    }
+  }
+
+  // A float32 router may route a token whose k-th and (k+1)-th scores lie within its rounding either way (MOE.md
+  // §3); generated logits are refused there (the case's seed or scale moves them).
+  void refuse_tie(const Case& c, std::int64_t t, std::size_t layer, const router::TopK& routed,
+                  std::span<const double> s) const {
+    if (routed.margin > 1e-6 * s[static_cast<std::size_t>(routed.experts.back())]) return;
+    throw CaseError(c.source + ": token " + std::to_string(t) + "'s " + std::to_string(options_.top_k) +
+                    "-th and next router scores of layer " + std::to_string(layer) +
+                    " tie within float32 rounding (MOE.md section 3); another inputs.seed moves them apart");
+  }
+
+  // The global aux loss's counts for each micro-batch scope (dp-major): the whole step's, or (running) those of
+  // micro-batches 0..m of every DP rank.
+  std::vector<router::ScopeSums> global_counts(const Case& c, const std::vector<router::ScopeSums>& batch) const {
+    const auto ga = static_cast<std::size_t>(c.layout.ga);
+    std::vector<router::ScopeSums> upto;  // per micro-batch index m: micro-batches 0..m over every DP rank
+    for (std::size_t m = 0; m < ga; ++m) {
+      router::ScopeSums sums = m == 0 ? router::ScopeSums(experts_) : upto.back();
+      for (std::size_t dp = 0; dp < static_cast<std::size_t>(c.layout.dp); ++dp) {
+        const router::ScopeSums& s = batch[dp * ga + m];
+        for (std::size_t e = 0; e < experts_; ++e) sums.counts[e] += s.counts[e];
+        sums.tokens += s.tokens;
+      }
+      upto.push_back(std::move(sums));
+    }
+    const bool running = options_.global_counts == RouterOptions::GlobalCounts::running;
+    std::vector<router::ScopeSums> out;
+    for (std::size_t b = 0; b < batch.size(); ++b) out.push_back(upto[running ? b % ga : ga - 1]);
+    return out;
+  }
+
+  // Pass 2, for the logged values: each valid token's aux and z terms per layer, from the reference's own reading.
+  void evaluate_terms(const InputSource& inputs) {
+    std::vector<double> z(experts_ * layers_), s(experts_);
+    std::vector<float> raw(z.size());
+    for (const auto& [t, b] : scope_of_) {
+      (void)b;
+      term_of_[t] = terms_.size() / (2 * layers_);
+      inputs.logits(t, 0, static_cast<std::int64_t>(z.size()), raw.data());
+      for (std::size_t e = 0; e < z.size(); ++e) z[e] = raw[e];
+      for (std::size_t l = 0; l < layers_; ++l) {
+        const std::span<const double> x = std::span<const double>(z).subspan(l * experts_, experts_);
+        router::scores(score_of(options_), x, s);
+        const std::vector<double> w = aux_weights(l, t);
+        CompensatedSum aux;
+        for (std::size_t e = 0; e < experts_; ++e) aux.add(w[e] * s[e]);
+        terms_.push_back(aux.value());
+        terms_.push_back(router::z_loss(x, z_weight(t)));
+      }
+    }
+  }
+
+  double z_weight(std::int64_t token) const {
+    return options_.z_loss_coef / scopes_.front().batch[scope_of_.at(token)].tokens;
+  }
   // Every aux term is linear in s_t with constant counts: their weights per expert, summed, are the one vector
   // a c + a_s c_s / S + a_g c^G that both the loss and the gradient read.
-  std::vector<double> aux_weights(std::int64_t token) const {
+  std::vector<double> aux_weights(std::size_t layer, std::int64_t token) const {
+    const LayerScopes& scopes = scopes_[layer];
     const std::size_t b = scope_of_.at(token);
-    const router::ScopeSums& scope = scopes_[b];
     const std::size_t j = sequence_of_.at(token);
-    const router::ScopeSums& sequence = sequence_scopes_[j];
-    const router::ScopeSums& global = global_[b];
+    const router::ScopeSums& scope = scopes.batch[b];
+    const router::ScopeSums& sequence = scopes.sequences[j];
+    const router::ScopeSums& global = scopes.global[b];
     const double a = router::aux_scale(scope, options_.aux_coef, options_.top_k);
-    const double a_s = router::aux_scale(sequence, options_.seq_aux_coef, options_.top_k) / sequences_in_batch_[j];
+    const double a_s = router::aux_scale(sequence, options_.seq_aux_coef, options_.top_k) * sequence_weight_[j];
     // alpha E sum_e f_e P_e with f_e = c^G_e / (k T^G) and P_e = sum_{t in B} p_te / T_B
-    const double a_g = global.tokens > 0.0 ? options_.global_aux_coef * static_cast<double>(global.counts.size()) /
+    const double a_g = global.tokens > 0.0 ? options_.global_aux_coef * static_cast<double>(experts_) /
                                                  (options_.top_k * global.tokens * scope.tokens)
                                            : 0.0;
-    std::vector<double> w(scope.counts.size());
+    std::vector<double> w(experts_);
     for (std::size_t e = 0; e < w.size(); ++e) {
       w[e] = a * scope.counts[e] + a_s * sequence.counts[e] + a_g * global.counts[e];
     }
     return w;
   }
 
-  // The global aux loss's counts for each micro-batch scope (in scopes_' order, dp-major): the whole step's, or
-  // (running) those of micro-batches 0..m of every DP rank.
-  void global_counts(const Case& c) {
-    const std::size_t width = scopes_.empty() ? 0 : scopes_.front().counts.size();
-    const auto ga = static_cast<std::size_t>(c.layout.ga);
-    std::vector<router::ScopeSums> upto;  // per micro-batch index m: micro-batches 0..m over every DP rank
-    for (std::size_t m = 0; m < ga; ++m) {
-      router::ScopeSums sums = m == 0 ? router::ScopeSums(width) : upto.back();
-      for (std::size_t dp = 0; dp < static_cast<std::size_t>(c.layout.dp); ++dp) {
-        const router::ScopeSums& s = scopes_[dp * ga + m];
-        for (std::size_t e = 0; e < width; ++e) sums.counts[e] += s.counts[e];
-        sums.tokens += s.tokens;
-      }
-      upto.push_back(std::move(sums));
-    }
-    const bool running = options_.global_counts == RouterOptions::GlobalCounts::running;
-    for (std::size_t b = 0; b < scopes_.size(); ++b) global_.push_back(upto[running ? b % ga : ga - 1]);
-  }
-
   const RouterOptions options_;
-  std::int64_t experts_;
-  double weight_;
-  std::vector<router::ScopeSums> scopes_;
-  std::map<std::int64_t, std::size_t> scope_of_;
-  std::vector<router::ScopeSums> sequence_scopes_;  // each sequence holding a valid token
-  std::vector<double> sequences_in_batch_;          // per sequence scope: its micro-batch's such sequences
-  std::map<std::int64_t, std::size_t> sequence_of_;
-  std::vector<router::ScopeSums> global_;  // per micro-batch scope: the global aux loss's counts and tokens
-  std::int64_t valid_tokens_ = 0;          // of the step
+  std::size_t layers_, experts_;
+  std::vector<LayerScopes> scopes_;                            // per layer
+  std::unordered_map<std::int64_t, std::size_t> scope_of_;     // token -> micro-batch scope
+  std::unordered_map<std::int64_t, std::size_t> sequence_of_;  // token -> sequence scope
+  std::vector<double> sequence_weight_;  // per sequence scope: 1 / its micro-batch's sequences holding a valid token
+  std::vector<double> scope_weight_;     // per micro-batch scope: a token's weight in L
+  std::unordered_map<std::int64_t, std::size_t> term_of_;  // token -> its row of terms_
+  std::vector<double> terms_;                              // per valid token and layer: aux, z
+  std::int64_t valid_tokens_ = 0;                          // of the step
 };
 
 }  // namespace

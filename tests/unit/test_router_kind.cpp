@@ -1,0 +1,334 @@
+// The router kind (kinds/router/) through the case reader, thread ranks at every TP / SP / CP / DP / GA layout, the
+// host oracle and the checks: its reference held to an independent long-double evaluation of the step's loss and its
+// finite differences (several layers, both scaling modes), and each catalogued bug's signal held to the factor
+// MOE.md section 4 predicts, where it shows and where it cannot.
+#include <doctest/doctest.h>
+
+#include <array>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include "lossverify/core/errors.hpp"
+#include "lossverify/impl/catalogue.hpp"
+#include "lossverify/inputs/input_source.hpp"
+#include "lossverify/layout/rank_layout.hpp"
+#include "lossverify/reference/loss_reference.hpp"
+#include "test_support.hpp"
+
+namespace lossverify {
+
+namespace {
+
+struct Layout {
+  int tp, cp, dp, ga;
+  bool sp;
+};
+
+nlohmann::json router_case(const Layout& l, nlohmann::json loss = nlohmann::json::object(), double ignore = 0.15,
+                           std::vector<std::int64_t> lengths = {11, 6, 9, 14, 5, 7}) {
+  loss["kind"] = "router";
+  if (!loss.contains("top_k")) loss["top_k"] = 2;
+  return {{"name", "router"},
+          {"shape", {{"experts", 8}}},
+          {"loss", loss},
+          {"inputs", {{"seed", 3}, {"scale", 1.5}, {"ignore_fraction", ignore}}},
+          {"batch", {{"sequence_lengths", lengths}}},
+          {"layout", {{"tp", l.tp}, {"cp", l.cp}, {"dp", l.dp}, {"ga", l.ga}, {"sp", l.sp}}},
+          {"timeout_seconds", 60.0}};
+}
+
+using LD = long double;
+
+// The step's loss from the definition in long double, summed over layers: per micro-batch scope B,
+//   alpha E / (k T^2) sum_e c_e sum_t p_te + alpha_z / T sum_t lse_t^2
+//   + the mean over its sequences s holding a valid token of alpha_s E / (k T_s^2) sum_e c_se sum_{t in s} p_te
+//   + alpha_g E / (k T^G T) sum_e c^G_e sum_t p_te,
+// weighted 1 / (DP GA), or T / N per token; every count computed here (top-k of the softmax) at the unmoved logits
+// and held constant; token `bumped`'s row column `column` moved by h.
+struct Coefficients {
+  LD aux, seq_aux, z, global = 0.0L;
+  bool running = false;
+  bool per_token = false;
+};
+LD step_loss(const Case& c, const InputSource& inputs, const Coefficients& a, int k, std::int64_t bumped,
+             std::int64_t column, LD h) {
+  const auto width = static_cast<std::size_t>(c.shape.vocab);
+  const auto layers = static_cast<std::size_t>(c.resolved()["loss"]["layers"].get<int>());
+  const std::size_t experts = width / layers;
+  struct Sums {
+    std::vector<LD> counts, p;
+    LD tokens = 0.0L;
+  };
+  auto fresh = [&] { return Sums{std::vector<LD>(experts, 0.0L), std::vector<LD>(experts, 0.0L), 0.0L}; };
+  auto dot = [&](const std::vector<LD>& counts, const std::vector<LD>& p) {
+    LD d = 0.0L;
+    for (std::size_t e = 0; e < experts; ++e) d += counts[e] * p[e];
+    return d;
+  };
+  auto softmax = [&](const std::vector<LD>& x) {
+    LD s = 0.0L;
+    for (LD v : x) s += std::exp(v);
+    std::vector<LD> p(experts);
+    for (std::size_t e = 0; e < experts; ++e) p[e] = std::exp(x[e]) / s;
+    return std::make_pair(p, std::log(s));
+  };
+  struct Slot {
+    Sums batch;
+    std::vector<Sums> sequences;
+    LD z_sum = 0.0L;
+  };
+  LD total = 0.0L, step_tokens = 0.0L;
+  std::vector<std::vector<Slot>> per_layer(layers);  // dp-major slots of each layer
+  for (std::size_t l = 0; l < layers; ++l) {
+    for (int dp = 0; dp < c.layout.dp; ++dp) {
+      for (int m = 0; m < c.layout.ga; ++m) {
+        Slot slot{fresh(), {}, 0.0L};
+        for (const std::int64_t q : sequences_of_slot(inputs.batch(), c.batch, c.layout, dp, m)) {
+          const Sequence& seq = inputs.batch().sequences()[static_cast<std::size_t>(q)];
+          Sums own = fresh();
+          for (std::int64_t t = seq.begin; t < seq.begin + seq.length; ++t) {
+            if (!inputs.is_valid(t)) continue;
+            std::vector<float> raw(width);
+            inputs.logits(t, 0, c.shape.vocab, raw.data());
+            std::vector<LD> z(raw.begin() + static_cast<std::ptrdiff_t>(l * experts),
+                              raw.begin() + static_cast<std::ptrdiff_t>((l + 1) * experts));
+            const std::vector<LD> routed = softmax(z).first;  // the counts: at the unmoved logits
+            std::vector<std::size_t> order(experts);
+            std::iota(order.begin(), order.end(), 0);
+            std::stable_sort(order.begin(), order.end(),
+                             [&](std::size_t x, std::size_t y) { return routed[x] > routed[y]; });
+            if (t == bumped && static_cast<std::size_t>(column) / experts == l) {
+              z[static_cast<std::size_t>(column) % experts] += h;
+            }
+            const auto [p, lse] = softmax(z);
+            for (Sums* x : {&slot.batch, &own}) {
+              for (int j = 0; j < k; ++j) x->counts[order[static_cast<std::size_t>(j)]] += 1.0L;
+              for (std::size_t e = 0; e < experts; ++e) x->p[e] += p[e];
+              x->tokens += 1.0L;
+            }
+            slot.z_sum += lse * lse;
+          }
+          if (own.tokens > 0.0L) slot.sequences.push_back(own);
+        }
+        if (l == 0) step_tokens += slot.batch.tokens;
+        per_layer[l].push_back(slot);
+      }
+    }
+  }
+  const auto ga = static_cast<std::size_t>(c.layout.ga);
+  for (const std::vector<Slot>& slots : per_layer) {
+    for (std::size_t b = 0; b < slots.size(); ++b) {
+      const Slot& slot = slots[b];
+      if (slot.batch.tokens == 0.0L) continue;
+      // the global counts: every slot of the step, or (running) every DP rank's micro-batches 0..m
+      Sums global = fresh();
+      for (std::size_t other = 0; other < slots.size(); ++other) {
+        if (a.running && other % ga > b % ga) continue;
+        for (std::size_t e = 0; e < experts; ++e) global.counts[e] += slots[other].batch.counts[e];
+        global.tokens += slots[other].batch.tokens;
+      }
+      const LD e_count = static_cast<LD>(experts);
+      const LD t_b = slot.batch.tokens;
+      LD loss = a.aux * e_count / (k * t_b * t_b) * dot(slot.batch.counts, slot.batch.p);
+      for (const Sums& x : slot.sequences) {
+        loss += a.seq_aux * e_count / (k * x.tokens * x.tokens) * dot(x.counts, x.p) /
+                static_cast<LD>(slot.sequences.size());
+      }
+      loss += a.global * e_count / (k * global.tokens * t_b) * dot(global.counts, slot.batch.p);
+      loss += a.z / t_b * slot.z_sum;
+      total += loss * (a.per_token ? t_b / step_tokens : 1.0L / (c.layout.dp * c.layout.ga));
+    }
+  }
+  return total;
+}
+
+// The worst gradient element's effective value over the reference's: a bug that scales every router gradient by
+// a factor shows it there exactly (up to float32 rounding).
+double worst_grad_ratio(const RunResult& r) {
+  const CheckResult& grad = testing::check_named(r, "grad");
+  REQUIRE(grad.worst.has_value());
+  return grad.worst->got / grad.worst->expected;
+}
+
+}  // namespace
+
+TEST_CASE("router: the case names experts and layers, reads its settings from the table and refuses bad ones") {
+  const Case c = testing::make_case(
+      router_case({2, 1, 1, 1, true}, {{"score", "sigmoid"}, {"z_loss_coef", 0.001}, {"layers", 3}}));
+  CHECK(c.resolved()["shape"]["experts"] == 8);
+  CHECK(c.shape.vocab == 24);  // a row holds every layer's router logits
+  CHECK(c.resolved()["loss"]["score"] == "sigmoid");
+  CHECK(c.resolved()["loss"]["aux_coef"] == 0.01);
+  CHECK(c.resolved()["loss"]["scaling"] == "default");
+  CHECK_THROWS_WITH_AS(testing::make_case(router_case({1, 1, 1, 1, false}, {{"top_k", 8}})),
+                       doctest::Contains("$.loss.top_k: must be below the experts (8), got 8"), CaseError);
+  CHECK_THROWS_WITH_AS(testing::make_case(router_case({1, 1, 1, 1, false}, {{"top_k", 0}})),
+                       doctest::Contains("$.loss.top_k"), CaseError);
+  CHECK_THROWS_WITH_AS(testing::make_case(router_case({1, 1, 1, 1, false}, {{"aux_coef", -0.01}})),
+                       doctest::Contains("$.loss.aux_coef"), CaseError);
+  CHECK_THROWS_WITH_AS(testing::make_case(router_case({1, 1, 1, 1, false}, {{"score", "tanh"}})),
+                       doctest::Contains("$.loss.score"), CaseError);
+  CHECK_THROWS_WITH_AS(testing::make_case(router_case({1, 1, 1, 1, false}, {{"scaling", "per_layer"}})),
+                       doctest::Contains("$.loss.scaling"), CaseError);
+  CHECK_THROWS_WITH_AS(testing::make_case(router_case({1, 1, 1, 1, true})), doctest::Contains("$.layout.sp"),
+                       CaseError);
+  nlohmann::json one_expert = router_case({1, 1, 1, 1, false}, {{"top_k", 1}});
+  one_expert["shape"]["experts"] = 1;
+  CHECK_THROWS_WITH_AS(testing::make_case(one_expert), doctest::Contains("$.shape.experts: must be >= 2"), CaseError);
+  nlohmann::json half = router_case({1, 1, 1, 1, false});
+  half["inputs"]["dtype"] = "bf16";
+  CHECK_THROWS_WITH_AS(testing::make_case(half), doctest::Contains("$.inputs.dtype"), CaseError);
+  // Six sequences over 4 DP ranks x 2 micro-batches leave slots empty: the global counts' all-reduce could not meet.
+  CHECK_THROWS_WITH_AS(testing::make_case(router_case({1, 1, 4, 2, false}, {{"global_aux_coef", 0.01}})),
+                       doctest::Contains("the global aux loss needs every micro-batch of every DP rank"), CaseError);
+}
+
+TEST_CASE("router: the reference is the step's loss from the definition, and its gradient the finite differences") {
+  struct Variant {
+    std::string counts;
+    int layers;
+    bool per_token;
+  };
+  for (const Variant& v : {Variant{"step", 1, false}, Variant{"running", 2, false}, Variant{"step", 2, true}}) {
+    CAPTURE(v.counts);
+    CAPTURE(v.layers);
+    CAPTURE(v.per_token);
+    const Case c =
+        testing::make_case(router_case({1, 1, 2, 2, false}, {{"z_loss_coef", 0.002},
+                                                             {"seq_aux_coef", 0.003},
+                                                             {"global_aux_coef", 0.005},
+                                                             {"global_counts", v.counts},
+                                                             {"layers", v.layers},
+                                                             {"scaling", v.per_token ? "per_token" : "default"}}));
+    const Coefficients a{0.01L, 0.003L, 0.002L, 0.005L, v.counts == "running", v.per_token};
+    const InputSource inputs(c);
+    const LossReference reference(c, inputs);
+    const auto width = static_cast<std::size_t>(c.shape.vocab);
+    LD logged = 0.0L;
+    std::vector<double> logits(width), grad(width);
+    int checked = 0;
+    for (std::int64_t t = 0; t < c.shape.tokens; ++t) {
+      if (!inputs.is_valid(t)) continue;
+      std::vector<float> row(width);
+      inputs.logits(t, 0, c.shape.vocab, row.data());
+      for (std::size_t e = 0; e < width; ++e) logits[e] = row[e];
+      const ReferenceToken r = reference.evaluate(t, logits, {}, grad);
+      logged += static_cast<LD>(r.weight) * r.loss;
+      if (t % 7 != 0) continue;
+      for (std::size_t e = 0; e < width; ++e) {
+        const LD h = 1e-6L;
+        const LD slope = (step_loss(c, inputs, a, 2, t, static_cast<std::int64_t>(e), h) -
+                          step_loss(c, inputs, a, 2, t, static_cast<std::int64_t>(e), -h)) /
+                         (2 * h);
+        CHECK(grad[e] == doctest::Approx(static_cast<double>(slope)).epsilon(1e-6));
+      }
+      ++checked;
+    }
+    CHECK(static_cast<double>(logged) ==
+          doctest::Approx(static_cast<double>(step_loss(c, inputs, a, 2, -1, 0, 0.0L))).epsilon(1e-13));
+    CHECK(checked >= 4);
+  }
+}
+
+TEST_CASE("router: the correct implementation passes with TP replicating tokens, splitting them, and over CP DP GA") {
+  for (const Layout& l : std::vector<Layout>{{1, 1, 1, 1, false},
+                                             {2, 1, 1, 1, false},
+                                             {2, 1, 1, 1, true},
+                                             {3, 2, 1, 2, true},
+                                             {8, 1, 2, 1, true},
+                                             {2, 2, 2, 2, false}}) {
+    for (const std::string score : {"softmax", "sigmoid"}) {
+      for (const std::string scaling : {"default", "per_token"}) {
+        CAPTURE(l.tp);
+        CAPTURE(l.cp);
+        CAPTURE(l.dp);
+        CAPTURE(l.ga);
+        CAPTURE(l.sp);
+        CAPTURE(score);
+        CAPTURE(scaling);
+        const RunResult r = testing::run_with(testing::make_case(router_case(l, {{"score", score},
+                                                                                 {"z_loss_coef", 0.001},
+                                                                                 {"seq_aux_coef", 0.004},
+                                                                                 {"layers", 2},
+                                                                                 {"scaling", scaling}})),
+                                              "correct");
+        CHECK(r.verdict == Verdict::pass);
+        CHECK(testing::check_named(r, "loss").verdict == Verdict::pass);
+        CHECK(testing::check_named(r, "grad").verdict == Verdict::pass);
+        CHECK(testing::check_named(r, "stats").verdict == Verdict::pass);
+      }
+    }
+  }
+}
+
+// Each bug at a layout where MOE.md section 4 predicts it shows, and one where it cannot. `factor`: the ratio of
+// every router gradient to the reference's that the bug predicts, checked at the worst element, where the bug
+// scales the whole gradient (aux terms only, no z-loss); 0: not a uniform factor.
+TEST_CASE("router: each catalogued bug shows the signal MOE.md predicts, where it can and nowhere else") {
+  struct Expect {
+    const char* bug;
+    Layout layout;
+    nlohmann::json loss;
+    double ignore;
+    bool fails, loss_fails;
+    double factor;
+  };
+  const nlohmann::json per_token = {{"scaling", "per_token"}};
+  const std::vector<Expect> expectations = {
+      {"moe-aux-local-counts", {2, 1, 1, 1, true}, {}, 0.15, true, true, 0.0},     // the scope spans TP under SP
+      {"moe-aux-local-counts", {1, 2, 1, 1, false}, {}, 0.15, true, true, 0.0},    // and CP
+      {"moe-aux-local-counts", {2, 1, 2, 2, false}, {}, 0.15, false, false, 0.0},  // replicated TP: its own scope
+      {"moe-aux-topk-squared", {1, 1, 1, 1, false}, {}, 0.15, true, true, 0.5},    // / k, k = 2
+      {"moe-aux-tp-sum", {2, 1, 1, 1, true}, {}, 0.15, true, false, 2.0},
+      {"moe-aux-tp-sum", {2, 1, 1, 1, false}, {}, 0.15, false, false, 0.0},
+      {"moe-aux-cp-missing", {1, 2, 1, 1, false}, {}, 0.15, true, false, 0.5},
+      {"moe-aux-cp-missing", {2, 1, 2, 1, true}, {}, 0.15, false, false, 0.0},
+      {"moe-aux-padding-counted", {1, 1, 1, 1, false}, {}, 0.15, true, true, 0.0},   // padded positions
+      {"moe-aux-padding-counted", {1, 1, 2, 1, false}, {}, 0.0, false, false, 0.0},  // none
+      {"moe-aux-no-grad", {2, 1, 1, 2, true}, {}, 0.15, true, false, 0.0},
+      {"moe-aux-log-doubled", {2, 2, 1, 1, true}, {}, 0.15, true, false, 0.0},
+      {"moe-aux-ga-overweight", {1, 2, 1, 2, false}, {}, 0.15, true, false, 2.0},
+      {"moe-aux-ga-overweight", {1, 2, 2, 1, false}, {}, 0.15, false, false, 0.0},             // one micro-batch: x 1
+      {"moe-aux-per-token-divided", {1, 1, 2, 1, false}, per_token, 0.15, true, false, -1.0},  // / N
+      {"moe-aux-per-token-divided", {1, 1, 2, 1, false}, {}, 0.15, false, false, 0.0},
+      {"moe-aux-per-token-tp-cp", {2, 2, 1, 1, true}, per_token, 0.15, true, false, 0.25},
+      {"moe-aux-per-token-tp-cp", {1, 1, 2, 2, false}, per_token, 0.15, false, false, 0.0},
+      {"moe-seq-aux-mbs",
+       {1, 1, 1, 2, false},
+       {{"scaling", "per_token"}, {"seq_aux_coef", 0.01}},
+       0.15,
+       true,
+       false,
+       0.0},
+      {"moe-seq-aux-mbs", {1, 1, 1, 2, false}, {{"seq_aux_coef", 0.01}}, 0.15, false, false, 0.0},
+      {"moe-aux-count-not-returned", {1, 2, 1, 1, false}, per_token, 0.15, true, false, -2.0},  // x N
+      {"moe-aux-count-not-returned", {2, 1, 1, 1, true}, per_token, 0.15, false, false, 0.0},   // cp 1
+      {"moe-aux-global-topk", {1, 1, 1, 1, false}, {{"top_k", 3}}, 0.15, true, true, 0.0},
+      {"moe-aux-global-topk", {2, 2, 1, 1, true}, {}, 0.15, false, false, 0.0},                   // the router's k is 2
+      {"moe-aux-per-token-rank-count", {1, 2, 1, 1, false}, per_token, 0.15, true, false, 0.0},   // uneven CP ranks
+      {"moe-aux-per-token-rank-count", {2, 1, 1, 1, false}, per_token, 0.15, false, false, 0.0},  // one rank a scope
+  };
+  for (const Expect& x : expectations) {
+    const std::string bug_name = x.bug;
+    CAPTURE(bug_name);
+    CAPTURE(x.layout.tp);
+    CAPTURE(x.layout.cp);
+    CAPTURE(x.layout.sp);
+    CAPTURE(x.loss.dump());
+    REQUIRE(find_implementation(x.bug) != nullptr);
+    // Sequences of even length where nothing may be padding (the CP split pads each to a multiple of 2 CP).
+    const std::vector<std::int64_t> lengths =
+        x.ignore == 0.0 ? std::vector<std::int64_t>{10, 6, 8, 14, 4, 8} : std::vector<std::int64_t>{11, 6, 9, 14, 5, 7};
+    nlohmann::json loss = x.loss.is_null() ? nlohmann::json::object() : x.loss;
+    const Case c = testing::make_case(router_case(x.layout, loss, x.ignore, lengths));
+    const RunResult r = testing::run_with(c, x.bug);
+    CHECK((r.verdict == Verdict::fail) == x.fails);
+    CHECK((testing::check_named(r, "loss").verdict == Verdict::fail) == x.loss_fails);
+    const auto n = static_cast<double>(InputSource(c).valid_tokens());
+    const double factor = x.factor == -1.0 ? 1.0 / n : x.factor == -2.0 ? n : x.factor;
+    if (factor > 0.0) CHECK(worst_grad_ratio(r) == doctest::Approx(factor).epsilon(1e-4));
+  }
+}
+
+}  // namespace lossverify
