@@ -34,8 +34,9 @@ class KindInputs:
 
 _KINDS = {}
 
-# Kinds the C++ tool checks whose inputs the package cannot hand a user's function yet (none today).
-_TOOL_ONLY = {}
+# Kinds the C++ tool checks whose inputs the package cannot hand a user's function yet: what it would need.
+_TOOL_ONLY = {"router": "a router's logits of every MoE layer with its scopes' groups under sequence parallelism, "
+                        "and take back its aux terms"}
 
 
 def register_kind(name, inputs):

@@ -50,12 +50,16 @@ struct Coefficients {
   LD aux, seq_aux, z, global = 0.0L;
   bool running = false;
   bool per_token = false;
+  int counted = 0;    // the experts a token counts for (0: k)
+  LD divisor = 0.0L;  // f_e's divisor (0: k)
 };
 LD step_loss(const Case& c, const InputSource& inputs, const Coefficients& a, int k, std::int64_t bumped,
              std::int64_t column, LD h) {
   const auto width = static_cast<std::size_t>(c.shape.vocab);
   const auto layers = static_cast<std::size_t>(c.resolved()["loss"]["layers"].get<int>());
   const std::size_t experts = width / layers;
+  const int counted = a.counted > 0 ? a.counted : k;
+  const LD divisor = a.divisor > 0.0L ? a.divisor : static_cast<LD>(k);
   struct Sums {
     std::vector<LD> counts, p;
     LD tokens = 0.0L;
@@ -103,7 +107,7 @@ LD step_loss(const Case& c, const InputSource& inputs, const Coefficients& a, in
             }
             const auto [p, lse] = softmax(z);
             for (Sums* x : {&slot.batch, &own}) {
-              for (int j = 0; j < k; ++j) x->counts[order[static_cast<std::size_t>(j)]] += 1.0L;
+              for (int j = 0; j < counted; ++j) x->counts[order[static_cast<std::size_t>(j)]] += 1.0L;
               for (std::size_t e = 0; e < experts; ++e) x->p[e] += p[e];
               x->tokens += 1.0L;
             }
@@ -130,12 +134,12 @@ LD step_loss(const Case& c, const InputSource& inputs, const Coefficients& a, in
       }
       const LD e_count = static_cast<LD>(experts);
       const LD t_b = slot.batch.tokens;
-      LD loss = a.aux * e_count / (k * t_b * t_b) * dot(slot.batch.counts, slot.batch.p);
+      LD loss = a.aux * e_count / (divisor * t_b * t_b) * dot(slot.batch.counts, slot.batch.p);
       for (const Sums& x : slot.sequences) {
-        loss += a.seq_aux * e_count / (k * x.tokens * x.tokens) * dot(x.counts, x.p) /
+        loss += a.seq_aux * e_count / (divisor * x.tokens * x.tokens) * dot(x.counts, x.p) /
                 static_cast<LD>(slot.sequences.size());
       }
-      loss += a.global * e_count / (k * global.tokens * t_b) * dot(global.counts, slot.batch.p);
+      loss += a.global * e_count / (divisor * global.tokens * t_b) * dot(global.counts, slot.batch.p);
       loss += a.z / t_b * slot.z_sum;
       total += loss * (a.per_token ? t_b / step_tokens : 1.0L / (c.layout.dp * c.layout.ga));
     }
@@ -189,19 +193,26 @@ TEST_CASE("router: the reference is the step's loss from the definition, and its
     std::string counts;
     int layers;
     bool per_token;
+    std::string convention;  // "": top-k counts over k; "first": first choices; "no_k": not divided by k
   };
-  for (const Variant& v : {Variant{"step", 1, false}, Variant{"running", 2, false}, Variant{"step", 2, true}}) {
+  for (const Variant& v :
+       {Variant{"step", 1, false, ""}, Variant{"running", 2, false, "first"}, Variant{"step", 2, true, "no_k"}}) {
     CAPTURE(v.counts);
     CAPTURE(v.layers);
     CAPTURE(v.per_token);
+    CAPTURE(v.convention);
     const Case c =
         testing::make_case(router_case({1, 1, 2, 2, false}, {{"z_loss_coef", 0.002},
                                                              {"seq_aux_coef", 0.003},
                                                              {"global_aux_coef", 0.005},
                                                              {"global_counts", v.counts},
                                                              {"layers", v.layers},
+                                                             {"counts", v.convention == "first" ? "first" : "top_k"},
+                                                             {"divide_by_k", v.convention != "no_k"},
                                                              {"scaling", v.per_token ? "per_token" : "default"}}));
-    const Coefficients a{0.01L, 0.003L, 0.002L, 0.005L, v.counts == "running", v.per_token};
+    Coefficients a{0.01L, 0.003L, 0.002L, 0.005L, v.counts == "running", v.per_token};
+    if (v.convention == "first") a.counted = 1;
+    if (!v.convention.empty()) a.divisor = 1.0L;
     const InputSource inputs(c);
     const LossReference reference(c, inputs);
     const auto width = static_cast<std::size_t>(c.shape.vocab);
@@ -247,12 +258,15 @@ TEST_CASE("router: the correct implementation passes with TP replicating tokens,
         CAPTURE(l.sp);
         CAPTURE(score);
         CAPTURE(scaling);
-        const RunResult r = testing::run_with(testing::make_case(router_case(l, {{"score", score},
-                                                                                 {"z_loss_coef", 0.001},
-                                                                                 {"seq_aux_coef", 0.004},
-                                                                                 {"layers", 2},
-                                                                                 {"scaling", scaling}})),
-                                              "correct");
+        const RunResult r =
+            testing::run_with(testing::make_case(router_case(l, {{"score", score},
+                                                                 {"z_loss_coef", 0.001},
+                                                                 {"seq_aux_coef", 0.004},
+                                                                 {"layers", 2},
+                                                                 {"counts", score == "sigmoid" ? "first" : "top_k"},
+                                                                 {"divide_by_k", scaling == "default"},
+                                                                 {"scaling", scaling}})),
+                              "correct");
         CHECK(r.verdict == Verdict::pass);
         CHECK(testing::check_named(r, "loss").verdict == Verdict::pass);
         CHECK(testing::check_named(r, "grad").verdict == Verdict::pass);

@@ -127,14 +127,21 @@ Factors factors(const CpuMicroBatch& mb, const RouterOptions& o, std::span<const
   return f;
 }
 
+// The router's settings as this implementation reads them: moe-aux-global-topk reads a global top_k.
+RouterOptions options_read(const CpuMicroBatch& mb) {
+  RouterOptions o = router_options(mb.c.loss);
+  if ((mb.bugs.kind_switches & router_bug::global_topk) != 0) o.top_k = router_bug::global_top_k;
+  return o;
+}
+
 template <class T>
 void run(const CpuMicroBatch& mb) {
-  const RouterOptions& o = router_options(mb.c.loss);
+  const RouterOptions o = options_read(mb);
   const std::uint64_t bugs = mb.bugs.kind_switches;
   const auto layers = static_cast<std::size_t>(o.layers);
   const auto row_width = static_cast<std::size_t>(mb.work.size());
   const std::size_t experts = row_width / layers;
-  const int top_k = (bugs & router_bug::global_topk) != 0 ? router_bug::global_top_k : o.top_k;
+  const int top_k = o.counts == RouterOptions::Counts::first ? 1 : o.top_k;  // the experts a token counts for
   const T* x = reinterpret_cast<const T*>(mb.logits) + mb.begin * static_cast<std::int64_t>(row_width);
   T* g = reinterpret_cast<T*>(mb.grad) + mb.begin * static_cast<std::int64_t>(row_width);
   const auto n = static_cast<std::size_t>(mb.n);
@@ -176,8 +183,8 @@ void run(const CpuMicroBatch& mb) {
   for (std::size_t j = 0; j < sequences.size(); ++j)
     held += per_sequence.layer(j * layers)[experts] > 0.0f ? 1.0f : 0.0f;
   const float tokens = std::fmax(scope.layer(0)[experts], 1.0f);
-  const float k_div =
-      (bugs & router_bug::topk_squared) != 0 ? static_cast<float>(top_k * top_k) : static_cast<float>(top_k);
+  const auto divisor = static_cast<float>(aux_k_divisor(o));
+  const float k_div = (bugs & router_bug::topk_squared) != 0 ? divisor * divisor : divisor;
   const auto e_count = static_cast<float>(experts);
   const float aux_scale = static_cast<float>(o.aux_coef) * e_count / (k_div * tokens * tokens);
   const float z_weight = static_cast<float>(o.z_loss_coef) / tokens;
@@ -199,7 +206,7 @@ void run(const CpuMicroBatch& mb) {
       const float sequence_scale = static_cast<float>(o.seq_aux_coef) * e_count /
                                    (k_div * sequence_tokens * sequence_tokens * std::fmax(held, 1.0f));
       const float global_scale = c_global[experts] > 0.0f ? static_cast<float>(o.global_aux_coef) * e_count /
-                                                                (static_cast<float>(top_k) * c_global[experts] * tokens)
+                                                                (divisor * c_global[experts] * tokens)
                                                           : 0.0f;
       float dot = 0.0f, sequence_dot = 0.0f;  // <weights, s> and its sequence aux part
       for (std::size_t e = 0; e < experts; ++e) {

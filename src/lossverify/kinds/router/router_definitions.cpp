@@ -55,12 +55,12 @@ void ScopeSums::add(std::span<const double> token_scores, const TopK& routed) {
   tokens += 1.0;
 }
 
-double aux_scale(const ScopeSums& scope, double coef, int k) {
+double aux_scale(const ScopeSums& scope, double coef, double k) {
   if (scope.tokens == 0.0) return 0.0;
-  return coef * static_cast<double>(scope.counts.size()) / (static_cast<double>(k) * scope.tokens * scope.tokens);
+  return coef * static_cast<double>(scope.counts.size()) / (k * scope.tokens * scope.tokens);
 }
 
-double aux_loss(const ScopeSums& scope, double coef, int k) {
+double aux_loss(const ScopeSums& scope, double coef, double k) {
   CompensatedSum sum;
   for (std::size_t e = 0; e < scope.counts.size(); ++e) sum.add(scope.counts[e] * scope.score_sums[e]);
   return aux_scale(scope, coef, k) * sum.value();

@@ -33,9 +33,11 @@ struct ScopeSums {
 
 // L_aux = coef E / (k T^2) sum_e c_e S_e (the Switch form, = coef E sum_e f_e P_e with f_e = c_e / (k T),
 // P_e = S_e / T); 0 for a scope without tokens.
-double aux_loss(const ScopeSums& scope, double coef, int k);
+// `k` is the divisor of f_e: the routed experts per token, or 1 where a convention counts first choices or does
+// not divide by k.
+double aux_loss(const ScopeSums& scope, double coef, double k);
 // Its factor coef E / (k T^2), the scale of every token's gradient in the scope.
-double aux_scale(const ScopeSums& scope, double coef, int k);
+double aux_scale(const ScopeSums& scope, double coef, double k);
 
 // d L_aux / d z_t of one token for a scope's counts c and scale a = coef E / (k T^2):
 //   softmax  a p_t (c - <p_t, c>);   sigmoid  a q_t (1 - sigma(z_t)) (c - <q_t, c>).

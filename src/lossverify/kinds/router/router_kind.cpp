@@ -73,6 +73,10 @@ class RouterKind final : public LossKind {
               .range(0.0, 10.0)
               .described("alpha_z of the router z-loss")
               .shrinks_as("no z-loss"),
+          choice_setting("counts", &O::counts, std::array{O::Counts::top_k, O::Counts::first}, O::Counts::top_k)
+              .described("the aux terms' counts: every routed expert, or first choices only (f_e = c1_e / T)"),
+          boolean_setting("divide_by_k", &O::divide_by_k, true)
+              .described("f_e = c_e / (k T), or c_e / T (k times the Switch form, as transformers writes it)"),
           choice_setting("scaling", &O::scaling, std::array{O::Scaling::standard, O::Scaling::per_token},
                          O::Scaling::standard)
               .described("default: the mean of the micro-batches' losses; per_token: each weighs T_S / N and the "
@@ -112,6 +116,9 @@ class RouterKind final : public LossKind {
   KindInputs inputs() const override { return {false, false}; }
   bool columns_split_by_tp() const override { return false; }
   std::string_view column_axis() const override { return "experts"; }
+  std::string dump_gap() const override {
+    return "a router's rows under sequence parallelism (check-dump's rank groups) and its logged values";
+  }
   std::int64_t row_blocks(const LossSpec& spec) const override { return router_options(spec).layers; }
   std::string invariance_class(const LayoutSpec& layout) const override {
     return "dp" + std::to_string(layout.dp) + "-ga" + std::to_string(layout.ga);
@@ -122,7 +129,7 @@ class RouterKind final : public LossKind {
   bool divides_by_step_tokens(const LossSpec& spec) const override {
     return router_options(spec).scaling == RouterOptions::Scaling::per_token;
   }
-  std::string dump_gap() const override { return "the router kind's scopes (not yet)"; }
+
   bool logs_loss_in_input_dtype() const override { return false; }
   KindRowPlan plan_rows(const RowPlanRequest& request) const override { return plan_router_rows(request); }
   // The logged aux loss (every aux term) and z-loss, each the mean over layers of a layer's as it enters the step's
@@ -209,6 +216,10 @@ const RouterOptions& router_options(const LossSpec& loss) { return options_of<Ro
 std::string_view to_string(RouterOptions::Score s) { return s == Score::sigmoid ? "sigmoid" : "softmax"; }
 std::string_view to_string(RouterOptions::GlobalCounts g) {
   return g == RouterOptions::GlobalCounts::running ? "running" : "step";
+}
+std::string_view to_string(RouterOptions::Counts c) { return c == RouterOptions::Counts::first ? "first" : "top_k"; }
+double aux_k_divisor(const RouterOptions& o) {
+  return o.counts == RouterOptions::Counts::first || !o.divide_by_k ? 1.0 : static_cast<double>(o.top_k);
 }
 std::string_view to_string(RouterOptions::Scaling s) {
   return s == RouterOptions::Scaling::per_token ? "per_token" : "default";

@@ -21,6 +21,12 @@ struct RouterOptions final : KindOptions {
   enum class GlobalCounts { step, running };
   GlobalCounts global_counts = GlobalCounts::step;  // running: the counts of micro-batches 0..m over every rank
   double z_loss_coef = 0.0;                         // alpha_z
+  // Conventions (MOE.md §1; none is a bug by itself): counts over the top-k or over first choices only (DeepSpeed's
+  // top-2 gating: f_e = c1_e / T, so no division by k), and the aux terms divided by k or not (transformers'
+  // load_balancing_loss_func is k times the Switch form).
+  enum class Counts { top_k, first };
+  Counts counts = Counts::top_k;
+  bool divide_by_k = true;
   // default: the step averages its DP x GA micro-batches' losses, the framework's grad_reduce / ga_reduce apply;
   // per_token: each micro-batch's loss weighs its share T_S / N of the step's valid tokens, and the framework divides
   // every gradient by N after its reduction (Megatron's calculate_per_token_loss).
@@ -32,5 +38,9 @@ const RouterOptions& router_options(const LossSpec& loss);
 std::string_view to_string(RouterOptions::Score);
 std::string_view to_string(RouterOptions::GlobalCounts);
 std::string_view to_string(RouterOptions::Scaling);
+std::string_view to_string(RouterOptions::Counts);
+// The divisor of the aux terms' f_e = c_e / (divisor T): k, or 1 where the case counts first choices or does not
+// divide by k.
+double aux_k_divisor(const RouterOptions& o);
 
 }  // namespace lossverify

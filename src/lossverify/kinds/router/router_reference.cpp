@@ -121,7 +121,7 @@ class RouterReference final : public KindReference {
             for (std::size_t e = 0; e < z.size(); ++e) z[e] = raw[e];
             for (std::size_t l = 0; l < layers_; ++l) {
               router::scores(score_of(options_), std::span<const double>(z).subspan(l * experts_, experts_), s);
-              const router::TopK routed = router::top_k(s, options_.top_k);
+              const router::TopK routed = router::top_k(s, counted_per_token());
               refuse_tie(c, t, l, routed, s);
               batch[l].add(s, routed);
               own[l].add(s, routed);
@@ -146,7 +146,7 @@ class RouterReference final : public KindReference {
   void refuse_tie(const Case& c, std::int64_t t, std::size_t layer, const router::TopK& routed,
                   std::span<const double> s) const {
     if (routed.margin > 1e-6 * s[static_cast<std::size_t>(routed.experts.back())]) return;
-    throw CaseError(c.source + ": token " + std::to_string(t) + "'s " + std::to_string(options_.top_k) +
+    throw CaseError(c.source + ": token " + std::to_string(t) + "'s " + std::to_string(counted_per_token()) +
                     "-th and next router scores of layer " + std::to_string(layer) +
                     " tie within float32 rounding (MOE.md section 3); another inputs.seed moves them apart");
   }
@@ -192,6 +192,8 @@ class RouterReference final : public KindReference {
     }
   }
 
+  // The experts a token counts for in the aux terms: its top-k, or its first choice only.
+  int counted_per_token() const { return options_.counts == RouterOptions::Counts::first ? 1 : options_.top_k; }
   double z_weight(std::int64_t token) const {
     return options_.z_loss_coef / scopes_.front().batch[scope_of_.at(token)].tokens;
   }
@@ -204,11 +206,12 @@ class RouterReference final : public KindReference {
     const router::ScopeSums& scope = scopes.batch[b];
     const router::ScopeSums& sequence = scopes.sequences[j];
     const router::ScopeSums& global = scopes.global[b];
-    const double a = router::aux_scale(scope, options_.aux_coef, options_.top_k);
-    const double a_s = router::aux_scale(sequence, options_.seq_aux_coef, options_.top_k) * sequence_weight_[j];
+    const double k = aux_k_divisor(options_);
+    const double a = router::aux_scale(scope, options_.aux_coef, k);
+    const double a_s = router::aux_scale(sequence, options_.seq_aux_coef, k) * sequence_weight_[j];
     // alpha E sum_e f_e P_e with f_e = c^G_e / (k T^G) and P_e = sum_{t in B} p_te / T_B
     const double a_g = global.tokens > 0.0 ? options_.global_aux_coef * static_cast<double>(experts_) /
-                                                 (options_.top_k * global.tokens * scope.tokens)
+                                                 (k * global.tokens * scope.tokens)
                                            : 0.0;
     std::vector<double> w(experts_);
     for (std::size_t e = 0; e < w.size(); ++e) {
