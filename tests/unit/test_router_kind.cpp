@@ -14,6 +14,8 @@
 #include "lossverify/inputs/input_source.hpp"
 #include "lossverify/layout/rank_layout.hpp"
 #include "lossverify/reference/loss_reference.hpp"
+#include "lossverify/repro/bundle.hpp"
+#include "lossverify/repro/shrink.hpp"
 #include "test_support.hpp"
 
 namespace lossverify {
@@ -343,6 +345,29 @@ TEST_CASE("router: each catalogued bug shows the signal MOE.md predicts, where i
     const double factor = x.factor == -1.0 ? 1.0 / n : x.factor == -2.0 ? n : x.factor;
     if (factor > 0.0) CHECK(worst_grad_ratio(r) == doctest::Approx(factor).epsilon(1e-4));
   }
+}
+
+TEST_CASE("router: a failing run's bundle replays bit for bit, and shrink keeps it failing on fewer experts") {
+  const Case c = testing::make_case(router_case({2, 2, 1, 2, true}, {{"scaling", "per_token"}, {"layers", 2}}));
+  const RunResult original = testing::run_with(c, "moe-aux-per-token-rank-count");
+  REQUIRE(original.verdict == Verdict::fail);
+  const Bundle bundle = parse_bundle(nlohmann::json::parse(make_bundle(original, BundleContext{}).dump()), "b.json");
+  CHECK(input_drift(bundle).empty());
+  const RunResult replayed = testing::run_with(bundle.the_case, bundle.implementation);
+  REQUIRE(replayed.checks.size() == original.checks.size());
+  for (std::size_t i = 0; i < original.checks.size(); ++i)
+    CHECK(replayed.checks[i].margin == original.checks[i].margin);
+
+  ShrinkOptions options;
+  options.implementation = "moe-aux-per-token-rank-count";
+  options.threads = 2;
+  const ShrinkResult shrunk = shrink_case(c, options);
+  CHECK(shrunk.check == "grad");
+  CHECK(shrunk.minimized["shape"].contains("experts"));
+  CHECK(shrunk.after.logits() < shrunk.before.logits());
+  CHECK(testing::check_named(testing::run_with(shrunk.minimized_case, options.implementation), "grad").verdict ==
+        Verdict::fail);
+  CHECK(testing::run_with(shrunk.minimized_case, "correct").verdict == Verdict::pass);
 }
 
 }  // namespace lossverify
