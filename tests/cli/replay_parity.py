@@ -106,6 +106,9 @@ def main():
             if what == "sweep":
                 lay = run["layout"]
                 layout = sum(([f"--{k}", str(lay[k])] for k in ("tp", "cp", "dp", "ga")), [])
+                # sequence parallelism (a kind whose rows are whole) is in the run's case, not in its rank counts
+                sp = run["case"]["layout"].get("sp", False)
+                layout += ["--set", f"layout.sp={'true' if sp else 'false'}"]
                 cmd += layout + (["--reference", "cpu"] if a.backend == "cuda" else [])
                 label += " at " + " ".join(layout) + " (sweep)"
             jobs.append((label, run, cmd))
