@@ -16,6 +16,7 @@ struct Case;
 struct BugSwitches;
 class RankPlan;
 struct RankGroups;
+struct RankAssignment;
 }  // namespace lossverify
 
 namespace lossverify::cuda {
@@ -30,10 +31,11 @@ struct CudaRankSetup {
   std::int64_t owner_base = 0;      // global column of the kernel's first column, as its labels see it
   std::byte* logits = nullptr;      // rows x cols (writable: a bug may overwrite them)
   const std::byte* teacher = nullptr;
-  std::byte* grad = nullptr;  // rows x cols
-  bool whole_rows = false;    // a TP group of one
-  bool preload = true;        // load the kernels' code now rather than at their first launch
-  void* stream = nullptr;     // the rank's cudaStream_t
+  std::byte* grad = nullptr;                   // rows x cols
+  bool whole_rows = false;                     // a TP group of one
+  bool preload = true;                         // load the kernels' code now rather than at their first launch
+  void* stream = nullptr;                      // the rank's cudaStream_t
+  const RankAssignment* assignment = nullptr;  // the rank's rows and micro-batches
 };
 
 // Per-row arrays from the rank plan, on the host and the device (the micro-batch's slice is at row b).
@@ -57,7 +59,9 @@ struct KindOutputs {
 class CudaKindRank {
  public:
   virtual ~CudaKindRank() = default;
-  // Rows [b, b + n) of the rank: kernels, the protocol's collectives over groups.tp, out.token_loss[b + i].
+  // Rows [b, b + n) of the rank: kernels, the protocol's collectives over groups.tp, out.token_loss[b + i]. Called
+  // for every micro-batch in order; one without rows is skipped for a kind that splits columns (its TP peers hold
+  // the same rows), not for one whose rows are whole (its peers may hold rows and reach its collectives).
   virtual void micro_batch(const RankPlan& plan, RankGroups& groups, const CudaRows& rows, std::int64_t b,
                            std::int64_t n, KindOutputs& out) = 0;
 };

@@ -173,6 +173,7 @@ struct CpuMicroBatch {
   std::vector<float>& token_values;       // rows x the kind's token_quantities(), row major
   std::vector<double>& logged_stats;      // the kind's logged_statistics(): this rank's share, summed over the
                                           // batch group after the last micro-batch
+  int index = 0;                          // the micro-batch's (begin alone is ambiguous where some are empty)
 };
 
 // What a kind plans for a rank's rows before its kernels run (LossKind::plan_rows): the rank's rows, which

@@ -76,11 +76,11 @@ class RankKernel {
     const auto& offsets = out_.assignment.micro_batch_begin;
     for (std::size_t k = 0; k + 1 < offsets.size(); ++k) {
       if (offsets[k + 1] == offsets[k]) continue;  // an empty micro-batch: TP peers skip it too
-      kind_.cpu_micro_batch(
-          CpuMicroBatch{case_, bugs_, *plan_, groups_, out_.assignment, offsets[k], offsets[k + 1] - offsets[k],
-                        case_.inputs.dtype, work_, reinterpret_cast<std::byte*>(student.data()),
-                        reinterpret_cast<const std::byte*>(teacher.data()), out_.grad.data(), threads_, beacon_,
-                        out_.token_loss, out_.logged_token_loss, out_.token_values, out_.logged_stats});
+      kind_.cpu_micro_batch(CpuMicroBatch{
+          case_, bugs_, *plan_, groups_, out_.assignment, offsets[k], offsets[k + 1] - offsets[k], case_.inputs.dtype,
+          work_, reinterpret_cast<std::byte*>(student.data()), reinterpret_cast<const std::byte*>(teacher.data()),
+          out_.grad.data(), threads_, beacon_, out_.token_loss, out_.logged_token_loss, out_.token_values,
+          out_.logged_stats, static_cast<int>(k)});
     }
     if (stage != nullptr) stage->cpu_backward(stage_rank(student));
     if (!out_.logged_stats.empty()) groups_.batch.allreduce_sum(std::span<double>(out_.logged_stats));

@@ -80,7 +80,7 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
   }
   const std::unique_ptr<CudaKindRank> kind_rank = make_kind_rank(
       CudaRankSetup{c, bugs, type, element, rows, cols, owner_base, d_logits.as<std::byte>(), d_teacher.as<std::byte>(),
-                    d_grad.as<std::byte>(), groups.tp.size() == 1, preload, stream.get()});
+                    d_grad.as<std::byte>(), groups.tp.size() == 1, preload, stream.get(), &out.assignment});
   // The rank's other buffers are set up while the GPU generates the inputs, where the host would wait:
   // the per-row arrays.
   const auto row_count = static_cast<std::size_t>(rows);
@@ -125,7 +125,7 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
   for (std::size_t mb = 0; mb + 1 < offsets.size(); ++mb) {
     const std::int64_t b = offsets[mb];
     const std::int64_t n = offsets[mb + 1] - b;
-    if (n == 0) continue;
+    if (n == 0 && kind.columns_split_by_tp()) continue;
     kind_rank->micro_batch(plan, groups, row_arrays, b, n, kind_outputs);
   }
   if (!out.logged_stats.empty()) groups.batch.allreduce_sum(std::span<double>(out.logged_stats));

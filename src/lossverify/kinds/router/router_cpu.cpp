@@ -17,6 +17,7 @@
 #include "lossverify/impl/rank_plan.hpp"
 #include "lossverify/kinds/router/router_options.hpp"
 #include "lossverify/kinds/router/router_parts.hpp"
+#include "lossverify/kinds/router/router_scaling.hpp"
 #include "lossverify/layout/global_batch.hpp"
 #include "lossverify/layout/rank_layout.hpp"
 
@@ -98,45 +99,9 @@ Sums global_counts(const CpuMicroBatch& mb, const RouterOptions& o, std::size_t 
   return sums;
 }
 
-// The factors a trainer applies to the aux terms' and to every router gradient (the catalogued bugs move them).
-struct Factors {
-  float aux = 1.0f, sequence_aux = 1.0f, all = 1.0f;
-};
-Factors factors(const CpuMicroBatch& mb, const RouterOptions& o, std::span<const float> row_inputs,
-                std::size_t sequences) {
-  const std::uint64_t bugs = mb.bugs.kind_switches;
-  const LayoutSpec& layout = mb.c.layout;
-  const bool per_token = o.scaling == RouterOptions::Scaling::per_token;
-  const float scope_tokens = row_inputs[0], own_tokens = row_inputs[1], step_tokens = row_inputs[2];
-  Factors f;
-  if ((bugs & router_bug::tp_sum) != 0 && layout.sp) f.aux = static_cast<float>(layout.tp);
-  if ((bugs & router_bug::cp_missing) != 0) f.all = 1.0f / static_cast<float>(layout.cp);
-  if ((bugs & router_bug::no_grad) != 0) f.aux = 0.0f;  // the scaler's return discarded
-  if ((bugs & router_bug::ga_overweight) != 0) f.aux *= static_cast<float>(layout.ga);
-  if (per_token) {
-    if ((bugs & router_bug::per_token_divided) != 0) f.aux /= step_tokens;
-    if ((bugs & router_bug::per_token_tp_cp) != 0) f.all /= static_cast<float>(layout.tp * layout.cp);
-    if ((bugs & router_bug::seq_aux_mbs) != 0)
-      f.sequence_aux = 1.0f / static_cast<float>(std::max<std::size_t>(sequences, 1));
-    if ((bugs & router_bug::count_not_returned) != 0 && layout.cp > 1) f.all *= step_tokens;
-    if ((bugs & router_bug::per_token_rank_count) != 0) {
-      const int sharing = layout.cp * (layout.sp ? layout.tp : 1);
-      f.all *= own_tokens * static_cast<float>(sharing) / scope_tokens;
-    }
-  }
-  return f;
-}
-
-// The router's settings as this implementation reads them: moe-aux-global-topk reads a global top_k.
-RouterOptions options_read(const CpuMicroBatch& mb) {
-  RouterOptions o = router_options(mb.c.loss);
-  if ((mb.bugs.kind_switches & router_bug::global_topk) != 0) o.top_k = router_bug::global_top_k;
-  return o;
-}
-
 template <class T>
 void run(const CpuMicroBatch& mb) {
-  const RouterOptions o = options_read(mb);
+  const RouterOptions o = router_options_read(mb.c.loss, mb.bugs.kind_switches);
   const std::uint64_t bugs = mb.bugs.kind_switches;
   const auto layers = static_cast<std::size_t>(o.layers);
   const auto row_width = static_cast<std::size_t>(mb.work.size());
@@ -151,8 +116,7 @@ void run(const CpuMicroBatch& mb) {
   std::vector<Block> blocks(n * layers, Block{std::vector<float>(experts), std::vector<float>(experts)});
   Sums scope(layers, experts);
   // The sequence aux loss's scopes: the micro-batch's sequences, in the layout's order.
-  const auto& begins = mb.assignment.micro_batch_begin;
-  const auto k = static_cast<int>(std::find(begins.begin(), begins.end(), mb.begin) - begins.begin());
+  const int k = mb.index;
   const std::vector<std::int64_t> sequences =
       sequences_of_slot(GlobalBatch(mb.c.batch), mb.c.batch, mb.c.layout, mb.assignment.coordinates.dp, k);
   Sums per_sequence(sequences.size() * layers, experts);  // sequence j's layer l at j * layers + l
@@ -193,8 +157,9 @@ void run(const CpuMicroBatch& mb) {
   for (std::size_t i = 0; i < n; ++i) {
     if (!plan(i).active) continue;
     const std::size_t row = static_cast<std::size_t>(mb.begin) + i;
-    const Factors f = factors(
-        mb, o, std::span<const float>(row_inputs).subspan(row * kRouterRowInputs, kRouterRowInputs), sequences.size());
+    const RouterFactors f = router_factors(
+        bugs, mb.c.layout, o, std::span<const float>(row_inputs).subspan(row * kRouterRowInputs, kRouterRowInputs),
+        sequences.size());
     const float w = plan(i).backward_weight * f.all;
     float loss = 0.0f;
     for (std::size_t l = 0; l < layers; ++l) {
@@ -263,12 +228,17 @@ KindRowPlan plan_router_rows(const RowPlanRequest& r) {
   plan.row_inputs.assign(r.valid.size() * kRouterRowInputs, 0.0f);
   const double mean = 1.0 / (static_cast<double>(r.c.layout.dp) * static_cast<double>(r.c.layout.ga));
   for (std::size_t k = 0; k < ga; ++k) {
+    const std::vector<std::int64_t> sequences =
+        sequences_of_slot(r.inputs.batch(), r.c.batch, r.c.layout, r.assignment.coordinates.dp, static_cast<int>(k));
     for (auto i = static_cast<std::size_t>(begins[k]); i < static_cast<std::size_t>(begins[k + 1]); ++i) {
       if (r.valid[i]) (*plan.weights)[i] = o.scaling == RouterOptions::Scaling::per_token ? scope[k] / step : mean;
+      const auto slot = std::find(sequences.begin(), sequences.end(), r.assignment.rows[i].sequence);
       float* in = &plan.row_inputs[i * kRouterRowInputs];
       in[0] = static_cast<float>(scope[k]);
       in[1] = static_cast<float>(own[k]);
       in[2] = static_cast<float>(step);
+      in[3] = slot == sequences.end() ? -1.0f : static_cast<float>(slot - sequences.begin());
+      in[4] = static_cast<float>(sequences.size());
     }
   }
   return plan;

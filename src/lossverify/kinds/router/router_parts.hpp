@@ -28,8 +28,9 @@ inline constexpr int global_top_k = 2;
 }  // namespace router_bug
 
 // What the plan hands each local row's kernel (KindRowPlan::row_inputs), row major: the micro-batch scope's valid
-// tokens T_S (over the sequence partition), the rank's own valid tokens of that micro-batch, the step's valid tokens.
-inline constexpr std::size_t kRouterRowInputs = 3;
+// tokens T_S (over the sequence partition), the rank's own valid tokens of that micro-batch, the step's valid tokens,
+// the row's sequence among the micro-batch's (-1: none) and the micro-batch's sequences.
+inline constexpr std::size_t kRouterRowInputs = 5;
 
 std::unique_ptr<LossKind> make_router_kind();
 std::unique_ptr<KindReference> make_router_reference(const Case& c, const InputSource& inputs);
