@@ -27,6 +27,7 @@ namespace {
 nlohmann::json torch_figures(const BenchArguments& a, std::int64_t tokens, std::int64_t vocab) {
   const std::string script = !a.torch_script.empty() ? a.torch_script
                              : a.loss == "policy"    ? "bench/torch_logprob_bench.py"
+                             : a.loss == "router"    ? "bench/torch_router_bench.py"
                                                      : "bench/torch_ce_bench.py";
   const std::string command = "python3 " + script + " " + std::to_string(tokens) + " " + std::to_string(vocab) + " " +
                               a.dtype + " " + std::to_string(a.label_smoothing) + " " + std::to_string(a.repeats) +
@@ -121,7 +122,12 @@ int run_bench(const BenchArguments& a) {
   if (!dtype) throw CaseError("--dtype " + a.dtype + ": expected fp32|bf16|fp16");
   if (tokens < 1 || vocab < 2 || a.tp < 1 || a.tp > vocab)
     throw CaseError("--shape/--tp: need N >= 1, V >= 2, 1 <= tp <= V");
-  if (a.loss == "policy" && a.gpus > 1) throw CaseError("--loss policy: --gpus is not measured for it yet");
+  if (a.loss != "cross_entropy" && a.gpus > 1) {
+    throw CaseError("--loss " + a.loss + ": --gpus is not measured for it yet");
+  }
+  if (a.loss == "router" && (a.tp != 1 || a.dtype != "fp32")) {
+    throw CaseError("--loss router: the router's rows are whole and float32 (--shape N,E; no --tp, --dtype fp32)");
+  }
   if (a.gpus > 1) {
     if (a.tp != 1)
       throw CaseError("--gpus " + std::to_string(a.gpus) +
@@ -139,14 +145,17 @@ int run_bench(const BenchArguments& a) {
   o.repeats = a.repeats;
   o.label_smoothing = a.label_smoothing;
   const bool policy = a.loss == "policy";
-  nlohmann::json r = policy ? cuda::bench_policy(o) : cuda::bench(o);
+  const bool router = a.loss == "router";
+  nlohmann::json r = policy ? cuda::bench_policy(o) : router ? cuda::bench_router(o) : cuda::bench(o);
   r["global_vocab"] = vocab;
   if (a.tp == 1) r["torch"] = torch_figures(a, tokens, vocab);
   std::cout << std::fixed << std::setprecision(3);
   std::cout << "device " << r["device"].get<std::string>() << ", copy " << r["copy_tb_per_s"].get<double>()
             << " TB/s\n";
   std::cout << "shape N=" << tokens << " V=" << vocab << " (" << o.vocab << " per rank, tp=" << a.tp << "), " << a.dtype
-            << (policy ? ", policy loss: log-prob and entropy" : ", smoothing " + std::to_string(a.label_smoothing))
+            << (policy   ? ", policy loss: log-prob and entropy"
+                : router ? ", router: aux loss (top-8) and z-loss"
+                         : ", smoothing " + std::to_string(a.label_smoothing))
             << ", mean\n";
   std::cout << "floor (" << r["floor_bytes_per_logit"].get<double>()
             << " B/logit at the copy bandwidth): " << r["floor_ms"].get<double>() << " ms\n";
@@ -191,8 +200,10 @@ void register_bench(CLI::App& app, BenchCommand& command) {
       ->check(CLI::PositiveNumber);
   command.app->add_option("--repeats", command.args.repeats, "timed repetitions (median)")->check(CLI::PositiveNumber);
   command.app->add_option("--label-smoothing", command.args.label_smoothing, "alpha");
-  command.app->add_option("--loss", command.args.loss, "cross_entropy, or policy (a log-prob and entropy pass)")
-      ->check(CLI::IsMember({"cross_entropy", "policy"}));
+  command.app
+      ->add_option("--loss", command.args.loss,
+                   "cross_entropy, policy (a log-prob and entropy pass), or router (--shape N,E, fp32, top-8)")
+      ->check(CLI::IsMember({"cross_entropy", "policy", "router"}));
   command.app->add_option("--report", command.args.report_path, "write the figures as JSON");
   command.app->add_option("--torch-script", command.args.torch_script, "PyTorch comparison script");
 }

@@ -47,6 +47,8 @@ struct BenchOptions {
 nlohmann::json bench(const BenchOptions& options);
 // The same for the policy kind's kernels (kinds/policy/policy_bench.cpp): a log-prob and entropy pass.
 nlohmann::json bench_policy(const BenchOptions& options);
+// The router kind's kernels (kinds/router/router_bench.cpp): one scope of N tokens x V experts, fp32, top-8.
+nlohmann::json bench_router(const BenchOptions& options);
 
 // `lossverify bench --gpus N`: the TP-sharded step on N GPUs (one thread rank each) with the NCCL collectives
 // between them: the kernels against their floor, the collectives against a latency + size/bandwidth model

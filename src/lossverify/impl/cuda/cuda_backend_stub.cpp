@@ -20,5 +20,6 @@ RankOutput run_sharded_loss(const Case&, const InputSource&, RankAssignment, Ran
 }
 nlohmann::json bench(const BenchOptions&) { unavailable(); }
 nlohmann::json bench_policy(const BenchOptions&) { unavailable(); }
+nlohmann::json bench_router(const BenchOptions&) { unavailable(); }
 nlohmann::json bench_multi_gpu(const MultiGpuBenchOptions&) { unavailable(); }
 }  // namespace lossverify::cuda
