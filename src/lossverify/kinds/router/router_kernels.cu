@@ -2,6 +2,7 @@
 // (row, layer) of a grid-stride loop.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 
@@ -36,50 +37,196 @@ __device__ void warp_best(float& value, int& index) {
   }
 }
 
-__global__ void __launch_bounds__(kThreads) route_kernel(RouterRouteArgs a) {
+// The next expert after (previous, previous_index) in the order logit descending, index ascending, among a lane's
+// values (registers: value i is expert lane + 32 i) or a row in memory.
+template <int PER>
+__device__ void next_in_registers(const float (&x)[PER], int lane, int experts, float previous, int previous_index,
+                                  float& best, int& best_index) {
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const int e = lane + 32 * i;
+    const float v = x[i];
+    const bool after = v < previous || (v == previous && e > previous_index);
+    if (e < experts && after && (v > best || (v == best && e < best_index))) {
+      best = v;
+      best_index = e;
+    }
+  }
+}
+__device__ void next_in_memory(const float* z, int lane, int experts, float previous, int previous_index, float& best,
+                               int& best_index) {
+  for (int e = lane; e < experts; e += 32) {
+    const float v = z[e];
+    const bool after = v < previous || (v == previous && e > previous_index);
+    if (after && (v > best || (v == best && e < best_index))) {
+      best = v;
+      best_index = e;
+    }
+  }
+}
+
+// Pass 1. The scope's counts gather in shared memory per block (one global add per block and count at the end:
+// every warp adding to the same E + 1 floats in global memory serialises them) where they fit (`shared_counts`).
+// PER > 0: rows of at most 32 PER experts, read once into registers; 0: any width.
+template <int PER>
+__global__ void __launch_bounds__(kThreads) route_kernel(RouterRouteArgs a, int shared_counts) {
+  extern __shared__ float block_counts[];
   const int lane = threadIdx.x & 31;
   const std::int64_t warps = (static_cast<std::int64_t>(gridDim.x) * blockDim.x) >> 5;
   const std::int64_t items = a.rows * a.layers;
   const int width = a.experts + 1;
+  float* counts = shared_counts ? block_counts : a.scope;
+  if (shared_counts) {
+    for (int i = threadIdx.x; i < a.layers * width; i += blockDim.x) block_counts[i] = 0.0f;
+    __syncthreads();
+  }
   for (std::int64_t item = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5; item < items;
        item += warps) {
     const std::int64_t r = item / a.layers;
     const int l = static_cast<int>(item % a.layers);
     if (!a.counted[r]) continue;
     const float* z = a.logits + (r * a.layers + l) * a.experts;
+    float x[PER > 0 ? PER : 1];
+    if constexpr (PER > 0) {
+#pragma unroll
+      for (int i = 0; i < PER; ++i) x[i] = lane + 32 * i < a.experts ? z[lane + 32 * i] : -INFINITY;
+    }
     const int slot = a.sequences != nullptr ? a.slot[r] : -1;
+    float* own = slot >= 0 ? a.sequences + (static_cast<std::int64_t>(slot) * a.layers + l) * width : nullptr;
     float previous = INFINITY;
     int previous_index = -1;
     for (int j = 0; j < a.top_k; ++j) {
       float best = -INFINITY;
       int best_index = INT_MAX;
-      for (int e = lane; e < a.experts; e += 32) {
-        const float v = z[e];
-        const bool after = v < previous || (v == previous && e > previous_index);
-        if (after && (v > best || (v == best && e < best_index))) {
-          best = v;
-          best_index = e;
-        }
+      if constexpr (PER > 0) {
+        next_in_registers<PER>(x, lane, a.experts, previous, previous_index, best, best_index);
+      } else {
+        next_in_memory(z, lane, a.experts, previous, previous_index, best, best_index);
       }
       warp_best(best, best_index);
       if (lane == 0) {
-        atomicAdd(&a.scope[l * width + best_index], 1.0f);
-        if (slot >= 0)
-          atomicAdd(&a.sequences[(static_cast<std::int64_t>(slot) * a.layers + l) * width + best_index], 1.0f);
+        atomicAdd(&counts[l * width + best_index], 1.0f);
+        if (own != nullptr) atomicAdd(&own[best_index], 1.0f);
       }
       previous = best;
       previous_index = best_index;
     }
     if (lane == 0) {
-      atomicAdd(&a.scope[l * width + a.experts], 1.0f);
-      if (slot >= 0)
-        atomicAdd(&a.sequences[(static_cast<std::int64_t>(slot) * a.layers + l) * width + a.experts], 1.0f);
+      atomicAdd(&counts[l * width + a.experts], 1.0f);
+      if (own != nullptr) atomicAdd(&own[a.experts], 1.0f);
+    }
+  }
+  if (shared_counts) {
+    __syncthreads();
+    for (int i = threadIdx.x; i < a.layers * width; i += blockDim.x) {
+      if (block_counts[i] != 0.0f) atomicAdd(&a.scope[i], block_counts[i]);
     }
   }
 }
 
 __device__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
+// One (row, layer) of pass 2 with the row in registers, PER values per lane (experts <= 32 PER): one read of the
+// logits, one write of the gradient.
+template <int PER>
+__device__ void grad_in_registers(const RouterGradArgs& a, std::int64_t r, int l, int lane) {
+  const std::int64_t offset = (r * a.layers + l) * a.experts;
+  const float* z = a.logits + offset;
+  const std::int64_t table = (static_cast<std::int64_t>(a.slot[r]) * a.layers + l) * a.experts;
+  float x[PER], s[PER];
+  float max = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const int e = lane + 32 * i;
+    x[i] = e < a.experts ? z[e] : -INFINITY;
+    max = fmaxf(max, x[i]);
+  }
+  max = warp_max(max);
+  float sum = 0.0f, total = 0.0f;
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const bool in = lane + 32 * i < a.experts;
+    s[i] = in ? expf(x[i] - max) : 0.0f;
+    sum += s[i];
+    if (a.sigmoid && in) total += sigmoid(x[i]);
+  }
+  const float row_sum = warp_sum(sum);
+  const float lse = max + logf(row_sum);
+  total = warp_sum(total);
+  float dot = 0.0f, sequence_dot = 0.0f;
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const int e = lane + 32 * i;
+    if (e >= a.experts) continue;
+    const float p = s[i] / row_sum;
+    s[i] = a.sigmoid ? sigmoid(x[i]) / total : p;
+    x[i] = p;  // the softmax probability, for the z-loss
+    dot += a.weights[table + e] * s[i];
+    sequence_dot += a.sequence_weights[table + e] * s[i];
+  }
+  dot = warp_sum(dot);
+  sequence_dot = warp_sum(sequence_dot);
+  const float scale = a.weight[r] * a.all;
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const int e = lane + 32 * i;
+    if (e >= a.experts) continue;
+    const float w = a.weights[table + e], ws = a.sequence_weights[table + e];
+    // sigmoid's slope 1 - sigma(z) = 1 - q total (q = sigma / total)
+    const float slope = a.sigmoid ? 1.0f - s[i] * total : 1.0f;
+    const float aux = s[i] * slope * ((w - ws) - (dot - sequence_dot));
+    const float sequence_aux = s[i] * slope * (ws - sequence_dot);
+    a.grad[offset + e] = scale * (a.aux * (aux + a.sequence_aux * sequence_aux) + 2.0f * a.z_weight * lse * x[i]);
+  }
+  if (lane == 0) {
+    a.terms[2 * (r * a.layers + l)] = dot;
+    a.terms[2 * (r * a.layers + l) + 1] = a.z_weight * lse * lse;
+  }
+}
+
+// Any width: the row read from memory (L1) in each of its passes.
+__device__ void grad_in_passes(const RouterGradArgs& a, std::int64_t r, int l, int lane) {
+  const std::int64_t offset = (r * a.layers + l) * a.experts;
+  const float* z = a.logits + offset;
+  const std::int64_t table = (static_cast<std::int64_t>(a.slot[r]) * a.layers + l) * a.experts;
+  const float* w = a.weights + table;
+  const float* ws = a.sequence_weights + table;
+  float max = -INFINITY;
+  for (int e = lane; e < a.experts; e += 32) max = fmaxf(max, z[e]);
+  max = warp_max(max);
+  float sum = 0.0f, total = 0.0f;
+  for (int e = lane; e < a.experts; e += 32) {
+    sum += expf(z[e] - max);
+    if (a.sigmoid) total += sigmoid(z[e]);
+  }
+  const float lse = max + logf(warp_sum(sum));
+  total = warp_sum(total);
+  auto score = [&](float x) { return a.sigmoid ? sigmoid(x) / total : expf(x - lse); };
+  float dot = 0.0f, sequence_dot = 0.0f;
+  for (int e = lane; e < a.experts; e += 32) {
+    const float s = score(z[e]);
+    dot += w[e] * s;
+    sequence_dot += ws[e] * s;
+  }
+  dot = warp_sum(dot);
+  sequence_dot = warp_sum(sequence_dot);
+  const float scale = a.weight[r] * a.all;
+  for (int e = lane; e < a.experts; e += 32) {
+    const float s = score(z[e]);
+    const float slope = a.sigmoid ? 1.0f - sigmoid(z[e]) : 1.0f;
+    const float aux = s * slope * ((w[e] - ws[e]) - (dot - sequence_dot));
+    const float sequence_aux = s * slope * (ws[e] - sequence_dot);
+    const float z_grad = 2.0f * a.z_weight * lse * expf(z[e] - lse);
+    a.grad[offset + e] = scale * (a.aux * (aux + a.sequence_aux * sequence_aux) + z_grad);
+  }
+  if (lane == 0) {
+    a.terms[2 * (r * a.layers + l)] = dot;
+    a.terms[2 * (r * a.layers + l) + 1] = a.z_weight * lse * lse;
+  }
+}
+
+// PER > 0: rows of at most 32 PER experts, in registers; 0: any width.
+template <int PER>
 __global__ void __launch_bounds__(kThreads) grad_kernel(RouterGradArgs a) {
   const int lane = threadIdx.x & 31;
   const std::int64_t warps = (static_cast<std::int64_t>(gridDim.x) * blockDim.x) >> 5;
@@ -89,45 +236,20 @@ __global__ void __launch_bounds__(kThreads) grad_kernel(RouterGradArgs a) {
     const std::int64_t r = item / a.layers;
     const int l = static_cast<int>(item % a.layers);
     if (!a.active[r] || a.slot[r] < 0) continue;  // an active row always lies in one of the micro-batch's sequences
-    const std::int64_t offset = (r * a.layers + l) * a.experts;
-    const float* z = a.logits + offset;
-    const std::int64_t table = (static_cast<std::int64_t>(a.slot[r]) * a.layers + l) * a.experts;
-    const float* w = a.weights + table;
-    const float* ws = a.sequence_weights + table;
-    float max = -INFINITY;
-    for (int e = lane; e < a.experts; e += 32) max = fmaxf(max, z[e]);
-    max = warp_max(max);
-    float sum = 0.0f, total = 0.0f;
-    for (int e = lane; e < a.experts; e += 32) {
-      sum += expf(z[e] - max);
-      if (a.sigmoid) total += sigmoid(z[e]);
-    }
-    const float lse = max + logf(warp_sum(sum));
-    total = warp_sum(total);
-    auto score = [&](float x) { return a.sigmoid ? sigmoid(x) / total : expf(x - lse); };
-    float dot = 0.0f, sequence_dot = 0.0f;
-    for (int e = lane; e < a.experts; e += 32) {
-      const float s = score(z[e]);
-      dot += w[e] * s;
-      sequence_dot += ws[e] * s;
-    }
-    dot = warp_sum(dot);
-    sequence_dot = warp_sum(sequence_dot);
-    const float z_term = a.z_weight * lse * lse;
-    const float scale = a.weight[r] * a.all;
-    for (int e = lane; e < a.experts; e += 32) {
-      const float s = score(z[e]);
-      const float slope = a.sigmoid ? 1.0f - sigmoid(z[e]) : 1.0f;
-      const float aux = s * slope * ((w[e] - ws[e]) - (dot - sequence_dot));
-      const float sequence_aux = s * slope * (ws[e] - sequence_dot);
-      const float z_grad = 2.0f * a.z_weight * lse * expf(z[e] - lse);
-      a.grad[offset + e] = scale * (a.aux * (aux + a.sequence_aux * sequence_aux) + z_grad);
-    }
-    if (lane == 0) {
-      a.terms[2 * (r * a.layers + l)] = dot;
-      a.terms[2 * (r * a.layers + l) + 1] = z_term;
+    if constexpr (PER > 0) {
+      grad_in_registers<PER>(a, r, l, lane);
+    } else {
+      grad_in_passes(a, r, l, lane);
     }
   }
+}
+
+int persistent_sms() {
+  int device = 0;
+  cudaGetDevice(&device);
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  return sms > 0 ? sms : 132;
 }
 
 int blocks_for(std::int64_t items) {
@@ -140,13 +262,33 @@ int blocks_for(std::int64_t items) {
 
 void router_route(const RouterRouteArgs& args, void* stream) {
   if (args.rows == 0) return;
-  route_kernel<<<blocks_for(args.rows * args.layers), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(args);
+  const std::size_t counts = static_cast<std::size_t>(args.layers) * (static_cast<std::size_t>(args.experts) + 1);
+  const bool shared = counts * sizeof(float) <= 32 * 1024;
+  // Enough blocks to fill the GPU, each with many rows (its counts leave the block once).
+  const int blocks = std::min(blocks_for(args.rows * args.layers), shared ? 8 * persistent_sms() : 65535);
+  const std::size_t bytes = shared ? counts * sizeof(float) : 0;
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (args.experts <= 32 * 2) {
+    route_kernel<2><<<blocks, kThreads, bytes, s>>>(args, shared ? 1 : 0);
+  } else if (args.experts <= 32 * 8) {
+    route_kernel<8><<<blocks, kThreads, bytes, s>>>(args, shared ? 1 : 0);
+  } else {
+    route_kernel<0><<<blocks, kThreads, bytes, s>>>(args, shared ? 1 : 0);
+  }
   LV_CUDA(cudaGetLastError());
 }
 
 void router_grad(const RouterGradArgs& args, void* stream) {
   if (args.rows == 0) return;
-  grad_kernel<<<blocks_for(args.rows * args.layers), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(args);
+  const int blocks = blocks_for(args.rows * args.layers);
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (args.experts <= 32 * 2) {
+    grad_kernel<2><<<blocks, kThreads, 0, s>>>(args);
+  } else if (args.experts <= 32 * 8) {
+    grad_kernel<8><<<blocks, kThreads, 0, s>>>(args);
+  } else {
+    grad_kernel<0><<<blocks, kThreads, 0, s>>>(args);
+  }
   LV_CUDA(cudaGetLastError());
 }
 
