@@ -163,6 +163,10 @@ int run_bench(const BenchArguments& a) {
             << " ms = " << std::setprecision(1) << r["percent_of_floor"].get<double>() << "% of the floor"
             << std::setprecision(3) << "; check on sampled rows: " << (r["check"]["pass"].get<bool>() ? "pass" : "FAIL")
             << "\n";
+  if (r.contains("route_ms")) {
+    std::cout << "  of which, alone: route and count " << r["route_ms"].get<double>() << " ms, loss terms and gradient "
+              << r["gradient_ms"].get<double>() << " ms\n";
+  }
   if (r.contains("torch")) {
     const auto& t = r["torch"];
     if (t.value("available", false)) {

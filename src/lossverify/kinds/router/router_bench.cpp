@@ -98,6 +98,8 @@ nlohmann::json bench_router(const BenchOptions& o) {
     route(i);
     gradient(i);
   });
+  const double route_ms = bench_timing::time_ms(o.repeats, stream, [&](int i) { route(i); });
+  const double gradient_ms = bench_timing::time_ms(o.repeats, stream, [&](int i) { gradient(i); });
   const double floor_bytes_per_logit = 12.0;
   const double floor_ms = floor_bytes_per_logit * static_cast<double>(rows * experts) / (copy_tb_s * 1e12) * 1e3;
 
@@ -137,6 +139,8 @@ nlohmann::json bench_router(const BenchOptions& o) {
                                  {"floor_ms", floor_ms},
                                  {"kernel", "route and count + loss terms and gradient"},
                                  {"kernel_ms", kernel_ms},
+                                 {"route_ms", route_ms},
+                                 {"gradient_ms", gradient_ms},
                                  {"percent_of_floor", 100.0 * floor_ms / kernel_ms},
                                  {"check",
                                   {{"rows_sampled", sampled},

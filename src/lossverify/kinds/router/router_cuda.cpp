@@ -65,7 +65,9 @@ class RouterCudaRank final : public CudaKindRank {
     }
     const DeviceBytes d_counted = upload(counted, stream_);
     const DeviceBytes d_slot = upload(slot, stream_);
-    std::vector<float> per_sequence(sequences * static_cast<std::size_t>(layers_) * width, 0.0f);
+    // Each sequence's counts matter to the sequence aux loss only (its weights are 0 without it).
+    const std::size_t counted_sequences = options_.seq_aux_coef > 0.0 ? sequences : 0;
+    std::vector<float> per_sequence(counted_sequences * static_cast<std::size_t>(layers_) * width, 0.0f);
     DeviceBytes d_sequences = zeros(per_sequence.size());
     std::vector<float> scope =
         route(b, n, d_counted.as<int>(), d_slot.as<int>(), per_sequence.empty() ? nullptr : d_sequences.as<float>());
@@ -156,7 +158,8 @@ class RouterCudaRank final : public CudaKindRank {
     return global;
   }
 
-  // Each sequence's per-expert weights of the aux terms, a c + a_s c_s / S + a_g c^G, and their sequence part.
+  // Each sequence's per-expert weights of the aux terms, a c + a_s c_s / S + a_g c^G, and their sequence part
+  // (0 where `per_sequence` is empty: the case has no sequence aux loss).
   Weights weights(const std::vector<float>& scope, const std::vector<float>& per_sequence,
                   const std::vector<float>& global, std::size_t sequences) const {
     const std::uint64_t bugs = setup_.bugs.kind_switches;
@@ -168,8 +171,12 @@ class RouterCudaRank final : public CudaKindRank {
     const auto divisor = static_cast<float>(aux_k_divisor(options_));
     const float k_div = (bugs & router_bug::topk_squared) != 0 ? divisor * divisor : divisor;
     const float aux_scale = static_cast<float>(options_.aux_coef) * e_count / (k_div * tokens * tokens);
+    const bool with_sequences = !per_sequence.empty();
+    const std::vector<float> none(width, 0.0f);
     float held = 0.0f;  // the micro-batch's sequences that hold a valid token
-    for (std::size_t j = 0; j < sequences; ++j) held += per_sequence[j * layers * width + experts] > 0.0f ? 1.0f : 0.0f;
+    for (std::size_t j = 0; with_sequences && j < sequences; ++j) {
+      held += per_sequence[j * layers * width + experts] > 0.0f ? 1.0f : 0.0f;
+    }
     Weights w;
     w.z_weight = static_cast<float>(options_.z_loss_coef) / tokens;
     w.all.assign(std::max<std::size_t>(sequences, 1) * layers * experts, 0.0f);
@@ -177,7 +184,7 @@ class RouterCudaRank final : public CudaKindRank {
     for (std::size_t j = 0; j < sequences; ++j) {
       for (std::size_t l = 0; l < layers; ++l) {
         const float* c = &scope[l * width];
-        const float* own = &per_sequence[(j * layers + l) * width];
+        const float* own = with_sequences ? &per_sequence[(j * layers + l) * width] : none.data();
         const float* c_global = &global[l * width];
         const float sequence_tokens = std::fmax(own[experts], 1.0f);
         const float sequence_scale = static_cast<float>(options_.seq_aux_coef) * e_count /
