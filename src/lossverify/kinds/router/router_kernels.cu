@@ -67,7 +67,8 @@ __device__ void next_in_memory(const float* z, int lane, int experts, float prev
 
 // Pass 1. The scope's counts gather in shared memory per block (one global add per block and count at the end:
 // every warp adding to the same E + 1 floats in global memory serialises them) where they fit (`shared_counts`).
-// PER > 0: rows of at most 32 PER experts, read once into registers; 0: any width.
+// PER > 0: rows of at most 32 PER experts, read once into registers; 0: any width. With one layer and registers,
+// each lane counts its own experts (e = lane + 32 i) and the warp its rows in registers, added once at the end.
 template <int PER>
 __global__ void __launch_bounds__(kThreads) route_kernel(RouterRouteArgs a, int shared_counts) {
   extern __shared__ float block_counts[];
@@ -80,11 +81,15 @@ __global__ void __launch_bounds__(kThreads) route_kernel(RouterRouteArgs a, int 
     for (int i = threadIdx.x; i < a.layers * width; i += blockDim.x) block_counts[i] = 0.0f;
     __syncthreads();
   }
+  const bool in_registers = PER > 0 && a.layers == 1;
+  float mine[PER > 0 ? PER : 1] = {};  // this lane's experts' counts (in_registers)
+  float rows_counted = 0.0f;           // this warp's rows (in_registers)
   for (std::int64_t item = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5; item < items;
        item += warps) {
     const std::int64_t r = item / a.layers;
     const int l = static_cast<int>(item % a.layers);
     if (!a.counted[r]) continue;
+    rows_counted += 1.0f;
     const float* z = a.logits + (r * a.layers + l) * a.experts;
     float x[PER > 0 ? PER : 1];
     if constexpr (PER > 0) {
@@ -104,17 +109,27 @@ __global__ void __launch_bounds__(kThreads) route_kernel(RouterRouteArgs a, int 
         next_in_memory(z, lane, a.experts, previous, previous_index, best, best_index);
       }
       warp_best(best, best_index);
-      if (lane == 0) {
+      if (in_registers) {
+#pragma unroll
+        for (int i = 0; i < (PER > 0 ? PER : 1); ++i) mine[i] += best_index == lane + 32 * i ? 1.0f : 0.0f;
+      } else if (lane == 0) {
         atomicAdd(&counts[l * width + best_index], 1.0f);
-        if (own != nullptr) atomicAdd(&own[best_index], 1.0f);
       }
+      if (lane == 0 && own != nullptr) atomicAdd(&own[best_index], 1.0f);
       previous = best;
       previous_index = best_index;
     }
     if (lane == 0) {
-      atomicAdd(&counts[l * width + a.experts], 1.0f);
+      if (!in_registers) atomicAdd(&counts[l * width + a.experts], 1.0f);
       if (own != nullptr) atomicAdd(&own[a.experts], 1.0f);
     }
+  }
+  if (in_registers) {
+#pragma unroll
+    for (int i = 0; i < (PER > 0 ? PER : 1); ++i) {
+      if (mine[i] != 0.0f) atomicAdd(&counts[lane + 32 * i], mine[i]);
+    }
+    if (lane == 0 && rows_counted != 0.0f) atomicAdd(&counts[a.experts], rows_counted);
   }
   if (shared_counts) {
     __syncthreads();
