@@ -25,16 +25,22 @@ __device__ float warp_sum(float v) {
   return v;
 }
 
-// The larger of (value, index) pairs in the order value descending, index ascending.
+// A float's bits as an unsigned integer of the same order (-inf lowest), and back.
+__device__ unsigned ordered_bits(float v) {
+  const unsigned b = __float_as_uint(v);
+  return (b & 0x80000000u) != 0 ? ~b : (b | 0x80000000u);
+}
+__device__ float from_ordered_bits(unsigned u) {
+  return __uint_as_float((u & 0x80000000u) != 0 ? (u ^ 0x80000000u) : ~u);
+}
+
+// The warp's best of its lanes' (value, index) pairs in the order value descending, index ascending: two integer
+// warp reductions (sm_80 and later) instead of five rounds of two shuffles.
 __device__ void warp_best(float& value, int& index) {
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    const float v = __shfl_xor_sync(0xffffffffu, value, offset);
-    const int e = __shfl_xor_sync(0xffffffffu, index, offset);
-    if (v > value || (v == value && e < index)) {
-      value = v;
-      index = e;
-    }
-  }
+  const unsigned key = ordered_bits(value);
+  const unsigned top = __reduce_max_sync(0xffffffffu, key);
+  index = static_cast<int>(__reduce_min_sync(0xffffffffu, key == top ? static_cast<unsigned>(index) : 0xffffffffu));
+  value = from_ordered_bits(top);
 }
 
 // The next expert after (previous, previous_index) in the order logit descending, index ascending, among a lane's
@@ -148,7 +154,7 @@ __device__ void grad_in_registers(const RouterGradArgs& a, std::int64_t r, int l
   const std::int64_t offset = (r * a.layers + l) * a.experts;
   const float* z = a.logits + offset;
   const std::int64_t table = (static_cast<std::int64_t>(a.slot[r]) * a.layers + l) * a.experts;
-  float x[PER], s[PER];
+  float x[PER], s[PER], w[PER], ws[PER];
   float max = -INFINITY;
 #pragma unroll
   for (int i = 0; i < PER; ++i) {
@@ -176,8 +182,10 @@ __device__ void grad_in_registers(const RouterGradArgs& a, std::int64_t r, int l
     const float p = s[i] / row_sum;
     s[i] = a.sigmoid ? sigmoid(x[i]) / total : p;
     x[i] = p;  // the softmax probability, for the z-loss
-    dot += a.weights[table + e] * s[i];
-    sequence_dot += a.sequence_weights[table + e] * s[i];
+    w[i] = a.weights[table + e];
+    ws[i] = a.sequence_weights[table + e];
+    dot += w[i] * s[i];
+    sequence_dot += ws[i] * s[i];
   }
   dot = warp_sum(dot);
   sequence_dot = warp_sum(sequence_dot);
@@ -186,11 +194,10 @@ __device__ void grad_in_registers(const RouterGradArgs& a, std::int64_t r, int l
   for (int i = 0; i < PER; ++i) {
     const int e = lane + 32 * i;
     if (e >= a.experts) continue;
-    const float w = a.weights[table + e], ws = a.sequence_weights[table + e];
     // sigmoid's slope 1 - sigma(z) = 1 - q total (q = sigma / total)
     const float slope = a.sigmoid ? 1.0f - s[i] * total : 1.0f;
-    const float aux = s[i] * slope * ((w - ws) - (dot - sequence_dot));
-    const float sequence_aux = s[i] * slope * (ws - sequence_dot);
+    const float aux = s[i] * slope * ((w[i] - ws[i]) - (dot - sequence_dot));
+    const float sequence_aux = s[i] * slope * (ws[i] - sequence_dot);
     a.grad[offset + e] = scale * (a.aux * (aux + a.sequence_aux * sequence_aux) + 2.0f * a.z_weight * lse * x[i]);
   }
   if (lane == 0) {
