@@ -154,7 +154,7 @@ __device__ void grad_in_registers(const RouterGradArgs& a, std::int64_t r, int l
   const std::int64_t offset = (r * a.layers + l) * a.experts;
   const float* z = a.logits + offset;
   const std::int64_t table = (static_cast<std::int64_t>(a.slot[r]) * a.layers + l) * a.experts;
-  float x[PER], s[PER], w[PER], ws[PER];
+  float x[PER], s[PER];
   float max = -INFINITY;
 #pragma unroll
   for (int i = 0; i < PER; ++i) {
@@ -182,10 +182,8 @@ __device__ void grad_in_registers(const RouterGradArgs& a, std::int64_t r, int l
     const float p = s[i] / row_sum;
     s[i] = a.sigmoid ? sigmoid(x[i]) / total : p;
     x[i] = p;  // the softmax probability, for the z-loss
-    w[i] = a.weights[table + e];
-    ws[i] = a.sequence_weights[table + e];
-    dot += w[i] * s[i];
-    sequence_dot += ws[i] * s[i];
+    dot += a.weights[table + e] * s[i];
+    sequence_dot += a.sequence_weights[table + e] * s[i];
   }
   dot = warp_sum(dot);
   sequence_dot = warp_sum(sequence_dot);
@@ -194,10 +192,12 @@ __device__ void grad_in_registers(const RouterGradArgs& a, std::int64_t r, int l
   for (int i = 0; i < PER; ++i) {
     const int e = lane + 32 * i;
     if (e >= a.experts) continue;
+    // The weights read again from L1 (kept in registers, they cost more than they save: measured on an H200).
+    const float w = a.weights[table + e], ws = a.sequence_weights[table + e];
     // sigmoid's slope 1 - sigma(z) = 1 - q total (q = sigma / total)
     const float slope = a.sigmoid ? 1.0f - s[i] * total : 1.0f;
-    const float aux = s[i] * slope * ((w[i] - ws[i]) - (dot - sequence_dot));
-    const float sequence_aux = s[i] * slope * (ws[i] - sequence_dot);
+    const float aux = s[i] * slope * ((w - ws) - (dot - sequence_dot));
+    const float sequence_aux = s[i] * slope * (ws - sequence_dot);
     a.grad[offset + e] = scale * (a.aux * (aux + a.sequence_aux * sequence_aux) + 2.0f * a.z_weight * lse * x[i]);
   }
   if (lane == 0) {
