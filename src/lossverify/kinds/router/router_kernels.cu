@@ -43,22 +43,40 @@ __device__ void warp_best(float& value, int& index) {
   value = from_ordered_bits(top);
 }
 
-// The next expert after (previous, previous_index) in the order logit descending, index ascending, among a lane's
-// values (registers: value i is expert lane + 32 i) or a row in memory.
-template <int PER>
-__device__ void next_in_registers(const float (&x)[PER], int lane, int experts, float previous, int previous_index,
-                                  float& best, int& best_index) {
-#pragma unroll
-  for (int i = 0; i < PER; ++i) {
-    const int e = lane + 32 * i;
-    const float v = x[i];
-    const bool after = v < previous || (v == previous && e > previous_index);
-    if (e < experts && after && (v > best || (v == best && e < best_index))) {
-      best = v;
-      best_index = e;
-    }
+// A lane's values sorted in the order value descending, index ascending (Batcher's networks for 2 and 8), so that
+// each round of the top-k reads one head per lane.
+__device__ void order_pair(float (&v)[8], int (&id)[8], int a, int b) {
+  if (v[b] > v[a] || (v[b] == v[a] && id[b] < id[a])) {
+    const float t = v[a];
+    v[a] = v[b];
+    v[b] = t;
+    const int u = id[a];
+    id[a] = id[b];
+    id[b] = u;
   }
 }
+template <int PER>
+__device__ void sort_lane(float (&v)[PER], int (&id)[PER]);
+template <>
+__device__ void sort_lane<2>(float (&v)[2], int (&id)[2]) {
+  if (v[1] > v[0] || (v[1] == v[0] && id[1] < id[0])) {
+    const float t = v[0];
+    v[0] = v[1];
+    v[1] = t;
+    const int u = id[0];
+    id[0] = id[1];
+    id[1] = u;
+  }
+}
+template <>
+__device__ void sort_lane<8>(float (&v)[8], int (&id)[8]) {
+  constexpr int pairs[19][2] = {{0, 1}, {2, 3}, {4, 5}, {6, 7}, {0, 2}, {1, 3}, {4, 6}, {5, 7}, {1, 2}, {5, 6},
+                                {0, 4}, {1, 5}, {2, 6}, {3, 7}, {2, 4}, {3, 5}, {1, 2}, {3, 4}, {5, 6}};
+#pragma unroll
+  for (const auto& p : pairs) order_pair(v, id, p[0], p[1]);
+}
+
+// The expert after (previous, previous_index) in that order, among a row in memory (any width).
 __device__ void next_in_memory(const float* z, int lane, int experts, float previous, int previous_index, float& best,
                                int& best_index) {
   for (int e = lane; e < experts; e += 32) {
@@ -73,8 +91,9 @@ __device__ void next_in_memory(const float* z, int lane, int experts, float prev
 
 // Pass 1. The scope's counts gather in shared memory per block (one global add per block and count at the end:
 // every warp adding to the same E + 1 floats in global memory serialises them) where they fit (`shared_counts`).
-// PER > 0: rows of at most 32 PER experts, read once into registers; 0: any width. With one layer and registers,
-// each lane counts its own experts (e = lane + 32 i) and the warp its rows in registers, added once at the end.
+// PER > 0: rows of at most 32 PER experts, read once into registers and sorted per lane, so that each of the k
+// rounds compares one head per lane and the winner's lane pops it; 0: any width, each round a scan of the row for
+// the expert after the previous one. A warp counts its rows in a register, added once at the end.
 template <int PER>
 __global__ void __launch_bounds__(kThreads) route_kernel(RouterRouteArgs a, int shared_counts) {
   extern __shared__ float block_counts[];
@@ -87,20 +106,24 @@ __global__ void __launch_bounds__(kThreads) route_kernel(RouterRouteArgs a, int 
     for (int i = threadIdx.x; i < a.layers * width; i += blockDim.x) block_counts[i] = 0.0f;
     __syncthreads();
   }
-  const bool in_registers = PER > 0 && a.layers == 1;
-  float mine[PER > 0 ? PER : 1] = {};  // this lane's experts' counts (in_registers)
-  float rows_counted = 0.0f;           // this warp's rows (in_registers)
+  constexpr int kLane = PER > 0 ? PER : 1;
+  float rows_counted = 0.0f;  // this warp's rows of layer 0 (every layer counts the same rows)
   for (std::int64_t item = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5; item < items;
        item += warps) {
     const std::int64_t r = item / a.layers;
     const int l = static_cast<int>(item % a.layers);
     if (!a.counted[r]) continue;
-    rows_counted += 1.0f;
     const float* z = a.logits + (r * a.layers + l) * a.experts;
-    float x[PER > 0 ? PER : 1];
+    float v[kLane];
+    int id[kLane];
     if constexpr (PER > 0) {
 #pragma unroll
-      for (int i = 0; i < PER; ++i) x[i] = lane + 32 * i < a.experts ? z[lane + 32 * i] : -INFINITY;
+      for (int i = 0; i < PER; ++i) {
+        const int e = lane + 32 * i;
+        v[i] = e < a.experts ? z[e] : -INFINITY;
+        id[i] = e < a.experts ? e : INT_MAX;
+      }
+      sort_lane<PER>(v, id);
     }
     const int slot = a.sequences != nullptr ? a.slot[r] : -1;
     float* own = slot >= 0 ? a.sequences + (static_cast<std::int64_t>(slot) * a.layers + l) * width : nullptr;
@@ -110,32 +133,36 @@ __global__ void __launch_bounds__(kThreads) route_kernel(RouterRouteArgs a, int 
       float best = -INFINITY;
       int best_index = INT_MAX;
       if constexpr (PER > 0) {
-        next_in_registers<PER>(x, lane, a.experts, previous, previous_index, best, best_index);
+        best = v[0];
+        best_index = id[0];
       } else {
         next_in_memory(z, lane, a.experts, previous, previous_index, best, best_index);
       }
       warp_best(best, best_index);
-      if (in_registers) {
+      if constexpr (PER > 0) {
+        if (id[0] == best_index) {  // the winner's lane: its next value moves up
 #pragma unroll
-        for (int i = 0; i < (PER > 0 ? PER : 1); ++i) mine[i] += best_index == lane + 32 * i ? 1.0f : 0.0f;
+          for (int i = 0; i + 1 < PER; ++i) {
+            v[i] = v[i + 1];
+            id[i] = id[i + 1];
+          }
+          v[PER - 1] = -INFINITY;
+          id[PER - 1] = INT_MAX;
+          atomicAdd(&counts[l * width + best_index], 1.0f);
+          if (own != nullptr) atomicAdd(&own[best_index], 1.0f);
+        }
       } else if (lane == 0) {
         atomicAdd(&counts[l * width + best_index], 1.0f);
+        if (own != nullptr) atomicAdd(&own[best_index], 1.0f);
       }
-      if (lane == 0 && own != nullptr) atomicAdd(&own[best_index], 1.0f);
       previous = best;
       previous_index = best_index;
     }
-    if (lane == 0) {
-      if (!in_registers) atomicAdd(&counts[l * width + a.experts], 1.0f);
-      if (own != nullptr) atomicAdd(&own[a.experts], 1.0f);
-    }
+    if (l == 0) rows_counted += 1.0f;
+    if (lane == 0 && own != nullptr) atomicAdd(&own[a.experts], 1.0f);
   }
-  if (in_registers) {
-#pragma unroll
-    for (int i = 0; i < (PER > 0 ? PER : 1); ++i) {
-      if (mine[i] != 0.0f) atomicAdd(&counts[lane + 32 * i], mine[i]);
-    }
-    if (lane == 0 && rows_counted != 0.0f) atomicAdd(&counts[a.experts], rows_counted);
+  if (lane == 0 && rows_counted != 0.0f) {
+    for (int l = 0; l < a.layers; ++l) atomicAdd(&counts[l * width + a.experts], rows_counted);
   }
   if (shared_counts) {
     __syncthreads();
