@@ -4,6 +4,7 @@
 // MOE.md section 4 predicts, where it shows and where it cannot.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <numeric>
@@ -368,6 +369,39 @@ TEST_CASE("router: a failing run's bundle replays bit for bit, and shrink keeps 
   CHECK(testing::check_named(testing::run_with(shrunk.minimized_case, options.implementation), "grad").verdict ==
         Verdict::fail);
   CHECK(testing::run_with(shrunk.minimized_case, "correct").verdict == Verdict::pass);
+}
+
+TEST_CASE("router: generated logits keep any two experts of a layer apart, so every token routes one way") {
+  nlohmann::json doc = router_case({1, 1, 1, 1, false}, {{"top_k", 8}, {"layers", 2}}, 0.0, {4096});
+  doc["shape"]["experts"] = 256;
+  const Case c = testing::make_case(doc);
+  CHECK(c.resolved()["inputs"]["distribution"] == "separated");  // the kind's default
+  const InputSource inputs(c);
+  const double scale = c.inputs.scale;
+  std::vector<float> row(static_cast<std::size_t>(c.shape.vocab));
+  double smallest = 1.0;
+  for (std::int64_t t = 0; t < c.shape.tokens; ++t) {
+    inputs.logits(t, 0, c.shape.vocab, row.data());
+    for (std::size_t l = 0; l < 2; ++l) {
+      std::vector<float> block(row.begin() + static_cast<std::ptrdiff_t>(l * 256),
+                               row.begin() + static_cast<std::ptrdiff_t>((l + 1) * 256));
+      std::sort(block.begin(), block.end());
+      for (std::size_t e = 1; e < block.size(); ++e) {
+        smallest = std::min(smallest, static_cast<double>(block[e]) - static_cast<double>(block[e - 1]));
+      }
+    }
+  }
+  // scale / 32768 before the float32 rounding of values below 16 in magnitude (at most 2^-20 each)
+  CHECK(smallest >= scale / 32768.0 - 0x1p-19);
+  CHECK_NOTHROW(LossReference(c, inputs));
+  // A normal draw of the same size has tokens whose 8th and 9th scores tie within 1e-6: the reference says which.
+  doc["inputs"]["distribution"] = "normal";
+  doc["shape"]["tokens"] = 65536;
+  doc["batch"]["sequence_lengths"] = {65536};
+  const Case normal = testing::make_case(doc);
+  const InputSource normal_inputs(normal);
+  CHECK_THROWS_WITH_AS(LossReference(normal, normal_inputs), doctest::Contains("tie within float32 rounding"),
+                       CaseError);
 }
 
 }  // namespace lossverify

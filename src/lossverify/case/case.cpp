@@ -38,7 +38,9 @@ std::string_view to_string(Reduction r) {
   }
   return "?";
 }
-std::string_view to_string(LogitDistribution d) { return d == LogitDistribution::normal ? "normal" : "uniform"; }
+std::string_view to_string(LogitDistribution d) {
+  return d == LogitDistribution::normal ? "normal" : d == LogitDistribution::uniform ? "uniform" : "separated";
+}
 
 namespace {
 
@@ -144,8 +146,10 @@ void parse_inputs(ObjectReader r, Case& c) {
   const auto parsed = parse_dtype(dtype);
   if (!parsed) r.fail("dtype", "expected one of fp32|bf16|fp16, got \"" + dtype + "\"");
   in.dtype = *parsed;
-  in.distribution = parse_choice(r, "distribution", std::array{LogitDistribution::normal, LogitDistribution::uniform},
-                                 LogitDistribution::normal);
+  in.distribution =
+      parse_choice(r, "distribution",
+                   std::array{LogitDistribution::normal, LogitDistribution::uniform, LogitDistribution::separated},
+                   kind_of(c.loss).default_logit_distribution());
   in.mean = r.number("mean", 0.0);
   in.scale = r.number("scale", 1.0);
   if (!(in.scale >= 0.0)) r.fail("scale", "must be >= 0");

@@ -9,6 +9,7 @@
 #include <Random123/philox.h>
 
 #include "lossverify/core/host_device.hpp"
+#include "lossverify/core/logit_distribution.hpp"
 
 namespace lossverify {
 
@@ -25,8 +26,6 @@ enum class InputStream : std::uint32_t {
   policy_reference = 8,  // a policy loss's reference log-probabilities: the gap to the current one
   policy_advantage = 9,  // a policy loss's advantages, one per sequence
 };
-
-enum class LogitDistribution : int { normal = 0, uniform = 1 };
 
 struct PhiloxBlock {
   std::uint32_t word[4];
@@ -153,6 +152,14 @@ LV_HOST_DEVICE void logit_pair(std::uint64_t seed, InputStream stream, std::uint
   detail::portable_sincos_turns(u2, &sine, &cosine);
   *even = mean + scale * (radius * cosine);
   *odd = mean + scale * (radius * sine);
+  if (distribution == LogitDistribution::separated && scale > 0.0) {
+    // Columns c and c' of one 4096-column window: the same grid point leaves them (|c - c'| / 8192) steps apart,
+    // different points at least half a step.
+    const double step = scale / 4.0;
+    const auto column = static_cast<std::uint64_t>(block) * 2;
+    *even = mean + step * (rint((*even - mean) / step) + (static_cast<double>(column % 4096) + 0.5) / 8192.0);
+    *odd = mean + step * (rint((*odd - mean) / step) + (static_cast<double>((column + 1) % 4096) + 0.5) / 8192.0);
+  }
 }
 
 // Uniform label in [0, vocab): the high 64 bits of a 64x64-bit product (no modulo bias worth naming).

@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "lossverify/core/dtype.hpp"
+#include "lossverify/core/logit_distribution.hpp"
 #include "lossverify/kind_api/settings.hpp"
 #include "lossverify/layout/vocab_range.hpp"
 #include "lossverify/reference/row_partial.hpp"
@@ -241,6 +242,8 @@ class LossKind {
   virtual bool columns_split_by_tp() const { return true; }
   // The name of a row's columns in the case's "shape" ("vocab"; a router's "experts").
   virtual std::string_view column_axis() const { return "vocab"; }
+  // The inputs' distribution where a case names none (a router's logits are `separated`: a clear top-k margin).
+  virtual LogitDistribution default_logit_distribution() const { return LogitDistribution::normal; }
   // How many blocks of the axis's width a row holds side by side (a router's layers: its rows are [layers x
   // experts]); the case's shape.vocab is the row's width, shape.<column_axis> times this.
   virtual std::int64_t row_blocks(const LossSpec& spec) const {

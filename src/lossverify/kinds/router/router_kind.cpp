@@ -120,6 +120,8 @@ class RouterKind final : public LossKind {
     return "a router's rows under sequence parallelism (check-dump's rank groups) and its logged values";
   }
   std::int64_t row_blocks(const LossSpec& spec) const override { return router_options(spec).layers; }
+  // Generated router logits keep any two experts of a layer at least scale / 32768 apart (MOE.md section 3).
+  LogitDistribution default_logit_distribution() const override { return LogitDistribution::separated; }
   std::string invariance_class(const LayoutSpec& layout) const override {
     return "dp" + std::to_string(layout.dp) + "-ga" + std::to_string(layout.ga);
   }
