@@ -22,6 +22,10 @@ lossverify_mpi_equality(4 kd-tp4-temperature2 kd-untracked-allreduce)
 lossverify_mpi_equality(8 full-4d-layout correct)
 lossverify_mpi_equality(8 full-4d-layout cp-roll-after-split)
 lossverify_mpi_equality(2 underflow-gap-240 smoothing-log-after-exp)
+# The router: its scopes' counts all-reduced over CP and TP under sequence parallelism, across processes.
+lossverify_mpi_equality(4 moe-aux-sp-tp2-cp2 correct)
+lossverify_mpi_equality(8 moe-per-token-sp-cp2-dp2 moe-aux-per-token-rank-count)
+lossverify_mpi_equality(4 moe-global-aux-dp2-ga2 moe-aux-local-counts)
 
 # Faults: a rank that throws, exits or hangs ends the whole job, naming the rank; no report.
 lossverify_cli_test(mpi_fault_throw 3 "rank 1: injected fault" --within 30 --absent ${OUT}/mpi_throw.json
