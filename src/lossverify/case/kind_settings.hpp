@@ -53,6 +53,11 @@ Setting number_setting(std::string key, double Options::*field, double fallback)
 }
 
 template <class Options>
+Setting integer_setting(std::string key, int Options::*field, int fallback) {
+  return field_setting(std::move(key), field, fallback, Setting::Type::integer);
+}
+
+template <class Options>
 Setting boolean_setting(std::string key, bool Options::*field, bool fallback) {
   return field_setting(std::move(key), field, fallback, Setting::Type::boolean);
 }

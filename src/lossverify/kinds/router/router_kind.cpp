@@ -33,56 +33,42 @@ class RouterKind final : public LossKind {
   }
   const SettingTable& settings() const override {
     using O = RouterOptions;
-    static const SettingTable table = [] {
-      Setting top_k;
-      top_k.key = "top_k";
-      top_k.type = Setting::Type::integer;
-      top_k.fallback = 2;
-      top_k.get = [](const LossSpec& l) { return json(router_options(l).top_k); };
-      top_k.set = [](LossSpec& l, const json& v) {
-        edit_options<O>(l).top_k = static_cast<int>(v.get<std::int64_t>());
-      };
-      Setting layers;
-      layers.key = "layers";
-      layers.type = Setting::Type::integer;
-      layers.fallback = 1;
-      layers.get = [](const LossSpec& l) { return json(router_options(l).layers); };
-      layers.set = [](LossSpec& l, const json& v) {
-        edit_options<O>(l).layers = static_cast<int>(v.get<std::int64_t>());
-      };
-      return SettingTable{
-          top_k.range(1, 1024).described("k: the experts each token is routed to (1 <= k < experts)"),
-          layers.range(1, 64).described("MoE layers, each with its own router logits: rows are [layers x experts]"),
-          choice_setting("score", &O::score, std::array{Score::softmax, Score::sigmoid}, Score::softmax)
-              .described("softmax p_t, or sigmoid normalised over the experts q_t, for the aux loss"),
-          number_setting("aux_coef", &O::aux_coef, 0.01)
-              .range(0.0, 10.0)
-              .described("alpha of the aux loss over a micro-batch (0: off)"),
-          number_setting("seq_aux_coef", &O::seq_aux_coef, 0.0)
-              .range(0.0, 10.0)
-              .described("alpha of the sequence aux loss, one scope per sequence, averaged over the micro-batch's")
-              .shrinks_as("no sequence aux loss"),
-          number_setting("global_aux_coef", &O::global_aux_coef, 0.0)
-              .range(0.0, 10.0)
-              .described("alpha of the global aux loss: f_e from the step's counts, P_e the micro-batch's")
-              .shrinks_as("no global aux loss"),
-          choice_setting("global_counts", &O::global_counts,
-                         std::array{O::GlobalCounts::step, O::GlobalCounts::running}, O::GlobalCounts::step)
-              .described("step: the whole step's counts; running: those of micro-batches 0..m"),
-          number_setting("z_loss_coef", &O::z_loss_coef, 0.0)
-              .range(0.0, 10.0)
-              .described("alpha_z of the router z-loss")
-              .shrinks_as("no z-loss"),
-          choice_setting("counts", &O::counts, std::array{O::Counts::top_k, O::Counts::first}, O::Counts::top_k)
-              .described("the aux terms' counts: every routed expert, or first choices only (f_e = c1_e / T)"),
-          boolean_setting("divide_by_k", &O::divide_by_k, true)
-              .described("f_e = c_e / (k T), or c_e / T (k times the Switch form, as transformers writes it)"),
-          choice_setting("scaling", &O::scaling, std::array{O::Scaling::standard, O::Scaling::per_token},
-                         O::Scaling::standard)
-              .described("default: the mean of the micro-batches' losses; per_token: each weighs T_S / N and the "
-                         "framework divides every gradient by N"),
-      };
-    }();
+    static const SettingTable table{
+        integer_setting("top_k", &O::top_k, 2)
+            .range(1, 1024)
+            .described("k: the experts each token is routed to (1 <= k < experts)"),
+        integer_setting("layers", &O::layers, 1)
+            .range(1, 64)
+            .described("MoE layers, each with its own router logits: rows are [layers x experts]"),
+        choice_setting("score", &O::score, std::array{Score::softmax, Score::sigmoid}, Score::softmax)
+            .described("softmax p_t, or sigmoid normalised over the experts q_t, for the aux loss"),
+        number_setting("aux_coef", &O::aux_coef, 0.01)
+            .range(0.0, 10.0)
+            .described("alpha of the aux loss over a micro-batch (0: off)"),
+        number_setting("seq_aux_coef", &O::seq_aux_coef, 0.0)
+            .range(0.0, 10.0)
+            .described("alpha of the sequence aux loss, one scope per sequence, averaged over the micro-batch's")
+            .shrinks_as("no sequence aux loss"),
+        number_setting("global_aux_coef", &O::global_aux_coef, 0.0)
+            .range(0.0, 10.0)
+            .described("alpha of the global aux loss: f_e from the step's counts, P_e the micro-batch's")
+            .shrinks_as("no global aux loss"),
+        choice_setting("global_counts", &O::global_counts, std::array{O::GlobalCounts::step, O::GlobalCounts::running},
+                       O::GlobalCounts::step)
+            .described("step: the whole step's counts; running: those of micro-batches 0..m"),
+        number_setting("z_loss_coef", &O::z_loss_coef, 0.0)
+            .range(0.0, 10.0)
+            .described("alpha_z of the router z-loss")
+            .shrinks_as("no z-loss"),
+        choice_setting("counts", &O::counts, std::array{O::Counts::top_k, O::Counts::first}, O::Counts::top_k)
+            .described("the aux terms' counts: every routed expert, or first choices only (f_e = c1_e / T)"),
+        boolean_setting("divide_by_k", &O::divide_by_k, true)
+            .described("f_e = c_e / (k T), or c_e / T (k times the Switch form, as transformers writes it)"),
+        choice_setting("scaling", &O::scaling, std::array{O::Scaling::standard, O::Scaling::per_token},
+                       O::Scaling::standard)
+            .described("default: the mean of the micro-batches' losses; per_token: each weighs T_S / N and the "
+                       "framework divides every gradient by N"),
+    };
     return table;
   }
   void validate(const Case& c) const override {
