@@ -13,6 +13,7 @@
 #include "lossverify/core/errors.hpp"
 #include "lossverify/impl/catalogue.hpp"
 #include "lossverify/inputs/input_source.hpp"
+#include "lossverify/kinds/router/router_definitions.hpp"
 #include "lossverify/layout/rank_layout.hpp"
 #include "lossverify/reference/loss_reference.hpp"
 #include "lossverify/repro/bundle.hpp"
@@ -402,6 +403,69 @@ TEST_CASE("router: generated logits keep any two experts of a layer apart, so ev
   const InputSource normal_inputs(normal);
   CHECK_THROWS_WITH_AS(LossReference(normal, normal_inputs), doctest::Contains("tie within float32 rounding"),
                        CaseError);
+}
+
+TEST_CASE("router: a user's tie tokens widen the scope's tolerances by MOE.md's bound, and are counted") {
+  // One scope, one layer, aux only: tokens 3 and 17 are a user's rows whose 2nd and 3rd logits lie 3e-6 apart, so a
+  // float32 router may route either; tokens 5 and 9 are exact ties (the reference routes the lower index).
+  nlohmann::json doc = router_case({1, 1, 1, 1, false}, nlohmann::json::object(), 0.1, {40});
+  const std::vector<double> near = {2.0, 1.0, 1.0 + 3e-6, 0.5, -0.25, 0.125, -1.0, 0.0};
+  const std::vector<double> exact = {0.5, 1.5, -0.5, 1.5, 0.25, -1.0, 0.75, 1.5 + 4e-7};
+  doc["inputs"]["overrides"] = {{{"token", 3}, {"logits", near}},
+                                {{"token", 17}, {"logits", near}},
+                                {{"token", 5}, {"logits", exact}},
+                                {{"token", 9}, {"logits", exact}}};
+  doc["inputs"]["ignore_fraction"] = 0.0;
+  const Case c = testing::make_case(doc);
+  const InputSource inputs(c);
+  const LossReference reference(c, inputs);
+  CHECK(reference.row().either_way_tokens() == 4);
+  CHECK(reference.row().has_gradient_slack());
+  // The definitions' counts, then every way the four ties may be routed: each moves one count from its 2nd expert
+  // to its 3rd. Every token's loss and gradient under each stays within the reference's bound of them.
+  const auto experts = static_cast<std::size_t>(c.shape.vocab);
+  std::vector<std::vector<double>> rows;
+  std::vector<double> counts(experts, 0.0), s(experts);
+  for (std::int64_t t = 0; t < c.shape.tokens; ++t) {
+    std::vector<float> raw(experts);
+    inputs.logits(t, 0, c.shape.vocab, raw.data());
+    rows.emplace_back(raw.begin(), raw.end());
+    router::scores(router::Score::softmax, rows.back(), s);
+    for (int e : router::top_k(s, 2).experts) counts[static_cast<std::size_t>(e)] += 1.0;
+  }
+  const double a = 0.01 * static_cast<double>(experts) / (2.0 * 40.0 * 40.0);
+  const std::pair<std::int64_t, std::pair<int, int>> ties[] = {{3, {2, 1}}, {17, {2, 1}}, {5, {1, 3}}, {9, {1, 3}}};
+  double widest = 0.0;
+  for (int flips = 1; flips < 16; ++flips) {
+    std::vector<double> moved = counts;
+    for (int j = 0; j < 4; ++j) {
+      if ((flips >> j & 1) == 0) continue;
+      moved[static_cast<std::size_t>(ties[j].second.first)] -= 1.0;
+      moved[static_cast<std::size_t>(ties[j].second.second)] += 1.0;
+    }
+    for (std::int64_t t = 0; t < c.shape.tokens; ++t) {
+      CAPTURE(t);
+      std::vector<double> expected(experts), slack(experts), other(experts);
+      const ReferenceToken r = reference.evaluate(t, rows[static_cast<std::size_t>(t)], {}, expected);
+      reference.row().gradient_slack(t, r.weight, rows[static_cast<std::size_t>(t)], slack);
+      router::aux_gradient(router::Score::softmax, rows[static_cast<std::size_t>(t)], moved, a, other);
+      router::scores(router::Score::softmax, rows[static_cast<std::size_t>(t)], s);
+      double loss = 0.0;
+      for (std::size_t e = 0; e < experts; ++e) {
+        CHECK(std::fabs(r.weight * other[e] - expected[e]) <= slack[e] * (1.0 + 1e-12) + 1e-18);
+        widest = std::max(widest, std::fabs(r.weight * other[e] - expected[e]) / slack[e]);
+        loss += a * moved[e] * s[e];
+      }
+      const RowStats none;
+      CHECK(std::fabs(loss - r.loss) <= reference.row().token_loss_arithmetic(t, none).either_way * (1.0 + 1e-12));
+    }
+  }
+  CHECK(widest > 0.5);  // the bound is reached within a factor of two: not a blanket widening
+  // End to end: the correct implementation passes with the ties counted; a bug is still caught around them.
+  const RunResult correct = testing::run_with(c, "correct");
+  CHECK(correct.verdict == Verdict::pass);
+  CHECK(testing::check_named(correct, "grad").metrics["either_way_tokens"] == 4);
+  CHECK(testing::run_with(c, "moe-aux-topk-squared").verdict == Verdict::fail);
 }
 
 }  // namespace lossverify

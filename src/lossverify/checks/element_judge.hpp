@@ -44,10 +44,12 @@ struct GradJudge {
   const GradJudgement& j;
 
   // The margin of `got_local` against `expected`; sets `mismatch` and, in ULP mode, `ulp`.
-  double judge(double got_local, double expected, double token_scale, bool& mismatch, std::int64_t& ulp) const {
+  // `slack`: an absolute widening of this element's tolerance (KindReference::gradient_slack).
+  double judge(double got_local, double expected, double token_scale, bool& mismatch, std::int64_t& ulp,
+               double slack = 0.0) const {
     const double got = got_local * j.framework_scale;
     const double error = got == expected ? 0.0 : std::fabs(got - expected);
-    const double floor = j.tolerance.atol * token_scale + j.quantum * j.framework_scale;
+    const double floor = j.tolerance.atol * token_scale + j.quantum * j.framework_scale + slack;
     if (j.tolerance.max_ulp > 0) {
       const double local_expected = expected / j.framework_scale;
       const double local_error = got_local == local_expected ? 0.0 : std::fabs(got_local - local_expected);
@@ -63,8 +65,9 @@ struct GradJudge {
     mismatch = !(m <= 1.0);
     return m;
   }
-  double tolerance_at(double expected, double token_scale) const {
-    return j.tolerance.atol * token_scale + j.quantum * j.framework_scale + j.tolerance.rtol * std::fabs(expected);
+  double tolerance_at(double expected, double token_scale, double slack = 0.0) const {
+    return j.tolerance.atol * token_scale + j.quantum * j.framework_scale + slack +
+           j.tolerance.rtol * std::fabs(expected);
   }
 };
 

@@ -387,8 +387,9 @@ LossFindings judge_losses(const RankContext& x, const RowReference& ref, std::ve
     if (ref.valid[k]) {
       const KindReference::LossArithmetic a = x.reference.row().token_loss_arithmetic(t, ref.stats[k]);
       const double terms = a.terms.value_or(std::fabs(ref.loss[k]));
-      rounding[k] = f.tolerance.rtol * terms + a.inputs_rounding;
+      rounding[k] = f.tolerance.rtol * terms + a.inputs_rounding + a.either_way;
       if (x.token_owner) spread[1] += std::fabs(x.reference.token_weight(t)) * terms;
+      if (x.token_owner) spread[0] += std::fabs(x.reference.token_weight(t)) * a.either_way;
     }
     if (!x.token_owner) continue;
     token_losses[static_cast<std::size_t>(t)] = ref.loss[k];
@@ -753,6 +754,18 @@ void report_either_branch(std::int64_t tokens, std::vector<CheckResult>& results
   }
 }
 
+// Tokens whose discrete choice goes either way (a router's k-th score tie, MOE.md section 3), judged with the bound
+// of either choice: counted where they widen the tolerance.
+void report_either_way(std::int64_t tokens, std::vector<CheckResult>& results) {
+  if (tokens == 0) return;
+  for (CheckResult& r : results) {
+    if (r.name != "loss" && r.name != "grad" && r.name != "stats") continue;
+    r.metrics["either_way_tokens"] = tokens;
+    r.summary += " (" + std::to_string(tokens) +
+                 " token(s) whose routing ties within rounding, judged with the bound of either choice)";
+  }
+}
+
 void fill_error_map(const RankContext& x, const LossFindings& losses, const GradFindings& grad,
                     std::vector<double> token_margins, ErrorMap& map) {
   // (With one rank its margins are already the maxima.)
@@ -890,6 +903,7 @@ std::vector<CheckResult> verify_rank(const Case& c, const RankOutput& out, Oracl
   }
   results.push_back(stats_result(x, losses, statistics));
   report_either_branch(ref.either_tokens, results);
+  report_either_way(x.reference.row().either_way_tokens(), results);
   if (error_map != nullptr) fill_error_map(x, losses, grad, std::move(token_margins), *error_map);
   return results;
 }

@@ -88,9 +88,13 @@ class KindReference {
   // / T) or where terms of l_t cancel one another (beta KL against the surrogate). Absolute bounds; 0 for a kind
   // without such arithmetic. For l_t: the magnitude of its terms before they cancel (rtol applies to it; none:
   // |l_t|), and its inputs' rounding times their slopes in l_t.
+  // either_way: how far l_t may lie from the reference's where the definitions admit a discrete choice either way
+  // (a router's tie tokens: a count moved between the k-th and (k+1)-th experts, MOE.md section 3); it widens the
+  // token's tolerance and, weighted, the logged loss's.
   struct LossArithmetic {
     std::optional<double> terms;
     double inputs_rounding = 0.0;
+    double either_way = 0.0;
   };
   virtual LossArithmetic token_loss_arithmetic(std::int64_t token, const RowStats& stats) const {
     (void)token, (void)stats;
@@ -122,6 +126,17 @@ class KindReference {
     (void)token, (void)stats;
     return std::nullopt;
   }
+  // Where a discrete choice of the definitions may go either way (a router's tie tokens, MOE.md section 3): an
+  // absolute bound per column of the slice on how far d L / d x of a token of weight `weight` may then lie from the
+  // reference's, added to the gradient's tolerance; has_gradient_slack false: none (nothing is computed).
+  virtual bool has_gradient_slack() const { return false; }
+  virtual void gradient_slack(std::int64_t token, double weight, std::span<const double> logits,
+                              std::span<double> slack) const {
+    (void)token, (void)weight, (void)logits;
+    std::fill(slack.begin(), slack.end(), 0.0);
+  }
+  // The step's tokens whose choice goes either way (counted in the report); 0 where none can.
+  virtual std::int64_t either_way_tokens() const { return 0; }
   // sum_v d L / d x_v of a token of weight `weight`: the row-sum invariant; none where it does not hold.
   virtual std::optional<double> gradient_row_sum(const RowStats& stats, double weight) const = 0;
   // For a row model with per-row coefficients (DeviceRowModel::row_coefficients): the token's a and b in
@@ -257,6 +272,9 @@ class LossKind {
     return {};
   }
   virtual std::string_view invariance_rule() const { return "every layout"; }
+  // Whether the losses are over micro-batches (a router's scopes): which micro-batch holds a token changes the
+  // reference, so a dump must batch the sequences as the case's batch does.
+  virtual bool scopes_are_micro_batches() const { return false; }
   // Whether the framework divides every gradient by the step's valid tokens after its reduction (Megatron's
   // per-token loss mode): the effective gradient is then the local one times gradient_scale / N
   // (effective_gradient_scale below).

@@ -154,6 +154,11 @@ RowJudgement HostOracle::judge_token_row(std::int64_t i, const RowStats& row_sta
   }
   const double token_scale = std::fabs(weight) * judgement_.grad_scale *
                              (valid_[k] ? reference_.row().gradient_scale(t, row_stats).value_or(1.0) : 1.0);
+  std::vector<double> slack;
+  if (valid_[k] && reference_.row().has_gradient_slack()) {
+    slack.resize(got.size());
+    reference_.row().gradient_slack(t, weight, student, slack);
+  }
   RowJudgement judged;
   ErrorStats stats;
   CompensatedSum sum;
@@ -163,10 +168,12 @@ RowJudgement HostOracle::judge_token_row(std::int64_t i, const RowStats& row_sta
     const double e = expected[v];
     bool mismatch = false;
     std::int64_t ulp = 0;
-    const double m = judge.judge(got[v], e, token_scale, mismatch, ulp);
+    const double widened = slack.empty() ? 0.0 : slack[v];
+    const double m = judge.judge(got[v], e, token_scale, mismatch, ulp, widened);
     const double g = got[v] * judgement_.framework_scale;
-    stats.add_in_order(g, e, m, mismatch,
-                       [&] { return ElementRecord{t, column, rank, e, g, judge.tolerance_at(e, token_scale)}; });
+    stats.add_in_order(g, e, m, mismatch, [&] {
+      return ElementRecord{t, column, rank, e, g, judge.tolerance_at(e, token_scale, widened)};
+    });
     stats.add_ulp(ulp);
     sum.add(g);
     magnitude.add(std::fabs(g));

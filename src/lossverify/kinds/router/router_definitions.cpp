@@ -42,6 +42,7 @@ TopK top_k(std::span<const double> s, int k) {
                    [&](int a, int b) { return s[static_cast<std::size_t>(a)] > s[static_cast<std::size_t>(b)]; });
   TopK t;
   t.experts.assign(order.begin(), order.begin() + k);
+  if (static_cast<std::size_t>(k) < s.size()) t.next = order[static_cast<std::size_t>(k)];
   t.margin = static_cast<std::size_t>(k) < s.size()
                  ? s[static_cast<std::size_t>(order[static_cast<std::size_t>(k - 1)])] -
                        s[static_cast<std::size_t>(order[static_cast<std::size_t>(k)])]
@@ -53,6 +54,19 @@ void ScopeSums::add(std::span<const double> token_scores, const TopK& routed) {
   for (std::size_t e = 0; e < token_scores.size(); ++e) score_sums[e] += token_scores[e];
   for (int e : routed.experts) counts[static_cast<std::size_t>(e)] += 1.0;
   tokens += 1.0;
+}
+
+void ScopeSums::add_tie(const TopK& routed) {
+  ties[static_cast<std::size_t>(routed.experts.back())] += 1.0;
+  ties[static_cast<std::size_t>(routed.next)] += 1.0;
+}
+
+void ScopeSums::merge(const ScopeSums& other) {
+  for (std::size_t e = 0; e < counts.size(); ++e) {
+    counts[e] += other.counts[e];
+    ties[e] += other.ties[e];
+  }
+  tokens += other.tokens;
 }
 
 double aux_scale(const ScopeSums& scope, double coef, double k) {

@@ -20,15 +20,21 @@ void scores(Score score, std::span<const double> z, std::span<double> out);
 struct TopK {
   std::vector<int> experts;
   double margin = 0.0;  // +inf when k equals the number of experts
+  int next = -1;        // the (k+1)-th expert; -1 when k equals the number of experts
 };
 TopK top_k(std::span<const double> scores, int k);
 
 // One scope's sums over its valid tokens: c_e (counts of the routing map), T and S_e = sum_t p_te.
 struct ScopeSums {
   std::vector<double> counts, score_sums;
+  // |delta c|: per expert, the counts that tie tokens may move (MOE.md section 3: each between its k-th and (k+1)-th
+  // experts).
+  std::vector<double> ties;
   double tokens = 0.0;
-  explicit ScopeSums(std::size_t experts) : counts(experts, 0.0), score_sums(experts, 0.0) {}
+  explicit ScopeSums(std::size_t experts) : counts(experts, 0.0), score_sums(experts, 0.0), ties(experts, 0.0) {}
   void add(std::span<const double> token_scores, const TopK& routed);
+  void add_tie(const TopK& routed);
+  void merge(const ScopeSums& other);  // counts, ties and tokens (not the score sums)
 };
 
 // L_aux = coef E / (k T^2) sum_e c_e S_e (the Switch form, = coef E sum_e f_e P_e with f_e = c_e / (k T),

@@ -102,6 +102,45 @@ class RouterReference final : public KindReference {
   }
   std::optional<double> gradient_row_sum(const RowStats&, double) const override { return std::nullopt; }
 
+  // MOE.md §3's bound for the scopes' tie tokens: each may move one count between its k-th and (k+1)-th experts, so a
+  // token's weights may move by up to the weights of |delta c| (tw), its loss by <tw, s_t> and its gradient by
+  // |w| s_t,e slope_e (tw_e + <tw, s_t>) per layer.
+  LossArithmetic token_loss_arithmetic(std::int64_t token, const RowStats&) const override {
+    LossArithmetic a;
+    if (tie_tokens_.empty()) return a;
+    const double* bound = &tie_terms_[term_of_.at(token) * layers_];
+    for (std::size_t l = 0; l < layers_; ++l) a.either_way += bound[l];
+    return a;
+  }
+  void token_statistic_rounding(std::int64_t token, const RowStats&, std::span<double> out) const override {
+    std::fill(out.begin(), out.end(), 0.0);
+    if (tie_tokens_.empty()) return;
+    const double share = static_cast<double>(valid_tokens_) * scope_weight_[scope_of_.at(token)];
+    const double* bound = &tie_terms_[term_of_.at(token) * layers_];
+    for (std::size_t l = 0; l < layers_; ++l) {
+      out[0] += share * bound[l] / static_cast<double>(layers_);
+      if (layers_ > 1) out[2 + 2 * l] = share * bound[l];
+    }
+  }
+  bool has_gradient_slack() const override { return !tie_tokens_.empty(); }
+  void gradient_slack(std::int64_t token, double weight, std::span<const double> logits,
+                      std::span<double> slack) const override {
+    std::vector<double> s(experts_);
+    for (std::size_t l = 0; l < layers_; ++l) {
+      const std::span<const double> z = logits.subspan(l * experts_, experts_);
+      router::scores(score_of(options_), z, s);
+      const std::vector<double> tie = aux_weights(l, token, true);
+      double inner = 0.0;
+      for (std::size_t e = 0; e < experts_; ++e) inner += tie[e] * s[e];
+      for (std::size_t e = 0; e < experts_; ++e) {
+        const double slope =
+            options_.score == RouterOptions::Score::softmax ? 1.0 : 1.0 - 1.0 / (1.0 + std::exp(-z[e]));
+        slack[l * experts_ + e] = std::fabs(weight) * s[e] * slope * (tie[e] + inner);
+      }
+    }
+  }
+  std::int64_t either_way_tokens() const override { return static_cast<std::int64_t>(tie_tokens_.size()); }
+
  private:
   // Pass 1: every valid token routed in every layer, into its micro-batch's and its sequence's scope.
   void route(const Case& c, const InputSource& inputs) {
@@ -122,9 +161,13 @@ class RouterReference final : public KindReference {
             for (std::size_t l = 0; l < layers_; ++l) {
               router::scores(score_of(options_), std::span<const double>(z).subspan(l * experts_, experts_), s);
               const router::TopK routed = router::top_k(s, counted_per_token());
-              refuse_tie(c, t, l, routed, s);
               batch[l].add(s, routed);
               own[l].add(s, routed);
+              if (ties(c, inputs, t, l, routed, s)) {
+                batch[l].add_tie(routed);
+                own[l].add_tie(routed);
+                tie_tokens_[t] = 1;
+              }
             }
             scope_of_[t] = scopes_.front().batch.size();
             sequence_of_[t] = scopes_.front().sequences.size();
@@ -142,10 +185,18 @@ class RouterReference final : public KindReference {
   }
 
   // A float32 router may route a token whose k-th and (k+1)-th scores lie within its rounding either way (MOE.md
-  // §3); generated logits are refused there (the case's seed or scale moves them).
-  void refuse_tie(const Case& c, std::int64_t t, std::size_t layer, const router::TopK& routed,
-                  std::span<const double> s) const {
-    if (routed.margin > 1e-6 * s[static_cast<std::size_t>(routed.experts.back())]) return;
+  // §3). Generated logits are refused there (the case's seed or scale moves them; they tie within 1e-6 of the k-th
+  // score only by accident). A user's own logits (a dump's, a case's override row) tie where they lie within 1e-5 of
+  // it (about 80 float32 units of a score: exp, the normaliser and the sort of a float32 router): the token is then
+  // counted as moving one count between those two experts, and every tolerance of the scope widens by the bound that
+  // implies.
+  bool ties(const Case& c, const InputSource& inputs, std::int64_t t, std::size_t layer, const router::TopK& routed,
+            std::span<const double> s) const {
+    const double kth = s[static_cast<std::size_t>(routed.experts.back())];
+    const RowOverride* row = inputs.override_of(t);
+    const bool users = inputs.is_explicit() || (row != nullptr && !row->logits.empty());
+    if (routed.margin > (users ? 1e-5 : 1e-6) * kth) return false;
+    if (users) return true;
     throw CaseError(c.source + ": token " + std::to_string(t) + "'s " + std::to_string(counted_per_token()) +
                     "-th and next router scores of layer " + std::to_string(layer) +
                     " tie within float32 rounding (MOE.md section 3); another inputs.seed moves them apart");
@@ -158,11 +209,7 @@ class RouterReference final : public KindReference {
     std::vector<router::ScopeSums> upto;  // per micro-batch index m: micro-batches 0..m over every DP rank
     for (std::size_t m = 0; m < ga; ++m) {
       router::ScopeSums sums = m == 0 ? router::ScopeSums(experts_) : upto.back();
-      for (std::size_t dp = 0; dp < static_cast<std::size_t>(c.layout.dp); ++dp) {
-        const router::ScopeSums& s = batch[dp * ga + m];
-        for (std::size_t e = 0; e < experts_; ++e) sums.counts[e] += s.counts[e];
-        sums.tokens += s.tokens;
-      }
+      for (std::size_t dp = 0; dp < static_cast<std::size_t>(c.layout.dp); ++dp) sums.merge(batch[dp * ga + m]);
       upto.push_back(std::move(sums));
     }
     const bool running = options_.global_counts == RouterOptions::GlobalCounts::running;
@@ -188,6 +235,11 @@ class RouterReference final : public KindReference {
         for (std::size_t e = 0; e < experts_; ++e) aux.add(w[e] * s[e]);
         terms_.push_back(aux.value());
         terms_.push_back(router::z_loss(x, z_weight(t)));
+        if (tie_tokens_.empty()) continue;
+        const std::vector<double> tie = aux_weights(l, t, true);
+        double bound = 0.0;
+        for (std::size_t e = 0; e < experts_; ++e) bound += tie[e] * s[e];
+        tie_terms_.push_back(bound);
       }
     }
   }
@@ -199,7 +251,8 @@ class RouterReference final : public KindReference {
   }
   // Every aux term is linear in s_t with constant counts: their weights per expert, summed, are the one vector
   // a c + a_s c_s / S + a_g c^G that both the loss and the gradient read.
-  std::vector<double> aux_weights(std::size_t layer, std::int64_t token) const {
+  // With `ties`: the same weights of the counts the scopes' tie tokens may move (|delta c|), the bound of MOE.md §3.
+  std::vector<double> aux_weights(std::size_t layer, std::int64_t token, bool ties = false) const {
     const LayerScopes& scopes = scopes_[layer];
     const std::size_t b = scope_of_.at(token);
     const std::size_t j = sequence_of_.at(token);
@@ -215,7 +268,8 @@ class RouterReference final : public KindReference {
                                            : 0.0;
     std::vector<double> w(experts_);
     for (std::size_t e = 0; e < w.size(); ++e) {
-      w[e] = a * scope.counts[e] + a_s * sequence.counts[e] + a_g * global.counts[e];
+      w[e] = ties ? a * scope.ties[e] + a_s * sequence.ties[e] + a_g * global.ties[e]
+                  : a * scope.counts[e] + a_s * sequence.counts[e] + a_g * global.counts[e];
     }
     return w;
   }
@@ -230,6 +284,8 @@ class RouterReference final : public KindReference {
   std::unordered_map<std::int64_t, std::size_t> term_of_;  // token -> its row of terms_
   std::vector<double> terms_;                              // per valid token and layer: aux, z
   std::int64_t valid_tokens_ = 0;                          // of the step
+  std::unordered_map<std::int64_t, char> tie_tokens_;      // tokens of a user's logits whose routing ties
+  std::vector<double> tie_terms_;  // per valid token and layer (where any tie): <weights of |delta c|, s_t>
 };
 
 }  // namespace
