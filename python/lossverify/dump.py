@@ -53,6 +53,14 @@ _ROW_FLOATS = ("token_loss", "grad_output", "old_logprob", "ref_logprob", "advan
 # The statistics a rank may log besides loss and num_tokens (policy; each a global token-mean).
 POLICY_STATS = kind_inputs("policy").logged_statistics
 
+
+def _kind_of(loss):
+    """The KindInputs of a loss section's kind, or None for a kind the package does not know (the tool judges)."""
+    try:
+        return kind_inputs(loss.get("kind", "cross_entropy"))
+    except ValueError:
+        return None
+
 SMOOTHING_CONVENTIONS = (
     "pytorch: q = (1-a)[v=l] + a/V (torch.nn.functional.cross_entropy's label_smoothing), or "
     "megatron: q = (1-a)[v=l] + a/(V-1)[v!=l] (Megatron-LM's vocab_parallel_cross_entropy)"
@@ -199,7 +207,7 @@ class RankDump:
         self.micro_batches = []
         self.loss = None
         self.num_tokens = None
-        self.policy_stats = {}
+        self.statistics = {}
         self.file = f"rank{world_rank}.safetensors"
         self.written = False
 
@@ -241,23 +249,26 @@ class RankDump:
         return mb.finish(grad_logits=grad_logits, token_loss=token_loss, token_logprob=token_logprob,
                          token_entropy=token_entropy)
 
-    def stats(self, loss=None, num_tokens=None, **policy_stats):
+    def stats(self, loss=None, num_tokens=None, **statistics):
         """The values this rank logs: the reduced loss (tensor or number, may be NaN/inf) and the valid-token
-        count. A tensor is stored as it is, in its dtype (a bf16 loss is judged in bf16 ulps). A policy loss
-        may also log clip_fraction, dual_clip_fraction, kl and entropy (numbers or one-element tensors, each
-        the global token-mean over the step's valid tokens)."""
-        for key, value in policy_stats.items():
-            if key not in POLICY_STATS:
-                raise DumpError(f"{self.where}: unknown statistic {key!r} (known: loss, num_tokens, "
-                                f"{', '.join(POLICY_STATS)})")
+        count. A tensor is stored as it is, in its dtype (a bf16 loss is judged in bf16 ulps). A kind's logged
+        statistics go by name (numbers or one-element tensors): a policy loss's clip_fraction,
+        dual_clip_fraction, kl and entropy (each the global token-mean over the step's valid tokens); a router's
+        aux_loss and z_loss (the mean over layers of each layer's value as it enters the step's loss) and, with
+        several layers, aux_loss.layer0, z_loss.layer0, ... (pass them as **{"aux_loss.layer0": v})."""
+        known = self.writer.statistics
+        for key, value in statistics.items():
+            if key not in known:
+                raise DumpError(f"{self.where}: unknown statistic {key!r} (known: loss, num_tokens"
+                                f"{''.join(', ' + k for k in known)})")
             if value is None:
                 continue
             if isinstance(value, torch.Tensor):
                 if value.numel() != 1:
                     raise DumpError(f"{self.where}: statistic {key} must be one number, got shape {list(value.shape)}")
-                self.policy_stats[key] = _snapshot(value).reshape(())
+                self.statistics[key] = _snapshot(value).reshape(())
             else:
-                self.policy_stats[key] = float(value)
+                self.statistics[key] = float(value)
         if loss is not None:
             self.loss = _snapshot(loss).reshape(()) if isinstance(loss, torch.Tensor) else float(loss)
         if num_tokens is not None:
@@ -314,7 +325,7 @@ class RankDump:
         entry = {"rank": self.world_rank, "tp": self.coordinates.tp, "cp": self.coordinates.cp,
                  "dp": self.coordinates.dp, "vocab": list(self.vocab), "file": self.file, "micro_batches": entry_mbs}
         stats = {}
-        for key, value in (("loss", self.loss), ("num_tokens", self.num_tokens), *self.policy_stats.items()):
+        for key, value in (("loss", self.loss), ("num_tokens", self.num_tokens), *self.statistics.items()):
             if isinstance(value, torch.Tensor):
                 tensors[key] = value
                 stats[key] = key
@@ -358,8 +369,8 @@ class DumpWriter:
     gradients); loss: the case file's loss section (kind, label_smoothing + smoothing_convention,
     z_loss_weight, ignore_index, softcap, reduction, temperature, t2_scaling; policy: objective, clip_low,
     clip_high, dual_clip, kl, kl_coef, entropy_coef, aggregation, norm_constant, whiten_advantages,
-    whiten_epsilon); layout: {"tp", "cp", "dp",
-    "ga"}; framework: {"grad_reduce": "avg" | "sum", "ga_reduce": "sum" | "mean"}; cu_seqlens: packed
+    whiten_epsilon; router: top_k, layers, score, aux_coef, ..., with shape's vocab the row's width, layers x
+    experts); layout: {"tp", "cp", "dp", "ga", "sp"}; framework: {"grad_reduce": "avg" | "sum", "ga_reduce": "sum" | "mean"}; cu_seqlens: packed
     sequence offsets [0, ..., N] (optional); warn: emit a ModifiedInputWarning for each input modified in
     place (they are collected in `modified_inputs` either way); logged_loss_precision: the precision the logged
     losses carry when they are stored wider ("bf16" for a bf16 loss logged with .float() or .item()).
@@ -382,6 +393,16 @@ class DumpWriter:
         self.dtype = dtype
         self.torch_dtype = DTYPES[dtype]
         self.loss = dict(loss)
+        kind = _kind_of(self.loss)
+        self.statistics = kind.statistics(self.loss) if kind else ()
+        self.whole_rows = bool(kind and kind.whole_rows)
+        self.shape = {"tokens": self.tokens, "vocab": self.vocab}
+        if kind and kind.column_axis != "vocab":
+            blocks = kind.blocks(self.loss)
+            if self.vocab % blocks:
+                raise DumpError(f"shape: a row of {self.vocab} columns does not hold {blocks} blocks of "
+                                f"{kind.column_axis} ({kind.row_blocks} = {blocks})")
+            self.shape = {"tokens": self.tokens, kind.column_axis: self.vocab // blocks}
         try:
             self.layout = parse_layout(layout)
         except ValueError as e:
@@ -444,7 +465,7 @@ class DumpWriter:
                            ("implementation", self.implementation)):
             if value:
                 document[key] = value
-        document.update({"shape": {"tokens": self.tokens, "vocab": self.vocab}, "dtype": self.dtype,
+        document.update({"shape": self.shape, "dtype": self.dtype,
                          "loss": self.loss, "layout": self.layout.as_dict()})
         if self.framework:
             document["framework"] = self.framework

@@ -156,8 +156,11 @@ class Inputs:
         if self.dtype not in DTYPE_NAMES:
             raise InputsError(f"{where}: $.dtype: expected one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
         layout = data.get("layout", {})
-        self.layout = Layout(*[_int(layout, k, f"{where}: $.layout") for k in ("tp", "cp", "dp", "ga")])
-        if min(self.layout) < 1:
+        sp = layout.get("sp", False) if isinstance(layout, dict) else False
+        if not isinstance(sp, bool):
+            raise InputsError(f"{where}: $.layout.sp: expected true or false, got {sp!r}")
+        self.layout = Layout(*[_int(layout, k, f"{where}: $.layout") for k in ("tp", "cp", "dp", "ga")], sp=sp)
+        if min(self.layout.counts) < 1:
             raise InputsError(f"{where}: $.layout: counts must be >= 1, got {layout}")
         self.valid_tokens = _int(data, "valid_tokens", f"{where}: $")
         self.cu_seqlens = data.get("cu_seqlens")
@@ -202,7 +205,11 @@ class Inputs:
             if r.rank != i or layout.world_rank(r.tp, r.cp, r.dp) != i:
                 raise InputsError(f"{r.where}: rank {r.rank} at tp={r.tp} cp={r.cp} dp={r.dp}, expected world rank "
                                   f"{i} = (dp*CP + cp)*TP + tp in position {i}")
-            if r.vocab != vocab_shard(self.vocab, layout.tp, r.tp):
+            if self.kind_inputs.whole_rows:
+                if r.vocab != (0, self.vocab):
+                    raise InputsError(f"{r.where}.vocab: {list(r.vocab)}, expected the whole row [0, {self.vocab}] "
+                                      f"(a {self.kind} row is whole on every rank)")
+            elif r.vocab != vocab_shard(self.vocab, layout.tp, r.tp):
                 raise InputsError(f"{r.where}.vocab: {list(r.vocab)}, expected TP rank {r.tp}'s shard "
                                   f"{list(vocab_shard(self.vocab, layout.tp, r.tp))} of {self.vocab} columns")
             if len(r.micro_batches) != layout.ga:

@@ -2,8 +2,9 @@
 
 A kind is one entry of a registry, as on the C++ side: code that needs to know whether a kind has labels
 or teacher logits asks `kind_inputs(kind)` instead of testing the kind's name. The built-ins are
-cross_entropy (labels), kd (teacher logits) and policy (labels, and the rollout's old and reference
-log-probabilities and advantages per row); `register_kind` adds another. A kind's settings are its C++ table's
+cross_entropy (labels), kd (teacher logits), policy (labels, and the rollout's old and reference
+log-probabilities and advantages per row) and router (a token's router logits of every MoE layer, whole on every
+rank); `register_kind` adds another. A kind's settings are its C++ table's
 (`lossverify list --json`), kept in kind_settings.json beside this file (scripts/kind_settings.py writes it, and a
 test holds it to the binary): `kind_settings(kind)`. No torch here: the package imports torch only when a rank's
 tensors are read.
@@ -30,14 +31,32 @@ class KindInputs:
     logged_statistics: tuple = ()
     # The per-token quantities a rank reports beside its loss (a dump's token_<name>, a Reduced's <name>=...).
     token_quantities: tuple = ()
+    # Whether a row is whole on every rank (a router's experts): TP replicates the tokens, or splits them under
+    # layout sp, and never splits the columns.
+    whole_rows: bool = False
+    # The name of a row's columns in a case's shape ("vocab"; a router's "experts"), and the loss setting that says
+    # how many blocks of that width a row holds side by side (a router's "layers"; None: one).
+    column_axis: str = "vocab"
+    row_blocks: str = None
+    # Statistics logged per block when a row holds several (a router's aux_loss.layer0, z_loss.layer0, ...), after
+    # logged_statistics.
+    block_statistics: tuple = ()
+
+    def blocks(self, loss):
+        """How many blocks a row of the loss section `loss` (a dict or a LossConfig) holds."""
+        if self.row_blocks is None:
+            return 1
+        value = loss.get(self.row_blocks, 1) if isinstance(loss, dict) else getattr(loss, self.row_blocks)
+        return int(value)
+
+    def statistics(self, loss):
+        """The statistics a rank logs for the loss section `loss`, in the tool's order."""
+        blocks = self.blocks(loss)
+        per_block = [f"{name}.layer{b}" for b in range(blocks) for name in self.block_statistics] if blocks > 1 else []
+        return (*self.logged_statistics, *per_block)
 
 
 _KINDS = {}
-
-# Kinds the C++ tool checks whose inputs the package cannot hand a user's function yet: what it would need.
-_TOOL_ONLY = {"router": "a router's logits of every MoE layer with its scopes' groups under sequence parallelism, "
-                        "and take back its aux terms"}
-
 
 def register_kind(name, inputs):
     """Register loss kind `name` with its KindInputs; a name already registered is a ValueError."""
@@ -53,9 +72,6 @@ def kind_inputs(name):
     try:
         return _KINDS[name]
     except KeyError:
-        if name in _TOOL_ONLY:
-            raise ValueError(f"loss kind {name!r} is checked by the lossverify tool (lossverify run), not yet by "
-                             f"this package: it cannot hand a function {_TOOL_ONLY[name]}") from None
         raise ValueError(f"unknown loss kind {name!r} (known: {', '.join(known_kinds())})") from None
 
 
@@ -81,3 +97,6 @@ register_kind("policy", KindInputs(labels=True, teacher_logits=False,
                                    row_inputs=("old_logprob", "ref_logprob", "advantages"),
                                    logged_statistics=("clip_fraction", "dual_clip_fraction", "kl", "entropy"),
                                    token_quantities=("logprob", "entropy")))
+register_kind("router", KindInputs(labels=False, teacher_logits=False, logged_statistics=("aux_loss", "z_loss"),
+                                   whole_rows=True, column_axis="experts", row_blocks="layers",
+                                   block_statistics=("aux_loss", "z_loss")))

@@ -19,6 +19,14 @@ class Layout(NamedTuple):
     cp: int = 1
     dp: int = 1
     ga: int = 1
+    # Sequence parallelism, for a kind whose rows are whole on every rank (a router's): TP splits each CP rank's
+    # tokens instead of replicating them.
+    sp: bool = False
+
+    @property
+    def counts(self):
+        """(tp, cp, dp, ga)."""
+        return (self.tp, self.cp, self.dp, self.ga)
 
     @property
     def world_size(self):
@@ -26,8 +34,8 @@ class Layout(NamedTuple):
 
     @property
     def label(self):
-        """tp2-cp1-dp1-ga1, as lossverify names layouts."""
-        return f"tp{self.tp}-cp{self.cp}-dp{self.dp}-ga{self.ga}"
+        """tp2-cp1-dp1-ga1 (tp2-sp-cp1-dp1-ga1 under sequence parallelism), as lossverify names layouts."""
+        return f"tp{self.tp}" + ("-sp" if self.sp else "") + f"-cp{self.cp}-dp{self.dp}-ga{self.ga}"
 
     def world_rank(self, tp, cp, dp):
         return (dp * self.cp + cp) * self.tp + tp
@@ -39,7 +47,8 @@ class Layout(NamedTuple):
         return Coordinates(tp, cp, dp)
 
     def as_dict(self):
-        return {"tp": self.tp, "cp": self.cp, "dp": self.dp, "ga": self.ga}
+        counts = {"tp": self.tp, "cp": self.cp, "dp": self.dp, "ga": self.ga}
+        return {**counts, "sp": True} if self.sp else counts
 
 
 def vocab_shard(vocab, tp, tp_rank):
@@ -68,16 +77,22 @@ def _count(value, where):
     return int(value)
 
 
+def _flag(value, where):
+    if not isinstance(value, bool):
+        raise ValueError(f"layout {where!r}: sp must be true or false, got {value!r}")
+    return value
+
+
 def parse_layout(value):
-    """A Layout from a dict {"tp": 2, ...}, a tuple (tp, cp, dp, ga), a Layout, or "tp2-cp1-dp1-ga1" /
-    "tp=2,cp=2"; missing counts are 1."""
+    """A Layout from a dict {"tp": 2, ..., "sp": True}, a tuple (tp, cp, dp, ga), a Layout, or "tp2-cp1-dp1-ga1"
+    / "tp=2,cp=2" (with "-sp" for sequence parallelism); missing counts are 1."""
     if isinstance(value, Layout):
-        layout = Layout(*[_count(v, value) for v in value])
+        layout = Layout(*[_count(v, value) for v in value.counts], sp=_flag(value.sp, value))
     elif isinstance(value, dict):
         unknown = set(value) - set(Layout._fields)
         if unknown:
-            raise ValueError(f"layout {value!r}: unknown keys {sorted(unknown)} (expected tp, cp, dp, ga)")
-        layout = Layout(**{k: _count(v, value) for k, v in value.items()})
+            raise ValueError(f"layout {value!r}: unknown keys {sorted(unknown)} (expected tp, cp, dp, ga, sp)")
+        layout = Layout(**{k: _flag(v, value) if k == "sp" else _count(v, value) for k, v in value.items()})
     elif isinstance(value, (tuple, list)):
         if len(value) > 4:
             raise ValueError(f"layout {value!r}: at most 4 counts (tp, cp, dp, ga)")
@@ -88,6 +103,9 @@ def parse_layout(value):
             part = part.strip()
             if not part:
                 continue
+            if part == "sp":
+                counts["sp"] = True
+                continue
             name = part.rstrip("0123456789=").rstrip("=")
             digits = part[len(name):].lstrip("=")
             if name not in Layout._fields or not digits.isdigit():
@@ -96,6 +114,8 @@ def parse_layout(value):
         layout = Layout(**counts)
     else:
         raise ValueError(f"cannot read a layout from {value!r}")
-    if min(layout) < 1:
+    if min(layout.counts) < 1:
         raise ValueError(f"layout {value!r}: counts must be >= 1")
+    if layout.sp and layout.tp == 1:
+        raise ValueError(f"layout {value!r}: sp splits the tokens over TP ranks and needs tp > 1")
     return layout

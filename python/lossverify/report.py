@@ -101,7 +101,8 @@ class Run:
         case = data.get("case", {})
         self.case_name = case.get("name", "?")
         self.layout = {k: data.get("layout", {}).get(k, 1) for k in ("tp", "cp", "dp", "ga")}
-        self.label = "tp{tp}-cp{cp}-dp{dp}-ga{ga}".format(**self.layout)
+        self.sp = bool(data.get("layout", {}).get("sp", False))
+        self.label = "tp{tp}{sp}-cp{cp}-dp{dp}-ga{ga}".format(**self.layout, sp="-sp" if self.sp else "")
         self.implementation = data.get("implementation", {}).get("name", "?")
         self.verdict = data.get("verdict", "?")
         self.checks = {c["name"]: Check(c, self.label) for c in data.get("checks", [])}

@@ -287,3 +287,46 @@ def policy_unknown_statistic(logits, labels, ctx):
 def cross_entropy_as_logprobs(logits, labels, ctx):
     """LogProbs on a cross-entropy case."""
     return LogProbs(-vocab_parallel_cross_entropy(logits, labels, ctx))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# router cases
+
+def router_reduced(logits, labels, ctx):
+    """The correct router with the trainer's scaling applied by the function itself (Reduced)."""
+    from lossverify.torch.implementations import router_step_loss
+    return router_step_loss(logits, labels, ctx)
+
+
+def router_shares_only(logits, labels, ctx):
+    """The correct router's shares, without per-token losses (the loss check then judges the logged loss)."""
+    from lossverify.torch import RouterLosses
+    from lossverify.torch.implementations import router_terms
+    terms = router_terms(logits, ctx)
+    return RouterLosses(aux=terms.aux + terms.sequence_aux, z=terms.z)
+
+
+def router_one_value_too_few(logits, labels, ctx):
+    from lossverify.torch import RouterLosses
+    from lossverify.torch.implementations import router_terms
+    terms = router_terms(logits, ctx)
+    return RouterLosses(aux=(terms.aux + terms.sequence_aux)[1:], z=terms.z)
+
+
+def router_without_z(logits, labels, ctx):
+    from lossverify.torch import RouterLosses
+    from lossverify.torch.implementations import router_terms
+    terms = router_terms(logits, ctx)
+    return RouterLosses(aux=terms.aux + terms.sequence_aux)
+
+
+def router_detached_aux(logits, labels, ctx):
+    from lossverify.torch import RouterLosses
+    from lossverify.torch.implementations import router_terms
+    terms = router_terms(logits, ctx)
+    return RouterLosses(aux=(terms.aux + terms.sequence_aux).detach(), z=terms.z)
+
+
+def router_losses_on_cross_entropy(logits, labels, ctx):
+    from lossverify.torch import RouterLosses
+    return RouterLosses(aux=logits.float().sum().reshape(1))

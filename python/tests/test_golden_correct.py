@@ -1,11 +1,12 @@
 """The correct PyTorch implementation passes every shipped case at tp = 1, 2 and 4 (each case's own cp, dp
-and ga), with the margins lossverify's own kernels have: at most half an ulp for 16-bit gradients; and every
+and ga; a router case at tp 2 and 4 with and without sequence parallelism), with the margins lossverify's own kernels have: at most half an ulp for 16-bit gradients; and every
 check reads within its control band (the slow case runs without the band)."""
 
 import unittest
 
 import lossverify.torch as lvt
-from support import case_names, case_path, keep_dir
+from lossverify.kinds import kind_inputs
+from support import case_names, case_path, keep_dir, loss_kind
 
 CORRECT = "lossverify.torch.implementations:correct"
 # 65M logits on one rank at tp 1: its dump and in-place check alone can pass the case's 120 s when the other
@@ -13,13 +14,23 @@ CORRECT = "lossverify.torch.implementations:correct"
 SLOW_CASES = {"realistic-bf16-n2048-v32000-tp8": 900}
 
 
+def tp_layouts(name):
+    """(tp, sp) of the runs: tp 1, 2 and 4; a kind whose rows are whole on every rank (a router's) at tp 2 and 4 both
+    with TP replicating the tokens and splitting them (sequence parallelism, sp)."""
+    if not kind_inputs(loss_kind(name)).whole_rows:
+        return [(1, None), (2, None), (4, None)]
+    return [(1, False), (2, False), (2, True), (4, False), (4, True)]
+
+
 class CorrectPassesEveryCase(unittest.TestCase):
     def test_every_case_at_tp_1_2_4(self):
         for name in case_names():
-            for tp in (1, 2, 4):
-                with self.subTest(case=name, tp=tp):
-                    report = lvt.check(CORRECT, case_path(name), tp=tp, keep_dump=keep_dir("correct", f"{name}-tp{tp}"),
-                                       timeout=SLOW_CASES.get(name), control=name not in SLOW_CASES)
+            for tp, sp in tp_layouts(name):
+                with self.subTest(case=name, tp=tp, sp=sp):
+                    label = f"{name}-tp{tp}" + ("-sp" if sp else "")
+                    report = lvt.check(CORRECT, case_path(name), tp=tp, set=None if sp is None else {"layout.sp": sp},
+                                       keep_dump=keep_dir("correct", label), timeout=SLOW_CASES.get(name),
+                                       control=name not in SLOW_CASES)
                     report.assert_pass()
                     worst = max(m for m in report.margins.values() if m is not None)
                     self.assertLess(worst, 0.51, report.table())

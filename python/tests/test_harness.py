@@ -90,13 +90,6 @@ class CheckTest(unittest.TestCase):
             lvt.check(lambda logits, labels, ctx: logits.sum(-1), case_path("underflow-gap-240"))
         self.assertIn("importable by name", str(caught.exception))
 
-    def test_a_kind_the_package_does_not_check_yet_is_refused_by_name(self):
-        from lossverify.kinds import kind_inputs
-        with self.assertRaisesRegex(ValueError, "loss kind 'router' is checked by the lossverify tool"):
-            kind_inputs("router")
-        with self.assertRaisesRegex(UsageError, "loss kind router cannot be exported: .*lossverify run checks it"):
-            lvt.check(implementations.correct, case_path("moe-aux-sp-tp2-cp2"))
-
     def test_empty_micro_batches_are_skipped(self):
         # 8 sequences over dp = 2 and ga = 8: each rank has 4 empty micro-batches
         report = lvt.check(implementations.correct, case_path("ga-unequal-microbatches"), dp=2, ga=8)

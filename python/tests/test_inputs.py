@@ -145,8 +145,14 @@ class KindsTest(unittest.TestCase):
             labels=True, teacher_logits=False, row_inputs=("old_logprob", "ref_logprob", "advantages"),
             logged_statistics=("clip_fraction", "dual_clip_fraction", "kl", "entropy"),
             token_quantities=("logprob", "entropy")))
-        self.assertEqual(set(implementations.TOKEN_LOSS), set(kinds.known_kinds()))
+        self.assertEqual(kinds.kind_inputs("router"), kinds.KindInputs(
+            labels=False, teacher_logits=False, logged_statistics=("aux_loss", "z_loss"), whole_rows=True,
+            column_axis="experts", row_blocks="layers", block_statistics=("aux_loss", "z_loss")))
+        self.assertEqual(kinds.kind_inputs("router").statistics({"layers": 2}),
+                         ("aux_loss", "z_loss", "aux_loss.layer0", "z_loss.layer0", "aux_loss.layer1", "z_loss.layer1"))
+        self.assertEqual(set(implementations.TOKEN_LOSS), set(kinds.known_kinds()) - {"router"})
         self.assertIs(implementations.correct_of("policy"), implementations.policy_loss)
+        self.assertIs(implementations.correct_of("router"), implementations.router_losses)
 
     def test_unknown_and_duplicate_kinds_are_refused(self):
         with self.assertRaisesRegex(ValueError, "'mse'.*cross_entropy, kd, policy"):
@@ -165,6 +171,7 @@ class KindsTest(unittest.TestCase):
                 self.assertIn(kind, ["any", *kinds.known_kinds()])
                 self.assertEqual(kind == "kd", name.startswith("kd_"))
                 self.assertEqual(kind == "policy", name.startswith("rl_"))
+                self.assertEqual(kind == "router", name.startswith("moe_"))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ if(torch_missing)
   return()
 endif()
 set(python_env "LOSSVERIFY_BIN=$<TARGET_FILE:lossverify>;PYTHONPATH=${PYTHON_DIR};PYTHONDONTWRITEBYTECODE=1")
-foreach(module test_safetensors test_report test_inputs test_dump test_harness test_hardening test_cli test_torchrun test_policy
+foreach(module test_safetensors test_report test_inputs test_dump test_harness test_hardening test_cli test_torchrun test_policy test_router
                test_pytest_plugin test_control)
   add_test(NAME python_${module}
     COMMAND ${LOSSVERIFY_SYSTEM_PYTHON} -m unittest discover -s tests -p ${module}.py -v
@@ -19,8 +19,8 @@ foreach(module test_safetensors test_report test_inputs test_dump test_harness t
 endforeach()
 # The golden suites, one CTest entry per shipped case (LOSSVERIFY_GOLDEN_CASE), so they spread over the cores and
 # one case reruns alone: `ctest -R python_golden_bugs_cp-zigzag-packed`. A case added to cases/ gets its entries
-# at the next configure. A case of a kind the package does not check yet (lossverify.kinds' tool-only kinds, asked
-# here so that the list lives in one place) has none; test_harness holds the package's refusal of such a kind.
+# at the next configure. A case of a kind the package does not check (one outside lossverify.kinds' known kinds, asked
+# here so that the list lives in one place) has none.
 execute_process(COMMAND ${LOSSVERIFY_SYSTEM_PYTHON} -c "from lossverify.kinds import known_kinds; print(';'.join(known_kinds()), end='')"
                 WORKING_DIRECTORY ${PYTHON_DIR} OUTPUT_VARIABLE python_kinds RESULT_VARIABLE python_kinds_failed)
 if(python_kinds_failed OR NOT python_kinds)

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <map>
 
@@ -91,20 +92,24 @@ fs::path write_dump(const Case& c, const InputSource& inputs, const std::vector<
   const json resolved = c.resolved();
   json loss = resolved["loss"];
   loss.erase("upstream_weights");  // dumped as grad_output tensors instead
-  const bool kd = kind_of(c.loss).inputs().teacher_logits;
+  const LossKind& kind = kind_of(c.loss);
+  const bool kd = kind.inputs().teacher_logits;
+  const bool labelled = kind.inputs().labels;
   const bool none = c.loss.reduction == Reduction::none;
   std::vector<std::int64_t> cu = {0};
   for (auto l : c.batch.sequence_lengths) cu.push_back(cu.back() + l);
-  json manifest = {{"format", "lossverify.dump/1"},
-                   {"name", name},
-                   {"shape", {{"tokens", c.shape.tokens}, {"vocab", c.shape.vocab}}},
-                   {"dtype", std::string(to_string(c.inputs.dtype))},
-                   {"cu_seqlens", cu},
-                   {"loss", loss},
-                   {"layout", resolved["layout"]},
-                   {"framework", resolved["framework"]},
-                   {"tolerances", resolved["tolerances"]},
-                   {"ranks", json::array()}};
+  json manifest = {
+      {"format", "lossverify.dump/1"},
+      {"name", name},
+      {"shape",
+       {{"tokens", c.shape.tokens}, {std::string(kind.column_axis()), c.shape.vocab / kind.row_blocks(c.loss)}}},
+      {"dtype", std::string(to_string(c.inputs.dtype))},
+      {"cu_seqlens", cu},
+      {"loss", loss},
+      {"layout", resolved["layout"]},
+      {"framework", resolved["framework"]},
+      {"tolerances", resolved["tolerances"]},
+      {"ranks", json::array()}};
   const std::size_t element = dtype_size(c.inputs.dtype);
   for (const RankOutput& out : outputs) {
     const auto& a = out.assignment;
@@ -158,12 +163,14 @@ fs::path write_dump(const Case& c, const InputSource& inputs, const std::vector<
       tensors[p + "grad"] = grad;
       if (kd) {
         tensors[p + "teacher"] = teacher;
-        tensors[p + "mask"] = raw_tensor("F32", {rows}, mask);
         t["teacher_logits"] = p + "teacher";
-        t["loss_mask"] = p + "mask";
-      } else {
+      }
+      if (labelled) {
         tensors[p + "labels"] = raw_tensor("I64", {rows}, labels);
         t["labels"] = p + "labels";
+      } else {
+        tensors[p + "mask"] = raw_tensor("F32", {rows}, mask);
+        t["loss_mask"] = p + "mask";
       }
       if (token_loss) {
         tensors[p + "token_loss"] = loss_tensor({rows}, losses, storage);
@@ -776,4 +783,123 @@ TEST_CASE("a policy dump's advantages must be floating point and its log-probabi
         t = raw_tensor("F32", t.shape, values);
       },
       "old_logprob 0.5 at row 0");
+}
+
+namespace {
+
+void expect_contains(const std::string& text, const std::string& part) {
+  CAPTURE(text);
+  CAPTURE(part);
+  CHECK(text.find(part) != std::string::npos);
+}
+
+Case router_dump_case(const std::string& name, const json& loss, const json& layout) {
+  json j = {{"name", name},
+            {"shape", {{"experts", 8}}},
+            {"batch", {{"sequence_lengths", {19, 7, 26, 11, 15, 4, 13, 9}}}},
+            {"loss", {{"kind", "router"}, {"top_k", 2}}},
+            {"inputs", {{"seed", 29}, {"scale", 1.5}, {"ignore_fraction", 0.15}}},
+            {"layout", layout},
+            {"timeout_seconds", 60.0}};
+  if (loss.is_object()) j["loss"].merge_patch(loss);
+  return make_case(j);
+}
+
+// The correct router's dump of `c`, its manifest read back as JSON for a test to change.
+struct RouterDump {
+  fs::path dir;
+  json manifest;
+  std::string reload(const std::function<void(json&)>& change) const {
+    json m = manifest;
+    change(m);
+    write_bytes(dir / "manifest.json", m.dump(1));
+    try {
+      dump::load_dump((dir / "manifest.json").string());
+    } catch (const std::exception& e) {
+      return e.what();
+    }
+    return "";
+  }
+};
+RouterDump router_dump(const Case& c, const TensorEdit& edit = {}) {
+  RunOptions options;
+  options.implementation = "correct";
+  options.threads = 2;
+  const InputSource inputs(c);
+  const RankRun ranks = execute_ranks(c, inputs, *find_implementation("correct"), options);
+  RouterDump d{write_dump(c, inputs, ranks.outputs, c.name, true, true, {}, true, edit), {}};
+  std::ifstream in(d.dir / "manifest.json");
+  d.manifest = json::parse(in);
+  return d;
+}
+
+}  // namespace
+
+TEST_CASE("check-dump reproduces run for the router kind: SP and replicated TP, CP, per-token, global aux, layers") {
+  const Case sp =
+      router_dump_case("sp", {{"layers", 2}, {"z_loss_coef", 0.001}}, {{"tp", 2}, {"cp", 2}, {"ga", 2}, {"sp", true}});
+  const Case replicated = router_dump_case("replicated", {{"score", "sigmoid"}}, {{"tp", 2}, {"dp", 2}});
+  const Case per_token = router_dump_case("per-token", {{"scaling", "per_token"}, {"seq_aux_coef", 0.001}},
+                                          {{"tp", 2}, {"cp", 2}, {"dp", 2}, {"sp", true}});
+  const Case global = router_dump_case(
+      "global", {{"layers", 3}, {"global_aux_coef", 0.01}, {"global_counts", "running"}, {"aux_coef", 0.001}},
+      {{"tp", 2}, {"dp", 2}, {"ga", 2}, {"sp", true}});
+  const std::pair<const Case*, std::vector<const char*>> runs[] = {
+      {&sp, {"correct", "moe-aux-local-counts", "moe-aux-log-doubled", "moe-aux-tp-sum"}},
+      {&replicated, {"correct", "moe-aux-padding-counted", "moe-aux-topk-squared"}},
+      {&per_token, {"correct", "moe-aux-per-token-rank-count", "moe-seq-aux-mbs", "moe-aux-count-not-returned"}},
+      {&global, {"correct", "moe-aux-ga-overweight", "moe-aux-local-counts"}}};
+  for (const auto& [c, impls] : runs) {
+    for (const char* impl : impls) expect_same(*c, impl);
+    CHECK(run_both(*c, "correct").dumped.verdict == Verdict::pass);
+    CHECK(run_both(*c, impls.back()).dumped.verdict == Verdict::fail);
+  }
+}
+
+TEST_CASE("a router dump's geometry: whole rows, SP's token split, the case's micro-batches, finite logits") {
+  const Case sp = router_dump_case("geometry-sp", {}, {{"tp", 2}, {"cp", 2}, {"ga", 2}, {"sp", true}});
+  const RouterDump d = router_dump(sp);
+  CHECK(d.reload([](json&) {}).empty());
+  expect_contains(d.reload([](json& m) {
+    m["ranks"][1]["vocab"] = {0, 4};
+  }),
+                  "a router row is whole on every rank: give [0, 8)");
+  // Rank 1 (tp 1 under SP) claims a token rank 0 holds: held twice, named with both ranks.
+  expect_contains(d.reload([](json& m) {
+    m["ranks"][1]["micro_batches"][0]["rows"][0] = m["ranks"][0]["micro_batches"][0]["rows"][0];
+  }),
+                  "under layout.sp each token belongs to exactly one rank, once");
+  // Every rank's micro-batches swapped: the tokens are held once, but in the other micro-batch's scope.
+  expect_contains(d.reload([](json& m) {
+    for (json& r : m["ranks"]) std::swap(r["micro_batches"][0], r["micro_batches"][1]);
+  }),
+                  "router losses are over micro-batches and the case's batch puts sequence");
+  expect_contains(d.reload([](json& m) {
+    m["cu_seqlens"] = {{"file", "cu.npy"}};
+  }),
+                  "a router dump gives cu_seqlens inline");
+  fs::remove_all(d.dir);
+
+  // Without SP the TP ranks hold the same tokens: their rows must agree, in order and bit for bit.
+  const Case replicated = router_dump_case("geometry-replicated", {}, {{"tp", 2}, {"cp", 2}});
+  const RouterDump r = router_dump(replicated);
+  CHECK(r.reload([](json&) {}).empty());
+  expect_contains(r.reload([](json& m) {
+    json& rows = m["ranks"][1]["micro_batches"][0]["rows"];
+    std::swap(rows[0], rows[1]);
+  }),
+                  "without layout.sp, TP replicates the tokens of a kind whose rows are whole");
+  fs::remove_all(r.dir);
+  int rank_file = 0;
+  const RouterDump moved = router_dump(replicated, [&](std::map<std::string, RawTensor>& tensors) {
+    if (rank_file++ == 1) reinterpret_cast<float*>(tensors["mb0.logits"].data.data())[3] += 0.5f;
+  });
+  expect_contains(moved.reload([](json&) {}), "logits of token");
+  expect_contains(moved.reload([](json&) {}), "disagree between ranks 0 and 1 of one TP group");
+  fs::remove_all(moved.dir);
+  const RouterDump nan = router_dump(replicated, [](std::map<std::string, RawTensor>& tensors) {
+    reinterpret_cast<float*>(tensors["mb0.logits"].data.data())[5] = std::nanf("");
+  });
+  expect_contains(nan.reload([](json&) {}), "non-finite value NaN at row 0, column 5");
+  fs::remove_all(nan.dir);
 }

@@ -11,14 +11,14 @@ From a shell: python3 -m lossverify.torch run --fn my_module:my_loss cases/smoot
 See docs/pytorch.md. `lossverify.torch.implementations` holds the project's own implementations: the
 correct vocabulary-parallel cross-entropy, KD and RL policy loss, and catalogued bugs written the way
 frameworks wrote them. A policy case's function may also return `LogProbs(logprob, entropy)`, a trainer's
-log-prob pass.
+log-prob pass; a router case's `RouterLosses(aux, z)`, a router's aux terms and z-loss of one micro-batch.
 """
 
 from lossverify.torch.harness import check, check_many, sweep
 
-__all__ = ["Context", "FrameworkConfig", "LogProbs", "LossConfig", "MicroBatch", "Reduced", "check", "check_many",
-           "sweep"]
-_CONTEXT_NAMES = ("Context", "FrameworkConfig", "LogProbs", "LossConfig", "MicroBatch", "Reduced")
+__all__ = ["Context", "FrameworkConfig", "LogProbs", "LossConfig", "MicroBatch", "Reduced", "RouterLosses", "check",
+           "check_many", "sweep"]
+_CONTEXT_NAMES = ("Context", "FrameworkConfig", "LogProbs", "LossConfig", "MicroBatch", "Reduced", "RouterLosses")
 
 
 def __getattr__(name):

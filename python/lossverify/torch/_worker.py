@@ -166,12 +166,12 @@ def run_jobs(rank, launch):
     control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
     started = _trace(rank, "groups", started)
     rank_inputs = inputs.rank(rank)
-    num_valid = _global_valid_tokens(_micro_batches(inputs, rank_inputs, device)[0], groups["dp_cp"], device)
+    num_valid = _global_valid_tokens(_micro_batches(inputs, rank_inputs, device)[0], groups["batch"], device)
     if num_valid != inputs.valid_tokens:
         raise RuntimeError(f"harness: all-reduced valid-token count {num_valid} differs from export-inputs' "
                            f"{inputs.valid_tokens}")
-    step = harness_kind(inputs.kind).step_values(inputs, _micro_batches(inputs, rank_inputs, device)[0],
-                                                 groups["dp_cp"], device)
+    step = harness_kind(inputs.kind).step_values(inputs, _micro_batches(inputs, rank_inputs, device)[0], groups,
+                                                 device)
     me = _Rank(rank, launch.world_size, device, groups, control, inputs, rank_inputs, num_valid, step)
     started = _trace(rank, "inputs", started)
     warnings = {}
@@ -203,6 +203,8 @@ def _build_groups(layout, rank, timeout):
         "dp": [[layout.world_rank(t, c, d) for d in range(layout.dp)] for c in range(layout.cp) for t in range(layout.tp)],
         "dp_cp": [[layout.world_rank(t, c, d) for d in range(layout.dp) for c in range(layout.cp)]
                   for t in range(layout.tp)],
+        "tp_cp": [[layout.world_rank(t, c, d) for c in range(layout.cp) for t in range(layout.tp)]
+                  for d in range(layout.dp)],
     }
     local = "use_local_synchronization" in inspect.signature(dist.new_group).parameters
     created, mine = {}, {}
@@ -214,6 +216,8 @@ def _build_groups(layout, rank, timeout):
                     dist.new_group(members, timeout=timeout))
             if rank in members:
                 mine[name] = created[key]
+    # The ranks holding other tokens: DP x CP, and TP too where it splits the tokens (sp).
+    mine["batch"] = dist.group.WORLD if layout.sp else mine["dp_cp"]
     return mine
 
 
@@ -228,18 +232,20 @@ def _micro_batches(inputs, rank_inputs, device):
         mb = MicroBatch(index=k, labels=t["labels"], loss_mask=t["loss_mask"], tokens=t["tokens"],
                         token_ids=t["token_ids"], sequences=t["sequences"], positions=t["positions"],
                         upstream_weights=t["upstream_weights"], teacher_logits=teacher_logits,
-                        row_inputs={name: t.get(name) for name in inputs.kind_inputs.row_inputs})
+                        row_inputs={name: t.get(name) for name in inputs.kind_inputs.row_inputs},
+                        logits=t["logits"].clone() if harness_kind(inputs.kind).reads_step_logits else None)
         out.append(mb)
         logits.append(t["logits"])
     return out, logits
 
 
-def _global_valid_tokens(micro_batches, dp_cp_group, device):
-    """N_v as frameworks get it before the step: this rank's count, all-reduced over DP x CP."""
+def _global_valid_tokens(micro_batches, batch_group, device):
+    """N_v as frameworks get it before the step: this rank's count, all-reduced over the ranks holding other
+    tokens (DP x CP, and TP under sequence parallelism)."""
     count = torch.zeros((), dtype=torch.int64, device=device)
     for mb in micro_batches:
         count += mb.loss_mask.sum()
-    dist.all_reduce(count, group=dp_cp_group)
+    dist.all_reduce(count, group=batch_group)
     return int(count.item())
 
 
@@ -276,7 +282,9 @@ def _run_job(job, fn, me):
             loss_mask=exported["loss_mask"], teacher_logits=exported.get("teacher_logits"),
             grad_output=exported["upstream_weights"] if harness_kind(loss.kind).dumps_grad_output(loss) else None,
             **{name: exported.get(name) for name in kind_inputs(loss.kind).row_inputs})
-        if mb.rows == 0:  # an empty micro-batch: nothing to call (its TP peers skip it too)
+        # An empty micro-batch: nothing to call where its TP peers hold the same rows and skip it too; under sequence
+        # parallelism its peers hold other rows and reach the collectives of the scope, so fn runs on no rows.
+        if mb.rows == 0 and not inputs.layout.sp:
             dump_mb.finish(grad_logits=torch.zeros_like(leaf))
             continue
         ctx = _context(me, loss, framework, factor, micro_batches, k, state)
@@ -296,7 +304,7 @@ def _run_job(job, fn, me):
         _report_changed_labels(writer, dump_mb, labels, handed, loss.kind)
         dump_mb.finish(grad_logits=leaf.grad, token_loss=token_loss, **per_token)
     _report_changed_micro_batches(writer, rank_dump, micro_batches, rank_inputs)
-    logged, num_tokens, statistics = step.finish(me.groups["dp_cp"], me.device)
+    logged, num_tokens, statistics = step.finish(me.groups["batch"], me.device)
     rank_dump.stats(loss=logged, num_tokens=num_tokens, **statistics)
     writer.logged_loss_precision = step.logged_precision
     writer.close(group=me.control)
@@ -347,7 +355,8 @@ def _context(me, loss, framework, factor, micro_batches, k, state):
     groups = me.groups
     return Context(rank=me.rank, world_size=me.world_size, tp_rank=r.tp, tp_size=layout.tp, cp_rank=r.cp,
                    cp_size=layout.cp, dp_rank=r.dp, dp_size=layout.dp, tp_group=groups["tp"], cp_group=groups["cp"],
-                   dp_group=groups["dp"], dp_cp_group=groups["dp_cp"], device=me.device, dtype=me.inputs.torch_dtype,
+                   dp_group=groups["dp"], dp_cp_group=groups["dp_cp"], tp_cp_group=groups["tp_cp"],
+                   batch_group=groups["batch"], sp=layout.sp, device=me.device, dtype=me.inputs.torch_dtype,
                    vocab_start=r.vocab[0], vocab_end=r.vocab[1], vocab_size=me.inputs.vocab, loss=loss,
                    framework=framework, framework_factor=factor, num_valid_tokens=me.num_valid, micro_batch=k,
                    ga=layout.ga, micro_batches=micro_batches, state=state, step=me.step)
@@ -388,7 +397,7 @@ class _StepLog:
         self.num_valid = num_valid
         self.kind = harness_kind(loss.kind)
         self.logs_loss = self.kind.logs_loss(loss)
-        self.statistics = kind_inputs(loss.kind).logged_statistics
+        self.statistics = kind_inputs(loss.kind).statistics(loss)
         self.token_quantities = kind_inputs(loss.kind).token_quantities
         self.logged_parts = []
         self.stat_parts = {name: [] for name in self.statistics}
@@ -524,27 +533,29 @@ class _StepLog:
             fail(f"returned {mode} here but {self.mode} on an earlier micro-batch: return one kind throughout")
         self.mode = mode
 
-    def finish(self, dp_cp_group, device):
-        """The logged loss (summed over micro-batches, all-reduced over DP x CP), the logged count, and a
-        kind's logged statistics {name: value} (those the function's results gave)."""
+    def finish(self, batch_group, device):
+        """The logged loss (summed over micro-batches, all-reduced over the ranks holding other tokens: DP x CP,
+        and TP under sequence parallelism), the logged count, and a kind's logged statistics {name: value} (those
+        the function's results gave)."""
         logged = None
         if self.logs_loss:
             total = torch.zeros((), dtype=torch.float64, device=device)
             for part in self.logged_parts:
                 total += part.to(device)
-            dist.all_reduce(total, group=dp_cp_group)
+            dist.all_reduce(total, group=batch_group)
             logged = total.to(self.loss_dtype)
         num_tokens = self.num_tokens if self.mode in (None, "reduced") else self.num_valid
         # A rank with no rows never called fn: it logs a count (the global one) when its peers log one.
         logs = torch.tensor([0.0 if num_tokens is None else 1.0], dtype=torch.float64, device=device)
-        dist.all_reduce(logs, op=dist.ReduceOp.MAX, group=dp_cp_group)
+        dist.all_reduce(logs, op=dist.ReduceOp.MAX, group=batch_group)
         if self.mode is None and logs.item() > 0:
             num_tokens = self.num_valid
-        return logged, num_tokens, self._statistics(dp_cp_group, device)
+        return logged, num_tokens, self._statistics(batch_group, device)
 
-    def _statistics(self, dp_cp_group, device):
-        """Each statistic's parts summed over micro-batches and DP x CP: one all-reduce of [values | given]
-        on every rank of a case whose kind logs statistics (a rank that never called fn adds zeros)."""
+    def _statistics(self, batch_group, device):
+        """Each statistic's parts summed over micro-batches and the ranks holding other tokens: one all-reduce of
+        [values | given] on every rank of a case whose kind logs statistics (a rank that never called fn adds
+        zeros)."""
         if not self.statistics:
             return {}
         count = len(self.statistics)
@@ -553,5 +564,5 @@ class _StepLog:
             for part in self.stat_parts[name]:
                 packed[i] += part.to(device)
             packed[count + i] = 1.0 if self.stat_parts[name] else 0.0
-        dist.all_reduce(packed, group=dp_cp_group)
+        dist.all_reduce(packed, group=batch_group)
         return {name: float(packed[i]) for i, name in enumerate(self.statistics) if packed[count + i] > 0}

@@ -27,7 +27,7 @@ import torch
 
 from lossverify.kinds import kind_inputs, kind_settings
 
-__all__ = ["Context", "LossConfig", "FrameworkConfig", "MicroBatch", "Reduced", "LogProbs"]
+__all__ = ["Context", "LossConfig", "FrameworkConfig", "MicroBatch", "Reduced", "LogProbs", "RouterLosses"]
 
 
 class LossConfig:
@@ -124,6 +124,10 @@ class MicroBatch:
     # rollout policy's log-probability of the label), mb.ref_logprob (the reference policy's) and mb.advantages
     # (the token's advantage before whitening, its sequence's).
     row_inputs: Dict[str, Optional[torch.Tensor]] = field(default_factory=dict)
+    # The micro-batch's exported logits, for a kind whose loss reads other micro-batches' (a router's global aux
+    # loss with the step's counts routes every micro-batch before micro-batch 0); None for the other kinds. Read it:
+    # the dump holds the exported values whatever a function does to this copy.
+    logits: Optional[torch.Tensor] = None
 
     @property
     def rows(self):
@@ -174,6 +178,12 @@ class Context:
     # ctx.sequence_valid_tokens (int64 [sequences]: n_s, by the rows' `sequences`), ctx.advantage_mean and
     # ctx.advantage_std (the advantages' mean and unbiased deviation over the step's valid tokens; None: none).
     step: Dict[str, Any] = field(default_factory=dict)
+    # The TP x CP group (one per DP rank), and the ranks holding other tokens: DP x CP, and TP too under sequence
+    # parallelism (sp: a kind whose rows are whole on every rank, a router's, with TP splitting each CP rank's
+    # tokens; without it TP replicates them). Counts over the whole step are summed over batch_group.
+    tp_cp_group: Any = None
+    batch_group: Any = None
+    sp: bool = False
 
     def __getattr__(self, name):
         """The kind's step values, the current micro-batch's row inputs (ctx.old_logprob), and the kind's context
@@ -285,5 +295,7 @@ class Reduced:
         return f"Reduced(loss={self.loss!r}, num_tokens={self.num_tokens!r})"
 
 
-# A policy case's result type lives with its kind (lossverify.torch.kinds.policy); named here for users.
+# A policy case's and a router case's result types live with their kinds (lossverify.torch.kinds); named here for
+# users.
 from lossverify.torch.kinds.policy import LogProbs  # noqa: E402 - the kinds' modules import this one's records
+from lossverify.torch.kinds.router import RouterLosses  # noqa: E402

@@ -69,7 +69,7 @@ def check(fn, case, tp=None, cp=None, dp=None, ga=None, device="cpu", set=None, 
     return result
 
 
-_LAYOUT_LABEL = re.compile(r"tp\d+-cp\d+-dp\d+-ga\d+")
+_LAYOUT_LABEL = re.compile(r"tp\d+(-sp)?-cp\d+-dp\d+-ga\d+")
 
 
 def _check_report_beside_dump(report, keep_dump):
@@ -136,8 +136,8 @@ def sweep(fn, case, layouts=None, device="cpu", set=None, returns="auto", binary
         manifests, warnings = [], []
         for layout in layouts:
             folder = os.path.join(work, layout.label)
-            inputs = _export(case, os.path.join(folder, "inputs"), layout.tp, layout.cp, layout.dp, layout.ga, set,
-                             binary)
+            inputs = _export(case, os.path.join(folder, "inputs"), layout.tp, layout.cp, layout.dp, layout.ga,
+                             _with_sp(set, layout), binary)
             job = Job(fn=fn, name=name, dump_dir=os.path.join(folder, "dump"), returns=returns)
             warnings += _launch(inputs, [job], device, backend, timeout, folder).get(name, [])
             manifests.append(os.path.join(job.dump_dir, "manifest.json"))
@@ -237,6 +237,14 @@ def _work_directory(keep):
             yield work
 
 
+def _with_sp(overrides, layout):
+    """The --set overrides with the sweep layout's sequence parallelism (layout.sp) added."""
+    if isinstance(overrides, dict):
+        return {**overrides, "layout.sp": layout.sp}
+    items = [overrides] if isinstance(overrides, str) else list(overrides or [])
+    return items + ["layout.sp=" + ("true" if layout.sp else "false")]
+
+
 def _export(case, out_dir, tp, cp, dp, ga, overrides, binary):
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)
     return inputs_module.export(case, out_dir, tp=tp, cp=cp, dp=dp, ga=ga, overrides=overrides, binary=binary)
@@ -277,11 +285,13 @@ def _case_sweep(case):
     section = data.get("sweep")
     if not section:
         return []
-    base = {"tp": 1, "cp": 1, "dp": 1, "ga": 1, **data.get("layout", {})}
-    axes = {k: section.get(k, [base[k]]) for k in ("dp", "cp", "ga", "tp")}
+    base = {"tp": 1, "cp": 1, "dp": 1, "ga": 1, "sp": False, **data.get("layout", {})}
+    axes = {k: section.get(k, [base[k]]) for k in ("dp", "cp", "ga", "tp", "sp")}
     layouts = []
-    for dp, cp, ga, tp in itertools.product(axes["dp"], axes["cp"], axes["ga"], axes["tp"]):
-        layouts.append(parse_layout({"tp": tp, "cp": cp, "dp": dp, "ga": ga}))
+    for dp, cp, ga, tp, sp in itertools.product(axes["dp"], axes["cp"], axes["ga"], axes["tp"], axes["sp"]):
+        if sp and tp == 1:
+            continue  # sequence parallelism splits over TP ranks: the layout is the one without it (as lossverify)
+        layouts.append(parse_layout({"tp": tp, "cp": cp, "dp": dp, "ga": ga, "sp": sp}))
     return layouts
 
 

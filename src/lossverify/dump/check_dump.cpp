@@ -110,6 +110,8 @@ class Loader {
     label_owner_.assign(static_cast<std::size_t>(n), Owner{});
     mask_owner_.assign(static_cast<std::size_t>(n), Owner{});
     upstream_owner_.assign(static_cast<std::size_t>(n), Owner{});
+    row_owner_.assign(tp_splits_columns(c_) ? 0 : static_cast<std::size_t>(n), Owner{});
+    teacher_row_owner_.assign(tp_splits_columns(c_) || !teacher_ ? 0 : static_cast<std::size_t>(n), Owner{});
     if (m_.dumped.grad_output) upstream_.assign(static_cast<std::size_t>(n), 1.0);
     token_input_names_ = kind_of(c_.loss).token_inputs(c_.loss);
     data_.token_inputs.assign(token_input_names_.size(), std::vector<float>(static_cast<std::size_t>(n), 0.0f));
@@ -213,6 +215,24 @@ class Loader {
                     ", " + b.str() + " at row " + std::to_string(row) + " of " + label);
   }
 
+  // Whole rows replicated over TP (a router's without SP): every rank holding a token holds the same row, bit for
+  // bit; a rank judged against another's inputs would be judged wrongly.
+  void require_same_row(const std::string& key, std::int64_t token, const RankSpec& rank, std::int64_t row,
+                        const Located& t, const std::byte* held, const std::byte* here, std::size_t size) {
+    std::vector<Owner>& owners = key == "logits" ? row_owner_ : teacher_row_owner_;
+    Owner& o = owners[static_cast<std::size_t>(token)];
+    if (o.rank < 0) {
+      if (labels_.empty() || labels_.back() != t.label) labels_.push_back(t.label);
+      o = Owner{rank.world_rank, row, labels_.size() - 1};
+      return;
+    }
+    if (std::memcmp(held, here, size) == 0) return;
+    throw DumpError(key + " of token " + std::to_string(token) + " disagree between ranks " + std::to_string(o.rank) +
+                    " and " + std::to_string(rank.world_rank) + " of one TP group: row " + std::to_string(o.row) +
+                    " of " + labels_[o.label] + " and row " + std::to_string(row) + " of " + t.label +
+                    " (TP replicates the tokens here: every rank must hold the same inputs)");
+  }
+
   void validate_shapes(const RankSpec& rank) {
     for (const MicroBatchSpec& mb : rank.micro_batches) {
       const auto rows = static_cast<std::int64_t>(mb.rows.size());
@@ -281,9 +301,11 @@ class Loader {
         for (std::int64_t i = 0; i < rows; ++i) {
           const std::int64_t token = mb.rows[static_cast<std::size_t>(i)];
           if (token < 0) continue;
-          std::memcpy(global.data() + static_cast<std::size_t>(token * v + rank.vocab.begin) * element,
-                      data.data() + static_cast<std::size_t>(i * cols) * element,
-                      static_cast<std::size_t>(cols) * element);
+          std::byte* to = global.data() + static_cast<std::size_t>(token * v + rank.vocab.begin) * element;
+          const std::byte* from = data.data() + static_cast<std::size_t>(i * cols) * element;
+          const auto size = static_cast<std::size_t>(cols) * element;
+          if (!tp_splits_columns(c_)) require_same_row(key, token, rank, i, t, to, from, size);
+          std::memcpy(to, from, size);
         }
       }
       // gradient: the rank's own, as dumped
@@ -528,7 +550,7 @@ class Loader {
   bool labelled_ = true;
   ExplicitInputs data_;
   std::vector<double> upstream_;
-  std::vector<Owner> label_owner_, mask_owner_, upstream_owner_;
+  std::vector<Owner> label_owner_, mask_owner_, upstream_owner_, row_owner_, teacher_row_owner_;
   std::vector<std::string> token_input_names_;
   std::vector<std::vector<Owner>> token_input_owner_;
   std::vector<std::string> labels_;
@@ -722,14 +744,8 @@ RunResult check_dump(const DumpProblem& p, const DumpCheckOptions& options) {
   run_thread_ranks(world_options, [&](Communicator& world) {
     const auto rank_start = Clock::now();
     const int rank = world.rank();
-    // The rank groups of run_case: TP group = same (cp, dp), ordered by tp; batch = same tp; dp = same (tp, cp);
-    // cp = same (tp, dp).
-    const RankCoordinates at = coordinates_of(rank, c.layout);
-    const auto tp = world.split(at.dp * c.layout.cp + at.cp, at.tp);
-    const auto batch = world.split(at.tp, rank);
-    const auto dp = world.split(at.cp * c.layout.tp + at.tp, at.dp);
-    const auto cp = world.split(at.dp * c.layout.tp + at.tp, at.cp);
-    RankGroups groups{*tp, *batch, *dp, *cp, *tp};  // dumps carry vocabulary-split kinds only
+    OwnedRankGroups owned = make_rank_groups(world, c);  // those of run_case
+    RankGroups groups = owned.view();
     ErrorMap map;
     const RankOutput& out = p.outputs[static_cast<std::size_t>(rank)];
     HostOracle oracle(c, *p.inputs, out, grad_judgement(c, p.inputs->valid_tokens(), out.dtype), threads);

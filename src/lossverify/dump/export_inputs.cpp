@@ -153,7 +153,8 @@ nlohmann::json export_inputs(const Case& c, const ExportOptions& options) {
       {"case", c.resolved()},
       {"shape", {{"tokens", c.shape.tokens}, {"vocab", c.shape.vocab}}},
       {"dtype", to_string(c.inputs.dtype)},
-      {"layout", {{"tp", c.layout.tp}, {"cp", c.layout.cp}, {"dp", c.layout.dp}, {"ga", c.layout.ga}}},
+      {"layout",
+       {{"tp", c.layout.tp}, {"cp", c.layout.cp}, {"dp", c.layout.dp}, {"ga", c.layout.ga}, {"sp", c.layout.sp}}},
       {"valid_tokens", valid_tokens},
       {"cu_seqlens", cu_seqlens},
       {"ranks", ranks}};

@@ -9,6 +9,9 @@
 #include "lossverify/case/json_reader.hpp"
 #include "lossverify/core/strings.hpp"
 #include "lossverify/dump/tensor_file.hpp"
+#include "lossverify/kind_api/registry.hpp"
+#include "lossverify/layout/global_batch.hpp"
+#include "lossverify/layout/rank_layout.hpp"
 
 namespace lossverify::dump {
 
@@ -107,6 +110,7 @@ class Parser {
       }
     }
     c["timeout_seconds"] = root.number("timeout_seconds", 120.0);
+    batch_from_cu_seqlens(root, c);
     m_.the_case = parse_case(c, m_.path);
     bound_tolerances(root);
     const LossKind& kind = kind_of(m_.the_case.loss);
@@ -116,6 +120,28 @@ class Parser {
     kind.require_explicit(m_.the_case.loss, c.contains("loss") ? c["loss"] : json(), src());
     const std::int64_t n = m_.the_case.shape.tokens;
     if (n > limits_.max_rows) root.fail("shape", "tokens = " + std::to_string(n) + " is more than this reader takes");
+  }
+
+  // A kind whose losses are over micro-batches (a router's) is validated against the batch (its micro-batches must
+  // hold sequences) as the case is parsed: its cu_seqlens must be inline, and give the case its batch.
+  void batch_from_cu_seqlens(ObjectReader& root, json& c) {
+    if (!c.contains("loss") || !c["loss"].is_object() || !c["loss"].contains("kind")) return;
+    const LossKind* kind = find_loss_kind(c["loss"]["kind"].is_string() ? c["loss"]["kind"].get<std::string>() : "");
+    if (kind == nullptr || !kind->scopes_are_micro_batches() || !root.has("cu_seqlens")) return;
+    const json& v = root.raw("cu_seqlens");
+    if (!v.is_array()) {
+      root.fail("cu_seqlens", "a " + std::string(kind->name()) +
+                                  " dump gives cu_seqlens inline: its losses are over micro-batches, whose sequences "
+                                  "are checked before any tensor is read");
+    }
+    if (!c.contains("shape") || !c["shape"].is_object() || !c["shape"].contains("tokens")) return;
+    const std::int64_t n = detail::as_integer(c["shape"]["tokens"], "$.shape.tokens", src());
+    std::vector<std::int64_t> offsets;
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      offsets.push_back(detail::as_integer(v[i], index_path(root.path_of("cu_seqlens"), i), src()));
+    }
+    c["batch"] = {{"sequence_lengths", sequence_lengths(offsets, n, src() + ": " + root.path_of("cu_seqlens"))},
+                  {"labels", "independent"}};
   }
 
   // A dump judges the code that wrote it, so its own tolerances are bounded: wider than these judges nothing (a
@@ -452,15 +478,18 @@ class Parser {
     m_.ranks = std::move(ranks);
   }
 
-  // TP groups hold the same rows and tile the vocabulary; every token lies in exactly one TP group.
+  // Every token lies in exactly one TP group (once), the TP ranks of a group hold the same rows and tile the
+  // vocabulary; or, for a kind whose rows are whole on every rank (a router's experts), each rank holds whole rows
+  // and the TP ranks of a group hold the same rows (no SP) or split the group's tokens among them (layout.sp).
   void validate_layout() {
     const LayoutSpec& layout = m_.the_case.layout;
     const std::int64_t n = m_.the_case.shape.tokens;
-    const std::int64_t v = m_.the_case.shape.vocab;
-    // Tokens of the TP groups: rows of every group's first rank; a group's rank that differs is an error.
+    const bool columns_split = tp_splits_columns(m_.the_case);
+    const bool tokens_split = !columns_split && layout.sp;
+    // Tokens of the TP groups: rows of every group's first rank (every rank's under SP).
     std::int64_t group_rows = 0;
     for (const RankSpec& r : m_.ranks) {
-      if (r.coordinates.tp == 0) group_rows += r.row_count();
+      if (tokens_split || r.coordinates.tp == 0) group_rows += r.row_count();
     }
     if (group_rows < n) {
       fail_at(src(), "$.ranks",
@@ -472,67 +501,15 @@ class Parser {
     m_.token_row.assign(static_cast<std::size_t>(n), -1);
     for (int cp = 0; cp < layout.cp; ++cp) {
       for (int dp = 0; dp < layout.dp; ++dp) {
-        const RankSpec& first = m_.ranks[static_cast<std::size_t>(world_rank_of({0, cp, dp}, layout))];
-        std::vector<std::pair<std::int64_t, std::int64_t>> columns;
-        for (int tp = 0; tp < layout.tp; ++tp) {
-          const RankSpec& r = m_.ranks[static_cast<std::size_t>(world_rank_of({tp, cp, dp}, layout))];
-          columns.push_back({r.vocab.begin, r.vocab.end});
-          for (std::size_t k = 0; k < r.micro_batches.size(); ++k) {
-            const auto& a = first.micro_batches[k].rows;
-            const auto& b = r.micro_batches[k].rows;
-            if (a == b) continue;
-            std::size_t i = 0;
-            while (i < a.size() && i < b.size() && a[i] == b[i]) ++i;
-            const std::string detail =
-                i < a.size() && i < b.size()
-                    ? "row " + std::to_string(i) + " is token " + std::to_string(a[i]) + " there and " +
-                          std::to_string(b[i]) + " here"
-                    : std::to_string(a.size()) + " rows there, " + std::to_string(b.size()) + " here";
-            fail_at(src(), r.micro_batches[k].json_path + ".rows",
-                    "the TP ranks of a group must hold the same rows in the same order, but " + r.describe() +
-                        " differs from " + first.describe() + ": " + detail);
-          }
+        if (columns_split) {
+          require_same_rows(cp, dp);
+          require_tiled_vocabulary(cp, dp);
+        } else {
+          require_whole_rows(cp, dp);
+          if (!tokens_split) require_same_rows(cp, dp);
         }
-        std::sort(columns.begin(), columns.end());
-        std::int64_t next = 0;
-        for (const auto& [b, e] : columns) {
-          if (b != next) {
-            std::string shards;
-            for (int tp = 0; tp < layout.tp; ++tp) {
-              const RankSpec& r = m_.ranks[static_cast<std::size_t>(world_rank_of({tp, cp, dp}, layout))];
-              append_to_list(shards, "rank " + std::to_string(r.world_rank) + " [" + std::to_string(r.vocab.begin) +
-                                         ", " + std::to_string(r.vocab.end) + ")");
-            }
-            fail_at(src(), first.json_path + ".vocab",
-                    std::string(b < next ? "vocabulary shards overlap" : "vocabulary shards leave a gap") +
-                        " at column " + std::to_string(std::min(b, next)) +
-                        " in the TP group cp=" + std::to_string(cp) + " dp=" + std::to_string(dp) + ": " + shards);
-          }
-          next = e;
-        }
-        if (next != v) {
-          fail_at(src(), first.json_path + ".vocab",
-                  "the TP group cp=" + std::to_string(cp) + " dp=" + std::to_string(dp) + " covers columns [0, " +
-                      std::to_string(next) + ") of the vocabulary of " + std::to_string(v));
-        }
-        for (std::size_t k = 0; k < first.micro_batches.size(); ++k) {
-          const auto& rows = first.micro_batches[k].rows;
-          for (std::size_t i = 0; i < rows.size(); ++i) {
-            const std::int64_t t = rows[i];
-            if (t < 0) continue;
-            const auto ti = static_cast<std::size_t>(t);
-            if (m_.token_rank[ti] >= 0) {
-              const RankSpec& other = m_.ranks[static_cast<std::size_t>(m_.token_rank[ti])];
-              fail_at(src(), first.micro_batches[k].json_path + ".rows",
-                      "token " + std::to_string(t) + " is held twice: by " + first.describe() + " (micro-batch " +
-                          std::to_string(k) + ", row " + std::to_string(i) + ") and by " + other.describe() +
-                          " (micro-batch " + std::to_string(m_.token_micro_batch[ti]) + ", row " +
-                          std::to_string(m_.token_row[ti]) + "); each token belongs to exactly one TP group, once");
-            }
-            m_.token_rank[ti] = first.world_rank;
-            m_.token_micro_batch[ti] = static_cast<std::int32_t>(k);
-            m_.token_row[ti] = static_cast<std::int64_t>(i);
-          }
+        for (int tp = 0; tp < (tokens_split ? layout.tp : 1); ++tp) {
+          record_tokens(m_.ranks[static_cast<std::size_t>(world_rank_of({tp, cp, dp}, layout))]);
         }
       }
     }
@@ -542,6 +519,137 @@ class Parser {
                 "token " + std::to_string(t) + " is held by no rank (every token in [0, " + std::to_string(n) +
                     ") must be in some rank's rows)");
       }
+    }
+    if (kind_of(m_.the_case.loss).scopes_are_micro_batches()) require_case_micro_batches();
+  }
+
+  const RankSpec& rank_at(int tp, int cp, int dp) const {
+    return m_.ranks[static_cast<std::size_t>(world_rank_of({tp, cp, dp}, m_.the_case.layout))];
+  }
+
+  // The TP ranks of the group (cp, dp) hold the same rows in the same order.
+  void require_same_rows(int cp, int dp) const {
+    const RankSpec& first = rank_at(0, cp, dp);
+    for (int tp = 1; tp < m_.the_case.layout.tp; ++tp) {
+      const RankSpec& r = rank_at(tp, cp, dp);
+      for (std::size_t k = 0; k < r.micro_batches.size(); ++k) {
+        const auto& a = first.micro_batches[k].rows;
+        const auto& b = r.micro_batches[k].rows;
+        if (a == b) continue;
+        std::size_t i = 0;
+        while (i < a.size() && i < b.size() && a[i] == b[i]) ++i;
+        const std::string detail =
+            i < a.size() && i < b.size()
+                ? "row " + std::to_string(i) + " is token " + std::to_string(a[i]) + " there and " +
+                      std::to_string(b[i]) + " here"
+                : std::to_string(a.size()) + " rows there, " + std::to_string(b.size()) + " here";
+        const std::string why = tp_splits_columns(m_.the_case)
+                                    ? ""
+                                    : " (without layout.sp, TP replicates the tokens of a kind whose rows are whole)";
+        fail_at(src(), r.micro_batches[k].json_path + ".rows",
+                "the TP ranks of a group must hold the same rows in the same order" + why + ", but " + r.describe() +
+                    " differs from " + first.describe() + ": " + detail);
+      }
+    }
+  }
+
+  // The TP ranks of the group (cp, dp) tile the vocabulary: no overlap, no gap.
+  void require_tiled_vocabulary(int cp, int dp) const {
+    const LayoutSpec& layout = m_.the_case.layout;
+    const RankSpec& first = rank_at(0, cp, dp);
+    std::vector<std::pair<std::int64_t, std::int64_t>> columns;
+    for (int tp = 0; tp < layout.tp; ++tp)
+      columns.push_back({rank_at(tp, cp, dp).vocab.begin, rank_at(tp, cp, dp).vocab.end});
+    std::sort(columns.begin(), columns.end());
+    std::int64_t next = 0;
+    for (const auto& [b, e] : columns) {
+      if (b != next) {
+        std::string shards;
+        for (int tp = 0; tp < layout.tp; ++tp) {
+          const RankSpec& r = rank_at(tp, cp, dp);
+          append_to_list(shards, "rank " + std::to_string(r.world_rank) + " [" + std::to_string(r.vocab.begin) + ", " +
+                                     std::to_string(r.vocab.end) + ")");
+        }
+        fail_at(src(), first.json_path + ".vocab",
+                std::string(b < next ? "vocabulary shards overlap" : "vocabulary shards leave a gap") + " at column " +
+                    std::to_string(std::min(b, next)) + " in the TP group cp=" + std::to_string(cp) +
+                    " dp=" + std::to_string(dp) + ": " + shards);
+      }
+      next = e;
+    }
+    if (next != m_.the_case.shape.vocab) {
+      fail_at(src(), first.json_path + ".vocab",
+              "the TP group cp=" + std::to_string(cp) + " dp=" + std::to_string(dp) + " covers columns [0, " +
+                  std::to_string(next) + ") of the vocabulary of " + std::to_string(m_.the_case.shape.vocab));
+    }
+  }
+
+  // Every rank of the group (cp, dp) holds whole rows: columns [0, V).
+  void require_whole_rows(int cp, int dp) const {
+    const LossKind& kind = kind_of(m_.the_case.loss);
+    for (int tp = 0; tp < m_.the_case.layout.tp; ++tp) {
+      const RankSpec& r = rank_at(tp, cp, dp);
+      if (r.vocab.begin != 0 || r.vocab.end != m_.the_case.shape.vocab) {
+        fail_at(src(), r.json_path + ".vocab",
+                "columns [" + std::to_string(r.vocab.begin) + ", " + std::to_string(r.vocab.end) + "), but a " +
+                    std::string(kind.name()) + " row is whole on every rank: give [0, " +
+                    std::to_string(m_.the_case.shape.vocab) + ") (" + std::string(kind.column_axis()) +
+                    " are not split by TP)");
+      }
+    }
+  }
+
+  // The rank's tokens, each held once in all (by this rank or another rank holding other tokens).
+  void record_tokens(const RankSpec& holder) {
+    for (std::size_t k = 0; k < holder.micro_batches.size(); ++k) {
+      const auto& rows = holder.micro_batches[k].rows;
+      for (std::size_t i = 0; i < rows.size(); ++i) {
+        const std::int64_t t = rows[i];
+        if (t < 0) continue;
+        const auto ti = static_cast<std::size_t>(t);
+        if (m_.token_rank[ti] >= 0) {
+          const RankSpec& other = m_.ranks[static_cast<std::size_t>(m_.token_rank[ti])];
+          const std::string unit = tp_splits_columns(m_.the_case) || !m_.the_case.layout.sp
+                                       ? "each token belongs to exactly one TP group, once"
+                                       : "under layout.sp each token belongs to exactly one rank, once";
+          fail_at(src(), holder.micro_batches[k].json_path + ".rows",
+                  "token " + std::to_string(t) + " is held twice: by " + holder.describe() + " (micro-batch " +
+                      std::to_string(k) + ", row " + std::to_string(i) + ") and by " + other.describe() +
+                      " (micro-batch " + std::to_string(m_.token_micro_batch[ti]) + ", row " +
+                      std::to_string(m_.token_row[ti]) + "); " + unit);
+        }
+        m_.token_rank[ti] = holder.world_rank;
+        m_.token_micro_batch[ti] = static_cast<std::int32_t>(k);
+        m_.token_row[ti] = static_cast<std::int64_t>(i);
+      }
+    }
+  }
+
+  // A kind whose losses are over micro-batches (a router's scopes) is judged on the case's batching: every sequence
+  // in the DP rank and micro-batch where the case's batch puts it (docs/spec.md section 5).
+  void require_case_micro_batches() const {
+    const Case& c = m_.the_case;
+    const GlobalBatch batch(c.batch);
+    std::vector<std::pair<int, int>> slot_of(batch.sequences().size(), {-1, -1});
+    for (int dp = 0; dp < c.layout.dp; ++dp) {
+      for (int k = 0; k < c.layout.ga; ++k) {
+        for (const std::int64_t q : sequences_of_slot(batch, c.batch, c.layout, dp, k)) {
+          slot_of[static_cast<std::size_t>(q)] = {dp, k};
+        }
+      }
+    }
+    for (std::int64_t t = 0; t < c.shape.tokens; ++t) {
+      const auto ti = static_cast<std::size_t>(t);
+      const RankSpec& holder = m_.ranks[static_cast<std::size_t>(m_.token_rank[ti])];
+      const std::int64_t q = batch.sequence_of(t);
+      const auto [dp, k] = slot_of[static_cast<std::size_t>(q)];
+      if (holder.coordinates.dp == dp && m_.token_micro_batch[ti] == k) continue;
+      fail_at(src(), holder.micro_batches[static_cast<std::size_t>(m_.token_micro_batch[ti])].json_path + ".rows",
+              "token " + std::to_string(t) + " (sequence " + std::to_string(q) + ") is in " + holder.describe() +
+                  "'s micro-batch " + std::to_string(m_.token_micro_batch[ti]) + ", but " +
+                  std::string(kind_of(c.loss).name()) + " losses are over micro-batches and the case's batch puts " +
+                  "sequence " + std::to_string(q) + " in DP rank " + std::to_string(dp) + "'s micro-batch " +
+                  std::to_string(k) + " (lossverify export-inputs gives each rank its rows)");
     }
   }
 

@@ -12,9 +12,11 @@ namespace {
 
 std::string text_of(const json& value) { return value.is_string() ? value.get<std::string>() : value.dump(); }
 
+// As run_case's layout_name: tp2-sp-cp1-dp1-ga1 under sequence parallelism.
 std::string layout_text(const json& layout) {
-  return "tp" + text_of(layout.at("tp")) + "-cp" + text_of(layout.at("cp")) + "-dp" + text_of(layout.at("dp")) + "-ga" +
-         text_of(layout.at("ga"));
+  const bool sp = layout.value("sp", false);
+  return "tp" + text_of(layout.at("tp")) + (sp ? "-sp" : "") + "-cp" + text_of(layout.at("cp")) + "-dp" +
+         text_of(layout.at("dp")) + "-ga" + text_of(layout.at("ga"));
 }
 
 void property(std::ostringstream& x, const std::string& name, const json& value) {

@@ -182,6 +182,7 @@ json run_to_json(const RunResult& run) {
                      {"cp", run.the_case.layout.cp},
                      {"dp", run.the_case.layout.dp},
                      {"ga", run.the_case.layout.ga},
+                     {"sp", run.the_case.layout.sp},
                      {"ranks", run.ranks}}},
                    {"verdict", std::string(to_string(run.verdict))},
                    {"execution",

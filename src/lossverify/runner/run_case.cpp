@@ -90,20 +90,10 @@ RankAssignment assign_rank(const Case& c, const GlobalBatch& batch, int world_ra
   return a;
 }
 
-namespace {
-
-// The communicators of a rank. TP group: same (cp, dp). Batch group (different tokens): same tp, or every rank
-// where TP splits the tokens (layout.sp). DP group: same (tp, cp). CP group: same (tp, dp). Columns group (the ranks
-// holding slices of the same rows): the TP group where TP splits columns, else the rank alone. Collective over the
-// world.
-struct OwnedGroups {
-  std::unique_ptr<Communicator> tp, batch, dp, cp, columns;
-  RankGroups view() { return RankGroups{*tp, *batch, *dp, *cp, columns ? *columns : *tp}; }
-};
-OwnedGroups make_groups(Communicator& world, const Case& c) {
+OwnedRankGroups make_rank_groups(Communicator& world, const Case& c) {
   const LayoutSpec& layout = c.layout;
   const RankCoordinates at = coordinates_of(world.rank(), layout);
-  OwnedGroups g;
+  OwnedRankGroups g;
   g.tp = world.split(at.dp * layout.cp + at.cp, at.tp);
   const bool tokens_split_by_tp = !tp_splits_columns(c) && layout.sp;
   g.batch = world.split(tokens_split_by_tp ? 0 : at.tp, world.rank());
@@ -112,8 +102,6 @@ OwnedGroups make_groups(Communicator& world, const Case& c) {
   if (!tp_splits_columns(c)) g.columns = world.split(world.rank(), 0);
   return g;
 }
-
-}  // namespace
 
 void check_fault_rank(const FaultInjection& fault, int world_size) {
   if (fault.kind != FaultInjection::Kind::none && (fault.rank < 0 || fault.rank >= world_size)) {
@@ -228,7 +216,7 @@ RankRun execute_ranks(const Case& c, const InputSource& inputs, const Implementa
   world_options.timeout_seconds = c.timeout_seconds;
   run_thread_ranks(world_options, [&](Communicator& world) {
     const int rank = world.rank();
-    OwnedGroups groups = make_groups(world, c);
+    OwnedRankGroups groups = make_rank_groups(world, c);
     inject(options.fault, rank, false);
     inject(options.fault, rank, true);
     run.outputs[static_cast<std::size_t>(rank)] =
@@ -243,7 +231,7 @@ RankJob run_rank(const Case& c, const InputSource& inputs, const Implementation&
   const auto start = Clock::now();
   const RunOptions options = options_for(impl, requested);
   const int rank = world.rank();
-  OwnedGroups owned = make_groups(world, c);
+  OwnedRankGroups owned = make_rank_groups(world, c);
   inject(options.fault, rank, false);
   ExecutionInfo execution = resolve_execution(options, world.size());
   const int device = execution.gpus > 1 ? rank % execution.gpus : 0;

@@ -1,6 +1,7 @@
 #pragma once
 // case -> inputs -> ranks run an implementation -> checks against the reference -> one run's result.
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -10,6 +11,7 @@
 #include "lossverify/case/case.hpp"
 #include "lossverify/checks/checks.hpp"
 #include "lossverify/comm/communicator.hpp"
+#include "lossverify/comm/rank_groups.hpp"
 #include "lossverify/impl/catalogue.hpp"
 #include "lossverify/inputs/input_source.hpp"
 #include "lossverify/outputs/rank_output.hpp"
@@ -99,6 +101,15 @@ struct RunResult {
 
 // The rows of one rank under the case's layout (global tokens and CP padding, micro-batch by micro-batch).
 RankAssignment assign_rank(const Case& c, const GlobalBatch& batch, int world_rank);
+
+// The communicators of a rank. TP group: same (cp, dp). Batch group (different tokens): same tp, or every rank where TP
+// splits the tokens (layout.sp). DP group: same (tp, cp). CP group: same (tp, dp). Columns group (the ranks holding
+// slices of the same rows): the TP group where TP splits columns, else the rank alone. Collective over the world.
+struct OwnedRankGroups {
+  std::unique_ptr<Communicator> tp, batch, dp, cp, columns;
+  RankGroups view() { return RankGroups{*tp, *batch, *dp, *cp, columns ? *columns : *tp}; }
+};
+OwnedRankGroups make_rank_groups(Communicator& world, const Case& c);
 
 // The ranks' outputs of one case on thread ranks, without checking them (tests use this directly).
 struct RankRun {

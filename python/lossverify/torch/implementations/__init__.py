@@ -32,6 +32,20 @@ from lossverify.torch.implementations.catalogue import (
     kd_tp_grad_sum,
     kd_untracked_allreduce,
     mean_over_all_rows,
+    moe_aux_local_counts,
+    moe_aux_topk_squared,
+    moe_aux_tp_sum,
+    moe_aux_cp_missing,
+    moe_aux_padding_counted,
+    moe_aux_no_grad,
+    moe_aux_log_doubled,
+    moe_aux_ga_overweight,
+    moe_aux_per_token_divided,
+    moe_aux_per_token_tp_cp,
+    moe_seq_aux_mbs,
+    moe_aux_count_not_returned,
+    moe_aux_global_topk,
+    moe_aux_per_token_rank_count,
     microbatch_local_mean,
     no_max_shift,
     none_divides_grad,
@@ -80,6 +94,7 @@ from lossverify.torch.implementations.kinds import (
     register_token_loss,
     token_loss_of,
 )
+from lossverify.torch.implementations.router import RouterBugs, router_losses, router_step_loss, router_terms
 from lossverify.torch.implementations.policy import (
     PolicyBugs,
     policy_loss,
@@ -89,5 +104,6 @@ from lossverify.torch.implementations.policy import (
 
 __all__ = [*CATALOGUE, "CATALOGUE", "KIND", "NotApplicable", "CrossEntropyBugs", "KdBugs", "PolicyBugs",
            "smoothing_weights", "vocab_parallel_cross_entropy", "vocab_parallel_kl", "kl_with_untracked_all_reduce",
-           "vocab_parallel_logprob_entropy", "policy_loss", "policy_token_loss", "TOKEN_LOSS", "register_token_loss",
+           "vocab_parallel_logprob_entropy", "policy_loss", "policy_token_loss", "RouterBugs", "router_losses",
+           "router_step_loss", "router_terms", "TOKEN_LOSS", "register_token_loss",
            "token_loss_of", "CORRECT", "register_correct", "correct_of"]

@@ -14,6 +14,7 @@ from lossverify.torch.implementations.kd import KdBugs, kl_with_untracked_all_re
 from lossverify.torch.implementations.kinds import correct_of, own_bug_of, token_loss_of
 from lossverify.torch.kinds import harness_kind
 from lossverify.torch.implementations.policy import PolicyBugs, policy_loss
+from lossverify.torch.implementations.router import RouterBugs, router_step_loss
 
 # ---------------------------------------------------------------------------------------------------------
 # the correct implementation
@@ -484,6 +485,91 @@ def rl_seq_mean_counts_empty(logits, labels, ctx):
     return _policy(logits, labels, ctx, seq_mean_counts_empty=True)
 
 
+# ---------------------------------------------------------------------------------------------------------
+# the router's bugs (MOE.md section 4): switches of the router's terms and of the trainer's scaling around them
+
+def _router(logits, ctx, **switches):
+    _require(ctx, "router")
+    return router_step_loss(logits, None, ctx, bugs=RouterBugs(**switches))
+
+
+def moe_aux_local_counts(logits, labels, ctx):
+    """Counts and T from the rank's own tokens, not all-reduced over the sequence partition (Megatron-LM
+    dc41f8908a)."""
+    return _router(logits, ctx, local_counts=True)
+
+
+def moe_aux_topk_squared(logits, labels, ctx):
+    """The aux loss divided by k^2 instead of k (Megatron-LM dc41f8908a, fixed in 5c8eb08f66)."""
+    return _router(logits, ctx, topk_squared=True)
+
+
+def moe_aux_tp_sum(logits, labels, ctx):
+    """Under SP the aux loss on logits all-gathered over TP: the gather's backward sums TP identical aux
+    gradients (Megatron-LM cac8d1a3f0)."""
+    return _router(logits, ctx, tp_sum=True)
+
+
+def moe_aux_cp_missing(logits, labels, ctx):
+    """The injected aux gradient lacks the CP factor the main loss has (Megatron-LM f6e0d425a5, #2237)."""
+    return _router(logits, ctx, cp_missing=True)
+
+
+def moe_aux_padding_counted(logits, labels, ctx):
+    """Padding tokens counted in T and in the counts (Megatron-LM #2142, #3096; transformers #28517, #29363)."""
+    return _router(logits, ctx, padding_counted=True)
+
+
+def moe_aux_no_grad(logits, labels, ctx):
+    """The aux loss scaler's return discarded: no aux gradient, the loss right (NeMo Automodel #1408)."""
+    return _router(logits, ctx, no_grad=True)
+
+
+def moe_aux_log_doubled(logits, labels, ctx):
+    """The logged aux loss doubled: activation checkpointing runs the router's forward twice (Megatron-LM
+    e6d56d6828, #3199)."""
+    return _router(logits, ctx, log_doubled=True)
+
+
+def moe_aux_ga_overweight(logits, labels, ctx):
+    """The aux gradient not divided by the micro-batch count (NeMo Automodel #3359)."""
+    return _router(logits, ctx, ga_overweight=True)
+
+
+def moe_aux_per_token_divided(logits, labels, ctx):
+    """Per-token mode: the aux gradient already divided by the step's tokens, and finalize divides it again
+    (Megatron-LM 87d9d2506a)."""
+    return _router(logits, ctx, per_token_divided=True)
+
+
+def moe_aux_per_token_tp_cp(logits, labels, ctx):
+    """Per-token mode scales the aux and z gradients by 1/(TP CP) (Megatron-LM 9ef8a2a420, #5047)."""
+    return _router(logits, ctx, per_token_tp_cp=True)
+
+
+def moe_seq_aux_mbs(logits, labels, ctx):
+    """Per-token mode: the sequence aux gradient divided by the micro-batch size (Megatron-LM e3fe5508c9,
+    #5798)."""
+    return _router(logits, ctx, seq_aux_mbs=True)
+
+
+def moe_aux_count_not_returned(logits, labels, ctx):
+    """Per-token mode at CP > 1: the token count never handed to finalize, so nothing divides by it (verl
+    #6609, fixed in #6836)."""
+    return _router(logits, ctx, count_not_returned=True)
+
+
+def moe_aux_global_topk(logits, labels, ctx):
+    """A global top_k (2) used instead of the router's own (OpenRLHF 152c72ba)."""
+    return _router(logits, ctx, global_topk=True)
+
+
+def moe_aux_per_token_rank_count(logits, labels, ctx):
+    """Per-token mode: a scope's tokens taken as the rank's own count x the ranks of the scope (Megatron-LM
+    router.py; MOE.md section 2)."""
+    return _router(logits, ctx, per_token_rank_count=True)
+
+
 CATALOGUE = {
     "correct": correct,
     "smoothing_partition_vocab": smoothing_partition_vocab,
@@ -535,14 +621,28 @@ CATALOGUE = {
     "rl_temperature_16bit": rl_temperature_16bit,
     "rl_kl_score_function": rl_kl_score_function,
     "rl_seq_mean_counts_empty": rl_seq_mean_counts_empty,
+    "moe_aux_local_counts": moe_aux_local_counts,
+    "moe_aux_topk_squared": moe_aux_topk_squared,
+    "moe_aux_tp_sum": moe_aux_tp_sum,
+    "moe_aux_cp_missing": moe_aux_cp_missing,
+    "moe_aux_padding_counted": moe_aux_padding_counted,
+    "moe_aux_no_grad": moe_aux_no_grad,
+    "moe_aux_log_doubled": moe_aux_log_doubled,
+    "moe_aux_ga_overweight": moe_aux_ga_overweight,
+    "moe_aux_per_token_divided": moe_aux_per_token_divided,
+    "moe_aux_per_token_tp_cp": moe_aux_per_token_tp_cp,
+    "moe_seq_aux_mbs": moe_seq_aux_mbs,
+    "moe_aux_count_not_returned": moe_aux_count_not_returned,
+    "moe_aux_global_topk": moe_aux_global_topk,
+    "moe_aux_per_token_rank_count": moe_aux_per_token_rank_count,
 }
-# The loss kind each name applies to: the bugs of the KD loss, of the policy loss (rl_*), those of the
+# The loss kind each name applies to: the bugs of the KD loss, of the policy loss (rl_*), of the router (moe_*), those of the
 # normaliser or logged count that reach every kind (and `correct`), and the cross-entropy bugs (the others).
 _KD = ("kd_no_t2", "kd_double_t2", "kd_cross_entropy_value", "kd_local_softmax", "kd_untracked_allreduce",
        "kd_tp_grad_sum")
 _ANY = ("correct", "mean_over_all_rows", "dp_local_mean", "ga_microbatch_mean", "cp_stats_dp_only",
         "microbatch_local_mean", "cp_loss_stat_dp_only")
-KIND = {name: "kd" if name in _KD else "policy" if name.startswith("rl_") else "any" if name in _ANY
-        else "cross_entropy" for name in CATALOGUE}
+KIND = {name: "kd" if name in _KD else "policy" if name.startswith("rl_") else "router" if name.startswith("moe_")
+        else "any" if name in _ANY else "cross_entropy" for name in CATALOGUE}
 
 __all__ = [*CATALOGUE, "CATALOGUE", "KIND", "NotApplicable"]

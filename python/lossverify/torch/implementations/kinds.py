@@ -11,6 +11,7 @@ from lossverify.kinds import kind_inputs
 from lossverify.torch.implementations.cross_entropy import vocab_parallel_cross_entropy
 from lossverify.torch.implementations.kd import vocab_parallel_kl
 from lossverify.torch.implementations.policy import PolicyBugs, policy_loss, policy_token_loss
+from lossverify.torch.implementations.router import router_losses
 
 __all__ = ["TOKEN_LOSS", "register_token_loss", "token_loss_of", "CORRECT", "register_correct", "correct_of",
            "register_own_bug", "own_bug_of"]
@@ -87,6 +88,7 @@ register_token_loss("cross_entropy", cross_entropy_token_loss)
 register_token_loss("kd", kd_token_loss)
 register_token_loss("policy", policy_per_token_loss)
 register_correct("policy", policy_loss)
+register_correct("router", router_losses)
 # microbatch-local-mean: the micro-batch's own sequences and their rows (token-sum has no count); the CP-slice
 # logging bug: the correct policy loss, whose logged value the catalogue replaces.
 register_own_bug("policy", "microbatch-local-mean",

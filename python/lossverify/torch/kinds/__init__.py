@@ -18,8 +18,9 @@ class HarnessKind:
     # Methods its Context offers, name -> function(ctx, *args): ctx.NAME(*args).
     context_methods = {}
 
-    def step_values(self, inputs, micro_batches, dp_cp_group, device):
-        """Values of the whole step, all-reduced before micro-batch 0, that its Context carries as attributes."""
+    def step_values(self, inputs, micro_batches, groups, device):
+        """Values of the whole step, all-reduced before micro-batch 0 over the rank's `groups` (tp, cp, dp, dp_cp,
+        tp_cp, batch), that its Context carries as attributes."""
         return {}
 
     def aggregation_weights(self, ctx):
@@ -33,6 +34,8 @@ class HarnessKind:
 
     # Whether the case's reduction weighs the tokens (False: the kind's aggregation does).
     weighs_by_reduction = True
+    # Whether its loss reads other micro-batches' logits (ctx.micro_batches[k].logits: a router's step counts).
+    reads_step_logits = False
 
     def token_mean(self, loss):
         """Whether L is the mean over the step's valid tokens (1/N_v each)."""
@@ -76,7 +79,7 @@ def kind_of_result(result):
 
 
 def _register_builtins():
-    from lossverify.torch.kinds import policy  # noqa: F401 - registers itself
+    from lossverify.torch.kinds import policy, router  # noqa: F401 - each registers itself
 
 
 _register_builtins()

@@ -51,11 +51,12 @@ class PolicyHarness(HarnessKind):
     result_types = (LogProbs,)
     context_methods = {"whitened_advantages": whitened_advantages}
 
-    def step_values(self, inputs, micro_batches, dp_cp_group, device):
+    def step_values(self, inputs, micro_batches, groups, device):
         """As a framework computes them before micro-batch 0, over DP x CP: the valid tokens n_s of every
         sequence (sequence_valid_tokens), B (num_sequences: sequences with n_s > 0), and the advantages' mean and
         unbiased deviation over the step's valid tokens (advantage_mean, advantage_std: float64 moments of the
         float32 advantages; None where the case has none)."""
+        dp_cp_group = groups["dp_cp"]
         if inputs.cu_seqlens:
             sequences = len(inputs.cu_seqlens) - 1
         else:

@@ -102,9 +102,6 @@ class RouterKind final : public LossKind {
   KindInputs inputs() const override { return {false, false}; }
   bool columns_split_by_tp() const override { return false; }
   std::string_view column_axis() const override { return "experts"; }
-  std::string dump_gap() const override {
-    return "a router's rows under sequence parallelism (check-dump's rank groups) and its logged values";
-  }
   std::int64_t row_blocks(const LossSpec& spec) const override { return router_options(spec).layers; }
   // Generated router logits keep any two experts of a layer at least scale / 32768 apart (MOE.md section 3).
   LogitDistribution default_logit_distribution() const override { return LogitDistribution::separated; }
@@ -114,6 +111,7 @@ class RouterKind final : public LossKind {
   std::string_view invariance_rule() const override {
     return "one dp and ga (a router's scopes are its micro-batches), over tp, sp and cp";
   }
+  bool scopes_are_micro_batches() const override { return true; }
   bool divides_by_step_tokens(const LossSpec& spec) const override {
     return router_options(spec).scaling == RouterOptions::Scaling::per_token;
   }
