@@ -326,9 +326,10 @@ void register_run(CLI::App& app, RunCommand& command) {
       ->check(CLI::IsMember({"auto", "cpu", "gpu"}));
   command.app
       ->add_option("--sweep", command.args.sweep,
-                   "run at every layout of the product, e.g. --sweep tp=1,2,4 cp=1,2 dp=1,2, and check invariance; "
+                   "run at every layout of the product, e.g. --sweep tp=1,2,4 cp=1,2 dp=1,2 (ga, and sp for a router), "
+                   "and check invariance; "
                    "alone: the case's own \"sweep\"")
-      ->expected(0, 4);
+      ->expected(0, 5);
   add_artifact_options(*command.app, command.args.artifacts);
 }
 

@@ -192,8 +192,10 @@ typedef struct lv_framework {
   int32_t ga_reduce_mean;  /* 1: micro-batch gradients averaged; 0: summed */
 } lv_framework;
 
-/* The groups a rank communicates in. TP: same tokens, other vocabulary columns. CP: same DP rank, other
- * sequence chunks. DP: same TP and CP coordinates. DP_CP: every rank holding other tokens (same TP rank). */
+/* The groups a rank communicates in. TP: same tokens, other vocabulary columns (a kind with whole rows: the same tokens
+ * replicated, or under sequence parallelism the other parts of them). CP: same DP rank, other sequence chunks. DP: same
+ * TP and CP coordinates. DP_CP: every rank holding other tokens (same TP rank; every rank under sequence
+ * parallelism). */
 typedef enum lv_group { LV_GROUP_TP = 0, LV_GROUP_CP = 1, LV_GROUP_DP = 2, LV_GROUP_DP_CP = 3 } lv_group;
 typedef enum lv_element { LV_ELEMENT_F32 = 0, LV_ELEMENT_F64 = 1, LV_ELEMENT_I64 = 2 } lv_element;
 typedef enum lv_reduce_op { LV_REDUCE_SUM = 0, LV_REDUCE_MAX = 1 } lv_reduce_op;
@@ -258,6 +260,11 @@ typedef struct lv_rank_inputs {
   const char* loss_kind;      /* loss.kind: "cross_entropy", "kd", "policy" or a kind without an lv_loss_kind */
   const lv_setting* settings; /* the kind's settings in the order of its table (docs/cases.md) */
   int64_t settings_count;
+  /* ---- Appended for kinds whose rows are whole on every rank (within version 1; a router's). vocab_begin is then 0
+   * and vocab_end vocab_size on every rank, and TP either replicates the tokens (0) or, under layout.sp (1), splits
+   * each CP rank's tokens: the TP group then holds the other parts of this rank's micro-batches, and DP_CP is every
+   * rank of the world (every rank holds other tokens). */
+  int32_t sequence_parallel;
 } lv_rank_inputs;
 
 typedef struct lv_rank_outputs {

@@ -282,7 +282,7 @@ seam_refusals)  # layout.sp and a stage are refused by name where they do not ap
     --set 'stage={"kind":"lm_head"}'
   expect 2 "clip_low: applies to policy only, not cross_entropy" "$LV" run "$CE" --set loss.clip_low=0.1
   expect 2 "sp applies to a kind whose rows are whole on every rank" "$LV" run "$CE" --sweep sp=0,1
-  expect 2 "\"2\" is not 0 or 1" "$LV" run "$CE" --sweep sp=2 ;;
+  expect 2 "\"2\" is not false, true, 0 or 1" "$LV" run "$CE" --sweep sp=2 ;;
 unknown_command)
   expect 2 "unknown command \"lst\"; did you mean \"list\"\?" "$LV" lst
   expect 2 "unknown command \"frobnicate\" \(see lossverify --help\)" "$LV" frobnicate ;;

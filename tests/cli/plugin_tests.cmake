@@ -107,6 +107,31 @@ foreach(rl_bug rl-kl-no-grad rl-temperature-one-side rl-gspo-cp-local-ratio)
         --expect ${rl_bug} --cases ${RL_CASES}_${rl_test_name} --golden ${PROJECT_SOURCE_DIR}/golden --threads 2")
   set_tests_properties(cli_plugin_cpu_bug_gate_${rl_test_name} PROPERTIES TIMEOUT 600)
 endforeach()
+# The router through the ABI (a kind named by string, whole rows, lv_rank_inputs.sequence_parallel): the example
+# router plugin passes the gate as the correct implementation on every router case and its sweep (sp x tp x cp x dp
+# x ga), and with each of its bugs fails exactly where golden says that bug fails; a router whose logged statistics
+# the ABI cannot carry (more than 3 layers) is refused before any work, naming it.
+set(ROUTER_PLUGIN $<TARGET_FILE:lossverify_example_router_plugin>)
+set(ROUTER_CASES ${OUT}/plugin_router_cases)
+foreach(router_impl correct moe-aux-local-counts moe-aux-tp-sum)
+  string(MAKE_C_IDENTIFIER "${router_impl}" router_test_name)
+  if(router_impl STREQUAL correct)
+    set(router_param "")
+    set(router_expect "gate: PASS")
+  else()
+    set(router_param "?bug=${router_impl}")
+    set(router_expect "mutation score: 1/1 bugs caught")
+  endif()
+  add_test(NAME cli_plugin_router_gate_${router_test_name}
+    COMMAND bash -c "rm -rf ${ROUTER_CASES}_${router_test_name} && mkdir -p ${ROUTER_CASES}_${router_test_name} && \
+      cp ${CASES}/moe-*.json ${ROUTER_CASES}_${router_test_name}/ && \
+      bash ${EXPECT} 0 '${router_expect}' -- ${LV} gate --impl 'plugin:${ROUTER_PLUGIN}${router_param}' \
+        --expect ${router_impl} --cases ${ROUTER_CASES}_${router_test_name} --golden ${PROJECT_SOURCE_DIR}/golden --threads 2")
+  set_tests_properties(cli_plugin_router_gate_${router_test_name} PROPERTIES TIMEOUT 600)
+endforeach()
+lossverify_cli_test(plugin_router_too_many_layers 2
+  "does not implement a case that logs 10 statistics \\(the ABI carries 8: a router of at most 3 layers\\)"
+  -- ${LV} run ${CASES}/moe-aux-sp-tp2-cp2.json --set loss.layers=4 --impl plugin:${ROUTER_PLUGIN})
 # GSPO's sequence ratio (LV_SUPPORTS_POLICY_SEQUENCE_RATIO, lv_rank_inputs.policy_ratio): the example plugin passes
 # the case's sweep (CP 1 and 2, where the ratio's CP all-reduces matter). A plugin that computes the policy loss but
 # does not declare the bit (the faulty plugin) is refused before any work, naming the setting; the gate records it

@@ -637,12 +637,17 @@ SweepSpec parse_sweep_arguments(const std::vector<std::string>& arguments) {
                                : key == "sp" ? &sweep.sp
                                              : nullptr;
     if (eq == std::string::npos || target == nullptr) {
-      throw CaseError("--sweep " + argument +
-                      ": expected tp=..., cp=..., dp=..., ga=... with comma-separated counts, or sp=0,1");
+      throw CaseError(
+          "--sweep " + argument +
+          ": expected tp=..., cp=..., dp=..., ga=... with comma-separated counts, or sp=false,true (or 0,1)");
     }
     std::stringstream list(argument.substr(eq + 1));
     std::string item;
     while (std::getline(list, item, ',')) {
+      if (target == &sweep.sp && (item == "false" || item == "true")) {  // as a case file's "sweep" spells it
+        target->push_back(item == "true" ? 1 : 0);
+        continue;
+      }
       try {
         std::size_t used = 0;
         const int v = std::stoi(item, &used);
@@ -651,7 +656,7 @@ SweepSpec parse_sweep_arguments(const std::vector<std::string>& arguments) {
         target->push_back(v);
       } catch (const std::exception&) {
         throw CaseError("--sweep " + argument + ": \"" + item + "\" is not " +
-                        (target == &sweep.sp ? "0 or 1" : "a count in [1, 4096]"));
+                        (target == &sweep.sp ? "false, true, 0 or 1" : "a count in [1, 4096]"));
       }
     }
     if (target->empty()) throw CaseError("--sweep " + argument + ": no values");

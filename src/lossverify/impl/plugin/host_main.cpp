@@ -402,6 +402,7 @@ lv_rank_inputs describe(const Run& r, std::byte* region, const Arrays& a, lv_mem
   in.loss_kind = settings.kind();
   in.settings = settings.data();
   in.settings_count = settings.size();
+  in.sequence_parallel = r.sequence_parallel;
   return in;
 }
 

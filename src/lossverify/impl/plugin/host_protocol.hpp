@@ -92,6 +92,7 @@ struct Run {
   lv_loss_config loss{};
   lv_policy_config policy{};
   std::int32_t policy_ratio = LV_POLICY_RATIO_TOKEN;
+  std::int32_t sequence_parallel = 0;
   lv_framework framework{};
   std::int32_t group_size[4] = {}, group_rank[4] = {};
   std::uint64_t max_allreduce_bytes = 0;  // a call past this is refused as misuse

@@ -265,6 +265,7 @@ class PluginRank {
     r.loss = settings.loss;
     r.policy = settings.policy;
     r.policy_ratio = settings.policy_ratio;
+    r.sequence_parallel = !tp_splits_columns(case_) && layout.sp ? 1 : 0;
     r.framework.grad_reduce_avg = case_.framework.grad_reduce == FrameworkSpec::GradReduce::avg ? 1 : 0;
     r.framework.ga_reduce_mean = case_.framework.ga_reduce == FrameworkSpec::GaReduce::mean ? 1 : 0;
     Communicator* groups[4] = {&groups_.tp, &cp, &groups_.dp, &groups_.batch};

@@ -166,6 +166,11 @@ std::string missing_plugin_capability(const PluginLibrary& plugin, const LossSpe
            (s.capability_name.empty() ? "" : "its lv_plugin.losses lacks " + s.capability_name + ", and ") +
            "its " LV_PLUGIN_NAMES_ENTRY_POINT "() does not name \"" + qualified + "\")";
   }
+  const std::size_t statistics = kind.logged_statistics(loss).size();
+  if (statistics > LV_MAX_LOGGED_STATISTICS) {
+    return "a case that logs " + std::to_string(statistics) + " statistics (the ABI carries " +
+           std::to_string(LV_MAX_LOGGED_STATISTICS) + ": a router of at most 3 layers)";
+  }
   return "";
 }
 
