@@ -177,6 +177,12 @@ fs::path write_dump(const Case& c, const InputSource& inputs, const std::vector<
         t["token_loss"] = p + "token_loss";
       }
       write_kind_tensors(c, inputs, out, b, e, p, tensors, t, kind_outputs);
+      if (const std::string scope(kind.scope_values_name()); !scope.empty() && kind_outputs) {
+        const auto width = static_cast<std::ptrdiff_t>(c.shape.vocab);
+        const auto at = out.scope_values.begin() + static_cast<std::ptrdiff_t>(k) * width;
+        tensors[p + scope] = raw_tensor("F64", {c.shape.vocab}, std::vector<double>(at, at + width));
+        t[scope] = p + scope;
+      }
       if (none) {
         tensors[p + "grad_output"] = raw_tensor("F64", {rows}, upstream);
         t["grad_output"] = p + "grad_output";

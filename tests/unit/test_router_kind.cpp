@@ -406,10 +406,10 @@ TEST_CASE("router: generated logits keep any two experts of a layer apart, so ev
 }
 
 TEST_CASE("router: a user's tie tokens widen the scope's tolerances by MOE.md's bound, and are counted") {
-  // One scope, one layer, aux only: tokens 3 and 17 are a user's rows whose 2nd and 3rd logits lie 3e-6 apart, so a
-  // float32 router may route either; tokens 5 and 9 are exact ties (the reference routes the lower index).
+  // One scope, one layer, aux only: tokens 3 and 17 are a user's rows whose 2nd and 3rd logits lie 4 float32 units
+  // apart, so a float32 router may route either; tokens 5 and 9 are exact ties (the reference routes the lower index).
   nlohmann::json doc = router_case({1, 1, 1, 1, false}, nlohmann::json::object(), 0.1, {40});
-  const std::vector<double> near = {2.0, 1.0, 1.0 + 3e-6, 0.5, -0.25, 0.125, -1.0, 0.0};
+  const std::vector<double> near = {2.0, 1.0, 1.0 + 4.8e-7, 0.5, -0.25, 0.125, -1.0, 0.0};
   const std::vector<double> exact = {0.5, 1.5, -0.5, 1.5, 0.25, -1.0, 0.75, 1.5 + 4e-7};
   doc["inputs"]["overrides"] = {{{"token", 3}, {"logits", near}},
                                 {{"token", 17}, {"logits", near}},

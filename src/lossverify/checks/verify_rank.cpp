@@ -744,6 +744,38 @@ CheckResult stats_result(const RankContext& x, const LossFindings& losses, const
   return r;
 }
 
+// A kind's values per micro-batch scope (a router's counts per expert): each rank's, as it holds them after the
+// scope's collectives, against the reference's, exact within half a unit and the slack of a user's tie tokens.
+// Collective over the world. Not applicable where no rank reported them (a dump without them).
+CheckResult scope_values_result(const RankContext& x, Communicator& world) {
+  const LossKind& kind = kind_of(x.c.loss);
+  const std::string name(kind.scope_values_name());
+  const auto width = static_cast<std::size_t>(kind.scope_values_width(x.c));
+  const auto ga = static_cast<std::size_t>(x.c.layout.ga);
+  ErrorStats mine;
+  if (!x.out.scope_values.empty()) {
+    if (x.out.scope_values.size() != ga * width) {
+      throw InternalError("rank " + std::to_string(x.world_rank) + " reported " +
+                          std::to_string(x.out.scope_values.size()) + " " + name + ", expected " +
+                          std::to_string(ga * width));
+    }
+    std::vector<double> expected(width), slack(width);
+    for (std::size_t k = 0; k < ga; ++k) {
+      x.reference.row().scope_values(x.out.assignment.coordinates.dp, static_cast<int>(k), expected, slack);
+      for (std::size_t j = 0; j < width; ++j) {
+        mine.add({-1, static_cast<std::int64_t>(j), x.world_rank, expected[j], x.out.scope_values[k * width + j],
+                  0.5 + slack[j]});
+      }
+    }
+  }
+  CheckResult r = make_result(name, merge_over(world, mine), Tolerance{0.5, 0.0, 0},
+                              "each rank's " + name +
+                                  " of every micro-batch scope (a column per value) vs the "
+                                  "float64 reference's");
+  if (r.verdict == Verdict::not_applicable) r.summary = "no rank reported its " + name;
+  return r;
+}
+
 // Tokens judged by either of two readings (a ratio within rounding of a clip edge): counted where they count.
 void report_either_branch(std::int64_t tokens, std::vector<CheckResult>& results) {
   if (tokens == 0) return;
@@ -759,7 +791,7 @@ void report_either_branch(std::int64_t tokens, std::vector<CheckResult>& results
 void report_either_way(std::int64_t tokens, std::vector<CheckResult>& results) {
   if (tokens == 0) return;
   for (CheckResult& r : results) {
-    if (r.name != "loss" && r.name != "grad" && r.name != "stats") continue;
+    if (r.name != "loss" && r.name != "grad" && r.name != "stats" && r.name != "counts") continue;
     r.metrics["either_way_tokens"] = tokens;
     r.summary += " (" + std::to_string(tokens) +
                  " token(s) whose routing ties within rounding, judged with the bound of either choice)";
@@ -901,6 +933,7 @@ std::vector<CheckResult> verify_rank(const Case& c, const RankOutput& out, Oracl
     results.push_back(make_result(values.names[j], merge_over(world, values.stats[j]), values.tolerance,
                                   "per-token " + values.names[j] + " of every rank vs the float64 reference"));
   }
+  if (!kind_of(c.loss).scope_values_name().empty()) results.push_back(scope_values_result(x, world));
   results.push_back(stats_result(x, losses, statistics));
   report_either_branch(ref.either_tokens, results);
   report_either_way(x.reference.row().either_way_tokens(), results);

@@ -240,6 +240,8 @@ class Loader {
         const Located t = locate(ref);
         if (key == "logits" || key == "grad_logits" || key == "teacher_logits") {
           expect_matrix(t, rows, rank.vocab.size());
+        } else if (key == kind_of(c_.loss).scope_values_name()) {
+          continue;  // one value per column of a row, whatever the rows (load_scope_values)
         } else {
           expect_rows(t, rows);
         }
@@ -360,6 +362,7 @@ class Loader {
         }
       }
       for (std::size_t input = 0; input < token_input_names_.size(); ++input) load_token_input(rank, mb, input);
+      load_scope_values(mb, k, out);
       load_token_quantities(mb, out);
       if (mb.tensors.count("token_loss")) {
         const Located t = locate(mb.tensors.at("token_loss"));
@@ -384,6 +387,23 @@ class Loader {
     for (std::size_t q = 0; q < rank.statistics.size(); ++q) {
       if (rank.statistics[q].kind != ScalarSpec::Kind::absent) out.logged_stats[q] = scalar(rank.statistics[q], false);
     }
+  }
+
+  // The kind's values of micro-batch k's scope (a router's counts per expert), one per column of a row; zeros for a
+  // micro-batch without rows that leaves them out (its scope holds no token).
+  void load_scope_values(const MicroBatchSpec& mb, std::size_t k, RankOutput& out) {
+    const std::string name(kind_of(c_.loss).scope_values_name());
+    if (name.empty() || !m_.dumped.scope_values) return;
+    const auto width = static_cast<std::size_t>(c_.shape.vocab);
+    out.scope_values.resize(static_cast<std::size_t>(c_.layout.ga) * width, 0.0);
+    if (!mb.tensors.count(name)) return;
+    const Located t = locate(mb.tensors.at(name));
+    if (t.info->numel() != static_cast<std::int64_t>(width)) {
+      t.fail("shape " + t.info->shape_string() + " holds " + std::to_string(t.info->numel()) + " values, but a " +
+             name + " tensor holds one per column of a row (" + std::to_string(width) + ")");
+    }
+    const std::vector<double> values = doubles(t);
+    std::copy(values.begin(), values.end(), out.scope_values.begin() + static_cast<std::ptrdiff_t>(k * width));
   }
 
   // One of the kind's per-token inputs (a policy loss's old log-probabilities...): every TP rank holding a
@@ -605,6 +625,11 @@ void mark_not_dumped(std::vector<CheckResult>& checks, const Dumped& d, const Lo
     }
     if (r.name == "stats") {
       mark_statistics_not_dumped(r, d, kind.logged_statistics(loss));
+      continue;
+    }
+    if (r.name == kind.scope_values_name() && !d.scope_values) {
+      mark_quantity_not_dumped(r);
+      r.summary = "no " + r.name + " in the dump (tensors." + r.name + ")";
       continue;
     }
     if (r.name == "loss" && (!d.token_loss || logged_loss_missing)) {
@@ -844,6 +869,9 @@ json dump_run_to_json(const DumpProblem& p, const RunResult& run) {
   const std::vector<std::string> statistics = kind.logged_statistics(m.the_case.loss);
   for (std::size_t k = 0; k < statistics.size(); ++k) {
     j["dump"]["dumped"]["stats." + statistics[k]] = m.dumped.statistics[k] != 0;
+  }
+  if (const std::string name(kind.scope_values_name()); !name.empty()) {
+    j["dump"]["dumped"][name] = m.dumped.scope_values;
   }
   j["case"]["description"] =
       "inputs from the dump " + m.path + (m.the_case.description.empty() ? "" : ": " + m.the_case.description);

@@ -331,6 +331,7 @@ class Parser {
     const LossKind& kind = kind_of(m_.the_case.loss);
     for (const std::string& key : kind.token_inputs(m_.the_case.loss)) keys.push_back(key);
     for (const std::string& quantity : kind.token_quantities()) keys.push_back(token_quantity_tensor(quantity));
+    if (!kind.scope_values_name().empty()) keys.emplace_back(kind.scope_values_name());
     for (const std::string& key : keys) {
       if (t.has(key)) {
         mb.tensors[key] = tensor_ref(t.raw(key), t.path_of(key), default_file);
@@ -706,6 +707,9 @@ class Parser {
           bool flag = m_.dumped.token_quantities[q] != 0;
           all_or_none(flag, has(key.c_str()), key, tp);
           m_.dumped.token_quantities[q] = flag;
+        }
+        if (const std::string key(kind.scope_values_name()); !key.empty()) {
+          all_or_none(m_.dumped.scope_values, has(key.c_str()), key, tp);
         }
         if (first) first_path = tp;
         first = false;

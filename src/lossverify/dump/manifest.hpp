@@ -40,7 +40,8 @@ struct ScalarSpec {
 };
 
 // The per-row tensors of one micro-batch (keys of a "tensors" object); a kind adds its per-token inputs
-// (the kind's token_inputs()) and "token_" + each of its per-token quantities (the kind's token_quantities()).
+// (the kind's token_inputs()), "token_" + each of its per-token quantities (the kind's token_quantities()) and its
+// scope values (scope_values_name(): a router's "counts", one value per column of a row).
 inline constexpr const char* kRowTensors[] = {"logits",     "grad_logits",    "labels",     "loss_mask",
                                               "token_loss", "teacher_logits", "grad_output"};
 inline std::string token_quantity_tensor(const std::string& quantity) { return "token_" + quantity; }
@@ -74,6 +75,7 @@ struct Dumped {
   bool grad_output = false;
   std::vector<char> token_quantities;  // per the kind's token_quantities(): its "token_" tensor
   std::vector<char> statistics;        // per the kind's logged_statistics(): its value in "stats"
+  bool scope_values = false;           // the kind's scope values (a router's "counts") per micro-batch
 };
 
 struct Manifest {

@@ -54,6 +54,7 @@ struct KindOutputs {
   std::vector<float>& logged_token_loss;  // where the plan separates it (KindRowPlan::separate_logged_loss)
   std::vector<float>& token_values;       // rows x the kind's token_quantities()
   std::vector<double>& logged_stats;      // the kind's logged_statistics(): this rank's share
+  std::vector<double>& scope_values;      // GA x the kind's scope_values_width() (LossKind::scope_values_name)
 };
 
 class CudaKindRank {

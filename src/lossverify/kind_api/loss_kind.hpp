@@ -137,6 +137,13 @@ class KindReference {
   }
   // The step's tokens whose choice goes either way (counted in the report); 0 where none can.
   virtual std::int64_t either_way_tokens() const { return 0; }
+  // The kind's values of one micro-batch scope (LossKind::scope_values_width: a router's per-expert counts) of DP rank
+  // `dp`'s micro-batch `micro_batch`, and how far a correct implementation's may lie from them (a user's tie tokens).
+  virtual void scope_values(int dp, int micro_batch, std::span<double> expected, std::span<double> slack) const {
+    (void)dp, (void)micro_batch;
+    std::fill(expected.begin(), expected.end(), 0.0);
+    std::fill(slack.begin(), slack.end(), 0.0);
+  }
   // sum_v d L / d x_v of a token of weight `weight`: the row-sum invariant; none where it does not hold.
   virtual std::optional<double> gradient_row_sum(const RowStats& stats, double weight) const = 0;
   // For a row model with per-row coefficients (DeviceRowModel::row_coefficients): the token's a and b in
@@ -185,11 +192,12 @@ struct CpuMicroBatch {
   int threads = 1;
   ProgressBeacon* beacon = nullptr;
   std::vector<float>& token_loss;
-  std::vector<float>& logged_token_loss;  // where the plan separates it (KindRowPlan::separate_logged_loss)
-  std::vector<float>& token_values;       // rows x the kind's token_quantities(), row major
-  std::vector<double>& logged_stats;      // the kind's logged_statistics(): this rank's share, summed over the
-                                          // batch group after the last micro-batch
-  int index = 0;                          // the micro-batch's (begin alone is ambiguous where some are empty)
+  std::vector<float>& logged_token_loss;        // where the plan separates it (KindRowPlan::separate_logged_loss)
+  std::vector<float>& token_values;             // rows x the kind's token_quantities(), row major
+  std::vector<double>& logged_stats;            // the kind's logged_statistics(): this rank's share, summed over the
+                                                // batch group after the last micro-batch
+  int index = 0;                                // the micro-batch's (begin alone is ambiguous where some are empty)
+  std::vector<double>* scope_values = nullptr;  // GA x scope_values_width(): this micro-batch's values at `index`
 };
 
 // What a kind plans for a rank's rows before its kernels run (LossKind::plan_rows): the rank's rows, which
@@ -322,6 +330,11 @@ class LossKind {
     (void)spec;
     return {};
   }
+  // Values a rank reports per micro-batch scope, one per column of a row, as it holds them after the scope's
+  // collectives (a router's count per expert of each layer: what a trainer logs as tokens per expert), judged element
+  // by element in a check of this name against KindReference::scope_values; empty: none.
+  virtual std::string_view scope_values_name() const { return {}; }
+  std::int64_t scope_values_width(const Case& c) const;  // the row's width, or 0 without scope values
 
   // The row-sum invariant in words, and why it does not apply to a case (empty where it does).
   virtual std::string row_sum_rule() const = 0;

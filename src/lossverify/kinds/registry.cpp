@@ -12,6 +12,10 @@
 
 namespace lossverify {
 
+std::int64_t LossKind::scope_values_width(const Case& c) const {
+  return scope_values_name().empty() ? 0 : c.shape.vocab;
+}
+
 namespace {
 
 struct Registry {

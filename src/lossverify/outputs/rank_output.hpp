@@ -36,6 +36,8 @@ struct RankOutput {
   std::vector<float> logged_token_loss;
   std::vector<float> token_values;   // per local row, the kind's token_quantities() (row major); 0 on masked rows
   std::vector<double> logged_stats;  // the kind's logged_statistics(), as this rank logs them
+  // GA x the kind's scope_values_width() (a router's per-expert counts of each micro-batch scope); empty: not reported.
+  std::vector<double> scope_values;
   // A stage's gradients (kind_api/stage.hpp, its gradients()), each rows x stage_columns[w] in dtype, row major;
   // empty without a stage.
   std::vector<std::vector<std::byte>> stage_grads;

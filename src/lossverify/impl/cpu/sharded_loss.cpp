@@ -72,15 +72,31 @@ class RankKernel {
     out_.logged_token_loss.assign(plan_->kind_plan().separate_logged_loss ? static_cast<std::size_t>(rows()) : 0, 0.0f);
     out_.token_values.assign(static_cast<std::size_t>(rows()) * kind_.token_quantities().size(), 0.0f);
     out_.logged_stats.assign(kind_.logged_statistics(case_.loss).size(), 0.0);
+    out_.scope_values.assign(static_cast<std::size_t>(case_.layout.ga * kind_.scope_values_width(case_)), 0.0);
     assign_zeros_beating(out_.grad, static_cast<std::size_t>(rows() * vocab.size()) * sizeof(T), beacon_);
     const auto& offsets = out_.assignment.micro_batch_begin;
     for (std::size_t k = 0; k + 1 < offsets.size(); ++k) {
       if (offsets[k + 1] == offsets[k]) continue;  // an empty micro-batch: TP peers skip it too
-      kind_.cpu_micro_batch(CpuMicroBatch{
-          case_, bugs_, *plan_, groups_, out_.assignment, offsets[k], offsets[k + 1] - offsets[k], case_.inputs.dtype,
-          work_, reinterpret_cast<std::byte*>(student.data()), reinterpret_cast<const std::byte*>(teacher.data()),
-          out_.grad.data(), threads_, beacon_, out_.token_loss, out_.logged_token_loss, out_.token_values,
-          out_.logged_stats, static_cast<int>(k)});
+      kind_.cpu_micro_batch(CpuMicroBatch{case_,
+                                          bugs_,
+                                          *plan_,
+                                          groups_,
+                                          out_.assignment,
+                                          offsets[k],
+                                          offsets[k + 1] - offsets[k],
+                                          case_.inputs.dtype,
+                                          work_,
+                                          reinterpret_cast<std::byte*>(student.data()),
+                                          reinterpret_cast<const std::byte*>(teacher.data()),
+                                          out_.grad.data(),
+                                          threads_,
+                                          beacon_,
+                                          out_.token_loss,
+                                          out_.logged_token_loss,
+                                          out_.token_values,
+                                          out_.logged_stats,
+                                          static_cast<int>(k),
+                                          &out_.scope_values});
     }
     if (stage != nullptr) stage->cpu_backward(stage_rank(student));
     if (!out_.logged_stats.empty()) groups_.batch.allreduce_sum(std::span<double>(out_.logged_stats));

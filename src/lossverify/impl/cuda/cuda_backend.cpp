@@ -116,7 +116,8 @@ RankOutput run_sharded_loss(const Case& c, const InputSource& inputs, RankAssign
   out.logged_token_loss.assign(plan.kind_plan().separate_logged_loss ? static_cast<std::size_t>(rows) : 0, 0.0f);
   out.token_values.assign(static_cast<std::size_t>(rows) * kind.token_quantities().size(), 0.0f);
   out.logged_stats.assign(kind.logged_statistics(c.loss).size(), 0.0);
-  KindOutputs kind_outputs{out.token_loss, out.logged_token_loss, out.token_values, out.logged_stats};
+  out.scope_values.assign(static_cast<std::size_t>(c.layout.ga * kind.scope_values_width(c)), 0.0);
+  KindOutputs kind_outputs{out.token_loss, out.logged_token_loss, out.token_values, out.logged_stats, out.scope_values};
   trace.mark("kernels");
 
   const CudaRows row_arrays{d_target.as<std::int64_t>(), d_active.as<int>(), d_valid.as<int>(),

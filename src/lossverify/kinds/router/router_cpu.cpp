@@ -142,6 +142,13 @@ void run(const CpuMicroBatch& mb) {
       if (mb.c.layout.sp) mb.groups.tp.allreduce_sum(std::span<float>(sums->values));
     }
   }
+  if (mb.scope_values != nullptr) {  // the counts as this rank holds them
+    for (std::size_t l = 0; l < layers; ++l) {
+      std::copy(
+          scope.layer(l), scope.layer(l) + experts,
+          mb.scope_values->begin() + static_cast<std::ptrdiff_t>((static_cast<std::size_t>(k) * layers + l) * experts));
+    }
+  }
   const Sums global = o.global_aux_coef > 0.0 ? global_counts<T>(mb, o, experts, k, top_k) : Sums(layers, experts);
   float held = 0.0f;  // the micro-batch's sequences that hold a valid token
   for (std::size_t j = 0; j < sequences.size(); ++j)

@@ -78,6 +78,13 @@ class RouterCudaRank final : public CudaKindRank {
         if (setup_.c.layout.sp) groups.tp.allreduce_sum(std::span<float>(*sums));
       }
     }
+    for (std::size_t l = 0; l < static_cast<std::size_t>(layers_); ++l) {  // the counts as this rank holds them
+      for (std::size_t e = 0; e < static_cast<std::size_t>(experts_); ++e) {
+        out.scope_values[(static_cast<std::size_t>(k) * static_cast<std::size_t>(layers_) + l) *
+                             static_cast<std::size_t>(experts_) +
+                         e] = scope[l * width + e];
+      }
+    }
     const std::vector<float> global = global_counts(plan, groups, b + n);
     const Weights tables = weights(scope, per_sequence, global, sequences);
     const RouterFactors f =

@@ -129,6 +129,8 @@ class RouterKind final : public LossKind {
     }
     return names;
   }
+  // Each micro-batch scope's counts per expert, layer after layer, as the rank holds them after their all-reduce.
+  std::string_view scope_values_name() const override { return "counts"; }
   std::string row_sum_rule() const override { return "none: the router's row sums depend on its scope"; }
   std::string row_sum_exemption(const LossSpec&) const override {
     return "the router's row sums depend on its scope's counts: not checked";
@@ -138,8 +140,8 @@ class RouterKind final : public LossKind {
         router_bug_entry("moe-aux-local-counts",
                          "counts and T from the rank's own tokens, not all-reduced over the "
                          "sequence partition",
-                         "Megatron-LM dc41f8908a", "loss and grad depend on SP and CP", {"loss", "grad"},
-                         router_bug::local_counts),
+                         "Megatron-LM dc41f8908a", "loss, grad and the counts depend on SP and CP",
+                         {"loss", "grad", "counts"}, router_bug::local_counts),
         router_bug_entry("moe-aux-topk-squared", "the aux loss divided by k^2 instead of k",
                          "Megatron-LM dc41f8908a, fixed in 5c8eb08f66", "loss and grad = reference / k",
                          {"loss", "grad"}, router_bug::topk_squared),
@@ -151,7 +153,8 @@ class RouterKind final : public LossKind {
                          "Megatron-LM f6e0d425a5 (#2237)", "grad / CP at cp > 1", {"grad"}, router_bug::cp_missing),
         router_bug_entry("moe-aux-padding-counted", "padding tokens counted in T and in the scores' sums",
                          "Megatron-LM #2142, #3096; transformers #28517, #29363",
-                         "loss and grad wherever a scope holds padding", {"loss", "grad"}, router_bug::padding_counted),
+                         "loss, grad and the counts wherever a scope holds padding", {"loss", "grad", "counts"},
+                         router_bug::padding_counted),
         router_bug_entry("moe-aux-no-grad", "the aux loss scaler's return discarded: no aux gradient",
                          "NeMo Automodel #1408, fixed in #1412", "the aux terms' gradient 0; the loss right", {"grad"},
                          router_bug::no_grad),
@@ -180,8 +183,8 @@ class RouterKind final : public LossKind {
                          "verl #6609, fixed in #6836", "the router gradient x N in per-token mode at cp > 1", {"grad"},
                          router_bug::count_not_returned),
         router_bug_entry("moe-aux-global-topk", "a global top_k (2) used instead of the router's own",
-                         "OpenRLHF 152c72ba", "loss and grad wherever the router's top_k is not 2", {"loss", "grad"},
-                         router_bug::global_topk),
+                         "OpenRLHF 152c72ba", "loss, grad and the counts wherever the router's top_k is not 2",
+                         {"loss", "grad", "counts"}, router_bug::global_topk),
         router_bug_entry("moe-aux-per-token-rank-count",
                          "per-token mode: a scope's tokens taken as the rank's own count x the ranks of the scope",
                          "Megatron-LM router.py, MOE.md section 2",

@@ -40,6 +40,7 @@ class RouterReference final : public KindReference {
       : options_(router_options(c.loss)),
         layers_(static_cast<std::size_t>(options_.layers)),
         experts_(static_cast<std::size_t>(c.shape.vocab) / layers_),
+        ga_(static_cast<std::size_t>(c.layout.ga)),
         scopes_(layers_) {
     route(c, inputs);
     for (LayerScopes& layer : scopes_) layer.global = global_counts(c, layer.batch);
@@ -140,6 +141,15 @@ class RouterReference final : public KindReference {
     }
   }
   std::int64_t either_way_tokens() const override { return static_cast<std::int64_t>(tie_tokens_.size()); }
+  // The micro-batch scope's counts per layer, and the counts its tie tokens may move.
+  void scope_values(int dp, int micro_batch, std::span<double> expected, std::span<double> slack) const override {
+    const std::size_t b = static_cast<std::size_t>(dp) * ga_ + static_cast<std::size_t>(micro_batch);
+    for (std::size_t l = 0; l < layers_; ++l) {
+      const router::ScopeSums& scope = scopes_[l].batch[b];
+      std::copy(scope.counts.begin(), scope.counts.end(), expected.begin() + static_cast<std::ptrdiff_t>(l * experts_));
+      std::copy(scope.ties.begin(), scope.ties.end(), slack.begin() + static_cast<std::ptrdiff_t>(l * experts_));
+    }
+  }
 
  private:
   // Pass 1: every valid token routed in every layer, into its micro-batch's and its sequence's scope.
@@ -185,17 +195,17 @@ class RouterReference final : public KindReference {
   }
 
   // A float32 router may route a token whose k-th and (k+1)-th scores lie within its rounding either way (MOE.md
-  // §3). Generated logits are refused there (the case's seed or scale moves them; they tie within 1e-6 of the k-th
-  // score only by accident). A user's own logits (a dump's, a case's override row) tie where they lie within 1e-5 of
-  // it (about 80 float32 units of a score: exp, the normaliser and the sort of a float32 router): the token is then
-  // counted as moving one count between those two experts, and every tolerance of the scope widens by the bound that
-  // implies.
+  // §3): within 1e-6 of the k-th score (about 8 float32 units; exp, sigmoid and the normaliser are monotone when
+  // rounded, so a float32 router can only make two close scores equal, and then routes the lower index). Generated
+  // logits are refused there (the case's seed or scale moves them apart), so that a run and a dump of its inputs judge
+  // alike. A user's own logits (a dump's, a case's override row) may tie: the token is then counted as moving one count
+  // between those two experts, and every tolerance of the scope widens by the bound that implies.
   bool ties(const Case& c, const InputSource& inputs, std::int64_t t, std::size_t layer, const router::TopK& routed,
             std::span<const double> s) const {
     const double kth = s[static_cast<std::size_t>(routed.experts.back())];
     const RowOverride* row = inputs.override_of(t);
     const bool users = inputs.is_explicit() || (row != nullptr && !row->logits.empty());
-    if (routed.margin > (users ? 1e-5 : 1e-6) * kth) return false;
+    if (routed.margin > 1e-6 * kth) return false;
     if (users) return true;
     throw CaseError(c.source + ": token " + std::to_string(t) + "'s " + std::to_string(counted_per_token()) +
                     "-th and next router scores of layer " + std::to_string(layer) +
@@ -275,7 +285,7 @@ class RouterReference final : public KindReference {
   }
 
   const RouterOptions options_;
-  std::size_t layers_, experts_;
+  std::size_t layers_, experts_, ga_;
   std::vector<LayerScopes> scopes_;                            // per layer
   std::unordered_map<std::int64_t, std::size_t> scope_of_;     // token -> micro-batch scope
   std::unordered_map<std::int64_t, std::size_t> sequence_of_;  // token -> sequence scope
