@@ -10,7 +10,7 @@
 //   l_t = sum over layers of <w, s_t> + alpha_z / T lse(z_t)^2,   w = a c + a_s c_s + a_g c^G
 // and its gradient s_t (.) slope (.) (w - <w, s_t>) + 2 alpha_z / T lse softmax(z_t), weighted by the micro-batch's
 // share of L (1 / (DP GA), or T / N in per-token mode) over the framework's factor (and times N in per-token mode,
-// which the framework divides out).
+// which the framework divides out); each micro-batch scope's counts go to outputs->scope_values.
 //
 //   lossverify run cases/moe-aux-sp-tp2-cp2.json --impl plugin:./liblossverify_example_router_plugin.so
 //   lossverify run CASE.json --impl 'plugin:./liblossverify_example_router_plugin.so?bug=moe-aux-local-counts'
@@ -170,6 +170,11 @@ class Router {
     }
     over_partition(scope.values);
     if (s_.seq_aux > 0.0) over_partition(per_sequence.values);
+    for (std::size_t l = 0; l < layers_; ++l) {  // the counts as this rank holds them (outputs->scope_values)
+      for (std::size_t e = 0; e < experts_; ++e) {
+        out.scope_values[(static_cast<std::size_t>(k) * layers_ + l) * experts_ + e] = scope.at(l)[e];
+      }
+    }
     const Counts global = s_.global_aux > 0.0 ? global_counts(s_.running ? k : in_.ga - 1) : Counts(layers_, experts_);
     float held = 0.0f;  // the micro-batch's sequences holding a valid token
     for (std::size_t q = 0; q < sequences; ++q) held += per_sequence.at(q * layers_)[experts_] > 0.0f ? 1.0f : 0.0f;
@@ -252,6 +257,7 @@ class Router {
     out.logged_num_tokens = rows[0];
     for (std::size_t j = 0; j < statistics_.size(); ++j) out.logged_statistics[j] = totals[1 + j];
     out.logged_statistics_count = static_cast<std::int32_t>(statistics_.size());
+    out.scope_value_count = static_cast<std::int64_t>(in_.ga) * static_cast<std::int64_t>(layers_ * experts_);
   }
 
   const lv_rank_inputs& in_;

@@ -286,6 +286,13 @@ typedef struct lv_rank_outputs {
   int64_t token_value_rows, token_value_columns;      /* set by the plugin: rows and LV_POLICY_VALUES */
   double logged_statistics[LV_MAX_LOGGED_STATISTICS]; /* [LV_POLICY_STAT_*], as the rank logs them */
   int32_t logged_statistics_count;                    /* set by the plugin: LV_POLICY_STATS */
+  /* ---- Appended for the router (within version 1). A kind that judges values per micro-batch scope (a router's
+   * counts per expert of each layer, as the rank holds them after their all-reduce) gets ga x (vocab_end -
+   * vocab_begin) zero-filled doubles here, in the declared memory, micro-batch after micro-batch (NULL and 0 for
+   * other kinds); the plugin sets scope_value_count to what it wrote, or leaves 0 (the check is then not
+   * applicable). */
+  double* scope_values;
+  int64_t scope_value_count;
 } lv_rank_outputs;
 
 typedef struct lv_plugin {

@@ -172,9 +172,11 @@ class MicroBatchDump:
     def where(self):
         return f"{self.rank_dump.where}, micro-batch {self.index}"
 
-    def finish(self, grad_logits, token_loss=None, token_logprob=None, token_entropy=None):
+    def finish(self, grad_logits, token_loss=None, token_logprob=None, token_entropy=None, counts=None):
         """Record the outputs; report any input the implementation modified in place since `begin`.
-        token_logprob, token_entropy: a policy loss's per-token log-probabilities and entropies [rows]."""
+        token_logprob, token_entropy: a policy loss's per-token log-probabilities and entropies [rows]; counts: a
+        router's counts per expert of the micro-batch's scope as the rank holds them after their all-reduce, one per
+        column of a row ([layers, experts] or flat)."""
         if self.finished:
             raise DumpError(f"{self.where}: finish() called twice")
         if grad_logits is None:
@@ -187,6 +189,14 @@ class MicroBatchDump:
                                                        "before the call")
         self._live = {}
         self.tensors["grad_logits"] = _snapshot(grad_logits)
+        if counts is not None:
+            width = self.rank_dump.writer.vocab
+            if not isinstance(counts, torch.Tensor) or counts.numel() != width:
+                described = (f"{counts.dtype} {list(counts.shape)}" if isinstance(counts, torch.Tensor)
+                             else type(counts).__name__)
+                raise DumpError(f"{self.where}: counts must hold one value per column of a row ({width}), got "
+                                f"{described}")
+            self.tensors["counts"] = _snapshot(counts).reshape(width).double()
         for name, value in (("token_loss", token_loss), ("token_logprob", token_logprob),
                             ("token_entropy", token_entropy)):
             if value is not None:
@@ -351,6 +361,9 @@ class RankDump:
                 del mb.tensors[name]
             for name in names - set(mb.tensors):
                 like = filled[0].tensors[name]
+                if name == "counts":  # a scope without tokens counts none
+                    mb.tensors[name] = torch.zeros_like(like)
+                    continue
                 mb.tensors[name] = like.new_empty((0, width) if like.dim() == 2 else (0,))
 
     def write(self):

@@ -41,6 +41,9 @@ class KindInputs:
     # Statistics logged per block when a row holds several (a router's aux_loss.layer0, z_loss.layer0, ...), after
     # logged_statistics.
     block_statistics: tuple = ()
+    # The name of the values a rank reports per micro-batch scope, one per column of a row (a router's "counts" per
+    # expert of each layer, as the rank holds them after their all-reduce); None: none.
+    scope_values: str = None
 
     def blocks(self, loss):
         """How many blocks a row of the loss section `loss` (a dict or a LossConfig) holds."""
@@ -99,4 +102,4 @@ register_kind("policy", KindInputs(labels=True, teacher_logits=False,
                                    token_quantities=("logprob", "entropy")))
 register_kind("router", KindInputs(labels=False, teacher_logits=False, logged_statistics=("aux_loss", "z_loss"),
                                    whole_rows=True, column_axis="experts", row_blocks="layers",
-                                   block_statistics=("aux_loss", "z_loss")))
+                                   block_statistics=("aux_loss", "z_loss"), scope_values="counts"))

@@ -327,6 +327,13 @@ def router_detached_aux(logits, labels, ctx):
     return RouterLosses(aux=(terms.aux + terms.sequence_aux).detach(), z=terms.z)
 
 
+def router_counts_of_one_layer(logits, labels, ctx):
+    from lossverify.torch import RouterLosses
+    from lossverify.torch.implementations import router_terms
+    terms = router_terms(logits, ctx)
+    return RouterLosses(aux=terms.aux + terms.sequence_aux, z=terms.z, counts=terms.counts[0])
+
+
 def router_losses_on_cross_entropy(logits, labels, ctx):
     from lossverify.torch import RouterLosses
     return RouterLosses(aux=logits.float().sum().reshape(1))

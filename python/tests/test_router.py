@@ -26,7 +26,7 @@ class RouterResultsTest(unittest.TestCase):
                 report.assert_pass()
                 # every check a router case has was judged: per-token losses, the logged loss, the gradient and the
                 # logged aux and z values (per layer where there are several)
-                for check in ("loss", "grad", "stats"):
+                for check in ("loss", "grad", "counts", "stats"):
                     self.assertEqual(report.checks[check].verdict, "pass", report.table())
 
     def test_shares_without_per_token_losses_judge_the_logged_loss(self):
@@ -34,6 +34,8 @@ class RouterResultsTest(unittest.TestCase):
         report.assert_pass()
         self.assertEqual(report.checks["loss"].verdict, "pass", report.table())
         self.assertIn("no per-token losses in the dump", report.checks["loss"].summary)
+        self.assertEqual(report.checks["counts"].verdict, "not_applicable", report.table())
+        self.assertIn("no counts in the dump", report.checks["counts"].summary)
 
     def test_a_sweep_over_sequence_parallelism_is_invariant(self):
         layouts = ["tp1-cp2-dp1-ga2", "tp2-cp2-dp1-ga2", "tp2-sp-cp2-dp1-ga2", "tp4-sp-cp1-dp1-ga2"]
@@ -48,6 +50,8 @@ class RouterResultsTest(unittest.TestCase):
                                                r"value per layer \[2\]"),
             (fns.router_without_z, SP, r"RouterLosses\(z=None\), but the case's z_loss_coef is 0.001"),
             (fns.router_detached_aux, SP, r"RouterLosses\(aux=\.\.\.\) does not require grad"),
+            (fns.router_counts_of_one_layer, SP, r"RouterLosses\(counts=\.\.\.\) must be a tensor of one count per "
+                                                 r"expert of each layer \(\[2, 16\]\)"),
             (fns.router_losses_on_cross_entropy, "smoothing-pytorch",
              "returned RouterLosses, but the case's loss is cross_entropy"),
         ]

@@ -495,8 +495,14 @@ class _StepLog:
             token_loss = None
         per_token = {}
         valid = ctx.loss_mask
+        scope = kind_inputs(self.loss.kind).scope_values
         for name, value in result.token_values.items():
             if value is None:
+                continue
+            if name == scope:
+                if not isinstance(value, torch.Tensor) or value.numel() != ctx.vocab_size:
+                    fail(f"Reduced({name}=...) must be a tensor of one value per column of a row ({ctx.vocab_size})")
+                per_token[name] = value.detach()
                 continue
             if name not in self.token_quantities:
                 fail(f"Reduced({name}=...) is not a per-token quantity of the case's loss {self.loss.kind} (its: "

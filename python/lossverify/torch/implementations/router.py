@@ -95,11 +95,13 @@ def _global_counts(ctx, score, top_k):
 @dataclass
 class RouterTerms:
     """One micro-batch's shares on this rank, per layer [layers]: the aux and global aux terms, the sequence aux
-    term and the z-loss; and each row's own part of them summed over layers, l_t [rows] (0 on masked rows)."""
+    term and the z-loss; each row's own part of them summed over layers, l_t [rows] (0 on masked rows); and the scope's
+    counts per expert [layers, E] as the rank holds them after their all-reduce."""
     aux: torch.Tensor
     sequence_aux: torch.Tensor
     z: torch.Tensor
     token_loss: torch.Tensor
+    counts: torch.Tensor
 
 
 def router_terms(logits, ctx, bugs=RouterBugs()):
@@ -151,13 +153,15 @@ def router_terms(logits, ctx, bugs=RouterBugs()):
     z_rows = (loss.z_loss_coef / tokens) * vlse * vlse
     token_loss = torch.zeros(valid.shape[0], dtype=torch.float32, device=z.device)
     token_loss[valid] = (aux_rows + sequence_rows + z_rows).detach().sum(dim=1)
-    return RouterTerms(aux_rows.sum(dim=0), sequence_rows.sum(dim=0), z_rows.sum(dim=0), token_loss)
+    return RouterTerms(aux_rows.sum(dim=0), sequence_rows.sum(dim=0), z_rows.sum(dim=0), token_loss,
+                       scope[:, :width].clone())
 
 
 def router_losses(logits, labels, ctx):
     """The correct router: RouterLosses of this rank's shares (the harness applies the scaling contract)."""
     terms = router_terms(logits, ctx)
-    return RouterLosses(aux=terms.aux + terms.sequence_aux, z=terms.z, token_loss=terms.token_loss)
+    return RouterLosses(aux=terms.aux + terms.sequence_aux, z=terms.z, token_loss=terms.token_loss,
+                        counts=terms.counts)
 
 
 def _factors(ctx, bugs):
@@ -213,4 +217,4 @@ def router_step_loss(logits, labels, ctx, bugs=RouterBugs()):
             stats[f"aux_loss.layer{layer}"] = forward * logged_aux[layer]
             stats[f"z_loss.layer{layer}"] = forward * z[layer]
     logged = forward * float((terms.aux + terms.sequence_aux + terms.z).detach().double().sum())
-    return Reduced(objective, token_loss=terms.token_loss, logged=logged, stats=stats)
+    return Reduced(objective, token_loss=terms.token_loss, logged=logged, stats=stats, counts=terms.counts)

@@ -28,15 +28,19 @@ class RouterLosses:
 
     `token_loss` (optional, [rows]): each valid token's own part of the terms summed over layers, l_t = sum over
     layers of sum_e w_e s_te + alpha_z lse(z_t)^2 / T (w_e: the aux terms' weights from the counts), judged token by
-    token (`loss`); masked rows are dumped as 0."""
+    token (`loss`); masked rows are dumped as 0. `counts` (optional, [layers, experts]): the micro-batch scope's
+    counts per expert as the rank holds them after their all-reduce (what a trainer logs as tokens per expert),
+    judged exactly (`counts`)."""
 
-    def __init__(self, aux, z=None, token_loss=None):
+    def __init__(self, aux, z=None, token_loss=None, counts=None):
         self.aux = aux
         self.z = z
         self.token_loss = token_loss
+        self.counts = counts
 
     def __repr__(self):
-        return f"RouterLosses(aux={self.aux!r}, z={self.z!r}, token_loss={self.token_loss!r})"
+        return (f"RouterLosses(aux={self.aux!r}, z={self.z!r}, token_loss={self.token_loss!r}, "
+                f"counts={self.counts!r})")
 
 
 def scope_group(ctx):
@@ -125,7 +129,13 @@ class RouterHarness(HarnessKind):
         if result.token_loss is not None:
             token_loss = step.dumped(step.per_token(result.token_loss, "RouterLosses(token_loss=...)", rows, fail,
                                                     False), ctx.loss_mask)
-        return objective, token_loss, {}
+        extra = {}
+        if result.counts is not None:
+            if not isinstance(result.counts, torch.Tensor) or result.counts.numel() != ctx.vocab_size:
+                fail(f"RouterLosses(counts=...) must be a tensor of one count per expert of each layer "
+                     f"([{layers}, {ctx.vocab_size // layers}]), got {result.counts!r:.120}")
+            extra["counts"] = result.counts.detach()
+        return objective, token_loss, extra
 
 
 register_harness_kind("router", RouterHarness())

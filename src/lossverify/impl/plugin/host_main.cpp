@@ -313,6 +313,7 @@ struct Arrays {
   void* grad = nullptr;
   void* token_loss = nullptr;
   void* token_values = nullptr;
+  void* scope_values = nullptr;
   std::vector<std::unique_ptr<memory::Buffer>> device;  // CUDA: inputs, then the kOutputs outputs
 };
 
@@ -333,6 +334,7 @@ Arrays place_arrays(const Run& r, std::byte* region, lv_memory where) {
     a.grad = region + l.grad;
     a.token_loss = region + l.token_loss;
     a.token_values = region + l.token_values;
+    a.scope_values = region + l.scope_values;
     return a;
   }
   memory::select_device(where, r.device);
@@ -358,6 +360,7 @@ Arrays place_arrays(const Run& r, std::byte* region, lv_memory where) {
   a.grad = output(l.grad_bytes);
   a.token_loss = output(l.token_loss_bytes);
   a.token_values = output(l.token_values_bytes);
+  a.scope_values = output(l.scope_values_bytes);
   return a;
 }
 
@@ -452,6 +455,7 @@ void serve_one(const lv_plugin& plugin) {
     out.grad = arrays.grad;
     out.token_loss = static_cast<float*>(arrays.token_loss);
     out.token_values = static_cast<float*>(arrays.token_values);
+    out.scope_values = run.layout.scope_values_bytes > 0 ? static_cast<double*>(arrays.scope_values) : nullptr;
     try {
       done.status = plugin.run_rank(&in, &out, &call.table);
       out.error[sizeof(out.error) - 1] = '\0';
@@ -477,6 +481,7 @@ void serve_one(const lv_plugin& plugin) {
     done.token_value_columns = out.token_value_columns;
     std::copy(std::begin(out.logged_statistics), std::end(out.logged_statistics), done.logged_statistics);
     done.logged_statistics_count = out.logged_statistics_count;
+    done.scope_value_count = out.scope_value_count;
     if (where == LV_MEMORY_CUDA) {
       memory::wait_for_device(where);  // work the plugin left queued on its own streams
       const std::size_t outputs = arrays.device.size() - kOutputs;
@@ -486,6 +491,7 @@ void serve_one(const lv_plugin& plugin) {
       arrays.device[outputs]->download(region + run.layout.grad);
       arrays.device[outputs + 1]->download(region + run.layout.token_loss);
       arrays.device[outputs + 2]->download(region + run.layout.token_values);
+      arrays.device[outputs + 3]->download(region + run.layout.scope_values);
     }
   } catch (const std::exception& e) {  // the host's own CUDA copies failed
     call.open.store(false);

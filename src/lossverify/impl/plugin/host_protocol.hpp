@@ -52,7 +52,7 @@ struct Hello {
 // Byte offsets into the shared region; every array is 64-byte aligned. The three outputs end exactly at a page
 // end with a page the host makes inaccessible after each, and a page before each; the bytes between that
 // page and the output's first byte hold the canary, as do the canary arrays of the region's header.
-inline constexpr int kOutputs = 3;      // grad, token_loss, token_values
+inline constexpr int kOutputs = 4;      // grad, token_loss, token_values, scope_values
 inline constexpr int kTokenInputs = 3;  // old_logprob, ref_logprob, advantages (lv_rank_inputs, in that order)
 
 struct RegionLayout {
@@ -67,6 +67,7 @@ struct RegionLayout {
   std::uint64_t grad = 0, grad_bytes = 0;  // ends at a page end
   std::uint64_t token_loss = 0, token_loss_bytes = 0;
   std::uint64_t token_values = 0, token_values_bytes = 0;  // rows x the kind's per-row values, float32
+  std::uint64_t scope_values = 0, scope_values_bytes = 0;  // ga x the kind's scope values, float64
   std::uint64_t guard_pages[2 * kOutputs] = {};            // before and after each output, in the order above
   std::uint64_t staging = 0, staging_bytes = 0;
   std::uint64_t crash = 0;  // a CrashRecord the host's signal handler fills
@@ -120,6 +121,7 @@ struct Done {
   double logged_loss = 0.0;
   std::int64_t logged_num_tokens = 0;
   std::int64_t token_value_rows = 0, token_value_columns = 0;
+  std::int64_t scope_value_count = 0;
   double logged_statistics[LV_MAX_LOGGED_STATISTICS] = {};
   std::int32_t logged_statistics_count = 0;
   std::int32_t device_guards_intact = 1;  // CUDA outputs: the host checked their canaries on the device

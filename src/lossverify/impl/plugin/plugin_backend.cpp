@@ -172,6 +172,7 @@ class PluginRank {
     sizes.rows = in.rows();
     sizes.grad_bytes = in.logits.size();
     sizes.token_values = kind_of(case_.loss).token_quantities().size();
+    sizes.scope_values = static_cast<std::size_t>(case_.layout.ga * kind_of(case_.loss).scope_values_width(case_));
     layout_ = region_layout(sizes);
     std::uint8_t canary[ph::kCanaryBytes];
     for (std::size_t k = 0; k < ph::kCanaryBytes; k += 8) {
@@ -441,6 +442,16 @@ class PluginRank {
     out_.token_values.resize(static_cast<std::size_t>(rows * values));
     if (values > 0) std::memcpy(out_.token_values.data(), region.at(layout_.token_values), layout_.token_values_bytes);
     out_.logged_stats.assign(done.logged_statistics, done.logged_statistics + statistics);
+    // The kind's scope values where the plugin wrote them (a router's counts); none: the check is not applicable.
+    const auto scope_values = static_cast<std::int64_t>(layout_.scope_values_bytes / 8);
+    if (done.scope_value_count != 0 && done.scope_value_count != scope_values) {
+      fail("wrote " + std::to_string(done.scope_value_count) + " scope values (scope_value_count), but this loss has " +
+           std::to_string(scope_values) + " (" + std::string(kind.scope_values_name()) + ": ga x the row's width)");
+    }
+    if (done.scope_value_count != 0) {
+      out_.scope_values.resize(static_cast<std::size_t>(scope_values));
+      std::memcpy(out_.scope_values.data(), region.at(layout_.scope_values), layout_.scope_values_bytes);
+    }
   }
 
   double collective_seconds(const Communicator& cp) const {

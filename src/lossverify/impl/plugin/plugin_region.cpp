@@ -63,6 +63,8 @@ plugin_host::RegionLayout region_layout(const RegionSizes& s) {
   place(rows * 4, l.token_loss, l.guard_pages[2], l.guard_pages[3]);
   l.token_values_bytes = rows * 4 * s.token_values;
   place(l.token_values_bytes, l.token_values, l.guard_pages[4], l.guard_pages[5]);
+  l.scope_values_bytes = static_cast<std::uint64_t>(s.scope_values) * 8;
+  place(l.scope_values_bytes, l.scope_values, l.guard_pages[6], l.guard_pages[7]);
   l.bytes = at;
   return l;
 }
@@ -88,7 +90,7 @@ SharedRegion::SharedRegion(const plugin_host::RegionLayout& layout, const std::u
   data_ = static_cast<std::byte*>(p);
   for (const auto& [guard, output] :
        {std::pair{layout.guard_pages[0], layout.grad}, std::pair{layout.guard_pages[2], layout.token_loss},
-        std::pair{layout.guard_pages[4], layout.token_values}}) {
+        std::pair{layout.guard_pages[4], layout.token_values}, std::pair{layout.guard_pages[6], layout.scope_values}}) {
     for (std::uint64_t k = slack_begin(guard, layout.page_bytes); k < output; ++k) {
       data_[k] = std::byte{canary_[k % plugin_host::kCanaryBytes]};
     }
@@ -106,7 +108,8 @@ std::string SharedRegion::touched_canary() const {
     const char* name;
   } outputs[] = {{layout_.guard_pages[0], layout_.grad, "gradient buffer (outputs->grad)"},
                  {layout_.guard_pages[2], layout_.token_loss, "per-row loss buffer (outputs->token_loss)"},
-                 {layout_.guard_pages[4], layout_.token_values, "per-row value buffer (outputs->token_values)"}};
+                 {layout_.guard_pages[4], layout_.token_values, "per-row value buffer (outputs->token_values)"},
+                 {layout_.guard_pages[6], layout_.scope_values, "scope value buffer (outputs->scope_values)"}};
   for (const auto& o : outputs) {
     for (std::uint64_t k = slack_begin(o.guard, layout_.page_bytes); k < o.output; ++k) {
       if (data_[k] != std::byte{canary_[k % plugin_host::kCanaryBytes]}) return o.name;
@@ -125,7 +128,10 @@ std::string SharedRegion::guard_hit(std::uint64_t offset) const {
                         "past the end of its per-row loss buffer (outputs->token_loss)",
                         "outside its output buffers, between its per-row loss (outputs->token_loss) and per-row "
                         "value (outputs->token_values) buffers",
-                        "past the end of its per-row value buffer (outputs->token_values)"};
+                        "past the end of its per-row value buffer (outputs->token_values)",
+                        "outside its output buffers, between its per-row value (outputs->token_values) and scope "
+                        "value (outputs->scope_values) buffers",
+                        "past the end of its scope value buffer (outputs->scope_values)"};
   for (int k = 0; k < 2 * plugin_host::kOutputs; ++k) {
     if (offset >= layout_.guard_pages[k] && offset < layout_.guard_pages[k] + layout_.page_bytes) return what[k];
   }

@@ -19,6 +19,7 @@ struct RegionSizes {
   std::int64_t rows = 0;
   std::size_t grad_bytes = 0;
   std::size_t token_values = 0;  // per row: the kind's per-row values (the kind's token_quantities())
+  std::size_t scope_values = 0;  // the kind's values of all micro-batch scopes (LossKind::scope_values_width x ga)
   std::size_t staging_bytes = std::size_t{4} << 20;
 };
 
