@@ -36,7 +36,7 @@ constexpr std::initializer_list<std::string_view> kParameters = {kLocalCounts, k
 
 struct Settings {
   int top_k = 2, layers = 1;
-  bool sigmoid = false, running = false, first = false, divide_by_k = true, per_token = false;
+  bool sigmoid = false, running = false, first = false, divide_by_k = true, per_token = false, pooled = false;
   double aux = 0.0, seq_aux = 0.0, global_aux = 0.0, z = 0.0;
 };
 
@@ -62,6 +62,7 @@ Settings read_settings(const lv_rank_inputs& in) {
   s.first = choice_is(in, "counts", "first");
   s.divide_by_k = setting(in, "divide_by_k").integer != 0;
   s.per_token = choice_is(in, "scaling", "per_token");
+  s.pooled = setting(in, "pool_layers").integer != 0;
   return s;
 }
 
@@ -185,7 +186,13 @@ class Router {
     double backward = forward / framework_factor(in_);
     if (s_.per_token) backward *= n;
     const auto e_count = static_cast<float>(experts_);
-    const float aux_scale = static_cast<float>(s_.aux) * e_count / (divisor_ * tokens * tokens);
+    // pool_layers (transformers): one aux loss over every layer's counts, over layers x tokens.
+    const float aux_tokens = tokens * (s_.pooled ? static_cast<float>(layers_) : 1.0f);
+    const float aux_scale = static_cast<float>(s_.aux) * e_count / (divisor_ * aux_tokens * aux_tokens);
+    std::vector<float> pooled(experts_, 0.0f);
+    for (std::size_t l = 0; s_.pooled && l < layers_; ++l) {
+      for (std::size_t e = 0; e < experts_; ++e) pooled[e] += scope.at(l)[e];
+    }
     const float z_weight = static_cast<float>(s_.z) / tokens;
     const float aux_factor = tp_sum_ && sp_ ? static_cast<float>(in_.tp_size) : 1.0f;
     auto* g = static_cast<float*>(out.grad);
@@ -196,7 +203,7 @@ class Router {
       float loss = 0.0f;
       for (std::size_t l = 0; l < layers_; ++l) {
         const Block& b = blocks[static_cast<std::size_t>(i - begin) * layers_ + l];
-        const float* c = scope.at(l);
+        const float* c = s_.pooled ? pooled.data() : scope.at(l);
         const float* own = per_sequence.at(q * layers_ + l);
         const float* cg = global.at(l);
         const float sequence_tokens = std::max(own[experts_], 1.0f);
@@ -212,7 +219,7 @@ class Router {
         }
         const float z_term = z_weight * b.lse * b.lse;
         loss += dot + z_term;
-        statistics_[0] += forward * dot / static_cast<double>(layers_);
+        statistics_[0] += forward * dot / (s_.pooled ? 1.0 : static_cast<double>(layers_));
         statistics_[1] += forward * z_term / static_cast<double>(layers_);
         if (layers_ > 1) {
           statistics_[2 + 2 * l] += forward * dot;
@@ -304,6 +311,7 @@ const char* const kNames[] = {"router",
                               "router.counts",
                               "router.divide_by_k",
                               "router.scaling",
+                              "router.pool_layers",
                               nullptr};
 
 const lv_plugin kPlugin = {

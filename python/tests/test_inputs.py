@@ -147,7 +147,7 @@ class KindsTest(unittest.TestCase):
             token_quantities=("logprob", "entropy")))
         self.assertEqual(kinds.kind_inputs("router"), kinds.KindInputs(
             labels=False, teacher_logits=False, logged_statistics=("aux_loss", "z_loss"), whole_rows=True,
-            column_axis="experts", row_blocks="layers", block_statistics=("aux_loss", "z_loss")))
+            column_axis="experts", row_blocks="layers", block_statistics=("aux_loss", "z_loss"), scope_values="counts"))
         self.assertEqual(kinds.kind_inputs("router").statistics({"layers": 2}),
                          ("aux_loss", "z_loss", "aux_loss.layer0", "z_loss.layer0", "aux_loss.layer1", "z_loss.layer1"))
         self.assertEqual(set(implementations.TOKEN_LOSS), set(kinds.known_kinds()) - {"router"})

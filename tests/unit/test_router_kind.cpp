@@ -54,8 +54,9 @@ struct Coefficients {
   LD aux, seq_aux, z, global = 0.0L;
   bool running = false;
   bool per_token = false;
-  int counted = 0;    // the experts a token counts for (0: k)
-  LD divisor = 0.0L;  // f_e's divisor (0: k)
+  int counted = 0;      // the experts a token counts for (0: k)
+  LD divisor = 0.0L;    // f_e's divisor (0: k)
+  bool pooled = false;  // one aux loss over every layer's counts, scores and tokens (transformers)
 };
 LD step_loss(const Case& c, const InputSource& inputs, const Coefficients& a, int k, std::int64_t bumped,
              std::int64_t column, LD h) {
@@ -125,6 +126,25 @@ LD step_loss(const Case& c, const InputSource& inputs, const Coefficients& a, in
     }
   }
   const auto ga = static_cast<std::size_t>(c.layout.ga);
+  if (a.pooled) {  // f_e = C_e / (k L T), P_e = S_e / (L T) with C and S summed over the layers
+    for (std::size_t b = 0; b < per_layer.front().size(); ++b) {
+      const LD t_b = per_layer.front()[b].batch.tokens;
+      if (t_b == 0.0L) continue;
+      Sums pooled = fresh();
+      LD z = 0.0L;
+      for (const std::vector<Slot>& slots : per_layer) {
+        for (std::size_t e = 0; e < experts; ++e) {
+          pooled.counts[e] += slots[b].batch.counts[e];
+          pooled.p[e] += slots[b].batch.p[e];
+        }
+        z += a.z / t_b * slots[b].z_sum;
+      }
+      const LD lt = static_cast<LD>(layers) * t_b;
+      const LD loss = a.aux * static_cast<LD>(experts) / (divisor * lt * lt) * dot(pooled.counts, pooled.p) + z;
+      total += loss * (a.per_token ? t_b / step_tokens : 1.0L / (c.layout.dp * c.layout.ga));
+    }
+    return total;
+  }
   for (const std::vector<Slot>& slots : per_layer) {
     for (std::size_t b = 0; b < slots.size(); ++b) {
       const Slot& slot = slots[b];
@@ -190,6 +210,9 @@ TEST_CASE("router: the case names experts and layers, reads its settings from th
   // Six sequences over 4 DP ranks x 2 micro-batches leave slots empty: the global counts' all-reduce could not meet.
   CHECK_THROWS_WITH_AS(testing::make_case(router_case({1, 1, 4, 2, false}, {{"global_aux_coef", 0.01}})),
                        doctest::Contains("the global aux loss needs every micro-batch of every DP rank"), CaseError);
+  CHECK_THROWS_WITH_AS(
+      testing::make_case(router_case({1, 1, 1, 1, false}, {{"pool_layers", true}, {"seq_aux_coef", 0.01}})),
+      doctest::Contains("$.loss.pool_layers: pools the layers of the aux loss only"), CaseError);
 }
 
 TEST_CASE("router: the reference is the step's loss from the definition, and its gradient the finite differences") {
@@ -197,24 +220,28 @@ TEST_CASE("router: the reference is the step's loss from the definition, and its
     std::string counts;
     int layers;
     bool per_token;
-    std::string convention;  // "": top-k counts over k; "first": first choices; "no_k": not divided by k
+    std::string convention;  // "": top-k counts over k; "first": first choices; "no_k": not divided by k; "pooled":
+                             // transformers' layers pooled into one aux loss, not divided by k (aux and z only)
   };
-  for (const Variant& v :
-       {Variant{"step", 1, false, ""}, Variant{"running", 2, false, "first"}, Variant{"step", 2, true, "no_k"}}) {
+  for (const Variant& v : {Variant{"step", 1, false, ""}, Variant{"running", 2, false, "first"},
+                           Variant{"step", 2, true, "no_k"}, Variant{"step", 3, false, "pooled"}}) {
     CAPTURE(v.counts);
     CAPTURE(v.layers);
     CAPTURE(v.per_token);
     CAPTURE(v.convention);
-    const Case c =
-        testing::make_case(router_case({1, 1, 2, 2, false}, {{"z_loss_coef", 0.002},
-                                                             {"seq_aux_coef", 0.003},
-                                                             {"global_aux_coef", 0.005},
-                                                             {"global_counts", v.counts},
-                                                             {"layers", v.layers},
-                                                             {"counts", v.convention == "first" ? "first" : "top_k"},
-                                                             {"divide_by_k", v.convention != "no_k"},
-                                                             {"scaling", v.per_token ? "per_token" : "default"}}));
-    Coefficients a{0.01L, 0.003L, 0.002L, 0.005L, v.counts == "running", v.per_token};
+    const bool pooled = v.convention == "pooled";
+    const Case c = testing::make_case(
+        router_case({1, 1, 2, 2, false}, {{"z_loss_coef", 0.002},
+                                          {"seq_aux_coef", pooled ? 0.0 : 0.003},
+                                          {"global_aux_coef", pooled ? 0.0 : 0.005},
+                                          {"global_counts", v.counts},
+                                          {"layers", v.layers},
+                                          {"counts", v.convention == "first" ? "first" : "top_k"},
+                                          {"divide_by_k", v.convention.empty() || v.convention == "first"},
+                                          {"pool_layers", pooled},
+                                          {"scaling", v.per_token ? "per_token" : "default"}}));
+    Coefficients a{0.01L, pooled ? 0.0L : 0.003L, 0.002L, pooled ? 0.0L : 0.005L, v.counts == "running", v.per_token};
+    a.pooled = pooled;
     if (v.convention == "first") a.counted = 1;
     if (!v.convention.empty()) a.divisor = 1.0L;
     const InputSource inputs(c);
@@ -255,26 +282,30 @@ TEST_CASE("router: the correct implementation passes with TP replicating tokens,
                                              {2, 2, 2, 2, false}}) {
     for (const std::string score : {"softmax", "sigmoid"}) {
       for (const std::string scaling : {"default", "per_token"}) {
-        CAPTURE(l.tp);
-        CAPTURE(l.cp);
-        CAPTURE(l.dp);
-        CAPTURE(l.ga);
-        CAPTURE(l.sp);
-        CAPTURE(score);
-        CAPTURE(scaling);
-        const RunResult r =
-            testing::run_with(testing::make_case(router_case(l, {{"score", score},
-                                                                 {"z_loss_coef", 0.001},
-                                                                 {"seq_aux_coef", 0.004},
-                                                                 {"layers", 2},
-                                                                 {"counts", score == "sigmoid" ? "first" : "top_k"},
-                                                                 {"divide_by_k", scaling == "default"},
-                                                                 {"scaling", scaling}})),
-                              "correct");
-        CHECK(r.verdict == Verdict::pass);
-        CHECK(testing::check_named(r, "loss").verdict == Verdict::pass);
-        CHECK(testing::check_named(r, "grad").verdict == Verdict::pass);
-        CHECK(testing::check_named(r, "stats").verdict == Verdict::pass);
+        for (const bool pooled : {false, true}) {
+          CAPTURE(l.tp);
+          CAPTURE(l.cp);
+          CAPTURE(l.dp);
+          CAPTURE(l.ga);
+          CAPTURE(l.sp);
+          CAPTURE(score);
+          CAPTURE(scaling);
+          CAPTURE(pooled);
+          const RunResult r =
+              testing::run_with(testing::make_case(router_case(l, {{"score", score},
+                                                                   {"z_loss_coef", 0.001},
+                                                                   {"seq_aux_coef", pooled ? 0.0 : 0.004},
+                                                                   {"layers", 2},
+                                                                   {"pool_layers", pooled},
+                                                                   {"counts", score == "sigmoid" ? "first" : "top_k"},
+                                                                   {"divide_by_k", scaling == "default"},
+                                                                   {"scaling", scaling}})),
+                                "correct");
+          CHECK(r.verdict == Verdict::pass);
+          for (const char* check : {"loss", "grad", "counts", "stats"}) {
+            CHECK(testing::check_named(r, check).verdict == Verdict::pass);
+          }
+        }
       }
     }
   }

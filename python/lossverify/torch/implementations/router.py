@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from lossverify.torch.context import Reduced
-from lossverify.torch.kinds.router import RouterLosses, micro_batch_weight, scope_group
+from lossverify.torch.kinds.router import RouterLosses, logged_aux_divisor, micro_batch_weight, scope_group
 
 __all__ = ["RouterBugs", "router_terms", "router_losses", "router_step_loss"]
 
@@ -136,7 +136,10 @@ def router_terms(logits, ctx, bugs=RouterBugs()):
         ctx.state["router_micro_batch_sequences"] = float((present > 0).sum())
     e = float(width)
     vs, vlse = s[valid], lse[valid]  # [n, layers, E], [n, layers]
-    aux_rows = (vs * scope[:, :width]).sum(dim=2) * (loss.aux_coef * e / (k_div * tokens * tokens))  # [n, layers]
+    # pool_layers (transformers): one aux loss over every layer's counts, over layers x tokens
+    aux_counts = scope[:, :width].sum(dim=0, keepdim=True) if loss.pool_layers else scope[:, :width]
+    aux_tokens = tokens * (layers if loss.pool_layers else 1)
+    aux_rows = (vs * aux_counts).sum(dim=2) * (loss.aux_coef * e / (k_div * aux_tokens * aux_tokens))  # [n, layers]
     own = per_sequence[ids[valid]]  # [n, layers, E + 1]
     sequence_tokens = own[:, :, width].clamp(min=1.0)
     sequence_scale = loss.seq_aux_coef * e / (k_div * sequence_tokens * sequence_tokens * held)
@@ -211,7 +214,7 @@ def router_step_loss(logits, labels, ctx, bugs=RouterBugs()):
     if bugs.log_doubled:
         logged_aux = 2.0 * logged_aux
     z = terms.z.detach().double()
-    stats = {"aux_loss": forward * logged_aux.sum() / layers, "z_loss": forward * z.sum() / layers}
+    stats = {"aux_loss": forward * logged_aux.sum() / logged_aux_divisor(ctx.loss), "z_loss": forward * z.sum() / layers}
     if layers > 1:
         for layer in range(layers):
             stats[f"aux_loss.layer{layer}"] = forward * logged_aux[layer]

@@ -7,7 +7,8 @@ import torch.distributed as dist
 
 from lossverify.torch.kinds import HarnessKind, register_harness_kind
 
-__all__ = ["RouterLosses", "RouterHarness", "scope_group", "micro_batch_weight", "backward_weight"]
+__all__ = ["RouterLosses", "RouterHarness", "scope_group", "micro_batch_weight", "backward_weight",
+           "logged_aux_divisor"]
 
 
 class RouterLosses:
@@ -54,6 +55,12 @@ def micro_batch_weight(ctx):
     if ctx.loss.scaling == "per_token":
         return ctx.scope_tokens[ctx.micro_batch] / max(ctx.num_valid_tokens, 1)
     return 1.0 / (ctx.dp_size * ctx.ga)
+
+
+def logged_aux_divisor(loss):
+    """What the logged aux loss divides the layers' terms by: their mean over layers, or (pool_layers) the one pooled
+    loss itself."""
+    return 1 if loss.pool_layers else int(loss.layers)
 
 
 def backward_weight(ctx):
@@ -116,7 +123,7 @@ class RouterHarness(HarnessKind):
         step.set_mode("router", fail)
         forward = micro_batch_weight(ctx)
         step.logged_parts.append(forward * (aux.detach().double().sum() + z.detach().double().sum()))
-        parts = {"aux_loss": forward * aux.detach().double().sum() / layers,
+        parts = {"aux_loss": forward * aux.detach().double().sum() / logged_aux_divisor(ctx.loss),
                  "z_loss": forward * z.detach().double().sum() / layers}
         if layers > 1:
             for layer in range(layers):

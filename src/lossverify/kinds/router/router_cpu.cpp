@@ -157,7 +157,13 @@ void run(const CpuMicroBatch& mb) {
   const auto divisor = static_cast<float>(aux_k_divisor(o));
   const float k_div = (bugs & router_bug::topk_squared) != 0 ? divisor * divisor : divisor;
   const auto e_count = static_cast<float>(experts);
-  const float aux_scale = static_cast<float>(o.aux_coef) * e_count / (k_div * tokens * tokens);
+  // pool_layers: the aux loss reads every layer's counts summed, over layers x tokens.
+  const float aux_tokens = tokens * static_cast<float>(aux_pooled_layers(o));
+  const float aux_scale = static_cast<float>(o.aux_coef) * e_count / (k_div * aux_tokens * aux_tokens);
+  std::vector<float> pooled(o.pool_layers ? experts : 0, 0.0f);
+  for (std::size_t l = 0; o.pool_layers && l < layers; ++l) {
+    for (std::size_t e = 0; e < experts; ++e) pooled[e] += scope.layer(l)[e];
+  }
   const float z_weight = static_cast<float>(o.z_loss_coef) / tokens;
   const std::vector<float>& row_inputs = mb.plan.kind_plan().row_inputs;
   std::vector<float> weights(experts);  // a c_e + a_s c_s,e / S + a_g c^G_e: the aux terms' weights
@@ -171,7 +177,7 @@ void run(const CpuMicroBatch& mb) {
     float loss = 0.0f;
     for (std::size_t l = 0; l < layers; ++l) {
       const Block& b = blocks[i * layers + l];
-      const float* c = scope.layer(l);
+      const float* c = o.pool_layers ? pooled.data() : scope.layer(l);
       const float* own = per_sequence.layer(sequence_slot(i) * layers + l);
       const float* c_global = global.layer(l);
       const float sequence_tokens = std::fmax(own[experts], 1.0f);
@@ -191,7 +197,7 @@ void run(const CpuMicroBatch& mb) {
       // The logged aux and z values: this rank's share (summed over the ranks holding other tokens afterwards).
       const double logged_aux = (bugs & router_bug::log_doubled) != 0 ? 2.0 * dot : dot;
       const double forward = plan(i).forward_weight;
-      mb.logged_stats[0] += forward * logged_aux / static_cast<double>(layers);
+      mb.logged_stats[0] += forward * logged_aux / logged_aux_divisor(o);
       mb.logged_stats[1] += forward * static_cast<double>(z_term) / static_cast<double>(layers);
       if (layers > 1) {
         mb.logged_stats[2 + 2 * l] += forward * logged_aux;

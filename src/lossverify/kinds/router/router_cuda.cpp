@@ -177,7 +177,13 @@ class RouterCudaRank final : public CudaKindRank {
     const float tokens = std::fmax(scope[experts], 1.0f);
     const auto divisor = static_cast<float>(aux_k_divisor(options_));
     const float k_div = (bugs & router_bug::topk_squared) != 0 ? divisor * divisor : divisor;
-    const float aux_scale = static_cast<float>(options_.aux_coef) * e_count / (k_div * tokens * tokens);
+    // pool_layers: the aux loss reads every layer's counts summed, over layers x tokens.
+    const float aux_tokens = tokens * static_cast<float>(aux_pooled_layers(options_));
+    const float aux_scale = static_cast<float>(options_.aux_coef) * e_count / (k_div * aux_tokens * aux_tokens);
+    std::vector<float> pooled(options_.pool_layers ? experts : 0, 0.0f);
+    for (std::size_t l = 0; options_.pool_layers && l < layers; ++l) {
+      for (std::size_t e = 0; e < experts; ++e) pooled[e] += scope[l * width + e];
+    }
     const bool with_sequences = !per_sequence.empty();
     const std::vector<float> none(width, 0.0f);
     float held = 0.0f;  // the micro-batch's sequences that hold a valid token
@@ -190,7 +196,7 @@ class RouterCudaRank final : public CudaKindRank {
     w.sequence.assign(w.all.size(), 0.0f);
     for (std::size_t j = 0; j < sequences; ++j) {
       for (std::size_t l = 0; l < layers; ++l) {
-        const float* c = &scope[l * width];
+        const float* c = options_.pool_layers ? pooled.data() : &scope[l * width];
         const float* own = with_sequences ? &per_sequence[(j * layers + l) * width] : none.data();
         const float* c_global = &global[l * width];
         const float sequence_tokens = std::fmax(own[experts], 1.0f);
@@ -225,7 +231,7 @@ class RouterCudaRank final : public CudaKindRank {
         loss += dot + z_term;
         const double logged_aux = doubled ? 2.0 * dot : dot;
         const double forward = p.forward_weight;
-        out.logged_stats[0] += forward * logged_aux / static_cast<double>(layers);
+        out.logged_stats[0] += forward * logged_aux / logged_aux_divisor(options_);
         out.logged_stats[1] += forward * static_cast<double>(z_term) / static_cast<double>(layers);
         if (layers > 1) {
           out.logged_stats[2 + 2 * l] += forward * logged_aux;

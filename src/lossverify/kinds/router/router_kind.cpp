@@ -64,6 +64,9 @@ class RouterKind final : public LossKind {
             .described("the aux terms' counts: every routed expert, or first choices only (f_e = c1_e / T)"),
         boolean_setting("divide_by_k", &O::divide_by_k, true)
             .described("f_e = c_e / (k T), or c_e / T (k times the Switch form, as transformers writes it)"),
+        boolean_setting("pool_layers", &O::pool_layers, false)
+            .described("one aux loss over every layer's counts and scores pooled (transformers), not one per layer")
+            .shrinks_as("one aux loss per layer"),
         choice_setting("scaling", &O::scaling, std::array{O::Scaling::standard, O::Scaling::per_token},
                        O::Scaling::standard)
             .described("default: the mean of the micro-batches' losses; per_token: each weighs T_S / N and the "
@@ -85,6 +88,12 @@ class RouterKind final : public LossKind {
           }
         }
       }
+    }
+    const RouterOptions& o = router_options(c.loss);
+    if (o.pool_layers && (o.seq_aux_coef > 0.0 || o.global_aux_coef > 0.0)) {
+      detail::fail_at(c.source, "$.loss.pool_layers",
+                      "pools the layers of the aux loss only (as transformers does): the sequence and global aux "
+                      "losses are per layer, so their coefficients must be 0");
     }
     const std::int64_t experts = c.shape.vocab / router_options(c.loss).layers;
     if (router_options(c.loss).top_k >= experts) {

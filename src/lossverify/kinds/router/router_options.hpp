@@ -27,6 +27,9 @@ struct RouterOptions final : KindOptions {
   enum class Counts { top_k, first };
   Counts counts = Counts::top_k;
   bool divide_by_k = true;
+  // One aux loss per layer (the layers' losses add), or one over every layer's counts and scores pooled (transformers'
+  // load_balancing_loss_func concatenates the layers' router logits): c_e summed over layers and T = layers x tokens.
+  bool pool_layers = false;
   // default: the step averages its DP x GA micro-batches' losses, the framework's grad_reduce / ga_reduce apply;
   // per_token: each micro-batch's loss weighs its share T_S / N of the step's valid tokens, and the framework divides
   // every gradient by N after its reduction (Megatron's calculate_per_token_loss).
@@ -42,5 +45,9 @@ std::string_view to_string(RouterOptions::Counts);
 // The divisor of the aux terms' f_e = c_e / (divisor T): k, or 1 where the case counts first choices or does not
 // divide by k.
 double aux_k_divisor(const RouterOptions& o);
+// The layers whose counts one aux loss reads: 1, or every layer when they are pooled.
+inline int aux_pooled_layers(const RouterOptions& o) { return o.pool_layers ? o.layers : 1; }
+// What the logged aux loss divides the layers' terms by: their mean over layers, or (pooled) the one loss itself.
+inline double logged_aux_divisor(const RouterOptions& o) { return o.pool_layers ? 1.0 : o.layers; }
 
 }  // namespace lossverify

@@ -44,6 +44,13 @@ class RouterReference final : public KindReference {
         scopes_(layers_) {
     route(c, inputs);
     for (LayerScopes& layer : scopes_) layer.global = global_counts(c, layer.batch);
+    if (options_.pool_layers) {  // one aux loss over every layer's counts and tokens (transformers)
+      for (std::size_t b = 0; b < scopes_.front().batch.size(); ++b) {
+        router::ScopeSums pooled(experts_);
+        for (const LayerScopes& layer : scopes_) pooled.merge(layer.batch[b]);
+        pooled_.push_back(std::move(pooled));
+      }
+    }
     const double n = static_cast<double>(valid_tokens_);
     for (const router::ScopeSums& scope : scopes_.front().batch) {
       scope_weight_.push_back(options_.scaling == RouterOptions::Scaling::per_token
@@ -88,7 +95,7 @@ class RouterReference final : public KindReference {
         out[3 + 2 * l] = share * terms[2 * l + 1];
       }
     }
-    out[0] = share * aux / static_cast<double>(layers_);
+    out[0] = share * aux / logged_aux_divisor(options_);
     out[1] = share * z / static_cast<double>(layers_);
   }
   void gradient(std::int64_t token, const RowStats&, double weight, std::int64_t, std::span<const double> logits,
@@ -119,7 +126,7 @@ class RouterReference final : public KindReference {
     const double share = static_cast<double>(valid_tokens_) * scope_weight_[scope_of_.at(token)];
     const double* bound = &tie_terms_[term_of_.at(token) * layers_];
     for (std::size_t l = 0; l < layers_; ++l) {
-      out[0] += share * bound[l] / static_cast<double>(layers_);
+      out[0] += share * bound[l] / logged_aux_divisor(options_);
       if (layers_ > 1) out[2 + 2 * l] = share * bound[l];
     }
   }
@@ -266,7 +273,7 @@ class RouterReference final : public KindReference {
     const LayerScopes& scopes = scopes_[layer];
     const std::size_t b = scope_of_.at(token);
     const std::size_t j = sequence_of_.at(token);
-    const router::ScopeSums& scope = scopes.batch[b];
+    const router::ScopeSums& scope = options_.pool_layers ? pooled_[b] : scopes.batch[b];
     const router::ScopeSums& sequence = scopes.sequences[j];
     const router::ScopeSums& global = scopes.global[b];
     const double k = aux_k_divisor(options_);
@@ -286,7 +293,8 @@ class RouterReference final : public KindReference {
 
   const RouterOptions options_;
   std::size_t layers_, experts_, ga_;
-  std::vector<LayerScopes> scopes_;                            // per layer
+  std::vector<LayerScopes> scopes_;        // per layer
+  std::vector<router::ScopeSums> pooled_;  // per micro-batch scope, every layer's counts and tokens (pool_layers)
   std::unordered_map<std::int64_t, std::size_t> scope_of_;     // token -> micro-batch scope
   std::unordered_map<std::int64_t, std::size_t> sequence_of_;  // token -> sequence scope
   std::vector<double> sequence_weight_;  // per sequence scope: 1 / its micro-batch's sequences holding a valid token
