@@ -153,18 +153,7 @@ void run(const CpuMicroBatch& mb) {
   float held = 0.0f;  // the micro-batch's sequences that hold a valid token
   for (std::size_t j = 0; j < sequences.size(); ++j)
     held += per_sequence.layer(j * layers)[experts] > 0.0f ? 1.0f : 0.0f;
-  const float tokens = std::fmax(scope.layer(0)[experts], 1.0f);
-  const auto divisor = static_cast<float>(aux_k_divisor(o));
-  const float k_div = (bugs & router_bug::topk_squared) != 0 ? divisor * divisor : divisor;
-  const auto e_count = static_cast<float>(experts);
-  // pool_layers: the aux loss reads every layer's counts summed, over layers x tokens.
-  const float aux_tokens = tokens * static_cast<float>(aux_pooled_layers(o));
-  const float aux_scale = static_cast<float>(o.aux_coef) * e_count / (k_div * aux_tokens * aux_tokens);
-  std::vector<float> pooled(o.pool_layers ? experts : 0, 0.0f);
-  for (std::size_t l = 0; o.pool_layers && l < layers; ++l) {
-    for (std::size_t e = 0; e < experts; ++e) pooled[e] += scope.layer(l)[e];
-  }
-  const float z_weight = static_cast<float>(o.z_loss_coef) / tokens;
+  const AuxScales scales = aux_scales(o, bugs, std::span<const float>(scope.values), experts, layers);
   const std::vector<float>& row_inputs = mb.plan.kind_plan().row_inputs;
   std::vector<float> weights(experts);  // a c_e + a_s c_s,e / S + a_g c^G_e: the aux terms' weights
   for (std::size_t i = 0; i < n; ++i) {
@@ -177,22 +166,18 @@ void run(const CpuMicroBatch& mb) {
     float loss = 0.0f;
     for (std::size_t l = 0; l < layers; ++l) {
       const Block& b = blocks[i * layers + l];
-      const float* c = o.pool_layers ? pooled.data() : scope.layer(l);
+      const float* c = scales.counts(scope.layer(l));
       const float* own = per_sequence.layer(sequence_slot(i) * layers + l);
       const float* c_global = global.layer(l);
-      const float sequence_tokens = std::fmax(own[experts], 1.0f);
-      const float sequence_scale = static_cast<float>(o.seq_aux_coef) * e_count /
-                                   (k_div * sequence_tokens * sequence_tokens * std::fmax(held, 1.0f));
-      const float global_scale = c_global[experts] > 0.0f ? static_cast<float>(o.global_aux_coef) * e_count /
-                                                                (divisor * c_global[experts] * tokens)
-                                                          : 0.0f;
+      const float sequence_scale = scales.sequence(own[experts], held);
+      const float global_scale = scales.global(c_global[experts]);
       float dot = 0.0f, sequence_dot = 0.0f;  // <weights, s> and its sequence aux part
       for (std::size_t e = 0; e < experts; ++e) {
-        weights[e] = aux_scale * c[e] + sequence_scale * own[e] + global_scale * c_global[e];
+        weights[e] = scales.aux * c[e] + sequence_scale * own[e] + global_scale * c_global[e];
         dot += weights[e] * b.s[e];
         sequence_dot += sequence_scale * own[e] * b.s[e];
       }
-      const float z_term = z_weight * b.lse * b.lse;
+      const float z_term = scales.z_weight * b.lse * b.lse;
       loss += dot + z_term;
       // The logged aux and z values: this rank's share (summed over the ranks holding other tokens afterwards).
       const double logged_aux = (bugs & router_bug::log_doubled) != 0 ? 2.0 * dot : dot;
@@ -208,7 +193,7 @@ void run(const CpuMicroBatch& mb) {
         const float sequence_weight = sequence_scale * own[e];
         const float aux = b.s[e] * slope * (weights[e] - sequence_weight - (dot - sequence_dot));
         const float sequence_aux = b.s[e] * slope * (sequence_weight - sequence_dot);
-        const float z = 2.0f * z_weight * b.lse * std::exp(b.z[e] - b.lse);
+        const float z = 2.0f * scales.z_weight * b.lse * std::exp(b.z[e] - b.lse);
         g[i * row_width + l * experts + e] = T(w * (f.aux * (aux + f.sequence_aux * sequence_aux) + z));
       }
     }

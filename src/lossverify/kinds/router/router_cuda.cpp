@@ -173,17 +173,7 @@ class RouterCudaRank final : public CudaKindRank {
     const auto experts = static_cast<std::size_t>(experts_);
     const std::size_t width = experts + 1;
     const auto layers = static_cast<std::size_t>(layers_);
-    const auto e_count = static_cast<float>(experts_);
-    const float tokens = std::fmax(scope[experts], 1.0f);
-    const auto divisor = static_cast<float>(aux_k_divisor(options_));
-    const float k_div = (bugs & router_bug::topk_squared) != 0 ? divisor * divisor : divisor;
-    // pool_layers: the aux loss reads every layer's counts summed, over layers x tokens.
-    const float aux_tokens = tokens * static_cast<float>(aux_pooled_layers(options_));
-    const float aux_scale = static_cast<float>(options_.aux_coef) * e_count / (k_div * aux_tokens * aux_tokens);
-    std::vector<float> pooled(options_.pool_layers ? experts : 0, 0.0f);
-    for (std::size_t l = 0; options_.pool_layers && l < layers; ++l) {
-      for (std::size_t e = 0; e < experts; ++e) pooled[e] += scope[l * width + e];
-    }
+    const AuxScales scales = aux_scales(options_, bugs, std::span<const float>(scope), experts, layers);
     const bool with_sequences = !per_sequence.empty();
     const std::vector<float> none(width, 0.0f);
     float held = 0.0f;  // the micro-batch's sequences that hold a valid token
@@ -191,24 +181,20 @@ class RouterCudaRank final : public CudaKindRank {
       held += per_sequence[j * layers * width + experts] > 0.0f ? 1.0f : 0.0f;
     }
     Weights w;
-    w.z_weight = static_cast<float>(options_.z_loss_coef) / tokens;
+    w.z_weight = scales.z_weight;
     w.all.assign(std::max<std::size_t>(sequences, 1) * layers * experts, 0.0f);
     w.sequence.assign(w.all.size(), 0.0f);
     for (std::size_t j = 0; j < sequences; ++j) {
       for (std::size_t l = 0; l < layers; ++l) {
-        const float* c = options_.pool_layers ? pooled.data() : &scope[l * width];
+        const float* c = scales.counts(&scope[l * width]);
         const float* own = with_sequences ? &per_sequence[(j * layers + l) * width] : none.data();
         const float* c_global = &global[l * width];
-        const float sequence_tokens = std::fmax(own[experts], 1.0f);
-        const float sequence_scale = static_cast<float>(options_.seq_aux_coef) * e_count /
-                                     (k_div * sequence_tokens * sequence_tokens * std::fmax(held, 1.0f));
-        const float global_scale = c_global[experts] > 0.0f ? static_cast<float>(options_.global_aux_coef) * e_count /
-                                                                  (divisor * c_global[experts] * tokens)
-                                                            : 0.0f;
+        const float sequence_scale = scales.sequence(own[experts], held);
+        const float global_scale = scales.global(c_global[experts]);
         for (std::size_t e = 0; e < experts; ++e) {
           const std::size_t k = (j * layers + l) * experts + e;
           w.sequence[k] = sequence_scale * own[e];
-          w.all[k] = aux_scale * c[e] + w.sequence[k] + global_scale * c_global[e];
+          w.all[k] = scales.aux * c[e] + w.sequence[k] + global_scale * c_global[e];
         }
       }
     }

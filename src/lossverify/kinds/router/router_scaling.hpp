@@ -3,8 +3,10 @@
 // them (MOE.md section 4): one place for the CPU and CUDA implementations. Every factor is a constant of the
 // micro-batch: it reads the plan's counts for its rows (kRouterRowInputs) and the micro-batch's sequence count.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <span>
+#include <vector>
 
 #include "lossverify/case/case.hpp"
 #include "lossverify/kinds/router/router_options.hpp"
@@ -41,6 +43,49 @@ inline RouterFactors router_factors(std::uint64_t bugs, const LayoutSpec& layout
     f.all *= own_tokens * static_cast<float>(sharing) / scope_tokens;
   }
   return f;
+}
+
+// The scales of one micro-batch's aux terms and z-loss in float32, as a trainer computes them from its scope's counts
+// ([c_e..., T] per layer, after their all-reduce), shared by the CPU and CUDA implementations: a token's aux weights in
+// layer l are aux c_e (c pooled over layers under pool_layers) + sequence(S, H) c_s,e + global(T^G) c^G_e.
+struct AuxScales {
+  float tokens = 1.0f;    // T of the scope (at least 1)
+  float aux = 0.0f;       // alpha E / (k (L T)^2), L the pooled layers (1 without pool_layers)
+  float z_weight = 0.0f;  // alpha_z / T
+  float sequence_coef = 0.0f, global_coef = 0.0f, k_div = 1.0f, divisor = 1.0f, experts = 1.0f;
+  std::vector<float> pooled;  // every layer's counts summed (pool_layers), else empty
+  // The aux term's counts of layer l: its own, or the pooled ones.
+  const float* counts(const float* layer) const { return pooled.empty() ? layer : pooled.data(); }
+  // The sequence aux term's scale for a sequence of S valid tokens among the micro-batch's H that hold one.
+  float sequence(float sequence_tokens, float held) const {
+    const float s = std::fmax(sequence_tokens, 1.0f);
+    return sequence_coef * experts / (k_div * s * s * std::fmax(held, 1.0f));
+  }
+  // The global aux term's scale for T^G tokens of the global counts (0: none).
+  float global(float global_tokens) const {
+    return global_tokens > 0.0f ? global_coef * experts / (divisor * global_tokens * tokens) : 0.0f;
+  }
+};
+inline AuxScales aux_scales(const RouterOptions& o, std::uint64_t bugs, std::span<const float> scope,
+                            std::size_t experts, std::size_t layers) {
+  AuxScales a;
+  const std::size_t width = experts + 1;
+  a.tokens = std::fmax(scope[experts], 1.0f);
+  a.divisor = static_cast<float>(aux_k_divisor(o));
+  a.k_div = (bugs & router_bug::topk_squared) != 0 ? a.divisor * a.divisor : a.divisor;
+  a.experts = static_cast<float>(experts);
+  const float aux_tokens = a.tokens * static_cast<float>(aux_pooled_layers(o));
+  a.aux = static_cast<float>(o.aux_coef) * a.experts / (a.k_div * aux_tokens * aux_tokens);
+  a.z_weight = static_cast<float>(o.z_loss_coef) / a.tokens;
+  a.sequence_coef = static_cast<float>(o.seq_aux_coef);
+  a.global_coef = static_cast<float>(o.global_aux_coef);
+  if (o.pool_layers) {
+    a.pooled.assign(experts, 0.0f);
+    for (std::size_t l = 0; l < layers; ++l) {
+      for (std::size_t e = 0; e < experts; ++e) a.pooled[e] += scope[l * width + e];
+    }
+  }
+  return a;
 }
 
 // The router's settings as an implementation reads them: moe-aux-global-topk reads a global top_k.
