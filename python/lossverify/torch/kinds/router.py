@@ -24,8 +24,8 @@ class RouterLosses:
 
     The harness weighs the micro-batch as the case's scaling says (default: 1/(DP GA); per_token: its share T_S / N
     of the step's valid tokens, with the framework's division by N after the reduction), divides by the framework
-    factor, back-propagates into the logits, and logs L, aux_loss and z_loss (each the mean over layers) and, with
-    several layers, each layer's.
+    factor, back-propagates into the logits, and logs L, aux_loss and z_loss (each the mean over layers; under
+    pool_layers aux_loss is the one pooled loss) and, with several layers, each layer's.
 
     `token_loss` (optional, [rows]): each valid token's own part of the terms summed over layers, l_t = sum over
     layers of sum_e w_e s_te + alpha_z lse(z_t)^2 / T (w_e: the aux terms' weights from the counts), judged token by
