@@ -10,6 +10,7 @@
 #include "lossverify/cuda/cuda_check.hpp"
 #include "lossverify/cuda/shard_inputs.hpp"
 #include "lossverify/cuda/storage.hpp"
+#include "lossverify/impl/cuda/cuda_backend.hpp"
 #include "lossverify/inputs/philox_stream.hpp"
 
 namespace lossverify::cuda::bench_timing {
@@ -24,6 +25,21 @@ struct Buffer {
   T* as() const {
     return static_cast<T*>(p);
   }
+};
+
+// The benchmark's GPU, checked and made current, its properties, and a stream that is destroyed with it.
+struct BenchDevice {
+  cudaDeviceProp prop{};
+  cudaStream_t stream = nullptr;
+  explicit BenchDevice(int device) {
+    require_device(device);
+    LV_CUDA(cudaSetDevice(device));
+    LV_CUDA(cudaGetDeviceProperties(&prop, device));
+    LV_CUDA(cudaStreamCreate(&stream));
+  }
+  ~BenchDevice() { cudaStreamDestroy(stream); }
+  BenchDevice(const BenchDevice&) = delete;
+  BenchDevice& operator=(const BenchDevice&) = delete;
 };
 
 inline double median(std::vector<double> v) {

@@ -20,12 +20,9 @@ using bench_timing::Buffer;
 using bench_timing::time_ms;
 
 nlohmann::json bench(const BenchOptions& o) {
-  require_device(o.device);
-  LV_CUDA(cudaSetDevice(o.device));
-  cudaDeviceProp prop{};
-  LV_CUDA(cudaGetDeviceProperties(&prop, o.device));
-  cudaStream_t stream;
-  LV_CUDA(cudaStreamCreate(&stream));
+  const bench_timing::BenchDevice gpu(o.device);
+  const cudaDeviceProp& prop = gpu.prop;
+  cudaStream_t stream = gpu.stream;
   const std::int64_t rows = o.tokens;
   const std::int64_t cols = o.vocab;  // the rank's shard width
   const std::size_t element = dtype_size(o.dtype);
@@ -121,7 +118,6 @@ nlohmann::json bench(const BenchOptions& o) {
              {{"rows_sampled", bench_check::kSampledRows},
               {"worst_ulp_beyond_atol", worst_ulp},
               {"pass", worst_ulp <= 1.0}}}};
-  cudaStreamDestroy(stream);
   return result;
 }
 

@@ -39,7 +39,7 @@ CheckScope route_for_check(const InputSource& inputs, std::int64_t rows, std::in
     router::scores(router::Score::softmax, z, s);
     const router::TopK top = router::top_k(s, kTopK);
     for (int e : top.experts) scope.counts[static_cast<std::size_t>(e)] += 1.0;
-    if (top.margin <= 1e-6 * s[static_cast<std::size_t>(top.experts.back())]) ++scope.ties;
+    if (router::ties(top, s)) ++scope.ties;
   }
   return scope;
 }
@@ -47,12 +47,9 @@ CheckScope route_for_check(const InputSource& inputs, std::int64_t rows, std::in
 }  // namespace
 
 nlohmann::json bench_router(const BenchOptions& o) {
-  require_device(o.device);
-  LV_CUDA(cudaSetDevice(o.device));
-  cudaDeviceProp prop{};
-  LV_CUDA(cudaGetDeviceProperties(&prop, o.device));
-  cudaStream_t stream;
-  LV_CUDA(cudaStreamCreate(&stream));
+  const bench_timing::BenchDevice gpu(o.device);
+  const cudaDeviceProp& prop = gpu.prop;
+  cudaStream_t stream = gpu.stream;
   const std::int64_t rows = o.tokens, experts = o.vocab;
   const auto width = static_cast<std::size_t>(experts) + 1;
   const double copy_tb_s = bench_timing::copy_bandwidth_tb_per_s(o.repeats, stream);
@@ -147,7 +144,6 @@ nlohmann::json bench_router(const BenchOptions& o) {
                                    {"tie_tokens", check.ties},
                                    {"worst_error_over_tolerance", worst},
                                    {"pass", worst <= 1.0}}}};
-  cudaStreamDestroy(stream);
   return result;
 }
 

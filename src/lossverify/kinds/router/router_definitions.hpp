@@ -23,6 +23,12 @@ struct TopK {
   int next = -1;        // the (k+1)-th expert; -1 when k equals the number of experts
 };
 TopK top_k(std::span<const double> scores, int k);
+// A float32 router may route either way a token whose k-th and (k+1)-th scores lie within this much of the k-th
+// (MOE.md section 3; about 8 float32 units: exp, sigmoid and the normaliser are monotone when rounded).
+inline constexpr double kTieWithin = 1e-6;
+inline bool ties(const TopK& routed, std::span<const double> scores) {
+  return routed.margin <= kTieWithin * scores[static_cast<std::size_t>(routed.experts.back())];
+}
 
 // One scope's sums over its valid tokens: c_e (counts of the routing map), T and S_e = sum_t p_te.
 struct ScopeSums {

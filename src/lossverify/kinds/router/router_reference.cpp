@@ -180,7 +180,7 @@ class RouterReference final : public KindReference {
               const router::TopK routed = router::top_k(s, counted_per_token());
               batch[l].add(s, routed);
               own[l].add(s, routed);
-              if (ties(c, inputs, t, l, routed, s)) {
+              if (user_tie(c, inputs, t, l, routed, s)) {
                 batch[l].add_tie(routed);
                 own[l].add_tie(routed);
                 tie_tokens_[t] = 1;
@@ -201,18 +201,15 @@ class RouterReference final : public KindReference {
     }
   }
 
-  // A float32 router may route a token whose k-th and (k+1)-th scores lie within its rounding either way (MOE.md
-  // §3): within 1e-6 of the k-th score (about 8 float32 units; exp, sigmoid and the normaliser are monotone when
-  // rounded, so a float32 router can only make two close scores equal, and then routes the lower index). Generated
-  // logits are refused there (the case's seed or scale moves them apart), so that a run and a dump of its inputs judge
-  // alike. A user's own logits (a dump's, a case's override row) may tie: the token is then counted as moving one count
-  // between those two experts, and every tolerance of the scope widens by the bound that implies.
-  bool ties(const Case& c, const InputSource& inputs, std::int64_t t, std::size_t layer, const router::TopK& routed,
-            std::span<const double> s) const {
-    const double kth = s[static_cast<std::size_t>(routed.experts.back())];
+  // Whether a token ties (router::ties: a float32 router may route it either way, MOE.md §3). Generated logits are
+  // refused there (the case's seed or scale moves them apart), so that a run and a dump of its inputs judge alike. A
+  // user's own logits (a dump's, a case's override row) may tie: the token is then counted as moving one count between
+  // those two experts, and every tolerance of the scope widens by the bound that implies.
+  bool user_tie(const Case& c, const InputSource& inputs, std::int64_t t, std::size_t layer, const router::TopK& routed,
+                std::span<const double> s) const {
+    if (!router::ties(routed, s)) return false;
     const RowOverride* row = inputs.override_of(t);
     const bool users = inputs.is_explicit() || (row != nullptr && !row->logits.empty());
-    if (routed.margin > 1e-6 * kth) return false;
     if (users) return true;
     throw CaseError(c.source + ": token " + std::to_string(t) + "'s " + std::to_string(counted_per_token()) +
                     "-th and next router scores of layer " + std::to_string(layer) +
