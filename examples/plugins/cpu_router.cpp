@@ -4,7 +4,8 @@
 // lv_rank_inputs.settings. Rows are whole on every rank: [layers x E] float32 router logits per token; TP replicates
 // the tokens, or splits them under sequence parallelism (lv_rank_inputs.sequence_parallel).
 //
-// Per micro-batch and layer: the scores (softmax, or sigmoid normalised over the experts), the top-k map, the
+// Per micro-batch and layer: the scores (softmax, or sigmoid normalised over the experts), the top-k map (or the map
+// the router dispatches by: groups and the expert bias, the case's map: routed), the
 // scope's counts and valid tokens all-reduced over CP (and TP under SP), each sequence's too, the global aux loss's
 // counts over every rank (the step's, or micro-batches 0..m), then each token's
 //   l_t = sum over layers of <w, s_t> + alpha_z / T lse(z_t)^2,   w = a c + a_s c_s + a_g c^G
@@ -38,6 +39,9 @@ struct Settings {
   int top_k = 2, layers = 1;
   bool sigmoid = false, running = false, first = false, divide_by_k = true, per_token = false, pooled = false;
   double aux = 0.0, seq_aux = 0.0, global_aux = 0.0, z = 0.0;
+  bool routed_map = false;  // the aux terms count the map the router dispatches by (groups, expert bias)
+  int groups = 1, top_groups = 1;
+  double expert_bias = 0.0;
 };
 
 const lv_setting& setting(const lv_rank_inputs& in, const char* name) {
@@ -63,16 +67,66 @@ Settings read_settings(const lv_rank_inputs& in) {
   s.divide_by_k = setting(in, "divide_by_k").integer != 0;
   s.per_token = choice_is(in, "scaling", "per_token");
   s.pooled = setting(in, "pool_layers").integer != 0;
+  s.routed_map = choice_is(in, "map", "routed");
+  s.groups = static_cast<int>(setting(in, "groups").integer);
+  s.top_groups = static_cast<int>(setting(in, "top_groups").integer);
+  s.expert_bias = setting(in, "expert_bias").number;
   return s;
 }
 
-// One token's layer: the scores, lse(z), and the top-k map (ties to the lower index).
+// One token's layer: the scores, lse(z), and the experts it counts for (ties to the lower index).
 struct Block {
   std::vector<float> s;
   float lse = 0.0f;
   std::vector<int> routed;
 };
-Block score(const float* z, std::size_t experts, bool sigmoid, int k) {
+
+// `order` sorted by decreasing key, ties to the lower index.
+void by_key(std::vector<int>& order, const std::vector<float>& key) {
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int x, int y) { return key[static_cast<std::size_t>(x)] > key[static_cast<std::size_t>(y)]; });
+}
+
+// The map the router dispatches by: keys = routing score (softmax p, or sigmoid sigma(z)) + the expert bias; with
+// groups, the top_groups groups with the largest sums of their top k / top_groups keys hold the token's k experts.
+std::vector<int> dispatch_map(const float* z, const Block& b, const Settings& st, std::size_t layer, std::size_t take) {
+  const std::size_t experts = b.s.size();
+  std::vector<float> key(experts);
+  for (std::size_t e = 0; e < experts; ++e) {
+    const float r = st.sigmoid ? 1.0f / (1.0f + std::exp(-z[e])) : b.s[e];
+    key[e] = r + lv_router_expert_bias(st.expert_bias, static_cast<int64_t>(layer), static_cast<int64_t>(e),
+                                       static_cast<int64_t>(experts));
+  }
+  const auto groups = static_cast<std::size_t>(st.groups);
+  const std::size_t size = experts / groups;
+  std::vector<int> allowed;
+  if (groups > 1) {
+    const auto best = static_cast<std::size_t>(std::max(1, st.top_k / st.top_groups));
+    std::vector<float> group_score(groups, 0.0f);
+    for (std::size_t q = 0; q < groups; ++q) {
+      std::vector<int> members(size);
+      std::iota(members.begin(), members.end(), static_cast<int>(q * size));
+      by_key(members, key);
+      for (std::size_t i = 0; i < best; ++i) group_score[q] += key[static_cast<std::size_t>(members[i])];
+    }
+    std::vector<int> kept(groups);
+    std::iota(kept.begin(), kept.end(), 0);
+    by_key(kept, group_score);
+    kept.resize(static_cast<std::size_t>(st.top_groups));
+    std::sort(kept.begin(), kept.end());
+    for (const int q : kept) {
+      for (std::size_t i = 0; i < size; ++i) allowed.push_back(static_cast<int>(static_cast<std::size_t>(q) * size + i));
+    }
+  } else {
+    allowed.resize(experts);
+    std::iota(allowed.begin(), allowed.end(), 0);
+  }
+  by_key(allowed, key);
+  allowed.resize(take);
+  return allowed;
+}
+
+Block score(const float* z, std::size_t experts, const Settings& st, std::size_t layer, int counted) {
   Block b{std::vector<float>(experts), 0.0f, {}};
   const float max = *std::max_element(z, z + experts);
   float sum = 0.0f;
@@ -80,17 +134,20 @@ Block score(const float* z, std::size_t experts, bool sigmoid, int k) {
   b.lse = max + std::log(sum);
   float total = 0.0f;
   for (std::size_t e = 0; e < experts; ++e) {
-    b.s[e] = sigmoid ? 1.0f / (1.0f + std::exp(-z[e])) : std::exp(z[e] - b.lse);
+    b.s[e] = st.sigmoid ? 1.0f / (1.0f + std::exp(-z[e])) : std::exp(z[e] - b.lse);
     total += b.s[e];
   }
-  if (sigmoid) {
+  if (st.sigmoid) {
     for (float& v : b.s) v /= total;
+  }
+  if (st.routed_map) {
+    b.routed = dispatch_map(z, b, st, layer, static_cast<std::size_t>(counted));
+    return b;
   }
   std::vector<int> order(experts);
   std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int x, int y) { return b.s[static_cast<std::size_t>(x)] > b.s[static_cast<std::size_t>(y)]; });
-  b.routed.assign(order.begin(), order.begin() + k);
+  by_key(order, b.s);
+  b.routed.assign(order.begin(), order.begin() + counted);
   return b;
 }
 
@@ -148,7 +205,7 @@ class Router {
     for (std::int64_t i = 0; i < in_.micro_batch_begin[last + 1]; ++i) {
       if (!valid(i)) continue;
       for (std::size_t l = 0; l < layers_; ++l)
-        g.add(l, score(row(i) + l * experts_, experts_, s_.sigmoid, counted_).routed);
+        g.add(l, score(row(i) + l * experts_, experts_, s_, l, counted_).routed);
     }
     over_batch(g.values.data(), static_cast<std::int64_t>(g.values.size()));
     return g;
@@ -164,7 +221,7 @@ class Router {
       const auto q = static_cast<std::size_t>(in_.sequences[i]);
       for (std::size_t l = 0; l < layers_; ++l) {
         Block& b = blocks[static_cast<std::size_t>(i - begin) * layers_ + l];
-        b = score(row(i) + l * experts_, experts_, s_.sigmoid, counted_);
+        b = score(row(i) + l * experts_, experts_, s_, l, counted_);
         scope.add(l, b.routed);
         per_sequence.add(q * layers_ + l, b.routed);
       }
@@ -312,6 +369,10 @@ const char* const kNames[] = {"router",
                               "router.divide_by_k",
                               "router.scaling",
                               "router.pool_layers",
+                              "router.map",
+                              "router.groups",
+                              "router.top_groups",
+                              "router.expert_bias",
                               nullptr};
 
 const lv_plugin kPlugin = {

@@ -335,6 +335,14 @@ static inline const lv_setting* lv_find_setting(const lv_rank_inputs* inputs, co
   }
   return NULL;
 }
+
+/* The router's expert bias b_le for a case's router.expert_bias beta (docs/spec.md, the routed map): a fixed sequence
+ * in [-beta, beta], fl32(beta (2 frac(j phi) - 1)) with j = layer E + expert + 1 and phi = (sqrt 5 - 1) / 2, in
+ * float64 as lossverify computes it. */
+static inline float lv_router_expert_bias(double beta, int64_t layer, int64_t expert, int64_t experts) {
+  const double u = (double)(layer * experts + expert + 1) * 0.6180339887498949;
+  return (float)(beta * (2.0 * (u - (double)(int64_t)u) - 1.0));
+}
 /* clang-format on */
 
 #ifdef __cplusplus

@@ -306,6 +306,26 @@ def router_shares_only(logits, labels, ctx):
     return RouterLosses(aux=terms.aux + terms.sequence_aux, z=terms.z)
 
 
+class _WithLoss:
+    """A rank's ctx with another loss configuration (the rest read through)."""
+
+    def __init__(self, ctx, loss):
+        self._ctx = ctx
+        self.loss = loss
+
+    def __getattr__(self, name):
+        return getattr(self._ctx, name)
+
+
+def router_plain_map(logits, labels, ctx):
+    """The correct router, but counting the plain top-k of the scores where the case counts the routed map."""
+    from lossverify.torch import RouterLosses
+    from lossverify.torch.implementations import router_terms
+    terms = router_terms(logits, _WithLoss(ctx, ctx.loss.replace(map="top_k")))
+    return RouterLosses(aux=terms.aux + terms.sequence_aux, z=terms.z, token_loss=terms.token_loss,
+                        counts=terms.counts)
+
+
 def router_one_value_too_few(logits, labels, ctx):
     from lossverify.torch import RouterLosses
     from lossverify.torch.implementations import router_terms

@@ -5,6 +5,8 @@ golden suites run `correct` and the 14 router bugs on every shipped router case.
 
 import unittest
 
+import torch
+
 import lossverify.torch as lvt
 import loss_functions as fns
 from lossverify.errors import UserFunctionError
@@ -16,11 +18,12 @@ PER_TOKEN = "moe-per-token-sp-cp2-dp2"  # per-token scaling, sequence aux, tp 2 
 GLOBAL = "moe-global-aux-dp2-ga2"  # global aux with running counts, three layers, dp 2, ga 2
 SIGMOID = "moe-sigmoid-seq-aux"
 REPLICATED = "moe-aux-replicated-tp8-e6"  # tp 8 replicating the tokens of 6 experts
+ROUTED = "moe-routed-groups-bias"  # the routed map: 8 groups of 4 experts, 4 kept, an expert bias
 
 
 class RouterResultsTest(unittest.TestCase):
     def test_the_trainers_own_scaling_passes_every_router_case(self):
-        for name in (SP, PER_TOKEN, GLOBAL, SIGMOID, REPLICATED):
+        for name in (SP, PER_TOKEN, GLOBAL, SIGMOID, REPLICATED, ROUTED):
             with self.subTest(case=name):
                 report = lvt.check(fns.router_reduced, case_path(name), control=False)
                 report.assert_pass()
@@ -36,6 +39,21 @@ class RouterResultsTest(unittest.TestCase):
         self.assertIn("no per-token losses in the dump", report.checks["loss"].summary)
         self.assertEqual(report.checks["counts"].verdict, "not_applicable", report.table())
         self.assertIn("no counts in the dump", report.checks["counts"].summary)
+
+    def test_the_plain_map_fails_where_the_case_counts_the_routed_map(self):
+        report = lvt.check(fns.router_plain_map, case_path(ROUTED), control=False)
+        self.assertEqual(report.verdict, "fail", report.table())
+        for check in ("counts", "loss", "grad"):
+            self.assertEqual(report.checks[check].verdict, "fail", report.table())
+        self.assertEqual(lvt.check(fns.router_plain_map, case_path(SP), control=False).verdict, "pass")
+
+    def test_the_expert_bias_is_the_documented_sequence(self):
+        from lossverify.torch.kinds.router import expert_bias
+        from lossverify.torch.context import LossConfig
+        bias = expert_bias(LossConfig(kind="router", expert_bias=0.5), 2, 8)
+        self.assertEqual(tuple(bias.shape), (2, 8))
+        self.assertEqual(float(bias[0, 0]), float(torch.tensor(0.5 * (2 * 0.6180339887498949 - 1)).float()))
+        self.assertTrue(bool((bias.abs() <= 0.5).all()))
 
     def test_a_sweep_over_sequence_parallelism_is_invariant(self):
         layouts = ["tp1-cp2-dp1-ga2", "tp2-cp2-dp1-ga2", "tp2-sp-cp2-dp1-ga2", "tp4-sp-cp1-dp1-ga2"]

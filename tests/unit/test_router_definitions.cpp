@@ -2,6 +2,7 @@
 // evaluations: each closed-form gradient is the central difference of its loss, the counts held constant.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -77,6 +78,42 @@ TEST_CASE("router: scores, the routing map and its margin follow the definitions
   CHECK(top.margin == doctest::Approx(p[3] - p[0]));
   CHECK(router::top_k(p, 1).margin == 0.0);  // experts 1 and 3 tie: either may be first
   CHECK(std::isinf(router::top_k(p, 5).margin));
+}
+
+TEST_CASE("router: the routed map keeps the best groups by their top keys, then the top-k keys among them") {
+  // 8 experts in 4 groups of 2, top-2 over 2 groups: each group is scored by its best key.
+  // keys:      g0 (0.9, 0.1)  g1 (0.5, 0.45)  g2 (0.8, 0.7)  g3 (0.2, 0.85)
+  const std::vector<double> keys = {0.9, 0.1, 0.5, 0.45, 0.8, 0.7, 0.2, 0.85};
+  const std::vector<double> magnitude(keys.size(), 1.0);
+  router::TopK t = router::routed_top_k(keys, magnitude, {2, 4, 2}, 2);
+  // group scores 0.9, 0.5, 0.8, 0.85: groups 0 and 3; their top-2 keys 0.9 (expert 0) and 0.85 (expert 7)
+  CHECK(t.experts == std::vector<int>{0, 7});
+  CHECK(t.next == 6);  // 0.2, the best key left in the selected groups; expert 4's 0.8 is outside them
+  CHECK(t.margin == doctest::Approx(0.85 - 0.2));
+  CHECK(t.group_margin == doctest::Approx(0.85 - 0.8));
+  // With k = 4 over 2 groups each group is scored by the sum of its top 2 keys: 1.0, 0.95, 1.5, 1.05 -> groups 2 and
+  // 3, so expert 0, the best key, is not routed (the plain top-4 is 0, 7, 4, 5).
+  t = router::routed_top_k(keys, magnitude, {4, 4, 2}, 4);
+  CHECK(t.experts == std::vector<int>{7, 4, 5, 6});
+  CHECK(std::isinf(t.margin));  // the two groups hold exactly k experts
+  CHECK(t.group_margin == doctest::Approx(1.05 - 1.0));
+  CHECK(router::routed_top_k(keys, magnitude, {4, 4, 2}, 1).experts == std::vector<int>{7});  // first choice
+  // One group: the plain top-k of the keys.
+  t = router::routed_top_k(keys, magnitude, {3, 1, 1}, 3);
+  CHECK(t.experts == std::vector<int>{0, 7, 4});
+  CHECK(std::isinf(t.group_margin));
+  // The bias: a fixed sequence in [-beta, beta], float32, zero for beta 0, first value beta (2 frac(phi) - 1).
+  CHECK(router::expert_bias(0.5, 0, 0, 8) == static_cast<float>(0.5 * (2.0 * 0.6180339887498949 - 1.0)));
+  CHECK(router::expert_bias(0.0, 3, 5, 8) == 0.0f);
+  double lowest = 1.0, highest = -1.0;
+  for (int j = 0; j < 4 * 64; ++j) {
+    const double b = router::expert_bias(1.0, j / 64, j % 64, 64);
+    lowest = std::min(lowest, b);
+    highest = std::max(highest, b);
+  }
+  CHECK(lowest >= -1.0);
+  CHECK(highest <= 1.0);
+  CHECK(highest - lowest > 1.9);  // low-discrepancy: the range is covered
 }
 
 TEST_CASE("router: the aux loss is coef E sum_e f_e P_e, and each gradient is its loss's finite difference") {

@@ -14,6 +14,7 @@
 #include "lossverify/impl/catalogue.hpp"
 #include "lossverify/inputs/input_source.hpp"
 #include "lossverify/kinds/router/router_definitions.hpp"
+#include "lossverify/kinds/router/router_options.hpp"
 #include "lossverify/layout/rank_layout.hpp"
 #include "lossverify/reference/loss_reference.hpp"
 #include "lossverify/repro/bundle.hpp"
@@ -497,6 +498,72 @@ TEST_CASE("router: a user's tie tokens widen the scope's tolerances by MOE.md's 
   CHECK(correct.verdict == Verdict::pass);
   CHECK(testing::check_named(correct, "grad").metrics["either_way_tokens"] == 4);
   CHECK(testing::run_with(c, "moe-aux-topk-squared").verdict == Verdict::fail);
+}
+
+
+TEST_CASE("router: the routed map (groups and expert bias) is a convention the reference and the checks see") {
+  const Case routed = load_case_file(std::string(LOSSVERIFY_SOURCE_DIR) + "/cases/moe-routed-groups-bias.json", {});
+  nlohmann::json plain_doc = routed.resolved();
+  plain_doc["loss"]["map"] = "top_k";
+  const Case plain = testing::make_case(plain_doc);
+  const InputSource inputs(routed);
+  // The share of valid (token, layer) maps the groups and the bias move, from the definitions.
+  const RouterOptions& o = router_options(routed.loss);
+  const auto experts = static_cast<std::size_t>(routed.shape.vocab / o.layers);
+  std::vector<float> raw(static_cast<std::size_t>(routed.shape.vocab));
+  std::vector<double> z(experts), s(experts), keys(experts), magnitude(experts);
+  int moved = 0, maps = 0;
+  for (std::int64_t t = 0; t < routed.shape.tokens; ++t) {
+    if (!inputs.is_valid(t)) continue;
+    inputs.logits(t, 0, routed.shape.vocab, raw.data());
+    for (std::size_t l = 0; l < static_cast<std::size_t>(o.layers); ++l) {
+      for (std::size_t e = 0; e < experts; ++e) z[e] = raw[l * experts + e];
+      router::scores(router::Score::sigmoid, z, s);
+      router::routing_scores(router::Score::sigmoid, z, keys);
+      for (std::size_t e = 0; e < experts; ++e) {
+        const double b = router::expert_bias(o.expert_bias, static_cast<std::int64_t>(l), static_cast<std::int64_t>(e),
+                                             static_cast<std::int64_t>(experts));
+        magnitude[e] = keys[e] + std::fabs(b);
+        keys[e] += b;
+      }
+      std::vector<int> a = router::top_k(s, o.top_k).experts;
+      std::vector<int> b = router::routed_top_k(keys, magnitude, {o.top_k, o.groups, o.top_groups}, o.top_k).experts;
+      std::sort(a.begin(), a.end());
+      std::sort(b.begin(), b.end());
+      moved += a != b ? 1 : 0;
+      ++maps;
+    }
+  }
+  const double share = static_cast<double>(moved) / maps;
+  MESSAGE("maps moved by the groups and the bias: " << moved << " of " << maps);
+  CHECK(share > 0.2);
+  CHECK(share < 0.8);
+  // The two conventions' references differ in the counts, the loss and the gradient.
+  const LossReference with_routed(routed, inputs);
+  const InputSource plain_inputs(plain);
+  const LossReference with_plain(plain, plain_inputs);
+  const std::size_t width = static_cast<std::size_t>(routed.shape.vocab);
+  std::vector<double> a(width), b(width), slack(width);
+  with_routed.row().scope_values(0, 0, a, slack);
+  with_plain.row().scope_values(0, 0, b, slack);
+  CHECK(a != b);
+  CHECK(std::accumulate(a.begin(), a.end(), 0.0) == std::accumulate(b.begin(), b.end(), 0.0));  // k per token either way
+  // Both pass their own case; a token whose group selection ties is refused, since every count may move.
+  CHECK(testing::run_with(routed, "correct").verdict == Verdict::pass);
+  CHECK(testing::run_with(plain, "correct").verdict == Verdict::pass);
+  nlohmann::json tie_doc = routed.resolved();
+  std::vector<double> row(width, -4.0);  // layer 0: groups 0 and 1 score alike, all the others far below
+  row[0] = 2.0;
+  row[1] = 1.0;
+  row[4] = 1.0;
+  row[5] = 2.0;
+  tie_doc["inputs"]["overrides"] = {{{"token", 0}, {"logits", row}}};
+  tie_doc["loss"]["top_groups"] = 1;
+  tie_doc["loss"]["expert_bias"] = 0.0;
+  tie_doc["inputs"]["ignore_fraction"] = 0.0;
+  const Case tie = testing::make_case(tie_doc);
+  const InputSource tie_inputs(tie);
+  CHECK_THROWS_WITH_AS(LossReference(tie, tie_inputs), doctest::Contains("expert groups of layer 0"), CaseError);
 }
 
 }  // namespace lossverify

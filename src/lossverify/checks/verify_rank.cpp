@@ -744,6 +744,36 @@ CheckResult stats_result(const RankContext& x, const LossFindings& losses, const
   return r;
 }
 
+// The imbalance of a kind's values per block (a router's max c_e / mean c_e per layer, MOE.md section 1's logged
+// statistic), at the step's worst micro-batch scope: the reference's and, where the ranks reported values, theirs. It
+// is a function of the values the check judges, shown beside them; collective over the world.
+void report_imbalance(const RankContext& x, Communicator& world, std::size_t width, CheckResult& r) {
+  const auto blocks = static_cast<std::size_t>(kind_of(x.c.loss).row_blocks(x.c.loss));
+  const std::size_t block = width / blocks;
+  const auto ga = static_cast<std::size_t>(x.c.layout.ga);
+  std::vector<double> worst(2 * blocks, 0.0);  // [reference..., reported...]
+  auto imbalance = [&](const double* v) {
+    double max = 0.0, sum = 0.0;
+    for (std::size_t e = 0; e < block; ++e) max = std::max(max, v[e]), sum += v[e];
+    return sum > 0.0 ? max * static_cast<double>(block) / sum : 0.0;
+  };
+  std::vector<double> expected(width), slack(width);
+  for (std::size_t k = 0; k < ga; ++k) {
+    x.reference.row().scope_values(x.out.assignment.coordinates.dp, static_cast<int>(k), expected, slack);
+    for (std::size_t b = 0; b < blocks; ++b) {
+      worst[b] = std::max(worst[b], imbalance(&expected[b * block]));
+      if (!x.out.scope_values.empty()) {
+        worst[blocks + b] = std::max(worst[blocks + b], imbalance(&x.out.scope_values[k * width + b * block]));
+      }
+    }
+  }
+  world.allreduce_max(std::span<double>(worst));
+  r.metrics["imbalance"] = {
+      {"definition", "max over experts / mean over experts of each layer's counts, at the worst micro-batch scope"},
+      {"expected", std::vector<double>(worst.begin(), worst.begin() + static_cast<std::ptrdiff_t>(blocks))},
+      {"got", std::vector<double>(worst.begin() + static_cast<std::ptrdiff_t>(blocks), worst.end())}};
+}
+
 // A kind's values per micro-batch scope (a router's counts per expert): each rank's, as it holds them after the
 // scope's collectives, against the reference's, exact within half a unit and the slack of a user's tie tokens.
 // Collective over the world. Not applicable where no rank reported them (a dump without them).
@@ -772,6 +802,7 @@ CheckResult scope_values_result(const RankContext& x, Communicator& world) {
                               "each rank's " + name +
                                   " of every micro-batch scope (a column per value) vs the "
                                   "float64 reference's");
+  report_imbalance(x, world, width, r);
   if (r.verdict == Verdict::not_applicable) r.summary = "no rank reported its " + name;
   return r;
 }

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from lossverify.torch.context import Reduced
-from lossverify.torch.kinds.router import RouterLosses, logged_aux_divisor, micro_batch_weight, scope_group
+from lossverify.torch.kinds.router import (RouterLosses, expert_bias, logged_aux_divisor, micro_batch_weight,
+                                           scope_group)
 
 __all__ = ["RouterBugs", "router_terms", "router_losses", "router_step_loss"]
 
@@ -63,6 +64,36 @@ def _routed(s, k):
     return routed
 
 
+def _routed_map(z, s, loss, top_k, take):
+    """The routed map [rows, layers, E] (MOE.md §1; the case's map: routed), as a router dispatches: keys = the
+    routing scores (softmax p, or sigmoid sigma(z) not normalised) + the expert bias; with groups, each group scored
+    by the sum of its top k / top_groups keys and the best top_groups groups kept; the top-k keys among their experts
+    route the token, and its first `take` of them count."""
+    rows, layers, width = z.shape
+    keys = (s if loss.score == "softmax" else torch.sigmoid(z)) + expert_bias(loss, layers, width, z.device)
+    groups = int(loss.groups)
+    if groups > 1 and rows:
+        size = width // groups
+        best = max(top_k // int(loss.top_groups), 1)
+        group_scores = keys.reshape(rows, layers, groups, size).topk(best, dim=-1).values.sum(dim=-1)
+        chosen = group_scores.topk(int(loss.top_groups), dim=-1).indices
+        kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(-1, chosen, True)
+        keys = keys.masked_fill(~kept.repeat_interleave(size, dim=-1), float("-inf"))
+    routed = torch.zeros_like(s)
+    if rows:
+        routed.scatter_(-1, torch.topk(keys, top_k, dim=-1).indices[..., :take], 1.0)
+    return routed
+
+
+def _token_map(z, s, loss, top_k):
+    """The experts each token counts for [rows, layers, E]: its top-k (or first choice) of the plain map, or of the
+    routed map."""
+    take = 1 if loss.counts == "first" else top_k
+    if loss.map == "routed":
+        return _routed_map(z, s, loss, top_k, take)
+    return _routed(s, take)
+
+
 def _all_sequences(ctx):
     """The step's number of sequences (ids index per-sequence sums)."""
     def compute():
@@ -75,7 +106,7 @@ def _all_sequences(ctx):
     return ctx.state["router_sequences"]
 
 
-def _global_counts(ctx, score, top_k):
+def _global_counts(ctx, top_k):
     """The global aux loss's counts and tokens per layer [layers, E + 1] on this rank: the valid rows of every
     micro-batch (step) or of micro-batches 0..m (running), from the step's router logits (ctx.micro_batches[k].logits,
     as a trainer's pre-pass over the step routes them); all-reduced over the ranks holding other tokens by the
@@ -86,8 +117,9 @@ def _global_counts(ctx, score, top_k):
     sums = torch.zeros(layers, width + 1, dtype=torch.float32, device=ctx.device)
     for mb in ctx.micro_batches[:last]:
         valid = mb.loss_mask
-        s, _ = _scores(mb.logits.float().reshape(-1, layers, width)[valid], score)
-        sums[:, :width] += _routed(s, top_k).sum(dim=0)
+        z = mb.logits.float().reshape(-1, layers, width)[valid]
+        s, _ = _scores(z, ctx.loss.score)
+        sums[:, :width] += _token_map(z, s, ctx.loss, top_k).sum(dim=0)
         sums[:, width] += float(valid.sum())
     return sums
 
@@ -110,7 +142,6 @@ def router_terms(logits, ctx, bugs=RouterBugs()):
     layers = int(loss.layers)
     width = logits.shape[-1] // layers
     top_k = GLOBAL_TOP_K if bugs.global_topk else int(loss.top_k)
-    counted_k = 1 if loss.counts == "first" else top_k
     divisor = 1.0 if loss.counts == "first" or not loss.divide_by_k else float(top_k)
     k_div = divisor * divisor if bugs.topk_squared else divisor
     z = logits.float().reshape(-1, layers, width)
@@ -118,7 +149,7 @@ def router_terms(logits, ctx, bugs=RouterBugs()):
     valid = ctx.loss_mask
     counted = torch.ones_like(valid) if bugs.padding_counted else valid
     with torch.no_grad():
-        routed = _routed(s.detach(), counted_k) * counted.float().reshape(-1, 1, 1)
+        routed = _token_map(z.detach(), s.detach(), loss, top_k) * counted.float().reshape(-1, 1, 1)
         scope = torch.cat([routed.sum(dim=0), counted.float().sum().expand(layers, 1)], dim=1)  # [layers, E + 1]
         sequences = _all_sequences(ctx)
         ids = ctx.sequences.clamp(min=0)
@@ -146,7 +177,7 @@ def router_terms(logits, ctx, bugs=RouterBugs()):
     sequence_rows = sequence_scale * (own[:, :, :width] * vs).sum(dim=2)
     if loss.global_aux_coef > 0:
         with torch.no_grad():
-            c_global = _global_counts(ctx, loss.score, counted_k)
+            c_global = _global_counts(ctx, top_k)
             dist.all_reduce(c_global, group=ctx.batch_group)
         global_tokens = c_global[:, width]
         global_scale = torch.where(global_tokens > 0,

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from lossverify.torch.kinds import HarnessKind, register_harness_kind
 
 __all__ = ["RouterLosses", "RouterHarness", "scope_group", "micro_batch_weight", "backward_weight",
-           "logged_aux_divisor"]
+           "logged_aux_divisor", "expert_bias"]
 
 
 class RouterLosses:
@@ -61,6 +61,19 @@ def logged_aux_divisor(loss):
     """What the logged aux loss divides the layers' terms by: their mean over layers, or (pool_layers) the one pooled
     loss itself."""
     return 1 if loss.pool_layers else int(loss.layers)
+
+
+def expert_bias(loss, layers, experts, device=None):
+    """The router's expert bias [layers, experts] float32 for a case's `expert_bias` beta (docs/spec.md, the routed
+    map): b_le = fl32(beta (2 frac(j phi) - 1)) with j = l E + e + 1 and phi = (sqrt 5 - 1) / 2, computed in float64
+    as every implementation computes it. Load it into a framework's router (its expert_bias buffer) to judge it."""
+    phi = 0.6180339887498949
+    beta = float(loss.expert_bias)
+    values = []
+    for j in range(1, layers * experts + 1):
+        u = j * phi
+        values.append(beta * (2.0 * (u - float(int(u))) - 1.0))
+    return torch.tensor(values, dtype=torch.float64, device=device).to(torch.float32).reshape(layers, experts)
 
 
 def backward_weight(ctx):

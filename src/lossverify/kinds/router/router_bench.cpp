@@ -39,7 +39,7 @@ CheckScope route_for_check(const InputSource& inputs, std::int64_t rows, std::in
     router::scores(router::Score::softmax, z, s);
     const router::TopK top = router::top_k(s, kTopK);
     for (int e : top.experts) scope.counts[static_cast<std::size_t>(e)] += 1.0;
-    if (router::ties(top, s)) ++scope.ties;
+    if (router::ties(top)) ++scope.ties;
   }
   return scope;
 }

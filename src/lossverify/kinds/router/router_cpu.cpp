@@ -15,6 +15,7 @@
 #include "lossverify/core/dtype.hpp"
 #include "lossverify/impl/catalogue.hpp"
 #include "lossverify/impl/rank_plan.hpp"
+#include "lossverify/kinds/router/router_definitions.hpp"
 #include "lossverify/kinds/router/router_options.hpp"
 #include "lossverify/kinds/router/router_parts.hpp"
 #include "lossverify/kinds/router/router_scaling.hpp"
@@ -56,6 +57,69 @@ std::vector<int> routed(const Block& r, int k) {
   return order;
 }
 
+// The experts in decreasing order of `key` among `members`, ties to the lower index.
+void order_by(std::vector<int>& members, const std::vector<float>& key) {
+  std::stable_sort(members.begin(), members.end(),
+                   [&](int a, int b) { return key[static_cast<std::size_t>(a)] > key[static_cast<std::size_t>(b)]; });
+}
+
+// The map a router dispatches by (the case's map: routed): keys = routing score (softmax p, or sigmoid sigma(z)) +
+// the layer's expert bias; with groups, each group scores the sum of its top k / top_groups keys, the best top_groups
+// groups are kept, and the top-k keys among their experts route the token. Its first `take` experts count.
+std::vector<int> routed_map(const Block& b, const RouterOptions& o, std::span<const float> bias, int top_k, int take) {
+  const std::size_t experts = b.z.size();
+  std::vector<float> key(experts);
+  for (std::size_t e = 0; e < experts; ++e) {
+    const float r = o.score == RouterOptions::Score::softmax ? b.s[e] : 1.0f / (1.0f + std::exp(-b.z[e]));
+    key[e] = r + bias[e];
+  }
+  std::vector<int> allowed;
+  const auto groups = static_cast<std::size_t>(o.groups);
+  const std::size_t size = experts / groups;
+  if (groups > 1) {
+    const auto best = static_cast<std::size_t>(std::max(1, top_k / o.top_groups));
+    std::vector<float> group_score(groups, 0.0f);
+    for (std::size_t q = 0; q < groups; ++q) {
+      std::vector<int> members(size);
+      std::iota(members.begin(), members.end(), static_cast<int>(q * size));
+      order_by(members, key);
+      for (std::size_t i = 0; i < best && i < size; ++i) group_score[q] += key[static_cast<std::size_t>(members[i])];
+    }
+    std::vector<int> chosen(groups);
+    std::iota(chosen.begin(), chosen.end(), 0);
+    order_by(chosen, group_score);
+    chosen.resize(static_cast<std::size_t>(o.top_groups));
+    for (const int q : chosen) {
+      for (std::size_t i = 0; i < size; ++i) allowed.push_back(static_cast<int>(static_cast<std::size_t>(q) * size + i));
+    }
+    std::sort(allowed.begin(), allowed.end());
+  } else {
+    allowed.resize(experts);
+    std::iota(allowed.begin(), allowed.end(), 0);
+  }
+  order_by(allowed, key);
+  allowed.resize(std::min(allowed.size(), static_cast<std::size_t>(take)));
+  return allowed;
+}
+
+// Each layer's expert bias, as the router holds it (float32).
+std::vector<float> layer_biases(const RouterOptions& o, std::size_t layers, std::size_t experts) {
+  std::vector<float> bias(layers * experts);
+  for (std::size_t i = 0; i < bias.size(); ++i) {
+    bias[i] = router::expert_bias(o.expert_bias, static_cast<std::int64_t>(i / experts),
+                                  static_cast<std::int64_t>(i % experts), static_cast<std::int64_t>(experts));
+  }
+  return bias;
+}
+
+// The experts a token counts for in layer l: the plain top-k of its scores, or the routed map.
+std::vector<int> token_map(const Block& b, const RouterOptions& o, const std::vector<float>& bias, std::size_t l,
+                           int top_k) {
+  const int take = o.counts == RouterOptions::Counts::first ? 1 : top_k;
+  if (o.map == RouterOptions::Map::top_k) return routed(b, take);
+  return routed_map(b, o, std::span<const float>(bias).subspan(l * b.z.size(), b.z.size()), top_k, take);
+}
+
 // Per layer [c_e..., T]: a scope's counts and tokens, layer after layer.
 struct Sums {
   std::size_t experts;
@@ -79,7 +143,8 @@ void load_block(const T* row, std::size_t l, Block& b) {
 // The global aux loss's counts and tokens per layer: the rank's rows of every micro-batch (step) or of micro-batches
 // 0..k (running), all-reduced over every rank holding other tokens.
 template <class T>
-Sums global_counts(const CpuMicroBatch& mb, const RouterOptions& o, std::size_t experts, int k, int top_k) {
+Sums global_counts(const CpuMicroBatch& mb, const RouterOptions& o, const std::vector<float>& bias, std::size_t experts,
+                   int k) {
   const auto layers = static_cast<std::size_t>(o.layers);
   const auto& begins = mb.assignment.micro_batch_begin;
   const std::int64_t end =
@@ -92,7 +157,7 @@ Sums global_counts(const CpuMicroBatch& mb, const RouterOptions& o, std::size_t 
     for (std::size_t l = 0; l < layers; ++l) {
       load_block(x + i * static_cast<std::int64_t>(layers * experts), l, b);
       score_block(o.score, b);
-      sums.add(l, routed(b, top_k));
+      sums.add(l, token_map(b, o, bias, l, o.top_k));
     }
   }
   mb.groups.batch.allreduce_sum(std::span<float>(sums.values));
@@ -106,7 +171,7 @@ void run(const CpuMicroBatch& mb) {
   const auto layers = static_cast<std::size_t>(o.layers);
   const auto row_width = static_cast<std::size_t>(mb.work.size());
   const std::size_t experts = row_width / layers;
-  const int top_k = o.counts == RouterOptions::Counts::first ? 1 : o.top_k;  // the experts a token counts for
+  const std::vector<float> bias = layer_biases(o, layers, experts);
   const T* x = reinterpret_cast<const T*>(mb.logits) + mb.begin * static_cast<std::int64_t>(row_width);
   T* g = reinterpret_cast<T*>(mb.grad) + mb.begin * static_cast<std::int64_t>(row_width);
   const auto n = static_cast<std::size_t>(mb.n);
@@ -131,7 +196,7 @@ void run(const CpuMicroBatch& mb) {
       Block& b = blocks[i * layers + l];
       load_block(x + i * row_width, l, b);
       score_block(o.score, b);
-      const std::vector<int> map = routed(b, top_k);
+      const std::vector<int> map = token_map(b, o, bias, l, o.top_k);
       scope.add(l, map);
       per_sequence.add(sequence_slot(i) * layers + l, map);
     }
@@ -149,7 +214,7 @@ void run(const CpuMicroBatch& mb) {
           mb.scope_values->begin() + static_cast<std::ptrdiff_t>((static_cast<std::size_t>(k) * layers + l) * experts));
     }
   }
-  const Sums global = o.global_aux_coef > 0.0 ? global_counts<T>(mb, o, experts, k, top_k) : Sums(layers, experts);
+  const Sums global = o.global_aux_coef > 0.0 ? global_counts<T>(mb, o, bias, experts, k) : Sums(layers, experts);
   float held = 0.0f;  // the micro-batch's sequences that hold a valid token
   for (std::size_t j = 0; j < sequences.size(); ++j)
     held += per_sequence.layer(j * layers)[experts] > 0.0f ? 1.0f : 0.0f;

@@ -18,6 +18,7 @@
 #include "lossverify/impl/catalogue.hpp"
 #include "lossverify/impl/rank_plan.hpp"
 #include "lossverify/kind_api/cuda_kind.hpp"
+#include "lossverify/kinds/router/router_definitions.hpp"
 #include "lossverify/kinds/router/router_kernels.hpp"
 #include "lossverify/kinds/router/router_options.hpp"
 #include "lossverify/kinds/router/router_parts.hpp"
@@ -36,7 +37,8 @@ class RouterCudaRank final : public CudaKindRank {
         options_(router_options_read(s.c.loss, s.bugs.kind_switches)),
         layers_(options_.layers),
         experts_(static_cast<int>(s.cols / options_.layers)),
-        stream_(static_cast<cudaStream_t>(s.stream)) {
+        stream_(static_cast<cudaStream_t>(s.stream)),
+        bias_(expert_biases()) {
     if (s.type != StorageType::fp32) throw CaseError(s.c.source + ": the router kind reads float32 router logits");
   }
 
@@ -124,6 +126,17 @@ class RouterCudaRank final : public CudaKindRank {
     float z_weight = 0.0f;
   };
 
+  // Each layer's expert bias as the router holds it (float32), for the routed map; one float otherwise.
+  DeviceBytes expert_biases() const {
+    const bool routed = options_.map == RouterOptions::Map::routed;
+    std::vector<float> bias(routed ? static_cast<std::size_t>(layers_) * static_cast<std::size_t>(experts_) : 1, 0.0f);
+    for (std::size_t i = 0; routed && i < bias.size(); ++i) {
+      bias[i] = router::expert_bias(options_.expert_bias, static_cast<std::int64_t>(i) / experts_,
+                                    static_cast<std::int64_t>(i) % experts_, experts_);
+    }
+    return upload(bias, stream_);
+  }
+
   const float* logits(std::int64_t b) const { return reinterpret_cast<const float*>(setup_.logits) + b * setup_.cols; }
 
   DeviceBytes zeros(std::size_t count) const {
@@ -144,9 +157,16 @@ class RouterCudaRank final : public CudaKindRank {
     const int counted_per_token = options_.counts == RouterOptions::Counts::first ? 1 : options_.top_k;
     std::vector<float> scope(static_cast<std::size_t>(layers_) * (static_cast<std::size_t>(experts_) + 1), 0.0f);
     DeviceBytes d_scope = zeros(scope.size());
-    router_route(RouterRouteArgs{logits(b), n, layers_, experts_, counted_per_token, counted, slot, d_scope.as<float>(),
-                                 sequences},
-                 stream_);
+    RouterRouteArgs args{logits(b), n, layers_, experts_, counted_per_token, counted, slot, d_scope.as<float>(),
+                         sequences};
+    if (options_.map == RouterOptions::Map::routed) {
+      args.bias = bias_.as<float>();
+      args.sigmoid = options_.score == RouterOptions::Score::sigmoid ? 1 : 0;
+      args.router_k = options_.top_k;
+      args.groups = options_.groups;
+      args.top_groups = options_.top_groups;
+    }
+    router_route(args, stream_);
     download(d_scope, scope);
     return scope;
   }
@@ -233,6 +253,7 @@ class RouterCudaRank final : public CudaKindRank {
   RouterOptions options_;
   int layers_, experts_;
   cudaStream_t stream_;
+  DeviceBytes bias_;  // layers x experts (the routed map)
 };
 
 }  // namespace

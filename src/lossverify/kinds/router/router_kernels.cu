@@ -174,6 +174,105 @@ __global__ void __launch_bounds__(kThreads) route_kernel(RouterRouteArgs a, int 
 
 __device__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
+// Whether key (value, index) comes before (other, other_index): larger keys first, ties to the lower index.
+__device__ bool before(float value, int index, float other, int other_index) {
+  return value > other || (value == other && index < other_index);
+}
+
+// The routed map's key of expert e: the routing score plus the expert's bias.
+__device__ float routing_key(const float* z, const float* bias, int e, int use_sigmoid, float lse) {
+  return (use_sigmoid ? sigmoid(z[e]) : expf(z[e] - lse)) + bias[e];
+}
+
+// The best expert of [begin, end) (within `allowed` groups of `size`) after (previous, previous_index).
+__device__ void next_routed(const float* z, const float* bias, int use_sigmoid, float lse, int begin, int end,
+                            unsigned long long allowed, int size, float previous, int previous_index, float& best,
+                            int& best_index) {
+  best = -INFINITY;
+  best_index = INT_MAX;
+  for (int e = begin; e < end; ++e) {
+    if (((allowed >> (e / size)) & 1ull) == 0) continue;
+    const float key = routing_key(z, bias, e, use_sigmoid, lse);
+    if (before(previous, previous_index, key, e) && before(key, e, best, best_index)) {
+      best = key;
+      best_index = e;
+    }
+  }
+}
+
+// The routed map, one thread per (row, layer) (RouterRouteArgs::bias): groups by the sum of their top keys, then the
+// top keys among the kept groups' experts, counted as the plain kernel counts.
+__global__ void __launch_bounds__(kThreads) routed_route_kernel(RouterRouteArgs a) {
+  const std::int64_t items = a.rows * a.layers;
+  const int width = a.experts + 1;
+  const int size = a.experts / a.groups;
+  for (std::int64_t item = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; item < items;
+       item += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t r = item / a.layers;
+    const int l = static_cast<int>(item % a.layers);
+    if (!a.counted[r]) continue;
+    const float* z = a.logits + (r * a.layers + l) * a.experts;
+    const float* bias = a.bias + static_cast<std::int64_t>(l) * a.experts;
+    float lse = 0.0f;
+    if (!a.sigmoid) {
+      float max = -INFINITY, sum = 0.0f;
+      for (int e = 0; e < a.experts; ++e) max = fmaxf(max, z[e]);
+      for (int e = 0; e < a.experts; ++e) sum += expf(z[e] - max);
+      lse = max + logf(sum);
+    }
+    unsigned long long allowed = ~0ull;
+    if (a.groups > 1) {
+      float score[64];
+      const int best_keys = a.router_k / a.top_groups > 0 ? a.router_k / a.top_groups : 1;
+      for (int q = 0; q < a.groups; ++q) {
+        float previous = INFINITY, sum = 0.0f;
+        int previous_index = -1;
+        for (int j = 0; j < best_keys && j < size; ++j) {
+          float best;
+          int best_index;
+          next_routed(z, bias, a.sigmoid, lse, q * size, (q + 1) * size, ~0ull, size, previous, previous_index, best,
+                      best_index);
+          sum += best;
+          previous = best;
+          previous_index = best_index;
+        }
+        score[q] = sum;
+      }
+      allowed = 0ull;
+      float previous = INFINITY;
+      int previous_index = -1;
+      for (int j = 0; j < a.top_groups; ++j) {
+        float best = -INFINITY;
+        int best_index = INT_MAX;
+        for (int q = 0; q < a.groups; ++q) {
+          if (before(previous, previous_index, score[q], q) && before(score[q], q, best, best_index)) {
+            best = score[q];
+            best_index = q;
+          }
+        }
+        allowed |= 1ull << best_index;
+        previous = best;
+        previous_index = best_index;
+      }
+    }
+    const int slot = a.sequences != nullptr ? a.slot[r] : -1;
+    float* own = slot >= 0 ? a.sequences + (static_cast<std::int64_t>(slot) * a.layers + l) * width : nullptr;
+    float previous = INFINITY;
+    int previous_index = -1;
+    for (int j = 0; j < a.top_k; ++j) {
+      float best;
+      int best_index;
+      next_routed(z, bias, a.sigmoid, lse, 0, a.experts, allowed, size, previous, previous_index, best, best_index);
+      atomicAdd(&a.scope[l * width + best_index], 1.0f);
+      if (own != nullptr) atomicAdd(&own[best_index], 1.0f);
+      previous = best;
+      previous_index = best_index;
+    }
+    atomicAdd(&a.scope[l * width + a.experts], 1.0f);
+    if (own != nullptr) atomicAdd(&own[a.experts], 1.0f);
+  }
+}
+
 // One (row, layer) of pass 2 with the row in registers, PER values per lane (experts <= 32 PER): one read of the
 // logits, one write of the gradient.
 template <int PER>
@@ -311,6 +410,13 @@ int blocks_for(std::int64_t items) {
 
 void router_route(const RouterRouteArgs& args, void* stream) {
   if (args.rows == 0) return;
+  if (args.bias != nullptr) {
+    const std::int64_t items = args.rows * args.layers;
+    const int blocks = static_cast<int>(std::min<std::int64_t>((items + kThreads - 1) / kThreads, 65535));
+    routed_route_kernel<<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(args);
+    LV_CUDA(cudaGetLastError());
+    return;
+  }
   const std::size_t counts = static_cast<std::size_t>(args.layers) * (static_cast<std::size_t>(args.experts) + 1);
   const bool shared = counts * sizeof(float) <= 32 * 1024;
   // Enough blocks to fill the GPU, each with many rows (its counts leave the block once).

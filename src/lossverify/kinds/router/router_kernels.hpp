@@ -16,6 +16,12 @@ struct RouterRouteArgs {
   const int* slot;     // per row: its sequence among the micro-batch's (-1: none); null with `sequences`
   float* scope;        // layers x (experts + 1)
   float* sequences;    // slots x layers x (experts + 1), or null
+  // The routed map (the case's map: routed), one thread per (row, layer): null for the plain top-k above. Keys are
+  // the routing score (softmax p, or sigmoid sigma(z)) plus bias[layer][expert]; with groups > 1 each group scores the
+  // sum of its top router_k / top_groups keys and the top_groups best groups hold the token's experts; top_k of them
+  // count (the first choice only where the case counts first choices).
+  const float* bias = nullptr;  // layers x experts
+  int sigmoid = 0, router_k = 0, groups = 1, top_groups = 1;
 };
 void router_route(const RouterRouteArgs& args, void* stream);
 

@@ -25,6 +25,29 @@ Implementation router_bug_entry(const char* name, const char* summary, const cha
                         switches_with([bit](BugSwitches& b) { b.kind_switches = bit; }));
 }
 
+// The router's groups (router::routed_top_k): they tile the experts, the selected groups hold k experts, and each
+// selected group is scored by k / top_groups of its keys.
+void validate_groups(const Case& c, const RouterOptions& o, std::int64_t experts) {
+  if (experts % o.groups != 0) {
+    detail::fail_at(c.source, "$.loss.groups",
+                    std::to_string(o.groups) + " groups do not tile the " + std::to_string(experts) + " experts");
+  }
+  if (o.top_groups > o.groups) {
+    detail::fail_at(c.source, "$.loss.top_groups",
+                    "must be at most groups (" + std::to_string(o.groups) + "), got " + std::to_string(o.top_groups));
+  }
+  if (o.groups > 1 && o.top_k % o.top_groups != 0) {
+    detail::fail_at(c.source, "$.loss.top_groups",
+                    "must divide top_k (" + std::to_string(o.top_k) + "): each selected group is scored by its top " +
+                        "k / top_groups keys; got " + std::to_string(o.top_groups));
+  }
+  if (o.groups > 1 && o.top_k / o.top_groups > experts / o.groups) {
+    detail::fail_at(c.source, "$.loss.top_groups",
+                    "scores each group by its top " + std::to_string(o.top_k / o.top_groups) + " keys, but a group " +
+                        "holds " + std::to_string(experts / o.groups) + " experts");
+  }
+}
+
 class RouterKind final : public LossKind {
  public:
   std::string_view name() const override { return "router"; }
@@ -67,6 +90,22 @@ class RouterKind final : public LossKind {
         boolean_setting("pool_layers", &O::pool_layers, false)
             .described("one aux loss over every layer's counts and scores pooled (transformers), not one per layer")
             .shrinks_as("one aux loss per layer"),
+        choice_setting("map", &O::map, std::array{O::Map::top_k, O::Map::routed}, O::Map::top_k)
+            .described("the aux terms' routing map: the plain top-k of the scores, or the routed map (group-limited "
+                       "top-k of the routing scores plus the expert bias)")
+            .shrinks_as("the plain top-k map"),
+        integer_setting("groups", &O::groups, 1)
+            .range(1, 64)
+            .described("the router's expert groups (contiguous, E / groups each)")
+            .shrinks_as("one group"),
+        integer_setting("top_groups", &O::top_groups, 1)
+            .range(1, 64)
+            .described("the groups a token may route to, each scored by its top k / top_groups routing keys"),
+        number_setting("expert_bias", &O::expert_bias, 0.0)
+            .range(0.0, 10.0)
+            .described("beta of the router's expert bias b_le in [-beta, beta], added to the routing scores for the "
+                       "routed map (docs/spec.md)")
+            .shrinks_as("no expert bias"),
         choice_setting("scaling", &O::scaling, std::array{O::Scaling::standard, O::Scaling::per_token},
                        O::Scaling::standard)
             .described("default: the mean of the micro-batches' losses; per_token: each weighs T_S / N and the "
@@ -101,6 +140,7 @@ class RouterKind final : public LossKind {
                       "must be below the experts (" + std::to_string(experts) + "), got " +
                           std::to_string(router_options(c.loss).top_k));
     }
+    validate_groups(c, o, experts);
     // 16-bit router logits tie at the k-th score (MOE.md §3) far more often than the bound for ties is worth
     // without one: routers compute in float32 (Megatron's moe_router_dtype), and so does this kind.
     if (c.inputs.dtype != DType::fp32) {
@@ -215,6 +255,7 @@ std::string_view to_string(RouterOptions::Score s) { return s == Score::sigmoid 
 std::string_view to_string(RouterOptions::GlobalCounts g) {
   return g == RouterOptions::GlobalCounts::running ? "running" : "step";
 }
+std::string_view to_string(RouterOptions::Map m) { return m == RouterOptions::Map::routed ? "routed" : "top_k"; }
 std::string_view to_string(RouterOptions::Counts c) { return c == RouterOptions::Counts::first ? "first" : "top_k"; }
 double aux_k_divisor(const RouterOptions& o) {
   return o.counts == RouterOptions::Counts::first || !o.divide_by_k ? 1.0 : static_cast<double>(o.top_k);

@@ -30,6 +30,14 @@ struct RouterOptions final : KindOptions {
   // One aux loss per layer (the layers' losses add), or one over every layer's counts and scores pooled (transformers'
   // load_balancing_loss_func concatenates the layers' router logits): c_e summed over layers and T = layers x tokens.
   bool pool_layers = false;
+  // The aux terms' routing map (MOE.md §1): the plain top-k of the scores (Megatron's compute_routing_scores_for_aux_loss
+  // before #5195), or the routed map the router dispatches by: group-limited top-k of the routing scores plus the
+  // expert bias (router::routed_top_k). `groups`, `top_groups` and `expert_bias` describe the router either way.
+  enum class Map { top_k, routed };
+  Map map = Map::top_k;
+  int groups = 1;            // the experts' contiguous groups (DeepSeek-V3's node-limited routing)
+  int top_groups = 1;        // the groups a token may route to; each group scored by its top k / top_groups keys
+  double expert_bias = 0.0;  // beta of the expert bias b_{l,e} in [-beta, beta] (router::expert_bias)
   // default: the step averages its DP x GA micro-batches' losses, the framework's grad_reduce / ga_reduce apply;
   // per_token: each micro-batch's loss weighs its share T_S / N of the step's valid tokens, and the framework divides
   // every gradient by N after its reduction (Megatron's calculate_per_token_loss).
@@ -42,6 +50,7 @@ std::string_view to_string(RouterOptions::Score);
 std::string_view to_string(RouterOptions::GlobalCounts);
 std::string_view to_string(RouterOptions::Scaling);
 std::string_view to_string(RouterOptions::Counts);
+std::string_view to_string(RouterOptions::Map);
 // The divisor of the aux terms' f_e = c_e / (divisor T): k, or 1 where the case counts first choices or does not
 // divide by k.
 double aux_k_divisor(const RouterOptions& o);

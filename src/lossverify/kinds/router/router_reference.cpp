@@ -176,11 +176,12 @@ class RouterReference final : public KindReference {
             inputs.logits(t, 0, static_cast<std::int64_t>(z.size()), raw.data());
             for (std::size_t e = 0; e < z.size(); ++e) z[e] = raw[e];
             for (std::size_t l = 0; l < layers_; ++l) {
-              router::scores(score_of(options_), std::span<const double>(z).subspan(l * experts_, experts_), s);
-              const router::TopK routed = router::top_k(s, counted_per_token());
+              const std::span<const double> x = std::span<const double>(z).subspan(l * experts_, experts_);
+              router::scores(score_of(options_), x, s);
+              const router::TopK routed = route_token(x, s, l);
               batch[l].add(s, routed);
               own[l].add(s, routed);
-              if (user_tie(c, inputs, t, l, routed, s)) {
+              if (user_tie(c, inputs, t, l, routed)) {
                 batch[l].add_tie(routed);
                 own[l].add_tie(routed);
                 tie_tokens_[t] = 1;
@@ -205,9 +206,15 @@ class RouterReference final : public KindReference {
   // refused there (the case's seed or scale moves them apart), so that a run and a dump of its inputs judge alike. A
   // user's own logits (a dump's, a case's override row) may tie: the token is then counted as moving one count between
   // those two experts, and every tolerance of the scope widens by the bound that implies.
-  bool user_tie(const Case& c, const InputSource& inputs, std::int64_t t, std::size_t layer, const router::TopK& routed,
-                std::span<const double> s) const {
-    if (!router::ties(routed, s)) return false;
+  bool user_tie(const Case& c, const InputSource& inputs, std::int64_t t, std::size_t layer,
+                const router::TopK& routed) const {
+    if (router::groups_tie(routed)) {
+      throw CaseError(c.source + ": token " + std::to_string(t) + "'s " + std::to_string(options_.top_groups) +
+                      "-th and next expert groups of layer " + std::to_string(layer) +
+                      " tie within float32 rounding: every count of the token may move, which no bound covers "
+                      "(MOE.md section 3)");
+    }
+    if (!router::ties(routed)) return false;
     const RowOverride* row = inputs.override_of(t);
     const bool users = inputs.is_explicit() || (row != nullptr && !row->logits.empty());
     if (users) return true;
@@ -260,6 +267,21 @@ class RouterReference final : public KindReference {
 
   // The experts a token counts for in the aux terms: its top-k, or its first choice only.
   int counted_per_token() const { return options_.counts == RouterOptions::Counts::first ? 1 : options_.top_k; }
+  // A token's map in layer l from its logits x and scores s: the plain top-k of the scores, or the routed map (the
+  // routing scores plus the expert bias, group-limited).
+  router::TopK route_token(std::span<const double> x, std::span<const double> s, std::size_t layer) const {
+    if (options_.map == RouterOptions::Map::top_k) return router::top_k(s, counted_per_token());
+    std::vector<double> keys(experts_), magnitude(experts_);
+    router::routing_scores(score_of(options_), x, keys);
+    for (std::size_t e = 0; e < experts_; ++e) {
+      const double b = router::expert_bias(options_.expert_bias, static_cast<std::int64_t>(layer),
+                                           static_cast<std::int64_t>(e), static_cast<std::int64_t>(experts_));
+      magnitude[e] = std::fabs(keys[e]) + std::fabs(b);
+      keys[e] += b;
+    }
+    return router::routed_top_k(keys, magnitude, {options_.top_k, options_.groups, options_.top_groups},
+                                counted_per_token());
+  }
   double z_weight(std::int64_t token) const {
     return options_.z_loss_coef / scopes_.front().batch[scope_of_.at(token)].tokens;
   }
