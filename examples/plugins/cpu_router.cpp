@@ -115,7 +115,8 @@ std::vector<int> dispatch_map(const float* z, const Block& b, const Settings& st
     kept.resize(static_cast<std::size_t>(st.top_groups));
     std::sort(kept.begin(), kept.end());
     for (const int q : kept) {
-      for (std::size_t i = 0; i < size; ++i) allowed.push_back(static_cast<int>(static_cast<std::size_t>(q) * size + i));
+      for (std::size_t i = 0; i < size; ++i)
+        allowed.push_back(static_cast<int>(static_cast<std::size_t>(q) * size + i));
     }
   } else {
     allowed.resize(experts);

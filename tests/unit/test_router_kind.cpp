@@ -500,7 +500,6 @@ TEST_CASE("router: a user's tie tokens widen the scope's tolerances by MOE.md's 
   CHECK(testing::run_with(c, "moe-aux-topk-squared").verdict == Verdict::fail);
 }
 
-
 TEST_CASE("router: the routed map (groups and expert bias) is a convention the reference and the checks see") {
   const Case routed = load_case_file(std::string(LOSSVERIFY_SOURCE_DIR) + "/cases/moe-routed-groups-bias.json", {});
   nlohmann::json plain_doc = routed.resolved();
@@ -547,7 +546,8 @@ TEST_CASE("router: the routed map (groups and expert bias) is a convention the r
   with_routed.row().scope_values(0, 0, a, slack);
   with_plain.row().scope_values(0, 0, b, slack);
   CHECK(a != b);
-  CHECK(std::accumulate(a.begin(), a.end(), 0.0) == std::accumulate(b.begin(), b.end(), 0.0));  // k per token either way
+  CHECK(std::accumulate(a.begin(), a.end(), 0.0) ==
+        std::accumulate(b.begin(), b.end(), 0.0));  // k per token either way
   // Both pass their own case; a token whose group selection ties is refused, since every count may move.
   CHECK(testing::run_with(routed, "correct").verdict == Verdict::pass);
   CHECK(testing::run_with(plain, "correct").verdict == Verdict::pass);

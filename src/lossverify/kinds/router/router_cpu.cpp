@@ -90,7 +90,8 @@ std::vector<int> routed_map(const Block& b, const RouterOptions& o, std::span<co
     order_by(chosen, group_score);
     chosen.resize(static_cast<std::size_t>(o.top_groups));
     for (const int q : chosen) {
-      for (std::size_t i = 0; i < size; ++i) allowed.push_back(static_cast<int>(static_cast<std::size_t>(q) * size + i));
+      for (std::size_t i = 0; i < size; ++i)
+        allowed.push_back(static_cast<int>(static_cast<std::size_t>(q) * size + i));
     }
     std::sort(allowed.begin(), allowed.end());
   } else {

@@ -157,8 +157,8 @@ class RouterCudaRank final : public CudaKindRank {
     const int counted_per_token = options_.counts == RouterOptions::Counts::first ? 1 : options_.top_k;
     std::vector<float> scope(static_cast<std::size_t>(layers_) * (static_cast<std::size_t>(experts_) + 1), 0.0f);
     DeviceBytes d_scope = zeros(scope.size());
-    RouterRouteArgs args{logits(b), n, layers_, experts_, counted_per_token, counted, slot, d_scope.as<float>(),
-                         sequences};
+    RouterRouteArgs args{logits(b),           n,        layers_, experts_, counted_per_token, counted, slot,
+                         d_scope.as<float>(), sequences};
     if (options_.map == RouterOptions::Map::routed) {
       args.bias = bias_.as<float>();
       args.sigmoid = options_.score == RouterOptions::Score::sigmoid ? 1 : 0;

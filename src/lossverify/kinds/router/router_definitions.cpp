@@ -57,9 +57,8 @@ namespace {
 
 // `members` in decreasing key order, ties to the lower index.
 void sort_by_key(std::vector<int>& members, std::span<const double> keys) {
-  std::stable_sort(members.begin(), members.end(), [&](int a, int b) {
-    return keys[static_cast<std::size_t>(a)] > keys[static_cast<std::size_t>(b)];
-  });
+  std::stable_sort(members.begin(), members.end(),
+                   [&](int a, int b) { return keys[static_cast<std::size_t>(a)] > keys[static_cast<std::size_t>(b)]; });
 }
 
 }  // namespace
@@ -94,7 +93,8 @@ TopK routed_top_k(std::span<const double> keys, std::span<const double> magnitud
     order.resize(chosen);
     std::sort(order.begin(), order.end());
     for (const int q : order) {
-      for (std::size_t i = 0; i < size; ++i) candidates.push_back(static_cast<int>(static_cast<std::size_t>(q) * size + i));
+      for (std::size_t i = 0; i < size; ++i)
+        candidates.push_back(static_cast<int>(static_cast<std::size_t>(q) * size + i));
     }
   } else {
     candidates.resize(experts);

@@ -30,9 +30,10 @@ struct RouterOptions final : KindOptions {
   // One aux loss per layer (the layers' losses add), or one over every layer's counts and scores pooled (transformers'
   // load_balancing_loss_func concatenates the layers' router logits): c_e summed over layers and T = layers x tokens.
   bool pool_layers = false;
-  // The aux terms' routing map (MOE.md §1): the plain top-k of the scores (Megatron's compute_routing_scores_for_aux_loss
-  // before #5195), or the routed map the router dispatches by: group-limited top-k of the routing scores plus the
-  // expert bias (router::routed_top_k). `groups`, `top_groups` and `expert_bias` describe the router either way.
+  // The aux terms' routing map (MOE.md §1): the plain top-k of the scores (Megatron's
+  // compute_routing_scores_for_aux_loss before #5195), or the routed map the router dispatches by: group-limited top-k
+  // of the routing scores plus the expert bias (router::routed_top_k). `groups`, `top_groups` and `expert_bias`
+  // describe the router either way.
   enum class Map { top_k, routed };
   Map map = Map::top_k;
   int groups = 1;            // the experts' contiguous groups (DeepSeek-V3's node-limited routing)
