@@ -136,6 +136,11 @@ void ScopeSums::add(std::span<const double> token_scores, const TopK& routed) {
   tokens += 1.0;
 }
 
+void ScopeSums::count(const TopK& routed) {
+  for (int e : routed.experts) counts[static_cast<std::size_t>(e)] += 1.0;
+  tokens += 1.0;
+}
+
 void ScopeSums::add_tie(const TopK& routed) {
   ties[static_cast<std::size_t>(routed.experts.back())] += 1.0;
   ties[static_cast<std::size_t>(routed.next)] += 1.0;

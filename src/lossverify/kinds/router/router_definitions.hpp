@@ -64,6 +64,7 @@ struct ScopeSums {
   double tokens = 0.0;
   explicit ScopeSums(std::size_t experts) : counts(experts, 0.0), score_sums(experts, 0.0), ties(experts, 0.0) {}
   void add(std::span<const double> token_scores, const TopK& routed);
+  void count(const TopK& routed);  // counts and tokens only (the score sums stay)
   void add_tie(const TopK& routed);
   void merge(const ScopeSums& other);  // counts, ties and tokens (not the score sums)
 };

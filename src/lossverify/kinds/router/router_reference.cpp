@@ -8,6 +8,7 @@
 #include <cmath>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "lossverify/case/case.hpp"
@@ -16,6 +17,7 @@
 #include "lossverify/kinds/router/router_definitions.hpp"
 #include "lossverify/kinds/router/router_options.hpp"
 #include "lossverify/kinds/router/router_parts.hpp"
+#include "lossverify/kinds/router/router_reference.hpp"
 #include "lossverify/layout/rank_layout.hpp"
 #include "lossverify/reference/compensated_sum.hpp"
 
@@ -34,14 +36,17 @@ struct LayerScopes {
   std::vector<router::ScopeSums> global;     // per micro-batch scope: the global aux loss's counts and tokens
 };
 
-class RouterReference final : public KindReference {
+class RouterReference final : public KindReference, public router::DeviceTerms {
  public:
-  RouterReference(const Case& c, const InputSource& inputs)
+  // `routing` empty: every token routed here, from the reference's own reading of its logits, and every token's terms
+  // evaluated here too; else a GPU oracle's float64 routing, whose terms it sets (set_terms) for the rows it judges.
+  RouterReference(const Case& c, const InputSource& inputs, router::RoutingSource routing)
       : options_(router_options(c.loss)),
         layers_(static_cast<std::size_t>(options_.layers)),
         experts_(static_cast<std::size_t>(c.shape.vocab) / layers_),
         ga_(static_cast<std::size_t>(c.layout.ga)),
-        scopes_(layers_) {
+        scopes_(layers_),
+        routing_(std::move(routing)) {
     route(c, inputs);
     for (LayerScopes& layer : scopes_) layer.global = global_counts(c, layer.batch);
     if (options_.pool_layers) {  // one aux loss over every layer's counts and tokens (transformers)
@@ -57,7 +62,36 @@ class RouterReference final : public KindReference {
                                   ? scope.tokens / n
                                   : 1.0 / (static_cast<double>(c.layout.dp) * static_cast<double>(c.layout.ga)));
     }
-    evaluate_terms(inputs);
+    if (!routing_) evaluate_terms(inputs);
+  }
+
+  // router::DeviceTerms: what a GPU oracle evaluates the rows with, and gives back.
+  std::vector<double> weight_table(bool ties) const override {
+    std::vector<double> table;
+    table.reserve(sequence_batch_.size() * layers_ * experts_);
+    for (std::size_t j = 0; j < sequence_batch_.size(); ++j) {
+      for (std::size_t l = 0; l < layers_; ++l) {
+        const std::vector<double> w = aux_weights_of(l, sequence_batch_[j], j, ties);
+        table.insert(table.end(), w.begin(), w.end());
+      }
+    }
+    return table;
+  }
+  std::int64_t weight_slot(std::int64_t token) const override {
+    const auto j = sequence_of_.find(token);
+    return j == sequence_of_.end() ? -1 : static_cast<std::int64_t>(j->second);
+  }
+  double z_weight(std::int64_t token) const override {
+    return options_.z_loss_coef / scopes_.front().batch[scope_of_.at(token)].tokens;
+  }
+  bool any_ties() const override { return !tie_tokens_.empty(); }
+  void set_terms(std::int64_t token, std::span<const double> terms) override {
+    term_of_[token] = terms_.size() / (2 * layers_);
+    for (std::size_t l = 0; l < layers_; ++l) {
+      terms_.push_back(terms[3 * l]);
+      terms_.push_back(terms[3 * l + 1]);
+      if (!tie_tokens_.empty()) tie_terms_.push_back(terms[3 * l + 2]);
+    }
   }
 
   RowPartial partial(std::int64_t, std::int64_t, std::span<const double>, std::span<const double>) const override {
@@ -173,14 +207,14 @@ class RouterReference final : public KindReference {
           for (std::int64_t t = seq.begin; t < seq.begin + seq.length; ++t) {
             if (!inputs.is_valid(t)) continue;
             ++valid_tokens_;
-            inputs.logits(t, 0, static_cast<std::int64_t>(z.size()), raw.data());
-            for (std::size_t e = 0; e < z.size(); ++e) z[e] = raw[e];
+            if (!routing_) {
+              inputs.logits(t, 0, static_cast<std::int64_t>(z.size()), raw.data());
+              for (std::size_t e = 0; e < z.size(); ++e) z[e] = raw[e];
+            }
             for (std::size_t l = 0; l < layers_; ++l) {
-              const std::span<const double> x = std::span<const double>(z).subspan(l * experts_, experts_);
-              router::scores(score_of(options_), x, s);
-              const router::TopK routed = route_token(x, s, l);
-              batch[l].add(s, routed);
-              own[l].add(s, routed);
+              const router::TopK routed = routing_ ? routing_(t, l) : route_token(z, s, l);
+              batch[l].count(routed);
+              own[l].count(routed);
               if (user_tie(c, inputs, t, l, routed)) {
                 batch[l].add_tie(routed);
                 own[l].add_tie(routed);
@@ -193,6 +227,7 @@ class RouterReference final : public KindReference {
           if (own.front().tokens == 0.0) continue;
           for (std::size_t l = 0; l < layers_; ++l) scopes_[l].sequences.push_back(std::move(own[l]));
           sequence_weight_.push_back(0.0);
+          sequence_batch_.push_back(scopes_.front().batch.size());
         }
         // The micro-batch's sequence aux loss is the mean over its sequences that hold a valid token.
         const auto held = static_cast<double>(sequence_weight_.size() - first_sequence);
@@ -267,9 +302,11 @@ class RouterReference final : public KindReference {
 
   // The experts a token counts for in the aux terms: its top-k, or its first choice only.
   int counted_per_token() const { return options_.counts == RouterOptions::Counts::first ? 1 : options_.top_k; }
-  // A token's map in layer l from its logits x and scores s: the plain top-k of the scores, or the routed map (the
-  // routing scores plus the expert bias, group-limited).
-  router::TopK route_token(std::span<const double> x, std::span<const double> s, std::size_t layer) const {
+  // A token's map in layer l from its row of logits z: the plain top-k of the scores, or the routed map (the routing
+  // scores plus the expert bias, group-limited). `s` is scratch for E scores.
+  router::TopK route_token(std::span<const double> z, std::span<double> s, std::size_t layer) const {
+    const std::span<const double> x = z.subspan(layer * experts_, experts_);
+    router::scores(score_of(options_), x, s);
     if (options_.map == RouterOptions::Map::top_k) return router::top_k(s, counted_per_token());
     std::vector<double> keys(experts_), magnitude(experts_);
     router::routing_scores(score_of(options_), x, keys);
@@ -282,16 +319,15 @@ class RouterReference final : public KindReference {
     return router::routed_top_k(keys, magnitude, {options_.top_k, options_.groups, options_.top_groups},
                                 counted_per_token());
   }
-  double z_weight(std::int64_t token) const {
-    return options_.z_loss_coef / scopes_.front().batch[scope_of_.at(token)].tokens;
-  }
   // Every aux term is linear in s_t with constant counts: their weights per expert, summed, are the one vector
   // a c + a_s c_s / S + a_g c^G that both the loss and the gradient read.
   // With `ties`: the same weights of the counts the scopes' tie tokens may move (|delta c|), the bound of MOE.md §3.
   std::vector<double> aux_weights(std::size_t layer, std::int64_t token, bool ties = false) const {
+    return aux_weights_of(layer, scope_of_.at(token), sequence_of_.at(token), ties);
+  }
+  // The same for micro-batch scope b's sequence scope j.
+  std::vector<double> aux_weights_of(std::size_t layer, std::size_t b, std::size_t j, bool ties) const {
     const LayerScopes& scopes = scopes_[layer];
-    const std::size_t b = scope_of_.at(token);
-    const std::size_t j = sequence_of_.at(token);
     const router::ScopeSums& scope = options_.pool_layers ? pooled_[b] : scopes.batch[b];
     const router::ScopeSums& sequence = scopes.sequences[j];
     const router::ScopeSums& global = scopes.global[b];
@@ -317,18 +353,30 @@ class RouterReference final : public KindReference {
   std::unordered_map<std::int64_t, std::size_t> scope_of_;     // token -> micro-batch scope
   std::unordered_map<std::int64_t, std::size_t> sequence_of_;  // token -> sequence scope
   std::vector<double> sequence_weight_;  // per sequence scope: 1 / its micro-batch's sequences holding a valid token
-  std::vector<double> scope_weight_;     // per micro-batch scope: a token's weight in L
+  std::vector<std::size_t> sequence_batch_;                // per sequence scope: its micro-batch scope
+  std::vector<double> scope_weight_;                       // per micro-batch scope: a token's weight in L
   std::unordered_map<std::int64_t, std::size_t> term_of_;  // token -> its row of terms_
   std::vector<double> terms_;                              // per valid token and layer: aux, z
   std::int64_t valid_tokens_ = 0;                          // of the step
   std::unordered_map<std::int64_t, char> tie_tokens_;      // tokens of a user's logits whose routing ties
   std::vector<double> tie_terms_;  // per valid token and layer (where any tie): <weights of |delta c|, s_t>
+  router::RoutingSource routing_;  // empty: routed here
 };
 
 }  // namespace
 
 std::unique_ptr<KindReference> make_router_reference(const Case& c, const InputSource& inputs) {
-  return std::make_unique<RouterReference>(c, inputs);
+  return std::make_unique<RouterReference>(c, inputs, router::RoutingSource{});
 }
+
+namespace router {
+
+RoutedReference make_routed_reference(const Case& c, const InputSource& inputs, RoutingSource routing) {
+  auto reference = std::make_unique<RouterReference>(c, inputs, std::move(routing));
+  DeviceTerms* terms = reference.get();
+  return {std::move(reference), terms};
+}
+
+}  // namespace router
 
 }  // namespace lossverify
