@@ -795,3 +795,91 @@ TEST_CASE("gpu_reference_code_tables_judge_as_the_full_judgement") {
     CHECK(worst->column == 1);
   }
 }
+
+namespace {
+
+std::vector<std::string> router_cases() {
+  return {"moe-aux-sp-tp2-cp2",    "moe-aux-replicated-tp8-e6", "moe-per-token-sp-cp2-dp2",
+          "moe-sigmoid-seq-aux",   "moe-global-aux-dp2-ga2",    "moe-pooled-transformers-dp2-ga2",
+          "moe-routed-groups-bias"};
+}
+
+}  // namespace
+
+TEST_CASE("router_kernels_judged_by_the_router_gpu_oracle_give_the_golden_outcomes_of_every_router_case") {
+  for (const std::string& name : router_cases()) {
+    const Case c = load_case_file("cases/" + name + ".json");
+    std::ifstream golden_file("golden/" + name + ".json");
+    const nlohmann::json outcomes = nlohmann::json::parse(golden_file)["outcomes"];
+    int compared = 0;
+    for (const auto& [impl, golden] : outcomes.items()) {
+      if (golden["verdict"] == "not_applicable") continue;
+      const RunResult r = run_on_gpu(c, impl);
+      CAPTURE(name);
+      CAPTURE(impl);
+      CHECK(r.execution.reference == "gpu");
+      CHECK(std::string(to_string(r.verdict)) == golden["verdict"].get<std::string>());
+      CHECK(failing(r) == golden["failing_checks"].get<std::vector<std::string>>());
+      ++compared;
+    }
+    CHECK(compared >= 15);
+  }
+}
+
+TEST_CASE("the_router_gpu_oracle_agrees_with_the_host_oracle_and_owns_its_inputs") {
+  // The router's own GPU oracle (kinds/router/router_oracle.cpp: routing and rows in float64 on the device) and the
+  // host oracle judge the same CUDA run alike: verdicts, counts, worst elements, margins to float64 rounding.
+  for (const std::string& name : router_cases()) {
+    for (const char* impl : {"correct", "moe-aux-local-counts", "moe-aux-topk-squared", "moe-aux-no-grad"}) {
+      const Case c = load_case_file("cases/" + name + ".json");
+      CAPTURE(name);
+      CAPTURE(impl);
+      RunOptions options;
+      options.implementation = impl;
+      options.threads = 2;
+      options.device = RunOptions::Device::cuda;
+      options.reference = RunOptions::Reference::cpu;
+      const RunResult host = run_case(c, options);
+      options.reference = RunOptions::Reference::gpu;
+      const RunResult gpu = run_case(c, options);
+      CHECK(host.execution.reference == "cpu");
+      CHECK(gpu.execution.reference == "gpu");
+      check_same_verdicts(host, gpu, 1e-6, [](const CheckResult& a, const CheckResult& b) {
+        if (a.name == "grad") {
+          CHECK(a.metrics["compared"] == b.metrics["compared"]);
+          CHECK(a.metrics["mismatches"] == b.metrics["mismatches"]);
+          if (a.worst && b.worst && a.margin > 0.01) {
+            CHECK(a.worst->token == b.worst->token);
+            CHECK(a.worst->column == b.worst->column);
+          }
+        }
+        if (a.name == "counts") CHECK(a.metrics["imbalance"] == b.metrics["imbalance"]);
+      });
+    }
+  }
+}
+
+TEST_CASE("the_router_gpu_oracle_bounds_a_users_tie_tokens_as_the_host_does") {
+  // Two of a user's rows whose 3rd and 4th logits lie 4.8e-7 apart: a float32 router may route them either way; the
+  // GPU oracle finds the same tie tokens in its own float64 pass and widens the scope's tolerances alike.
+  nlohmann::json doc = load_case_file("cases/moe-sigmoid-seq-aux.json").resolved();
+  std::vector<double> near(24, -1.0);
+  near[0] = 2.0, near[1] = 1.5, near[2] = 1.0, near[3] = 1.0 + 4.8e-7, near[4] = 0.5;
+  doc["inputs"]["overrides"] = {{{"token", 3}, {"logits", near}}, {{"token", 40}, {"logits", near}}};
+  doc["inputs"]["ignore_fraction"] = 0.0;
+  const Case c = testing::make_case(doc);
+  for (const char* impl : {"correct", "moe-aux-topk-squared"}) {
+    CAPTURE(impl);
+    RunOptions options;
+    options.implementation = impl;
+    options.threads = 2;
+    options.device = RunOptions::Device::cuda;
+    options.reference = RunOptions::Reference::cpu;
+    const RunResult host = run_case(c, options);
+    options.reference = RunOptions::Reference::gpu;
+    const RunResult gpu = run_case(c, options);
+    CHECK(gpu.execution.reference == "gpu");
+    CHECK(testing::check_named(gpu, "grad").metrics["either_way_tokens"] == 2);
+    check_same_verdicts(host, gpu, 1e-6, [](const CheckResult&, const CheckResult&) {});
+  }
+}

@@ -17,6 +17,10 @@ struct BugSwitches;
 class RankPlan;
 struct RankGroups;
 struct RankAssignment;
+struct RankOutput;
+struct GradJudgement;
+class InputSource;
+class Oracle;
 }  // namespace lossverify
 
 namespace lossverify::cuda {
@@ -72,5 +76,19 @@ using CudaKindFactory = std::unique_ptr<CudaKindRank> (*)(const CudaRankSetup& s
 
 // nullptr when the kind has no CUDA implementation.
 CudaKindFactory cuda_kind_factory(std::string_view kind_name);
+
+// A kind's own GPU oracle, for a kind whose reference the generic row models (DeviceRowModel) cannot evaluate: a
+// router's needs the routing of the whole step before any row. Made before the implementation runs, it generates and
+// owns its inputs on `device` and starts its first pass; judge() is called once the rank's outputs exist (its
+// gradient on the device).
+class CudaKindOracle {
+ public:
+  virtual ~CudaKindOracle() = default;
+  virtual std::unique_ptr<Oracle> judge(const RankOutput& out, const GradJudgement& judgement) = 0;
+};
+using CudaOracleFactory = std::unique_ptr<CudaKindOracle> (*)(const Case& c, const InputSource& inputs,
+                                                              const RankAssignment& assignment, int device);
+// nullptr when the kind has none (or the build has no CUDA).
+CudaOracleFactory cuda_oracle_factory(std::string_view kind_name);
 
 }  // namespace lossverify::cuda

@@ -1,5 +1,7 @@
 #include "lossverify/reference/loss_reference.hpp"
 
+#include <utility>
+
 #include <algorithm>
 #include <cmath>
 #include <optional>
@@ -9,10 +11,10 @@
 namespace lossverify {
 
 LossReference::LossReference(const Case& c, const InputSource& inputs)
-    : case_(c),
-      inputs_(inputs),
-      row_(kind_of(c.loss).reference(c, inputs)),
-      valid_(static_cast<std::size_t>(c.shape.tokens)) {
+    : LossReference(c, inputs, kind_of(c.loss).reference(c, inputs)) {}
+
+LossReference::LossReference(const Case& c, const InputSource& inputs, std::unique_ptr<KindReference> row)
+    : case_(c), inputs_(inputs), row_(std::move(row)), valid_(static_cast<std::size_t>(c.shape.tokens)) {
   for (std::int64_t t = 0; t < c.shape.tokens; ++t) {
     const bool v = inputs.is_valid(t);
     valid_[static_cast<std::size_t>(t)] = v;

@@ -29,6 +29,8 @@ struct ReferenceToken {
 class LossReference {
  public:
   LossReference(const Case& c, const InputSource& inputs);
+  // With the kind's row reference made elsewhere (a kind's own GPU oracle, which takes part of it from the device).
+  LossReference(const Case& c, const InputSource& inputs, std::unique_ptr<KindReference> row);
 
   const KindReference& row() const { return *row_; }
   bool needs_teacher() const { return kind_of(case_.loss).inputs().teacher_logits; }

@@ -14,6 +14,7 @@
 #include "lossverify/impl/plugin/plugin_backend.hpp"
 #include "lossverify/impl/plugin/plugin_library.hpp"
 #include "lossverify/inputs/input_source.hpp"
+#include "lossverify/kind_api/cuda_kind.hpp"
 #include "lossverify/kind_api/loss_kind.hpp"
 #include "lossverify/kind_api/stage.hpp"
 #include "lossverify/layout/rank_layout.hpp"
@@ -127,6 +128,12 @@ void require_supported(const Implementation& impl, const Case& c) {
 }
 
 // A kind without a CUDA implementation, or one the GPU oracle cannot evaluate, is refused before any work.
+// Whether the GPU oracle can evaluate the case's kind: through a row model, or the kind's own GPU oracle.
+bool has_gpu_oracle(const Case& c) {
+  const LossKind& kind = kind_of(c.loss);
+  return kind.device_row_model(c).has_value() || cuda::cuda_oracle_factory(kind.name()) != nullptr;
+}
+
 void require_kind_support(const Case& c, const RunOptions& options) {
   const LossKind& kind = kind_of(c.loss);
   if (c.loss.stage != nullptr &&
@@ -139,7 +146,7 @@ void require_kind_support(const Case& c, const RunOptions& options) {
     throw CaseError(c.source + ": --backend cuda: loss kind " + std::string(kind.name()) +
                     " has no CUDA implementation (use the CPU backend)");
   }
-  if (options.reference == RunOptions::Reference::gpu && !kind.device_row_model(c)) {
+  if (options.reference == RunOptions::Reference::gpu && !has_gpu_oracle(c)) {
     throw CaseError(c.source + ": --reference gpu: the GPU oracle cannot evaluate loss kind " +
                     std::string(kind.name()) + " (use --reference cpu)");
   }
@@ -257,7 +264,8 @@ RankJob run_rank(const Case& c, const InputSource& inputs, const Implementation&
   kernel_options.threads = threads;
   RankOutput out;
   std::shared_ptr<cuda::OracleShard> gpu_oracle;
-  PluginSession plugin_session;  // a plugin's host stays until the rank's checks are done
+  std::unique_ptr<cuda::CudaKindOracle> kind_oracle;  // a kind's own GPU oracle (kind_api/cuda_kind.hpp)
+  PluginSession plugin_session;                       // a plugin's host stays until the rank's checks are done
   if (impl.plugin != nullptr) {
     out = run_plugin_rank(*impl.plugin, c, inputs, assign_rank(c, inputs.batch(), rank), groups,
                           PluginRankOptions{device, threads, c.timeout_seconds}, plugin_session);
@@ -270,12 +278,18 @@ RankJob run_rank(const Case& c, const InputSource& inputs, const Implementation&
       }
       execution.reference = "cpu";
     }
-    if (!kind_of(c.loss).device_row_model(c)) execution.reference = "cpu";  // the GPU oracle cannot evaluate it
+    if (!has_gpu_oracle(c)) execution.reference = "cpu";  // the GPU oracle cannot evaluate it
     device_options.keep_on_device = execution.reference == "gpu";
     RankAssignment assignment = assign_rank(c, inputs.batch(), rank);
     // The GPU oracle first: its own copy of the inputs is generated on its stream while the implementation
     // generates and computes on its own. The two never share a buffer.
-    if (device_options.keep_on_device) gpu_oracle = cuda::make_oracle_shard(c, inputs, assignment, device);
+    if (device_options.keep_on_device) {
+      if (const cuda::CudaOracleFactory own = cuda::cuda_oracle_factory(kind_of(c.loss).name())) {
+        kind_oracle = own(c, inputs, assignment, device);
+      } else {
+        gpu_oracle = cuda::make_oracle_shard(c, inputs, assignment, device);
+      }
+    }
     out = cuda::run_sharded_loss(c, inputs, std::move(assignment), groups, impl.bugs, device_options);
   } else {
     out = run_sharded_loss(c, inputs, assign_rank(c, inputs.batch(), rank), groups, impl.bugs, kernel_options);
@@ -286,8 +300,9 @@ RankJob run_rank(const Case& c, const InputSource& inputs, const Implementation&
   // The oracle judges the rank's outputs read-only; the GPU oracle where the gradient stayed on the GPU.
   const GradJudgement judgement = grad_judgement(c, inputs.valid_tokens(), out.dtype);
   std::unique_ptr<Oracle> oracle =
-      gpu_oracle ? cuda::make_device_oracle(c, inputs, std::move(gpu_oracle), out, judgement, groups.tp.size() == 1)
-                 : std::make_unique<HostOracle>(c, inputs, out, judgement, threads);
+      kind_oracle  ? kind_oracle->judge(out, judgement)
+      : gpu_oracle ? cuda::make_device_oracle(c, inputs, std::move(gpu_oracle), out, judgement, groups.tp.size() == 1)
+                   : std::make_unique<HostOracle>(c, inputs, out, judgement, threads);
   job.checks = verify_rank(c, out, *oracle, groups, world, snapshot, &job.error_map);
   plugin_session.finish();  // a collective after run_rank returned, or a host that ended, fails the rank
   const auto end = Clock::now();

@@ -127,34 +127,7 @@ class DeviceOracle final : public Oracle {
 
   double compared_margin(std::size_t k) const { return rows_[k].grad.margin; }
 
-  RowJudgement judgement(std::size_t k, const RowComparison& rc) const {
-    const std::int64_t begin = out_.assignment.vocab.begin;
-    const int rank = out_.assignment.world_rank;
-    const LocalRow& row = out_.assignment.rows[k];
-    const bool padding = row.token < 0;
-    RowJudgement j;
-    j.grad =
-        PackedStats{rc.compared,
-                    rc.mismatches,
-                    rc.max_ulp,
-                    rc.compared > 0,
-                    rc.max_abs,
-                    rc.max_rel,
-                    rc.margin,
-                    PackedElement{row.token, begin + rc.worst_column, rank, padding ? row.sequence : -1,
-                                  padding ? row.position : -1, rc.worst_expected, rc.worst_got, rc.worst_tolerance}};
-    j.sum = rc.sum;
-    j.sum_error = rc.sum_error;
-    j.magnitude = rc.magnitude;
-    j.nan = rc.nan;
-    j.pos_inf = rc.pos_inf;
-    j.neg_inf = rc.neg_inf;
-    j.subnormal = rc.subnormal;
-    j.first_bad_column = rc.first_bad_column >= 0 ? begin + rc.first_bad_column : -1;
-    j.first_bad_value = rc.first_bad_value;
-    j.lookups = rc.lookups;
-    return j;
-  }
+  RowJudgement judgement(std::size_t k, const RowComparison& rc) const { return row_judgement(out_, k, rc); }
 
   const Case& case_;
   const InputSource& inputs_;
@@ -170,6 +143,34 @@ class DeviceOracle final : public Oracle {
 };
 
 }  // namespace
+
+RowJudgement row_judgement(const RankOutput& out, std::size_t k, const RowComparison& rc) {
+  const std::int64_t begin = out.assignment.vocab.begin;
+  const int rank = out.assignment.world_rank;
+  const LocalRow& row = out.assignment.rows[k];
+  const bool padding = row.token < 0;
+  RowJudgement j;
+  j.grad = PackedStats{rc.compared,
+                       rc.mismatches,
+                       rc.max_ulp,
+                       rc.compared > 0,
+                       rc.max_abs,
+                       rc.max_rel,
+                       rc.margin,
+                       PackedElement{row.token, begin + rc.worst_column, rank, padding ? row.sequence : -1,
+                                     padding ? row.position : -1, rc.worst_expected, rc.worst_got, rc.worst_tolerance}};
+  j.sum = rc.sum;
+  j.sum_error = rc.sum_error;
+  j.magnitude = rc.magnitude;
+  j.nan = rc.nan;
+  j.pos_inf = rc.pos_inf;
+  j.neg_inf = rc.neg_inf;
+  j.subnormal = rc.subnormal;
+  j.first_bad_column = rc.first_bad_column >= 0 ? begin + rc.first_bad_column : -1;
+  j.first_bad_value = rc.first_bad_value;
+  j.lookups = rc.lookups;
+  return j;
+}
 
 std::unique_ptr<Oracle> make_device_oracle(const Case& c, const InputSource& inputs, std::shared_ptr<OracleShard> shard,
                                            const RankOutput& out, const GradJudgement& judgement, bool whole_rows) {

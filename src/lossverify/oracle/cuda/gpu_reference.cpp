@@ -126,12 +126,17 @@ std::shared_ptr<OracleShard> make_oracle_shard(const Case& c, const InputSource&
       std::make_shared<OracleShard>(device, storage_of(c.inputs.dtype),
                                     static_cast<std::int64_t>(assignment.rows.size()), columns.size(), columns.begin);
   oracle->inputs = generate_shard_inputs(c, inputs, assignment, columns, oracle->workspace.stream.get());
-  // The reference kernels' code, loaded while the inputs are generated (once per process and device).
-  const DeviceRowModel model = row_model(c);
-  preload_reference_kernels(oracle->type, model.teacher || model.row_coefficients, model.softcap,
-                            oracle->inputs.student.as<void>(), oracle->cols);
+  // The reference kernels' code, loaded while the inputs are generated (once per process and device); a kind with its
+  // own GPU oracle evaluates its rows itself.
+  if (const std::optional<DeviceRowModel> model = kind_of(c.loss).device_row_model(c)) {
+    preload_reference_kernels(oracle->type, model->teacher || model->row_coefficients, model->softcap,
+                              oracle->inputs.student.as<void>(), oracle->cols);
+  }
   return oracle;
 }
+
+const void* oracle_shard_logits(const OracleShard& oracle) { return oracle.inputs.student.as<void>(); }
+void* oracle_shard_stream(OracleShard& oracle) { return oracle.workspace.stream.get(); }
 
 namespace {
 
@@ -244,7 +249,7 @@ void gpu_reference_compare_launch(OracleShard& oracle, const DeviceShard& output
   std::memcpy(ws.host_in<double>(ws.layout.lse), in.lse.data(), rows * sizeof(double));
   std::memcpy(ws.host_in<double>(ws.layout.teacher_lse), in.teacher_lse.data(), rows * sizeof(double));
   std::memcpy(ws.host_in<double>(ws.layout.weight), in.weight.data(), rows * sizeof(double));
-  const DeviceRowModel model = row_model(c);
+  const DeviceRowModel model = in.expected != nullptr ? DeviceRowModel{} : row_model(c);
   if (model.row_coefficients) {
     if (in.coef_a.size() != rows || in.coef_b.size() != rows || in.row_scale.size() != rows) {
       throw InternalError("gpu reference compare: per-row coefficients do not match the shard's rows");
@@ -290,6 +295,8 @@ void gpu_reference_compare_launch(OracleShard& oracle, const DeviceShard& output
   a.quantum = in.quantum;
   a.grad_scale = in.grad_scale;
   a.smallest_normal = in.smallest_normal;
+  a.expected = in.expected;
+  a.slack = in.slack;
   ws.compare_start.record(ws.stream.get());
   reference_compare(oracle.type, a, ws.d_out.as<RowComparison>(), ws.stream.get());
   LV_CUDA(cudaGetLastError());

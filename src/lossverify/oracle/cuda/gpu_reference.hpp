@@ -59,7 +59,15 @@ struct GpuCompareInputs {
   double atol = 0.0, rtol = 0.0;
   int max_ulp = 0;
   double framework_scale = 1.0, quantum = 0.0, grad_scale = 1.0, smallest_normal = 0.0;
+  // A kind's own GPU oracle: the expected gradient (and its slack) of the shard's rows on the device, rows x cols
+  // float64 (ReferenceCompareArgs::expected); the row model is then not read.
+  const double* expected = nullptr;
+  const double* slack = nullptr;
 };
+// The oracle shard's own copy of the rank's logits on its device, and its stream (a kind's own GPU oracle launches
+// its kernels there, behind the generation).
+const void* oracle_shard_logits(const OracleShard& oracle);
+void* oracle_shard_stream(OracleShard& oracle);
 // One RowComparison per row of the rank's gradient `output` (read only) against the reference computed from
 // the oracle's inputs: the launch enqueues the comparison and returns; the wait returns the rows, in the
 // oracle's workspace (valid until its next comparison).

@@ -1,5 +1,6 @@
 // Built when the CUDA toolkit is absent: the GPU oracle exists and says why it cannot run.
 #include "lossverify/core/errors.hpp"
+#include "lossverify/kind_api/cuda_kind.hpp"
 #include "lossverify/oracle/cuda/gpu_reference.hpp"
 
 namespace lossverify::cuda {
@@ -25,5 +26,8 @@ void gpu_reference_compare_launch(OracleShard&, const DeviceShard&, const Case&,
   unavailable();
 }
 std::span<const RowComparison> gpu_reference_compare_wait(OracleShard&) { unavailable(); }
+const void* oracle_shard_logits(const OracleShard&) { unavailable(); }
+void* oracle_shard_stream(OracleShard&) { unavailable(); }
+CudaOracleFactory cuda_oracle_factory(std::string_view) { return nullptr; }
 
 }  // namespace lossverify::cuda

@@ -643,6 +643,7 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4)
     };
     auto expected_at = [&](int v, float xf, float yf) -> double {
       if (kind != 0) return 0.0;
+      if (a.expected != nullptr) return a.expected[r * a.cols + v];
       const double xv = xf;
       if (a.row_coefficients) {
         const double log_p = xv * a.inverse_temperature - lse;
@@ -681,6 +682,7 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4)
       }
       const double expected = expected_at(v, xf, yf);
       const double error = got == expected ? 0.0 : fabs(got - expected);
+      const double fl = a.slack != nullptr && kind == 0 ? floor + a.slack[r * a.cols + v] : floor;
       s.extrema(expected, error);
       sum += got;
       magnitude += fabs(got);
@@ -698,14 +700,14 @@ __global__ void __launch_bounds__(kThreads, kTables ? 2 : 4)
         // m = min(by_ulp, by_floor) <= by_ulp: when by_ulp is within 1 and below the worst so far, the
         // element neither mismatches nor becomes the worst, and by_floor is not needed.
         if (s.worst_column < 0 || !(by_ulp <= 1.0 && by_ulp < s.margin)) {
-          const double m = element_rule::ulp_margin(by_ulp, margin_of(error, floor), error, expected);
+          const double m = element_rule::ulp_margin(by_ulp, margin_of(error, fl), error, expected);
           const bool mismatch = !(m <= 1.0);
           s.mismatches += mismatch;
-          s.worst(v, m, expected, got, floor + a.rtol * fabs(expected));
+          s.worst(v, m, expected, got, fl + a.rtol * fabs(expected));
         }
       } else {
-        const double tol = floor + a.rtol * fabs(expected);
-        const double m = element_rule::tolerance_margin(error, floor, a.rtol, expected);
+        const double tol = fl + a.rtol * fabs(expected);
+        const double m = element_rule::tolerance_margin(error, fl, a.rtol, expected);
         const bool mismatch = !(m <= 1.0);
         s.mismatches += mismatch;
         if (s.worst_column < 0 || mismatch || !(error <= s.margin * tol * (1.0 - 1e-12)))

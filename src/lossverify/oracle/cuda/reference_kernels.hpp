@@ -63,6 +63,11 @@ struct ReferenceCompareArgs {
   const double *coef_a, *coef_b, *row_scale;
   double entropy_coef;
   double softcap, z_loss_weight, q_on, q_off;
+  // A kind's own GPU oracle (kind_api/cuda_kind.hpp's CudaKindOracle) evaluates its rows itself: the expected
+  // gradient per element of the valid rows, rows x cols float64 (no row model then), and where not null the slack
+  // each element's tolerance widens by (GradJudge's `slack`: a router's tie tokens).
+  const double* expected;
+  const double* slack;
   // GradJudge
   double atol, rtol;
   int max_ulp;
