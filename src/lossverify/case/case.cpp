@@ -117,6 +117,7 @@ void parse_stage(ObjectReader r, Case& c) {
     r.fail("kind", "expected a registered stage" +
                        (allowed.empty() ? std::string(" (none is)") : " (" + allowed + ")") + ", got \"" + name + "\"");
   }
+  parse_settings(c.loss.stage->settings(), r, c.loss);
   r.reject_unknown_keys();
 }
 
@@ -464,6 +465,7 @@ void validate_consistency(const Case& c) {
   }
   validate_value_ranges(c);
   kind.validate(c);
+  if (c.loss.stage != nullptr) c.loss.stage->validate(c);
 }
 
 }  // namespace
@@ -686,7 +688,11 @@ json Case::resolved() const {
       break;
   }
   j["loss"] = l;
-  if (loss.stage != nullptr) j["stage"] = {{"kind", std::string(loss.stage->name())}};
+  if (loss.stage != nullptr) {
+    json stage = {{"kind", std::string(loss.stage->name())}};
+    resolve_settings(loss.stage->settings(), loss, stage);
+    j["stage"] = stage;
+  }
   json in = {{"seed", inputs.seed},
              {"dtype", std::string(to_string(inputs.dtype))},
              {"distribution", std::string(to_string(inputs.distribution))},

@@ -47,6 +47,8 @@ struct LossSpec {
   // A stage in front of the kind that makes its logits (the case's "stage" section); null: the logits are the
   // inputs.
   const Stage* stage = nullptr;
+  // The stage's own settings, as its table (Stage::settings) reads them from the "stage" section.
+  std::shared_ptr<const KindOptions> stage_options;
 };
 // The case's kind, for the registry's interface (kinds/loss_kind.hpp).
 inline const LossKind& kind_of(const LossSpec& loss) { return *loss.kind; }

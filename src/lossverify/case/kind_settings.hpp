@@ -18,62 +18,73 @@ namespace detail {
 class ObjectReader;
 }
 
-// The kind's options in a case (its defaults when the case has none of them yet).
+// Where a table's options live in a LossSpec: the kind's (`options`) or its stage's (`stage_options`).
+using OptionsSlot = std::shared_ptr<const KindOptions> LossSpec::*;
+
+// The kind's options in a case (its defaults when the case has none of them yet); with `slot`, the stage's.
 template <class Options>
-const Options& options_of(const LossSpec& loss) {
+const Options& options_of(const LossSpec& loss, OptionsSlot slot = &LossSpec::options) {
   static const Options defaults;
-  const auto* o = dynamic_cast<const Options*>(loss.options.get());
+  const auto* o = dynamic_cast<const Options*>((loss.*slot).get());
   return o != nullptr ? *o : defaults;
 }
 
 // A writable copy, installed in `loss` (options are shared between copies of a case until one is edited).
 template <class Options>
-Options& edit_options(LossSpec& loss) {
-  auto fresh = std::make_shared<Options>(options_of<Options>(loss));
+Options& edit_options(LossSpec& loss, OptionsSlot slot = &LossSpec::options) {
+  auto fresh = std::make_shared<Options>(options_of<Options>(loss, slot));
   Options& edited = *fresh;
-  loss.options = std::move(fresh);
+  loss.*slot = std::move(fresh);
   return edited;
 }
 
-// Table entries bound to a field of the kind's options (a number or a boolean, read and written as JSON).
+// Table entries bound to a field of the kind's options (a number or a boolean, read and written as JSON); a stage's
+// table passes the slot &LossSpec::stage_options.
 template <class Options, class Value>
-Setting field_setting(std::string key, Value Options::*field, Value fallback, Setting::Type type) {
+Setting field_setting(std::string key, Value Options::*field, Value fallback, Setting::Type type,
+                      OptionsSlot slot = &LossSpec::options) {
   Setting s;
   s.key = std::move(key);
   s.type = type;
   s.fallback = fallback;
-  s.get = [field](const LossSpec& l) { return nlohmann::json(options_of<Options>(l).*field); };
-  s.set = [field](LossSpec& l, const nlohmann::json& v) { edit_options<Options>(l).*field = v.get<Value>(); };
+  s.get = [field, slot](const LossSpec& l) { return nlohmann::json(options_of<Options>(l, slot).*field); };
+  s.set = [field, slot](LossSpec& l, const nlohmann::json& v) {
+    edit_options<Options>(l, slot).*field = v.get<Value>();
+  };
   return s;
 }
 
 template <class Options>
-Setting number_setting(std::string key, double Options::*field, double fallback) {
-  return field_setting(std::move(key), field, fallback, Setting::Type::number);
+Setting number_setting(std::string key, double Options::*field, double fallback,
+                       OptionsSlot slot = &LossSpec::options) {
+  return field_setting(std::move(key), field, fallback, Setting::Type::number, slot);
 }
 
 template <class Options>
-Setting integer_setting(std::string key, int Options::*field, int fallback) {
-  return field_setting(std::move(key), field, fallback, Setting::Type::integer);
+Setting integer_setting(std::string key, int Options::*field, int fallback, OptionsSlot slot = &LossSpec::options) {
+  return field_setting(std::move(key), field, fallback, Setting::Type::integer, slot);
 }
 
 template <class Options>
-Setting boolean_setting(std::string key, bool Options::*field, bool fallback) {
-  return field_setting(std::move(key), field, fallback, Setting::Type::boolean);
+Setting boolean_setting(std::string key, bool Options::*field, bool fallback, OptionsSlot slot = &LossSpec::options) {
+  return field_setting(std::move(key), field, fallback, Setting::Type::boolean, slot);
 }
 
 // An enumeration named by to_string(Enum); `values` in the enumeration's order.
 template <class Options, class Enum, std::size_t N>
-Setting choice_setting(std::string key, Enum Options::*field, const std::array<Enum, N>& values, Enum fallback) {
+Setting choice_setting(std::string key, Enum Options::*field, const std::array<Enum, N>& values, Enum fallback,
+                       OptionsSlot slot = &LossSpec::options) {
   Setting s;
   s.key = std::move(key);
   s.type = Setting::Type::choice;
   s.fallback = std::string(to_string(fallback));
   for (Enum e : values) s.choices.emplace_back(to_string(e));
-  s.get = [field](const LossSpec& l) { return nlohmann::json(std::string(to_string(options_of<Options>(l).*field))); };
-  s.set = [field, values](LossSpec& l, const nlohmann::json& v) {
+  s.get = [field, slot](const LossSpec& l) {
+    return nlohmann::json(std::string(to_string(options_of<Options>(l, slot).*field)));
+  };
+  s.set = [field, values, slot](LossSpec& l, const nlohmann::json& v) {
     for (Enum e : values) {
-      if (to_string(e) == v.get<std::string>()) edit_options<Options>(l).*field = e;
+      if (to_string(e) == v.get<std::string>()) edit_options<Options>(l, slot).*field = e;
     }
   };
   return s;

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "lossverify/core/dtype.hpp"
+#include "lossverify/kind_api/settings.hpp"
 #include "lossverify/layout/vocab_range.hpp"
 
 namespace lossverify {
@@ -51,6 +52,10 @@ class Stage {
   virtual ~Stage() = default;
   virtual std::string_view name() const = 0;
   virtual std::string_view summary() const = 0;
+  // Its keys of the case's "stage" section (kind_api/settings.hpp, bound to LossSpec::stage_options); none by default.
+  virtual const SettingTable& settings() const;
+  // Cross-field checks of the whole case, after every section is read (exit 2 naming the field).
+  virtual void validate(const Case& c) const { (void)c; }
   // The gradients of its inputs that ranks report, each judged as a check of that name ("dh"), and a row's width
   // of each on a rank.
   virtual std::vector<std::string> gradients() const = 0;

@@ -45,6 +45,10 @@ double effective_gradient_scale(const Case& c, std::int64_t step_valid_tokens) {
   return scale / static_cast<double>(std::max<std::int64_t>(step_valid_tokens, 1));
 }
 std::vector<Implementation> Stage::catalogue() const { return {}; }
+const SettingTable& Stage::settings() const {
+  static const SettingTable none;
+  return none;
+}
 
 const LossKind* find_loss_kind(std::string_view name) {
   Registry& r = registry();
