@@ -61,6 +61,8 @@ class Oracle {
   // combined statistics (it may run in the background); judged_rows waits for it.
   virtual void start_judging(std::span<const RowStats> stats) = 0;
   virtual std::span<const RowJudgement> judged_rows() = 0;
+  // Once the rows are judged: each of a stage's parameter gradients of the rank (Stage::parameters), judged whole.
+  virtual std::vector<PackedStats> stage_parameters() { return {}; }
   // Whether the oracle counts code-table lookups (the report's "judged_by_lookup").
   virtual bool counts_lookups() const { return false; }
 };

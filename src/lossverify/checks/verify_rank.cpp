@@ -385,7 +385,12 @@ LossFindings judge_losses(const RankContext& x, const RowReference& ref, std::ve
     const std::int64_t t = x.out.token_of(i);
     if (t < 0) continue;
     if (ref.valid[k]) {
-      const KindReference::LossArithmetic a = x.reference.row().token_loss_arithmetic(t, ref.stats[k]);
+      KindReference::LossArithmetic a = x.reference.row().token_loss_arithmetic(t, ref.stats[k]);
+      if (const StageReference* stage = x.reference.stage(); stage != nullptr && stage->makes_logits()) {
+        // a stage's logits (an LM head's) within its error of the reference's move the loss by the kind's bound
+        a.either_way +=
+            x.reference.row().loss_under_logit_error(t, ref.stats[k], stage->largest_logit_error(t)).value_or(0.0);
+      }
       const double terms = a.terms.value_or(std::fabs(ref.loss[k]));
       rounding[k] = f.tolerance.rtol * terms + a.inputs_rounding + a.either_way;
       if (x.token_owner) spread[1] += std::fabs(x.reference.token_weight(t)) * terms;
@@ -704,6 +709,12 @@ CheckResult loss_result(const RankContext& x, const LossFindings& losses) {
   return r;
 }
 
+// A check of the logits' gradient where a stage keeps it internal (a fused head): not applicable, saying why.
+void internal_to_stage(CheckResult& r, const Stage& stage) {
+  r.verdict = Verdict::not_applicable;
+  r.summary = "the stage " + std::string(stage.name()) + " keeps the logits' gradient internal: its gradients judge it";
+}
+
 CheckResult grad_result(const RankContext& x, const GradFindings& grad, const GradJudgement& judgement) {
   const ErrorStats all = merge_over(x.world, grad.stats);
   const std::vector<std::int64_t> mismatches_per_rank = gather_on_root(x.world, grad.mismatches);
@@ -934,6 +945,8 @@ std::vector<CheckResult> verify_rank(const Case& c, const RankOutput& out, Oracl
   std::vector<CheckResult> results;
   results.push_back(loss_result(x, losses));
   results.push_back(grad_result(x, grad, judgement));
+  const bool internal_gradient = c.loss.stage != nullptr && c.loss.stage->logit_gradient_internal();
+  if (internal_gradient) internal_to_stage(results.back(), *c.loss.stage);
   {
     CheckResult r = make_result("rank_agreement", merge_over(world, tp.agreement), tp.agreement_tolerance,
                                 "TP ranks of each token report the same loss");
@@ -945,6 +958,7 @@ std::vector<CheckResult> verify_rank(const Case& c, const RankOutput& out, Oracl
     const LossKind& kind = kind_of(c.loss);
     CheckResult r = make_result("row_sum", merge_over(world, tp.row_sum), tp.row_sum_tolerance, kind.row_sum_rule());
     if (const std::string why = kind.row_sum_exemption(c.loss); !why.empty()) r.summary = why;
+    if (internal_gradient) internal_to_stage(r, *c.loss.stage);
     results.push_back(std::move(r));
   }
   if (const Stage* stage = c.loss.stage) {
@@ -958,6 +972,16 @@ std::vector<CheckResult> verify_rank(const Case& c, const RankOutput& out, Oracl
           names[w], merge_over(world, mine), judgement.tolerance,
           "the stage's gradient " + names[w] + " vs the float64 reference (stage " + std::string(stage->name()) + ")");
       results.push_back(std::move(r));
+    }
+    const std::vector<std::string> parameters = stage->parameters();
+    const std::vector<PackedStats> judged_parameters = oracle.stage_parameters();
+    for (std::size_t p = 0; p < parameters.size(); ++p) {
+      ErrorStats mine;
+      if (p < judged_parameters.size()) mine = ErrorStats::unpack(judged_parameters[p]);
+      results.push_back(make_result(parameters[p], merge_over(world, mine), judgement.tolerance,
+                                    "each rank's shard of the stage's parameter gradient " + parameters[p] +
+                                        ", summed over its tokens, vs the float64 sum (stage " +
+                                        std::string(stage->name()) + ")"));
     }
   }
   for (std::size_t j = 0; j < values.names.size(); ++j) {

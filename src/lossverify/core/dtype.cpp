@@ -95,4 +95,16 @@ double ulp_size(double value, DType dtype) {
 
 double smallest_normal(DType dtype) { return dtype == DType::fp16 ? 0x1p-14 : 0x1p-126; }
 
+double unit_roundoff(DType dtype) {
+  switch (dtype) {
+    case DType::bf16:
+      return 0x1p-8;
+    case DType::fp16:
+      return 0x1p-11;
+    case DType::fp32:
+      break;
+  }
+  return 0x1p-24;
+}
+
 }  // namespace lossverify

@@ -47,6 +47,9 @@ double ulp_size(double value, DType dtype);
 
 // Smallest positive normal value of the dtype.
 double smallest_normal(DType dtype);
+// The unit roundoff u: half the spacing of 1, the largest relative error of one rounding to nearest (2^-8 bf16,
+// 2^-11 fp16, 2^-24 fp32).
+double unit_roundoff(DType dtype);
 
 // Call f(std::type_identity<StorageType>{}) for the storage type of a runtime dtype.
 template <class F>

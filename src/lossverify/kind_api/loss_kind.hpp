@@ -146,6 +146,20 @@ class KindReference {
   }
   // sum_v d L / d x_v of a token of weight `weight`: the row-sum invariant; none where it does not hold.
   virtual std::optional<double> gradient_row_sum(const RowStats& stats, double weight) const = 0;
+  // A stage in front that computes the logits (an LM head: kind_api/stage.hpp) leaves a correct implementation's
+  // logits within `error` of the reference's in every column: bounds on how far the token's loss and each column of
+  // its gradient (of weight `weight`, over columns [begin, begin + logits.size())) may then move. none / false: the
+  // kind has no such model (LossKind::models_logit_error), and no such stage may sit in front of it.
+  virtual std::optional<double> loss_under_logit_error(std::int64_t token, const RowStats& stats, double error) const {
+    (void)token, (void)stats, (void)error;
+    return std::nullopt;
+  }
+  virtual bool gradient_under_logit_error(std::int64_t token, const RowStats& stats, double weight, double error,
+                                          std::int64_t begin, std::span<const double> logits,
+                                          std::span<double> out) const {
+    (void)token, (void)stats, (void)weight, (void)error, (void)begin, (void)logits, (void)out;
+    return false;
+  }
   // For a row model with per-row coefficients (DeviceRowModel::row_coefficients): the token's a and b in
   // d L / d x_v = (w / T) [a (delta_vy - p_v) + c p_v (log p_v + b)], and its gradient_scale (stats.branch
   // picks the reading).
@@ -347,6 +361,9 @@ class LossKind {
   virtual std::vector<Implementation> catalogue() const;
 
   virtual std::unique_ptr<KindReference> reference(const Case& c, const InputSource& inputs) const = 0;
+  // Whether its reference bounds the loss and gradient under an error in the logits (KindReference::
+  // loss_under_logit_error): what a stage that computes the logits (the LM head) needs in front of it.
+  virtual bool models_logit_error() const { return false; }
   // The GPU oracle's row model; none where its kernels cannot evaluate this kind (the host oracle judges).
   virtual std::optional<DeviceRowModel> device_row_model(const Case& c) const {
     (void)c;

@@ -22,20 +22,53 @@ struct Case;
 struct Implementation;
 struct BugSwitches;
 struct RankAssignment;
+struct RankGroups;
 class InputSource;
 
-// The float64 reference of the stage, from its definition: each gradient's expected row of a token from the
-// reference's gradient of the logits over the rank's columns [begin, begin + logit_grad.size()).
+// The float64 reference of the stage, from its definition: each gradient's expected row of a token from the kind's
+// reference gradient of the token's whole row of logits (`row_grad`, columns [0, V)) and, per column, how far a
+// correct implementation's gradient of the logits may lie from it (`row_grad_error`: the kind's tolerance, one
+// rounding to the dtype, and where the stage makes the logits their error through the kind's model). `rank` is the
+// rank's columns.
 class StageReference {
  public:
   virtual ~StageReference() = default;
-  virtual void input_gradient(std::size_t which, std::int64_t token, std::int64_t begin,
-                              std::span<const double> logit_grad, std::span<double> out) const = 0;
+  // `bound` (same size as `out`, zero on entry) receives how far a correct implementation's element may lie from
+  // `out` beyond one rounding of its output (the stage's error model), added to the element's tolerance.
+  virtual void input_gradient(std::size_t which, std::int64_t token, VocabRange rank, std::span<const double> row_grad,
+                              std::span<const double> row_grad_error, std::span<double> out,
+                              std::span<double> bound) const = 0;
+  // A stage that computes the logits: the kind's reference reads them in float64 from here (exactly, from the
+  // stage's inputs), and `error` bounds how far a correct implementation's logits may lie from them, per column.
+  // false: the rank's generated rows are the logits (the stage reads them as they are).
+  virtual bool makes_logits() const { return false; }
+  virtual void logits(std::int64_t token, std::int64_t begin, std::int64_t end, double* out) const {
+    (void)token, (void)begin, (void)end, (void)out;
+  }
+  virtual void logit_error(std::int64_t token, std::int64_t begin, std::int64_t end, double* out) const {
+    (void)token, (void)begin, (void)end, (void)out;
+  }
+  // The largest of a token's logit errors over its whole row.
+  virtual double largest_logit_error(std::int64_t token) const {
+    (void)token;
+    return 0.0;
+  }
+  // A stage's parameter gradients (Stage::parameters): token `token`'s contribution over the rank's columns to each
+  // expected element of parameter `which` (rows x columns of Stage::parameter_shape, row major: added to `sum`) and to
+  // its bound (`bound`), from the reference's logit gradient of that token (`logit_grad`) and its bound from the
+  // logits' error (`grad_error`).
+  virtual void accumulate_parameter(std::size_t which, std::int64_t token, std::int64_t begin,
+                                    std::span<const double> logit_grad, std::span<const double> grad_error,
+                                    std::span<double> sum, std::span<double> bound) const {
+    (void)which, (void)token, (void)begin, (void)logit_grad, (void)grad_error, (void)sum, (void)bound;
+  }
 };
 
 // One rank's stage work on the CPU backend, over all of its rows: `logits` (rows x columns.size(), the dtype's
 // elements) are what the kind will read; `logit_grad` (same shape) is what the kind wrote, and `gradients[w]` the
-// stage's gradient `w` to fill (rows x gradient_columns, in the dtype), once the kind is done.
+// stage's gradient `w` to fill (rows x gradient_columns, in the dtype), once the kind is done; `parameters[p]` its
+// parameter gradient `p` (Stage::parameter_shape, in the dtype). `inputs` generate the stage's own inputs; the
+// collectives run over `groups`.
 struct StageRank {
   const Case& c;
   const BugSwitches& bugs;
@@ -45,6 +78,14 @@ struct StageRank {
   std::byte* logits = nullptr;
   const std::byte* logit_grad = nullptr;
   std::vector<std::vector<std::byte>>& gradients;
+  std::vector<std::vector<std::byte>>& parameters;
+  const InputSource& inputs;
+  RankGroups& groups;
+};
+
+// A parameter gradient's shape on one rank (its shard of a weight: rows x columns).
+struct ParameterShape {
+  std::int64_t rows = 0, columns = 0;
 };
 
 class Stage {
@@ -65,6 +106,16 @@ class Stage {
   virtual void cpu_forward(const StageRank& rank) const = 0;
   virtual void cpu_backward(const StageRank& rank) const = 0;
   virtual std::unique_ptr<StageReference> reference(const Case& c, const InputSource& inputs) const = 0;
+  // Gradients of the stage's parameters, one block per rank (a weight's shard, accumulated over the rank's tokens
+  // and micro-batches), each judged as a check of that name ("dW") against the float64 sum over the rank's tokens.
+  virtual std::vector<std::string> parameters() const { return {}; }
+  virtual ParameterShape parameter_shape(std::size_t which, const Case& c, const RankAssignment& assignment) const {
+    (void)which, (void)c, (void)assignment;
+    return {};
+  }
+  // Whether the kind's gradient of the logits stays inside the stage (a fused head never hands it out): its grad
+  // and row_sum checks are then not applicable, and the stage's gradients judge it.
+  virtual bool logit_gradient_internal() const { return false; }
   // The catalogued bugs of the stage's own arithmetic (their `applies` names the stage; their switches are
   // BugSwitches::stage_switches).
   virtual std::vector<Implementation> catalogue() const;

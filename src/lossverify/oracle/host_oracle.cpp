@@ -8,6 +8,7 @@
 
 #include "lossverify/checks/checks.hpp"
 #include "lossverify/checks/element_judge.hpp"
+#include "lossverify/core/errors.hpp"
 #include "lossverify/reference/compensated_sum.hpp"
 
 namespace lossverify {
@@ -39,7 +40,7 @@ HostOracle::HostOracle(const Case& c, const InputSource& inputs, const RankOutpu
       inputs_(inputs),
       out_(out),
       reference_(c, inputs),
-      stage_reference_(c.loss.stage != nullptr ? c.loss.stage->reference(c, inputs) : nullptr),
+      stage_reference_(reference_.stage()),
       judgement_(judgement),
       threads_(threads),
       has_teacher_(reference_.needs_teacher()),
@@ -48,7 +49,12 @@ HostOracle::HostOracle(const Case& c, const InputSource& inputs, const RankOutpu
       teacher_(c.inputs.dtype, has_teacher_ ? out.rows() : 0, out.columns(), beacon_) {}
 
 void HostOracle::load_row(std::int64_t i, std::vector<double>& student, std::vector<double>& teacher) const {
-  student_.widen(i, student.data());
+  if (stage_logits()) {
+    const auto cols = static_cast<std::size_t>(out_.columns());
+    std::copy_n(&stage_logits_[static_cast<std::size_t>(i) * cols], cols, student.begin());
+  } else {
+    student_.widen(i, student.data());
+  }
   if (has_teacher_) teacher_.widen(i, teacher.data());
 }
 
@@ -57,6 +63,7 @@ void HostOracle::row_partials(std::vector<double>& partials, std::vector<char>& 
   const std::int64_t cols = out_.columns();
   const VocabRange range = out_.assignment.vocab;
   valid_.assign(static_cast<std::size_t>(rows), 0);
+  if (stage_logits()) stage_logits_.assign(static_cast<std::size_t>(rows * cols), 0.0);
 #pragma omp parallel num_threads(threads_)
   {
     std::vector<double> student(static_cast<std::size_t>(cols));
@@ -67,7 +74,11 @@ void HostOracle::row_partials(std::vector<double>& partials, std::vector<char>& 
       const std::int64_t t = out_.token_of(i);
       if (t < 0 || !inputs_.is_valid(t)) continue;
       valid_[static_cast<std::size_t>(i)] = 1;
-      student_.store(i, [&](auto* row) { inputs_.logits(t, range.begin, range.end, row); });
+      if (stage_logits()) {
+        stage_reference_->logits(t, range.begin, range.end, &stage_logits_[static_cast<std::size_t>(i * cols)]);
+      } else {
+        student_.store(i, [&](auto* row) { inputs_.logits(t, range.begin, range.end, row); });
+      }
       if (has_teacher_) teacher_.store(i, [&](auto* row) { inputs_.teacher_logits(t, range.begin, range.end, row); });
       load_row(i, student, teacher);
       const RowPartial p = reference_.partial(t, range.begin, student, teacher);
@@ -186,28 +197,66 @@ RowJudgement HostOracle::judge_token_row(std::int64_t i, const RowStats& row_sta
   return judged;
 }
 
-// Each of the stage's gradients of row i against the stage's reference applied to the kind's reference gradient of
-// the rank's columns (zero where the row is no valid token), by the gradient's rule.
-std::vector<PackedStats> HostOracle::judge_stage_row(std::int64_t i, const RowStats& row_stats,
-                                                     std::vector<double>& student, std::vector<double>& teacher,
-                                                     std::vector<double>& expected) const {
+// The kind's reference gradient of row i over the whole row and how far a correct implementation's may lie from it
+// (the logits' error a stage in front gives, through the kind's model, then the kind's own tolerance and one rounding
+// to the dtype); zero where the row is no valid token.
+void HostOracle::whole_row_gradient(std::int64_t i, const RowStats& row_stats, std::vector<double>& grad,
+                                    std::vector<double>& error) const {
+  const std::int64_t t = out_.token_of(i);
+  const auto vocab = static_cast<std::size_t>(case_.shape.vocab);
+  grad.assign(vocab, 0.0);
+  error.assign(vocab, 0.0);
+  if (t < 0 || !valid_[static_cast<std::size_t>(i)]) return;
+  std::vector<double> student(vocab), teacher(has_teacher_ ? vocab : 0), logit_error(vocab, 0.0);
+  const auto end = static_cast<std::int64_t>(vocab);
+  if (stage_logits()) {
+    stage_reference_->logits(t, 0, end, student.data());
+    stage_reference_->logit_error(t, 0, end, logit_error.data());
+  } else {
+    inputs_.logits(t, 0, end, student.data());
+  }
+  if (has_teacher_) inputs_.teacher_logits(t, 0, end, teacher.data());
+  reference_.gradient(t, row_stats, 0, student, teacher, grad);
+  const double weight = reference_.token_weight(t);
+  if (stage_logits()) {
+    const double delta = *std::max_element(logit_error.begin(), logit_error.end());
+    if (!reference_.row().gradient_under_logit_error(t, row_stats, weight, delta, 0, student, error)) {
+      throw InternalError("kind " + std::string(kind_of(case_.loss).name()) + " has no logit-error model");
+    }
+  }
+  const GradJudge judge{judgement_};
+  const double token_scale = std::fabs(weight) * judgement_.grad_scale;
+  const double unit = unit_roundoff(case_.inputs.dtype);  // the gradient's rounding to the dtype
+  for (std::size_t v = 0; v < vocab; ++v) {
+    const double moved = std::fabs(grad[v]) + error[v];
+    error[v] += judge.tolerance_at(moved, token_scale) + unit * moved;
+  }
+}
+
+// Each of the stage's gradients of row i against the stage's reference applied to the kind's reference gradient
+// (zero where the row is no valid token), by the gradient's rule widened by the stage's error model. With parameters,
+// the row's gradient and its error over the rank's columns are kept for judge_stage_parameters.
+std::vector<PackedStats> HostOracle::judge_stage_row(std::int64_t i, const RowStats& row_stats) {
   const std::int64_t t = out_.token_of(i);
   const bool valid = t >= 0 && valid_[static_cast<std::size_t>(i)];
-  const std::int64_t begin = out_.assignment.vocab.begin;
+  const VocabRange rank = out_.assignment.vocab;
   const GradJudge judge{judgement_};
-  double token_scale = judgement_.grad_scale;
-  if (valid) {
-    load_row(i, student, teacher);
-    reference_.gradient(t, row_stats, begin, student, teacher, expected);
-    token_scale *= std::fabs(reference_.token_weight(t)) * reference_.row().gradient_scale(t, row_stats).value_or(1.0);
-  } else {
-    std::fill(expected.begin(), expected.end(), 0.0);
+  std::vector<double> grad, error;
+  whole_row_gradient(i, row_stats, grad, error);
+  const double token_scale =
+      judgement_.grad_scale *
+      (valid ? std::fabs(reference_.token_weight(t)) * reference_.row().gradient_scale(t, row_stats).value_or(1.0)
+             : 1.0);
+  if (!out_.stage_params.empty()) {
+    const auto cols = static_cast<std::size_t>(rank.size());
+    std::copy_n(grad.begin() + rank.begin, cols, &stage_grad_[static_cast<std::size_t>(i) * cols]);
+    std::copy_n(error.begin() + rank.begin, cols, &stage_grad_error_[static_cast<std::size_t>(i) * cols]);
   }
   std::vector<PackedStats> judged;
   for (std::size_t w = 0; w < out_.stage_grads.size(); ++w) {
     const std::int64_t cols = out_.stage_columns[w];
-    std::vector<double> want(static_cast<std::size_t>(cols), 0.0), got(static_cast<std::size_t>(cols));
-    if (valid) stage_reference_->input_gradient(w, t, begin, expected, want);
+    std::vector<double> want(static_cast<std::size_t>(cols), 0.0), bound(want.size(), 0.0), got(want.size());
+    if (valid) stage_reference_->input_gradient(w, t, rank, grad, error, want, bound);
     dispatch_dtype(out_.dtype, [&](auto type) {
       using T = typename decltype(type)::type;
       const T* g = reinterpret_cast<const T*>(out_.stage_grads[w].data()) + i * cols;
@@ -218,17 +267,66 @@ std::vector<PackedStats> HostOracle::judge_stage_row(std::int64_t i, const RowSt
       const auto k = static_cast<std::size_t>(c);
       bool mismatch = false;
       std::int64_t ulp = 0;
-      const double m = judge.judge(got[k], want[k], token_scale, mismatch, ulp);
+      const double m = judge.judge(got[k], want[k], token_scale, mismatch, ulp, bound[k]);
       const double effective = got[k] * judgement_.framework_scale;
       stats.add_in_order(effective, want[k], m, mismatch, [&] {
         return ElementRecord{t,       c,         out_.assignment.world_rank,
-                             want[k], effective, judge.tolerance_at(want[k], token_scale)};
+                             want[k], effective, judge.tolerance_at(want[k], token_scale, bound[k])};
       });
       stats.add_ulp(ulp);
     }
     judged.push_back(stats.pack());
   }
   return judged;
+}
+
+// Each of the stage's parameter gradients of the rank (its shard, summed over its tokens) against the float64 sum of
+// the stage's reference over the rank's valid rows in row order, each element's tolerance widened by the summed
+// bound of the stage's error model; token_scale is the sum of the rows' |w_t|.
+void HostOracle::judge_stage_parameters() {
+  parameters_.clear();
+  const Stage& stage = *case_.loss.stage;
+  const VocabRange rank = out_.assignment.vocab;
+  const auto cols = static_cast<std::size_t>(rank.size());
+  const GradJudge judge{judgement_};
+  for (std::size_t p = 0; p < out_.stage_params.size(); ++p) {
+    const ParameterShape shape = stage.parameter_shape(p, case_, out_.assignment);
+    const auto size = static_cast<std::size_t>(shape.rows * shape.columns);
+    std::vector<double> sum(size, 0.0), bound(size, 0.0);
+    double token_scale = 0.0;
+    for (std::int64_t i = 0; i < out_.rows(); ++i) {
+      const std::int64_t t = out_.token_of(i);
+      if (t < 0 || !valid_[static_cast<std::size_t>(i)]) continue;
+      token_scale += std::fabs(reference_.token_weight(t));
+      const auto at = static_cast<std::size_t>(i) * cols;
+      stage_reference_->accumulate_parameter(p, t, rank.begin, std::span<const double>(&stage_grad_[at], cols),
+                                             std::span<const double>(&stage_grad_error_[at], cols), sum, bound);
+    }
+    token_scale *= judgement_.grad_scale;
+    std::vector<double> got(size);
+    dispatch_dtype(out_.dtype, [&](auto type) {
+      using T = typename decltype(type)::type;
+      const T* g = reinterpret_cast<const T*>(out_.stage_params[p].data());
+      for (std::size_t k = 0; k < size; ++k) got[k] = static_cast<float>(g[k]);
+    });
+    ErrorStats stats;
+    for (std::size_t k = 0; k < size; ++k) {
+      bool mismatch = false;
+      std::int64_t ulp = 0;
+      const double m = judge.judge(got[k], sum[k], token_scale, mismatch, ulp, bound[k]);
+      const double effective = got[k] * judgement_.framework_scale;
+      stats.add_in_order(effective, sum[k], m, mismatch, [&] {
+        return ElementRecord{-1,
+                             static_cast<std::int64_t>(k),
+                             out_.assignment.world_rank,
+                             sum[k],
+                             effective,
+                             judge.tolerance_at(sum[k], token_scale, bound[k])};
+      });
+      stats.add_ulp(ulp);
+    }
+    parameters_.push_back(stats.pack());
+  }
 }
 
 // A token with two admissible readings (a ratio at a clip edge) is judged by the one its gradient is closer to.
@@ -251,6 +349,10 @@ void HostOracle::start_judging(std::span<const RowStats> stats) {
   const std::int64_t rows = out_.rows();
   const std::int64_t cols = out_.columns();
   rows_.assign(static_cast<std::size_t>(rows), RowJudgement{});
+  if (!out_.stage_params.empty()) {
+    stage_grad_.assign(static_cast<std::size_t>(rows * cols), 0.0);
+    stage_grad_error_.assign(stage_grad_.size(), 0.0);
+  }
 #pragma omp parallel num_threads(threads_)
   {
     std::vector<double> student(static_cast<std::size_t>(cols));
@@ -264,9 +366,10 @@ void HostOracle::start_judging(std::span<const RowStats> stats) {
       out_.grad_row(i, got.data());
       rows_[k] = out_.token_of(i) < 0 ? judge_padding_row(i, got)
                                       : judge_admissible_readings(i, stats[k], got, student, teacher, expected);
-      if (stage_reference_ != nullptr) rows_[k].stage = judge_stage_row(i, stats[k], student, teacher, expected);
+      if (stage_reference_ != nullptr) rows_[k].stage = judge_stage_row(i, stats[k]);
     }
   }
+  if (stage_reference_ != nullptr && !out_.stage_params.empty()) judge_stage_parameters();
 }
 
 }  // namespace lossverify

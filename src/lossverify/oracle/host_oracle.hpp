@@ -30,6 +30,7 @@ class HostOracle final : public Oracle {
   std::vector<double> value_partials(std::span<const RowStats> stats) override;
   void start_judging(std::span<const RowStats> stats) override;
   std::span<const RowJudgement> judged_rows() override { return rows_; }
+  std::vector<PackedStats> stage_parameters() override { return parameters_; }
 
  private:
   // A rank's rows x columns in the input dtype, generated once and widened to float64 on use.
@@ -51,8 +52,11 @@ class HostOracle final : public Oracle {
   RowJudgement judge_admissible_readings(std::int64_t i, const RowStats& stats, std::span<const double> got,
                                          std::vector<double>& student, std::vector<double>& teacher,
                                          std::vector<double>& expected) const;
-  std::vector<PackedStats> judge_stage_row(std::int64_t i, const RowStats& stats, std::vector<double>& student,
-                                           std::vector<double>& teacher, std::vector<double>& expected) const;
+  std::vector<PackedStats> judge_stage_row(std::int64_t i, const RowStats& stats);
+  void whole_row_gradient(std::int64_t i, const RowStats& stats, std::vector<double>& grad,
+                          std::vector<double>& error) const;
+  void judge_stage_parameters();
+  bool stage_logits() const { return stage_reference_ != nullptr && stage_reference_->makes_logits(); }
   RowJudgement judge_token_row(std::int64_t i, const RowStats& stats, std::span<const double> got,
                                std::vector<double>& student, std::vector<double>& teacher,
                                std::vector<double>& expected) const;
@@ -61,7 +65,7 @@ class HostOracle final : public Oracle {
   const InputSource& inputs_;
   const RankOutput& out_;
   const LossReference reference_;
-  std::unique_ptr<StageReference> stage_reference_;  // the case's stage's, or null
+  const StageReference* stage_reference_;  // the case's stage's (the reference's), or null
   const GradJudgement judgement_;
   const int threads_;
   const bool has_teacher_;
@@ -70,6 +74,10 @@ class HostOracle final : public Oracle {
   ShardCache teacher_;
   std::vector<char> valid_;
   std::vector<RowJudgement> rows_;
+  std::vector<double> stage_logits_;  // rows x columns: a stage's logits in float64 (StageReference::makes_logits)
+  // rows x columns: each row's reference gradient over the rank's columns and its error, for the parameters
+  std::vector<double> stage_grad_, stage_grad_error_;
+  std::vector<PackedStats> parameters_;
 };
 
 }  // namespace lossverify

@@ -42,6 +42,8 @@ struct RankOutput {
   // empty without a stage.
   std::vector<std::vector<std::byte>> stage_grads;
   std::vector<std::int64_t> stage_columns;
+  // Its parameter gradients (Stage::parameters), each the rank's shard (Stage::parameter_shape) in dtype, row major.
+  std::vector<std::vector<std::byte>> stage_params;
   bool has_reduced_loss = false;  // false for reduction "none"
   float reduced_loss = 0.0f;      // the logged loss
   std::int64_t logged_valid_tokens = 0;

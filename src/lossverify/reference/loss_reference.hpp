@@ -14,6 +14,7 @@
 #include "lossverify/case/case.hpp"
 #include "lossverify/inputs/input_source.hpp"
 #include "lossverify/kind_api/loss_kind.hpp"
+#include "lossverify/kind_api/stage.hpp"
 #include "lossverify/reference/row_partial.hpp"
 
 namespace lossverify {
@@ -33,6 +34,8 @@ class LossReference {
   LossReference(const Case& c, const InputSource& inputs, std::unique_ptr<KindReference> row);
 
   const KindReference& row() const { return *row_; }
+  // The case's stage's reference (kind_api/stage.hpp), or null.
+  const StageReference* stage() const { return stage_.get(); }
   bool needs_teacher() const { return kind_of(case_.loss).inputs().teacher_logits; }
   std::int64_t valid_tokens() const { return valid_tokens_; }
   double token_weight(std::int64_t token) const;
@@ -74,6 +77,7 @@ class LossReference {
   const Case& case_;
   const InputSource& inputs_;
   std::unique_ptr<KindReference> row_;
+  std::unique_ptr<StageReference> stage_;
   std::int64_t valid_tokens_ = 0;
   std::vector<char> valid_;
   double weight_total_ = 0.0;

@@ -20,9 +20,9 @@ constexpr std::uint64_t kTwiceBit = 1;
 
 class PassThroughReference final : public StageReference {
  public:
-  void input_gradient(std::size_t, std::int64_t, std::int64_t, std::span<const double> logit_grad,
-                      std::span<double> out) const override {
-    std::copy(logit_grad.begin(), logit_grad.end(), out.begin());
+  void input_gradient(std::size_t, std::int64_t, VocabRange rank, std::span<const double> row_grad,
+                      std::span<const double>, std::span<double> out, std::span<double>) const override {
+    std::copy_n(row_grad.begin() + rank.begin, rank.size(), out.begin());
   }
 };
 

@@ -63,6 +63,10 @@ class RankKernel {
         out_.stage_columns.push_back(stage->gradient_columns(w, case_, out_.assignment));
         out_.stage_grads.emplace_back(static_cast<std::size_t>(rows() * out_.stage_columns.back()) * sizeof(T));
       }
+      for (std::size_t p = 0; p < stage->parameters().size(); ++p) {
+        const ParameterShape shape = stage->parameter_shape(p, case_, out_.assignment);
+        out_.stage_params.emplace_back(static_cast<std::size_t>(shape.rows * shape.columns) * sizeof(T));
+      }
       stage->cpu_forward(stage_rank(student));
     }
 
@@ -119,7 +123,10 @@ class RankKernel {
                      work_,
                      reinterpret_cast<std::byte*>(logits.data()),
                      out_.grad.data(),
-                     out_.stage_grads};
+                     out_.stage_grads,
+                     out_.stage_params,
+                     inputs_,
+                     groups_};
   }
   bool teacher_logits() const { return kind_.inputs().teacher_logits; }
   std::int64_t rows() const { return out_.rows(); }

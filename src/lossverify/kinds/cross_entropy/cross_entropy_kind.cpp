@@ -84,6 +84,7 @@ class CrossEntropyKind final : public LossKind {
 
   std::vector<Implementation> catalogue() const override { return cross_entropy_catalogue(); }
 
+  bool models_logit_error() const override { return true; }
   std::unique_ptr<KindReference> reference(const Case& c, const InputSource& inputs) const override {
     return make_cross_entropy_reference(c, inputs);
   }

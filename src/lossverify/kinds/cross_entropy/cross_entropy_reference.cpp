@@ -92,6 +92,41 @@ class CrossEntropyReference final : public KindReference {
  private:
   double target_weight(bool on_label) const { return on_label ? q_.on : q_.off; }
 
+  // Logits within `error` of these (an LM head in front): lse and the target term each move by at most error (both
+  // 1-Lipschitz in the max norm, q summing to 1), the z-loss's lse^2 by 2 |lse| error + error^2.
+  std::optional<double> loss_under_logit_error(std::int64_t, const RowStats& s, double error) const override {
+    const double zw = cross_entropy_options(case_.loss).z_loss_weight;
+    return 2.0 * error + zw * (2.0 * std::fabs(s.lse) * error + error * error);
+  }
+
+  // g_v = w A_v c'_v with A_v = p_v (1 + 2 w_z lse) - q_v and c'_v the softcap's sech^2(x_v / c) (1 without one).
+  // With every logit within e (the softcap is 1-Lipschitz): p_v moves by at most dp = p_v (exp(2e) - 1) and lse by e,
+  // so A_v by dp |1 + 2 w_z lse| + (p_v + dp) 2 w_z e; c'_v by at most 0.7699 e / c (the largest magnitude of its
+  // derivative, 4 / (3 sqrt 3) / c).
+  bool gradient_under_logit_error(std::int64_t token, const RowStats& s, double weight, double error,
+                                  std::int64_t begin, std::span<const double> logits,
+                                  std::span<double> out) const override {
+    const double cap = cross_entropy_options(case_.loss).softcap;
+    const double zw = cross_entropy_options(case_.loss).z_loss_weight;
+    const double z_factor = 1.0 + 2.0 * zw * s.lse;
+    const double grow = std::expm1(2.0 * error);
+    const double cap_move = cap > 0.0 ? 0.7699 * error / cap : 0.0;
+    const std::ptrdiff_t label = label_in_slice(token, begin, logits.size());
+    for (std::size_t v = 0; v < logits.size(); ++v) {
+      const double p = std::exp(capped(logits[v]) - s.lse);
+      const double dp = p * grow;
+      const double a = p * z_factor - target_weight(static_cast<std::ptrdiff_t>(v) == label);
+      const double da = dp * std::fabs(z_factor) + (p + dp) * 2.0 * zw * error;
+      double factor = 1.0;
+      if (cap > 0.0) {
+        const double ch = std::cosh(logits[v] / cap);
+        factor = 1.0 / (ch * ch);
+      }
+      out[v] = std::fabs(weight) * (da * (factor + cap_move) + std::fabs(a) * cap_move);
+    }
+    return true;
+  }
+
   // The label's index in the slice [begin, begin + size), or -1 when the slice does not hold it.
   std::ptrdiff_t label_in_slice(std::int64_t token, std::int64_t begin, std::size_t size) const {
     const std::int64_t label = inputs_.label(token);
