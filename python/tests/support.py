@@ -21,10 +21,17 @@ def case_path(name):
     return os.path.join(CASES, name + ".json")
 
 
+def has_stage(name):
+    """Whether the shipped case puts a stage in front of its kind (an LM head), which the package does not run yet."""
+    with open(case_path(name), encoding="utf-8") as f:
+        return "stage" in json.load(f)
+
+
 def all_case_names():
-    """The shipped cases of the kinds this package checks (lossverify.kinds: cross_entropy, kd and policy)."""
+    """The shipped cases of the kinds this package checks (lossverify.kinds: cross_entropy, kd and policy), without a
+    stage in front."""
     names = sorted(os.path.basename(p)[:-5] for p in glob.glob(os.path.join(CASES, "*.json")))
-    return [n for n in names if loss_kind(n) in known_kinds()]
+    return [n for n in names if loss_kind(n) in known_kinds() and not has_stage(n)]
 
 
 def case_names():
@@ -38,6 +45,8 @@ def case_names():
         raise ValueError(f"LOSSVERIFY_GOLDEN_CASE={only}: no such case in {CASES}")
     if loss_kind(only) not in known_kinds():
         raise ValueError(f"LOSSVERIFY_GOLDEN_CASE={only}: its kind {loss_kind(only)!r} is not one the package checks")
+    if has_stage(only):
+        raise ValueError(f"LOSSVERIFY_GOLDEN_CASE={only}: it has a stage, which the package does not run yet")
     return [only]
 
 

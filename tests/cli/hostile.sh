@@ -278,8 +278,8 @@ kd_bug_on_cross_entropy)
     "$LV" run "$CE" --impl kd-no-t2 ;;
 seam_refusals)  # layout.sp and a stage are refused by name where they do not apply
   expect 2 "layout.sp: applies to a kind whose rows are whole on every rank" "$LV" run "$CE" --set layout.sp=true
-  expect 2 "stage.kind: expected a registered stage \(none is\), got \"lm_head\"" "$LV" run "$CE" \
-    --set 'stage={"kind":"lm_head"}'
+  expect 2 "stage.kind: expected a registered stage \(lm_head\), got \"lm_tail\"" "$LV" run "$CE" \
+    --set 'stage={"kind":"lm_tail"}'
   expect 2 "clip_low: applies to policy only, not cross_entropy" "$LV" run "$CE" --set loss.clip_low=0.1
   expect 2 "sp applies to a kind whose rows are whole on every rank" "$LV" run "$CE" --sweep sp=0,1
   expect 2 "\"2\" is not false, true, 0 or 1" "$LV" run "$CE" --sweep sp=2 ;;

@@ -118,6 +118,17 @@ float narrow<float>(double x) {
 
 }  // namespace
 
+void InputSource::stage_values(InputStream stream, std::uint64_t row, std::int64_t begin, std::int64_t end,
+                               double scale, double* out) const {
+  const DType d = dtype();
+  double even = 0.0, odd = 0.0;
+  for (std::int64_t v = begin; v < end; ++v) {
+    logit_pair(case_.inputs.seed, stream, row, static_cast<std::uint32_t>(v >> 1), LogitDistribution::normal, 0.0,
+               scale, &even, &odd);
+    out[v - begin] = widen((v & 1) != 0 ? odd : even, d);
+  }
+}
+
 template <class T>
 void InputSource::fill(InputStream stream, std::uint64_t counter_token, std::int64_t begin, std::int64_t end, T* out,
                        double mean, double scale, bool use_overrides) const {

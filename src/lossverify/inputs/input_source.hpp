@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "lossverify/case/case.hpp"
+#include "lossverify/inputs/philox_stream.hpp"
 #include "lossverify/layout/global_batch.hpp"
 
 namespace lossverify {
@@ -68,6 +69,10 @@ class InputSource {
   void padding_logits(std::int64_t sequence, std::int64_t position, std::int64_t begin, std::int64_t end,
                       Eigen::half* out) const;
 
+  // A stage's own inputs (an LM head's hidden states, weight and bias): row `row` of Philox stream `stream`, columns
+  // [begin, end), normal(0, scale) rounded to the input dtype and widened exactly.
+  void stage_values(InputStream stream, std::uint64_t row, std::int64_t begin, std::int64_t end, double scale,
+                    double* out) const;
   // The case's override of a token's inputs (inputs.overrides), or null.
   const RowOverride* override_of(std::int64_t token) const {
     const auto it = overrides_.find(token);

@@ -25,6 +25,9 @@ enum class InputStream : std::uint32_t {
   policy_ratio = 7,      // a policy loss's old log-probabilities: where each token's ratio is placed
   policy_reference = 8,  // a policy loss's reference log-probabilities: the gap to the current one
   policy_advantage = 9,  // a policy loss's advantages, one per sequence
+  head_hidden = 10,      // an LM head's hidden states, a row per token
+  head_weight = 11,      // an LM head's output weight, a row per vocabulary column
+  head_bias = 12,        // an LM head's bias, one row
 };
 
 struct PhiloxBlock {

@@ -7,6 +7,7 @@
 #include "lossverify/impl/catalogue.hpp"
 #include "lossverify/kinds/cross_entropy/cross_entropy_parts.hpp"
 #include "lossverify/kinds/kd/kd_parts.hpp"
+#include "lossverify/kinds/lm_head/lm_head_parts.hpp"
 #include "lossverify/kinds/policy/policy_parts.hpp"
 #include "lossverify/kinds/router/router_parts.hpp"
 
@@ -27,6 +28,7 @@ struct Registry {
     kinds.push_back(make_kd_kind());
     kinds.push_back(make_policy_kind());
     kinds.push_back(make_router_kind());
+    stages.push_back(make_lm_head_stage());
   }
 };
 

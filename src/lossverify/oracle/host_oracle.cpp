@@ -233,6 +233,14 @@ void HostOracle::whole_row_gradient(std::int64_t i, const RowStats& row_stats, s
   }
 }
 
+// A stage's error bound for elements the implementation stores once in the dtype: that rounding added, so that the
+// bound alone covers a correct implementation (the gradient rule's own ulp allowance aside).
+void HostOracle::round_once(std::span<const double> expected, std::span<double> bound) const {
+  if (!stage_logits()) return;
+  const double unit = unit_roundoff(case_.inputs.dtype);
+  for (std::size_t k = 0; k < bound.size(); ++k) bound[k] += unit * (std::fabs(expected[k]) + bound[k]);
+}
+
 // Each of the stage's gradients of row i against the stage's reference applied to the kind's reference gradient
 // (zero where the row is no valid token), by the gradient's rule widened by the stage's error model. With parameters,
 // the row's gradient and its error over the rank's columns are kept for judge_stage_parameters.
@@ -257,6 +265,7 @@ std::vector<PackedStats> HostOracle::judge_stage_row(std::int64_t i, const RowSt
     const std::int64_t cols = out_.stage_columns[w];
     std::vector<double> want(static_cast<std::size_t>(cols), 0.0), bound(want.size(), 0.0), got(want.size());
     if (valid) stage_reference_->input_gradient(w, t, rank, grad, error, want, bound);
+    round_once(want, bound);
     dispatch_dtype(out_.dtype, [&](auto type) {
       using T = typename decltype(type)::type;
       const T* g = reinterpret_cast<const T*>(out_.stage_grads[w].data()) + i * cols;
@@ -294,7 +303,7 @@ void HostOracle::judge_stage_parameters() {
     const auto size = static_cast<std::size_t>(shape.rows * shape.columns);
     std::vector<double> sum(size, 0.0), bound(size, 0.0);
     double token_scale = 0.0;
-    for (std::int64_t i = 0; i < out_.rows(); ++i) {
+    for (std::int64_t i = 0; size > 0 && i < out_.rows(); ++i) {
       const std::int64_t t = out_.token_of(i);
       if (t < 0 || !valid_[static_cast<std::size_t>(i)]) continue;
       token_scale += std::fabs(reference_.token_weight(t));
@@ -303,6 +312,7 @@ void HostOracle::judge_stage_parameters() {
                                              std::span<const double>(&stage_grad_error_[at], cols), sum, bound);
     }
     token_scale *= judgement_.grad_scale;
+    round_once(sum, bound);
     std::vector<double> got(size);
     dispatch_dtype(out_.dtype, [&](auto type) {
       using T = typename decltype(type)::type;

@@ -56,6 +56,7 @@ class HostOracle final : public Oracle {
   void whole_row_gradient(std::int64_t i, const RowStats& stats, std::vector<double>& grad,
                           std::vector<double>& error) const;
   void judge_stage_parameters();
+  void round_once(std::span<const double> expected, std::span<double> bound) const;
   bool stage_logits() const { return stage_reference_ != nullptr && stage_reference_->makes_logits(); }
   RowJudgement judge_token_row(std::int64_t i, const RowStats& stats, std::span<const double> got,
                                std::vector<double>& student, std::vector<double>& teacher,

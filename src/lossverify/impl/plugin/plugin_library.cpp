@@ -1,7 +1,9 @@
 #include "lossverify/impl/plugin/plugin_library.hpp"
+
 #include "lossverify/case/case.hpp"
 #include "lossverify/case/kind_settings.hpp"
 #include "lossverify/kind_api/registry.hpp"
+#include "lossverify/kind_api/stage.hpp"
 
 #include <algorithm>
 #include <cstring>
@@ -152,6 +154,9 @@ bool plugin_computes_kind(const PluginLibrary& plugin, const LossKind& kind) {
 // A setting added to a kind after a plugin was built reaches it at a value other than its fallback only when the
 // plugin says it knows the setting, by its capability bit or by name: the kind's table tells which.
 std::string missing_plugin_capability(const PluginLibrary& plugin, const LossSpec& loss) {
+  if (loss.stage != nullptr) {  // the ABI hands a plugin logits: a stage in front runs in lossverify's own kernels only
+    return "a case with the stage " + std::string(loss.stage->name()) + " in front of its kind";
+  }
   const LossKind& kind = kind_of(loss);
   const SettingTable& table = kind.settings();
   for (const Setting& s : table) {

@@ -1,0 +1,26 @@
+#pragma once
+// The LM head stage's files, as the stage uses them (kinds/lm_head/).
+#include <cstdint>
+#include <memory>
+
+#include "lossverify/kind_api/stage.hpp"
+
+namespace lossverify {
+
+// The stage's own bug switches (BugSwitches::stage_switches), one bit each (lm_head_stage.cpp's catalogue).
+namespace head_bug {
+inline constexpr std::uint64_t dh_shard_partial = 1u << 0;     // head-dh-shard-partial
+inline constexpr std::uint64_t dh_double_reduce = 1u << 1;     // head-dh-double-reduce
+inline constexpr std::uint64_t dw_16bit_accumulate = 1u << 2;  // head-dw-16bit-accumulate
+inline constexpr std::uint64_t grad_output_first = 1u << 3;    // head-grad-output-first
+inline constexpr std::uint64_t bias_repeated = 1u << 4;        // head-bias-repeated
+}  // namespace head_bug
+
+inline constexpr const char* kLmHead = "lm_head";
+
+std::unique_ptr<Stage> make_lm_head_stage();
+std::unique_ptr<StageReference> make_lm_head_reference(const Case& c, const InputSource& inputs);
+void lm_head_cpu_forward(const StageRank& rank);
+void lm_head_cpu_backward(const StageRank& rank);
+
+}  // namespace lossverify

@@ -1,0 +1,117 @@
+// The LM head stage (../shared/HEAD.md, docs/spec.md §11): a linear head in front of a kind that reads vocabulary
+// logits. h (N x H) and W (V x H), and b (V) with a bias, come from the case's Philox streams; each TP rank holds its
+// vocabulary shard of W; the head makes u = h W^T (+ b), the kind's logits, and turns the kind's gradient g of them
+// into dh (per token), dW and db (per rank, over its tokens), judged against float64 sums with the error model of
+// lm_head_reference.cpp. The kind's gradient g stays inside the head (a fused head never hands it out).
+#include <array>
+#include <string>
+
+#include "lossverify/case/case.hpp"
+#include "lossverify/case/json_reader.hpp"
+#include "lossverify/case/kind_settings.hpp"
+#include "lossverify/impl/catalogue.hpp"
+#include "lossverify/kind_api/loss_kind.hpp"
+#include "lossverify/kinds/lm_head/lm_head_options.hpp"
+#include "lossverify/kinds/lm_head/lm_head_parts.hpp"
+#include "lossverify/outputs/rank_output.hpp"
+
+namespace lossverify {
+
+namespace {
+
+Implementation head_bug_entry(const char* name, const char* summary, const char* source, const char* signal,
+                              std::vector<std::string> caught_by, std::uint64_t bit) {
+  return catalogued_bug(name, summary, source, signal, std::move(caught_by), Applies::stage(kLmHead),
+                        switches_with([bit](BugSwitches& b) { b.stage_switches = bit; }));
+}
+
+class LmHeadStage final : public Stage {
+ public:
+  std::string_view name() const override { return kLmHead; }
+  std::string_view summary() const override {
+    return "a linear LM head in front of the kind: u = h W^T (+ b); dh, dW and db judged";
+  }
+  const SettingTable& settings() const override {
+    using O = HeadOptions;
+    constexpr OptionsSlot slot = &LossSpec::stage_options;
+    static const SettingTable table{
+        integer_setting("hidden", &O::hidden, 64, slot).range(1, 65536).described("H: the hidden size"),
+        boolean_setting("bias", &O::bias, false, slot).described("a bias b (V) after h W^T").shrinks_as("no bias"),
+        number_setting("hidden_scale", &O::hidden_scale, 1.0, slot)
+            .range(0.0, 1e3, true)
+            .described("the hidden states' standard deviation"),
+        number_setting("weight_scale", &O::weight_scale, 0.0, slot)
+            .range(0.0, 1e3)
+            .described("W's standard deviation; 0: inputs.scale / (sqrt(H) hidden_scale), the case's logit scale"),
+        choice_setting("dh_reduce", &O::dh_reduce, std::array{O::DhReduce::head, O::DhReduce::framework},
+                       O::DhReduce::head, slot)
+            .described("who sums a vocab-parallel head's dh over TP: the head (a rank returns the whole dh) or the "
+                       "framework after it (a rank returns its shard's partial dh)"),
+        integer_setting("chunks", &O::chunks, 4, slot)
+            .range(1, 4096)
+            .described("lossverify's own head: its chunks of a rank's tokens (the oracle does not read it)"),
+    };
+    return table;
+  }
+  void validate(const Case& c) const override {
+    if (!kind_of(c.loss).models_logit_error()) {
+      detail::fail_at(c.source, "$.stage.kind",
+                      "the lm_head stage needs a kind whose reference bounds its loss under an error in its logits "
+                      "(cross_entropy); loss kind " +
+                          std::string(kind_of(c.loss).name()) + " has none yet");
+    }
+    if (c.layout.sp) {
+      detail::fail_at(c.source, "$.layout.sp", "the lm_head stage does not take sequence parallelism yet");
+    }
+  }
+  std::vector<std::string> gradients() const override { return {"dh"}; }
+  std::int64_t gradient_columns(std::size_t, const Case& c, const RankAssignment&) const override {
+    return head_options(c.loss).hidden;
+  }
+  std::vector<std::string> parameters() const override { return {"dW", "db"}; }
+  ParameterShape parameter_shape(std::size_t which, const Case& c, const RankAssignment& assignment) const override {
+    const HeadOptions& o = head_options(c.loss);
+    if (which == 0) return {assignment.vocab.size(), o.hidden};
+    return {o.bias ? assignment.vocab.size() : 0, 1};
+  }
+  bool logit_gradient_internal() const override { return true; }
+  void cpu_forward(const StageRank& rank) const override { lm_head_cpu_forward(rank); }
+  void cpu_backward(const StageRank& rank) const override { lm_head_cpu_backward(rank); }
+  std::unique_ptr<StageReference> reference(const Case& c, const InputSource& inputs) const override {
+    return make_lm_head_reference(c, inputs);
+  }
+  std::vector<Implementation> catalogue() const override {
+    return {
+        head_bug_entry("head-dh-shard-partial", "dh of a vocabulary shard not summed over TP",
+                       "Apple ml-cross-entropy #42 (b616b22)", "dh at tp > 1 is the rank's partial sum", {"dh"},
+                       head_bug::dh_shard_partial),
+        head_bug_entry("head-dh-double-reduce", "dh summed over TP by the head and again after it",
+                       "Apple ml-cross-entropy #42 (b616b22)",
+                       "dh at tp > 1: x TP (head's contract), whole instead of "
+                       "partial (framework's)",
+                       {"dh"}, head_bug::dh_double_reduce),
+        head_bug_entry("head-dw-16bit-accumulate", "dW (and db) accumulated across chunks in the 16-bit dtype",
+                       "axolotl #1601; Liger-Kernel #830; OLMo-core #370",
+                       "dW off by half a 16-bit unit per chunk, growing with the chunk count", {"dW"},
+                       head_bug::dw_16bit_accumulate),
+        head_bug_entry("head-grad-output-first",
+                       "reduction none: dW and db use the first token's upstream weight for every token",
+                       "Liger-Kernel #1298 (9ac26bb8), #678/#680, #496",
+                       "dW and db wherever the upstream weights differ; dh and the loss right", {"dW", "db"},
+                       head_bug::grad_output_first),
+        head_bug_entry("head-bias-repeated", "the bias added a second time to the target logit",
+                       "Apple ml-cross-entropy #52 -> #53", "the loss, dh, dW and db wherever the bias is on",
+                       {"loss", "dh", "dW", "db"}, head_bug::bias_repeated),
+    };
+  }
+};
+
+}  // namespace
+
+std::string_view to_string(HeadOptions::DhReduce d) {
+  return d == HeadOptions::DhReduce::framework ? "framework" : "head";
+}
+
+std::unique_ptr<Stage> make_lm_head_stage() { return std::make_unique<LmHeadStage>(); }
+
+}  // namespace lossverify
