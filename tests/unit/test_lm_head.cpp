@@ -218,6 +218,18 @@ TEST_CASE("lm_head: each catalogued bug shows the signal its entry predicts, whe
   CHECK(testing::check_named(repeated, "dh").verdict == Verdict::fail);
   CHECK(testing::run_with(testing::make_case(head_case(2, "fp32", {{"chunks", 16}})), "head-dw-16bit-accumulate")
             .verdict == Verdict::pass);  // float32: the accumulator's dtype is float32
+  // The settings a fused path drops: they show where the case has them, and nowhere else.
+  const RunResult unsmoothed = testing::run_with(tp2, "head-smoothing-dropped");
+  for (const char* check : {"loss", "dh", "dW"})
+    CHECK(testing::check_named(unsmoothed, check).verdict == Verdict::fail);
+  nlohmann::json plain = head_case(2, "fp32");
+  plain["loss"] = nlohmann::json::object();
+  CHECK(testing::run_with(testing::make_case(plain), "head-smoothing-dropped").verdict == Verdict::pass);
+  CHECK(testing::run_with(tp2, "head-softcap-dropped").verdict == Verdict::pass);
+  nlohmann::json capped = head_case(2, "fp32");
+  capped["loss"]["softcap"] = 5.0;
+  const RunResult uncapped = testing::run_with(testing::make_case(capped), "head-softcap-dropped");
+  for (const char* check : {"loss", "dh", "dW"}) CHECK(testing::check_named(uncapped, check).verdict == Verdict::fail);
 }
 
 }  // namespace lossverify

@@ -10,6 +10,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "lossverify/core/dtype.hpp"
@@ -111,6 +112,12 @@ class Stage {
   virtual std::vector<std::string> parameters() const { return {}; }
   virtual ParameterShape parameter_shape(std::size_t which, const Case& c, const RankAssignment& assignment) const {
     (void)which, (void)c, (void)assignment;
+    return {};
+  }
+  // A catalogued bug of a fused stage that runs its kind under other settings than the case's (label smoothing never
+  // passed through the fused path): the kind's keys and the values the kind's kernels then read. None by default.
+  virtual std::vector<std::pair<std::string, nlohmann::json>> kind_settings_under(const BugSwitches& bugs) const {
+    (void)bugs;
     return {};
   }
   // Whether the kind's gradient of the logits stays inside the stage (a fused head never hands it out): its grad

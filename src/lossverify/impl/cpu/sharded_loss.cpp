@@ -8,6 +8,7 @@
 #include <optional>
 #include <span>
 
+#include "lossverify/case/kind_settings.hpp"
 #include "lossverify/comm/progress_beacon.hpp"
 #include "lossverify/impl/rank_plan.hpp"
 #include "lossverify/kind_api/loss_kind.hpp"
@@ -21,11 +22,28 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
+// The case the kind's kernels run under: the case itself, or with the kind's settings a catalogued bug of its stage
+// changes (Stage::kind_settings_under).
+Case kind_case_of(const Case& c, const BugSwitches& bugs) {
+  Case kind_case = c;
+  if (c.loss.stage == nullptr) return kind_case;
+  const SettingTable& table = kind_of(c.loss).settings();
+  for (const auto& [key, value] : c.loss.stage->kind_settings_under(bugs)) {
+    if (const Setting* s = find_setting(table, key)) s->set(kind_case.loss, value);
+  }
+  return kind_case;
+}
+
 class RankKernel {
  public:
   RankKernel(const Case& c, const InputSource& inputs, RankAssignment assignment, RankGroups groups,
              const BugSwitches& bugs, const CpuKernelOptions& options)
-      : case_(c), inputs_(inputs), groups_(groups), bugs_(bugs), threads_(options.threads) {
+      : case_(c),
+        kind_case_(kind_case_of(c, bugs)),
+        inputs_(inputs),
+        groups_(groups),
+        bugs_(bugs),
+        threads_(options.threads) {
     out_.assignment = std::move(assignment);
     out_.dtype = c.inputs.dtype;
   }
@@ -70,7 +88,7 @@ class RankKernel {
       stage->cpu_forward(stage_rank(student));
     }
 
-    plan_.emplace(case_, inputs_, out_.assignment, groups_, bugs_);
+    plan_.emplace(kind_case_, inputs_, out_.assignment, groups_, bugs_);
     out_.logged_valid_tokens = plan_->logged_valid_tokens();
     out_.token_loss.assign(static_cast<std::size_t>(rows()), 0.0f);
     out_.logged_token_loss.assign(plan_->kind_plan().separate_logged_loss ? static_cast<std::size_t>(rows()) : 0, 0.0f);
@@ -81,7 +99,7 @@ class RankKernel {
     const auto& offsets = out_.assignment.micro_batch_begin;
     for (std::size_t k = 0; k + 1 < offsets.size(); ++k) {
       if (offsets[k + 1] == offsets[k]) continue;  // an empty micro-batch: TP peers skip it too
-      kind_.cpu_micro_batch(CpuMicroBatch{case_,
+      kind_.cpu_micro_batch(CpuMicroBatch{kind_case_,
                                           bugs_,
                                           *plan_,
                                           groups_,
@@ -135,6 +153,7 @@ class RankKernel {
   }
 
   const Case& case_;
+  const Case kind_case_;  // what the kind's kernels read: the case, or its settings as a stage's bug changes them
   const LossKind& kind_ = kind_of(case_.loss);
   const InputSource& inputs_;
   RankGroups groups_;

@@ -14,6 +14,8 @@ inline constexpr std::uint64_t dh_double_reduce = 1u << 1;     // head-dh-double
 inline constexpr std::uint64_t dw_16bit_accumulate = 1u << 2;  // head-dw-16bit-accumulate
 inline constexpr std::uint64_t grad_output_first = 1u << 3;    // head-grad-output-first
 inline constexpr std::uint64_t bias_repeated = 1u << 4;        // head-bias-repeated
+inline constexpr std::uint64_t smoothing_dropped = 1u << 5;    // head-smoothing-dropped
+inline constexpr std::uint64_t softcap_dropped = 1u << 6;      // head-softcap-dropped
 }  // namespace head_bug
 
 inline constexpr const char* kLmHead = "lm_head";

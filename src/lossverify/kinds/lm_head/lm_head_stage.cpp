@@ -75,6 +75,12 @@ class LmHeadStage final : public Stage {
     return {o.bias ? assignment.vocab.size() : 0, 1};
   }
   bool logit_gradient_internal() const override { return true; }
+  std::vector<std::pair<std::string, nlohmann::json>> kind_settings_under(const BugSwitches& bugs) const override {
+    std::vector<std::pair<std::string, nlohmann::json>> changed;
+    if ((bugs.stage_switches & head_bug::smoothing_dropped) != 0) changed.emplace_back("label_smoothing", 0.0);
+    if ((bugs.stage_switches & head_bug::softcap_dropped) != 0) changed.emplace_back("softcap", 0.0);
+    return changed;
+  }
   void cpu_forward(const StageRank& rank) const override { lm_head_cpu_forward(rank); }
   void cpu_backward(const StageRank& rank) const override { lm_head_cpu_backward(rank); }
   std::unique_ptr<StageReference> reference(const Case& c, const InputSource& inputs) const override {
@@ -102,6 +108,12 @@ class LmHeadStage final : public Stage {
         head_bug_entry("head-bias-repeated", "the bias added a second time to the target logit",
                        "Apple ml-cross-entropy #52 -> #53", "the loss, dh, dW and db wherever the bias is on",
                        {"loss", "dh", "dW", "db"}, head_bug::bias_repeated),
+        head_bug_entry("head-smoothing-dropped", "label smoothing not passed through the fused path",
+                       "Liger-Kernel #243 -> #244", "the loss, dh and dW wherever the case smooths its labels",
+                       {"loss", "dh", "dW"}, head_bug::smoothing_dropped),
+        head_bug_entry("head-softcap-dropped", "the softcap never applied in the fused path of a model that has one",
+                       "Apple ml-cross-entropy #48 -> #50", "the loss, dh and dW wherever the case softcaps its logits",
+                       {"loss", "dh", "dW"}, head_bug::softcap_dropped),
     };
   }
 };
