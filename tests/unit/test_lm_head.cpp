@@ -73,9 +73,14 @@ TEST_CASE("lm_head: the case's stage section carries its settings, and bad ones 
   CHECK_THROWS_WITH_AS(testing::make_case(head_case(1, "fp32", {{"dh_reduce", "both"}})),
                        doctest::Contains("$.stage.dh_reduce"), CaseError);
   CHECK_THROWS_WITH_AS(testing::make_case(head_case(1, "fp32", {{"hiden", 8}})), doctest::Contains("hiden"), CaseError);
-  nlohmann::json kd = head_case(1, "fp32");
-  kd["loss"] = {{"kind", "kd"}};
-  CHECK_THROWS_WITH_AS(testing::make_case(kd), doctest::Contains("$.stage.kind"), CaseError);
+  nlohmann::json router = head_case(1, "fp32");
+  router["loss"] = {{"kind", "router"}};
+  router["shape"] = {{"experts", 40}};
+  CHECK_THROWS_WITH_AS(testing::make_case(router), doctest::Contains("$.stage.kind"), CaseError);
+  nlohmann::json same = head_case(1, "fp32");
+  same["loss"] = {{"kind", "kd"}};
+  same["inputs"]["teacher"] = {{"same_as_student", true}};
+  CHECK_THROWS_WITH_AS(testing::make_case(same), doctest::Contains("same_as_student"), CaseError);
 }
 
 TEST_CASE("lm_head: dh is the finite difference of the step's loss in long double, dW and db the sums of its rows") {
@@ -186,6 +191,20 @@ TEST_CASE("lm_head: the correct head passes at chunk counts 1, 4 and 16, its log
       CHECK(testing::check_named(r, "grad").summary.find("internal") != std::string::npos);
       CHECK(testing::check_named(r, "db").verdict == Verdict::not_applicable);  // no bias
     }
+  }
+}
+
+TEST_CASE("lm_head: KD behind the head passes at every layout, and its own bugs show through dh and dW") {
+  nlohmann::json kd = head_case(2, "bf16", {{"chunks", 4}});
+  kd["loss"] = {{"kind", "kd"}, {"temperature", 2.0}};
+  for (const auto& [tp, cp] : std::vector<std::pair<int, int>>{{1, 1}, {2, 1}, {4, 2}}) {
+    CAPTURE(tp);
+    kd["layout"] = {{"tp", tp}, {"cp", cp}};
+    const Case c = testing::make_case(kd);
+    CHECK(testing::run_with(c, "correct").verdict == Verdict::pass);
+    const RunResult no_t2 = testing::run_with(c, "kd-no-t2");
+    CHECK(testing::check_named(no_t2, "dh").verdict == Verdict::fail);
+    CHECK(testing::check_named(no_t2, "dW").verdict == Verdict::fail);
   }
 }
 

@@ -93,6 +93,7 @@ class KdKind final : public LossKind {
 
   std::vector<Implementation> catalogue() const override { return kd_catalogue(); }
 
+  bool models_logit_error() const override { return true; }
   std::unique_ptr<KindReference> reference(const Case& c, const InputSource& inputs) const override {
     (void)inputs;
     return make_kd_reference(c);

@@ -93,6 +93,22 @@ class KdReference final : public KindReference {
     }
   }
 
+  // Student logits within `error` of these (an LM head in front; the teacher's are the case's own): x / T moves by at
+  // most e / T, so each log Q_v by 2 e / T and the loss T^s sum P (log P - log Q) by T^s 2 e / T (P sums to 1);
+  // Q_v by at most Q_v (exp(2 e / T) - 1), and so the gradient w T^(s-1) (Q_v - P_v).
+  std::optional<double> loss_under_logit_error(std::int64_t, const RowStats&, double error) const override {
+    const double t = kd_options(case_.loss).temperature;
+    return std::pow(t, kd_options(case_.loss).t2_scaling ? 2.0 : 0.0) * 2.0 * error / t;
+  }
+  bool gradient_under_logit_error(std::int64_t, const RowStats& s, double weight, double error, std::int64_t,
+                                  std::span<const double> student, std::span<double> out) const override {
+    const double t = kd_options(case_.loss).temperature;
+    const double scale = std::fabs(weight) * std::pow(t, (kd_options(case_.loss).t2_scaling ? 2.0 : 0.0) - 1.0);
+    const double grow = std::expm1(2.0 * error / t);
+    for (std::size_t v = 0; v < student.size(); ++v) out[v] = scale * std::exp(student[v] / t - s.lse) * grow;
+    return true;
+  }
+
   // sum_v (Q_v - P_v) = 0.
   std::optional<double> gradient_row_sum(const RowStats& s, double weight) const override {
     (void)s, (void)weight;

@@ -57,8 +57,12 @@ class LmHeadStage final : public Stage {
     if (!kind_of(c.loss).models_logit_error()) {
       detail::fail_at(c.source, "$.stage.kind",
                       "the lm_head stage needs a kind whose reference bounds its loss under an error in its logits "
-                      "(cross_entropy); loss kind " +
+                      "(cross_entropy, kd); loss kind " +
                           std::string(kind_of(c.loss).name()) + " has none yet");
+    }
+    if (kind_of(c.loss).inputs().teacher_logits && c.inputs.teacher.same_as_student) {
+      detail::fail_at(c.source, "$.inputs.teacher.same_as_student",
+                      "the lm_head stage makes the student's logits; a teacher equal to them is not a generated input");
     }
     if (c.layout.sp) {
       detail::fail_at(c.source, "$.layout.sp", "the lm_head stage does not take sequence parallelism yet");
