@@ -11,6 +11,7 @@
 #include "lossverify/core/errors.hpp"
 #include "lossverify/inputs/input_source.hpp"
 #include "lossverify/reference/loss_reference.hpp"
+#include "lossverify/runner/memory_estimate.hpp"
 #include "test_support.hpp"
 
 namespace lossverify {
@@ -81,6 +82,18 @@ TEST_CASE("lm_head: the case's stage section carries its settings, and bad ones 
   same["loss"] = {{"kind", "kd"}};
   same["inputs"]["teacher"] = {{"same_as_student", true}};
   CHECK_THROWS_WITH_AS(testing::make_case(same), doctest::Contains("same_as_student"), CaseError);
+}
+
+TEST_CASE("lm_head: the memory estimate counts the head's float64 reference on every rank, before any work") {
+  const Case c = testing::make_case(head_case(2, "fp32", {{"hidden", 16}}));
+  const double n = static_cast<double>(c.shape.tokens), v = static_cast<double>(c.shape.vocab);
+  const double per_rank = 8.0 * (2.0 * n * v + (n + v) * 16.0 + v + n);
+  CHECK(static_cast<double>(estimate_memory(c, false).stage) == 2.0 * per_rank);
+  nlohmann::json big = head_case(1, "fp32");
+  big["shape"] = {{"tokens", 4000000}, {"vocab", 128256}};
+  big.erase("batch");
+  CHECK_THROWS_WITH_AS(require_memory(testing::make_case(big), false),
+                       doctest::Contains("of the stage's float64 reference on every rank"), CaseError);
 }
 
 TEST_CASE("lm_head: dh is the finite difference of the step's loss in long double, dW and db the sums of its rows") {

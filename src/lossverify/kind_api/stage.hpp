@@ -107,6 +107,11 @@ class Stage {
   virtual void cpu_forward(const StageRank& rank) const = 0;
   virtual void cpu_backward(const StageRank& rank) const = 0;
   virtual std::unique_ptr<StageReference> reference(const Case& c, const InputSource& inputs) const = 0;
+  // The bytes its float64 reference holds (each rank's oracle holds one), for the run's memory estimate.
+  virtual std::int64_t reference_bytes(const Case& c) const {
+    (void)c;
+    return 0;
+  }
   // Gradients of the stage's parameters, one block per rank (a weight's shard, accumulated over the rank's tokens
   // and micro-batches), each judged as a check of that name ("dW") against the float64 sum over the rank's tokens.
   virtual std::vector<std::string> parameters() const { return {}; }

@@ -1,5 +1,6 @@
 #include "lossverify/runner/memory_estimate.hpp"
 #include "lossverify/kind_api/loss_kind.hpp"
+#include "lossverify/kind_api/stage.hpp"
 
 #include <algorithm>
 #include <fstream>
@@ -65,6 +66,7 @@ MemoryEstimate estimate_memory(const Case& c, bool keep_snapshot) {
   const auto statistics =
       static_cast<double>(c.layout.world_size()) * static_cast<double>(rows_per_rank) * kBytesPerRankRow;
   e.partials = statistics > 9e18 ? std::numeric_limits<std::int64_t>::max() : static_cast<std::int64_t>(statistics);
+  if (c.loss.stage != nullptr) e.stage = times(c.layout.world_size(), c.loss.stage->reference_bytes(c));
   if (keep_snapshot) {  // the answers of two layouts at once, and the inputs materialized (up to 1 GiB)
     const std::int64_t answers = plus(times(n, 4), logits <= (std::int64_t{1} << 25) ? times(logits, 4) : 0);
     e.snapshot = plus(times(answers, 2), std::min(times(logits, element * inputs_per_logit), std::int64_t{1} << 30));
@@ -89,6 +91,7 @@ void require_memory(const Case& c, bool keep_snapshot) {
                   std::to_string(c.layout.dp) + " needs about " + gigabytes(e.total()) + " (" + gigabytes(e.shards) +
                   " of logit shards and gradients, " + gigabytes(e.partials) + " of per-row statistics" +
                   (e.snapshot > 0 ? ", " + gigabytes(e.snapshot) + " kept for the sweep" : "") +
+                  (e.stage > 0 ? ", " + gigabytes(e.stage) + " of the stage's float64 reference on every rank" : "") +
                   "), but this machine has " + gigabytes(available) + " available");
 }
 

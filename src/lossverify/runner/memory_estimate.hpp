@@ -13,7 +13,8 @@ struct MemoryEstimate {
   std::int64_t shards = 0;    // logits (and teacher) shards plus the gradients, over all ranks
   std::int64_t partials = 0;  // every rank's per-row statistics (reduced over its TP group, not gathered)
   std::int64_t snapshot = 0;  // a sweep's kept answers for the invariance check and its shared inputs
-  std::int64_t total() const { return shards + partials + snapshot; }
+  std::int64_t stage = 0;     // a stage's float64 reference, one per rank (Stage::reference_bytes)
+  std::int64_t total() const { return shards + partials + snapshot + stage; }
 };
 
 MemoryEstimate estimate_memory(const Case& c, bool keep_snapshot);

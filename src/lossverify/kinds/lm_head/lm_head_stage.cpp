@@ -4,6 +4,7 @@
 // into dh (per token), dW and db (per rank, over its tokens), judged against float64 sums with the error model of
 // lm_head_reference.cpp. The kind's gradient g stays inside the head (a fused head never hands it out).
 #include <array>
+#include <limits>
 #include <string>
 
 #include "lossverify/case/case.hpp"
@@ -79,6 +80,13 @@ class LmHeadStage final : public Stage {
     return {o.bias ? assignment.vocab.size() : 0, 1};
   }
   bool logit_gradient_internal() const override { return true; }
+  // u and its error bound for every token (N x V each), h, W and b, in float64 (lm_head_reference.cpp).
+  std::int64_t reference_bytes(const Case& c) const override {
+    const double n = static_cast<double>(c.shape.tokens), v = static_cast<double>(c.shape.vocab);
+    const double h = head_options(c.loss).hidden;
+    const double bytes = 8.0 * (2.0 * n * v + (n + v) * h + v + n);
+    return bytes > 9e18 ? std::numeric_limits<std::int64_t>::max() : static_cast<std::int64_t>(bytes);
+  }
   std::vector<std::pair<std::string, nlohmann::json>> kind_settings_under(const BugSwitches& bugs) const override {
     std::vector<std::pair<std::string, nlohmann::json>> changed;
     if ((bugs.stage_switches & head_bug::smoothing_dropped) != 0) changed.emplace_back("label_smoothing", 0.0);
