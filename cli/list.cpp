@@ -43,6 +43,13 @@ int run_list(bool as_json) {
     doc["losses"].push_back(
         {{"name", std::string(kind->name())}, {"summary", std::string(kind->summary())}, {"settings", settings}});
   }
+  doc["stages"] = nlohmann::json::array();
+  for (const Stage* stage : stages()) {
+    nlohmann::json settings = nlohmann::json::array();
+    for (const Setting& s : stage->settings()) settings.push_back(describe_setting(s));
+    doc["stages"].push_back(
+        {{"name", std::string(stage->name())}, {"summary", std::string(stage->summary())}, {"settings", settings}});
+  }
   nlohmann::json impls = nlohmann::json::array();
   for (const auto& i : implementations()) {
     impls.push_back({{"name", i.name},
@@ -69,6 +76,15 @@ int run_list(bool as_json) {
       std::cout << "      " << s["key"].get<std::string>() << ": " << s["allowed"].get<std::string>() << ", default "
                 << s["default"].dump()
                 << (s.contains("applies_to") ? ", under " + s["applies_to"].get<std::string>() : "")
+                << (s["meaning"].get<std::string>().empty() ? "" : " -- " + s["meaning"].get<std::string>()) << "\n";
+    }
+  }
+  std::cout << "\nstages in front of a loss (stage.kind) and their settings (stage.KEY):\n";
+  for (const auto& l : doc["stages"]) {
+    std::cout << "  " << l["name"].get<std::string>() << "  " << l["summary"].get<std::string>() << "\n";
+    for (const auto& s : l["settings"]) {
+      std::cout << "      " << s["key"].get<std::string>() << ": " << s["allowed"].get<std::string>() << ", default "
+                << s["default"].dump()
                 << (s["meaning"].get<std::string>().empty() ? "" : " -- " + s["meaning"].get<std::string>()) << "\n";
     }
   }

@@ -46,6 +46,22 @@ const std::vector<CheckInfo>& check_catalogue() {
         all.push_back({quantity, "per-token " + quantity + " of every rank vs the float64 reference (" +
                                      std::string(kind->name()) + ")"});
       }
+      if (const std::string_view values = kind->scope_values_name(); !values.empty()) {
+        all.push_back({std::string(values), "each rank's " + std::string(values) +
+                                                " of every micro-batch scope vs the float64 reference's (" +
+                                                std::string(kind->name()) + ")"});
+      }
+    }
+    for (const Stage* stage : stages()) {
+      for (const std::string& gradient : stage->gradients()) {
+        all.push_back({gradient, "the stage's gradient " + gradient + " of every token vs the float64 reference (" +
+                                     std::string(stage->name()) + ")"});
+      }
+      for (const std::string& parameter : stage->parameters()) {
+        all.push_back({parameter, "each rank's shard of the stage's parameter gradient " + parameter +
+                                      ", summed over its tokens, vs the float64 sum (" + std::string(stage->name()) +
+                                      ")"});
+      }
     }
     return all;
   }();
