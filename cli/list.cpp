@@ -32,23 +32,36 @@ nlohmann::json describe_setting(const Setting& s) {
   return d;
 }
 
+// A kind's or a stage's entry: its name, summary and settings table.
+nlohmann::json describe_table(std::string_view name, std::string_view summary, const SettingTable& table) {
+  nlohmann::json settings = nlohmann::json::array();
+  for (const Setting& s : table) settings.push_back(describe_setting(s));
+  return {{"name", std::string(name)}, {"summary", std::string(summary)}, {"settings", settings}};
+}
+
+void print_tables(const nlohmann::json& entries) {
+  for (const auto& l : entries) {
+    std::cout << "  " << l["name"].get<std::string>() << "  " << l["summary"].get<std::string>() << "\n";
+    for (const auto& s : l["settings"]) {
+      std::cout << "      " << s["key"].get<std::string>() << ": " << s["allowed"].get<std::string>() << ", default "
+                << s["default"].dump()
+                << (s.contains("applies_to") ? ", under " + s["applies_to"].get<std::string>() : "")
+                << (s["meaning"].get<std::string>().empty() ? "" : " -- " + s["meaning"].get<std::string>()) << "\n";
+    }
+  }
+}
+
 }  // namespace
 
 int run_list(bool as_json) {
   nlohmann::json doc;
   doc["losses"] = nlohmann::json::array();
   for (const LossKind* kind : loss_kinds()) {
-    nlohmann::json settings = nlohmann::json::array();
-    for (const Setting& s : kind->settings()) settings.push_back(describe_setting(s));
-    doc["losses"].push_back(
-        {{"name", std::string(kind->name())}, {"summary", std::string(kind->summary())}, {"settings", settings}});
+    doc["losses"].push_back(describe_table(kind->name(), kind->summary(), kind->settings()));
   }
   doc["stages"] = nlohmann::json::array();
   for (const Stage* stage : stages()) {
-    nlohmann::json settings = nlohmann::json::array();
-    for (const Setting& s : stage->settings()) settings.push_back(describe_setting(s));
-    doc["stages"].push_back(
-        {{"name", std::string(stage->name())}, {"summary", std::string(stage->summary())}, {"settings", settings}});
+    doc["stages"].push_back(describe_table(stage->name(), stage->summary(), stage->settings()));
   }
   nlohmann::json impls = nlohmann::json::array();
   for (const auto& i : implementations()) {
@@ -70,24 +83,9 @@ int run_list(bool as_json) {
     return 0;
   }
   std::cout << "losses (loss.kind) and their settings (loss.KEY):\n";
-  for (const auto& l : doc["losses"]) {
-    std::cout << "  " << l["name"].get<std::string>() << "  " << l["summary"].get<std::string>() << "\n";
-    for (const auto& s : l["settings"]) {
-      std::cout << "      " << s["key"].get<std::string>() << ": " << s["allowed"].get<std::string>() << ", default "
-                << s["default"].dump()
-                << (s.contains("applies_to") ? ", under " + s["applies_to"].get<std::string>() : "")
-                << (s["meaning"].get<std::string>().empty() ? "" : " -- " + s["meaning"].get<std::string>()) << "\n";
-    }
-  }
+  print_tables(doc["losses"]);
   std::cout << "\nstages in front of a loss (stage.kind) and their settings (stage.KEY):\n";
-  for (const auto& l : doc["stages"]) {
-    std::cout << "  " << l["name"].get<std::string>() << "  " << l["summary"].get<std::string>() << "\n";
-    for (const auto& s : l["settings"]) {
-      std::cout << "      " << s["key"].get<std::string>() << ": " << s["allowed"].get<std::string>() << ", default "
-                << s["default"].dump()
-                << (s["meaning"].get<std::string>().empty() ? "" : " -- " + s["meaning"].get<std::string>()) << "\n";
-    }
-  }
+  print_tables(doc["stages"]);
   std::cout << "\nimplementations (--impl):\n";
   for (const auto& i : implementations()) {
     std::cout << "  " << i.name << "\n      " << i.summary << "\n";
