@@ -23,15 +23,9 @@ namespace lossverify::cli {
 
 namespace {
 
-// Runs the PyTorch comparison script, when python3 is there; its JSON line, or why not.
-nlohmann::json torch_figures(const BenchArguments& a, std::int64_t tokens, std::int64_t vocab) {
-  const std::string script = !a.torch_script.empty() ? a.torch_script
-                             : a.loss == "policy"    ? "bench/torch_logprob_bench.py"
-                             : a.loss == "router"    ? "bench/torch_router_bench.py"
-                                                     : "bench/torch_ce_bench.py";
-  const std::string command = "python3 " + script + " " + std::to_string(tokens) + " " + std::to_string(vocab) + " " +
-                              a.dtype + " " + std::to_string(a.label_smoothing) + " " + std::to_string(a.repeats) +
-                              " 2>/dev/null";
+// Runs a PyTorch comparison script with `arguments`, when python3 is there; its JSON line, or why not.
+nlohmann::json run_torch_script(const std::string& script, const std::string& arguments) {
+  const std::string command = "python3 " + script + " " + arguments + " 2>/dev/null";
   FILE* pipe = popen(command.c_str(), "r");
   if (pipe == nullptr) return {{"available", false}, {"reason", "cannot start python3"}};
   std::string output;
@@ -43,6 +37,15 @@ nlohmann::json torch_figures(const BenchArguments& a, std::int64_t tokens, std::
   } catch (const std::exception&) {
     return {{"available", false}, {"reason", "no JSON from " + script}};
   }
+}
+
+nlohmann::json torch_figures(const BenchArguments& a, std::int64_t tokens, std::int64_t vocab) {
+  const std::string script = !a.torch_script.empty() ? a.torch_script
+                             : a.loss == "policy"    ? "bench/torch_logprob_bench.py"
+                             : a.loss == "router"    ? "bench/torch_router_bench.py"
+                                                     : "bench/torch_ce_bench.py";
+  return run_torch_script(script, std::to_string(tokens) + " " + std::to_string(vocab) + " " + a.dtype + " " +
+                                      std::to_string(a.label_smoothing) + " " + std::to_string(a.repeats));
 }
 
 // "N,V": two positive integers, or CaseError naming the option.
@@ -113,6 +116,67 @@ nlohmann::json bench_gpus(const BenchArguments& a, std::int64_t tokens, std::int
   return r;
 }
 
+// `bench --loss head`: the CUDA head + cross-entropy against the three cuBLAS products, and the PyTorch peers
+// (bench/torch_head_bench.py) in the same call.
+int bench_head(const BenchArguments& a, std::int64_t tokens, std::int64_t vocab, DType dtype) {
+  if (a.tp != 1 || a.gpus != 1) throw CaseError("--loss head: one GPU, tp 1 (no --tp, no --gpus)");
+  if (a.hidden < 1 || a.chunks < 1) throw CaseError("--hidden and --chunks: positive integers");
+  cuda::BenchOptions o;
+  o.tokens = tokens;
+  o.vocab = vocab;
+  o.dtype = dtype;
+  o.repeats = a.repeats;
+  o.label_smoothing = a.label_smoothing;
+  o.hidden = a.hidden;
+  o.chunks = a.chunks;
+  nlohmann::json r = cuda::bench_head(o);
+  const std::string script = !a.torch_script.empty() ? a.torch_script : "bench/torch_head_bench.py";
+  r["torch"] =
+      run_torch_script(script, std::to_string(tokens) + " " + std::to_string(a.hidden) + " " + std::to_string(vocab) +
+                                   " " + std::to_string(a.label_smoothing) + " " + std::to_string(a.repeats));
+  const auto num = [](const nlohmann::json& v) { return v.get<double>(); };
+  std::cout << std::fixed << std::setprecision(1);
+  std::cout << "device " << r["device"].get<std::string>()
+            << "; LM head + cross-entropy, forward and backward, N=" << tokens << " H=" << a.hidden << " V=" << vocab
+            << " " << a.dtype << ", smoothing " << a.label_smoothing << ", " << a.chunks << " chunks\n";
+  const auto& p = r["products"];
+  std::cout << "three cuBLAS products (h W^T, g W, g^T h): " << num(p["ms"]) << " ms (" << num(p["forward_ms"]) << " + "
+            << num(p["dh_ms"]) << " + " << num(p["dw_ms"]) << "), " << num(p["tflops"]) << " TFLOP/s\n";
+  std::cout << "lossverify head: " << num(r["head_ms"]) << " ms, " << num(r["head_tflops"])
+            << " TFLOP/s = " << num(r["percent_of_products"]) << "% of the products' rate\n";
+  const auto& m = r["memory"];
+  const double gib = 1024.0 * 1024.0 * 1024.0;
+  std::cout << std::setprecision(2) << "memory beyond h and W: " << num(m["extra_bytes"]) / gib
+            << " GiB (bound: one chunk's logits + float32 dh and dW = " << num(m["bound_bytes"]) / gib
+            << " GiB: " << (m["within_bound"].get<bool>() ? "within" : "OVER") << ")\n";
+  const auto& ch = r["check"];
+  std::cout << std::scientific << std::setprecision(2) << "check on " << ch["tokens_sampled"].get<int>()
+            << " sampled tokens vs float64: " << (ch["pass"].get<bool>() ? "pass" : "FAIL") << " (dh relative L2 "
+            << num(ch["dh_relative_l2"]) << ", loss " << num(ch["loss_worst_relative"]) << ")\n"
+            << std::fixed << std::setprecision(1);
+  const auto& t = r["torch"];
+  if (!t.value("available", false)) {
+    std::cout << "PyTorch figures unavailable: " << t.value("reason", std::string("?")) << "\n";
+  } else {
+    for (const char* peer : {"eager", "compile", "liger", "gemms"}) {
+      if (!t.contains(peer)) continue;
+      const auto& f = t[peer];
+      std::cout << "  " << peer << " (torch " << t["torch"].get<std::string>() << "): ";
+      if (f.contains("error")) {
+        std::cout << f["error"].get<std::string>() << "\n";
+        continue;
+      }
+      std::cout << num(f["ms"]) << " ms, " << num(f["tflops"]) << " TFLOP/s, peak beyond inputs "
+                << std::setprecision(2) << num(f["peak_extra_gib"]) << " GiB; lossverify is "
+                << num(f["ms"]) / num(r["head_ms"]) << "x faster\n"
+                << std::setprecision(1);
+    }
+  }
+  std::cout << std::defaultfloat;
+  if (!a.report_path.empty()) write_file_atomically(a.report_path, json_text(encode_nonfinite(r), 2) + "\n");
+  return r["check"]["pass"].get<bool>() ? 0 : static_cast<int>(ExitCode::check_failed);
+}
+
 }  // namespace
 
 int run_bench(const BenchArguments& a) {
@@ -122,6 +186,7 @@ int run_bench(const BenchArguments& a) {
   if (!dtype) throw CaseError("--dtype " + a.dtype + ": expected fp32|bf16|fp16");
   if (tokens < 1 || vocab < 2 || a.tp < 1 || a.tp > vocab)
     throw CaseError("--shape/--tp: need N >= 1, V >= 2, 1 <= tp <= V");
+  if (a.loss == "head") return bench_head(a, tokens, vocab, *dtype);
   if (a.loss != "cross_entropy" && a.gpus > 1) {
     throw CaseError("--loss " + a.loss + ": --gpus is not measured for it yet");
   }
@@ -206,8 +271,12 @@ void register_bench(CLI::App& app, BenchCommand& command) {
   command.app->add_option("--label-smoothing", command.args.label_smoothing, "alpha");
   command.app
       ->add_option("--loss", command.args.loss,
-                   "cross_entropy, policy (a log-prob and entropy pass), or router (--shape N,E, fp32, top-8)")
-      ->check(CLI::IsMember({"cross_entropy", "policy", "router"}));
+                   "cross_entropy, policy (a log-prob and entropy pass), router (--shape N,E, fp32, top-8), or head "
+                   "(an LM head of --hidden H in front of cross-entropy, in --chunks chunks)")
+      ->check(CLI::IsMember({"cross_entropy", "policy", "router", "head"}));
+  command.app->add_option("--hidden", command.args.hidden, "head: the hidden size H")->check(CLI::PositiveNumber);
+  command.app->add_option("--chunks", command.args.chunks, "head: its chunks of the tokens")
+      ->check(CLI::PositiveNumber);
   command.app->add_option("--report", command.args.report_path, "write the figures as JSON");
   command.app->add_option("--torch-script", command.args.torch_script, "PyTorch comparison script");
 }

@@ -10,7 +10,7 @@
 namespace lossverify::cuda {
 
 ShardInputs generate_shard_inputs(const Case& c, const InputSource& inputs, const RankAssignment& assignment,
-                                  VocabRange columns, cudaStream_t stream) {
+                                  VocabRange columns, cudaStream_t stream, bool student) {
   const auto rows = static_cast<std::int64_t>(assignment.rows.size());
   const std::int64_t cols = columns.size();
   const DType dtype = c.inputs.dtype;
@@ -30,7 +30,7 @@ ShardInputs generate_shard_inputs(const Case& c, const InputSource& inputs, cons
   DeviceBytes d_counters = upload(counters, stream);
   DeviceBytes d_padding = upload(padding, stream);
   ShardInputs out;
-  out.student = DeviceBytes(static_cast<std::size_t>(rows * cols) * element);
+  out.student = DeviceBytes(student ? static_cast<std::size_t>(rows * cols) * element : 0);
   GenerateArgs g{c.inputs.seed,
                  static_cast<int>(InputStream::student_logits),
                  d_counters.as<std::int64_t>(),
@@ -43,8 +43,10 @@ ShardInputs generate_shard_inputs(const Case& c, const InputSource& inputs, cons
                  c.inputs.scale,
                  c.inputs.mean,
                  c.inputs.scale};
-  generate_logits(type, g, out.student.as<void>(), stream);
-  LV_CUDA(cudaGetLastError());
+  if (student) {
+    generate_logits(type, g, out.student.as<void>(), stream);
+    LV_CUDA(cudaGetLastError());
+  }
   const bool teacher = kind_of(c.loss).inputs().teacher_logits;
   if (teacher) {
     out.teacher = DeviceBytes(static_cast<std::size_t>(rows * cols) * element);
@@ -58,7 +60,7 @@ ShardInputs generate_shard_inputs(const Case& c, const InputSource& inputs, cons
     generate_logits(type, gt, out.teacher.as<void>(), stream);
     LV_CUDA(cudaGetLastError());
   }
-  if (!c.inputs.overrides.empty()) {
+  if (student && !c.inputs.overrides.empty()) {
     std::vector<std::byte> row_bytes(static_cast<std::size_t>(cols) * element);
     for (std::int64_t i = 0; i < rows; ++i) {
       const std::int64_t t = assignment.rows[static_cast<std::size_t>(i)].token;

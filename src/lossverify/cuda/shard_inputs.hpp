@@ -21,8 +21,9 @@ struct ShardInputs {
   DeviceBytes teacher{0};  // KD only
 };
 
-// Columns `columns` of every row of `assignment` (CP padding rows included), enqueued on `stream`.
+// Columns `columns` of every row of `assignment` (CP padding rows included), enqueued on `stream`. Without
+// `student` only a KD teacher's (a stage makes the student's logits).
 ShardInputs generate_shard_inputs(const Case& c, const InputSource& inputs, const RankAssignment& assignment,
-                                  VocabRange columns, cudaStream_t stream);
+                                  VocabRange columns, cudaStream_t stream, bool student = true);
 
 }  // namespace lossverify::cuda

@@ -25,6 +25,12 @@ class Oracle;
 
 namespace lossverify::cuda {
 
+// Which of the rank's rows the kind's logits and gradient buffers hold: from row `first` on (0 and every row without
+// a stage; behind a stage, the chunk the stage has just made, kind_api/cuda_stage.hpp).
+struct RowWindow {
+  std::int64_t first = 0;
+};
+
 // One rank's device buffers, as the backend made them.
 struct CudaRankSetup {
   const Case& c;
@@ -33,13 +39,18 @@ struct CudaRankSetup {
   std::size_t element = 0;          // bytes per logit
   std::int64_t rows = 0, cols = 0;  // the kernel's rows and columns (kernel_columns)
   std::int64_t owner_base = 0;      // global column of the kernel's first column, as its labels see it
-  std::byte* logits = nullptr;      // rows x cols (writable: a bug may overwrite them)
+  std::byte* logits = nullptr;      // rows x cols (writable: a bug may overwrite them); see row_offset
   const std::byte* teacher = nullptr;
   std::byte* grad = nullptr;                   // rows x cols
   bool whole_rows = false;                     // a TP group of one
   bool preload = true;                         // load the kernels' code now rather than at their first launch
   void* stream = nullptr;                      // the rank's cudaStream_t
   const RankAssignment* assignment = nullptr;  // the rank's rows and micro-batches
+  const RowWindow* window = nullptr;           // logits and grad hold the window's rows (null: rows 0 on)
+  // The byte offset of the rank's row `row` in logits and grad (the teacher's rows are always the rank's own).
+  std::size_t row_offset(std::int64_t row) const {
+    return static_cast<std::size_t>((row - (window != nullptr ? window->first : 0)) * cols) * element;
+  }
 };
 
 // Per-row arrays from the rank plan, on the host and the device (the micro-batch's slice is at row b).

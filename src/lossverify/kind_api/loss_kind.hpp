@@ -277,6 +277,10 @@ class LossKind {
   // whose rows are whole on every rank (a router's experts), where TP replicates tokens or, under layout.sp,
   // splits them (case.hpp: tp_splits_columns).
   virtual bool columns_split_by_tp() const { return true; }
+  // Whether a backend may run a micro-batch in consecutive pieces of its rows, each row's outputs depending on its
+  // row and the plan alone (a stage then makes the logits a chunk at a time, kind_api/cuda_stage.hpp); false: a
+  // whole micro-batch per call.
+  virtual bool rows_independent() const { return false; }
   // The name of a row's columns in the case's "shape" ("vocab"; a router's "experts").
   virtual std::string_view column_axis() const { return "vocab"; }
   // The inputs' distribution where a case names none (a router's logits are `separated`: a clear top-k margin).

@@ -125,6 +125,11 @@ class Stage {
     (void)bugs;
     return {};
   }
+  // How many of a rank's rows (of `rank_rows`) a backend that makes the logits a chunk at a time (CUDA) makes at once.
+  virtual std::int64_t chunk_rows(const Case& c, std::int64_t rank_rows) const {
+    (void)c;
+    return rank_rows;
+  }
   // Whether the kind's gradient of the logits stays inside the stage (a fused head never hands it out): its grad
   // and row_sum checks are then not applicable, and the stage's gradients judge it.
   virtual bool logit_gradient_internal() const { return false; }

@@ -1,7 +1,8 @@
-// The loss kinds that run on the CUDA backend, and those with their own GPU oracle (CUDA builds only).
+// The loss kinds and stages that run on the CUDA backend, and the kinds with their own GPU oracle (CUDA builds only).
 #include <string_view>
 
 #include "lossverify/kind_api/cuda_kind.hpp"
+#include "lossverify/kind_api/cuda_stage.hpp"
 
 namespace lossverify::cuda {
 
@@ -17,6 +18,13 @@ CudaKindFactory cuda_kind_factory(std::string_view kind_name) {
   if (kind_name == "kd") return &make_kd_cuda_rank;
   if (kind_name == "policy") return &make_policy_cuda_rank;
   if (kind_name == "router") return &make_router_cuda_rank;
+  return nullptr;
+}
+
+std::unique_ptr<CudaStageRank> make_lm_head_cuda_rank(const CudaStageSetup& setup);
+
+CudaStageFactory cuda_stage_factory(std::string_view stage_name) {
+  if (stage_name == "lm_head") return &make_lm_head_cuda_rank;
   return nullptr;
 }
 

@@ -373,7 +373,12 @@ void HostOracle::start_judging(std::span<const RowStats> stats) {
     for (std::int64_t i = 0; i < rows; ++i) {
       beat_row(beacon_, i);
       const auto k = static_cast<std::size_t>(i);
-      out_.grad_row(i, got.data());
+      // A stage that keeps the kind's gradient inside hands none over (the CUDA head): its checks are not applicable.
+      if (out_.grad.empty()) {
+        std::fill(got.begin(), got.end(), 0.0);
+      } else {
+        out_.grad_row(i, got.data());
+      }
       rows_[k] = out_.token_of(i) < 0 ? judge_padding_row(i, got)
                                       : judge_admissible_readings(i, stats[k], got, student, teacher, expected);
       if (stage_reference_ != nullptr) rows_[k].stage = judge_stage_row(i, stats[k]);

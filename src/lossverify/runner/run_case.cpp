@@ -131,15 +131,20 @@ void require_supported(const Implementation& impl, const Case& c) {
 // Whether the GPU oracle can evaluate the case's kind: through a row model, or the kind's own GPU oracle.
 bool has_gpu_oracle(const Case& c) {
   const LossKind& kind = kind_of(c.loss);
+  if (c.loss.stage != nullptr) return false;  // the stage's reference is the host's
   return kind.device_row_model(c).has_value() || cuda::cuda_oracle_factory(kind.name()) != nullptr;
 }
 
 void require_kind_support(const Case& c, const RunOptions& options) {
   const LossKind& kind = kind_of(c.loss);
-  if (c.loss.stage != nullptr &&
-      (options.device == RunOptions::Device::cuda || is_plugin_spec(options.implementation))) {
+  if (c.loss.stage != nullptr && is_plugin_spec(options.implementation)) {
     throw CaseError(c.source + ": the stage " + std::string(c.loss.stage->name()) +
-                    " runs on the CPU backend and its own implementation only (no CUDA, no plugin)");
+                    " runs on lossverify's own implementations only (no plugin)");
+  }
+  if (c.loss.stage != nullptr && options.device == RunOptions::Device::cuda && cuda::built_with_cuda() &&
+      !cuda::runs_stage(c.loss.stage->name())) {
+    throw CaseError(c.source + ": --backend cuda: the stage " + std::string(c.loss.stage->name()) +
+                    " has no CUDA implementation (use the CPU backend)");
   }
   if (options.device != RunOptions::Device::cuda) return;
   if (cuda::built_with_cuda() && !cuda::runs_kind(kind.name())) {

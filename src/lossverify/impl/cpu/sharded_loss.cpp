@@ -10,6 +10,7 @@
 
 #include "lossverify/case/kind_settings.hpp"
 #include "lossverify/comm/progress_beacon.hpp"
+#include "lossverify/impl/kind_case.hpp"
 #include "lossverify/impl/rank_plan.hpp"
 #include "lossverify/kind_api/loss_kind.hpp"
 #include "lossverify/kind_api/stage.hpp"
@@ -21,18 +22,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
-
-// The case the kind's kernels run under: the case itself, or with the kind's settings a catalogued bug of its stage
-// changes (Stage::kind_settings_under).
-Case kind_case_of(const Case& c, const BugSwitches& bugs) {
-  Case kind_case = c;
-  if (c.loss.stage == nullptr) return kind_case;
-  const SettingTable& table = kind_of(c.loss).settings();
-  for (const auto& [key, value] : c.loss.stage->kind_settings_under(bugs)) {
-    if (const Setting* s = find_setting(table, key)) s->set(kind_case.loss, value);
-  }
-  return kind_case;
-}
 
 class RankKernel {
  public:

@@ -21,8 +21,9 @@ bool built_with_cuda();
 // Throws InternalError naming why the device cannot be used (no driver, no GPU, not built with CUDA).
 void require_device(int device);
 int visible_devices();
-// Whether a loss kind has a CUDA implementation (kinds/cuda_kind.hpp).
+// Whether a loss kind has a CUDA implementation (kinds/cuda_kind.hpp); a stage (kind_api/cuda_stage.hpp).
 bool runs_kind(std::string_view kind_name);
+bool runs_stage(std::string_view stage_name);
 
 struct CudaRankOptions {
   int device = 0;
@@ -43,8 +44,14 @@ struct BenchOptions {
   double label_smoothing = 0.1;
   int repeats = 20;
   int device = 0;
+  int hidden = 4096;  // bench_head: H, and the head's chunks of the tokens
+  int chunks = 8;
 };
 nlohmann::json bench(const BenchOptions& options);
+// The LM head in front of cross-entropy (kinds/lm_head/lm_head_bench.cpp): the CUDA backend's head, forward and
+// backward, against the three plain cuBLAS products of the same shapes; its memory beyond the inputs; sampled tokens
+// checked in float64.
+nlohmann::json bench_head(const BenchOptions& options);
 // The same for the policy kind's kernels (kinds/policy/policy_bench.cpp): a log-prob and entropy pass.
 nlohmann::json bench_policy(const BenchOptions& options);
 // The router kind's kernels (kinds/router/router_bench.cpp): one scope of N tokens x V experts, fp32, top-8.

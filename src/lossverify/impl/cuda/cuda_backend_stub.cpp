@@ -14,12 +14,14 @@ bool built_with_cuda() { return false; }
 void require_device(int) { unavailable(); }
 int visible_devices() { return 0; }
 bool runs_kind(std::string_view) { return false; }
+bool runs_stage(std::string_view) { return false; }
 RankOutput run_sharded_loss(const Case&, const InputSource&, RankAssignment, RankGroups, const BugSwitches&,
                             const CudaRankOptions&) {
   unavailable();
 }
 nlohmann::json bench(const BenchOptions&) { unavailable(); }
 nlohmann::json bench_policy(const BenchOptions&) { unavailable(); }
+nlohmann::json bench_head(const BenchOptions&) { unavailable(); }
 nlohmann::json bench_router(const BenchOptions&) { unavailable(); }
 nlohmann::json bench_multi_gpu(const MultiGpuBenchOptions&) { unavailable(); }
 }  // namespace lossverify::cuda

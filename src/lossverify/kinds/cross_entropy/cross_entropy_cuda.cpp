@@ -158,7 +158,7 @@ class CrossEntropyCudaRank final : public CudaKindRank {
 
   void micro_batch(const RankPlan& plan, RankGroups& groups, const CudaRows& rows, std::int64_t b, std::int64_t n,
                    KindOutputs& out) override {
-    const std::size_t offset = static_cast<std::size_t>(b * setup_.cols) * setup_.element;
+    const std::size_t offset = setup_.row_offset(b);
     CudaCrossEntropyShard::Buffers at;
     at.grad = GradArgs{setup_.logits + offset,
                        setup_.grad + offset,

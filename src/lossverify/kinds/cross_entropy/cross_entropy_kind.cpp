@@ -20,6 +20,7 @@ using nlohmann::json;
 class CrossEntropyKind final : public LossKind {
  public:
   std::string_view name() const override { return "cross_entropy"; }
+  bool rows_independent() const override { return true; }  // its protocol is per row
   std::string_view summary() const override {
     return "softmax cross-entropy against the label, with label smoothing, z-loss and softcap; reduction "
            "mean|sum|none, upstream_weights";

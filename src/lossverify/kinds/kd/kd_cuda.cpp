@@ -105,9 +105,10 @@ class KdCudaRank final : public CudaKindRank {
 
   void micro_batch(const RankPlan& plan, RankGroups& groups, const CudaRows& rows, std::int64_t b, std::int64_t n,
                    KindOutputs& out) override {
-    const std::size_t offset = static_cast<std::size_t>(b * setup_.cols) * setup_.element;
+    const std::size_t offset = setup_.row_offset(b);  // the student's and its gradient's rows
+    const std::size_t teacher_offset = static_cast<std::size_t>(b * setup_.cols) * setup_.element;
     const KdStatsArgs sa{setup_.logits + offset,
-                         setup_.teacher + offset,
+                         setup_.teacher + teacher_offset,
                          n,
                          setup_.cols,
                          rows.active + b,

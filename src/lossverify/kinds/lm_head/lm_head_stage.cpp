@@ -3,6 +3,7 @@
 // vocabulary shard of W; the head makes u = h W^T (+ b), the kind's logits, and turns the kind's gradient g of them
 // into dh (per token), dW and db (per rank, over its tokens), judged against float64 sums with the error model of
 // lm_head_reference.cpp. The kind's gradient g stays inside the head (a fused head never hands it out).
+#include <algorithm>
 #include <array>
 #include <limits>
 #include <string>
@@ -80,6 +81,11 @@ class LmHeadStage final : public Stage {
     return {o.bias ? assignment.vocab.size() : 0, 1};
   }
   bool logit_gradient_internal() const override { return true; }
+  // lossverify's own head makes a rank's logits in `chunks` chunks of its rows on the CUDA backend.
+  std::int64_t chunk_rows(const Case& c, std::int64_t rank_rows) const override {
+    const std::int64_t chunks = head_options(c.loss).chunks;
+    return std::max<std::int64_t>(1, (rank_rows + chunks - 1) / chunks);
+  }
   // u and its error bound for every token (N x V each), h, W and b, in float64 (lm_head_reference.cpp).
   std::int64_t reference_bytes(const Case& c) const override {
     const double n = static_cast<double>(c.shape.tokens), v = static_cast<double>(c.shape.vocab);

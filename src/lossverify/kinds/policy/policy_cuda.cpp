@@ -53,7 +53,7 @@ class PolicyCudaRank final : public CudaKindRank {
 
   void micro_batch(const RankPlan& plan, RankGroups& groups, const CudaRows& rows, std::int64_t b, std::int64_t n,
                    KindOutputs& out) override {
-    const std::size_t offset = static_cast<std::size_t>(b * setup_.cols) * setup_.element;
+    const std::size_t offset = setup_.row_offset(b);
     PolicyKernelArgs args;
     args.logits = setup_.logits + offset;
     args.grad = setup_.grad + offset;

@@ -1,0 +1,54 @@
+#pragma once
+// One rank's sharded loss on its GPU, in three steps (the CUDA backend runs them once; a benchmark times compute()
+// alone, repeatedly): the constructor generates the rank's inputs on the device, makes its buffers, its kind's
+// (and stage's) part and its plan; compute() runs its micro-batches; finish() hands the outputs over.
+#include <chrono>
+#include <memory>
+#include <optional>
+
+#include "lossverify/case/case.hpp"
+#include "lossverify/cuda/device_buffer.hpp"
+#include "lossverify/impl/cuda/cuda_backend.hpp"
+#include "lossverify/impl/rank_plan.hpp"
+#include "lossverify/kind_api/cuda_kind.hpp"
+#include "lossverify/kind_api/cuda_stage.hpp"
+
+namespace lossverify::cuda {
+
+struct RowArrays;
+
+class CudaRankRun {
+ public:
+  CudaRankRun(const Case& c, const InputSource& inputs, RankAssignment assignment, RankGroups groups,
+              const BugSwitches& bugs, const CudaRankOptions& options);
+  ~CudaRankRun();
+  CudaRankRun(const CudaRankRun&) = delete;
+  CudaRankRun& operator=(const CudaRankRun&) = delete;
+  // The micro-batches (behind a stage, chunk by chunk). Enqueued on stream(); the kinds' protocols synchronize it.
+  void compute();
+  RankOutput finish();
+  cudaStream_t stream() const { return stream_.get(); }
+  // The device bytes the kind's logits and gradient buffers hold (behind a stage: one chunk's each).
+  std::size_t logit_buffer_bytes() const { return d_logits_.size() + d_grad_.size(); }
+
+ private:
+  const std::chrono::steady_clock::time_point start_;
+  const Case& c_;
+  const Case kind_case_;  // what the kind's kernels read (kind_case_of)
+  RankGroups groups_;
+  const CudaRankOptions options_;
+  double collectives_before_ = 0.0;
+  Stream stream_;
+  RankOutput out_;
+  VocabRange vocab_, work_;
+  std::int64_t held_rows_ = 0;
+  DeviceBytes d_logits_{0}, d_teacher_{0}, d_grad_{0};
+  RowWindow window_;
+  std::unique_ptr<CudaKindRank> kind_rank_;
+  std::unique_ptr<CudaStageRank> stage_rank_;
+  std::optional<RankPlan> plan_;
+  std::unique_ptr<RowArrays> row_arrays_;
+  std::unique_ptr<KindOutputs> kind_outputs_;
+};
+
+}  // namespace lossverify::cuda
