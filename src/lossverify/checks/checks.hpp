@@ -122,12 +122,13 @@ struct LayoutSnapshot {
   double logged_loss = 0.0;
   std::int64_t logged_valid_tokens = 0;
 
-  // Sized for an N x V problem (gradients kept up to kSnapshotElementLimit elements).
-  static LayoutSnapshot sized_for(std::int64_t tokens, std::int64_t vocab) {
+  // Sized for an N x V problem (gradients kept up to kSnapshotElementLimit elements; none where a stage keeps the
+  // kind's gradient inside, `gradients` false).
+  static LayoutSnapshot sized_for(std::int64_t tokens, std::int64_t vocab, bool gradients = true) {
     LayoutSnapshot s;
     s.token_loss.assign(static_cast<std::size_t>(tokens), 0.0f);
     s.token_grad_scale.assign(static_cast<std::size_t>(tokens), 0.0f);
-    if (tokens * vocab <= kSnapshotElementLimit)
+    if (gradients && tokens * vocab <= kSnapshotElementLimit)
       s.effective_grad.assign(static_cast<std::size_t>(tokens * vocab), 0.0f);
     return s;
   }

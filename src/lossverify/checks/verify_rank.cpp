@@ -865,7 +865,9 @@ void fill_snapshot(const RankContext& x, const RowReference& ref, double framewo
   const std::int64_t vocab = x.c.shape.vocab;
   const std::int64_t cols = x.out.columns();
   const std::int64_t begin = x.out.assignment.vocab.begin;
-  const bool keep_grads = x.tokens * vocab <= kSnapshotElementLimit;
+  // A stage that keeps the kind's gradient inside (a fused head) hands none over to compare between layouts.
+  const bool internal = x.c.loss.stage != nullptr && x.c.loss.stage->logit_gradient_internal();
+  const bool keep_grads = !internal && x.tokens * vocab <= kSnapshotElementLimit;
   if (snapshot.token_loss.size() != static_cast<std::size_t>(x.tokens) ||
       snapshot.token_grad_scale.size() != static_cast<std::size_t>(x.tokens)) {
     throw InternalError("the layout snapshot is not sized for the problem (LayoutSnapshot::sized_for)");

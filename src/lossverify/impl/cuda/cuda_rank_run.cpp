@@ -184,7 +184,47 @@ CudaRankRun::CudaRankRun(const Case& c, const InputSource& inputs, RankAssignmen
 
 CudaRankRun::~CudaRankRun() = default;
 
-void CudaRankRun::compute() {
+namespace {
+
+// Events around each part of each chunk, read once the chunks are done.
+class PartEvents {
+ public:
+  explicit PartEvents(ChunkPartTimes* times) : times_(times) {}
+  ~PartEvents() {
+    for (cudaEvent_t e : events_) cudaEventDestroy(e);
+  }
+  PartEvents(const PartEvents&) = delete;
+  PartEvents& operator=(const PartEvents&) = delete;
+  void mark(cudaStream_t stream) {
+    if (times_ == nullptr) return;
+    cudaEvent_t e = nullptr;
+    LV_CUDA(cudaEventCreate(&e));
+    LV_CUDA(cudaEventRecord(e, stream));
+    events_.push_back(e);
+  }
+  // Four marks per chunk: before the forward, after it, after the kind, after the backward.
+  void read() {
+    if (times_ == nullptr || events_.empty()) return;
+    LV_CUDA(cudaEventSynchronize(events_.back()));
+    double* part[3] = {&times_->forward_ms, &times_->kind_ms, &times_->backward_ms};
+    for (std::size_t i = 0; i + 3 < events_.size(); i += 4) {
+      for (std::size_t k = 0; k < 3; ++k) {
+        float ms = 0.0f;
+        LV_CUDA(cudaEventElapsedTime(&ms, events_[i + k], events_[i + k + 1]));
+        *part[k] += ms;
+      }
+    }
+  }
+
+ private:
+  ChunkPartTimes* times_;
+  std::vector<cudaEvent_t> events_;
+};
+
+}  // namespace
+
+void CudaRankRun::compute(ChunkPartTimes* times) {
+  PartEvents events(times);
   const LossKind& kind = kind_of(c_.loss);
   const CudaRows rows = row_arrays_->view();
   const std::size_t row_bytes = static_cast<std::size_t>(work_.size()) * dtype_size(out_.dtype);
@@ -201,12 +241,17 @@ void CudaRankRun::compute() {
     for (std::int64_t first = b; first < b + n; first += held_rows_) {
       const std::int64_t m = std::min(held_rows_, b + n - first);
       window_.first = first;
+      events.mark(stream_.get());
       LV_CUDA(cudaMemsetAsync(d_grad_.as<void>(), 0, static_cast<std::size_t>(m) * row_bytes, stream_.get()));
       stage_rank_->forward(first, m);
+      events.mark(stream_.get());
       kind_rank_->micro_batch(*plan_, groups_, rows, first, m, *kind_outputs_);
+      events.mark(stream_.get());
       stage_rank_->backward(first, m, groups_);
+      events.mark(stream_.get());
     }
   }
+  events.read();
 }
 
 RankOutput CudaRankRun::finish() {

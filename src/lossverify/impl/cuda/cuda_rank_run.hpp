@@ -17,6 +17,11 @@ namespace lossverify::cuda {
 
 struct RowArrays;
 
+// Where a stage's chunks spend their time (event timings summed over the chunks of one compute()).
+struct ChunkPartTimes {
+  double forward_ms = 0.0, kind_ms = 0.0, backward_ms = 0.0;
+};
+
 class CudaRankRun {
  public:
   CudaRankRun(const Case& c, const InputSource& inputs, RankAssignment assignment, RankGroups groups,
@@ -25,7 +30,7 @@ class CudaRankRun {
   CudaRankRun(const CudaRankRun&) = delete;
   CudaRankRun& operator=(const CudaRankRun&) = delete;
   // The micro-batches (behind a stage, chunk by chunk). Enqueued on stream(); the kinds' protocols synchronize it.
-  void compute();
+  void compute(ChunkPartTimes* times = nullptr);
   RankOutput finish();
   cudaStream_t stream() const { return stream_.get(); }
   // The device bytes the kind's logits and gradient buffers hold (behind a stage: one chunk's each).
