@@ -1,6 +1,6 @@
-#include "lossverify/kind_api/stage.hpp"
 #include "lossverify/dump/check_dump.hpp"
 #include "lossverify/kind_api/loss_kind.hpp"
+#include "lossverify/kind_api/stage.hpp"
 
 #include <omp.h>
 
@@ -763,8 +763,9 @@ RunResult check_dump(const DumpProblem& p, const DumpCheckOptions& options) {
   ErrorMap error_map;
   double verify_seconds = 0.0;
   LayoutSnapshot snapshot;
-  if (options.keep_snapshot) snapshot = LayoutSnapshot::sized_for(c.shape.tokens, c.shape.vocab,
-                                                  c.loss.stage == nullptr || !c.loss.stage->logit_gradient_internal());
+  if (options.keep_snapshot)
+    snapshot = LayoutSnapshot::sized_for(c.shape.tokens, c.shape.vocab,
+                                         c.loss.stage == nullptr || !c.loss.stage->logit_gradient_internal());
   ThreadWorldOptions world_options;
   world_options.ranks = world_size;
   world_options.timeout_seconds = c.timeout_seconds;

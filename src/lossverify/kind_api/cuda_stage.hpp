@@ -31,6 +31,7 @@ struct CudaStageSetup {
   const RankAssignment& assignment;
   StorageType type;
   std::int64_t work_begin = 0, cols = 0, chunk_rows = 0;
+  int tp_ranks = 1;  // the size of the rank's TP group
   std::byte* logits = nullptr;
   const std::byte* logit_grad = nullptr;
   void* stream = nullptr;  // the rank's cudaStream_t

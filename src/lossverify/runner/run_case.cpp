@@ -384,8 +384,9 @@ RunResult run_case(const Case& c, const RunOptions& requested, Launcher& launche
   if (options.shared_inputs == nullptr) own_inputs.emplace(c);
   const InputSource& inputs = options.shared_inputs != nullptr ? *options.shared_inputs : *own_inputs;
   LayoutSnapshot snapshot;
-  if (keep_snapshot) snapshot = LayoutSnapshot::sized_for(c.shape.tokens, c.shape.vocab,
-                                                  c.loss.stage == nullptr || !c.loss.stage->logit_gradient_internal());
+  if (keep_snapshot)
+    snapshot = LayoutSnapshot::sized_for(c.shape.tokens, c.shape.vocab,
+                                         c.loss.stage == nullptr || !c.loss.stage->logit_gradient_internal());
   const int threads = launcher.threads_per_rank(options.threads, world_size);
   const bool rank_per_process = launcher.processes() > 1;
   RankJob kept;

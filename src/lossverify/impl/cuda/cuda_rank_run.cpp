@@ -166,7 +166,8 @@ CudaRankRun::CudaRankRun(const Case& c, const InputSource& inputs, RankAssignmen
       throw CaseError(c.source + ": the stage " + std::string(stage->name()) + " has no CUDA implementation");
     }
     stage_rank_ = make_stage_rank(CudaStageSetup{c, bugs, inputs, out_.assignment, type, work_.begin, cols, held_rows_,
-                                                 d_logits_.as<std::byte>(), d_grad_.as<std::byte>(), stream_.get()});
+                                                 groups.tp.size(), d_logits_.as<std::byte>(), d_grad_.as<std::byte>(),
+                                                 stream_.get()});
   }
   stream_.sync();
   out_.generate_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();

@@ -234,7 +234,8 @@ nlohmann::json bench_head(const BenchOptions& o) {
     const double ms = time_ms(o.repeats, run.stream(), [&](int) { run.compute(); });
     ChunkPartTimes parts;
     run.compute(&parts);
-    r["parts_ms"] = {{"forward_and_memset", parts.forward_ms}, {"kind", parts.kind_ms}, {"backward", parts.backward_ms}};
+    r["parts_ms"] = {
+        {"forward_and_memset", parts.forward_ms}, {"kind", parts.kind_ms}, {"backward", parts.backward_ms}};
     LV_CUDA(cudaMemGetInfo(&free_after, &total));
     const double e = static_cast<double>(dtype_size(o.dtype));
     const double n = static_cast<double>(o.tokens), h = static_cast<double>(o.hidden), v = static_cast<double>(o.vocab);

@@ -121,7 +121,8 @@ class LmHeadCudaRank final : public CudaStageRank {
         d_db_part_(d_db_.size()),
         d_dw_part_(narrow() ? d_dw_.size() : 0),
         d_scaled_(scaled() ? bytes(s.chunk_rows * s.cols) : 0),
-        d_dh_part_(tp_sums() > 0 ? static_cast<std::size_t>(s.chunk_rows * hidden_) * sizeof(float) : 0),
+        tp_sums_(tp_sums(s)),
+        d_dh_part_(tp_sums_ > 0 ? static_cast<std::size_t>(s.chunk_rows * hidden_) * sizeof(float) : 0),
         h_dh_part_(d_dh_part_.size()) {
     generate_inputs();
     LV_CUDA(cudaMemsetAsync(d_dh_.as<void>(), 0, d_dh_.size(), stream_));
@@ -155,7 +156,7 @@ class LmHeadCudaRank final : public CudaStageRank {
     const Operand w{d_weight_.as<std::byte>() + static_cast<std::size_t>(own_offset_ * hidden_) * element_, t, hidden_};
     // dh^T (H x n) = W_r^T (H x own) g^T (own x n)
     std::byte* dh = d_dh_.as<std::byte>() + static_cast<std::size_t>(first * hidden_) * element_;
-    if (tp_sums() == 0) {
+    if (tp_sums_ == 0) {
       product(cublas_.get(), CUBLAS_OP_N, CUBLAS_OP_N, hidden_, n, own, w, {g, t, s_.cols}, 0.0f, dh, t, hidden_);
     } else {
       product(cublas_.get(), CUBLAS_OP_N, CUBLAS_OP_N, hidden_, n, own, w, {g, t, s_.cols}, 0.0f, d_dh_part_.as<void>(),
@@ -201,12 +202,13 @@ class LmHeadCudaRank final : public CudaStageRank {
   bool narrow() const { return (s_.bugs.stage_switches & head_bug::dw_16bit_accumulate) != 0; }
   bool scaled() const { return (s_.bugs.stage_switches & head_bug::grad_output_first) != 0; }
   // How many times dh is summed over the TP group: once under the head's contract, never under the framework's,
-  // as the catalogued bugs change it.
-  int tp_sums() const {
-    const bool head_sums = o_.dh_reduce == HeadOptions::DhReduce::head;
+  // as the catalogued bugs change it; never over a group of one (a sum over one rank is that rank's dh).
+  static int tp_sums(const CudaStageSetup& s) {
+    if (s.tp_ranks == 1) return 0;
+    const bool head_sums = head_options(s.c.loss).dh_reduce == HeadOptions::DhReduce::head;
     int sums = head_sums ? 1 : 0;
-    if ((s_.bugs.stage_switches & head_bug::dh_shard_partial) != 0 && head_sums) sums = 0;
-    if ((s_.bugs.stage_switches & head_bug::dh_double_reduce) != 0) ++sums;
+    if ((s.bugs.stage_switches & head_bug::dh_shard_partial) != 0 && head_sums) sums = 0;
+    if ((s.bugs.stage_switches & head_bug::dh_double_reduce) != 0) ++sums;
     return sums;
   }
 
@@ -256,7 +258,7 @@ class LmHeadCudaRank final : public CudaStageRank {
     float* host = h_dh_part_.as<float>();
     LV_CUDA(cudaMemcpyAsync(host, d_dh_part_.as<void>(), count * sizeof(float), cudaMemcpyDeviceToHost, stream_));
     LV_CUDA(cudaStreamSynchronize(stream_));
-    for (int k = 0; k < tp_sums(); ++k) groups.tp.allreduce_sum(std::span<float>(host, count));
+    for (int k = 0; k < tp_sums_; ++k) groups.tp.allreduce_sum(std::span<float>(host, count));
     LV_CUDA(cudaMemcpyAsync(d_dh_part_.as<void>(), host, count * sizeof(float), cudaMemcpyHostToDevice, stream_));
   }
 
@@ -279,6 +281,7 @@ class LmHeadCudaRank final : public CudaStageRank {
   const std::int64_t hidden_, rows_;
   const VocabRange own_;           // the rank's columns of W and of dW (the kernel's may be wider)
   const std::int64_t own_offset_;  // their first among the kernel's
+
   cudaStream_t stream_;
   CublasHandle cublas_;
   DeviceBytes d_hidden_, d_weight_, d_bias_;  // rows x H, kernel columns x H, kernel columns (the dtype)
@@ -286,7 +289,8 @@ class LmHeadCudaRank final : public CudaStageRank {
   DeviceBytes d_dw_, d_db_, d_db_part_;       // own x H, own, own (float32 accumulators)
   DeviceBytes d_dw_part_;                     // own x H: a chunk's dW (head-dw-16bit-accumulate)
   DeviceBytes d_scaled_;                      // a chunk's rescaled g (head-grad-output-first)
-  DeviceBytes d_dh_part_;                     // a chunk's dh in float32, before the TP sum
+  const int tp_sums_;
+  DeviceBytes d_dh_part_;  // a chunk's dh in float32, before the TP sum
   PinnedBytes h_dh_part_;
   DeviceBytes d_row_scale_{0}, d_target_{0};
 };
