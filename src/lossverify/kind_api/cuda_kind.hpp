@@ -31,6 +31,14 @@ struct RowWindow {
   std::int64_t first = 0;
 };
 
+// Told when a micro-batch's gradient is enqueued (a stage then enqueues its own work on it, which runs while the kind
+// finishes on the host); a kind that never tells has its stage's work enqueued after micro_batch returns.
+class GradientListener {
+ public:
+  virtual ~GradientListener() = default;
+  virtual void gradient_enqueued() = 0;
+};
+
 // One rank's device buffers, as the backend made them.
 struct CudaRankSetup {
   const Case& c;
@@ -47,7 +55,13 @@ struct CudaRankSetup {
   void* stream = nullptr;                      // the rank's cudaStream_t
   const RankAssignment* assignment = nullptr;  // the rank's rows and micro-batches
   const RowWindow* window = nullptr;           // logits and grad hold the window's rows (null: rows 0 on)
+  GradientListener* listener = nullptr;        // behind a stage: told when the gradient is enqueued
   // The byte offset of the rank's row `row` in logits and grad (the teacher's rows are always the rank's own).
+  // The kind's call once a micro-batch's gradient is enqueued on the stream and before it waits on the host for work
+  // enqueued after it (a second call is ignored).
+  void gradient_enqueued() const {
+    if (listener != nullptr) listener->gradient_enqueued();
+  }
   std::size_t row_offset(std::int64_t row) const {
     return static_cast<std::size_t>((row - (window != nullptr ? window->first : 0)) * cols) * element;
   }

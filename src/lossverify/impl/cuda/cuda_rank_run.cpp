@@ -65,6 +65,29 @@ struct RowArrays {
   }
 };
 
+// The stage's backward of the current chunk, enqueued as soon as the kind says its gradient is (it then runs while
+// the kind finishes on the host), or once the kind returns.
+class ChunkBackward final : public GradientListener {
+ public:
+  ChunkBackward(CudaStageRank& stage, RankGroups& groups) : stage_(stage), groups_(groups) {}
+  void arm(std::int64_t first, std::int64_t n) {
+    first_ = first;
+    n_ = n;
+    done_ = false;
+  }
+  void gradient_enqueued() override {
+    if (done_) return;
+    done_ = true;
+    stage_.backward(first_, n_, groups_);
+  }
+
+ private:
+  CudaStageRank& stage_;
+  RankGroups& groups_;
+  std::int64_t first_ = 0, n_ = 0;
+  bool done_ = true;
+};
+
 namespace {
 
 // The kind's gradient rows handed over: only the rank's own columns (the kernel's may be wider), on the device for
@@ -157,9 +180,6 @@ CudaRankRun::CudaRankRun(const Case& c, const InputSource& inputs, RankAssignmen
   if (make_kind_rank == nullptr) {
     throw CaseError(c.source + ": loss kind " + std::string(kind.name()) + " has no CUDA implementation");
   }
-  kind_rank_ = make_kind_rank(CudaRankSetup{
-      kind_case_, bugs, type, element, rows, cols, owner_base, d_logits_.as<std::byte>(), d_teacher_.as<std::byte>(),
-      d_grad_.as<std::byte>(), groups.tp.size() == 1, preload_kernels(), stream_.get(), &out_.assignment, &window_});
   if (stage != nullptr) {
     const CudaStageFactory make_stage_rank = cuda_stage_factory(stage->name());
     if (make_stage_rank == nullptr) {
@@ -168,7 +188,12 @@ CudaRankRun::CudaRankRun(const Case& c, const InputSource& inputs, RankAssignmen
     stage_rank_ = make_stage_rank(CudaStageSetup{c, bugs, inputs, out_.assignment, type, work_.begin, cols, held_rows_,
                                                  groups.tp.size(), d_logits_.as<std::byte>(), d_grad_.as<std::byte>(),
                                                  stream_.get()});
+    chunk_backward_ = std::make_unique<ChunkBackward>(*stage_rank_, groups_);
   }
+  kind_rank_ = make_kind_rank(CudaRankSetup{kind_case_, bugs, type, element, rows, cols, owner_base,
+                                            d_logits_.as<std::byte>(), d_teacher_.as<std::byte>(),
+                                            d_grad_.as<std::byte>(), groups.tp.size() == 1, preload_kernels(),
+                                            stream_.get(), &out_.assignment, &window_, chunk_backward_.get()});
   stream_.sync();
   out_.generate_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
   plan_.emplace(kind_case_, inputs, out_.assignment, groups_, bugs);
@@ -246,9 +271,10 @@ void CudaRankRun::compute(ChunkPartTimes* times) {
       LV_CUDA(cudaMemsetAsync(d_grad_.as<void>(), 0, static_cast<std::size_t>(m) * row_bytes, stream_.get()));
       stage_rank_->forward(first, m);
       events.mark(stream_.get());
+      chunk_backward_->arm(first, m);
       kind_rank_->micro_batch(*plan_, groups_, rows, first, m, *kind_outputs_);
       events.mark(stream_.get());
-      stage_rank_->backward(first, m, groups_);
+      chunk_backward_->gradient_enqueued();  // where the kind did not say so
       events.mark(stream_.get());
     }
   }

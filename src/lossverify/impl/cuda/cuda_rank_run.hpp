@@ -16,8 +16,11 @@
 namespace lossverify::cuda {
 
 struct RowArrays;
+class ChunkBackward;
+class ChunkBackward;
 
-// Where a stage's chunks spend their time (event timings summed over the chunks of one compute()).
+// Where a stage's chunks spend their time (event timings summed over the chunks of one compute()); where the kind
+// says when its gradient is enqueued, the stage's backward runs inside the kind's part.
 struct ChunkPartTimes {
   double forward_ms = 0.0, kind_ms = 0.0, backward_ms = 0.0;
 };
@@ -54,6 +57,7 @@ class CudaRankRun {
   std::optional<RankPlan> plan_;
   std::unique_ptr<RowArrays> row_arrays_;
   std::unique_ptr<KindOutputs> kind_outputs_;
+  std::unique_ptr<ChunkBackward> chunk_backward_;  // behind a stage: the kind's GradientListener
 };
 
 }  // namespace lossverify::cuda

@@ -43,6 +43,8 @@ class CudaCrossEntropyShard final : public CrossEntropyShard {
     float* host_stats = nullptr;           // page-locked, 4 per row
     const std::int64_t* target = nullptr;  // host copy of the target columns, -1 where not in the shard
     const int* active = nullptr;           // host copy
+    const CudaRankSetup* setup = nullptr;  // its gradient_enqueued()
+    cudaEvent_t stats_copied = nullptr;    // recorded after the statistics' download
   };
   CudaCrossEntropyShard(StorageType type, const CrossEntropyConstants& k, const BugSwitches& bugs, bool whole_rows,
                         const Buffers& at, cudaStream_t stream)
@@ -53,7 +55,14 @@ class CudaCrossEntropyShard final : public CrossEntropyShard {
     if (!whole_rows_) return false;
     cross_entropy_fused(type_, at_.grad, k_, at_.device_stats, stream_);
     LV_CUDA(cudaGetLastError());
-    download_stats();
+    // A stage's backward may be enqueued behind the gradient and run while the host reads the statistics (unless a
+    // bug rewrites the gradient later, in gradient()).
+    LV_CUDA(cudaMemcpyAsync(at_.host_stats, at_.device_stats,
+                            static_cast<std::size_t>(at_.grad.rows) * 4 * sizeof(float), cudaMemcpyDeviceToHost,
+                            stream_));
+    LV_CUDA(cudaEventRecord(at_.stats_copied, stream_));
+    if (!bugs_.overwrites_input) at_.setup->gradient_enqueued();
+    LV_CUDA(cudaEventSynchronize(at_.stats_copied));
     const auto width = static_cast<float>(at_.grad.cols);
     for (std::size_t i = 0; i < max.size(); ++i) {
       const float* s = at_.host_stats + 4 * i;
@@ -117,6 +126,7 @@ class CudaCrossEntropyShard final : public CrossEntropyShard {
       LV_CUDA(cudaGetLastError());
       LV_CUDA(cudaStreamSynchronize(stream_));  // the protocol's host vectors go out of scope on return
     }
+    at_.setup->gradient_enqueued();
   }
 
  private:
@@ -175,6 +185,8 @@ class CrossEntropyCudaRank final : public CudaKindRank {
     at.host_stats = h_stats_.as<float>() + 4 * b;
     at.target = rows.host_target + b;
     at.active = rows.host_active + b;
+    at.setup = &setup_;
+    at.stats_copied = stats_copied_.get();
     CudaCrossEntropyShard shard(setup_.type, constants_, setup_.bugs, setup_.whole_rows, at,
                                 static_cast<cudaStream_t>(setup_.stream));
     cross_entropy_protocol(setup_.c, setup_.bugs, plan, groups, b, n, setup_.cols, shard, out.token_loss);
@@ -187,6 +199,7 @@ class CrossEntropyCudaRank final : public CudaKindRank {
   CrossEntropyConstants constants_;
   DeviceBytes d_stats_, d_max_, d_log_sum_;
   PinnedBytes h_stats_;
+  Event stats_copied_;
 };
 
 }  // namespace
