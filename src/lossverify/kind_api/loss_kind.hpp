@@ -281,6 +281,10 @@ class LossKind {
   // row and the plan alone (a stage then makes the logits a chunk at a time, kind_api/cuda_stage.hpp); false: a
   // whole micro-batch per call.
   virtual bool rows_independent() const { return false; }
+  // Whether its CUDA kernels may write the gradient over the logits they read: each element read before it is
+  // written, by the same thread, and every row of a micro-batch written (a masked row zeroed). A stage then holds one
+  // chunk of logits, not two buffers.
+  virtual bool gradient_in_place() const { return false; }
   // The name of a row's columns in the case's "shape" ("vocab"; a router's "experts").
   virtual std::string_view column_axis() const { return "vocab"; }
   // The inputs' distribution where a case names none (a router's logits are `separated`: a clear top-k margin).

@@ -172,8 +172,12 @@ CudaRankRun::CudaRankRun(const Case& c, const InputSource& inputs, RankAssignmen
   // Zero-filled, as every backend hands a kind its gradient (the CPU backend's vectors, the plugin ABI's buffers):
   // a kernel may leave a masked row alone, and memory a freed allocation of an earlier run returns to the pool
   // must never reach a report.
-  d_grad_ = DeviceBytes(static_cast<std::size_t>(held_rows_ * cols) * element);
+  // Behind a stage, a kind whose kernels may overwrite their logits (LossKind::gradient_in_place) writes its gradient
+  // there: one chunk's buffer.
+  grad_in_place_ = stage != nullptr && kind.gradient_in_place();
+  d_grad_ = DeviceBytes(grad_in_place_ ? 0 : static_cast<std::size_t>(held_rows_ * cols) * element);
   if (d_grad_.size() > 0) LV_CUDA(cudaMemsetAsync(d_grad_.as<void>(), 0, d_grad_.size(), stream_.get()));
+  std::byte* const grad = grad_in_place_ ? d_logits_.as<std::byte>() : d_grad_.as<std::byte>();
   // The kind's part: it loads its kernels' code and makes its buffers while the inputs are generated (once
   // per process and device; otherwise the first launch of each pays for it inside the timed stages).
   const CudaKindFactory make_kind_rank = cuda_kind_factory(kind.name());
@@ -186,14 +190,13 @@ CudaRankRun::CudaRankRun(const Case& c, const InputSource& inputs, RankAssignmen
       throw CaseError(c.source + ": the stage " + std::string(stage->name()) + " has no CUDA implementation");
     }
     stage_rank_ = make_stage_rank(CudaStageSetup{c, bugs, inputs, out_.assignment, type, work_.begin, cols, held_rows_,
-                                                 groups.tp.size(), d_logits_.as<std::byte>(), d_grad_.as<std::byte>(),
-                                                 stream_.get()});
+                                                 groups.tp.size(), d_logits_.as<std::byte>(), grad, stream_.get()});
     chunk_backward_ = std::make_unique<ChunkBackward>(*stage_rank_, groups_);
   }
-  kind_rank_ = make_kind_rank(CudaRankSetup{kind_case_, bugs, type, element, rows, cols, owner_base,
-                                            d_logits_.as<std::byte>(), d_teacher_.as<std::byte>(),
-                                            d_grad_.as<std::byte>(), groups.tp.size() == 1, preload_kernels(),
-                                            stream_.get(), &out_.assignment, &window_, chunk_backward_.get()});
+  kind_rank_ =
+      make_kind_rank(CudaRankSetup{kind_case_, bugs, type, element, rows, cols, owner_base, d_logits_.as<std::byte>(),
+                                   d_teacher_.as<std::byte>(), grad, groups.tp.size() == 1, preload_kernels(),
+                                   stream_.get(), &out_.assignment, &window_, chunk_backward_.get()});
   stream_.sync();
   out_.generate_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
   plan_.emplace(kind_case_, inputs, out_.assignment, groups_, bugs);
@@ -268,7 +271,9 @@ void CudaRankRun::compute(ChunkPartTimes* times) {
       const std::int64_t m = std::min(held_rows_, b + n - first);
       window_.first = first;
       events.mark(stream_.get());
-      LV_CUDA(cudaMemsetAsync(d_grad_.as<void>(), 0, static_cast<std::size_t>(m) * row_bytes, stream_.get()));
+      if (!grad_in_place_) {
+        LV_CUDA(cudaMemsetAsync(d_grad_.as<void>(), 0, static_cast<std::size_t>(m) * row_bytes, stream_.get()));
+      }
       stage_rank_->forward(first, m);
       events.mark(stream_.get());
       chunk_backward_->arm(first, m);

@@ -38,6 +38,8 @@ class CudaRankRun {
   cudaStream_t stream() const { return stream_.get(); }
   // The device bytes the kind's logits and gradient buffers hold (behind a stage: one chunk's each).
   std::size_t logit_buffer_bytes() const { return d_logits_.size() + d_grad_.size(); }
+  // One chunk's logits: the logits buffer alone.
+  std::size_t chunk_logit_bytes() const { return d_logits_.size(); }
 
  private:
   const std::chrono::steady_clock::time_point start_;
@@ -50,6 +52,7 @@ class CudaRankRun {
   RankOutput out_;
   VocabRange vocab_, work_;
   std::int64_t held_rows_ = 0;
+  bool grad_in_place_ = false;  // the kind's gradient written over its logits (one buffer)
   DeviceBytes d_logits_{0}, d_teacher_{0}, d_grad_{0};
   RowWindow window_;
   std::unique_ptr<CudaKindRank> kind_rank_;

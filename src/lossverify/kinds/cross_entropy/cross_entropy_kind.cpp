@@ -20,7 +20,8 @@ using nlohmann::json;
 class CrossEntropyKind final : public LossKind {
  public:
   std::string_view name() const override { return "cross_entropy"; }
-  bool rows_independent() const override { return true; }  // its protocol is per row
+  bool rows_independent() const override { return true; }   // its protocol is per row
+  bool gradient_in_place() const override { return true; }  // its gradient kernels: per element, every row
   std::string_view summary() const override {
     return "softmax cross-entropy against the label, with label smoothing, z-loss and softcap; reduction "
            "mean|sum|none, upstream_weights";

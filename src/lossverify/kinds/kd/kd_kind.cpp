@@ -23,7 +23,8 @@ double t2_power(const LossSpec& loss) { return kd_options(loss).t2_scaling ? 2.0
 class KdKind final : public LossKind {
  public:
   std::string_view name() const override { return "kd"; }
-  bool rows_independent() const override { return true; }  // its protocol is per row
+  bool rows_independent() const override { return true; }   // its protocol is per row
+  bool gradient_in_place() const override { return true; }  // its gradient kernels: per element, every row
   std::string_view summary() const override {
     return "forward KL from teacher logits at a temperature; reduction mean|sum|none, upstream_weights";
   }

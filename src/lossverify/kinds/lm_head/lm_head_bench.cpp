@@ -240,7 +240,7 @@ nlohmann::json bench_head(const BenchOptions& o) {
     const double e = static_cast<double>(dtype_size(o.dtype));
     const double n = static_cast<double>(o.tokens), h = static_cast<double>(o.hidden), v = static_cast<double>(o.vocab);
     const double inputs_bytes = e * (n * h + v * h);
-    const double chunk_logits = static_cast<double>(run.logit_buffer_bytes()) / 2.0;
+    const double chunk_logits = static_cast<double>(run.chunk_logit_bytes());
     const double held = static_cast<double>(free_before - free_after) - inputs_bytes;
     const double bound = chunk_logits + 4.0 * (n * h + v * h);
     r["head_ms"] = ms;
