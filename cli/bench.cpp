@@ -143,9 +143,10 @@ int bench_head(const BenchArguments& a, std::int64_t tokens, std::int64_t vocab,
   std::cout << "three cuBLAS products (h W^T, g W, g^T h): " << num(p["ms"]) << " ms (" << num(p["forward_ms"]) << " + "
             << num(p["dh_ms"]) << " + " << num(p["dw_ms"]) << "), " << num(p["tflops"]) << " TFLOP/s\n";
   std::cout << "lossverify head: " << num(r["head_ms"]) << " ms, " << num(r["head_tflops"])
-            << " TFLOP/s = " << num(r["percent_of_products"]) << "% of the products' rate (one step timed by parts: forward "
-            << num(r["parts_ms"]["forward_and_memset"]) << " ms, cross-entropy " << num(r["parts_ms"]["kind"])
-            << " ms, backward " << num(r["parts_ms"]["backward"]) << " ms)\n";
+            << " TFLOP/s = " << num(r["percent_of_products"])
+            << "% of the products' rate (one step timed by parts: forward " << num(r["parts_ms"]["forward_and_memset"])
+            << " ms, cross-entropy " << num(r["parts_ms"]["kind"]) << " ms, backward " << num(r["parts_ms"]["backward"])
+            << " ms)\n";
   const auto& m = r["memory"];
   const double gib = 1024.0 * 1024.0 * 1024.0;
   std::cout << std::setprecision(2) << "memory beyond h and W: " << num(m["extra_bytes"]) / gib

@@ -20,7 +20,7 @@ struct BenchArguments {
   std::string torch_script;            // default: bench/torch_ce_bench.py, or bench/torch_logprob_bench.py for policy
   std::string loss = "cross_entropy";  // cross_entropy | policy | router | head
   int hidden = 4096;                   // head: H
-  int chunks = 8;                      // head: its chunks of the tokens
+  int chunks = 4;                      // head: its chunks of the tokens
 };
 
 struct BenchCommand {

@@ -3,7 +3,8 @@
 // kind's gradient of them goes back through it into gradients of the stage's own inputs, which ranks report and the
 // oracle judges beside the kind's checks, one check per gradient. The LM head (h, W -> logits; g -> dh, dW) is one;
 // tests/kinds/pass_through/ is the least one. A case names its stage in a "stage" section ({"kind": NAME});
-// stages run on the CPU backend and the host oracle (CUDA, plugins and dumps refuse a case with one, exit 2).
+// a stage runs on the CPU backend, and on the CUDA backend where it has a part there (kind_api/cuda_stage.hpp); the
+// host oracle judges it.
 #include <cstddef>
 #include <cstdint>
 #include <memory>

@@ -45,7 +45,7 @@ struct BenchOptions {
   int repeats = 20;
   int device = 0;
   int hidden = 4096;  // bench_head: H, and the head's chunks of the tokens
-  int chunks = 8;
+  int chunks = 4;
 };
 nlohmann::json bench(const BenchOptions& options);
 // The LM head in front of cross-entropy (kinds/lm_head/lm_head_bench.cpp): the CUDA backend's head, forward and
