@@ -200,6 +200,25 @@ TEST_CASE("policy behind the head: the correct implementation passes, at several
   }
 }
 
+TEST_CASE("policy behind the head: GSPO's sequence ratio, k2 and the log-prob objective pass, with every aggregation") {
+  // GSPO's rho_s moves with the largest error of its sequence's tokens; the log-prob objective has no ratio at all.
+  for (const std::string aggregation : {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum"}) {
+    CAPTURE(aggregation);
+    nlohmann::json gspo = policy_head_json(2, 2, 2);
+    gspo["loss"]["ratio"] = "sequence";
+    gspo["loss"]["kl_penalty"] = "k2";
+    gspo["loss"]["aggregation"] = aggregation;
+    const Case c = testing::make_case(gspo);
+    CHECK(testing::run_with(c, "correct").verdict == Verdict::pass);
+    CHECK(testing::check_named(testing::run_with(c, "rl-kl-no-grad"), "dh").verdict == Verdict::fail);
+  }
+  nlohmann::json logprob = policy_head_json(2, 1, 2);
+  logprob["loss"] = {{"kind", "policy"}, {"objective", "logprob"}, {"temperature", 0.7}, {"entropy_coef", 0.01}};
+  const Case c = testing::make_case(logprob);
+  CHECK(testing::run_with(c, "correct").verdict == Verdict::pass);
+  CHECK(testing::check_named(testing::run_with(c, "rl-temperature-one-side"), "dh").verdict == Verdict::fail);
+}
+
 TEST_CASE("policy behind the head: the policy's and the head's bugs show through dh and dW") {
   const Case c = testing::make_case(policy_head_json(2, 2, 2));
   for (const char* bug :
