@@ -66,6 +66,18 @@ class StageReference {
   }
 };
 
+// A stage's logits in float64, row by row, from the case and the stage's own inputs alone (a pure function of the
+// case and the token, as a case's generated logits are), and each column's bound on how far a correct implementation's
+// may lie from them (StageReference::logit_error's model): what a kind reads where it places its token inputs relative
+// to the logits (a policy loss's old log-probabilities) or bounds its own quantities under the stage's error. Built
+// once (it holds the stage's weights), each row costs the stage's product for one token (an LM head's V x H).
+class StageLogits {
+ public:
+  virtual ~StageLogits() = default;
+  // The token's whole row, columns [0, V); `error` empty, or V wide for each column's bound.
+  virtual void row(std::int64_t token, std::span<double> out, std::span<double> error) const = 0;
+};
+
 // One rank's stage work on the CPU backend, over all of its rows: `logits` (rows x columns.size(), the dtype's
 // elements) are what the kind will read; `logit_grad` (same shape) is what the kind wrote, and `gradients[w]` the
 // stage's gradient `w` to fill (rows x gradient_columns, in the dtype), once the kind is done; `parameters[p]` its
@@ -83,6 +95,9 @@ struct StageRank {
   std::vector<std::vector<std::byte>>& parameters;
   const InputSource& inputs;
   RankGroups& groups;
+  // Backward only: each row's weight of the kind's gradient (the framework's scale of the local gradient,
+  // RowPlan::backward_weight), for a fused stage that forms part of that gradient itself; empty in the forward.
+  std::span<const float> row_weights = {};
 };
 
 // A parameter gradient's shape on one rank (its shard of a weight: rows x columns).
@@ -108,6 +123,11 @@ class Stage {
   virtual void cpu_forward(const StageRank& rank) const = 0;
   virtual void cpu_backward(const StageRank& rank) const = 0;
   virtual std::unique_ptr<StageReference> reference(const Case& c, const InputSource& inputs) const = 0;
+  // A stage that makes the logits: its float64 logits row by row (StageLogits); none for one that does not.
+  virtual std::unique_ptr<StageLogits> float64_logits(const Case& c, const InputSource& inputs) const {
+    (void)c, (void)inputs;
+    return nullptr;
+  }
   // The bytes its float64 reference holds (each rank's oracle holds one), for the run's memory estimate.
   virtual std::int64_t reference_bytes(const Case& c) const {
     (void)c;

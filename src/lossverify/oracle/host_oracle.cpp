@@ -223,6 +223,16 @@ void HostOracle::whole_row_gradient(std::int64_t i, const RowStats& row_stats, s
     if (!reference_.row().gradient_under_logit_error(t, row_stats, weight, delta, 0, student, error)) {
       throw InternalError("kind " + std::string(kind_of(case_.loss).name()) + " has no logit-error model");
     }
+    // A token with two admissible readings (a policy ratio the logits' error may carry across a clip edge): the
+    // stage's gradients sum this gradient with others, so either reading must lie within the bound.
+    const int readings = reference_.row().branches(t, row_stats);
+    std::vector<double> other(readings > 1 ? vocab : 0);
+    for (int b = 1; b < readings; ++b) {
+      RowStats reading = row_stats;
+      reading.branch = b;
+      reference_.gradient(t, reading, 0, student, teacher, other);
+      for (std::size_t v = 0; v < vocab; ++v) error[v] += std::fabs(other[v] - grad[v]);
+    }
   }
   const GradJudge judge{judgement_};
   const double token_scale = std::fabs(weight) * judgement_.grad_scale;

@@ -109,7 +109,13 @@ class RankKernel {
                                           static_cast<int>(k),
                                           &out_.scope_values});
     }
-    if (stage != nullptr) stage->cpu_backward(stage_rank(student));
+    if (stage != nullptr) {
+      std::vector<float> row_weights;
+      for (const RowPlan& row : plan_->rows()) row_weights.push_back(row.backward_weight);
+      StageRank backward = stage_rank(student);
+      backward.row_weights = row_weights;
+      stage->cpu_backward(backward);
+    }
     if (!out_.logged_stats.empty()) groups_.batch.allreduce_sum(std::span<double>(out_.logged_stats));
     if (const auto logged = plan_->logged_loss(out_, groups_)) {
       out_.has_reduced_loss = true;

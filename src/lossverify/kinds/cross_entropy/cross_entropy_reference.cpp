@@ -100,7 +100,9 @@ class CrossEntropyReference final : public KindReference {
   }
 
   // g_v = w A_v c'_v with A_v = p_v (1 + 2 w_z lse) - q_v and c'_v the softcap's sech^2(x_v / c) (1 without one).
-  // With every logit within e (the softcap is 1-Lipschitz): p_v moves by at most dp = p_v (exp(2e) - 1) and lse by e,
+  // With every logit within e (the softcap is 1-Lipschitz): p_v moves by at most dp = min(p_v, 1 - p_v) (exp(2e) - 1)
+  // (p_v = 1 / (1 + S) and 1 - p_v = S / (1 + S) with S = sum_{u != v} exp(x_u - x_v), and S moves by a factor within
+  // exp(+-2e): a confident row's 1 - p_y moves in proportion to itself) and lse by e,
   // so A_v by dp |1 + 2 w_z lse| + (p_v + dp) 2 w_z e; c'_v by at most 0.7699 e / c (the largest magnitude of its
   // derivative, 4 / (3 sqrt 3) / c).
   bool gradient_under_logit_error(std::int64_t token, const RowStats& s, double weight, double error,
@@ -114,7 +116,7 @@ class CrossEntropyReference final : public KindReference {
     const std::ptrdiff_t label = label_in_slice(token, begin, logits.size());
     for (std::size_t v = 0; v < logits.size(); ++v) {
       const double p = std::exp(capped(logits[v]) - s.lse);
-      const double dp = p * grow;
+      const double dp = std::min(p, 1.0 - p + 0x1p-50) * grow;  // 1 - p to within the rounding of p
       const double a = p * z_factor - target_weight(static_cast<std::ptrdiff_t>(v) == label);
       const double da = dp * std::fabs(z_factor) + (p + dp) * 2.0 * zw * error;
       double factor = 1.0;

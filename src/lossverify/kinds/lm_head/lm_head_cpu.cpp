@@ -13,6 +13,7 @@
 #include "lossverify/core/dtype.hpp"
 #include "lossverify/impl/catalogue.hpp"
 #include "lossverify/inputs/input_source.hpp"
+#include "lossverify/kind_api/loss_kind.hpp"
 #include "lossverify/kinds/lm_head/lm_head_options.hpp"
 #include "lossverify/kinds/lm_head/lm_head_parts.hpp"
 #include "lossverify/outputs/rank_output.hpp"
@@ -96,6 +97,32 @@ std::vector<float> row_scales(const StageRank& r) {
   return scale;
 }
 
+// The kind's gradient of the rank's rows (rows x the rank's columns) in float32, as the head reads it. Under
+// head-target-rounded-early, the true class's entry is formed as a fused head forms it: its share w p_y (g_y + w, w the
+// row's weight) rounded into the 16-bit buffer before w is subtracted, so that it carries half a 16-bit unit of w p_y
+// where the correct head carries one rounding of g_y = w (p_y - 1).
+template <class T>
+std::vector<float> kind_gradient(const StageRank& r, const T* g) {
+  const VocabRange vocab = r.assignment.vocab;
+  const auto cols = static_cast<std::size_t>(vocab.size());
+  const std::size_t rows = r.assignment.rows.size();
+  std::vector<float> out(rows * cols);
+  for (std::size_t j = 0; j < out.size(); ++j) out[j] = static_cast<float>(g[j]);
+  if ((r.bugs.stage_switches & head_bug::target_rounded_early) == 0 || r.row_weights.size() != rows) return out;
+  // A fused linear cross-entropy's step: the kinds whose gradient is not w (p - onehot) have no such target term.
+  if (kind_of(r.c.loss).name() != "cross_entropy") return out;
+  for (std::size_t i = 0; i < rows; ++i) {
+    const std::int64_t t = r.assignment.rows[i].token;
+    if (t < 0 || !r.inputs.is_valid(t)) continue;
+    const std::int64_t label = r.inputs.label(t);
+    if (label < vocab.begin || label >= vocab.end) continue;
+    const float w = r.row_weights[i];
+    float& target = out[i * cols + static_cast<std::size_t>(label - vocab.begin)];
+    target = static_cast<float>(T(target + w)) - w;
+  }
+  return out;
+}
+
 template <class T>
 void backward(const StageRank& r) {
   const HeadOptions& o = head_options(r.c.loss);
@@ -105,12 +132,12 @@ void backward(const StageRank& r) {
   const auto cols = static_cast<std::size_t>(vocab.size());
   const std::size_t rows = r.assignment.rows.size();
   const Shard s = shard_of(r, vocab);
-  const T* g = reinterpret_cast<const T*>(r.logit_grad);
+  const std::vector<float> g = kind_gradient(r, reinterpret_cast<const T*>(r.logit_grad));
   // dh = g W_r, then the contract's sum over TP
   std::vector<float> dh(rows * h, 0.0f);
   for (std::size_t i = 0; i < rows; ++i) {
     for (std::size_t v = 0; v < cols; ++v) {
-      const float gv = static_cast<float>(g[i * cols + v]);
+      const float gv = g[i * cols + v];
       if (gv == 0.0f) continue;
       for (std::size_t k = 0; k < h; ++k) dh[i * h + k] += gv * s.weight[v * h + k];
     }
@@ -135,7 +162,7 @@ void backward(const StageRank& r) {
       if (t < 0) continue;
       const std::vector<float> x = hidden_of(r, t);
       for (std::size_t v = 0; v < cols; ++v) {
-        const float gv = static_cast<float>(g[i * cols + v]) * scale[i];
+        const float gv = g[i * cols + v] * scale[i];
         if (gv == 0.0f) continue;
         part_b[v] += gv;
         for (std::size_t k = 0; k < h; ++k) part_w[v * h + k] += gv * x[k];

@@ -1,5 +1,6 @@
 #pragma once
 // The LM head stage's files, as the stage uses them (kinds/lm_head/).
+#include <cmath>
 #include <cstdint>
 #include <memory>
 
@@ -9,19 +10,35 @@ namespace lossverify {
 
 // The stage's own bug switches (BugSwitches::stage_switches), one bit each (lm_head_stage.cpp's catalogue).
 namespace head_bug {
-inline constexpr std::uint64_t dh_shard_partial = 1u << 0;     // head-dh-shard-partial
-inline constexpr std::uint64_t dh_double_reduce = 1u << 1;     // head-dh-double-reduce
-inline constexpr std::uint64_t dw_16bit_accumulate = 1u << 2;  // head-dw-16bit-accumulate
-inline constexpr std::uint64_t grad_output_first = 1u << 3;    // head-grad-output-first
-inline constexpr std::uint64_t bias_repeated = 1u << 4;        // head-bias-repeated
-inline constexpr std::uint64_t smoothing_dropped = 1u << 5;    // head-smoothing-dropped
-inline constexpr std::uint64_t softcap_dropped = 1u << 6;      // head-softcap-dropped
+inline constexpr std::uint64_t dh_shard_partial = 1u << 0;      // head-dh-shard-partial
+inline constexpr std::uint64_t dh_double_reduce = 1u << 1;      // head-dh-double-reduce
+inline constexpr std::uint64_t dw_16bit_accumulate = 1u << 2;   // head-dw-16bit-accumulate
+inline constexpr std::uint64_t grad_output_first = 1u << 3;     // head-grad-output-first
+inline constexpr std::uint64_t bias_repeated = 1u << 4;         // head-bias-repeated
+inline constexpr std::uint64_t smoothing_dropped = 1u << 5;     // head-smoothing-dropped
+inline constexpr std::uint64_t softcap_dropped = 1u << 6;       // head-softcap-dropped
+inline constexpr std::uint64_t target_rounded_early = 1u << 7;  // head-target-rounded-early
 }  // namespace head_bug
 
 inline constexpr const char* kLmHead = "lm_head";
 
+// gamma_n for float32 accumulation.
+inline double head_gamma32(double n) {
+  const double u = 0x1p-24;
+  return n * u / (1.0 - n * u);
+}
+
+// The bound on a correct head's logit u = sum_k h_k W_vk (+ b_v) (lm_head_reference.cpp): a float32 sum of the terms
+// whose magnitudes add up to `magnitude` (gamma of the term count, `accumulate`), then one rounding to the dtype
+// (`stored`, its unit roundoff).
+inline double head_logit_error(double u, double magnitude, double accumulate, double stored) {
+  const double summed = accumulate * magnitude;
+  return summed + stored * (std::fabs(u) + summed);
+}
+
 std::unique_ptr<Stage> make_lm_head_stage();
 std::unique_ptr<StageReference> make_lm_head_reference(const Case& c, const InputSource& inputs);
+std::unique_ptr<StageLogits> make_lm_head_logits(const Case& c, const InputSource& inputs);
 void lm_head_cpu_forward(const StageRank& rank);
 void lm_head_cpu_backward(const StageRank& rank);
 

@@ -26,11 +26,7 @@ namespace lossverify {
 
 namespace {
 
-// gamma_n for float32 accumulation.
-double gamma32(double n) {
-  const double u = 0x1p-24;
-  return n * u / (1.0 - n * u);
-}
+double gamma32(double n) { return head_gamma32(n); }
 
 class LmHeadReference final : public StageReference {
  public:
@@ -70,10 +66,9 @@ class LmHeadReference final : public StageReference {
         }
         u += bias_[static_cast<std::size_t>(v)];
         magnitude += std::fabs(bias_[static_cast<std::size_t>(v)]);
-        const double summed = accumulate * magnitude;
         const auto at = static_cast<std::size_t>(t * vocab_ + v);
         logits_[at] = u;
-        error_[at] = summed + stored * (std::fabs(u) + summed);
+        error_[at] = head_logit_error(u, magnitude, accumulate, stored);
         largest_error_[static_cast<std::size_t>(t)] = std::max(largest_error_[static_cast<std::size_t>(t)], error_[at]);
       }
     }

@@ -59,7 +59,7 @@ class LmHeadStage final : public Stage {
     if (!kind_of(c.loss).models_logit_error()) {
       detail::fail_at(c.source, "$.stage.kind",
                       "the lm_head stage needs a kind whose reference bounds its loss under an error in its logits "
-                      "(cross_entropy, kd); loss kind " +
+                      "(cross_entropy, kd, policy); loss kind " +
                           std::string(kind_of(c.loss).name()) + " has none yet");
     }
     if (kind_of(c.loss).inputs().teacher_logits && c.inputs.teacher.same_as_student) {
@@ -104,6 +104,9 @@ class LmHeadStage final : public Stage {
   std::unique_ptr<StageReference> reference(const Case& c, const InputSource& inputs) const override {
     return make_lm_head_reference(c, inputs);
   }
+  std::unique_ptr<StageLogits> float64_logits(const Case& c, const InputSource& inputs) const override {
+    return make_lm_head_logits(c, inputs);
+  }
   std::vector<Implementation> catalogue() const override {
     return {
         head_bug_entry("head-dh-shard-partial", "dh of a vocabulary shard not summed over TP",
@@ -132,6 +135,12 @@ class LmHeadStage final : public Stage {
         head_bug_entry("head-softcap-dropped", "the softcap never applied in the fused path of a model that has one",
                        "Apple ml-cross-entropy #48 -> #50", "the loss, dh and dW wherever the case softcaps its logits",
                        {"loss", "dh", "dW"}, head_bug::softcap_dropped),
+        head_bug_entry("head-target-rounded-early",
+                       "the true class's gradient w p_y rounded into the 16-bit buffer before w is subtracted",
+                       "Liger-Kernel #1268 -> #1329 (be1cdc17)",
+                       "dh at confident rows (p_y -> 1): half a 16-bit unit of w p_y against one rounding of "
+                       "w (1 - p_y); dW sums it with every other row's bound",
+                       {"dh"}, head_bug::target_rounded_early),
     };
   }
 };

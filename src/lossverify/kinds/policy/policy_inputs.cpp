@@ -6,25 +6,13 @@
 #include <vector>
 
 #include "lossverify/inputs/philox_stream.hpp"
+#include "lossverify/kind_api/stage.hpp"
 #include "lossverify/kinds/policy/policy_options.hpp"
 #include "lossverify/layout/global_batch.hpp"
 
 namespace lossverify {
 
 namespace {
-
-// The token's log-probability at temperature T, in float64 over the row as the inputs give it.
-double placement_logprob(const Case& c, const InputSource& inputs, std::int64_t token, std::int64_t label) {
-  const auto vocab = static_cast<std::size_t>(c.shape.vocab);
-  std::vector<double> row(vocab);
-  inputs.logits(token, 0, c.shape.vocab, row.data());
-  const double inverse_t = 1.0 / policy_options(c.loss).temperature;
-  double max = -INFINITY;
-  for (double x : row) max = std::max(max, x * inverse_t);
-  double sum = 0.0;
-  for (double x : row) sum += std::exp(x * inverse_t - max);
-  return row[static_cast<std::size_t>(label)] * inverse_t - max - std::log(sum);
-}
 
 struct Interval {
   double low, high;
@@ -193,7 +181,48 @@ double placed_log_ratio(const Case& c, const InputSource& inputs, std::int64_t t
 
 }  // namespace
 
+PolicyRowLogits::PolicyRowLogits(const Case& c, const InputSource& inputs)
+    : case_(c),
+      inputs_(inputs),
+      stage_(c.loss.stage != nullptr && !inputs.is_explicit() ? c.loss.stage->float64_logits(c, inputs) : nullptr) {}
+
+PolicyRowLogits::~PolicyRowLogits() = default;
+
+void PolicyRowLogits::row(std::int64_t token, std::span<double> out, std::span<double> error) const {
+  if (stage_ != nullptr) {
+    stage_->row(token, out, error);
+    return;
+  }
+  inputs_.logits(token, 0, case_.shape.vocab, out.data());
+  std::fill(error.begin(), error.end(), 0.0);
+}
+
+double policy_placement_logprob(const Case& c, std::span<const double> row, std::int64_t label) {
+  const double inverse_t = 1.0 / policy_options(c.loss).temperature;
+  double max = -INFINITY;
+  for (double x : row) max = std::max(max, x * inverse_t);
+  double sum = 0.0;
+  for (double x : row) sum += std::exp(x * inverse_t - max);
+  return row[static_cast<std::size_t>(label)] * inverse_t - max - std::log(sum);
+}
+
 PolicyTokenInputs policy_token_inputs(const Case& c, const InputSource& inputs, std::int64_t token) {
+  const PolicyRowLogits logits(c, inputs);
+  return policy_token_inputs(c, inputs, logits, token);
+}
+
+PolicyTokenInputs policy_token_inputs(const Case& c, const InputSource& inputs, const PolicyRowLogits& logits,
+                                      std::int64_t token) {
+  std::vector<double> row;
+  if (!inputs.is_explicit() && inputs.is_valid(token)) {
+    row.resize(static_cast<std::size_t>(c.shape.vocab));
+    logits.row(token, row);
+  }
+  return policy_token_inputs_from_row(c, inputs, token, row);
+}
+
+PolicyTokenInputs policy_token_inputs_from_row(const Case& c, const InputSource& inputs, std::int64_t token,
+                                               std::span<const double> row) {
   PolicyTokenInputs in;
   in.advantage = policy_token_advantage(c, inputs, token);
   if (inputs.is_explicit()) {
@@ -203,7 +232,7 @@ PolicyTokenInputs policy_token_inputs(const Case& c, const InputSource& inputs, 
     return in;
   }
   if (!inputs.is_valid(token)) return in;
-  const double logprob = placement_logprob(c, inputs, token, inputs.label(token));
+  const double logprob = policy_placement_logprob(c, row, inputs.label(token));
   in.old_logprob = static_cast<float>(logprob - placed_log_ratio(c, inputs, token));
   const double v = token_uniform(c.inputs.seed, InputStream::policy_reference, static_cast<std::uint64_t>(token));
   const double gap = 0.05 + 0.45 * std::fabs(2.0 * v - 1.0);

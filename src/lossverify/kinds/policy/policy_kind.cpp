@@ -156,7 +156,7 @@ class PolicyKind final : public LossKind {
   }
   void token_input_values(const Case& c, const InputSource& inputs, std::int64_t token,
                           std::span<float> out) const override {
-    const PolicyTokenInputs in = policy_token_inputs(c, inputs, token);
+    const PolicyTokenInputs in = policy_token_inputs(c, inputs, token);  // behind a head: V x H per token
     const float values[] = {in.old_logprob, in.ref_logprob, in.advantage};
     std::copy_n(values, std::min(out.size(), std::size(values)), out.begin());
   }
@@ -177,6 +177,9 @@ class PolicyKind final : public LossKind {
   }
 
   // The GPU oracle: softmax of x / T, the label's column, and each row's g_lambda and H from the reference.
+  // Its reference bounds the loss, the token values, the statistics and the gradient under an error in the logits
+  // (an LM head in front: policy_reference.cpp, docs/spec.md §11).
+  bool models_logit_error() const override { return true; }
   std::optional<DeviceRowModel> device_row_model(const Case& c) const override {
     const PolicyOptions& o = policy_options(c.loss);
     DeviceRowModel m;

@@ -221,11 +221,12 @@ std::vector<float> row_inputs(const RowPlanRequest& q, const PolicyOptions& o) {
   const std::size_t rows = q.assignment.rows.size();
   std::vector<float> in(rows * kPolicyRowInputs, 0.0f);
   double moments[3] = {0.0, 0.0, 0.0};  // n, sum A, sum A^2
+  const PolicyRowLogits logits(q.c, q.inputs);
   for (std::size_t i = 0; i < rows; ++i) {
     in[i * kPolicyRowInputs + 4] = 1.0f;
     in[i * kPolicyRowInputs + 5] = 1.0f;
     if (!q.valid[i]) continue;
-    const PolicyTokenInputs t = policy_token_inputs(q.c, q.inputs, q.assignment.rows[i].token);
+    const PolicyTokenInputs t = policy_token_inputs(q.c, q.inputs, logits, q.assignment.rows[i].token);
     in[i * kPolicyRowInputs] = t.old_logprob;
     in[i * kPolicyRowInputs + 1] = t.ref_logprob;
     in[i * kPolicyRowInputs + 2] = t.advantage;

@@ -31,6 +31,7 @@ struct TokenTerms {
   double loss_terms = 0.0;  // |surrogate| + |beta KL| + |c_H H|: what the loss's terms weigh before they cancel
   double g_logprob = 0.0;   // d l / d lambda
   double g_slope = 0.0;     // d g_lambda / d lambda
+  double surrogate = 0.0, surrogate_slope = 0.0;  // -rho A (clipped, capped) and its part of g_lambda
   double kl = 0.0;
   bool clipped = false, dual_clipped = false;
 };
@@ -45,7 +46,8 @@ struct Branch {
 // d L / d lambda_u through rho_s is rho_s Q / n_s.
 struct SequenceRatio {
   double log_ratio = 0.0;
-  double tolerance = 0.0;  // the logprob check's tolerance at the sequence's mean |lambda|
+  double tolerance = 0.0;  // the logprob check's tolerance at the sequence's mean |lambda|, and its logit error's move
+  double move = 0.0;       // behind a stage that makes the logits: how far the mean of lambda - old may move
   double slope_sum[2] = {0.0, 0.0};
 };
 
@@ -57,6 +59,7 @@ class PolicyReference final : public KindReference {
         o_(policy_options(c.loss)),
         logprob_tolerance_(effective_tolerance(c, "token_value")),
         log2_vocab_(std::ceil(std::log2(static_cast<double>(std::max<std::int64_t>(c.shape.vocab, 2))))),
+        row_logits_(c, inputs),
         token_inputs_(static_cast<std::size_t>(c.shape.tokens)),
         once_(std::make_unique<std::once_flag[]>(static_cast<std::size_t>(c.shape.tokens))),
         sequence_ratios_(inputs.batch().sequences().size()),
@@ -154,16 +157,22 @@ class PolicyReference final : public KindReference {
     return {t.loss_terms,
             std::fabs(t.g_logprob) * logprob_rounding(t, s) + std::fabs(o_.entropy_coef) * entropy_rounding(s)};
   }
+  // Behind a stage that makes the logits, each also moves by the logits' error (logprob_move, entropy_move).
   void token_value_rounding(std::int64_t token, const RowStats& s, std::span<double> out) const override {
     const TokenTerms t = terms(token, s);
-    out[0] = logprob_rounding(t, s);
-    out[1] = entropy_rounding(s);
+    out[0] = logprob_rounding(t, s) + logprob_move(token);
+    out[1] = entropy_rounding(s) + entropy_move(token, t.entropy);
   }
-  // The logged entropy is the mean of the per-token ones, with their rounding; the fractions and the KL are not.
+  // The logged entropy is the mean of the per-token ones, with their rounding; the fractions and the KL are not. Behind
+  // a stage, the entropy and the KL move with the logits (the clip fractions by the readings at an edge).
   void token_statistic_rounding(std::int64_t token, const RowStats& s, std::span<double> out) const override {
     std::fill(out.begin(), out.end(), 0.0);
     out[3] = entropy_rounding(s);
-    (void)token;
+    if (logit_error(token) > 0.0 && valid_[static_cast<std::size_t>(token)]) {
+      const TokenTerms t = terms(token, s);
+      out[2] = kl_move(t.logprob - static_cast<double>(token_inputs(token).ref_logprob), logprob_move(token));
+      out[3] += entropy_move(token, t.entropy);
+    }
   }
 
   // d L / d x_v = w (1/T) [g_lambda (delta_vy - p_v) + c_H p_v (log p_v + H)]
@@ -203,7 +212,7 @@ class PolicyReference final : public KindReference {
     }
     const double logprob = s.sum_qx - s.lse;
     const double log_ratio = logprob - static_cast<double>(token_inputs(token).old_logprob);
-    return near_edge(token, log_ratio, token_tolerance(logprob)) ? 2 : 1;
+    return near_edge(token, log_ratio, token_tolerance(logprob) + logprob_move(token)) ? 2 : 1;
   }
 
   RowCoefficients row_coefficients(std::int64_t token, const RowStats& s) const override {
@@ -215,6 +224,47 @@ class PolicyReference final : public KindReference {
   std::optional<double> gradient_row_sum(const RowStats& s, double weight) const override {
     (void)s, (void)weight;
     return 0.0;
+  }
+
+  // Behind a stage that makes the logits (an LM head), each logit within e of these (docs/spec.md §11), on the
+  // reading the token is judged at (a ratio the logits' error may carry across a clip edge has two: branches): l_t =
+  // surrogate + beta KL - c_H H moves by at most the sum of its terms' moves (surrogate_move, kl_move,
+  // entropy_move). The reference's own bound of the row's error is used where it is larger than `error`, and a
+  // sequence-level ratio moves with its sequence's tokens.
+  std::optional<double> loss_under_logit_error(std::int64_t token, const RowStats& s, double error) const override {
+    const TokenTerms t = terms(token, s);
+    const double m = std::max(logprob_move(token), 2.0 * error / o_.temperature);
+    if (o_.objective == PolicyOptions::Objective::logprob) return m + std::fabs(o_.entropy_coef) * entropy_bound(t, m);
+    const double d = t.logprob - static_cast<double>(token_inputs(token).ref_logprob);
+    return surrogate_move(token, t) + std::fabs(o_.kl_coef) * kl_move(d, m) +
+           std::fabs(o_.entropy_coef) * entropy_bound(t, m);
+  }
+
+  // d L / d x_v = (w / T) [g_lambda (delta_vy - p_v) + c_H p_v (log p_v + H)]. With each x_v / T within eps: p_v
+  // moves by at most dp_v = min(p_v, 1 - p_v) (exp(2 eps) - 1) (1 - p_v = S / (1 + S), S moving by a factor within
+  // exp(+-2 eps)), log p_v by 2 eps, H by entropy_move, g_lambda by g_logprob_move; so the first term by
+  // dg (|delta_vy - p_v| + dp_v) + |g_lambda| dp_v, and p_v (log p_v + H) by dp_v |log p_v + H| + (p_v + dp_v)
+  // (2 eps + dH).
+  bool gradient_under_logit_error(std::int64_t token, const RowStats& s, double weight, double error,
+                                  std::int64_t begin, std::span<const double> logits,
+                                  std::span<double> out) const override {
+    const TokenTerms t = terms(token, s);
+    const double m = std::max(logprob_move(token), 2.0 * error / o_.temperature);  // 2 eps
+    const double grow = std::expm1(m);
+    const double dg = g_logprob_move(token, t);
+    const double dh = entropy_bound(t, m);
+    const double scale = std::fabs(weight) / o_.temperature;
+    const std::int64_t label = inputs_.label(token) - begin;
+    for_each_block(s, logits, [&](std::size_t b, std::size_t n, const double* log_p, const double* p) {
+      for (std::size_t i = 0; i < n; ++i) {
+        const double target = static_cast<std::int64_t>(b + i) == label ? 1.0 : 0.0;
+        const double dp = std::min(p[i], 1.0 - p[i] + 0x1p-50) * grow;
+        const double entropy_term = p[i] > 0.0 ? dp * std::fabs(log_p[i] + t.entropy) : 0.0;
+        out[b + i] = scale * (dg * (std::fabs(target - p[i]) + dp) + std::fabs(t.g_logprob) * dp +
+                              std::fabs(o_.entropy_coef) * (entropy_term + (p[i] + dp) * (m + dh)));
+      }
+    });
+    return true;
   }
 
  private:
@@ -305,9 +355,8 @@ class PolicyReference final : public KindReference {
   bool sequence_ratio() const { return o_.ratio == PolicyOptions::Ratio::sequence; }
 
   // lambda of a token by a pass of its own over the row (the sequence's ratio needs every token's).
-  double own_logprob(std::int64_t token) const {
-    std::vector<double> row(static_cast<std::size_t>(case_.shape.vocab));
-    inputs_.logits(token, 0, case_.shape.vocab, row.data());
+  double own_logprob(std::int64_t token) const { return token_facts(token).logprob; }
+  double own_logprob(std::int64_t token, std::span<const double> row) const {
     const double inverse_t = 1.0 / o_.temperature;
     const double max = row_sums::scaled_max(row, inverse_t);
     const auto [sum, error] = row_sums::sum_exp(row, inverse_t, max);
@@ -324,17 +373,18 @@ class PolicyReference final : public KindReference {
     const Sequence& sequence = inputs_.batch().sequences()[k];
     CompensatedSum log_ratio, magnitude;
     std::vector<std::int64_t> tokens;
+    SequenceRatio r;
     for (std::int64_t t = sequence.begin; t < sequence.begin + sequence.length; ++t) {
       if (!valid_[static_cast<std::size_t>(t)]) continue;
       const double logprob = own_logprob(t);
+      r.move = std::max(r.move, logprob_move(t));  // the mean of the tokens' moves is at most their largest
       log_ratio.add(logprob - static_cast<double>(token_inputs(t).old_logprob));
       magnitude.add(std::fabs(logprob));
       tokens.push_back(t);
     }
-    SequenceRatio r;
     const auto n = static_cast<double>(tokens.size());
     r.log_ratio = log_ratio.value() / n;
-    r.tolerance = token_tolerance(magnitude.value() / n);
+    r.tolerance = token_tolerance(magnitude.value() / n) + r.move;
     const double ratio = std::exp(r.log_ratio);
     for (int reading = 0; reading < 2; ++reading) {
       CompensatedSum q;
@@ -348,10 +398,95 @@ class PolicyReference final : public KindReference {
     return r;
   }
 
-  const PolicyTokenInputs& token_inputs(std::int64_t token) const {
+  // A token's inputs, placed against its whole row of logits (PolicyRowLogits: behind an LM head, the head's), the
+  // reference's own lambda from that row, and the row's largest logit error: one pass over the row, once.
+  struct TokenFacts {
+    PolicyTokenInputs inputs;
+    double logprob = 0.0;
+    double logit_error = 0.0;
+  };
+  const TokenFacts& token_facts(std::int64_t token) const {
     const auto k = static_cast<std::size_t>(token);
-    std::call_once(once_[k], [&] { token_inputs_[k] = policy_token_inputs(case_, inputs_, token); });
+    std::call_once(once_[k], [&] {
+      TokenFacts& f = token_inputs_[k];
+      // A dump's own inputs need no placement; their row is read only where GSPO needs lambda.
+      const bool placed = !inputs_.is_explicit() || sequence_ratio();
+      if (!inputs_.is_valid(token) || !placed) {
+        f.inputs = policy_token_inputs_from_row(case_, inputs_, token, {});
+        return;
+      }
+      std::vector<double> row(static_cast<std::size_t>(case_.shape.vocab)), error(row.size());
+      row_logits_.row(token, row, error);
+      f.inputs = policy_token_inputs_from_row(case_, inputs_, token, row);
+      f.logprob = own_logprob(token, row);
+      f.logit_error = *std::max_element(error.begin(), error.end());
+    });
     return token_inputs_[k];
+  }
+  const PolicyTokenInputs& token_inputs(std::int64_t token) const { return token_facts(token).inputs; }
+
+  // Behind a stage that makes the logits (docs/spec.md §11): each logit within e of the reference's, each x_v / T
+  // within eps = e / T, so lambda = x_y / T - lse moves by at most 2 eps, and H = -sum p log p by at most
+  // 2 eps + 2 H (exp(2 eps) - 1): with p'_v = p_v r_v, r_v in [exp(-2 eps), exp(2 eps)],
+  // H' - H = -sum p' (log p' - log p) - sum (p' - p) (log p + H), the first at most 2 eps, the second at most
+  // (exp(2 eps) - 1) sum p |log p + H| <= (exp(2 eps) - 1) 2 H. All zero without a stage.
+  double logit_error(std::int64_t token) const {
+    return row_logits_.from_stage() ? token_facts(token).logit_error : 0.0;
+  }
+  double logprob_move(std::int64_t token) const { return 2.0 * logit_error(token) / o_.temperature; }
+  double entropy_move(std::int64_t token, double entropy) const {
+    return entropy_bound_at(entropy, logprob_move(token));
+  }
+  static double entropy_bound_at(double entropy, double two_eps) {
+    return two_eps + 2.0 * std::fabs(entropy) * std::expm1(two_eps);
+  }
+  static double entropy_bound(const TokenTerms& t, double two_eps) { return entropy_bound_at(t.entropy, two_eps); }
+  // The KL penalty's value and slope in lambda, d = lambda - ref, when d moves by at most m: k1 d by m; k2 d^2 / 2 by
+  // |d| m + m^2 / 2; k3 e^-d + d - 1 by e^-d (e^m - 1 - m) + |1 - e^-d| m (its change is
+  // e^-d (e^-h - 1 + h) + h (1 - e^-d)); the slopes 1, d, 1 - e^-d by 0, m, e^-d (e^m - 1).
+  double kl_move(double d, double m) const {
+    switch (o_.kl) {
+      case PolicyOptions::Kl::none:
+        return 0.0;
+      case PolicyOptions::Kl::k1:
+        return m;
+      case PolicyOptions::Kl::k2:
+        return std::fabs(d) * m + 0.5 * m * m;
+      case PolicyOptions::Kl::k3:
+        return std::exp(-d) * (std::expm1(m) - m) + std::fabs(std::expm1(-d)) * m;
+    }
+    return 0.0;
+  }
+  double kl_slope_move(double d, double m) const {
+    switch (o_.kl) {
+      case PolicyOptions::Kl::none:
+      case PolicyOptions::Kl::k1:
+        return 0.0;
+      case PolicyOptions::Kl::k2:
+        return m;
+      case PolicyOptions::Kl::k3:
+        return std::exp(-d) * std::expm1(m);
+    }
+    return 0.0;
+  }
+  // The surrogate -rho A and its slope move only on the unclipped branch (the readings cover an edge the logits'
+  // error may cross: branches): rho = exp(log ratio) by the factor exp(m), m the log ratio's move (the token's
+  // lambda's, or the sequence's mean under GSPO), so each by |value| (exp(m) - 1). The dual clip's and the clip's
+  // values are constants.
+  double ratio_move(std::int64_t token) const {
+    if (sequence_ratio()) return sequence_ratio_of(token).move;
+    return logprob_move(token);
+  }
+  double surrogate_move(std::int64_t token, const TokenTerms& t) const {
+    if (o_.objective == PolicyOptions::Objective::logprob) return logprob_move(token);
+    if (t.clipped || t.dual_clipped) return 0.0;
+    return std::fabs(t.surrogate) * std::expm1(ratio_move(token));
+  }
+  double g_logprob_move(std::int64_t token, const TokenTerms& t) const {
+    if (o_.objective == PolicyOptions::Objective::logprob) return 0.0;
+    const double d = t.logprob - static_cast<double>(token_inputs(token).ref_logprob);
+    return std::fabs(t.surrogate_slope) * std::expm1(ratio_move(token)) +
+           std::fabs(o_.kl_coef) * kl_slope_move(d, logprob_move(token));
   }
 
   TokenTerms terms(std::int64_t token, const RowStats& s) const {
@@ -388,6 +523,8 @@ class PolicyReference final : public KindReference {
       slope = ratio * sequence->slope_sum[s.branch == 1 ? 1 : 0] / (n * *token_weight(token));
       t.g_slope = slope / n;
     }
+    t.surrogate = surrogate;
+    t.surrogate_slope = slope;
     const double d = t.logprob - static_cast<double>(in.ref_logprob);
     double kl_slope = 0.0;
     switch (o_.kl) {
@@ -424,7 +561,8 @@ class PolicyReference final : public KindReference {
   double mean_ = 0.0, deviation_ = 0.0;
   Tolerance logprob_tolerance_;  // the logprob check's: how far an implementation's lambda may lie from ours
   double log2_vocab_;            // ceil(log2 V): the depth of a pairwise sum over the row
-  mutable std::vector<PolicyTokenInputs> token_inputs_;
+  PolicyRowLogits row_logits_;   // the rows the inputs are placed against (behind an LM head, the head's)
+  mutable std::vector<TokenFacts> token_inputs_;
   std::unique_ptr<std::once_flag[]> once_;
   mutable std::vector<SequenceRatio> sequence_ratios_;  // under the sequence-level ratio, each computed once
   std::unique_ptr<std::once_flag[]> sequence_once_;
