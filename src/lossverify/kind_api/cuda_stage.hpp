@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string_view>
 
 #include "lossverify/cuda/storage.hpp"
@@ -33,8 +34,8 @@ struct CudaStageSetup {
   std::int64_t work_begin = 0, cols = 0, chunk_rows = 0;
   int tp_ranks = 1;  // the size of the rank's TP group
   std::byte* logits = nullptr;
-  const std::byte* logit_grad = nullptr;
-  void* stream = nullptr;  // the rank's cudaStream_t
+  std::byte* logit_grad = nullptr;  // the stage may rewrite it (a fused head forms part of it itself)
+  void* stream = nullptr;           // the rank's cudaStream_t
 };
 
 class CudaStageRank {
@@ -44,6 +45,9 @@ class CudaStageRank {
   virtual void forward(std::int64_t first, std::int64_t n) = 0;
   // From the kind's gradient of those rows: the stage's gradients of them, its collectives over groups.tp.
   virtual void backward(std::int64_t first, std::int64_t n, RankGroups& groups) = 0;
+  // Each of the rank's rows' backward weights (RowPlan::backward_weight), once the rank's plan is made, before the
+  // first chunk (StageRank::row_weights on the CPU).
+  virtual void row_weights(std::span<const float> weights) { (void)weights; }
   // After the last chunk: the stage's gradients and parameter gradients into `out` (stage_grads, stage_columns,
   // stage_params, in the dtype).
   virtual void finish(RankOutput& out) = 0;

@@ -202,6 +202,7 @@ CudaRankRun::CudaRankRun(const Case& c, const InputSource& inputs, RankAssignmen
   plan_.emplace(kind_case_, inputs, out_.assignment, groups_, bugs);
   out_.logged_valid_tokens = plan_->logged_valid_tokens();
   row_arrays_ = std::make_unique<RowArrays>(*plan_, rows, owner_base, cols, stream_.get());
+  if (stage_rank_ != nullptr) stage_rank_->row_weights(row_arrays_->weight);
   out_.token_loss.assign(static_cast<std::size_t>(rows), 0.0f);
   out_.logged_token_loss.assign(plan_->kind_plan().separate_logged_loss ? static_cast<std::size_t>(rows) : 0, 0.0f);
   out_.token_values.assign(static_cast<std::size_t>(rows) * kind.token_quantities().size(), 0.0f);

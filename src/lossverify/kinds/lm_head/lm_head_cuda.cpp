@@ -24,6 +24,7 @@
 #include "lossverify/impl/catalogue.hpp"
 #include "lossverify/inputs/input_source.hpp"
 #include "lossverify/kind_api/cuda_stage.hpp"
+#include "lossverify/kind_api/loss_kind.hpp"
 #include "lossverify/kinds/lm_head/lm_head_kernels.hpp"
 #include "lossverify/kinds/lm_head/lm_head_options.hpp"
 #include "lossverify/kinds/lm_head/lm_head_parts.hpp"
@@ -132,6 +133,22 @@ class LmHeadCudaRank final : public CudaStageRank {
     if ((s.bugs.stage_switches & head_bug::bias_repeated) != 0 && o_.bias) upload_targets();
   }
 
+  // head-target-rounded-early, behind cross-entropy only (a fused linear cross-entropy's step; lm_head_cpu.cpp): the
+  // rows' true-class columns among the rank's own and their weights.
+  void row_weights(std::span<const float> weights) override {
+    if ((s_.bugs.stage_switches & head_bug::target_rounded_early) == 0) return;
+    if (kind_of(s_.c.loss).name() != "cross_entropy") return;
+    std::vector<std::int64_t> target(static_cast<std::size_t>(rows_), -1);
+    for (std::size_t i = 0; i < target.size(); ++i) {
+      const std::int64_t t = s_.assignment.rows[i].token;
+      if (t < 0 || !s_.inputs.is_valid(t)) continue;
+      const std::int64_t label = s_.inputs.label(t);
+      if (label >= own_.begin && label < own_.end) target[i] = label - own_.begin;
+    }
+    d_own_target_ = upload(target, stream_);
+    d_weight_of_row_ = upload(weights.data(), weights.size(), stream_);
+  }
+
   void forward(std::int64_t first, std::int64_t n) override {
     const cudaDataType t = data_type(s_.type);
     float beta = 0.0f;
@@ -152,7 +169,12 @@ class LmHeadCudaRank final : public CudaStageRank {
   void backward(std::int64_t first, std::int64_t n, RankGroups& groups) override {
     const cudaDataType t = data_type(s_.type);
     const std::int64_t own = own_.size();
-    const std::byte* g = s_.logit_grad + static_cast<std::size_t>(own_offset_) * element_;
+    std::byte* const own_g = s_.logit_grad + static_cast<std::size_t>(own_offset_) * element_;
+    const std::byte* g = own_g;
+    if (d_own_target_.size() > 0) {
+      head_round_target_early(s_.type, own_g, s_.cols, d_own_target_.as<std::int64_t>() + first,
+                              d_weight_of_row_.as<float>() + first, n, stream_);
+    }
     const Operand w{d_weight_.as<std::byte>() + static_cast<std::size_t>(own_offset_ * hidden_) * element_, t, hidden_};
     // dh^T (H x n) = W_r^T (H x own) g^T (own x n)
     std::byte* dh = d_dh_.as<std::byte>() + static_cast<std::size_t>(first * hidden_) * element_;
@@ -293,6 +315,7 @@ class LmHeadCudaRank final : public CudaStageRank {
   DeviceBytes d_dh_part_;  // a chunk's dh in float32, before the TP sum
   PinnedBytes h_dh_part_;
   DeviceBytes d_row_scale_{0}, d_target_{0};
+  DeviceBytes d_own_target_{0}, d_weight_of_row_{0};  // head-target-rounded-early
 };
 
 }  // namespace

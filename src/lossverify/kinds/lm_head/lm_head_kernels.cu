@@ -36,6 +36,18 @@ __global__ void repeat_bias_kernel(const T* bias, const std::int64_t* target, T*
 }
 
 template <class T>
+__global__ void round_target_early_kernel(T* g, std::int64_t stride, const std::int64_t* target, const float* weight,
+                                          std::int64_t rows) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < rows;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    if (target[i] < 0) continue;
+    T& x = g[i * stride + target[i]];
+    const float w = weight[i];
+    x = narrow<T>(widen(narrow<T>(widen(x) + w)) - w);
+  }
+}
+
+template <class T>
 __global__ void scale_rows_kernel(const T* g, const float* row_scale, T* out, std::int64_t rows, std::int64_t cols) {
   const std::int64_t total = rows * cols;
   for (std::int64_t k = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; k < total;
@@ -93,6 +105,16 @@ void head_repeat_bias(StorageType type, const void* bias, const std::int64_t* ta
     using T = std::remove_pointer_t<decltype(tag)>;
     repeat_bias_kernel<T><<<blocks_for(rows), kBlock, 0, as_stream(stream)>>>(static_cast<const T*>(bias), target,
                                                                               static_cast<T*>(logits), rows, cols);
+  });
+}
+
+void head_round_target_early(StorageType type, void* g, std::int64_t stride, const std::int64_t* target,
+                             const float* weight, std::int64_t rows, void* stream) {
+  if (rows == 0) return;
+  dispatch(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    round_target_early_kernel<T>
+        <<<blocks_for(rows), kBlock, 0, as_stream(stream)>>>(static_cast<T*>(g), stride, target, weight, rows);
   });
 }
 

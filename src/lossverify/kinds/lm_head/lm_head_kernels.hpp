@@ -15,6 +15,12 @@ void head_broadcast_bias(StorageType type, const void* bias, void* out, std::int
 void head_repeat_bias(StorageType type, const void* bias, const std::int64_t* target, void* logits, std::int64_t rows,
                       std::int64_t cols, void* stream);
 
+// head-target-rounded-early: the true class's entry of each row (target[i] among the row's `stride` columns, < 0: not
+// in the shard) formed as a fused head forms it, g_y = (w p_y rounded to the dtype) - w, w = weight[i], from the
+// kind's g_y = w (p_y - 1).
+void head_round_target_early(StorageType type, void* g, std::int64_t stride, const std::int64_t* target,
+                             const float* weight, std::int64_t rows, void* stream);
+
 // out = g with each row scaled by row_scale (head-grad-output-first), rounded to the dtype.
 void head_scale_rows(StorageType type, const void* g, const float* row_scale, void* out, std::int64_t rows,
                      std::int64_t cols, void* stream);
