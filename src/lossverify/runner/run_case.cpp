@@ -420,10 +420,8 @@ void check_sweep(const Case& c, const std::vector<LayoutSpec>& layouts, const Ru
                     std::to_string(kMaxSweepLayouts) + " run in one command (split it)");
   }
   for (const LayoutSpec& layout : layouts) {
-    if (layout.sp && tp_splits_columns(c)) {
-      throw CaseError(c.source + ": sweep layout " + layout_name(layout) +
-                      ": sp applies to a kind whose rows are whole on every rank; TP splits the columns of " +
-                      std::string(kind_of(c.loss).name()) + "'s rows");
+    if (layout.sp && !sequence_parallel_applies(c)) {
+      throw CaseError(c.source + ": sweep layout " + layout_name(layout) + ": sp " + sequence_parallel_refusal(c));
     }
     if (std::int64_t{layout.tp} * layout.cp * layout.dp > kMaxRanks) {
       throw CaseError(c.source + ": sweep layout " + layout_name(layout) + ": tp * cp * dp exceeds " +

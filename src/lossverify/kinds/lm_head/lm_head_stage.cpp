@@ -14,7 +14,9 @@
 #include "lossverify/kind_api/loss_kind.hpp"
 #include "lossverify/kinds/lm_head/lm_head_options.hpp"
 #include "lossverify/kinds/lm_head/lm_head_parts.hpp"
+#include "lossverify/layout/rank_layout.hpp"
 #include "lossverify/outputs/rank_output.hpp"
+#include "lossverify/plugin.h"
 
 namespace lossverify {
 
@@ -65,9 +67,21 @@ class LmHeadStage final : public Stage {
       detail::fail_at(c.source, "$.inputs.teacher.same_as_student",
                       "the lm_head stage makes the student's logits; a teacher equal to them is not a generated input");
     }
-    if (c.layout.sp) {
-      detail::fail_at(c.source, "$.layout.sp", "the lm_head stage does not take sequence parallelism yet");
+  }
+  bool takes_sequence_parallel() const override { return true; }
+  // Under sequence parallelism with the head's contract, each micro-batch's token shard of the rank (its
+  // sequence_parallel_slots), micro-batch after micro-batch.
+  std::vector<std::int64_t> gradient_rows(const Case& c, const RankAssignment& assignment) const override {
+    if (!head_scatters_dh(c)) return Stage::gradient_rows(c, assignment);
+    std::vector<std::int64_t> rows;
+    const auto& begin = assignment.micro_batch_begin;
+    for (std::size_t k = 0; k + 1 < begin.size(); ++k) {
+      for (const std::int64_t slot :
+           sequence_parallel_slots(begin[k + 1] - begin[k], c.layout.tp, assignment.coordinates.tp)) {
+        if (slot >= 0) rows.push_back(begin[k] + slot);
+      }
     }
+    return rows;
   }
   std::vector<std::string> gradients() const override { return {"dh"}; }
   std::int64_t gradient_columns(std::size_t, const Case& c, const RankAssignment&) const override {
@@ -97,6 +111,15 @@ class LmHeadStage final : public Stage {
   void cpu_backward(const StageRank& rank) const override { lm_head_cpu_backward(rank); }
   std::unique_ptr<StageReference> reference(const Case& c, const InputSource& inputs) const override {
     return make_lm_head_reference(c, inputs);
+  }
+  std::uint32_t plugin_capability() const override { return LV_SUPPORTS_LM_HEAD; }
+  std::string_view plugin_capability_name() const override { return "LV_SUPPORTS_LM_HEAD"; }
+  void plugin_settings(const Case& c, const RankAssignment&, lv_rank_inputs& settings) const override {
+    head_plugin_settings(c, settings);
+  }
+  std::vector<std::vector<std::byte>> plugin_inputs(const Case& c, const InputSource& inputs,
+                                                    const RankAssignment& assignment) const override {
+    return head_plugin_inputs(c, inputs, assignment);
   }
   std::vector<Implementation> catalogue() const override {
     return {
@@ -134,6 +157,10 @@ class LmHeadStage final : public Stage {
 
 std::string_view to_string(HeadOptions::DhReduce d) {
   return d == HeadOptions::DhReduce::framework ? "framework" : "head";
+}
+
+bool head_scatters_dh(const Case& c) {
+  return c.layout.sp && head_options(c.loss).dh_reduce == HeadOptions::DhReduce::head;
 }
 
 std::unique_ptr<Stage> make_lm_head_stage() { return std::make_unique<LmHeadStage>(); }
