@@ -129,6 +129,37 @@ foreach(router_impl correct moe-aux-local-counts moe-aux-tp-sum)
         --expect ${router_impl} --cases ${ROUTER_CASES}_${router_test_name} --golden ${PROJECT_SOURCE_DIR}/golden --threads 2")
   set_tests_properties(cli_plugin_router_gate_${router_test_name} PROPERTIES TIMEOUT 600)
 endforeach()
+# The LM head through the ABI (LV_SUPPORTS_LM_HEAD, lv_rank_inputs.head_*): the example CPU plugin passes the gate as
+# the correct implementation on every head case and its sweep (sequence parallelism too), and with
+# bug=head-dh-shard-partial fails exactly where golden says that bug fails; a plugin built before the head (the v1
+# plugin) is refused a head case before any work, naming the capability, and the gate records it as not run.
+set(HEAD_CASES ${OUT}/plugin_head_cases)
+foreach(head_impl correct head-dh-shard-partial)
+  string(MAKE_C_IDENTIFIER "${head_impl}" head_test_name)
+  if(head_impl STREQUAL correct)
+    set(head_param "")
+    set(head_expect "gate: PASS")
+  else()
+    set(head_param "?bug=${head_impl}")
+    set(head_expect "mutation score: 1/1 bugs caught")
+  endif()
+  add_test(NAME cli_plugin_head_gate_${head_test_name}
+    COMMAND bash -c "rm -rf ${HEAD_CASES}_${head_test_name} && mkdir -p ${HEAD_CASES}_${head_test_name} && \
+      cp ${CASES}/head-*.json ${HEAD_CASES}_${head_test_name}/ && \
+      bash ${EXPECT} 0 '${head_expect}' -- ${LV} gate --impl 'plugin:${CPU_PLUGIN}${head_param}' \
+        --expect ${head_impl} --cases ${HEAD_CASES}_${head_test_name} --golden ${PROJECT_SOURCE_DIR}/golden --threads 2")
+  set_tests_properties(cli_plugin_head_gate_${head_test_name} PROPERTIES TIMEOUT 600)
+endforeach()
+lossverify_cli_test(plugin_v1_refuses_head 2
+  "does not implement a case with the stage lm_head in front of its kind \\(its lv_plugin.losses lacks LV_SUPPORTS_LM_HEAD\\)"
+  --absent ${OUT}/plugin_v1_head.json
+  -- ${LV} run ${CASES}/head-ce-tp2-dp2-ga2.json --impl plugin:$<TARGET_FILE:lossverify_test_v1_cross_entropy_plugin>
+     --report ${OUT}/plugin_v1_head.json)
+set(V1_HEAD_CASES ${OUT}/plugin_v1_head_cases)
+add_test(NAME cli_plugin_gate_skips_head_without_the_capability
+  COMMAND bash -c "rm -rf ${V1_HEAD_CASES} && mkdir -p ${V1_HEAD_CASES} && cp ${CASES}/head-*.json ${V1_HEAD_CASES}/ && \
+    bash ${EXPECT} 1 'NOTHING RAN' -- ${LV} gate --impl plugin:$<TARGET_FILE:lossverify_test_v1_cross_entropy_plugin> \
+      --cases ${V1_HEAD_CASES} --golden ${PROJECT_SOURCE_DIR}/golden")
 lossverify_cli_test(plugin_router_too_many_layers 2
   "does not implement a case that logs 10 statistics \\(the ABI carries 8: a router of at most 3 layers\\)"
   -- ${LV} run ${CASES}/moe-aux-sp-tp2-cp2.json --set loss.layers=4 --impl plugin:${ROUTER_PLUGIN})

@@ -136,10 +136,9 @@ bool has_gpu_oracle(const Case& c) {
 
 void require_kind_support(const Case& c, const RunOptions& options) {
   const LossKind& kind = kind_of(c.loss);
-  if (c.loss.stage != nullptr &&
-      (options.device == RunOptions::Device::cuda || is_plugin_spec(options.implementation))) {
+  if (c.loss.stage != nullptr && options.device == RunOptions::Device::cuda) {
     throw CaseError(c.source + ": the stage " + std::string(c.loss.stage->name()) +
-                    " runs on the CPU backend and its own implementation only (no CUDA, no plugin)");
+                    " runs on the CPU backend only (lossverify's own, or a host-memory plugin that declares it)");
   }
   if (options.device != RunOptions::Device::cuda) return;
   if (cuda::built_with_cuda() && !cuda::runs_kind(kind.name())) {
