@@ -217,6 +217,15 @@ add_test(NAME cli_plugin_bundle_replays
     bash ${EXPECT} 0 '^reproduced: FAIL as recorded' -- ${LV} replay ${PLUGIN_REPRO}/*.bundle.json \
       --impl 'plugin:${CPU_PLUGIN}?bug=smoothing-partition-vocab' && \
     bash ${EXPECT} 0 'with --impl correct: pass' -- ${LV} replay ${PLUGIN_REPRO}/*.bundle.json --impl correct")
+# A head case through the plugin: its bundle replays with the same plugin and bug to the same verdict.
+set(PLUGIN_HEAD_REPRO ${OUT}/plugin_head_repro)
+add_test(NAME cli_plugin_head_bundle_replays
+  COMMAND bash -c "rm -rf ${PLUGIN_HEAD_REPRO} && mkdir -p ${PLUGIN_HEAD_REPRO} && \
+    bash ${EXPECT} 1 'dh +FAIL' -- ${LV} run ${CASES}/head-kd-tp4-cp2-ga2.json \
+      --impl 'plugin:${CPU_PLUGIN}?bug=head-dh-shard-partial' --save-inputs failed --save-inputs-dir ${PLUGIN_HEAD_REPRO} && \
+    bash ${EXPECT} 0 '^reproduced: FAIL as recorded' -- ${LV} replay ${PLUGIN_HEAD_REPRO}/*.bundle.json \
+      --impl 'plugin:${CPU_PLUGIN}?bug=head-dh-shard-partial' && \
+    bash ${EXPECT} 0 'with --impl correct: pass' -- ${LV} replay ${PLUGIN_HEAD_REPRO}/*.bundle.json --impl correct")
 # A bundle is data: replay never loads the library it names unless the command line names it too (issue 30: an
 # edited bundle ran any library, even under --impl correct). The library here would crash if it were loaded.
 set(TAMPERED ${OUT}/plugin_tampered)

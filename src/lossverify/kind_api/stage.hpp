@@ -137,6 +137,15 @@ class Stage {
   // Whether the kind's gradient of the logits stays inside the stage (a fused head never hands it out): its grad
   // and row_sum checks are then not applicable, and the stage's gradients judge it.
   virtual bool logit_gradient_internal() const { return false; }
+  // The stage's own input row of a token (an LM head's h_t), which a reproducer bundle records and checks against
+  // the generator: its width (0: none; the logits are then the inputs that matter) and its values in the dtype.
+  virtual std::int64_t token_input_width(const Case& c) const {
+    (void)c;
+    return 0;
+  }
+  virtual void token_input(const Case& c, const InputSource& inputs, std::int64_t token, double* out) const {
+    (void)c, (void)inputs, (void)token, (void)out;
+  }
   // A stage a native plugin computes (include/lossverify/plugin.h): the capability bit a plugin sets in
   // lv_plugin.losses to be handed cases with the stage, and its name for messages; 0: no plugin computes it.
   virtual std::uint32_t plugin_capability() const { return 0; }

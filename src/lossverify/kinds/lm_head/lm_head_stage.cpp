@@ -38,20 +38,27 @@ class LmHeadStage final : public Stage {
     using O = HeadOptions;
     constexpr OptionsSlot slot = &LossSpec::stage_options;
     static const SettingTable table{
-        integer_setting("hidden", &O::hidden, 64, slot).range(1, 65536).described("H: the hidden size"),
+        integer_setting("hidden", &O::hidden, 64, slot)
+            .range(1, 65536)
+            .halves_in_shrink()
+            .described("H: the hidden size"),
         boolean_setting("bias", &O::bias, false, slot).described("a bias b (V) after h W^T").shrinks_as("no bias"),
         number_setting("hidden_scale", &O::hidden_scale, 1.0, slot)
             .range(0.0, 1e3, true)
+            .shrinks_as("hidden scale 1")
             .described("the hidden states' standard deviation"),
         number_setting("weight_scale", &O::weight_scale, 0.0, slot)
             .range(0.0, 1e3)
+            .shrinks_as("W at the case's logit scale")
             .described("W's standard deviation; 0: inputs.scale / (sqrt(H) hidden_scale), the case's logit scale"),
         choice_setting("dh_reduce", &O::dh_reduce, std::array{O::DhReduce::head, O::DhReduce::framework},
                        O::DhReduce::head, slot)
+            .shrinks_as("the head sums dh")
             .described("who sums a vocab-parallel head's dh over TP: the head (a rank returns the whole dh) or the "
                        "framework after it (a rank returns its shard's partial dh)"),
         integer_setting("chunks", &O::chunks, 4, slot)
             .range(1, 4096)
+            .halves_in_shrink()
             .described("lossverify's own head: its chunks of a rank's tokens (the oracle does not read it)"),
     };
     return table;
@@ -111,6 +118,10 @@ class LmHeadStage final : public Stage {
   void cpu_backward(const StageRank& rank) const override { lm_head_cpu_backward(rank); }
   std::unique_ptr<StageReference> reference(const Case& c, const InputSource& inputs) const override {
     return make_lm_head_reference(c, inputs);
+  }
+  std::int64_t token_input_width(const Case& c) const override { return head_options(c.loss).hidden; }
+  void token_input(const Case& c, const InputSource& inputs, std::int64_t token, double* out) const override {
+    head_hidden_row(c, inputs, token, out);
   }
   std::uint32_t plugin_capability() const override { return LV_SUPPORTS_LM_HEAD; }
   std::string_view plugin_capability_name() const override { return "LV_SUPPORTS_LM_HEAD"; }
