@@ -205,6 +205,16 @@ lossverify_plugin_policy_fault(values_overrun "rank 0: plugin plugin:.*: wrote p
   values-overrun@0)
 lossverify_plugin_policy_fault(values_far "rank 3: plugin plugin:.*: wrote past the end of its per-row value buffer"
   values-far@3)
+# The head's outputs (LV_SUPPORTS_LM_HEAD): a wrong count, or a write past one, is exit 3 naming the plugin and the rank.
+function(lossverify_plugin_head_fault name regex fault)
+  lossverify_cli_test(plugin_head_fault_${name} 3 ${regex} --within 30 --absent ${OUT}/plugin_head_${name}.json
+    -- ${LV} run ${CASES}/head-ce-sp-tp4-cp2-ga2.json --impl "plugin:${FAULTY}?fault=${fault}" --timeout 2
+       --report ${OUT}/plugin_head_${name}.json)
+endfunction()
+lossverify_plugin_head_fault(count
+  "rank 1: plugin plugin:.*: wrote [0-9]+ dh elements \\(head_dh_count\\), but the rank's head has [0-9]+ \\(head_dh_rows x head_hidden\\)"
+  head-count@1)
+lossverify_plugin_head_fault(overrun "rank 2: plugin plugin:.*: wrote past the end of its head dW buffer" head-overrun@2)
 lossverify_cli_test(plugin_bad_parameter 2 "the plugin refuses its parameters \"bug=nope\": unknown parameter"
   -- ${LV} run ${PLUGIN_CASE} --impl "plugin:${CPU_PLUGIN}?bug=nope")
 lossverify_cli_test(plugin_host_on_cuda 2 "--backend cuda: the plugin .* computes in host memory"
