@@ -179,8 +179,8 @@ std::string size_line(const char* what, std::int64_t before, std::int64_t after)
 }
 
 std::string layout_text(const LayoutSpec& l) {
-  return "tp=" + std::to_string(l.tp) + " cp=" + std::to_string(l.cp) + " dp=" + std::to_string(l.dp) +
-         " ga=" + std::to_string(l.ga);
+  return "tp=" + std::to_string(l.tp) + (l.sp ? " sp" : "") + " cp=" + std::to_string(l.cp) +
+         " dp=" + std::to_string(l.dp) + " ga=" + std::to_string(l.ga);
 }
 
 int command_shrink(const ShrinkArguments& args) {

@@ -1,10 +1,11 @@
 // Example lossverify plugin, host memory: one rank's vocabulary-parallel cross-entropy (and forward-KL
 // knowledge distillation) over all its micro-batches, written from docs/spec.md §3 and §5; the RL policy
-// loss of the same library is in cpu_policy.cpp.
+// loss of the same library is in cpu_policy.cpp, and the LM head in front of cross-entropy and KD in cpu_lm_head.hpp.
 //
 //   lossverify run CASE.json --impl plugin:./libcpu_cross_entropy.so
 //   lossverify run CASE.json --impl plugin:./libcpu_cross_entropy.so?bug=smoothing-partition-vocab
 //   lossverify run CASE.json --impl plugin:./libcpu_cross_entropy.so?bug=rl-kl-no-grad  (or rl-temperature-one-side)
+//   lossverify run cases/head-ce-tp2-dp2-ga2.json --impl plugin:./libcpu_cross_entropy.so?bug=head-dh-shard-partial
 //
 // Per micro-batch and row: M = all-reduce max of the local maxima, then one packed all-reduce sum of
 // S = sum exp(x - M), x_l - M (the label's owner contributes it) and Z = sum (x - M); the loss follows
@@ -14,6 +15,7 @@
 #include <lossverify/plugin.h>
 
 #include "cpu_elements.hpp"
+#include "cpu_lm_head.hpp"
 #include "cpu_policy.hpp"
 #include "plugin_common.hpp"
 
@@ -38,14 +40,16 @@ constexpr std::string_view kSmoothingPartitionVocab = "bug=smoothing-partition-v
 constexpr std::string_view kKlNoGrad = "bug=rl-kl-no-grad";
 constexpr std::string_view kTemperatureOneSide = "bug=rl-temperature-one-side";
 constexpr std::string_view kGspoCpLocalRatio = "bug=rl-gspo-cp-local-ratio";
-constexpr std::initializer_list<std::string_view> kParameters = {kSmoothingPartitionVocab, kKlNoGrad,
-                                                                 kTemperatureOneSide, kGspoCpLocalRatio};
+constexpr std::string_view kHeadDhShardPartial = "bug=head-dh-shard-partial";
+constexpr std::initializer_list<std::string_view> kParameters = {
+    kSmoothingPartitionVocab, kKlNoGrad, kTemperatureOneSide, kGspoCpLocalRatio, kHeadDhShardPartial};
 
 struct Options {
   // Megatron-LM's vocab-parallel smoothing before PR #5522: the smoothing constants use the shard width V_p
   // and the mean log-probability is the shard's own, in the forward and the backward.
   bool smoothing_partition_vocab = false;
   PolicyBugs policy;
+  HeadBugs head;
 };
 
 Options parse_options(const char* params) {
@@ -55,6 +59,7 @@ Options parse_options(const char* params) {
   options.policy.kl_no_grad = has_parameter(given, kKlNoGrad);
   options.policy.temperature_one_side = has_parameter(given, kTemperatureOneSide);
   options.policy.gspo_cp_local_ratio = has_parameter(given, kGspoCpLocalRatio);
+  options.head.dh_shard_partial = has_parameter(given, kHeadDhShardPartial);
   return options;
 }
 
@@ -308,6 +313,15 @@ void run_typed(const lv_rank_inputs& in, lv_rank_outputs& out, const Options& op
   if (out.has_logged_loss != 0) out.logged_loss = logged_loss(plan, out.token_loss, sum_over_dp_cp);
 }
 
+// The kind on the case's logits, or behind the LM head when the case has one.
+template <class T>
+void run_head_and_kind(const lv_rank_inputs& in, lv_rank_outputs& out, const Options& options,
+                       const Collectives& comm) {
+  if (!has_head(in)) return run_typed<T>(in, out, options, comm);
+  run_with_head<T>(in, out, options.head, comm,
+                   [&](const lv_rank_inputs& kind_inputs) { run_typed<T>(kind_inputs, out, options, comm); });
+}
+
 void run(const lv_rank_inputs& in, lv_rank_outputs& out, const Collectives& comm) {
   check_rank_inputs(in, out);
   if (in.memory != LV_MEMORY_HOST) throw std::invalid_argument("inputs are not in host memory");
@@ -318,11 +332,11 @@ void run(const lv_rank_inputs& in, lv_rank_outputs& out, const Collectives& comm
   if (in.loss.kind == LV_LOSS_POLICY) return run_policy(in, out, options.policy, comm);
   switch (in.dtype) {
     case LV_DTYPE_F32:
-      return run_typed<float>(in, out, options, comm);
+      return run_head_and_kind<float>(in, out, options, comm);
     case LV_DTYPE_BF16:
-      return run_typed<Bf16>(in, out, options, comm);
+      return run_head_and_kind<Bf16>(in, out, options, comm);
     case LV_DTYPE_F16:
-      return run_typed<Fp16>(in, out, options, comm);
+      return run_head_and_kind<Fp16>(in, out, options, comm);
   }
   throw std::invalid_argument("unknown dtype " + std::to_string(static_cast<int>(in.dtype)));
 }
@@ -338,11 +352,12 @@ int check_params(const char* params, char* error, size_t error_size) {
 const lv_plugin kPlugin = {
     LV_PLUGIN_ABI_VERSION,
     "example-cpu-cross-entropy",
-    "example plugin: vocabulary-parallel cross-entropy, KD and the RL policy loss on the host "
-    "(bug=smoothing-partition-vocab, bug=rl-kl-no-grad, bug=rl-temperature-one-side, bug=rl-gspo-cp-local-ratio "
-    "available)",
+    "example plugin: vocabulary-parallel cross-entropy, KD and the RL policy loss on the host, "
+    "and the LM head in front of cross-entropy and KD (bug=smoothing-partition-vocab, bug=rl-kl-no-grad, "
+    "bug=rl-temperature-one-side, bug=rl-gspo-cp-local-ratio, bug=head-dh-shard-partial available)",
     LV_MEMORY_HOST,
-    LV_SUPPORTS_CROSS_ENTROPY | LV_SUPPORTS_KD | LV_SUPPORTS_POLICY | LV_SUPPORTS_POLICY_SEQUENCE_RATIO,
+    LV_SUPPORTS_CROSS_ENTROPY | LV_SUPPORTS_KD | LV_SUPPORTS_POLICY | LV_SUPPORTS_POLICY_SEQUENCE_RATIO |
+        LV_SUPPORTS_LM_HEAD,
     run_rank,
     check_params,
 };

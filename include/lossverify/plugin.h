@@ -48,7 +48,9 @@
  * bit (LV_SUPPORTS_POLICY_SEQUENCE_RATIO): one built before it is never handed ratio sequence. Then the kind's name
  * and all its settings as one self-describing block (loss_kind, settings), appended within v1 with the optional
  * lossverify_plugin_names() symbol: every later setting travels there only (lv_find_setting). struct_size is
- * the size lossverify passes; a plugin that needs appended fields checks it (examples/plugins does).
+ * the size lossverify passes; a plugin that needs appended fields checks it (examples/plugins does). The LM head
+ * stage's inputs and outputs were appended the same way, behind LV_SUPPORTS_LM_HEAD: a plugin built before them is
+ * never handed a case with a stage (run: exit 2 naming it; gate: not run).
  * Where it runs: in a plugin host, a child process of lossverify (lossverify-plugin-host) that loads the library
  * and serves the rank's calls; inputs and outputs are in memory shared with lossverify. lossverify takes a rank's
  * outputs only when run_rank has returned: an exit(), _exit(), quick_exit() or a crash anywhere in the plugin
@@ -93,6 +95,10 @@ typedef enum lv_loss_kind {
 /* Capabilities beyond a loss kind (bits from 16 up; the kinds' bits, 1 << lv_loss_kind, stay below): a case whose
  * settings need one is given only to a plugin that sets it (run: exit 2 naming the setting; gate: not run). */
 #define LV_SUPPORTS_POLICY_SEQUENCE_RATIO (1u << 16) /* the policy loss's lv_rank_inputs.policy_ratio sequence */
+#define LV_SUPPORTS_LM_HEAD (1u << 17) /* an LM head in front of the kind: lv_rank_inputs.head_* (host memory) */
+
+/* Who sums a vocab-parallel head's dh over TP (the case's stage.dh_reduce). */
+typedef enum lv_head_dh_reduce { LV_HEAD_DH_HEAD = 0, LV_HEAD_DH_FRAMEWORK = 1 } lv_head_dh_reduce;
 
 typedef enum lv_reduction { LV_REDUCTION_MEAN = 0, LV_REDUCTION_SUM = 1, LV_REDUCTION_NONE = 2 } lv_reduction;
 
@@ -265,6 +271,25 @@ typedef struct lv_rank_inputs {
    * each CP rank's tokens: the TP group then holds the other parts of this rank's micro-batches, and DP_CP is every
    * rank of the world (every rank holds other tokens). */
   int32_t sequence_parallel;
+  /* ---- Appended for the LM head stage (within version 1; docs/plugins.md, "The LM head"). A case with "stage":
+   * {"kind": "lm_head"} reaches only a plugin that sets LV_SUPPORTS_LM_HEAD; for every other case head_hidden is 0
+   * and the arrays are NULL. Under a head, `logits` is NULL: the plugin makes the kind's logits itself, u = h W_r^T
+   * (+ b_r) over the rank's columns, runs the kind on u exactly as on logits, and from the kind's gradient g of u
+   * (never judged: it stays inside a fused head; `grad` may hold it) returns dh = g W_r, its dW_r = sum_t g_t^T h_t
+   * and db_r = sum_t g_t over its rows of all micro-batches, in the head's outputs of lv_rank_outputs. Host memory,
+   * in dtype, read-only. */
+  int64_t head_hidden;          /* H; 0: no head */
+  int32_t head_bias;            /* 1: the head adds b */
+  int32_t head_dh_reduce;       /* lv_head_dh_reduce: the head sums dh over TP, or each rank returns its partial */
+  const void* hidden_states;    /* rows x H: h of every local row (0 on CP padding), under sequence parallelism as
+                                   all-gathered over TP */
+  const void* head_weight;      /* (vocab_end - vocab_begin) x H: W's rows of the rank's columns */
+  const void* head_bias_values; /* vocab_end - vocab_begin: b's (zeros without a bias) */
+  /* The local rows whose dh the rank returns, in order: every row, or under sequence parallelism with
+   * LV_HEAD_DH_HEAD the rank's token shard of each micro-batch (the reduce-scatter's part: sum dh over TP, keep
+   * these rows). */
+  int64_t head_dh_rows;
+  const int64_t* head_dh_row_index;
 } lv_rank_inputs;
 
 typedef struct lv_rank_outputs {
@@ -293,6 +318,12 @@ typedef struct lv_rank_outputs {
    * applicable). */
   double* scope_values;
   int64_t scope_value_count;
+  /* ---- Appended for the LM head stage (within version 1; NULL and unread without a head). Zero-filled, in dtype,
+   * host memory; the plugin sets each count to the elements it wrote (checked). */
+  void* head_dh; /* head_dh_rows x head_hidden, row i the dh of local row head_dh_row_index[i] */
+  void* head_dw; /* (vocab_end - vocab_begin) x head_hidden: the rank's dW_r */
+  void* head_db; /* vocab_end - vocab_begin: the rank's db_r (NULL without a bias) */
+  int64_t head_dh_count, head_dw_count, head_db_count;
 } lv_rank_outputs;
 
 typedef struct lv_plugin {

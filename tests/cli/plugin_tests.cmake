@@ -129,6 +129,37 @@ foreach(router_impl correct moe-aux-local-counts moe-aux-tp-sum)
         --expect ${router_impl} --cases ${ROUTER_CASES}_${router_test_name} --golden ${PROJECT_SOURCE_DIR}/golden --threads 2")
   set_tests_properties(cli_plugin_router_gate_${router_test_name} PROPERTIES TIMEOUT 600)
 endforeach()
+# The LM head through the ABI (LV_SUPPORTS_LM_HEAD, lv_rank_inputs.head_*): the example CPU plugin passes the gate as
+# the correct implementation on every head case and its sweep (sequence parallelism too), and with
+# bug=head-dh-shard-partial fails exactly where golden says that bug fails; a plugin built before the head (the v1
+# plugin) is refused a head case before any work, naming the capability, and the gate records it as not run.
+set(HEAD_CASES ${OUT}/plugin_head_cases)
+foreach(head_impl correct head-dh-shard-partial)
+  string(MAKE_C_IDENTIFIER "${head_impl}" head_test_name)
+  if(head_impl STREQUAL correct)
+    set(head_param "")
+    set(head_expect "gate: PASS")
+  else()
+    set(head_param "?bug=${head_impl}")
+    set(head_expect "mutation score: 1/1 bugs caught")
+  endif()
+  add_test(NAME cli_plugin_head_gate_${head_test_name}
+    COMMAND bash -c "rm -rf ${HEAD_CASES}_${head_test_name} && mkdir -p ${HEAD_CASES}_${head_test_name} && \
+      cp ${CASES}/head-*.json ${HEAD_CASES}_${head_test_name}/ && \
+      bash ${EXPECT} 0 '${head_expect}' -- ${LV} gate --impl 'plugin:${CPU_PLUGIN}${head_param}' \
+        --expect ${head_impl} --cases ${HEAD_CASES}_${head_test_name} --golden ${PROJECT_SOURCE_DIR}/golden --threads 2")
+  set_tests_properties(cli_plugin_head_gate_${head_test_name} PROPERTIES TIMEOUT 600)
+endforeach()
+lossverify_cli_test(plugin_v1_refuses_head 2
+  "does not implement a case with the stage lm_head in front of its kind \\(its lv_plugin.losses lacks LV_SUPPORTS_LM_HEAD\\)"
+  --absent ${OUT}/plugin_v1_head.json
+  -- ${LV} run ${CASES}/head-ce-tp2-dp2-ga2.json --impl plugin:$<TARGET_FILE:lossverify_test_v1_cross_entropy_plugin>
+     --report ${OUT}/plugin_v1_head.json)
+set(V1_HEAD_CASES ${OUT}/plugin_v1_head_cases)
+add_test(NAME cli_plugin_gate_skips_head_without_the_capability
+  COMMAND bash -c "rm -rf ${V1_HEAD_CASES} && mkdir -p ${V1_HEAD_CASES} && cp ${CASES}/head-*.json ${V1_HEAD_CASES}/ && \
+    bash ${EXPECT} 1 'NOTHING RAN' -- ${LV} gate --impl plugin:$<TARGET_FILE:lossverify_test_v1_cross_entropy_plugin> \
+      --cases ${V1_HEAD_CASES} --golden ${PROJECT_SOURCE_DIR}/golden")
 lossverify_cli_test(plugin_router_too_many_layers 2
   "does not implement a case that logs 10 statistics \\(the ABI carries 8: a router of at most 3 layers\\)"
   -- ${LV} run ${CASES}/moe-aux-sp-tp2-cp2.json --set loss.layers=4 --impl plugin:${ROUTER_PLUGIN})
@@ -174,6 +205,16 @@ lossverify_plugin_policy_fault(values_overrun "rank 0: plugin plugin:.*: wrote p
   values-overrun@0)
 lossverify_plugin_policy_fault(values_far "rank 3: plugin plugin:.*: wrote past the end of its per-row value buffer"
   values-far@3)
+# The head's outputs (LV_SUPPORTS_LM_HEAD): a wrong count, or a write past one, is exit 3 naming the plugin and the rank.
+function(lossverify_plugin_head_fault name regex fault)
+  lossverify_cli_test(plugin_head_fault_${name} 3 ${regex} --within 30 --absent ${OUT}/plugin_head_${name}.json
+    -- ${LV} run ${CASES}/head-ce-sp-tp4-cp2-ga2.json --impl "plugin:${FAULTY}?fault=${fault}" --timeout 2
+       --report ${OUT}/plugin_head_${name}.json)
+endfunction()
+lossverify_plugin_head_fault(count
+  "rank 1: plugin plugin:.*: wrote [0-9]+ dh elements \\(head_dh_count\\), but the rank's head has [0-9]+ \\(head_dh_rows x head_hidden\\)"
+  head-count@1)
+lossverify_plugin_head_fault(overrun "rank 2: plugin plugin:.*: wrote past the end of its head dW buffer" head-overrun@2)
 lossverify_cli_test(plugin_bad_parameter 2 "the plugin refuses its parameters \"bug=nope\": unknown parameter"
   -- ${LV} run ${PLUGIN_CASE} --impl "plugin:${CPU_PLUGIN}?bug=nope")
 lossverify_cli_test(plugin_host_on_cuda 2 "--backend cuda: the plugin .* computes in host memory"
@@ -186,6 +227,15 @@ add_test(NAME cli_plugin_bundle_replays
     bash ${EXPECT} 0 '^reproduced: FAIL as recorded' -- ${LV} replay ${PLUGIN_REPRO}/*.bundle.json \
       --impl 'plugin:${CPU_PLUGIN}?bug=smoothing-partition-vocab' && \
     bash ${EXPECT} 0 'with --impl correct: pass' -- ${LV} replay ${PLUGIN_REPRO}/*.bundle.json --impl correct")
+# A head case through the plugin: its bundle replays with the same plugin and bug to the same verdict.
+set(PLUGIN_HEAD_REPRO ${OUT}/plugin_head_repro)
+add_test(NAME cli_plugin_head_bundle_replays
+  COMMAND bash -c "rm -rf ${PLUGIN_HEAD_REPRO} && mkdir -p ${PLUGIN_HEAD_REPRO} && \
+    bash ${EXPECT} 1 'dh +FAIL' -- ${LV} run ${CASES}/head-kd-tp4-cp2-ga2.json \
+      --impl 'plugin:${CPU_PLUGIN}?bug=head-dh-shard-partial' --save-inputs failed --save-inputs-dir ${PLUGIN_HEAD_REPRO} && \
+    bash ${EXPECT} 0 '^reproduced: FAIL as recorded' -- ${LV} replay ${PLUGIN_HEAD_REPRO}/*.bundle.json \
+      --impl 'plugin:${CPU_PLUGIN}?bug=head-dh-shard-partial' && \
+    bash ${EXPECT} 0 'with --impl correct: pass' -- ${LV} replay ${PLUGIN_HEAD_REPRO}/*.bundle.json --impl correct")
 # A bundle is data: replay never loads the library it names unless the command line names it too (issue 30: an
 # edited bundle ran any library, even under --impl correct). The library here would crash if it were loaded.
 set(TAMPERED ${OUT}/plugin_tampered)

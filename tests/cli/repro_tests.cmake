@@ -84,6 +84,18 @@ add_test(NAME cli_shrink_output_is_smaller
   COMMAND ${LOSSVERIFY_SYSTEM_PYTHON} -c "import json,sys; a=json.load(open(sys.argv[1])); b=json.load(open(sys.argv[2])); n=lambda c: c['shape'].get('tokens', sum(c.get('batch', {}).get('sequence_lengths', [0]))) * c['shape']['vocab']; print(n(a), '->', n(b)); sys.exit(0 if 100 * n(b) <= n(a) else 1)"
           ${CASES}/smoothing-pytorch.json ${REPRO}/shrunk.json)
 set_tests_properties(cli_shrink_output_still_fails cli_shrink_output_is_smaller PROPERTIES FIXTURES_REQUIRED shrunk_case)
+# A head case (an LM head under sequence parallelism): its bundle records h of each failing token and replays to the
+# same verdict; shrink takes it to one token, two columns, H = 1 and tp = 2 without sp, still failing dh.
+set(HEAD_REPRO ${REPRO}/head)
+add_test(NAME cli_repro_head_bundle_replays_and_shrinks
+  COMMAND bash -c "rm -rf ${HEAD_REPRO} && mkdir -p ${HEAD_REPRO} && \
+    bash ${EXPECT} 1 'dh +FAIL' -- ${LV} run ${CASES}/head-ce-sp-tp4-cp2-ga2.json --impl head-dh-shard-partial \
+      --save-inputs failed --save-inputs-dir ${HEAD_REPRO} --threads 2 && \
+    grep -q stage_input_bits ${HEAD_REPRO}/*.bundle.json && \
+    bash ${EXPECT} 0 '^reproduced: FAIL as recorded: dh fails' -- ${LV} replay ${HEAD_REPRO}/*.bundle.json --threads 2 && \
+    bash ${EXPECT} 0 'layout      tp=4 sp cp=2 dp=1 ga=2 -> tp=2 cp=1 dp=1 ga=1' -- ${LV} shrink \
+      ${CASES}/head-ce-sp-tp4-cp2-ga2.json --impl head-dh-shard-partial --out ${HEAD_REPRO}/shrunk.json --threads 2 && \
+    bash ${EXPECT} 1 'dh +FAIL' -- ${LV} run ${HEAD_REPRO}/shrunk.json --impl head-dh-shard-partial")
 lossverify_cli_test(shrink_nothing_to_shrink 2 "nothing to shrink: .*smoothing-pytorch\\.json passes with --impl correct"
   --absent ${REPRO}/nothing.json
   -- ${LV} shrink ${CASES}/smoothing-pytorch.json --impl correct --out ${REPRO}/nothing.json --threads 2)

@@ -10,7 +10,9 @@
 //   outputs:     rows, losses, unlogged, overrun (8 bytes past the gradient), guard-value (the old guard byte
 //                0xA5 past it), underrun (8 bytes before it), overrun-far (past the gradient's guard page);
 //                of a policy case: values (one row too many), statistics (a count of 3), values-overrun (8
-//                bytes past the per-row values), values-far (into the guard page after them)
+//                bytes past the per-row values), values-far (into the guard page after them); of a head case
+//                (it declares LV_SUPPORTS_LM_HEAD and writes zeros as the head's outputs): head-count (one dh
+//                element short), head-overrun (8 bytes past its dW)
 //   after return, on a thread it started: thread-exit, thread-crash, late-allreduce
 //   at load (no rank): params-exit, params-crash (check_params); and, from the environment variable
 //   LOSSVERIFY_TEST_LOAD_FAULT, ctor-exit, ctor-crash (a static constructor), entry-exit, entry-crash
@@ -187,6 +189,13 @@ int run_rank(const lv_rank_inputs* in, lv_rank_outputs* out, const lv_collective
     if (mine && fault.kind == "values-overrun") std::memset(values + value_bytes, 0x11, 8);
     if (mine && fault.kind == "values-far") std::memset(values + value_bytes + ::sysconf(_SC_PAGESIZE) - 8, 0x11, 8);
   }
+  if (in->head_hidden > 0) {  // zeros of the right sizes, unless the fault says otherwise
+    out->head_dh_count = in->head_dh_rows * in->head_hidden - (mine && fault.kind == "head-count" ? 1 : 0);
+    out->head_dw_count = columns * in->head_hidden;
+    out->head_db_count = in->head_bias != 0 ? columns : 0;
+    const std::size_t dw_bytes = static_cast<std::size_t>(out->head_dw_count) * element_bytes(in->dtype);
+    if (mine && fault.kind == "head-overrun") std::memset(static_cast<char*>(out->head_dw) + dw_bytes, 0x11, 8);
+  }
   if (mine && (fault.kind == "thread-exit" || fault.kind == "thread-crash" || fault.kind == "late-allreduce")) {
     after_return(fault.kind, c);
   }
@@ -207,7 +216,7 @@ const lv_plugin plugin = {LV_PLUGIN_ABI_VERSION,
                           "faulty",
                           "misbehaves on purpose (tests)",
                           LV_MEMORY_HOST,
-                          LV_SUPPORTS_CROSS_ENTROPY | LV_SUPPORTS_KD | LV_SUPPORTS_POLICY,
+                          LV_SUPPORTS_CROSS_ENTROPY | LV_SUPPORTS_KD | LV_SUPPORTS_POLICY | LV_SUPPORTS_LM_HEAD,
                           run_rank,
                           check_params};
 

@@ -285,3 +285,24 @@ TEST_CASE("global_batch_of_one_sequence_holds_every_token") {
     CHECK(batch.is_last_of_sequence(t) == (t == 6));
   }
 }
+
+TEST_CASE("sequence_parallel_slots_name_the_rows_of_sequence_parallel_part_and_cover_a_micro_batch_once") {
+  for (const std::int64_t count : {1, 5, 8, 11}) {
+    for (const int tp : {2, 3, 4}) {
+      std::vector<LocalRow> rows(static_cast<std::size_t>(count));
+      for (std::int64_t i = 0; i < count; ++i) rows[static_cast<std::size_t>(i)].token = 100 + i;
+      std::vector<int> seen(static_cast<std::size_t>(count), 0);
+      for (int r = 0; r < tp; ++r) {
+        const std::vector<LocalRow> part = sequence_parallel_part(rows, tp, r);
+        const std::vector<std::int64_t> slots = sequence_parallel_slots(count, tp, r);
+        REQUIRE(slots.size() == part.size());
+        CHECK(slots.size() == static_cast<std::size_t>((count + tp - 1) / tp));
+        for (std::size_t j = 0; j < slots.size(); ++j) {
+          CHECK(part[j].token == (slots[j] < 0 ? -1 : 100 + slots[j]));
+          if (slots[j] >= 0) ++seen[static_cast<std::size_t>(slots[j])];
+        }
+      }
+      CHECK(std::all_of(seen.begin(), seen.end(), [](int n) { return n == 1; }));
+    }
+  }
+}

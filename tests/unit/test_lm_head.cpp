@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <random>
+#include <tuple>
 #include <vector>
 
 #include "lossverify/core/errors.hpp"
@@ -262,6 +263,61 @@ TEST_CASE("lm_head: each catalogued bug shows the signal its entry predicts, whe
   capped["loss"]["softcap"] = 5.0;
   const RunResult uncapped = testing::run_with(testing::make_case(capped), "head-softcap-dropped");
   for (const char* check : {"loss", "dh", "dW"}) CHECK(testing::check_named(uncapped, check).verdict == Verdict::fail);
+}
+
+TEST_CASE("lm_head: under sequence parallelism each TP rank reports dh of its own token shard, summed over TP") {
+  // The same case without sp: every TP rank reports dh of every row, so the dh check compares TP times as many
+  // elements; under sp each row's dh is reported once, by the TP rank whose shard holds it.
+  for (const auto& [tp, cp, ga] : std::vector<std::tuple<int, int, int>>{{2, 1, 1}, {4, 2, 2}, {3, 1, 2}}) {
+    CAPTURE(tp);
+    CAPTURE(cp);
+    nlohmann::json j = head_case(tp, "bf16", {{"chunks", 4}});
+    j["layout"] = {{"tp", tp}, {"cp", cp}, {"ga", ga}, {"sp", true}};
+    const Case sp = testing::make_case(j);
+    const RunResult sharded = testing::run_with(sp, "correct");
+    CHECK(sharded.verdict == Verdict::pass);
+    j["layout"]["sp"] = false;
+    const RunResult replicated = testing::run_with(testing::make_case(j), "correct");
+    CHECK(replicated.verdict == Verdict::pass);
+    const auto compared = [](const RunResult& r, const char* check) {
+      return testing::check_named(r, check).metrics.at("compared").get<std::int64_t>();
+    };
+    CHECK(compared(sharded, "dh") * tp == compared(replicated, "dh"));
+    CHECK(compared(sharded, "dW") == compared(replicated, "dW"));  // dW_r covers the gathered rows either way
+    // the dh reduction bugs: a shard's dh never summed (a scatter in place of the reduce-scatter), or summed twice
+    const RunResult partial = testing::run_with(sp, "head-dh-shard-partial");
+    CHECK(testing::check_named(partial, "dh").verdict == Verdict::fail);
+    CHECK(testing::check_named(partial, "dW").verdict == Verdict::pass);
+    CHECK(testing::check_named(partial, "loss").verdict == Verdict::pass);
+    const CheckResult& doubled = testing::check_named(testing::run_with(sp, "head-dh-double-reduce"), "dh");
+    CHECK(doubled.verdict == Verdict::fail);
+    REQUIRE(doubled.worst.has_value());
+    CHECK(doubled.worst->got == doctest::Approx(tp * doubled.worst->expected).epsilon(2e-2));
+  }
+}
+
+TEST_CASE(
+    "lm_head: under sequence parallelism with the framework's contract a rank returns every gathered row's partial") {
+  nlohmann::json j = head_case(2, "fp32", {{"dh_reduce", "framework"}});
+  j["layout"] = {{"tp", 2}, {"sp", true}};
+  const Case c = testing::make_case(j);
+  const RunResult correct = testing::run_with(c, "correct");
+  CHECK(correct.verdict == Verdict::pass);
+  j["layout"]["sp"] = false;
+  CHECK(testing::check_named(correct, "dh").metrics.at("compared") ==
+        testing::check_named(testing::run_with(testing::make_case(j), "correct"), "dh").metrics.at("compared"));
+  CHECK(testing::run_with(c, "head-dh-shard-partial").verdict == Verdict::pass);  // the framework sums it
+  CHECK(testing::check_named(testing::run_with(c, "head-dh-double-reduce"), "dh").verdict == Verdict::fail);
+}
+
+TEST_CASE(
+    "lm_head: layout.sp is taken in front of cross-entropy, kept in the resolved case, and refused without a head") {
+  nlohmann::json j = head_case(2, "fp32");
+  j["layout"] = {{"tp", 2}, {"sp", true}};
+  CHECK(testing::make_case(j).resolved()["layout"]["sp"] == true);
+  j.erase("stage");
+  CHECK_THROWS_WITH_AS(testing::make_case(j), doctest::Contains("$.layout.sp: applies to a kind whose rows are whole"),
+                       CaseError);
 }
 
 }  // namespace lossverify

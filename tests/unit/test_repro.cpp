@@ -1,6 +1,7 @@
 // Reproducer bundles (write, read, replay, tamper detection) and case shrinking.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <string>
@@ -49,6 +50,18 @@ std::string rejection(json bundle, const std::function<void(json&)>& tamper) {
     return e.what();
   }
   return "";
+}
+
+// A small LM head case (docs/spec.md §3, the head): bf16, tp 2 under sequence parallelism, cp 2 with padding, ga 2.
+json head_case_json() {
+  return {{"name", "head"},
+          {"shape", {{"vocab", 48}}},
+          {"batch", {{"sequence_lengths", {9, 7, 11, 6}}}},
+          {"loss", {{"label_smoothing", 0.1}}},
+          {"stage", {{"kind", "lm_head"}, {"hidden", 24}, {"chunks", 8}, {"bias", true}}},
+          {"inputs", {{"seed", 5}, {"dtype", "bf16"}, {"scale", 2.0}, {"ignore_fraction", 0.1}}},
+          {"layout", {{"tp", 4}, {"cp", 2}, {"ga", 2}, {"sp", true}}},
+          {"timeout_seconds", 60.0}};
 }
 
 }  // namespace
@@ -308,4 +321,65 @@ TEST_CASE("compact_case_documents_read_back_to_the_same_case") {
     CHECK(!compact.contains("sweep"));
     CHECK(compact.dump().size() < without_sweep.resolved().dump().size());
   }
+}
+
+TEST_CASE("head_bundles_replay_to_the_same_verdict_and_record_each_rows_hidden_states") {
+  const RunResult original = run_with(lossverify::testing::make_case(head_case_json()), "head-dh-shard-partial");
+  REQUIRE(original.verdict == Verdict::fail);
+  const json document = make_bundle(original, BundleContext{});
+  const Bundle bundle = parse_bundle(json::parse(document.dump()), "b.json");
+  REQUIRE(!bundle.rows.empty());
+  // Each recorded row carries h of its token exactly: the head's stream, from the definition (hidden_scale 1).
+  const InputSource inputs(bundle.the_case);
+  for (const RecordedRow& row : bundle.rows) {
+    std::vector<double> h(24);
+    inputs.stage_values(InputStream::head_hidden, static_cast<std::uint64_t>(row.token), 0, 24, 1.0, h.data());
+    CHECK(row.stage_input == h);
+  }
+  CHECK(input_drift(bundle).empty());
+  CHECK(compare_outcome(bundle, run_with(bundle.the_case, bundle.implementation)).reproduced);
+  CHECK(!compare_outcome(bundle, run_with(bundle.the_case, "correct")).reproduced);
+  // Another generator (here: another seed) is named, the stage's rows among the drifted ones.
+  json reseeded = document;
+  reseeded["case"]["inputs"]["seed"] = 99;
+  const auto drift = input_drift(parse_bundle(reseeded, "b.json"));
+  CHECK(std::any_of(drift.begin(), drift.end(),
+                    [](const std::string& line) { return line.find("generates stage inputs") != std::string::npos; }));
+  CHECK(rejection(document,
+                  [](json& b) {
+                    std::string bits = b["failing_rows"][0]["stage_input_bits"].get<std::string>();
+                    b["failing_rows"][0]["stage_input_bits"] = bits.substr(0, bits.rfind(' '));
+                  })
+            .find("$.failing_rows[0].stage_input_bits: has 23 values, expected the stage's input width = 24") !=
+        std::string::npos);
+}
+
+TEST_CASE("shrink_reduces_a_head_case_in_tokens_vocab_hidden_chunks_and_layout_while_dh_still_fails") {
+  const Case c = lossverify::testing::make_case(head_case_json());
+  ShrinkOptions options;
+  options.implementation = "head-dh-shard-partial";
+  options.check = "dh";
+  options.threads = 2;
+  options.max_trials = 400;
+  const ShrinkResult result = shrink_case(c, options);
+  CHECK(result.check == "dh");
+  CHECK(result.after.tokens < result.before.tokens);
+  CHECK(result.after.vocab < result.before.vocab);
+  const Case& shrunk = result.minimized_case;
+  REQUIRE(shrunk.loss.stage != nullptr);
+  const nlohmann::json stage = shrunk.resolved()["stage"];
+  CHECK(stage["hidden"].get<int>() < 24);
+  CHECK(stage["chunks"].get<int>() < 8);
+  CHECK(stage["bias"] == false);  // the bug needs no bias
+  // dh left partial needs two vocabulary shards, and nothing else of the layout
+  CHECK(result.after.layout.tp == 2);
+  CHECK(!result.after.layout.sp);
+  CHECK(result.after.layout.cp == 1);
+  CHECK(result.after.layout.ga == 1);
+  // The written document reads back as a head case that still fails dh, and passes with the fix.
+  const Case reread = parse_case(json::parse(result.minimized.dump()), "shrunk.json");
+  CHECK(check_named(run_with(reread, "head-dh-shard-partial"), "dh").verdict == Verdict::fail);
+  CHECK(run_with(reread, "correct").verdict == Verdict::pass);
+  CHECK(!result.minimized["layout"].contains("sp"));  // compact: the defaults left out
+  CHECK(!result.minimized["stage"].contains("bias"));
 }

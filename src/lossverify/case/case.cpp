@@ -229,10 +229,7 @@ void parse_layout(ObjectReader r, Case& c) {
   c.layout.ga = parse_dimension(r, "ga");
   if (std::int64_t{c.layout.tp} * c.layout.cp * c.layout.dp > 65536) r.fail_here("tp * cp * dp must be <= 65536 ranks");
   c.layout.sp = r.boolean("sp", false);
-  if (c.layout.sp && kind_of(c.loss).columns_split_by_tp()) {
-    r.fail("sp", "applies to a kind whose rows are whole on every rank; TP splits the columns of " +
-                     std::string(kind_of(c.loss).name()) + "'s rows");
-  }
+  if (c.layout.sp && !sequence_parallel_applies(c)) r.fail("sp", sequence_parallel_refusal(c));
   if (c.layout.sp && c.layout.tp == 1) r.fail("sp", "splits a micro-batch's tokens over TP ranks: needs tp > 1");
   r.reject_unknown_keys();
 }
@@ -275,9 +272,8 @@ void parse_sweep(ObjectReader r, Case& c) {
       if (!v.is_boolean()) r.fail("sp", "expected a non-empty array of true/false");
       c.sweep.sp.push_back(v.get<bool>() ? 1 : 0);
     }
-    if (kind_of(c.loss).columns_split_by_tp() && std::count(c.sweep.sp.begin(), c.sweep.sp.end(), 1) > 0) {
-      r.fail("sp", "applies to a kind whose rows are whole on every rank; TP splits the columns of " +
-                       std::string(kind_of(c.loss).name()) + "'s rows");
+    if (!sequence_parallel_applies(c) && std::count(c.sweep.sp.begin(), c.sweep.sp.end(), 1) > 0) {
+      r.fail("sp", sequence_parallel_refusal(c));
     }
   } else {
     r.allow("sp");
@@ -602,6 +598,16 @@ Case load_case_file(const std::string& path, const std::vector<std::string>& set
 
 bool tp_splits_columns(const Case& c) { return kind_of(c.loss).columns_split_by_tp(); }
 
+bool sequence_parallel_applies(const Case& c) {
+  return !tp_splits_columns(c) || (c.loss.stage != nullptr && c.loss.stage->takes_sequence_parallel());
+}
+
+std::string sequence_parallel_refusal(const Case& c) {
+  return "applies to a kind whose rows are whole on every rank, or to a stage in front that takes it (lm_head); TP "
+         "splits the columns of " +
+         std::string(kind_of(c.loss).name()) + "'s rows";
+}
+
 int token_replicas(const Case& c) { return tp_splits_columns(c) || c.layout.sp ? 1 : c.layout.tp; }
 
 std::vector<LayoutSpec> sweep_layouts(const Case& c) {
@@ -720,7 +726,7 @@ json Case::resolved() const {
                 {"placement", std::string(to_string(batch.placement))},
                 {"labels", std::string(to_string(batch.labels))}};
   j["layout"] = {{"tp", layout.tp}, {"cp", layout.cp}, {"dp", layout.dp}, {"ga", layout.ga}};
-  if (!tp_splits_columns(*this)) j["layout"]["sp"] = layout.sp;
+  if (sequence_parallel_applies(*this)) j["layout"]["sp"] = layout.sp;
   j["framework"] = {{"grad_reduce", std::string(to_string(framework.grad_reduce))},
                     {"ga_reduce", std::string(to_string(framework.ga_reduce))}};
   if (!sweep.empty()) {

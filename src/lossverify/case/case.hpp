@@ -184,6 +184,11 @@ void check_case(const Case& c);
 // How TP treats a case's rows (docs/spec.md §4): it splits their columns (the vocabulary) unless the case's kind keeps
 // rows whole on every rank; then it replicates the tokens over TP, or splits them under layout.sp.
 bool tp_splits_columns(const Case& c);
+// Whether layout.sp means something for the case: its kind's rows are whole on every rank (SP splits them), or a
+// stage in front takes the tokens sharded over TP (an LM head gathers h and reduce-scatters dh); and the refusal's
+// words where not.
+bool sequence_parallel_applies(const Case& c);
+std::string sequence_parallel_refusal(const Case& c);
 // How many TP ranks hold each token: TP for whole rows without SP, else 1.
 int token_replicas(const Case& c);
 

@@ -49,6 +49,7 @@ struct Setting {
   std::string required_message;  // "aggregation seq-mean-token-sum-norm needs norm_constant (H_max)"
   bool written_when_off = true;  // false: resolved() leaves out a zero_is_off setting at 0 (dual_clip)
   std::string simplify;          // shrink tries the fallback and says this ("no label smoothing"); "": never
+  bool shrinks_by_half = false;  // integer: shrink halves it (to its low end) while the failure stays (a head's H)
   // The plugin ABI: in_v1_structs, carried by lv_loss_config or lv_policy_config too, so every plugin of the kind
   // reads it; plugin_capability, a bit of lv_plugin.losses that says a plugin knows it. Any other setting reaches
   // a plugin at a value other than its fallback only when the plugin names it ("kind.key", docs/plugins.md).
@@ -83,6 +84,10 @@ struct Setting {
   }
   Setting& shrinks_as(std::string words) {
     simplify = std::move(words);
+    return *this;
+  }
+  Setting& halves_in_shrink() {
+    shrinks_by_half = true;
     return *this;
   }
   Setting& described(std::string words) {

@@ -3,8 +3,8 @@
 // kind's gradient of them goes back through it into gradients of the stage's own inputs, which ranks report and the
 // oracle judges beside the kind's checks, one check per gradient. The LM head (h, W -> logits; g -> dh, dW) is one;
 // tests/kinds/pass_through/ is the least one. A case names its stage in a "stage" section ({"kind": NAME});
-// a stage runs on the CPU backend, and on the CUDA backend where it has a part there (kind_api/cuda_stage.hpp); the
-// host oracle judges it.
+// a stage runs on the CPU backend, on the CUDA backend where it has a part there (kind_api/cuda_stage.hpp), and through
+// a native plugin that declares the stage's capability; the host oracle judges it.
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -17,6 +17,8 @@
 #include "lossverify/core/dtype.hpp"
 #include "lossverify/kind_api/settings.hpp"
 #include "lossverify/layout/vocab_range.hpp"
+
+struct lv_rank_inputs;  // include/lossverify/plugin.h
 
 namespace lossverify {
 
@@ -80,9 +82,9 @@ class StageLogits {
 
 // One rank's stage work on the CPU backend, over all of its rows: `logits` (rows x columns.size(), the dtype's
 // elements) are what the kind will read; `logit_grad` (same shape) is what the kind wrote, and `gradients[w]` the
-// stage's gradient `w` to fill (rows x gradient_columns, in the dtype), once the kind is done; `parameters[p]` its
-// parameter gradient `p` (Stage::parameter_shape, in the dtype). `inputs` generate the stage's own inputs; the
-// collectives run over `groups`.
+// stage's gradient `w` to fill (Stage::gradient_rows x gradient_columns, in the dtype), once the kind is done;
+// `parameters[p]` its parameter gradient `p` (Stage::parameter_shape, in the dtype). `inputs` generate the stage's own
+// inputs; the collectives run over `groups`.
 struct StageRank {
   const Case& c;
   const BugSwitches& bugs;
@@ -118,6 +120,12 @@ class Stage {
   // of each on a rank.
   virtual std::vector<std::string> gradients() const = 0;
   virtual std::int64_t gradient_columns(std::size_t which, const Case& c, const RankAssignment& assignment) const = 0;
+  // Whether the stage takes layout.sp in front of a kind whose columns TP splits: its inputs arrive token-sharded over
+  // TP (gathered before it) and its input gradients leave reduce-scattered, each TP rank with its own token shard's.
+  virtual bool takes_sequence_parallel() const { return false; }
+  // The rank's rows (indices into assignment.rows, in order) whose input gradients it reports, each gradient's rows in
+  // that order; all of them by default.
+  virtual std::vector<std::int64_t> gradient_rows(const Case& c, const RankAssignment& assignment) const;
   // Before the kind's micro-batches: the rank's logits from the stage's inputs (in place: the rank's generated
   // rows are the stage's input). After them: the stage's gradients from the kind's.
   virtual void cpu_forward(const StageRank& rank) const = 0;
@@ -154,6 +162,30 @@ class Stage {
   // Whether the kind's gradient of the logits stays inside the stage (a fused head never hands it out): its grad
   // and row_sum checks are then not applicable, and the stage's gradients judge it.
   virtual bool logit_gradient_internal() const { return false; }
+  // The stage's own input row of a token (an LM head's h_t), which a reproducer bundle records and checks against
+  // the generator: its width (0: none; the logits are then the inputs that matter) and its values in the dtype.
+  virtual std::int64_t token_input_width(const Case& c) const {
+    (void)c;
+    return 0;
+  }
+  virtual void token_input(const Case& c, const InputSource& inputs, std::int64_t token, double* out) const {
+    (void)c, (void)inputs, (void)token, (void)out;
+  }
+  // A stage a native plugin computes (include/lossverify/plugin.h): the capability bit a plugin sets in
+  // lv_plugin.losses to be handed cases with the stage, and its name for messages; 0: no plugin computes it.
+  virtual std::uint32_t plugin_capability() const { return 0; }
+  virtual std::string_view plugin_capability_name() const { return ""; }
+  // Its fields of the rank's lv_rank_inputs, and the rank's stage inputs in the case's dtype, in the order of the
+  // ABI's stage inputs (the LM head: h of the rank's rows, W_r, b_r). Each rank's inputs generated from the case's
+  // Philox streams, never read back from the oracle's.
+  virtual void plugin_settings(const Case& c, const RankAssignment& assignment, lv_rank_inputs& settings) const {
+    (void)c, (void)assignment, (void)settings;
+  }
+  virtual std::vector<std::vector<std::byte>> plugin_inputs(const Case& c, const InputSource& inputs,
+                                                            const RankAssignment& assignment) const {
+    (void)c, (void)inputs, (void)assignment;
+    return {};
+  }
   // The catalogued bugs of the stage's own arithmetic (their `applies` names the stage; their switches are
   // BugSwitches::stage_switches).
   virtual std::vector<Implementation> catalogue() const;

@@ -10,6 +10,7 @@
 #include "lossverify/kinds/lm_head/lm_head_parts.hpp"
 #include "lossverify/kinds/policy/policy_parts.hpp"
 #include "lossverify/kinds/router/router_parts.hpp"
+#include "lossverify/outputs/rank_output.hpp"
 
 namespace lossverify {
 
@@ -47,6 +48,11 @@ double effective_gradient_scale(const Case& c, std::int64_t step_valid_tokens) {
   return scale / static_cast<double>(std::max<std::int64_t>(step_valid_tokens, 1));
 }
 std::vector<Implementation> Stage::catalogue() const { return {}; }
+std::vector<std::int64_t> Stage::gradient_rows(const Case&, const RankAssignment& assignment) const {
+  std::vector<std::int64_t> all(assignment.rows.size());
+  for (std::size_t i = 0; i < all.size(); ++i) all[i] = static_cast<std::int64_t>(i);
+  return all;
+}
 const SettingTable& Stage::settings() const {
   static const SettingTable none;
   return none;

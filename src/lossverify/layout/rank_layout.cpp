@@ -105,4 +105,14 @@ std::vector<LocalRow> sequence_parallel_part(const std::vector<LocalRow>& rows, 
   return {begin, begin + static_cast<std::ptrdiff_t>(part)};
 }
 
+std::vector<std::int64_t> sequence_parallel_slots(std::int64_t rows, int tp, int tp_rank) {
+  const std::int64_t part = (rows + tp - 1) / tp;
+  std::vector<std::int64_t> slots(static_cast<std::size_t>(part));
+  for (std::int64_t j = 0; j < part; ++j) {
+    const std::int64_t slot = part * tp_rank + j;
+    slots[static_cast<std::size_t>(j)] = slot < rows ? slot : -1;
+  }
+  return slots;
+}
+
 }  // namespace lossverify

@@ -38,6 +38,9 @@ std::vector<LocalRow> zigzag_rows(const GlobalBatch& batch, const std::vector<st
 // Sequence parallelism's part of TP rank `tp_rank` of one micro-batch's rows: padded to a multiple of `tp` with
 // masked rows, then cut into `tp` contiguous parts of equal length.
 std::vector<LocalRow> sequence_parallel_part(const std::vector<LocalRow>& rows, int tp, int tp_rank);
+// The same part as indices into a micro-batch of `rows` rows: [0, rows) padded to a multiple of `tp` (the padding -1),
+// TP rank `tp_rank`'s contiguous slice of it (ceil(rows / tp) slots).
+std::vector<std::int64_t> sequence_parallel_slots(std::int64_t rows, int tp, int tp_rank);
 
 // Padded length of a sequence of `length` tokens.
 std::int64_t padded_length(std::int64_t length, std::int64_t pad_multiple);

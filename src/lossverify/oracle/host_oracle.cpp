@@ -252,8 +252,9 @@ void HostOracle::round_once(std::span<const double> expected, std::span<double> 
 }
 
 // Each of the stage's gradients of row i against the stage's reference applied to the kind's reference gradient
-// (zero where the row is no valid token), by the gradient's rule widened by the stage's error model. With parameters,
-// the row's gradient and its error over the rank's columns are kept for judge_stage_parameters.
+// (zero where the row is no valid token), by the gradient's rule widened by the stage's error model; none where the
+// rank does not report the row's (another TP rank's token shard under sequence parallelism). With parameters, the
+// row's gradient and its error over the rank's columns are kept for judge_stage_parameters.
 std::vector<PackedStats> HostOracle::judge_stage_row(std::int64_t i, const RowStats& row_stats) {
   const std::int64_t t = out_.token_of(i);
   const bool valid = t >= 0 && valid_[static_cast<std::size_t>(i)];
@@ -271,6 +272,8 @@ std::vector<PackedStats> HostOracle::judge_stage_row(std::int64_t i, const RowSt
     std::copy_n(error.begin() + rank.begin, cols, &stage_grad_error_[static_cast<std::size_t>(i) * cols]);
   }
   std::vector<PackedStats> judged;
+  const std::int64_t reported = stage_row_of_[static_cast<std::size_t>(i)];
+  if (reported < 0) return judged;
   for (std::size_t w = 0; w < out_.stage_grads.size(); ++w) {
     const std::int64_t cols = out_.stage_columns[w];
     std::vector<double> want(static_cast<std::size_t>(cols), 0.0), bound(want.size(), 0.0), got(want.size());
@@ -278,7 +281,7 @@ std::vector<PackedStats> HostOracle::judge_stage_row(std::int64_t i, const RowSt
     round_once(want, bound);
     dispatch_dtype(out_.dtype, [&](auto type) {
       using T = typename decltype(type)::type;
-      const T* g = reinterpret_cast<const T*>(out_.stage_grads[w].data()) + i * cols;
+      const T* g = reinterpret_cast<const T*>(out_.stage_grads[w].data()) + reported * cols;
       for (std::int64_t c = 0; c < cols; ++c) got[static_cast<std::size_t>(c)] = static_cast<float>(g[c]);
     });
     ErrorStats stats;
@@ -372,6 +375,12 @@ void HostOracle::start_judging(std::span<const RowStats> stats) {
   if (!out_.stage_params.empty()) {
     stage_grad_.assign(static_cast<std::size_t>(rows * cols), 0.0);
     stage_grad_error_.assign(stage_grad_.size(), 0.0);
+  }
+  stage_row_of_.assign(static_cast<std::size_t>(rows), -1);
+  for (std::size_t j = 0; j < out_.stage_rows.size(); ++j) {
+    const std::int64_t i = out_.stage_rows[j];
+    if (i < 0 || i >= rows) throw InternalError("a stage gradient's row " + std::to_string(i) + " outside the rank's");
+    stage_row_of_[static_cast<std::size_t>(i)] = static_cast<std::int64_t>(j);
   }
 #pragma omp parallel num_threads(threads_)
   {

@@ -79,6 +79,7 @@ class HostOracle final : public Oracle {
   // rows x columns: each row's reference gradient over the rank's columns and its error, for the parameters
   std::vector<double> stage_grad_, stage_grad_error_;
   std::vector<PackedStats> parameters_;
+  std::vector<std::int64_t> stage_row_of_;  // rows: the row's place in the stage's gradients (out_.stage_rows), or -1
 };
 
 }  // namespace lossverify

@@ -38,10 +38,12 @@ struct RankOutput {
   std::vector<double> logged_stats;  // the kind's logged_statistics(), as this rank logs them
   // GA x the kind's scope_values_width() (a router's per-expert counts of each micro-batch scope); empty: not reported.
   std::vector<double> scope_values;
-  // A stage's gradients (kind_api/stage.hpp, its gradients()), each rows x stage_columns[w] in dtype, row major;
-  // empty without a stage.
+  // A stage's gradients (kind_api/stage.hpp, its gradients()), each stage_rows.size() x stage_columns[w] in dtype,
+  // row major; empty without a stage. stage_rows: the local rows they hold, in order (Stage::gradient_rows: all of
+  // them, or under sequence parallelism the rank's token shard).
   std::vector<std::vector<std::byte>> stage_grads;
   std::vector<std::int64_t> stage_columns;
+  std::vector<std::int64_t> stage_rows;
   // Its parameter gradients (Stage::parameters), each the rank's shard (Stage::parameter_shape) in dtype, row major.
   std::vector<std::vector<std::byte>> stage_params;
   bool has_reduced_loss = false;  // false for reduction "none"

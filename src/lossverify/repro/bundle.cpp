@@ -1,5 +1,6 @@
 #include "lossverify/repro/bundle.hpp"
 #include "lossverify/kind_api/loss_kind.hpp"
+#include "lossverify/kind_api/stage.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -80,6 +81,14 @@ std::vector<double> teacher_row(const InputSource& inputs, std::int64_t token) {
   return row;
 }
 
+// The stage's own input row of a token (an LM head's h_t), empty when the case has no such stage.
+std::vector<double> stage_input_row(const Case& c, const InputSource& inputs, std::int64_t token) {
+  const std::int64_t width = c.loss.stage != nullptr ? c.loss.stage->token_input_width(c) : 0;
+  std::vector<double> row(static_cast<std::size_t>(width));
+  if (width > 0) c.loss.stage->token_input(c, inputs, token, row.data());
+  return row;
+}
+
 bool has_own_teacher(const Case& c) {
   return kind_of(c.loss).inputs().teacher_logits && !c.inputs.teacher.same_as_student;
 }
@@ -142,7 +151,7 @@ std::string encode_row_bits(const std::vector<double>& values, DType dtype) {
 }
 
 std::vector<double> decode_row_bits(const std::string& text, DType dtype, std::int64_t expected_count,
-                                    const std::string& source, const std::string& path) {
+                                    const std::string& source, const std::string& path, const std::string& width_name) {
   std::vector<double> values;
   std::istringstream words(text);
   std::string word;
@@ -161,7 +170,8 @@ std::vector<double> decode_row_bits(const std::string& text, DType dtype, std::i
   }
   if (static_cast<std::int64_t>(values.size()) != expected_count) {
     fail_at(source, path,
-            "has " + std::to_string(values.size()) + " values, expected vocab = " + std::to_string(expected_count));
+            "has " + std::to_string(values.size()) + " values, expected " + width_name + " = " +
+                std::to_string(expected_count));
   }
   return values;
 }
@@ -254,6 +264,9 @@ json make_bundle(const RunResult& run, const BundleContext& context, const Bundl
     row["dtype"] = std::string(to_string(c.inputs.dtype));
     row["logits_bits"] = encode_row_bits(logits, c.inputs.dtype);
     if (has_own_teacher(c)) row["teacher_bits"] = encode_row_bits(teacher_row(inputs, t), c.inputs.dtype);
+    if (const std::vector<double> own = stage_input_row(c, inputs, t); !own.empty()) {
+      row["stage_input_bits"] = encode_row_bits(own, c.inputs.dtype);
+    }
     rows.push_back(row);
   }
   if (overrides.empty()) the_case["inputs"].erase("overrides");
@@ -371,6 +384,18 @@ Bundle parse_bundle(const json& document, const std::string& source) {
           decode_row_bits(t.get<std::string>(), c.inputs.dtype, c.shape.vocab, source, r.path_of("teacher_bits"));
     } else {
       r.allow("teacher_bits");
+    }
+    if (r.has("stage_input_bits")) {
+      const std::int64_t width = c.loss.stage != nullptr ? c.loss.stage->token_input_width(c) : 0;
+      if (width == 0) r.fail("stage_input_bits", "only a case whose stage has inputs of its own records their rows");
+      const json& s = r.raw("stage_input_bits");
+      if (!s.is_string()) {
+        r.fail("stage_input_bits", "expected a string of hex words, got " + detail::json_type_name(s));
+      }
+      row.stage_input = decode_row_bits(s.get<std::string>(), c.inputs.dtype, width, source,
+                                        r.path_of("stage_input_bits"), "the stage's input width");
+    } else {
+      r.allow("stage_input_bits");
     }
     if (r.has("label")) {
       if (!labelled) r.fail("label", std::string(kind_of(c.loss).name()) + " rows take no labels");
@@ -496,6 +521,9 @@ std::vector<std::string> input_drift(const Bundle& bundle) {
   for (const RecordedRow& row : bundle.rows) {
     if (row.pinned) compare(row, student_row(inputs, row.token), row.logits, "logits");
     if (!row.teacher.empty()) compare(row, teacher_row(inputs, row.token), row.teacher, "teacher logits");
+    if (!row.stage_input.empty()) {
+      compare(row, stage_input_row(generated, inputs, row.token), row.stage_input, "stage inputs");
+    }
     if (row.label && pinned_label[row.token] && inputs.label(row.token) != *row.label) {
       lines.push_back("token " + std::to_string(row.token) + ": this build generates label " +
                       std::to_string(inputs.label(row.token)) + ", the bundle recorded " + std::to_string(*row.label));

@@ -12,7 +12,9 @@
 //                   rows pinned inline as inputs.overrides: runnable as a case file on its own
 //   failing_rows    for the worst element of every failing check (then the tokens of largest margin):
 //                   token, place in the layout, label, margins, and the exact input rows as the raw bits
-//                   of the input dtype in hex ("3f800000 bf800000 ...": student logits_bits, KD teacher_bits)
+//                   of the input dtype in hex ("3f800000 bf800000 ...": student logits_bits, KD teacher_bits,
+//                   and a stage's own input row of the token, stage_input_bits: an LM head's h_t; under such a
+//                   stage the pinned logits reach no one, and W comes from the seed)
 //   outcome         the recorded verdict, exit code, every check's verdict, margin and worst element, and
 //                   the error map's failing ranks
 //
@@ -52,9 +54,11 @@ nlohmann::json make_bundle(const RunResult& run, const BundleContext& context, c
 
 // Hex words of the raw bits of values in the dtype (each value is rounded to the dtype first).
 std::string encode_row_bits(const std::vector<double>& values, DType dtype);
-// Inverse; throws CaseError naming `source` and `path` for a malformed word or a wrong count.
+// Inverse; throws CaseError naming `source` and `path` for a malformed word or a wrong count (`width_name`: what
+// the count is, "vocab" or a stage's input width).
 std::vector<double> decode_row_bits(const std::string& text, DType dtype, std::int64_t expected_count,
-                                    const std::string& source, const std::string& path);
+                                    const std::string& source, const std::string& path,
+                                    const std::string& width_name = "vocab");
 
 struct RecordedElement {
   std::int64_t token = -1;
@@ -72,6 +76,7 @@ struct RecordedRow {
   bool pinned = false;                // added to the case's overrides by the bundle writer
   std::vector<double> logits;         // decoded student row (exact values of the input dtype)
   std::vector<double> teacher;        // decoded teacher row (KD with its own teacher)
+  std::vector<double> stage_input;    // decoded stage input row (Stage::token_input: an LM head's h_t)
   std::optional<std::int64_t> label;  // cross-entropy
 };
 

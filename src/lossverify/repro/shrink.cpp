@@ -31,8 +31,8 @@ std::string margin_text(double m) {
 }
 
 std::string layout_text(const LayoutSpec& l) {
-  return "tp=" + std::to_string(l.tp) + " cp=" + std::to_string(l.cp) + " dp=" + std::to_string(l.dp) +
-         " ga=" + std::to_string(l.ga);
+  return "tp=" + std::to_string(l.tp) + (l.sp ? " sp" : "") + " cp=" + std::to_string(l.cp) +
+         " dp=" + std::to_string(l.dp) + " ga=" + std::to_string(l.ga);
 }
 
 // Removes obj[key] when it equals the default.
@@ -112,6 +112,13 @@ const LossKind& kind_in(const json& doc) {
   return default_loss_kind();
 }
 
+// The stage a case document puts in front of its kind, or null.
+const Stage* stage_in(const json& doc) {
+  if (!doc.contains("stage") || !doc["stage"].is_object() || !doc["stage"].contains("kind")) return nullptr;
+  const json& kind = doc["stage"]["kind"];
+  return kind.is_string() ? find_stage(kind.get<std::string>()) : nullptr;
+}
+
 class Shrinker {
  public:
   // Guards against slipping into a different failure: a target that failed with a finite margin must keep
@@ -181,6 +188,11 @@ class Shrinker {
 
   bool shrink_layout() {
     bool changed = false;
+    if (doc_["layout"].value("sp", false)) {
+      json candidate = doc_;
+      candidate["layout"]["sp"] = false;
+      changed = attempt(candidate, "no sequence parallelism");
+    }
     for (const char* dim : {"dp", "cp", "tp", "ga"}) {
       bool progress = true;
       while (progress) {
@@ -192,6 +204,10 @@ class Shrinker {
           previous = next;
           json candidate = doc_;
           candidate["layout"][dim] = next;
+          // sequence parallelism splits over TP ranks: at tp 1 it goes too
+          if (next == 1 && std::string(dim) == "tp" && candidate["layout"].contains("sp")) {
+            candidate["layout"]["sp"] = false;
+          }
           if (attempt(candidate, std::string(dim) + " " + std::to_string(v) + " -> " + std::to_string(next))) {
             progress = changed = true;
             break;
@@ -302,6 +318,32 @@ class Shrinker {
     return changed;
   }
 
+  // A stage's sizes its table halves (an LM head's hidden size and chunks), each while the failure stays.
+  bool shrink_stage_sizes() {
+    const Stage* stage = stage_in(doc_);
+    if (stage == nullptr) return false;
+    bool changed = false;
+    for (const Setting& s : stage->settings()) {
+      if (!s.shrinks_by_half) continue;
+      bool progress = true;
+      while (progress && !exhausted_ && doc_["stage"].contains(s.key)) {
+        progress = false;
+        const std::int64_t v = doc_["stage"][s.key].get<std::int64_t>();
+        const auto lowest = static_cast<std::int64_t>(std::max(1.0, s.low));
+        for (const std::int64_t next : {v / 2, v - 1}) {
+          if (next < lowest || next >= v) continue;
+          json candidate = doc_;
+          candidate["stage"][s.key] = next;
+          if (attempt(candidate, "stage " + s.key + " " + std::to_string(v) + " -> " + std::to_string(next))) {
+            progress = changed = true;
+            break;
+          }
+        }
+      }
+    }
+    return changed;
+  }
+
   bool simplify_features() {
     bool changed = false;
     struct Feature {
@@ -327,6 +369,19 @@ class Shrinker {
                             d["loss"][key] = value;
                             return true;
                           }});
+    }
+    // The stage's settings that its table offers to shrink, at their fallbacks.
+    if (const Stage* stage = stage_in(doc_)) {
+      for (const Setting& s : stage->settings()) {
+        if (s.simplify.empty()) continue;
+        const std::string key = s.key;
+        const json value = s.fallback;
+        features.push_back({s.simplify.c_str(), [key, value](json& d) {
+                              if (!d["stage"].contains(key) || d["stage"][key] == value) return false;
+                              d["stage"][key] = value;
+                              return true;
+                            }});
+      }
     }
     const std::vector<Feature> shared = {
         {"no ignored tokens", set_default("inputs", "ignore_fraction", 0.0)},
@@ -400,6 +455,8 @@ class Shrinker {
     if (exhausted_) return;
     const Case c = parse_case(doc_, "<shrink>");
     if (c.shape.vocab > 65536) return;
+    // A stage that makes the logits from inputs of its own (an LM head): a pinned row of logits would reach no one.
+    if (c.loss.stage != nullptr && c.loss.stage->token_input_width(c) > 0) return;
     RunOptions run_options;
     run_options.implementation = options_.implementation;
     run_options.threads = options_.threads;
@@ -438,6 +495,7 @@ class Shrinker {
       progress = drop_sequences() || progress;
       progress = shorten_sequences() || progress;
       progress = shrink_vocab() || progress;
+      progress = shrink_stage_sizes() || progress;
       progress = shrink_layout() || progress;
       progress = simplify_features() || progress;
       progress = drop_overrides() || progress;
@@ -473,9 +531,9 @@ class Shrinker {
 
 std::string case_file_text(const json& document) {
   nlohmann::ordered_json out;
-  static const char* const order[] = {"name",      "description", "format",          "shape",
-                                      "loss",      "inputs",      "batch",           "layout",
-                                      "framework", "tolerances",  "timeout_seconds", "sweep"};
+  static const char* const order[] = {"name",       "description",     "format", "shape",  "loss",
+                                      "stage",      "inputs",          "batch",  "layout", "framework",
+                                      "tolerances", "timeout_seconds", "sweep"};
   for (const char* key : order) {
     if (document.contains(key)) out[key] = document[key];
   }
@@ -512,6 +570,11 @@ json compact_case_json(const Case& c) {
     if (s.fallback_from.empty()) drop_default(loss, s.key.c_str(), s.fallback);
   }
   drop_if_empty(doc, "loss");
+  if (c.loss.stage != nullptr) {
+    for (const Setting& s : c.loss.stage->settings()) {
+      if (s.fallback_from.empty()) drop_default(doc["stage"], s.key.c_str(), s.fallback);
+    }
+  }
   json& inputs = doc["inputs"];
   drop_default(inputs, "dtype", "fp32");
   drop_default(inputs, "distribution", "normal");
@@ -533,6 +596,7 @@ json compact_case_json(const Case& c) {
     doc["shape"].erase("tokens");  // the sequences give it
   }
   for (const char* dim : {"tp", "cp", "dp", "ga"}) drop_default(doc["layout"], dim, 1);
+  drop_default(doc["layout"], "sp", false);
   drop_if_empty(doc, "layout");
   drop_default(doc["framework"], "grad_reduce", "avg");
   drop_default(doc["framework"], "ga_reduce", "sum");

@@ -137,10 +137,6 @@ bool has_gpu_oracle(const Case& c) {
 
 void require_kind_support(const Case& c, const RunOptions& options) {
   const LossKind& kind = kind_of(c.loss);
-  if (c.loss.stage != nullptr && is_plugin_spec(options.implementation)) {
-    throw CaseError(c.source + ": the stage " + std::string(c.loss.stage->name()) +
-                    " runs on lossverify's own implementations only (no plugin)");
-  }
   if (c.loss.stage != nullptr && options.device == RunOptions::Device::cuda && cuda::built_with_cuda() &&
       !cuda::runs_stage(c.loss.stage->name())) {
     throw CaseError(c.source + ": --backend cuda: the stage " + std::string(c.loss.stage->name()) +
@@ -427,10 +423,8 @@ void check_sweep(const Case& c, const std::vector<LayoutSpec>& layouts, const Ru
                     std::to_string(kMaxSweepLayouts) + " run in one command (split it)");
   }
   for (const LayoutSpec& layout : layouts) {
-    if (layout.sp && tp_splits_columns(c)) {
-      throw CaseError(c.source + ": sweep layout " + layout_name(layout) +
-                      ": sp applies to a kind whose rows are whole on every rank; TP splits the columns of " +
-                      std::string(kind_of(c.loss).name()) + "'s rows");
+    if (layout.sp && !sequence_parallel_applies(c)) {
+      throw CaseError(c.source + ": sweep layout " + layout_name(layout) + ": sp " + sequence_parallel_refusal(c));
     }
     if (std::int64_t{layout.tp} * layout.cp * layout.dp > kMaxRanks) {
       throw CaseError(c.source + ": sweep layout " + layout_name(layout) + ": tp * cp * dp exceeds " +

@@ -66,9 +66,11 @@ class RankKernel {
     const auto compute_start = Clock::now();
     const Stage* stage = case_.loss.stage;
     if (stage != nullptr) {
+      out_.stage_rows = stage->gradient_rows(case_, out_.assignment);
+      const auto reported = static_cast<std::int64_t>(out_.stage_rows.size());
       for (std::size_t w = 0; w < stage->gradients().size(); ++w) {
         out_.stage_columns.push_back(stage->gradient_columns(w, case_, out_.assignment));
-        out_.stage_grads.emplace_back(static_cast<std::size_t>(rows() * out_.stage_columns.back()) * sizeof(T));
+        out_.stage_grads.emplace_back(static_cast<std::size_t>(reported * out_.stage_columns.back()) * sizeof(T));
       }
       for (std::size_t p = 0; p < stage->parameters().size(); ++p) {
         const ParameterShape shape = stage->parameter_shape(p, case_, out_.assignment);

@@ -310,10 +310,16 @@ struct Arrays {
   const void* tokens = nullptr;
   const void* sequences = nullptr;
   const void* token_inputs[kTokenInputs] = {};
+  const void* hidden = nullptr;  // the LM head's inputs
+  const void* head_weight = nullptr;
+  const void* head_bias = nullptr;
   void* grad = nullptr;
   void* token_loss = nullptr;
   void* token_values = nullptr;
   void* scope_values = nullptr;
+  void* head_dh = nullptr;  // the LM head's outputs
+  void* head_dw = nullptr;
+  void* head_db = nullptr;
   std::vector<std::unique_ptr<memory::Buffer>> device;  // CUDA: inputs, then the kOutputs outputs
 };
 
@@ -331,10 +337,16 @@ Arrays place_arrays(const Run& r, std::byte* region, lv_memory where) {
     a.sequences = region + l.sequences;
     for (int k = 0; k < kTokenInputs; ++k)
       a.token_inputs[k] = region + l.token_inputs + static_cast<std::size_t>(k) * rows * 4;
+    a.hidden = region + l.hidden;
+    a.head_weight = region + l.head_weight;
+    a.head_bias = region + l.head_bias;
     a.grad = region + l.grad;
     a.token_loss = region + l.token_loss;
     a.token_values = region + l.token_values;
     a.scope_values = region + l.scope_values;
+    a.head_dh = region + l.head_dh;
+    a.head_dw = region + l.head_dw;
+    a.head_db = region + l.head_db;
     return a;
   }
   memory::select_device(where, r.device);
@@ -344,7 +356,7 @@ Arrays place_arrays(const Run& r, std::byte* region, lv_memory where) {
     return a.device.back()->data();
   };
   a.logits = copy(l.logits, l.logits_bytes);
-  a.teacher = r.has_teacher ? copy(l.teacher, l.logits_bytes) : nullptr;
+  a.teacher = r.has_teacher ? copy(l.teacher, l.teacher_bytes) : nullptr;
   a.labels = copy(l.labels, rows * 8);
   a.loss_mask = copy(l.loss_mask, rows);
   a.upstream = copy(l.upstream, rows * 8);
@@ -353,6 +365,9 @@ Arrays place_arrays(const Run& r, std::byte* region, lv_memory where) {
   for (int k = 0; k < kTokenInputs; ++k) {
     a.token_inputs[k] = copy(l.token_inputs + static_cast<std::size_t>(k) * rows * 4, rows * 4);
   }
+  a.hidden = copy(l.hidden, l.hidden_bytes);
+  a.head_weight = copy(l.head_weight, l.head_weight_bytes);
+  a.head_bias = copy(l.head_bias, l.head_bias_bytes);
   const auto output = [&](std::uint64_t bytes) {
     a.device.push_back(std::make_unique<memory::Buffer>(where, bytes, r.canary, kCanaryBytes));
     return a.device.back()->data();
@@ -361,6 +376,9 @@ Arrays place_arrays(const Run& r, std::byte* region, lv_memory where) {
   a.token_loss = output(l.token_loss_bytes);
   a.token_values = output(l.token_values_bytes);
   a.scope_values = output(l.scope_values_bytes);
+  a.head_dh = output(l.head_dh_bytes);
+  a.head_dw = output(l.head_dw_bytes);
+  a.head_db = output(l.head_db_bytes);
   return a;
 }
 
@@ -406,6 +424,17 @@ lv_rank_inputs describe(const Run& r, std::byte* region, const Arrays& a, lv_mem
   in.settings = settings.data();
   in.settings_count = settings.size();
   in.sequence_parallel = r.sequence_parallel;
+  if (r.head_hidden > 0) {
+    in.head_hidden = r.head_hidden;
+    in.head_bias = r.head_bias;
+    in.head_dh_reduce = r.head_dh_reduce;
+    in.logits = nullptr;  // the plugin's head makes them
+    in.hidden_states = a.hidden;
+    in.head_weight = a.head_weight;
+    in.head_bias_values = a.head_bias;
+    in.head_dh_rows = r.head_dh_rows;
+    in.head_dh_row_index = reinterpret_cast<const int64_t*>(region + r.layout.head_dh_row_index);
+  }
   return in;
 }
 
@@ -456,6 +485,11 @@ void serve_one(const lv_plugin& plugin) {
     out.token_loss = static_cast<float*>(arrays.token_loss);
     out.token_values = static_cast<float*>(arrays.token_values);
     out.scope_values = run.layout.scope_values_bytes > 0 ? static_cast<double*>(arrays.scope_values) : nullptr;
+    if (run.head_hidden > 0) {
+      out.head_dh = arrays.head_dh;
+      out.head_dw = arrays.head_dw;
+      out.head_db = run.head_bias != 0 ? arrays.head_db : nullptr;
+    }
     try {
       done.status = plugin.run_rank(&in, &out, &call.table);
       out.error[sizeof(out.error) - 1] = '\0';
@@ -482,6 +516,9 @@ void serve_one(const lv_plugin& plugin) {
     std::copy(std::begin(out.logged_statistics), std::end(out.logged_statistics), done.logged_statistics);
     done.logged_statistics_count = out.logged_statistics_count;
     done.scope_value_count = out.scope_value_count;
+    done.head_dh_count = out.head_dh_count;
+    done.head_dw_count = out.head_dw_count;
+    done.head_db_count = out.head_db_count;
     if (where == LV_MEMORY_CUDA) {
       memory::wait_for_device(where);  // work the plugin left queued on its own streams
       const std::size_t outputs = arrays.device.size() - kOutputs;
@@ -492,6 +529,9 @@ void serve_one(const lv_plugin& plugin) {
       arrays.device[outputs + 1]->download(region + run.layout.token_loss);
       arrays.device[outputs + 2]->download(region + run.layout.token_values);
       arrays.device[outputs + 3]->download(region + run.layout.scope_values);
+      arrays.device[outputs + 4]->download(region + run.layout.head_dh);
+      arrays.device[outputs + 5]->download(region + run.layout.head_dw);
+      arrays.device[outputs + 6]->download(region + run.layout.head_db);
     }
   } catch (const std::exception& e) {  // the host's own CUDA copies failed
     call.open.store(false);

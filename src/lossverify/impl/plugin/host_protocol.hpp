@@ -52,7 +52,7 @@ struct Hello {
 // Byte offsets into the shared region; every array is 64-byte aligned. The three outputs end exactly at a page
 // end with a page the host makes inaccessible after each, and a page before each; the bytes between that
 // page and the output's first byte hold the canary, as do the canary arrays of the region's header.
-inline constexpr int kOutputs = 4;      // grad, token_loss, token_values, scope_values
+inline constexpr int kOutputs = 7;      // grad, token_loss, token_values, scope_values, head_dh, head_dw, head_db
 inline constexpr int kTokenInputs = 3;  // old_logprob, ref_logprob, advantages (lv_rank_inputs, in that order)
 
 struct RegionLayout {
@@ -61,14 +61,21 @@ struct RegionLayout {
   std::uint64_t settings = 0, settings_bytes = 0;  // the kind's settings block (settings_block.hpp), NUL-terminated
   std::uint64_t micro_batch_begin = 0;             // ga + 1 int64
   std::uint64_t logits = 0, logits_bytes = 0;
-  std::uint64_t teacher = 0;  // logits_bytes, KD only
+  std::uint64_t teacher = 0, teacher_bytes = 0;  // KD only (the student's logits_bytes, also under a head)
   std::uint64_t labels = 0, loss_mask = 0, upstream = 0, tokens = 0, sequences = 0;
-  std::uint64_t token_inputs = 0;          // kTokenInputs columns of rows float32, one after the other
+  std::uint64_t token_inputs = 0;  // kTokenInputs columns of rows float32, one after the other
+  // The LM head stage's inputs (lv_rank_inputs.head_*; empty without a head), in dtype: h (rows x H), W_r, b_r, and
+  // the rows whose dh the rank returns (int64)
+  std::uint64_t hidden = 0, hidden_bytes = 0, head_weight = 0, head_weight_bytes = 0;
+  std::uint64_t head_bias = 0, head_bias_bytes = 0, head_dh_row_index = 0;
   std::uint64_t grad = 0, grad_bytes = 0;  // ends at a page end
   std::uint64_t token_loss = 0, token_loss_bytes = 0;
   std::uint64_t token_values = 0, token_values_bytes = 0;  // rows x the kind's per-row values, float32
   std::uint64_t scope_values = 0, scope_values_bytes = 0;  // ga x the kind's scope values, float64
-  std::uint64_t guard_pages[2 * kOutputs] = {};            // before and after each output, in the order above
+  std::uint64_t head_dh = 0, head_dh_bytes = 0;            // the head's outputs, in dtype (empty without a head)
+  std::uint64_t head_dw = 0, head_dw_bytes = 0;
+  std::uint64_t head_db = 0, head_db_bytes = 0;
+  std::uint64_t guard_pages[2 * kOutputs] = {};  // before and after each output, in the order above
   std::uint64_t staging = 0, staging_bytes = 0;
   std::uint64_t crash = 0;  // a CrashRecord the host's signal handler fills
   std::uint64_t page_bytes = 0;
@@ -94,6 +101,8 @@ struct Run {
   lv_policy_config policy{};
   std::int32_t policy_ratio = LV_POLICY_RATIO_TOKEN;
   std::int32_t sequence_parallel = 0;
+  std::int64_t head_hidden = 0, head_dh_rows = 0;  // the LM head (0: none)
+  std::int32_t head_bias = 0, head_dh_reduce = LV_HEAD_DH_HEAD;
   lv_framework framework{};
   std::int32_t group_size[4] = {}, group_rank[4] = {};
   std::uint64_t max_allreduce_bytes = 0;  // a call past this is refused as misuse
@@ -122,6 +131,7 @@ struct Done {
   std::int64_t logged_num_tokens = 0;
   std::int64_t token_value_rows = 0, token_value_columns = 0;
   std::int64_t scope_value_count = 0;
+  std::int64_t head_dh_count = 0, head_dw_count = 0, head_db_count = 0;
   double logged_statistics[LV_MAX_LOGGED_STATISTICS] = {};
   std::int32_t logged_statistics_count = 0;
   std::int32_t device_guards_intact = 1;  // CUDA outputs: the host checked their canaries on the device

@@ -19,6 +19,7 @@
 #include "lossverify/impl/plugin/settings_block.hpp"
 #include "lossverify/impl/rank_inputs.hpp"
 #include "lossverify/kind_api/loss_kind.hpp"
+#include "lossverify/kind_api/stage.hpp"
 
 namespace lossverify {
 
@@ -168,11 +169,12 @@ class PluginRank {
     sizes.settings_bytes = settings_block.size() + 1;
     sizes.micro_batches = case_.layout.ga;
     sizes.logits_bytes = in.logits.size();
-    sizes.teacher = kind_of(case_.loss).inputs().teacher_logits;
+    sizes.teacher_bytes = kind_of(case_.loss).inputs().teacher_logits ? in.logits.size() : 0;
     sizes.rows = in.rows();
     sizes.grad_bytes = in.logits.size();
     sizes.token_values = kind_of(case_.loss).token_quantities().size();
     sizes.scope_values = static_cast<std::size_t>(case_.layout.ga * kind_of(case_.loss).scope_values_width(case_));
+    const std::vector<std::vector<std::byte>> stage_inputs = size_stage(in, inputs, sizes);
     layout_ = region_layout(sizes);
     std::uint8_t canary[ph::kCanaryBytes];
     for (std::size_t k = 0; k < ph::kCanaryBytes; k += 8) {
@@ -181,6 +183,7 @@ class PluginRank {
     }
     const SharedRegion region(layout_, canary);
     fill(region, in);
+    fill_stage(region, stage_inputs);
     std::memcpy(region.at(layout_.settings), settings_block.c_str(), settings_block.size() + 1);
     std::unique_ptr<PluginHostProcess> host = host_pool().take(plugin_.spec);
     if (!host) {
@@ -211,10 +214,44 @@ class PluginRank {
     throw InternalError("plugin " + printable(plugin_.spec) + ": " + what);  // the rank's world names the rank
   }
 
+  // A stage in front (the LM head): its inputs, the rows whose input gradient the rank returns, and the sizes of
+  // its outputs in the region; under it the plugin makes the logits, so none are handed over.
+  std::vector<std::vector<std::byte>> size_stage(const RankInputs& in, const InputSource& inputs, RegionSizes& sizes) {
+    const Stage* stage = case_.loss.stage;
+    if (stage == nullptr) return {};
+    std::vector<std::vector<std::byte>> stage_inputs = stage->plugin_inputs(case_, inputs, in.assignment);
+    if (stage_inputs.size() != 3 || stage->gradients().size() != 1 || stage->parameters().size() != 2) {
+      throw InternalError("the plugin ABI carries a stage of 3 inputs, 1 input gradient and 2 parameter gradients");
+    }
+    out_.stage_rows = stage->gradient_rows(case_, in.assignment);
+    out_.stage_columns = {stage->gradient_columns(0, case_, in.assignment)};
+    const std::size_t element = dtype_size(in.dtype);
+    sizes.logits_bytes = 0;
+    sizes.hidden_bytes = stage_inputs[0].size();
+    sizes.head_weight_bytes = stage_inputs[1].size();
+    sizes.head_bias_bytes = stage_inputs[2].size();
+    sizes.head_dh_rows = static_cast<std::int64_t>(out_.stage_rows.size());
+    sizes.head_dh_bytes = out_.stage_rows.size() * static_cast<std::size_t>(out_.stage_columns[0]) * element;
+    for (std::size_t p = 0; p < 2; ++p) {
+      const ParameterShape shape = stage->parameter_shape(p, case_, in.assignment);
+      (p == 0 ? sizes.head_dw_bytes : sizes.head_db_bytes) =
+          static_cast<std::size_t>(shape.rows * shape.columns) * element;
+    }
+    return stage_inputs;
+  }
+
+  void fill_stage(const SharedRegion& region, const std::vector<std::vector<std::byte>>& stage_inputs) const {
+    if (stage_inputs.empty()) return;
+    put(region, layout_.hidden, stage_inputs[0]);
+    put(region, layout_.head_weight, stage_inputs[1]);
+    put(region, layout_.head_bias, stage_inputs[2]);
+    put(region, layout_.head_dh_row_index, out_.stage_rows);
+  }
+
   void fill(const SharedRegion& region, const RankInputs& in) const {
     std::memcpy(region.at(layout_.params), plugin_.params.c_str(), plugin_.params.size() + 1);
     put(region, layout_.micro_batch_begin, in.assignment.micro_batch_begin);
-    put(region, layout_.logits, in.logits);
+    if (layout_.logits_bytes > 0) put(region, layout_.logits, in.logits);
     if (kind_of(case_.loss).inputs().teacher_logits) put(region, layout_.teacher, in.teacher_logits);
     put(region, layout_.labels, in.labels);
     put(region, layout_.loss_mask, in.loss_mask);
@@ -267,6 +304,13 @@ class PluginRank {
     r.policy = settings.policy;
     r.policy_ratio = settings.policy_ratio;
     r.sequence_parallel = !tp_splits_columns(case_) && layout.sp ? 1 : 0;
+    if (const Stage* stage = case_.loss.stage) {
+      stage->plugin_settings(case_, in.assignment, settings);
+      r.head_hidden = settings.head_hidden;
+      r.head_bias = settings.head_bias;
+      r.head_dh_reduce = settings.head_dh_reduce;
+      r.head_dh_rows = static_cast<std::int64_t>(out_.stage_rows.size());
+    }
     r.framework.grad_reduce_avg = case_.framework.grad_reduce == FrameworkSpec::GradReduce::avg ? 1 : 0;
     r.framework.ga_reduce_mean = case_.framework.ga_reduce == FrameworkSpec::GaReduce::mean ? 1 : 0;
     Communicator* groups[4] = {&groups_.tp, &cp, &groups_.dp, &groups_.batch};
@@ -274,8 +318,10 @@ class PluginRank {
       r.group_size[g] = groups[g]->size();
       r.group_rank[g] = groups[g]->rank();
     }
-    // No loss all-reduces more than a few numbers per row; four times the rank's logits is a wide bound.
-    r.max_allreduce_bytes = std::max<std::uint64_t>(std::uint64_t{64} << 20, 4 * in.logits.size());
+    // No loss all-reduces more than a few numbers per row (a head its dh); four times the rank's logits (and h) is a
+    // wide bound.
+    r.max_allreduce_bytes =
+        std::max<std::uint64_t>(std::uint64_t{64} << 20, 4 * (in.logits.size() + layout_.hidden_bytes));
     return r;
   }
 
@@ -452,6 +498,31 @@ class PluginRank {
       out_.scope_values.resize(static_cast<std::size_t>(scope_values));
       std::memcpy(out_.scope_values.data(), region.at(layout_.scope_values), layout_.scope_values_bytes);
     }
+    if (case_.loss.stage != nullptr) take_stage_outputs(done, region);
+  }
+
+  // The head's dh, dW and db (checked sizes), as the stage's gradient and parameter gradients.
+  void take_stage_outputs(const ph::Done& done, const SharedRegion& region) {
+    const std::size_t element = dtype_size(out_.dtype);
+    const struct {
+      std::int64_t written;
+      std::uint64_t offset, bytes;
+      const char* what;
+    } outputs[] = {{done.head_dh_count, layout_.head_dh, layout_.head_dh_bytes, "dh elements (head_dh_count)"},
+                   {done.head_dw_count, layout_.head_dw, layout_.head_dw_bytes, "dW elements (head_dw_count)"},
+                   {done.head_db_count, layout_.head_db, layout_.head_db_bytes, "db elements (head_db_count)"}};
+    for (const auto& o : outputs) {
+      const auto expected = static_cast<std::int64_t>(o.bytes / element);
+      if (o.written != expected) {
+        fail("wrote " + std::to_string(o.written) + " " + o.what + ", but the rank's head has " +
+             std::to_string(expected) + (o.offset == layout_.head_dh ? " (head_dh_rows x head_hidden)" : ""));
+      }
+    }
+    out_.stage_grads = {
+        std::vector<std::byte>(region.at(layout_.head_dh), region.at(layout_.head_dh) + layout_.head_dh_bytes)};
+    out_.stage_params = {
+        std::vector<std::byte>(region.at(layout_.head_dw), region.at(layout_.head_dw) + layout_.head_dw_bytes),
+        std::vector<std::byte>(region.at(layout_.head_db), region.at(layout_.head_db) + layout_.head_db_bytes)};
   }
 
   double collective_seconds(const Communicator& cp) const {

@@ -154,8 +154,13 @@ bool plugin_computes_kind(const PluginLibrary& plugin, const LossKind& kind) {
 // A setting added to a kind after a plugin was built reaches it at a value other than its fallback only when the
 // plugin says it knows the setting, by its capability bit or by name: the kind's table tells which.
 std::string missing_plugin_capability(const PluginLibrary& plugin, const LossSpec& loss) {
-  if (loss.stage != nullptr) {  // the ABI hands a plugin logits: a stage in front runs in lossverify's own kernels only
-    return "a case with the stage " + std::string(loss.stage->name()) + " in front of its kind";
+  if (const Stage* stage = loss.stage) {  // a stage in front reaches a plugin that declares its capability bit
+    const std::string staged = "a case with the stage " + std::string(stage->name()) + " in front of its kind";
+    if (stage->plugin_capability() == 0) return staged + " (the plugin ABI does not carry it)";
+    if ((plugin.losses & stage->plugin_capability()) == 0) {
+      return staged + " (its lv_plugin.losses lacks " + std::string(stage->plugin_capability_name()) + ")";
+    }
+    if (plugin.device_memory()) return staged + " in device memory (the stage's arrays are host memory only for now)";
   }
   const LossKind& kind = kind_of(loss);
   const SettingTable& table = kind.settings();

@@ -5,6 +5,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <array>
 #include <cerrno>
 #include <cstring>
 
@@ -18,6 +19,21 @@ std::uint64_t aligned(std::uint64_t offset, std::uint64_t to) { return (offset +
 
 // The bytes between the guard page before an output and the output's first byte.
 std::uint64_t slack_begin(std::uint64_t guard_before, std::uint64_t page) { return guard_before + page; }
+
+// Each output with the guard page before it and its name in messages, in the order of RegionLayout::guard_pages.
+struct GuardedOutput {
+  std::uint64_t guard, output;
+  const char* name;
+};
+std::array<GuardedOutput, plugin_host::kOutputs> guarded_outputs(const plugin_host::RegionLayout& l) {
+  return {{{l.guard_pages[0], l.grad, "gradient buffer (outputs->grad)"},
+           {l.guard_pages[2], l.token_loss, "per-row loss buffer (outputs->token_loss)"},
+           {l.guard_pages[4], l.token_values, "per-row value buffer (outputs->token_values)"},
+           {l.guard_pages[6], l.scope_values, "scope value buffer (outputs->scope_values)"},
+           {l.guard_pages[8], l.head_dh, "head dh buffer (outputs->head_dh)"},
+           {l.guard_pages[10], l.head_dw, "head dW buffer (outputs->head_dw)"},
+           {l.guard_pages[12], l.head_db, "head db buffer (outputs->head_db)"}}};
+}
 
 }  // namespace
 
@@ -40,13 +56,21 @@ plugin_host::RegionLayout region_layout(const RegionSizes& s) {
   l.micro_batch_begin = take(static_cast<std::uint64_t>(s.micro_batches + 1) * 8);
   l.logits_bytes = s.logits_bytes;
   l.logits = take(s.logits_bytes);
-  l.teacher = take(s.teacher ? s.logits_bytes : 0);
+  l.teacher_bytes = s.teacher_bytes;
+  l.teacher = take(s.teacher_bytes);
   l.labels = take(rows * 8);
   l.loss_mask = take(rows);
   l.upstream = take(rows * 8);
   l.tokens = take(rows * 8);
   l.sequences = take(rows * 8);
   l.token_inputs = take(rows * 4 * plugin_host::kTokenInputs);
+  l.hidden_bytes = s.hidden_bytes;
+  l.hidden = take(s.hidden_bytes);
+  l.head_weight_bytes = s.head_weight_bytes;
+  l.head_weight = take(s.head_weight_bytes);
+  l.head_bias_bytes = s.head_bias_bytes;
+  l.head_bias = take(s.head_bias_bytes);
+  l.head_dh_row_index = take(static_cast<std::uint64_t>(s.head_dh_rows) * 8);
   l.staging_bytes = s.staging_bytes;
   l.staging = take(s.staging_bytes);
   // Each output ends at a page end, with a guard page before its first page and after its last.
@@ -65,6 +89,12 @@ plugin_host::RegionLayout region_layout(const RegionSizes& s) {
   place(l.token_values_bytes, l.token_values, l.guard_pages[4], l.guard_pages[5]);
   l.scope_values_bytes = static_cast<std::uint64_t>(s.scope_values) * 8;
   place(l.scope_values_bytes, l.scope_values, l.guard_pages[6], l.guard_pages[7]);
+  l.head_dh_bytes = s.head_dh_bytes;
+  place(s.head_dh_bytes, l.head_dh, l.guard_pages[8], l.guard_pages[9]);
+  l.head_dw_bytes = s.head_dw_bytes;
+  place(s.head_dw_bytes, l.head_dw, l.guard_pages[10], l.guard_pages[11]);
+  l.head_db_bytes = s.head_db_bytes;
+  place(s.head_db_bytes, l.head_db, l.guard_pages[12], l.guard_pages[13]);
   l.bytes = at;
   return l;
 }
@@ -88,10 +118,8 @@ SharedRegion::SharedRegion(const plugin_host::RegionLayout& layout, const std::u
     throw InternalError(std::string("plugin region: mmap: ") + std::strerror(error));
   }
   data_ = static_cast<std::byte*>(p);
-  for (const auto& [guard, output] :
-       {std::pair{layout.guard_pages[0], layout.grad}, std::pair{layout.guard_pages[2], layout.token_loss},
-        std::pair{layout.guard_pages[4], layout.token_values}, std::pair{layout.guard_pages[6], layout.scope_values}}) {
-    for (std::uint64_t k = slack_begin(guard, layout.page_bytes); k < output; ++k) {
+  for (const GuardedOutput& o : guarded_outputs(layout)) {
+    for (std::uint64_t k = slack_begin(o.guard, layout.page_bytes); k < o.output; ++k) {
       data_[k] = std::byte{canary_[k % plugin_host::kCanaryBytes]};
     }
   }
@@ -103,14 +131,7 @@ SharedRegion::~SharedRegion() {
 }
 
 std::string SharedRegion::touched_canary() const {
-  const struct {
-    std::uint64_t guard, output;
-    const char* name;
-  } outputs[] = {{layout_.guard_pages[0], layout_.grad, "gradient buffer (outputs->grad)"},
-                 {layout_.guard_pages[2], layout_.token_loss, "per-row loss buffer (outputs->token_loss)"},
-                 {layout_.guard_pages[4], layout_.token_values, "per-row value buffer (outputs->token_values)"},
-                 {layout_.guard_pages[6], layout_.scope_values, "scope value buffer (outputs->scope_values)"}};
-  for (const auto& o : outputs) {
+  for (const GuardedOutput& o : guarded_outputs(layout_)) {
     for (std::uint64_t k = slack_begin(o.guard, layout_.page_bytes); k < o.output; ++k) {
       if (data_[k] != std::byte{canary_[k % plugin_host::kCanaryBytes]}) return o.name;
     }
@@ -131,7 +152,16 @@ std::string SharedRegion::guard_hit(std::uint64_t offset) const {
                         "past the end of its per-row value buffer (outputs->token_values)",
                         "outside its output buffers, between its per-row value (outputs->token_values) and scope "
                         "value (outputs->scope_values) buffers",
-                        "past the end of its scope value buffer (outputs->scope_values)"};
+                        "past the end of its scope value buffer (outputs->scope_values)",
+                        "outside its output buffers, between its scope value (outputs->scope_values) and head dh "
+                        "(outputs->head_dh) buffers",
+                        "past the end of its head dh buffer (outputs->head_dh)",
+                        "outside its output buffers, between its head dh (outputs->head_dh) and head dW "
+                        "(outputs->head_dw) buffers",
+                        "past the end of its head dW buffer (outputs->head_dw)",
+                        "outside its output buffers, between its head dW (outputs->head_dw) and head db "
+                        "(outputs->head_db) buffers",
+                        "past the end of its head db buffer (outputs->head_db)"};
   for (int k = 0; k < 2 * plugin_host::kOutputs; ++k) {
     if (offset >= layout_.guard_pages[k] && offset < layout_.guard_pages[k] + layout_.page_bytes) return what[k];
   }

@@ -1,6 +1,6 @@
 #pragma once
 // The memory lossverify shares with a plugin host for one rank's call (host_protocol.hpp, RegionLayout): the
-// rank's inputs, its three outputs between guard pages with the run's canary before each, and the staging area
+// rank's inputs, its outputs between guard pages with the run's canary before each, and the staging area
 // of its all-reduces. An anonymous memory file: it travels to the host as a descriptor and dies with both.
 #include <cstddef>
 #include <cstdint>
@@ -15,11 +15,15 @@ struct RegionSizes {
   std::size_t settings_bytes = 1;  // the settings block (settings_block.hpp), with its NUL
   std::int64_t micro_batches = 1;
   std::size_t logits_bytes = 0;
-  bool teacher = false;
+  std::size_t teacher_bytes = 0;  // KD: the teacher's logits
   std::int64_t rows = 0;
   std::size_t grad_bytes = 0;
   std::size_t token_values = 0;  // per row: the kind's per-row values (the kind's token_quantities())
   std::size_t scope_values = 0;  // the kind's values of all micro-batch scopes (LossKind::scope_values_width x ga)
+  // The LM head stage's inputs and outputs (host_protocol.hpp; 0 without a head)
+  std::size_t hidden_bytes = 0, head_weight_bytes = 0, head_bias_bytes = 0;
+  std::int64_t head_dh_rows = 0;
+  std::size_t head_dh_bytes = 0, head_dw_bytes = 0, head_db_bytes = 0;
   std::size_t staging_bytes = std::size_t{4} << 20;
 };
 

@@ -1,8 +1,10 @@
 #pragma once
 // The LM head stage's files, as the stage uses them (kinds/lm_head/).
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "lossverify/kind_api/stage.hpp"
 
@@ -35,6 +37,19 @@ inline double head_logit_error(double u, double magnitude, double accumulate, do
   const double summed = accumulate * magnitude;
   return summed + stored * (std::fabs(u) + summed);
 }
+// Whether the head reduce-scatters dh to token shards: under sequence parallelism with the head's dh contract (under
+// the framework's a rank returns its partial dh of every gathered row, which the framework's linear reduce-scatters).
+bool head_scatters_dh(const Case& c);
+
+// The head's inputs as implementations generate them (lm_head_inputs.cpp), values of the input dtype held as doubles:
+// h of a token (H values), W's rows `rows` (rows.size() x H), b's columns (zeros without a bias).
+void head_hidden_row(const Case& c, const InputSource& inputs, std::int64_t token, double* out);
+void head_weight_rows(const Case& c, const InputSource& inputs, VocabRange rows, double* out);
+void head_bias_values(const Case& c, const InputSource& inputs, VocabRange columns, double* out);
+// A plugin's: h of the rank's rows, W_r and b_r in the dtype, and the head's settings in lv_rank_inputs.
+std::vector<std::vector<std::byte>> head_plugin_inputs(const Case& c, const InputSource& inputs,
+                                                       const RankAssignment& assignment);
+void head_plugin_settings(const Case& c, lv_rank_inputs& settings);
 
 std::unique_ptr<Stage> make_lm_head_stage();
 std::unique_ptr<StageReference> make_lm_head_reference(const Case& c, const InputSource& inputs);

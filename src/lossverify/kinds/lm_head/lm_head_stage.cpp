@@ -15,7 +15,9 @@
 #include "lossverify/kind_api/loss_kind.hpp"
 #include "lossverify/kinds/lm_head/lm_head_options.hpp"
 #include "lossverify/kinds/lm_head/lm_head_parts.hpp"
+#include "lossverify/layout/rank_layout.hpp"
 #include "lossverify/outputs/rank_output.hpp"
+#include "lossverify/plugin.h"
 
 namespace lossverify {
 
@@ -37,20 +39,27 @@ class LmHeadStage final : public Stage {
     using O = HeadOptions;
     constexpr OptionsSlot slot = &LossSpec::stage_options;
     static const SettingTable table{
-        integer_setting("hidden", &O::hidden, 64, slot).range(1, 65536).described("H: the hidden size"),
+        integer_setting("hidden", &O::hidden, 64, slot)
+            .range(1, 65536)
+            .halves_in_shrink()
+            .described("H: the hidden size"),
         boolean_setting("bias", &O::bias, false, slot).described("a bias b (V) after h W^T").shrinks_as("no bias"),
         number_setting("hidden_scale", &O::hidden_scale, 1.0, slot)
             .range(0.0, 1e3, true)
+            .shrinks_as("hidden scale 1")
             .described("the hidden states' standard deviation"),
         number_setting("weight_scale", &O::weight_scale, 0.0, slot)
             .range(0.0, 1e3)
+            .shrinks_as("W at the case's logit scale")
             .described("W's standard deviation; 0: inputs.scale / (sqrt(H) hidden_scale), the case's logit scale"),
         choice_setting("dh_reduce", &O::dh_reduce, std::array{O::DhReduce::head, O::DhReduce::framework},
                        O::DhReduce::head, slot)
+            .shrinks_as("the head sums dh")
             .described("who sums a vocab-parallel head's dh over TP: the head (a rank returns the whole dh) or the "
                        "framework after it (a rank returns its shard's partial dh)"),
         integer_setting("chunks", &O::chunks, 4, slot)
             .range(1, 4096)
+            .halves_in_shrink()
             .described("lossverify's own head: its chunks of a rank's tokens (the oracle does not read it)"),
     };
     return table;
@@ -66,9 +75,21 @@ class LmHeadStage final : public Stage {
       detail::fail_at(c.source, "$.inputs.teacher.same_as_student",
                       "the lm_head stage makes the student's logits; a teacher equal to them is not a generated input");
     }
-    if (c.layout.sp) {
-      detail::fail_at(c.source, "$.layout.sp", "the lm_head stage does not take sequence parallelism yet");
+  }
+  bool takes_sequence_parallel() const override { return true; }
+  // Under sequence parallelism with the head's contract, each micro-batch's token shard of the rank (its
+  // sequence_parallel_slots), micro-batch after micro-batch.
+  std::vector<std::int64_t> gradient_rows(const Case& c, const RankAssignment& assignment) const override {
+    if (!head_scatters_dh(c)) return Stage::gradient_rows(c, assignment);
+    std::vector<std::int64_t> rows;
+    const auto& begin = assignment.micro_batch_begin;
+    for (std::size_t k = 0; k + 1 < begin.size(); ++k) {
+      for (const std::int64_t slot :
+           sequence_parallel_slots(begin[k + 1] - begin[k], c.layout.tp, assignment.coordinates.tp)) {
+        if (slot >= 0) rows.push_back(begin[k] + slot);
+      }
     }
+    return rows;
   }
   std::vector<std::string> gradients() const override { return {"dh"}; }
   std::int64_t gradient_columns(std::size_t, const Case& c, const RankAssignment&) const override {
@@ -106,6 +127,19 @@ class LmHeadStage final : public Stage {
   }
   std::unique_ptr<StageLogits> float64_logits(const Case& c, const InputSource& inputs) const override {
     return make_lm_head_logits(c, inputs);
+  }
+  std::int64_t token_input_width(const Case& c) const override { return head_options(c.loss).hidden; }
+  void token_input(const Case& c, const InputSource& inputs, std::int64_t token, double* out) const override {
+    head_hidden_row(c, inputs, token, out);
+  }
+  std::uint32_t plugin_capability() const override { return LV_SUPPORTS_LM_HEAD; }
+  std::string_view plugin_capability_name() const override { return "LV_SUPPORTS_LM_HEAD"; }
+  void plugin_settings(const Case& c, const RankAssignment&, lv_rank_inputs& settings) const override {
+    head_plugin_settings(c, settings);
+  }
+  std::vector<std::vector<std::byte>> plugin_inputs(const Case& c, const InputSource& inputs,
+                                                    const RankAssignment& assignment) const override {
+    return head_plugin_inputs(c, inputs, assignment);
   }
   std::vector<Implementation> catalogue() const override {
     return {
@@ -149,6 +183,10 @@ class LmHeadStage final : public Stage {
 
 std::string_view to_string(HeadOptions::DhReduce d) {
   return d == HeadOptions::DhReduce::framework ? "framework" : "head";
+}
+
+bool head_scatters_dh(const Case& c) {
+  return c.layout.sp && head_options(c.loss).dh_reduce == HeadOptions::DhReduce::head;
 }
 
 std::unique_ptr<Stage> make_lm_head_stage() { return std::make_unique<LmHeadStage>(); }
