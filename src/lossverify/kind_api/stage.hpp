@@ -3,7 +3,8 @@
 // kind's gradient of them goes back through it into gradients of the stage's own inputs, which ranks report and the
 // oracle judges beside the kind's checks, one check per gradient. The LM head (h, W -> logits; g -> dh, dW) is one;
 // tests/kinds/pass_through/ is the least one. A case names its stage in a "stage" section ({"kind": NAME});
-// stages run on the CPU backend and the host oracle (CUDA, plugins and dumps refuse a case with one, exit 2).
+// stages run on the CPU backend and the host oracle (CUDA and plugins refuse a case with one, exit 2); a dump of a
+// staged case carries the stage's inputs (Stage::inputs) and gradients, each under the gradient's check name.
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -25,6 +26,23 @@ struct BugSwitches;
 struct RankAssignment;
 struct RankGroups;
 class InputSource;
+enum class InputStream : std::uint32_t;  // inputs/philox_stream.hpp
+
+// One of a stage's own inputs (an LM head's h, W, b), as `export-inputs` writes it and a dump carries it
+// (docs/dumps.md): its tensor name, the Philox stream it comes from (InputSource::stage_values, the stream's row and
+// columns), how its rows are laid out and their width. A dump's tensor of it is read in place of the stream.
+struct StageInput {
+  enum class Rows {
+    token,       // a row per token (N x width): a rank holds its rows, in its row order
+    column,      // a row per vocabulary column (V x width): a rank holds its columns' rows
+    vocabulary,  // one row of V values (the stream's row 0): a rank holds its columns
+  };
+  std::string name;
+  InputStream stream{};
+  Rows rows = Rows::token;
+  std::int64_t width = 0;  // values per row; V for Rows::vocabulary
+  double scale = 1.0;      // the stream's standard deviation
+};
 
 // The float64 reference of the stage, from its definition: each gradient's expected row of a token from the kind's
 // reference gradient of the token's whole row of logits (`row_grad`, columns [0, V)) and, per column, how far a
@@ -101,6 +119,11 @@ class Stage {
   // The gradients of its inputs that ranks report, each judged as a check of that name ("dh"), and a row's width
   // of each on a rank.
   virtual std::vector<std::string> gradients() const = 0;
+  // Its own inputs, in the order a dump lists them; none by default (a stage whose input is the generated logits).
+  virtual std::vector<StageInput> inputs(const Case& c) const {
+    (void)c;
+    return {};
+  }
   virtual std::int64_t gradient_columns(std::size_t which, const Case& c, const RankAssignment& assignment) const = 0;
   // Before the kind's micro-batches: the rank's logits from the stage's inputs (in place: the rank's generated
   // rows are the stage's input). After them: the stage's gradients from the kind's.
