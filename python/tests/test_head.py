@@ -89,3 +89,20 @@ class HeadHarnessTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class PhiloxTest(unittest.TestCase):
+    def test_the_package_generates_exports_h_w_b_bit_for_bit(self):
+        from lossverify.philox import head_inputs
+
+        for name, overrides in (("head-ce-bias-upstream-tp4-cp2", None),
+                                ("head-ce-tp2-dp2-ga2", {"stage.hidden_scale": 0.75})):
+            with lv_inputs.exported(case_path(name), overrides=overrides) as exported:
+                for rank in exported.ranks[:3]:
+                    with self.subTest(case=name, rank=rank.rank):
+                        h, w, b = head_inputs(exported.case, rank.tensors["tokens"].tolist(), rank.vocab)
+                        self.assertEqual(h.dtype, exported.torch_dtype)
+                        self.assertTrue(torch.equal(h, rank.tensors["h"]))
+                        self.assertTrue(torch.equal(w, rank.shard()["W"]))
+                        if exported.head["bias"]:
+                            self.assertTrue(torch.equal(b, rank.shard()["b"]))
