@@ -952,7 +952,7 @@ void require_same_manifest_problem(const Manifest& first, const Manifest& other)
   const Case& b = other.the_case;
   const std::string where = other.path + ": not the problem of " + first.path + ": ";
   auto section = [](const Case& c, const char* key) { return c.resolved().value(key, json()); };
-  for (const char* key : {"shape", "loss", "framework"}) {
+  for (const char* key : {"shape", "loss", "stage", "framework"}) {
     if (section(a, key) != section(b, key)) {
       throw DumpError(where + "its " + key + " differs (" + section(b, key).dump() + " against " +
                       section(a, key).dump() + "); a sweep compares one problem at several layouts");
