@@ -9,7 +9,6 @@
 #include "lossverify/core/strings.hpp"
 #include "lossverify/dump/export_inputs.hpp"
 #include "lossverify/kind_api/loss_kind.hpp"
-#include "lossverify/kind_api/stage.hpp"
 
 namespace lossverify::cli {
 
@@ -44,10 +43,6 @@ int run_export_inputs(const ExportInputsArguments& args) {
     if (value > 0) overrides.push_back("layout." + std::string(key) + "=" + std::to_string(value));
   }
   const Case c = load_case_file(args.case_file, overrides);
-  if (c.loss.stage != nullptr) {
-    throw CaseError(args.case_file + ": the stage " + std::string(c.loss.stage->name()) +
-                    " cannot be exported: dumps carry logits, not a stage's inputs (lossverify run checks it)");
-  }
   if (const std::string gap = kind_of(c.loss).dump_gap(); !gap.empty()) {
     throw CaseError(args.case_file + ": loss kind " + std::string(kind_of(c.loss).name()) +
                     " cannot be exported: " + gap + " (lossverify run checks it)");

@@ -172,14 +172,19 @@ class MicroBatchDump:
     def where(self):
         return f"{self.rank_dump.where}, micro-batch {self.index}"
 
-    def finish(self, grad_logits, token_loss=None, token_logprob=None, token_entropy=None, counts=None):
+    def finish(self, grad_logits=None, token_loss=None, token_logprob=None, token_entropy=None, counts=None, dh=None):
         """Record the outputs; report any input the implementation modified in place since `begin`.
         token_logprob, token_entropy: a policy loss's per-token log-probabilities and entropies [rows]; counts: a
         router's counts per expert of the micro-batch's scope as the rank holds them after their all-reduce, one per
-        column of a row ([layers, experts] or flat)."""
+        column of a row ([layers, experts] or flat). dh: an LM head's gradient of the micro-batch's hidden states
+        [rows, H], as the rank's head returns it (a head's dump has no grad_logits: the head keeps them)."""
         if self.finished:
             raise DumpError(f"{self.where}: finish() called twice")
-        if grad_logits is None:
+        head = self.rank_dump.writer.stage is not None
+        if head and (dh is None or grad_logits is not None):
+            raise DumpError(f"{self.where}: an LM head's micro-batch finishes with dh (the gradient of h) and no "
+                            "grad_logits (the head keeps the logits' gradient inside)")
+        if not head and grad_logits is None:
             raise DumpError(f"{self.where}: grad_logits is None: the loss did not reach the logits "
                             "(was backward() called, and do the logits require grad?)")
         for name, live in self._live.items():
@@ -188,7 +193,10 @@ class MicroBatchDump:
                 self.rank_dump.writer._report_modified(f"{self.where}: {change}; the dump holds the values from "
                                                        "before the call")
         self._live = {}
-        self.tensors["grad_logits"] = _snapshot(grad_logits)
+        if head:
+            self.tensors["dh"] = _snapshot(dh)
+        else:
+            self.tensors["grad_logits"] = _snapshot(grad_logits)
         if counts is not None:
             width = self.rank_dump.writer.vocab
             if not isinstance(counts, torch.Tensor) or counts.numel() != width:
@@ -218,6 +226,7 @@ class RankDump:
         self.loss = None
         self.num_tokens = None
         self.statistics = {}
+        self.shard = {}  # an LM head's W, b (copied when given) and dW, db of the rank's vocabulary shard
         self.file = f"rank{world_rank}.safetensors"
         self.written = False
 
@@ -226,12 +235,13 @@ class RankDump:
         c = self.coordinates
         return f"rank {self.world_rank} (tp={c.tp} cp={c.cp} dp={c.dp})"
 
-    def begin_micro_batch(self, rows, logits, labels=None, loss_mask=None, teacher_logits=None, grad_output=None,
-                          old_logprob=None, ref_logprob=None, advantages=None):
+    def begin_micro_batch(self, rows, logits=None, labels=None, loss_mask=None, teacher_logits=None, grad_output=None,
+                          old_logprob=None, ref_logprob=None, advantages=None, h=None):
         """Start the next micro-batch: `rows` gives the global token of each row (-1: padding). The inputs
         are copied now; call `finish(grad_logits=..., token_loss=...)` on the result after backward.
         old_logprob, ref_logprob, advantages: a policy case's per-row inputs (objective policy_loss; the
-        advantages before whitening)."""
+        advantages before whitening). h: an LM head case's hidden states of the rows [rows, H], in place of the
+        logits (the head makes them)."""
         if self.written:
             raise DumpError(f"{self.where}: already written")
         if self.micro_batches and not self.micro_batches[-1].finished:
@@ -240,9 +250,13 @@ class RankDump:
         if index >= self.writer.layout.ga:
             raise DumpError(f"{self.where}: more micro-batches than layout.ga = {self.writer.layout.ga}")
         row_list = _as_row_list(rows, f"{self.where}, micro-batch {index}")
-        if logits is None:
+        head = self.writer.stage is not None
+        if head and (h is None or logits is not None):
+            raise DumpError(f"{self.where}, micro-batch {index}: an LM head's dump takes h (the hidden states), not "
+                            "logits (the head makes them)")
+        if not head and logits is None:
             raise DumpError(f"{self.where}, micro-batch {index}: logits are required")
-        mb = MicroBatchDump(self, index, row_list, {"logits": logits, "labels": labels, "loss_mask": loss_mask,
+        mb = MicroBatchDump(self, index, row_list, {"logits": logits, "h": h, "labels": labels, "loss_mask": loss_mask,
                                                     "teacher_logits": teacher_logits, "grad_output": grad_output,
                                                     "old_logprob": old_logprob, "ref_logprob": ref_logprob,
                                                     "advantages": advantages})
@@ -258,6 +272,26 @@ class RankDump:
                                     advantages=advantages)
         return mb.finish(grad_logits=grad_logits, token_loss=token_loss, token_logprob=token_logprob,
                          token_entropy=token_entropy)
+
+    def head_shard(self, W=None, b=None, dW=None, db=None):
+        """An LM head's tensors of the rank's vocabulary shard: its weight rows W [columns, H] and bias b [columns]
+        (inputs: give them before the step, they are copied), and their gradients dW and db over the rank's tokens
+        and micro-batches, before any reduction over DP or CP (after the step's backward passes)."""
+        if self.writer.stage is None:
+            raise DumpError(f"{self.where}: head_shard() is for a dump with an LM head (DumpWriter(stage=...))")
+        width = self.vocab[1] - self.vocab[0]
+        hidden = self.writer.stage["hidden"]
+        for name, value, shape in (("W", W, (width, hidden)), ("b", b, (width,)), ("dW", dW, (width, hidden)),
+                                   ("db", db, (width,))):
+            if value is None:
+                continue
+            if name in ("b", "db") and not self.writer.stage.get("bias"):
+                raise DumpError(f"{self.where}: {name} given, but the head has no bias (stage bias false)")
+            if value.dtype != self.writer.torch_dtype or tuple(value.shape) != shape:
+                raise DumpError(f"{self.where}: {name} is {value.dtype} {list(value.shape)}, expected "
+                                f"{self.writer.torch_dtype} {list(shape)} (vocabulary columns [{self.vocab[0]}, "
+                                f"{self.vocab[1]}), hidden size {hidden})")
+            self.shard[name] = _snapshot(value)
 
     def stats(self, loss=None, num_tokens=None, **statistics):
         """The values this rank logs: the reduced loss (tensor or number, may be NaN/inf) and the valid-token
@@ -303,6 +337,12 @@ class RankDump:
             if t.dim() < 1 or t.shape[-1] != width or t.numel() != n * width:
                 raise DumpError(f"{mb.where}: {name} has shape {list(t.shape)}, expected [{n}, {width}] "
                                 f"({n} rows x vocabulary columns [{self.vocab[0]}, {self.vocab[1]}))")
+        hidden = self.writer.stage["hidden"] if self.writer.stage is not None else None
+        for name in ("h", "dh"):
+            t = mb.tensors.get(name)
+            if t is not None and (t.dtype != dtype or tuple(t.shape) != (n, hidden)):
+                raise DumpError(f"{mb.where}: {name} is {t.dtype} {list(t.shape)}, expected {dtype} [{n}, {hidden}] "
+                                f"({n} rows x hidden size {hidden})")
         for name in ("labels", "loss_mask", *_ROW_FLOATS):
             t = mb.tensors.get(name)
             if t is not None and t.numel() != n:
@@ -343,6 +383,16 @@ class RankDump:
                 stats[key] = value if key == "num_tokens" else json_number(value)
         if stats:
             entry["stats"] = stats
+        if self.writer.stage is not None:
+            wanted = ("W", "b", "dW", "db") if self.writer.stage.get("bias") else ("W", "dW")
+            missing = [name for name in wanted if name not in self.shard]
+            if missing:
+                raise DumpError(f"{self.where}: the LM head's {', '.join(missing)} of the rank's shard not given "
+                                "(head_shard(W=..., dW=...))")
+            entry["stage"] = {}
+            for name in wanted:
+                tensors[f"stage.{name}"] = self.shard[name]
+                entry["stage"][name] = f"stage.{name}"
         return tensors, entry
 
     def _match_empty_micro_batches(self):
@@ -364,7 +414,7 @@ class RankDump:
                 if name == "counts":  # a scope without tokens counts none
                     mb.tensors[name] = torch.zeros_like(like)
                     continue
-                mb.tensors[name] = like.new_empty((0, width) if like.dim() == 2 else (0,))
+                mb.tensors[name] = like.new_empty((0, *like.shape[1:]))
 
     def write(self):
         """Write this rank's file; returns its manifest entry (done by DumpWriter.close)."""
@@ -386,12 +436,15 @@ class DumpWriter:
     experts); layout: {"tp", "cp", "dp", "ga", "sp"}; framework: {"grad_reduce": "avg" | "sum", "ga_reduce": "sum" | "mean"}; cu_seqlens: packed
     sequence offsets [0, ..., N] (optional); warn: emit a ModifiedInputWarning for each input modified in
     place (they are collected in `modified_inputs` either way); logged_loss_precision: the precision the logged
-    losses carry when they are stored wider ("bf16" for a bf16 loss logged with .float() or .item()).
+    losses carry when they are stored wider ("bf16" for a bf16 loss logged with .float() or .item()); stage: an
+    LM head in front of the loss (the case's stage section, {"kind": "lm_head", "hidden": H, "bias": ...}): each
+    micro-batch then gives h and dh instead of logits and grad_logits, and each rank its shard's W, b, dW and db
+    (RankDump.head_shard).
     """
 
     def __init__(self, directory, shape, dtype, loss, layout, framework=None, cu_seqlens=None, implementation=None,
                  name=None, description=None, tolerances=None, timeout_seconds=None, warn=True,
-                 logged_loss_precision=None):
+                 logged_loss_precision=None, stage=None):
         if isinstance(shape, dict):
             shape = (shape["tokens"], shape["vocab"])
         if len(shape) != 2 or not all(_whole(v) and v >= 1 for v in shape):
@@ -430,6 +483,11 @@ class DumpWriter:
         if logged_loss_precision is not None and logged_loss_precision not in DTYPES:
             raise DumpError(f"logged_loss_precision must be one of {', '.join(DTYPES)}, got {logged_loss_precision!r}")
         self.logged_loss_precision = logged_loss_precision
+        if stage is not None and (not isinstance(stage, dict) or stage.get("kind") != "lm_head"
+                                  or not _whole(stage.get("hidden")) or stage.get("hidden") < 1):
+            raise DumpError(f"stage must be an LM head's stage section {{\"kind\": \"lm_head\", \"hidden\": H, "
+                            f"...}}, got {stage!r}")
+        self.stage = dict(stage) if stage is not None else None
         self.ranks = []
         self.modified_inputs = []
         self.warn = warn  # False: only collect modified_inputs (the harness reports them in its Report)
@@ -480,6 +538,8 @@ class DumpWriter:
                 document[key] = value
         document.update({"shape": self.shape, "dtype": self.dtype,
                          "loss": self.loss, "layout": self.layout.as_dict()})
+        if self.stage is not None:
+            document["stage"] = self.stage
         if self.framework:
             document["framework"] = self.framework
         if self.tolerances:

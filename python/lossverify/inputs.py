@@ -3,7 +3,8 @@
 A folder holds `inputs.json` (format `lossverify.inputs/1`: the resolved case, the layout, the global
 valid-token count, cu_seqlens and per rank its coordinates, vocabulary columns, row count and micro-batch
 ranges) and one `rank<R>.safetensors` per world rank with the rank's rows, micro-batch after micro-batch
-(CP padding rows included): logits [rows, columns] in the case dtype, teacher_logits (KD), labels,
+(CP padding rows included): logits [rows, columns] in the case dtype (an LM head case: the head's inputs h
+[rows, H], and W [columns, H] and b [columns] of the rank's shard, instead), teacher_logits (KD), labels,
 loss_mask, tokens (-1 on padding), token_ids, sequences, positions and upstream_weights, and the kind's
 per-row inputs where the index's per-rank "tensors" list names them (policy: old_logprob, ref_logprob and
 advantages, float32 [rows]).
@@ -99,9 +100,16 @@ class RankInputs:
         return self._tensors
 
     def micro_batch(self, k):
-        """{name: tensor} of micro-batch k: rows micro_batches[k][0] to [1] of every tensor."""
+        """{name: tensor} of micro-batch k: rows micro_batches[k][0] to [1] of every per-row tensor (a head's shard
+        tensors W and b are the rank's, see shard())."""
         begin, end = self.micro_batches[k]
-        return {name: t[begin:end] for name, t in self.tensors.items()}
+        shard = self._inputs.head_shard_tensors
+        return {name: t[begin:end] for name, t in self.tensors.items() if name not in shard}
+
+    def shard(self):
+        """An LM head case's tensors of the rank's vocabulary shard: {"W": [columns, H], "b": [columns] (with a
+        bias)}, in the case dtype; {} without a head."""
+        return {name: self.tensors[name] for name in self._inputs.head_shard_tensors}
 
     def _load(self):
         if not os.path.isfile(self.file):
@@ -114,6 +122,8 @@ class RankInputs:
             raise InputsError(str(e)) from None
         inputs = self._inputs
         expected = _row_tensors()
+        if inputs.head is not None:  # the head makes the logits: its inputs are h (per row), W and b (the shard)
+            del expected["logits"]
         if inputs.kind_inputs.teacher_logits:
             expected["teacher_logits"] = None
         for name in inputs.kind_inputs.row_inputs:  # the kind's optional per-row inputs, where the index names them
@@ -130,6 +140,17 @@ class RankInputs:
                 raise InputsError(f"{self.file}: tensor {name!r} is {tensor.dtype} {list(tensor.shape)}, expected "
                                   f"{want_dtype} {list(want_shape)} ({self.rows} rows x {width} columns of "
                                   f"{self.where})")
+        if inputs.head is not None:
+            hidden = inputs.head["hidden"]
+            shapes = {"h": (self.rows, hidden), "W": (width, hidden), "b": (width,)}
+            for name in ("h", *inputs.head_shard_tensors):
+                tensor = tensors.get(name)
+                if tensor is None:
+                    raise InputsError(f"{self.file}: tensor {name!r} missing (the LM head's input, {self.where})")
+                if tensor.dtype != inputs.torch_dtype or tuple(tensor.shape) != shapes[name]:
+                    raise InputsError(f"{self.file}: tensor {name!r} is {tensor.dtype} {list(tensor.shape)}, "
+                                      f"expected {inputs.torch_dtype} {list(shapes[name])} (the LM head's input, "
+                                      f"hidden size {hidden}, {self.where})")
         return tensors
 
 
@@ -174,6 +195,25 @@ class Inputs:
     @property
     def torch_dtype(self):
         return _torch_dtypes()[self.dtype]
+
+    @property
+    def head(self):
+        """The case's LM head (its resolved stage section: hidden, bias, dh_reduce, ...), or None."""
+        stage = self.case.get("stage")
+        if stage is None:
+            return None
+        if not isinstance(stage, dict) or stage.get("kind") != "lm_head" or type(stage.get("hidden")) is not int:
+            raise InputsError(f"{self.path}: $.case.stage: the package runs the lm_head stage only, got {stage!r}")
+        return stage
+
+    @property
+    def head_shard_tensors(self):
+        """The names of the head's tensors of a rank's vocabulary shard: ("W",), ("W", "b") with a bias, () without
+        a head."""
+        head = self.head
+        if head is None:
+            return ()
+        return ("W", "b") if head.get("bias") else ("W",)
 
     @property
     def loss(self):

@@ -44,12 +44,13 @@ class Case(NamedTuple):
         return f"{self.name}@{parse_layout(self.layout).label}"
 
 
-def cases(kind="cross_entropy", layouts=None, names=None):
+def cases(kind="cross_entropy", layouts=None, names=None, head=False):
     """`pytest.mark.parametrize("lossverify_case", ...)` over the shipped cases of a loss kind ("cross_entropy",
     "kd", "policy"; None: every kind) x layouts. layouts: dicts such as {"tp": 2}, whose missing counts are
     the case's own, or "tp2-cp1-dp1-ga1" strings (missing counts 1); default: each case's own layout.
-    names: only these cases (a name that is not a shipped case of the kind is an error)."""
-    selected = shipped.case_names(kind)
+    names: only these cases (a name that is not a shipped case of the kind is an error). head: the cases with an
+    LM head in front of the kind instead (their function takes h, W and b)."""
+    selected = shipped.case_names(kind, head=head)
     if names is not None:
         unknown = sorted(set(names) - set(selected))
         if unknown:

@@ -34,13 +34,14 @@ def read_case(name):
         return json.load(f)
 
 
-def case_names(kind=None):
-    """The shipped cases' names, sorted; kind: only cases of that loss kind ("cross_entropy", "kd", "policy"). Cases
-    with a stage in front of their kind (the LM head) are left out: the package does not run stages yet."""
+def case_names(kind=None, head=False):
+    """The shipped cases' names, sorted; kind: only cases of that loss kind ("cross_entropy", "kd", "policy"); head:
+    the cases with an LM head in front of their kind instead of those without (a head case's function takes h, W
+    and b, docs/pytorch.md, so the two never mix)."""
     if kind is not None and kind not in known_kinds():
         raise UsageError(f"unknown loss kind {kind!r} (known: {', '.join(sorted(known_kinds()))})")
     names = sorted(os.path.basename(p)[:-len(".json")] for p in glob.glob(os.path.join(cases_dir(), "*.json")))
-    names = [n for n in names if "stage" not in read_case(n)]
+    names = [n for n in names if ("stage" in read_case(n)) == bool(head)]
     if kind is None:
         return names
     return [n for n in names if read_case(n).get("loss", {}).get("kind", "cross_entropy") == kind]

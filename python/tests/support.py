@@ -22,16 +22,17 @@ def case_path(name):
 
 
 def has_stage(name):
-    """Whether the shipped case puts a stage in front of its kind (an LM head), which the package does not run yet."""
+    """Whether the shipped case puts a stage in front of its kind (an LM head): its functions take h, W and b
+    (lossverify.torch.implementations.head)."""
     with open(case_path(name), encoding="utf-8") as f:
         return "stage" in json.load(f)
 
 
 def all_case_names():
-    """The shipped cases of the kinds this package checks (lossverify.kinds: cross_entropy, kd and policy), without a
-    stage in front."""
+    """The shipped cases of the kinds this package checks (lossverify.kinds: cross_entropy, kd, policy and router),
+    those with an LM head in front of their kind too."""
     names = sorted(os.path.basename(p)[:-5] for p in glob.glob(os.path.join(CASES, "*.json")))
-    return [n for n in names if loss_kind(n) in known_kinds() and not has_stage(n)]
+    return [n for n in names if loss_kind(n) in known_kinds()]
 
 
 def case_names():
@@ -45,9 +46,12 @@ def case_names():
         raise ValueError(f"LOSSVERIFY_GOLDEN_CASE={only}: no such case in {CASES}")
     if loss_kind(only) not in known_kinds():
         raise ValueError(f"LOSSVERIFY_GOLDEN_CASE={only}: its kind {loss_kind(only)!r} is not one the package checks")
-    if has_stage(only):
-        raise ValueError(f"LOSSVERIFY_GOLDEN_CASE={only}: it has a stage, which the package does not run yet")
     return [only]
+
+
+def implementations_module(name):
+    """The module of the package's own implementations for a shipped case: the LM head's for a case with one."""
+    return "lossverify.torch.implementations.head" if has_stage(name) else "lossverify.torch.implementations"
 
 
 def read_case(name):

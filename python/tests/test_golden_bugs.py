@@ -13,6 +13,9 @@ Cells not run, and why:
   cp-pad-to-cp have no Python version;
 - cp_roll_after_split on cases with independent labels: it builds labels from token ids, which only
   next-token data have (lossverify's kernel leaves such labels alone, so golden says pass there);
+- the LM head cases (head-*): the head's correct and its bugs written in PyTorch
+  (lossverify.torch.implementations.head: five of the seven; head-dw-16bit-accumulate and head-grad-output-first
+  have no Python version), none of the logits functions (they take logits, not h and W);
 - realistic-bf16-n2048-v32000-tp8: only the bugs golden says fail there (3 s per implementation on 2 cores);
 - the framework-level bugs that reach every per-token kind (dp_local_mean and the others of KIND "any") on router
   cases (moe-*): their Python versions weigh per-token losses, which a router's shares of its scopes are not; the
@@ -24,13 +27,17 @@ import unittest
 
 import lossverify.torch as lvt
 from lossverify.torch.implementations import CATALOGUE, KIND
-from support import all_case_names, case_names, case_path, golden, keep_dir, loss_kind, next_token_labels
+from lossverify.torch.implementations.head import CATALOGUE as HEAD_CATALOGUE
+from support import (all_case_names, case_names, case_path, golden, has_stage, implementations_module, keep_dir,
+                     loss_kind, next_token_labels)
 
 SLOW_CASES = {"realistic-bf16-n2048-v32000-tp8"}
 
 
 def implementations_for(name):
     outcomes = golden(name)
+    if has_stage(name):  # an LM head case: the head's correct and its catalogued bugs in PyTorch
+        return {impl: outcomes[impl.replace("_", "-")] for impl in HEAD_CATALOGUE}
     kind = loss_kind(name)
     chosen = {}
     for impl in CATALOGUE:
@@ -51,7 +58,8 @@ class BugsMatchGolden(unittest.TestCase):
     def test_every_bug_on_every_case(self):
         for name in case_names():
             expected = implementations_for(name)
-            reports = lvt.check_many({impl: f"lossverify.torch.implementations:{impl}" for impl in expected},
+            module = implementations_module(name)
+            reports = lvt.check_many({impl: f"{module}:{impl}" for impl in expected},
                                      case_path(name), keep_dump=keep_dir("golden_bugs", name), control=False)
             for impl, outcome in expected.items():
                 with self.subTest(case=name, implementation=impl):
@@ -65,7 +73,7 @@ class BugsMatchGolden(unittest.TestCase):
         caught = set()
         for name in all_case_names():
             caught |= {impl for impl, o in implementations_for(name).items() if o["verdict"] == "fail"}
-        self.assertEqual(sorted(set(CATALOGUE) - {"correct"} - caught), [])
+        self.assertEqual(sorted((set(CATALOGUE) | set(HEAD_CATALOGUE)) - {"correct"} - caught), [])
 
 
 if __name__ == "__main__":

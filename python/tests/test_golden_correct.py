@@ -1,4 +1,5 @@
-"""The correct PyTorch implementation passes every shipped case at tp = 1, 2 and 4 (each case's own cp, dp
+"""The correct PyTorch implementation (the LM head's in front of it on a case with a head) passes every shipped case
+at tp = 1, 2 and 4 (each case's own cp, dp
 and ga; a router case at tp 2 and 4 with and without sequence parallelism), with the margins lossverify's own kernels have: at most half an ulp for 16-bit gradients; and every
 check reads within its control band (the slow case runs without the band)."""
 
@@ -6,12 +7,14 @@ import unittest
 
 import lossverify.torch as lvt
 from lossverify.kinds import kind_inputs
-from support import case_names, case_path, keep_dir, loss_kind
+from support import case_names, case_path, has_stage, implementations_module, keep_dir, loss_kind
 
-CORRECT = "lossverify.torch.implementations:correct"
 # 65M logits on one rank at tp 1: its dump and in-place check alone can pass the case's 120 s when the other
 # Python golden suite runs beside it on two cores (CI saw it once).
 SLOW_CASES = {"realistic-bf16-n2048-v32000-tp8": 900}
+# An LM head's dW sums every token of a rank in float32 and is stored once in bf16: its margin under the head's error
+# model sits near 0.6 for lossverify's own head too (the control band holds the two together).
+HEAD_LIMIT = 0.8
 
 
 def tp_layouts(name):
@@ -28,12 +31,12 @@ class CorrectPassesEveryCase(unittest.TestCase):
             for tp, sp in tp_layouts(name):
                 with self.subTest(case=name, tp=tp, sp=sp):
                     label = f"{name}-tp{tp}" + ("-sp" if sp else "")
-                    report = lvt.check(CORRECT, case_path(name), tp=tp, set=None if sp is None else {"layout.sp": sp},
+                    report = lvt.check(f"{implementations_module(name)}:correct", case_path(name), tp=tp, set=None if sp is None else {"layout.sp": sp},
                                        keep_dump=keep_dir("correct", label), timeout=SLOW_CASES.get(name),
                                        control=name not in SLOW_CASES)
                     report.assert_pass()
                     worst = max(m for m in report.margins.values() if m is not None)
-                    self.assertLess(worst, 0.51, report.table())
+                    self.assertLess(worst, HEAD_LIMIT if has_stage(name) else 0.51, report.table())
                     if name not in SLOW_CASES:
                         readings = {c.name: c.control["reading"] for c in report.checks.values() if c.control}
                         self.assertTrue(readings, report.table())

@@ -148,6 +148,10 @@ lossverify_cli_test(r512_thread_ranks 0 "tp=8 cp=4 dp=16 ga=2.*|verdict: pass" -
 lossverify_cli_test(export_inputs 0 "exported 8 rank\\(s\\) of case cp-zigzag-packed.*tp=2 cp=2 dp=2"
   --present ${OUT}/export/inputs.json --present ${OUT}/export/rank7.safetensors
   -- bash -c "rm -rf ${OUT}/export && ${LV} export-inputs ${CASES}/cp-zigzag-packed.json --dp 2 --out ${OUT}/export")
+# An LM head case: h per row, W and b of the rank's shard in place of the logits (docs/dumps.md).
+lossverify_cli_test(export_inputs_head 0 "rank 0 holds h, W, b, labels, loss_mask"
+  --present ${OUT}/export_head/rank7.safetensors
+  -- bash -c "rm -rf ${OUT}/export_head && ${LV} export-inputs ${CASES}/head-ce-bias-upstream-tp4-cp2.json --out ${OUT}/export_head >/dev/null && python3 -c 'print(\"rank 0 holds\", \", \".join(__import__(\"json\").load(open(__import__(\"sys\").argv[1]))[\"ranks\"][0][\"tensors\"]))' ${OUT}/export_head/inputs.json")
 lossverify_cli_test(export_inputs_tp_above_vocab 2 "layout.tp.*300" --absent ${OUT}/export_wide/inputs.json
   -- ${LV} export-inputs ${CASES}/cp-zigzag-packed.json --tp 301 --out ${OUT}/export_wide)
 lossverify_cli_test(export_inputs_folder_in_use 2 "not empty .*nothing was written"

@@ -65,6 +65,14 @@ lossverify_dump_test(good_wrong_grad 1 "grad +FAIL .*, 1: .* row .* of .*rank1.s
   -- ${LV} check-dump --manifest ${BAD_DUMPS}/good_wrong_grad/manifest.json)
 lossverify_dump_test(good_npy_and_inline 0 "verdict: pass"
   -- ${LV} check-dump --manifest ${BAD_DUMPS}/good_npy_and_inline/manifest.json)
+# An LM head's dump (h, W, b as inputs; dh, dW, db judged): the base passes, a wrong db is caught and located.
+lossverify_dump_test(good_head 0 "db +pass +[0-9.e-]+ +[0-9.e-]+ +\\(-, 0, 1: "
+  -- ${LV} check-dump --manifest ${BAD_DUMPS}/head_valid/manifest.json)
+lossverify_dump_test(good_head_wrong_db 1 "db +FAIL .*\\(-, 1, 1: 0.110653 -> 0.221306\\)"
+  -- ${LV} check-dump --manifest ${BAD_DUMPS}/head_wrong_db/manifest.json)
+# Two dumps of one head problem: a sweep, the invariance check across them.
+lossverify_dump_test(good_head_sweep 0 "invariance over 2 dumps: pass"
+  -- ${LV} check-dump --manifest ${BAD_DUMPS}/head_valid/manifest.json --manifest ${BAD_DUMPS}/head_valid/manifest.json)
 
 # Command line: a manifest is required; a manifest that is not there is a usage error.
 lossverify_cli_test(check_dump_no_manifest 2 "check-dump needs a manifest" -- ${LV} check-dump)

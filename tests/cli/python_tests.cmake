@@ -11,7 +11,7 @@ if(torch_missing)
 endif()
 set(python_env "LOSSVERIFY_BIN=$<TARGET_FILE:lossverify>;PYTHONPATH=${PYTHON_DIR};PYTHONDONTWRITEBYTECODE=1")
 foreach(module test_safetensors test_report test_inputs test_dump test_harness test_hardening test_cli test_torchrun test_policy test_router
-               test_pytest_plugin test_control)
+               test_pytest_plugin test_control test_head)
   add_test(NAME python_${module}
     COMMAND ${LOSSVERIFY_SYSTEM_PYTHON} -m unittest discover -s tests -p ${module}.py -v
     WORKING_DIRECTORY ${PYTHON_DIR})
@@ -20,7 +20,8 @@ endforeach()
 # The golden suites, one CTest entry per shipped case (LOSSVERIFY_GOLDEN_CASE), so they spread over the cores and
 # one case reruns alone: `ctest -R python_golden_bugs_cp-zigzag-packed`. A case added to cases/ gets its entries
 # at the next configure. A case of a kind the package does not check (one outside lossverify.kinds' known kinds, asked
-# here so that the list lives in one place) has none, nor has a case with a stage.
+# here so that the list lives in one place) has none. A case with an LM head runs the package's head
+# (lossverify.torch.implementations.head).
 execute_process(COMMAND ${LOSSVERIFY_SYSTEM_PYTHON} -c "from lossverify.kinds import known_kinds; print(';'.join(known_kinds()), end='')"
                 WORKING_DIRECTORY ${PYTHON_DIR} OUTPUT_VARIABLE python_kinds RESULT_VARIABLE python_kinds_failed)
 if(python_kinds_failed OR NOT python_kinds)
@@ -35,11 +36,6 @@ foreach(case_file ${shipped_cases})
     set(case_kind cross_entropy)
   endif()
   if(NOT case_kind IN_LIST python_kinds)
-    continue()
-  endif()
-  # A case with a stage in front of its kind (an LM head): the package does not run stages yet (docs/pytorch.md).
-  string(JSON case_stage ERROR_VARIABLE no_stage GET "${case_text}" stage)
-  if(NOT no_stage)
     continue()
   endif()
   foreach(suite correct bugs)

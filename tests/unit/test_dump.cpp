@@ -12,8 +12,10 @@
 
 #include "dump_writer.hpp"
 #include "lossverify/dump/check_dump.hpp"
+#include "lossverify/dump/stage_tensors.hpp"
 #include "lossverify/inputs/input_source.hpp"
 #include "lossverify/kind_api/loss_kind.hpp"
+#include "lossverify/kind_api/stage.hpp"
 #include "lossverify/runner/run_case.hpp"
 #include "test_support.hpp"
 
@@ -82,6 +84,56 @@ void write_kind_tensors(const Case& c, const InputSource& inputs, const RankOutp
   }
 }
 
+// A staged case's per-row tensors of rows [b, e): the stage's inputs (an LM head's h) as exported, its gradients (dh)
+// as the rank computed them; no logits (the stage makes them) and no gradient of them (kept internal).
+void write_stage_rows(const Case& c, const InputSource& inputs, const RankOutput& out, std::int64_t b, std::int64_t e,
+                      const std::string& p, std::map<std::string, RawTensor>& tensors, json& t) {
+  const std::string dtype = safetensors_dtype(c.inputs.dtype);
+  RankAssignment rows = out.assignment;
+  rows.rows.assign(out.assignment.rows.begin() + b, out.assignment.rows.begin() + e);
+  for (const StageInput& input : c.loss.stage->inputs(c)) {
+    if (input.rows != StageInput::Rows::token) continue;
+    const std::vector<double> values = dump::stage_input_values(input, inputs, rows);
+    tensors[p + input.name] =
+        RawTensor{dtype, dump::stage_input_shape(input, rows), dump::to_dtype_bytes(values, c.inputs.dtype)};
+    t[input.name] = p + input.name;
+  }
+  const std::size_t element = dtype_size(c.inputs.dtype);
+  const std::vector<std::string> gradients = c.loss.stage->gradients();
+  for (std::size_t w = 0; w < gradients.size(); ++w) {
+    const std::int64_t cols = out.stage_columns[w];
+    const auto from = out.stage_grads[w].begin() + b * cols * static_cast<std::int64_t>(element);
+    const auto to = out.stage_grads[w].begin() + e * cols * static_cast<std::int64_t>(element);
+    tensors[p + gradients[w]] = RawTensor{dtype, {e - b, cols}, std::vector<std::byte>(from, to)};
+    t[gradients[w]] = p + gradients[w];
+  }
+}
+
+// A staged case's tensors of the rank's vocabulary shard: the stage's inputs (W, b) as exported, its parameter
+// gradients (dW, db) as the rank computed them. Returns the rank's "stage" object.
+json write_stage_shard(const Case& c, const InputSource& inputs, const RankOutput& out,
+                       std::map<std::string, RawTensor>& tensors) {
+  const std::string dtype = safetensors_dtype(c.inputs.dtype);
+  json shard = json::object();
+  for (const StageInput& input : c.loss.stage->inputs(c)) {
+    if (input.rows == StageInput::Rows::token) continue;
+    const std::vector<double> values = dump::stage_input_values(input, inputs, out.assignment);
+    tensors[input.name] =
+        RawTensor{dtype, dump::stage_input_shape(input, out.assignment), dump::to_dtype_bytes(values, c.inputs.dtype)};
+    shard[input.name] = input.name;
+  }
+  const std::vector<std::string> parameters = c.loss.stage->parameters();
+  for (std::size_t q = 0; q < parameters.size(); ++q) {
+    const ParameterShape shape = c.loss.stage->parameter_shape(q, c, out.assignment);
+    if (shape.rows * shape.columns == 0) continue;
+    std::vector<std::int64_t> dims = {shape.rows, shape.columns};
+    if (shape.columns == 1) dims = {shape.rows};
+    tensors[parameters[q]] = RawTensor{dtype, dims, out.stage_params[q]};
+    shard[parameters[q]] = parameters[q];
+  }
+  return shard;
+}
+
 // `edit`, where given, changes each rank's tensors before they are written (a dump with one thing wrong).
 using TensorEdit = std::function<void(std::map<std::string, RawTensor>&)>;
 
@@ -110,6 +162,7 @@ fs::path write_dump(const Case& c, const InputSource& inputs, const std::vector<
       {"framework", resolved["framework"]},
       {"tolerances", resolved["tolerances"]},
       {"ranks", json::array()}};
+  if (resolved.contains("stage")) manifest["stage"] = resolved["stage"];
   const std::size_t element = dtype_size(c.inputs.dtype);
   for (const RankOutput& out : outputs) {
     const auto& a = out.assignment;
@@ -158,9 +211,14 @@ fs::path write_dump(const Case& c, const InputSource& inputs, const std::vector<
                      {rows, cols},
                      std::vector<std::byte>(out.grad.begin() + b * cols * static_cast<std::int64_t>(element),
                                             out.grad.begin() + e * cols * static_cast<std::int64_t>(element))};
-      json t = {{"logits", p + "logits"}, {"grad_logits", p + "grad"}};
-      tensors[p + "logits"] = logits;
-      tensors[p + "grad"] = grad;
+      json t = json::object();
+      if (c.loss.stage == nullptr) {
+        t = {{"logits", p + "logits"}, {"grad_logits", p + "grad"}};
+        tensors[p + "logits"] = logits;
+        tensors[p + "grad"] = grad;
+      } else {
+        write_stage_rows(c, inputs, out, b, e, p, tensors, t);
+      }
       if (kd) {
         tensors[p + "teacher"] = teacher;
         t["teacher_logits"] = p + "teacher";
@@ -197,6 +255,7 @@ fs::path write_dump(const Case& c, const InputSource& inputs, const std::vector<
                  {"vocab", {a.vocab.begin, a.vocab.end}},
                  {"file", "rank" + std::to_string(a.world_rank) + ".safetensors"},
                  {"micro_batches", mbs}};
+    if (c.loss.stage != nullptr) rank["stage"] = write_stage_shard(c, inputs, out, tensors);
     if (stats) {
       rank["stats"] = {{"num_tokens", "num_tokens"}};
       tensors["num_tokens"] = raw_tensor("I64", {}, std::vector<std::int64_t>{out.logged_valid_tokens});
@@ -251,6 +310,10 @@ void expect_same(const Case& c, const std::string& impl) {
     CAPTURE(a.name);
     CHECK(a.name == b.name);
     CHECK(a.verdict == b.verdict);
+    if (b.metrics.is_object() && b.metrics.value("dumped", true) == false) {
+      CHECK(a.verdict == Verdict::not_applicable);  // the logits' gradient a fused head keeps: in no dump
+      continue;
+    }
     if (std::isfinite(a.margin)) {
       CHECK(b.margin == doctest::Approx(a.margin).epsilon(1e-12));
     } else {
@@ -908,4 +971,80 @@ TEST_CASE("a router dump's geometry: whole rows, SP's token split, the case's mi
   });
   expect_contains(nan.reload([](json&) {}), "non-finite value NaN at row 0, column 5");
   fs::remove_all(nan.dir);
+}
+
+namespace {
+
+// A case with an LM head in front of its kind (kinds/lm_head/), small enough for a unit test.
+Case head_dump_case(const json& extra) {
+  json j = {{"name", "head"},
+            {"shape", {{"vocab", 96}}},
+            {"batch", {{"sequence_lengths", {9, 5, 11, 7}}}},
+            {"stage", {{"kind", "lm_head"}, {"hidden", 16}, {"chunks", 3}}},
+            {"inputs", {{"seed", 5}, {"dtype", "fp32"}, {"scale", 2.0}, {"ignore_fraction", 0.1}}},
+            {"timeout_seconds", 60.0}};
+  j.merge_patch(extra);
+  return make_case(j);
+}
+
+}  // namespace
+
+TEST_CASE("check-dump of an LM head: h, W, b read as inputs, dh, dW, db judged as run judges them") {
+  // The head's contract at TP, DP x GA, bf16, smoothing: dh whole on every rank, dW per rank over its micro-batches.
+  const Case smoothing = head_dump_case({{"name", "head-tp2-dp2-ga2"},
+                                         {"loss", {{"label_smoothing", 0.1}}},
+                                         {"stage", {{"chunks", 4}}},
+                                         {"inputs", {{"dtype", "bf16"}}},
+                                         {"layout", {{"tp", 2}, {"dp", 2}, {"ga", 2}}}});
+  for (const char* impl : {"correct", "head-dh-shard-partial", "head-dw-16bit-accumulate", "head-smoothing-dropped"}) {
+    expect_same(smoothing, impl);
+  }
+  CHECK(run_both(smoothing, "correct").dumped.verdict == Verdict::pass);
+  const RunResult partial = run_both(smoothing, "head-dh-shard-partial").dumped;
+  CHECK(partial.verdict == Verdict::fail);
+  CHECK(check_named(partial, "dh").verdict == Verdict::fail);
+  CHECK(check_named(partial, "dW").verdict == Verdict::pass);
+  // A bias, reduction none with upstream weights, the framework's dh contract, CP with padding rows, a softcap.
+  const Case bias =
+      head_dump_case({{"name", "head-bias-cp2"},
+                      {"loss",
+                       {{"reduction", "none"},
+                        {"softcap", 30.0},
+                        {"upstream_weights", {{"distribution", "uniform"}, {"low", 0.25}, {"high", 2.0}}}}},
+                      {"stage", {{"bias", true}, {"dh_reduce", "framework"}}},
+                      {"layout", {{"tp", 2}, {"cp", 2}}}});
+  for (const char* impl : {"correct", "head-grad-output-first", "head-bias-repeated", "head-softcap-dropped"}) {
+    expect_same(bias, impl);
+  }
+  const RunResult first = run_both(bias, "head-grad-output-first").dumped;
+  CHECK(check_named(first, "db").verdict == Verdict::fail);
+  CHECK(check_named(first, "dh").verdict == Verdict::pass);
+  // KD: the student's logits out of the head, the teacher's dumped as they are.
+  const Case kd = head_dump_case({{"name", "head-kd"},
+                                  {"loss", {{"kind", "kd"}, {"temperature", 2.0}}},
+                                  {"inputs", {{"teacher", {{"scale", 3.0}}}}},
+                                  {"layout", {{"tp", 3}}}});
+  for (const char* impl : {"correct", "kd-no-t2", "head-dh-double-reduce"}) expect_same(kd, impl);
+}
+
+TEST_CASE("check-dump of an LM head: the dumped h, W and b are the reference's inputs, not the case's streams") {
+  // W of one column moved by one unit of its last place on every rank holding it: the head's correct outputs on the
+  // case's own inputs no longer match the reference computed from the dump's W.
+  const Case c = head_dump_case({{"name", "head-moved-w"}, {"layout", {{"tp", 2}}}});
+  RunOptions options;
+  options.threads = 2;
+  const InputSource inputs(c);
+  const RankRun ranks = execute_ranks(c, inputs, *find_implementation("correct"), options);
+  const fs::path same = write_dump(c, inputs, ranks.outputs, "head-same");
+  CHECK(dump::check_dump(*dump::load_dump((same / "manifest.json").string()), {2}).verdict == Verdict::pass);
+  const fs::path moved = write_dump(c, inputs, ranks.outputs, "head-moved", true, true, {}, true,
+                                    [](std::map<std::string, RawTensor>& tensors) {
+                                      float* w = reinterpret_cast<float*>(tensors.at("W").data.data());
+                                      for (int k = 0; k < 16; ++k) w[k] *= 1.5f;
+                                    });
+  const RunResult run = dump::check_dump(*dump::load_dump((moved / "manifest.json").string()), {2});
+  CHECK(run.verdict == Verdict::fail);
+  CHECK(check_named(run, "dh").verdict == Verdict::fail);
+  fs::remove_all(same);
+  fs::remove_all(moved);
 }

@@ -2,6 +2,8 @@
 // calls, bit for bit), the index describes the layout, and a folder that is in use is refused untouched.
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -136,4 +138,55 @@ TEST_CASE("export_inputs_refuses_a_folder_in_use_and_writes_nothing") {
   CHECK(!fs::exists(dir / "rank0.safetensors"));
   options.out_dir = (dir / "notes.txt").string();
   CHECK_THROWS_AS(dump::export_inputs(c, options), CaseError);
+}
+
+TEST_CASE("export_inputs_of_an_lm_head_writes_h_w_b_of_the_head_streams_and_no_logits") {
+  // bf16, a bias, tp = 2 (V = 45: shards of 23 and 22), cp = 2 with padding rows; each rank's h, W and b compared with
+  // the head's Philox streams (InputSource::stage_values) bit for bit.
+  json j = case_json(0, 45, 2, "bf16");
+  j["shape"].erase("tokens");
+  j["batch"] = {{"sequence_lengths", {11, 6, 9}}};
+  j["stage"] = {{"kind", "lm_head"}, {"hidden", 6}, {"bias", true}, {"hidden_scale", 0.5}};
+  j["layout"] = {{"tp", 2}, {"cp", 2}};
+  const Case c = make_case(j);
+  const fs::path dir = temp_folder("export-head");
+  dump::ExportOptions options;
+  options.out_dir = dir.string();
+  const json index = dump::export_inputs(c, options);
+  const InputSource inputs(c);
+  const int hidden = 6;
+  const double w_scale = 2.0 / (std::sqrt(6.0) * 0.5);  // the case's logit scale over sqrt(H) hidden_scale
+  for (const json& r : index["ranks"]) {
+    const std::vector<std::string> names = r["tensors"];
+    CHECK(std::find(names.begin(), names.end(), "logits") == names.end());
+    CHECK(std::find(names.begin(), names.end(), "h") != names.end());
+    const RankAssignment a = assign_rank(c, inputs.batch(), r["rank"].get<int>());
+    const auto file = dump::TensorFile::open((dir / r["file"].get<std::string>()).string());
+    CHECK_THROWS_AS(file.tensor("logits"), dump::DumpError);
+    auto values = [&](const char* name) {
+      const dump::TensorInfo& info = file.tensor(name);
+      CHECK(info.dtype == dump::TensorDType::bf16);
+      return dump::to_doubles(info, file.read(info), name);
+    };
+    const std::vector<double> h = values("h"), w = values("W"), b = values("b");
+    REQUIRE(h.size() == a.rows.size() * hidden);
+    REQUIRE(w.size() == static_cast<std::size_t>(a.vocab.size() * hidden));
+    REQUIRE(b.size() == static_cast<std::size_t>(a.vocab.size()));
+    std::vector<double> want(static_cast<std::size_t>(hidden));
+    for (std::size_t i = 0; i < a.rows.size(); ++i) {
+      if (a.rows[i].token < 0) continue;
+      inputs.stage_values(InputStream::head_hidden, static_cast<std::uint64_t>(a.rows[i].token), 0, hidden, 0.5,
+                          want.data());
+      for (int k = 0; k < hidden; ++k) CHECK(h[i * hidden + static_cast<std::size_t>(k)] == want[k]);
+    }
+    for (std::int64_t v = a.vocab.begin; v < a.vocab.end; ++v) {
+      inputs.stage_values(InputStream::head_weight, static_cast<std::uint64_t>(v), 0, hidden, w_scale, want.data());
+      for (int k = 0; k < hidden; ++k) {
+        CHECK(w[static_cast<std::size_t>((v - a.vocab.begin) * hidden + k)] == want[static_cast<std::size_t>(k)]);
+      }
+    }
+    std::vector<double> bias(static_cast<std::size_t>(a.vocab.size()));
+    inputs.stage_values(InputStream::head_bias, 0, a.vocab.begin, a.vocab.end, 1.0, bias.data());  // 0.5 x scale 2
+    CHECK(b == bias);
+  }
 }

@@ -222,8 +222,8 @@ def _build_groups(layout, rank, timeout):
 
 
 def _micro_batches(inputs, rank_inputs, device):
-    """The rank's micro-batches as MicroBatch records on the device, and their logits (fresh copies: a job
-    may overwrite what it is given)."""
+    """The rank's micro-batches as MicroBatch records on the device, and their logits (an LM head case: their hidden
+    states h; fresh copies: a job may overwrite what it is given)."""
     teacher = inputs.kind_inputs.teacher_logits
     out, logits = [], []
     for k in range(len(rank_inputs.micro_batches)):
@@ -235,7 +235,7 @@ def _micro_batches(inputs, rank_inputs, device):
                         row_inputs={name: t.get(name) for name in inputs.kind_inputs.row_inputs},
                         logits=t["logits"].clone() if harness_kind(inputs.kind).reads_step_logits else None)
         out.append(mb)
-        logits.append(t["logits"])
+        logits.append(t["logits"] if "logits" in t else t["h"])  # an LM head's input is h
     return out, logits
 
 
@@ -258,6 +258,14 @@ def _manifest_loss(loss):
 
 
 def _run_job(job, fn, me):
+    if me.inputs.head is not None:
+        from lossverify.torch._head import run_head_job
+
+        return run_head_job(job, fn, me)
+    return _run_logits_job(job, fn, me)
+
+
+def _run_logits_job(job, fn, me):
     """Run fn on every micro-batch of this rank, back-propagate, and write this rank's part of the dump.
 
     The dump holds the inputs as exported (never what fn may have left in them): fn sees copies, and through
@@ -343,7 +351,7 @@ def _report_changed_micro_batches(writer, rank_dump, micro_batches, rank_inputs)
 
 def _dump_writer(job, inputs):
     case = inputs.case
-    return DumpWriter(job.dump_dir, shape=(inputs.tokens, inputs.vocab), dtype=inputs.dtype,
+    return DumpWriter(job.dump_dir, shape=(inputs.tokens, inputs.vocab), dtype=inputs.dtype, stage=inputs.head,
                       loss=_manifest_loss(case["loss"]), layout=inputs.layout, framework=inputs.framework,
                       cu_seqlens=inputs.cu_seqlens, implementation=job.name, name=case.get("name"),
                       description=f"lossverify.torch harness: {job.name} on case {case.get('name')}",
@@ -359,7 +367,7 @@ def _context(me, loss, framework, factor, micro_batches, k, state):
                    batch_group=groups["batch"], sp=layout.sp, device=me.device, dtype=me.inputs.torch_dtype,
                    vocab_start=r.vocab[0], vocab_end=r.vocab[1], vocab_size=me.inputs.vocab, loss=loss,
                    framework=framework, framework_factor=factor, num_valid_tokens=me.num_valid, micro_batch=k,
-                   ga=layout.ga, micro_batches=micro_batches, state=state, step=me.step)
+                   ga=layout.ga, micro_batches=micro_batches, state=state, step=me.step, head=me.inputs.head)
 
 
 def _one_number(value, what, fail):

@@ -184,6 +184,9 @@ class Context:
     tp_cp_group: Any = None
     batch_group: Any = None
     sp: bool = False
+    # An LM head case (../docs/pytorch.md, "An LM head"): the case's resolved stage section ({"kind": "lm_head",
+    # "hidden": H, "bias": ..., "dh_reduce": "head" | "framework", ...}); None without a head.
+    head: Optional[Dict[str, Any]] = None
 
     def __getattr__(self, name):
         """The kind's step values, the current micro-batch's row inputs (ctx.old_logprob), and the kind's context

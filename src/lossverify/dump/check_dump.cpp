@@ -19,6 +19,7 @@
 #include "lossverify/comm/rank_groups.hpp"
 #include "lossverify/comm/thread_world.hpp"
 #include "lossverify/core/strings.hpp"
+#include "lossverify/kind_api/stage.hpp"
 #include "lossverify/layout/rank_layout.hpp"
 #include "lossverify/oracle/host_oracle.hpp"
 #include "lossverify/reference/compensated_sum.hpp"
@@ -72,6 +73,11 @@ std::vector<std::pair<std::string, std::uint64_t>> fingerprint(const ExplicitInp
     const std::string name = k < token_input_names.size() ? token_input_names[k] : "token input " + std::to_string(k);
     out.emplace_back(name, hash(data.token_inputs[k].data(), data.token_inputs[k].size() * sizeof(float)));
   }
+  for (std::size_t k = 0; k < data.stage.size(); ++k) {
+    const std::size_t at = data.token_inputs.size() + k;
+    const std::string name = at < token_input_names.size() ? token_input_names[at] : "stage input " + std::to_string(k);
+    out.emplace_back(name, hash(data.stage[k].values.data(), data.stage[k].values.size() * sizeof(double)));
+  }
   return out;
 }
 
@@ -94,6 +100,7 @@ class Loader {
     const std::int64_t v = c_.shape.vocab;
     teacher_ = kind_of(c_.loss).inputs().teacher_logits;
     labelled_ = kind_of(c_.loss).inputs().labels;
+    start_stage();
     if (m_.cu_seqlens) {
       const Located t = locate(*m_.cu_seqlens);
       if (t.info->shape.size() != 1) t.fail("cu_seqlens must be one-dimensional, got shape " + t.info->shape_string());
@@ -126,8 +133,13 @@ class Loader {
       c_.loss.upstream_weights.values = upstream_;
     }
     require_finite_token_inputs();
-    p_.logits_look_like_probabilities = rows_look_like_probabilities(data_.student, n, v, c_.inputs.dtype);
-    if (fingerprint_inputs_) p_.inputs_fingerprint = fingerprint(data_, kind_of(c_.loss).token_inputs(c_.loss));
+    p_.logits_look_like_probabilities =
+        stage_inputs_.empty() && rows_look_like_probabilities(data_.student, n, v, c_.inputs.dtype);
+    if (fingerprint_inputs_) {
+      std::vector<std::string> names = kind_of(c_.loss).token_inputs(c_.loss);
+      for (const StageInput& input : stage_inputs_) names.push_back(input.name);
+      p_.inputs_fingerprint = fingerprint(data_, names);
+    }
     p_.inputs = std::make_unique<InputSource>(c_, std::move(data_));
     fill_not_dumped();
     p_.load_seconds = std::chrono::duration<double>(Clock::now() - start).count();
@@ -235,12 +247,17 @@ class Loader {
   }
 
   void validate_shapes(const RankSpec& rank) {
+    for (const auto& [key, ref] : rank.stage) {
+      expect_stage_shape(locate(ref), stage_shape(key, rank, 0), stage_rows_text(key, rank, 0));
+    }
     for (const MicroBatchSpec& mb : rank.micro_batches) {
       const auto rows = static_cast<std::int64_t>(mb.rows.size());
       for (const auto& [key, ref] : mb.tensors) {
         const Located t = locate(ref);
         if (key == "logits" || key == "grad_logits" || key == "teacher_logits") {
           expect_matrix(t, rows, rank.vocab.size());
+        } else if (is_stage_key(key)) {
+          expect_stage_shape(t, stage_shape(key, rank, rows), stage_rows_text(key, rank, rows));
         } else if (key == kind_of(c_.loss).scope_values_name()) {
           continue;  // one value per column of a row, whatever the rows (load_scope_values)
         } else {
@@ -311,8 +328,10 @@ class Loader {
           std::memcpy(to, from, size);
         }
       }
-      // gradient: the rank's own, as dumped
-      {
+      // gradient: the rank's own, as dumped (zeros where a stage keeps it internal: no check reads it then)
+      if (!mb.tensors.count("grad_logits")) {
+        out.grad.insert(out.grad.end(), static_cast<std::size_t>(rows * cols) * element, std::byte{0});
+      } else {
         const Located t = locate(mb.tensors.at("grad_logits"));
         expect_matrix(t, rows, cols);
         const std::vector<std::byte> data = bytes(t);
@@ -363,6 +382,7 @@ class Loader {
         }
       }
       for (std::size_t input = 0; input < token_input_names_.size(); ++input) load_token_input(rank, mb, input);
+      load_stage_rows(rank, mb, out);
       load_scope_values(mb, k, out);
       load_token_quantities(mb, out);
       if (mb.tensors.count("token_loss")) {
@@ -375,6 +395,7 @@ class Loader {
       }
     }
     out.assignment.micro_batch_begin.push_back(static_cast<std::int64_t>(out.assignment.rows.size()));
+    load_stage_shard(rank, out);
     if (rank.loss.kind != ScalarSpec::Kind::absent) {
       out.has_reduced_loss = true;
       out.reduced_loss = static_cast<float>(scalar(rank.loss, false));
@@ -432,6 +453,193 @@ class Loader {
       }
       agree(token_input_owner_[k], data_.token_inputs[k], token,
             static_cast<float>(values[static_cast<std::size_t>(i)]), rank, i, t.label, token_input_names_[k].c_str());
+    }
+  }
+
+  // ---- A stage's tensors (an LM head's h, W, b and dh, dW, db: manifest.hpp, stage_row_tensors/stage_rank_tensors)
+
+  void start_stage() {
+    if (c_.loss.stage == nullptr) return;
+    stage_inputs_ = c_.loss.stage->inputs(c_);
+    const std::int64_t n = c_.shape.tokens, v = c_.shape.vocab;
+    for (const StageInput& input : stage_inputs_) {
+      ExplicitInputs::StageTensor t;
+      t.stream = input.stream;
+      t.rows = input.rows == StageInput::Rows::token ? n : input.rows == StageInput::Rows::column ? v : 1;
+      t.width = input.rows == StageInput::Rows::vocabulary ? v : input.width;
+      t.values.assign(static_cast<std::size_t>(t.rows * t.width), 0.0);
+      data_.stage.push_back(std::move(t));
+      stage_owner_.emplace_back(static_cast<std::size_t>(input.rows == StageInput::Rows::token ? n : v));
+    }
+  }
+
+  bool is_stage_key(const std::string& key) const {
+    if (c_.loss.stage == nullptr) return false;
+    const std::vector<std::string> rows = stage_row_tensors(c_), shard = stage_rank_tensors(c_);
+    return std::find(rows.begin(), rows.end(), key) != rows.end() ||
+           std::find(shard.begin(), shard.end(), key) != shard.end();
+  }
+  const StageInput* stage_input(const std::string& key) const {
+    for (const StageInput& input : stage_inputs_) {
+      if (input.name == key) return &input;
+    }
+    return nullptr;
+  }
+  static RankAssignment shard_of(const RankSpec& rank) {
+    RankAssignment a;
+    a.world_rank = rank.world_rank;
+    a.coordinates = rank.coordinates;
+    a.vocab = rank.vocab;
+    return a;
+  }
+
+  // The shape a stage tensor of `rank` must have (`rows`: the micro-batch's, for a per-row tensor). A parameter
+  // gradient of one column (db) is a vector.
+  std::vector<std::int64_t> stage_shape(const std::string& key, const RankSpec& rank, std::int64_t rows) const {
+    const Stage& stage = *c_.loss.stage;
+    const RankAssignment shard = shard_of(rank);
+    if (const StageInput* input = stage_input(key)) {
+      if (input->rows == StageInput::Rows::token) return {rows, input->width};
+      if (input->rows == StageInput::Rows::column) return {rank.vocab.size(), input->width};
+      return {rank.vocab.size()};
+    }
+    const std::vector<std::string> gradients = stage.gradients(), parameters = stage.parameters();
+    for (std::size_t w = 0; w < gradients.size(); ++w) {
+      if (gradients[w] == key) return {rows, stage.gradient_columns(w, c_, shard)};
+    }
+    for (std::size_t p = 0; p < parameters.size(); ++p) {
+      if (parameters[p] != key) continue;
+      const ParameterShape shape = stage.parameter_shape(p, c_, shard);
+      if (shape.columns == 1) return {shape.rows};
+      return {shape.rows, shape.columns};
+    }
+    throw InternalError("check-dump: " + key + " is no tensor of the stage");
+  }
+
+  // What the expected shape holds, for messages.
+  std::string stage_rows_text(const std::string& key, const RankSpec& rank, std::int64_t rows) const {
+    const std::string columns = "vocabulary columns [" + std::to_string(rank.vocab.begin) + ", " +
+                                std::to_string(rank.vocab.end) + ") of V = " + std::to_string(c_.shape.vocab);
+    const std::string settings = "the case's stage settings";
+    if (const StageInput* input = stage_input(key)) {
+      if (input->rows == StageInput::Rows::token) {
+        return "a row of " + std::to_string(input->width) + " values (" + settings + ") per row of the micro-batch (" +
+               std::to_string(rows) + " rows)";
+      }
+      if (input->rows == StageInput::Rows::column) {
+        return "a row of " + std::to_string(input->width) + " values (" + settings + ") per vocabulary column of " +
+               rank.describe() + ", which holds " + columns;
+      }
+      return "a value per vocabulary column of " + rank.describe() + ", which holds " + columns;
+    }
+    const std::vector<std::string> gradients = c_.loss.stage->gradients();
+    if (std::find(gradients.begin(), gradients.end(), key) != gradients.end()) {
+      return "the stage's gradient " + key + " of each row of the micro-batch (" + std::to_string(rows) + " rows)";
+    }
+    return "the stage's parameter gradient " + key + " of the shard of " + rank.describe() + ", which holds " + columns;
+  }
+
+  void expect_stage_shape(const Located& t, const std::vector<std::int64_t>& shape, const std::string& what) {
+    const TensorDType want = tensor_dtype_of(c_.inputs.dtype);
+    if (t.info->dtype != want) {
+      t.fail("dtype " + std::string(to_string(t.info->dtype)) + ", but the manifest's dtype is " +
+             std::string(to_string(c_.inputs.dtype)) + " (" + std::string(to_string(want)) +
+             "): a stage's inputs and gradients are in it");
+    }
+    if (t.info->shape == shape) return;
+    std::string expected;
+    for (const std::int64_t d : shape) append_to_list(expected, std::to_string(d));
+    t.fail("shape " + t.info->shape_string() + ", but it holds " + what + ": expected [" + expected + "]");
+  }
+
+  // A stage input's values, each finite (the reference computes the logits from them).
+  std::vector<double> finite_stage_values(const Located& t, std::int64_t width) {
+    std::vector<double> values = doubles(t);
+    for (std::size_t k = 0; k < values.size(); ++k) {
+      if (std::isfinite(values[k])) continue;
+      t.fail("non-finite value " +
+             std::string(std::isnan(values[k]) ? "NaN"
+                         : values[k] > 0       ? "Inf"
+                                               : "-Inf") +
+             " at row " + std::to_string(static_cast<std::int64_t>(k) / width) + ", column " +
+             std::to_string(static_cast<std::int64_t>(k) % width) +
+             ": the reference needs finite inputs (a NaN in the forward input is not the loss's fault)");
+    }
+    return values;
+  }
+
+  // Row `unit` (a token, or a vocabulary column) of stage input `k` from `rank`'s row `row`: the first holder sets it,
+  // every later one (another TP rank of the token, another DP or CP replica of the shard) must agree bit for bit.
+  void place_stage_row(std::size_t k, std::int64_t unit, std::span<const double> values, const RankSpec& rank,
+                       std::int64_t row, const Located& t) {
+    ExplicitInputs::StageTensor& global = data_.stage[k];
+    const bool vector = stage_inputs_[k].rows == StageInput::Rows::vocabulary;
+    double* to = vector ? &global.values[static_cast<std::size_t>(unit)]
+                        : &global.values[static_cast<std::size_t>(unit * global.width)];
+    Owner& o = stage_owner_[k][static_cast<std::size_t>(unit)];
+    if (o.rank < 0) {
+      if (labels_.empty() || labels_.back() != t.label) labels_.push_back(t.label);
+      o = Owner{rank.world_rank, row, labels_.size() - 1};
+      std::copy(values.begin(), values.end(), to);
+      return;
+    }
+    if (std::equal(values.begin(), values.end(), to)) return;
+    const bool token = stage_inputs_[k].rows == StageInput::Rows::token;
+    throw DumpError(stage_inputs_[k].name + " of " + (token ? "token " : "vocabulary column ") + std::to_string(unit) +
+                    " disagrees between ranks " + std::to_string(o.rank) + " and " + std::to_string(rank.world_rank) +
+                    ": row " + std::to_string(o.row) + " of " + labels_[o.label] + " and row " + std::to_string(row) +
+                    " of " + t.label +
+                    (token ? " (the TP ranks of a token must hold the same input)"
+                           : " (the DP and CP replicas of a vocabulary shard must hold the same input)"));
+  }
+
+  // A micro-batch's per-row stage tensors: its inputs (h) into the global ones, its gradients (dh) into the rank's.
+  void load_stage_rows(const RankSpec& rank, const MicroBatchSpec& mb, RankOutput& out) {
+    const Stage* stage = c_.loss.stage;
+    if (stage == nullptr) return;
+    const auto rows = static_cast<std::int64_t>(mb.rows.size());
+    for (std::size_t k = 0; k < stage_inputs_.size(); ++k) {
+      if (stage_inputs_[k].rows != StageInput::Rows::token || !mb.tensors.count(stage_inputs_[k].name)) continue;
+      const Located t = locate(mb.tensors.at(stage_inputs_[k].name));
+      const std::int64_t width = stage_inputs_[k].width;
+      const std::vector<double> values = finite_stage_values(t, width);
+      for (std::int64_t i = 0; i < rows; ++i) {
+        const std::int64_t token = mb.rows[static_cast<std::size_t>(i)];
+        if (token < 0) continue;
+        place_stage_row(k, token, std::span<const double>(&values[static_cast<std::size_t>(i * width)], width), rank, i,
+                        t);
+      }
+    }
+    const std::vector<std::string> gradients = stage->gradients();
+    out.stage_grads.resize(gradients.size());
+    out.stage_columns.resize(gradients.size());
+    for (std::size_t w = 0; w < gradients.size(); ++w) {
+      out.stage_columns[w] = stage->gradient_columns(w, c_, shard_of(rank));
+      const std::vector<std::byte> data = bytes(locate(mb.tensors.at(gradients[w])));
+      out.stage_grads[w].insert(out.stage_grads[w].end(), data.begin(), data.end());
+    }
+  }
+
+  // The rank's shard tensors: its inputs (W, b) into the global ones, its parameter gradients (dW, db) as they are.
+  void load_stage_shard(const RankSpec& rank, RankOutput& out) {
+    const Stage* stage = c_.loss.stage;
+    if (stage == nullptr) return;
+    for (std::size_t k = 0; k < stage_inputs_.size(); ++k) {
+      const StageInput& input = stage_inputs_[k];
+      if (input.rows == StageInput::Rows::token) continue;
+      const Located t = locate(rank.stage.at(input.name));
+      const bool vector = input.rows == StageInput::Rows::vocabulary;
+      const std::int64_t width = vector ? 1 : input.width;
+      const std::vector<double> values = finite_stage_values(t, width);
+      for (std::int64_t j = 0; j < rank.vocab.size(); ++j) {
+        place_stage_row(k, rank.vocab.begin + j,
+                        std::span<const double>(&values[static_cast<std::size_t>(j * width)], width), rank, j, t);
+      }
+    }
+    const std::vector<std::string> parameters = stage->parameters();
+    out.stage_params.assign(parameters.size(), {});
+    for (std::size_t p = 0; p < parameters.size(); ++p) {
+      if (rank.stage.count(parameters[p])) out.stage_params[p] = bytes(locate(rank.stage.at(parameters[p])));
     }
   }
 
@@ -524,7 +732,12 @@ class Loader {
         std::vector<double> grad(static_cast<std::size_t>(v));
 #pragma omp for schedule(dynamic, 8)
         for (std::int64_t t = 0; t < n; ++t) {
-          inputs.logits(t, 0, v, student.data());
+          const StageReference* stage = reference.stage();
+          if (stage != nullptr && stage->makes_logits()) {
+            stage->logits(t, 0, v, student.data());  // the stage's float64 logits from its dumped inputs
+          } else {
+            inputs.logits(t, 0, v, student.data());
+          }
           if (teacher_) inputs.teacher_logits(t, 0, v, teacher.data());
           const ReferenceToken r = reference.evaluate(t, student, teacher, grad);
           const auto k = static_cast<std::size_t>(t);
@@ -574,6 +787,8 @@ class Loader {
   std::vector<Owner> label_owner_, mask_owner_, upstream_owner_, row_owner_, teacher_row_owner_;
   std::vector<std::string> token_input_names_;
   std::vector<std::vector<Owner>> token_input_owner_;
+  std::vector<StageInput> stage_inputs_;         // the case's stage's own inputs (none without a stage)
+  std::vector<std::vector<Owner>> stage_owner_;  // per stage input: who gave each token's or column's row
   std::vector<std::string> labels_;
   std::map<std::string, std::unique_ptr<TensorFile>> files_;
 };
@@ -618,7 +833,17 @@ void mark_not_dumped(std::vector<CheckResult>& checks, const Dumped& d, const Lo
   const bool logged_loss_missing = !d.loss && reduction != Reduction::none;  // "none" logs no reduced loss
   const LossKind& kind = kind_of(loss);
   const std::vector<std::string> quantities = kind.token_quantities();
+  const bool internal_gradient = loss.stage != nullptr && loss.stage->logit_gradient_internal();
   for (CheckResult& r : checks) {
+    if (internal_gradient && (r.name == "grad" || r.name == "row_sum")) {  // a fused head's dump holds no gradient
+      r.verdict = Verdict::not_applicable;
+      r.margin = 0.0;
+      r.worst.reset();
+      r.metrics = {{"dumped", false}};
+      r.summary = "the stage " + std::string(loss.stage->name()) +
+                  " keeps the logits' gradient internal: a dump holds none, its gradients judge it";
+      continue;
+    }
     const auto quantity = std::find(quantities.begin(), quantities.end(), r.name);
     if (quantity != quantities.end()) {
       if (!d.token_quantities[static_cast<std::size_t>(quantity - quantities.begin())]) mark_quantity_not_dumped(r);
@@ -656,6 +881,10 @@ void mark_not_dumped(std::vector<CheckResult>& checks, const Dumped& d, const Lo
 }
 
 std::string check_tensor_key(const LossSpec& loss, const std::string& check, const ElementRecord& w) {
+  if (loss.stage != nullptr) {  // a stage's gradient is dumped under its check's name ("dh")
+    const std::vector<std::string> gradients = loss.stage->gradients();
+    if (std::find(gradients.begin(), gradients.end(), check) != gradients.end()) return check;
+  }
   if (check == "grad" || check == "row_sum" || (check == "finite" && w.column >= 0)) return "grad_logits";
   if (check == "loss" || check == "rank_agreement" || check == "finite") return "token_loss";
   const std::vector<std::string> quantities = kind_of(loss).token_quantities();
@@ -724,7 +953,7 @@ void require_same_manifest_problem(const Manifest& first, const Manifest& other)
   const Case& b = other.the_case;
   const std::string where = other.path + ": not the problem of " + first.path + ": ";
   auto section = [](const Case& c, const char* key) { return c.resolved().value(key, json()); };
-  for (const char* key : {"shape", "loss", "framework"}) {
+  for (const char* key : {"shape", "loss", "stage", "framework"}) {
     if (section(a, key) != section(b, key)) {
       throw DumpError(where + "its " + key + " differs (" + section(b, key).dump() + " against " +
                       section(a, key).dump() + "); a sweep compares one problem at several layouts");
@@ -827,6 +1056,11 @@ json dump_run_to_json(const DumpProblem& p, const RunResult& run) {
     const CheckResult& check = run.checks[i];
     json& worst = j["checks"][i]["worst"];
     if (!check.worst || worst.is_null()) continue;
+    const ElementRecord& w = *check.worst;
+    if (w.token < 0 && w.rank >= 0 && w.rank < static_cast<int>(m.ranks.size())) {
+      const auto& shard = m.ranks[static_cast<std::size_t>(w.rank)].stage;  // a stage's parameter gradient (dW)
+      if (shard.count(check.name)) worst["tensor"] = ref_text(shard.at(check.name));
+    }
     const DumpPlace place = place_of(p, *check.worst);
     // The layout model's placement (dp, micro-batch, CP rank, chunk) does not apply to a dump: the dump's own.
     for (const char* key : {"dp_rank", "micro_batch", "cp_rank", "chunk"}) worst.erase(key);

@@ -15,6 +15,7 @@
 #include "lossverify/core/errors.hpp"
 #include "lossverify/core/output_path.hpp"
 #include "lossverify/dump/safetensors_writer.hpp"
+#include "lossverify/dump/stage_tensors.hpp"
 #include "lossverify/impl/rank_inputs.hpp"
 #include "lossverify/runner/memory_estimate.hpp"
 #include "lossverify/runner/run_case.hpp"
@@ -31,11 +32,37 @@ std::string rank_file_name(int rank) { return "rank" + std::to_string(rank) + ".
 // needs every tensor).
 bool has_teacher(const Case& c) { return kind_of(c.loss).inputs().teacher_logits; }
 
-std::vector<TensorToWrite> rank_tensors(const Case& c, const RankInputs& in) {
+// A stage's own inputs (an LM head's h, W, b) are the inputs of a staged case: the stage makes the logits from them,
+// so the generated logits are none of its inputs and are not written.
+std::vector<StageInput> stage_inputs(const Case& c) {
+  return c.loss.stage != nullptr ? c.loss.stage->inputs(c) : std::vector<StageInput>{};
+}
+bool writes_logits(const Case& c) { return stage_inputs(c).empty(); }
+
+// The rank's stage inputs in the dtype, one byte buffer each (kept alive while the tensors are written).
+std::vector<std::vector<std::byte>> stage_bytes(const Case& c, const InputSource& inputs,
+                                                const RankAssignment& assignment) {
+  std::vector<std::vector<std::byte>> out;
+  for (const StageInput& input : stage_inputs(c)) {
+    out.push_back(to_dtype_bytes(stage_input_values(input, inputs, assignment), c.inputs.dtype));
+  }
+  return out;
+}
+
+std::vector<TensorToWrite> rank_tensors(const Case& c, const RankInputs& in,
+                                        const std::vector<std::vector<std::byte>>& stage) {
   const std::vector<std::int64_t> shard_shape = {in.rows(), in.columns()};
   const std::vector<std::int64_t> rows_shape = {in.rows()};
-  std::vector<TensorToWrite> tensors = {
-      {"logits", tensor_dtype_of(in.dtype), shard_shape, std::span<const std::byte>(in.logits)},
+  std::vector<TensorToWrite> tensors;
+  if (writes_logits(c)) {
+    tensors.push_back({"logits", tensor_dtype_of(in.dtype), shard_shape, std::span<const std::byte>(in.logits)});
+  }
+  const std::vector<StageInput> inputs = stage_inputs(c);
+  for (std::size_t k = 0; k < inputs.size(); ++k) {
+    tensors.push_back({inputs[k].name, tensor_dtype_of(in.dtype), stage_input_shape(inputs[k], in.assignment),
+                       std::span<const std::byte>(stage[k])});
+  }
+  std::vector<TensorToWrite> rows = {
       tensor_to_write("labels", TensorDType::i64, rows_shape, in.labels),
       tensor_to_write("loss_mask", TensorDType::boolean, rows_shape, in.loss_mask),
       tensor_to_write("tokens", TensorDType::i64, rows_shape, in.tokens),
@@ -43,6 +70,7 @@ std::vector<TensorToWrite> rank_tensors(const Case& c, const RankInputs& in) {
       tensor_to_write("sequences", TensorDType::i64, rows_shape, in.sequences),
       tensor_to_write("positions", TensorDType::i64, rows_shape, in.positions),
       tensor_to_write("upstream_weights", TensorDType::f64, rows_shape, in.upstream_weights)};
+  tensors.insert(tensors.end(), rows.begin(), rows.end());
   if (has_teacher(c)) {
     tensors.push_back(
         {"teacher_logits", tensor_dtype_of(in.dtype), shard_shape, std::span<const std::byte>(in.teacher_logits)});
@@ -58,8 +86,9 @@ std::vector<TensorToWrite> rank_tensors(const Case& c, const RankInputs& in) {
 void write_rank(const Case& c, const InputSource& inputs, RankAssignment assignment, const std::string& dir,
                 int threads) {
   const int rank = assignment.world_rank;
+  const std::vector<std::vector<std::byte>> stage = stage_bytes(c, inputs, assignment);
   const RankInputs in = make_rank_inputs(c, inputs, std::move(assignment), threads);
-  write_safetensors((fs::path(dir) / rank_file_name(rank)).string(), rank_tensors(c, in),
+  write_safetensors((fs::path(dir) / rank_file_name(rank)).string(), rank_tensors(c, in, stage),
                     {{"format", kInputsFormat}, {"rank", std::to_string(rank)}});
 }
 
@@ -69,8 +98,13 @@ nlohmann::json rank_entry(const Case& c, const RankAssignment& assignment) {
   nlohmann::json micro_batches = nlohmann::json::array();
   const auto& offsets = assignment.micro_batch_begin;
   for (std::size_t k = 0; k + 1 < offsets.size(); ++k) micro_batches.push_back({offsets[k], offsets[k + 1]});
-  nlohmann::json names = nlohmann::json::array(
-      {"logits", "labels", "loss_mask", "tokens", "token_ids", "sequences", "positions", "upstream_weights"});
+  nlohmann::json names = nlohmann::json::array();
+  if (writes_logits(c)) names.push_back("logits");
+  for (const StageInput& input : stage_inputs(c)) names.push_back(input.name);
+  for (const char* name :
+       {"labels", "loss_mask", "tokens", "token_ids", "sequences", "positions", "upstream_weights"}) {
+    names.push_back(name);
+  }
   if (has_teacher(c)) names.push_back("teacher_logits");
   for (const std::string& name : kind_of(c.loss).token_inputs(c.loss)) names.push_back(name);
   const RankCoordinates& at = assignment.coordinates;

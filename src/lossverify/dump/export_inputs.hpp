@@ -2,7 +2,8 @@
 // `lossverify export-inputs`: every rank's exact inputs of a case at its layout, for code that runs outside
 // lossverify (the Python harness, a user's own script). One folder holds `rank<R>.safetensors` per world rank
 // R (logits shard, teacher shard for KD, labels, loss mask, tokens, token ids, sequences, positions, upstream
-// weights: RankInputs) and `inputs.json` ("lossverify.inputs/1": the resolved case, the layout and per rank
+// weights: RankInputs; for a case with a stage, the stage's own inputs in place of the logits: an LM head's h, W and b,
+// dump/stage_tensors.hpp) and `inputs.json` ("lossverify.inputs/1": the resolved case, the layout and per rank
 // its coordinates, vocabulary columns, rows and micro-batches). The index is written last, so a folder with
 // an index is complete. The values are bit-identical to what `run` feeds its own kernels.
 #include <string>

@@ -10,8 +10,10 @@
 #include "lossverify/core/strings.hpp"
 #include "lossverify/dump/tensor_file.hpp"
 #include "lossverify/kind_api/registry.hpp"
+#include "lossverify/kind_api/stage.hpp"
 #include "lossverify/layout/global_batch.hpp"
 #include "lossverify/layout/rank_layout.hpp"
+#include "lossverify/outputs/rank_output.hpp"
 
 namespace lossverify::dump {
 
@@ -29,6 +31,26 @@ std::int64_t RankSpec::row_count() const {
 std::string RankSpec::describe() const {
   return "rank " + std::to_string(world_rank) + " (tp=" + std::to_string(coordinates.tp) +
          " cp=" + std::to_string(coordinates.cp) + " dp=" + std::to_string(coordinates.dp) + ", " + json_path + ")";
+}
+
+std::vector<std::string> stage_row_tensors(const Case& c) {
+  std::vector<std::string> names;
+  if (c.loss.stage == nullptr) return names;
+  for (const StageInput& input : c.loss.stage->inputs(c)) {
+    if (input.rows == StageInput::Rows::token) names.push_back(input.name);
+  }
+  for (const std::string& gradient : c.loss.stage->gradients()) names.push_back(gradient);
+  return names;
+}
+
+std::vector<std::string> stage_rank_tensors(const Case& c) {
+  std::vector<std::string> names;
+  if (c.loss.stage == nullptr) return names;
+  for (const StageInput& input : c.loss.stage->inputs(c)) {
+    if (input.rows != StageInput::Rows::token) names.push_back(input.name);
+  }
+  for (const std::string& parameter : c.loss.stage->parameters()) names.push_back(parameter);
+  return names;
 }
 
 namespace {
@@ -100,7 +122,7 @@ class Parser {
     const std::string dtype = root.string("dtype");
     if (!parse_dtype(dtype)) root.fail("dtype", "expected one of fp32|bf16|fp16, got \"" + printable(dtype) + "\"");
     c["inputs"] = {{"dtype", dtype}};
-    for (const char* key : {"shape", "loss", "layout", "framework", "tolerances"}) {
+    for (const char* key : {"shape", "loss", "stage", "layout", "framework", "tolerances"}) {
       if (root.has(key)) {
         c[key] = root.raw(key);
       } else if (std::string(key) == "shape") {
@@ -332,6 +354,7 @@ class Parser {
     for (const std::string& key : kind.token_inputs(m_.the_case.loss)) keys.push_back(key);
     for (const std::string& quantity : kind.token_quantities()) keys.push_back(token_quantity_tensor(quantity));
     if (!kind.scope_values_name().empty()) keys.emplace_back(kind.scope_values_name());
+    for (const std::string& key : stage_row_tensors(m_.the_case)) keys.push_back(key);
     for (const std::string& key : keys) {
       if (t.has(key)) {
         mb.tensors[key] = tensor_ref(t.raw(key), t.path_of(key), default_file);
@@ -341,6 +364,28 @@ class Parser {
     }
     t.reject_unknown_keys();
     return mb;
+  }
+
+  // The rank's "stage" object: the stage's tensors of its vocabulary shard (W, b, dW, db of an LM head).
+  void parse_rank_stage(ObjectReader& r, RankSpec& rank, const TensorRef& default_file) {
+    const std::vector<std::string> keys = stage_rank_tensors(m_.the_case);
+    if (!r.has("stage")) {
+      r.allow("stage");
+      return;
+    }
+    if (keys.empty()) {
+      r.fail("stage", m_.the_case.loss.stage == nullptr ? "the case has no stage (give the manifest's \"stage\")"
+                                                        : "the stage has no tensors of a rank's shard");
+    }
+    ObjectReader s = r.object("stage");
+    for (const std::string& key : keys) {
+      if (s.has(key)) {
+        rank.stage[key] = tensor_ref(s.raw(key), s.path_of(key), default_file);
+      } else {
+        s.allow(key);
+      }
+    }
+    s.reject_unknown_keys();
   }
 
   void parse_ranks(ObjectReader& root) {
@@ -455,6 +500,7 @@ class Parser {
         r.allow("stats");
         rank.statistics.resize(kind_of(m_.the_case.loss).logged_statistics(m_.the_case.loss).size());
       }
+      parse_rank_stage(r, rank, default_file);
       r.reject_unknown_keys();
       ranks.push_back(std::move(rank));
     }
@@ -665,6 +711,17 @@ class Parser {
     const std::vector<std::string> statistics = kind.logged_statistics(m_.the_case.loss);
     m_.dumped.token_quantities.assign(quantities.size(), 0);
     m_.dumped.statistics.assign(statistics.size(), 0);
+    const Stage* stage = m_.the_case.loss.stage;
+    const std::string stage_name = stage != nullptr ? std::string(stage->name()) : "";
+    const bool takes_logits = stage == nullptr || stage->inputs(m_.the_case).empty();
+    const bool takes_logit_gradient = stage == nullptr || !stage->logit_gradient_internal();
+    std::string stage_inputs, stage_gradients;
+    if (stage != nullptr) {
+      for (const StageInput& input : stage->inputs(m_.the_case)) append_to_list(stage_inputs, input.name);
+      for (const std::string& name : stage->gradients()) append_to_list(stage_gradients, name);
+      for (const std::string& name : stage->parameters()) append_to_list(stage_gradients, name);
+    }
+    require_rank_stage_tensors();
     bool first = true;
     std::string first_path;
     auto all_or_none = [&](bool& flag, bool here, const std::string& what, const std::string& path) {
@@ -681,7 +738,21 @@ class Parser {
         const std::string tp = mb.json_path + ".tensors";
         auto has = [&](const char* key) { return mb.tensors.count(key) > 0; };
         for (const char* key : {"logits", "grad_logits"}) {
-          if (!has(key)) fail_at(src(), tp, std::string("\"") + key + "\" is required");
+          const bool taken = std::string(key) == "logits" ? takes_logits : takes_logit_gradient;
+          if (taken && !has(key)) fail_at(src(), tp, std::string("\"") + key + "\" is required");
+          if (!taken && has(key)) {
+            fail_at(src(), tp + "." + key,
+                    std::string(key == std::string("logits")
+                                    ? "the stage " + stage_name + " makes the logits from its own inputs (" +
+                                          stage_inputs + "): dump those"
+                                    : "the stage " + stage_name +
+                                          " keeps the logits' gradient internal: dump its "
+                                          "gradients (" +
+                                          stage_gradients + ")"));
+          }
+        }
+        for (const std::string& key : stage_row_tensors(m_.the_case)) {
+          if (!has(key.c_str())) fail_at(src(), tp, "\"" + key + "\" is required by the stage " + stage_name);
         }
         if (teacher && !has("teacher_logits")) fail_at(src(), tp, "\"teacher_logits\" is required for " + kind_name);
         if (!teacher && has("teacher_logits")) {
@@ -745,6 +816,36 @@ class Parser {
     }
   }
 
+  // Each rank's stage object holds the stage's tensors of its shard: each one the shard has (a parameter of no
+  // elements, db without a bias, is none), and no other.
+  void require_rank_stage_tensors() const {
+    const Stage* stage = m_.the_case.loss.stage;
+    if (stage == nullptr) return;
+    const std::vector<std::string> parameters = stage->parameters();
+    for (const RankSpec& r : m_.ranks) {
+      RankAssignment shard;
+      shard.vocab = r.vocab;
+      for (const std::string& key : stage_rank_tensors(m_.the_case)) {
+        const auto p = std::find(parameters.begin(), parameters.end(), key);
+        bool needed = true;
+        if (p != parameters.end()) {
+          const ParameterShape shape =
+              stage->parameter_shape(static_cast<std::size_t>(p - parameters.begin()), m_.the_case, shard);
+          needed = shape.rows * shape.columns > 0;
+        }
+        if (needed && !r.stage.count(key)) {
+          fail_at(src(), r.json_path + ".stage",
+                  "\"" + key + "\" is required by the stage " + std::string(stage->name()) +
+                      " (the rank's shard of it: docs/dumps.md)");
+        }
+        if (!needed && r.stage.count(key)) {
+          fail_at(src(), r.stage.at(key).json_path,
+                  "the case's stage has no " + key + " (its stage section gives it none: no bias)");
+        }
+      }
+    }
+  }
+
   // Every tensor file, symlinks resolved, must lie inside the manifest's folder, symlinks resolved: a
   // manifest must not make lossverify read /etc/passwd (by an absolute path, ../ or a symlink in the dump).
   // Checked before any tensor file is opened; a file that does not exist resolves as far as its folders do.
@@ -785,6 +886,7 @@ class Parser {
       for (const ScalarSpec& s : rank.statistics) {
         if (s.kind == ScalarSpec::Kind::tensor) check(s.ref);
       }
+      for (const auto& [key, ref] : rank.stage) check(ref);
     }
   }
 

@@ -46,6 +46,14 @@ inline constexpr const char* kRowTensors[] = {"logits",     "grad_logits",    "l
                                               "token_loss", "teacher_logits", "grad_output"};
 inline std::string token_quantity_tensor(const std::string& quantity) { return "token_" + quantity; }
 
+// A case with a stage in front of its kind (an LM head): its own inputs (Stage::inputs) and gradients go in the dump
+// under their names: those with a row per token ("h") and the stage's gradients of them ("dh") beside the micro-batch's
+// tensors, those of the rank's vocabulary shard ("W", "b") and its parameter gradients ("dW", "db") in the rank's
+// "stage" object. A stage that makes the logits from its inputs takes no "logits", one that keeps the logits' gradient
+// internal no "grad_logits".
+std::vector<std::string> stage_row_tensors(const Case& c);
+std::vector<std::string> stage_rank_tensors(const Case& c);
+
 struct MicroBatchSpec {
   std::vector<std::int64_t> rows;  // global token per local row; -1 for a padding row
   std::map<std::string, TensorRef> tensors;
@@ -61,6 +69,7 @@ struct RankSpec {
   ScalarSpec loss;                            // the logged (reduced) loss
   ScalarSpec num_tokens;                      // the logged valid-token count
   std::vector<ScalarSpec> statistics;         // the kind's logged statistics (the kind's logged_statistics())
+  std::map<std::string, TensorRef> stage;     // the stage's tensors of the rank's shard (stage_rank_tensors)
   std::string json_path;
   std::int64_t row_count() const;
   std::string describe() const;  // "rank 3 (tp=1 cp=0 dp=1, $.ranks[3])"

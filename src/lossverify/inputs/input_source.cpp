@@ -96,6 +96,12 @@ InputSource::InputSource(const Case& c, ExplicitInputs data) : case_(c), explici
       std::any_of(data.token_inputs.begin(), data.token_inputs.end(), [n](const auto& v) { return v.size() != n; })) {
     throw InternalError("explicit inputs do not hold the kind's per-token inputs");
   }
+  for (const ExplicitInputs::StageTensor& t : data.stage) {
+    if (t.rows < 0 || t.width < 0 || t.values.size() != static_cast<std::size_t>(t.rows * t.width)) {
+      throw InternalError("explicit inputs: a stage tensor's values do not match its rows x width");
+    }
+  }
+  explicit_stage_ = std::move(data.stage);
   explicit_token_inputs_ = std::move(data.token_inputs);
   cache_student_ = std::move(data.student);
   cache_teacher_ = std::move(data.teacher);
@@ -120,6 +126,20 @@ float narrow<float>(double x) {
 
 void InputSource::stage_values(InputStream stream, std::uint64_t row, std::int64_t begin, std::int64_t end,
                                double scale, double* out) const {
+  if (explicit_) {
+    const auto given = std::find_if(explicit_stage_.begin(), explicit_stage_.end(),
+                                    [stream](const ExplicitInputs::StageTensor& t) { return t.stream == stream; });
+    if (given == explicit_stage_.end() || row >= static_cast<std::uint64_t>(given->rows) || begin < 0 ||
+        end > given->width || begin > end) {
+      throw InternalError("explicit inputs: no stage tensor holds row " + std::to_string(row) + ", columns [" +
+                          std::to_string(begin) + ", " + std::to_string(end) + ") of stream " +
+                          std::to_string(static_cast<std::uint32_t>(stream)));
+    }
+    std::copy_n(&given->values[static_cast<std::size_t>(row) * static_cast<std::size_t>(given->width) +
+                               static_cast<std::size_t>(begin)],
+                end - begin, out);
+    return;
+  }
   const DType d = dtype();
   double even = 0.0, odd = 0.0;
   for (std::int64_t v = begin; v < end; ++v) {

@@ -23,6 +23,14 @@ struct ExplicitInputs {
   std::vector<char> loss_mask;       // N: 1 = the token counts (before the label test), 0 = masked out
   // The kind's per-token inputs (the kind's token_inputs()), in its order, N values each.
   std::vector<std::vector<float>> token_inputs;
+  // A stage's own inputs (Stage::inputs: an LM head's h, W, b), each `rows` x `width` values of the case's dtype,
+  // widened exactly: InputSource::stage_values serves row r, columns [b, e) of the tensor of its stream from here.
+  struct StageTensor {
+    InputStream stream{};
+    std::int64_t rows = 0, width = 0;
+    std::vector<double> values;
+  };
+  std::vector<StageTensor> stage;
 };
 
 class InputSource {
@@ -70,7 +78,8 @@ class InputSource {
                       Eigen::half* out) const;
 
   // A stage's own inputs (an LM head's hidden states, weight and bias): row `row` of Philox stream `stream`, columns
-  // [begin, end), normal(0, scale) rounded to the input dtype and widened exactly.
+  // [begin, end), normal(0, scale) rounded to the input dtype and widened exactly; in explicit mode the given tensor of
+  // that stream (ExplicitInputs::stage; InternalError where none is given or the row or columns lie outside it).
   void stage_values(InputStream stream, std::uint64_t row, std::int64_t begin, std::int64_t end, double scale,
                     double* out) const;
   // The case's override of a token's inputs (inputs.overrides), or null.
@@ -111,6 +120,7 @@ class InputSource {
   std::vector<std::int64_t> explicit_labels_;
   std::vector<char> explicit_mask_;
   std::vector<std::vector<float>> explicit_token_inputs_;
+  std::vector<ExplicitInputs::StageTensor> explicit_stage_;
   GlobalBatch batch_;
   std::vector<std::byte> cache_student_;
   std::vector<std::byte> cache_teacher_;

@@ -4,7 +4,8 @@
 // oracle judges beside the kind's checks, one check per gradient. The LM head (h, W -> logits; g -> dh, dW) is one;
 // tests/kinds/pass_through/ is the least one. A case names its stage in a "stage" section ({"kind": NAME});
 // a stage runs on the CPU backend, on the CUDA backend where it has a part there (kind_api/cuda_stage.hpp), and through
-// a native plugin that declares the stage's capability; the host oracle judges it.
+// a native plugin that declares the stage's capability; the host oracle judges it. A dump of a staged case carries the
+// stage's inputs (Stage::inputs) and gradients, each under the gradient's check name.
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -28,6 +29,23 @@ struct BugSwitches;
 struct RankAssignment;
 struct RankGroups;
 class InputSource;
+enum class InputStream : std::uint32_t;  // inputs/philox_stream.hpp
+
+// One of a stage's own inputs (an LM head's h, W, b), as `export-inputs` writes it and a dump carries it
+// (docs/dumps.md): its tensor name, the Philox stream it comes from (InputSource::stage_values, the stream's row and
+// columns), how its rows are laid out and their width. A dump's tensor of it is read in place of the stream.
+struct StageInput {
+  enum class Rows {
+    token,       // a row per token (N x width): a rank holds its rows, in its row order
+    column,      // a row per vocabulary column (V x width): a rank holds its columns' rows
+    vocabulary,  // one row of V values (the stream's row 0): a rank holds its columns
+  };
+  std::string name;
+  InputStream stream{};
+  Rows rows = Rows::token;
+  std::int64_t width = 0;  // values per row; V for Rows::vocabulary
+  double scale = 1.0;      // the stream's standard deviation
+};
 
 // The float64 reference of the stage, from its definition: each gradient's expected row of a token from the kind's
 // reference gradient of the token's whole row of logits (`row_grad`, columns [0, V)) and, per column, how far a
@@ -119,6 +137,11 @@ class Stage {
   // The gradients of its inputs that ranks report, each judged as a check of that name ("dh"), and a row's width
   // of each on a rank.
   virtual std::vector<std::string> gradients() const = 0;
+  // Its own inputs, in the order a dump lists them; none by default (a stage whose input is the generated logits).
+  virtual std::vector<StageInput> inputs(const Case& c) const {
+    (void)c;
+    return {};
+  }
   virtual std::int64_t gradient_columns(std::size_t which, const Case& c, const RankAssignment& assignment) const = 0;
   // Whether the stage takes layout.sp in front of a kind whose columns TP splits: its inputs arrive token-sharded over
   // TP (gathered before it) and its input gradients leave reduce-scattered, each TP rank with its own token shard's.

@@ -84,6 +84,49 @@ def base():
     return manifest, files
 
 
+H = 4
+
+
+def head_base():
+    """A valid dump of an LM head (H = 4, a bias) in front of cross-entropy: two TP ranks, each with its vocabulary
+    shard of W and b, every token's h, and dh (whole: the head's contract), dW and db of its shard, computed in
+    float64 from the definitions (stored in float32, within the head's error model)."""
+    m, f = base()
+    labels = f["rank0.safetensors"]["labels"]["values"]
+    h = [[math.cos(0.9 * t + 1.7 * k) for k in range(H)] for t in range(N)]
+    w = [[0.6 * math.sin(0.4 * v + 1.1 * k + 0.3) for k in range(H)] for v in range(V)]
+    b = [0.2 * math.cos(1.9 * v) for v in range(V)]
+    valid = [t for t in range(N) if labels[t] != -100]
+    g = [[0.0] * V for _ in range(N)]
+    token_loss = [0.0] * N
+    for t in valid:
+        u = [sum(h[t][k] * w[v][k] for k in range(H)) + b[v] for v in range(V)]
+        top = max(u)
+        s = sum(math.exp(x - top) for x in u)
+        token_loss[t] = top + math.log(s) - u[labels[t]]
+        for v in range(V):
+            g[t][v] = (math.exp(u[v] - top) / s - (1.0 if v == labels[t] else 0.0)) / len(valid)
+    dh = [[sum(g[t][v] * w[v][k] for v in range(V)) for k in range(H)] for t in range(N)]
+    loss = sum(token_loss) / len(valid)
+    m["stage"] = {"kind": "lm_head", "hidden": H, "bias": True}
+    for r, (lo, hi) in enumerate([(0, 5), (5, 10)]):
+        file = f[f"rank{r}.safetensors"]
+        del file["logits"], file["grad_logits"]
+        file["h"] = tensor("F32", (N, H), [x for row in h for x in row])
+        file["dh"] = tensor("F32", (N, H), [x for row in dh for x in row])
+        file["token_loss"] = tensor("F32", (N,), token_loss)
+        file["loss"] = tensor("F32", (), [loss])
+        file["W"] = tensor("F32", (hi - lo, H), [x for row in w[lo:hi] for x in row])
+        file["b"] = tensor("F32", (hi - lo,), b[lo:hi])
+        file["dW"] = tensor("F32", (hi - lo, H),
+                            [sum(g[t][v] * h[t][k] for t in range(N)) for v in range(lo, hi) for k in range(H)])
+        file["db"] = tensor("F32", (hi - lo,), [sum(g[t][v] for t in range(N)) for v in range(lo, hi)])
+        rank = m["ranks"][r]
+        rank["tensors"] = {"h": "h", "dh": "dh", "labels": "labels", "token_loss": "token_loss"}
+        rank["stage"] = {"W": "W", "b": "b", "dW": "dW", "db": "db"}
+    return m, f
+
+
 def as_policy(m, f, objective="policy_loss"):
     """The base dump's manifest read as a policy loss: its old and reference log-probabilities and advantages
     (values that only need to be well formed: these dumps test the reader, not the verdict)."""
@@ -100,7 +143,7 @@ def as_policy(m, f, objective="policy_loss"):
 
 def case(name):
     """(manifest, files, raw): raw maps file names to bytes that replace the encoded files."""
-    m, f = base()
+    m, f = head_base() if name.startswith("head_") else base()
     if name.startswith("policy_"):
         as_policy(m, f, "logprob" if name == "policy_inputs_for_logprob" else "policy_loss")
     raw = {}
@@ -265,6 +308,39 @@ def case(name):
     elif name == "policy_inputs_for_logprob":  # a log-prob pass reads no old log-probabilities
         r0["old_logprob"] = tensor("F32", (N,), [0.0] * N)
         m["ranks"][0]["tensors"]["old_logprob"] = "old_logprob"
+    elif name == "head_valid":
+        pass
+    elif name == "head_wrong_db":  # rank 1's db doubled: the db check fails
+        r1["db"]["values"] = [2.0 * x for x in r1["db"]["values"]]
+    elif name == "head_h_hidden_differs":  # h of H = 3 where the stage's hidden size and W's are 4
+        r1["h"] = tensor("F32", (N, H - 1), [0.5] * (N * (H - 1)))
+    elif name == "head_w_hidden_differs":  # W of H = 3 where h's and the stage's are 4
+        r0["W"] = tensor("F32", (5, H - 1), [0.5] * (5 * (H - 1)))
+    elif name == "head_w_vocab_differs":  # rank 1's W holds 4 columns of its 5
+        r1["W"] = tensor("F32", (4, H), r1["W"]["values"][:4 * H])
+    elif name == "head_w_shards_gap":  # the shards of W leave column 5 out (rank 1 says [6, 10) and holds 4 rows)
+        m["ranks"][1]["vocab"] = [6, 10]
+        for key in ("W", "dW"):
+            r1[key] = tensor("F32", (4, H), r1[key]["values"][H:])
+        r1["b"] = tensor("F32", (4,), r1["b"]["values"][1:])
+        r1["db"] = tensor("F32", (4,), r1["db"]["values"][1:])
+    elif name == "head_h_nan":
+        r0["h"]["values"][2 * H + 1] = float("nan")
+    elif name == "head_w_inf":
+        r1["W"]["values"][3 * H + 2] = float("inf")
+    elif name == "head_b_nan":
+        r0["b"]["values"][4] = float("nan")
+    elif name == "head_h_disagree":  # the TP ranks of token 3 hold different h
+        r1["h"]["values"][3 * H] += 0.25
+    elif name == "head_truncated":
+        raw["rank1.safetensors"] = safetensors_bytes(r1)[:-40]
+    elif name == "head_logits_given":  # the head makes the logits: a dump of them is refused
+        r0["logits"] = tensor("F32", (N, 5), [0.0] * (N * 5))
+        m["ranks"][0]["tensors"]["logits"] = "logits"
+    elif name == "head_missing_dw":
+        del m["ranks"][0]["stage"]["dW"]
+    elif name == "head_bias_not_in_case":  # the case's head has no bias, the dump gives b and db
+        m["stage"]["bias"] = False
     elif name == "rank_disagrees_with_coordinates":
         m["ranks"][1]["tp"] = 0
     else:
@@ -290,7 +366,7 @@ def write(out_dir, name):
 def main():
     cases_txt, out_dir = sys.argv[1], sys.argv[2]
     names = ["valid", "good_no_token_loss", "good_no_stats", "good_wrong_logged_loss", "good_wrong_grad",
-             "good_npy_and_inline"]
+             "good_npy_and_inline", "head_valid", "head_wrong_db"]
     with open(cases_txt) as f:
         for line in f:
             if line.strip() and not line.startswith("#"):

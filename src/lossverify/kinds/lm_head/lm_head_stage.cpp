@@ -12,6 +12,7 @@
 #include "lossverify/case/json_reader.hpp"
 #include "lossverify/case/kind_settings.hpp"
 #include "lossverify/impl/catalogue.hpp"
+#include "lossverify/inputs/philox_stream.hpp"
 #include "lossverify/kind_api/loss_kind.hpp"
 #include "lossverify/kinds/lm_head/lm_head_options.hpp"
 #include "lossverify/kinds/lm_head/lm_head_parts.hpp"
@@ -92,6 +93,17 @@ class LmHeadStage final : public Stage {
     return rows;
   }
   std::vector<std::string> gradients() const override { return {"dh"}; }
+  // h (a row per token), W (a row per vocabulary column) and, with a bias, b: what a dump of a head carries.
+  std::vector<StageInput> inputs(const Case& c) const override {
+    const HeadOptions& o = head_options(c.loss);
+    std::vector<StageInput> in = {
+        {"h", InputStream::head_hidden, StageInput::Rows::token, o.hidden, o.hidden_scale},
+        {"W", InputStream::head_weight, StageInput::Rows::column, o.hidden, head_weight_scale(c)},
+    };
+    if (o.bias)
+      in.push_back({"b", InputStream::head_bias, StageInput::Rows::vocabulary, c.shape.vocab, head_bias_scale(c)});
+    return in;
+  }
   std::int64_t gradient_columns(std::size_t, const Case& c, const RankAssignment&) const override {
     return head_options(c.loss).hidden;
   }
