@@ -25,6 +25,7 @@
 #include "lossverify/inputs/input_source.hpp"
 #include "lossverify/kind_api/cuda_stage.hpp"
 #include "lossverify/kind_api/loss_kind.hpp"
+#include "lossverify/kind_api/stage.hpp"
 #include "lossverify/kinds/lm_head/lm_head_kernels.hpp"
 #include "lossverify/kinds/lm_head/lm_head_options.hpp"
 #include "lossverify/kinds/lm_head/lm_head_parts.hpp"
@@ -210,8 +211,18 @@ class LmHeadCudaRank final : public CudaStageRank {
 
   void finish(RankOutput& out) override {
     out.stage_columns = {hidden_};
-    out.stage_grads.assign(1, std::vector<std::byte>(d_dh_.size()));
-    download(d_dh_, out.stage_grads[0]);
+    // The rows whose dh the rank reports (Stage::gradient_rows): all of them, or under sequence parallelism with the
+    // head's contract its token shard's, each already summed over TP (a reduce-scatter's values).
+    out.stage_rows = s_.c.loss.stage->gradient_rows(s_.c, s_.assignment);
+    std::vector<std::byte> all(d_dh_.size());
+    download(d_dh_, all);
+    LV_CUDA(cudaStreamSynchronize(stream_));
+    const std::size_t row_bytes = bytes(hidden_);
+    out.stage_grads.assign(1, std::vector<std::byte>(out.stage_rows.size() * row_bytes));
+    for (std::size_t k = 0; k < out.stage_rows.size(); ++k) {
+      std::copy_n(all.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(out.stage_rows[k]) * row_bytes),
+                  row_bytes, out.stage_grads[0].begin() + static_cast<std::ptrdiff_t>(k * row_bytes));
+    }
     out.stage_params.assign(2, {});
     out.stage_params[0] = stored(d_dw_, own_.size() * hidden_);
     if (o_.bias) out.stage_params[1] = stored(d_db_, own_.size());
