@@ -33,6 +33,9 @@ struct CudaStageSetup {
   StorageType type;
   std::int64_t work_begin = 0, cols = 0, chunk_rows = 0;
   int tp_ranks = 1;  // the size of the rank's TP group
+  // The stage's own chunks of the rank's rows (Stage::chunk_rows), over which it accumulates its parameter gradients:
+  // no more than chunk_rows where the kind's rows are independent, a piece of a micro-batch's where they are not.
+  std::int64_t accumulate_rows = 0;
   std::byte* logits = nullptr;
   std::byte* logit_grad = nullptr;  // the stage may rewrite it (a fused head forms part of it itself)
   void* stream = nullptr;           // the rank's cudaStream_t

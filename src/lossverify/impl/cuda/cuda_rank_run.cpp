@@ -190,7 +190,8 @@ CudaRankRun::CudaRankRun(const Case& c, const InputSource& inputs, RankAssignmen
       throw CaseError(c.source + ": the stage " + std::string(stage->name()) + " has no CUDA implementation");
     }
     stage_rank_ = make_stage_rank(CudaStageSetup{c, bugs, inputs, out_.assignment, type, work_.begin, cols, held_rows_,
-                                                 groups.tp.size(), d_logits_.as<std::byte>(), grad, stream_.get()});
+                                                 groups.tp.size(), stage->chunk_rows(c, rows),
+                                                 d_logits_.as<std::byte>(), grad, stream_.get()});
     chunk_backward_ = std::make_unique<ChunkBackward>(*stage_rank_, groups_);
   }
   kind_rank_ =

@@ -193,6 +193,20 @@ class LmHeadCudaRank final : public CudaStageRank {
                       stream_);
       g = d_scaled_.as<std::byte>() + static_cast<std::size_t>(own_offset_) * element_;
     }
+    // Over the stage's own chunks of these rows (a micro-batch's logits may be held whole, for a kind whose rows depend
+    // on one another): one accumulation of dW and db each, as lossverify's CPU head accumulates them.
+    const std::int64_t step = std::max<std::int64_t>(1, s_.accumulate_rows);
+    for (std::int64_t part = 0; part < n; part += step) {
+      accumulate_parameters(first + part, std::min(step, n - part), g + bytes(part * s_.cols));
+    }
+    LV_CUDA(cudaGetLastError());
+  }
+
+  // dW_r^T (H x own) += h^T (H x n) g (n x own) and db_r += sum_t g_t over the rank's rows [first, first + n), g their
+  // own columns of the kind's gradient.
+  void accumulate_parameters(std::int64_t first, std::int64_t n, const std::byte* g) {
+    const cudaDataType t = data_type(s_.type);
+    const std::int64_t own = own_.size();
     const Operand h{hidden_rows(first), t, hidden_};
     if (narrow()) {
       product(cublas_.get(), CUBLAS_OP_N, CUBLAS_OP_T, hidden_, own, n, h, {g, t, s_.cols}, 0.0f, d_dw_part_.as<void>(),
@@ -206,7 +220,6 @@ class LmHeadCudaRank final : public CudaStageRank {
       head_column_sums(s_.type, g, s_.cols, d_db_part_.as<float>(), n, own, stream_);
       head_accumulate(s_.type, d_db_.as<float>(), d_db_part_.as<float>(), own, narrow(), stream_);
     }
-    LV_CUDA(cudaGetLastError());
   }
 
   void finish(RankOutput& out) override {
