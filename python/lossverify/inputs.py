@@ -60,6 +60,25 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+# The kinds the package's LM head runs in front of (lossverify.torch.implementations.head).
+HEAD_KINDS = ("cross_entropy", "kd")
+
+
+def head_not_run_because(case):
+    """Why the package does not run a case's LM head (a case dict, its stage section present), or "" where it does:
+    its head takes cross-entropy and KD without sequence parallelism. The tool's own paths (CPU, CUDA, plugins, dumps)
+    judge the others."""
+    if "stage" not in case:
+        return ""
+    kind = case.get("loss", {}).get("kind", "cross_entropy")
+    if kind not in HEAD_KINDS:
+        return (f"an LM head in front of loss kind {kind!r}: the package's head runs in front of "
+                f"{' and '.join(HEAD_KINDS)} only (not yet {kind})")
+    if case.get("layout", {}).get("sp") or case.get("sweep", {}).get("sp"):
+        return "an LM head under sequence parallelism (layout.sp): the package's head does not take it yet"
+    return ""
+
+
 class RankInputs:
     """One rank's inputs: coordinates, vocabulary columns [begin, end), rows, micro-batch row ranges, and
     its tensors (read from its safetensors file on first use)."""
@@ -204,6 +223,9 @@ class Inputs:
             return None
         if not isinstance(stage, dict) or stage.get("kind") != "lm_head" or type(stage.get("hidden")) is not int:
             raise InputsError(f"{self.path}: $.case.stage: the package runs the lm_head stage only, got {stage!r}")
+        why = head_not_run_because(self.case)
+        if why:
+            raise InputsError(f"{self.path}: $.case: {why}")
         return stage
 
     @property

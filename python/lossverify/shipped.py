@@ -9,6 +9,7 @@ import glob
 import json
 import os
 
+from lossverify.inputs import head_not_run_because
 from lossverify.errors import UsageError
 from lossverify.kinds import known_kinds
 
@@ -37,11 +38,11 @@ def read_case(name):
 def case_names(kind=None, head=False):
     """The shipped cases' names, sorted; kind: only cases of that loss kind ("cross_entropy", "kd", "policy"); head:
     the cases with an LM head in front of their kind instead of those without (a head case's function takes h, W
-    and b, docs/pytorch.md, so the two never mix)."""
+    and b, docs/pytorch.md, so the two never mix), those the package's head runs (lossverify.inputs.head_not_run_because)."""
     if kind is not None and kind not in known_kinds():
         raise UsageError(f"unknown loss kind {kind!r} (known: {', '.join(sorted(known_kinds()))})")
     names = sorted(os.path.basename(p)[:-len(".json")] for p in glob.glob(os.path.join(cases_dir(), "*.json")))
-    names = [n for n in names if ("stage" in read_case(n)) == bool(head)]
+    names = [n for n in names if ("stage" in read_case(n)) == bool(head) and not head_not_run_because(read_case(n))]
     if kind is None:
         return names
     return [n for n in names if read_case(n).get("loss", {}).get("kind", "cross_entropy") == kind]

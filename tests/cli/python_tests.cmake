@@ -27,17 +27,15 @@ execute_process(COMMAND ${LOSSVERIFY_SYSTEM_PYTHON} -c "from lossverify.kinds im
 if(python_kinds_failed OR NOT python_kinds)
   message(FATAL_ERROR "lossverify: cannot list the Python package's loss kinds (python/lossverify/kinds.py)")
 endif()
+# The cases themselves come from tests/support.py's all_case_names() (the package's kinds, and the head cases its
+# head runs); the glob only makes a new case file reconfigure.
 file(GLOB shipped_cases CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/cases/*.json)
-foreach(case_file ${shipped_cases})
-  get_filename_component(case_name ${case_file} NAME_WE)
-  file(READ ${case_file} case_text)
-  string(JSON case_kind ERROR_VARIABLE no_kind GET "${case_text}" loss kind)
-  if(no_kind)
-    set(case_kind cross_entropy)
-  endif()
-  if(NOT case_kind IN_LIST python_kinds)
-    continue()
-  endif()
+execute_process(COMMAND ${LOSSVERIFY_SYSTEM_PYTHON} -c "import sys; sys.path[:0] = ['.', 'tests']; import support; print(';'.join(support.all_case_names()), end='')"
+                WORKING_DIRECTORY ${PYTHON_DIR} OUTPUT_VARIABLE python_cases RESULT_VARIABLE python_cases_failed)
+if(python_cases_failed OR NOT python_cases)
+  message(FATAL_ERROR "lossverify: cannot list the Python package's golden cases (python/tests/support.py)")
+endif()
+foreach(case_name ${python_cases})
   foreach(suite correct bugs)
     add_test(NAME python_golden_${suite}_${case_name}
       COMMAND ${LOSSVERIFY_SYSTEM_PYTHON} -m unittest discover -s tests -p test_golden_${suite}.py -v

@@ -395,6 +395,11 @@ class Loader {
       }
     }
     out.assignment.micro_batch_begin.push_back(static_cast<std::int64_t>(out.assignment.rows.size()));
+    // The rows whose stage gradients the rank's dump holds: every row it holds (a dump's dh is per row).
+    if (c_.loss.stage != nullptr) {
+      out.stage_rows.resize(out.assignment.rows.size());
+      for (std::size_t i = 0; i < out.stage_rows.size(); ++i) out.stage_rows[i] = static_cast<std::int64_t>(i);
+    }
     load_stage_shard(rank, out);
     if (rank.loss.kind != ScalarSpec::Kind::absent) {
       out.has_reduced_loss = true;

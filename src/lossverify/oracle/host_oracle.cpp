@@ -382,6 +382,17 @@ void HostOracle::start_judging(std::span<const RowStats> stats) {
     if (i < 0 || i >= rows) throw InternalError("a stage gradient's row " + std::to_string(i) + " outside the rank's");
     stage_row_of_[static_cast<std::size_t>(i)] = static_cast<std::int64_t>(j);
   }
+  // Each stage gradient holds exactly the rows stage_rows names: a backend or a dump that hands over gradients without
+  // naming their rows would otherwise have none of them judged.
+  const std::size_t element = dtype_size(out_.dtype);
+  for (std::size_t w = 0; w < out_.stage_grads.size(); ++w) {
+    const std::size_t want = out_.stage_rows.size() * static_cast<std::size_t>(out_.stage_columns[w]) * element;
+    if (out_.stage_grads[w].size() != want) {
+      throw InternalError("the stage's gradient " + std::to_string(w) + " holds " +
+                          std::to_string(out_.stage_grads[w].size()) + " bytes, its rows (stage_rows) " +
+                          std::to_string(want));
+    }
+  }
 #pragma omp parallel num_threads(threads_)
   {
     std::vector<double> student(static_cast<std::size_t>(cols));
