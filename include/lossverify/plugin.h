@@ -95,7 +95,7 @@ typedef enum lv_loss_kind {
 /* Capabilities beyond a loss kind (bits from 16 up; the kinds' bits, 1 << lv_loss_kind, stay below): a case whose
  * settings need one is given only to a plugin that sets it (run: exit 2 naming the setting; gate: not run). */
 #define LV_SUPPORTS_POLICY_SEQUENCE_RATIO (1u << 16) /* the policy loss's lv_rank_inputs.policy_ratio sequence */
-#define LV_SUPPORTS_LM_HEAD (1u << 17) /* an LM head in front of the kind: lv_rank_inputs.head_* (host memory) */
+#define LV_SUPPORTS_LM_HEAD (1u << 17) /* an LM head in front of cross-entropy or KD: lv_rank_inputs.head_* (host) */
 
 /* Who sums a vocab-parallel head's dh over TP (the case's stage.dh_reduce). */
 typedef enum lv_head_dh_reduce { LV_HEAD_DH_HEAD = 0, LV_HEAD_DH_FRAMEWORK = 1 } lv_head_dh_reduce;

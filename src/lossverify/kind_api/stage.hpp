@@ -198,6 +198,12 @@ class Stage {
   // lv_plugin.losses to be handed cases with the stage, and its name for messages; 0: no plugin computes it.
   virtual std::uint32_t plugin_capability() const { return 0; }
   virtual std::string_view plugin_capability_name() const { return ""; }
+  // Whether its capability bit covers the stage in front of the loss kind `kind` (a bit defined before a kind could
+  // stand behind the stage does not promise it): true by default.
+  virtual bool plugin_capability_covers(std::string_view kind) const {
+    (void)kind;
+    return true;
+  }
   // Its fields of the rank's lv_rank_inputs, and the rank's stage inputs in the case's dtype, in the order of the
   // ABI's stage inputs (the LM head: h of the rank's rows, W_r, b_r). Each rank's inputs generated from the case's
   // Philox streams, never read back from the oracle's.

@@ -9,6 +9,7 @@
 
 #include "lossverify/core/errors.hpp"
 #include "lossverify/impl/catalogue.hpp"
+#include "lossverify/impl/cuda/cuda_backend.hpp"
 #include "lossverify/runner/gate.hpp"
 #include "pass_through_stage.hpp"
 #include "test_support.hpp"
@@ -71,12 +72,17 @@ TEST_CASE("the stage's bug fails dh and nothing else, and applies only to cases 
   CHECK_THROWS_AS(testing::run_with(testing::make_case(testing::case_json(8, 32, 2)), bug->name), CaseError);
 }
 
-TEST_CASE("a stage runs on the CPU backend only: CUDA refuses the case before any work") {
+TEST_CASE("a stage without a CUDA part: CUDA refuses the case before any work") {
   testing::register_pass_through();
   RunOptions options;
   options.device = RunOptions::Device::cuda;
-  CHECK_THROWS_WITH_AS(run_case(testing::make_case(staged_case("cross_entropy", 1, 1, 1, 1)), options),
-                       doctest::Contains("runs on the CPU backend"), CaseError);
+  const Case c = testing::make_case(staged_case("cross_entropy", 1, 1, 1, 1));
+  if (cuda::built_with_cuda()) {
+    CHECK_THROWS_WITH_AS(run_case(c, options), doctest::Contains("the stage pass_through has no CUDA implementation"),
+                         CaseError);
+  } else {  // a build without CUDA refuses every --backend cuda run, naming that
+    CHECK_THROWS_WITH_AS(run_case(c, options), doctest::Contains("this build has no CUDA"), InternalError);
+  }
 }
 
 TEST_CASE("the gate runs a staged case, records golden outcomes with the stage's check and holds them") {

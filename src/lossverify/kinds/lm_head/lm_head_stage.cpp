@@ -146,6 +146,10 @@ class LmHeadStage final : public Stage {
   }
   std::uint32_t plugin_capability() const override { return LV_SUPPORTS_LM_HEAD; }
   std::string_view plugin_capability_name() const override { return "LV_SUPPORTS_LM_HEAD"; }
+  // LV_SUPPORTS_LM_HEAD was defined for a head in front of cross-entropy and KD (include/lossverify/plugin.h).
+  bool plugin_capability_covers(std::string_view kind) const override {
+    return kind == "cross_entropy" || kind == "kd";
+  }
   void plugin_settings(const Case& c, const RankAssignment&, lv_rank_inputs& settings) const override {
     head_plugin_settings(c, settings);
   }
