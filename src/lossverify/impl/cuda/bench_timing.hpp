@@ -83,6 +83,32 @@ inline double copy_bandwidth_tb_per_s(int repeats, cudaStream_t stream) {
   return 2.0 * static_cast<double>(copy_bytes) / (ms * 1e-3) / 1e12;
 }
 
+// rows x cols normal(0, scale) values of Philox seed `seed` (row r from counter r), generated on the device into
+// `out`: a benchmark's random operands (never zeros, which hide unwritten outputs and run faster).
+inline void fill_normal(void* out, StorageType type, std::int64_t rows, std::int64_t cols, std::uint64_t seed,
+                        double scale, cudaStream_t stream) {
+  std::vector<std::int64_t> counters(static_cast<std::size_t>(rows));
+  for (std::int64_t i = 0; i < rows; ++i) counters[static_cast<std::size_t>(i)] = i;
+  const std::vector<int> zeros(static_cast<std::size_t>(rows), 0);
+  Buffer d_counters(counters.size() * 8), d_zero(zeros.size() * 4);
+  LV_CUDA(cudaMemcpy(d_counters.p, counters.data(), counters.size() * 8, cudaMemcpyHostToDevice));
+  LV_CUDA(cudaMemcpy(d_zero.p, zeros.data(), zeros.size() * 4, cudaMemcpyHostToDevice));
+  const GenerateArgs g{seed,
+                       static_cast<int>(InputStream::student_logits),
+                       d_counters.as<std::int64_t>(),
+                       d_zero.as<int>(),
+                       rows,
+                       0,
+                       cols,
+                       static_cast<int>(LogitDistribution::normal),
+                       0.0,
+                       scale,
+                       0.0,
+                       scale};
+  generate_logits(type, g, out, stream);
+  LV_CUDA(cudaStreamSynchronize(stream));  // the counters' buffers go out of scope
+}
+
 // Two sets of a benchmark's logits, rows x cols of tokens 0..rows-1 from seeds 7 and 8 (scale 2), generated on
 // the device: launches alternate between them so that L2 never holds the next launch's input.
 struct BenchLogits {
@@ -90,28 +116,7 @@ struct BenchLogits {
   BenchLogits(StorageType type, std::int64_t rows, std::int64_t cols, std::size_t element, cudaStream_t stream)
       : set{Buffer(static_cast<std::size_t>(rows * cols) * element),
             Buffer(static_cast<std::size_t>(rows * cols) * element)} {
-    std::vector<std::int64_t> counters(static_cast<std::size_t>(rows));
-    for (std::int64_t i = 0; i < rows; ++i) counters[static_cast<std::size_t>(i)] = i;
-    const std::vector<int> zeros(static_cast<std::size_t>(rows), 0);
-    Buffer d_counters(counters.size() * 8), d_zero(zeros.size() * 4);
-    LV_CUDA(cudaMemcpy(d_counters.p, counters.data(), counters.size() * 8, cudaMemcpyHostToDevice));
-    LV_CUDA(cudaMemcpy(d_zero.p, zeros.data(), zeros.size() * 4, cudaMemcpyHostToDevice));
-    for (int k = 0; k < 2; ++k) {
-      const GenerateArgs g{static_cast<std::uint64_t>(7 + k),
-                           static_cast<int>(InputStream::student_logits),
-                           d_counters.as<std::int64_t>(),
-                           d_zero.as<int>(),
-                           rows,
-                           0,
-                           cols,
-                           static_cast<int>(LogitDistribution::normal),
-                           0.0,
-                           2.0,
-                           0.0,
-                           2.0};
-      generate_logits(type, g, set[k].p, stream);
-    }
-    LV_CUDA(cudaStreamSynchronize(stream));
+    for (int k = 0; k < 2; ++k) fill_normal(set[k].p, type, rows, cols, static_cast<std::uint64_t>(7 + k), 2.0, stream);
   }
   void* at(int i) const { return set[i % 2].p; }
 };

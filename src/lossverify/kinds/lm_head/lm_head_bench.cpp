@@ -27,6 +27,7 @@ namespace lossverify::cuda {
 namespace {
 
 using bench_timing::Buffer;
+using bench_timing::fill_normal;
 using bench_timing::time_ms;
 
 Case head_bench_case(const BenchOptions& o) {
@@ -41,31 +42,6 @@ Case head_bench_case(const BenchOptions& o) {
 
 void check_cublas(cublasStatus_t s) {
   if (s != CUBLAS_STATUS_SUCCESS) throw InternalError(std::string("cuBLAS: ") + cublasGetStatusString(s));
-}
-
-// rows x cols normal(0, scale) values of Philox seed `seed` into `out` (random operands, never zeros: METHOD.md).
-void fill_normal(void* out, StorageType type, std::int64_t rows, std::int64_t cols, std::uint64_t seed, double scale,
-                 cudaStream_t stream) {
-  std::vector<std::int64_t> counters(static_cast<std::size_t>(rows));
-  for (std::int64_t i = 0; i < rows; ++i) counters[static_cast<std::size_t>(i)] = i;
-  const std::vector<int> zeros(static_cast<std::size_t>(rows), 0);
-  Buffer d_counters(counters.size() * 8), d_zero(zeros.size() * 4);
-  LV_CUDA(cudaMemcpy(d_counters.p, counters.data(), counters.size() * 8, cudaMemcpyHostToDevice));
-  LV_CUDA(cudaMemcpy(d_zero.p, zeros.data(), zeros.size() * 4, cudaMemcpyHostToDevice));
-  const GenerateArgs g{seed,
-                       static_cast<int>(InputStream::student_logits),
-                       d_counters.as<std::int64_t>(),
-                       d_zero.as<int>(),
-                       rows,
-                       0,
-                       cols,
-                       static_cast<int>(LogitDistribution::normal),
-                       0.0,
-                       scale,
-                       0.0,
-                       scale};
-  generate_logits(type, g, out, stream);
-  LV_CUDA(cudaStreamSynchronize(stream));
 }
 
 // The three products of the head alone, each timed: u = h W^T (dtype out), dh = g W (dtype out), dW = g^T h
