@@ -126,6 +126,12 @@ void hand_over_gradient(DeviceBytes d_grad, VocabRange vocab, VocabRange work, s
   LV_CUDA(cudaStreamSynchronize(stream));
 }
 
+// The rank's GPU made current for this thread: its stream, events and buffers are created on it.
+int current_device(int device) {
+  LV_CUDA(cudaSetDevice(device));
+  return device;
+}
+
 bool preload_kernels() {
   // LOSSVERIFY_PRELOAD=off leaves the loading to the first launches (a benchmark knob).
   static const bool preload = [] {
@@ -143,10 +149,10 @@ CudaRankRun::CudaRankRun(const Case& c, const InputSource& inputs, RankAssignmen
       c_(c),
       kind_case_(kind_case_of(c, bugs)),
       groups_(groups),
-      options_(options) {
+      options_(options),
+      device_(current_device(options.device)) {
   collectives_before_ =
       groups_.tp.collective_seconds() + groups_.batch.collective_seconds() + groups_.dp.collective_seconds();
-  LV_CUDA(cudaSetDevice(options.device));
   out_.assignment = std::move(assignment);
   out_.dtype = c.inputs.dtype;
   const Stage* stage = c.loss.stage;

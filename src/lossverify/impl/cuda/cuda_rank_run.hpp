@@ -48,6 +48,7 @@ class CudaRankRun {
   RankGroups groups_;
   const CudaRankOptions options_;
   double collectives_before_ = 0.0;
+  const int device_;  // made current before the stream (and everything after it) is created on it
   Stream stream_;
   RankOutput out_;
   VocabRange vocab_, work_;
