@@ -10,6 +10,7 @@
 #include <string_view>
 
 #include "lossverify/cuda/storage.hpp"
+#include "lossverify/kind_api/cuda_kind.hpp"
 
 namespace lossverify {
 struct Case;
@@ -44,6 +45,8 @@ struct CudaStageSetup {
 class CudaStageRank {
  public:
   virtual ~CudaStageRank() = default;
+  // Before the first chunk of each step (a benchmark runs several on one rank): its accumulators start from zero.
+  virtual void start_step() = 0;
   // The logits of the rank's rows [first, first + n) (n <= chunk_rows), into the setup's buffer.
   virtual void forward(std::int64_t first, std::int64_t n) = 0;
   // From the kind's gradient of those rows: the stage's gradients of them, its collectives over groups.tp.
@@ -59,5 +62,10 @@ class CudaStageRank {
 using CudaStageFactory = std::unique_ptr<CudaStageRank> (*)(const CudaStageSetup& setup);
 // nullptr when the stage has no CUDA implementation.
 CudaStageFactory cuda_stage_factory(std::string_view stage_name);
+
+// The GPU oracle of a case with a stage (cuda_kind.hpp's CudaKindOracle: made before the implementation runs, it
+// evaluates the stage and the kind behind it on the device); nullptr where the stage has none for the case's kind (or
+// the build has no CUDA): the host oracle judges the case.
+CudaOracleFactory cuda_stage_oracle_factory(const Case& c);
 
 }  // namespace lossverify::cuda

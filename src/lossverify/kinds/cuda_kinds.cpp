@@ -1,8 +1,10 @@
 // The loss kinds and stages that run on the CUDA backend, and the kinds with their own GPU oracle (CUDA builds only).
 #include <string_view>
 
+#include "lossverify/case/case.hpp"
 #include "lossverify/kind_api/cuda_kind.hpp"
 #include "lossverify/kind_api/cuda_stage.hpp"
+#include "lossverify/kind_api/stage.hpp"
 
 namespace lossverify::cuda {
 
@@ -25,6 +27,13 @@ std::unique_ptr<CudaStageRank> make_lm_head_cuda_rank(const CudaStageSetup& setu
 
 CudaStageFactory cuda_stage_factory(std::string_view stage_name) {
   if (stage_name == "lm_head") return &make_lm_head_cuda_rank;
+  return nullptr;
+}
+
+CudaOracleFactory lm_head_oracle_factory(const Case& c);
+
+CudaOracleFactory cuda_stage_oracle_factory(const Case& c) {
+  if (c.loss.stage != nullptr && c.loss.stage->name() == "lm_head") return lm_head_oracle_factory(c);
   return nullptr;
 }
 

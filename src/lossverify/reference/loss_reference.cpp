@@ -14,10 +14,15 @@ LossReference::LossReference(const Case& c, const InputSource& inputs)
     : LossReference(c, inputs, kind_of(c.loss).reference(c, inputs)) {}
 
 LossReference::LossReference(const Case& c, const InputSource& inputs, std::unique_ptr<KindReference> row)
+    : LossReference(c, inputs, std::move(row), c.loss.stage != nullptr ? c.loss.stage->reference(c, inputs) : nullptr) {
+}
+
+LossReference::LossReference(const Case& c, const InputSource& inputs, std::unique_ptr<KindReference> row,
+                             std::unique_ptr<StageReference> stage)
     : case_(c),
       inputs_(inputs),
       row_(std::move(row)),
-      stage_(c.loss.stage != nullptr ? c.loss.stage->reference(c, inputs) : nullptr),
+      stage_(std::move(stage)),
       valid_(static_cast<std::size_t>(c.shape.tokens)) {
   for (std::int64_t t = 0; t < c.shape.tokens; ++t) {
     const bool v = inputs.is_valid(t);

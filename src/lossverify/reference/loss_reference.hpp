@@ -32,6 +32,9 @@ class LossReference {
   LossReference(const Case& c, const InputSource& inputs);
   // With the kind's row reference made elsewhere (a kind's own GPU oracle, which takes part of it from the device).
   LossReference(const Case& c, const InputSource& inputs, std::unique_ptr<KindReference> row);
+  // With the stage's reference made elsewhere too (a stage's own GPU oracle, which evaluates the stage on the device).
+  LossReference(const Case& c, const InputSource& inputs, std::unique_ptr<KindReference> row,
+                std::unique_ptr<StageReference> stage);
 
   const KindReference& row() const { return *row_; }
   // The case's stage's reference (kind_api/stage.hpp), or null.

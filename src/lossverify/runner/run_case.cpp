@@ -15,6 +15,7 @@
 #include "lossverify/impl/plugin/plugin_library.hpp"
 #include "lossverify/inputs/input_source.hpp"
 #include "lossverify/kind_api/cuda_kind.hpp"
+#include "lossverify/kind_api/cuda_stage.hpp"
 #include "lossverify/kind_api/loss_kind.hpp"
 #include "lossverify/kind_api/stage.hpp"
 #include "lossverify/layout/rank_layout.hpp"
@@ -131,7 +132,7 @@ void require_supported(const Implementation& impl, const Case& c) {
 // Whether the GPU oracle can evaluate the case's kind: through a row model, or the kind's own GPU oracle.
 bool has_gpu_oracle(const Case& c) {
   const LossKind& kind = kind_of(c.loss);
-  if (c.loss.stage != nullptr) return false;  // the stage's reference is the host's
+  if (c.loss.stage != nullptr) return cuda::cuda_stage_oracle_factory(c) != nullptr;  // the stage's own, if any
   return kind.device_row_model(c).has_value() || cuda::cuda_oracle_factory(kind.name()) != nullptr;
 }
 
@@ -148,8 +149,10 @@ void require_kind_support(const Case& c, const RunOptions& options) {
                     " has no CUDA implementation (use the CPU backend)");
   }
   if (options.reference == RunOptions::Reference::gpu && !has_gpu_oracle(c)) {
+    const std::string behind =
+        c.loss.stage != nullptr ? " behind the stage " + std::string(c.loss.stage->name()) : std::string();
     throw CaseError(c.source + ": --reference gpu: the GPU oracle cannot evaluate loss kind " +
-                    std::string(kind.name()) + " (use --reference cpu)");
+                    std::string(kind.name()) + behind + " (use --reference cpu)");
   }
 }
 
@@ -285,7 +288,9 @@ RankJob run_rank(const Case& c, const InputSource& inputs, const Implementation&
     // The GPU oracle first: its own copy of the inputs is generated on its stream while the implementation
     // generates and computes on its own. The two never share a buffer.
     if (device_options.keep_on_device) {
-      if (const cuda::CudaOracleFactory own = cuda::cuda_oracle_factory(kind_of(c.loss).name())) {
+      const cuda::CudaOracleFactory own = c.loss.stage != nullptr ? cuda::cuda_stage_oracle_factory(c)
+                                                                  : cuda::cuda_oracle_factory(kind_of(c.loss).name());
+      if (own != nullptr) {
         kind_oracle = own(c, inputs, assignment, device);
       } else {
         gpu_oracle = cuda::make_oracle_shard(c, inputs, assignment, device);

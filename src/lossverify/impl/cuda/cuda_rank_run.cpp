@@ -261,6 +261,10 @@ class PartEvents {
 }  // namespace
 
 void CudaRankRun::compute(ChunkPartTimes* times) {
+  // Each call is one whole step (a benchmark calls it repeatedly): what the kinds and the stage accumulate starts over.
+  std::fill(out_.logged_stats.begin(), out_.logged_stats.end(), 0.0);
+  std::fill(out_.scope_values.begin(), out_.scope_values.end(), 0.0);
+  if (stage_rank_ != nullptr) stage_rank_->start_step();
   PartEvents events(times);
   const LossKind& kind = kind_of(c_.loss);
   const CudaRows rows = row_arrays_->view();

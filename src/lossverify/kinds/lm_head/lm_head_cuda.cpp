@@ -26,6 +26,7 @@
 #include "lossverify/kind_api/cuda_stage.hpp"
 #include "lossverify/kind_api/loss_kind.hpp"
 #include "lossverify/kind_api/stage.hpp"
+#include "lossverify/kinds/lm_head/lm_head_cublas.hpp"
 #include "lossverify/kinds/lm_head/lm_head_kernels.hpp"
 #include "lossverify/kinds/lm_head/lm_head_options.hpp"
 #include "lossverify/kinds/lm_head/lm_head_parts.hpp"
@@ -35,30 +36,9 @@ namespace lossverify::cuda {
 
 namespace {
 
-void check_cublas(cublasStatus_t status, const char* what) {
-  if (status != CUBLAS_STATUS_SUCCESS) {
-    throw InternalError(std::string("cuBLAS ") + what + ": " + cublasGetStatusString(status));
-  }
-}
-
 cudaDataType data_type(StorageType t) {
   return t == StorageType::fp32 ? CUDA_R_32F : t == StorageType::bf16 ? CUDA_R_16BF : CUDA_R_16F;
 }
-
-class CublasHandle {
- public:
-  explicit CublasHandle(cudaStream_t stream) {
-    check_cublas(cublasCreate(&handle_), "cublasCreate");
-    check_cublas(cublasSetStream(handle_, stream), "cublasSetStream");
-  }
-  ~CublasHandle() { cublasDestroy(handle_); }
-  CublasHandle(const CublasHandle&) = delete;
-  CublasHandle& operator=(const CublasHandle&) = delete;
-  cublasHandle_t get() const { return handle_; }
-
- private:
-  cublasHandle_t handle_ = nullptr;
-};
 
 // One operand of a column-major product: its pointer, type and leading dimension.
 struct Operand {
@@ -127,11 +107,17 @@ class LmHeadCudaRank final : public CudaStageRank {
         d_dh_part_(tp_sums_ > 0 ? static_cast<std::size_t>(s.chunk_rows * hidden_) * sizeof(float) : 0),
         h_dh_part_(d_dh_part_.size()) {
     generate_inputs();
-    LV_CUDA(cudaMemsetAsync(d_dh_.as<void>(), 0, d_dh_.size(), stream_));
-    LV_CUDA(cudaMemsetAsync(d_dw_.as<void>(), 0, d_dw_.size(), stream_));
-    if (d_db_.size() > 0) LV_CUDA(cudaMemsetAsync(d_db_.as<void>(), 0, d_db_.size(), stream_));
     if (scaled()) upload_row_scales();
     if ((s.bugs.stage_switches & head_bug::bias_repeated) != 0 && o_.bias) upload_targets();
+  }
+
+  // dh, dW_r and db_r start from zero: dW_r and db_r are summed over the step's chunks. dW_r's first product of the
+  // step overwrites it instead (beta 0), which spares clearing a V x H accumulator every step.
+  void start_step() override {
+    LV_CUDA(cudaMemsetAsync(d_dh_.as<void>(), 0, d_dh_.size(), stream_));
+    if (d_db_.size() > 0) LV_CUDA(cudaMemsetAsync(d_db_.as<void>(), 0, d_db_.size(), stream_));
+    if (narrow()) LV_CUDA(cudaMemsetAsync(d_dw_.as<void>(), 0, d_dw_.size(), stream_));
+    dw_written_ = narrow();
   }
 
   // head-target-rounded-early, behind cross-entropy only (a fused linear cross-entropy's step; lm_head_cpu.cpp): the
@@ -213,8 +199,9 @@ class LmHeadCudaRank final : public CudaStageRank {
               CUDA_R_32F, hidden_);
       head_accumulate(s_.type, d_dw_.as<float>(), d_dw_part_.as<float>(), own * hidden_, true, stream_);
     } else {
-      product(cublas_.get(), CUBLAS_OP_N, CUBLAS_OP_T, hidden_, own, n, h, {g, t, s_.cols}, 1.0f, d_dw_.as<void>(),
-              CUDA_R_32F, hidden_);
+      product(cublas_.get(), CUBLAS_OP_N, CUBLAS_OP_T, hidden_, own, n, h, {g, t, s_.cols}, dw_written_ ? 1.0f : 0.0f,
+              d_dw_.as<void>(), CUDA_R_32F, hidden_);
+      dw_written_ = true;
     }
     if (o_.bias) {
       head_column_sums(s_.type, g, s_.cols, d_db_part_.as<float>(), n, own, stream_);
@@ -223,6 +210,7 @@ class LmHeadCudaRank final : public CudaStageRank {
   }
 
   void finish(RankOutput& out) override {
+    if (!dw_written_) LV_CUDA(cudaMemsetAsync(d_dw_.as<void>(), 0, d_dw_.size(), stream_));  // a rank without rows
     out.stage_columns = {hidden_};
     // The rows whose dh the rank reports (Stage::gradient_rows): all of them, or under sequence parallelism with the
     // head's contract its token shard's, each already summed over TP (a reduce-scatter's values).
@@ -334,6 +322,7 @@ class LmHeadCudaRank final : public CudaStageRank {
   DeviceBytes d_dh_;                          // rows x H (the dtype)
   DeviceBytes d_dw_, d_db_, d_db_part_;       // own x H, own, own (float32 accumulators)
   DeviceBytes d_dw_part_;                     // own x H: a chunk's dW (head-dw-16bit-accumulate)
+  bool dw_written_ = false;                   // this step has written d_dw_
   DeviceBytes d_scaled_;                      // a chunk's rescaled g (head-grad-output-first)
   const int tp_sums_;
   DeviceBytes d_dh_part_;  // a chunk's dh in float32, before the TP sum

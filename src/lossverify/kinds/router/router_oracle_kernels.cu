@@ -10,22 +10,13 @@
 
 #include "lossverify/cuda/cuda_check.hpp"
 #include "lossverify/kinds/router/router_oracle_kernels.hpp"
+#include "lossverify/oracle/cuda/compensated.cuh"
 
 namespace lossverify::cuda {
 
 namespace {
 
 constexpr int kThreads = 128;
-
-struct Compensated {
-  double sum = 0.0, error = 0.0;
-  __device__ void add(double x) {
-    const double t = sum + x;
-    error += fabs(sum) >= fabs(x) ? (sum - t) + x : (x - t) + sum;
-    sum = t;
-  }
-  __device__ double value() const { return sum + error; }
-};
 
 __device__ double sigmoid(double x) { return x >= 0.0 ? 1.0 / (1.0 + exp(-x)) : exp(x) / (1.0 + exp(x)); }
 
@@ -38,11 +29,11 @@ struct RowScores {
       : z(z_in), experts(experts_in), use_sigmoid(sigmoid_in) {
     double max = -DBL_MAX;
     for (int e = 0; e < experts; ++e) max = fmax(max, static_cast<double>(z[e]));
-    Compensated sum;
+    Neumaier sum;
     for (int e = 0; e < experts; ++e) sum.add(exp(static_cast<double>(z[e]) - max));
     lse = max + log(sum.value());
     if (use_sigmoid) {
-      Compensated t;
+      Neumaier t;
       for (int e = 0; e < experts; ++e) t.add(sigmoid(z[e]));
       total = t.value();
     }
@@ -178,7 +169,7 @@ __global__ void __launch_bounds__(kThreads) rows_kernel(RouterReferenceRowArgs a
     const std::int64_t table = (static_cast<std::int64_t>(slot) * a.layers + l) * a.experts;
     const double* w = a.weights + table;
     const double* tw = a.tie_weights != nullptr ? a.tie_weights + table : nullptr;
-    Compensated inner, tie_inner;
+    Neumaier inner, tie_inner;
     for (int e = 0; e < a.experts; ++e) {
       const double s = row.score(e);
       inner.add(s * w[e]);

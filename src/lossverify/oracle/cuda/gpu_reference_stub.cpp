@@ -1,6 +1,7 @@
 // Built when the CUDA toolkit is absent: the GPU oracle exists and says why it cannot run.
 #include "lossverify/core/errors.hpp"
 #include "lossverify/kind_api/cuda_kind.hpp"
+#include "lossverify/kind_api/cuda_stage.hpp"
 #include "lossverify/oracle/cuda/gpu_reference.hpp"
 
 namespace lossverify::cuda {
@@ -29,5 +30,6 @@ std::span<const RowComparison> gpu_reference_compare_wait(OracleShard&) { unavai
 const void* oracle_shard_logits(const OracleShard&) { unavailable(); }
 void* oracle_shard_stream(OracleShard&) { unavailable(); }
 CudaOracleFactory cuda_oracle_factory(std::string_view) { return nullptr; }
+CudaOracleFactory cuda_stage_oracle_factory(const Case&) { return nullptr; }
 
 }  // namespace lossverify::cuda

@@ -15,6 +15,7 @@
 #include "lossverify/core/element_rule.hpp"
 #include "lossverify/cuda/device_buffer.hpp"
 #include "lossverify/cuda/device_types.cuh"
+#include "lossverify/oracle/cuda/compensated.cuh"
 #include "lossverify/oracle/cuda/reference_kernels.hpp"
 
 namespace lossverify::cuda {
@@ -22,23 +23,6 @@ namespace lossverify::cuda {
 namespace {
 
 constexpr int kReferenceThreads = 256;
-
-struct Neumaier {
-  double s = 0.0, c = 0.0;
-  __device__ void add(double x) {
-    const double t = s + x;
-    if (fabs(s) >= fabs(x)) {
-      c += (s - t) + x;
-    } else {
-      c += (x - t) + s;
-    }
-    s = t;
-  }
-  __device__ void merge(const Neumaier& o) {
-    add(o.s);
-    add(o.c);
-  }
-};
 
 // Max and compensated sum of exp(z - max), as merged between threads.
 struct OnlineLse {
@@ -60,12 +44,6 @@ struct OnlineLse {
   }
 };
 
-__device__ Neumaier shfl(const Neumaier& x, int offset) {
-  Neumaier r;
-  r.s = __shfl_down_sync(0xffffffffu, x.s, offset);
-  r.c = __shfl_down_sync(0xffffffffu, x.c, offset);
-  return r;
-}
 __device__ OnlineLse shfl(const OnlineLse& x, int offset) {
   OnlineLse r;
   r.m = __shfl_down_sync(0xffffffffu, x.m, offset);
@@ -1037,7 +1015,9 @@ void reference_compare(StorageType type, const ReferenceCompareArgs& args, RowCo
   dispatch(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const bool vectorized = rows_vectorizable<T>(args.cols, {args.student, args.teacher, args.grad});
-    const bool tables = use_code_tables<T>(args.kd != 0 || args.row_coefficients != 0, args.softcap, vectorized);
+    // Given expected values (a kind's or a stage's own oracle) are read per element: no code table holds them.
+    const bool tables = args.expected == nullptr &&
+                        use_code_tables<T>(args.kd != 0 || args.row_coefficients != 0, args.softcap, vectorized);
     const CompareLaunch l = compare_launch_for<T>(tables);
     if (l.shared_bytes > 0) {
       LV_CUDA(cudaFuncSetAttribute(l.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
