@@ -119,6 +119,14 @@ class HeadSequenceParallelTest(unittest.TestCase):
                 for other in ranks[1:]:
                     self.assertTrue(torch.equal(ranks[0][key], other[key]))
 
+    def test_a_sweep_with_and_without_sequence_parallelism_is_invariant_and_catches_a_partial_dh(self):
+        report = lvt.sweep(head.correct, case_path(SP_CASE), control=False)
+        report.assert_pass()
+        self.assertEqual(sorted(run.sp for run in report.runs), [False, False, True, True], report.table())
+        self.assertEqual(report.invariance.verdict, "pass", report.table())
+        partial = lvt.sweep(head.head_dh_shard_partial, case_path(SP_CASE), control=False)
+        self.assertEqual([run.verdict for run in partial.runs], ["fail"] * 4, partial.table())
+
     def test_a_head_that_never_gathers_its_token_shard_is_the_functions_error(self):
         with self.assertRaises(UserFunctionError) as caught:
             lvt.check("loss_functions:head_ignoring_the_token_shard", case_path(SP_CASE), control=False)
