@@ -5,7 +5,7 @@ that all three agree with the C++ tool (README, "Layouts and the framework model
 
 from typing import NamedTuple
 
-__all__ = ["Layout", "Coordinates", "vocab_shard", "framework_factor", "parse_layout"]
+__all__ = ["Layout", "Coordinates", "vocab_shard", "sequence_parallel_slots", "framework_factor", "parse_layout"]
 
 
 class Coordinates(NamedTuple):
@@ -56,6 +56,14 @@ def vocab_shard(vocab, tp, tp_rank):
     base, extra = divmod(vocab, tp)
     begin = tp_rank * base + min(tp_rank, extra)
     return begin, begin + base + (1 if tp_rank < extra else 0)
+
+
+def sequence_parallel_slots(rows, tp, tp_rank):
+    """TP rank `tp_rank`'s token shard of a micro-batch of `rows` rows under sequence parallelism, as lossverify's
+    layout cuts it: [0, rows) padded to a multiple of `tp`, the rank's contiguous ceil(rows / tp) slots, a slot past
+    the last row -1 (padding)."""
+    part = -(-rows // tp)
+    return [slot if slot < rows else -1 for slot in range(part * tp_rank, part * (tp_rank + 1))]
 
 
 def framework_factor(layout, grad_reduce="avg", ga_reduce="sum"):

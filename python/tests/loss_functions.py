@@ -357,3 +357,27 @@ def router_counts_of_one_layer(logits, labels, ctx):
 def router_losses_on_cross_entropy(logits, labels, ctx):
     from lossverify.torch import RouterLosses
     return RouterLosses(aux=logits.float().sum().reshape(1))
+
+
+def head_sequence_parallel_shard_checked(h, W, b, labels, ctx):
+    """The package's correct head, after asserting that h is the rank's token shard under sequence parallelism with
+    the head's dh contract (ceil(rows / TP) rows, zeros past the micro-batch's last row) and every row otherwise."""
+    from lossverify.layout import sequence_parallel_slots
+    from lossverify.torch.implementations import head
+
+    rows = ctx.current.rows
+    if ctx.sp and ctx.head["dh_reduce"] == "head":
+        slots = torch.tensor(sequence_parallel_slots(rows, ctx.tp_size, ctx.tp_rank))
+        if h.shape[0] != slots.numel() or bool(h[slots < 0].any()):
+            raise AssertionError(f"h {list(h.shape)}: expected the token shard of {rows} rows over TP {ctx.tp_size}, "
+                                 "its padding zero")
+    elif h.shape[0] != rows:
+        raise AssertionError(f"h {list(h.shape)}: expected every one of the micro-batch's {rows} rows")
+    return head.correct(h, W, b, labels, ctx)
+
+
+def head_ignoring_the_token_shard(h, W, b, labels, ctx):
+    """A head that takes its token shard of h for every row of the micro-batch (never gathers it over TP)."""
+    from lossverify.torch.implementations.catalogue import correct
+
+    return correct((h.float() @ W.t()).to(ctx.dtype), labels, ctx)

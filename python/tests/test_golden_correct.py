@@ -1,26 +1,27 @@
 """The correct PyTorch implementation (the LM head's in front of it on a case with a head) passes every shipped case
 at tp = 1, 2 and 4 (each case's own cp, dp
-and ga; a router case at tp 2 and 4 with and without sequence parallelism), with the margins lossverify's own kernels have: at most half an ulp for 16-bit gradients; and every
+and ga; a router case, and a head case under sequence parallelism, at tp 2 and 4 with and without it), with the margins lossverify's own kernels have: at most half an ulp for 16-bit gradients; and every
 check reads within its control band (the slow case runs without the band)."""
 
 import unittest
 
 import lossverify.torch as lvt
 from lossverify.kinds import kind_inputs
-from support import case_names, case_path, has_stage, implementations_module, keep_dir, loss_kind
+from support import case_names, case_path, has_stage, implementations_module, keep_dir, loss_kind, read_case
 
 # 65M logits on one rank at tp 1: its dump and in-place check alone can pass the case's 120 s when the other
 # Python golden suite runs beside it on two cores (CI saw it once).
 SLOW_CASES = {"realistic-bf16-n2048-v32000-tp8": 900}
 # An LM head's dW sums every token of a rank in float32 and is stored once in bf16: its margin under the head's error
-# model sits near 0.6 for lossverify's own head too (the control band holds the two together).
-HEAD_LIMIT = 0.8
+# model sits near 0.6 for lossverify's own head too, and near 0.86 on head-ce-sp-tp4-cp2-ga2 (the control band holds
+# the two together).
+HEAD_LIMIT = 0.9
 
 
 def tp_layouts(name):
-    """(tp, sp) of the runs: tp 1, 2 and 4; a kind whose rows are whole on every rank (a router's) at tp 2 and 4 both
-    with TP replicating the tokens and splitting them (sequence parallelism, sp)."""
-    if not kind_inputs(loss_kind(name)).whole_rows:
+    """(tp, sp) of the runs: tp 1, 2 and 4; a kind whose rows are whole on every rank (a router's), and a case whose
+    LM head takes sequence parallelism, at tp 2 and 4 both with TP replicating the tokens and splitting them (sp)."""
+    if not kind_inputs(loss_kind(name)).whole_rows and not read_case(name).get("layout", {}).get("sp"):
         return [(1, None), (2, None), (4, None)]
     return [(1, False), (2, False), (2, True), (4, False), (4, True)]
 

@@ -1,7 +1,8 @@
 """An LM head case in the package (docs/pytorch.md, "An LM head"): export-inputs' h, W and b, the harness's
 fn(h, W, b, labels, ctx) on real gloo ranks, the dump it writes and check-dump's verdict on it. The correct head
-passes the three shipped head cases at their own layouts; its bugs fail the checks golden names (the golden suites,
-test_golden_bugs.py, hold every head bug on every head case)."""
+passes the shipped head cases at their own layouts, under sequence parallelism too (each rank's token shard of h,
+gathered by the head); its bugs fail the checks golden names (the golden suites, test_golden_bugs.py, hold every head
+bug on every head case the package runs). A head in front of the policy kind is refused, naming why."""
 
 import os
 import tempfile
@@ -12,11 +13,13 @@ import torch
 import lossverify.torch as lvt
 from lossverify import inputs as lv_inputs
 from lossverify.dump import DumpWriter
-from lossverify.errors import DumpError, UserFunctionError
+from lossverify import safetensors
+from lossverify.errors import DumpError, InputsError, UserFunctionError
 from lossverify.torch.implementations import head
 from support import case_path, golden
 
 HEAD_CASES = ("head-ce-tp2-dp2-ga2", "head-ce-bias-upstream-tp4-cp2", "head-kd-tp4-cp2-ga2")
+SP_CASE = "head-ce-sp-tp4-cp2-ga2"
 
 
 class HeadInputsTest(unittest.TestCase):
@@ -70,7 +73,7 @@ class HeadHarnessTest(unittest.TestCase):
 
     def test_head_bugs_fail_the_checks_golden_names(self):
         name = "head-ce-tp2-dp2-ga2"
-        bugs = ("head_dh_shard_partial", "head_dh_double_reduce", "head_smoothing_dropped")
+        bugs = ("head_dh_shard_partial", "head_dh_double_reduce", "head_smoothing_dropped", "head_dw_16bit_accumulate")
         reports = lvt.check_many({bug: getattr(head, bug) for bug in bugs}, case_path(name), control=False)
         outcomes = golden(name)
         for bug in bugs:
@@ -85,6 +88,49 @@ class HeadHarnessTest(unittest.TestCase):
             lvt.check("lossverify.torch.implementations:correct", case_path("head-ce-tp2-dp2-ga2"), tp=1, dp=1, ga=1,
                       control=False)
         self.assertIn("positional argument", str(caught.exception))
+
+    def test_a_head_in_front_of_the_policy_kind_is_refused_naming_why(self):
+        with self.assertRaises(InputsError) as caught:
+            lvt.check(head.correct, case_path("head-policy-bf16-tp2-cp2-ga2"), control=False)
+        self.assertIn("loss kind 'policy'", str(caught.exception))
+        self.assertIn("check-dump does not yet bound a dumped policy step by the head's logit error",
+                      str(caught.exception))
+
+
+class HeadSequenceParallelTest(unittest.TestCase):
+    def test_each_rank_gets_its_token_shard_under_the_heads_contract_and_every_row_under_the_frameworks(self):
+        for contract in ("head", "framework"):
+            with self.subTest(dh_reduce=contract):
+                report = lvt.check("loss_functions:head_sequence_parallel_shard_checked", case_path(SP_CASE),
+                                   set={"stage.dh_reduce": contract}, control=False)
+                report.assert_pass()
+                self.assertEqual(report.check("dh").verdict, "pass", report.table())
+
+    def test_every_tp_rank_dumps_its_groups_dh_of_every_row(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            report = lvt.check(head.correct, case_path(SP_CASE), keep_dump=tmp, control=False)
+            report.assert_pass()
+            ranks = [safetensors.load_file(os.path.join(tmp, "dumps", "correct", f"rank{r}.safetensors"))
+                     for r in range(4)]  # the TP group of cp 0
+        for key in ("mb0.dh", "mb1.dh"):
+            with self.subTest(tensor=key):
+                rows = ranks[0][key.replace("dh", "h")].shape[0]
+                self.assertEqual(tuple(ranks[0][key].shape), (rows, 32))
+                for other in ranks[1:]:
+                    self.assertTrue(torch.equal(ranks[0][key], other[key]))
+
+    def test_a_sweep_with_and_without_sequence_parallelism_is_invariant_and_catches_a_partial_dh(self):
+        report = lvt.sweep(head.correct, case_path(SP_CASE), control=False)
+        report.assert_pass()
+        self.assertEqual(sorted(run.sp for run in report.runs), [False, False, True, True], report.table())
+        self.assertEqual(report.invariance.verdict, "pass", report.table())
+        partial = lvt.sweep(head.head_dh_shard_partial, case_path(SP_CASE), control=False)
+        self.assertEqual([run.verdict for run in partial.runs], ["fail"] * 4, partial.table())
+
+    def test_a_head_that_never_gathers_its_token_shard_is_the_functions_error(self):
+        with self.assertRaises(UserFunctionError) as caught:
+            lvt.check("loss_functions:head_ignoring_the_token_shard", case_path(SP_CASE), control=False)
+        self.assertIn("head_ignoring_the_token_shard", str(caught.exception))
 
 
 if __name__ == "__main__":

@@ -162,7 +162,8 @@ def run_jobs(rank, launch):
     # Every group gets the launch's deadline: without one, new_group takes gloo's 30 minutes, and under torchrun (no
     # parent watching) a rank that never arrives at a TP, CP or DP collective would hold the job that long.
     timeout = group_timeout(launch.timeout_seconds)
-    groups = _build_groups(inputs.layout, rank, timeout)
+    tokens_split = inputs.layout.sp and inputs.kind_inputs.whole_rows
+    groups = _build_groups(inputs.layout, rank, timeout, tokens_split)
     control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
     started = _trace(rank, "groups", started)
     rank_inputs = inputs.rank(rank)
@@ -193,8 +194,10 @@ def group_timeout(timeout_seconds):
     return datetime.timedelta(seconds=2 * timeout_seconds + 10)
 
 
-def _build_groups(layout, rank, timeout):
-    """The TP, CP, DP and DP x CP groups holding `rank`. new_group synchronises the whole world on torch
+def _build_groups(layout, rank, timeout, tokens_split):
+    """The TP, CP, DP and DP x CP groups holding `rank`, and the batch group of the ranks holding other tokens (TP
+    among them where it splits the tokens: sequence parallelism of a kind whose rows are whole on every rank; an LM
+    head under sequence parallelism gathers its tokens before the kind, whose rows stay whole per TP group). new_group synchronises the whole world on torch
     1.13, so every rank creates every group in the same order (a group with the same members as an earlier
     one is reused); torch >= 2.1 lets each rank create only its own groups."""
     families = {
@@ -216,8 +219,8 @@ def _build_groups(layout, rank, timeout):
                     dist.new_group(members, timeout=timeout))
             if rank in members:
                 mine[name] = created[key]
-    # The ranks holding other tokens: DP x CP, and TP too where it splits the tokens (sp).
-    mine["batch"] = dist.group.WORLD if layout.sp else mine["dp_cp"]
+    # The ranks holding other tokens: DP x CP, and TP too where it splits the tokens.
+    mine["batch"] = dist.group.WORLD if tokens_split else mine["dp_cp"]
     return mine
 
 

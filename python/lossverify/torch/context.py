@@ -179,8 +179,10 @@ class Context:
     # ctx.advantage_std (the advantages' mean and unbiased deviation over the step's valid tokens; None: none).
     step: Dict[str, Any] = field(default_factory=dict)
     # The TP x CP group (one per DP rank), and the ranks holding other tokens: DP x CP, and TP too under sequence
-    # parallelism (sp: a kind whose rows are whole on every rank, a router's, with TP splitting each CP rank's
-    # tokens; without it TP replicates them). Counts over the whole step are summed over batch_group.
+    # parallelism (sp) of a kind whose rows are whole on every rank (a router's, with TP splitting each CP rank's
+    # tokens; without it TP replicates them). Counts over the whole step are summed over batch_group. An LM head
+    # under sp gets its token shard of h and gathers it (../docs/pytorch.md, "An LM head"): the kind's rows stay
+    # whole per TP group and batch_group is DP x CP.
     tp_cp_group: Any = None
     batch_group: Any = None
     sp: bool = False

@@ -247,7 +247,9 @@ def _with_sp(overrides, layout):
 
 def _export(case, out_dir, tp, cp, dp, ga, overrides, binary):
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)
-    return inputs_module.export(case, out_dir, tp=tp, cp=cp, dp=dp, ga=ga, overrides=overrides, binary=binary)
+    inputs = inputs_module.export(case, out_dir, tp=tp, cp=cp, dp=dp, ga=ga, overrides=overrides, binary=binary)
+    _ = inputs.head  # an LM head the package does not run is an InputsError here, before any rank starts
+    return inputs
 
 
 def _check_case_file(case):
