@@ -60,28 +60,21 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# The kinds the package's LM head runs in front of (lossverify.torch.implementations.head), and why it does not run
-# the others yet.
-HEAD_KINDS = ("cross_entropy", "kd")
-HEAD_NOT_YET = {
-    "policy": "check-dump does not yet bound a dumped policy step by the head's logit error (it places and bounds the "
-              "policy kind against the head's float64 logits for generated inputs only, and a dump's are explicit), "
-              "so even lossverify's own correct head fails the loss, logprob, entropy and stats checks of such a "
-              "dump; `lossverify run` judges it",
-}
+# The kinds the package's LM head runs in front of (lossverify.torch.implementations.head): every kind lossverify's own
+# head runs in front of.
+HEAD_KINDS = ("cross_entropy", "kd", "policy")
 
 
 def head_not_run_because(case):
     """Why the package does not run a case's LM head (a case dict, its stage section present), or "" where it does:
-    its head takes cross-entropy and KD, with or without sequence parallelism. The tool's own paths (CPU, CUDA,
-    plugins) judge the others."""
+    its head takes cross-entropy, KD and the policy kind, with or without sequence parallelism."""
     if "stage" not in case:
         return ""
     kind = case.get("loss", {}).get("kind", "cross_entropy")
     if kind in HEAD_KINDS:
         return ""
-    why = HEAD_NOT_YET.get(kind, "lossverify's own head runs in front of cross_entropy, kd and policy only")
-    return f"an LM head in front of loss kind {kind!r}: the package's head does not run it ({why})"
+    return (f"an LM head in front of loss kind {kind!r}: lossverify's head runs in front of "
+            f"{', '.join(HEAD_KINDS)} only")
 
 
 class RankInputs:

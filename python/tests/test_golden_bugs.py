@@ -14,8 +14,7 @@ Cells not run, and why:
 - cp_roll_after_split on cases with independent labels: it builds labels from token ids, which only
   next-token data have (lossverify's kernel leaves such labels alone, so golden says pass there);
 - the LM head cases (head-*): the head's correct and its eight catalogued bugs written in PyTorch
-  (lossverify.torch.implementations.head), none of the logits functions (they take logits, not h and W); the head
-  case in front of the policy kind is not run at all (lossverify.inputs.head_not_run_because names why);
+  (lossverify.torch.implementations.head), none of the logits functions (they take logits, not h and W);
 - realistic-bf16-n2048-v32000-tp8: only the bugs golden says fail there (3 s per implementation on 2 cores);
 - the framework-level bugs that reach every per-token kind (dp_local_mean and the others of KIND "any") on router
   cases (moe-*): their Python versions weigh per-token losses, which a router's shares of its scopes are not; the

@@ -2,7 +2,7 @@
 fn(h, W, b, labels, ctx) on real gloo ranks, the dump it writes and check-dump's verdict on it. The correct head
 passes the shipped head cases at their own layouts, under sequence parallelism too (each rank's token shard of h,
 gathered by the head); its bugs fail the checks golden names (the golden suites, test_golden_bugs.py, hold every head
-bug on every head case the package runs). A head in front of the policy kind is refused, naming why."""
+bug on every head case the package runs)."""
 
 import os
 import tempfile
@@ -88,13 +88,6 @@ class HeadHarnessTest(unittest.TestCase):
             lvt.check("lossverify.torch.implementations:correct", case_path("head-ce-tp2-dp2-ga2"), tp=1, dp=1, ga=1,
                       control=False)
         self.assertIn("positional argument", str(caught.exception))
-
-    def test_a_head_in_front_of_the_policy_kind_is_refused_naming_why(self):
-        with self.assertRaises(InputsError) as caught:
-            lvt.check(head.correct, case_path("head-policy-bf16-tp2-cp2-ga2"), control=False)
-        self.assertIn("loss kind 'policy'", str(caught.exception))
-        self.assertIn("check-dump does not yet bound a dumped policy step by the head's logit error",
-                      str(caught.exception))
 
 
 class HeadSequenceParallelTest(unittest.TestCase):

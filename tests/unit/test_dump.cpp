@@ -1025,6 +1025,12 @@ TEST_CASE("check-dump of an LM head: h, W, b read as inputs, dh, dW, db judged a
                                   {"inputs", {{"teacher", {{"scale", 3.0}}}}},
                                   {"layout", {{"tp", 3}}}});
   for (const char* impl : {"correct", "kd-no-t2", "head-dh-double-reduce"}) expect_same(kd, impl);
+  // The policy kind: a dump's old log-probabilities are its own, and the head's logit error still bounds the loss,
+  // log-probs, entropies and statistics (once left out of a dump's bounds, so the correct head failed them).
+  const Case policy =
+      load_case_file(std::string(LOSSVERIFY_SOURCE_DIR) + "/cases/head-policy-bf16-tp2-cp2-ga2.json", {});
+  for (const char* impl : {"correct", "head-dw-16bit-accumulate"}) expect_same(policy, impl);
+  CHECK(run_both(policy, "correct").dumped.verdict == Verdict::pass);
 }
 
 TEST_CASE("check-dump of an LM head: the dumped h, W and b are the reference's inputs, not the case's streams") {

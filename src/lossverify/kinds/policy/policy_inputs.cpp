@@ -182,9 +182,7 @@ double placed_log_ratio(const Case& c, const InputSource& inputs, std::int64_t t
 }  // namespace
 
 PolicyRowLogits::PolicyRowLogits(const Case& c, const InputSource& inputs)
-    : case_(c),
-      inputs_(inputs),
-      stage_(c.loss.stage != nullptr && !inputs.is_explicit() ? c.loss.stage->float64_logits(c, inputs) : nullptr) {}
+    : case_(c), inputs_(inputs), stage_(c.loss.stage != nullptr ? c.loss.stage->float64_logits(c, inputs) : nullptr) {}
 
 PolicyRowLogits::~PolicyRowLogits() = default;
 

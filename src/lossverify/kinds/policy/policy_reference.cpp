@@ -409,9 +409,10 @@ class PolicyReference final : public KindReference {
     const auto k = static_cast<std::size_t>(token);
     std::call_once(once_[k], [&] {
       TokenFacts& f = token_inputs_[k];
-      // A dump's own inputs need no placement; their row is read only where GSPO needs lambda.
-      const bool placed = !inputs_.is_explicit() || sequence_ratio();
-      if (!inputs_.is_valid(token) || !placed) {
+      // A dump's own inputs need no placement; their row is read where GSPO needs lambda, and behind a stage that
+      // makes the logits for the row's largest logit error (the bounds of a dump's head, as of a run's).
+      const bool read = !inputs_.is_explicit() || sequence_ratio() || row_logits_.from_stage();
+      if (!inputs_.is_valid(token) || !read) {
         f.inputs = policy_token_inputs_from_row(case_, inputs_, token, {});
         return;
       }
