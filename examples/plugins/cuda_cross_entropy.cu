@@ -2,13 +2,15 @@
 //
 //   lossverify run CASE.json --backend cuda --impl plugin:./libcuda_cross_entropy.so
 //   lossverify run CASE.json --backend cuda --impl plugin:./libcuda_cross_entropy.so?bug=no-max-shift
+//   lossverify run cases/head-ce-tp2-dp2-ga2.json --impl plugin:./libcuda_cross_entropy.so?bug=head-dh-shard-partial
 //
 // Per micro-batch, one block per row: a kernel takes the shard's row maxima, the TP group all-reduces them
 // (M); a second kernel sums S = sum exp(x - M), x_l - M and Z = sum (x - M), which the TP group all-reduces
 // in one packed call; a third writes each row's loss and the gradient of the shard's columns. The kernels
 // run on the rank's own stream; the collectives take device pointers and copy through the host on the
 // legacy default stream, so RankStream brackets each all-reduce (see there). The framework side (which rows
-// count, N_v over DP x CP, the weights, the logged loss) runs on the host, from plugin_common.hpp.
+// count, N_v over DP x CP, the weights, the logged loss) runs on the host, from plugin_common.hpp. The LM head in front
+// of it is cuda_lm_head.cuh.
 #include <lossverify/plugin.h>
 
 #include <cuda_bf16.h>
@@ -21,6 +23,7 @@
 #include <exception>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "plugin_common.hpp"
@@ -50,6 +53,11 @@ class DeviceArray {
   ~DeviceArray() { static_cast<void>(cudaFree(data_)); }
   DeviceArray(const DeviceArray&) = delete;
   DeviceArray& operator=(const DeviceArray&) = delete;
+  DeviceArray(DeviceArray&& other) noexcept : data_(other.data_) { other.data_ = nullptr; }
+  DeviceArray& operator=(DeviceArray&& other) noexcept {
+    std::swap(data_, other.data_);
+    return *this;
+  }
   T* get() const { return data_; }
 
  private:
@@ -275,12 +283,31 @@ __global__ void loss_grad_kernel(const T* logits, std::int64_t width, const Devi
   }
 }
 
+}  // namespace
+
+#include "cuda_lm_head.cuh"
+
+namespace {
+
 // ---- The rank -----------------------------------------------------------------------------------
+
+constexpr std::string_view kNoMaxShift = "bug=no-max-shift";
+constexpr std::string_view kHeadDhShardPartial = "bug=head-dh-shard-partial";
+constexpr std::initializer_list<std::string_view> kParameters = {kNoMaxShift, kHeadDhShardPartial};
 
 struct Options {
   // The textbook softmax: exp(x) with M = 0, no max all-reduce; inf/NaN once a logit exceeds ~88.7.
   bool no_max_shift = false;
+  HeadBugs head;
 };
+
+Options parse_options(const char* params) {
+  const std::vector<std::string_view> given = parse_bug_parameters(params == nullptr ? "" : params, kParameters);
+  Options options;
+  options.no_max_shift = has_parameter(given, kNoMaxShift);
+  options.head.dh_shard_partial = has_parameter(given, kHeadDhShardPartial);
+  return options;
+}
 
 // The rank's device side: its rows' descriptors, and scratch for the largest micro-batch.
 struct Workspace {
@@ -359,12 +386,20 @@ void run_typed(const lv_rank_inputs& in, lv_rank_outputs& out, const Options& op
   const Workspace work{DeviceArray<DeviceRow>(plan.rows.size()), DeviceArray<float>(scratch),
                        DeviceArray<float>(3 * scratch)};
   stream.upload(work.rows.get(), device_rows(in, plan, labels), "cudaMemcpyAsync (row descriptors)");
+  // Behind an LM head the kind reads the head's logits (one buffer of the rank's rows: an example, not a fused head).
+  DeviceArray<T> head_u(0);
+  lv_rank_inputs kind_in = in;
+  if (has_head(in)) {
+    head_u = head_logits<T>(in, stream);
+    kind_in.logits = head_u.get();
+  }
   for (std::int32_t k = 0; k < in.ga; ++k) {
     const std::int64_t begin = in.micro_batch_begin[k], end = in.micro_batch_begin[k + 1];
     // An empty micro-batch: the TP peers, holding the same rows, skip it too.
     if (end == begin) continue;
-    cross_entropy_micro_batch<T>(in, out, begin, end, options, work, stream, comm);
+    cross_entropy_micro_batch<T>(kind_in, out, begin, end, options, work, stream, comm);
   }
+  if (has_head(in)) head_backward<T>(in, out, options.head, stream, comm);
 
   out.grad_rows = in.rows;
   out.grad_columns = in.vocab_end - in.vocab_begin;
@@ -381,7 +416,7 @@ void run(const lv_rank_inputs& in, lv_rank_outputs& out, const Collectives& comm
   check_rank_inputs(in, out);
   if (in.memory != LV_MEMORY_CUDA) throw std::invalid_argument("inputs are not in CUDA memory");
   if (in.loss.kind != LV_LOSS_CROSS_ENTROPY) throw std::invalid_argument("this plugin computes cross-entropy only");
-  const Options options{parse_bug_parameter(in.params == nullptr ? "" : in.params, "bug=no-max-shift")};
+  const Options options = parse_options(in.params);
   switch (in.dtype) {
     case LV_DTYPE_F32:
       return run_typed<float>(in, out, options, comm);
@@ -398,15 +433,16 @@ int run_rank(const lv_rank_inputs* inputs, lv_rank_outputs* outputs, const lv_co
 }
 
 int check_params(const char* params, char* error, size_t error_size) {
-  return check_bug_parameter(params, "bug=no-max-shift", error, error_size);
+  return check_bug_parameters(params, kParameters, error, error_size);
 }
 
 const lv_plugin kPlugin = {
     LV_PLUGIN_ABI_VERSION,
     "example-cuda-cross-entropy",
-    "example plugin: vocabulary-parallel cross-entropy in CUDA kernels (bug=no-max-shift available)",
+    "example plugin: vocabulary-parallel cross-entropy in CUDA kernels, and the LM head in front of it "
+    "(bug=no-max-shift, bug=head-dh-shard-partial available)",
     LV_MEMORY_CUDA,
-    LV_SUPPORTS_CROSS_ENTROPY,
+    LV_SUPPORTS_CROSS_ENTROPY | LV_SUPPORTS_LM_HEAD,
     run_rank,
     check_params,
 };

@@ -276,8 +276,8 @@ typedef struct lv_rank_inputs {
    * and the arrays are NULL. Under a head, `logits` is NULL: the plugin makes the kind's logits itself, u = h W_r^T
    * (+ b_r) over the rank's columns, runs the kind on u exactly as on logits, and from the kind's gradient g of u
    * (never judged: it stays inside a fused head; `grad` may hold it) returns dh = g W_r, its dW_r = sum_t g_t^T h_t
-   * and db_r = sum_t g_t over its rows of all micro-batches, in the head's outputs of lv_rank_outputs. Host memory,
-   * in dtype, read-only. */
+   * and db_r = sum_t g_t over its rows of all micro-batches, in the head's outputs of lv_rank_outputs. In the declared
+   * memory (as logits), in dtype, read-only; head_dh_row_index is host memory. */
   int64_t head_hidden;          /* H; 0: no head */
   int32_t head_bias;            /* 1: the head adds b */
   int32_t head_dh_reduce;       /* lv_head_dh_reduce: the head sums dh over TP, or each rank returns its partial */
@@ -319,7 +319,7 @@ typedef struct lv_rank_outputs {
   double* scope_values;
   int64_t scope_value_count;
   /* ---- Appended for the LM head stage (within version 1; NULL and unread without a head). Zero-filled, in dtype,
-   * host memory; the plugin sets each count to the elements it wrote (checked). */
+   * in the declared memory; the plugin sets each count to the elements it wrote (checked). */
   void* head_dh; /* head_dh_rows x head_hidden, row i the dh of local row head_dh_row_index[i] */
   void* head_dw; /* (vocab_end - vocab_begin) x head_hidden: the rank's dW_r */
   void* head_db; /* vocab_end - vocab_begin: the rank's db_r (NULL without a bias) */

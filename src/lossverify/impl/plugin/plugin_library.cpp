@@ -160,7 +160,6 @@ std::string missing_plugin_capability(const PluginLibrary& plugin, const LossSpe
     if ((plugin.losses & stage->plugin_capability()) == 0) {
       return staged + " (its lv_plugin.losses lacks " + std::string(stage->plugin_capability_name()) + ")";
     }
-    if (plugin.device_memory()) return staged + " in device memory (the stage's arrays are host memory only for now)";
     if (!stage->plugin_capability_covers(kind_of(loss).name())) {
       return staged + " " + std::string(kind_of(loss).name()) + " (" + std::string(stage->plugin_capability_name()) +
              " does not cover that kind behind it)";
