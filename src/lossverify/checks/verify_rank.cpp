@@ -710,13 +710,15 @@ CheckResult loss_result(const RankContext& x, const LossFindings& losses) {
 }
 
 // A check of the logits' gradient where a stage keeps it internal (a fused head): not applicable, saying why.
-// Nothing of the check was judged (the host oracle compares zeros where no gradient was handed over): no margin,
-// worst element or metrics are reported for it.
+// Nothing of the check was judged (the host oracle compares zeros where no gradient was handed over): its metrics are
+// those of no element compared, with no margin or worst element.
 void internal_to_stage(CheckResult& r, const Stage& stage) {
   r.verdict = Verdict::not_applicable;
   r.margin = 0.0;
   r.worst.reset();
-  r.metrics = nlohmann::json::object();
+  const bool per_rank = r.metrics.contains("mismatches_per_rank");
+  r.metrics = ErrorStats{}.to_json();
+  if (per_rank) r.metrics["mismatches_per_rank"] = nlohmann::json::array();
   r.summary = "the stage " + std::string(stage.name()) + " keeps the logits' gradient internal: its gradients judge it";
 }
 
