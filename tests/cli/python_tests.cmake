@@ -2,6 +2,16 @@
 # (the one that sees python3-torch) against this build's lossverify. They must run, not skip: without torch
 # the suite fails saying how to install it.
 set(PYTHON_DIR ${PROJECT_SOURCE_DIR}/python)
+# docs/frameworks.md is generated from scripts/frameworks/results/ (no torch needed): the page agrees with the data,
+# every results file is valid against schema/framework-results.schema.json, and a drifted page or a malformed
+# results file is caught.
+add_test(NAME python_frameworks_summary
+  COMMAND ${LOSSVERIFY_SYSTEM_PYTHON} ${PROJECT_SOURCE_DIR}/scripts/frameworks/summary.py --check)
+add_test(NAME python_frameworks_summary_drift
+  COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/cli/frameworks_summary_drift.sh ${LOSSVERIFY_SYSTEM_PYTHON}
+    ${CMAKE_CURRENT_BINARY_DIR}/frameworks_summary_drift)
+set_tests_properties(python_frameworks_summary python_frameworks_summary_drift PROPERTIES TIMEOUT 120
+  ENVIRONMENT "PYTHONDONTWRITEBYTECODE=1")
 execute_process(COMMAND ${LOSSVERIFY_SYSTEM_PYTHON} -c "import torch" RESULT_VARIABLE torch_missing
                 OUTPUT_QUIET ERROR_QUIET)
 if(torch_missing)
