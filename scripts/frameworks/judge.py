@@ -121,8 +121,8 @@ def _explain(run, row, bugs):
     """The catalogued bugs that account for the failure: each failing check is attributed to a bug whose
     lossverify kernel, on the same inputs, fails that check with the same margin (within 1%, or both
     infinite; or with the margin of one of the check's parts, _check_margins). Returns "bug" when one bug
-    accounts for every failing check, else "bug + other bug" when every
-    failing check is attributed, else None."""
+    accounts for every failing check ("bug or other bug" when several do, in EXPLANATIONS' order: the margins
+    alone cannot tell them apart), else "bug + other bug" when every failing check is attributed, else None."""
     margins_of = {}
     for bug in bugs:
         theirs = _lossverify_run(run, bug)
@@ -136,10 +136,10 @@ def _explain(run, row, bugs):
             mine == m or abs(mine - m) <= 0.01 * abs(m) for m in margins[check])
 
     # One bug that accounts for every failing check is the explanation, before any combination.
-    whole = next((bug for bug, margins in margins_of.items() if row["failing_checks"] and
-                  all(matches(margins, check) for check in row["failing_checks"])), None)
-    if whole is not None:
-        return whole
+    whole = [bug for bug, margins in margins_of.items() if row["failing_checks"] and
+             all(matches(margins, check) for check in row["failing_checks"])]
+    if whole:
+        return " or ".join(whole)
     used = []
     for check in row["failing_checks"]:
         match = next((bug for bug, margins in margins_of.items() if matches(margins, check)), None)
@@ -158,7 +158,8 @@ def _markdown(framework, commit, rows):
         if r["verdict"] == "fail":
             detail = ", ".join(f"{c} {margins.get(c, float('nan')):.3g}" for c in r["failing_checks"])
             if r.get("explained_by"):
-                detail += f"; = {' + '.join(f'`{b}`' for b in r['explained_by'].split(' + '))}"
+                words = r["explained_by"].split(" ")
+                detail += "; = " + " ".join(w if w in ("+", "or") else f"`{w}`" for w in words)
         elif r["verdict"] == "pass":
             detail = f"largest margin {max(margins.values(), default=0.0):.3g}"
         else:

@@ -325,6 +325,9 @@ TEST_CASE("router: each catalogued bug shows the signal MOE.md predicts, where i
     double factor;
   };
   const nlohmann::json per_token = {{"scaling", "per_token"}};
+  const nlohmann::json z_only = {{"aux_coef", 0.0}, {"z_loss_coef", 0.001}};
+  const nlohmann::json z_only_per_token = {{"aux_coef", 0.0}, {"z_loss_coef", 0.001}, {"scaling", "per_token"}};
+  const nlohmann::json global_running = {{"global_aux_coef", 0.01}, {"global_counts", "running"}};
   const std::vector<Expect> expectations = {
       {"moe-aux-local-counts", {2, 1, 1, 1, true}, {}, 0.15, true, true, 0.0},     // the scope spans TP under SP
       {"moe-aux-local-counts", {1, 2, 1, 1, false}, {}, 0.15, true, true, 0.0},    // and CP
@@ -358,6 +361,19 @@ TEST_CASE("router: each catalogued bug shows the signal MOE.md predicts, where i
       {"moe-aux-global-topk", {2, 2, 1, 1, true}, {}, 0.15, false, false, 0.0},                   // the router's k is 2
       {"moe-aux-per-token-rank-count", {1, 2, 1, 1, false}, per_token, 0.15, true, false, 0.0},   // uneven CP ranks
       {"moe-aux-per-token-rank-count", {2, 1, 1, 1, false}, per_token, 0.15, false, false, 0.0},  // one rank a scope
+      // The findings of docs/frameworks.md's router section (Megatron-LM d98e8a64).
+      {"moe-zloss-rank-mean", {1, 2, 1, 1, false}, z_only, 0.15, true, true, 0.0},                   // uneven CP ranks
+      {"moe-zloss-rank-mean", {2, 1, 1, 1, false}, z_only, 0.15, false, false, 0.0},                 // one rank a scope
+      {"moe-zloss-rank-mean", {1, 2, 1, 1, false}, z_only_per_token, 0.15, false, false, 0.0},       // right per token
+      {"moe-aux-per-token-reduced-count", {1, 2, 1, 1, false}, per_token, 0.15, true, false, 2.0},   // x CP
+      {"moe-aux-per-token-reduced-count", {2, 2, 1, 1, true}, per_token, 0.15, true, false, 4.0},    // x TP CP
+      {"moe-aux-per-token-reduced-count", {2, 1, 2, 1, false}, per_token, 0.15, false, false, 0.0},  // one rank
+      {"moe-seq-aux-mean-length", {1, 1, 1, 1, false}, {{"seq_aux_coef", 0.01}}, 0.15, true, true, 0.0},
+      {"moe-seq-aux-mean-length", {1, 2, 1, 1, false}, {}, 0.15, false, false, 0.0},  // no sequence aux loss
+      {"moe-global-aux-mean-counts", {1, 1, 1, 2, false}, global_running, 0.15, true, true, 0.0},
+      {"moe-global-aux-mean-counts", {1, 1, 2, 1, false}, global_running, 0.15, false, false, 0.0},  // ga 1
+      {"moe-global-aux-batch-tokens", {1, 1, 2, 1, false}, global_running, 0.15, true, true, 0.0},
+      {"moe-global-aux-batch-tokens", {1, 2, 1, 2, false}, global_running, 0.15, false, false, 0.0},  // dp 1
   };
   for (const Expect& x : expectations) {
     const std::string bug_name = x.bug;

@@ -570,6 +570,36 @@ def moe_aux_per_token_rank_count(logits, labels, ctx):
     return _router(logits, ctx, per_token_rank_count=True)
 
 
+def moe_zloss_rank_mean(logits, labels, ctx):
+    """Default mode: the z-loss a mean of per-rank means, alpha_z / (TP CP) over each rank's own valid tokens
+    (Megatron-LM d98e8a64, router.py apply_z_loss)."""
+    return _router(logits, ctx, zloss_rank_mean=True)
+
+
+def moe_aux_per_token_reduced_count(logits, labels, ctx):
+    """Per-token mode: the aux terms' token count read after its in-place all-reduce, the scope's T_S where the
+    rank's own was meant (Megatron-LM d98e8a64, moe_utils.py get_tokens_per_expert_and_token_count)."""
+    return _router(logits, ctx, per_token_reduced_count=True)
+
+
+def moe_seq_aux_mean_length(logits, labels, ctx):
+    """The sequence aux loss scaled by the micro-batch's mean sequence length, not each sequence's own
+    (Megatron-LM d98e8a64, router.py _apply_seq_aux_loss)."""
+    return _router(logits, ctx, seq_aux_mean_length=True)
+
+
+def moe_global_aux_mean_counts(logits, labels, ctx):
+    """Running global counts: f from their mean over the micro-batches so far, over the current micro-batch's
+    tokens (Megatron-LM d98e8a64, router.py _apply_global_aux_loss)."""
+    return _router(logits, ctx, global_mean_counts=True)
+
+
+def moe_global_aux_batch_tokens(logits, labels, ctx):
+    """The global aux term's P over the micro-batch's tokens of every DP rank, not its scope's (Megatron-LM
+    d98e8a64, router.py _apply_global_aux_loss)."""
+    return _router(logits, ctx, global_batch_tokens=True)
+
+
 CATALOGUE = {
     "correct": correct,
     "smoothing_partition_vocab": smoothing_partition_vocab,
@@ -635,6 +665,11 @@ CATALOGUE = {
     "moe_aux_count_not_returned": moe_aux_count_not_returned,
     "moe_aux_global_topk": moe_aux_global_topk,
     "moe_aux_per_token_rank_count": moe_aux_per_token_rank_count,
+    "moe_zloss_rank_mean": moe_zloss_rank_mean,
+    "moe_aux_per_token_reduced_count": moe_aux_per_token_reduced_count,
+    "moe_seq_aux_mean_length": moe_seq_aux_mean_length,
+    "moe_global_aux_mean_counts": moe_global_aux_mean_counts,
+    "moe_global_aux_batch_tokens": moe_global_aux_batch_tokens,
 }
 # The loss kind each name applies to: the bugs of the KD loss, of the policy loss (rl_*), of the router (moe_*), those of the
 # normaliser or logged count that reach every kind (and `correct`), and the cross-entropy bugs (the others).

@@ -45,6 +45,11 @@ class RouterBugs:
     count_not_returned: bool = False  # moe-aux-count-not-returned: per-token at CP > 1, x N
     global_topk: bool = False  # moe-aux-global-topk: top_k = 2 whatever the router's
     per_token_rank_count: bool = False  # moe-aux-per-token-rank-count: T_S as the rank's count x the scope's ranks
+    zloss_rank_mean: bool = False  # moe-zloss-rank-mean: default mode, alpha_z / (ranks x the rank's own tokens)
+    per_token_reduced_count: bool = False  # moe-aux-per-token-reduced-count: per-token aux gradient x the ranks
+    seq_aux_mean_length: bool = False  # moe-seq-aux-mean-length: every sequence takes the mean length T / H
+    global_mean_counts: bool = False  # moe-global-aux-mean-counts: running f = mean counts / the micro-batch's tokens
+    global_batch_tokens: bool = False  # moe-global-aux-batch-tokens: P over the micro-batch's tokens of every rank
 
 
 def _scores(z, score):
@@ -173,6 +178,8 @@ def router_terms(logits, ctx, bugs=RouterBugs()):
     aux_rows = (vs * aux_counts).sum(dim=2) * (loss.aux_coef * e / (k_div * aux_tokens * aux_tokens))  # [n, layers]
     own = per_sequence[ids[valid]]  # [n, layers, E + 1]
     sequence_tokens = own[:, :, width].clamp(min=1.0)
+    if bugs.seq_aux_mean_length:
+        sequence_tokens = torch.full_like(sequence_tokens, max(tokens / held, 1.0))
     sequence_scale = loss.seq_aux_coef * e / (k_div * sequence_tokens * sequence_tokens * held)
     sequence_rows = sequence_scale * (own[:, :, :width] * vs).sum(dim=2)
     if loss.global_aux_coef > 0:
@@ -180,11 +187,22 @@ def router_terms(logits, ctx, bugs=RouterBugs()):
             c_global = _global_counts(ctx, top_k)
             dist.all_reduce(c_global, group=ctx.batch_group)
         global_tokens = c_global[:, width]
-        global_scale = torch.where(global_tokens > 0,
-                                   loss.global_aux_coef * e / (divisor * global_tokens.clamp(min=1.0) * tokens),
+        f_tokens, p_tokens = global_tokens.clamp(min=1.0), tokens
+        if bugs.global_mean_counts or bugs.global_batch_tokens:
+            batch_tokens = valid.float().sum()
+            dist.all_reduce(batch_tokens, group=ctx.batch_group)
+            if bugs.global_mean_counts and loss.global_counts == "running":
+                f_tokens = (ctx.micro_batch + 1) * batch_tokens.expand_as(f_tokens)
+            if bugs.global_batch_tokens:
+                p_tokens = batch_tokens
+        global_scale = torch.where(global_tokens > 0, loss.global_aux_coef * e / (divisor * f_tokens * p_tokens),
                                    torch.zeros_like(global_tokens))
         aux_rows = aux_rows + global_scale * (vs * c_global[:, :width]).sum(dim=2)
-    z_rows = (loss.z_loss_coef / tokens) * vlse * vlse
+    z_weight = loss.z_loss_coef / tokens
+    if bugs.zloss_rank_mean and loss.scaling != "per_token" and int(valid.sum()) > 0:
+        sharing = ctx.cp_size * (ctx.tp_size if ctx.sp else 1)
+        z_weight = loss.z_loss_coef / (sharing * float(valid.sum()))
+    z_rows = z_weight * vlse * vlse
     token_loss = torch.zeros(valid.shape[0], dtype=torch.float32, device=z.device)
     token_loss[valid] = (aux_rows + sequence_rows + z_rows).detach().sum(dim=1)
     return RouterTerms(aux_rows.sum(dim=0), sequence_rows.sum(dim=0), z_rows.sum(dim=0), token_loss,
@@ -226,6 +244,8 @@ def _factors(ctx, bugs):
         own = float(ctx.loss_mask.sum())
         sharing = ctx.cp_size * (ctx.tp_size if ctx.sp else 1)
         whole *= own * sharing / ctx.scope_tokens[ctx.micro_batch]
+    if bugs.per_token_reduced_count:
+        aux *= ctx.cp_size * (ctx.tp_size if ctx.sp else 1)
     return aux, sequence, whole
 
 

@@ -165,6 +165,14 @@ Sums global_counts(const CpuMicroBatch& mb, const RouterOptions& o, const std::v
   return sums;
 }
 
+// The micro-batch's valid tokens over every rank holding other tokens (two catalogued bugs read them).
+float batch_valid_tokens(const CpuMicroBatch& mb) {
+  float tokens = 0.0f;
+  for (std::int64_t i = 0; i < mb.n; ++i) tokens += mb.plan.row(mb.begin + i).active ? 1.0f : 0.0f;
+  mb.groups.batch.allreduce_sum(std::span<float>(&tokens, 1));
+  return tokens;
+}
+
 template <class T>
 void run(const CpuMicroBatch& mb) {
   const RouterOptions o = router_options_read(mb.c.loss, mb.bugs.kind_switches);
@@ -220,6 +228,7 @@ void run(const CpuMicroBatch& mb) {
   for (std::size_t j = 0; j < sequences.size(); ++j)
     held += per_sequence.layer(j * layers)[experts] > 0.0f ? 1.0f : 0.0f;
   const AuxScales scales = aux_scales(o, bugs, std::span<const float>(scope.values), experts, layers);
+  const float batch_tokens = global_reads_batch_tokens(o, bugs) ? batch_valid_tokens(mb) : 0.0f;
   const std::vector<float>& row_inputs = mb.plan.kind_plan().row_inputs;
   std::vector<float> weights(experts);  // a c_e + a_s c_s,e / S + a_g c^G_e: the aux terms' weights
   for (std::size_t i = 0; i < n; ++i) {
@@ -236,14 +245,15 @@ void run(const CpuMicroBatch& mb) {
       const float* own = per_sequence.layer(sequence_slot(i) * layers + l);
       const float* c_global = global.layer(l);
       const float sequence_scale = scales.sequence(own[experts], held);
-      const float global_scale = scales.global(c_global[experts]);
+      const float global_scale = scales.global(c_global[experts], batch_tokens, k + 1);
       float dot = 0.0f, sequence_dot = 0.0f;  // <weights, s> and its sequence aux part
       for (std::size_t e = 0; e < experts; ++e) {
         weights[e] = scales.aux * c[e] + sequence_scale * own[e] + global_scale * c_global[e];
         dot += weights[e] * b.s[e];
         sequence_dot += sequence_scale * own[e] * b.s[e];
       }
-      const float z_term = scales.z_weight * b.lse * b.lse;
+      const float z_weight = scales.z_weight * f.z;
+      const float z_term = z_weight * b.lse * b.lse;
       loss += dot + z_term;
       // The logged aux and z values: this rank's share (summed over the ranks holding other tokens afterwards).
       const double logged_aux = (bugs & router_bug::log_doubled) != 0 ? 2.0 * dot : dot;
@@ -259,7 +269,7 @@ void run(const CpuMicroBatch& mb) {
         const float sequence_weight = sequence_scale * own[e];
         const float aux = b.s[e] * slope * (weights[e] - sequence_weight - (dot - sequence_dot));
         const float sequence_aux = b.s[e] * slope * (sequence_weight - sequence_dot);
-        const float z = 2.0f * scales.z_weight * b.lse * std::exp(b.z[e] - b.lse);
+        const float z = 2.0f * z_weight * b.lse * std::exp(b.z[e] - b.lse);
         g[i * row_width + l * experts + e] = T(w * (f.aux * (aux + f.sequence_aux * sequence_aux) + z));
       }
     }

@@ -88,7 +88,9 @@ class RouterCudaRank final : public CudaKindRank {
       }
     }
     const std::vector<float> global = global_counts(plan, groups, b + n);
-    const Weights tables = weights(scope, per_sequence, global, sequences);
+    const float batch_tokens =
+        global_reads_batch_tokens(options_, bugs) ? batch_valid_tokens(plan, groups, b, n) : 0.0f;
+    const Weights tables = weights(scope, per_sequence, global, sequences, batch_tokens, k + 1);
     const RouterFactors f =
         n > 0 ? router_factors(bugs, setup_.c.layout, options_,
                                std::span<const float>(row_inputs)
@@ -109,7 +111,7 @@ class RouterCudaRank final : public CudaKindRank {
                               d_slot.as<int>(),
                               d_weights.as<float>(),
                               d_sequence_weights.as<float>(),
-                              tables.z_weight,
+                              tables.z_weight * f.z,
                               f.all,
                               f.aux,
                               f.sequence_aux,
@@ -185,10 +187,18 @@ class RouterCudaRank final : public CudaKindRank {
     return global;
   }
 
+  // The micro-batch's valid tokens over every rank holding other tokens.
+  static float batch_valid_tokens(const RankPlan& plan, RankGroups& groups, std::int64_t b, std::int64_t n) {
+    float tokens = 0.0f;
+    for (std::int64_t i = 0; i < n; ++i) tokens += plan.row(b + i).active ? 1.0f : 0.0f;
+    groups.batch.allreduce_sum(std::span<float>(&tokens, 1));
+    return tokens;
+  }
+
   // Each sequence's per-expert weights of the aux terms, a c + a_s c_s / S + a_g c^G, and their sequence part
   // (0 where `per_sequence` is empty: the case has no sequence aux loss).
   Weights weights(const std::vector<float>& scope, const std::vector<float>& per_sequence,
-                  const std::vector<float>& global, std::size_t sequences) const {
+                  const std::vector<float>& global, std::size_t sequences, float batch_tokens, int micro_batch) const {
     const std::uint64_t bugs = setup_.bugs.kind_switches;
     const auto experts = static_cast<std::size_t>(experts_);
     const std::size_t width = experts + 1;
@@ -210,7 +220,7 @@ class RouterCudaRank final : public CudaKindRank {
         const float* own = with_sequences ? &per_sequence[(j * layers + l) * width] : none.data();
         const float* c_global = &global[l * width];
         const float sequence_scale = scales.sequence(own[experts], held);
-        const float global_scale = scales.global(c_global[experts]);
+        const float global_scale = scales.global(c_global[experts], batch_tokens, micro_batch);
         for (std::size_t e = 0; e < experts; ++e) {
           const std::size_t k = (j * layers + l) * experts + e;
           w.sequence[k] = sequence_scale * own[e];

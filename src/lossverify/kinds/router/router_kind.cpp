@@ -239,6 +239,37 @@ class RouterKind final : public LossKind {
                          "Megatron-LM router.py, MOE.md section 2",
                          "the router gradient wherever the ranks of a scope hold unequal valid tokens", {"grad"},
                          router_bug::per_token_rank_count),
+        router_bug_entry("moe-zloss-rank-mean",
+                         "default mode: the z-loss a mean of per-rank means, alpha_z / (TP CP) over each rank's own "
+                         "valid tokens",
+                         "Megatron-LM d98e8a64 router.py apply_z_loss (docs/frameworks.md)",
+                         "the z-loss and its gradient wherever the ranks of a scope hold unequal valid tokens",
+                         {"loss", "grad", "stats"}, router_bug::zloss_rank_mean),
+        router_bug_entry("moe-aux-per-token-reduced-count",
+                         "per-token mode: the aux terms' token count read after its in-place all-reduce, the scope's "
+                         "T_S where the rank's own was meant",
+                         "Megatron-LM d98e8a64 moe_utils.py get_tokens_per_expert_and_token_count (docs/frameworks.md)",
+                         "the aux terms' gradient x TP CP under SP (x CP without) in per-token mode; the global aux "
+                         "term's is T_DP TP CP / T_S in the code, taken as TP CP (exact at dp 1)",
+                         {"grad"}, router_bug::per_token_reduced_count),
+        router_bug_entry("moe-seq-aux-mean-length",
+                         "the sequence aux loss scaled by the micro-batch's mean sequence length, not each "
+                         "sequence's own",
+                         "Megatron-LM d98e8a64 router.py _apply_seq_aux_loss (docs/frameworks.md)",
+                         "the sequence aux term x (S_j / mean S)^2 wherever a micro-batch's sequences hold unequal "
+                         "valid tokens",
+                         {"loss", "grad", "stats"}, router_bug::seq_aux_mean_length),
+        router_bug_entry("moe-global-aux-mean-counts",
+                         "running global counts: f from their mean over the micro-batches so far, over the current "
+                         "micro-batch's tokens",
+                         "Megatron-LM d98e8a64 router.py _apply_global_aux_loss (docs/frameworks.md)",
+                         "the global aux term x (T_1 + ... + T_m) / (m T_m) at micro-batch m",
+                         {"loss", "grad", "stats"}, router_bug::global_mean_counts),
+        router_bug_entry("moe-global-aux-batch-tokens",
+                         "the global aux term's P over the micro-batch's tokens of every DP rank, not its scope's",
+                         "Megatron-LM d98e8a64 router.py _apply_global_aux_loss (docs/frameworks.md)",
+                         "the global aux term x T_S / T_DP at dp > 1", {"loss", "grad", "stats"},
+                         router_bug::global_batch_tokens),
     };
   }
   std::unique_ptr<KindReference> reference(const Case& c, const InputSource& inputs) const override {

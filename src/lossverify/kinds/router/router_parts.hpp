@@ -9,20 +9,25 @@ namespace lossverify {
 
 // The kind's own bug switches (BugSwitches::kind_switches), one bit each (router_kind.cpp's catalogue).
 namespace router_bug {
-inline constexpr std::uint64_t local_counts = 1u << 0;           // moe-aux-local-counts
-inline constexpr std::uint64_t topk_squared = 1u << 1;           // moe-aux-topk-squared
-inline constexpr std::uint64_t tp_sum = 1u << 2;                 // moe-aux-tp-sum
-inline constexpr std::uint64_t cp_missing = 1u << 3;             // moe-aux-cp-missing
-inline constexpr std::uint64_t padding_counted = 1u << 4;        // moe-aux-padding-counted
-inline constexpr std::uint64_t no_grad = 1u << 5;                // moe-aux-no-grad
-inline constexpr std::uint64_t log_doubled = 1u << 7;            // moe-aux-log-doubled
-inline constexpr std::uint64_t ga_overweight = 1u << 6;          // moe-aux-ga-overweight
-inline constexpr std::uint64_t per_token_divided = 1u << 8;      // moe-aux-per-token-divided
-inline constexpr std::uint64_t per_token_tp_cp = 1u << 9;        // moe-aux-per-token-tp-cp
-inline constexpr std::uint64_t seq_aux_mbs = 1u << 10;           // moe-seq-aux-mbs
-inline constexpr std::uint64_t count_not_returned = 1u << 11;    // moe-aux-count-not-returned
-inline constexpr std::uint64_t global_topk = 1u << 12;           // moe-aux-global-topk
-inline constexpr std::uint64_t per_token_rank_count = 1u << 13;  // moe-aux-per-token-rank-count
+inline constexpr std::uint64_t local_counts = 1u << 0;              // moe-aux-local-counts
+inline constexpr std::uint64_t topk_squared = 1u << 1;              // moe-aux-topk-squared
+inline constexpr std::uint64_t tp_sum = 1u << 2;                    // moe-aux-tp-sum
+inline constexpr std::uint64_t cp_missing = 1u << 3;                // moe-aux-cp-missing
+inline constexpr std::uint64_t padding_counted = 1u << 4;           // moe-aux-padding-counted
+inline constexpr std::uint64_t no_grad = 1u << 5;                   // moe-aux-no-grad
+inline constexpr std::uint64_t log_doubled = 1u << 7;               // moe-aux-log-doubled
+inline constexpr std::uint64_t ga_overweight = 1u << 6;             // moe-aux-ga-overweight
+inline constexpr std::uint64_t per_token_divided = 1u << 8;         // moe-aux-per-token-divided
+inline constexpr std::uint64_t per_token_tp_cp = 1u << 9;           // moe-aux-per-token-tp-cp
+inline constexpr std::uint64_t seq_aux_mbs = 1u << 10;              // moe-seq-aux-mbs
+inline constexpr std::uint64_t count_not_returned = 1u << 11;       // moe-aux-count-not-returned
+inline constexpr std::uint64_t global_topk = 1u << 12;              // moe-aux-global-topk
+inline constexpr std::uint64_t per_token_rank_count = 1u << 13;     // moe-aux-per-token-rank-count
+inline constexpr std::uint64_t zloss_rank_mean = 1u << 14;          // moe-zloss-rank-mean
+inline constexpr std::uint64_t per_token_reduced_count = 1u << 15;  // moe-aux-per-token-reduced-count
+inline constexpr std::uint64_t seq_aux_mean_length = 1u << 16;      // moe-seq-aux-mean-length
+inline constexpr std::uint64_t global_mean_counts = 1u << 17;       // moe-global-aux-mean-counts
+inline constexpr std::uint64_t global_batch_tokens = 1u << 18;      // moe-global-aux-batch-tokens
 // moe-aux-global-topk's global setting: the common default, read where the router's own k should be.
 inline constexpr int global_top_k = 2;
 }  // namespace router_bug
