@@ -1,4 +1,5 @@
-"""verl's RL loss code, imported from a checkout: the vocabulary-parallel log-prob and entropy helpers of
+"""verl's RL loss code, imported from a checkout (volcengine/verl, now verl-project/verl): the vocabulary-parallel
+log-prob and entropy helpers of
 `verl/utils/megatron/tensor_parallel.py` (the log-prob one calls Megatron-LM's own
 `tensor_parallel.vocab_parallel_cross_entropy`, loaded from the Megatron-LM checkout that
 LV_MEGATRON_CHECKOUT names), its torch helpers `logprobs_from_logits` / `entropy_from_logits`
@@ -21,6 +22,12 @@ actors around them:
   tokens over DP), global_batch_size (the mini-batch's sequences, all DP ranks), loss_scale_factor (config,
   set to H_max)}`; each micro-batch's loss back-propagated as it is (FSDP; Megatron's engine multiplies by
   the micro-batch count what the schedule divides), DP-averaged (ga_reduce sum, grad_reduce avg).
+
+Checkouts after verl #6067 (2026-04, "deprecate workers, migrate to engines") have no legacy actors
+(`verl/workers/actor/` is deleted): only the engine worker's runs are listed there (LEGACY_ACTORS), and the FSDP
+log-prob pass follows the FSDP engine (`verl/workers/engine/fsdp/transformer_impl.py` prepare_model_outputs:
+`logits / temperature.to(logits.dtype)`, out of place, the divisor rounded to the logits' dtype) instead of the legacy
+actor's `div_(T)`.
 
 lossverify's rows become verl's [sequences, response_length] matrices (one row per sequence of the
 micro-batch, right-padded; width H_max under seq-mean-token-sum-norm, as verl's response length), the
@@ -45,10 +52,16 @@ NAME = "verl"
 EXPLANATIONS = ["rl-token-mean-sample-weighted", "rl-microbatch-self-normalized", "rl-drgrpo-batch-sum",
                 "rl-temperature-one-side", "rl-logprob-untracked-allreduce", "rl-entropy-untracked-allreduce",
                 "rl-fused-vocab-pad", "dp-local-mean", "microbatch-local-mean", "rl-logprob-16bit",
-                "rl-drgrpo-rank-batch-sum"]
+                "rl-drgrpo-rank-batch-sum", "rl-seq-mean-counts-empty"]
 MEGATRON = os.path.abspath(os.environ.get("LV_MEGATRON_CHECKOUT", ""))  # checked where it is first needed
 _mods = {}
-_tp = {"group": None}  # what the stubbed parallel_state answers; set per call
+_tp = {"group": None}
+LEGACY_ACTORS = os.path.join("verl", "workers", "actor", "megatron_actor.py")
+
+
+def has_legacy_actors(root=None):
+    """Whether the checkout still has the legacy actors (megatron_actor.py, dp_actor.py): deleted by verl #6067."""
+    return os.path.exists(os.path.join(root or checkout(), LEGACY_ACTORS))  # what the stubbed parallel_state answers; set per call
 
 
 class ActorConfig(dict):
@@ -142,11 +155,16 @@ def _megatron_pass(logits, ctx):
 
 def _fsdp_pass(logits, ctx):
     """The FSDP actor's (dp_actor.py _forward_micro_batch, no fused kernels): logits.div_(T) in the model's
-    dtype, log_probs = logprobs_from_logits(logits, labels) (flash-attn's kernel where installed, else
-    logprobs_from_logits_v2), entropy = entropy_from_logits(logits)."""
+    dtype; after verl #6067 the FSDP engine's (prepare_model_outputs): logits / temperature.to(logits.dtype), the
+    temperature a float32 tensor. Then log_probs = logprobs_from_logits(logits, labels) (flash-attn's kernel where
+    installed, else logprobs_from_logits_v2), entropy = entropy_from_logits(logits)."""
     m = _load()
-    x = logits.clone()
-    x.div_(ctx.loss.temperature)
+    if has_legacy_actors():
+        x = logits.clone()
+        x.div_(ctx.loss.temperature)
+    else:
+        temperature = torch.tensor([ctx.loss.temperature], dtype=torch.float32, device=logits.device)
+        x = logits / temperature.clamp(min=1e-8).to(logits.dtype)
     logprob = m["F"].logprobs_from_logits(x, _labels(ctx), inplace_backward=not ctx.loss.entropy_coef)
     entropy = m["F"].entropy_from_logits(x) if ctx.loss.entropy_coef else None
     logprob = torch.where(ctx.loss_mask, logprob, torch.zeros_like(logprob))
@@ -293,9 +311,11 @@ def engine_loss(logits, labels, ctx):
 
 
 def describe(path):
+    legacy = has_legacy_actors(path)
     return {"commit": git_commit(path),
             "source": "verl/utils/megatron/tensor_parallel.py, verl/utils/torch_functional.py, "
-                      "verl/trainer/ppo/core_algos.py"}
+                      "verl/trainer/ppo/core_algos.py" + ("" if legacy else
+                                                          " (engine workers only: no legacy actors)")}
 
 
 # ---------------------------------------------------------------- runs
@@ -304,9 +324,10 @@ AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-
 
 
 def _policy_cases(cases):
+    """The four RL cases (rl-*), the rows the page's verl tables have held since b178a3cd."""
     for name, case in sorted(cases.items()):
         loss = case.get("loss", {})
-        if loss.get("kind") == "policy":
+        if loss.get("kind") == "policy" and name.startswith("rl-"):
             yield name, case, loss
 
 
@@ -322,6 +343,7 @@ def _sweep_layouts(case, max_ranks=8):
 def runs(cases):
     out = []
     fn = lambda f: f"{__name__}:{f}"  # noqa: E731
+    legacy_actors = has_legacy_actors()  # the legacy actors' runs only where the checkout has them (verl #6067)
     for name, case, loss in _policy_cases(cases):
         layout = case.get("layout", {})
         vocab = case["shape"]["vocab"]
@@ -344,6 +366,9 @@ def runs(cases):
         if loss.get("ratio", "token") == "token" and not loss.get("dual_clip", 0):
             sets["loss.dual_clip"] = 3.0  # verl's vanilla loss always applies clip_ratio_c (default 3)
             notes.append("dual clip 3 (verl's default)")
+        if loss.get("ratio", "token") == "sequence" and loss.get("dual_clip", 0):
+            sets["loss.dual_clip"] = 0  # compute_policy_loss_gspo clips the ratio to [1 - low, 1 + high] only
+            notes.append("no dual clip (verl's GSPO has none)")
         if loss.get("aggregation") == "seq-mean-token-sum-norm" and not loss.get("norm_constant"):
             sets["loss.norm_constant"] = 64
         legacy = {**sets, "framework.grad_reduce": "avg", "framework.ga_reduce": "mean"}
@@ -351,8 +376,11 @@ def runs(cases):
         note = ", ".join(notes)
         for tp in (1, 2, 4):
             if vocab % tp == 0:
-                out.append(Run(fn("megatron_actor_loss"), name, {"tp": tp, **base}, legacy, note))
+                if legacy_actors:
+                    out.append(Run(fn("megatron_actor_loss"), name, {"tp": tp, **base}, legacy, note))
                 out.append(Run(fn("engine_loss"), name, {"tp": tp, **base}, fsdp, note))
+        if not legacy_actors:
+            continue
         out.append(Run(fn("dp_actor_loss"), name, {"tp": 1, **base}, fsdp, note))
         if case.get("inputs", {}).get("dtype", "fp32") != "fp32":  # the normalisation alone, without the
             # 16-bit log-prob and entropy of the FSDP actor's torch helpers (fsdp_logprobs' runs)
@@ -379,13 +407,17 @@ def runs(cases):
             if mode == "seq-mean-token-sum-norm":
                 sets["loss.norm_constant"] = 64
             if mode != cases[grpo]["loss"].get("aggregation"):
-                out.append(Run(fn("megatron_actor_loss"), grpo, {"tp": 2, "dp": 2, "ga": 2}, {**sets, **legacy}, mode))
+                if legacy_actors:
+                    out.append(Run(fn("megatron_actor_loss"), grpo, {"tp": 2, "dp": 2, "ga": 2}, {**sets, **legacy},
+                                   mode))
                 out.append(Run(fn("engine_loss"), grpo, {"tp": 2, "dp": 2, "ga": 2}, {**sets, **fsdp}, mode))
-                out.append(Run(fn("dp_actor_loss"), grpo, {"tp": 1, "dp": 2, "ga": 2}, {**sets, **fsdp}, mode))
-            out.append(Run(fn("megatron_actor_loss"), grpo, {"tp": 2, "dp": 1, "ga": 2}, {**sets, **legacy},
-                           mode + ", equal micro-batches"))
-            out.append(Run(fn("megatron_actor_loss"), grpo, {"tp": 2, "dp": 2, "ga": 1}, {**sets, **legacy},
-                           mode + ", ga 1"))
+                if legacy_actors:
+                    out.append(Run(fn("dp_actor_loss"), grpo, {"tp": 1, "dp": 2, "ga": 2}, {**sets, **fsdp}, mode))
+            if legacy_actors:
+                out.append(Run(fn("megatron_actor_loss"), grpo, {"tp": 2, "dp": 1, "ga": 2}, {**sets, **legacy},
+                               mode + ", equal micro-batches"))
+                out.append(Run(fn("megatron_actor_loss"), grpo, {"tp": 2, "dp": 2, "ga": 1}, {**sets, **legacy},
+                               mode + ", ga 1"))
             out.append(Run(fn("engine_loss"), grpo, {"tp": 2, "dp": 2, "ga": 1}, {**sets, **fsdp}, mode + ", ga 1"))
         # sweeps: the engine (correct normalisation) over tp x dp x ga, the invariance between layouts
         out.append(Run(fn("engine_loss"), grpo, {}, fsdp, "", sweep=[
