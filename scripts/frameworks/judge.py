@@ -14,6 +14,7 @@ Exit 0 when every run finished (whatever the verdicts), 2 on a usage error.
 import argparse
 import importlib
 import json
+import math
 import os
 import re
 import sys
@@ -133,7 +134,7 @@ def _explain(run, row, bugs):
     def matches(margins, check):
         mine = mine_of[check]
         return check in margins and mine is not None and any(
-            mine == m or abs(mine - m) <= 0.01 * abs(m) for m in margins[check])
+            mine == m or (math.isfinite(m) and abs(mine - m) <= 0.01 * abs(m)) for m in margins[check])
 
     # One bug that accounts for every failing check is the explanation, before any combination.
     whole = [bug for bug, margins in margins_of.items() if row["failing_checks"] and

@@ -342,7 +342,8 @@ TEST_CASE("router: each catalogued bug shows the signal MOE.md predicts, where i
       {"moe-aux-no-grad", {2, 1, 1, 2, true}, {}, 0.15, true, false, 0.0},
       {"moe-aux-log-doubled", {2, 2, 1, 1, true}, {}, 0.15, true, false, 0.0},
       {"moe-aux-ga-overweight", {1, 2, 1, 2, false}, {}, 0.15, true, false, 2.0},
-      {"moe-aux-ga-overweight", {1, 2, 2, 1, false}, {}, 0.15, false, false, 0.0},             // one micro-batch: x 1
+      {"moe-aux-ga-overweight", {1, 2, 2, 1, false}, {}, 0.15, true, false, 2.0},              // x DP
+      {"moe-aux-ga-overweight", {2, 2, 1, 1, true}, {}, 0.15, false, false, 0.0},              // dp 1, ga 1: x 1
       {"moe-aux-per-token-divided", {1, 1, 2, 1, false}, per_token, 0.15, true, false, -1.0},  // / N
       {"moe-aux-per-token-divided", {1, 1, 2, 1, false}, {}, 0.15, false, false, 0.0},
       {"moe-aux-per-token-tp-cp", {2, 2, 1, 1, true}, per_token, 0.15, true, false, 0.25},
@@ -374,6 +375,15 @@ TEST_CASE("router: each catalogued bug shows the signal MOE.md predicts, where i
       {"moe-global-aux-mean-counts", {1, 1, 2, 1, false}, global_running, 0.15, false, false, 0.0},  // ga 1
       {"moe-global-aux-batch-tokens", {1, 1, 2, 1, false}, global_running, 0.15, true, true, 0.0},
       {"moe-global-aux-batch-tokens", {1, 2, 1, 2, false}, global_running, 0.15, false, false, 0.0},  // dp 1
+      // The findings of DeepSpeed-MoE and verl (docs/frameworks.md).
+      {"moe-aux-mask-ignored", {1, 1, 1, 1, false}, {}, 0.15, true, true, 0.0},   // masked rows
+      {"moe-aux-mask-ignored", {1, 1, 2, 1, false}, {}, 0.0, false, false, 0.0},  // none
+      {"moe-aux-mask-counts-only", {1, 1, 1, 1, false}, {}, 0.15, true, true, 0.0},
+      {"moe-aux-mask-counts-only", {1, 1, 2, 1, false}, {}, 0.0, false, false, 0.0},
+      {"moe-aux-ga-double-divide", {1, 2, 1, 2, false}, {}, 0.15, true, false, 0.5},   // / GA
+      {"moe-aux-ga-double-divide", {1, 2, 2, 1, false}, {}, 0.15, false, false, 0.0},  // one micro-batch
+      {"moe-seq-aux-packed", {1, 1, 1, 1, false}, {{"seq_aux_coef", 0.01}}, 0.15, true, true, 0.0},
+      {"moe-seq-aux-packed", {1, 2, 1, 1, false}, {}, 0.15, false, false, 0.0},  // no sequence aux loss
   };
   for (const Expect& x : expectations) {
     const std::string bug_name = x.bug;

@@ -57,8 +57,9 @@ from lv_frameworks import Run, checkout, git_commit
 from lv_frameworks.megatron_mtp import _PlaceholderModule, _placeholder_attribute
 
 NAME = "DeepSpeed"
-EXPLANATIONS = ["moe-aux-padding-counted", "moe-aux-ga-overweight", "moe-aux-no-grad", "moe-aux-topk-squared",
-                "moe-aux-global-topk", "moe-aux-local-counts", "moe-aux-log-doubled"]
+EXPLANATIONS = ["moe-aux-mask-ignored", "moe-aux-mask-counts-only", "moe-aux-ga-double-divide", "moe-aux-padding-counted",
+                "moe-aux-ga-overweight", "moe-aux-no-grad", "moe-aux-topk-squared", "moe-aux-global-topk",
+                "moe-aux-local-counts", "moe-aux-log-doubled"]
 STUBS = ["deepspeed, deepspeed.moe, deepspeed.utils, deepspeed.runtime: package __init__ files not run",
          "deepspeed.utils.logger, log_dist: logging; instrument_w_nvtx: the identity",
          "every other deepspeed module imported by the loaded files (deepspeed.comm, deepspeed.accelerator, timers, "

@@ -43,7 +43,7 @@ EXPLANATIONS = ["moe-aux-local-counts", "moe-aux-topk-squared", "moe-aux-tp-sum"
                 "moe-aux-per-token-tp-cp", "moe-seq-aux-mbs", "moe-aux-count-not-returned", "moe-aux-global-topk",
                 "moe-aux-per-token-rank-count", "moe-aux-log-doubled", "moe-zloss-rank-mean",
                 "moe-aux-per-token-reduced-count", "moe-seq-aux-mean-length", "moe-global-aux-mean-counts",
-                "moe-global-aux-batch-tokens"]
+                "moe-global-aux-batch-tokens", "moe-aux-mask-ignored", "moe-seq-aux-packed"]
 STUBS = ["megatron, megatron.core, megatron.core.transformer, megatron.core.transformer.moe, "
          "megatron.core.tensor_parallel, megatron.core.pipeline_parallel: package __init__ files not run",
          "megatron.core.utils: get_pg_rank/get_pg_size, get_tensor_model_parallel_group_if_none, divide, "

@@ -166,7 +166,10 @@ void RankPlan::plan_weights(const RankAssignment& assignment, RankGroups& groups
   for (std::size_t k = 0; k < ga; ++k) {
     for (std::int64_t i = offsets[k]; i < offsets[k + 1]; ++i) {
       RowPlan& p = rows_[static_cast<std::size_t>(i)];
-      if (!p.active) continue;
+      // A kind may weigh rows that get no loss (a catalogued router bug routes padding as tokens): they are weighed
+      // too.
+      const bool weighed = kind_weights && (*kind_weights)[static_cast<std::size_t>(i)] != 0.0;
+      if (!p.active && !weighed) continue;
       const std::int64_t token = assignment.rows[static_cast<std::size_t>(i)].token;
       double forward = 1.0;
       double backward = 0.0;
@@ -222,7 +225,7 @@ std::optional<float> RankPlan::logged_loss(const RankOutput& out, RankGroups& gr
   std::vector<float> weighted(rows_.size(), 0.0f);
   for (std::int64_t i = 0; i < n; ++i) {
     const RowPlan& p = rows_[static_cast<std::size_t>(i)];
-    if (!p.active) continue;
+    if (!p.active && p.forward_weight == 0.0f) continue;  // a weighed row without a loss of its own logs one too
     const float weight = slice_mean ? (p.valid ? slice_weight : 0.0f) : p.forward_weight;
     weighted[static_cast<std::size_t>(i)] = weight * token_loss[static_cast<std::size_t>(i)];
   }

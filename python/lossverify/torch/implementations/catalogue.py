@@ -532,7 +532,7 @@ def moe_aux_log_doubled(logits, labels, ctx):
 
 
 def moe_aux_ga_overweight(logits, labels, ctx):
-    """The aux gradient not divided by the micro-batch count (NeMo Automodel #3359)."""
+    """The aux gradient summed over the DP ranks and the micro-batches, not averaged (NeMo Automodel #3359)."""
     return _router(logits, ctx, ga_overweight=True)
 
 
@@ -598,6 +598,31 @@ def moe_global_aux_batch_tokens(logits, labels, ctx):
     """The global aux term's P over the micro-batch's tokens of every DP rank, not its scope's (Megatron-LM
     d98e8a64, router.py _apply_global_aux_loss)."""
     return _router(logits, ctx, global_batch_tokens=True)
+
+
+def moe_aux_mask_ignored(logits, labels, ctx):
+    """The padding mask never reaches the router: padded and masked rows routed as tokens, in T, the counts, the
+    scores' sums and the z-loss, and given a gradient (DeepSpeed-MoE edaa7221 top2gating/topkgating; verl 1dda039b
+    BSHD)."""
+    return _router(logits, ctx, mask_ignored=True)
+
+
+def moe_aux_mask_counts_only(logits, labels, ctx):
+    """The padding mask reaches the experts' counts only: T, the scores' sums and the gradient over every row
+    (DeepSpeed-MoE edaa7221 top1gating)."""
+    return _router(logits, ctx, mask_counts_only=True)
+
+
+def moe_aux_ga_double_divide(logits, labels, ctx):
+    """The aux gradient divided by the micro-batch count twice (DeepSpeed edaa7221's GA hooks with the loss returned
+    beside the aux loss)."""
+    return _router(logits, ctx, ga_double_divide=True)
+
+
+def moe_seq_aux_packed(logits, labels, ctx):
+    """The sequence aux loss over a packed micro-batch: one sequence of all its tokens (verl 1dda039b THD packing into
+    Megatron-LM's router)."""
+    return _router(logits, ctx, seq_aux_packed=True)
 
 
 CATALOGUE = {
@@ -670,6 +695,10 @@ CATALOGUE = {
     "moe_seq_aux_mean_length": moe_seq_aux_mean_length,
     "moe_global_aux_mean_counts": moe_global_aux_mean_counts,
     "moe_global_aux_batch_tokens": moe_global_aux_batch_tokens,
+    "moe_aux_mask_ignored": moe_aux_mask_ignored,
+    "moe_aux_mask_counts_only": moe_aux_mask_counts_only,
+    "moe_aux_ga_double_divide": moe_aux_ga_double_divide,
+    "moe_seq_aux_packed": moe_seq_aux_packed,
 }
 # The loss kind each name applies to: the bugs of the KD loss, of the policy loss (rl_*), of the router (moe_*), those of the
 # normaliser or logged count that reach every kind (and `correct`), and the cross-entropy bugs (the others).

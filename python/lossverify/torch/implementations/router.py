@@ -38,7 +38,7 @@ class RouterBugs:
     padding_counted: bool = False  # moe-aux-padding-counted: every row counted in T and c
     no_grad: bool = False  # moe-aux-no-grad: the aux gradient discarded
     log_doubled: bool = False  # moe-aux-log-doubled: the logged aux loss x 2
-    ga_overweight: bool = False  # moe-aux-ga-overweight: the aux gradient x GA
+    ga_overweight: bool = False  # moe-aux-ga-overweight: the aux gradient x DP GA
     per_token_divided: bool = False  # moe-aux-per-token-divided: per-token aux gradient / N
     per_token_tp_cp: bool = False  # moe-aux-per-token-tp-cp: per-token router gradient / (TP CP)
     seq_aux_mbs: bool = False  # moe-seq-aux-mbs: per-token sequence aux gradient / the micro-batch's sequences
@@ -50,6 +50,10 @@ class RouterBugs:
     seq_aux_mean_length: bool = False  # moe-seq-aux-mean-length: every sequence takes the mean length T / H
     global_mean_counts: bool = False  # moe-global-aux-mean-counts: running f = mean counts / the micro-batch's tokens
     global_batch_tokens: bool = False  # moe-global-aux-batch-tokens: P over the micro-batch's tokens of every rank
+    mask_ignored: bool = False  # moe-aux-mask-ignored: padded and masked rows routed as tokens, given a gradient
+    mask_counts_only: bool = False  # moe-aux-mask-counts-only: the mask reaches the experts' counts only
+    ga_double_divide: bool = False  # moe-aux-ga-double-divide: the aux gradient / GA once more
+    seq_aux_packed: bool = False  # moe-seq-aux-packed: the micro-batch one sequence in the sequence aux loss
 
 
 def _scores(z, score):
@@ -132,8 +136,9 @@ def _global_counts(ctx, top_k):
 @dataclass
 class RouterTerms:
     """One micro-batch's shares on this rank, per layer [layers]: the aux and global aux terms, the sequence aux
-    term and the z-loss; each row's own part of them summed over layers, l_t [rows] (0 on masked rows); and the scope's
-    counts per expert [layers, E] as the rank holds them after their all-reduce."""
+    term and the z-loss (routed padding's too, under the bugs that route it); each row's own part of them summed over
+    layers, l_t [rows] (0 on masked rows); and the scope's counts per expert [layers, E] as the rank holds them after
+    their all-reduce."""
     aux: torch.Tensor
     sequence_aux: torch.Tensor
     z: torch.Tensor
@@ -152,9 +157,14 @@ def router_terms(logits, ctx, bugs=RouterBugs()):
     z = logits.float().reshape(-1, layers, width)
     s, lse = _scores(z, loss.score)
     valid = ctx.loss_mask
-    counted = torch.ones_like(valid) if bugs.padding_counted else valid
+    # moe-aux-padding-counted counts every row in T and the scores' sums; the bugs that route padding as tokens give
+    # it a gradient too, and moe-aux-mask-counts-only keeps it out of the experts' counts.
+    padding_routed = bugs.mask_ignored or bugs.mask_counts_only
+    counted = torch.ones_like(valid) if bugs.padding_counted or padding_routed else valid
+    in_counts = valid if bugs.mask_counts_only else counted
+    rows = counted if padding_routed else valid  # the rows whose terms enter the objective
     with torch.no_grad():
-        routed = _token_map(z.detach(), s.detach(), loss, top_k) * counted.float().reshape(-1, 1, 1)
+        routed = _token_map(z.detach(), s.detach(), loss, top_k) * in_counts.float().reshape(-1, 1, 1)
         scope = torch.cat([routed.sum(dim=0), counted.float().sum().expand(layers, 1)], dim=1)  # [layers, E + 1]
         sequences = _all_sequences(ctx)
         ids = ctx.sequences.clamp(min=0)
@@ -171,12 +181,15 @@ def router_terms(logits, ctx, bugs=RouterBugs()):
         tokens = max(float(scope[0, width]), 1.0)
         ctx.state["router_micro_batch_sequences"] = float((present > 0).sum())
     e = float(width)
-    vs, vlse = s[valid], lse[valid]  # [n, layers, E], [n, layers]
+    vs, vlse = s[rows], lse[rows]  # [n, layers, E], [n, layers]
+    keep = valid[rows]  # the rows among them with a per-token loss (all but routed padding)
     # pool_layers (transformers): one aux loss over every layer's counts, over layers x tokens
     aux_counts = scope[:, :width].sum(dim=0, keepdim=True) if loss.pool_layers else scope[:, :width]
     aux_tokens = tokens * (layers if loss.pool_layers else 1)
     aux_rows = (vs * aux_counts).sum(dim=2) * (loss.aux_coef * e / (k_div * aux_tokens * aux_tokens))  # [n, layers]
-    own = per_sequence[ids[valid]]  # [n, layers, E + 1]
+    own = per_sequence[ids[rows]]  # [n, layers, E + 1]
+    if bugs.seq_aux_packed:  # the micro-batch one sequence
+        own, held = scope.unsqueeze(0).expand_as(own), 1.0
     sequence_tokens = own[:, :, width].clamp(min=1.0)
     if bugs.seq_aux_mean_length:
         sequence_tokens = torch.full_like(sequence_tokens, max(tokens / held, 1.0))
@@ -204,7 +217,7 @@ def router_terms(logits, ctx, bugs=RouterBugs()):
         z_weight = loss.z_loss_coef / (sharing * float(valid.sum()))
     z_rows = z_weight * vlse * vlse
     token_loss = torch.zeros(valid.shape[0], dtype=torch.float32, device=z.device)
-    token_loss[valid] = (aux_rows + sequence_rows + z_rows).detach().sum(dim=1)
+    token_loss[valid] = (aux_rows + sequence_rows + z_rows)[keep].detach().sum(dim=1)
     return RouterTerms(aux_rows.sum(dim=0), sequence_rows.sum(dim=0), z_rows.sum(dim=0), token_loss,
                        scope[:, :width].clone())
 
@@ -228,7 +241,9 @@ def _factors(ctx, bugs):
     if bugs.no_grad:
         aux = 0.0
     if bugs.ga_overweight:
-        aux *= ctx.ga
+        aux *= ctx.ga * ctx.dp_size
+    if bugs.ga_double_divide:
+        aux /= ctx.ga
     if not per_token:
         return aux, sequence, whole
     n = float(ctx.num_valid_tokens)

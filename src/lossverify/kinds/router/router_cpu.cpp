@@ -128,9 +128,10 @@ struct Sums {
   Sums(std::size_t layers, std::size_t width) : experts(width), values(layers * (width + 1), 0.0f) {}
   float* layer(std::size_t l) { return &values[l * (experts + 1)]; }
   const float* layer(std::size_t l) const { return &values[l * (experts + 1)]; }
-  void add(std::size_t l, std::span<const int> experts_routed) {
+  // A token in T, and (`routed`) in its experts' counts.
+  void add(std::size_t l, std::span<const int> experts_routed, bool routed = true) {
     float* c = layer(l);
-    for (const int e : experts_routed) c[static_cast<std::size_t>(e)] += 1.0f;
+    for (const int e : experts_routed) c[static_cast<std::size_t>(e)] += routed ? 1.0f : 0.0f;
     c[experts] += 1.0f;
   }
 };
@@ -185,8 +186,14 @@ void run(const CpuMicroBatch& mb) {
   T* g = reinterpret_cast<T*>(mb.grad) + mb.begin * static_cast<std::int64_t>(row_width);
   const auto n = static_cast<std::size_t>(mb.n);
   auto plan = [&](std::size_t i) -> const RowPlan& { return mb.plan.row(mb.begin + static_cast<std::int64_t>(i)); };
-  // moe-aux-padding-counted: every row of the rank counts in T and in the scores, padding included.
-  auto counted = [&](std::size_t i) { return (bugs & router_bug::padding_counted) != 0 || plan(i).active; };
+  // moe-aux-padding-counted: every row of the rank counts in T and in the scores, padding included; the bugs that
+  // route padding as tokens give it a gradient too, and moe-aux-mask-counts-only keeps it out of the experts' counts.
+  const bool padding_routed = (bugs & router_bug::routes_padding) != 0;
+  auto counted = [&](std::size_t i) {
+    return (bugs & router_bug::padding_counted) != 0 || padding_routed || plan(i).active;
+  };
+  auto in_counts = [&](std::size_t i) { return (bugs & router_bug::mask_counts_only) == 0 || plan(i).active; };
+  auto gets_gradient = [&](std::size_t i) { return padding_routed || plan(i).active; };
   std::vector<Block> blocks(n * layers, Block{std::vector<float>(experts), std::vector<float>(experts)});
   Sums scope(layers, experts);
   // The sequence aux loss's scopes: the micro-batch's sequences, in the layout's order.
@@ -206,8 +213,8 @@ void run(const CpuMicroBatch& mb) {
       load_block(x + i * row_width, l, b);
       score_block(o.score, b);
       const std::vector<int> map = token_map(b, o, bias, l, o.top_k);
-      scope.add(l, map);
-      per_sequence.add(sequence_slot(i) * layers + l, map);
+      scope.add(l, map, in_counts(i));
+      per_sequence.add(sequence_slot(i) * layers + l, map, in_counts(i));
     }
   }
   if ((bugs & router_bug::local_counts) == 0) {  // the scopes span the sequence partition
@@ -231,8 +238,10 @@ void run(const CpuMicroBatch& mb) {
   const float batch_tokens = global_reads_batch_tokens(o, bugs) ? batch_valid_tokens(mb) : 0.0f;
   const std::vector<float>& row_inputs = mb.plan.kind_plan().row_inputs;
   std::vector<float> weights(experts);  // a c_e + a_s c_s,e / S + a_g c^G_e: the aux terms' weights
+  const bool packed = (bugs & router_bug::seq_aux_packed) != 0;  // the micro-batch one sequence
   for (std::size_t i = 0; i < n; ++i) {
-    if (!plan(i).active) continue;
+    if (!gets_gradient(i)) continue;
+    const bool active = plan(i).active;  // a routed padding row has a gradient, but no loss of its own
     const std::size_t row = static_cast<std::size_t>(mb.begin) + i;
     const RouterFactors f = router_factors(
         bugs, mb.c.layout, o, std::span<const float>(row_inputs).subspan(row * kRouterRowInputs, kRouterRowInputs),
@@ -242,9 +251,9 @@ void run(const CpuMicroBatch& mb) {
     for (std::size_t l = 0; l < layers; ++l) {
       const Block& b = blocks[i * layers + l];
       const float* c = scales.counts(scope.layer(l));
-      const float* own = per_sequence.layer(sequence_slot(i) * layers + l);
+      const float* own = packed ? scope.layer(l) : per_sequence.layer(sequence_slot(i) * layers + l);
       const float* c_global = global.layer(l);
-      const float sequence_scale = scales.sequence(own[experts], held);
+      const float sequence_scale = scales.sequence(own[experts], packed ? 1.0f : held);
       const float global_scale = scales.global(c_global[experts], batch_tokens, k + 1);
       float dot = 0.0f, sequence_dot = 0.0f;  // <weights, s> and its sequence aux part
       for (std::size_t e = 0; e < experts; ++e) {
@@ -257,7 +266,7 @@ void run(const CpuMicroBatch& mb) {
       loss += dot + z_term;
       // The logged aux and z values: this rank's share (summed over the ranks holding other tokens afterwards).
       const double logged_aux = (bugs & router_bug::log_doubled) != 0 ? 2.0 * dot : dot;
-      const double forward = plan(i).forward_weight;
+      const double forward = plan(i).forward_weight;  // routed padding's too, under the bugs that route it
       mb.logged_stats[0] += forward * logged_aux / logged_aux_divisor(o);
       mb.logged_stats[1] += forward * static_cast<double>(z_term) / static_cast<double>(layers);
       if (layers > 1) {
@@ -273,7 +282,8 @@ void run(const CpuMicroBatch& mb) {
         g[i * row_width + l * experts + e] = T(w * (f.aux * (aux + f.sequence_aux * sequence_aux) + z));
       }
     }
-    mb.token_loss[row] = loss;
+    if (active) mb.token_loss[row] = loss;
+    if (!mb.logged_token_loss.empty()) mb.logged_token_loss[row] = loss;
   }
 }
 
@@ -299,13 +309,19 @@ KindRowPlan plan_router_rows(const RowPlanRequest& r) {
   const auto step = static_cast<double>(r.inputs.valid_tokens());
   KindRowPlan plan;
   plan.weights = std::vector<double>(r.valid.size(), 0.0);
+  // Routed padding's terms enter the logged loss (its aux loss is over every row), not its per-token losses.
+  plan.separate_logged_loss = (r.bugs.kind_switches & router_bug::routes_padding) != 0;
   plan.row_inputs.assign(r.valid.size() * kRouterRowInputs, 0.0f);
   const double mean = 1.0 / (static_cast<double>(r.c.layout.dp) * static_cast<double>(r.c.layout.ga));
+  // The bugs that route padding as tokens weigh every row of the micro-batch as its valid ones.
+  const bool padding_routed = plan.separate_logged_loss;
   for (std::size_t k = 0; k < ga; ++k) {
     const std::vector<std::int64_t> sequences =
         sequences_of_slot(r.inputs.batch(), r.c.batch, r.c.layout, r.assignment.coordinates.dp, static_cast<int>(k));
     for (auto i = static_cast<std::size_t>(begins[k]); i < static_cast<std::size_t>(begins[k + 1]); ++i) {
-      if (r.valid[i]) (*plan.weights)[i] = o.scaling == RouterOptions::Scaling::per_token ? scope[k] / step : mean;
+      if (r.valid[i] || padding_routed) {
+        (*plan.weights)[i] = o.scaling == RouterOptions::Scaling::per_token ? scope[k] / step : mean;
+      }
       const auto slot = std::find(sequences.begin(), sequences.end(), r.assignment.rows[i].sequence);
       float* in = &plan.row_inputs[i * kRouterRowInputs];
       in[0] = static_cast<float>(scope[k]);

@@ -60,9 +60,12 @@ class RouterCudaRank final : public CudaKindRank {
             .size();
     const std::size_t width = static_cast<std::size_t>(experts_) + 1;
     // The rows that count (every row under moe-aux-padding-counted) and their sequences, for the micro-batch.
+    // Padding too under moe-aux-padding-counted and the bugs that route it as tokens (they give it a gradient).
+    const bool padding_routed = (bugs & router_bug::routes_padding) != 0;
     std::vector<int> counted(static_cast<std::size_t>(n)), slot(static_cast<std::size_t>(n));
     for (std::int64_t i = 0; i < n; ++i) {
-      counted[static_cast<std::size_t>(i)] = (bugs & router_bug::padding_counted) != 0 || plan.row(b + i).active;
+      counted[static_cast<std::size_t>(i)] =
+          (bugs & router_bug::padding_counted) != 0 || padding_routed || plan.row(b + i).active;
       slot[static_cast<std::size_t>(i)] = static_cast<int>(at(b + i, 3));
     }
     const DeviceBytes d_counted = upload(counted, stream_);
@@ -74,6 +77,15 @@ class RouterCudaRank final : public CudaKindRank {
     std::vector<float> scope =
         route(b, n, d_counted.as<int>(), d_slot.as<int>(), per_sequence.empty() ? nullptr : d_sequences.as<float>());
     download(d_sequences, per_sequence);
+    if ((bugs & router_bug::mask_counts_only) != 0) {  // the experts' counts of the valid rows only, T of every row
+      std::vector<float> valid_sequences(per_sequence.size(), 0.0f);
+      DeviceBytes d_valid_sequences = zeros(valid_sequences.size());
+      const std::vector<float> valid_scope = route(b, n, rows.active + b, d_slot.as<int>(),
+                                                   valid_sequences.empty() ? nullptr : d_valid_sequences.as<float>());
+      download(d_valid_sequences, valid_sequences);
+      keep_counts(scope, valid_scope);
+      keep_counts(per_sequence, valid_sequences);
+    }
     if ((bugs & router_bug::local_counts) == 0) {  // the scopes span the sequence partition
       for (std::vector<float>* sums : {&scope, &per_sequence}) {
         groups.cp.allreduce_sum(std::span<float>(*sums));
@@ -91,6 +103,7 @@ class RouterCudaRank final : public CudaKindRank {
     const float batch_tokens =
         global_reads_batch_tokens(options_, bugs) ? batch_valid_tokens(plan, groups, b, n) : 0.0f;
     const Weights tables = weights(scope, per_sequence, global, sequences, batch_tokens, k + 1);
+    const int* gradient_rows = padding_routed ? d_counted.as<int>() : rows.active + b;
     const RouterFactors f =
         n > 0 ? router_factors(bugs, setup_.c.layout, options_,
                                std::span<const float>(row_inputs)
@@ -106,7 +119,7 @@ class RouterCudaRank final : public CudaKindRank {
                               layers_,
                               experts_,
                               options_.score == RouterOptions::Score::sigmoid ? 1 : 0,
-                              rows.active + b,
+                              gradient_rows,
                               rows.weight + b,
                               d_slot.as<int>(),
                               d_weights.as<float>(),
@@ -151,6 +164,14 @@ class RouterCudaRank final : public CudaKindRank {
       LV_CUDA(cudaMemcpyAsync(host.data(), d.as<void>(), host.size() * sizeof(float), cudaMemcpyDeviceToHost, stream_));
     }
     LV_CUDA(cudaStreamSynchronize(stream_));
+  }
+
+  // The experts' counts of `from` into `into`, per layer (or sequence and layer), T left as `into` has it.
+  void keep_counts(std::vector<float>& into, const std::vector<float>& from) const {
+    const std::size_t width = static_cast<std::size_t>(experts_) + 1;
+    for (std::size_t i = 0; i < into.size(); ++i) {
+      if (i % width != static_cast<std::size_t>(experts_)) into[i] = from[i];
+    }
   }
 
   // Pass 1 over rows [b, b + n): the scope's counts per layer (and each sequence's, into `sequences`).
@@ -210,6 +231,7 @@ class RouterCudaRank final : public CudaKindRank {
     for (std::size_t j = 0; with_sequences && j < sequences; ++j) {
       held += per_sequence[j * layers * width + experts] > 0.0f ? 1.0f : 0.0f;
     }
+    const bool packed = (bugs & router_bug::seq_aux_packed) != 0;  // the micro-batch one sequence
     Weights w;
     w.z_weight = scales.z_weight;
     w.all.assign(std::max<std::size_t>(sequences, 1) * layers * experts, 0.0f);
@@ -217,9 +239,11 @@ class RouterCudaRank final : public CudaKindRank {
     for (std::size_t j = 0; j < sequences; ++j) {
       for (std::size_t l = 0; l < layers; ++l) {
         const float* c = scales.counts(&scope[l * width]);
-        const float* own = with_sequences ? &per_sequence[(j * layers + l) * width] : none.data();
+        const float* own = packed           ? &scope[l * width]
+                           : with_sequences ? &per_sequence[(j * layers + l) * width]
+                                            : none.data();
         const float* c_global = &global[l * width];
-        const float sequence_scale = scales.sequence(own[experts], held);
+        const float sequence_scale = scales.sequence(own[experts], packed ? 1.0f : held);
         const float global_scale = scales.global(c_global[experts], batch_tokens, micro_batch);
         for (std::size_t e = 0; e < experts; ++e) {
           const std::size_t k = (j * layers + l) * experts + e;
@@ -239,7 +263,7 @@ class RouterCudaRank final : public CudaKindRank {
     const auto layers = static_cast<std::size_t>(layers_);
     for (std::int64_t i = 0; i < n; ++i) {
       const RowPlan& p = plan.row(b + i);
-      if (!p.active) continue;
+      if (!p.active && p.forward_weight == 0.0f) continue;  // routed padding is weighed (and has terms)
       float loss = 0.0f;
       for (std::size_t l = 0; l < layers; ++l) {
         const float dot = terms[(static_cast<std::size_t>(i) * layers + l) * 2];
@@ -254,7 +278,8 @@ class RouterCudaRank final : public CudaKindRank {
           out.logged_stats[3 + 2 * l] += forward * static_cast<double>(z_term);
         }
       }
-      out.token_loss[static_cast<std::size_t>(b + i)] = loss;
+      if (p.active) out.token_loss[static_cast<std::size_t>(b + i)] = loss;
+      if (!out.logged_token_loss.empty()) out.logged_token_loss[static_cast<std::size_t>(b + i)] = loss;
     }
   }
 

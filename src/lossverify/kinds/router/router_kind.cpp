@@ -212,9 +212,10 @@ class RouterKind final : public LossKind {
                          "router's forward twice)",
                          "Megatron-LM e6d56d6828, 4abeecce74 (#3199)",
                          "the logged aux loss x 2; loss and gradients right", {"stats"}, router_bug::log_doubled),
-        router_bug_entry("moe-aux-ga-overweight", "the aux gradient not divided by the micro-batch count",
-                         "NeMo Automodel #3359", "the aux terms' gradient x GA at ga > 1", {"grad"},
-                         router_bug::ga_overweight),
+        router_bug_entry("moe-aux-ga-overweight",
+                         "the aux gradient summed over the DP ranks and the micro-batches, not averaged",
+                         "NeMo Automodel #3359 (bcebe8ed: x DP GA, docs/frameworks.md)",
+                         "the aux terms' gradient x DP GA at dp GA > 1", {"grad"}, router_bug::ga_overweight),
         router_bug_entry("moe-aux-per-token-divided",
                          "per-token mode: the aux gradient already divided by the step's tokens, and finalize "
                          "divides it again",
@@ -270,6 +271,32 @@ class RouterKind final : public LossKind {
                          "Megatron-LM d98e8a64 router.py _apply_global_aux_loss (docs/frameworks.md)",
                          "the global aux term x T_S / T_DP at dp > 1", {"loss", "grad", "stats"},
                          router_bug::global_batch_tokens),
+        router_bug_entry(
+            "moe-aux-mask-ignored",
+            "the padding mask never reaches the router: padded and masked rows routed as tokens, in T, "
+            "the counts, the scores' sums and the z-loss, and given a gradient",
+            "DeepSpeed-MoE edaa7221 top2gating/topkgating (used_token dropped); verl 1dda039b BSHD "
+            "(docs/frameworks.md)",
+            "a gradient on padded and masked rows; loss, grad and the counts wherever a scope holds padding",
+            {"loss", "grad", "counts", "stats"}, router_bug::mask_ignored),
+        router_bug_entry("moe-aux-mask-counts-only",
+                         "the padding mask reaches the experts' counts only: T, the scores' sums and the gradient "
+                         "over every row",
+                         "DeepSpeed-MoE edaa7221 top1gating (docs/frameworks.md)",
+                         "a gradient on padded and masked rows; valid rows' aux gradient x (T / rows)^2",
+                         {"loss", "grad", "stats"}, router_bug::mask_counts_only),
+        router_bug_entry("moe-aux-ga-double-divide",
+                         "the aux gradient divided by the micro-batch count twice (once by the trainer, once by "
+                         "a hook on the model's returned aux loss)",
+                         "DeepSpeed edaa7221 engine GA hooks with the loss returned beside the aux loss "
+                         "(docs/frameworks.md)",
+                         "the aux terms' gradient / GA at ga > 1", {"grad"}, router_bug::ga_double_divide),
+        router_bug_entry("moe-seq-aux-packed",
+                         "the sequence aux loss over a packed micro-batch: one sequence of all its tokens, so the "
+                         "micro-batch's aux loss with the sequence coefficient",
+                         "verl 1dda039b THD packing into Megatron-LM's router (docs/frameworks.md)",
+                         "the sequence aux term wherever a micro-batch holds several sequences",
+                         {"loss", "grad", "stats"}, router_bug::seq_aux_packed),
     };
   }
   std::unique_ptr<KindReference> reference(const Case& c, const InputSource& inputs) const override {

@@ -28,6 +28,12 @@ inline constexpr std::uint64_t per_token_reduced_count = 1u << 15;  // moe-aux-p
 inline constexpr std::uint64_t seq_aux_mean_length = 1u << 16;      // moe-seq-aux-mean-length
 inline constexpr std::uint64_t global_mean_counts = 1u << 17;       // moe-global-aux-mean-counts
 inline constexpr std::uint64_t global_batch_tokens = 1u << 18;      // moe-global-aux-batch-tokens
+inline constexpr std::uint64_t mask_ignored = 1u << 19;             // moe-aux-mask-ignored
+inline constexpr std::uint64_t mask_counts_only = 1u << 20;         // moe-aux-mask-counts-only
+inline constexpr std::uint64_t ga_double_divide = 1u << 21;         // moe-aux-ga-double-divide
+inline constexpr std::uint64_t seq_aux_packed = 1u << 22;           // moe-seq-aux-packed
+// The bugs that route a micro-batch's padded and masked rows as tokens: they get a gradient (and a backward weight).
+inline constexpr std::uint64_t routes_padding = mask_ignored | mask_counts_only;
 // moe-aux-global-topk's global setting: the common default, read where the router's own k should be.
 inline constexpr int global_top_k = 2;
 }  // namespace router_bug

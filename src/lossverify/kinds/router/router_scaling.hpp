@@ -32,7 +32,8 @@ inline RouterFactors router_factors(std::uint64_t bugs, const LayoutSpec& layout
   if ((bugs & router_bug::tp_sum) != 0 && layout.sp) f.aux = static_cast<float>(layout.tp);
   if ((bugs & router_bug::cp_missing) != 0) f.all = 1.0f / static_cast<float>(layout.cp);
   if ((bugs & router_bug::no_grad) != 0) f.aux = 0.0f;  // the scaler's return discarded
-  if ((bugs & router_bug::ga_overweight) != 0) f.aux *= static_cast<float>(layout.ga);
+  if ((bugs & router_bug::ga_overweight) != 0) f.aux *= static_cast<float>(layout.dp * layout.ga);
+  if ((bugs & router_bug::ga_double_divide) != 0) f.aux /= static_cast<float>(layout.ga);
   if (!per_token) {
     // moe-zloss-rank-mean: alpha_z / (ranks of the partition x the rank's own tokens) in place of alpha_z / T_S.
     if ((bugs & router_bug::zloss_rank_mean) != 0 && own_tokens > 0.0f) {
