@@ -52,7 +52,7 @@ NAME = "verl"
 EXPLANATIONS = ["rl-token-mean-sample-weighted", "rl-microbatch-self-normalized", "rl-drgrpo-batch-sum",
                 "rl-temperature-one-side", "rl-logprob-untracked-allreduce", "rl-entropy-untracked-allreduce",
                 "rl-fused-vocab-pad", "dp-local-mean", "microbatch-local-mean", "rl-logprob-16bit",
-                "rl-drgrpo-rank-batch-sum", "rl-seq-mean-counts-empty"]
+                "rl-drgrpo-rank-batch-sum", "rl-seq-mean-counts-empty", "rl-temperature-16bit"]
 MEGATRON = os.path.abspath(os.environ.get("LV_MEGATRON_CHECKOUT", ""))  # checked where it is first needed
 _mods = {}
 _tp = {"group": None}
