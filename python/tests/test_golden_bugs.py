@@ -18,7 +18,7 @@ Cells not run, and why:
 - realistic-bf16-n2048-v32000-tp8: only the bugs golden says fail there (3 s per implementation on 2 cores);
 - the framework-level bugs that reach every per-token kind (dp_local_mean and the others of KIND "any") on router
   cases (moe-*): their Python versions weigh per-token losses, which a router's shares of its scopes are not; the
-  router cases run correct and the router's 23 bugs (moe_*), and lossverify's own kernels hold those cells in the
+  router cases run correct and the router's 24 bugs (moe_*), and lossverify's own kernels hold those cells in the
   gate.
 """
 

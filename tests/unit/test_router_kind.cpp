@@ -383,7 +383,9 @@ TEST_CASE("router: each catalogued bug shows the signal MOE.md predicts, where i
       {"moe-aux-ga-double-divide", {1, 2, 1, 2, false}, {}, 0.15, true, false, 0.5},   // / GA
       {"moe-aux-ga-double-divide", {1, 2, 2, 1, false}, {}, 0.15, false, false, 0.0},  // one micro-batch
       {"moe-seq-aux-packed", {1, 1, 1, 1, false}, {{"seq_aux_coef", 0.01}}, 0.15, true, true, 0.0},
-      {"moe-seq-aux-packed", {1, 2, 1, 1, false}, {}, 0.15, false, false, 0.0},  // no sequence aux loss
+      {"moe-seq-aux-packed", {1, 2, 1, 1, false}, {}, 0.15, false, false, 0.0},        // no sequence aux loss
+      {"moe-aux-loss-dp-ga-summed", {1, 1, 2, 2, false}, {}, 0.15, true, true, 4.0},   // x DP GA
+      {"moe-aux-loss-dp-ga-summed", {2, 2, 1, 1, true}, {}, 0.15, false, false, 0.0},  // dp 1, ga 1
   };
   for (const Expect& x : expectations) {
     const std::string bug_name = x.bug;

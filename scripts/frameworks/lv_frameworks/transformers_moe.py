@@ -52,7 +52,7 @@ from lossverify.torch.kinds.router import micro_batch_weight, backward_weight
 from lv_frameworks import Run, checkout, git_commit
 
 NAME = "transformers"
-EXPLANATIONS = ["moe-aux-ga-overweight", "moe-aux-padding-counted", "moe-aux-no-grad", "moe-aux-topk-squared",
+EXPLANATIONS = ["moe-aux-loss-dp-ga-summed", "moe-aux-ga-overweight", "moe-aux-mask-ignored", "moe-aux-padding-counted", "moe-aux-no-grad", "moe-aux-topk-squared",
                 "moe-aux-local-counts", "moe-aux-global-topk"]
 STUBS = ["every modeling file: only load_balancing_loss_func is read (ast), executed with the module's top-level "
          "imports of torch, torch.nn, torch.nn.functional, math and typing; no other transformers code runs "

@@ -55,6 +55,7 @@ from lossverify.torch.implementations.catalogue import (
     moe_aux_mask_counts_only,
     moe_aux_ga_double_divide,
     moe_seq_aux_packed,
+    moe_aux_loss_dp_ga_summed,
     microbatch_local_mean,
     no_max_shift,
     none_divides_grad,

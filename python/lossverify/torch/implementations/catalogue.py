@@ -625,6 +625,12 @@ def moe_seq_aux_packed(logits, labels, ctx):
     return _router(logits, ctx, seq_aux_packed=True)
 
 
+def moe_aux_loss_dp_ga_summed(logits, labels, ctx):
+    """The aux term inside a loss the trainer sums over the micro-batches and the DP ranks (scaled for a
+    token-normalised main loss): its value and gradient x DP GA (the transformers Trainer, #48690)."""
+    return _router(logits, ctx, aux_loss_dp_ga_summed=True)
+
+
 CATALOGUE = {
     "correct": correct,
     "smoothing_partition_vocab": smoothing_partition_vocab,
@@ -699,6 +705,7 @@ CATALOGUE = {
     "moe_aux_mask_counts_only": moe_aux_mask_counts_only,
     "moe_aux_ga_double_divide": moe_aux_ga_double_divide,
     "moe_seq_aux_packed": moe_seq_aux_packed,
+    "moe_aux_loss_dp_ga_summed": moe_aux_loss_dp_ga_summed,
 }
 # The loss kind each name applies to: the bugs of the KD loss, of the policy loss (rl_*), of the router (moe_*), those of the
 # normaliser or logged count that reach every kind (and `correct`), and the cross-entropy bugs (the others).

@@ -54,6 +54,7 @@ class RouterBugs:
     mask_counts_only: bool = False  # moe-aux-mask-counts-only: the mask reaches the experts' counts only
     ga_double_divide: bool = False  # moe-aux-ga-double-divide: the aux gradient / GA once more
     seq_aux_packed: bool = False  # moe-seq-aux-packed: the micro-batch one sequence in the sequence aux loss
+    aux_loss_dp_ga_summed: bool = False  # moe-aux-loss-dp-ga-summed: every aux term's value and gradient x DP GA
 
 
 def _scores(z, score):
@@ -211,6 +212,8 @@ def router_terms(logits, ctx, bugs=RouterBugs()):
         global_scale = torch.where(global_tokens > 0, loss.global_aux_coef * e / (divisor * f_tokens * p_tokens),
                                    torch.zeros_like(global_tokens))
         aux_rows = aux_rows + global_scale * (vs * c_global[:, :width]).sum(dim=2)
+    if bugs.aux_loss_dp_ga_summed:  # the trainer sums the loss the aux terms are in over micro-batches and DP
+        aux_rows, sequence_rows = aux_rows * (ctx.dp_size * ctx.ga), sequence_rows * (ctx.dp_size * ctx.ga)
     z_weight = loss.z_loss_coef / tokens
     if bugs.zloss_rank_mean and loss.scaling != "per_token" and int(valid.sum()) > 0:
         sharing = ctx.cp_size * (ctx.tp_size if ctx.sp else 1)

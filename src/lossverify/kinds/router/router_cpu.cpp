@@ -234,7 +234,7 @@ void run(const CpuMicroBatch& mb) {
   float held = 0.0f;  // the micro-batch's sequences that hold a valid token
   for (std::size_t j = 0; j < sequences.size(); ++j)
     held += per_sequence.layer(j * layers)[experts] > 0.0f ? 1.0f : 0.0f;
-  const AuxScales scales = aux_scales(o, bugs, std::span<const float>(scope.values), experts, layers);
+  const AuxScales scales = aux_scales(o, bugs, mb.c.layout, std::span<const float>(scope.values), experts, layers);
   const float batch_tokens = global_reads_batch_tokens(o, bugs) ? batch_valid_tokens(mb) : 0.0f;
   const std::vector<float>& row_inputs = mb.plan.kind_plan().row_inputs;
   std::vector<float> weights(experts);  // a c_e + a_s c_s,e / S + a_g c^G_e: the aux terms' weights

@@ -224,7 +224,8 @@ class RouterCudaRank final : public CudaKindRank {
     const auto experts = static_cast<std::size_t>(experts_);
     const std::size_t width = experts + 1;
     const auto layers = static_cast<std::size_t>(layers_);
-    const AuxScales scales = aux_scales(options_, bugs, std::span<const float>(scope), experts, layers);
+    const AuxScales scales =
+        aux_scales(options_, bugs, setup_.c.layout, std::span<const float>(scope), experts, layers);
     const bool with_sequences = !per_sequence.empty();
     const std::vector<float> none(width, 0.0f);
     float held = 0.0f;  // the micro-batch's sequences that hold a valid token

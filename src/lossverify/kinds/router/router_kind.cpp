@@ -297,6 +297,12 @@ class RouterKind final : public LossKind {
                          "verl 1dda039b THD packing into Megatron-LM's router (docs/frameworks.md)",
                          "the sequence aux term wherever a micro-batch holds several sequences",
                          {"loss", "grad", "stats"}, router_bug::seq_aux_packed),
+        router_bug_entry("moe-aux-loss-dp-ga-summed",
+                         "the aux term inside a loss the trainer sums over the micro-batches and the DP ranks (scaled "
+                         "for a token-normalised main loss): its value and gradient x DP GA",
+                         "transformers Trainer with average_tokens_across_devices (#48690; docs/frameworks.md)",
+                         "the aux terms' loss, logged value and gradient x DP GA at dp GA > 1",
+                         {"loss", "grad", "stats"}, router_bug::aux_loss_dp_ga_summed),
     };
   }
   std::unique_ptr<KindReference> reference(const Case& c, const InputSource& inputs) const override {

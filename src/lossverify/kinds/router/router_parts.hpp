@@ -32,6 +32,7 @@ inline constexpr std::uint64_t mask_ignored = 1u << 19;             // moe-aux-m
 inline constexpr std::uint64_t mask_counts_only = 1u << 20;         // moe-aux-mask-counts-only
 inline constexpr std::uint64_t ga_double_divide = 1u << 21;         // moe-aux-ga-double-divide
 inline constexpr std::uint64_t seq_aux_packed = 1u << 22;           // moe-seq-aux-packed
+inline constexpr std::uint64_t aux_loss_dp_ga_summed = 1u << 23;    // moe-aux-loss-dp-ga-summed
 // The bugs that route a micro-batch's padded and masked rows as tokens: they get a gradient (and a backward weight).
 inline constexpr std::uint64_t routes_padding = mask_ignored | mask_counts_only;
 // moe-aux-global-topk's global setting: the common default, read where the router's own k should be.

@@ -90,8 +90,8 @@ struct AuxScales {
 inline bool global_reads_batch_tokens(const RouterOptions& o, std::uint64_t bugs) {
   return o.global_aux_coef > 0.0 && (bugs & (router_bug::global_mean_counts | router_bug::global_batch_tokens)) != 0;
 }
-inline AuxScales aux_scales(const RouterOptions& o, std::uint64_t bugs, std::span<const float> scope,
-                            std::size_t experts, std::size_t layers) {
+inline AuxScales aux_scales(const RouterOptions& o, std::uint64_t bugs, const LayoutSpec& layout,
+                            std::span<const float> scope, std::size_t experts, std::size_t layers) {
   AuxScales a;
   const std::size_t width = experts + 1;
   a.tokens = std::fmax(scope[experts], 1.0f);
@@ -103,6 +103,12 @@ inline AuxScales aux_scales(const RouterOptions& o, std::uint64_t bugs, std::spa
   a.z_weight = static_cast<float>(o.z_loss_coef) / a.tokens;
   a.sequence_coef = static_cast<float>(o.seq_aux_coef);
   a.global_coef = static_cast<float>(o.global_aux_coef);
+  if ((bugs & router_bug::aux_loss_dp_ga_summed) != 0) {  // every aux term weighs DP GA times, value and gradient
+    const auto summed = static_cast<float>(layout.dp * layout.ga);
+    a.aux *= summed;
+    a.sequence_coef *= summed;
+    a.global_coef *= summed;
+  }
   a.sequence_mean_length = (bugs & router_bug::seq_aux_mean_length) != 0;
   a.global_mean_counts =
       (bugs & router_bug::global_mean_counts) != 0 && o.global_counts == RouterOptions::GlobalCounts::running;
