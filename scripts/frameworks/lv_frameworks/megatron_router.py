@@ -90,10 +90,12 @@ class _MegatronModule(torch.nn.Module):
         self.config = config
 
 
-def _load():
-    """The checkout's router, moe_utils and schedules modules, with the stubs of the module docstring."""
+def _load(root=None):
+    """The router, moe_utils and schedules modules of a Megatron-LM checkout (the judged one unless `root` names
+    another: the slime_router and ms_swift_router adapters pass the Megatron-LM their framework trains with), with
+    the stubs of the module docstring. Loaded once per process."""
     if not _modules:
-        root = checkout()
+        root = root or checkout()
         core = os.path.join(root, "megatron", "core")
         megatron._package("megatron", os.path.join(root, "megatron"))
         megatron._package("megatron.core", core)
@@ -227,6 +229,37 @@ def _megatron_input(logits, ctx, layer, width, where):
     return dense, padding
 
 
+def packed_input(keep=None):
+    """The router input of a packed (thd) micro-batch: the rank's rows (those where `keep`, default all of them,
+    padding and masked rows included) in order as one column [rows, 1, E], and no padding mask (every token counts).
+    slime and ms-swift (padding_free) pack a micro-batch's sequences into one stream, pad each to a multiple of 2 CP
+    at CP > 1 and split it into its zigzag chunks, split the stream over TP in contiguous parts under SP, as
+    lossverify does, and pass GPTModel no padding_mask. Returns a layer_input for route()."""
+    def layer_input(logits, layer, width):
+        part = logits[:, layer * width:(layer + 1) * width]
+        if keep is not None:
+            part = part[keep]
+        return part.unsqueeze(1), None
+    return layer_input
+
+
+def step_rows(ctx):
+    """Every row of the step over the rank's sequence partition (TP x CP), for a framework's own token counts:
+    per micro-batch a list of (tp rank, cp rank, sequence, position, token, loss mask), CP rank by CP rank and within
+    one TP rank by TP rank (a CP rank's stream in order), gathered once per step (all_gather_object over
+    ctx.tp_cp_group)."""
+    if "megatron_step_rows" not in ctx.state:
+        mine = [[(ctx.tp_rank, ctx.cp_rank, s, p, t, int(m)) for s, p, t, m in
+                 zip(mb.sequences.tolist(), mb.positions.tolist(), mb.tokens.tolist(), mb.loss_mask.tolist())]
+                for mb in ctx.micro_batches]
+        parts = [None] * dist.get_world_size(ctx.tp_cp_group)
+        dist.all_gather_object(parts, mine, group=ctx.tp_cp_group)
+        ctx.state["megatron_step_rows"] = [
+            sorted((row for part in parts for row in part[k]), key=lambda r: (r[1], r[0]))
+            for k in range(len(ctx.micro_batches))]
+    return ctx.state["megatron_step_rows"]
+
+
 def _set_scale(ctx, config):
     """The schedule's forward_step_calc_loss (the checkout's) sets MoEAuxLossAutoScaler's scale for the micro-batch:
     loss_scale * cp / num_microbatches by default, loss_scale in per-token mode (loss_scale 1: no grad_scale_func).
@@ -260,23 +293,43 @@ def _logged_values(records, config, tp_cp_size, layers):
     return aux, z
 
 
-def router_step(logits, labels, ctx):
-    """One micro-batch through Megatron's TopKRouter.routing per layer, with the schedule's aux-loss scale; the
-    gradient is what MoEAuxLossAutoScaler injects (the routing probabilities' own path carries a zero gradient:
-    they feed the experts, whose loss is not this case's). Logged: the shares Megatron records, weighed by the
-    micro-batch's weight in the step's loss."""
-    config, routers = _routers(ctx)
+def _take_records():
+    """What Megatron logged since the last call, as (name, value, layer number): the metrics tracker's records
+    (the stub's) and, on checkouts whose router still logs through moe_utils' save_to_aux_losses_tracker (before
+    moe_logging, e.g. 1dcf0daf), the per-layer values of moe_utils' own tracker, read back and then cleared with
+    its clear_aux_losses_tracker."""
+    records, _tracker.records = _tracker.records, []
+    modules = _load()
+    if hasattr(modules["router"], "save_to_aux_losses_tracker"):
+        moe_utils = modules["moe_utils"]
+        for name, entry in moe_utils.get_moe_layer_wise_logging_tracker().items():
+            for layer, value in enumerate(entry["values"].tolist()):
+                if value:
+                    records.append((name, torch.tensor(value, dtype=torch.float64), layer + 1))
+        moe_utils.clear_aux_losses_tracker()
+    return records
+
+
+def route(logits, ctx, config, routers, layer_input, grad_factor=1.0):
+    """One micro-batch through each layer's TopKRouter.routing, with the schedule's aux-loss scale (_set_scale).
+    `layer_input(logits, layer, width)` gives the layer's router input [s, b, E] (differentiable in the case's
+    logits) and its padding mask (None: every token counts). `grad_factor` multiplies the gradient that reaches
+    the logits (a framework whose finalize divides by another count than the harness's N, in per-token mode).
+    The gradient is what MoEAuxLossAutoScaler injects (the routing probabilities' own path carries a zero
+    gradient: they feed the experts, whose loss is not this case's). Logged: the shares Megatron records,
+    weighed by the micro-batch's weight in the step's loss."""
     width = config.num_moe_experts
-    where = _columns(ctx)
-    _tracker.records = []
+    _take_records()
     _set_scale(ctx, config)
     probs = []
     for layer, router in enumerate(routers):
-        dense, padding = _megatron_input(logits, ctx, layer, width, where)
+        dense, padding = layer_input(logits, layer, width)
+        if grad_factor != 1.0 and dense.requires_grad:
+            dense.register_hook(lambda grad: grad * grad_factor)
         layer_probs, _ = router.routing(dense, padding_mask=padding)
         probs.append(layer_probs)
     layers = len(routers)
-    aux, z = _logged_values(_tracker.records, config, dist.get_world_size(ctx.tp_cp_group), layers)
+    aux, z = _logged_values(_take_records(), config, dist.get_world_size(ctx.tp_cp_group), layers)
     weight = micro_batch_weight(ctx)
     stats = {"aux_loss": weight * aux.sum() / layers, "z_loss": weight * z.sum() / layers}
     if layers > 1:
@@ -285,6 +338,15 @@ def router_step(logits, labels, ctx):
             stats[f"z_loss.layer{layer}"] = weight * z[layer]
     objective = sum(p.sum() for p in probs) * 0.0
     return Reduced(objective, logged=float(weight * (aux.sum() + z.sum())), stats=stats)
+
+
+def router_step(logits, labels, ctx):
+    """One micro-batch through Megatron's TopKRouter.routing per layer (route), each sequence a column of
+    Megatron's [s, b] input with its padding mask (LAYOUT)."""
+    config, routers = _routers(ctx)
+    where = _columns(ctx)
+    return route(logits, ctx, config, routers,
+                 lambda x, layer, width: _megatron_input(x, ctx, layer, width, where))
 
 
 def describe(path):
@@ -359,4 +421,44 @@ def runs(cases):
             sets = {**overrides, "layout.sp": tp > 1, **off}
             out.append(Run(f"{__name__}:router_step", name, layout, sets,
                            ", ".join(notes + [_OFF[k] for k in off] + (["SP"] if tp > 1 else []))))
+    return out
+
+
+def no_padding(case):
+    """The --set overrides that leave a case's streams without padding or masked tokens: inputs.ignore_fraction 0 and
+    every sequence length rounded up to a multiple of 2 CP TP over the case's layouts in PLAN (no CP padding, and
+    under SP every rank's share whole)."""
+    unit = 2 * max(cp * tp for (tp, cp, _, _), _ in PLAN[case["name"]])
+    lengths = [-(-n // unit) * unit for n in case["batch"]["sequence_lengths"]]
+    return {"inputs.ignore_fraction": 0, "batch.sequence_lengths": lengths}
+
+
+def framework_runs(module, cases, per_token="router_step", labels=None):
+    """The runs of a framework that trains through Megatron's router (slime_router, ms_swift_router), in both of
+    Megatron's modes as the framework sets calculate_per_token_loss, each case judged by the contract of the mode
+    (default: the micro-batches' mean, through `router_step`; per-token: each micro-batch weighing its share of the
+    step's valid tokens, through `per_token`): every shipped router case as shipped (its masked tokens and padding)
+    at the first and the last of its layouts in PLAN (tp > 1 under SP); the same cases without padding or masked
+    tokens (no_padding) at every layout of PLAN: the framework's scaling alone; and, with `labels`, per-token mode
+    through that function at the layouts without padding."""
+    out = []
+    for name, case in sorted(cases.items()):
+        loss = case.get("loss", {})
+        if loss.get("kind") != "router" or name not in PLAN:
+            continue
+        layouts = [layout for layout, off in PLAN[name] if not off]
+        clean = no_padding({**case, "name": name})
+        for scaling, function in (("default", "router_step"), ("per_token", per_token)):
+            overrides, notes = _conventions({**loss, "scaling": scaling})
+            if loss.get("scaling", "default") != scaling:
+                overrides["loss.scaling"] = scaling
+            plan = [(function, layout, {}, []) for layout in dict.fromkeys([layouts[0], layouts[-1]])]
+            plan += [(function, layout, clean, ["no padding, no masked tokens"]) for layout in layouts]
+            if labels and scaling == "per_token":
+                plan += [(labels, layout, clean, ["no padding, no masked tokens"]) for layout in layouts]
+            for function_name, (tp, cp, dp, ga), more, what in plan:
+                layout = {"tp": tp, "cp": cp, "dp": dp, "ga": ga}
+                sets = {**overrides, "layout.sp": tp > 1, **more}
+                out.append(Run(f"{module}:{function_name}", name, layout, sets,
+                               ", ".join(notes + what + (["SP"] if tp > 1 else []))))
     return out
