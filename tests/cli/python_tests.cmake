@@ -53,8 +53,10 @@ foreach(case_name ${python_cases})
     set_tests_properties(python_golden_${suite}_${case_name} PROPERTIES TIMEOUT 900 LABELS golden
       ENVIRONMENT "${python_env};LOSSVERIFY_GOLDEN_CASE=${case_name}")
     # The fast tier keeps the bug suites (every catalogued bug's PyTorch version caught as golden says) but that of
-    # the 65M-logit case (48 s; the gate holds its cells).
-    if(suite STREQUAL correct OR case_name MATCHES "^realistic-")
+    # the 65M-logit case (48 s; the gate holds its cells), three of the seven router cases and three of the six LM head
+    # cases (the cases kept fail every router and head bug between them; the slow tier runs them all).
+    if(suite STREQUAL correct OR
+       case_name MATCHES "^(realistic-|moe-aux-replicated-|moe-routed-|moe-pooled-|head-ce-sp-|head-kd-|head-policy-)")
       set_property(TEST python_golden_${suite}_${case_name} APPEND PROPERTY LABELS slow)
     endif()
   endforeach()
@@ -99,7 +101,7 @@ add_test(NAME python_framework_judge_reproducer
       assert verdicts == {'per_token': ('pass', None), 'ddp_microbatch_mean': ('fail', 'dp-local-mean or microbatch-local-mean')}\" \
       ${CMAKE_CURRENT_BINARY_DIR}/framework_judge_repro.json")
 set_tests_properties(python_framework_judge_reproducer PROPERTIES TIMEOUT 300
-  ENVIRONMENT "LOSSVERIFY_BIN=$<TARGET_FILE:lossverify>;PYTHONDONTWRITEBYTECODE=1")
+  ENVIRONMENT "LOSSVERIFY_BIN=$<TARGET_FILE:lossverify>;PYTHONDONTWRITEBYTECODE=1" LABELS slow)
 # judge.py --explain re-attributes a saved judgement without re-running it: the reproducer's saved rows get
 # dp-local-mean back (and microbatch-local-mean, the same at ga 1), and a row whose margins were doubled (a framework the entry does not describe) gets none.
 add_test(NAME python_framework_judge_explain
@@ -120,4 +122,4 @@ add_test(NAME python_framework_judge_explain
       for p in sys.argv[1:]]; print(got); assert got == ['dp-local-mean or microbatch-local-mean', None]\" \
       $work/plain-explained.json $work/doubled-explained.json")
 set_tests_properties(python_framework_judge_explain PROPERTIES TIMEOUT 300
-  ENVIRONMENT "LOSSVERIFY_BIN=$<TARGET_FILE:lossverify>;PYTHONDONTWRITEBYTECODE=1")
+  ENVIRONMENT "LOSSVERIFY_BIN=$<TARGET_FILE:lossverify>;PYTHONDONTWRITEBYTECODE=1" LABELS slow)
