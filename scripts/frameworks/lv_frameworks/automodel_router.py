@@ -64,6 +64,7 @@ import torch
 import torch.distributed as dist
 
 from lossverify.torch import Reduced
+from lossverify.torch.implementations._collectives import reduce_from_group
 from lossverify.torch.kinds.router import expert_bias, micro_batch_weight
 from lv_frameworks import Run, checkout, git_commit, stub_module
 from lv_frameworks import megatron_mtp
@@ -97,7 +98,7 @@ THIRD_PARTY = ("torchdata", "transformers", "yaml")
 _modules = {}
 
 
-class _Placeholders(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+class _Placeholders(megatron_mtp._Placeholders):
     """Every nemo_automodel module outside REAL (and not yet loaded), and base_recipe.py's third-party imports, is a
     placeholder module while the real ones load."""
 
@@ -107,30 +108,6 @@ class _Placeholders(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         if (ours or root in THIRD_PARTY) and name not in sys.modules:
             return importlib.machinery.ModuleSpec(name, self, is_package=True)
         return None
-
-    def create_module(self, spec):
-        module = megatron_mtp._PlaceholderModule(spec.name)
-        module.__path__ = []
-        return module
-
-    def exec_module(self, module):
-        pass
-
-
-class _PartialSum(torch.autograd.Function):
-    """torch 1.13's stand-in for DTensor.from_local(t, mesh, [Partial()]).full_tensor(): the sum over the mesh's
-    group; backward the identity (torch's redistribute keeps a Replicate gradient as it is on its way back to
-    Partial)."""
-
-    @staticmethod
-    def forward(ctx, tensor, group):
-        out = tensor.clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
 
 
 class _StandInMesh:
@@ -176,7 +153,9 @@ class _StandInDTensor:
         return _StandInDTensor(local_tensor, device_mesh)
 
     def full_tensor(self, *args, **kwargs):
-        return _PartialSum.apply(self._local, self._mesh.get_group())
+        # the sum over the mesh's group, its backward the identity (torch's redistribute keeps a Replicate gradient as
+        # it is on its way back to Partial)
+        return reduce_from_group(self._local, self._mesh.get_group())
 
     def to_local(self):
         return self._local

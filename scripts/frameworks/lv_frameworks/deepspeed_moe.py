@@ -54,7 +54,7 @@ import torch
 from lossverify.torch import Reduced
 from lossverify.torch.kinds.router import micro_batch_weight
 from lv_frameworks import Run, checkout, git_commit
-from lv_frameworks.megatron_mtp import _PlaceholderModule, _placeholder_attribute
+from lv_frameworks.megatron_mtp import _Placeholders as _MegatronPlaceholders, _placeholder_attribute
 
 NAME = "DeepSpeed"
 EXPLANATIONS = ["moe-aux-mask-ignored", "moe-aux-mask-counts-only", "moe-aux-ga-double-divide", "moe-aux-padding-counted",
@@ -74,21 +74,13 @@ REAL = ("deepspeed.moe.sharded_moe", "deepspeed.moe.layer", "deepspeed.moe.exper
 _modules = {}
 
 
-class _Placeholders(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+class _Placeholders(_MegatronPlaceholders):
     """Every deepspeed module but the REAL ones is a placeholder."""
 
     def find_spec(self, name, path=None, target=None):
         if name.startswith("deepspeed.") and name not in REAL and name not in sys.modules:
             return importlib.machinery.ModuleSpec(name, self, is_package=True)
         return None
-
-    def create_module(self, spec):
-        module = _PlaceholderModule(spec.name)
-        module.__path__ = []
-        return module
-
-    def exec_module(self, module):
-        pass
 
 
 def _shell(name, path, **attributes):

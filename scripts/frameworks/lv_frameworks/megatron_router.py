@@ -328,8 +328,14 @@ def route(logits, ctx, config, routers, layer_input, grad_factor=1.0):
             dense.register_hook(lambda grad: grad * grad_factor)
         layer_probs, _ = router.routing(dense, padding_mask=padding)
         probs.append(layer_probs)
-    layers = len(routers)
-    aux, z = _logged_values(_take_records(), config, dist.get_world_size(ctx.tp_cp_group), layers)
+    return step_result(probs, _take_records(), config, ctx)
+
+
+def step_result(probs, records, config, ctx):
+    """The micro-batch's Reduced: a zero objective through the layers' routing probabilities (the gradient is the one
+    MoEAuxLossAutoScaler injects), and the shares Megatron `records`, weighed by the micro-batch's weight."""
+    layers = len(probs)
+    aux, z = _logged_values(records, config, dist.get_world_size(ctx.tp_cp_group), layers)
     weight = micro_batch_weight(ctx)
     stats = {"aux_loss": weight * aux.sum() / layers, "z_loss": weight * z.sum() / layers}
     if layers > 1:

@@ -23,10 +23,7 @@ TP 1).
 """
 import logging
 import os
-import sys
-import types
 
-import torch
 import torch.nn.functional as F
 
 from lossverify.torch import Reduced

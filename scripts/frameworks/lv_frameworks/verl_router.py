@@ -49,11 +49,10 @@ import types
 import torch
 import torch.distributed as dist
 
-from lossverify.torch import Reduced
-from lossverify.torch.kinds.router import micro_batch_weight, scope_group
+from lossverify.torch.kinds.router import scope_group
 from lv_frameworks import Run, git_commit, stub_module
 from lv_frameworks import megatron_mtp, megatron_router
-from lv_frameworks.megatron_router import _logged_values, _routers, _tracker
+from lv_frameworks.megatron_router import _routers, _tracker, step_result
 from lv_frameworks.single_gpu import package_shell
 
 NAME = "verl"
@@ -250,16 +249,7 @@ def _step(logits, ctx, layout):
             dense, padding = part.new_zeros(1, 1, width) + part.sum(), torch.ones(1, 1, dtype=torch.bool)
         layer_probs, _ = router.routing(dense, padding_mask=padding)
         probs.append(layer_probs)
-    layers = len(routers)
-    aux, z = _logged_values(_tracker.records, config, dist.get_world_size(ctx.tp_cp_group), layers)
-    weight = micro_batch_weight(ctx)
-    stats = {"aux_loss": weight * aux.sum() / layers, "z_loss": weight * z.sum() / layers}
-    if layers > 1:
-        for layer in range(layers):
-            stats[f"aux_loss.layer{layer}"] = weight * aux[layer]
-            stats[f"z_loss.layer{layer}"] = weight * z[layer]
-    objective = sum(p.sum() for p in probs) * 0.0
-    return Reduced(objective, logged=float(weight * (aux.sum() + z.sum())), stats=stats)
+    return step_result(probs, _tracker.records, config, ctx)
 
 
 def router_step_thd(logits, labels, ctx):
