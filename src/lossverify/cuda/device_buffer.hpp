@@ -62,6 +62,15 @@ template <class T>
 DeviceBytes upload(const std::vector<T>& host, cudaStream_t stream) {
   return upload(host.data(), host.size(), stream);
 }
+// The first `count` elements of a device allocation, on the host once the stream has finished with them.
+template <class T>
+std::vector<T> download(const DeviceBytes& d, std::size_t count, cudaStream_t stream) {
+  if (count * sizeof(T) > d.size()) throw InternalError("download: more than the allocation holds");
+  std::vector<T> host(count);
+  if (count > 0) LV_CUDA(cudaMemcpyAsync(host.data(), d.as<void>(), count * sizeof(T), cudaMemcpyDeviceToHost, stream));
+  LV_CUDA(cudaStreamSynchronize(stream));
+  return host;
+}
 
 // Into an allocation of at least the vector's size.
 template <class T>

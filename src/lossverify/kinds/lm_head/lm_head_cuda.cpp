@@ -27,6 +27,7 @@
 #include "lossverify/kind_api/loss_kind.hpp"
 #include "lossverify/kind_api/stage.hpp"
 #include "lossverify/kinds/lm_head/lm_head_cublas.hpp"
+#include "lossverify/kinds/lm_head/lm_head_generate.hpp"
 #include "lossverify/kinds/lm_head/lm_head_kernels.hpp"
 #include "lossverify/kinds/lm_head/lm_head_options.hpp"
 #include "lossverify/kinds/lm_head/lm_head_parts.hpp"
@@ -56,30 +57,6 @@ void product(cublasHandle_t handle, cublasOperation_t op_a, cublasOperation_t op
                             a.data, a.type, static_cast<int>(a.ld), b.data, b.type, static_cast<int>(b.ld), &beta, c,
                             c_type, static_cast<int>(ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                "cublasGemmEx");
-}
-
-// Rows [0, rows) of a stage input (counters[i] its Philox row), `width` values each, generated into `out`.
-void generate_rows(const CudaStageSetup& s, InputStream stream, const std::vector<std::int64_t>& counters,
-                   std::int64_t begin, std::int64_t end, double scale, DeviceBytes& out) {
-  cudaStream_t st = static_cast<cudaStream_t>(s.stream);
-  const std::vector<int> no_padding(counters.size(), 0);
-  DeviceBytes d_counters = upload(counters, st);
-  DeviceBytes d_padding = upload(no_padding, st);
-  const GenerateArgs g{s.c.inputs.seed,
-                       static_cast<int>(stream),
-                       d_counters.as<std::int64_t>(),
-                       d_padding.as<int>(),
-                       static_cast<std::int64_t>(counters.size()),
-                       begin,
-                       end,
-                       static_cast<int>(LogitDistribution::normal),
-                       0.0,
-                       scale,
-                       0.0,
-                       scale};
-  generate_logits(s.type, g, out.as<void>(), st);
-  LV_CUDA(cudaGetLastError());
-  LV_CUDA(cudaStreamSynchronize(st));  // the counters' buffers go out of scope
 }
 
 class LmHeadCudaRank final : public CudaStageRank {
@@ -253,13 +230,16 @@ class LmHeadCudaRank final : public CudaStageRank {
       const std::int64_t t = s_.assignment.rows[i].token;
       tokens[i] = t >= 0 ? t : s_.c.shape.tokens + static_cast<std::int64_t>(i);
     }
-    generate_rows(s_, InputStream::head_hidden, tokens, 0, hidden_, o_.hidden_scale, d_hidden_);
+    const auto st = static_cast<cudaStream_t>(s_.stream);
+    generate_head_rows(s_.c, s_.type, InputStream::head_hidden, tokens, 0, hidden_, o_.hidden_scale,
+                       d_hidden_.as<void>(), st);
     std::vector<std::int64_t> columns(static_cast<std::size_t>(s_.cols));
     for (std::size_t v = 0; v < columns.size(); ++v) columns[v] = s_.work_begin + static_cast<std::int64_t>(v);
-    generate_rows(s_, InputStream::head_weight, columns, 0, hidden_, head_weight_scale(s_.c), d_weight_);
+    generate_head_rows(s_.c, s_.type, InputStream::head_weight, columns, 0, hidden_, head_weight_scale(s_.c),
+                       d_weight_.as<void>(), st);
     if (o_.bias) {
-      generate_rows(s_, InputStream::head_bias, {0}, s_.work_begin, s_.work_begin + s_.cols, head_bias_scale(s_.c),
-                    d_bias_);
+      generate_head_rows(s_.c, s_.type, InputStream::head_bias, {0}, s_.work_begin, s_.work_begin + s_.cols,
+                         head_bias_scale(s_.c), d_bias_.as<void>(), st);
     }
   }
 

@@ -40,6 +40,7 @@
 #include "lossverify/kind_api/loss_kind.hpp"
 #include "lossverify/kind_api/stage.hpp"
 #include "lossverify/kinds/lm_head/lm_head_cublas.hpp"
+#include "lossverify/kinds/lm_head/lm_head_generate.hpp"
 #include "lossverify/kinds/lm_head/lm_head_options.hpp"
 #include "lossverify/kinds/lm_head/lm_head_oracle_kernels.hpp"
 #include "lossverify/kinds/lm_head/lm_head_parts.hpp"
@@ -114,24 +115,9 @@ struct HeadDeviceInputs {
   void generate(const Case& c, InputStream input, const std::vector<std::int64_t>& counters, std::int64_t begin,
                 std::int64_t end, double scale, DeviceBytes& out, DeviceBytes* magnitude) {
     const cudaStream_t s = stream.get();
-    const std::vector<int> no_padding(counters.size(), 0);
-    const DeviceBytes d_counters = upload(counters, s), d_padding = upload(no_padding, s);
     const auto count = static_cast<std::int64_t>(counters.size()) * (end - begin);
     DeviceBytes stored(static_cast<std::size_t>(count) * dtype_size(c.inputs.dtype));
-    const GenerateArgs g{c.inputs.seed,
-                         static_cast<int>(input),
-                         d_counters.as<std::int64_t>(),
-                         d_padding.as<int>(),
-                         static_cast<std::int64_t>(counters.size()),
-                         begin,
-                         end,
-                         static_cast<int>(LogitDistribution::normal),
-                         0.0,
-                         scale,
-                         0.0,
-                         scale};
-    generate_logits(type, g, stored.as<void>(), s);
-    LV_CUDA(cudaGetLastError());
+    generate_head_rows(c, type, input, counters, begin, end, scale, stored.as<void>(), s);
     head_oracle_widen(type, stored.as<void>(), out.as<double>(),
                       magnitude != nullptr ? magnitude->as<float>() : nullptr, count, s);
     LV_CUDA(cudaStreamSynchronize(s));  // the temporaries go out of scope
@@ -177,14 +163,6 @@ void magnitude_gemm(cublasHandle_t handle, std::int64_t m, std::int64_t n, std::
                             static_cast<int>(b.ld), a.data, CUDA_R_32F, static_cast<int>(a.ld), &beta, c, CUDA_R_32F,
                             static_cast<int>(ldc), CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT),
                "cublasGemmEx (magnitudes)");
-}
-
-template <class T>
-std::vector<T> download(const DeviceBytes& d, std::size_t count, cudaStream_t stream) {
-  std::vector<T> host(count);
-  if (count > 0) LV_CUDA(cudaMemcpyAsync(host.data(), d.as<void>(), count * sizeof(T), cudaMemcpyDeviceToHost, stream));
-  LV_CUDA(cudaStreamSynchronize(stream));
-  return host;
 }
 
 HeadOracleModel oracle_model(const Case& c) {

@@ -167,13 +167,6 @@ Sums global_counts(const CpuMicroBatch& mb, const RouterOptions& o, const std::v
 }
 
 // The micro-batch's valid tokens over every rank holding other tokens (two catalogued bugs read them).
-float batch_valid_tokens(const CpuMicroBatch& mb) {
-  float tokens = 0.0f;
-  for (std::int64_t i = 0; i < mb.n; ++i) tokens += mb.plan.row(mb.begin + i).active ? 1.0f : 0.0f;
-  mb.groups.batch.allreduce_sum(std::span<float>(&tokens, 1));
-  return tokens;
-}
-
 template <class T>
 void run(const CpuMicroBatch& mb) {
   const RouterOptions o = router_options_read(mb.c.loss, mb.bugs.kind_switches);
@@ -235,7 +228,8 @@ void run(const CpuMicroBatch& mb) {
   for (std::size_t j = 0; j < sequences.size(); ++j)
     held += per_sequence.layer(j * layers)[experts] > 0.0f ? 1.0f : 0.0f;
   const AuxScales scales = aux_scales(o, bugs, mb.c.layout, std::span<const float>(scope.values), experts, layers);
-  const float batch_tokens = global_reads_batch_tokens(o, bugs) ? batch_valid_tokens(mb) : 0.0f;
+  const float batch_tokens =
+      global_reads_batch_tokens(o, bugs) ? router_batch_valid_tokens(mb.plan, mb.groups, mb.begin, mb.n) : 0.0f;
   const std::vector<float>& row_inputs = mb.plan.kind_plan().row_inputs;
   std::vector<float> weights(experts);  // a c_e + a_s c_s,e / S + a_g c^G_e: the aux terms' weights
   const bool packed = (bugs & router_bug::seq_aux_packed) != 0;  // the micro-batch one sequence
@@ -288,6 +282,13 @@ void run(const CpuMicroBatch& mb) {
 }
 
 }  // namespace
+
+float router_batch_valid_tokens(const RankPlan& plan, RankGroups& groups, std::int64_t begin, std::int64_t n) {
+  float tokens = 0.0f;
+  for (std::int64_t i = 0; i < n; ++i) tokens += plan.row(begin + i).active ? 1.0f : 0.0f;
+  groups.batch.allreduce_sum(std::span<float>(&tokens, 1));
+  return tokens;
+}
 
 void router_cpu_micro_batch(const CpuMicroBatch& batch) {
   dispatch_dtype(batch.dtype, [&](auto type) { run<typename decltype(type)::type>(batch); });

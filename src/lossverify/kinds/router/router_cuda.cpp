@@ -101,7 +101,7 @@ class RouterCudaRank final : public CudaKindRank {
     }
     const std::vector<float> global = global_counts(plan, groups, b + n);
     const float batch_tokens =
-        global_reads_batch_tokens(options_, bugs) ? batch_valid_tokens(plan, groups, b, n) : 0.0f;
+        global_reads_batch_tokens(options_, bugs) ? router_batch_valid_tokens(plan, groups, b, n) : 0.0f;
     const Weights tables = weights(scope, per_sequence, global, sequences, batch_tokens, k + 1);
     const int* gradient_rows = padding_routed ? d_counted.as<int>() : rows.active + b;
     const RouterFactors f =
@@ -206,14 +206,6 @@ class RouterCudaRank final : public CudaKindRank {
     global = route(0, rows, d_active.as<int>(), nullptr, nullptr);
     groups.batch.allreduce_sum(std::span<float>(global));
     return global;
-  }
-
-  // The micro-batch's valid tokens over every rank holding other tokens.
-  static float batch_valid_tokens(const RankPlan& plan, RankGroups& groups, std::int64_t b, std::int64_t n) {
-    float tokens = 0.0f;
-    for (std::int64_t i = 0; i < n; ++i) tokens += plan.row(b + i).active ? 1.0f : 0.0f;
-    groups.batch.allreduce_sum(std::span<float>(&tokens, 1));
-    return tokens;
   }
 
   // Each sequence's per-expert weights of the aux terms, a c + a_s c_s / S + a_g c^G, and their sequence part

@@ -33,14 +33,6 @@ namespace lossverify::cuda {
 
 namespace {
 
-template <class T>
-std::vector<T> download(const DeviceBytes& d, std::size_t count, cudaStream_t stream) {
-  std::vector<T> host(count);
-  if (count > 0) LV_CUDA(cudaMemcpyAsync(host.data(), d.as<void>(), count * sizeof(T), cudaMemcpyDeviceToHost, stream));
-  LV_CUDA(cudaStreamSynchronize(stream));
-  return host;
-}
-
 // Pass 1's results on the host: each valid token's routing per layer, as router::top_k / routed_top_k write it.
 struct StepRouting {
   std::int64_t layers = 0;

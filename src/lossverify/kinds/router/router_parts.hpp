@@ -48,5 +48,8 @@ std::unique_ptr<LossKind> make_router_kind();
 std::unique_ptr<KindReference> make_router_reference(const Case& c, const InputSource& inputs);
 KindRowPlan plan_router_rows(const RowPlanRequest& request);
 void router_cpu_micro_batch(const CpuMicroBatch& batch);
+// The valid tokens of a micro-batch's rows [begin, begin + n) over every rank holding its other tokens (the batch
+// group's sum): what moe-global-aux-batch-tokens divides P by; both backends' kernels (router_cpu.cpp).
+float router_batch_valid_tokens(const RankPlan& plan, RankGroups& groups, std::int64_t begin, std::int64_t n);
 
 }  // namespace lossverify

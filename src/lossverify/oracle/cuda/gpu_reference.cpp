@@ -25,14 +25,6 @@ DeviceRowModel row_model(const Case& c) {
   return *m;
 }
 
-template <class T>
-std::vector<T> download(const DeviceBytes& d, std::size_t count, cudaStream_t stream) {
-  std::vector<T> host(count);
-  if (count > 0) LV_CUDA(cudaMemcpyAsync(host.data(), d.as<void>(), count * sizeof(T), cudaMemcpyDeviceToHost, stream));
-  LV_CUDA(cudaStreamSynchronize(stream));
-  return host;
-}
-
 // Where each per-row array sits in the workspace's input buffers (16-byte aligned).
 struct InputLayout {
   std::size_t flags = 0, labels = 0, lse = 0, teacher_lse = 0, weight = 0, coef_a = 0, coef_b = 0, row_scale = 0;
