@@ -2,7 +2,7 @@
 own layout, exactly the verdict and failing checks that golden/<case>.json records for lossverify's own
 kernel with that bug; `correct` passes. One process group per case runs all of them.
 
-The policy cases (rl-*) run correct, the 23 policy bugs (rl_*) and the framework-level bugs that reach every
+The policy cases (rl-*) run correct, the 24 policy bugs (rl_*) and the framework-level bugs that reach every
 kind (microbatch_local_mean and cp_loss_stat_dp_only among them), one launch per case like the others.
 
 Cells not run, and why:

@@ -258,3 +258,62 @@ TEST_CASE("the 16-bit gradients: each element from its definition on the log-pro
     CHECK(equal >= elements - elements / 100);
   }
 }
+
+TEST_CASE(
+    "rl-temperature-after-logprob: lambda = log_softmax(z)_y / T over the TP group, its gradient (delta - softmax(z)) "
+    "/ T; "
+    "T = 1 passes") {
+  // One log-prob objective at T = 0.7 over two TP ranks: every token's log-prob and every gradient element from
+  // their definitions in double, the pass at T = 1 then scaled by float32(1 / T).
+  nlohmann::json j = plain_json(2, 1, 1, 1);
+  j["loss"] = {{"kind", "policy"}, {"objective", "logprob"}, {"temperature", 0.7}};
+  const Case c = testing::make_case(j);
+  const InputSource inputs(c);
+  const RankRun wrong = run_ranks(c, inputs, "rl-temperature-after-logprob");
+  const double inverse_t = static_cast<float>(1.0 / 0.7);
+  const auto vocab = static_cast<std::size_t>(c.shape.vocab);
+  std::vector<float> z(vocab);
+  auto log_softmax = [&](std::int64_t t) {
+    inputs.logits(t, 0, c.shape.vocab, z.data());
+    double m = -INFINITY, sum = 0.0;
+    for (float v : z) m = std::max(m, static_cast<double>(v));
+    for (float v : z) sum += std::exp(v - m);
+    std::vector<double> out(vocab);
+    for (std::size_t v = 0; v < vocab; ++v) out[v] = z[v] - m - std::log(sum);
+    return out;
+  };
+  const TokenValues got = token_values(inputs, wrong);
+  std::int64_t n = 0;
+  for (const auto& [t, logprob] : got.logprob) {
+    const std::vector<double> lp = log_softmax(t);
+    CHECK(logprob == doctest::Approx(lp[static_cast<std::size_t>(inputs.label(t))] * inverse_t).epsilon(1e-5));
+    ++n;
+  }
+  CHECK(n > 60);
+  // token-mean of l = -lambda: g_v = -(1 / N) (delta - p_v(z)) / T on each rank's columns
+  std::int64_t elements = 0;
+  for (const RankOutput& out : wrong.outputs) {
+    const VocabRange cols = out.assignment.vocab;
+    for (std::int64_t i = 0; i < out.rows(); ++i) {
+      const std::int64_t t = out.token_of(i);
+      if (t < 0 || !inputs.is_valid(t)) continue;
+      const std::vector<double> lp = log_softmax(t);
+      for (std::int64_t v = cols.begin; v < cols.end; ++v) {
+        const double delta = v == inputs.label(t) ? 1.0 : 0.0;
+        const double expected =
+            -(delta - std::exp(lp[static_cast<std::size_t>(v)])) * inverse_t / static_cast<double>(n);
+        CHECK(out.grad_at(i, v) == doctest::Approx(expected).epsilon(1e-5).scale(1e-6 / static_cast<double>(n)));
+        ++elements;
+      }
+    }
+  }
+  CHECK(elements == n * c.shape.vocab);
+  const std::vector<std::string> names = failing(testing::run_with(c, "rl-temperature-after-logprob"));
+  for (const char* check : {"grad", "logprob", "loss"}) {
+    CAPTURE(check);
+    CHECK(std::find(names.begin(), names.end(), check) != names.end());
+  }
+  nlohmann::json t1 = j;
+  t1["loss"]["temperature"] = 1.0;
+  CHECK(testing::run_with(testing::make_case(t1), "rl-temperature-after-logprob").verdict == Verdict::pass);
+}

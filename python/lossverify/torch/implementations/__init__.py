@@ -80,6 +80,7 @@ from lossverify.torch.implementations.catalogue import (
     rl_seq_mean_counts_empty,
     rl_stats_microbatch_mean,
     rl_temperature_16bit,
+    rl_temperature_after_logprob,
     rl_temperature_one_side,
     rl_token_mean_sample_weighted,
     smoothing_backward_partition,

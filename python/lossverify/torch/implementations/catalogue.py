@@ -470,6 +470,13 @@ def rl_temperature_16bit(logits, labels, ctx):
     return _policy(logits, labels, ctx, temperature_16bit=True)
 
 
+def rl_temperature_after_logprob(logits, labels, ctx):
+    """The temperature applied to the log-probs after the log-softmax, lambda = log_softmax(z)_y / T, the pass at
+    T = 1 (NVIDIA-NeMo/RL 7ea279ab nemo_rl/models/megatron/train.py:336: apply_temperature_scaling's div_(T) on the
+    model's output, which under use_fused_linear_logprobs is the fused head's log-probs); T = 1 is left alone."""
+    return _policy(logits, labels, ctx, temperature_after_logprob=True)
+
+
 def rl_kl_score_function(logits, labels, ctx):
     """The KL penalty weighted by e^(lambda - sg lambda) (value 1), which adds a score-function term KL_t to its
     gradient (NVIDIA-NeMo/RL 7ea279ab nemo_rl/algorithms/loss/loss_functions.py:480-502, calculate_kl with
@@ -680,6 +687,7 @@ CATALOGUE = {
     "rl_aux_sample_weighted": rl_aux_sample_weighted,
     "rl_aux_microbatch_mean": rl_aux_microbatch_mean,
     "rl_temperature_16bit": rl_temperature_16bit,
+    "rl_temperature_after_logprob": rl_temperature_after_logprob,
     "rl_kl_score_function": rl_kl_score_function,
     "rl_seq_mean_counts_empty": rl_seq_mean_counts_empty,
     "moe_aux_local_counts": moe_aux_local_counts,

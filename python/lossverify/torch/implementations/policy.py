@@ -53,11 +53,12 @@ class PolicyBugs:
     temperature_16bit: bool = False  # logits.div_(T) in their 16-bit dtype before a float32 pass (NeMo-RL)
     kl_score_function: bool = False  # the KL x e^(lambda - sg lambda), a score-function gradient (NeMo-RL)
     seq_mean_counts_empty: bool = False  # B counts the step's sequences with no valid token too (verl agg_loss)
+    temperature_after_logprob: bool = False  # log_softmax(z)_y / T: T applied to the fused log-probs (NeMo-RL)
 
 
 def _inverse_temperature(ctx, bugs):
-    """float32(1/T), as the kernels multiply by it; 1 under temperature-one-side."""
-    if bugs.temperature_one_side:
+    """float32(1/T), as the kernels multiply by it; 1 under temperature-one-side and temperature-after-logprob."""
+    if bugs.temperature_one_side or bugs.temperature_after_logprob:
         return 1.0
     return float(torch.tensor(1.0 / ctx.loss.temperature, dtype=torch.float32))
 
@@ -301,6 +302,8 @@ def _logprob_entropy(logits, labels, ctx, bugs):
         logprob, entropy = logsoftmax_with_untracked_all_reduce(logits, labels, ctx, inverse_t)
     if bugs.logprob_16bit:
         logprob, entropy = logprob_entropy_16bit(logits, labels, ctx, inverse_t)
+    if bugs.temperature_after_logprob:  # the pass ran at T = 1; its log-probs divided by T afterwards
+        logprob = logprob * _inverse_temperature(ctx, PolicyBugs())
     return logprob, entropy
 
 

@@ -157,6 +157,16 @@ std::vector<Implementation> policy_catalogue() {
       "log-prob (and the statistics through the ratio) fail on bf16/fp16 logits at T != 1; passes at T = 1 or on fp32",
       {"entropy", "grad", "logprob", "loss", "stats"}, mine, bit(policy_bug::temperature_16bit)));
   v.push_back(catalogued_bug(
+      "rl-temperature-after-logprob",
+      "the temperature applied to the log-probs after the log-softmax: lambda = log_softmax(z)_y / T, the pass at T = "
+      "1",
+      "NVIDIA-NeMo/RL 7ea279ab nemo_rl/models/megatron/train.py:336 (apply_temperature_scaling's div_(T) on the "
+      "model's output, which under use_fused_linear_logprobs is the fused head's log-probs, "
+      "distributed/model_utils.py:2331-2462)",
+      "lambda_t off by log_softmax(z)_y / T - log_softmax(z / T)_y, its gradient (delta - softmax(z)) / T, the entropy "
+      "that of softmax(z): log-prob, loss and grad fail at T != 1; passes at T = 1",
+      {"entropy", "grad", "logprob", "loss", "stats"}, mine, bit(policy_bug::temperature_after_logprob)));
+  v.push_back(catalogued_bug(
       "rl-kl-score-function",
       "the KL penalty weighted by e^(lambda - sg lambda) (value 1), which adds a score-function term to its "
       "gradient",

@@ -33,6 +33,7 @@ inline constexpr std::uint64_t aux_microbatch_mean = 1u << 19;
 inline constexpr std::uint64_t temperature_16bit = 1u << 20;
 inline constexpr std::uint64_t kl_score_function = 1u << 21;
 inline constexpr std::uint64_t seq_mean_counts_empty = 1u << 22;
+inline constexpr std::uint64_t temperature_after_logprob = 1u << 23;
 }  // namespace policy_bug
 
 // Per local row, the kernels' inputs in KindRowPlan::row_inputs: old and reference log-probability, the

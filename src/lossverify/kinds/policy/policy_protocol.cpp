@@ -40,7 +40,11 @@ class Protocol {
         // The 16-bit control computes the log-prob pass in the logits' dtype, as rl-logprob-16bit does; the
         // objective after it stays float32 (its other inputs are float32 and promote it).
         bugs_(mb.bugs.kind_switches | (mb.bugs.compute_in_input_dtype ? policy_bug::logprob_16bit : 0)),
-        inverse_t_(has(policy_bug::temperature_one_side) ? 1.0f : static_cast<float>(1.0 / o_.temperature)),
+        // rl-temperature-after-logprob: the pass at T = 1, its log-prob divided by T afterwards
+        inverse_t_(has(policy_bug::temperature_one_side) || has(policy_bug::temperature_after_logprob)
+                       ? 1.0f
+                       : static_cast<float>(1.0 / o_.temperature)),
+        logprob_scale_(has(policy_bug::temperature_after_logprob) ? static_cast<float>(1.0 / o_.temperature) : 1.0f),
         n_(static_cast<std::size_t>(mb.n)),
         dtype_(mb.c.inputs.dtype),
         rounded_(has(policy_bug::logprob_16bit) && dtype_ != DType::fp32),
@@ -133,8 +137,8 @@ class Protocol {
   // Under rl-logprob-16bit, log_softmax on 16-bit x / T: float32 inside, the output rounded,
   // round16((x_y - M) - log S) as torch's CUDA kernel computes it.
   float logprob(std::size_t i) const {
-    if (rounded_) return round16(sums16_[2 * n_ + i] - std::log(sums16_[i]));
-    return sums_[2 * n_ + i] - log_sum(i);
+    if (rounded_) return logprob_scale_ * round16(sums16_[2 * n_ + i] - std::log(sums16_[i]));
+    return logprob_scale_ * (sums_[2 * n_ + i] - log_sum(i));
   }
   // verl's and TRL's entropy_from_logits on 16-bit x / T: logsumexp(x) - sum(softmax(x) * x), each op's result
   // rounded (sum_v p_v x_v = M + E / S).
@@ -236,7 +240,7 @@ class Protocol {
     // rl-kl-score-function: the KL weighted by e^(lambda - sg lambda), whose gradient adds KL_t to k'(lambda_t)
     const float kl_derivative = has(policy_bug::kl_score_function) ? t.kl_slope + t.kl : t.kl_slope;
     const float kl_slope = has(policy_bug::kl_no_grad) ? 0.0f : cp_factor * kl_share * k_.kl_coef * kl_derivative;
-    g.a = t.surrogate_slope + kl_slope;
+    g.a = (t.surrogate_slope + kl_slope) * logprob_scale_;  // d lambda / dx carries the log-prob's 1 / T
     if (has(policy_bug::logprob_allgather_grad_sum)) g.a *= static_cast<float>(mb_.groups.tp.size());
     g.c = cp_factor * entropy_share * k_.entropy_coef;
     g.shift = float32_entropy;
@@ -270,6 +274,7 @@ class Protocol {
   const PolicyCoefficients<float> k_;
   const std::uint64_t bugs_;
   const float inverse_t_;
+  const float logprob_scale_;  // 1 / T under rl-temperature-after-logprob, else 1
   const std::size_t n_;
   const DType dtype_;
   const bool rounded_;     // rl-logprob-16bit on 16-bit logits
