@@ -40,8 +40,9 @@ from lv_frameworks import Run, git_commit
 from lv_frameworks import nemo_rl as _nemo
 
 NAME = "NeMo-RL"
-EXPLANATIONS = ["rl-kl-score-function", "head-dh-shard-partial", "head-dh-double-reduce", "head-dw-16bit-accumulate",
-                "rl-temperature-one-side", "rl-temperature-16bit", "rl-logprob-untracked-allreduce"]
+EXPLANATIONS = ["rl-kl-score-function", "rl-temperature-after-logprob", "head-dh-shard-partial", "head-dh-double-reduce",
+                "head-dw-16bit-accumulate", "rl-temperature-one-side", "rl-temperature-16bit",
+                "rl-logprob-untracked-allreduce"]
 CASE = "head-policy-bf16-tp2-cp2-ga2"
 CHUNKS = (4, 16, 256)
 
