@@ -70,11 +70,55 @@ def cross_entropy_cases(cases):
             yield name, case, loss
 
 
+def head_cross_entropy_cases(cases, upstream=True):
+    """(name, case, loss section) of every shipped cross-entropy case with an LM head in front, by name; without
+    those that give upstream weights (reduction none) unless `upstream`."""
+    for name, case, loss in cross_entropy_cases(cases):
+        if case.get("stage", {}).get("kind") == "lm_head" and (upstream or "upstream_weights" not in loss):
+            yield name, case, loss
+
+
+def head_overrides(case, loss, without=(), ignore_index=None, bias=True, sp=True):
+    """The --set overrides, and notes saying them, that bring an LM-head case within what a fused head computes:
+    the loss features in `without` turned off (adapt), `ignore_index` where it differs from the case's, the bias
+    dropped unless the head takes one (`bias`), sequence parallelism off unless it takes it (`sp`)."""
+    overrides, notes = adapt(loss, without=without)
+    if ignore_index is not None and loss.get("ignore_index", -100) != ignore_index:
+        overrides["loss.ignore_index"] = ignore_index
+        notes.append(f"ignore_index {ignore_index}")
+    if not bias and case.get("stage", {}).get("bias"):
+        overrides["stage.bias"] = False
+        notes.append("no bias")
+    if not sp and case.get("layout", {}).get("sp"):
+        overrides["layout.sp"] = False
+        notes.append("no sequence parallelism")
+    return overrides, notes
+
+
+def with_fp32(case, overrides, notes):
+    """(overrides, note) in the case's dtype and, for a 16-bit case, in fp32 too."""
+    first = case.get("inputs", {}).get("dtype", "fp32")
+    yield dict(overrides), ", ".join(notes)
+    if first != "fp32":
+        yield {**overrides, "inputs.dtype": "fp32"}, ", ".join(notes + ["fp32"])
+
+
+def triton_gpu():
+    """Whether this machine can run Triton kernels (a framework's GPU functions are listed only there)."""
+    try:
+        import triton  # noqa: F401
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
 def adapt(loss, without=(), convention=None):
     """The --set overrides, and notes saying them, that bring a case's loss within what a kernel computes:
-    the features in `without` (z_loss_weight, softcap) turned off, and the smoothing `convention` it uses."""
+    the features in `without` (label_smoothing, z_loss_weight, softcap) turned off, and the smoothing `convention`
+    it uses."""
     overrides, notes = {}, []
-    names = {"z_loss_weight": "z-loss off", "softcap": "softcap off"}
+    names = {"label_smoothing": "no smoothing", "z_loss_weight": "z-loss off", "softcap": "softcap off"}
     for key in without:
         if loss.get(key, 0):
             overrides[f"loss.{key}"] = 0

@@ -32,11 +32,10 @@ untouched (it uses no torch.compile).
 import os
 import sys
 
-import torch
 import torch.nn.functional as F
 
 from lossverify.torch import Reduced
-from lv_frameworks import Run, checkout, cross_entropy_cases, git_commit
+from lv_frameworks import Run, checkout, git_commit, head_cross_entropy_cases, head_overrides, triton_gpu, with_fp32
 from lv_frameworks.single_gpu import package_shell
 
 NAME = "NeMo Automodel"
@@ -116,14 +115,6 @@ def describe(path):
             "source": "nemo_automodel/components/loss/chunked_ce.py, linear_ce.py, utils.py"}
 
 
-def _gpu():
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
-
-
 def runs(cases):
     """Every shipped cross-entropy LM-head case with a token-mean loss (the recipe's sum over num_label_tokens: no
     reduction none, so not the upstream-weights case) at tp 1 with its cp, dp and ga, without sequence parallelism;
@@ -131,35 +122,12 @@ def runs(cases):
     -100. In the case's dtype and, for a bf16 case, fp32 too. ChunkedCrossEntropy at chunk_len 32 and 4;
     FusedLinearCrossEntropy only where Triton and a GPU are present."""
     out = []
-    functions = [f"chunked_ce_{n}" for n in CHUNK_LENS] + (["fused_linear_ce"] if _gpu() else [])
-    for name, case, loss in cross_entropy_cases(cases):
-        stage = case.get("stage", {})
-        if stage.get("kind") != "lm_head" or "upstream_weights" in loss:
-            continue
-        overrides, notes = {}, []
-        for key, note in (("label_smoothing", "no smoothing"), ("z_loss_weight", "z-loss off")):
-            if loss.get(key, 0):
-                overrides[f"loss.{key}"] = 0
-                notes.append(note)
-        if loss.get("ignore_index", IGNORE_INDEX) != IGNORE_INDEX:
-            overrides["loss.ignore_index"] = IGNORE_INDEX
-            notes.append("ignore_index -100")
-        if stage.get("bias"):
-            overrides["stage.bias"] = False
-            notes.append("no bias")
-        layout = case.get("layout", {})
-        if layout.get("sp"):
-            overrides["layout.sp"] = False
-            notes.append("no sequence parallelism")
-        rest = {k: layout.get(k, 1) for k in ("cp", "dp", "ga")}
-        dtypes = [case.get("inputs", {}).get("dtype", "fp32")]
-        if dtypes[0] != "fp32":
-            dtypes.append("fp32")
-        for dtype in dtypes:
-            these, said = dict(overrides), list(notes)
-            if dtype != dtypes[0]:
-                these["inputs.dtype"] = dtype
-                said.append(dtype)
+    functions = [f"chunked_ce_{n}" for n in CHUNK_LENS] + (["fused_linear_ce"] if triton_gpu() else [])
+    for name, case, loss in head_cross_entropy_cases(cases, upstream=False):
+        overrides, notes = head_overrides(case, loss, without=("label_smoothing", "z_loss_weight"),
+                                          ignore_index=IGNORE_INDEX, bias=False, sp=False)
+        layout = {"tp": 1, **{k: case.get("layout", {}).get(k, 1) for k in ("cp", "dp", "ga")}}
+        for these, said in with_fp32(case, overrides, notes):
             for function in functions:
-                out.append(Run(f"{__name__}:{function}", name, {"tp": 1, **rest}, these, ", ".join(said)))
+                out.append(Run(f"{__name__}:{function}", name, layout, these, said))
     return out

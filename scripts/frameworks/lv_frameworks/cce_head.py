@@ -39,7 +39,8 @@ import sys
 import torch
 
 from lossverify.torch import Reduced
-from lv_frameworks import Run, checkout, cross_entropy_cases, git_commit, stub_module
+from lv_frameworks import (Run, adapt, checkout, git_commit, head_cross_entropy_cases, head_overrides, stub_module,
+                           triton_gpu, with_fp32)
 from lv_frameworks.single_gpu import package_shell
 
 NAME = "Apple Cut Cross-Entropy"
@@ -168,15 +169,6 @@ def describe(path):
             "source": "cut_cross_entropy/linear_cross_entropy.py, torch_compile.py, vocab_parallel/, cce.py"}
 
 
-def _gpu():
-    """Whether this machine can run the Triton kernel (runs() lists its functions only there)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
-
-
 def runs(cases):
     """Every shipped cross-entropy LM-head case. Label smoothing turned off (CCE has none); ignore_index the
     case's; bias, softcap and z-loss kept. At tp 1 (cp, dp, ga the case's, no sequence parallelism): reduction none
@@ -185,36 +177,21 @@ def runs(cases):
     contracts; a sequence-parallel case also with sp under the framework's contract. The Triton functions only where
     Triton and a GPU are present."""
     out = []
-    functions = TORCH + (TRITON if _gpu() else ())
+    functions = TORCH + (TRITON if triton_gpu() else ())
     vocab_parallel = ("torch_vp_reduce_dh", "torch_vp_local_dh") + (
-        ("cce_vp_reduce_dh", "cce_vp_local_dh") if _gpu() else ())
-    for name, case, loss in cross_entropy_cases(cases):
+        ("cce_vp_reduce_dh", "cce_vp_local_dh") if triton_gpu() else ())
+    for name, case, loss in head_cross_entropy_cases(cases):
         stage = case.get("stage", {})
-        if stage.get("kind") != "lm_head":
-            continue
-        overrides, notes = {}, []
-        if loss.get("label_smoothing", 0):
-            overrides["loss.label_smoothing"] = 0
-            notes.append("no smoothing")
+        overrides, notes = adapt(loss, without=("label_smoothing",))
         layout = case.get("layout", {})
         rest = {k: layout.get(k, 1) for k in ("cp", "dp", "ga")}
         upstream = "upstream_weights" in loss
-        dtypes = [case.get("inputs", {}).get("dtype", "fp32")]
-        if dtypes[0] != "fp32":
-            dtypes.append("fp32")
-        tp1, tp1_notes = dict(overrides), list(notes)
-        if layout.get("sp"):
-            tp1["layout.sp"] = False
-            tp1_notes.append("no sequence parallelism")
-        for dtype in dtypes:
-            these, said = dict(tp1), list(tp1_notes)
-            if dtype != dtypes[0]:
-                these["inputs.dtype"] = dtype
-                said.append(dtype)
+        tp1, tp1_notes = head_overrides(case, loss, without=("label_smoothing",), sp=False)
+        for these, said in with_fp32(case, tp1, tp1_notes):
             for function in functions:
                 if upstream and not function.endswith("_none"):
                     continue  # upstream weights: reduction none only
-                out.append(Run(f"{__name__}:{function}", name, {"tp": 1, **rest}, these, ", ".join(said)))
+                out.append(Run(f"{__name__}:{function}", name, {"tp": 1, **rest}, these, said))
         own = stage.get("dh_reduce", "head")
         for tp in (2, 4):
             for contract in (own, "framework" if own == "head" else "head"):

@@ -22,8 +22,6 @@ DP x CP before backward ("FSDP averages, we want to sum"); micro-batch gradients
 import importlib
 import importlib.util
 import os
-import sys
-import types
 
 import torch
 
@@ -198,6 +196,31 @@ def _config(ctx):
         sequence_level_importance_ratios=lc.ratio == "sequence")
 
 
+def clipped_pg(loss_module, next_token_logprobs, input_ids, place, samples, ctx, **options):
+    """ClippedPGLossFn(config, **options)(next_token_logprobs, data, global_valid_seqs=B, global_valid_toks=N) with
+    the worker's data dict (each per-token input placed by `place` in the [samples, T] grid): its value, and in
+    token-level mode the logged KL (kl_penalty: sum of the micro-batch's KL / N)."""
+    device = next_token_logprobs.device
+    old = place(ctx.old_logprob)
+    data = {
+        "input_ids": input_ids,
+        "token_mask": place(ctx.loss_mask),
+        "sample_mask": torch.ones(samples, dtype=torch.float32, device=device),
+        "advantages": place(ctx.advantages),
+        "prev_logprobs": old,
+        "generation_logprobs": old,
+        "reference_policy_logprobs": place(ctx.ref_logprob),
+    }
+    fn = loss_module.ClippedPGLossFn(_config(ctx), **options)
+    value, metrics = fn(next_token_logprobs, data,
+                        global_valid_seqs=torch.tensor(float(ctx.num_sequences), device=device),
+                        global_valid_toks=torch.tensor(float(ctx.num_valid_tokens), device=device))
+    stats = None
+    if fn.loss_type == loss_module.LossType.TOKEN_LEVEL and fn.reference_policy_kl_penalty:
+        stats = {"kl": float(metrics["kl_penalty"])}
+    return value, stats
+
+
 def clipped_pg_loss(logits, labels, ctx, dtensor=False):
     """ClippedPGLossFn(next_token_logprobs, data, global_valid_seqs=B, global_valid_toks=N) on the worker's
     log-prob pass, times DP x CP (the worker cancels FSDP's average); with the per-token log-probs and, in
@@ -206,24 +229,7 @@ def clipped_pg_loss(logits, labels, ctx, dtensor=False):
     scaled = _tempered(logits, ctx)
     grid, input_ids, place, rows, samples = _batch(scaled, labels, ctx)
     next_token_logprobs = _logprobs(grid, input_ids, ctx, dtensor)
-    old = place(ctx.old_logprob)
-    data = {
-        "input_ids": input_ids,
-        "token_mask": place(ctx.loss_mask),
-        "sample_mask": torch.ones(samples, dtype=torch.float32, device=logits.device),
-        "advantages": place(ctx.advantages),
-        "prev_logprobs": old,
-        "generation_logprobs": old,
-        "reference_policy_logprobs": place(ctx.ref_logprob),
-    }
-    fn = loss_module.ClippedPGLossFn(_config(ctx))
-    device = logits.device
-    value, metrics = fn(next_token_logprobs, data,
-                        global_valid_seqs=torch.tensor(float(ctx.num_sequences), device=device),
-                        global_valid_toks=torch.tensor(float(ctx.num_valid_tokens), device=device))
-    stats = None
-    if fn.loss_type == loss_module.LossType.TOKEN_LEVEL and fn.reference_policy_kl_penalty:
-        stats = {"kl": float(metrics["kl_penalty"])}
+    value, stats = clipped_pg(loss_module, next_token_logprobs, input_ids, place, samples, ctx)
     return Reduced(value * (ctx.dp_size * ctx.cp_size), logprob=rows(next_token_logprobs), stats=stats,
                    logged=value.detach().double())
 

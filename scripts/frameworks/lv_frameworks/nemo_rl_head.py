@@ -149,23 +149,8 @@ def _fused_logprobs(chunk, h, W, labels, ctx):
 def _loss(chunk, h, W, b, labels, ctx):
     loss_module, _ = _nemo._load()
     next_token_logprobs, input_ids, place, rows, samples = _fused_logprobs(chunk, h, W, labels, ctx)
-    old = place(ctx.old_logprob)
-    data = {
-        "input_ids": input_ids,
-        "token_mask": place(ctx.loss_mask),
-        "sample_mask": torch.ones(samples, dtype=torch.float32, device=h.device),
-        "advantages": place(ctx.advantages),
-        "prev_logprobs": old,
-        "generation_logprobs": old,
-        "reference_policy_logprobs": place(ctx.ref_logprob),
-    }
-    fn = loss_module.ClippedPGLossFn(_nemo._config(ctx), use_fused_linear_logprobs=True)
-    value, metrics = fn(next_token_logprobs, data,
-                        global_valid_seqs=torch.tensor(float(ctx.num_sequences), device=h.device),
-                        global_valid_toks=torch.tensor(float(ctx.num_valid_tokens), device=h.device))
-    stats = None
-    if fn.loss_type == loss_module.LossType.TOKEN_LEVEL and fn.reference_policy_kl_penalty:
-        stats = {"kl": float(metrics["kl_penalty"])}
+    value, stats = _nemo.clipped_pg(loss_module, next_token_logprobs, input_ids, place, samples, ctx,
+                                    use_fused_linear_logprobs=True)
     logprob = rows(torch.cat([next_token_logprobs, next_token_logprobs.new_zeros(samples, 1)], dim=1))
     return Reduced(value, logprob=logprob, stats=stats, logged=value.detach().double())
 

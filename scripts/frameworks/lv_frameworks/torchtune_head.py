@@ -27,7 +27,8 @@ import os
 import torch.nn.functional as F
 
 from lossverify.torch import Reduced
-from lv_frameworks import Run, checkout, cross_entropy_cases, git_commit, stub_module as _stub
+from lv_frameworks import (Run, checkout, git_commit, head_cross_entropy_cases, head_overrides, stub_module as _stub,
+                           with_fp32)
 from lv_frameworks.single_gpu import package_shell
 
 NAME = "torchtune"
@@ -146,37 +147,12 @@ def runs(cases):
     reduction none (the loss is a token mean); ignore_index -100. Each in the case's dtype and, for a bf16 case, in
     fp32 too (the recipe's dtype: fp32), at 1, 4 and 8 chunks, through both losses."""
     out = []
-    for name, case, loss in cross_entropy_cases(cases):
-        stage = case.get("stage", {})
-        if stage.get("kind") != "lm_head" or "upstream_weights" in loss:
-            continue  # upstream weights: reduction none only, and torchtune's loss is a token mean
-        overrides, notes = {}, []
-        for key, note in (("label_smoothing", "no smoothing"), ("z_loss_weight", "z-loss off"),
-                          ("softcap", "softcap off")):
-            if loss.get(key, 0):
-                overrides[f"loss.{key}"] = 0
-                notes.append(note)
-        if loss.get("ignore_index", IGNORE_INDEX) != IGNORE_INDEX:
-            overrides["loss.ignore_index"] = IGNORE_INDEX
-            notes.append("ignore_index -100")
-        if stage.get("bias"):
-            overrides["stage.bias"] = False
-            notes.append("no bias")
-        layout = case.get("layout", {})
-        if layout.get("sp"):
-            overrides["layout.sp"] = False
-            notes.append("no sequence parallelism")
-        rest = {k: layout.get(k, 1) for k in ("dp", "ga")}
-        dtypes = [case.get("inputs", {}).get("dtype", "fp32")]
-        if dtypes[0] != "fp32":
-            dtypes.append("fp32")
-        for dtype in dtypes:
-            these, said = dict(overrides), list(notes)
-            if dtype != dtypes[0]:
-                these["inputs.dtype"] = dtype
-                said.append(dtype)
+    for name, case, loss in head_cross_entropy_cases(cases, upstream=False):  # torchtune's loss is a token mean
+        overrides, notes = head_overrides(case, loss, without=("label_smoothing", "z_loss_weight", "softcap"),
+                                          ignore_index=IGNORE_INDEX, bias=False, sp=False)
+        layout = {"tp": 1, "cp": 1, **{k: case.get("layout", {}).get(k, 1) for k in ("dp", "ga")}}
+        for these, said in with_fp32(case, overrides, notes):
             for function in ("linear_ce", "chunked_output_ce"):
                 for chunks in CHUNKS:
-                    out.append(Run(f"{__name__}:{function}_{chunks}", name, {"tp": 1, "cp": 1, **rest}, these,
-                                   ", ".join(said)))
+                    out.append(Run(f"{__name__}:{function}_{chunks}", name, layout, these, said))
     return out

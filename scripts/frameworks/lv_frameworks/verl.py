@@ -39,8 +39,6 @@ omegaconf.DictConfig), `tensordict`/`transformers` where absent (type imports), 
 helpers, and, on torch < 2 only, `torch.compile` as the identity (the entropy's `mul_reduce` helper).
 """
 import os
-import sys
-import types
 
 import torch
 
@@ -78,8 +76,11 @@ class AlgoConfig:
     pass
 
 
-def _stub_imports():
-    if not hasattr(torch, "compile"):  # torch 1.13: the entropy's helper runs eagerly
+def stub_verl_packages(packages=("utils.megatron", "utils.kernel", "trainer", "trainer.ppo", "workers")):
+    """What importing verl's loss and kernel modules needs, none of their math: torch.compile where torch has none
+    (torch 1.13: the entropy's helper runs eagerly), verl's unrelated third-party imports where they are missing,
+    verl's package shells (its __init__ files not run) for `packages`, and its two config classes."""
+    if not hasattr(torch, "compile"):
         torch.compile = lambda fn=None, **kwargs: (fn if fn is not None else (lambda f: f))
     for name, attrs in (("omegaconf", {"DictConfig": dict}), ("tensordict", {"TensorDict": dict}),
                         ("transformers", {"PreTrainedTokenizer": object})):
@@ -91,13 +92,14 @@ def _stub_imports():
     package_shell("verl", os.path.join(root, "verl"))
     utils = package_shell("verl.utils", os.path.join(root, "verl", "utils"))
     utils.as_torch_index = utils.group_mean_std = None  # advantage estimators only
-    package_shell("verl.utils.megatron", os.path.join(root, "verl", "utils", "megatron"))
-    package_shell("verl.utils.kernel", os.path.join(root, "verl", "utils", "kernel"))
-    package_shell("verl.trainer", os.path.join(root, "verl", "trainer"))
-    package_shell("verl.trainer.ppo", os.path.join(root, "verl", "trainer", "ppo"))
-    package_shell("verl.workers", os.path.join(root, "verl", "workers"))
+    for package in packages:
+        package_shell("verl." + package, os.path.join(root, "verl", *package.split(".")))
     _stub("verl.trainer.config", AlgoConfig=AlgoConfig)
     _stub("verl.workers.config", ActorConfig=ActorConfig)
+
+
+def _stub_imports():
+    stub_verl_packages()
     # Megatron-LM: package shells, the TP group of the run, group rank/size
     if not os.path.isdir(os.path.join(MEGATRON, "megatron", "core")):
         raise RuntimeError("verl's vocab-parallel log-prob calls Megatron-LM's: set LV_MEGATRON_CHECKOUT to a Megatron-LM "

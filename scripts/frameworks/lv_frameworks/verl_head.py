@@ -39,9 +39,8 @@ import torch
 import torch.distributed as dist
 
 from lossverify.torch import LogProbs, Reduced
-from lv_frameworks import Run, checkout, git_commit, stub_module as _stub
+from lv_frameworks import Run, git_commit
 from lv_frameworks import verl as _verl
-from lv_frameworks.single_gpu import package_shell
 
 NAME = "verl"
 EXPLANATIONS = ["head-dh-shard-partial", "head-dh-double-reduce", "head-dw-16bit-accumulate",
@@ -56,22 +55,7 @@ def _load():
     """core_algos and the torch fused head, imported from the checkout; lv_frameworks.verl's _policy_loss reads
     core_algos through its own module cache, filled here (it needs no Megatron-LM for that)."""
     if not _mods:
-        if not hasattr(torch, "compile"):
-            torch.compile = lambda fn=None, **kwargs: (fn if fn is not None else (lambda f: f))
-        for name, attrs in (("omegaconf", {"DictConfig": dict}), ("tensordict", {"TensorDict": dict}),
-                            ("transformers", {"PreTrainedTokenizer": object})):
-            try:
-                __import__(name)
-            except ImportError:
-                _stub(name, **attrs)
-        root = checkout()
-        package_shell("verl", os.path.join(root, "verl"))
-        utils = package_shell("verl.utils", os.path.join(root, "verl", "utils"))
-        utils.as_torch_index = utils.group_mean_std = None  # advantage estimators only
-        for package in ("utils.kernel", "utils.experimental", "trainer", "trainer.ppo", "workers"):
-            package_shell("verl." + package, os.path.join(root, "verl", *package.split(".")))
-        _stub("verl.trainer.config", AlgoConfig=_verl.AlgoConfig)
-        _stub("verl.workers.config", ActorConfig=_verl.ActorConfig)
+        _verl.stub_verl_packages(("utils.kernel", "utils.experimental", "trainer", "trainer.ppo", "workers"))
         from verl.trainer.ppo import core_algos
         from verl.utils.experimental import torch_functional as experimental
         _mods.update(core=core_algos, experimental=experimental)
