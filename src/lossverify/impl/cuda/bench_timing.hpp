@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "lossverify/cuda/cuda_check.hpp"
+#include "lossverify/cuda/generate_rows.hpp"
 #include "lossverify/cuda/shard_inputs.hpp"
 #include "lossverify/cuda/storage.hpp"
 #include "lossverify/impl/cuda/cuda_backend.hpp"
@@ -89,24 +90,7 @@ inline void fill_normal(void* out, StorageType type, std::int64_t rows, std::int
                         double scale, cudaStream_t stream) {
   std::vector<std::int64_t> counters(static_cast<std::size_t>(rows));
   for (std::int64_t i = 0; i < rows; ++i) counters[static_cast<std::size_t>(i)] = i;
-  const std::vector<int> zeros(static_cast<std::size_t>(rows), 0);
-  Buffer d_counters(counters.size() * 8), d_zero(zeros.size() * 4);
-  LV_CUDA(cudaMemcpy(d_counters.p, counters.data(), counters.size() * 8, cudaMemcpyHostToDevice));
-  LV_CUDA(cudaMemcpy(d_zero.p, zeros.data(), zeros.size() * 4, cudaMemcpyHostToDevice));
-  const GenerateArgs g{seed,
-                       static_cast<int>(InputStream::student_logits),
-                       d_counters.as<std::int64_t>(),
-                       d_zero.as<int>(),
-                       rows,
-                       0,
-                       cols,
-                       static_cast<int>(LogitDistribution::normal),
-                       0.0,
-                       scale,
-                       0.0,
-                       scale};
-  generate_logits(type, g, out, stream);
-  LV_CUDA(cudaStreamSynchronize(stream));  // the counters' buffers go out of scope
+  generate_normal_rows(seed, type, InputStream::student_logits, counters, 0, cols, scale, out, stream);
 }
 
 // Two sets of a benchmark's logits, rows x cols of tokens 0..rows-1 from seeds 7 and 8 (scale 2), generated on

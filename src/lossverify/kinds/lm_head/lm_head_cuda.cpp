@@ -21,13 +21,13 @@
 #include "lossverify/core/errors.hpp"
 #include "lossverify/cuda/cuda_check.hpp"
 #include "lossverify/cuda/device_buffer.hpp"
+#include "lossverify/cuda/generate_rows.hpp"
 #include "lossverify/impl/catalogue.hpp"
 #include "lossverify/inputs/input_source.hpp"
 #include "lossverify/kind_api/cuda_stage.hpp"
 #include "lossverify/kind_api/loss_kind.hpp"
 #include "lossverify/kind_api/stage.hpp"
 #include "lossverify/kinds/lm_head/lm_head_cublas.hpp"
-#include "lossverify/kinds/lm_head/lm_head_generate.hpp"
 #include "lossverify/kinds/lm_head/lm_head_kernels.hpp"
 #include "lossverify/kinds/lm_head/lm_head_options.hpp"
 #include "lossverify/kinds/lm_head/lm_head_parts.hpp"
@@ -231,15 +231,15 @@ class LmHeadCudaRank final : public CudaStageRank {
       tokens[i] = t >= 0 ? t : s_.c.shape.tokens + static_cast<std::int64_t>(i);
     }
     const auto st = static_cast<cudaStream_t>(s_.stream);
-    generate_head_rows(s_.c, s_.type, InputStream::head_hidden, tokens, 0, hidden_, o_.hidden_scale,
-                       d_hidden_.as<void>(), st);
+    generate_normal_rows(s_.c.inputs.seed, s_.type, InputStream::head_hidden, tokens, 0, hidden_, o_.hidden_scale,
+                         d_hidden_.as<void>(), st);
     std::vector<std::int64_t> columns(static_cast<std::size_t>(s_.cols));
     for (std::size_t v = 0; v < columns.size(); ++v) columns[v] = s_.work_begin + static_cast<std::int64_t>(v);
-    generate_head_rows(s_.c, s_.type, InputStream::head_weight, columns, 0, hidden_, head_weight_scale(s_.c),
-                       d_weight_.as<void>(), st);
+    generate_normal_rows(s_.c.inputs.seed, s_.type, InputStream::head_weight, columns, 0, hidden_,
+                         head_weight_scale(s_.c), d_weight_.as<void>(), st);
     if (o_.bias) {
-      generate_head_rows(s_.c, s_.type, InputStream::head_bias, {0}, s_.work_begin, s_.work_begin + s_.cols,
-                         head_bias_scale(s_.c), d_bias_.as<void>(), st);
+      generate_normal_rows(s_.c.inputs.seed, s_.type, InputStream::head_bias, {0}, s_.work_begin,
+                           s_.work_begin + s_.cols, head_bias_scale(s_.c), d_bias_.as<void>(), st);
     }
   }
 

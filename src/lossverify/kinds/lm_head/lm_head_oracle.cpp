@@ -34,13 +34,13 @@
 #include "lossverify/core/errors.hpp"
 #include "lossverify/cuda/cuda_check.hpp"
 #include "lossverify/cuda/device_buffer.hpp"
+#include "lossverify/cuda/generate_rows.hpp"
 #include "lossverify/cuda/shard_inputs.hpp"
 #include "lossverify/inputs/input_source.hpp"
 #include "lossverify/kind_api/cuda_kind.hpp"
 #include "lossverify/kind_api/loss_kind.hpp"
 #include "lossverify/kind_api/stage.hpp"
 #include "lossverify/kinds/lm_head/lm_head_cublas.hpp"
-#include "lossverify/kinds/lm_head/lm_head_generate.hpp"
 #include "lossverify/kinds/lm_head/lm_head_options.hpp"
 #include "lossverify/kinds/lm_head/lm_head_oracle_kernels.hpp"
 #include "lossverify/kinds/lm_head/lm_head_parts.hpp"
@@ -117,7 +117,7 @@ struct HeadDeviceInputs {
     const cudaStream_t s = stream.get();
     const auto count = static_cast<std::int64_t>(counters.size()) * (end - begin);
     DeviceBytes stored(static_cast<std::size_t>(count) * dtype_size(c.inputs.dtype));
-    generate_head_rows(c, type, input, counters, begin, end, scale, stored.as<void>(), s);
+    generate_normal_rows(c.inputs.seed, type, input, counters, begin, end, scale, stored.as<void>(), s);
     head_oracle_widen(type, stored.as<void>(), out.as<double>(),
                       magnitude != nullptr ? magnitude->as<float>() : nullptr, count, s);
     LV_CUDA(cudaStreamSynchronize(s));  // the temporaries go out of scope
