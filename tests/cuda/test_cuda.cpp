@@ -305,6 +305,9 @@ TEST_CASE("long_rows_take_the_row_resident_kernel_and_give_the_cpu_verdicts") {
                        {"dp-unequal-tokens", "correct", dp_bf16},
                        {"dp-unequal-tokens", "dp-local-mean", dp_bf16},
                        {"large-logits-no-max-shift", "no-max-shift", shape(40000, 32)},
+                       // fp32 logits near 95 (lse near 100): the plain path's exponent is taken from x - M, exact
+                       // near the max (an FFMA of x log2 e - lse log2 e lost |lse| 2^-24 per element)
+                       {"large-logits-no-max-shift", "correct", shape(40000, 32)},
                        {"bf16-upstream-rounding", "grad-rounded-early", shape(100000, 64)},
                        {"uneven-shards-v507-tp4", "zloss-grad-after-smoothing", shape(40000, 32)},
                        {"zloss-ignored", "zloss-on-ignored", shape(100000, 48)},
@@ -718,17 +721,24 @@ TEST_CASE("gpu_reference_code_tables_judge_as_the_full_judgement") {
       if (expected_lookups == some) CHECK(lookups > 0);
       if (expected_lookups == none) CHECK(lookups == 0);
       for (const char* key : {"compared", "mismatches", "max_ulp"}) {
-        CAPTURE(key);
+        const std::string key_name = key;
+        CAPTURE(key_name);
         CHECK(a.metrics.value(key, nlohmann::json()) == b.metrics.value(key, nlohmann::json()));
       }
-      for (const char* key : {"max_abs_error", "max_rel_error"}) {
-        CAPTURE(key);
+      // The largest relative error sits where the expected value is smallest: under label smoothing an element
+      // with p close to q, where p - q cancels and the two paths' p (exp(x) exp(-lse) against exp(x - lse),
+      // a few ulps apart) differ relatively by that cancellation's factor. Seen: 1.2e-8 of 5.1e-3 on
+      // smoothing-megatron once the kernels' bits moved. The absolute error is well conditioned.
+      for (const auto& [key, tolerance] :
+           {std::pair<const char*, double>{"max_abs_error", 1e-9}, {"max_rel_error", 1e-6}}) {
+        const std::string key_name = key;  // a string, so that a failure prints it
+        CAPTURE(key_name);
         if (!a.metrics[key].is_number() || !b.metrics[key].is_number()) {  // "Infinity", "NaN"
           CHECK(a.metrics[key] == b.metrics[key]);
           continue;
         }
         const double x = a.metrics[key].get<double>(), y = b.metrics[key].get<double>();
-        CHECK(std::fabs(x - y) <= 1e-9 * std::fabs(x));
+        CHECK(std::fabs(x - y) <= tolerance * std::fabs(x));
       }
       REQUIRE(a.worst.has_value() == b.worst.has_value());
       if (a.worst) {

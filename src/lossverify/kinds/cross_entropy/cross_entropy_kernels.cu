@@ -14,6 +14,7 @@
 #include "lossverify/cuda/cuda_check.hpp"
 #include "lossverify/cuda/device_types.cuh"
 #include "lossverify/cuda/row_launch.cuh"
+#include "lossverify/cuda/vector_elements.cuh"
 #include "lossverify/kinds/cross_entropy/cross_entropy_kernels.hpp"
 #include "lossverify/kinds/cross_entropy/cross_entropy_math.hpp"
 
@@ -73,6 +74,52 @@ __device__ __forceinline__ void warp_combine(float& m, float& s, float& sum_x, b
       combine(m, s, m2, s2);
     }
   }
+}
+
+// A warp's [m, s, sum x] from its lanes': the warp max first, then each lane's s rescaled to it once and
+// plain sums (every lane gets the same bits). fast_exp's ~1e-6 is the kernel's accuracy everywhere.
+// Under no-max-shift every m is 0 and the factor is exactly 1.
+__device__ __forceinline__ void warp_stats(float& m, float& s, float& sum_x) {
+  float top = m;
+  for (int offset = 16; offset > 0; offset >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, offset));
+  s = s == 0.0f ? 0.0f : s * fast_exp(m - top);
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    s += __shfl_xor_sync(0xffffffffu, s, offset);
+    sum_x += __shfl_xor_sync(0xffffffffu, sum_x, offset);
+  }
+  m = top;
+}
+
+// p = exp(x - M - log S) as the plain paths take it: x - M first (exact near the max, where p matters, however
+// large the logits; x log2 e - lse log2 e in one FFMA lost |lse| 2^-24 and failed fp32 cases with logits of
+// 120-240), then one FFMA and ex2 without the subnormal fix-up.
+__device__ __forceinline__ float exp_shifted(float x, float row_max, float log_sum_log2e) {
+  return ex2_ftz(fmaf(x - row_max, kLog2e, -log_sum_log2e));
+}
+
+// The plain path's block-wide [m, s, sum x]: warp_stats in each warp, then in warp 0 over the warps' results
+// (one rescale per lane instead of an accurate expf pair per shuffle step); every thread gets the result.
+__device__ void block_reduce_plain(float& m, float& s, float& sum_x) {
+  __shared__ float3 shared[32];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  warp_stats(m, s, sum_x);
+  if (lane == 0) shared[warp] = make_float3(m, s, sum_x);
+  __syncthreads();
+  if (warp == 0) {
+    const int warps = blockDim.x >> 5;
+    const float3 w = lane < warps ? shared[lane] : make_float3(-INFINITY, 0.0f, 0.0f);
+    m = w.x;
+    s = w.y;
+    sum_x = w.z;
+    warp_stats(m, s, sum_x);
+    if (lane == 0) shared[0] = make_float3(m, s, sum_x);
+  }
+  __syncthreads();
+  m = shared[0].x;
+  s = shared[0].y;
+  sum_x = shared[0].z;
+  __syncthreads();
 }
 
 // Block-wide reduction of the online state; every thread gets the result.
@@ -139,7 +186,9 @@ __device__ __forceinline__ void store16(void* p, int4 v, L2Hint hint, std::uint6
 }
 
 // Pass 1 over one row: [M_r, S_r, sum x, x_l] with S relative to M_r (M_r = 0 under no-max-shift).
-template <class T>
+// kPlain (no softcap, no catalogued kernel variant): the vector's max on packed pairs, and per element an
+// FADD for sum x, one FFMA for the exponent (x log2 e - M log2 e), ex2 without the subnormal fix-up and an FADD.
+template <class T, bool kPlain>
 __device__ void row_stats(const T* row, std::int64_t cols, std::int64_t target, const CrossEntropyConstants& k,
                           bool vectorized, float out[4], L2Hint hint = L2Hint::none) {
   const std::uint64_t policy = hint == L2Hint::none ? 0 : l2_policy(hint);
@@ -152,48 +201,65 @@ __device__ void row_stats(const T* row, std::int64_t cols, std::int64_t target, 
   if (vectorized) {
     using V = Vec<T>;
     const V* vrow = reinterpret_cast<const V*>(row);
-    const std::int64_t vectors = cols / V::kCount;
-    // Two vectors in flight per thread; the running max is rescaled once per vector, not per element.
+    const int vectors = static_cast<int>(cols / V::kCount);  // 32-bit: a row of 2^31 vectors is 32 GB
+    // The running max is rescaled once per vector, not per element.
     auto consume = [&](const V& vec) {
-      float x[V::kCount];
-      float vmax = -INFINITY;
+      if constexpr (kPlain) {
+        const int4 raw = *reinterpret_cast<const int4*>(&vec);
+        const float vmax = vector_max<T>(raw);
+        if (vmax > o.m) {
+          o.s = o.m == -INFINITY ? 0.0f : o.s * ex2_ftz((o.m - vmax) * kLog2e);
+          o.m = vmax;
+        }
+        float part = 0.0f, xs = 0.0f;
+        each_element<T>(raw, [&](float x, int) {
+          xs += x;
+          part += ex2_ftz((x - o.m) * kLog2e);
+        });
+        o.sum_x += xs;
+        o.s += part;
+      } else {
+        float x[V::kCount];
+        float vmax = -INFINITY;
 #pragma unroll
-      for (int j = 0; j < V::kCount; ++j) {
-        x[j] = load_capped(widen<T>(vec.v[j]), k.softcap);
-        vmax = fmaxf(vmax, x[j]);
-        o.sum_x += x[j];
-      }
-      if (no_shift) {
+        for (int j = 0; j < V::kCount; ++j) {
+          x[j] = load_capped(widen<T>(vec.v[j]), k.softcap);
+          vmax = fmaxf(vmax, x[j]);
+          o.sum_x += x[j];
+        }
+        if (no_shift) {
 #pragma unroll
-        for (int j = 0; j < V::kCount; ++j) o.s += fast_exp(x[j]);
-        return;
-      }
-      if (vmax > o.m) {
-        o.s = o.m == -INFINITY ? 0.0f : o.s * fast_exp(o.m - vmax);
-        o.m = vmax;
-      }
-      float part = 0.0f;
+          for (int j = 0; j < V::kCount; ++j) o.s += fast_exp(x[j]);
+          return;
+        }
+        if (vmax > o.m) {
+          o.s = o.m == -INFINITY ? 0.0f : o.s * fast_exp(o.m - vmax);
+          o.m = vmax;
+        }
+        float part = 0.0f;
 #pragma unroll
-      for (int j = 0; j < V::kCount; ++j) part += fast_exp(x[j] - o.m);
-      o.s += part;
+        for (int j = 0; j < V::kCount; ++j) part += fast_exp(x[j] - o.m);
+        o.s += part;
+      }
     };
-    // Four vectors in flight per thread before any arithmetic (memory-level parallelism).
+    // Four vectors in flight per thread before any arithmetic (memory-level parallelism), the row's last
+    // strides too (one loop, guarded per vector: a second loop for the rest doubles the code and its
+    // registers, and one load per round trip there left the shard kernels latency-bound).
     constexpr int kBatch = 4;
-    const std::int64_t stride = blockDim.x;
-    std::int64_t i = threadIdx.x;
-    for (; i + (kBatch - 1) * stride < vectors; i += kBatch * stride) {
+    const int stride = static_cast<int>(blockDim.x);
+    for (int i = static_cast<int>(threadIdx.x); i < vectors; i += kBatch * stride) {
       V batch[kBatch];
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
-        const int4 raw = load16(vrow + i + b * stride, hint, policy);
-        batch[b] = *reinterpret_cast<const V*>(&raw);
+        if (i + b * stride < vectors) {
+          const int4 raw = load16(vrow + i + b * stride, hint, policy);
+          batch[b] = *reinterpret_cast<const V*>(&raw);
+        }
       }
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b) consume(batch[b]);
-    }
-    for (; i < vectors; i += stride) {
-      const int4 raw = load16(vrow + i, hint, policy);
-      consume(*reinterpret_cast<const V*>(&raw));
+      for (int b = 0; b < kBatch; ++b) {
+        if (i + b * stride < vectors) consume(batch[b]);
+      }
     }
   } else {
     for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x)
@@ -201,7 +267,11 @@ __device__ void row_stats(const T* row, std::int64_t cols, std::int64_t target, 
   }
   if (threadIdx.x == 0 && target >= 0) target_value = load_capped(widen<T>(row[target]), k.softcap);
   float m = o.m, s = o.s, sum_x = o.sum_x;
-  block_reduce(m, s, sum_x, no_shift);
+  if constexpr (kPlain) {
+    block_reduce_plain(m, s, sum_x);
+  } else {
+    block_reduce(m, s, sum_x, no_shift);
+  }
   out[0] = no_shift ? 0.0f : m;
   out[1] = s;
   out[2] = sum_x;
@@ -246,8 +316,10 @@ struct GradElement {
   }
 };
 
-// Pass 2 over one row: the gradient from the global max and log-sum.
-template <class T>
+// Pass 2 over one row: the gradient from the global max and log-sum. kPlain: as the row-resident kernel's
+// plain path: one FFMA for the exponent, ex2, the shared gradient formula and the weight per element, the
+// target's comparison only in the vector that holds it.
+template <class T, bool kPlain>
 __device__ void row_grad(const T* row, T* grad, std::int64_t cols, std::int64_t target, float row_max, float log_sum,
                          float weight, bool valid, const CrossEntropyConstants& k, bool vectorized,
                          L2Hint hint = L2Hint::none) {
@@ -257,29 +329,50 @@ __device__ void row_grad(const T* row, T* grad, std::int64_t cols, std::int64_t 
     using V = Vec<T>;
     const V* vrow = reinterpret_cast<const V*>(row);
     V* vgrad = reinterpret_cast<V*>(grad);
-    const std::int64_t vectors = cols / V::kCount;
+    const int vectors = static_cast<int>(cols / V::kCount);
     constexpr int kBatch = 4;
-    const std::int64_t stride = blockDim.x;
-    auto emit = [&](const V& in, std::int64_t i) {
-      V out;
+    const int stride = static_cast<int>(blockDim.x);
+    const float log_sum_log2e = log_sum * kLog2e;
+    const SmoothingWeights<float> q = valid ? value.q : SmoothingWeights<float>{0.0f, 0.0f};
+    const float z_factor = valid ? value.z_factor : 2.0f * k.z_loss_weight * value.lse;
+    const int target_vector = target >= 0 ? static_cast<int>(target / V::kCount) : -1;
+    auto emit = [&](const V& in, int i) {
+      if constexpr (kPlain) {
+        const int4 raw = *reinterpret_cast<const int4*>(&in);
+        int4 out;
+        if (i != target_vector) {
+          out = map_vector<T>(raw, [&](float x) {
+            return weight * cross_entropy_grad(exp_shifted(x, row_max, log_sum_log2e), false, q, z_factor);
+          });
+        } else {
+          const int lane = static_cast<int>(target - static_cast<std::int64_t>(i) * V::kCount);
+          out = map_vector_indexed<T>(raw, [&](float x, int e) {
+            return weight * cross_entropy_grad(exp_shifted(x, row_max, log_sum_log2e), e == lane, q, z_factor);
+          });
+        }
+        store16(vgrad + i, out, hint, policy);
+      } else {
+        V out;
 #pragma unroll
-      for (int j = 0; j < V::kCount; ++j) out.v[j] = value(widen<T>(in.v[j]), i * V::kCount + j);
-      store16(vgrad + i, *reinterpret_cast<const int4*>(&out), hint, policy);
+        for (int j = 0; j < V::kCount; ++j) {
+          out.v[j] = value(widen<T>(in.v[j]), static_cast<std::int64_t>(i) * V::kCount + j);
+        }
+        store16(vgrad + i, *reinterpret_cast<const int4*>(&out), hint, policy);
+      }
     };
-    std::int64_t i = threadIdx.x;
-    for (; i + (kBatch - 1) * stride < vectors; i += kBatch * stride) {
+    for (int i = static_cast<int>(threadIdx.x); i < vectors; i += kBatch * stride) {  // guarded as row_stats' loop
       V batch[kBatch];
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
-        const int4 raw = load16(vrow + i + b * stride, hint, policy);
-        batch[b] = *reinterpret_cast<const V*>(&raw);
+        if (i + b * stride < vectors) {
+          const int4 raw = load16(vrow + i + b * stride, hint, policy);
+          batch[b] = *reinterpret_cast<const V*>(&raw);
+        }
       }
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b) emit(batch[b], i + b * stride);
-    }
-    for (; i < vectors; i += stride) {
-      const int4 raw = load16(vrow + i, hint, policy);
-      emit(*reinterpret_cast<const V*>(&raw), i);
+      for (int b = 0; b < kBatch; ++b) {
+        if (i + b * stride < vectors) emit(batch[b], i + b * stride);
+      }
     }
   } else {
     for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) grad[c] = value(widen<T>(row[c]), c);
@@ -292,7 +385,7 @@ bool can_vectorize(const void* a, const void* b, std::int64_t cols) {
   return (cols * static_cast<std::int64_t>(sizeof(T))) % 16 == 0 && aligned(a) && (b == nullptr || aligned(b));
 }
 
-template <class T>
+template <class T, bool kPlain>
 __global__ void __launch_bounds__(kThreads)
     stats_kernel(StatsArgs a, CrossEntropyConstants k, float* out, bool vectorized) {
   const T* logits = static_cast<const T*>(a.logits);
@@ -303,14 +396,14 @@ __global__ void __launch_bounds__(kThreads)
       continue;
     }
     float stats[4];
-    row_stats(logits + r * a.cols, a.cols, a.target_column[r], k, vectorized, stats);
+    row_stats<T, kPlain>(logits + r * a.cols, a.cols, a.target_column[r], k, vectorized, stats);
     if (threadIdx.x == 0) {
       for (int j = 0; j < 4; ++j) o[j] = stats[j];
     }
   }
 }
 
-template <class T>
+template <class T, bool kPlain>
 __global__ void __launch_bounds__(kThreads) grad_kernel(GradArgs a, CrossEntropyConstants k, bool vectorized) {
   const T* logits = static_cast<const T*>(a.logits);
   T* grad = static_cast<T*>(a.grad);
@@ -319,12 +412,12 @@ __global__ void __launch_bounds__(kThreads) grad_kernel(GradArgs a, CrossEntropy
       zero_row(grad + r * a.cols, a.cols);
       continue;
     }
-    row_grad(logits + r * a.cols, grad + r * a.cols, a.cols, a.target_column[r], a.row_max[r], a.log_sum[r],
-             a.weight[r], a.valid[r] != 0, k, vectorized);
+    row_grad<T, kPlain>(logits + r * a.cols, grad + r * a.cols, a.cols, a.target_column[r], a.row_max[r], a.log_sum[r],
+                        a.weight[r], a.valid[r] != 0, k, vectorized);
   }
 }
 
-template <class T>
+template <class T, bool kPlain>
 __global__ void __launch_bounds__(kThreads)
     fused_kernel(GradArgs a, CrossEntropyConstants k, float* row_stats_out, bool vectorized, L2Hint l2_hint) {
   const T* logits = static_cast<const T*>(a.logits);
@@ -337,10 +430,11 @@ __global__ void __launch_bounds__(kThreads)
       continue;
     }
     float stats[4];
-    row_stats(logits + r * a.cols, a.cols, a.target_column[r], k, vectorized, stats, l2_hint);
+    row_stats<T, kPlain>(logits + r * a.cols, a.cols, a.target_column[r], k, vectorized, stats, l2_hint);
     const float log_sum = logf(stats[1]);
-    row_grad(logits + r * a.cols, grad + r * a.cols, a.cols, a.target_column[r], stats[0], log_sum, a.weight[r],
-             a.valid[r] != 0, k, vectorized, l2_hint == L2Hint::none ? L2Hint::none : L2Hint::release);
+    row_grad<T, kPlain>(logits + r * a.cols, grad + r * a.cols, a.cols, a.target_column[r], stats[0], log_sum,
+                        a.weight[r], a.valid[r] != 0, k, vectorized,
+                        l2_hint == L2Hint::none ? L2Hint::none : L2Hint::release);
     if (threadIdx.x == 0) {
       o[0] = stats[0];
       o[1] = log_sum;
@@ -357,20 +451,6 @@ __global__ void __launch_bounds__(kThreads)
 // bf16, without relying on L2 to keep a 256 KB row between two passes; several CTAs per SM, each at its
 // own row, overlap one row's loads with another's reduction and stores.
 constexpr int kResidentVectors = 8;
-
-// A warp's [m, s, sum x] from its lanes': the warp max first, then each lane's s rescaled to it once and
-// plain sums (every lane gets the same bits). fast_exp's ~1e-6 is the kernel's accuracy everywhere.
-// Under no-max-shift every m is 0 and the factor is exactly 1.
-__device__ __forceinline__ void warp_stats(float& m, float& s, float& sum_x) {
-  float top = m;
-  for (int offset = 16; offset > 0; offset >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, offset));
-  s = s == 0.0f ? 0.0f : s * fast_exp(m - top);
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    s += __shfl_xor_sync(0xffffffffu, s, offset);
-    sum_x += __shfl_xor_sync(0xffffffffu, sum_x, offset);
-  }
-  m = top;
-}
 
 // An empty asm that claims to change the row's registers: each pass widens the packed values again
 // instead of the compiler keeping all of them widened across passes (64 more live registers, spills).
@@ -410,86 +490,33 @@ __device__ __forceinline__ void barrier_wait(std::uint64_t* barrier, std::uint32
                  : "memory");
   }
 }
-
-// The plain instantiation's per-element pieces, chosen from the instruction counts in the SASS.
-// ex2 without exp2f's subnormal fix-up (three instructions per call): results below 2^-126 flush to 0,
-// where a gradient element is far below every tolerance's absolute floor.
-__device__ __forceinline__ float ex2_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-constexpr float kLog2e = 1.4426950408889634f;
-
-// f(x, e) for the elements e of one 16-byte vector, widened without a shift for bf16's upper halves.
-template <class T, class F>
-__device__ __forceinline__ void each_element(const int4& v, F&& f) {
-  const std::uint32_t w[4] = {static_cast<std::uint32_t>(v.x), static_cast<std::uint32_t>(v.y),
-                              static_cast<std::uint32_t>(v.z), static_cast<std::uint32_t>(v.w)};
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    if constexpr (std::is_same_v<T, float>) {
-      f(__uint_as_float(w[q]), q);
-    } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-      f(__uint_as_float(w[q] << 16), 2 * q);
-      f(__uint_as_float(w[q] & 0xffff0000u), 2 * q + 1);
-    } else {
-      const float2 t = __half22float2(*reinterpret_cast<const __half2*>(&w[q]));
-      f(t.x, 2 * q);
-      f(t.y, 2 * q + 1);
-    }
+// The same wait, acquiring at cluster scope what peers' st.async released into this CTA.
+__device__ __forceinline__ void cluster_barrier_wait(std::uint64_t* barrier, std::uint32_t parity) {
+  const std::uint32_t b = smem_address(barrier);
+  std::uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(b), "r"(parity)
+        : "memory");
   }
 }
-
-// The 16-byte vector of out[e] = g(x_e) for the elements of `in`, packed two at a time.
-template <class T, class G>
-__device__ __forceinline__ int4 map_vector(const int4& in, G&& g) {
-  float y[16 / sizeof(T)];
-  each_element<T>(in, [&](float x, int e) { y[e] = g(x); });
-  std::uint32_t w[4];
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    if constexpr (std::is_same_v<T, float>) {
-      w[q] = __float_as_uint(y[q]);
-    } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-      const __nv_bfloat162 h = __floats2bfloat162_rn(y[2 * q], y[2 * q + 1]);
-      w[q] = *reinterpret_cast<const std::uint32_t*>(&h);
-    } else {
-      const __half2 h = __floats2half2_rn(y[2 * q], y[2 * q + 1]);
-      w[q] = *reinterpret_cast<const std::uint32_t*>(&h);
-    }
-  }
-  return make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]), static_cast<int>(w[3]));
+// Expect `bytes` more on this CTA's barrier (one arrival, the calling thread's).
+__device__ __forceinline__ void expect_bytes(std::uint64_t* barrier, std::uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_address(barrier)), "r"(bytes)
+               : "memory");
 }
-
-// Running max of a vector's elements: packed (two per instruction, exact) for 16-bit types.
-template <class T>
-__device__ __forceinline__ void packed_max(const int4& v, int4& acc) {
-  if constexpr (std::is_same_v<T, float>) {
-    acc.x = __float_as_int(fmaxf(__int_as_float(acc.x), __int_as_float(v.x)));
-    acc.y = __float_as_int(fmaxf(__int_as_float(acc.y), __int_as_float(v.y)));
-    acc.z = __float_as_int(fmaxf(__int_as_float(acc.z), __int_as_float(v.z)));
-    acc.w = __float_as_int(fmaxf(__int_as_float(acc.w), __int_as_float(v.w)));
-  } else {
-    using P = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, __nv_bfloat162, __half2>;
-    const P* a = reinterpret_cast<const P*>(&v);
-    P* b = reinterpret_cast<P*>(&acc);
-#pragma unroll
-    for (int q = 0; q < 4; ++q) b[q] = __hmax2(b[q], a[q]);
-  }
-}
-template <class T>
-__device__ __forceinline__ int4 lowest_vector() {
-  if constexpr (std::is_same_v<T, float>) {
-    const int n = __float_as_int(-INFINITY);
-    return make_int4(n, n, n, n);
-  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    const int n = 0xff80ff80;  // -inf, -inf
-    return make_int4(n, n, n, n);
-  } else {
-    const int n = static_cast<int>(0xfc00fc00u);
-    return make_int4(n, n, n, n);
-  }
+// v into CTA `rank`'s copy of `slot`, completing 16 bytes on that CTA's copy of `barrier` (st.async: no fence
+// over this thread's other stores, which a cluster barrier's release would wait for).
+__device__ __forceinline__ void send_to_peer(float4* slot, std::uint64_t* barrier, unsigned rank, float4 v) {
+  std::uint32_t remote_slot, remote_barrier;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_slot) : "r"(smem_address(slot)), "r"(rank));
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_barrier) : "r"(smem_address(barrier)), "r"(rank));
+  asm volatile(
+      "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(remote_slot),
+      "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(remote_barrier)
+      : "memory");
 }
 
 template <class T, int kBlock, int kMinBlocks, bool kGeneric>
@@ -511,11 +538,15 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
   const bool no_shift = k.no_max_shift != 0;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   constexpr int kWarps = kBlock / 32;
-  // This CTA's [m, s, sum x] of the row, one slot per parity of the active rows: a slot is written again
-  // two active rows later, after a cluster barrier that every reader of its previous value has passed.
-  __shared__ float4 slot[2];
+  // Every CTA's [m, s, sum x] of the row, sent by each CTA into every CTA's inbox (st.async, completing on
+  // the receiver's `received` barrier of the row's parity among active rows). A peer writes an inbox of
+  // parity p again two active rows later, which it reaches only after this CTA's partial of the row between,
+  // sent after this CTA read the inbox. The exchange replaced a cluster barrier per row, whose release
+  // waited for the previous row's gradient stores (Nsight Compute: membar stalls).
+  __shared__ float4 inbox[2][8];
+  __shared__ std::uint64_t received[2];
   __shared__ float3 partial[kWarps];
-  __shared__ float3 row_final;  // rewritten only after the next cluster barrier, which every reader has passed
+  __shared__ float3 row_final;  // rewritten a row later, after a block barrier that every reader has passed
   __shared__ std::uint64_t loaded;
   // The next row's chunk, prefetched by the copy engine while this row is computed from registers.
   extern __shared__ int4 staged[];
@@ -530,16 +561,26 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
     bulk_load(staged, reinterpret_cast<const V*>(row) + first_vector,
               active ? static_cast<std::uint32_t>(chunk) * 16u : 0u, &loaded);
   };
-  if (threadIdx.x == 0) barrier_init(&loaded);
-  __syncthreads();
+  if (threadIdx.x == 0) {
+    barrier_init(&loaded);
+    barrier_init(&received[0]);
+    barrier_init(&received[1]);
+    expect_bytes(&received[0], 16u * size);
+    expect_bytes(&received[1], 16u * size);
+  }
+  cluster.sync();  // every CTA's barriers are initialised before any peer sends to them
   std::int64_t r = blockIdx.x / size;
   if (threadIdx.x == 0 && r < a.rows) prefetch(r);
   std::uint32_t phase = 0;
+  std::uint32_t received_phases = 0;  // bit p: the phase of received[p] awaited next
   int parity = 0;
   for (; r < a.rows; r += clusters) {
-    const T* row = static_cast<const T*>(a.logits) + r * a.cols;
-    V* mine_grad = reinterpret_cast<V*>(static_cast<T*>(a.grad) + r * a.cols) + first_vector + threadIdx.x;
-    float* o = row_stats_out + 4 * r;
+    // Pointers into the row are made where they are used: live across the passes they cost registers.
+    const auto mine_grad = [&] {
+      return reinterpret_cast<V*>(static_cast<T*>(a.grad) + r * a.cols) + first_vector + threadIdx.x;
+    };
+    // The row's scalars, loaded before the waits below (which no load moves across) so that their latency
+    // overlaps them instead of stalling the gradient.
     const bool active = a.active[r] != 0;
     barrier_wait(&loaded, phase);
     phase ^= 1u;
@@ -562,7 +603,13 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
         if (holds_target) x_target = widen<T>(reinterpret_cast<const T*>(staged)[target - first_vector * V::kCount]);
       }
     }
-    __syncthreads();  // every thread has its registers: the buffer takes the next row
+    // Every thread has its registers, the buffer takes the next row: warp 0 (whose thread 0 asks for it) waits
+    // for the others' arrival, which do not wait.
+    if (warp == 0) {
+      asm volatile("bar.sync 1, %0;" ::"r"(kBlock) : "memory");
+    } else {
+      asm volatile("bar.arrive 1, %0;" ::"r"(kBlock) : "memory");
+    }
     if (threadIdx.x == 0 && r + clusters < a.rows) {
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       prefetch(r + clusters);
@@ -574,13 +621,18 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
 #pragma unroll
       for (int j = 0; j < kResidentVectors; ++j) {
         if (j * kBlock < limit)
-          __stcs(reinterpret_cast<int4*>(mine_grad + j * kBlock), *reinterpret_cast<const int4*>(&zero));
+          __stcs(reinterpret_cast<int4*>(mine_grad() + j * kBlock), *reinterpret_cast<const int4*>(&zero));
       }
-      if (rank == 0 && threadIdx.x == 0) o[0] = o[1] = o[2] = o[3] = 0.0f;
+      if (rank == 0 && threadIdx.x == 0) {
+        float* o = row_stats_out + 4 * r;
+        o[0] = o[1] = o[2] = o[3] = 0.0f;
+      }
       continue;
     }
     float target_value = 0.0f;
-    if (rank == 0 && threadIdx.x == 0 && target >= 0) target_value = load_capped(widen<T>(row[target]), k.softcap);
+    if (rank == 0 && threadIdx.x == 0 && target >= 0) {
+      target_value = load_capped(widen<T>(static_cast<const T*>(a.logits)[r * a.cols + target]), k.softcap);
+    }
     // This thread's max (exact, order-free), then its sums relative to it.
     float m = no_shift ? 0.0f : -INFINITY;
     float s = 0.0f, sum_x = 0.0f;
@@ -613,13 +665,12 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
         if (j * kBlock < limit) packed_max<T>(data[j], top);
       }
       each_element<T>(top, [&](float x, int) { m = fmaxf(m, x); });
-      const float m_log2e = m * kLog2e;
 #pragma unroll
       for (int j = 0; j < kResidentVectors; ++j) {
         if (j * kBlock >= limit) continue;
         each_element<T>(data[j], [&](float x, int) {
           sum_x += x;
-          s += ex2_ftz(fmaf(x, kLog2e, -m_log2e));
+          s += ex2_ftz((x - m) * kLog2e);
         });
       }
     }
@@ -632,14 +683,21 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
       s = w.y;
       sum_x = w.z;
       warp_stats(m, s, sum_x);
-      if (lane == 0) slot[parity] = make_float4(m, s, sum_x, 0.0f);
+      if (lane < static_cast<int>(size)) {
+        send_to_peer(&inbox[parity][rank], &received[parity], static_cast<unsigned>(lane),
+                     make_float4(m, s, sum_x, 0.0f));
+      }
     }
-    cluster.sync();
-    // The row's statistics from the CTAs' slots, one DSMEM read per lane of warp 0; the same values
-    // through the same tree give the same bits in every CTA.
+    // The row's statistics from the inbox, one slot per lane of warp 0 in rank order (the same values through
+    // the same tree give the same bits in every CTA). Lane 0 re-arms the barrier for the row two active rows
+    // on: the phase it arms stays incomplete until peers send that row.
     if (warp == 0) {
-      const float4 peer = lane < static_cast<int>(size) ? *cluster.map_shared_rank(&slot[parity], lane)
-                                                        : make_float4(-INFINITY, 0.0f, 0.0f, 0.0f);
+      cluster_barrier_wait(&received[parity], (received_phases >> parity) & 1u);
+      received_phases ^= 1u << parity;
+      const float4 peer =
+          lane < static_cast<int>(size) ? inbox[parity][lane] : make_float4(-INFINITY, 0.0f, 0.0f, 0.0f);
+      __syncwarp();
+      if (lane == 0) expect_bytes(&received[parity], 16u * size);
       m = peer.x;
       s = peer.y;
       sum_x = peer.z;
@@ -662,12 +720,12 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
         for (int e = 0; e < V::kCount; ++e) {
           out.v[e] = value(widen<T>(in.v[e]), j * kBlock == target_vector && e == target_lane);
         }
-        __stcs(reinterpret_cast<int4*>(mine_grad + j * kBlock), *reinterpret_cast<const int4*>(&out));
+        __stcs(reinterpret_cast<int4*>(mine_grad() + j * kBlock), *reinterpret_cast<const int4*>(&out));
       }
     } else {
       // Every element as off-target (one FFMA for the exponent, one MUFU, the shared gradient formula,
       // the weight); the thread that holds the target then rewrites that element.
-      const float lse_log2e = (row_m + log_sum) * kLog2e;
+      const float log_sum_log2e = log_sum * kLog2e;
       const SmoothingWeights<float> q = value.valid ? value.q : SmoothingWeights<float>{0.0f, 0.0f};
       const float z_factor = value.valid ? value.z_factor : 2.0f * k.z_loss_weight * value.lse;
       const float weight = value.weight;
@@ -675,24 +733,25 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
       for (int j = 0; j < kResidentVectors; ++j) {
         if (j * kBlock >= limit) continue;
         const int4 out = map_vector<T>(data[j], [&](float x) {
-          return weight * cross_entropy_grad(ex2_ftz(fmaf(x, kLog2e, -lse_log2e)), false, q, z_factor);
+          return weight * cross_entropy_grad(exp_shifted(x, row_m, log_sum_log2e), false, q, z_factor);
         });
-        __stcs(reinterpret_cast<int4*>(mine_grad + j * kBlock), out);
+        __stcs(reinterpret_cast<int4*>(mine_grad() + j * kBlock), out);
       }
       if (holds_target) {
-        const float p = ex2_ftz(fmaf(x_target, kLog2e, -lse_log2e));
-        reinterpret_cast<T*>(mine_grad)[target - (first_vector + threadIdx.x) * V::kCount] =
+        const float p = exp_shifted(x_target, row_m, log_sum_log2e);
+        reinterpret_cast<T*>(mine_grad())[target - (first_vector + threadIdx.x) * V::kCount] =
             narrow<T>(weight * cross_entropy_grad(p, true, q, z_factor));
       }
     }
     if (rank == 0 && threadIdx.x == 0) {
+      float* o = row_stats_out + 4 * r;
       o[0] = row_m;
       o[1] = log_sum;
       o[2] = row_x;
       o[3] = target_value;
     }
   }
-  cluster.sync();  // no CTA leaves while a peer may still read its slots
+  cluster.sync();  // no CTA leaves while a peer may still send to it
 }
 
 // smoothing-log-after-exp's third pass: sum_v log(exp(x_v - M) / S) over the row's local columns.
@@ -723,6 +782,33 @@ __global__ void __launch_bounds__(kThreads) sum_log_p_kernel(SumLogProbArgs a, C
   }
 }
 
+// Whether a kernel needs its generic per-element code: softcap or a catalogued kernel variant.
+bool needs_generic(const CrossEntropyConstants& k) {
+  return k.softcap > 0.0f || k.no_max_shift || k.zloss_grad_after_smoothing || k.grad_rounded_early;
+}
+
+// kernel<T, true> where the plain per-element code applies, else kernel<T, false>.
+template <template <class, bool> class Pick, class T, class F>
+void with_plain(const CrossEntropyConstants& k, F&& f) {
+  if (needs_generic(k)) {
+    f(Pick<T, false>::kernel);
+  } else {
+    f(Pick<T, true>::kernel);
+  }
+}
+template <class T, bool kPlain>
+struct StatsKernel {
+  static constexpr auto kernel = stats_kernel<T, kPlain>;
+};
+template <class T, bool kPlain>
+struct GradKernel {
+  static constexpr auto kernel = grad_kernel<T, kPlain>;
+};
+template <class T, bool kPlain>
+struct FusedKernel {
+  static constexpr auto kernel = fused_kernel<T, kPlain>;
+};
+
 }  // namespace
 
 void cross_entropy_stats(StorageType type, const StatsArgs& args, const CrossEntropyConstants& k, float* out,
@@ -730,9 +816,11 @@ void cross_entropy_stats(StorageType type, const StatsArgs& args, const CrossEnt
   if (args.rows == 0) return;
   dispatch(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    const LaunchShape shape = launch_shape<T>(args.rows, args.cols);
-    stats_kernel<T><<<shape.blocks, shape.threads, 0, static_cast<cudaStream_t>(stream)>>>(
-        args, k, out, can_vectorize<T>(args.logits, nullptr, args.cols));
+    const LaunchShape shape = shard_launch_shape<T>(args.rows);
+    with_plain<StatsKernel, T>(k, [&](auto kernel) {
+      kernel<<<shape.blocks, shape.threads, 0, static_cast<cudaStream_t>(stream)>>>(
+          args, k, out, can_vectorize<T>(args.logits, nullptr, args.cols));
+    });
   });
 }
 
@@ -769,9 +857,11 @@ void cross_entropy_grad(StorageType type, const GradArgs& args, const CrossEntro
   if (args.rows == 0) return;
   dispatch(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    const LaunchShape shape = launch_shape<T>(args.rows, args.cols);
-    grad_kernel<T><<<shape.blocks, shape.threads, 0, static_cast<cudaStream_t>(stream)>>>(
-        args, k, can_vectorize<T>(args.logits, args.grad, args.cols));
+    const LaunchShape shape = shard_launch_shape<T>(args.rows);
+    with_plain<GradKernel, T>(k, [&](auto kernel) {
+      kernel<<<shape.blocks, shape.threads, 0, static_cast<cudaStream_t>(stream)>>>(
+          args, k, can_vectorize<T>(args.logits, args.grad, args.cols));
+    });
   });
 }
 
@@ -797,11 +887,8 @@ ResidentShape resident_shape() {
   return shape;
 }
 
-// The plain instantiation (no softcap, no catalogued kernel variant) fits 64 registers; the generic one
-// takes 80, so three 256-thread CTAs per SM.
-bool needs_generic(const CrossEntropyConstants& k) {
-  return k.softcap > 0.0f || k.no_max_shift || k.zloss_grad_after_smoothing || k.grad_rounded_early;
-}
+// The plain row-resident instantiation (no softcap, no catalogued kernel variant) fits 64 registers; the
+// generic one takes 80, so three 256-thread CTAs per SM.
 ResidentShape resident_shape_for(const CrossEntropyConstants& k) {
   ResidentShape shape = resident_shape();
   if (shape.block != 0 && needs_generic(k)) shape = {256, 3};
@@ -909,9 +996,11 @@ void cross_entropy_fused(StorageType type, const GradArgs& args, const CrossEntr
       const char* e = std::getenv("LOSSVERIFY_FUSED_L2");
       return e == nullptr || std::string_view(e) != "none";
     }();
-    fused_kernel<T><<<shape.blocks, shape.threads, 0, s>>>(args, k, row_stats_out,
-                                                           can_vectorize<T>(args.logits, args.grad, args.cols),
-                                                           hints ? L2Hint::keep : L2Hint::none);
+    with_plain<FusedKernel, T>(k, [&](auto kernel) {
+      kernel<<<shape.blocks, shape.threads, 0, s>>>(args, k, row_stats_out,
+                                                    can_vectorize<T>(args.logits, args.grad, args.cols),
+                                                    hints ? L2Hint::keep : L2Hint::none);
+    });
   });
 }
 
@@ -937,12 +1026,13 @@ void preload_cross_entropy_kernels(StorageType type, const CrossEntropyConstants
   dispatch(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     if (!whole_rows) {
-      load_functions(stats_kernel<T>, grad_kernel<T>);
+      with_plain<StatsKernel, T>(constants, [](auto kernel) { load_functions(kernel); });
+      with_plain<GradKernel, T>(constants, [](auto kernel) { load_functions(kernel); });
     } else {
       // cross_entropy_fused's choice (launch_resident): the row-resident instantiation, else the fused kernel.
       const int block = resident_shape_for(constants).block;
       if (resident_cluster<T>(logits, logits, cols, block) == 0) {
-        load_functions(fused_kernel<T>);
+        with_plain<FusedKernel, T>(constants, [](auto kernel) { load_functions(kernel); });
       } else {
         load_functions(resident_variant<T>(constants).kernel);
       }
