@@ -65,10 +65,11 @@ nlohmann::json time_products(const BenchOptions& o, cudaStream_t stream) {
   const auto gemm = [&](cublasOperation_t a_op, cublasOperation_t b_op, std::int64_t m, std::int64_t nn, std::int64_t k,
                         const void* a, std::int64_t lda, const void* b, std::int64_t ldb, void* c, cudaDataType c_type,
                         std::int64_t ldc) {
-    check_cublas(cublasGemmEx(handle, a_op, b_op, static_cast<int>(m), static_cast<int>(nn), static_cast<int>(k), &one,
-                              a, t, static_cast<int>(lda), b, t, static_cast<int>(ldb), &zero, c, c_type,
-                              static_cast<int>(ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-                 "cublasGemmEx");
+    check_cublas(
+        cublas_library().gemm_ex(handle, a_op, b_op, static_cast<int>(m), static_cast<int>(nn), static_cast<int>(k),
+                                 &one, a, t, static_cast<int>(lda), b, t, static_cast<int>(ldb), &zero, c, c_type,
+                                 static_cast<int>(ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+        "cublasGemmEx");
   };
   nlohmann::json r;
   r["forward_ms"] = time_ms(o.repeats, stream, [&](int) {

@@ -53,10 +53,11 @@ void product(cublasHandle_t handle, cublasOperation_t op_a, cublasOperation_t op
              std::int64_t k, Operand a, Operand b, float beta, void* c, cudaDataType c_type, std::int64_t ldc) {
   if (m == 0 || n == 0) return;
   const float alpha = 1.0f;
-  check_cublas(cublasGemmEx(handle, op_a, op_b, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), &alpha,
-                            a.data, a.type, static_cast<int>(a.ld), b.data, b.type, static_cast<int>(b.ld), &beta, c,
-                            c_type, static_cast<int>(ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-               "cublasGemmEx");
+  check_cublas(
+      cublas_library().gemm_ex(handle, op_a, op_b, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
+                               &alpha, a.data, a.type, static_cast<int>(a.ld), b.data, b.type, static_cast<int>(b.ld),
+                               &beta, c, c_type, static_cast<int>(ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+      "cublasGemmEx");
 }
 
 class LmHeadCudaRank final : public CudaStageRank {

@@ -146,10 +146,11 @@ void dgemm(cublasHandle_t handle, std::int64_t m, std::int64_t n, std::int64_t k
   if (m == 0 || n == 0) return;
   const double one = 1.0;
   // C^T (n x m, column major) = op(B)^T op(A)^T
-  check_cublas(cublasDgemm(handle, b.transposed ? CUBLAS_OP_T : CUBLAS_OP_N, a.transposed ? CUBLAS_OP_T : CUBLAS_OP_N,
-                           static_cast<int>(n), static_cast<int>(m), static_cast<int>(k), &one,
-                           static_cast<const double*>(b.data), static_cast<int>(b.ld),
-                           static_cast<const double*>(a.data), static_cast<int>(a.ld), &beta, c, static_cast<int>(ldc)),
+  check_cublas(cublas_library().dgemm(
+                   handle, b.transposed ? CUBLAS_OP_T : CUBLAS_OP_N, a.transposed ? CUBLAS_OP_T : CUBLAS_OP_N,
+                   static_cast<int>(n), static_cast<int>(m), static_cast<int>(k), &one,
+                   static_cast<const double*>(b.data), static_cast<int>(b.ld), static_cast<const double*>(a.data),
+                   static_cast<int>(a.ld), &beta, c, static_cast<int>(ldc)),
                "cublasDgemm");
 }
 // The same for float32 magnitudes on the tensor cores (TF32 operands, float32 accumulation): bounds only, rounded up
@@ -158,10 +159,11 @@ void magnitude_gemm(cublasHandle_t handle, std::int64_t m, std::int64_t n, std::
                     float beta, float* c, std::int64_t ldc) {
   if (m == 0 || n == 0) return;
   const float one = 1.0f;
-  check_cublas(cublasGemmEx(handle, b.transposed ? CUBLAS_OP_T : CUBLAS_OP_N, a.transposed ? CUBLAS_OP_T : CUBLAS_OP_N,
-                            static_cast<int>(n), static_cast<int>(m), static_cast<int>(k), &one, b.data, CUDA_R_32F,
-                            static_cast<int>(b.ld), a.data, CUDA_R_32F, static_cast<int>(a.ld), &beta, c, CUDA_R_32F,
-                            static_cast<int>(ldc), CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT),
+  check_cublas(cublas_library().gemm_ex(
+                   handle, b.transposed ? CUBLAS_OP_T : CUBLAS_OP_N, a.transposed ? CUBLAS_OP_T : CUBLAS_OP_N,
+                   static_cast<int>(n), static_cast<int>(m), static_cast<int>(k), &one, b.data, CUDA_R_32F,
+                   static_cast<int>(b.ld), a.data, CUDA_R_32F, static_cast<int>(a.ld), &beta, c, CUDA_R_32F,
+                   static_cast<int>(ldc), CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT),
                "cublasGemmEx (magnitudes)");
 }
 
