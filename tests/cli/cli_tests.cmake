@@ -90,7 +90,7 @@ lossverify_cli_test(sweep_bad_argument 2 "--sweep tp=1,x: \"x\" is not a count"
 lossverify_cli_test(gate 0 "gate: PASS" --present ${OUT}/gate.json --present ${OUT}/gate.xml
   -- ${LV} gate --cases ${CASES} --golden ${PROJECT_SOURCE_DIR}/golden --report ${OUT}/gate.json
      --junit ${OUT}/gate.xml)
-set_tests_properties(cli_gate PROPERTIES TIMEOUT 600)
+set_tests_properties(cli_gate PROPERTIES TIMEOUT 600 COST 100)  # long tests first (python_tests.cmake)
 # The gate on a GPU (skipped where none is), and what it refuses on any machine.
 add_test(NAME cli_gate_cuda COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/cli/cuda_gate.sh ${LV} ${CASES} ${OUT}/gate_cuda)
 set_tests_properties(cli_gate_cuda PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 600)
@@ -107,7 +107,7 @@ add_test(NAME cli_replay_parity_cpu
 add_test(NAME cli_replay_parity_cuda_2gpus
   COMMAND ${LOSSVERIFY_SYSTEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/cli/replay_parity.py ${LV} ${OUT}/replay_cuda
           --backend cuda --gpus 2 --jobs 4 --cases ${CASES} --golden ${PROJECT_SOURCE_DIR}/golden)
-set_tests_properties(cli_replay_parity_cpu cli_replay_parity_cuda_2gpus PROPERTIES TIMEOUT 900)
+set_tests_properties(cli_replay_parity_cpu cli_replay_parity_cuda_2gpus PROPERTIES TIMEOUT 900 COST 100)
 set_tests_properties(cli_replay_parity_cuda_2gpus PROPERTIES SKIP_RETURN_CODE 77)
 lossverify_cli_test(gate_run_reports 0 "gate: PASS" --present ${OUT}/gate_runs/rl-grpo-tp2-dp2-ga2__correct.json
   --present ${OUT}/gate_runs/rl-grpo-tp2-dp2-ga2__sweep.json

@@ -26,6 +26,9 @@ foreach(module test_safetensors test_report test_inputs test_dump test_harness t
     COMMAND ${LOSSVERIFY_SYSTEM_PYTHON} -m unittest discover -s tests -p ${module}.py -v
     WORKING_DIRECTORY ${PYTHON_DIR})
   set_tests_properties(python_${module} PROPERTIES TIMEOUT 900 ENVIRONMENT "${python_env}")
+  if(module MATCHES "^test_(hardening|torchrun|policy|head)$")
+    set_property(TEST python_${module} PROPERTY COST 60)  # long tests first (see python_pip_install_from_source)
+  endif()
 endforeach()
 # The golden suites, one CTest entry per shipped case (LOSSVERIFY_GOLDEN_CASE), so they spread over the cores and
 # one case reruns alone: `ctest -R python_golden_bugs_cp-zigzag-packed`. A case added to cases/ gets its entries
@@ -59,6 +62,9 @@ foreach(case_name ${python_cases})
        case_name MATCHES "^(realistic-|moe-aux-replicated-|moe-routed-|moe-pooled-|head-ce-sp-|head-kd-|head-policy-)")
       set_property(TEST python_golden_${suite}_${case_name} APPEND PROPERTY LABELS slow)
     endif()
+    if(case_name MATCHES "^realistic-")
+      set_property(TEST python_golden_${suite}_${case_name} PROPERTY COST 100)
+    endif()
   endforeach()
 endforeach()
 # `pip install ./python` in a venv that sees the system's setuptools, wheel and torch puts the executable into the
@@ -74,7 +80,9 @@ set_tests_properties(python_pip_install_prebuilt PROPERTIES TIMEOUT 600
 add_test(NAME python_pip_install_from_source
   COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/cli/python_pip_install_venv.sh ${CMAKE_CURRENT_BINARY_DIR}/pip_install_venv
     ${PROJECT_SOURCE_DIR} ${LOSSVERIFY_SYSTEM_PYTHON})
-set_tests_properties(python_pip_install_from_source PROPERTIES TIMEOUT 1800 LABELS slow
+# COST: the longest tests start first (a fresh clone has no timings of its own), so that none runs alone at the end
+# (this one did: 400 s of the full tier's 26 minutes on 2 cores).
+set_tests_properties(python_pip_install_from_source PROPERTIES TIMEOUT 1800 LABELS slow COST 400
   ENVIRONMENT "PYTHONDONTWRITEBYTECODE=1")
 # The framework judge (scripts/frameworks) on the one framework every machine has, PyTorch: the per-token
 # kernel passes, and the DDP loop's failure on unequal ranks is attributed to dp-local-mean.
