@@ -112,4 +112,24 @@ __device__ __forceinline__ float vector_max(const int4& v) {
   }
 }
 
+// f(v, i) for each 16-byte vector i of `row` (`vectors` of them, v = load(row + i)), the block's threads striding over
+// it with kBatch loads in flight per thread before the first use, the row's last strides too: one loop, guarded per
+// vector (a second loop for the rest doubled the code and its registers, and one load per round trip there left the
+// shard kernels latency-bound). Vector indices are 32-bit: a row of 2^31 vectors would be 32 GB.
+template <int kBatch, class Load, class F>
+__device__ __forceinline__ void for_each_vector(const int4* row, int vectors, Load&& load, F&& f) {
+  const int stride = static_cast<int>(blockDim.x);
+  for (int i = static_cast<int>(threadIdx.x); i < vectors; i += kBatch * stride) {
+    int4 batch[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      if (i + b * stride < vectors) batch[b] = load(row + i + b * stride);
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      if (i + b * stride < vectors) f(batch[b], i + b * stride);
+    }
+  }
+}
+
 }  // namespace lossverify::cuda

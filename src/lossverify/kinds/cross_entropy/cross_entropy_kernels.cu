@@ -187,7 +187,7 @@ __device__ __forceinline__ void store16(void* p, int4 v, L2Hint hint, std::uint6
 
 // Pass 1 over one row: [M_r, S_r, sum x, x_l] with S relative to M_r (M_r = 0 under no-max-shift).
 // kPlain (no softcap, no catalogued kernel variant): the vector's max on packed pairs, and per element an
-// FADD for sum x, one FFMA for the exponent (x log2 e - M log2 e), ex2 without the subnormal fix-up and an FADD.
+// FADD for sum x, the exponent as (x - M) log2 e (exact near the max), ex2 without the subnormal fix-up and an FADD.
 template <class T, bool kPlain>
 __device__ void row_stats(const T* row, std::int64_t cols, std::int64_t target, const CrossEntropyConstants& k,
                           bool vectorized, float out[4], L2Hint hint = L2Hint::none) {
@@ -242,25 +242,10 @@ __device__ void row_stats(const T* row, std::int64_t cols, std::int64_t target, 
         o.s += part;
       }
     };
-    // Four vectors in flight per thread before any arithmetic (memory-level parallelism), the row's last
-    // strides too (one loop, guarded per vector: a second loop for the rest doubles the code and its
-    // registers, and one load per round trip there left the shard kernels latency-bound).
-    constexpr int kBatch = 4;
-    const int stride = static_cast<int>(blockDim.x);
-    for (int i = static_cast<int>(threadIdx.x); i < vectors; i += kBatch * stride) {
-      V batch[kBatch];
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        if (i + b * stride < vectors) {
-          const int4 raw = load16(vrow + i + b * stride, hint, policy);
-          batch[b] = *reinterpret_cast<const V*>(&raw);
-        }
-      }
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        if (i + b * stride < vectors) consume(batch[b]);
-      }
-    }
+    // Four vectors in flight per thread before any arithmetic (memory-level parallelism).
+    for_each_vector<4>(
+        reinterpret_cast<const int4*>(vrow), vectors, [&](const int4* p) { return load16(p, hint, policy); },
+        [&](const int4& raw, int) { consume(*reinterpret_cast<const V*>(&raw)); });
   } else {
     for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x)
       o.add(load_capped(widen<T>(row[c]), k.softcap), no_shift);
@@ -317,8 +302,8 @@ struct GradElement {
 };
 
 // Pass 2 over one row: the gradient from the global max and log-sum. kPlain: as the row-resident kernel's
-// plain path: one FFMA for the exponent, ex2, the shared gradient formula and the weight per element, the
-// target's comparison only in the vector that holds it.
+// plain path: exp_shifted, the shared gradient formula and the weight per element, the target's comparison only in
+// the vector that holds it.
 template <class T, bool kPlain>
 __device__ void row_grad(const T* row, T* grad, std::int64_t cols, std::int64_t target, float row_max, float log_sum,
                          float weight, bool valid, const CrossEntropyConstants& k, bool vectorized,
@@ -330,8 +315,6 @@ __device__ void row_grad(const T* row, T* grad, std::int64_t cols, std::int64_t 
     const V* vrow = reinterpret_cast<const V*>(row);
     V* vgrad = reinterpret_cast<V*>(grad);
     const int vectors = static_cast<int>(cols / V::kCount);
-    constexpr int kBatch = 4;
-    const int stride = static_cast<int>(blockDim.x);
     const float log_sum_log2e = log_sum * kLog2e;
     const SmoothingWeights<float> q = valid ? value.q : SmoothingWeights<float>{0.0f, 0.0f};
     const float z_factor = valid ? value.z_factor : 2.0f * k.z_loss_weight * value.lse;
@@ -360,20 +343,9 @@ __device__ void row_grad(const T* row, T* grad, std::int64_t cols, std::int64_t 
         store16(vgrad + i, *reinterpret_cast<const int4*>(&out), hint, policy);
       }
     };
-    for (int i = static_cast<int>(threadIdx.x); i < vectors; i += kBatch * stride) {  // guarded as row_stats' loop
-      V batch[kBatch];
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        if (i + b * stride < vectors) {
-          const int4 raw = load16(vrow + i + b * stride, hint, policy);
-          batch[b] = *reinterpret_cast<const V*>(&raw);
-        }
-      }
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        if (i + b * stride < vectors) emit(batch[b], i + b * stride);
-      }
-    }
+    for_each_vector<4>(
+        reinterpret_cast<const int4*>(vrow), vectors, [&](const int4* p) { return load16(p, hint, policy); },
+        [&](const int4& raw, int i) { emit(*reinterpret_cast<const V*>(&raw), i); });
   } else {
     for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) grad[c] = value(widen<T>(row[c]), c);
   }
@@ -575,12 +547,11 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
   std::uint32_t received_phases = 0;  // bit p: the phase of received[p] awaited next
   int parity = 0;
   for (; r < a.rows; r += clusters) {
-    // Pointers into the row are made where they are used: live across the passes they cost registers.
+    // Pointers into the row are made where they are used: live across the passes they cost registers (the
+    // kernel sits at its 64-register cap).
     const auto mine_grad = [&] {
       return reinterpret_cast<V*>(static_cast<T*>(a.grad) + r * a.cols) + first_vector + threadIdx.x;
     };
-    // The row's scalars, loaded before the waits below (which no load moves across) so that their latency
-    // overlaps them instead of stalling the gradient.
     const bool active = a.active[r] != 0;
     barrier_wait(&loaded, phase);
     phase ^= 1u;
@@ -723,8 +694,8 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
         __stcs(reinterpret_cast<int4*>(mine_grad() + j * kBlock), *reinterpret_cast<const int4*>(&out));
       }
     } else {
-      // Every element as off-target (one FFMA for the exponent, one MUFU, the shared gradient formula,
-      // the weight); the thread that holds the target then rewrites that element.
+      // Every element as off-target (exp_shifted, the shared gradient formula, the weight); the thread that holds
+      // the target then rewrites that element.
       const float log_sum_log2e = log_sum * kLog2e;
       const SmoothingWeights<float> q = value.valid ? value.q : SmoothingWeights<float>{0.0f, 0.0f};
       const float z_factor = value.valid ? value.z_factor : 2.0f * k.z_loss_weight * value.lse;
@@ -787,27 +758,15 @@ bool needs_generic(const CrossEntropyConstants& k) {
   return k.softcap > 0.0f || k.no_max_shift || k.zloss_grad_after_smoothing || k.grad_rounded_early;
 }
 
-// kernel<T, true> where the plain per-element code applies, else kernel<T, false>.
-template <template <class, bool> class Pick, class T, class F>
+// f(std::true_type) where the plain per-element code applies, else f(std::false_type): the kernels' kPlain.
+template <class F>
 void with_plain(const CrossEntropyConstants& k, F&& f) {
   if (needs_generic(k)) {
-    f(Pick<T, false>::kernel);
+    f(std::false_type{});
   } else {
-    f(Pick<T, true>::kernel);
+    f(std::true_type{});
   }
 }
-template <class T, bool kPlain>
-struct StatsKernel {
-  static constexpr auto kernel = stats_kernel<T, kPlain>;
-};
-template <class T, bool kPlain>
-struct GradKernel {
-  static constexpr auto kernel = grad_kernel<T, kPlain>;
-};
-template <class T, bool kPlain>
-struct FusedKernel {
-  static constexpr auto kernel = fused_kernel<T, kPlain>;
-};
 
 }  // namespace
 
@@ -817,8 +776,8 @@ void cross_entropy_stats(StorageType type, const StatsArgs& args, const CrossEnt
   dispatch(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const LaunchShape shape = shard_launch_shape<T>(args.rows);
-    with_plain<StatsKernel, T>(k, [&](auto kernel) {
-      kernel<<<shape.blocks, shape.threads, 0, static_cast<cudaStream_t>(stream)>>>(
+    with_plain(k, [&](auto plain) {
+      stats_kernel<T, decltype(plain)::value><<<shape.blocks, shape.threads, 0, static_cast<cudaStream_t>(stream)>>>(
           args, k, out, can_vectorize<T>(args.logits, nullptr, args.cols));
     });
   });
@@ -858,8 +817,8 @@ void cross_entropy_grad(StorageType type, const GradArgs& args, const CrossEntro
   dispatch(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const LaunchShape shape = shard_launch_shape<T>(args.rows);
-    with_plain<GradKernel, T>(k, [&](auto kernel) {
-      kernel<<<shape.blocks, shape.threads, 0, static_cast<cudaStream_t>(stream)>>>(
+    with_plain(k, [&](auto plain) {
+      grad_kernel<T, decltype(plain)::value><<<shape.blocks, shape.threads, 0, static_cast<cudaStream_t>(stream)>>>(
           args, k, can_vectorize<T>(args.logits, args.grad, args.cols));
     });
   });
@@ -996,10 +955,10 @@ void cross_entropy_fused(StorageType type, const GradArgs& args, const CrossEntr
       const char* e = std::getenv("LOSSVERIFY_FUSED_L2");
       return e == nullptr || std::string_view(e) != "none";
     }();
-    with_plain<FusedKernel, T>(k, [&](auto kernel) {
-      kernel<<<shape.blocks, shape.threads, 0, s>>>(args, k, row_stats_out,
-                                                    can_vectorize<T>(args.logits, args.grad, args.cols),
-                                                    hints ? L2Hint::keep : L2Hint::none);
+    with_plain(k, [&](auto plain) {
+      fused_kernel<T, decltype(plain)::value><<<shape.blocks, shape.threads, 0, s>>>(
+          args, k, row_stats_out, can_vectorize<T>(args.logits, args.grad, args.cols),
+          hints ? L2Hint::keep : L2Hint::none);
     });
   });
 }
@@ -1026,13 +985,14 @@ void preload_cross_entropy_kernels(StorageType type, const CrossEntropyConstants
   dispatch(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     if (!whole_rows) {
-      with_plain<StatsKernel, T>(constants, [](auto kernel) { load_functions(kernel); });
-      with_plain<GradKernel, T>(constants, [](auto kernel) { load_functions(kernel); });
+      with_plain(constants, [](auto plain) {
+        load_functions(stats_kernel<T, decltype(plain)::value>, grad_kernel<T, decltype(plain)::value>);
+      });
     } else {
       // cross_entropy_fused's choice (launch_resident): the row-resident instantiation, else the fused kernel.
       const int block = resident_shape_for(constants).block;
       if (resident_cluster<T>(logits, logits, cols, block) == 0) {
-        with_plain<FusedKernel, T>(constants, [](auto kernel) { load_functions(kernel); });
+        with_plain(constants, [](auto plain) { load_functions(fused_kernel<T, decltype(plain)::value>); });
       } else {
         load_functions(resident_variant<T>(constants).kernel);
       }

@@ -50,24 +50,11 @@ int threads_for(std::int64_t cols) {
 // 16-byte loads each thread has in flight before the first use (1, 2 and 8 measured no better).
 constexpr int kLoads = 4;
 
-// f(v, j) for each 16-byte vector j of a row of `vectors`, the block's threads striding over it with
-// kLoads loads in flight per thread before the first use, the row's last strides too (one loop, guarded
-// per vector: a second loop for the rest doubles the code and its registers).
-// Vector indices are 32-bit: a row of 2^31 vectors would be 32 GB.
+// The row's 16-byte vectors, each thread with kLoads in flight (vector_elements.cuh's for_each_vector).
 template <class F>
 __device__ __forceinline__ void for_each_vector(const int4* row, int vectors, F&& f) {
-  const int stride = static_cast<int>(blockDim.x);
-  for (int j = static_cast<int>(threadIdx.x); j < vectors; j += kLoads * stride) {
-    int4 batch[kLoads];
-#pragma unroll
-    for (int b = 0; b < kLoads; ++b) {
-      if (j + b * stride < vectors) batch[b] = __ldg(row + j + b * stride);
-    }
-#pragma unroll
-    for (int b = 0; b < kLoads; ++b) {
-      if (j + b * stride < vectors) f(batch[b], j + b * stride);
-    }
-  }
+  cuda::for_each_vector<kLoads>(
+      row, vectors, [](const int4* p) { return __ldg(p); }, f);
 }
 
 // Online statistics of one thread: maximum, its column, S and E relative to the maximum.
@@ -369,9 +356,9 @@ bool can_vectorize(const void* logits, const void* grad, std::int64_t cols) {
          (cols * static_cast<std::int64_t>(sizeof(T))) % 16 == 0;
 }
 
-// Whether the plain per-element code applies (x / T not rounded); LOSSVERIFY_POLICY_GENERIC=1 turns it off
-// (a tuning aid: the generic code for every row).
-bool plain_stats(const PolicyKernelArgs& args) {
+// Whether the plain per-element code applies (x / T not rounded; the gradient also needs
+// PolicyGradRounding::none); LOSSVERIFY_POLICY_GENERIC=1 turns it off (a tuning aid: the generic code for every row).
+bool plain_path(const PolicyKernelArgs& args) {
   static const bool generic_only = [] {
     const char* e = std::getenv("LOSSVERIFY_POLICY_GENERIC");
     return e != nullptr && e[0] == '1';
@@ -390,7 +377,7 @@ void policy_local_stats(StorageType type, const PolicyKernelArgs& args, float* s
       kernel<<<grid_for(args.rows), threads_for<T>(args.cols), 0, static_cast<cudaStream_t>(stream)>>>(args, stats,
                                                                                                        vectorized);
     };
-    if (plain_stats(args)) {
+    if (plain_path(args)) {
       launch(stats_kernel<T, true>);
     } else {
       launch(stats_kernel<T, false>);
@@ -407,7 +394,7 @@ void policy_gradient(StorageType type, const PolicyKernelArgs& args, const float
       kernel<<<grid_for(args.rows), threads_for<T>(args.cols), 0, static_cast<cudaStream_t>(stream)>>>(args, rows,
                                                                                                        vectorized);
     };
-    if (plain_stats(args) && args.grad_rounding == 0) {
+    if (plain_path(args) && args.grad_rounding == 0) {
       launch(grad_kernel<T, true>);
     } else {
       launch(grad_kernel<T, false>);
