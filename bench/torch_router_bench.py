@@ -3,7 +3,9 @@ the router z-loss (0.001) on float32 router logits of one scope, forward and bac
 from a one-hot sum, alpha E / (k T^2) sum_e c_e sum_t p_te, alpha_z / T sum_t lse^2), eager and torch.compile,
 timed with CUDA events (median).
 
-usage: torch_router_bench.py TOKENS EXPERTS DTYPE UNUSED REPEATS   -> one JSON line on stdout
+TP, where given, is 1: a router's rows are whole.
+
+usage: torch_router_bench.py TOKENS EXPERTS DTYPE UNUSED REPEATS [TP]   -> one JSON line on stdout
 """
 import sys
 

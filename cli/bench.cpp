@@ -44,10 +44,10 @@ nlohmann::json torch_figures(const BenchArguments& a, std::int64_t tokens, std::
                              : a.loss == "policy"    ? "bench/torch_logprob_bench.py"
                              : a.loss == "router"    ? "bench/torch_router_bench.py"
                                                      : "bench/torch_ce_bench.py";
-  // The router's script has no shard; the others take the TP degree and time one rank's shard beyond 1.
-  const std::string tp = a.loss == "router" ? "" : " " + std::to_string(a.tp);
+  // Each script takes the TP degree last and times one rank's shard beyond 1 (the router's rows are whole: tp 1).
   return run_torch_script(script, std::to_string(tokens) + " " + std::to_string(vocab) + " " + a.dtype + " " +
-                                      std::to_string(a.label_smoothing) + " " + std::to_string(a.repeats) + tp);
+                                      std::to_string(a.label_smoothing) + " " + std::to_string(a.repeats) + " " +
+                                      std::to_string(a.tp));
 }
 
 // "N,V": two positive integers, or CaseError naming the option.
